@@ -1,0 +1,1 @@
+"""Process groups and collectives of sequence parallelism."""

@@ -1,0 +1,161 @@
+"""The frozen sequence-parallel mesh: dp × ring × ulysses.
+
+Where it sits: built once per job by `hf_longctx.init_sequence_parallel`, then passed to
+`patch()`, `shard_batch()`, the collator and `usp_attention()` -- never stored in a module
+global. It owns the process groups (USP paper §3: Ulysses innermost because it carries the
+heaviest all-to-all traffic and belongs on the fastest links, ring next, data parallel
+outermost) and answers layout questions by calling the pure functions of `data/layout.py`.
+
+Global rank = dp_rank · (R·U) + ring_rank · U + ulysses_rank.
+Works without torch.distributed (one process, every degree 1): the groups are then None
+and every collective in `distributed/comm.py` is the identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_longctx.data import layout
+
+
+def _check_degree(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_degrees(world_size: int, ulysses: int, ring: int, fpdt_chunks: int = 1) -> int:
+    """Validate the factorisation and return the data-parallel degree.
+
+    Pure: run by every rank before any process group is created, so a bad setting raises
+    the same ValueError everywhere instead of hanging in a collective.
+    """
+    _check_degree("ulysses_degree", ulysses)
+    _check_degree("ring_degree", ring)
+    _check_degree("fpdt_chunks", fpdt_chunks)
+    sp = ulysses * ring
+    if world_size % sp:
+        raise ValueError(
+            f"ulysses({ulysses}) x ring({ring}) = {sp} does not divide world size {world_size}; "
+            f"choose degrees whose product divides {world_size}"
+        )
+    if fpdt_chunks > 1 and ring > 1:
+        raise ValueError(
+            f"fpdt_chunks({fpdt_chunks}) > 1 needs ring_degree 1 (got ring {ring}): FPDT chunks the "
+            "Ulysses all-to-all; use ulysses_degree for the SP degree"
+        )
+    return world_size // sp
+
+
+@dataclass(frozen=True)
+class SPMesh:
+    """Degrees, ranks and process groups of one rank's view of the 3D mesh."""
+
+    dp: int
+    ring: int
+    ulysses: int
+    fpdt_chunks: int
+    dp_rank: int
+    ring_rank: int
+    ulysses_rank: int
+    device_mesh: Any = field(default=None, compare=False, repr=False)  # DeviceMesh("dp","ring","ulysses") or None
+    world_mesh: Any = field(default=None, compare=False, repr=False)  # 1D DeviceMesh over the whole world (FSDP)
+    ulysses_group: Any = field(default=None, compare=False, repr=False)
+    ring_group: Any = field(default=None, compare=False, repr=False)
+    sp_group: Any = field(default=None, compare=False, repr=False)
+    dp_group: Any = field(default=None, compare=False, repr=False)
+
+    # ---- degrees and ranks -------------------------------------------------------------
+    @property
+    def sp(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def sp_rank(self) -> int:
+        return self.ring_rank * self.ulysses + self.ulysses_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.sp
+
+    @property
+    def rank(self) -> int:
+        return self.dp_rank * self.sp + self.sp_rank
+
+    def global_rank(self, *, ring_rank: int, ulysses_rank: int | None = None) -> int:
+        """Global rank of a peer in this rank's SP group (for ring P2P addressing)."""
+        u = self.ulysses_rank if ulysses_rank is None else ulysses_rank
+        return self.dp_rank * self.sp + (ring_rank % self.ring) * self.ulysses + u
+
+    # ---- layout ------------------------------------------------------------------------
+    @property
+    def doc_multiple(self) -> int:
+        """Every document's length must be a multiple of this (2R, or 1 without a ring)."""
+        return layout.doc_multiple(self.ring) if self.fpdt_chunks == 1 else 1
+
+    @property
+    def seq_multiple(self) -> int:
+        """The packed total length must be a multiple of this."""
+        return layout.seq_multiple(self.ring, self.ulysses, self.fpdt_chunks)
+
+    def check_boundaries(self, cu_seqlens: Sequence[int] | torch.Tensor) -> list[int]:
+        if isinstance(cu_seqlens, torch.Tensor):
+            cu_seqlens = cu_seqlens.tolist()
+        return layout.check_boundaries(cu_seqlens, self.ring, self.ulysses, self.fpdt_chunks)
+
+    def local_runs(self, cu_seqlens: Sequence[int] | torch.Tensor) -> list[layout.Run]:
+        cu = self.check_boundaries(cu_seqlens)
+        return layout.local_runs(
+            cu,
+            ring=self.ring,
+            ulysses=self.ulysses,
+            ring_rank=self.ring_rank,
+            ulysses_rank=self.ulysses_rank,
+            fpdt_chunks=self.fpdt_chunks,
+        )
+
+    def local_indices(self, cu_seqlens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """int64 [S_local]: the global token positions this rank holds, in local order."""
+        return layout.runs_to_indices(self.local_runs(cu_seqlens))
+
+
+def init_sequence_parallel(ulysses_degree: int = 1, ring_degree: int = 1, fpdt_chunks: int = 1) -> SPMesh:
+    """Build the frozen SP mesh over the default process group.
+
+    `world = dp × ring × ulysses`; dp is what is left. Call it on every rank, after
+    `torch.distributed.init_process_group` (or not at all for one process).
+    """
+    initialised = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialised else 1
+    dp = check_degrees(world, ulysses_degree, ring_degree, fpdt_chunks)
+    if not initialised:
+        return SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=fpdt_chunks, dp_rank=0, ring_rank=0, ulysses_rank=0)
+
+    rank = dist.get_rank()
+    sp = ulysses_degree * ring_degree
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # Every rank creates every group in the same order: group creation is itself collective.
+    mesh3d = init_device_mesh(device_type, (dp, ring_degree, ulysses_degree), mesh_dim_names=("dp", "ring", "ulysses"))
+    sp_mesh = mesh3d["ring", "ulysses"]._flatten("sp")  # [R·U] ranks of this SP group, ulysses fastest
+    world_mesh = mesh3d._flatten("world")  # [dp·R·U]: FSDP shards over the whole world (USP Tip 3)
+    return SPMesh(
+        dp=dp,
+        ring=ring_degree,
+        ulysses=ulysses_degree,
+        fpdt_chunks=fpdt_chunks,
+        dp_rank=rank // sp,
+        ring_rank=(rank % sp) // ulysses_degree,
+        ulysses_rank=rank % ulysses_degree,
+        device_mesh=mesh3d,
+        world_mesh=world_mesh,
+        ulysses_group=mesh3d.get_group("ulysses"),
+        ring_group=mesh3d.get_group("ring"),
+        sp_group=sp_mesh.get_group(),
+        dp_group=mesh3d.get_group("dp"),
+    )

@@ -1,0 +1,139 @@
+"""Block planning: which (query run × key run) tiles of a local attention are computed.
+
+Where it sits: `ops/kernels.py` turns the runs of the local query and key tokens (from
+`data/layout.py`) into tiles with `plan_blocks`, then calls one kernel per tile and
+merges the results with `ops/lse.py`. Ring attention and FPDT call the kernels once per
+key block they hold, so this plan decides, for every rank, which score elements are
+computed: skipping the tiles no query may see is what makes the zigzag layout of the
+USP paper (Algorithm 2) and FPDT's causal chunk schedule (FPDT §3.3) pay off.
+
+Rule, with i a query's GLOBAL position and j a key's: i may attend j iff same document
+AND (not causal or j <= i) AND (window is None or (causal and i - j < window) or
+(not causal and |i - j| < window)), as in transformers' sliding window.
+
+Kinds: "full" (every pair allowed: no mask), "causal" (identical global ranges and only
+the causal rule bites: the kernel's own causal flag, square so top-left alignment is
+exact), "masked" (anything else: an explicit boolean mask from `block_mask`).
+Pure Python over runs; only `block_mask` builds a tensor.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from hf_longctx.data.layout import Run
+
+
+class Block(NamedTuple):
+    """Local rows [q_lo, q_hi) of q against local rows [k_lo, k_hi) of k; q_start and
+    k_start are the global positions of row q_lo and of row k_lo."""
+
+    q_lo: int
+    q_hi: int
+    k_lo: int
+    k_hi: int
+    kind: str
+    q_start: int
+    k_start: int
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+
+
+def _key_range(i: int, causal: bool, window: int | None) -> tuple[float, float]:
+    """Inclusive range of global key positions query i may attend (same document)."""
+    if causal:
+        lo = -float("inf") if window is None else i - window + 1
+        return lo, i
+    if window is None:
+        return -float("inf"), float("inf")
+    return i - window + 1, i + window - 1
+
+
+def _allowed_in_row(i: int, k0: int, nk: int, causal: bool, window: int | None) -> int:
+    lo, hi = _key_range(i, causal, window)
+    return max(0, int(min(hi, k0 + nk - 1) - max(lo, k0) + 1))
+
+
+def _classify(q0: int, nq: int, k0: int, nk: int, causal: bool, window: int | None) -> str | None:
+    """Kind of the tile of global rows [q0, q0+nq) × cols [k0, k0+nk) of one document,
+    or None when no pair is allowed. Uses the extreme differences i - j over the tile."""
+    d_max = (q0 + nq - 1) - k0  # largest i - j
+    d_min = q0 - (k0 + nk - 1)  # smallest i - j
+    if causal:
+        if d_max < 0 or (window is not None and d_min >= window):
+            return None
+        if d_min >= 0 and (window is None or d_max < window):
+            return "full"
+        if q0 == k0 and nq == nk and (window is None or nq - 1 < window):
+            return "causal"
+        return "masked"
+    if window is None:
+        return "full"
+    if d_min >= window or -d_max >= window:
+        return None
+    if max(d_max, -d_min) < window:
+        return "full"
+    return "masked"
+
+
+def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run], *, causal: bool, window: int | None) -> list[Block]:
+    """Every (q run × k run) tile of the same document that holds an allowed pair,
+    with its exact kind, in q-run-major order."""
+    _check_window(window)
+    for name, runs in (("q_runs", q_runs), ("k_runs", k_runs)):
+        bad = [r for r in runs if r.length < 0 or r.start < 0]
+        if bad:
+            raise ValueError(f"{name} holds runs with negative start or length: {bad[:4]}")
+    k_offsets, off = [], 0
+    for r in k_runs:
+        k_offsets.append(off)
+        off += r.length
+    blocks, q_lo = [], 0
+    for qr in q_runs:
+        for kr, k_lo in zip(k_runs, k_offsets):
+            if kr.doc != qr.doc or qr.length == 0 or kr.length == 0:
+                continue
+            kind = _classify(qr.start, qr.length, kr.start, kr.length, causal, window)
+            if kind is not None:
+                blocks.append(Block(q_lo, q_lo + qr.length, k_lo, k_lo + kr.length, kind, qr.start, kr.start))
+        q_lo += qr.length
+    return blocks
+
+
+def score_count(blocks: Sequence[Block], *, causal: bool, window: int | None) -> int:
+    """Number of (i, j) score elements the plan computes that are allowed
+    (full: nq·nk; causal: n(n+1)/2; masked: its allowed pairs)."""
+    total = 0
+    for b in blocks:
+        nq, nk = b.q_hi - b.q_lo, b.k_hi - b.k_lo
+        if b.kind == "full":
+            total += nq * nk
+        elif b.kind == "causal":
+            total += nq * (nq + 1) // 2
+        elif b.kind == "masked":
+            total += sum(_allowed_in_row(b.q_start + r, b.k_start, nk, causal, window) for r in range(nq))
+        else:
+            raise ValueError(f"unknown block kind {b.kind!r} in {b}")
+    return total
+
+
+def block_mask(block: Block, *, causal: bool, window: int | None, device: torch.device | str | None = None) -> torch.Tensor:
+    """bool [nq, nk], True = attend, for one tile of a single document."""
+    _check_window(window)
+    qpos = torch.arange(block.q_start, block.q_start + block.q_hi - block.q_lo, device=device)
+    kpos = torch.arange(block.k_start, block.k_start + block.k_hi - block.k_lo, device=device)
+    diff = qpos[:, None] - kpos[None, :]  # [nq, nk]: i - j
+    if causal:
+        allowed = diff >= 0
+        if window is not None:
+            allowed &= diff < window
+    elif window is not None:
+        allowed = diff.abs() < window
+    else:
+        allowed = torch.ones_like(diff, dtype=torch.bool)
+    return allowed

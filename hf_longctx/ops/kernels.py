@@ -1,0 +1,248 @@
+"""Local attention kernels that return (out, lse), per tile and over packed runs.
+
+Where it sits: the innermost step of every attention path. Ring attention
+(`ops/ring.py`), Ulysses (`ops/ulysses.py`), USP and FPDT (`ops/fpdt.py`) hand this
+module the local queries and one block of keys, described by `data/layout.py` runs;
+it plans tiles with `ops/blocks.py`, runs one kernel per tile and folds tiles with the
+one merge of `ops/lse.py`. The backward takes the FINAL (merged over all key blocks)
+out and lse, as in FlashAttention-2 (Dao 2023, Algorithm 2): P = exp(s - lse_final),
+dS = P ⊙ (dP - rowsum(dout ⊙ out_final)); a caller holding keys in pieces (ring, FPDT
+chunks) calls the backward once per piece and sums the gradients.
+
+Kernels: CPU uses the aten flash op pair `_scaled_dot_product_flash_attention_for_cpu`
+(+ `_backward`). Facts it relies on (torch 2.13): masks must be additive and of q's
+dtype (a bool mask errors in forward and is misread in backward); the causal flag is
+top-left aligned, so only square diagonal tiles use it; a fully masked row returns
+lse = 0 (fixed to -inf here); a row with lse = -inf makes its backward NaN, so -inf is
+passed as +inf, which zeroes P. A pure-torch math kernel, chunked over query rows so
+memory stays bounded, handles softcap (Gemma2) and any device/dtype without a fast op.
+CUDA uses flash-attn's private forward/backward when `_compat.has_flash_attn()`, else
+the math kernel: that branch is UNVERIFIED (no GPU was available when it was written).
+
+Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D], out [B, H, Sq, D] in q's dtype,
+lse [B, H, Sq] float32 (float64 for float64 inputs, so float64 references stay exact).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hf_longctx import _compat
+from hf_longctx.data.layout import Run
+from hf_longctx.ops.blocks import block_mask, plan_blocks
+from hf_longctx.ops.lse import merge
+
+_NEG_INF = float("-inf")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [B, H, S, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, sq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or k.shape[1] < 1 or h % k.shape[1]:
+        raise ValueError(
+            f"k/v must be [B={b}, H_kv, Sk, D={d}] with H={h} divisible by H_kv and k.shape == v.shape, "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (sq, k.shape[2])):
+        raise ValueError(f"mask must be bool [Sq={sq}, Sk={k.shape[2]}], got {mask.dtype} {tuple(mask.shape)}")
+
+
+def _expand_kv(x: torch.Tensor, h: int) -> torch.Tensor:
+    """[B, H_kv, S, D] -> [B, H, S, D], query head h reading kv head h // (H / H_kv) as HF's repeat_kv."""
+    b, hkv, s, d = x.shape
+    if hkv == h:
+        return x
+    return x[:, :, None].expand(b, hkv, h // hkv, s, d).reshape(b, h, s, d)  # [B, H_kv, G, S, D] -> [B, H, S, D]
+
+
+def _reduce_kv(g: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H_kv, S, D]: sum the gradients of the query heads sharing a kv head."""
+    if g.shape[1] == hkv:
+        return g.to(dtype)
+    return g.unflatten(1, (hkv, g.shape[1] // hkv)).sum(2, dtype=_acc_dtype(g.dtype)).to(dtype)  # [B, H_kv, G, S, D]
+
+
+def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros_like(q), q.new_full(q.shape[:3], _NEG_INF, dtype=_acc_dtype(q.dtype))
+
+
+def _backend(q: torch.Tensor, causal: bool, mask: torch.Tensor | None, softcap: float | None, sk: int) -> str:
+    if q.device.type == "cpu":
+        aten_ok = q.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        return "aten" if softcap is None and aten_ok and _compat.has_cpu_flash_op() else "math"
+    # flash-attn takes no arbitrary mask and aligns causal bottom-right: square tiles only.
+    if q.device.type == "cuda" and mask is None and q.dtype in (torch.float16, torch.bfloat16):
+        if (not causal or q.shape[2] == sk) and _compat.has_flash_attn():
+            return "flash"
+    return "math"
+
+
+def _aten_mask(q: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
+    if mask is None:
+        return causal, None
+    if causal:  # the op refuses is_causal together with a mask: fold the (top-left) causal rule in.
+        mask = mask & torch.ones_like(mask).tril()
+    return False, torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, _NEG_INF)
+
+
+def _aten_forward(q, k, v, *, scale, causal, mask):
+    is_causal, bias = _aten_mask(q, causal, mask)
+    h = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _expand_kv(k, h), _expand_kv(v, h), 0.0, is_causal, attn_mask=bias, scale=scale
+    )
+    if mask is not None:  # the op reports lse = 0 for a row with no allowed key
+        empty_rows = ~(mask & torch.ones_like(mask).tril() if causal else mask).any(-1)  # [Sq]
+        lse = lse.masked_fill(empty_rows, _NEG_INF)
+    return out, lse
+
+
+def _aten_backward(dout, q, k, v, out, lse, *, scale, causal, mask):
+    is_causal, bias = _aten_mask(q, causal, mask)
+    h, hkv = q.shape[1], k.shape[1]
+    safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf")).to(_acc_dtype(q.dtype))  # exp(s - inf) = 0
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, _expand_kv(k, h), _expand_kv(v, h), out, safe_lse, 0.0, is_causal, attn_mask=bias, scale=scale
+    )
+    return dq, _reduce_kv(dk, hkv, k.dtype), _reduce_kv(dv, hkv, v.dtype)
+
+
+def _math_chunk_allowed(lo: int, hi: int, sk: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    allowed = None if mask is None else mask[lo:hi]
+    if causal:  # top-left aligned, like the aten op
+        tri = torch.arange(lo, hi, device=device)[:, None] >= torch.arange(sk, device=device)[None, :]
+        allowed = tri if allowed is None else allowed & tri
+    return allowed  # [rows, Sk] or None
+
+
+def _math_rows(q: torch.Tensor, sk: int, budget: int = 1 << 22) -> int:
+    """Query rows per chunk so that one score tile holds about `budget` elements."""
+    return max(1, budget // max(1, q.shape[0] * q.shape[1] * sk))
+
+
+def _math_scores(q5c, k, *, scale, softcap, allowed):
+    """Scores of a chunk: [B, H_kv, G, rows, Sk] and tanh(s / softcap) (None without softcap)."""
+    s = q5c @ k.unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, rows, D] @ [B, H_kv, 1, D, Sk]
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    if allowed is not None:
+        s = s.masked_fill(~allowed, _NEG_INF)
+    return s, t
+
+
+def math_forward(q, k, v, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None):
+    """Reference-grade blockwise kernel in float32 (float64 for float64 inputs); same contract as `block_forward`."""
+    _check(q, k, v, mask)
+    b, h, sq, d = q.shape
+    hkv, sk, acc = k.shape[1], k.shape[2], _acc_dtype(q.dtype)
+    q5 = q.unflatten(1, (hkv, h // hkv))  # [B, H_kv, G, Sq, D]: GQA by broadcasting, no kv copy
+    kc, vc = k.to(acc), v.to(acc)
+    out, lse = torch.empty_like(q), q.new_empty((b, h, sq), dtype=acc)
+    out5, lse5 = out.unflatten(1, (hkv, h // hkv)), lse.unflatten(1, (hkv, h // hkv))  # views [B, H_kv, G, ...]
+    step = _math_rows(q, sk)
+    for lo in range(0, sq, step):
+        hi = min(sq, lo + step)
+        allowed = _math_chunk_allowed(lo, hi, sk, causal, mask, q.device)
+        s, _ = _math_scores(q5[..., lo:hi, :].to(acc), kc, scale=scale, softcap=softcap, allowed=allowed)
+        l = torch.logsumexp(s, -1)  # [B, H_kv, G, rows]; -inf for a row with no key
+        p = torch.exp(s - l.masked_fill(torch.isneginf(l), 0.0).unsqueeze(-1))
+        out5[..., lo:hi, :] = (p @ vc.unsqueeze(2)).to(q.dtype)  # [B, H_kv, G, rows, D]
+        lse5[..., lo:hi] = l
+    return out, lse
+
+
+def math_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None):
+    """Gradients of this tile given the final out/lse; same contract as `block_backward`."""
+    _check(q, k, v, mask)
+    b, h, sq, d = q.shape
+    hkv, sk, acc = k.shape[1], k.shape[2], _acc_dtype(q.dtype)
+    g = h // hkv
+    q5, do5, o5 = (x.unflatten(1, (hkv, g)) for x in (q, dout, out))  # [B, H_kv, G, Sq, D]
+    safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf")).to(acc).unflatten(1, (hkv, g))  # [B, H_kv, G, Sq]
+    kc, vc = k.to(acc), v.to(acc)
+    dq = torch.empty_like(q)
+    dq5 = dq.unflatten(1, (hkv, g))
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    step = _math_rows(q, sk)
+    for lo in range(0, sq, step):
+        hi = min(sq, lo + step)
+        allowed = _math_chunk_allowed(lo, hi, sk, causal, mask, q.device)
+        qc, doc, oc = (x[..., lo:hi, :].to(acc) for x in (q5, do5, o5))
+        s, t = _math_scores(qc, kc, scale=scale, softcap=softcap, allowed=allowed)
+        p = torch.exp(s - safe_lse[..., lo:hi].unsqueeze(-1))  # [B, H_kv, G, rows, Sk]
+        dp = doc @ vc.unsqueeze(2).transpose(-1, -2)  # [B, H_kv, G, rows, Sk]
+        ds = p * (dp - (doc * oc).sum(-1, keepdim=True))
+        if t is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²
+            ds = ds * (1 - t * t)
+        dq5[..., lo:hi, :] = ((ds @ kc.unsqueeze(2)) * scale).to(q.dtype)  # [B, H_kv, G, rows, D]
+        dk += (ds.transpose(-1, -2) @ qc).sum(2) * scale  # [B, H_kv, Sk, D], summed over G
+        dv += (p.transpose(-1, -2) @ doc).sum(2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _flash_forward(q, k, v, *, scale, causal, softcap):  # UNVERIFIED: needs a GPU with flash-attn >= 2.7
+    from flash_attn import flash_attn_interface as fai
+
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, S, H(_kv), D], flash-attn's layout
+    res = fai._flash_attn_forward(
+        qt, kt, vt, dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
+        window_size_right=-1, softcap=softcap or 0.0, alibi_slopes=None, return_softmax=False,
+    )
+    return res[0].transpose(1, 2), res[1].float()  # out [B, H, Sq, D], lse [B, H, Sq]
+
+
+def _flash_backward(dout, q, k, v, out, lse, *, scale, causal, softcap):  # UNVERIFIED
+    from flash_attn import flash_attn_interface as fai
+
+    qt, kt, vt, ot, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, out, dout))  # [B, S, H(_kv), D]
+    dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)
+    safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf")).float().contiguous()
+    fai._flash_attn_backward(
+        dot, qt, kt, vt, ot, safe_lse, dq, dk, dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0, alibi_slopes=None,
+        deterministic=False, rng_state=None,
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)  # back to [B, H(_kv), S, D]
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+    mask: torch.Tensor | None, softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one tile. causal is top-left aligned (row i sees cols <= i); mask bool
+    [Sq, Sk], True = attend, ANDed with causal. Rows with no key: out 0, lse -inf."""
+    _check(q, k, v, mask)
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return _empty_result(q)
+    backend = _backend(q, causal, mask, softcap, k.shape[2])
+    if backend == "aten":
+        return _aten_forward(q, k, v, scale=scale, causal=causal, mask=mask)
+    if backend == "flash":
+        return _flash_forward(q, k, v, scale=scale, causal=causal, softcap=softcap)
+    return math_forward(q, k, v, scale=scale, causal=causal, mask=mask, softcap=softcap)
+
+
+def block_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq [B, H, Sq, D], dk, dv [B, H_kv, Sk, D]) of this tile's share, given the FINAL out/lse."""
+    _check(q, k, v, mask)
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    backend = _backend(q, causal, mask, softcap, k.shape[2])
+    if backend == "aten":
+        return _aten_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
+    if backend == "flash":
+        return _flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, softcap=softcap)
+    return math_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)

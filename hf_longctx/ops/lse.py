@@ -1,0 +1,52 @@
+"""The one log-sum-exp merge of partial attention results.
+
+Where it sits: every algorithm that splits the keys of an attention into disjoint sets
+(ring attention over ring ranks, FPDT over sequence chunks, `ops/kernels.py` over key
+runs of a packed batch) computes a partial (out, lse) per key set and folds it into an
+accumulator here. This is the online softmax of FlashAttention (Dao et al. 2022, §3.1)
+applied across devices as in ring attention (Liu et al. 2023, §3) and the USP paper's
+Algorithm 2; FPDT §3.3 uses the same rule across chunks.
+
+For a key set A with softmax-normalised output o_A and log-normaliser l_A, and a
+disjoint set B, the attention over A ∪ B is
+    l = log(exp(l_A) + exp(l_B)),  o = exp(l_A - l) · o_A + exp(l_B - l) · o_B.
+lse = -inf means "no keys yet": its weight is 0, and two empty sets stay empty
+(out 0, lse -inf) instead of producing NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float32, or float64 when any input already is float64 (float64 reference tests)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key sets.
+
+    out, block_out: [B, H, S, D]; lse, block_lse: [B, H, S] (natural log).
+    Returns (out, lse) computed in float32 (float64 if any input is float64); the caller
+    casts `out` to the activation dtype once, after the last merge, so rounding happens
+    once and not per merged block.
+    """
+    if out.shape != block_out.shape or lse.shape != block_lse.shape or out.shape[:-1] != lse.shape:
+        raise ValueError(
+            f"merge needs out/block_out [B, H, S, D] and lse/block_lse [B, H, S] of equal shapes, got "
+            f"out {tuple(out.shape)}, lse {tuple(lse.shape)}, block_out {tuple(block_out.shape)}, "
+            f"block_lse {tuple(block_lse.shape)}"
+        )
+    acc = _acc_dtype(out, lse, block_out, block_lse)
+    lse, block_lse = lse.to(acc), block_lse.to(acc)
+    new_lse = torch.logaddexp(lse, block_lse)  # [B, H, S]; -inf only if both are -inf
+    # Where both sets are empty new_lse is -inf and exp(-inf - -inf) would be NaN; any
+    # finite stand-in makes both weights exp(-inf) = 0, so out stays 0.
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(lse - ref).unsqueeze(-1)  # [B, H, S, 1] broadcast along D
+    w_new = torch.exp(block_lse - ref).unsqueeze(-1)  # [B, H, S, 1]
+    merged = w_old * out.to(acc) + w_new * block_out.to(acc)
+    return merged, new_lse

@@ -1,0 +1,92 @@
+"""The mesh without torch.distributed, degree validation, and layout properties."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_longctx import init_sequence_parallel
+from hf_longctx.data import layout
+from hf_longctx.distributed.mesh import check_degrees
+
+
+def test_single_process_mesh_is_identity():
+    mesh = init_sequence_parallel()
+    assert (mesh.dp, mesh.ring, mesh.ulysses, mesh.sp, mesh.rank) == (1, 1, 1, 1, 0)
+    assert mesh.doc_multiple == 1 and mesh.seq_multiple == 1
+    torch.testing.assert_close(mesh.local_indices([0, 3, 7]), torch.arange(7))
+
+
+@pytest.mark.parametrize(
+    "world,u,r,f,needle",
+    [
+        (6, 4, 2, 1, "ulysses(4) x ring(2) = 8 does not divide world size 6"),
+        (1, 2, 1, 1, "ulysses(2) x ring(1) = 2 does not divide world size 1"),
+        (4, 2, 2, 2, "fpdt_chunks(2) > 1 needs ring_degree 1 (got ring 2)"),
+        (4, 0, 1, 1, "ulysses_degree must be a positive int, got 0"),
+    ],
+)
+def test_degree_errors_name_every_factor(world, u, r, f, needle):
+    with pytest.raises(ValueError) as e:
+        check_degrees(world, u, r, f)
+    assert needle in str(e.value)
+
+
+def test_boundary_errors_name_documents():
+    with pytest.raises(ValueError, match=r"doc_multiple = 2 x ring = 4: document 1 has length 6"):
+        layout.check_boundaries([0, 8, 14], ring=2, ulysses=1)
+    with pytest.raises(ValueError, match=r"packed length 12 is not a multiple of seq_multiple = 8"):
+        layout.check_boundaries([0, 4, 12], ring=2, ulysses=4)
+
+
+def test_zigzag_matches_definition():
+    # One document of 16 tokens, R = 2, U = 2: ring rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    cu = [0, 16]
+    idx = {
+        (r, u): layout.local_indices(cu, ring=2, ulysses=2, ring_rank=r, ulysses_rank=u).tolist()
+        for r in range(2) for u in range(2)
+    }
+    assert idx[(0, 0)] == [0, 1, 2, 3] and idx[(0, 1)] == [12, 13, 14, 15]
+    assert idx[(1, 0)] == [4, 5, 6, 7] and idx[(1, 1)] == [8, 9, 10, 11]
+
+
+def test_fpdt_rank_ordinal_chunks():
+    # S = 16, U = 2, u = 2: 4 pieces of 4; rank j holds pieces j and 2 + j.
+    a = layout.local_indices([0, 16], ring=1, ulysses=2, ring_rank=0, ulysses_rank=0, fpdt_chunks=2).tolist()
+    b = layout.local_indices([0, 16], ring=1, ulysses=2, ring_rank=0, ulysses_rank=1, fpdt_chunks=2).tolist()
+    assert a == [0, 1, 2, 3, 8, 9, 10, 11] and b == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+@st.composite
+def packed(draw):
+    ring = draw(st.sampled_from([1, 2, 4]))
+    ulysses = draw(st.sampled_from([1, 2, 4]))
+    fpdt = draw(st.sampled_from([1, 2, 4])) if ring == 1 else 1
+    dm = layout.doc_multiple(ring) if fpdt == 1 else 1
+    docs = draw(st.lists(st.integers(1, 6), min_size=1, max_size=6))
+    lengths = [n * dm for n in docs]
+    sm = layout.seq_multiple(ring, ulysses, fpdt)
+    pad = (-sum(lengths)) % sm
+    if pad:
+        lengths.append(pad)  # the trailing padding document, as shard_batch adds it
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu, ring, ulysses, fpdt
+
+
+@settings(max_examples=150, deadline=None)
+@given(packed())
+def test_local_indices_cover_every_token_once(args):
+    cu, ring, ulysses, fpdt = args
+    parts = [
+        layout.local_indices(cu, ring=ring, ulysses=ulysses, ring_rank=r, ulysses_rank=u, fpdt_chunks=fpdt)
+        for r in range(ring) for u in range(ulysses)
+    ]
+    assert len({len(p) for p in parts}) == 1  # every SP rank holds the same count
+    perm = torch.cat(parts)
+    assert sorted(perm.tolist()) == list(range(cu[-1]))  # each token exactly once
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(len(perm))
+    x = torch.arange(cu[-1]) * 7
+    torch.testing.assert_close(x[perm][inverse], x)  # the inverse restores the global order
