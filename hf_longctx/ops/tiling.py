@@ -95,11 +95,18 @@ def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int
     chunks = min(chunks, seq_len)
     if chunks <= 1:
         return forward(hidden)
+
+    def run_chunk(piece: Tensor) -> Tensor:
+        # A sequence slice of a B > 1 batch is strided; GPT-2's Conv1D calls .view() on its
+        # input, so hand every MLP a contiguous chunk. Done inside the checkpointed region so
+        # the copy is recomputed in backward instead of being kept alive.
+        return forward(piece.contiguous())
+
     pieces = torch.tensor_split(hidden, chunks, dim=1)  # chunks x [B, S_c, Hd], views
     if not torch.is_grad_enabled():
         # Inference: nothing to recompute, but the intermediate peak still shrinks per chunk.
-        return torch.cat([forward(p) for p in pieces], dim=1)  # [B, S, Hd]
-    outs = [checkpoint(forward, p, use_reentrant=False) for p in pieces]  # chunks x [B, S_c, Hd]
+        return torch.cat([run_chunk(p) for p in pieces], dim=1)  # [B, S, Hd]
+    outs = [checkpoint(run_chunk, p, use_reentrant=False) for p in pieces]  # chunks x [B, S_c, Hd]
     return torch.cat(outs, dim=1)  # [B, S, Hd]
 
 
