@@ -101,7 +101,7 @@ def _aten_forward(q, k, v, *, scale, causal, mask):
     if mask is not None:  # the op reports lse = 0 for a row with no allowed key
         empty_rows = ~(mask & torch.ones_like(mask).tril() if causal else mask).any(-1)  # [Sq]
         lse = lse.masked_fill(empty_rows, _NEG_INF)
-    return out, lse
+    return out, lse.contiguous()  # the op lays lse out as [B, S, H] in memory; callers may view it
 
 
 def _aten_backward(dout, q, k, v, out, lse, *, scale, causal, mask):
@@ -246,3 +246,144 @@ def block_backward(
     if backend == "flash":
         return _flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, softcap=softcap)
     return math_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
+
+
+def _check_runs(x: torch.Tensor, runs: Sequence[Run], name: str) -> None:
+    total = sum(r.length for r in runs)
+    if total != x.shape[2]:
+        raise ValueError(f"{name} runs cover {total} tokens but the tensor holds S = {x.shape[2]} (shape {tuple(x.shape)})")
+
+
+def _plan(q, k, q_runs, k_runs, causal, window):
+    _check_runs(q, q_runs, "q")
+    _check_runs(k, k_runs, "k")
+    blocks = plan_blocks(q_runs, k_runs, causal=causal, window=window)
+    masks = [block_mask(b, causal=causal, window=window, device=q.device) if b.kind == "masked" else None for b in blocks]
+    return blocks, masks
+
+
+def _whole(blocks, q, k) -> bool:
+    """One tile covering every local query and key: call the kernel on the tensors as they are."""
+    return len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2])
+
+
+def _assemble(
+    pieces: dict[tuple[int, int], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device, fill: float
+) -> torch.Tensor:
+    """Concatenate disjoint ranges of dim 2 (S) in order, `fill` in the gaps. One
+    allocation written once: a zero-filled buffer plus in-place adds would touch every
+    fresh page twice, which costs several % of a CPU attention step."""
+    parts, at = [], 0
+    for (lo, hi), piece in sorted(pieces.items()):
+        if lo > at:
+            parts.append(torch.full((*shape[:2], lo - at, *shape[3:]), fill, dtype=dtype, device=device))
+        parts.append(piece.to(dtype))
+        at = hi
+    if at < shape[2]:
+        parts.append(torch.full((*shape[:2], shape[2] - at, *shape[3:]), fill, dtype=dtype, device=device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)  # [B, H, S, (D)] along S
+
+
+def _summed(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of gradient pieces of the same rows, in float32 (float64) so bf16 rounds once."""
+    if len(pieces) == 1:
+        return pieces[0]
+    total = pieces[0].to(_acc_dtype(pieces[0].dtype))
+    for piece in pieces[1:]:
+        total = total + piece
+    return total
+
+
+def varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run], k_runs: Sequence[Run], *,
+    scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the local queries (q_runs) over the local keys (k_runs) of packed
+    documents: out [B, H, Sq, D] (q's dtype), lse [B, H, Sq]; rows with no allowed key
+    give out 0, lse -inf."""
+    _check(q, k, v)
+    blocks, masks = _plan(q, k, q_runs, k_runs, causal, window)
+    fwd = dict(scale=scale, softcap=softcap)
+    if _whole(blocks, q, k):
+        return block_forward(q, k, v, causal=blocks[0].kind == "causal", mask=masks[0], **fwd)
+    if _backend(q, causal, None, softcap, k.shape[2]) == "aten":  # expand GQA heads once, not per tile
+        k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    outs, lses = {}, {}
+    for b, m in zip(blocks, masks):  # tiles of one query run merge into the same rows
+        o, l = block_forward(
+            q[:, :, b.q_lo:b.q_hi], k[:, :, b.k_lo:b.k_hi], v[:, :, b.k_lo:b.k_hi],
+            causal=b.kind == "causal", mask=m, **fwd,
+        )  # o [B, H, nq, D], l [B, H, nq]
+        rows = (b.q_lo, b.q_hi)
+        if rows in outs:
+            outs[rows], lses[rows] = merge(outs[rows], lses[rows], o, l)
+        else:
+            outs[rows], lses[rows] = o, l
+    return (
+        _assemble(outs, q.shape, q.dtype, q.device, 0.0),
+        _assemble(lses, q.shape[:3], _acc_dtype(q.dtype), q.device, _NEG_INF),
+    )
+
+
+def varlen_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    q_runs: Sequence[Run], k_runs: Sequence[Run], *,
+    scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq [B, H, Sq, D], dk, dv [B, H_kv, Sk, D]) of the attention of q over
+    THESE keys, given the final out/lse (merged over every key block the caller holds)."""
+    _check(q, k, v)
+    if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
+        raise ValueError(
+            f"dout/out must be {tuple(q.shape)} and lse {tuple(q.shape[:3])}, "
+            f"got dout {tuple(dout.shape)}, out {tuple(out.shape)}, lse {tuple(lse.shape)}"
+        )
+    blocks, masks = _plan(q, k, q_runs, k_runs, causal, window)
+    bwd = dict(scale=scale, softcap=softcap)
+    if _whole(blocks, q, k):
+        return block_backward(dout, q, k, v, out, lse, causal=blocks[0].kind == "causal", mask=masks[0], **bwd)
+    hkv, k_in, v_in = k.shape[1], k, v
+    if _backend(q, causal, None, softcap, k.shape[2]) == "aten":
+        k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    dqs, dks, dvs = {}, {}, {}
+    for b, m in zip(blocks, masks):
+        qs, ks = slice(b.q_lo, b.q_hi), slice(b.k_lo, b.k_hi)
+        gq, gk, gv = block_backward(
+            dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs],
+            causal=b.kind == "causal", mask=m, **bwd,
+        )
+        dqs.setdefault((b.q_lo, b.q_hi), []).append(gq)
+        dks.setdefault((b.k_lo, b.k_hi), []).append(gk)
+        dvs.setdefault((b.k_lo, b.k_hi), []).append(gv)
+    # With GQA heads still expanded, keep dk/dv in float32 until the head sum: one rounding.
+    kv_dtype = k_in.dtype if k.shape[1] == hkv else _acc_dtype(k.dtype)
+    dq = _assemble({r: _summed(p) for r, p in dqs.items()}, q.shape, q.dtype, q.device, 0.0)
+    dk = _assemble({r: _summed(p) for r, p in dks.items()}, k.shape, kv_dtype, k.device, 0.0)  # [B, H(_kv), Sk, D]
+    dv = _assemble({r: _summed(p) for r, p in dvs.items()}, v.shape, kv_dtype, v.device, 0.0)
+    return dq, _reduce_kv(dk, hkv, k_in.dtype), _reduce_kv(dv, hkv, v_in.dtype)
+
+
+class LocalAttention(torch.autograd.Function):
+    """Differentiable `varlen_forward`: saves q, k, v, out, lse; the lse itself gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_runs, k_runs, scale, causal, window, softcap):
+        out, lse = varlen_forward(q, k, v, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (list(q_runs), list(k_runs), dict(scale=scale, causal=causal, window=window, softcap=softcap))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        q_runs, k_runs, kw = ctx.args
+        dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, q_runs, k_runs, **kw)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def local_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run], k_runs: Sequence[Run], *,
+    scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """out [B, H, Sq, D] of the local attention, differentiable w.r.t. q, k, v."""
+    return LocalAttention.apply(q, k, v, q_runs, k_runs, scale, causal, window, softcap)
