@@ -122,8 +122,9 @@ class RingExchanger:
     `prev_rank` are GLOBAL ranks (P2P ops address peers by global rank).
     """
 
-    def __init__(self, group, next_rank: int, prev_rank: int):
+    def __init__(self, group, next_rank: int, prev_rank: int, tag: int = 0):
         self.group = group
+        self.tag = tag  # distinct tags keep two exchangers in flight between the same peers apart
         self.next_rank = next_rank
         self.prev_rank = prev_rank
         self._works: list = []
@@ -135,8 +136,8 @@ class RingExchanger:
         tensor = tensor.contiguous()
         self._recv = torch.empty_like(tensor)
         ops = [
-            dist.P2POp(dist.isend, tensor, self.next_rank, self.group),
-            dist.P2POp(dist.irecv, self._recv, self.prev_rank, self.group),
+            dist.P2POp(dist.isend, tensor, self.next_rank, self.group, self.tag),
+            dist.P2POp(dist.irecv, self._recv, self.prev_rank, self.group, self.tag),
         ]
         self._works = dist.batch_isend_irecv(ops)
         self._send = tensor  # keep the send buffer alive until the transfer completes

@@ -1,0 +1,135 @@
+"""Zigzag ring attention over packed documents (USP paper, Algorithm 2; Ring Attention).
+
+Where it sits: `ops/usp.py` calls it after the Ulysses all-to-all, with every rank holding
+its ring rank's whole token stream `[B, H/U, S_ring, D]` (the zigzag chunks r and 2R-1-r
+of every document, `data/layout.ring_stream`). K/V blocks travel around the ring; each
+rank attends its queries to the block it holds with `ops/kernels.varlen_forward` and folds
+the partial result in with the one log-sum-exp merge of `ops/lse.py`. Because the block
+plan is computed from global document boundaries, packed documents never see each other
+and blocks with no allowed (query, key) pair are skipped: with the zigzag layout every
+rank computes the same number of causal scores.
+
+Backward (same schedule, flash-attention style): each rank recomputes its blocks from the
+final out/lse, keeps dq locally, and the dK/dV accumulator of each block travels with it
+around the ring, arriving at its owner after R hops.
+
+Three layers: `ring_forward` / `ring_backward` loops → `RingAttention` Function →
+`ring_attention` functional wrapper.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hf_longctx.data.layout import Run, ring_stream
+from hf_longctx.distributed.comm import RingExchanger
+from hf_longctx.ops import blocks, kernels, lse as lse_ops
+
+
+class RingSpec:
+    """What one rank needs to run the ring: peers, its ring position and the boundaries."""
+
+    def __init__(self, *, group, ring: int, ring_rank: int, next_rank: int, prev_rank: int, cu: Sequence[int]):
+        self.group, self.ring, self.ring_rank = group, ring, ring_rank
+        self.next_rank, self.prev_rank = next_rank, prev_rank
+        self.cu = list(cu)
+
+    def runs(self, ring_rank: int) -> list[Run]:
+        return ring_stream(self.cu, self.ring, ring_rank)
+
+    def exchanger(self, tag: int) -> RingExchanger:
+        return RingExchanger(self.group, self.next_rank, self.prev_rank, tag=tag)
+
+
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.stack([k, v]).contiguous()  # [2, B, H_kv, S_ring, D]: one message per hop
+
+
+def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
+    """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse [B, H, S_ring]."""
+    q_runs = spec.runs(spec.ring_rank)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    kv = _pack(k, v)
+    ex = spec.exchanger(tag=0)
+    for step in range(spec.ring):
+        if step + 1 < spec.ring:
+            ex.start(kv)  # the next block is in flight while this one is computed
+        src = (spec.ring_rank - step) % spec.ring
+        k_runs = spec.runs(src)
+        if blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window):
+            b_out, b_lse = kernels.varlen_forward(
+                q, kv[0], kv[1], q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap
+            )
+            out, lse = lse_ops.merge(out, lse, b_out, b_lse)
+        if step + 1 < spec.ring:
+            kv = ex.wait()
+    return out, lse
+
+
+def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
+    """Gradients of `ring_forward` from the final out/lse; dk/dv travel with their block."""
+    q_runs = spec.runs(spec.ring_rank)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = _pack(k, v)
+    kv_ex, dkv_ex = spec.exchanger(tag=0), spec.exchanger(tag=1)
+    for step in range(spec.ring):
+        if step + 1 < spec.ring:
+            kv_ex.start(kv)
+        src = (spec.ring_rank - step) % spec.ring
+        k_runs = spec.runs(src)
+        # dK/dV of block `src` accumulated by the ranks it already visited (zeros on its owner).
+        dkv = dkv_ex.wait() if step > 0 else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        if blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window):
+            b_dq, b_dk, b_dv = kernels.varlen_backward(
+                dout, q, kv[0], kv[1], out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap
+            )
+            dq += b_dq
+            dkv[0] += b_dk
+            dkv[1] += b_dv
+        if spec.ring > 1:
+            dkv_ex.start(dkv)  # on to the next rank; after R hops it is back at the owner
+        if step + 1 < spec.ring:
+            kv = kv_ex.wait()
+    dkv = dkv_ex.wait() if spec.ring > 1 else dkv
+    return dq, dkv[0], dkv[1]
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec, scale, causal, window, softcap):
+        out, lse = ring_forward(q, k, v, spec, scale=scale, causal=causal, window=window, softcap=softcap)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.kw = spec, dict(scale=scale, causal=causal, window=window, softcap=softcap)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.spec, **ctx.kw)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q, k, v, spec: RingSpec, *, scale: float, causal: bool = True, window=None, softcap=None):
+    """Differentiable ring attention. q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → [B, H, S_ring, D].
+
+    With R = 1 this is the local varlen kernel over the whole stream.
+    """
+    if spec.ring == 1:
+        runs = spec.runs(0)
+        return kernels.local_attention(q, k, v, runs, runs, scale=scale, causal=causal, window=window, softcap=softcap)
+    return RingAttention.apply(q, k, v, spec, scale, causal, window, softcap)
+
+
+def ring_work(cu: Sequence[int], ring: int, ring_rank: int, *, causal: bool = True, window=None) -> list[int]:
+    """Score elements rank `ring_rank` computes at each ring step (the load-balance measure)."""
+    q_runs = ring_stream(cu, ring, ring_rank)
+    counts = []
+    for step in range(ring):
+        k_runs = ring_stream(cu, ring, (ring_rank - step) % ring)
+        plan = blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window)
+        counts.append(blocks.score_count(plan, causal=causal, window=window))
+    return counts

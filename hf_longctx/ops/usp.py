@@ -1,0 +1,99 @@
+"""Unified sequence parallelism: Ulysses × zigzag ring on the 2D SP mesh (USP paper §3-4).
+
+Where it sits: the attention that `integrations/transformers.py` registers with HF calls
+`usp_attention` with the rows of q/k/v this rank holds (`SPMesh.local_indices`). Steps:
+1. Ulysses all-to-all: [B, S_local, H, D] → the ring rank's stream [B, S_ring, H/U, D];
+2. zigzag ring attention over the ring group on that stream, packed documents exact;
+3. inverse all-to-all back to [B, S_local, H, D].
+With U = 1 step 1/3 are skipped, with R = 1 step 2 is the local kernel.
+
+Everything that could make ranks disagree (shapes, heads, boundaries) is checked on
+every rank from information all ranks share BEFORE the first collective, so bad input
+raises the same ValueError everywhere instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.ops.ring import RingSpec, ring_attention
+from hf_longctx.ops.ulysses import gather_heads, kv_replication, scatter_heads
+
+
+def _check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap) -> list[int]:
+    """Validate and return the global document boundaries of the packed stream."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, S_local, H, D]; got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in B, S_local and D")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    kv_replication(q.shape[2], k.shape[2], mesh.ulysses)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+    b, s_local = q.shape[0], q.shape[1]
+    s_global = s_local * mesh.sp
+    if cu_seqlens is None:
+        cu = [i * s_global for i in range(b + 1)]  # each row one document of S = S_local·U·R tokens
+    else:
+        if b != 1:
+            raise ValueError(f"cu_seqlens describes one packed row, but B = {b}")
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if cu[-1] != s_global:
+            raise ValueError(
+                f"cu_seqlens ends at {cu[-1]} but S_local({s_local}) x ulysses({mesh.ulysses}) x ring({mesh.ring}) "
+                f"= {s_global} tokens are held by the SP group"
+            )
+    return mesh.check_boundaries(cu)
+
+
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mesh: SPMesh,
+    *,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Exact attention over a sequence sharded across the SP group of `mesh`.
+
+    q [B, S_local, H, D], k/v [B, S_local, H_kv, D] → [B, S_local, H, D]. The rows are the
+    global tokens at `mesh.local_indices(cu_seqlens)`; `cu_seqlens` are the global document
+    boundaries of the packed sequence (B = 1), None = every row is one document.
+    """
+    if mesh.fpdt_chunks > 1:
+        raise ValueError(f"mesh has fpdt_chunks={mesh.fpdt_chunks}: use hf_longctx.ops.fpdt.fpdt_attention")
+    cu = _check_inputs(q, k, v, mesh, cu_seqlens, window, softcap)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    b = q.shape[0]
+    if mesh.ulysses > 1:
+        q, k, v = scatter_heads(q, k, v, mesh.ulysses_group, mesh.ulysses)  # [B, S_ring, H/U, D], [B, S_ring, H_kv'/U, D]
+    s_ring = q.shape[1]
+    # Rows of one document each are laid end to end: the ring stream of row b is document b's
+    # zigzag chunks, so B rows form one packed stream of B documents.
+    qf, kf, vf = (t.reshape(1, b * s_ring, t.shape[2], t.shape[3]).transpose(1, 2) for t in (q, k, v))  # [1, h, B·S_ring, D]
+    spec = RingSpec(
+        group=mesh.ring_group,
+        ring=mesh.ring,
+        ring_rank=mesh.ring_rank,
+        next_rank=mesh.global_rank(ring_rank=mesh.ring_rank + 1),
+        prev_rank=mesh.global_rank(ring_rank=mesh.ring_rank - 1),
+        cu=cu,
+    )
+    out = ring_attention(qf, kf, vf, spec, scale=scale, causal=causal, window=window, softcap=softcap)
+    out = out.transpose(1, 2).reshape(b, s_ring, out.shape[1], out.shape[3])  # [B, S_ring, H/U, D]
+    if mesh.ulysses > 1:
+        out = gather_heads(out, mesh.ulysses_group)  # [B, S_local, H, D]
+    return out

@@ -1,0 +1,181 @@
+"""USP attention (Ulysses × zigzag ring) forward and dq/dk/dv vs a float64 single-process reference.
+
+Every (ulysses, ring) factorisation of world sizes 1, 2 and 4 (dp > 1 included), GQA with
+H_kv = H, H/2, 1 and H_kv < U, packed documents of uneven lengths, non-causal, sliding
+window and softcap. Tolerances:
+- fp32: relative error max|a-b|/max|b| <= 2e-5 against float64 -- the fp32 kernels
+  accumulate in fp32 over at most a few hundred keys, so ~1e-6 is expected and 2e-5 leaves
+  room only for summation order, not for a wrong mask or a lost block;
+- bf16: no worse than twice the error of single-process bf16 attention on the same input
+  (the distributed merge may round differently, but must not add error of its own order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_longctx import init_sequence_parallel
+from hf_longctx.data import layout
+from hf_longctx.ops.ring import ring_work
+from hf_longctx.ops.usp import usp_attention
+from tests.pool import worker_mesh
+from tests.reference import reference_attention, rel_err
+
+FP32_TOL = 2e-5
+
+
+def _lengths(mesh, seed: int, docs: int) -> list[int]:
+    """Uneven document lengths (multiples of doc_multiple) plus the trailing padding document."""
+    g = torch.Generator().manual_seed(seed)
+    dm = mesh.doc_multiple
+    lengths = [int(n) * dm for n in torch.randint(1, 9, (docs,), generator=g)]
+    pad = (-sum(lengths)) % mesh.seq_multiple
+    return lengths + ([pad] if pad else [])
+
+
+def _case(mesh, case: dict, dtype: torch.dtype):
+    """Build the global problem (same on every rank of a DP group), run USP, return errors."""
+    seed = case.get("seed", 0) + 1000 * mesh.dp_rank  # different DP groups solve different problems
+    g = torch.Generator().manual_seed(seed)
+    h, hkv, d = case["heads"], case["kv_heads"], 16
+    packed = case.get("packed", True)
+    if packed:
+        lengths = _lengths(mesh, seed, case.get("docs", 4))
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        b, s = 1, cu[-1]
+    else:
+        b, s, cu = 2, 8 * mesh.sp * max(mesh.doc_multiple, 2), None
+    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    kw = dict(causal=case.get("causal", True), window=case.get("window"), softcap=case.get("softcap"))
+
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_attention(*ref_in, torch.tensor(cu) if cu else None, **kw)
+    ref_out.backward(dout)
+
+    idx = mesh.local_indices(cu if cu else [0, s])  # [S_local] rows this rank holds
+    local = [t[:, idx].to(dtype).requires_grad_() for t in (q, k, v)]
+    cu_t = torch.tensor(cu, dtype=torch.int32) if cu else None
+    out = usp_attention(*local, mesh, cu_seqlens=cu_t, **kw)
+    out.backward(dout[:, idx].to(dtype))
+    errs = {"out": rel_err(out.double(), ref_out[:, idx].detach())}
+    for name, t, r in zip(("dq", "dk", "dv"), local, ref_in):
+        errs[name] = rel_err(t.grad.double(), r.grad[:, idx])
+    if dtype == torch.bfloat16:
+        # Single-process bf16 baseline on the same input: error budget of the dtype itself.
+        base = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        bout = reference_attention(*base, torch.tensor(cu) if cu else None, **kw)
+        bout.backward(dout.to(dtype))
+        errs["base_out"] = rel_err(bout[:, idx].double(), ref_out[:, idx].detach())
+        for name, t, r in zip(("dq", "dk", "dv"), base, ref_in):
+            errs["base_" + name] = rel_err(t.grad[:, idx].double(), r.grad[:, idx])
+    return errs
+
+
+CASES = [
+    dict(heads=8, kv_heads=8),
+    dict(heads=8, kv_heads=4, docs=5, seed=1),
+    dict(heads=8, kv_heads=1, seed=2),  # MQA: one KV head, replicated for U > 1
+    dict(heads=8, kv_heads=2, seed=3),  # H_kv < U for U = 4
+    dict(heads=4, kv_heads=2, causal=False, seed=4),
+    dict(heads=4, kv_heads=2, window=5, seed=5),
+    dict(heads=4, kv_heads=4, window=3, causal=False, seed=6),
+    dict(heads=4, kv_heads=2, softcap=2.0, seed=7),
+    dict(heads=4, kv_heads=4, packed=False, seed=8),  # B = 2 rows, one document each
+]
+
+
+def _run_cases(ulysses: int, ring: int, dtype_name: str, cases: list[dict]):
+    mesh = worker_mesh(ulysses, ring)
+    return [_case(mesh, c, getattr(torch, dtype_name)) for c in cases]
+
+
+def _check_fp32(results):
+    for rank, per_rank in enumerate(results):
+        for case, errs in zip(CASES, per_rank):
+            for name, e in errs.items():
+                assert e <= FP32_TOL, f"rank {rank} case {case}: {name} rel err {e:.2e} > {FP32_TOL}"
+
+
+def test_world1_fp32():
+    mesh = init_sequence_parallel()
+    _check_fp32([[_case(mesh, c, torch.float32) for c in CASES]])
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2), (1, 1)])
+def test_world2_fp32(pools, ulysses, ring):
+    _check_fp32(pools.get(2).run(_run_cases, ulysses, ring, "float32", CASES))
+
+
+@pytest.mark.parametrize("ulysses,ring", [(4, 1), (1, 4), (2, 2), (2, 1), (1, 2)])
+def test_world4_fp32(pools, ulysses, ring):
+    _check_fp32(pools.get(4).run(_run_cases, ulysses, ring, "float32", CASES))
+
+
+BF16_CASES = [dict(heads=8, kv_heads=2, docs=3, seed=11), dict(heads=4, kv_heads=4, softcap=2.0, seed=12)]
+
+
+@pytest.mark.parametrize("world,ulysses,ring", [(2, 1, 2), (4, 2, 2)])
+def test_bf16_no_worse_than_twice_single_process(pools, world, ulysses, ring):
+    for rank, per_rank in enumerate(pools.get(world).run(_run_cases, ulysses, ring, "bfloat16", BF16_CASES)):
+        for case, errs in zip(BF16_CASES, per_rank):
+            for name in ("out", "dq", "dk", "dv"):
+                assert errs[name] <= 2 * errs["base_" + name], f"rank {rank} {case}: {name} {errs}"
+
+
+@pytest.mark.parametrize("ring", [2, 4, 8])
+def test_zigzag_balances_causal_work(ring):
+    cu = [0, 16 * ring, 16 * ring + 4 * ring, 16 * ring + 4 * ring + 30 * ring * 2]
+    totals = {sum(ring_work(cu, ring, r)) for r in range(ring)}
+    assert len(totals) == 1, totals
+    # and the work is the causal half of the score matrix, not more
+    assert totals.pop() * ring == sum((b - a) * (b - a + 1) // 2 for a, b in zip(cu[:-1], cu[1:]))
+
+
+# ---- bad input: ValueError on every rank before any collective, then the group still works ----
+
+
+def _bad_inputs():
+    errors = []
+    try:
+        init_sequence_parallel(3, 1)
+    except ValueError as e:
+        errors.append(str(e))
+    mesh = worker_mesh(2, 2)
+    x = torch.zeros(1, 4, 6, 8)
+    checks = [
+        # H = 6, H_kv = 3, U = 2: 3 query heads per rank but KV groups of 2
+        lambda: usp_attention(x, torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 3, 8), mesh, cu_seqlens=[0, 16]),
+        # document of 6 tokens with ring 2 (doc_multiple 4)
+        lambda: usp_attention(x, x, x, mesh, cu_seqlens=[0, 6, 16]),
+        # k / v shapes differ
+        lambda: usp_attention(x, x, torch.zeros(1, 4, 6, 4), mesh, cu_seqlens=[0, 16]),
+        # boundaries do not cover the SP group's tokens
+        lambda: usp_attention(x, x, x, mesh, cu_seqlens=[0, 12]),
+    ]
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            errors.append(str(e))
+    t = torch.ones(1)
+    dist.all_reduce(t)  # every rank reaches the next collective: nobody is stuck in a half-started one
+    return errors, t.item()
+
+
+def test_bad_input_raises_everywhere_without_hang(pools):
+    results = pools.get(4).run(_bad_inputs, timeout=60)
+    for errors, total in results:
+        assert total == 4.0
+        assert len(errors) == 5, errors
+        assert "ulysses(3) x ring(1) = 3 does not divide world size 4" in errors[0]
+        assert "heads not divisible after replication" in errors[1] and "6 query heads" in errors[1]
+        assert "document 0 has length 6" in errors[2]
+        assert "k and v shapes differ" in errors[3]
+        assert "cu_seqlens ends at 12" in errors[4] and "= 16" in errors[4]
