@@ -1,8 +1,38 @@
 """hf_longctx: sequence-parallel long-context training for Hugging Face causal LMs.
 
-Public API only; see README.md and DESIGN.md for the data flow.
+Public API only. The data flow (DESIGN.md): a step sampler draws the same global list of
+documents on every rank → `plan_microbatches` assigns them to DP ranks and micro-batches
+by estimated cost → `shard_batch` (through the collator) shifts labels, pads and gathers
+this SP rank's tokens → the `patch`ed model runs `usp_attention` (or FPDT) → the loss is
+normalised by the global token count and gradients are summed over ranks.
 """
 
+from hf_longctx.data.cost import CostModel
+from hf_longctx.data.packing import Piece, Plan, plan_microbatches
+from hf_longctx.data.pipeline import tokenize_dataset
+from hf_longctx.data.sampler import StepSampler, group_stream
+from hf_longctx.data.sharding import gather_sequence, shard_batch
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
+from hf_longctx.integrations.transformers import is_patched, patch, unpatch
+from hf_longctx.loss import global_loss, sum_gradients
+from hf_longctx.ops.usp import usp_attention
 
-__all__ = ["SPMesh", "init_sequence_parallel"]
+__all__ = [
+    "CostModel",
+    "Piece",
+    "Plan",
+    "SPMesh",
+    "StepSampler",
+    "gather_sequence",
+    "global_loss",
+    "group_stream",
+    "init_sequence_parallel",
+    "is_patched",
+    "patch",
+    "plan_microbatches",
+    "shard_batch",
+    "sum_gradients",
+    "tokenize_dataset",
+    "unpatch",
+    "usp_attention",
+]

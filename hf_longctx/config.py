@@ -1,0 +1,57 @@
+"""Typed, validated options of `hf_longctx.patch()`.
+
+Where it sits: `integrations/transformers.py` builds one `PatchOptions` per `patch()` call
+before touching the model, so a bad option raises here -- on every rank alike, before any
+collective -- and the same object is stored with the patch so that a second `patch()` with
+equal options is a no-op (idempotence). The memory options belong to FPDT (FPDT paper §4:
+KV offload to host, chunked MLP and loss, activation checkpointing); they are forwarded to
+`integrations/memory.py` unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _check_chunks(name: str, value) -> None:
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be None, 'auto' or a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """Options of one `patch()` call.
+
+    kv_offload: FPDT offloads K/V chunks to host memory (needs `mesh.fpdt_chunks > 1`).
+    mlp_chunks: run every MLP over this many sequence chunks (None = unchunked, "auto" = FPDT's default).
+    loss_chunks: compute the LM head + loss over this many sequence chunks (None = unchunked, "auto").
+    checkpoint: activation checkpointing of every decoder layer.
+    """
+
+    kv_offload: bool = False
+    mlp_chunks: int | str | None = None
+    loss_chunks: int | str | None = None
+    checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("kv_offload", "checkpoint"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        _check_chunks("mlp_chunks", self.mlp_chunks)
+        _check_chunks("loss_chunks", self.loss_chunks)
+
+    @property
+    def uses_memory_options(self) -> bool:
+        """True when `integrations/memory.py` has work to do."""
+        return self.kv_offload or self.checkpoint or self.mlp_chunks is not None or self.loss_chunks is not None
+
+    def check_mesh(self, fpdt_chunks: int) -> None:
+        """Options that need a particular mesh; raises ValueError naming both sides."""
+        if self.kv_offload and fpdt_chunks <= 1:
+            raise ValueError(
+                f"kv_offload=True offloads FPDT key/value chunks, but the mesh has fpdt_chunks={fpdt_chunks}; "
+                "build the mesh with init_sequence_parallel(..., fpdt_chunks=N > 1) or pass kv_offload=False"
+            )

@@ -1,0 +1,395 @@
+"""`patch()` / `unpatch()`: route a Hugging Face causal LM's attention through USP / FPDT.
+
+Where it sits: between the user's `from_pretrained` model and `ops/usp.py` (USP paper
+§3-4) or `ops/fpdt.py` (FPDT paper §3). `patch()` registers, under a name unique to the
+call, an attention function AND a mask function with transformers' `AttentionInterface` /
+`AttentionMaskInterface`, and switches the model (every config and sub-model) to that name.
+The mesh and options are bound in the closure of the registered functions -- no module
+globals; `unpatch()` removes both registrations and restores every config exactly.
+
+Design invariants enforced here:
+- HF's mask is built at the LOCAL shard length and knows nothing of the documents of other
+  ranks, so our mask function builds nothing; the attention takes the real document layout
+  from the global metadata `shard_batch` put in the batch (`SP_METADATA_KEY`, invariant 5);
+- `use_cache=False` is set on every patched forward (a cache of local shards is meaningless
+  and HF's cache path disables its packed-document mask) and `use_cache=True` is refused;
+- nothing is approximated: attention dropout > 0, dynamic/longrope RoPE (scaled from each
+  rank's local max position), non-causal attention, models whose attention bypasses the
+  interface (GPT-J, GPT-Neo, Falcon in transformers 5.x) are refused at `patch()` time with
+  the setting to change; at run time every forward checks that every attention layer really
+  went through our function and that the SP group was fed the same batch (invariant 3).
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hf_longctx.config import PatchOptions
+from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
+from hf_longctx.distributed.mesh import SPMesh
+
+_STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
+SUPPORTED = "models whose attention uses AttentionInterface, e.g. (tested) Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, GPT-2, GPT-NeoX, GPTBigCode"
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+_INEXACT_ROPE = {
+    "dynamic": "rescales RoPE frequencies from max(position_ids) + 1, which every SP rank takes from its own shard",
+    "longrope": "switches between short and long factors on max(position_ids) + 1, which every SP rank takes from its own shard",
+}
+
+
+@dataclass
+class _PatchState:
+    """Everything one `patch()` call changed, so that `unpatch()` can undo exactly that."""
+
+    name: str
+    mesh: SPMesh
+    options: PatchOptions
+    attention_layers: int
+    saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
+    hooks: list = field(default_factory=list)
+    memory_undo: Callable[[], None] | None = None
+    calls: int = 0  # attention calls in the current forward
+
+
+def _interfaces():
+    """transformers' two registries; raises a clear error if this release changed them."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    for cls in (AttentionInterface, AttentionMaskInterface):
+        if not (callable(getattr(cls, "register", None)) and isinstance(getattr(cls, "_global_mapping", None), dict)):
+            import transformers
+
+            raise RuntimeError(
+                f"transformers {transformers.__version__}: {cls.__name__} no longer has register()/_global_mapping; "
+                "hf_longctx supports transformers >=5.23,<6"
+            )
+    return AttentionInterface, AttentionMaskInterface
+
+
+def _hf_model(model: Any):
+    """The PreTrainedModel inside `model` (itself, or the base model of a PEFT wrapper)."""
+    from transformers import PreTrainedModel
+
+    seen = model
+    for _ in range(4):  # PeftModel -> LoraModel -> PreTrainedModel at most
+        if isinstance(seen, PreTrainedModel):
+            return seen
+        if callable(getattr(type(seen), "get_base_model", None)):
+            seen = seen.get_base_model()
+        elif type(seen).__module__.startswith("peft") and isinstance(getattr(seen, "model", None), torch.nn.Module):
+            seen = seen.model
+        else:
+            break
+    raise TypeError(
+        f"patch()/unpatch() need a transformers PreTrainedModel or a PEFT model wrapping one, got {type(model).__name__}; "
+        "patch the model before wrapping it in DDP/FSDP"
+    )
+
+
+def _configs(hf) -> list:
+    """Every config whose `_attn_implementation` a switch may touch: the model's, its
+    sub-configs at any depth, and those of nested PreTrainedModels (deduplicated by id)."""
+    from transformers import PreTrainedModel
+
+    out, seen, todo = [], set(), [hf.config] + [m.config for m in hf.modules() if isinstance(m, PreTrainedModel)]
+    while todo:
+        cfg = todo.pop()
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        out.append(cfg)
+        todo.extend(getattr(cfg, key, None) for key in getattr(cfg, "sub_configs", {}) or {})
+    return out
+
+
+def _attention_modules(hf) -> list:
+    return [m for m in hf.modules() if type(m).__name__.endswith("Attention")]
+
+
+def _rope_types(cfg) -> set[str]:
+    types = set()
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(cfg, attr, None)
+        if not isinstance(params, dict):
+            continue
+        nested = [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
+        for p in nested:
+            types.add(str(p.get("rope_type", p.get("type", "default"))))
+    return types
+
+
+def _refuse(hf, mesh: SPMesh, options: PatchOptions) -> None:
+    """Raise before anything is changed if the model cannot run EXACTLY under SP."""
+    from transformers import PreTrainedModel
+
+    cls = type(hf).__name__
+    bypass = sorted({type(m).__name__ for m in hf.modules() if isinstance(m, PreTrainedModel) and not m._can_set_attn_implementation()})
+    if bypass:
+        raise NotImplementedError(
+            f"{', '.join(bypass)} {'do' if len(bypass) > 1 else 'does'} not call attention through transformers' AttentionInterface, so its attention "
+            f"cannot be replaced by sequence-parallel attention (transformers would silently keep "
+            f"'{hf.config._attn_implementation}'). hf_longctx supports {SUPPORTED}."
+        )
+    layers = _attention_modules(hf)
+    if not layers:
+        raise NotImplementedError(f"{cls} has no '*Attention' module; hf_longctx supports {SUPPORTED}")
+    problems = []
+    configs = _configs(hf)
+    for cfg in configs:
+        for name in _DROPOUT_FIELDS:
+            p = getattr(cfg, name, None)
+            if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+                problems.append(
+                    f"{type(cfg).__name__}.{name} = {p}: attention dropout cannot be reproduced exactly under sequence "
+                    f"parallelism; load the model with {name}=0.0, e.g. "
+                    f"AutoModelForCausalLM.from_pretrained(path, {name}=0.0) (setting config.{name} after loading "
+                    "does not change the already-built attention modules)"
+                )
+        for rope in sorted(_rope_types(cfg) & _INEXACT_ROPE.keys()):
+            problems.append(
+                f"{type(cfg).__name__} uses rope_type '{rope}', which {_INEXACT_ROPE[rope]}, so shards would get "
+                "different frequencies than one device; use a static RoPE ('default', 'linear', 'yarn', 'llama3') "
+                "via rope_parameters when loading"
+            )
+        if getattr(cfg, "output_attentions", False):
+            problems.append(f"{type(cfg).__name__}.output_attentions = True: sequence-parallel attention returns no weights; set it to False")
+    if not any("dropout" in p for p in problems):
+        for m in layers:
+            p = getattr(m, "attention_dropout", None)
+            drop = getattr(m, "attn_dropout", None)
+            p = drop.p if isinstance(drop, torch.nn.Dropout) else p
+            if isinstance(p, (int, float)) and p > 0:
+                problems.append(
+                    f"{type(m).__name__} was built with attention dropout {p} although the config now says 0: "
+                    "reload the model with the attention-dropout field set to 0.0 in from_pretrained(...)"
+                )
+                break
+    non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False})
+    if non_causal:
+        problems.append(f"{', '.join(non_causal)} is not causal (is_causal=False); hf_longctx supports causal self-attention only")
+    try:
+        params = inspect.signature(hf.loss_function).parameters
+    except (TypeError, ValueError, AttributeError):
+        params = {}
+    if "shift_labels" not in params:
+        problems.append(
+            f"{cls}.loss_function does not take shift_labels, so it would shift the already shifted labels of "
+            "shard_batch again; use transformers' ForCausalLMLoss (config.loss_type = None)"
+        )
+    try:
+        options.check_mesh(mesh.fpdt_chunks)
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        raise ValueError(f"cannot patch {cls} for exact sequence parallelism:\n- " + "\n- ".join(problems))
+
+
+def _make_attention(state: _PatchState) -> Callable:
+    """The function registered with AttentionInterface; `state` is this patch's binding."""
+    mesh, offload = state.mesh, state.options.kv_offload
+
+    def sp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        info = kwargs.get(SP_METADATA_KEY)
+        if not isinstance(info, SPBatchInfo):
+            raise ValueError(
+                f"{type(module).__name__}: no '{SP_METADATA_KEY}' metadata reached the attention; call the patched model "
+                "with the output of hf_longctx.shard_batch(batch, mesh) (model(**shard)), or unpatch() it first"
+            )
+        if dropout:
+            raise ValueError(f"{type(module).__name__}: attention dropout {dropout} cannot be exact under SP; load with it set to 0.0")
+        if isinstance(attention_mask, torch.Tensor):
+            raise ValueError(
+                f"{type(module).__name__} received a materialised attention mask of shape {tuple(attention_mask.shape)}; "
+                "under SP the document mask comes from shard_batch -- do not pass attention_mask"
+            )
+        if getattr(module, "is_causal", True) is False:
+            raise NotImplementedError(f"{type(module).__name__}: non-causal attention is not supported under SP")
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        softcap = kwargs.get("softcap")
+        b = query.shape[0]
+        if b != info.rows:
+            raise ValueError(f"the shard's metadata describes {info.rows} rows but the attention got B = {b}")
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S_local, H(_kv), D]
+        kw = dict(
+            cu_seqlens=info.cu_seqlens if b == 1 else None,  # B > 1: one document per row
+            causal=True,
+            softmax_scale=scaling,
+            window=int(window) if window is not None else None,
+            softcap=float(softcap) if softcap else None,
+        )
+        if mesh.fpdt_chunks > 1:
+            from hf_longctx.ops.fpdt import fpdt_attention
+
+            out = fpdt_attention(q, k, v, mesh, offload=offload, **kw)  # [B, S_local, H, D]
+        else:
+            from hf_longctx.ops.usp import usp_attention
+
+            out = usp_attention(q, k, v, mesh, **kw)  # [B, S_local, H, D]
+        state.calls += 1
+        return out, None
+
+    return sp_attention
+
+
+def _mask_function(attention_mask=None, **_: Any):
+    """Registered with AttentionMaskInterface. HF calls it with LOCAL lengths; the real
+    document mask is built inside the attention, so build nothing. A 2D padding mask with
+    zeros cannot be honoured (its keys live on other ranks): refuse instead of dropping it."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(
+            "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
+            "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
+        )
+    return None
+
+
+def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh: SPMesh) -> None:
+    """All SP ranks must hold shards of the SAME batch (invariant 3). One tiny all_gather;
+    every rank sees the same gathered rows, so all raise together (no hang)."""
+    import torch.distributed as dist
+
+    cu_hash = 0
+    for i, c in enumerate(info.cu_seqlens):
+        cu_hash = (cu_hash * 1_000_003 + c * (i + 1)) % 2_147_483_647
+    n = -1 if num_items is None else int(num_items)
+    sig = torch.tensor([info.fingerprint, cu_hash, n, s_local, info.rows], dtype=torch.long, device=device)  # [5]
+    rows = [torch.empty_like(sig) for _ in range(mesh.sp)]
+    dist.all_gather(rows, sig, group=mesh.sp_group)  # [SP] x [5]
+    table = torch.stack(rows).cpu()  # [SP, 5]
+    if not bool((table == table[0]).all()):
+        raise ValueError(
+            "the ranks of one SP group hold shards of DIFFERENT batches (per-rank [fingerprint, boundaries, "
+            f"num_items_in_batch, S_local, B] = {table.tolist()}); every rank of an SP group must call shard_batch "
+            "on the same batch -- seed the sampler by DP rank, not by global rank"
+        )
+
+
+def _pre_forward(state: _PatchState, hf) -> Callable:
+    accepts_cache = "use_cache" in inspect.signature(hf.forward).parameters
+
+    def hook(module, args, kwargs):
+        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+            raise ValueError(
+                "a sequence-parallel forward cannot use a KV cache (use_cache=True / past_key_values); pass "
+                "use_cache=False, and call hf_longctx.unpatch(model) before generate()"
+            )
+        if kwargs.get("output_attentions"):
+            raise ValueError("output_attentions=True is not supported under sequence parallelism")
+        if accepts_cache:
+            kwargs["use_cache"] = False
+        info = kwargs.get(SP_METADATA_KEY)
+        if not isinstance(info, SPBatchInfo):
+            raise ValueError(
+                f"the patched model needs the '{SP_METADATA_KEY}' entry of hf_longctx.shard_batch(batch, mesh): call "
+                "model(**shard_batch(batch, mesh)); for plain single-device use call hf_longctx.unpatch(model) first"
+            )
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ref = ids if ids is not None else kwargs.get("inputs_embeds")
+        if ref is None:
+            raise ValueError("the patched model needs input_ids or inputs_embeds")
+        if state.mesh.sp > 1:
+            _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, state.mesh)
+        state.calls = 0
+        return args, kwargs
+
+    return hook
+
+
+def _post_forward(state: _PatchState) -> Callable:
+    def hook(module, args, kwargs, output):
+        if state.calls != state.attention_layers:
+            raise RuntimeError(
+                f"only {state.calls} of {state.attention_layers} attention layers went through sequence-parallel "
+                "attention in this forward: this transformers release dispatches attention differently; "
+                "hf_longctx supports transformers >=5.23,<6"
+            )
+        return output
+
+    return hook
+
+
+def patch(
+    model: Any,
+    mesh: SPMesh,
+    *,
+    kv_offload: bool = False,
+    mlp_chunks: int | str | None = None,
+    loss_chunks: int | str | None = None,
+    checkpoint: bool = False,
+) -> Any:
+    """Make `model` (a PreTrainedModel or a PEFT model) sequence-parallel over `mesh`; returns it.
+
+    Call it on every rank. Afterwards call the model with `shard_batch(batch, mesh)`; each
+    rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
+    ones). Idempotent: patching again with the same mesh and options does nothing; with
+    different ones it re-patches. Raises (changing nothing) when SP cannot be exact.
+    """
+    if not isinstance(mesh, SPMesh):
+        raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
+    options = PatchOptions(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
+    hf = _hf_model(model)
+    old = hf.__dict__.get(_STATE_ATTR)
+    if old is not None:
+        if old.mesh == mesh and old.options == options:
+            return model
+        unpatch(model)
+    attention_iface, mask_iface = _interfaces()
+    _refuse(hf, mesh, options)
+
+    state = _PatchState(
+        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, attention_layers=len(_attention_modules(hf))
+    )
+    state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
+    attention_iface.register(state.name, _make_attention(state))
+    mask_iface.register(state.name, _mask_function)
+    hf.__dict__[_STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
+    try:
+        hf.set_attn_implementation(state.name)
+        stale = [type(cfg).__name__ for cfg, _ in state.saved_impls if cfg._attn_implementation != state.name]
+        if stale:
+            raise NotImplementedError(
+                f"transformers did not switch {', '.join(stale)} to sequence-parallel attention; "
+                f"hf_longctx supports {SUPPORTED}"
+            )
+        state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
+        state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))
+        if options.uses_memory_options:
+            from hf_longctx.integrations.memory import apply_memory_options
+
+            state.memory_undo = apply_memory_options(
+                hf, mesh, kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint
+            )
+    except BaseException:
+        unpatch(model)
+        raise
+    return model
+
+
+def unpatch(model: Any) -> Any:
+    """Undo `patch()` exactly: memory options, hooks, every config's attention implementation,
+    and both registrations. A no-op on a model that is not patched. Returns the model."""
+    hf = _hf_model(model)
+    state = hf.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return model
+    if state.memory_undo is not None:
+        state.memory_undo()
+    for handle in state.hooks:
+        handle.remove()
+    for cfg, original in state.saved_impls:
+        cfg._attn_implementation_internal = original
+    attention_iface, mask_iface = _interfaces()
+    attention_iface._global_mapping.pop(state.name, None)  # transformers has no public unregister
+    mask_iface._global_mapping.pop(state.name, None)
+    return model
+
+
+def is_patched(model: Any) -> bool:
+    """True while `model` is patched."""
+    return _STATE_ATTR in _hf_model(model).__dict__

@@ -1,0 +1,68 @@
+"""Loss and gradient reduction over the sequence-parallel world (DESIGN invariant 6).
+
+Where it sits: after `model(**shard)`. Each rank's `loss` is already
+(sum of ITS token losses) / num_items_in_batch, with num_items_in_batch the valid-target
+count of the whole step (all DP ranks, all micro-batches; `shard_batch` / the collator put
+it in the shard). Therefore:
+- the step's loss is the SUM of every rank's loss over every micro-batch -- never a mean;
+- backward on the local loss gives each rank its share of the gradient, and the
+  single-device gradient is the SUM of the shares over all ranks (SP and DP). Averaging
+  (DDP's default) divides it by the world size; all-reducing the loss inside the graph
+  multiplies it by the SP degree. Neither happens here: `global_loss` is detached and
+  `sum_gradients` sums. The FSDP plan sets its reduction to a sum for the same reason.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal
+
+import torch
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    if group is None:
+        return t
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)  # [] summed over the group
+    return t
+
+
+def global_loss(
+    loss: torch.Tensor | float, mesh, *, dp_reduce: Literal["sum", "mean", "none"] = "sum"
+) -> torch.Tensor:
+    """The step loss for logging: detached, identical on every rank. A collective.
+
+    `loss` is this rank's loss (summed over its micro-batches if there are several).
+    dp_reduce="sum" (default): every rank normalised by the step's GLOBAL count (the
+        collator's contract), so the step loss is the sum over SP and DP ranks.
+    dp_reduce="mean": each DP group normalised by its OWN count (a lone `shard_batch` per DP
+        group with the default count): the SP sum is each group's loss; report their mean.
+    dp_reduce="none": only the SP sum (this DP group's loss).
+    """
+    if dp_reduce not in ("sum", "mean", "none"):
+        raise ValueError(f"dp_reduce must be 'sum', 'mean' or 'none', got {dp_reduce!r}")
+    t = torch.as_tensor(loss).detach().clone().double()  # []: float64 so that summing many ranks adds no rounding
+    t = _all_reduce_sum(t, mesh.sp_group)  # []: this DP group's loss
+    if dp_reduce != "none" and mesh.dp > 1:
+        t = _all_reduce_sum(t, mesh.dp_group)  # []: summed over DP groups
+        if dp_reduce == "mean":
+            t = t / mesh.dp
+    return t
+
+
+def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh) -> None:
+    """SUM every parameter gradient over all ranks (SP and DP), in place.
+
+    For plain data/sequence parallel training without FSDP: afterwards every rank holds the
+    single-device gradient of the global mean loss. A collective; every rank must call it
+    with the same parameters in the same order (parameters without .grad are skipped on
+    every rank alike, since requires_grad and the graph are the same everywhere).
+    """
+    groups = [g for g in (mesh.sp_group, mesh.dp_group if mesh.dp > 1 else None) if g is not None]
+    for p in parameters:
+        if p.grad is None:
+            continue
+        for group in groups:
+            _all_reduce_sum(p.grad, group)

@@ -1,0 +1,213 @@
+"""patch() / unpatch() mechanics in one process (world-1 mesh), with real from_pretrained models.
+
+Covers: both registrations under a unique name per call and their removal; every config
+restored exactly; idempotence; PEFT before and after get_peft_model; eval forward; generate()
+after unpatch (identical tokens to a never-patched model); and every refusal of the issue
+(attention dropout, dynamic/longrope RoPE, models off the attention interface) raising at
+patch() time with the field to change, without touching the model. With one rank USP is the
+local kernel, so the patched logits equal HF's: fp32, 2 layers, rel 1e-5 (summation order of
+the CPU flash kernel vs sdpa only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from hf_longctx.data.sharding import gather_sequence, shard_batch
+from hf_longctx.distributed.mesh import init_sequence_parallel
+from hf_longctx.integrations.transformers import is_patched, patch, unpatch
+from tests.distributed.test_models import family_config, packed_batch, rel
+
+TOL = 1e-5
+
+
+def saved(tmp_path, config, name="m"):
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def load(path, **kw):
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return saved(tmp_path_factory.mktemp("llama"), family_config("llama"))
+
+
+@pytest.fixture
+def mesh():
+    return init_sequence_parallel()
+
+
+def our_names():
+    return {k for k in AttentionInterface._global_mapping if k.startswith("hf_longctx")}
+
+
+def test_patch_registers_switches_and_unpatch_restores_exactly(llama_path, mesh):
+    model = load(llama_path).train()
+    before_attn, before_mask = set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)
+    original = model.config._attn_implementation_internal
+    assert patch(model, mesh) is model and is_patched(model)
+    name = model.config._attn_implementation
+    assert name.startswith("hf_longctx") and name in AttentionInterface._global_mapping
+    assert name in AttentionMaskInterface._global_mapping  # without it HF silently drops masks
+    assert model.model.config._attn_implementation == name
+    unpatch(model)
+    assert not is_patched(model)
+    assert model.config._attn_implementation_internal == original
+    assert set(AttentionInterface._global_mapping) == before_attn
+    assert set(AttentionMaskInterface._global_mapping) == before_mask
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    unpatch(model)  # a second unpatch is a no-op
+
+
+def test_idempotent_and_unique_names(llama_path, mesh):
+    a, b = load(llama_path), load(llama_path)
+    patch(a, mesh)
+    name = a.config._attn_implementation
+    patch(a, mesh)
+    assert a.config._attn_implementation == name and len(a._forward_pre_hooks) == 1
+    patch(b, mesh)
+    assert b.config._attn_implementation != name  # one binding per call: no shared global state
+    patch(a, mesh, mlp_chunks=None, checkpoint=False)  # same options: still the same binding
+    assert a.config._attn_implementation == name
+    unpatch(a)
+    unpatch(b)
+    assert not our_names()
+
+
+def test_patched_forward_train_and_eval_match_hf(llama_path, mesh):
+    ref, model = load(llama_path).train(), patch(load(llama_path).train(), mesh)
+    batch = packed_batch()
+    ref_out = ref(**batch, use_cache=False)
+    shard = shard_batch(batch, mesh)
+    out = model(**shard)
+    assert out.past_key_values is None  # use_cache forced off
+    assert rel(out.loss, ref_out.loss) <= TOL
+    assert rel(gather_sequence(out.logits, shard, mesh), ref_out.logits) <= TOL
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        eval_shard = shard_batch({k: v for k, v in batch.items() if k != "labels"}, mesh)
+        logits = gather_sequence(model(**eval_shard).logits, eval_shard, mesh)
+        assert rel(logits, ref(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits) <= TOL
+    unpatch(model)
+
+
+def test_generate_refused_while_patched_and_identical_after_unpatch(llama_path, mesh):
+    model, fresh = load(llama_path).eval(), load(llama_path).eval()
+    prompt = torch.tensor([[5, 17, 42, 9]])
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    patch(model, mesh)
+    with pytest.raises(ValueError, match="unpatch"):
+        model.generate(prompt, **kw)
+    unpatch(model)
+    assert torch.equal(model.generate(prompt, **kw), fresh.generate(prompt, **kw))
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_peft_before_or_after_get_peft_model(llama_path, mesh, order):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    base = load(llama_path).train()
+    original = base.config._attn_implementation
+    model = get_peft_model(patch(base, mesh), cfg) if order == "before" else patch(get_peft_model(base, cfg), mesh)
+    assert is_patched(model) and base.config._attn_implementation.startswith("hf_longctx")
+    out = model(**shard_batch(packed_batch(), mesh))
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    unpatch(model)
+    assert base.config._attn_implementation == original and not our_names()
+
+
+# ---- refusals: at patch() time, with the field to change, model untouched -----------------
+
+
+def assert_refused(model, mesh, exc, *needles, **options):
+    before = (model.config._attn_implementation, set(AttentionInterface._global_mapping))
+    with pytest.raises(exc) as info:
+        patch(model, mesh, **options)
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in: {info.value}"
+    assert (model.config._attn_implementation, set(AttentionInterface._global_mapping)) == before
+    assert not is_patched(model)
+
+
+@pytest.mark.parametrize(
+    "family,field",
+    [("gpt2", "attn_pdrop"), ("gpt_bigcode", "attn_pdrop"), ("llama", "attention_dropout"), ("gpt_neox", "attention_dropout")],
+)
+def test_attention_dropout_refused_with_field_name(tmp_path, mesh, family, field):
+    config = family_config(family)
+    setattr(config, field, 0.1)  # GPT-2 and GPTBigCode default to 0.1
+    model = load(saved(tmp_path, config))
+    assert_refused(model, mesh, ValueError, f"{field} = 0.1", f"from_pretrained(path, {field}=0.0)")
+
+
+def test_gpt2_default_config_refused_and_fixed_by_loading_with_zero(tmp_path, mesh):
+    path = saved(tmp_path, tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    assert_refused(load(path), mesh, ValueError, "attn_pdrop = 0.1")
+    model = load(path, attn_pdrop=0.0)
+    patch(model, mesh)
+    unpatch(model)
+
+
+def test_dropout_changed_after_loading_is_still_refused(tmp_path, mesh):
+    config = family_config("gpt2")
+    config.attn_pdrop = 0.1
+    model = load(saved(tmp_path, config))
+    model.config.attn_pdrop = 0.0  # the built nn.Dropout still has p = 0.1
+    assert_refused(model, mesh, ValueError, "built with attention dropout 0.1")
+
+
+@pytest.mark.parametrize("rope", ["dynamic", "longrope"])
+def test_length_dependent_rope_refused(tmp_path, mesh, rope):
+    params = {"rope_type": rope, "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 32}
+    if rope == "longrope":
+        params.update(short_factor=[1.0] * 4, long_factor=[2.0] * 4)
+    config = family_config("llama")
+    config.rope_parameters = params
+    config.max_position_embeddings = 128
+    model = load(saved(tmp_path, config))
+    assert_refused(model, mesh, ValueError, f"rope_type '{rope}'", "static RoPE")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tf.GPTJConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, attn_pdrop=0.0),
+        tf.GPTNeoConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], attention_dropout=0.0),
+        tf.FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+    ],
+    ids=["gptj", "gptneo", "falcon"],
+)
+def test_models_off_the_attention_interface_refused(tmp_path, mesh, config):
+    model = load(saved(tmp_path, config))
+    assert_refused(model, mesh, NotImplementedError, type(model).__name__, "AttentionInterface", "Llama")
+
+
+def test_option_errors(llama_path, mesh):
+    model = load(llama_path)
+    assert_refused(model, mesh, ValueError, "fpdt_chunks=1", kv_offload=True)
+    assert_refused(model, mesh, ValueError, "mlp_chunks", mlp_chunks=0)
+    with pytest.raises(TypeError, match="SPMesh"):
+        patch(model, object())
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        patch(torch.nn.Linear(2, 2), mesh)
+
+
+def test_plain_call_without_shard_is_refused(llama_path, mesh):
+    model = patch(load(llama_path), mesh)
+    with pytest.raises(ValueError, match="shard_batch"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    shard = shard_batch(packed_batch(), mesh)
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(**shard, output_attentions=True)
+    unpatch(model)
