@@ -7,6 +7,7 @@ this SP rank's tokens → the `patch`ed model runs `usp_attention` (or FPDT) →
 normalised by the global token count and gradients are summed over ranks.
 """
 
+from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel
 from hf_longctx.data.packing import Piece, Plan, plan_microbatches
 from hf_longctx.data.pipeline import tokenize_dataset
@@ -19,6 +20,7 @@ from hf_longctx.ops.usp import usp_attention
 
 __all__ = [
     "CostModel",
+    "LongContextCollator",
     "Piece",
     "Plan",
     "SPMesh",

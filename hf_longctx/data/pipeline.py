@@ -13,9 +13,10 @@ must not be pre-packed into fixed blocks).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from datasets import Dataset, IterableDataset
+if TYPE_CHECKING:  # imported lazily: `import hf_longctx` must not pay for datasets
+    from datasets import Dataset, IterableDataset
 
 
 def tokenize_dataset(
@@ -36,6 +37,8 @@ def tokenize_dataset(
     `keep_columns` are removed; for an `IterableDataset` whose columns are unknown
     until read, only `text_column` can be removed. `num_proc` applies to `Dataset` only.
     """
+    from datasets import Dataset, IterableDataset
+
     if not isinstance(ds, (Dataset, IterableDataset)):
         raise ValueError(f"ds must be a datasets.Dataset or IterableDataset, got {type(ds).__name__}")
     if batch_size < 1:

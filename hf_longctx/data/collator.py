@@ -1,0 +1,205 @@
+"""The step collator: one step's global list of documents -> THIS rank's sharded micro-batches.
+
+Where it sits: after the step sampler (`data/sampler.py`) has drawn the same global list
+of documents on every rank, and before `model(**micro_batch)`. It chains the two data
+stages and adds no token layout of its own:
+1. `plan_microbatches` (`data/packing.py`) assigns the documents to DP ranks and
+   micro-batches by estimated cost -- the Hydraulis two-stage assignment (dispatch by
+   time T(l), then pack under the token cap) and the FlexSP appendix's micro-batch
+   chunking; every rank computes the same plan (DESIGN invariant 8) and keeps its own row;
+2. each micro-batch is packed exactly as `transformers.DataCollatorWithFlattening(
+   return_position_ids=True)` packs it and handed to `shard_batch` (`data/sharding.py`),
+   which shifts labels per document, pads, and gathers this SP rank's tokens (zigzag /
+   contiguous / FPDT rank-ordinal) -- so every layout `shard_batch` knows applies unchanged.
+
+Loss normalisation is global (DESIGN invariant 6): every micro-batch carries
+`num_items_in_batch` = the valid shifted targets of the WHOLE step (all pieces of all DP
+ranks), counted locally from the global list. Each rank's loss is then its share of the
+global mean, micro-batch losses and ranks add up (`sum_gradients`, `global_loss`), and
+gradients equal those of the mean loss over the global batch however unequal the token
+counts of ranks and micro-batches of a cost-balanced plan are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .cost import CostModel
+from .packing import Plan, plan_microbatches
+from .sharding import IGNORE_INDEX, shard_batch
+
+_MESH_ATTRS = ("dp", "dp_rank", "doc_multiple", "seq_multiple", "local_indices")
+
+
+class LongContextCollator:
+    """`collator(features)` -> this rank's micro-batches, each ready for `model(**mb)`.
+
+    `mesh`: the `SPMesh` of this rank (`init_sequence_parallel`). `max_tokens`: tokens one SP
+    group holds in one micro-batch, padding included (each SP rank holds max_tokens / sp).
+    `cost`, `strategy`, `overlong`, `seed`: passed to `plan_microbatches`; `overlong="split"`
+    trains the pieces of a long document as separate documents, `"truncate"` drops its tail.
+    `pad_token_id`: the id of padding tokens (they never carry loss).
+
+    Each feature is a mapping with `input_ids` (list or 1-D tensor: one document), optional
+    `features[label_key]` (HF's UNSHIFTED labels, -100 = ignored; default: the input ids)
+    and, when `loss_mask_key` is given, a 0/1 mask per token in the same unshifted convention
+    (0 = this token is never a target, e.g. a prompt). Other keys are ignored.
+
+    Every rank must call it with the same global list (the step sampler's). All ranks get
+    the same number of micro-batches; a slot the plan leaves empty (fewer documents than
+    slots) becomes one padding document without targets, so every rank runs the same
+    collectives. Sum the micro-batch losses' gradients (never divide by their number), then
+    `sum_gradients(model.parameters(), mesh)` or FSDP with a sum reduction.
+    """
+
+    def __init__(
+        self,
+        mesh: Any,
+        max_tokens: int,
+        cost: CostModel | None = None,
+        *,
+        strategy: str = "balanced",
+        overlong: str = "error",
+        seed: int = 0,
+        pad_token_id: int = 0,
+        label_key: str = "labels",
+        loss_mask_key: str | None = None,
+    ) -> None:
+        missing = [a for a in _MESH_ATTRS if not hasattr(mesh, a)]
+        if missing:
+            raise ValueError(f"mesh must be an SPMesh (init_sequence_parallel), got {type(mesh).__name__} without {missing}")
+        if not 0 <= mesh.dp_rank < mesh.dp:
+            raise ValueError(f"mesh.dp_rank ({mesh.dp_rank}) must lie in [0, dp={mesh.dp})")
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+            raise ValueError(f"pad_token_id must be a non-negative int, got {pad_token_id!r}")
+        if not isinstance(label_key, str) or not (loss_mask_key is None or isinstance(loss_mask_key, str)):
+            raise ValueError(f"label_key must be a str and loss_mask_key a str or None, got {label_key!r}, {loss_mask_key!r}")
+        self.mesh = mesh
+        self.max_tokens = max_tokens
+        self.cost = cost
+        self.strategy = strategy
+        self.overlong = overlong
+        self.seed = seed
+        self.pad_token_id = pad_token_id
+        self.label_key = label_key
+        self.loss_mask_key = loss_mask_key
+        self._plan_lengths([])  # a bad planner argument fails here, not at the first step
+        self.last_plan: Plan | None = None
+        self.last_num_items: int | None = None
+
+    # ---- planning ------------------------------------------------------------------------
+    def _plan_lengths(self, lengths: Sequence[int]) -> Plan:
+        return plan_microbatches(
+            lengths,
+            dp_size=self.mesh.dp,
+            max_tokens=self.max_tokens,
+            cost=self.cost,
+            seed=self.seed,
+            strategy=self.strategy,
+            overlong=self.overlong,
+            doc_multiple=self.mesh.doc_multiple,
+            seq_multiple=self.mesh.seq_multiple,
+        )
+
+    def plan(self, features: Sequence[Mapping[str, Any]]) -> Plan:
+        """The plan of this step (the same on every rank); `plan[mesh.dp_rank]` is ours."""
+        return self._plan_lengths([len(ids) for ids, _ in self._documents(features)])
+
+    @property
+    def stats(self) -> dict[str, float] | None:
+        """Balance of the last step's plan (`Plan.stats` under `cost`) and its global target
+        count, for logging; None before the first call."""
+        if self.last_plan is None:
+            return None
+        return {**self.last_plan.stats(self.cost), "num_items_in_batch": self.last_num_items}
+
+    # ---- features ------------------------------------------------------------------------
+    def _documents(self, features: Sequence[Mapping[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids [L], unshifted labels [L]) per feature, int64, loss mask applied."""
+        if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
+            raise ValueError(
+                f"features must be a non-empty list of per-document mappings, got {type(features).__name__}"
+                + (" (already collated? pass the list of documents)" if isinstance(features, Mapping) else "")
+            )
+        docs = []
+        for i, feat in enumerate(features):
+            if not isinstance(feat, Mapping) or "input_ids" not in feat:
+                raise ValueError(f"feature {i} must be a mapping with 'input_ids', got {type(feat).__name__}")
+            ids = self._vector(i, "input_ids", feat["input_ids"])
+            if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                raise ValueError(f"feature {i}: input_ids must be integers, got dtype {ids.dtype}")
+            ids = ids.long()
+            labels = ids
+            if feat.get(self.label_key) is not None:
+                labels = self._vector(i, self.label_key, feat[self.label_key], len(ids)).long()
+            if self.loss_mask_key is not None:
+                if feat.get(self.loss_mask_key) is None:
+                    raise ValueError(f"feature {i} has no '{self.loss_mask_key}' (loss_mask_key); keys: {sorted(feat)[:8]}")
+                mask = self._vector(i, self.loss_mask_key, feat[self.loss_mask_key], len(ids))
+                bad = ((mask != 0) & (mask != 1)).nonzero()
+                if len(bad):
+                    j = int(bad[0, 0])
+                    raise ValueError(f"feature {i}: '{self.loss_mask_key}' must be 0/1, token {j} has {mask[j].item()!r}")
+                labels = torch.where(mask.bool(), labels, IGNORE_INDEX)
+            docs.append((ids, labels))
+        return docs
+
+    @staticmethod
+    def _vector(i: int, key: str, value: Any, length: int | None = None) -> torch.Tensor:
+        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        if t.numel() == 0 and not isinstance(value, torch.Tensor):
+            t = t.long()  # [] would be float32; let the planner name the empty document
+        if t.dim() != 1:
+            raise ValueError(f"feature {i}: '{key}' must be 1-D (one document per feature), got shape {tuple(t.shape)}")
+        if length is not None and len(t) != length:
+            raise ValueError(f"feature {i}: '{key}' has {len(t)} entries but input_ids has {length}")
+        return t
+
+    # ---- packing -------------------------------------------------------------------------
+    def _pack(self, docs: list[tuple[torch.Tensor, torch.Tensor]], plan: Plan, piece_ids: list[int]) -> dict:
+        """One micro-batch as DataCollatorWithFlattening(return_position_ids=True) packs it:
+        [1, S] input_ids, labels (-100 at each document's first token), restarting positions."""
+        if not piece_ids:
+            # An empty slot: one padding token without a target; shard_batch pads it to the
+            # layout multiples, so this rank still joins every collective of the step.
+            return {
+                "input_ids": torch.tensor([[self.pad_token_id]]),
+                "labels": torch.tensor([[IGNORE_INDEX]]),
+                "position_ids": torch.tensor([[0]]),
+            }
+        ids, labels, positions = [], [], []
+        for p in piece_ids:
+            piece = plan.pieces[p]
+            doc_ids, doc_labels = docs[piece.doc]
+            ids.append(doc_ids[piece.start : piece.end])
+            lab = doc_labels[piece.start : piece.end].clone()
+            lab[0] = IGNORE_INDEX  # HF's separator: no target crosses into this piece
+            labels.append(lab)
+            positions.append(torch.arange(piece.length))  # a split piece is its own document
+        return {
+            "input_ids": torch.cat(ids)[None],  # [1, S]
+            "labels": torch.cat(labels)[None],  # [1, S] unshifted
+            "position_ids": torch.cat(positions)[None],  # [1, S]
+        }
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        docs = self._documents(features)
+        plan = self._plan_lengths([len(ids) for ids, _ in docs])
+        # Valid targets of the whole step: within each piece, token t predicts label t+1
+        # (shard_batch's per-document shift), so labels [start+1, end) count.
+        num_items = sum(
+            int((docs[p.doc][1][p.start + 1 : p.end] != IGNORE_INDEX).sum()) for p in plan.pieces
+        )
+        if num_items == 0:
+            raise ValueError(
+                f"the step's {len(docs)} document(s) have no valid target after the per-document shift "
+                f"(lengths {[len(d[0]) for d in docs][:8]}): every label is -100, masked, or a document has 1 token"
+            )
+        out = [
+            shard_batch(self._pack(docs, plan, mb), self.mesh, num_items, pad_token_id=self.pad_token_id)
+            for mb in plan[self.mesh.dp_rank]
+        ]
+        self.last_plan, self.last_num_items = plan, num_items
+        return out
