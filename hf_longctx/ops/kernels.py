@@ -160,7 +160,10 @@ def math_forward(q, k, v, *, scale: float, causal: bool, mask: torch.Tensor | No
     return out, lse
 
 
-def math_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None):
+def math_backward(
+    dout, q, k, v, out, lse, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None,
+    grad_dtype: torch.dtype | None = None,
+):
     """Gradients of this tile given the final out/lse; same contract as `block_backward`."""
     _check(q, k, v, mask)
     b, h, sq, d = q.shape
@@ -169,7 +172,7 @@ def math_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mask: 
     q5, do5, o5 = (x.unflatten(1, (hkv, g)) for x in (q, dout, out))  # [B, H_kv, G, Sq, D]
     safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf")).to(acc).unflatten(1, (hkv, g))  # [B, H_kv, G, Sq]
     kc, vc = k.to(acc), v.to(acc)
-    dq = torch.empty_like(q)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)  # cast once at the end, not per row chunk
     dq5 = dq.unflatten(1, (hkv, g))
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -184,10 +187,10 @@ def math_backward(dout, q, k, v, out, lse, *, scale: float, causal: bool, mask: 
         ds = p * (dp - (doc * oc).sum(-1, keepdim=True))
         if t is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²
             ds = ds * (1 - t * t)
-        dq5[..., lo:hi, :] = ((ds @ kc.unsqueeze(2)) * scale).to(q.dtype)  # [B, H_kv, G, rows, D]
+        dq5[..., lo:hi, :] = (ds @ kc.unsqueeze(2)) * scale  # [B, H_kv, G, rows, D]
         dk += (ds.transpose(-1, -2) @ qc).sum(2) * scale  # [B, H_kv, Sk, D], summed over G
         dv += (p.transpose(-1, -2) @ doc).sum(2)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(grad_dtype or q.dtype), dk.to(grad_dtype or k.dtype), dv.to(grad_dtype or v.dtype)
 
 
 def _flash_forward(q, k, v, *, scale, causal, softcap):  # UNVERIFIED: needs a GPU with flash-attn >= 2.7
@@ -235,17 +238,27 @@ def block_forward(
 def block_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq [B, H, Sq, D], dk, dv [B, H_kv, Sk, D]) of this tile's share, given the FINAL out/lse."""
+    """(dq [B, H, Sq, D], dk, dv [B, H_kv, Sk, D]) of this tile's share, given the FINAL out/lse.
+
+    Gradients come in `grad_dtype` (default: the inputs' dtype). Callers that sum tiles
+    (ring, FPDT) ask for float32 so a bf16 gradient is rounded once, at the very end; the
+    fused ops round their own output, the math kernel does not have to.
+    """
     _check(q, k, v, mask)
     if q.shape[2] == 0 or k.shape[2] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return tuple(torch.zeros(t.shape, dtype=grad_dtype or t.dtype, device=t.device) for t in (q, k, v))
     backend = _backend(q, causal, mask, softcap, k.shape[2])
     if backend == "aten":
-        return _aten_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
-    if backend == "flash":
-        return _flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, softcap=softcap)
-    return math_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap)
+        grads = _aten_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
+    elif backend == "flash":
+        grads = _flash_backward(dout, q, k, v, out, lse, scale=scale, causal=causal, softcap=softcap)
+    else:
+        return math_backward(
+            dout, q, k, v, out, lse, scale=scale, causal=causal, mask=mask, softcap=softcap, grad_dtype=grad_dtype
+        )
+    return grads if grad_dtype is None else tuple(g.to(grad_dtype) for g in grads)
 
 
 def _check_runs(x: torch.Tensor, runs: Sequence[Run], name: str) -> None:
@@ -329,9 +342,11 @@ def varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq [B, H, Sq, D], dk, dv [B, H_kv, Sk, D]) of the attention of q over
-    THESE keys, given the final out/lse (merged over every key block the caller holds)."""
+    THESE keys, given the final out/lse (merged over every key block the caller holds).
+    `grad_dtype` as in `block_backward`: float32 for callers that keep summing."""
     _check(q, k, v)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError(
@@ -341,8 +356,11 @@ def varlen_backward(
     blocks, masks = _plan(q, k, q_runs, k_runs, causal, window)
     bwd = dict(scale=scale, softcap=softcap)
     if _whole(blocks, q, k):
-        return block_backward(dout, q, k, v, out, lse, causal=blocks[0].kind == "causal", mask=masks[0], **bwd)
+        return block_backward(
+            dout, q, k, v, out, lse, causal=blocks[0].kind == "causal", mask=masks[0], grad_dtype=grad_dtype, **bwd
+        )
     hkv, k_in, v_in = k.shape[1], k, v
+    acc = _acc_dtype(q.dtype)
     if _backend(q, causal, None, softcap, k.shape[2]) == "aten":
         k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     dqs, dks, dvs = {}, {}, {}
@@ -350,17 +368,16 @@ def varlen_backward(
         qs, ks = slice(b.q_lo, b.q_hi), slice(b.k_lo, b.k_hi)
         gq, gk, gv = block_backward(
             dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out[:, :, qs], lse[:, :, qs],
-            causal=b.kind == "causal", mask=m, **bwd,
-        )
+            causal=b.kind == "causal", mask=m, grad_dtype=acc, **bwd,
+        )  # tiles stay in the accumulation dtype until they are summed
         dqs.setdefault((b.q_lo, b.q_hi), []).append(gq)
         dks.setdefault((b.k_lo, b.k_hi), []).append(gk)
         dvs.setdefault((b.k_lo, b.k_hi), []).append(gv)
-    # With GQA heads still expanded, keep dk/dv in float32 until the head sum: one rounding.
-    kv_dtype = k_in.dtype if k.shape[1] == hkv else _acc_dtype(k.dtype)
-    dq = _assemble({r: _summed(p) for r, p in dqs.items()}, q.shape, q.dtype, q.device, 0.0)
-    dk = _assemble({r: _summed(p) for r, p in dks.items()}, k.shape, kv_dtype, k.device, 0.0)  # [B, H(_kv), Sk, D]
-    dv = _assemble({r: _summed(p) for r, p in dvs.items()}, v.shape, kv_dtype, v.device, 0.0)
-    return dq, _reduce_kv(dk, hkv, k_in.dtype), _reduce_kv(dv, hkv, v_in.dtype)
+    # Sums of tiles and of GQA heads stay in the accumulation dtype: one rounding at the end.
+    dq = _assemble({r: _summed(p) for r, p in dqs.items()}, q.shape, grad_dtype or q.dtype, q.device, 0.0)
+    dk = _assemble({r: _summed(p) for r, p in dks.items()}, k.shape, acc, k.device, 0.0)  # [B, H(_kv), Sk, D]
+    dv = _assemble({r: _summed(p) for r, p in dvs.items()}, v.shape, acc, v.device, 0.0)
+    return dq, _reduce_kv(dk, hkv, grad_dtype or k_in.dtype), _reduce_kv(dv, hkv, grad_dtype or v_in.dtype)
 
 
 class LocalAttention(torch.autograd.Function):

@@ -43,6 +43,11 @@ class RingSpec:
         return RingExchanger(self.group, self.next_rank, self.prev_rank, tag=tag)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulators: float32, or float64 so float64 references stay exact."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).contiguous()  # [2, B, H_kv, S_ring, D]: one message per hop
 
@@ -50,8 +55,8 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
     """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse [B, H, S_ring]."""
     q_runs = spec.runs(spec.ring_rank)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.zeros(q.shape, dtype=_acc(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q.dtype), device=q.device)
     kv = _pack(k, v)
     ex = spec.exchanger(tag=0)
     for step in range(spec.ring):
@@ -72,7 +77,8 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
 def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
     """Gradients of `ring_forward` from the final out/lse; dk/dv travel with their block."""
     q_runs = spec.runs(spec.ring_rank)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = _acc(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = _pack(k, v)
     kv_ex, dkv_ex = spec.exchanger(tag=0), spec.exchanger(tag=1)
     for step in range(spec.ring):
@@ -81,10 +87,11 @@ def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, win
         src = (spec.ring_rank - step) % spec.ring
         k_runs = spec.runs(src)
         # dK/dV of block `src` accumulated by the ranks it already visited (zeros on its owner).
-        dkv = dkv_ex.wait() if step > 0 else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv = dkv_ex.wait() if step > 0 else torch.zeros(kv.shape, dtype=acc, device=kv.device)
         if blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window):
             b_dq, b_dk, b_dv = kernels.varlen_backward(
-                dout, q, kv[0], kv[1], out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap
+                dout, q, kv[0], kv[1], out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap,
+                grad_dtype=acc,
             )
             dq += b_dq
             dkv[0] += b_dk
