@@ -20,8 +20,11 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(PY) -m pytest -q --durations=15
 
+# The main job: a small Llama trained on 4 CPU ranks (Ulysses 2 x ring 2, FSDP2 over all 4)
+# on the Python standard library's own source; DEMO_ARGS=--steps 8 for a shorter run.
+DEMO_ARGS ?=
 demo: setup
-	$(PY) -m torch.distributed.run --nproc-per-node 4 recipes/attention_demo.py
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/demo.py $(DEMO_ARGS)
 
 bench: setup
 	$(PY) benchmarks/attention.py

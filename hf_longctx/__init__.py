@@ -14,17 +14,22 @@ from hf_longctx.data.pipeline import tokenize_dataset
 from hf_longctx.data.sampler import StepSampler, group_stream
 from hf_longctx.data.sharding import gather_sequence, shard_batch
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
+from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch, unpatch
 from hf_longctx.loss import global_loss, sum_gradients
 from hf_longctx.ops.usp import usp_attention
+from hf_longctx.training import TrainConfig, train
 
 __all__ = [
     "CostModel",
+    "FSDPPlan",
     "LongContextCollator",
     "Piece",
     "Plan",
     "SPMesh",
     "StepSampler",
+    "TrainConfig",
+    "fsdp_plan",
     "gather_sequence",
     "global_loss",
     "group_stream",
@@ -35,6 +40,7 @@ __all__ = [
     "shard_batch",
     "sum_gradients",
     "tokenize_dataset",
+    "train",
     "unpatch",
     "usp_attention",
 ]

@@ -1,0 +1,153 @@
+"""CPU demo: a small Llama trained with Ulysses 2 × ring 2 on the Python standard library's source.
+
+Run (what `make demo` does):
+    accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/demo.py
+or  torchrun --nproc-per-node 4 recipes/demo.py
+
+Everything is local, nothing comes from a hub: the corpus is the `.py` files of this
+Python's own standard library (read with `datasets`), the tokenizer a byte-level BPE
+trained on them in seconds with `tokenizers`, the model a small Llama built from a config,
+saved with `save_pretrained` and loaded back with `from_pretrained` -- the path a real
+checkpoint takes. Then the shared loop of `hf_longctx.training` runs: step sampler → cost-
+balanced plan → USP-sharded micro-batches → FSDP2 over all 4 ranks. Rank 0 prints, per
+step, loss, tokens/s and the plan's balance (synced step / ideal), and a summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sysconfig
+import time
+
+import torch
+
+from hf_longctx.data.pipeline import tokenize_dataset
+from hf_longctx.training.launch import describe, setup_distributed
+from hf_longctx.training.loop import TrainConfig, train
+
+EOS = "<|endoftext|>"
+SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3", "turtledemo"}
+
+
+def stdlib_files(limit: int, min_bytes: int, max_bytes: int) -> list[str]:
+    """The first `limit` stdlib `.py` files (sorted walk) of min_bytes..max_bytes: every
+    rank lists the same files in the same order."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS)
+        for f in sorted(files):
+            p = os.path.join(d, f)
+            if f.endswith(".py") and min_bytes <= os.path.getsize(p) <= max_bytes:
+                out.append(p)
+                if len(out) == limit:
+                    return out
+    return out
+
+
+def load_corpus(files: list[str]):
+    from datasets import Dataset
+
+    texts = []
+    for p in files:
+        with open(p, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+    return Dataset.from_dict({"text": texts, "path": files})
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, path: str):
+    """A byte-level BPE trained on the corpus (rank 0), saved, then loaded by every rank."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS)
+    tok.save_pretrained(path)
+
+
+def build_model(vocab_size: int, path: str, args) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ulysses", type=int, default=2)
+    p.add_argument("--ring", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--files", type=int, default=240, help="stdlib files in the corpus")
+    p.add_argument("--max-file-bytes", type=int, default=12000)
+    p.add_argument("--tokens-per-step", type=int, default=6144, help="global tokens per optimizer step")
+    p.add_argument("--max-tokens", type=int, default=1536, help="tokens per micro-batch of one SP group")
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may block (dead rank)")
+    p.add_argument("--output-dir", default="runs/demo")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--no-bar", action="store_true", help="plain per-step lines only (CI logs)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # 4 ranks share the cores: more threads per rank only thrash
+    t0 = time.perf_counter()
+    accelerator, mesh = setup_distributed(ulysses=args.ulysses, ring=args.ring, timeout_s=args.timeout, seed=args.seed)
+    say = accelerator.print
+    say(describe(accelerator, mesh))
+
+    files = stdlib_files(args.files, 200, args.max_file_bytes)
+    raw = load_corpus(files)
+    tok_path, model_path = os.path.join(args.output_dir, "tokenizer"), os.path.join(args.output_dir, "model")
+    with accelerator.main_process_first():  # rank 0 builds and saves; the others then load
+        if accelerator.is_main_process:
+            build_tokenizer(raw["text"], args.vocab, tok_path)
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_path)
+        if accelerator.is_main_process:
+            build_model(len(tokenizer), model_path, args)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    data = tokenize_dataset(raw, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    lengths = data["length"]
+    say(
+        f"corpus: {len(files)} stdlib files, {sum(lengths)} tokens (documents of {min(lengths)}..{max(lengths)} tokens); "
+        f"tokenizer: byte-level BPE, {len(tokenizer)} ids; model: Llama {args.layers}x{args.hidden}, {n_params / 1e6:.2f}M params"
+    )
+    config = TrainConfig(
+        steps=args.steps, tokens_per_step=args.tokens_per_step, max_tokens=args.max_tokens, lr=args.lr,
+        warmup_steps=max(1, args.steps // 10), seed=args.seed, mixed_precision="fp32",  # CPU: bf16 matmuls are slow
+        output_dir=os.path.join(args.output_dir, "checkpoints") if args.save_every else None,
+        save_every=args.save_every, resume=False, progress_bar=not args.no_bar,
+    )
+    result = train(model, data, mesh, config, pad_token_id=tokenizer.eos_token_id)
+    recs = result.records
+    summary = {
+        "loss_first": recs[0].loss, "loss_last": recs[-1].loss, "tokens": result.tokens, "train_s": result.wall_s,
+        "wall_s": time.perf_counter() - t0, "tokens_per_s": result.tokens / result.wall_s,
+        "balance_mean": sum(r.balance or 1.0 for r in recs) / len(recs),
+        "microbatches_mean": sum(r.microbatches for r in recs) / len(recs),
+    }
+    say(
+        f"summary: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {len(recs)} steps | "
+        f"{summary['tokens']} tokens in {summary['train_s']:.1f}s = {summary['tokens_per_s']:.0f} tok/s | "
+        f"plan synced/ideal mean {summary['balance_mean']:.3f}, {summary['microbatches_mean']:.1f} micro-batches/step | "
+        f"wall time {summary['wall_s']:.1f}s"
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""FSDP2 plan on gloo (4 ranks, DP 2 × SP 2): one optimizer step equals the single-process step.
+
+The sharded run: a patched tiny Llama, `fsdp_plan(...).apply` (ZeRO-3 over the whole world,
+sum reduction), two micro-batches per DP rank with gradient sync only on the last one, each
+normalised by the step's GLOBAL valid-target count (invariant 6), then one SGD step. The
+reference: the unpatched model in one process on ONE packed batch of all the step's
+documents (the global mean loss), same SGD step. Parameters after the step must agree.
+
+SGD, not Adam: Adam's first step is ~lr·sign(g) and would hide a gradient scaled by the
+world size (FSDP's default average); with SGD an average instead of a sum leaves the update
+4× too small (relative error 0.75). Tolerance: the update lr·g is compared relative to its
+largest entry at 1e-4, the gradient tolerance of tests/distributed/test_models.py (fp32,
+summation order differs between ring/Ulysses partial sums and one dense softmax).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_models import load, packed_batch, rel, save_family
+from tests.pool import worker_mesh
+
+UPDATE_TOL = 1e-4
+LR = 0.5
+DP_DOCS = [[[9, 17], [6]], [[21], [5, 11]]]  # DP rank -> micro-batches -> document lengths
+
+
+def _all_docs():
+    return [n for rank in DP_DOCS for mb in rank for n in mb]
+
+
+def _step_batches(seed: int = 3):
+    """Token ids of every document, drawn once so both runs see the same data."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (n,), generator=g).tolist() for n in _all_docs()]
+
+
+def _flat(docs):
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_position_ids=True, return_tensors="pt")([{"input_ids": d} for d in docs])
+
+
+def _reference_update(path: str) -> dict[str, torch.Tensor]:
+    model = load(path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(**_flat(_step_batches()), use_cache=False).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+def _fsdp_step(path: str, mixed_precision: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.transformers import patch
+
+    mesh = worker_mesh(2, 1)  # ulysses 2 × ring 1 → dp 2
+    ref = _reference_update(path)
+    model = patch(load(path), mesh)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = fsdp_plan(model, mesh, mixed_precision=mixed_precision)
+    plan.apply(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    docs, k = _step_batches(), 0
+    by_rank = []
+    for rank in DP_DOCS:
+        mbs = []
+        for mb in rank:
+            mbs.append(docs[k : k + len(mb)])
+            k += len(mb)
+        by_rank.append(mbs)
+    total = sum(len(d) - 1 for d in docs)  # valid shifted targets of the whole step
+    mine = by_rank[mesh.dp_rank]
+    for i, mb in enumerate(mine):
+        model.set_requires_gradient_sync(i == len(mine) - 1)
+        model(**shard_batch(_flat(mb), mesh, num_items_in_batch=total)).loss.backward()
+    opt.step()
+
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    local_numel = sum(p.to_local().numel() for p in model.parameters())
+    full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    errs = {n: rel(full[n] - before[n], ref[n]) for n in ref}
+    return {"sharded": sharded, "local_numel": local_numel, "numel": sum(t.numel() for t in full.values()), "errs": errs,
+            "units": sum(1 for _ in plan.layer_classes)}
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return save_family("llama", tmp_path_factory.mktemp("fsdp"))
+
+
+def test_fsdp_step_equals_single_process(pools, llama_path):
+    results = pools.get(4).run(_fsdp_step, llama_path, "fp32", timeout=240)
+    for rank, res in enumerate(results):
+        assert res["sharded"], f"rank {rank}: parameters are not DTensors, the model was not sharded"
+        # ZeRO-3 over all 4 ranks: each holds about a quarter (dim-0 shards round up).
+        assert res["local_numel"] <= res["numel"] / 4 + 256, f"rank {rank}: holds {res['local_numel']} of {res['numel']}"
+        worst = max(res["errs"], key=res["errs"].get)
+        assert res["errs"][worst] <= UPDATE_TOL, f"rank {rank}: {worst} update rel err {res['errs'][worst]:.2e}"
+
+
+def test_plan_fields_and_errors(llama_path):
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from hf_longctx.distributed.mesh import SPMesh
+    from hf_longctx.integrations.accelerate import fsdp_plan
+
+    model = load(llama_path)
+    mesh = SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
+    plan = fsdp_plan(model, mesh, param_offload=True)
+    assert [c.__name__ for c in plan.layer_classes] == ["LlamaDecoderLayer"]
+    assert isinstance(plan.plugin, FullyShardedDataParallelPlugin) and plan.plugin.fsdp_version == 2
+    assert plan.plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert plan.plugin.reshard_after_forward is True and not plan.plugin.activation_checkpointing
+    assert plan.plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+    assert plan.plugin.mixed_precision_policy.reduce_dtype == torch.float32
+    assert plan.gradient_reduction == "sum" and plan.gradient_divide_factor == 1.0
+    assert plan.device_mesh is None and plan.apply(model) is model  # one process: nothing to shard
+    with pytest.raises(ValueError, match="mixed_precision"):
+        fsdp_plan(model, mesh, mixed_precision="fp16")
