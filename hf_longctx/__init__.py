@@ -12,7 +12,8 @@ from hf_longctx.data.cost import CostModel
 from hf_longctx.data.packing import Piece, Plan, plan_microbatches
 from hf_longctx.data.pipeline import tokenize_dataset
 from hf_longctx.data.sampler import StepSampler, group_stream
-from hf_longctx.data.sharding import gather_sequence, shard_batch
+from hf_longctx.data.sharding import shard_batch
+from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch, unpatch

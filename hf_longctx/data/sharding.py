@@ -17,8 +17,8 @@ The shard carries ONE attention-metadata entry (`SP_METADATA_KEY`): the global d
 boundaries that the attention of `integrations/transformers.py` builds its mask from --
 never from HF's mask, which HF builds at the local shard length.
 
-Pure tensor code, no process group, except `gather_sequence` (evaluation only), which
-all-gathers over the SP group.
+Pure tensor code, no process group; the inverse for evaluation outputs, which needs an
+all-gather over the SP group, is `distributed/gather.py`.
 """
 
 from __future__ import annotations
@@ -240,39 +240,3 @@ def shard_batch(
         fingerprint=_fingerprint(input_ids, cu),
     )
     return shard
-
-
-def gather_sequence(local: torch.Tensor, shard: Mapping[str, Any], mesh) -> torch.Tensor:
-    """Inverse of `shard_batch` for a per-token output (logits, hidden states; evaluation).
-
-    local [B, S_local, ...] on every SP rank -> [B, S, ...] in the global order of the user's
-    ORIGINAL batch, padding removed. Not differentiable. A collective over the SP group: every
-    SP rank must call it.
-    """
-    info = shard[SP_METADATA_KEY]
-    b, s_local = local.shape[:2]
-    if b != info.rows or s_local * mesh.sp != info.padded_length:
-        raise ValueError(
-            f"local tensor of shape {tuple(local.shape)} does not match the shard: expected B = {info.rows} and "
-            f"S_local = {info.padded_length} / sp({mesh.sp}) = {info.padded_length // mesh.sp}"
-        )
-    local = local.detach().contiguous()
-    if mesh.sp_group is None or mesh.sp == 1:
-        pieces = [local]
-    else:
-        import torch.distributed as dist  # the one collective of data/: evaluation-time inverse only
-
-        pieces = [torch.empty_like(local) for _ in range(mesh.sp)]
-        dist.all_gather(pieces, local, group=mesh.sp_group)  # SP-group rank j = ring_rank·U + ulysses_rank
-    full = local.new_empty((b, info.padded_length, *local.shape[2:]))  # [B, S_pad, ...]
-    for j, piece in enumerate(pieces):
-        idx = layout.local_indices(
-            info.cu_seqlens,
-            ring=mesh.ring,
-            ulysses=mesh.ulysses,
-            ring_rank=j // mesh.ulysses,
-            ulysses_rank=j % mesh.ulysses,
-            fpdt_chunks=mesh.fpdt_chunks,
-        )
-        full[:, idx] = piece
-    return full[:, info.source_positions()]  # [B, S, ...]

@@ -17,7 +17,8 @@ import transformers as tf
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from hf_longctx.data.sharding import gather_sequence, shard_batch
+from hf_longctx.data.sharding import shard_batch
+from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.mesh import init_sequence_parallel
 from hf_longctx.integrations.transformers import is_patched, patch, unpatch
 from tests.distributed.test_models import family_config, packed_batch, rel

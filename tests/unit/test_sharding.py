@@ -14,7 +14,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import DataCollatorWithFlattening
 
-from hf_longctx.data.sharding import SP_METADATA_KEY, gather_sequence, shard_batch
+from hf_longctx.data.sharding import SP_METADATA_KEY, shard_batch
+from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.mesh import SPMesh
 
 MESHES = [(1, 1, 1), (2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 3)]  # (ulysses, ring, fpdt_chunks)
