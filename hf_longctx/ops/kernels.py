@@ -14,7 +14,7 @@ Kernels: CPU uses the aten flash op pair `_scaled_dot_product_flash_attention_fo
 dtype (a bool mask errors in forward and is misread in backward); the causal flag is
 top-left aligned, so only square diagonal tiles use it; a fully masked row returns
 lse = 0 (fixed to -inf here); a row with lse = -inf makes its backward NaN, so -inf is
-passed as +inf, which zeroes P. A pure-torch math kernel, chunked over query rows so
+passed as +inf, which zeroes P. The pure-torch math kernel of `ops/math_kernel.py`, chunked over query rows so
 memory stays bounded, handles softcap (Gemma2) and any device/dtype without a fast op.
 CUDA uses flash-attn's private forward/backward when `_compat.has_flash_attn()`, else
 the math kernel: that branch is UNVERIFIED (no GPU was available when it was written).
@@ -33,26 +33,10 @@ from hf_longctx import _compat
 from hf_longctx.data.layout import Run
 from hf_longctx.ops.blocks import block_mask, plan_blocks
 from hf_longctx.ops.lse import merge
-
-_NEG_INF = float("-inf")
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D [B, H, S, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    b, h, sq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or k.shape[1] < 1 or h % k.shape[1]:
-        raise ValueError(
-            f"k/v must be [B={b}, H_kv, Sk, D={d}] with H={h} divisible by H_kv and k.shape == v.shape, "
-            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (sq, k.shape[2])):
-        raise ValueError(f"mask must be bool [Sq={sq}, Sk={k.shape[2]}], got {mask.dtype} {tuple(mask.shape)}")
-
+from hf_longctx.ops.math_kernel import NEG_INF as _NEG_INF
+from hf_longctx.ops.math_kernel import acc_dtype as _acc_dtype
+from hf_longctx.ops.math_kernel import check_tile as _check
+from hf_longctx.ops.math_kernel import math_backward, math_forward
 
 def _expand_kv(x: torch.Tensor, h: int) -> torch.Tensor:
     """[B, H_kv, S, D] -> [B, H, S, D], query head h reading kv head h // (H / H_kv) as HF's repeat_kv."""
@@ -112,85 +96,6 @@ def _aten_backward(dout, q, k, v, out, lse, *, scale, causal, mask):
         dout, q, _expand_kv(k, h), _expand_kv(v, h), out, safe_lse, 0.0, is_causal, attn_mask=bias, scale=scale
     )
     return dq, _reduce_kv(dk, hkv, k.dtype), _reduce_kv(dv, hkv, v.dtype)
-
-
-def _math_chunk_allowed(lo: int, hi: int, sk: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Tensor | None:
-    allowed = None if mask is None else mask[lo:hi]
-    if causal:  # top-left aligned, like the aten op
-        tri = torch.arange(lo, hi, device=device)[:, None] >= torch.arange(sk, device=device)[None, :]
-        allowed = tri if allowed is None else allowed & tri
-    return allowed  # [rows, Sk] or None
-
-
-def _math_rows(q: torch.Tensor, sk: int, budget: int = 1 << 22) -> int:
-    """Query rows per chunk so that one score tile holds about `budget` elements."""
-    return max(1, budget // max(1, q.shape[0] * q.shape[1] * sk))
-
-
-def _math_scores(q5c, k, *, scale, softcap, allowed):
-    """Scores of a chunk: [B, H_kv, G, rows, Sk] and tanh(s / softcap) (None without softcap)."""
-    s = q5c @ k.unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, rows, D] @ [B, H_kv, 1, D, Sk]
-    t = None
-    if softcap is not None:
-        t = torch.tanh(s / softcap)
-        s = softcap * t
-    if allowed is not None:
-        s = s.masked_fill(~allowed, _NEG_INF)
-    return s, t
-
-
-def math_forward(q, k, v, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None):
-    """Reference-grade blockwise kernel in float32 (float64 for float64 inputs); same contract as `block_forward`."""
-    _check(q, k, v, mask)
-    b, h, sq, d = q.shape
-    hkv, sk, acc = k.shape[1], k.shape[2], _acc_dtype(q.dtype)
-    q5 = q.unflatten(1, (hkv, h // hkv))  # [B, H_kv, G, Sq, D]: GQA by broadcasting, no kv copy
-    kc, vc = k.to(acc), v.to(acc)
-    out, lse = torch.empty_like(q), q.new_empty((b, h, sq), dtype=acc)
-    out5, lse5 = out.unflatten(1, (hkv, h // hkv)), lse.unflatten(1, (hkv, h // hkv))  # views [B, H_kv, G, ...]
-    step = _math_rows(q, sk)
-    for lo in range(0, sq, step):
-        hi = min(sq, lo + step)
-        allowed = _math_chunk_allowed(lo, hi, sk, causal, mask, q.device)
-        s, _ = _math_scores(q5[..., lo:hi, :].to(acc), kc, scale=scale, softcap=softcap, allowed=allowed)
-        l = torch.logsumexp(s, -1)  # [B, H_kv, G, rows]; -inf for a row with no key
-        p = torch.exp(s - l.masked_fill(torch.isneginf(l), 0.0).unsqueeze(-1))
-        out5[..., lo:hi, :] = (p @ vc.unsqueeze(2)).to(q.dtype)  # [B, H_kv, G, rows, D]
-        lse5[..., lo:hi] = l
-    return out, lse
-
-
-def math_backward(
-    dout, q, k, v, out, lse, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None,
-    grad_dtype: torch.dtype | None = None,
-):
-    """Gradients of this tile given the final out/lse; same contract as `block_backward`."""
-    _check(q, k, v, mask)
-    b, h, sq, d = q.shape
-    hkv, sk, acc = k.shape[1], k.shape[2], _acc_dtype(q.dtype)
-    g = h // hkv
-    q5, do5, o5 = (x.unflatten(1, (hkv, g)) for x in (q, dout, out))  # [B, H_kv, G, Sq, D]
-    safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf")).to(acc).unflatten(1, (hkv, g))  # [B, H_kv, G, Sq]
-    kc, vc = k.to(acc), v.to(acc)
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)  # cast once at the end, not per row chunk
-    dq5 = dq.unflatten(1, (hkv, g))
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    step = _math_rows(q, sk)
-    for lo in range(0, sq, step):
-        hi = min(sq, lo + step)
-        allowed = _math_chunk_allowed(lo, hi, sk, causal, mask, q.device)
-        qc, doc, oc = (x[..., lo:hi, :].to(acc) for x in (q5, do5, o5))
-        s, t = _math_scores(qc, kc, scale=scale, softcap=softcap, allowed=allowed)
-        p = torch.exp(s - safe_lse[..., lo:hi].unsqueeze(-1))  # [B, H_kv, G, rows, Sk]
-        dp = doc @ vc.unsqueeze(2).transpose(-1, -2)  # [B, H_kv, G, rows, Sk]
-        ds = p * (dp - (doc * oc).sum(-1, keepdim=True))
-        if t is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²
-            ds = ds * (1 - t * t)
-        dq5[..., lo:hi, :] = (ds @ kc.unsqueeze(2)) * scale  # [B, H_kv, G, rows, D]
-        dk += (ds.transpose(-1, -2) @ qc).sum(2) * scale  # [B, H_kv, Sk, D], summed over G
-        dv += (p.transpose(-1, -2) @ doc).sum(2)
-    return dq.to(grad_dtype or q.dtype), dk.to(grad_dtype or k.dtype), dv.to(grad_dtype or v.dtype)
 
 
 def _flash_forward(q, k, v, *, scale, causal, softcap):  # UNVERIFIED: needs a GPU with flash-attn >= 2.7

@@ -26,6 +26,7 @@ import torch
 from hf_longctx.data.layout import Run, ring_stream
 from hf_longctx.distributed.comm import RingExchanger
 from hf_longctx.ops import blocks, kernels, lse as lse_ops
+from hf_longctx.ops.math_kernel import acc_dtype  # float32, or float64 so float64 references stay exact
 
 
 class RingSpec:
@@ -43,11 +44,6 @@ class RingSpec:
         return RingExchanger(self.group, self.next_rank, self.prev_rank, tag=tag)
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """Accumulators: float32, or float64 so float64 references stay exact."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).contiguous()  # [2, B, H_kv, S_ring, D]: one message per hop
 
@@ -55,8 +51,8 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
     """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse [B, H, S_ring]."""
     q_runs = spec.runs(spec.ring_rank)
-    out = torch.zeros(q.shape, dtype=_acc(q.dtype), device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=_acc(q.dtype), device=q.device)
+    out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     kv = _pack(k, v)
     ex = spec.exchanger(tag=0)
     for step in range(spec.ring):
@@ -77,7 +73,7 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
 def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
     """Gradients of `ring_forward` from the final out/lse; dk/dv travel with their block."""
     q_runs = spec.runs(spec.ring_rank)
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = _pack(k, v)
     kv_ex, dkv_ex = spec.exchanger(tag=0), spec.exchanger(tag=1)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_longctx.data.layout import Run, ring_stream, runs_to_indices
-from hf_longctx.ops import kernels
+from hf_longctx.ops import math_kernel
 from hf_longctx.ops.blocks import block_mask, plan_blocks, score_count
 from hf_longctx.ops.kernels import (
     block_backward, block_forward, local_attention, math_backward, math_forward, varlen_backward, varlen_forward,
@@ -171,7 +171,7 @@ def test_math_kernel_matches_aten_blockwise(kind, hkv, monkeypatch):
     kw = dict(scale=0.3, causal=causal, mask=mask, softcap=None)
     o_a, l_a = block_forward(q, k, v, **kw)
     g_a = block_backward(dout, q, k, v, o_a, l_a, **kw)
-    monkeypatch.setattr(kernels, "_math_rows", lambda q, sk: 3)
+    monkeypatch.setattr(math_kernel, "_math_rows", lambda q, sk: 3)
     o_m, l_m = math_forward(q, k, v, **kw)
     g_m = math_backward(dout, q, k, v, o_m, l_m, **kw)
     torch.testing.assert_close(o_m, o_a, rtol=F64, atol=F64)
