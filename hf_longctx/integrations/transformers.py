@@ -32,14 +32,12 @@ import torch
 from hf_longctx.config import PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.integrations.exactness import SUPPORTED
+from hf_longctx.integrations.exactness import attention_modules as _attention_modules
+from hf_longctx.integrations.exactness import configs as _configs
+from hf_longctx.integrations.exactness import refuse_inexact as _refuse
 
 _STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
-SUPPORTED = "models whose attention uses AttentionInterface, e.g. (tested) Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, GPT-2, GPT-NeoX, GPTBigCode"
-_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
-_INEXACT_ROPE = {
-    "dynamic": "rescales RoPE frequencies from max(position_ids) + 1, which every SP rank takes from its own shard",
-    "longrope": "switches between short and long factors on max(position_ids) + 1, which every SP rank takes from its own shard",
-}
 
 
 @dataclass
@@ -90,104 +88,6 @@ def _hf_model(model: Any):
         f"patch()/unpatch() need a transformers PreTrainedModel or a PEFT model wrapping one, got {type(model).__name__}; "
         "patch the model before wrapping it in DDP/FSDP"
     )
-
-
-def _configs(hf) -> list:
-    """Every config whose `_attn_implementation` a switch may touch: the model's, its
-    sub-configs at any depth, and those of nested PreTrainedModels (deduplicated by id)."""
-    from transformers import PreTrainedModel
-
-    out, seen, todo = [], set(), [hf.config] + [m.config for m in hf.modules() if isinstance(m, PreTrainedModel)]
-    while todo:
-        cfg = todo.pop()
-        if cfg is None or id(cfg) in seen:
-            continue
-        seen.add(id(cfg))
-        out.append(cfg)
-        todo.extend(getattr(cfg, key, None) for key in getattr(cfg, "sub_configs", {}) or {})
-    return out
-
-
-def _attention_modules(hf) -> list:
-    return [m for m in hf.modules() if type(m).__name__.endswith("Attention")]
-
-
-def _rope_types(cfg) -> set[str]:
-    types = set()
-    for attr in ("rope_parameters", "rope_scaling"):
-        params = getattr(cfg, attr, None)
-        if not isinstance(params, dict):
-            continue
-        nested = [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
-        for p in nested:
-            types.add(str(p.get("rope_type", p.get("type", "default"))))
-    return types
-
-
-def _refuse(hf, mesh: SPMesh, options: PatchOptions) -> None:
-    """Raise before anything is changed if the model cannot run EXACTLY under SP."""
-    from transformers import PreTrainedModel
-
-    cls = type(hf).__name__
-    bypass = sorted({type(m).__name__ for m in hf.modules() if isinstance(m, PreTrainedModel) and not m._can_set_attn_implementation()})
-    if bypass:
-        raise NotImplementedError(
-            f"{', '.join(bypass)} {'do' if len(bypass) > 1 else 'does'} not call attention through transformers' AttentionInterface, so its attention "
-            f"cannot be replaced by sequence-parallel attention (transformers would silently keep "
-            f"'{hf.config._attn_implementation}'). hf_longctx supports {SUPPORTED}."
-        )
-    layers = _attention_modules(hf)
-    if not layers:
-        raise NotImplementedError(f"{cls} has no '*Attention' module; hf_longctx supports {SUPPORTED}")
-    problems = []
-    configs = _configs(hf)
-    for cfg in configs:
-        for name in _DROPOUT_FIELDS:
-            p = getattr(cfg, name, None)
-            if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-                problems.append(
-                    f"{type(cfg).__name__}.{name} = {p}: attention dropout cannot be reproduced exactly under sequence "
-                    f"parallelism; load the model with {name}=0.0, e.g. "
-                    f"AutoModelForCausalLM.from_pretrained(path, {name}=0.0) (setting config.{name} after loading "
-                    "does not change the already-built attention modules)"
-                )
-        for rope in sorted(_rope_types(cfg) & _INEXACT_ROPE.keys()):
-            problems.append(
-                f"{type(cfg).__name__} uses rope_type '{rope}', which {_INEXACT_ROPE[rope]}, so shards would get "
-                "different frequencies than one device; use a static RoPE ('default', 'linear', 'yarn', 'llama3') "
-                "via rope_parameters when loading"
-            )
-        if getattr(cfg, "output_attentions", False):
-            problems.append(f"{type(cfg).__name__}.output_attentions = True: sequence-parallel attention returns no weights; set it to False")
-    if not any("dropout" in p for p in problems):
-        for m in layers:
-            p = getattr(m, "attention_dropout", None)
-            drop = getattr(m, "attn_dropout", None)
-            p = drop.p if isinstance(drop, torch.nn.Dropout) else p
-            if isinstance(p, (int, float)) and p > 0:
-                problems.append(
-                    f"{type(m).__name__} was built with attention dropout {p} although the config now says 0: "
-                    "reload the model with the attention-dropout field set to 0.0 in from_pretrained(...)"
-                )
-                break
-    non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False})
-    if non_causal:
-        problems.append(f"{', '.join(non_causal)} is not causal (is_causal=False); hf_longctx supports causal self-attention only")
-    try:
-        params = inspect.signature(hf.loss_function).parameters
-    except (TypeError, ValueError, AttributeError):
-        params = {}
-    if "shift_labels" not in params:
-        problems.append(
-            f"{cls}.loss_function does not take shift_labels, so it would shift the already shifted labels of "
-            "shard_batch again; use transformers' ForCausalLMLoss (config.loss_type = None)"
-        )
-    try:
-        options.check_mesh(mesh.fpdt_chunks)
-    except ValueError as e:
-        problems.append(str(e))
-    if problems:
-        raise ValueError(f"cannot patch {cls} for exact sequence parallelism:\n- " + "\n- ".join(problems))
 
 
 def _make_attention(state: _PatchState) -> Callable:
