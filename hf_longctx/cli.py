@@ -1,0 +1,227 @@
+"""The `hf-longctx` command. `plan`: which (ulysses, ring, fpdt chunks, offload,
+checkpointing) setting to train a model at a sequence length on a given cluster.
+
+Where it sits: outside the training data flow, before a job is launched. It reads the
+model config (a config.json, a directory holding one, or a name already in the local
+Hugging Face cache -- never the network), ranks every setting with `planning/search.py`
+(memory from `planning/memory.py`: FPDT §3-4 memory analysis, USP §4 memory and
+communication) and prints one table, best first. `--plot FILE.png` draws the per-rank load
+of one sampled step planned with `plan_microbatches` for the best setting
+(`planning/plot.py`).
+
+Usage:
+  hf-longctx plan --model PATH_OR_NAME --gpus 64 --gpu-memory 80GiB --host-memory 1TiB \\
+      --seq-len 131072 [--dtype bf16] [--micro-batch-tokens N] [--top 10] [--show-infeasible] \\
+      [--plot load.png [--lengths-file lengths.txt.gz]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> float:
+    """'80GiB', '80 GB', '512g', '1e9' → bytes (GiB/MiB binary, GB/G decimal); a trailing
+    '/s' is allowed for bandwidths."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)(/s)?\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"cannot read size {text!r}: use e.g. 80GiB, 80GB, 512G, 25GB/s")
+    try:
+        value = float(m.group(1)) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read size {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def load_config(model: str) -> Any:
+    """A transformers config from a config.json, a directory, or a locally cached name."""
+    from transformers import AutoConfig
+
+    path = Path(model)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model {model!r}: not valid JSON ({e})") from None
+        if "model_type" not in data:
+            raise ValueError(f"--model {model!r}: config.json has no 'model_type'")
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--model {model!r} is neither a config.json / model directory nor a name in the local Hugging Face "
+            f"cache ({type(e).__name__}: {str(e).splitlines()[0]}); pass a path to its config.json"
+        ) from None
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f}"
+
+
+def _row(rank: int | str, c) -> list[str]:
+    s, m = c.setting, c.memory
+    return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), "yes" if s.kv_offload else "no",
+            "yes" if s.checkpoint else "no", "yes" if s.mlp_chunks > 1 else "no",
+            _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.peak),
+            _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
+            "yes" if c.feasible else f"no: {c.reason}"]
+
+
+HEADER = ["#", "ulysses", "ring", "dp", "fpdt", "kv offload", "ckpt", "chunked mlp/loss", "params", "grads",
+          "optim", "activ", "buffers", "peak GiB", "host GiB/GPU", "step s", "tok/s/GPU", "fits"]
+
+
+def format_table(rows: list[list[str]]) -> str:
+    """A Markdown table (readable in a terminal and pasteable into an issue)."""
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+
+    def line(r: list[str]) -> str:  # numbers right-aligned, the free-text "fits" column left-aligned
+        return "| " + " | ".join(v.rjust(w) if i < len(HEADER) - 1 else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))) + " |"
+
+    return "\n".join([line(HEADER), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def footer(args: argparse.Namespace) -> str:
+    return "\n".join([
+        "Assumptions (hf_longctx/planning/memory.py and search.py docstrings):",
+        f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
+        "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered root + 2 layers and unsharded grads in the "
+        "compute dtype;",
+        "- activ = what autograd keeps for a Llama-style layer at S/sp tokens per GPU (checkpointing: layer inputs, "
+        "on host; FPDT+offload: q/k/v/out on host); buffers = the larger transient of the loss and of one layer's "
+        "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
+        f"- fits = peak <= (1 - {args.headroom}) x --gpu-memory and host GiB/GPU x GPUs per node <= (1 - "
+        f"{args.headroom}) x --host-memory; validated within 10% on CPU (benchmarks/memory_model.py);",
+        f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of {args.seq_len}): "
+        f"CostModel.from_config FLOPs at MFU {args.mfu} of {args.tflops:g} TFLOP/s (+1/3 for checkpoint recompute, "
+        "+ MLP forward for chunked MLP) + exposed Ulysses all-to-all "
+        f"({args.intra_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {args.inter_bw / 1e9:g} GB/s across, "
+        f"{args.latency * 1e6:g} us per call) + "
+        f"ring / FSDP / host offload ({args.pcie_bw / 1e9:g} GB/s) traffic beyond the compute they overlap;",
+        "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak.",
+    ])
+
+
+def _plot(args: argparse.Namespace, config: Any, best) -> str:
+    from hf_longctx.data.cost import CostModel
+    from hf_longctx.data.layout import doc_multiple, seq_multiple
+    from hf_longctx.data.packing import plan_microbatches
+    from hf_longctx.planning import plot
+
+    s = best.setting
+    cap = args.micro_batch_tokens
+    if args.lengths_file:
+        pool, source = plot.read_lengths(args.lengths_file), f"lengths from {args.lengths_file}"
+    else:
+        pool, source = plot.synthetic_lengths(cap, seed=args.seed), f"synthetic log-normal lengths (seed {args.seed})"
+    lengths = plot.sample_step(pool, best.dp * cap * args.plot_microbatches, cap, seed=args.seed)
+    cost = CostModel.from_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    dm = doc_multiple(s.ring) if s.fpdt_chunks == 1 else 1
+    plan = plan_microbatches(lengths, dp_size=best.dp, max_tokens=cap, cost=cost, doc_multiple=dm,
+                             seq_multiple=seq_multiple(s.ring, s.ulysses, s.fpdt_chunks), overlong="split")
+    title = (f"per-rank load of one sampled step: ulysses {s.ulysses} x ring {s.ring}, dp {best.dp}, "
+             f"{cap} tokens per micro-batch\n{source}")
+    stats = plot.draw_load(plan, cost, args.plot, title)
+    return (f"wrote {args.plot}: one step of {len(lengths)} documents ({source}) planned for dp {best.dp}, "
+            f"{plan.num_microbatches} micro-batches per rank; synchronised step / ideal = {stats['synced_over_ideal']:.3f}")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hf_longctx.planning.memory import ModelDims
+    from hf_longctx.planning.search import Cluster, rank_settings
+
+    args.micro_batch_tokens = args.micro_batch_tokens or args.seq_len
+    config = load_config(args.model)
+    dims = ModelDims.from_config(config)
+    cluster = Cluster(
+        gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
+        tflops=args.tflops, mfu=args.mfu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw,
+        headroom=args.headroom, latency=args.latency,
+    )
+    ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
+                           optimizer=args.optimizer)
+    feasible = [c for c in ranked if c.feasible]
+    print(f"hf-longctx plan: {getattr(config, 'model_type', '?')} ({dims.params / 1e9:.2f}B params, {dims.layers} layers, "
+          f"hidden {dims.hidden}, {dims.heads}/{dims.kv_heads} heads, vocab {dims.vocab}) on {args.gpus} GPUs x "
+          f"{_gib(args.gpu_memory)} GiB, host {_gib(args.host_memory)} GiB per node, seq-len {args.seq_len}, "
+          f"{args.dtype}, {args.optimizer}\n")
+    if not feasible:
+        low = min(ranked, key=lambda c: c.memory.peak)
+        s = low.setting
+        print(f"no setting fits: the lowest estimated peak is {_gib(low.memory.peak)} GiB per GPU (ulysses {s.ulysses}, "
+              f"ring {s.ring}, fpdt {s.fpdt_chunks}, kv offload {s.kv_offload}, checkpointing {s.checkpoint}: {low.reason}) "
+              f"against {_gib(args.gpu_memory * (1 - args.headroom))} GiB usable of --gpu-memory {_gib(args.gpu_memory)} GiB; "
+              "use more GPUs, more GPU memory or a shorter --seq-len", file=sys.stderr)
+        return 1
+    shown = feasible[: args.top]
+    rows = [_row(i + 1, c) for i, c in enumerate(shown)]
+    if args.show_infeasible:
+        rows += [_row("-", c) for c in ranked if not c.feasible]
+    print(format_table(rows))
+    print(f"\n{len(feasible)} of {len(ranked)} settings fit; showing the best {len(shown)}"
+          + ("" if args.show_infeasible else f"; {len(ranked) - len(feasible)} infeasible not shown (--show-infeasible)"))
+    print(footer(args))
+    if args.plot:
+        print(_plot(args, config, feasible[0]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-longctx", description="hf_longctx command line tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="rank sequence-parallel settings by estimated memory and step time")
+    p.add_argument("--model", required=True, help="config.json, a model directory, or a name in the local HF cache")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
+    p.add_argument("--gpu-memory", type=parse_size, required=True, help="memory per GPU, e.g. 80GiB")
+    p.add_argument("--host-memory", type=parse_size, required=True, help="host memory per node, e.g. 512GiB")
+    p.add_argument("--seq-len", type=int, required=True, help="target sequence (document) length in tokens")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per SP group per micro-batch (default: --seq-len)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--top", type=int, default=10, help="feasible settings to show")
+    p.add_argument("--show-infeasible", action="store_true", help="also list settings that do not fit, with why")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--tflops", type=float, default=989.0, help="peak dense TFLOP/s per GPU (default: H100 SXM bf16)")
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
+    p.add_argument("--intra-bw", type=parse_size, default=150e9, help="per-GPU bandwidth within a node, bytes/s")
+    p.add_argument("--inter-bw", type=parse_size, default=25e9, help="per-GPU bandwidth across nodes, bytes/s")
+    p.add_argument("--pcie-bw", type=parse_size, default=25e9, help="per-GPU host<->device bandwidth, bytes/s")
+    p.add_argument("--latency", type=float, default=30e-6, help="seconds per all-to-all call")
+    p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU/host memory kept free")
+    p.add_argument("--plot", default=None, help="write the per-rank load of a sampled step (PNG) for the best setting")
+    p.add_argument("--lengths-file", default=None, help="document lengths for --plot: one per line or a JSON list, .gz ok")
+    p.add_argument("--plot-microbatches", type=int, default=4, help="micro-batches per DP rank in the sampled step")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("gpus", "seq_len", "top", "gpus_per_node", "plot_microbatches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.micro_batch_tokens is not None and args.micro_batch_tokens < args.seq_len:
+        parser.error(f"--micro-batch-tokens ({args.micro_batch_tokens}) must be >= --seq-len ({args.seq_len})")
+    try:
+        return args.func(args)
+    except (ValueError, ImportError) as e:
+        print(f"hf-longctx {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Per-GPU memory model of one training step (what `hf-longctx plan` ranks settings by).
+
+Where it sits: outside the training data flow. `planning/search.py` calls `estimate_memory`
+for every (ulysses, ring, fpdt chunks, offload, checkpointing) setting; the validation in
+`benchmarks/memory_model.py` compares it with peaks measured by MemTracker.
+
+Which paper sections: the memory analysis of FPDT (§3-4: activations linear in the local
+tokens, K/V chunks and saved layer inputs moved to host memory, chunked FFN and loss) and
+USP §4 (Ulysses keeps per-rank activations at S/sp tokens; all-to-all and ring buffers;
+ZeRO-3 over the whole DP×SP world, "Tip 3").
+
+Every term is bytes per GPU; `dt` is the compute dtype's size, S_l = tokens per SP rank.
+Assumptions (each is also printed under the plan table):
+- ZeRO-3 over all `world` GPUs: fp32 params, fp32 grads and AdamW's two fp32 moments are
+  sharded (16 B/param/world); for bf16 the sharded fp32 params are the master weights.
+  With world > 1 FSDP gathers, in the compute dtype, the root unit (embeddings, final norm,
+  LM head) and two decoder layers (the running one plus the prefetched one), and holds one
+  layer's unsharded gradient plus the root's before reduce-scatter.
+- Activations follow what autograd saves in a Llama-style layer (RMSNorm, gated MLP) with
+  this library's attention: per token and layer dt·(2h + 3·q + 2·kv·f + 4i) + 16h + 8 +
+  4·H bytes (residual stream twice; q, k, v, out and the o_proj input; 4 MLP
+  intermediates; each RMSNorm keeps 8h bytes (an fp32 product and its output), fp32 rsqrt;
+  fp32 attention LSE). f is Ulysses' KV replication. Non-gated MLPs keep 2i instead of 4i.
+- Chunked MLP keeps no intermediates (recomputed per chunk); checkpointing keeps each
+  layer's input (dt·h per token; on host when offloaded), plus one layer recomputed in
+  backward; FPDT with offload keeps q, k, v, out and LSE on host, two chunks on the GPU.
+- Loss: unchunked = 3 fp32 [S_l, V] tensors at once (log-softmax output, its gradient, the
+  logits gradient) plus the dt copies when dt < 4; the logits of the returned output are
+  assumed dropped (`loss = model(...).loss`). Chunked = 3 fp32 [chunk, V] tensors plus the
+  fp32 LM-head gradient accumulator and the hidden-state gradient it keeps.
+- Buffers = the larger transient phase: the loss (end of forward) or one layer's backward
+  (all-to-all / ring / fetched FPDT chunks, the recomputed layer when checkpointing, one
+  recomputed MLP chunk, activation gradients).
+- Peak = params + optimizer + max(grads, activations + buffers): during backward,
+  activations are freed while gradients appear, and the optimizer step needs grads only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hf_longctx.data.cost import _NON_GATED_MLP
+from hf_longctx.ops.tiling import default_loss_chunk_size
+from hf_longctx.ops.ulysses import kv_replication
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _attr(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    if default is None:
+        raise ValueError(f"config {type(config).__name__} has none of the attributes {names}")
+    return default
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes the memory model needs, read from a transformers config."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # active MLP width per token (experts_per_tok × expert width for MoE)
+    vocab: int
+    gated: bool
+    tied: bool
+    layer_params: int  # parameters of one decoder layer (all experts)
+    root_params: int  # embeddings + final norm + LM head (once when tied)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelDims":
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        h = int(_attr(config, ("hidden_size", "n_embd", "d_model")))
+        layers = int(_attr(config, ("num_hidden_layers", "n_layer", "num_layers")))
+        heads = int(_attr(config, ("num_attention_heads", "n_head", "num_heads")))
+        head_dim = int(getattr(config, "head_dim", None) or h // heads)
+        kv_heads = 1 if getattr(config, "multi_query", False) else int(_attr(config, ("num_key_value_heads",), heads))
+        vocab = int(_attr(config, ("vocab_size",)))
+        gated = getattr(config, "model_type", "") not in _NON_GATED_MLP
+        mats = 3 if gated else 2
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        moe_width = getattr(config, "moe_intermediate_size", None)
+        if experts and getattr(config, "num_experts_per_tok", None):
+            width = int(moe_width or _attr(config, ("intermediate_size",)))
+            inter = int(config.num_experts_per_tok) * width
+            mlp = int(experts) * mats * h * width + int(experts) * h  # experts + router
+        else:
+            inter = int(_attr(config, ("intermediate_size", "n_inner", "ffn_dim"), 4 * h))
+            mlp = mats * h * inter
+        q, kv = heads * head_dim, kv_heads * head_dim
+        # Qwen2 always has q/k/v biases; Llama-style attention_bias adds o_proj's too.
+        if getattr(config, "model_type", "") == "qwen2":
+            bias = q + 2 * kv
+        else:
+            bias = (q + 2 * kv + h) if getattr(config, "attention_bias", False) else 0
+        layer = h * q + 2 * h * kv + q * h + bias + mlp + 2 * h  # q, k, v, o, MLP, two norms
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        root = vocab * h * (1 if tied else 2) + h
+        return cls(h, layers, heads, kv_heads, head_dim, inter, vocab, gated, tied, layer, root)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One parallel/memory configuration; chunk counts of 1 mean "off"."""
+
+    ulysses: int
+    ring: int
+    fpdt_chunks: int = 1
+    kv_offload: bool = False
+    checkpoint: bool = False
+    mlp_chunks: int = 1
+    loss_chunks: int = 1
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU by kind, the step peak, and the host bytes this GPU offloads."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    host: float
+
+    @property
+    def peak(self) -> float:
+        return self.params + self.optimizer + max(self.grads, self.activations + self.buffers)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"peak": self.peak}
+
+
+def loss_chunk_tokens(dims: ModelDims, tokens: int, loss_chunks: int) -> int:
+    """Tokens per LM-head chunk: `loss_chunks` = 0 means FPDT's default (`tiling`)."""
+    if loss_chunks == 0:
+
+        class _Cfg:  # the two fields default_loss_chunk_size reads
+            vocab_size, hidden_size = dims.vocab, dims.hidden
+
+        return default_loss_chunk_size(_Cfg(), tokens)
+    return -(-tokens // loss_chunks)
+
+
+def layer_activation_bytes(dims: ModelDims, dt: int, kv_factor: int) -> dict[str, float]:
+    """Bytes per local token of one decoder layer, by part (see the module docstring)."""
+    h, q, kv = dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * kv_factor
+    return {
+        "residual": dt * 2 * h,
+        "norms": 16 * h + 8,
+        "attention": dt * (2 * q + 2 * kv) + 4 * dims.heads,  # q, k, v, out (+ fp32 LSE)
+        "o_proj_in": dt * q,
+        "mlp": dt * (4 if dims.gated else 2) * dims.intermediate,
+    }
+
+
+def estimate_memory(
+    dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw"
+) -> MemoryEstimate:
+    """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
+
+    `optimizer`: "adamw" (two fp32 moments) or "sgd" (stateless). Raises ValueError when
+    the setting cannot run (degrees that do not divide, heads not divisible).
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+    s = setting
+    if world % s.sp:
+        raise ValueError(f"ulysses({s.ulysses}) x ring({s.ring}) = {s.sp} does not divide {world} GPUs")
+    if s.fpdt_chunks > 1 and s.ring > 1:
+        raise ValueError(f"fpdt_chunks({s.fpdt_chunks}) > 1 needs ring 1, got ring {s.ring}")
+    if s.kv_offload and s.fpdt_chunks < 2:
+        raise ValueError(f"kv_offload needs fpdt_chunks > 1, got fpdt_chunks {s.fpdt_chunks}")
+    dt = DTYPE_BYTES[dtype]
+    f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
+    s_l = tokens / s.sp
+    P = dims.params
+
+    # ZeRO-3 shards plus FSDP's unsharded working set (none on one GPU: nothing to gather).
+    master = 4 * P / world
+    gathered = dt * (dims.root_params + 2 * dims.layer_params) if world > 1 else 0.0
+    unsharded_grads = dt * (dims.root_params + dims.layer_params) if world > 1 else 0.0
+    params = master + gathered
+    grads = 4 * P / world + unsharded_grads
+    optim = (8 * P / world) if optimizer == "adamw" else 0.0
+
+    per_layer = layer_activation_bytes(dims, dt, f)
+    attn_saved = per_layer["attention"]
+    if s.mlp_chunks > 1:
+        per_layer["mlp"] = 0.0  # only the chunk inputs, views of the norm output
+    host = 0.0
+    if s.fpdt_chunks > 1 and s.kv_offload:
+        per_layer["attention"] = 0.0
+        host += dims.layers * s_l * attn_saved
+    full_layer = sum(per_layer.values()) * s_l
+    if s.checkpoint:
+        # Saved layer inputs live on host on a GPU (offloaded checkpoint); one layer is
+        # recomputed at a time during backward.
+        host += dims.layers * s_l * dt * dims.hidden
+        layers_act = 0.0  # the recomputed layer is a transient (layer phase below)
+    else:
+        layers_act = dims.layers * full_layer
+    final = s_l * (dt * dims.hidden + 16 * dims.hidden + 4) + 16 * s_l  # final norm; ids + labels
+    activations = layers_act + final
+
+    # Buffers: the larger of two transient phases. Loss phase (end of forward): the loss
+    # transients. Layer phase (backward of a layer): all-to-all outputs of one layer (or one
+    # FPDT chunk), K/V in flight, the recomputed layer (checkpointing), one recomputed MLP
+    # chunk and the activation gradients flowing through the layer.
+    h, q, kv = dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
+    layer_phase = 2 * dt * s_l * h
+    if s.ulysses > 1:
+        layer_phase += dt * s_l * (q + 2 * kv) / max(s.fpdt_chunks, 1)
+    if s.ring > 1:
+        layer_phase += 2 * dt * s_l * 2 * kv  # next K/V block in flight; dK/dV travelling in backward
+    if s.fpdt_chunks > 1 and s.kv_offload:
+        layer_phase += 2 * dt * s_l * (q + 2 * kv) / s.fpdt_chunks  # double-buffered fetched chunks
+    if s.mlp_chunks > 1:
+        layer_phase += dt * s_l * 4 * dims.intermediate / s.mlp_chunks  # one recomputed chunk
+    if s.checkpoint:
+        layer_phase += full_layer
+    if s.loss_chunks != 1:
+        chunk = loss_chunk_tokens(dims, int(s_l), s.loss_chunks)
+        loss_phase = 3 * 4 * chunk * dims.vocab + 4 * dims.vocab * h + dt * s_l * h
+    else:
+        loss_phase = s_l * dims.vocab * (12 + (dt if dt < 4 else 0))
+    buffers = max(layer_phase, loss_phase)
+    return MemoryEstimate(params, grads, optim, activations, buffers, host)
+

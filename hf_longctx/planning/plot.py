@@ -1,0 +1,109 @@
+"""The `--plot` figure of `hf-longctx plan`: per-rank load of one sampled step.
+
+Where it sits: after `planning/search.py` has chosen the best setting. One step's documents
+are sampled (from a lengths file, or a seeded synthetic long-tailed sample), planned with
+`data/packing.plan_microbatches` for that setting's DP degree and micro-batch token cap,
+and drawn as one stacked bar per DP rank: each segment is one micro-batch slot's cost
+(`CostModel.from_config` FLOPs). Hydraulis / FlexSP balance: with FSDP every rank waits
+for the slowest at each slot, so equal bars and equal segments are the goal.
+
+matplotlib is optional (the `bench` extra) and imported only when a figure is drawn.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hf_longctx.data.cost import CostModel
+from hf_longctx.data.packing import Plan
+
+
+def read_lengths(path: str | Path) -> np.ndarray:
+    """Document lengths from a text file (one integer per line) or a JSON list; `.gz` ok."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--lengths-file {str(path)!r} does not exist")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as fh:
+        text = fh.read()
+    stem = path.name[:-3] if path.suffix == ".gz" else path.name
+    try:
+        values = json.loads(text) if stem.endswith(".json") else [int(x) for x in text.split()]
+        arr = np.asarray(values, dtype=np.int64)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--lengths-file {str(path)!r}: expected integers (one per line or a JSON list): {e}") from None
+    if arr.ndim != 1 or arr.size == 0 or (arr < 1).any():
+        raise ValueError(f"--lengths-file {str(path)!r}: need a non-empty list of positive lengths")
+    return arr
+
+
+def synthetic_lengths(max_len: int, seed: int = 0, count: int = 100_000) -> np.ndarray:
+    """A long-tailed pool: log-normal lengths (median ~1K tokens, sigma 1.5, like web text)
+    clipped to [16, max_len], drawn with a fixed seed so the figure is reproducible."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(mean=np.log(1024), sigma=1.5, size=count), 16, max_len).astype(np.int64)
+
+
+def sample_step(pool: np.ndarray, total_tokens: int, max_len: int, seed: int = 0) -> np.ndarray:
+    """Documents drawn (with replacement, fixed seed) until they hold `total_tokens`;
+    lengths clipped to `max_len` (one micro-batch)."""
+    rng = np.random.default_rng(seed)
+    out, have = [], 0
+    while have < total_tokens:
+        n = int(min(pool[rng.integers(len(pool))], max_len))
+        out.append(n)
+        have += n
+    return np.asarray(out, dtype=np.int64)
+
+
+def slot_costs(plan: Plan, cost: CostModel) -> np.ndarray:
+    """[dp, micro-batches] cost of each rank's micro-batch slot (padded pieces)."""
+    costs = np.zeros((plan.dp_size, plan.num_microbatches))
+    for r in range(plan.dp_size):
+        for m, mb in enumerate(plan.ranks[r]):
+            costs[r, m] = sum(cost(plan.padded_length(p)) for p in mb)
+    return costs
+
+
+def draw_load(plan: Plan, cost: CostModel, path: str | Path, title: str) -> dict[str, Any]:
+    """Save the stacked per-rank bar chart to `path` (PNG); returns `plan.stats(cost)`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(
+            "--plot needs matplotlib: pip install matplotlib  (or pip install 'hf_longctx[bench]')"
+        ) from None
+    costs = slot_costs(plan, cost) / 1e12  # TFLOPs
+    stats = plan.stats(cost)
+    dp, slots = costs.shape
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * dp + 3), 4.5))
+    cmap = plt.get_cmap("tab20")
+    bottom = np.zeros(dp)
+    for m in range(slots):
+        ax.bar(np.arange(dp), costs[:, m], bottom=bottom, color=cmap(m % 20), edgecolor="white", linewidth=0.5,
+               label=f"micro-batch {m}" if slots <= 12 else None)
+        bottom += costs[:, m]
+    ideal = costs.sum() / dp
+    ax.axhline(ideal, color="black", linestyle="--", linewidth=1, label="ideal (total / dp)")
+    ax.set_xlabel("DP rank")
+    ax.set_ylabel("step cost (TFLOPs, forward + backward)")
+    ax.set_xticks(np.arange(dp))
+    ax.set_title(title, fontsize=9)
+    ax.text(0.01, 0.98, f"synchronised step / ideal = {stats['synced_over_ideal']:.3f}\n"
+            f"max rank / mean rank = {stats['rank_max_over_mean']:.3f}\n"
+            f"{stats['num_pieces']} documents, {slots} micro-batches per rank, fill {stats['fill']:.0%}",
+            transform=ax.transAxes, va="top", fontsize=8, bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    ax.set_ylim(0, bottom.max() * 1.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return stats

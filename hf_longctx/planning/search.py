@@ -1,0 +1,195 @@
+"""Enumerate and rank (ulysses, ring, fpdt chunks, offload, checkpointing) settings.
+
+Where it sits: behind `hf-longctx plan` (`cli.py`). For a model config and a cluster it
+lists every setting the library can run, estimates per-GPU memory with
+`planning/memory.py` and step time as below, and returns them best first: feasible
+ones (they fit GPU and host memory) ordered by cluster throughput.
+
+Which paper sections: USP §4 (all-to-all and ring communication volume per layer; ring
+P2P overlaps the attention compute), FPDT §3-4 (chunked attention, host offload traffic
+hidden by double buffering, recompute of checkpointed layers and chunked MLPs).
+
+Step-time assumptions (also printed under the table), for one micro-batch of `tokens`
+tokens per SP group, treated as ONE document of that length (the worst case for the
+quadratic attention term):
+- compute = CostModel.from_config FLOPs (a·T² + b·T, forward + backward) / sp, plus one
+  extra forward (1/3 of it) with checkpointing and one extra MLP forward with chunked
+  MLP, at `mfu` × `tflops` per GPU;
+- Ulysses all-to-all (q, k, v out, attention output back; again in backward; once more
+  when a checkpointed layer is recomputed) is exposed, over the intra-node bandwidth when
+  the Ulysses group fits in a node, else the inter-node one, plus a fixed latency per
+  all-to-all call (4 per layer and pass, per FPDT chunk);
+- ring K/V P2P (forward R-1 blocks, backward R-1 K/V + R-1 dK/dV blocks) overlaps the
+  attention compute; only the excess counts;
+- FSDP (all-gather params twice, reduce-scatter grads once, in the compute dtype) and host
+  offload traffic (PCIe) overlap the whole compute; only the excess counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hf_longctx.data.cost import CostModel
+from hf_longctx.data.layout import seq_multiple
+from hf_longctx.ops.tiling import default_mlp_chunks
+from hf_longctx.ops.ulysses import kv_replication
+from hf_longctx.planning.memory import DTYPE_BYTES, MemoryEstimate, ModelDims, Setting, estimate_memory
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The hardware and the throughput assumptions (see the module docstring)."""
+
+    gpus: int
+    gpu_memory: float  # bytes per GPU
+    host_memory: float  # bytes per node
+    gpus_per_node: int = 8
+    tflops: float = 989.0  # dense bf16 peak per GPU (H100 SXM)
+    mfu: float = 0.4
+    intra_bw: float = 150e9  # bytes/s per GPU within a node (NVLink, all-to-all effective)
+    inter_bw: float = 25e9  # bytes/s per GPU across nodes (e.g. 200 Gb/s NIC per GPU)
+    pcie_bw: float = 25e9  # bytes/s per GPU host <-> device
+    headroom: float = 0.1  # fraction of GPU / host memory kept free (context, fragmentation, model error)
+    latency: float = 30e-6  # seconds per all-to-all call (what makes many FPDT chunks cost something)
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("gpu_memory", "host_memory", "tflops", "intra_bw", "inter_bw", "pcie_bw"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
+
+    def bandwidth(self, span: int) -> float:
+        """Per-GPU bandwidth of a group of `span` consecutive ranks."""
+        return self.intra_bw if span <= self.gpus_per_node else self.inter_bw
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setting: Setting
+    dp: int
+    memory: MemoryEstimate
+    step_seconds: float
+    tokens_per_second: float  # whole cluster
+    reason: str  # "" when feasible, else why not
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reason
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_settings(dims: ModelDims, gpus: int, tokens: int, max_fpdt: int = 64) -> list[Setting]:
+    """Every setting the library accepts: ulysses × ring dividing `gpus` with Ulysses-
+    divisible heads; FPDT chunks (powers of two) only with ring 1; KV offload only with
+    FPDT; chunked MLP (2 × FPDT chunks) and chunked loss whenever FPDT or checkpointing is on,
+    optional otherwise."""
+    out = []
+    for sp in _divisors(gpus):
+        for ulysses in _divisors(sp):
+            try:
+                kv_replication(dims.heads, dims.kv_heads, ulysses)
+            except ValueError:
+                continue
+            ring = sp // ulysses
+            chunk_options = [1]
+            if ring == 1:
+                u = 2
+                while u <= max_fpdt and u * ulysses <= tokens:
+                    chunk_options.append(u)
+                    u *= 2
+            for u in chunk_options:
+                for offload in ((False, True) if u > 1 else (False,)):
+                    for ckpt in (False, True):
+                        # Chunked MLP/loss are always on with FPDT or checkpointing (FPDT's
+                        # recipe); without either they are an option of their own.
+                        for chunked in (True,) if u > 1 or ckpt else (False, True):
+                            out.append(Setting(
+                                ulysses=ulysses, ring=ring, fpdt_chunks=u, kv_offload=offload, checkpoint=ckpt,
+                                mlp_chunks=default_mlp_chunks(u) if chunked else 1, loss_chunks=0 if chunked else 1,
+                            ))
+    return out
+
+
+def step_time(
+    dims: ModelDims, cost: CostModel, s: Setting, cluster: Cluster, tokens: int, dtype: str, seq_len: int | None = None
+) -> float:
+    """Seconds of one micro-batch step of `tokens` tokens made of documents of `seq_len`
+    (default: one document of `tokens`); see the module docstring for every term."""
+    dt = DTYPE_BYTES[dtype]
+    world = cluster.gpus
+    rate = cluster.tflops * 1e12 * cluster.mfu
+    seq_len = tokens if seq_len is None else seq_len
+    docs, rest = divmod(tokens, seq_len)
+    total = docs * cost(seq_len) + (cost(rest) if rest else 0.0)
+    attn_compute = cost.a * (docs * seq_len**2 + rest**2) / s.sp / rate
+    extra = total / 3 if s.checkpoint else 0.0
+    if s.mlp_chunks > 1:
+        extra += 2 * (3 if dims.gated else 2) * dims.hidden * dims.intermediate * dims.layers * tokens
+    compute = (total + extra) / s.sp / rate
+
+    f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
+    q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
+    s_l = tokens / s.sp
+    passes = 3 if s.checkpoint else 2  # forward, backward (+ recomputed forward)
+    a2a = 0.0
+    if s.ulysses > 1:
+        volume = dims.layers * passes * dt * s_l * (2 * q + 2 * kv) * (s.ulysses - 1) / s.ulysses
+        calls = dims.layers * passes * 4 * s.fpdt_chunks  # q, k, v, out per chunk
+        a2a = volume / cluster.bandwidth(s.ulysses) + calls * cluster.latency
+    ring = 0.0
+    if s.ring > 1:
+        block = dt * (tokens / s.ring) * 2 * kv / s.ulysses
+        ring = dims.layers * (passes + 1) * (s.ring - 1) * block / cluster.bandwidth(s.sp)
+    fsdp = 3 * dt * dims.params * (world - 1) / world / cluster.bandwidth(world) if world > 1 else 0.0
+    offload = 0.0
+    if s.kv_offload:
+        # Every finished chunk goes to host once and comes back for the later query chunks
+        # (causal: (u-1)/2 times on average) in forward and again in backward.
+        offload += dims.layers * dt * s_l * (3 * q + 2 * kv) * (1 + s.fpdt_chunks) / cluster.pcie_bw
+    if s.checkpoint:
+        offload += dims.layers * 2 * dt * s_l * dims.hidden / cluster.pcie_bw
+    return compute + a2a + max(0.0, ring - attn_compute) + max(0.0, fsdp - compute) + max(0.0, offload - compute)
+
+
+def rank_settings(
+    config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
+    optimizer: str = "adamw",
+) -> list[Candidate]:
+    """Every setting for micro-batches of `tokens` tokens per SP group (documents of
+    `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
+    cluster throughput (tokens/s), then lowest peak memory, then fewest FPDT chunks."""
+    seq_len = tokens if seq_len is None else seq_len
+    if not 1 <= seq_len <= tokens:
+        raise ValueError(f"need 1 <= seq_len <= micro-batch tokens, got seq_len {seq_len}, tokens {tokens}")
+    dims = ModelDims.from_config(config)
+    cost = CostModel.from_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    usable_gpu = cluster.gpu_memory * (1 - cluster.headroom)
+    usable_host = cluster.host_memory * (1 - cluster.headroom)
+    per_node = min(cluster.gpus, cluster.gpus_per_node)
+    out = []
+    for s in enumerate_settings(dims, cluster.gpus, tokens):
+        mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer)
+        dp = cluster.gpus // s.sp
+        secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len)
+        multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
+        reason = ""
+        if tokens % multiple:
+            reason = f"seq-len {tokens} is not a multiple of {multiple}"
+        elif mem.peak > usable_gpu:
+            reason = f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"
+        elif mem.host * per_node > usable_host:
+            reason = f"host {mem.host * per_node / 2**30:.1f} > {usable_host / 2**30:.1f} GiB"
+        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason))
+    # Ties (FPDT chunk counts cost the same in this model): the simpler setting first.
+    out.sort(key=lambda c: (not c.feasible, -c.tokens_per_second, c.memory.peak, c.setting.fpdt_chunks))
+    return out

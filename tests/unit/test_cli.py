@@ -1,0 +1,108 @@
+"""`hf-longctx plan` on a known config: table columns, exclusion of infeasible settings,
+best-first order, the message when nothing fits, and the --plot figure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hf_longctx.cli import HEADER, main, parse_size
+from hf_longctx.planning.memory import ModelDims, Setting, estimate_memory
+
+# Llama-style, 8 query / 2 KV heads: ulysses 16 cannot split the 8 heads.
+CONFIG = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000, "max_position_embeddings": 1 << 20}
+BASE = ["plan", "--gpus", "16", "--gpu-memory", "3GiB", "--host-memory", "64GiB", "--seq-len", "65536"]
+
+
+@pytest.fixture
+def config_path(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return path
+
+
+def _table(out: str) -> list[dict[str, str]]:
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0] == HEADER
+    return [dict(zip(HEADER, row)) for row in cells[1:]]
+
+
+def test_plan_table_is_feasible_and_best_first(config_path, capsys):
+    assert main([*BASE, "--model", str(config_path), "--top", "100"]) == 0
+    out = capsys.readouterr().out
+    rows = _table(out)
+    assert rows and all(r["fits"] == "yes" for r in rows)
+    assert all(float(r["peak GiB"]) <= 0.9 * 3 for r in rows)  # 10 % headroom by default
+    speed = [float(r["tok/s/GPU"].replace(",", "")) for r in rows]
+    assert speed == sorted(speed, reverse=True)
+    assert {r["ulysses"] for r in rows} <= {"1", "2", "4", "8"}  # 8 heads: never ulysses 16
+    assert all(r["fpdt"] == "1" or r["ring"] == "1" for r in rows)
+    assert all(r["kv offload"] == "no" or r["fpdt"] != "1" for r in rows)
+    assert "infeasible not shown" in out and "Assumptions" in out and "MFU 0.4" in out
+    # The plain setting at sp 1 holds 64K tokens of 32K-vocab logits: far over 3 GiB.
+    assert not any(r["ulysses"] == r["ring"] == "1" and r["ckpt"] == "no" and r["fpdt"] == "1" for r in rows)
+
+
+def test_rows_match_the_memory_model(config_path, capsys):
+    assert main([*BASE, "--model", str(config_path), "--top", "1"]) == 0
+    (row,) = _table(capsys.readouterr().out)
+    setting = Setting(
+        ulysses=int(row["ulysses"]), ring=int(row["ring"]), fpdt_chunks=int(row["fpdt"]),
+        kv_offload=row["kv offload"] == "yes", checkpoint=row["ckpt"] == "yes",
+        mlp_chunks=2 * int(row["fpdt"]) if row["chunked mlp/loss"] == "yes" else 1,
+        loss_chunks=0 if row["chunked mlp/loss"] == "yes" else 1,
+    )
+    from transformers import LlamaConfig
+
+    est = estimate_memory(ModelDims.from_config(LlamaConfig(**CONFIG)), setting, world=16, tokens=65536)
+    assert row["peak GiB"] == f"{est.peak / 2**30:.1f}"
+    assert int(row["dp"]) * setting.sp == 16
+
+
+def test_show_infeasible_marks_them_after_the_feasible(config_path, capsys):
+    assert main([*BASE, "--model", str(config_path), "--top", "3", "--show-infeasible"]) == 0
+    rows = _table(capsys.readouterr().out)
+    fits = [r["fits"] for r in rows]
+    assert fits[:3] == ["yes"] * 3
+    assert len(fits) > 3 and all(f.startswith("no: ") for f in fits[3:])
+    assert any("GPU" in f for f in fits[3:])
+
+
+def test_too_small_gpu_memory_says_so(config_path, capsys):
+    rc = main(["plan", "--model", str(config_path), "--gpus", "2", "--gpu-memory", "100MiB", "--host-memory",
+               "64GiB", "--seq-len", "65536"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "no setting fits" in err and "lowest estimated peak" in err and "--gpu-memory 0.1 GiB" in err
+
+
+def test_model_directory_and_missing_model(config_path, capsys, tmp_path):
+    assert main([*BASE, "--model", str(config_path.parent), "--top", "1"]) == 0
+    capsys.readouterr()
+    assert main([*BASE, "--model", str(tmp_path / "nope" / "config.json")]) == 2
+    assert "neither a config.json" in capsys.readouterr().err
+
+
+def test_parse_size():
+    assert parse_size("80GiB") == 80 * 2**30
+    assert parse_size("512 GB") == 512e9
+    assert parse_size("25GB/s") == 25e9
+    for bad in ("eighty", "80XB", "0GiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+
+
+def test_plot_writes_a_png(config_path, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [100, 5000, 300, 20000, 70000, 800] * 50))
+    png = tmp_path / "load.png"
+    assert main([*BASE, "--model", str(config_path), "--top", "1", "--plot", str(png),
+                 "--lengths-file", str(lengths)]) == 0
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"lengths from {lengths}" in out and "synchronised step / ideal" in out

@@ -1,0 +1,140 @@
+"""The planner's memory model (`hf_longctx.planning.memory`) against hand computations,
+against what autograd really saves, and against one measured peak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from hf_longctx.planning.memory import ModelDims, Setting, estimate_memory, layer_activation_bytes
+
+
+def _llama(**kw) -> LlamaConfig:
+    base = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=1 << 16)
+    return LlamaConfig(**(base | kw))
+
+
+@pytest.mark.parametrize(
+    "config, model_cls",
+    [(_llama(), LlamaForCausalLM), (_llama(attention_bias=True, tie_word_embeddings=True), LlamaForCausalLM),
+     (Qwen2Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512), Qwen2ForCausalLM)],
+    ids=["llama", "llama-bias-tied", "qwen2"],
+)
+def test_param_count_is_exact(config, model_cls):
+    assert ModelDims.from_config(config).params == model_cls(config).num_parameters()
+
+
+def test_param_count_by_hand():
+    d = ModelDims.from_config(_llama())
+    layer = 64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 160 + 2 * 64  # q, o; k, v (2 KV heads x 16); MLP; norms
+    assert d.layer_params == layer
+    assert d.params == 2 * layer + 2 * 512 * 64 + 64  # embeddings + LM head (untied) + final norm
+
+
+def test_zero3_divides_by_world_and_adds_the_fsdp_working_set():
+    d = ModelDims.from_config(_llama())
+    p = d.params
+    one = estimate_memory(d, Setting(1, 1), world=1, tokens=1024, dtype="fp32")
+    assert (one.params, one.grads, one.optimizer) == (4 * p, 4 * p, 8 * p)  # fp32 + fp32 + two fp32 moments
+    eight = estimate_memory(d, Setting(2, 1), world=8, tokens=1024, dtype="bf16")
+    assert eight.params == 4 * p / 8 + 2 * (d.root_params + 2 * d.layer_params)  # shard + gathered root, 2 layers
+    assert eight.grads == 4 * p / 8 + 2 * (d.root_params + d.layer_params)
+    assert eight.optimizer == 8 * p / 8
+    assert estimate_memory(d, Setting(1, 1), world=1, tokens=1024, optimizer="sgd").optimizer == 0
+
+
+def test_activations_scale_with_local_tokens_and_options_move_them():
+    d = ModelDims.from_config(_llama())
+    base = estimate_memory(d, Setting(1, 1), world=4, tokens=8192)
+    sp2 = estimate_memory(d, Setting(2, 1), world=4, tokens=8192)
+    assert sp2.activations == pytest.approx(base.activations / 2, rel=1e-12)  # S/sp tokens per GPU
+    # Ulysses 4 > 2 KV heads: each KV head is replicated twice, so k and v double.
+    sp4 = estimate_memory(d, Setting(4, 1), world=4, tokens=8192)
+    kv_extra = d.layers * (8192 / 4) * 2 * 2 * d.kv_heads * d.head_dim  # 2 bytes (bf16) x (k, v), one more replica
+    assert sp4.activations == pytest.approx(base.activations / 4 + kv_extra, rel=1e-12)
+    per = layer_activation_bytes(d, 2, 1)
+    s_l = 8192 / 2
+    ckpt = estimate_memory(d, Setting(2, 1, checkpoint=True, mlp_chunks=2, loss_chunks=0), world=4, tokens=8192)
+    assert ckpt.host == d.layers * s_l * 2 * d.hidden  # saved layer inputs, bf16, on host
+    fpdt = estimate_memory(d, Setting(2, 1, fpdt_chunks=4, kv_offload=True, mlp_chunks=8, loss_chunks=0), world=4, tokens=8192)
+    assert fpdt.host == d.layers * s_l * per["attention"]
+    assert fpdt.activations == pytest.approx(sp2.activations - d.layers * s_l * (per["attention"] + per["mlp"]), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [(Setting(3, 1), "does not divide"), (Setting(2, 2, fpdt_chunks=2), "needs ring 1"),
+     (Setting(2, 1, kv_offload=True), "kv_offload"), (Setting(8, 1), "divisible by ulysses")],
+)
+def test_invalid_settings_raise(setting, message):
+    with pytest.raises(ValueError, match=message):
+        estimate_memory(ModelDims.from_config(_llama()), setting, world=8, tokens=1024)
+
+
+def _shard(model, tokens: int, mesh):
+    from hf_longctx import shard_batch
+
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(tokens // 2)] * 2)[None]
+    return shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": pos}, mesh)
+
+
+def test_layer_activations_equal_what_autograd_saves():
+    """The per-layer formula is exact for Llama in fp32: count the unique storages autograd
+    saves (parameters excluded) with 2 layers and with 1; the difference is one layer."""
+    from hf_longctx import init_sequence_parallel, patch
+
+    tokens = 256
+    saved = {}
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(_llama(num_hidden_layers=layers))
+        patch(model, init_sequence_parallel(1, 1))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**_shard(model, tokens, init_sequence_parallel(1, 1))).loss
+        saved[layers] = sum(seen.values())
+    expected = sum(layer_activation_bytes(ModelDims.from_config(_llama()), 4, 1).values()) * tokens
+    assert saved[2] - saved[1] == expected  # exact: both are byte counts of the same tensors
+
+
+def test_estimate_within_10_percent_of_measured_peak():
+    """MemTracker peak of one fp32 AdamW step (one process, chunked loss + MLP) against the
+    estimate; 10 % is the issue's target, the benchmark shows 1-4 % at larger sizes."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from hf_longctx import init_sequence_parallel, patch
+
+    torch.manual_seed(0)
+    config = _llama(hidden_size=128, intermediate_size=352, num_attention_heads=4, vocab_size=2048)
+    model = LlamaForCausalLM(config)
+    mesh = init_sequence_parallel(1, 1)
+    patch(model, mesh, loss_chunks="auto", mlp_chunks=4)
+    opt = torch.optim.AdamW(model.parameters())
+    shard = _shard(model, 2048, mesh)
+
+    def step():
+        model(**shard).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    est = estimate_memory(ModelDims.from_config(config), Setting(1, 1, mlp_chunks=4, loss_chunks=0), world=1,
+                          tokens=2048, dtype="fp32").peak
+    assert abs(est / peak - 1) < 0.10, (est, peak)
