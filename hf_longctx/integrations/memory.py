@@ -1,0 +1,265 @@
+"""Memory options of a patched HF causal LM: chunked MLP, chunked LM head + loss, offloaded checkpointing.
+
+Where it sits: `patch()` (`integrations/transformers.py`) calls `apply_memory_options` when
+any memory option is set and calls the returned undo in `unpatch()`. It implements the
+part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attention:
+- every decoder layer's `mlp` runs through `ops/tiling.chunked_mlp` (2x the attention
+  chunks by default), so only one chunk of the [tokens x intermediate] activations exists;
+- the causal-LM head is intercepted: when labels or shift_labels are given, the loss comes
+  from `ops/tiling.chunked_causal_lm_loss` on the last hidden state (Gemma2's final logit
+  softcapping inside it, `num_items_in_batch` honoured) and `logits` is None; without
+  labels the model behaves as before;
+- `checkpoint=True`: activation checkpointing of every decoder layer, with the layer inputs
+  the checkpoint keeps offloaded to pinned host memory on CUDA.
+`kv_offload` is FPDT's K/V host offload; the attention binding of `patch()` passes it to
+`ops/fpdt.fpdt_attention(offload=...)`, so here it is only validated.
+
+Every change is an instance attribute (a bound forward, the HF checkpointing attributes):
+no module is wrapped, state_dict keys stay the same, and the undo restores the exact
+previous instance attributes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.ops.tiling import chunked_causal_lm_loss, chunked_mlp, default_loss_chunk_size, default_mlp_chunks
+
+_MISSING = object()
+
+
+def _set_instance_attr(module: Any, name: str, value: Any, undo: list) -> None:
+    """Set an instance attribute and remember how to put the previous state back."""
+    previous = module.__dict__.get(name, _MISSING)
+
+    def restore() -> None:
+        if previous is _MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = previous
+
+    undo.append(restore)
+    setattr(module, name, value)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer list: the longest ModuleList whose every entry has an `mlp`
+    (Llama/Mistral/Qwen/Phi3/Gemma2 `model.layers`, GPT-2/GPTBigCode `transformer.h`,
+    GPT-NeoX `gpt_neox.layers`)."""
+    best = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and all(hasattr(m, "mlp") for m in module):
+            if best is None or len(module) > len(best):
+                best = module
+    if best is None:
+        raise ValueError(f"{type(model).__name__}: found no list of decoder layers with an `mlp` submodule")
+    return best
+
+
+def _resolve_chunks(name: str, value: Any) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be None (off), 'auto' or a positive int, got {value!r}")
+    return value
+
+
+# ---- chunked MLP --------------------------------------------------------------------------
+
+
+def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
+    layers = decoder_layers(model)
+    for n, layer in enumerate(layers):
+        for name, sub in layer.mlp.named_modules():
+            if isinstance(sub, nn.Dropout) and sub.p > 0:
+                raise ValueError(
+                    f"mlp_chunks needs dropout-free MLPs (a recomputed chunk cannot replay dropout): layer {n} "
+                    f"mlp.{name} has p={sub.p}; set the config's MLP/residual dropout to 0"
+                )
+    for layer in layers:
+        mlp = layer.mlp
+        forward = mlp.forward  # bound: class forward, or an earlier instance-level patch
+
+        def chunked_forward(hidden: torch.Tensor, *args, _forward=forward, **kwargs) -> torch.Tensor:
+            if args or kwargs or hidden.dim() != 3:  # not the plain token-wise call: leave it alone
+                return _forward(hidden, *args, **kwargs)
+            return chunked_mlp(_forward, hidden, chunks)
+
+        _set_instance_attr(mlp, "forward", chunked_forward, undo)
+
+
+# ---- chunked LM head + loss ---------------------------------------------------------------
+
+
+def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"loss_chunks needs a linear LM head; {type(model).__name__}.get_output_embeddings() is {head!r}")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+    forward = model.forward
+
+    def forward_with_chunked_loss(*args, **kwargs):
+        labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+        if labels is None and shift_labels is None:
+            return forward(*args, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)  # the loss covers every token
+        return_dict = kwargs.pop("return_dict", None)  # None: HF's default, a ModelOutput
+        captured: list[torch.Tensor] = []
+
+        def capture(hidden: torch.Tensor) -> torch.Tensor:
+            captured.append(hidden)
+            return hidden.new_empty((*hidden.shape[:-1], 0))  # [B, S, 0]: no logits; softcap ops on it are free
+
+        _set_instance_attr(head, "forward", capture, restore := [])
+        try:
+            out = forward(*args, return_dict=True, **kwargs)
+        finally:
+            restore[0]()
+        if len(captured) != 1:
+            raise RuntimeError(f"expected one LM head call in {type(model).__name__}.forward, saw {len(captured)}")
+        hidden = captured[0]  # [B, S, Hd]
+        if shift_labels is None:  # HF's convention: position t predicts labels[t + 1]
+            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # [B, S]
+        chunk_size = (
+            default_loss_chunk_size(config, hidden.shape[0] * hidden.shape[1])
+            if loss_chunks == "auto"
+            else math.ceil(hidden.shape[0] * hidden.shape[1] / loss_chunks)
+        )
+        loss = chunked_causal_lm_loss(
+            hidden, head.weight, getattr(head, "bias", None), shift_labels=shift_labels,
+            num_items_in_batch=num_items, chunk_size=max(1, chunk_size), final_logit_softcapping=softcap,
+        )
+        fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        out = type(out)(loss=loss, logits=None, **fields)
+        return out.to_tuple() if return_dict is False else out
+
+    _set_instance_attr(model, "forward", functools.wraps(forward)(forward_with_chunked_loss), undo)
+
+
+# ---- offloaded activation checkpointing ----------------------------------------------------
+
+
+class _Parked(NamedTuple):
+    value: torch.Tensor  # pinned host copy (CUDA) or detached alias
+    device: torch.device
+    requires_grad: bool
+
+
+def _park(arg: Any) -> Any:
+    """What the recompute will read instead of a layer input: a pinned host copy on CUDA
+    (the device tensor is then free once its last user drops it), a detached alias elsewhere."""
+    if not isinstance(arg, torch.Tensor):
+        return arg
+    if arg.is_cuda:  # UNVERIFIED (no GPU here)
+        host = torch.empty(arg.shape, dtype=arg.dtype, pin_memory=True)
+        host.copy_(arg, non_blocking=True)  # queued after the kernels that produced arg, on the same stream
+        return _Parked(host, arg.device, arg.requires_grad)
+    return _Parked(arg.detach(), arg.device, arg.requires_grad)
+
+
+def _unpark(parked: Any) -> Any:
+    if not isinstance(parked, _Parked):
+        return parked
+    host, device, requires_grad = parked
+    # A leaf with the input's value: the recompute must record (and save) the same tensors
+    # as the original forward, which needs requires_grad to match; gradients flow through
+    # the ORIGINAL graph, whose saved tensors the recompute only refills.
+    return host.to(device, non_blocking=True).detach().requires_grad_(requires_grad)
+
+
+def offloaded_checkpoint(function: Callable, *args: Any) -> Any:
+    """Non-reentrant activation checkpointing of `function(*args)` whose recompute reads the
+    inputs from host memory (FPDT's "OC." setting).
+
+    Why not `save_on_cpu` around `torch.utils.checkpoint`: the non-reentrant checkpoint keeps
+    its inputs referenced from its recompute closure, out of reach of saved-tensor hooks, and
+    the reentrant one breaks `torch.autograd.grad` and needs inputs that require grad. Here the
+    inputs sit in a box the recompute reads: the original forward runs on the real inputs,
+    then the box switches to host copies. On CPU the box holds detached aliases: same
+    structure, no copy.
+    """
+    box = list(args)
+
+    def run(_anchor: torch.Tensor) -> Any:
+        return function(*[_unpark(a) for a in box])
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    anchor = tensors[0].new_empty(0) if tensors else torch.empty(0)  # tells checkpoint the device (RNG state)
+    out = torch_checkpoint(run, anchor, use_reentrant=False)
+    box[:] = [_park(a) for a in args]  # from now on only the recompute reads the inputs
+    return out
+
+
+def _patch_checkpointing(model: nn.Module, undo: list) -> None:
+    for layer in decoder_layers(model):
+        if hasattr(type(layer), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
+            _set_instance_attr(layer, "gradient_checkpointing", True, undo)
+            _set_instance_attr(layer, "_gradient_checkpointing_func", offloaded_checkpoint, undo)
+            continue
+        forward = layer.forward
+
+        def checkpointed(*args, _forward=forward, _layer=layer, **kwargs):
+            if not (_layer.training and torch.is_grad_enabled()):
+                return _forward(*args, **kwargs)
+            return offloaded_checkpoint(functools.partial(_forward, **kwargs), *args)
+
+        _set_instance_attr(layer, "forward", checkpointed, undo)
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+
+def apply_memory_options(
+    model: nn.Module,
+    mesh: SPMesh,
+    *,
+    kv_offload: bool = False,
+    mlp_chunks: int | str | None = None,
+    loss_chunks: int | str | None = None,
+    checkpoint: bool = False,
+) -> Callable[[], None]:
+    """Turn on the memory options on `model` in place; return an undo that restores it exactly.
+
+    mlp_chunks / loss_chunks: None = off, "auto" = FPDT's defaults (MLP: 2 x mesh.fpdt_chunks;
+    loss: about 2 x vocab / hidden chunks with a floor on the chunk length, per call), or a
+    number of sequence chunks. Everything is validated before the model is touched.
+    """
+    if not isinstance(kv_offload, bool) or not isinstance(checkpoint, bool):
+        raise ValueError(f"kv_offload and checkpoint must be bools, got kv_offload={kv_offload!r}, checkpoint={checkpoint!r}")
+    if kv_offload and mesh.fpdt_chunks < 2:
+        raise ValueError(
+            f"kv_offload=True needs FPDT chunks (mesh.fpdt_chunks = {mesh.fpdt_chunks}); "
+            "build the mesh with init_sequence_parallel(..., fpdt_chunks=u) with u > 1"
+        )
+    mlp_chunks = _resolve_chunks("mlp_chunks", mlp_chunks)
+    loss_chunks = _resolve_chunks("loss_chunks", loss_chunks)
+    if mlp_chunks == "auto":
+        mlp_chunks = default_mlp_chunks(mesh.fpdt_chunks)
+    undo: list[Callable[[], None]] = []
+    try:
+        if mlp_chunks is not None:
+            _patch_mlps(model, mlp_chunks, undo)
+        if loss_chunks is not None:
+            _patch_loss(model, loss_chunks, undo)
+        if checkpoint:
+            _patch_checkpointing(model, undo)
+    except BaseException:
+        for restore in reversed(undo):
+            restore()
+        raise
+
+    def restore_all() -> None:
+        while undo:
+            undo.pop()()
+
+    return restore_all

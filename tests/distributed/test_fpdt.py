@@ -1,0 +1,165 @@
+"""FPDT attention (chunked Ulysses, online softmax over chunks, offload) vs a float64 single-process reference.
+
+Ulysses degrees 1, 2, 4 with FPDT chunks u = 2, 4, 8; GQA with H_kv = H, H/2, 1 and H_kv < U;
+packed documents of uneven lengths that cross chunk boundaries; non-causal, sliding window,
+softcap, B = 2 unpacked rows; offload on and off (on CPU the store keeps references, so
+both must give identical numbers through the same schedule). Tolerances as in test_usp.py:
+- fp32: max|a-b|/max|b| <= 2e-5 against float64. The kernels accumulate in fp32 over at
+  most a few hundred keys (~1e-6 expected); a lost K/V chunk, a wrong chunk order in the
+  rank-ordinal layout or a dq finalised too early gives errors of order 1;
+- bf16: no worse than twice single-process bf16 attention on the same input.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_longctx import init_sequence_parallel
+from hf_longctx.ops.fpdt import fpdt_attention
+from tests.pool import worker_mesh
+from tests.reference import reference_attention, rel_err
+
+FP32_TOL = 2e-5
+
+
+def _boundaries(mesh, seed: int, docs: int) -> list[int]:
+    """Uneven documents (up to one seq_multiple long each, so they straddle chunks) plus padding."""
+    g = torch.Generator().manual_seed(seed)
+    sm = mesh.seq_multiple  # u·U: one token per piece at the smallest
+    lengths = [int(n) for n in torch.randint(1, max(2, 2 * sm), (docs,), generator=g)]
+    pad = (-sum(lengths)) % sm
+    cu = [0]
+    for n in lengths + ([pad] if pad else []):
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _case(mesh, case: dict, dtype: torch.dtype):
+    seed = case.get("seed", 0) + 1000 * mesh.dp_rank  # different DP groups solve different problems
+    g = torch.Generator().manual_seed(seed)
+    h, hkv, d = case["heads"], case["kv_heads"], 8
+    if case.get("packed", True):
+        cu = _boundaries(mesh, seed, case.get("docs", 4))
+        b, s = 1, cu[-1]
+    else:
+        b, s, cu = 2, 2 * mesh.seq_multiple, None
+    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    kw = dict(causal=case.get("causal", True), window=case.get("window"), softcap=case.get("softcap"))
+
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_attention(*ref_in, torch.tensor(cu) if cu else None, **kw)
+    ref_out.backward(dout)
+
+    idx = mesh.local_indices(cu if cu else [0, s])  # [S_local] rows of this rank, rank-ordinal chunks
+    errs = {}
+    for offload in (False, True):
+        local = [t[:, idx].to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fpdt_attention(*local, mesh, cu_seqlens=cu, offload=offload, **kw)
+        out.backward(dout[:, idx].to(dtype))
+        tag = "off_" if offload else ""
+        errs[tag + "out"] = rel_err(out.double(), ref_out[:, idx].detach())
+        for name, t, r in zip(("dq", "dk", "dv"), local, ref_in):
+            errs[tag + name] = rel_err(t.grad.double(), r.grad[:, idx])
+    if dtype == torch.bfloat16:
+        base = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        bout = reference_attention(*base, torch.tensor(cu) if cu else None, **kw)
+        bout.backward(dout.to(dtype))
+        errs["base_out"] = rel_err(bout[:, idx].double(), ref_out[:, idx].detach())
+        for name, t, r in zip(("dq", "dk", "dv"), base, ref_in):
+            errs["base_" + name] = rel_err(t.grad[:, idx].double(), r.grad[:, idx])
+    return errs
+
+
+CASES = [
+    dict(heads=8, kv_heads=8),
+    dict(heads=8, kv_heads=4, docs=5, seed=1),
+    dict(heads=8, kv_heads=1, seed=2),  # MQA: one KV head, replicated for U > 1
+    dict(heads=8, kv_heads=2, seed=3),  # H_kv < U for U = 4
+    dict(heads=4, kv_heads=2, causal=False, seed=4),  # every query chunk needs every K/V chunk
+    dict(heads=4, kv_heads=2, window=5, seed=5),  # early K/V chunks skipped
+    dict(heads=4, kv_heads=4, window=3, causal=False, seed=6),
+    dict(heads=4, kv_heads=2, softcap=2.0, seed=7),
+    dict(heads=4, kv_heads=4, packed=False, seed=8),  # B = 2 rows, one document each
+]
+
+
+def _run_cases(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]):
+    mesh = worker_mesh(ulysses, 1, chunks)
+    return [_case(mesh, c, getattr(torch, dtype_name)) for c in cases]
+
+
+def _check_fp32(results, cases=CASES):
+    for rank, per_rank in enumerate(results):
+        for case, errs in zip(cases, per_rank):
+            for name, e in errs.items():
+                assert e <= FP32_TOL, f"rank {rank} case {case}: {name} rel err {e:.2e} > {FP32_TOL}"
+
+
+@pytest.mark.parametrize("chunks", [2, 4, 8])
+def test_world1_fp32(chunks):
+    mesh = init_sequence_parallel(1, 1, chunks)
+    _check_fp32([[_case(mesh, c, torch.float32) for c in CASES]])
+
+
+@pytest.mark.parametrize("chunks", [2, 4, 8])
+def test_world2_fp32(pools, chunks):
+    _check_fp32(pools.get(2).run(_run_cases, 2, chunks, "float32", CASES))
+
+
+@pytest.mark.parametrize("ulysses,chunks", [(4, 2), (4, 4), (4, 8), (2, 4)])  # (2, 4): U = 2 with dp = 2
+def test_world4_fp32(pools, ulysses, chunks):
+    _check_fp32(pools.get(4).run(_run_cases, ulysses, chunks, "float32", CASES))
+
+
+BF16_CASES = [dict(heads=8, kv_heads=2, docs=3, seed=11), dict(heads=4, kv_heads=4, softcap=2.0, seed=12)]
+
+
+def test_bf16_no_worse_than_twice_single_process(pools):
+    for rank, per_rank in enumerate(pools.get(2).run(_run_cases, 2, 4, "bfloat16", BF16_CASES)):
+        for case, errs in zip(BF16_CASES, per_rank):
+            for tag in ("", "off_"):
+                for name in ("out", "dq", "dk", "dv"):
+                    assert errs[tag + name] <= 2 * errs["base_" + name], f"rank {rank} {case}: {tag}{name} {errs}"
+
+
+# ---- bad input: ValueError on every rank before any collective, then the group still works ----
+
+
+def _bad_inputs():
+    errors = []
+    try:
+        init_sequence_parallel(1, 2, fpdt_chunks=2)
+    except ValueError as e:
+        errors.append(str(e))
+    mesh = worker_mesh(2, 1, 4)
+    x = torch.zeros(1, 8, 4, 8)
+    checks = [
+        lambda: fpdt_attention(torch.zeros(1, 6, 4, 8), torch.zeros(1, 6, 4, 8), torch.zeros(1, 6, 4, 8), mesh),
+        lambda: fpdt_attention(x, x, x, mesh, cu_seqlens=[0, 12]),
+        lambda: fpdt_attention(x, torch.zeros(1, 8, 3, 8), torch.zeros(1, 8, 3, 8), mesh, cu_seqlens=[0, 16]),
+        lambda: fpdt_attention(x, x, x, worker_mesh(1, 2, 1), cu_seqlens=[0, 16]),
+    ]
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            errors.append(str(e))
+    t = torch.ones(1)
+    dist.all_reduce(t)  # every rank reaches the next collective: nobody is stuck in a half-started one
+    return errors, t.item()
+
+
+def test_bad_input_raises_everywhere_without_hang(pools):
+    for errors, total in pools.get(2).run(_bad_inputs, timeout=60):
+        assert total == 2.0
+        assert len(errors) == 5, errors
+        assert "fpdt_chunks(2) > 1 needs ring_degree 1" in errors[0]
+        assert "S_local (6) must be a positive multiple of fpdt_chunks (4)" in errors[1]
+        assert "cu_seqlens ends at 12" in errors[2] and "= 16" in errors[2]
+        assert "multiple of KV heads (3)" in errors[3]
+        assert "needs ring degree 1, got ring 2" in errors[4]

@@ -1,0 +1,118 @@
+"""The offload manager's schedule (FPDT §3.4 double buffering), recorded through `ChunkStore.trace`.
+
+On CPU the store runs the exact schedule of the CUDA path without copies, so what is checked
+here is the order of events: a chunk's fetch is issued before the compute on the previous
+chunk ends (double buffering: the copy of n+1 can overlap the compute of n), no chunk is
+fetched twice in one pass, and fetched buffers are released when the caller moves on. The
+FPDT loops themselves are traced at world size 1 (every all-to-all is the identity).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_longctx.ops.fpdt import FPDTPlan, fpdt_backward, fpdt_forward
+from hf_longctx.ops.offload import ChunkStore
+
+
+def _index(trace, event):
+    return trace.index(event)
+
+
+def _check_pass(trace: list, groups: list) -> None:
+    """Double buffering and single fetch within one `stream` pass over `groups`."""
+    for n, group in enumerate(groups):
+        for key in group:
+            assert trace.count(("fetch", key)) == 1, f"{key} fetched {trace.count(('fetch', key))} times"
+            assert _index(trace, ("fetch", key)) < _index(trace, ("begin", group))
+            if ("put", key) not in trace:  # a re-put key (dq accumulator) drops its buffer at the put
+                assert _index(trace, ("release", key)) > _index(trace, ("end", group))
+        if n + 1 < len(groups):
+            for key in groups[n + 1]:
+                # the next chunk's copy is issued before this chunk's compute ends
+                assert _index(trace, ("fetch", key)) < _index(trace, ("end", group)), (key, trace)
+
+
+def test_stream_double_buffers_and_fetches_once():
+    trace: list = []
+    store = ChunkStore("cpu", offload=True, trace=trace)
+    groups = [[("kv", i)] for i in range(4)]
+    for i in range(4):
+        store.put(("kv", i), torch.full((2,), float(i)))
+    computed = []
+    for group, (t,) in store.stream(groups):
+        trace.append(("compute", group))
+        computed.append(t[0].item())
+    assert computed == [0.0, 1.0, 2.0, 3.0]
+    _check_pass(trace, [tuple(g) for g in groups])
+    for n, group in enumerate(groups):  # compute n happens between its begin and end, after fetch n+1
+        c = _index(trace, ("compute", tuple(group)))
+        assert _index(trace, ("begin", tuple(group))) < c < _index(trace, ("end", tuple(group)))
+        if n + 1 < len(groups):
+            assert _index(trace, ("fetch", groups[n + 1][0])) < c
+
+
+def test_cpu_store_keeps_references_without_copies():
+    store = ChunkStore("cpu", offload=True)
+    t = torch.randn(3)
+    store.put("a", t)
+    assert not store.copies
+    assert store.get("a")[0] is t  # CPU: same schedule, no copy
+    with pytest.raises(KeyError, match="never put"):
+        store.prefetch("b")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host copies on a side stream)")
+def test_cuda_store_round_trips_through_pinned_host():
+    store = ChunkStore("cuda", offload=True)
+    t = torch.randn(64, 32, device="cuda")
+    expect = t.clone()
+    store.put("a", t)
+    del t
+    assert store._held["a"][0].is_pinned() and store._held["a"][0].device.type == "cpu"
+    (back,) = store.get("a")
+    torch.testing.assert_close(back, expect, rtol=0, atol=0)
+
+
+def _segment(trace: list, mark) -> list:
+    """The events of one pass: from its ("pass", mark) note to the next pass note."""
+    lo = trace.index(("pass", mark))
+    nxt = [n for n in range(lo + 1, len(trace)) if trace[n][0] == "pass"]
+    return trace[lo : nxt[0] if nxt else len(trace)]
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_fpdt_loops_schedule(chunks):
+    s, h, d = 8 * chunks, 2, 4
+    cu = [0, 5, s]  # two documents, the first ends inside chunk 0 or 1
+    kw = dict(scale=1 / math.sqrt(d), causal=True, window=None, softcap=None)
+    plan = FPDTPlan(cu, chunks, group=None, causal=True, window=None, kw=kw)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, h, d, generator=g) for _ in range(3))
+
+    trace: list = []
+    store = ChunkStore("cpu", offload=True, trace=trace)
+    fpdt_forward(q, k, v, plan, store)
+    # Forward: query chunk i streams the stored K/V chunks 0..i-1, each once, double-buffered.
+    kv_fetches = [e for e in trace if e[0] == "fetch" and e[1][0] == "kv"]
+    assert len(kv_fetches) == sum(len(n) - 1 for n in plan.needs)
+    assert plan.needs == [list(range(i + 1)) for i in range(chunks)]
+    for i in range(chunks):
+        _check_pass(_segment(trace, ("q", i)), [(("kv", j),) for j in range(i)])
+
+    trace.clear()
+    dout = torch.randn(1, s, h, d, generator=g)
+    fpdt_backward(dout, plan, store, q.shape, k.shape)
+    # Backward: every K/V chunk fetched exactly once (K/V outer); per outer chunk j each
+    # query group fetched once, the next group before the current one's compute ends.
+    for j in range(chunks):
+        assert trace.count(("fetch", ("kv", j))) == 1
+        seg = _segment(trace, ("kv", j))
+        groups = [(("q", i), ("do", i), ("o", i), ("dq", i)) for i in plan.users[j]]
+        assert plan.users[j] == list(range(j, chunks))
+        _check_pass(seg, groups)
+        if j + 1 < chunks:  # the next outer K/V chunk is requested before this inner loop starts
+            assert seg.index(("fetch", ("kv", j + 1))) < seg.index(("begin", groups[0]))
