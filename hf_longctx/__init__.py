@@ -18,6 +18,7 @@ from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch, unpatch
 from hf_longctx.loss import global_loss, sum_gradients
+from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
 from hf_longctx.training import TrainConfig, train
 
@@ -30,6 +31,7 @@ __all__ = [
     "SPMesh",
     "StepSampler",
     "TrainConfig",
+    "fpdt_attention",
     "fsdp_plan",
     "gather_sequence",
     "global_loss",

@@ -27,11 +27,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-# Below this many tokens per loss chunk the per-chunk [n, Hd] x [Hd, V] GEMM stops being
-# bandwidth-efficient and the Python loop overhead starts to show; 1024 rows keep the GEMM
-# well shaped on every accelerator we target while one fp32 chunk of a 128k vocabulary stays
-# at 0.5 GiB. Read-only constant, not a flag.
-MIN_LOSS_CHUNK_TOKENS = 1024
+# The floor only guards against degenerate chunks (a 64-wide toy model with a 32K vocabulary
+# would get ~1000 chunks of a few tokens). At 256 rows the per-chunk [256, Hd] x [Hd, V] GEMM
+# is already 2·256·Hd·V FLOPs (over 1 GFLOP for Hd = 64, V = 32K), far above the per-chunk
+# loop overhead of tens of microseconds, and one fp32 chunk of a 128K vocabulary is 128 MiB.
+# A higher floor would override FPDT's sizing rule (one fp32 logits chunk = the bf16 hidden
+# states of the sequence) for mid-sized models and make the loss the memory peak again.
+# Read-only constant, not a flag.
+MIN_LOSS_CHUNK_TOKENS = 256
 
 
 def default_mlp_chunks(fpdt_chunks: int) -> int:
@@ -53,8 +56,8 @@ def default_loss_chunk_size(config: Any, seq_len: int) -> int:
     FPDT splits the loss into about ``2 * V / Hd`` chunks. Why that number: one fp32 logits chunk
     then holds ``(seq_len / (2 V / Hd)) * V * 4 = seq_len * Hd * 2`` bytes, i.e. exactly the size
     of the bf16 hidden states of the whole sequence, so the loss never becomes the memory peak.
-    A floor of :data:`MIN_LOSS_CHUNK_TOKENS` (1024) tokens per chunk keeps tiny models (V / Hd
-    can be 500+ for a 64-wide toy) from degenerating into many 30-token GEMMs; a sequence
+    A floor of :data:`MIN_LOSS_CHUNK_TOKENS` (256) tokens per chunk keeps tiny models (V / Hd
+    can be 500+ for a 64-wide toy) from degenerating into many few-token GEMMs; a sequence
     shorter than the floor is one chunk.
 
     ``config`` is a transformers ``PretrainedConfig`` (multimodal configs are reduced to their

@@ -355,7 +355,7 @@ def test_defaults() -> None:
     assert default_loss_chunk_size(big, 131072) == 2081  # ceil(131072 / 63)
     tiny = LlamaConfig(vocab_size=1000, hidden_size=32)  # 63 chunks would be ~80 tokens
     assert default_loss_chunk_size(tiny, 5000) == MIN_LOSS_CHUNK_TOKENS
-    assert default_loss_chunk_size(tiny, 100) == 100  # shorter than the floor: one chunk
+    assert default_loss_chunk_size(tiny, 200) == 200  # shorter than the floor: one chunk
     gpt2 = GPT2Config(vocab_size=50257, n_embd=768)  # hidden_size via attribute_map
     assert default_loss_chunk_size(gpt2, 300000) == 2291  # ceil(300000 / 131)
     with pytest.raises(ValueError, match="seq_len=0"):
