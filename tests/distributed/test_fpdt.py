@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hf_longctx import init_sequence_parallel
 from hf_longctx.ops.fpdt import fpdt_attention
 from tests.pool import worker_mesh
-from tests.reference import reference_attention, rel_err
+from tests.attention_cases import case_errors
 
 FP32_TOL = 2e-5
 
@@ -37,42 +37,13 @@ def _boundaries(mesh, seed: int, docs: int) -> list[int]:
 
 
 def _case(mesh, case: dict, dtype: torch.dtype):
-    seed = case.get("seed", 0) + 1000 * mesh.dp_rank  # different DP groups solve different problems
-    g = torch.Generator().manual_seed(seed)
-    h, hkv, d = case["heads"], case["kv_heads"], 8
-    if case.get("packed", True):
-        cu = _boundaries(mesh, seed, case.get("docs", 4))
-        b, s = 1, cu[-1]
-    else:
-        b, s, cu = 2, 2 * mesh.seq_multiple, None
-    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
-    kw = dict(causal=case.get("causal", True), window=case.get("window"), softcap=case.get("softcap"))
-
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out = reference_attention(*ref_in, torch.tensor(cu) if cu else None, **kw)
-    ref_out.backward(dout)
-
-    idx = mesh.local_indices(cu if cu else [0, s])  # [S_local] rows of this rank, rank-ordinal chunks
-    errs = {}
-    for offload in (False, True):
-        local = [t[:, idx].to(dtype).requires_grad_() for t in (q, k, v)]
-        out = fpdt_attention(*local, mesh, cu_seqlens=cu, offload=offload, **kw)
-        out.backward(dout[:, idx].to(dtype))
-        tag = "off_" if offload else ""
-        errs[tag + "out"] = rel_err(out.double(), ref_out[:, idx].detach())
-        for name, t, r in zip(("dq", "dk", "dv"), local, ref_in):
-            errs[tag + name] = rel_err(t.grad.double(), r.grad[:, idx])
-    if dtype == torch.bfloat16:
-        base = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        bout = reference_attention(*base, torch.tensor(cu) if cu else None, **kw)
-        bout.backward(dout.to(dtype))
-        errs["base_out"] = rel_err(bout[:, idx].double(), ref_out[:, idx].detach())
-        for name, t, r in zip(("dq", "dk", "dv"), base, ref_in):
-            errs["base_" + name] = rel_err(t.grad[:, idx].double(), r.grad[:, idx])
-    return errs
+    """Offload off and on (error names prefixed "off_"): same numbers through the same schedule."""
+    seed = case.get("seed", 0) + 1000 * mesh.dp_rank
+    cu = _boundaries(mesh, seed, case.get("docs", 4)) if case.get("packed", True) else None
+    return case_errors(
+        mesh, case, dtype, attention=fpdt_attention, cu=cu, rows=(2, 2 * mesh.seq_multiple), head_dim=8,
+        variants={"": dict(offload=False), "off_": dict(offload=True)},
+    )
 
 
 CASES = [

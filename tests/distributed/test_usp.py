@@ -21,7 +21,7 @@ from hf_longctx.data import layout
 from hf_longctx.ops.ring import ring_work
 from hf_longctx.ops.usp import usp_attention
 from tests.pool import worker_mesh
-from tests.reference import reference_attention, rel_err
+from tests.attention_cases import case_errors
 
 FP32_TOL = 2e-5
 
@@ -36,46 +36,16 @@ def _lengths(mesh, seed: int, docs: int) -> list[int]:
 
 
 def _case(mesh, case: dict, dtype: torch.dtype):
-    """Build the global problem (same on every rank of a DP group), run USP, return errors."""
-    seed = case.get("seed", 0) + 1000 * mesh.dp_rank  # different DP groups solve different problems
-    g = torch.Generator().manual_seed(seed)
-    h, hkv, d = case["heads"], case["kv_heads"], 16
-    packed = case.get("packed", True)
-    if packed:
-        lengths = _lengths(mesh, seed, case.get("docs", 4))
+    """Packed documents (multiples of doc_multiple), or B = 2 rows of one document each."""
+    if case.get("packed", True):
+        lengths = _lengths(mesh, case.get("seed", 0) + 1000 * mesh.dp_rank, case.get("docs", 4))
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        b, s = 1, cu[-1]
     else:
-        b, s, cu = 2, 8 * mesh.sp * max(mesh.doc_multiple, 2), None
-    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
-    kw = dict(causal=case.get("causal", True), window=case.get("window"), softcap=case.get("softcap"))
-
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out = reference_attention(*ref_in, torch.tensor(cu) if cu else None, **kw)
-    ref_out.backward(dout)
-
-    idx = mesh.local_indices(cu if cu else [0, s])  # [S_local] rows this rank holds
-    local = [t[:, idx].to(dtype).requires_grad_() for t in (q, k, v)]
-    cu_t = torch.tensor(cu, dtype=torch.int32) if cu else None
-    out = usp_attention(*local, mesh, cu_seqlens=cu_t, **kw)
-    out.backward(dout[:, idx].to(dtype))
-    errs = {"out": rel_err(out.double(), ref_out[:, idx].detach())}
-    for name, t, r in zip(("dq", "dk", "dv"), local, ref_in):
-        errs[name] = rel_err(t.grad.double(), r.grad[:, idx])
-    if dtype == torch.bfloat16:
-        # Single-process bf16 baseline on the same input: error budget of the dtype itself.
-        base = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        bout = reference_attention(*base, torch.tensor(cu) if cu else None, **kw)
-        bout.backward(dout.to(dtype))
-        errs["base_out"] = rel_err(bout[:, idx].double(), ref_out[:, idx].detach())
-        for name, t, r in zip(("dq", "dk", "dv"), base, ref_in):
-            errs["base_" + name] = rel_err(t.grad[:, idx].double(), r.grad[:, idx])
-    return errs
+        cu = None
+    rows = (2, 8 * mesh.sp * max(mesh.doc_multiple, 2))
+    return case_errors(mesh, case, dtype, attention=usp_attention, cu=cu, rows=rows, head_dim=16)
 
 
 CASES = [

@@ -1,0 +1,66 @@
+"""One distributed-attention test case against the float64 single-process reference.
+
+Shared by the USP and FPDT equivalence tests: build a seeded global problem (q, k, v and
+an upstream gradient, identical on every rank of a DP group), run the dense float64
+reference forward and backward, run the distributed attention on this rank's rows
+(`mesh.local_indices`), and return the relative error max|a-b|/max|b| of the output and
+of dq/dk/dv at those rows. For bf16 the same errors of single-process bf16 attention are
+returned too (`base_*`), the budget the distributed version is held to.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tests.reference import reference_attention, rel_err
+
+
+def case_errors(
+    mesh,
+    case: dict,
+    dtype: torch.dtype,
+    *,
+    attention: Callable,
+    cu: list[int] | None,
+    rows: tuple[int, int],
+    head_dim: int,
+    variants: dict[str, dict] | None = None,
+) -> dict[str, float]:
+    """`cu`: packed boundaries (B = 1) or None with `rows` = (B, S) of one document each.
+    `attention(q, k, v, mesh, cu_seqlens=..., causal=..., window=..., softcap=..., **variant)`
+    runs once per entry of `variants` (error names prefixed by its key)."""
+    seed = case.get("seed", 0) + 1000 * mesh.dp_rank  # different DP groups solve different problems
+    g = torch.Generator().manual_seed(seed)
+    h, hkv = case["heads"], case["kv_heads"]
+    b, s = (1, cu[-1]) if cu else rows
+    q = torch.randn(b, s, h, head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(b, s, hkv, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, hkv, head_dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, s, h, head_dim, generator=g, dtype=torch.float64)
+    kw = dict(causal=case.get("causal", True), window=case.get("window"), softcap=case.get("softcap"))
+    cu_ref = torch.tensor(cu) if cu else None
+
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = reference_attention(*ref_in, cu_ref, **kw)
+    ref_out.backward(dout)
+
+    idx = mesh.local_indices(cu if cu else [0, s])  # [S_local] rows this rank holds
+    errs = {}
+    for tag, variant in (variants or {"": {}}).items():
+        local = [t[:, idx].to(dtype).requires_grad_() for t in (q, k, v)]
+        cu_t = torch.tensor(cu, dtype=torch.int32) if cu else None
+        out = attention(*local, mesh, cu_seqlens=cu_t, **kw, **variant)
+        out.backward(dout[:, idx].to(dtype))
+        errs[tag + "out"] = rel_err(out.double(), ref_out[:, idx].detach())
+        for name, t, r in zip(("dq", "dk", "dv"), local, ref_in):
+            errs[tag + name] = rel_err(t.grad.double(), r.grad[:, idx])
+    if dtype == torch.bfloat16:
+        base = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        bout = reference_attention(*base, cu_ref, **kw)
+        bout.backward(dout.to(dtype))
+        errs["base_out"] = rel_err(bout[:, idx].double(), ref_out[:, idx].detach())
+        for name, t, r in zip(("dq", "dk", "dv"), base, ref_in):
+            errs["base_" + name] = rel_err(t.grad[:, idx].double(), r.grad[:, idx])
+    return errs
