@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx import init_sequence_parallel
-from hf_longctx.data import layout
 from hf_longctx.ops.ring import ring_work
 from hf_longctx.ops.usp import usp_attention
 from tests.pool import worker_mesh
