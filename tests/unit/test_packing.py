@@ -247,3 +247,26 @@ def test_full_step_uses_at_most_one_extra_microbatch():
     kw = dict(dp_size=4, max_tokens=1024, doc_multiple=1, seq_multiple=1, overlong="error")
     _check_plan(plan, list(lengths), kw)
     assert plan.num_microbatches <= microbatch_bound(plan) <= 10
+
+
+def _rank_lower_bound(lengths: np.ndarray, cost: CostModel, dp: int) -> float:
+    """rank max / mean can be no lower than this (benchmarks/packing.py prints it): of the
+    k costliest documents some rank holds at least ⌈k/dp⌉, so pays their ⌈k/dp⌉ cheapest."""
+    c = np.sort(cost(lengths).astype(np.float64))[::-1]
+    pre = np.concatenate([[0.0], np.cumsum(c)])
+    k = np.arange(1, len(c) + 1)
+    q = -(-k // dp)
+    return max(1.0, float((pre[k] - pre[k - q]).max()) / (float(c.sum()) / dp))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rank_lower_bound_holds(strategy, seed):
+    rng = np.random.default_rng(seed)
+    cap, dp, cost = 4096, 4, CostModel(1.0, 2048.0)
+    # A few very long documents: the bound exceeds 1 and every plan must respect it.
+    lengths = np.concatenate([[cap, cap, cap - 7], rng.integers(1, 300, size=40)]).astype(np.int64)
+    plan = plan_microbatches(lengths, dp_size=dp, max_tokens=cap, cost=cost, strategy=strategy, seed=seed)
+    bound = _rank_lower_bound(lengths, cost, dp)
+    assert bound > 1.0
+    assert plan.stats(cost)["rank_max_over_mean"] >= bound - 1e-9
