@@ -89,14 +89,18 @@ def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run], *, causal: bool, w
         bad = [r for r in runs if r.length < 0 or r.start < 0]
         if bad:
             raise ValueError(f"{name} holds runs with negative start or length: {bad[:4]}")
-    k_offsets, off = [], 0
+    # Key runs grouped by document (in local order): a query run only meets its own
+    # document's runs, so planning is linear in the runs, not quadratic -- it runs on every
+    # attention call of every layer, and packed batches hold hundreds of documents.
+    by_doc: dict[int, list[tuple[Run, int]]] = {}
+    off = 0
     for r in k_runs:
-        k_offsets.append(off)
+        by_doc.setdefault(r.doc, []).append((r, off))
         off += r.length
     blocks, q_lo = [], 0
     for qr in q_runs:
-        for kr, k_lo in zip(k_runs, k_offsets):
-            if kr.doc != qr.doc or qr.length == 0 or kr.length == 0:
+        for kr, k_lo in by_doc.get(qr.doc, ()):
+            if qr.length == 0 or kr.length == 0:
                 continue
             kind = _classify(qr.start, qr.length, kr.start, kr.length, causal, window)
             if kind is not None:
