@@ -83,29 +83,70 @@ def _classify(q0: int, nq: int, k0: int, nk: int, causal: bool, window: int | No
 
 def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run], *, causal: bool, window: int | None) -> list[Block]:
     """Every (q run × k run) tile of the same document that holds an allowed pair,
-    with its exact kind, in q-run-major order."""
+    with its exact kind, in q-run-major order. With a window, runs are first cut into
+    window-aligned pieces so that no tile (and no mask) exceeds window × window."""
     _check_window(window)
     for name, runs in (("q_runs", q_runs), ("k_runs", k_runs)):
         bad = [r for r in runs if r.length < 0 or r.start < 0]
         if bad:
             raise ValueError(f"{name} holds runs with negative start or length: {bad[:4]}")
+    if window is not None:
+        return _plan_windowed(q_runs, k_runs, causal=causal, window=window)
     # Key runs grouped by document (in local order): a query run only meets its own
     # document's runs, so planning is linear in the runs, not quadratic -- it runs on every
     # attention call of every layer, and packed batches hold hundreds of documents.
     by_doc: dict[int, list[tuple[Run, int]]] = {}
-    off = 0
-    for r in k_runs:
-        by_doc.setdefault(r.doc, []).append((r, off))
-        off += r.length
-    blocks, q_lo = [], 0
-    for qr in q_runs:
+    for piece, k_lo in _with_offsets(k_runs):
+        by_doc.setdefault(piece.doc, []).append((piece, k_lo))
+    blocks = []
+    for qr, q_lo in _with_offsets(q_runs):
         for kr, k_lo in by_doc.get(qr.doc, ()):
             if qr.length == 0 or kr.length == 0:
                 continue
             kind = _classify(qr.start, qr.length, kr.start, kr.length, causal, window)
             if kind is not None:
                 blocks.append(Block(q_lo, q_lo + qr.length, k_lo, k_lo + kr.length, kind, qr.start, kr.start))
-        q_lo += qr.length
+    return blocks
+
+
+def _with_offsets(runs: Sequence[Run]) -> list[tuple[Run, int]]:
+    """Each run with the local offset of its first token."""
+    out, off = [], 0
+    for r in runs:
+        out.append((r, off))
+        off += r.length
+    return out
+
+
+def _grid_pieces(runs: Sequence[Run], window: int) -> list[tuple[Run, int]]:
+    """Runs cut at global multiples of `window`, each piece with its local offset. Every
+    run is cut on the same grid, so the row ranges of all tiles are equal or disjoint."""
+    out = []
+    for r, off in _with_offsets(runs):
+        pos = r.start
+        while pos < r.start + r.length:
+            end = min(r.start + r.length, (pos // window + 1) * window)
+            out.append((Run(r.doc, pos, end - pos), off + pos - r.start))
+            pos = end
+    return out
+
+
+def _plan_windowed(q_runs: Sequence[Run], k_runs: Sequence[Run], *, causal: bool, window: int) -> list[Block]:
+    """Sliding-window plan with tiles of at most window x window: a query piece in grid cell
+    A can only see keys in cells A-1 and A (and A+1 without causality), so a long document
+    costs O(S·window) work and no mask larger than window x window is ever built."""
+    cells: dict[tuple[int, int], list[tuple[Run, int]]] = {}
+    for piece, k_lo in _grid_pieces(k_runs, window):
+        cells.setdefault((piece.doc, piece.start // window), []).append((piece, k_lo))
+    reach = (-1, 0) if causal else (-1, 0, 1)
+    blocks = []
+    for qr, q_lo in _grid_pieces(q_runs, window):
+        cell = qr.start // window
+        for dc in reach:
+            for kr, k_lo in cells.get((qr.doc, cell + dc), ()):
+                kind = _classify(qr.start, qr.length, kr.start, kr.length, causal, window)
+                if kind is not None:
+                    blocks.append(Block(q_lo, q_lo + qr.length, k_lo, k_lo + kr.length, kind, qr.start, kr.start))
     return blocks
 
 
@@ -129,15 +170,16 @@ def score_count(blocks: Sequence[Block], *, causal: bool, window: int | None) ->
 def block_mask(block: Block, *, causal: bool, window: int | None, device: torch.device | str | None = None) -> torch.Tensor:
     """bool [nq, nk], True = attend, for one tile of a single document."""
     _check_window(window)
-    qpos = torch.arange(block.q_start, block.q_start + block.q_hi - block.q_lo, device=device)
-    kpos = torch.arange(block.k_start, block.k_start + block.k_hi - block.k_lo, device=device)
-    diff = qpos[:, None] - kpos[None, :]  # [nq, nk]: i - j
+    nq, nk = block.q_hi - block.q_lo, block.k_hi - block.k_lo
+    qpos = torch.arange(block.q_start, block.q_start + nq, device=device)[:, None]  # [nq, 1]
+    kpos = torch.arange(block.k_start, block.k_start + nk, device=device)[None, :]  # [1, nk]
+    # Bool comparisons straight to [nq, nk]: no int64 difference matrix.
     if causal:
-        allowed = diff >= 0
+        allowed = kpos <= qpos
         if window is not None:
-            allowed &= diff < window
+            allowed &= kpos > qpos - window
     elif window is not None:
-        allowed = diff.abs() < window
+        allowed = (kpos > qpos - window) & (kpos < qpos + window)
     else:
-        allowed = torch.ones_like(diff, dtype=torch.bool)
+        allowed = torch.ones(nq, nk, dtype=torch.bool, device=device)
     return allowed

@@ -245,3 +245,29 @@ def test_plan_blocks_is_exact(plan):
         else:
             assert not tile.all() and not (tile.shape[0] == tile.shape[1] and torch.equal(tile, torch.ones_like(tile).tril()) and b.q_start == b.k_start)
     assert not (local & ~covered).any()  # every allowed pair lies in some tile
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("ring", [1, 4])
+def test_window_tiles_never_exceed_window_squared(causal, ring):
+    # One 64K-token document with a 512 window: without window-aligned pieces the plan held
+    # one masked tile of the whole document (a dense S x S mask); now every tile is at most
+    # window x window and the plan still counts exactly the band's allowed pairs.
+    s, window = 65536, 512
+    cu = [0, s]
+    q_runs = ring_stream(cu, ring, 0)
+    for src in range(ring):
+        k_runs = ring_stream(cu, ring, src)
+        plan = plan_blocks(q_runs, k_runs, causal=causal, window=window)
+        # (distant zigzag chunks share no pair within the window: an empty plan is right)
+        assert max((b.q_hi - b.q_lo for b in plan), default=0) <= window
+        assert max((b.k_hi - b.k_lo for b in plan), default=0) <= window
+        qpos, kpos = runs_to_indices(q_runs), runs_to_indices(k_runs)
+        diff = qpos[:, None] - kpos[None, :] if ring > 1 else None
+        if diff is not None:  # small enough to count densely: S/R x S/R
+            allowed = (diff >= 0) & (diff < window) if causal else diff.abs() < window
+            assert score_count(plan, causal=causal, window=window) == int(allowed.sum())
+    if ring == 1:  # S x S is too big to count densely: the band has a closed form
+        band = sum(min(i + 1, window) for i in range(s)) if causal else sum(
+            min(s - 1, i + window - 1) - max(0, i - window + 1) + 1 for i in range(s))
+        assert score_count(plan, causal=causal, window=window) == band
