@@ -113,6 +113,11 @@ class StepSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         steps = self.epoch_steps(self._epoch)
+        if steps and self._step >= len(steps):
+            # A state saved right after an epoch's last step points past its end (the
+            # generator that would roll over was never resumed): start the next epoch.
+            self._epoch, self._step = self._epoch + 1, 0
+            steps = self.epoch_steps(self._epoch)
         while self._step < len(steps):
             step = steps[self._step]
             self._step += 1

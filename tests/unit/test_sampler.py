@@ -54,7 +54,8 @@ def test_same_steps_on_every_rank_and_new_order_each_epoch():
 def test_resume_mid_epoch_is_exact(stop_after, seed):
     lengths = np.random.default_rng(seed).integers(1, 64, size=200)
     reference = StepSampler(lengths, tokens_per_step=300, seed=seed)
-    expected = list(itertools.islice(itertools.chain(reference, reference), 60))
+    # Three passes cover 60 steps from any stop point; a resumed stream continues across epochs.
+    expected = list(itertools.islice(itertools.chain(reference, reference, reference), 60))
 
     first = StepSampler(lengths, tokens_per_step=300, seed=seed)
     it = iter(first)
@@ -63,7 +64,7 @@ def test_resume_mid_epoch_is_exact(stop_after, seed):
     resumed = StepSampler(lengths, tokens_per_step=300, seed=seed)
     resumed.load_state_dict(state)
     resumed.set_epoch(state["epoch"])  # a training loop's set_epoch must not lose the position
-    rest = list(itertools.islice(itertools.chain(resumed, resumed), 60 - len(seen)))
+    rest = list(itertools.islice(itertools.chain(resumed, resumed, resumed), 60 - len(seen)))
     assert seen + rest == expected
 
 
@@ -148,3 +149,18 @@ def test_tokenize_errors(char_tokenizer):
     no_eos = PreTrainedTokenizerFast(tokenizer_object=char_tokenizer.backend_tokenizer)
     with pytest.raises(ValueError, match="no eos_token_id"):
         tokenize_dataset(ds, no_eos, text_column="body")
+
+
+def test_resume_saved_right_after_the_last_step_of_an_epoch():
+    # A training loop checkpoints right after each step; after an epoch's last step the
+    # state is (epoch, len): resuming from it must continue with the next epoch's first step.
+    lengths = [5, 5, 5, 5]
+    a = StepSampler(lengths, tokens_per_step=10, seed=3)
+    it = iter(a)
+    epoch0 = [next(it) for _ in range(len(a))]  # the whole epoch 0; the generator is not resumed
+    assert len(epoch0) == 2
+    state = a.state_dict()
+    b = StepSampler(lengths, tokens_per_step=10, seed=3)
+    b.load_state_dict(state)
+    expected = [s.tolist() for s in StepSampler(lengths, tokens_per_step=10, seed=3).epoch_steps(1)]
+    assert next(iter(b)) == expected[0]
