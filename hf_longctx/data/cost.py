@@ -22,26 +22,7 @@ from typing import Any, Sequence, overload
 
 import numpy as np
 
-# Model families whose MLP is a plain up/down projection (two matrices); every other
-# family is assumed to use a gated MLP (gate, up, down: three matrices), as Llama does.
-_NON_GATED_MLP = frozenset(
-    {"gpt2", "gpt_neox", "gpt_bigcode", "gptj", "gpt_neo", "starcoder2", "opt", "bloom",
-     "falcon", "phi", "codegen", "mpt"}
-)
-
-
-def _first_attr(config: Any, names: Sequence[str], what: str, required: bool = True) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    if required:
-        raise ValueError(
-            f"CostModel.from_config: config of type {type(config).__name__} has no {what} "
-            f"(looked for attributes {', '.join(names)})"
-        )
-    return None
-
+from hf_longctx.data.model_dims import ModelDims
 
 @dataclass(frozen=True)
 class CostModel:
@@ -87,37 +68,18 @@ class CostModel:
 
         Linear term b = 6·N: N counts the weights every token multiplies, i.e. per layer
         the query/output projections (2·h·h_attn), the key/value projections
-        (2·h·kv_heads·head_dim) and the MLP (3·h·i when gated, 2·h·i otherwise, using the
-        active experts' width for mixture-of-experts), plus the LM head (h·vocab).
+        (2·h·kv_heads·head_dim) and the MLP (3·h·i when gated, 2·h·i otherwise; for mixture-of-experts i is the
+        width of all experts a token passes through), plus the LM head (h·vocab).
         Embedding lookups, norms and softmax are left out (no matmul).
         Quadratic term a = 6·layers·h_attn: causal attention computes half of the l×l
         score matrix QKᵀ and half of the product with V, 2·l²·h_attn FLOPs forward per
         layer, tripled for backward. No per-document constant (c = 0).
         """
-        h = int(_first_attr(config, ("hidden_size", "n_embd", "d_model"), "hidden size"))
-        layers = int(_first_attr(config, ("num_hidden_layers", "n_layer", "num_layers"), "layer count"))
-        vocab = int(_first_attr(config, ("vocab_size",), "vocabulary size"))
-        heads = int(_first_attr(config, ("num_attention_heads", "n_head", "num_heads"), "head count"))
-        head_dim = _first_attr(config, ("head_dim",), "head dimension", required=False)
-        head_dim = int(head_dim) if head_dim else h // heads
-        kv_heads = _first_attr(config, ("num_key_value_heads", "n_head_kv"), "kv heads", required=False)
-        kv_heads = int(kv_heads) if kv_heads else heads
-        if getattr(config, "multi_query", False):
-            kv_heads = 1  # GPTBigCode flags MQA this way instead of num_key_value_heads
-        h_attn = heads * head_dim
-
-        experts_per_tok = getattr(config, "num_experts_per_tok", None)
-        moe_width = getattr(config, "moe_intermediate_size", None)
-        if experts_per_tok and moe_width:
-            inter = int(experts_per_tok) * int(moe_width)
-        else:
-            inter = _first_attr(config, ("intermediate_size", "n_inner", "ffn_dim"), "MLP width", required=False)
-            inter = int(inter) if inter else 4 * h  # GPT-2 leaves n_inner=None meaning 4h
-        mlp_mats = 2 if getattr(config, "model_type", "") in _NON_GATED_MLP else 3
-
-        per_layer = 2 * h * h_attn + 2 * h * kv_heads * head_dim + mlp_mats * h * inter
-        n_matmul = layers * per_layer + h * vocab
-        return cls(a=6.0 * layers * h_attn, b=6.0 * n_matmul, c=0.0)
+        d = ModelDims.from_config(config)
+        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+        per_layer = 2 * d.hidden * q + 2 * d.hidden * kv + (3 if d.gated else 2) * d.hidden * d.intermediate
+        n_matmul = d.layers * per_layer + d.hidden * d.vocab
+        return cls(a=6.0 * d.layers * q, b=6.0 * n_matmul, c=0.0)
 
     @classmethod
     def fit(cls, lengths: Sequence[int] | np.ndarray, times: Sequence[float] | np.ndarray) -> "CostModel":

@@ -104,3 +104,18 @@ def test_from_config_names_missing_attribute():
 
     with pytest.raises(ValueError, match="num_hidden_layers"):
         CostModel.from_config(Bare())
+
+
+def test_from_config_moe_counts_every_active_expert_and_unwraps_multimodal():
+    from transformers import Gemma3Config, MixtralConfig
+
+    # Mixtral has no moe_intermediate_size: each token passes through num_experts_per_tok
+    # experts of intermediate_size, so the gated MLP term is 3·h·(k·i) per layer.
+    c = MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, num_local_experts=8, num_experts_per_tok=2)
+    q, kv = 64, 2 * 16
+    per_layer = 2 * 64 * q + 2 * 64 * kv + 3 * 64 * (2 * 96)
+    assert CostModel.from_config(c) == CostModel(a=6.0 * 2 * q, b=6.0 * (2 * per_layer + 64 * 100))
+    # A multimodal config is reduced to its text config (no top-level hidden_size).
+    g = Gemma3Config()
+    assert CostModel.from_config(g) == CostModel.from_config(g.get_text_config())
