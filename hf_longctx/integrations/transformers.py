@@ -52,6 +52,9 @@ class _PatchState:
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
     calls: int = 0  # attention calls in the current forward
+    # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
+    # every layer of a micro-batch shares one plan instead of re-planning per layer.
+    plan_cache: dict = field(default_factory=dict)
 
 
 def _interfaces():
@@ -130,7 +133,7 @@ def _make_attention(state: _PatchState) -> Callable:
         else:
             from hf_longctx.ops.usp import usp_attention
 
-            out = usp_attention(q, k, v, mesh, **kw)  # [B, S_local, H, D]
+            out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
         state.calls += 1
         return out, None
 
@@ -196,6 +199,7 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
         if state.mesh.sp > 1:
             _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, state.mesh)
         state.calls = 0
+        state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
         return args, kwargs
 
     return hook

@@ -31,7 +31,7 @@ import torch
 
 from hf_longctx import _compat
 from hf_longctx.data.layout import Run
-from hf_longctx.ops.blocks import block_mask, plan_blocks
+from hf_longctx.ops.blocks import Block, block_mask, plan_blocks
 from hf_longctx.ops.lse import merge
 from hf_longctx.ops.math_kernel import NEG_INF as _NEG_INF
 from hf_longctx.ops.math_kernel import acc_dtype as _acc_dtype
@@ -172,10 +172,11 @@ def _check_runs(x: torch.Tensor, runs: Sequence[Run], name: str) -> None:
         raise ValueError(f"{name} runs cover {total} tokens but the tensor holds S = {x.shape[2]} (shape {tuple(x.shape)})")
 
 
-def _plan(q, k, q_runs, k_runs, causal, window):
+def _plan(q, k, q_runs, k_runs, causal, window, blocks=None):
     _check_runs(q, q_runs, "q")
     _check_runs(k, k_runs, "k")
-    blocks = plan_blocks(q_runs, k_runs, causal=causal, window=window)
+    if blocks is None:
+        blocks = plan_blocks(q_runs, k_runs, causal=causal, window=window)
     masks = [block_mask(b, causal=causal, window=window, device=q.device) if b.kind == "masked" else None for b in blocks]
     return blocks, masks
 
@@ -215,12 +216,13 @@ def _summed(pieces: list[torch.Tensor]) -> torch.Tensor:
 def varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
+    blocks: Sequence[Block] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the local queries (q_runs) over the local keys (k_runs) of packed
     documents: out [B, H, Sq, D] (q's dtype), lse [B, H, Sq]; rows with no allowed key
     give out 0, lse -inf."""
     _check(q, k, v)
-    blocks, masks = _plan(q, k, q_runs, k_runs, causal, window)
+    blocks, masks = _plan(q, k, q_runs, k_runs, causal, window, blocks)
     fwd = dict(scale=scale, softcap=softcap)
     if _whole(blocks, q, k):
         return block_forward(q, k, v, causal=blocks[0].kind == "causal", mask=masks[0], **fwd)
@@ -247,7 +249,7 @@ def varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
-    grad_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None, blocks: Sequence[Block] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq [B, H, Sq, D], dk, dv [B, H_kv, Sk, D]) of the attention of q over
     THESE keys, given the final out/lse (merged over every key block the caller holds).
@@ -258,7 +260,7 @@ def varlen_backward(
             f"dout/out must be {tuple(q.shape)} and lse {tuple(q.shape[:3])}, "
             f"got dout {tuple(dout.shape)}, out {tuple(out.shape)}, lse {tuple(lse.shape)}"
         )
-    blocks, masks = _plan(q, k, q_runs, k_runs, causal, window)
+    blocks, masks = _plan(q, k, q_runs, k_runs, causal, window, blocks)
     bwd = dict(scale=scale, softcap=softcap)
     if _whole(blocks, q, k):
         return block_backward(
@@ -289,10 +291,12 @@ class LocalAttention(torch.autograd.Function):
     """Differentiable `varlen_forward`: saves q, k, v, out, lse; the lse itself gets no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_runs, k_runs, scale, causal, window, softcap):
-        out, lse = varlen_forward(q, k, v, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap)
+    def forward(ctx, q, k, v, q_runs, k_runs, scale, causal, window, softcap, blocks=None):
+        out, lse = varlen_forward(
+            q, k, v, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=blocks
+        )
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (list(q_runs), list(k_runs), dict(scale=scale, causal=causal, window=window, softcap=softcap))
+        ctx.args = (list(q_runs), list(k_runs), dict(scale=scale, causal=causal, window=window, softcap=softcap, blocks=blocks))
         return out
 
     @staticmethod
@@ -300,12 +304,14 @@ class LocalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         q_runs, k_runs, kw = ctx.args
         dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, q_runs, k_runs, **kw)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def local_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
+    blocks: Sequence[Block] | None = None,
 ) -> torch.Tensor:
-    """out [B, H, Sq, D] of the local attention, differentiable w.r.t. q, k, v."""
-    return LocalAttention.apply(q, k, v, q_runs, k_runs, scale, causal, window, softcap)
+    """out [B, H, Sq, D] of the local attention, differentiable w.r.t. q, k, v; `blocks`
+    is the precomputed `plan_blocks(q_runs, k_runs, ...)` if the caller has it."""
+    return LocalAttention.apply(q, k, v, q_runs, k_runs, scale, causal, window, softcap, blocks)

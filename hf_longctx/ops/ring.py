@@ -19,7 +19,7 @@ Three layers: `ring_forward` / `ring_backward` loops → `RingAttention` Functio
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -29,16 +29,35 @@ from hf_longctx.ops import blocks, kernels, lse as lse_ops
 from hf_longctx.ops.math_kernel import acc_dtype  # float32, or float64 so float64 references stay exact
 
 
-class RingSpec:
-    """What one rank needs to run the ring: peers, its ring position and the boundaries."""
+class RingPlan(NamedTuple):
+    """The pure part of a rank's ring schedule: its query runs and, per ring step, the key
+    runs it holds and the tiles it computes (empty = nothing to do at that step)."""
 
-    def __init__(self, *, group, ring: int, ring_rank: int, next_rank: int, prev_rank: int, cu: Sequence[int]):
+    q_runs: list[Run]
+    steps: list[tuple[list[Run], list[blocks.Block]]]
+
+
+def ring_plan(cu: Sequence[int], ring: int, ring_rank: int, *, causal: bool, window: int | None) -> RingPlan:
+    """Plan every ring step of rank `ring_rank` from the global boundaries alone."""
+    q_runs = ring_stream(cu, ring, ring_rank)
+    steps = []
+    for step in range(ring):
+        k_runs = ring_stream(cu, ring, (ring_rank - step) % ring)
+        steps.append((k_runs, blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window)))
+    return RingPlan(q_runs, steps)
+
+
+class RingSpec:
+    """What one rank needs to run the ring: peers, its ring position and its plan.
+
+    The plan is made once per call and serves forward and backward; callers that run
+    many layers on the same boundaries pass the same `plan` (see `usp_attention`).
+    """
+
+    def __init__(self, *, group, ring: int, ring_rank: int, next_rank: int, prev_rank: int, plan: RingPlan):
         self.group, self.ring, self.ring_rank = group, ring, ring_rank
         self.next_rank, self.prev_rank = next_rank, prev_rank
-        self.cu = list(cu)
-
-    def runs(self, ring_rank: int) -> list[Run]:
-        return ring_stream(self.cu, self.ring, ring_rank)
+        self.plan = plan
 
     def exchanger(self, tag: int) -> RingExchanger:
         return RingExchanger(self.group, self.next_rank, self.prev_rank, tag=tag)
@@ -50,7 +69,7 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
     """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse [B, H, S_ring]."""
-    q_runs = spec.runs(spec.ring_rank)
+    q_runs = spec.plan.q_runs
     out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     kv = _pack(k, v)
@@ -58,11 +77,10 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
     for step in range(spec.ring):
         if step + 1 < spec.ring:
             ex.start(kv)  # the next block is in flight while this one is computed
-        src = (spec.ring_rank - step) % spec.ring
-        k_runs = spec.runs(src)
-        if blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window):
+        k_runs, tiles = spec.plan.steps[step]  # K/V of ring rank (ring_rank - step) mod R
+        if tiles:
             b_out, b_lse = kernels.varlen_forward(
-                q, kv[0], kv[1], q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap
+                q, kv[0], kv[1], q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles
             )
             out, lse = lse_ops.merge(out, lse, b_out, b_lse)
         if step + 1 < spec.ring:
@@ -72,7 +90,7 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
 
 def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
     """Gradients of `ring_forward` from the final out/lse; dk/dv travel with their block."""
-    q_runs = spec.runs(spec.ring_rank)
+    q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = _pack(k, v)
@@ -80,14 +98,13 @@ def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, win
     for step in range(spec.ring):
         if step + 1 < spec.ring:
             kv_ex.start(kv)
-        src = (spec.ring_rank - step) % spec.ring
-        k_runs = spec.runs(src)
-        # dK/dV of block `src` accumulated by the ranks it already visited (zeros on its owner).
+        k_runs, tiles = spec.plan.steps[step]
+        # dK/dV of block (ring_rank - step) mod R accumulated by the ranks it already visited (zeros on its owner).
         dkv = dkv_ex.wait() if step > 0 else torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        if blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window):
+        if tiles:
             b_dq, b_dk, b_dv = kernels.varlen_backward(
                 dout, q, kv[0], kv[1], out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap,
-                grad_dtype=acc,
+                grad_dtype=acc, blocks=tiles,
             )
             dq += b_dq
             dkv[0] += b_dk
@@ -122,17 +139,14 @@ def ring_attention(q, k, v, spec: RingSpec, *, scale: float, causal: bool = True
     With R = 1 this is the local varlen kernel over the whole stream.
     """
     if spec.ring == 1:
-        runs = spec.runs(0)
-        return kernels.local_attention(q, k, v, runs, runs, scale=scale, causal=causal, window=window, softcap=softcap)
+        runs, (_, tiles) = spec.plan.q_runs, spec.plan.steps[0]
+        return kernels.local_attention(
+            q, k, v, runs, runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles
+        )
     return RingAttention.apply(q, k, v, spec, scale, causal, window, softcap)
 
 
 def ring_work(cu: Sequence[int], ring: int, ring_rank: int, *, causal: bool = True, window=None) -> list[int]:
     """Score elements rank `ring_rank` computes at each ring step (the load-balance measure)."""
-    q_runs = ring_stream(cu, ring, ring_rank)
-    counts = []
-    for step in range(ring):
-        k_runs = ring_stream(cu, ring, (ring_rank - step) % ring)
-        plan = blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window)
-        counts.append(blocks.score_count(plan, causal=causal, window=window))
-    return counts
+    plan = ring_plan(cu, ring, ring_rank, causal=causal, window=window)
+    return [blocks.score_count(tiles, causal=causal, window=window) for _, tiles in plan.steps]

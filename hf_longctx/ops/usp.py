@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.ops.ring import RingSpec, ring_attention
+from hf_longctx.ops.ring import RingSpec, ring_attention, ring_plan
 from hf_longctx.ops.ulysses import gather_heads, kv_replication, scatter_heads
 
 
@@ -66,12 +66,15 @@ def usp_attention(
     softmax_scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    plan_cache: dict | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the SP group of `mesh`.
 
     q [B, S_local, H, D], k/v [B, S_local, H_kv, D] → [B, S_local, H, D]. The rows are the
     global tokens at `mesh.local_indices(cu_seqlens)`; `cu_seqlens` are the global document
     boundaries of the packed sequence (B = 1), None = every row is one document.
+    `plan_cache`: an optional dict the caller keeps per batch, so that the layers of one
+    micro-batch plan the ring once (`patch()` does this).
     """
     if mesh.fpdt_chunks > 1:
         raise ValueError(f"mesh has fpdt_chunks={mesh.fpdt_chunks}: use hf_longctx.ops.fpdt.fpdt_attention")
@@ -84,13 +87,21 @@ def usp_attention(
     # Rows of one document each are laid end to end: the ring stream of row b is document b's
     # zigzag chunks, so B rows form one packed stream of B documents.
     qf, kf, vf = (t.reshape(1, b * s_ring, t.shape[2], t.shape[3]).transpose(1, 2) for t in (q, k, v))  # [1, h, B·S_ring, D]
+    # Every layer of a micro-batch has the same boundaries: the caller may keep the plan
+    # (pure Python, linear in the documents) in `plan_cache` for the batch's lifetime.
+    key = (tuple(cu), mesh.ring, mesh.ring_rank, causal, window)
+    plan = plan_cache.get(key) if plan_cache is not None else None
+    if plan is None:
+        plan = ring_plan(cu, mesh.ring, mesh.ring_rank, causal=causal, window=window)
+        if plan_cache is not None:
+            plan_cache[key] = plan
     spec = RingSpec(
         group=mesh.ring_group,
         ring=mesh.ring,
         ring_rank=mesh.ring_rank,
         next_rank=mesh.global_rank(ring_rank=mesh.ring_rank + 1),
         prev_rank=mesh.global_rank(ring_rank=mesh.ring_rank - 1),
-        cu=cu,
+        plan=plan,
     )
     out = ring_attention(qf, kf, vf, spec, scale=scale, causal=causal, window=window, softcap=softcap)
     out = out.transpose(1, 2).reshape(b, s_ring, out.shape[1], out.shape[3])  # [B, S_ring, H/U, D]

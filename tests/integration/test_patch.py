@@ -212,3 +212,21 @@ def test_plain_call_without_shard_is_refused(llama_path, mesh):
     with pytest.raises(ValueError, match="output_attentions"):
         model(**shard, output_attentions=True)
     unpatch(model)
+
+
+def test_layers_of_one_forward_share_one_ring_plan(llama_path, mesh, monkeypatch):
+    # Planning is pure Python over every document: it must run once per batch, not once per
+    # layer (a 32-layer model re-planning 1000 documents cost seconds per micro-batch).
+    import hf_longctx.ops.usp as usp
+
+    calls = []
+    real = usp.ring_plan
+    monkeypatch.setattr(usp, "ring_plan", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    model = patch(load(llama_path).train(), mesh)
+    assert model.config.num_hidden_layers > 1
+    out = model(**shard_batch(packed_batch(), mesh))
+    out.loss.backward()
+    assert len(calls) == 1, f"{len(calls)} plans for {model.config.num_hidden_layers} layers"
+    model(**shard_batch(packed_batch(), mesh))  # the next batch plans again (the cache is per batch)
+    assert len(calls) == 2
+    unpatch(model)
