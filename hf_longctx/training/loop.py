@@ -164,6 +164,14 @@ def train(
     if not is_patched(model):
         patch(model, mesh, **(patch_options or {}))
     fsdp_plan(model, mesh, mixed_precision=config.mixed_precision, param_offload=config.param_offload).apply(model)
+    # One process: there is nothing to shard, so the FSDP plan leaves the model alone. Move it
+    # ourselves and take bf16 from autocast (FSDP's mixed-precision policy is absent).
+    single = not hasattr(model, "set_requires_gradient_sync")
+    if single:
+        if config.param_offload:
+            raise ValueError("param_offload=True needs FSDP (world size > 1); in one process use kv_offload / checkpoint")
+        model.to(device)
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=single and config.mixed_precision == "bf16")
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
@@ -179,7 +187,7 @@ def train(
     resume_from = latest_checkpoint(config.output_dir) if config.resume else None
     if resume_from is not None:
         result.start_step = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler)
-    sync = hasattr(model, "set_requires_gradient_sync")  # FSDPModule; absent in one process
+    sync = not single  # FSDP: reduce-scatter only on the last micro-batch
     end = config.stop_after or config.steps
     progress = Progress(
         config.steps, initial=result.start_step, world_size=mesh.world_size, device=device, peak_flops=config.peak_flops,
@@ -197,14 +205,17 @@ def train(
             t0 = time.perf_counter()
             indices = next(stream)
             rows = dataset[indices]
-            features = [{"input_ids": ids} for ids in rows["input_ids"]]
+            # labels (HF unshifted convention) when the dataset has them, else the collator uses input_ids
+            keys = [k for k in ("input_ids", "labels") if k in rows]
+            features = [dict(zip(keys, values)) for values in zip(*(rows[k] for k in keys))]
             with comm_guard(step, config.step_timeout_s):
                 mbs = collator(features)
                 local = torch.zeros((), dtype=torch.float64)
                 for i, mb in enumerate(mbs):
                     if sync:
                         model.set_requires_gradient_sync(i == len(mbs) - 1)
-                    out = model(**_to_device(mb, device))
+                    with torch.autocast(**autocast):
+                        out = model(**_to_device(mb, device))
                     out.loss.backward()
                     local += out.loss.detach().double().cpu()
                     if watchdog is not None:
@@ -217,7 +228,10 @@ def train(
                 optimizer.zero_grad(set_to_none=True)
                 loss = float(global_loss(local.to(device), mesh))
             seconds = time.perf_counter() - t0
-            step_lengths = [lengths[i] for i in indices]
+            # What was trained: the plan's pieces (split documents attend within a piece,
+            # truncated tails are not trained), not the original documents.
+            plan = collator.last_plan
+            step_lengths = [p.end - p.start for p in plan.pieces] if plan is not None else [lengths[i] for i in indices]
             tokens = int(sum(step_lengths))
             flops = float(flops_model(step_lengths).sum()) if flops_model is not None else 0.0
             stats = collator.stats or {}
