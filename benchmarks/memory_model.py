@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     print(f"\nTiny Llama (hidden {c.hidden_size}, inter {c.intermediate_size}, {c.num_hidden_layers} layers, "
           f"{c.num_attention_heads} heads / {c.num_key_value_heads} KV, vocab {c.vocab_size}), one process, {dtype_name}, "
           f"AdamW; peak of one step ({'torch.cuda.max_memory_allocated' if cuda else 'MemTracker'}) vs estimate\n")
-    print("| setting | tokens | measured MiB | estimated MiB | error | step s |")
+    print("| setting | tokens | measured MiB | estimated MiB | error | run s (build + 2 steps) |")
     print("|---|---:|---:|---:|---:|---:|")
     for tokens in args.tokens:
         for label, options, fields_ in ROWS:
