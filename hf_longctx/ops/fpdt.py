@@ -38,8 +38,8 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.ops import blocks, kernels
 from hf_longctx.ops.lse import merge
 from hf_longctx.ops.offload import ChunkStore
-from hf_longctx.ops.ulysses import kv_replication
-from hf_longctx.ops.usp import _check_inputs
+from hf_longctx.ops.ulysses import replicate_kv
+from hf_longctx.ops.usp import check_inputs
 
 
 class FPDTPlan:
@@ -86,7 +86,7 @@ def _attend(plan: FPDTPlan, store: ChunkStore, i: int, q_i: torch.Tensor, live: 
     for _ in streamed:  # records the last chunk's "end" and frees its device buffer
         pass
     if acc_out is None:  # no allowed key for any row of the chunk
-        return kernels._empty_result(q_i)
+        return kernels.empty_result(q_i)
     return acc_out.to(q_i.dtype), acc_lse
 
 
@@ -229,13 +229,10 @@ def fpdt_attention(
             f"S_local ({q.shape[1]}) must be a positive multiple of fpdt_chunks ({u}): every rank cuts its "
             f"tokens into {u} equal chunks (packed length = S_local x ulysses({mesh.ulysses}))"
         )
-    cu = _check_inputs(q, k, v, mesh, cu_seqlens, window, softcap)
+    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap)
     if cu_seqlens is None:
         cu = [0, q.shape[1] * mesh.ulysses]  # the same single-document layout in every batch row
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    f = kv_replication(q.shape[2], k.shape[2], mesh.ulysses)
-    if f > 1:  # autograd sums the replicas' gradients back
-        k = k.repeat_interleave(f, dim=2)  # [B, S_local, H_kv·f, D]: replica i of head j sits at j·f + i
-        v = v.repeat_interleave(f, dim=2)
+    k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
     plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)
     return FPDTAttention.apply(q, k, v, plan, offload)

@@ -53,7 +53,8 @@ def _reduce_kv(g: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
     return g.unflatten(1, (hkv, g.shape[1] // hkv)).sum(2, dtype=_acc_dtype(g.dtype)).to(dtype)  # [B, H_kv, G, S, D]
 
 
-def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of queries that attend no key: zeros and -inf (the merge identity)."""
     return torch.zeros_like(q), q.new_full(q.shape[:3], _NEG_INF, dtype=_acc_dtype(q.dtype))
 
 
@@ -131,7 +132,7 @@ def block_forward(
     [Sq, Sk], True = attend, ANDed with causal. Rows with no key: out 0, lse -inf."""
     _check(q, k, v, mask)
     if q.shape[2] == 0 or k.shape[2] == 0:
-        return _empty_result(q)
+        return empty_result(q)
     backend = _backend(q, causal, mask, softcap, k.shape[2])
     if backend == "aten":
         return _aten_forward(q, k, v, scale=scale, causal=causal, mask=mask)

@@ -38,12 +38,19 @@ def kv_replication(heads: int, kv_heads: int, ulysses: int) -> int:
     )
 
 
-def scatter_heads(q, k, v, group, ulysses: int):
-    """q [B, S_local, H, D], k/v [B, S_local, H_kv, D] → q [B, S_ring, H/U, D], k/v [B, S_ring, H_kv·f/U, D]."""
+def replicate_kv(q, k, v, ulysses: int):
+    """k/v [B, S_local, H_kv, D] → [B, S_local, H_kv·f, D] with f = `kv_replication`; autograd
+    sums the replicas' gradients back. Used before every Ulysses all-to-all (USP and FPDT)."""
     f = kv_replication(q.shape[2], k.shape[2], ulysses)
     if f > 1:
         k = k.repeat_interleave(f, dim=2)  # [B, S_local, H_kv·f, D]: replica i of head j sits at j·f + i
         v = v.repeat_interleave(f, dim=2)
+    return k, v
+
+
+def scatter_heads(q, k, v, group, ulysses: int):
+    """q [B, S_local, H, D], k/v [B, S_local, H_kv, D] → q [B, S_ring, H/U, D], k/v [B, S_ring, H_kv·f/U, D]."""
+    k, v = replicate_kv(q, k, v, ulysses)
     return all_to_all_seq_to_head(q, k, v, group=group)
 
 

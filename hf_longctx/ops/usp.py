@@ -24,7 +24,7 @@ from hf_longctx.ops.ring import RingSpec, ring_attention, ring_plan
 from hf_longctx.ops.ulysses import gather_heads, kv_replication, scatter_heads
 
 
-def _check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap) -> list[int]:
+def check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap) -> list[int]:
     """Validate and return the global document boundaries of the packed stream."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, S_local, H, D]; got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -78,7 +78,7 @@ def usp_attention(
     """
     if mesh.fpdt_chunks > 1:
         raise ValueError(f"mesh has fpdt_chunks={mesh.fpdt_chunks}: use hf_longctx.ops.fpdt.fpdt_attention")
-    cu = _check_inputs(q, k, v, mesh, cu_seqlens, window, softcap)
+    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     b = q.shape[0]
     if mesh.ulysses > 1:
