@@ -174,9 +174,9 @@ class LongContextCollator:
             piece = plan.pieces[p]
             doc_ids, doc_labels = docs[piece.doc]
             ids.append(doc_ids[piece.start : piece.end])
-            lab = doc_labels[piece.start : piece.end].clone()
-            lab[0] = IGNORE_INDEX  # HF's separator: no target crosses into this piece
-            labels.append(lab)
+            # No -100 separator needed at the piece's first label: shard_batch shifts per
+            # document, so no target ever crosses into the next piece.
+            labels.append(doc_labels[piece.start : piece.end])
             positions.append(torch.arange(piece.length))  # a split piece is its own document
         return {
             "input_ids": torch.cat(ids)[None],  # [1, S]
