@@ -175,6 +175,9 @@ def shard_batch(
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise ValueError(f"batch must be a mapping with 'input_ids', got {type(batch).__name__} with keys {list(batch)[:8] if isinstance(batch, Mapping) else '-'}")
     input_ids = _as_tensor("input_ids", batch["input_ids"])
+    # The layout math runs on CPU (small integer tensors, no device syncs per index); the
+    # shard goes back to the device the batch came from.
+    device, input_ids = input_ids.device, input_ids.cpu()
     b, s = input_ids.shape
     if s == 0:
         raise ValueError("batch['input_ids'] is empty")
@@ -189,7 +192,7 @@ def shard_batch(
                 f"{'' if t is None else ' of shape ' + str(tuple(t.shape))}); shard_batch cannot place it on a rank -- "
                 "drop it from the batch or pass it to the model yourself"
             )
-        per_token[key] = t
+        per_token[key] = t.cpu()
     if num_items_in_batch is None:
         num_items_in_batch = batch.get("num_items_in_batch")
     labels = per_token.pop("labels", None)
@@ -198,7 +201,7 @@ def shard_batch(
     if position_ids is None:
         position_ids = torch.arange(s, dtype=torch.long).expand(b, s)
     if batch.get("attention_mask") is not None:
-        _check_padding(_as_tensor("attention_mask", batch["attention_mask"]), labels)
+        _check_padding(_as_tensor("attention_mask", batch["attention_mask"]).cpu(), labels)
 
     padded_cu, src, pad_pos = _pad_plan(cu, position_ids.long(), mesh.doc_multiple, mesh.seq_multiple, b)
     keep = src >= 0
@@ -229,7 +232,7 @@ def shard_batch(
 
     row_cu = padded_cu if b == 1 else [0, padded_cu[-1]]
     idx = mesh.local_indices(row_cu)  # [S_local] global positions this rank holds
-    shard: dict[str, Any] = {key: t[:, idx].contiguous() for key, t in full.items()}  # [B, S_local] each
+    shard: dict[str, Any] = {key: t[:, idx].contiguous().to(device) for key, t in full.items()}  # [B, S_local] each
     if labels is not None:
         shard["labels"] = shard["shift_labels"]  # pre-shifted: HF's loss uses shift_labels, labels only switch it on
         shard["num_items_in_batch"] = num_items_in_batch
