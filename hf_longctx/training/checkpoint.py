@@ -80,7 +80,12 @@ def save_checkpoint(
 
     rank, world = _rank_world()
     path = checkpoint_dir(output_dir, step)
-    os.makedirs(path, exist_ok=True)
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        # Saving over an earlier checkpoint of this step: it is incomplete until the new marker.
+        if os.path.exists(os.path.join(path, _MARKER)):
+            os.remove(os.path.join(path, _MARKER))
+    _barrier()  # nobody writes before the old marker is gone
     model_sd, optim_sd = get_state_dict(model, optimizer)  # sharded (DTensor) under FSDP2
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     torch.save(
