@@ -49,9 +49,6 @@ class ChunkStore:
         if self.trace is not None:
             self.trace.append((event, key))
 
-    def __contains__(self, key: Key) -> bool:
-        return key in self._held
-
     # ---- offload ------------------------------------------------------------------------
     def put(self, key: Key, *tensors: torch.Tensor) -> None:
         """Hand chunk tensors over; the caller may drop its references right after."""
