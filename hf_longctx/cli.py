@@ -128,7 +128,7 @@ def _plot(args: argparse.Namespace, config: Any, best) -> str:
         pool, source = plot.synthetic_lengths(cap, seed=args.seed), f"synthetic log-normal lengths (seed {args.seed})"
     lengths = plot.sample_step(pool, best.dp * cap * args.plot_microbatches, cap, seed=args.seed)
     cost = CostModel.from_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
-    dm = doc_multiple(s.ring) if s.fpdt_chunks == 1 else 1
+    dm = doc_multiple(s.ring)  # FPDT runs with ring 1, where this is 1
     plan = plan_microbatches(lengths, dp_size=best.dp, max_tokens=cap, cost=cost, doc_multiple=dm,
                              seq_multiple=seq_multiple(s.ring, s.ulysses, s.fpdt_chunks), overlong="split")
     title = (f"per-rank load of one sampled step: ulysses {s.ulysses} x ring {s.ring}, dp {best.dp}, "

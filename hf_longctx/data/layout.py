@@ -65,7 +65,7 @@ def check_boundaries(cu_seqlens: Sequence[int], ring: int, ulysses: int, fpdt_ch
     empty = [i for i, n in enumerate(lengths) if n <= 0]
     if empty:
         raise ValueError(f"cu_seqlens must be strictly increasing; documents {empty[:8]} have length <= 0")
-    dm = doc_multiple(ring) if fpdt_chunks == 1 else 1
+    dm = doc_multiple(ring)  # FPDT needs ring 1 (refused otherwise), where this is 1
     bad = [(i, n) for i, n in enumerate(lengths) if n % dm]
     if bad:
         shown = ", ".join(f"document {i} has length {n}" for i, n in bad[:8])

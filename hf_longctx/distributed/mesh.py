@@ -95,7 +95,7 @@ class SPMesh:
     @property
     def doc_multiple(self) -> int:
         """Every document's length must be a multiple of this (2R, or 1 without a ring)."""
-        return layout.doc_multiple(self.ring) if self.fpdt_chunks == 1 else 1
+        return layout.doc_multiple(self.ring)  # FPDT needs ring 1: 1 as well
 
     @property
     def seq_multiple(self) -> int:
