@@ -60,9 +60,29 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh) -> None:
     with the same parameters in the same order (parameters without .grad are skipped on
     every rank alike, since requires_grad and the graph are the same everywhere).
     """
-    groups = [g for g in (mesh.sp_group, mesh.dp_group if mesh.dp > 1 else None) if g is not None]
-    for p in parameters:
-        if p.grad is None:
-            continue
-        for group in groups:
-            _all_reduce_sum(p.grad, group)
+    if mesh.world_size == 1:
+        return
+    group = mesh.world_mesh.get_group()  # SP x DP = the whole world: one sum, not two
+    grads = [p.grad for p in parameters if p.grad is not None]
+    # Buckets of same-dtype gradients, ~64 MiB each: one all-reduce per bucket, not per tensor.
+    bucket, size, limit = [], 0, 64 << 20
+    for g in grads + [None]:
+        if g is not None and bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > limit):
+            _flush(bucket, group)
+            bucket, size = [], 0
+        if g is None:
+            _flush(bucket, group)
+        else:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+
+
+def _flush(bucket: list[torch.Tensor], group) -> None:
+    if not bucket:
+        return
+    flat = torch.cat([g.reshape(-1) for g in bucket])  # [Σ numel]
+    _all_reduce_sum(flat, group)
+    offset = 0
+    for g in bucket:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
