@@ -118,7 +118,8 @@ def _make_attention(state: _PatchState) -> Callable:
         b = query.shape[0]
         if b != info.rows:
             raise ValueError(f"the shard's metadata describes {info.rows} rows but the attention got B = {b}")
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S_local, H(_kv), D]
+        dtype = compute_dtype(query, key, value)
+        q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, S_local, H(_kv), D]
         kw = dict(
             cu_seqlens=info.cu_seqlens if b == 1 else None,  # B > 1: one document per row
             causal=True,
@@ -126,18 +127,48 @@ def _make_attention(state: _PatchState) -> Callable:
             window=int(window) if window is not None else None,
             softcap=float(softcap) if softcap else None,
         )
-        if mesh.fpdt_chunks > 1:
-            from hf_longctx.ops.fpdt import fpdt_attention
+        # Our kernels accumulate in fp32 themselves; autocast must not re-cast their matmuls.
+        with torch.autocast(q.device.type, enabled=False):
+            if mesh.fpdt_chunks > 1:
+                from hf_longctx.ops.fpdt import fpdt_attention
 
-            out = fpdt_attention(q, k, v, mesh, offload=offload, **kw)  # [B, S_local, H, D]
-        else:
-            from hf_longctx.ops.usp import usp_attention
+                out = fpdt_attention(q, k, v, mesh, offload=offload, **kw)  # [B, S_local, H, D]
+            else:
+                from hf_longctx.ops.usp import usp_attention
 
-            out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
+                out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
         state.calls += 1
         return out, None
 
     return sp_attention
+
+
+def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The one dtype q, k and v are brought to before sequence-parallel attention.
+
+    Under autocast HF's rotary embedding hands fp32 q/k next to a bf16 v; HF's own
+    flash-attention integration (`integrations/flash_attention.get_target_dtype`) then runs
+    attention in the autocast dtype, and so do we. Without autocast the inputs already agree
+    (fp32 weights, or weights loaded in bf16). fp16 is refused: its range needs loss scaling
+    and the ring/FPDT merges are verified for fp32 and bf16 only.
+    """
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type) and query.dtype == torch.float32:
+        dtype = torch.get_autocast_dtype(device_type)
+    elif query.dtype == key.dtype == value.dtype:
+        dtype = query.dtype
+    else:
+        raise ValueError(
+            f"attention inputs of different dtypes outside autocast: q {query.dtype}, k {key.dtype}, v {value.dtype}; "
+            "load the model in one dtype or train under torch.autocast"
+        )
+    if dtype == torch.float16:
+        raise ValueError(
+            "fp16 attention is not supported by hf_longctx (its range needs loss scaling and the ring/FPDT merges are "
+            "verified for fp32 and bf16 only); use bf16: Accelerate mixed_precision='bf16', TrainingArguments(bf16=True), "
+            "or from_pretrained(..., dtype=torch.bfloat16)"
+        )
+    return dtype
 
 
 def _mask_function(attention_mask=None, **_: Any):

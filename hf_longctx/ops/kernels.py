@@ -217,16 +217,19 @@ def _summed(pieces: list[torch.Tensor]) -> torch.Tensor:
 def varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
-    blocks: Sequence[Block] | None = None,
+    blocks: Sequence[Block] | None = None, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the local queries (q_runs) over the local keys (k_runs) of packed
-    documents: out [B, H, Sq, D] (q's dtype), lse [B, H, Sq]; rows with no allowed key
-    give out 0, lse -inf."""
+    documents: out [B, H, Sq, D] (`out_dtype`, default q's dtype), lse [B, H, Sq]; rows
+    with no allowed key give out 0, lse -inf. Callers that merge this partial result with
+    others (ring steps, FPDT chunks) ask for float32 so that it is rounded once, at the end."""
     _check(q, k, v)
     blocks, masks = _plan(q, k, q_runs, k_runs, causal, window, blocks)
     fwd = dict(scale=scale, softcap=softcap)
+    out_dtype = out_dtype or q.dtype
     if _whole(blocks, q, k):
-        return block_forward(q, k, v, causal=blocks[0].kind == "causal", mask=masks[0], **fwd)
+        out, lse = block_forward(q, k, v, causal=blocks[0].kind == "causal", mask=masks[0], **fwd)
+        return out.to(out_dtype), lse
     if _backend(q, causal, None, softcap, k.shape[2]) == "aten":  # expand GQA heads once, not per tile
         k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     outs, lses = {}, {}
@@ -241,7 +244,7 @@ def varlen_forward(
         else:
             outs[rows], lses[rows] = o, l
     return (
-        _assemble(outs, q.shape, q.dtype, q.device, 0.0),
+        _assemble(outs, q.shape, out_dtype, q.device, 0.0),
         _assemble(lses, q.shape[:3], _acc_dtype(q.dtype), q.device, _NEG_INF),
     )
 
