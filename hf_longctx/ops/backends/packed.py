@@ -91,12 +91,25 @@ def sequences(blocks: Sequence[Block], *, causal: bool, window: int | None) -> l
     return out
 
 
+def _fits(s: Seq, band: tuple[int, int]) -> bool:
+    """Sequence `s` computes exactly its own band under `band`: the same band, or an
+    unbounded one (every pair allowed) whose rows all see every key under `band` too
+    (bottom-right: right >= nq - 1 and left >= nk - 1) -- e.g. a 1-token zigzag chunk."""
+    if band == (s.left, s.right):
+        return True
+    if (s.left, s.right) != (-1, -1):
+        return False
+    nq, nk = s.q[1] - s.q[0], sum(hi - lo for lo, hi in s.k)
+    return (band[1] == -1 or band[1] >= nq - 1) and (band[0] == -1 or band[0] >= nk - 1)
+
+
 def waves(seqs: Sequence[Seq]) -> list[list[Seq]]:
-    """Greedy packing: one (left, right) per wave, each query piece at most once per wave."""
+    """Greedy packing: one (left, right) per wave, each query piece at most once per wave;
+    banded sequences open the waves, unbounded ones join any wave they fit."""
     result: list[tuple[tuple[int, int], set, list[Seq]]] = []
-    for s in seqs:
+    for s in sorted(seqs, key=lambda s: (s.left, s.right) == (-1, -1)):  # stable: banded first
         for band, pieces, members in result:
-            if band == (s.left, s.right) and s.piece not in pieces:
+            if _fits(s, band) and s.piece not in pieces:
                 pieces.add(s.piece)
                 members.append(s)
                 break
@@ -147,7 +160,7 @@ def _calls(blocks, q, k, causal, window) -> list[_Call]:
         k_ranges = [r for s in wave for r in s.k]
         cu_q, max_q = _cu([hi - lo for lo, hi in q_ranges], q.shape[0], q.device)
         cu_k, max_k = _cu([sum(hi - lo for lo, hi in s.k) for s in wave], q.shape[0], q.device)
-        left, right = wave[0].left, wave[0].right
+        left, right = wave[0].left, wave[0].right  # the band that opened the wave
         is_causal = (left, right) == (-1, 0)  # the kernels' own causal path (bottom-right)
         calls.append(_Call(
             _index(q_ranges, q.shape[2], q.device), _index(k_ranges, k.shape[2], k.device),
@@ -196,7 +209,7 @@ class PackedBackend:
         hkv, sk, acc = k.shape[1], k.shape[2], acc_dtype(q.dtype)
         qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))  # [B, S, H(_kv), D] views
         ot = out.to(q.dtype).transpose(1, 2)  # the kernels take out in q's dtype (for rowsum(dO ⊙ O))
-        lse_t = lse.to(torch.float32).permute(1, 0, 2)  # [H, B, Sq]
+        lse_t = lse.to(acc).permute(1, 0, 2)  # [H, B, Sq], float32 (the kernels' lse dtype)
         calls = _calls(blocks, q, k, causal, window)
         dq = torch.zeros((b, sq, h, d), dtype=acc, device=q.device)  # [B, Sq, H, D] like the kernel's rows
         dk = torch.zeros((b, sk, hkv, d), dtype=acc, device=k.device)
