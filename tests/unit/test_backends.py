@@ -105,7 +105,7 @@ def _backend(kind):
 MODES = [(True, None, None), (False, None, None), (True, 5, None), (False, 3, None), (True, None, 2.0), (True, 6, 1.5)]
 
 
-@pytest.mark.parametrize("kind", RELEASES + ["torch"])
+@pytest.mark.parametrize("kind", ["2.6.3", "2.7.0", "2.8.3", "torch"])
 @pytest.mark.parametrize("layout", ["packed", "zigzag", "random"])
 @pytest.mark.parametrize("causal,window,softcap", MODES)
 def test_packed_backend_matches_reference(kind, layout, causal, window, softcap):
@@ -173,7 +173,7 @@ def _use_env(monkeypatch, env):
     monkeypatch.setattr(select, "probe_env", lambda device: env)
 
 
-@pytest.mark.parametrize("flash", ["2.6.3", "2.7.4", "2.8.3", None])
+@pytest.mark.parametrize("flash", ["2.6.3", "2.7.4", None])
 @pytest.mark.parametrize("layout", ["packed", "zigzag", "random"])
 @pytest.mark.parametrize("causal,window,softcap", [(True, None, None), (True, 5, None), (False, 3, None), (True, None, 2.0)])
 def test_no_tile_reaches_the_math_kernel(monkeypatch, counted_math, flash, layout, causal, window, softcap):
