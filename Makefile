@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,11 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/attention.py
+
+# Validate a GPU machine: CUDA-only tests + GPU benchmarks, one table. On CPU: collects the
+# CUDA tests, runs the emulated-backend tests, reports that there is no GPU, exits 0.
+gpu-check: setup
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

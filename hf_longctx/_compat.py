@@ -1,15 +1,20 @@
 """Every version and kernel probe of the project, in one place.
 
-Where it sits: below everything. `ops/kernels.py` asks which local attention kernels
-exist (aten CPU flash op, flash-attn on CUDA); integrations ask for library versions.
-Probes are plain functions evaluated on call: no module state, no environment flags.
+Where it sits: below everything. `ops/backends/select.py` asks which local attention
+kernels exist (aten CPU flash op, flash-attn 2.x, torch's own CUDA flash kernels, the
+FA3/FA4 implementations torch can switch to); integrations ask for library versions.
+Probes of the installed software and hardware are pure (same answer for the life of the
+process), so the slow ones are `functools.cache`d: the first attention call pays for an
+import, later tiles pay nothing. No module state of our own, no environment flags.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
 import importlib.util
-import inspect
+import warnings
 
 import torch
 
@@ -20,6 +25,11 @@ def package_version(name: str) -> tuple[int, ...] | None:
         text = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+    return parse_version(text)
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """"2.7.4.post1" -> (2, 7, 4); "2.8.0+cu12torch2.6" -> (2, 8, 0)."""
     parts = []
     for piece in text.split("+")[0].split("."):
         digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
@@ -37,6 +47,7 @@ def transformers_version() -> tuple[int, ...] | None:
     return package_version("transformers")
 
 
+@functools.cache
 def has_cpu_flash_op() -> bool:
     """torch ships the CPU flash-attention op pair that returns the log-sum-exp."""
     ops = torch.ops.aten
@@ -45,28 +56,63 @@ def has_cpu_flash_op() -> bool:
     )
 
 
-def has_flash_attn() -> bool:
-    """flash-attn >= 2.7 is importable, CUDA is up, and its private forward/backward take
-    the (window_size_left, window_size_right, softcap) arguments `ops/kernels.py` passes.
-    Unverified in this workplace (no GPU); any mismatch falls back to the math kernel."""
+@functools.cache
+def cuda_capability(index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of CUDA device `index`."""
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def has_torch_cuda_flash() -> bool:
+    """This torch build has its CUDA flash kernels (`aten::_flash_attention_forward` with
+    cumulative lengths and windows, and its backward)."""
+    if not torch.cuda.is_available():
+        return False
+    available = getattr(torch.backends.cuda, "is_flash_attention_available", None)
+    return bool(available and available()) and hasattr(torch.ops.aten, "_flash_attention_backward")
+
+
+@functools.cache
+def flash_attn_modules():
+    """(version string, flash_attn.flash_attn_interface, torch.ops.flash_attn or None) of
+    an importable flash-attn, or None. Importing it needs CUDA libraries, hence the cache."""
     if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None:
-        return False
-    version = package_version("flash_attn") or package_version("flash-attn")
-    if version is None or version < (2, 7):
-        return False
+        return None
     try:
-        from flash_attn import flash_attn_interface as fai
-    except ImportError:
-        return False
-    needed = {"window_size_left", "window_size_right", "softcap", "softmax_scale", "causal"}
-    for fn_name in ("_flash_attn_forward", "_flash_attn_backward"):
-        fn = getattr(fai, fn_name, None)
-        if fn is None:
-            return False
+        import flash_attn
+        from flash_attn import flash_attn_interface
+    except ImportError as exc:
+        warnings.warn(f"hf_longctx: flash-attn is installed but does not import ({exc}); not using it", stacklevel=2)
+        return None
+    ops = getattr(torch.ops, "flash_attn", None)  # >= 2.7 registers its kernels as torch custom ops
+    return getattr(flash_attn, "__version__", None), flash_attn_interface, ops
+
+
+@functools.cache
+def torch_flash_impl(index: int) -> str | None:
+    """Switch torch's CUDA flash kernels to FA4 (sm90/sm100) or FA3 (sm90) where the
+    package providing them is installed, via `torch.nn.attention.activate_flash_attention_impl`;
+    returns the active implementation ("FA4", "FA3", or None for torch's built-in FA2).
+    A choice the user already made is kept. Process-wide by torch's design (its registry
+    is global), so it is made once, here."""
+    attention = importlib.import_module("torch.nn.attention")
+    current = getattr(attention, "current_flash_attention_impl", None)
+    activate = getattr(attention, "activate_flash_attention_impl", None)
+    if current is None or activate is None:
+        return None
+    if current() is not None:
+        return current()
+    major = cuda_capability(index)[0]
+    wanted = [("FA4", "flash_attn.cute.interface", (9, 10)), ("FA3", "flash_attn_interface", (9,))]
+    for name, module, majors in wanted:
+        if major not in majors or name not in attention.list_flash_attention_impls():
+            continue
         try:
-            params = set(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            return False
-        if not needed <= params:
-            return False
-    return True
+            if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+                continue
+            activate(name)
+        except (ImportError, RuntimeError, ValueError) as exc:
+            warnings.warn(f"hf_longctx: torch could not activate its {name} flash attention ({exc})", stacklevel=2)
+            continue
+        return name
+    return None

@@ -1,10 +1,15 @@
 """The blockwise math kernel: exact attention of one tile with its log-sum-exp, in pure torch.
 
-Where it sits: `ops/kernels.py` dispatches a tile here when no fused op can run it --
-logit softcapping (Gemma2: score = c·tanh(s/c), which the aten CPU flash op lacks), any
-dtype or device without a fast op (float64 references, CUDA without flash-attn). Query
-rows are processed in chunks so one score tile stays near 4M elements (memory bounded as
-in FlashAttention's tiling, Dao 2022 §3.1). The backward follows FlashAttention-2
+Where it sits: the last-resort backend of `ops/backends/` (and the reference the fused
+kernels are tested against). A tile comes here when no fused op can run it -- logit
+softcapping on CPU (Gemma2: score = c·tanh(s/c), which the aten CPU flash op lacks),
+float64 references, CUDA dtypes / head dims / architectures no fused kernel takes.
+
+Tiling as in FlashAttention (Dao 2022, §3.1): the score matrix is visited in chunks of
+query rows × key columns sized by BYTES (`chunk_shape`), so memory stays bounded at any
+length; K/V are cast to the accumulation dtype one key chunk at a time (no fp32 copy of
+the whole K/V per call). Across key chunks the forward keeps a running log-sum-exp and
+rescales its partial output (online softmax). The backward follows FlashAttention-2
 (Dao 2023, Algorithm 2) from the FINAL out/lse, so ring and FPDT callers can sum tiles.
 
 Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]; GQA by broadcasting [B, H_kv, G, ...]
@@ -16,6 +21,12 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
+# Score-sized tensors alive at once inside a chunk (s, p, dp, ds in the backward).
+_LIVE = 4
+# Bytes one chunk's score tensors may hold: 64 MiB on CPU (cache-friendly; the size the
+# kernel always used), 1/8 of the free memory on CUDA (at 128K keys a 4M-score cap meant
+# tens of thousands of Python iterations per tile).
+_CPU_BUDGET = 64 << 20
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -35,22 +46,36 @@ def check_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         raise ValueError(f"mask must be bool [Sq={sq}, Sk={k.shape[2]}], got {mask.dtype} {tuple(mask.shape)}")
 
 
-def _math_chunk_allowed(lo: int, hi: int, sk: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Tensor | None:
-    allowed = None if mask is None else mask[lo:hi]
+def budget_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(_CPU_BUDGET, free // 8)
+    return _CPU_BUDGET
+
+
+def chunk_shape(q: torch.Tensor, sk: int) -> tuple[int, int]:
+    """(query rows, key columns) per chunk so that `_LIVE` score tensors
+    [B, H, rows, cols] in the accumulation dtype fit `budget_bytes`. Key columns are
+    only cut when even 128 query rows against all keys would not fit."""
+    b, h, sq, _ = q.shape
+    per_score = _LIVE * torch.finfo(acc_dtype(q.dtype)).bits // 8 * max(1, b * h)
+    scores = max(1, budget_bytes(q.device) // per_score)
+    cols = sk if scores // max(1, sk) >= min(sq, 128) else max(1, scores // min(sq, 128))
+    return max(1, scores // cols), cols
+
+
+def _allowed(lo: int, hi: int, c0: int, c1: int, causal: bool, mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    """bool [rows, cols] of query rows lo:hi × key columns c0:c1, or None if all allowed."""
+    allowed = None if mask is None else mask[lo:hi, c0:c1]
     if causal:  # top-left aligned, like the aten op
-        tri = torch.arange(lo, hi, device=device)[:, None] >= torch.arange(sk, device=device)[None, :]
+        tri = torch.arange(lo, hi, device=device)[:, None] >= torch.arange(c0, c1, device=device)[None, :]
         allowed = tri if allowed is None else allowed & tri
-    return allowed  # [rows, Sk] or None
+    return allowed
 
 
-def _math_rows(q: torch.Tensor, sk: int, budget: int = 1 << 22) -> int:
-    """Query rows per chunk so that one score tile holds about `budget` elements."""
-    return max(1, budget // max(1, q.shape[0] * q.shape[1] * sk))
-
-
-def _math_scores(q5c, k, *, scale, softcap, allowed):
-    """Scores of a chunk: [B, H_kv, G, rows, Sk] and tanh(s / softcap) (None without softcap)."""
-    s = q5c @ k.unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, rows, D] @ [B, H_kv, 1, D, Sk]
+def _scores(q5c, kc, *, scale, softcap, allowed):
+    """Scores of a chunk: [B, H_kv, G, rows, cols] and tanh(s / softcap) (None without softcap)."""
+    s = q5c @ kc.unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, rows, D] @ [B, H_kv, 1, D, cols]
     t = None
     if softcap is not None:
         t = torch.tanh(s / softcap)
@@ -60,23 +85,42 @@ def _math_scores(q5c, k, *, scale, softcap, allowed):
     return s, t
 
 
-def math_forward(q, k, v, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None):
-    """Reference-grade blockwise kernel in float32 (float64 for float64 inputs); same contract as `block_forward`."""
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """-inf -> 0: a stand-in that keeps exp(s - x) = 0 (s = -inf) instead of NaN."""
+    return x.masked_fill(torch.isneginf(x), 0.0)
+
+
+def math_forward(
+    q, k, v, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None,
+    out_dtype: torch.dtype | None = None,
+):
+    """Reference-grade blockwise kernel; same contract as `block_forward`. `out_dtype`
+    (default q's dtype): float32 hands a partial result to a merge without rounding."""
     check_tile(q, k, v, mask)
     b, h, sq, d = q.shape
     hkv, sk, acc = k.shape[1], k.shape[2], acc_dtype(q.dtype)
     q5 = q.unflatten(1, (hkv, h // hkv))  # [B, H_kv, G, Sq, D]: GQA by broadcasting, no kv copy
-    kc, vc = k.to(acc), v.to(acc)
-    out, lse = torch.empty_like(q), q.new_empty((b, h, sq), dtype=acc)
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    lse = q.new_empty((b, h, sq), dtype=acc)
     out5, lse5 = out.unflatten(1, (hkv, h // hkv)), lse.unflatten(1, (hkv, h // hkv))  # views [B, H_kv, G, ...]
-    step = _math_rows(q, sk)
-    for lo in range(0, sq, step):
-        hi = min(sq, lo + step)
-        allowed = _math_chunk_allowed(lo, hi, sk, causal, mask, q.device)
-        s, _ = _math_scores(q5[..., lo:hi, :].to(acc), kc, scale=scale, softcap=softcap, allowed=allowed)
-        l = torch.logsumexp(s, -1)  # [B, H_kv, G, rows]; -inf for a row with no key
-        p = torch.exp(s - l.masked_fill(torch.isneginf(l), 0.0).unsqueeze(-1))
-        out5[..., lo:hi, :] = (p @ vc.unsqueeze(2)).to(q.dtype)  # [B, H_kv, G, rows, D]
+    rows, cols = chunk_shape(q, sk)
+    for lo in range(0, sq, rows):
+        hi = min(sq, lo + rows)
+        qc = q5[..., lo:hi, :].to(acc)
+        o = l = None
+        for c0 in range(0, sk, cols):
+            c1 = min(sk, c0 + cols)
+            kc, vc = k[:, :, c0:c1].to(acc), v[:, :, c0:c1].to(acc)  # cast one key chunk at a time
+            s, _ = _scores(qc, kc, scale=scale, softcap=softcap, allowed=_allowed(lo, hi, c0, c1, causal, mask, q.device))
+            lc = torch.logsumexp(s, -1)  # [B, H_kv, G, rows]; -inf for a row with no key here
+            if l is None:
+                o, l = torch.exp(s - _finite(lc).unsqueeze(-1)) @ vc.unsqueeze(2), lc  # [B, H_kv, G, rows, D]
+                continue
+            new = torch.logaddexp(l, lc)  # online softmax: rescale what is there, add this chunk
+            ref = _finite(new).unsqueeze(-1)
+            o = o * torch.exp(l.unsqueeze(-1) - ref) + torch.exp(s - ref) @ vc.unsqueeze(2)
+            l = new
+        out5[..., lo:hi, :] = o
         lse5[..., lo:hi] = l
     return out, lse
 
@@ -92,23 +136,25 @@ def math_backward(
     g = h // hkv
     q5, do5, o5 = (x.unflatten(1, (hkv, g)) for x in (q, dout, out))  # [B, H_kv, G, Sq, D]
     safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf")).to(acc).unflatten(1, (hkv, g))  # [B, H_kv, G, Sq]
-    kc, vc = k.to(acc), v.to(acc)
-    dq = torch.empty(q.shape, dtype=acc, device=q.device)  # cast once at the end, not per row chunk
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # cast once at the end, not per chunk
     dq5 = dq.unflatten(1, (hkv, g))
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    step = _math_rows(q, sk)
-    for lo in range(0, sq, step):
-        hi = min(sq, lo + step)
-        allowed = _math_chunk_allowed(lo, hi, sk, causal, mask, q.device)
-        qc, doc, oc = (x[..., lo:hi, :].to(acc) for x in (q5, do5, o5))
-        s, t = _math_scores(qc, kc, scale=scale, softcap=softcap, allowed=allowed)
-        p = torch.exp(s - safe_lse[..., lo:hi].unsqueeze(-1))  # [B, H_kv, G, rows, Sk]
-        dp = doc @ vc.unsqueeze(2).transpose(-1, -2)  # [B, H_kv, G, rows, Sk]
-        ds = p * (dp - (doc * oc).sum(-1, keepdim=True))
-        if t is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²
-            ds = ds * (1 - t * t)
-        dq5[..., lo:hi, :] = (ds @ kc.unsqueeze(2)) * scale  # [B, H_kv, G, rows, D]
-        dk += (ds.transpose(-1, -2) @ qc).sum(2) * scale  # [B, H_kv, Sk, D], summed over G
-        dv += (p.transpose(-1, -2) @ doc).sum(2)
+    rows, cols = chunk_shape(q, sk)
+    for lo in range(0, sq, rows):
+        hi = min(sq, lo + rows)
+        qc, doc = q5[..., lo:hi, :].to(acc), do5[..., lo:hi, :].to(acc)
+        delta = (doc * o5[..., lo:hi, :].to(acc)).sum(-1, keepdim=True)  # rowsum(dO ⊙ O) [B, H_kv, G, rows, 1]
+        for c0 in range(0, sk, cols):
+            c1 = min(sk, c0 + cols)
+            kc, vc = k[:, :, c0:c1].to(acc), v[:, :, c0:c1].to(acc)
+            allowed = _allowed(lo, hi, c0, c1, causal, mask, q.device)
+            s, t = _scores(qc, kc, scale=scale, softcap=softcap, allowed=allowed)
+            p = torch.exp(s - safe_lse[..., lo:hi].unsqueeze(-1))  # [B, H_kv, G, rows, cols]
+            ds = p * (doc @ vc.unsqueeze(2).transpose(-1, -2) - delta)
+            if t is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²
+                ds = ds * (1 - t * t)
+            dq5[..., lo:hi, :] += (ds @ kc.unsqueeze(2)) * scale  # [B, H_kv, G, rows, D]
+            dk[:, :, c0:c1] += (ds.transpose(-1, -2) @ qc).sum(2) * scale  # [B, H_kv, cols, D], summed over G
+            dv[:, :, c0:c1] += (p.transpose(-1, -2) @ doc).sum(2)
     return dq.to(grad_dtype or q.dtype), dk.to(grad_dtype or k.dtype), dv.to(grad_dtype or v.dtype)

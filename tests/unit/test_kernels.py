@@ -171,7 +171,7 @@ def test_math_kernel_matches_aten_blockwise(kind, hkv, monkeypatch):
     kw = dict(scale=0.3, causal=causal, mask=mask, softcap=None)
     o_a, l_a = block_forward(q, k, v, **kw)
     g_a = block_backward(dout, q, k, v, o_a, l_a, **kw)
-    monkeypatch.setattr(math_kernel, "_math_rows", lambda q, sk: 3)
+    monkeypatch.setattr(math_kernel, "chunk_shape", lambda q, sk: (3, 4))  # 3 rows x 4 keys: both loops run
     o_m, l_m = math_forward(q, k, v, **kw)
     g_m = math_backward(dout, q, k, v, o_m, l_m, **kw)
     torch.testing.assert_close(o_m, o_a, rtol=F64, atol=F64)

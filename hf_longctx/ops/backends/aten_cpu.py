@@ -1,0 +1,66 @@
+"""The aten CPU flash op pair as a per-tile kernel: what CPU training runs.
+
+Where it sits: the tile kernel of the "aten_cpu" backend (`ops/backends/tiled.py`
+drives it tile by tile). Calls `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`
+and its `_backward` (schema, torch 2.13: `(query, key, value, dropout_p=0., is_causal=False,
+*, attn_mask=None, scale=None) -> (output, logsumexp)`). Facts it relies on: masks must be
+additive and of q's dtype (a bool mask errors in forward and is misread in backward); the
+causal flag is top-left aligned, so only square diagonal tiles use it; a fully masked row
+returns lse = 0 (fixed to -inf here); a row with lse = -inf makes its backward NaN, so
+-inf is passed as +inf, which zeroes P. GQA is not native: K/V heads are expanded.
+
+Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]; out in q's dtype, lse [B, H, Sq] float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
+
+
+def expand_kv(x: torch.Tensor, h: int) -> torch.Tensor:
+    """[B, H_kv, S, D] -> [B, H, S, D], query head h reading kv head h // (H / H_kv) as HF's repeat_kv."""
+    b, hkv, s, d = x.shape
+    if hkv == h:
+        return x
+    return x[:, :, None].expand(b, hkv, h // hkv, s, d).reshape(b, h, s, d)  # [B, H_kv, G, S, D] -> [B, H, S, D]
+
+
+def reduce_kv(g: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H_kv, S, D]: sum the gradients of the query heads sharing a kv head."""
+    if g.shape[1] == hkv:
+        return g.to(dtype)
+    return g.unflatten(1, (hkv, g.shape[1] // hkv)).sum(2, dtype=acc_dtype(g.dtype)).to(dtype)  # [B, H_kv, G, S, D]
+
+
+def _additive(q: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> tuple[bool, torch.Tensor | None]:
+    if mask is None:
+        return causal, None
+    if causal:  # the op refuses is_causal together with a mask: fold the (top-left) causal rule in.
+        mask = mask & torch.ones_like(mask).tril()
+    return False, torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, NEG_INF)
+
+
+def aten_forward(q, k, v, *, scale, causal, mask, softcap=None, out_dtype=None):
+    """out [B, H, Sq, D] (q's dtype: the op rounds internally), lse [B, H, Sq]."""
+    is_causal, bias = _additive(q, causal, mask)
+    h = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, expand_kv(k, h), expand_kv(v, h), 0.0, is_causal, attn_mask=bias, scale=scale
+    )
+    if mask is not None:  # the op reports lse = 0 for a row with no allowed key
+        empty_rows = ~(mask & torch.ones_like(mask).tril() if causal else mask).any(-1)  # [Sq]
+        lse = lse.masked_fill(empty_rows, NEG_INF)
+    return out, lse.contiguous()  # the op lays lse out as [B, S, H] in memory; callers may view it
+
+
+def aten_backward(dout, q, k, v, out, lse, *, scale, causal, mask, softcap=None, grad_dtype=None):
+    is_causal, bias = _additive(q, causal, mask)
+    h, hkv = q.shape[1], k.shape[1]
+    safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf")).to(acc_dtype(q.dtype))  # exp(s - inf) = 0
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, expand_kv(k, h), expand_kv(v, h), out.to(q.dtype), safe_lse, 0.0, is_causal, attn_mask=bias, scale=scale
+    )
+    # GQA heads summed in fp32 and rounded once, to the dtype the caller accumulates in.
+    return dq.to(grad_dtype or q.dtype), reduce_kv(dk, hkv, grad_dtype or k.dtype), reduce_kv(dv, hkv, grad_dtype or v.dtype)

@@ -1,0 +1,94 @@
+"""What each local attention kernel can take: the table the dispatcher reads.
+
+Where it sits: `ops/backends/select.py` walks the fast kernels in preference order and
+takes the first one whose row here accepts the call (device, dtype, head dim, softcap,
+GPU architecture); a refusal is reported with its reason, once. The same table is in
+the README; `tests/unit/test_backends.py` checks the dispatch against it.
+
+Facts (read from the sources: flash-attn v2.6.0-v2.8.3 `csrc/flash_attn/flash_api.cpp`
+and `flash_attn_interface.py`; torch 2.13 `aten::_flash_attention_forward` schema and
+`torch/nn/attention/{varlen,_fa3,_fa4}.py`): both CUDA flash kernels need sm80+, fp16
+or bf16, head dim <= 256 and a multiple of 8; they take sliding windows as
+(left, right) bottom-right aligned, GQA natively, cumulative lengths (one call for many
+documents), return lse as [H, total_q] float32 (+inf for a row with no key), take no
+arbitrary mask, and round their output to the input dtype. Only flash-attn has softcap.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class Capability(NamedTuple):
+    name: str
+    device: str  # "cuda", "cpu" or "any"
+    dtypes: tuple[torch.dtype, ...]
+    max_head_dim: int | None  # None: any
+    head_dim_multiple: int
+    min_capability: tuple[int, int] | None  # CUDA compute capability
+    window: str  # how sliding windows are expressed
+    gqa: str
+    lse: str
+    softcap: bool
+    causal: str  # alignment of the kernel's causal flag
+    packed: bool  # one call covers many documents (cumulative lengths)
+    fp32_partial_out: bool  # can hand an un-rounded partial output to a merge
+
+
+CAPABILITIES: dict[str, Capability] = {
+    "flash_attn": Capability(
+        "flash_attn", "cuda", _HALF, 256, 8, (8, 0), "(left, right) native", "native", "[H, total_q] fp32",
+        True, "bottom-right", True, False,
+    ),
+    "torch_flash": Capability(
+        "torch_flash", "cuda", _HALF, 256, 8, (8, 0), "(left, right) native", "native", "[H, total_q] fp32",
+        False, "bottom-right", True, False,
+    ),
+    "aten_cpu": Capability(
+        "aten_cpu", "cpu", (torch.float32, torch.float64, torch.bfloat16, torch.float16), None, 1, None,
+        "additive mask per tile", "K/V expanded once per call", "[B, H, S] fp32 (0 for an empty row)",
+        False, "top-left", False, False,
+    ),
+    "math": Capability(
+        "math", "any", (torch.float32, torch.float64, torch.bfloat16, torch.float16), None, 1, None,
+        "bool mask per tile", "broadcast views", "[B, H, S] fp32/fp64", True, "top-left", False, True,
+    ),
+}
+
+
+def refusal(
+    name: str, *, device: str, dtype: torch.dtype, head_dim: int, softcap: float | None,
+    capability: tuple[int, int] | None = None,
+) -> str | None:
+    """Why kernel `name` cannot run this call, or None if it can."""
+    cap = CAPABILITIES[name]
+    if cap.device not in ("any", device):
+        return f"{name} runs on {cap.device}, not {device}"
+    if dtype not in cap.dtypes:
+        return f"{name} takes {', '.join(str(d).replace('torch.', '') for d in cap.dtypes)}, not {str(dtype).replace('torch.', '')}"
+    if (cap.max_head_dim is not None and head_dim > cap.max_head_dim) or head_dim % cap.head_dim_multiple:
+        return f"{name} takes head dims <= {cap.max_head_dim} that are multiples of {cap.head_dim_multiple}, not {head_dim}"
+    if softcap is not None and not cap.softcap:
+        return f"{name} has no logit softcap"
+    if cap.min_capability is not None and capability is not None and tuple(capability) < cap.min_capability:
+        return f"{name} needs compute capability >= {cap.min_capability[0]}.{cap.min_capability[1]}, this GPU has {capability[0]}.{capability[1]}"
+    return None
+
+
+def markdown_table() -> str:
+    """The table as README markdown (so the README and the code cannot drift apart)."""
+    head = "| kernel | device | dtypes | head dim | window | GQA | lse | softcap | causal | packed docs | fp32 partial out |"
+    rows = [head, "|" + "---|" * 11]
+    for c in CAPABILITIES.values():
+        dims = "any" if c.max_head_dim is None else f"<= {c.max_head_dim}, % {c.head_dim_multiple}"
+        dtypes = ", ".join(str(d).replace("torch.", "") for d in c.dtypes)
+        rows.append(
+            f"| {c.name} | {c.device}{'' if c.min_capability is None else f' sm{c.min_capability[0]}{c.min_capability[1]}+'} "
+            f"| {dtypes} | {dims} | {c.window} | {c.gqa} | {c.lse} | {'yes' if c.softcap else 'no'} | {c.causal} "
+            f"| {'one varlen call' if c.packed else 'one call per tile'} | {'yes' if c.fp32_partial_out else 'no (rounded to input dtype)'} |"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,232 @@
+"""Packed (varlen) driver: the planned tiles of a call become a few cumulative-length calls.
+
+Where it sits: the backends whose kernel takes many documents in one call -- flash-attn
+2.x (`flash_attn.py`) and torch's own CUDA flash kernels (`torch_flash.py`). `ops/kernels.py`
+hands it the blocks of `ops/blocks.py`; this module turns them into variable-length
+sequences (cu_seqlens), calls the kernel once per wave, and scatters the results back.
+
+From blocks to sequences. Those kernels take no mask; their causal flag and window
+(left, right) are aligned to the BOTTOM-RIGHT of each sequence (row r of nq sees column
+c of nk iff r + nk - nq - left <= c <= r + nk - nq + right, -1 = unbounded), while our
+rule is on global positions (i sees j iff i - j in [dlo, dhi]: causal [0, window-1],
+bidirectional [-(window-1), window-1]). With shift = q_end - k_end of a tile (global
+ends), the band is exactly left = dhi - shift, right = shift - dlo, once the tile is
+trimmed to the rows that see a key and the keys some row sees (then both are >= 0).
+A query piece's "full" tiles and its one diagonal "causal" tile merge into ONE sequence:
+its keys gathered in global order are [all earlier keys..., the piece's own positions],
+which is bottom-right causal (-1, 0) exactly (or unbounded (-1, -1) with no diagonal).
+So a packed micro-batch (one causal tile per document), a zigzag ring step and an FPDT
+chunk pair each become one kernel call; windowed or partial tiles add calls grouped by
+their (left, right).
+
+Waves: one call takes one (left, right), and a query row may appear in one sequence of a
+call (so results scatter without a merge); sequences are packed greedily into waves,
+waves merge with `ops/lse.merge`. The backward reuses the waves and index_adds gradients
+in float32.
+
+Layout: q [B, H, Sq, D] -> gathered [B·n, H, D] (flash layout, batch rows concatenated);
+lse [H, B·n] from the kernel -> [B, H, n].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+from hf_longctx.ops.blocks import Block
+from hf_longctx.ops.lse import merge
+from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
+
+
+class Seq(NamedTuple):
+    """One varlen sequence: local query rows `q`, local key ranges `k` (gathered in this
+    order), the bottom-right band (left, right), and the query piece it came from."""
+
+    piece: tuple[int, int]
+    q: tuple[int, int]
+    k: tuple[tuple[int, int], ...]
+    left: int
+    right: int
+
+
+def _band(causal: bool, window: int | None) -> tuple[float, float]:
+    """Allowed i - j: [dlo, dhi]."""
+    inf = float("inf")
+    if causal:
+        return 0, inf if window is None else window - 1
+    return (-inf, inf) if window is None else (-(window - 1), window - 1)
+
+
+def _trimmed(b: Block, dlo: float, dhi: float) -> Seq:
+    """A masked tile as one sequence: rows that see a key, keys that some row sees, the band."""
+    q0, q1 = b.q_start, b.q_start + b.q_hi - b.q_lo  # global [q0, q1)
+    k0, k1 = b.k_start, b.k_start + b.k_hi - b.k_lo
+    q0, q1 = int(max(q0, k0 + dlo)), int(min(q1, k1 - 1 + dhi + 1))  # rows i with a j in [i-dhi, i-dlo]
+    k0, k1 = int(max(k0, q0 - dhi)), int(min(k1, q1 - 1 - dlo + 1))
+    shift = q1 - k1
+    left = -1 if dhi == float("inf") else int(dhi - shift)
+    right = -1 if dlo == -float("inf") else int(shift - dlo)
+    lq, lk = b.q_lo + q0 - b.q_start, b.k_lo + k0 - b.k_start
+    return Seq((b.q_lo, b.q_hi), (lq, lq + q1 - q0), ((lk, lk + k1 - k0),), left, right)
+
+
+def sequences(blocks: Sequence[Block], *, causal: bool, window: int | None) -> list[Seq]:
+    dlo, dhi = _band(causal, window)
+    by_piece: dict[tuple[int, int], list[Block]] = {}
+    for b in blocks:
+        by_piece.setdefault((b.q_lo, b.q_hi), []).append(b)
+    out = []
+    for piece, bs in by_piece.items():
+        full = sorted((b for b in bs if b.kind == "full"), key=lambda b: b.k_start)
+        diag = [b for b in bs if b.kind == "causal"]
+        rest = [b for b in bs if b.kind == "masked"]
+        if diag and any(b.k_start >= diag[0].q_start for b in full):  # not "earlier keys + diagonal": keep apart
+            rest, diag = rest + diag, []
+        if full or diag:
+            keys = tuple((b.k_lo, b.k_hi) for b in full + diag)  # global order: earlier keys, then the diagonal
+            out.append(Seq(piece, piece, keys, -1, 0 if diag else -1))
+        out.extend(_trimmed(b, dlo, dhi) for b in rest)
+    return out
+
+
+def _fits(s: Seq, band: tuple[int, int]) -> bool:
+    """Sequence `s` computes exactly its own band under `band`: the same band, or an
+    unbounded one (every pair allowed) whose rows all see every key under `band` too
+    (bottom-right: right >= nq - 1 and left >= nk - 1) -- e.g. a 1-token zigzag chunk."""
+    if band == (s.left, s.right):
+        return True
+    if (s.left, s.right) != (-1, -1):
+        return False
+    nq, nk = s.q[1] - s.q[0], sum(hi - lo for lo, hi in s.k)
+    return (band[1] == -1 or band[1] >= nq - 1) and (band[0] == -1 or band[0] >= nk - 1)
+
+
+def waves(seqs: Sequence[Seq]) -> list[list[Seq]]:
+    """Greedy packing: one (left, right) per wave, each query piece at most once per wave;
+    banded sequences open the waves, unbounded ones join any wave they fit."""
+    result: list[tuple[tuple[int, int], set, list[Seq]]] = []
+    for s in sorted(seqs, key=lambda s: (s.left, s.right) == (-1, -1)):  # stable: banded first
+        for band, pieces, members in result:
+            if _fits(s, band) and s.piece not in pieces:
+                pieces.add(s.piece)
+                members.append(s)
+                break
+        else:
+            result.append(((s.left, s.right), {s.piece}, [s]))
+    return [members for _, _, members in result]
+
+
+def _index(ranges: Sequence[tuple[int, int]], total: int, device) -> torch.Tensor | None:
+    """Row index of the concatenated ranges, or None when they are exactly 0..total."""
+    if ranges and ranges[0][0] == 0 and ranges[-1][1] == total and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
+        return None
+    return torch.cat([torch.arange(lo, hi) for lo, hi in ranges]).to(device)
+
+
+def _cu(lengths: Sequence[int], batch: int, device) -> tuple[torch.Tensor, int]:
+    """int32 cumulative lengths of `lengths` repeated for every batch row, and the max."""
+    per_batch = [n for _ in range(batch) for n in lengths]
+    cu = torch.tensor([0, *per_batch], dtype=torch.int64).cumsum(0).to(torch.int32)
+    return cu.to(device, non_blocking=True), max(lengths)
+
+
+def _gather(x_t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """[B, S, H, D] rows idx -> [B·n, H, D] contiguous (one copy)."""
+    picked = x_t if idx is None else x_t.index_select(1, idx)
+    return picked.reshape(-1, *x_t.shape[2:])
+
+
+@dataclass(frozen=True)
+class _Call:
+    q_idx: torch.Tensor | None
+    k_idx: torch.Tensor | None
+    nq: int
+    nk: int
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+    left: int
+    right: int
+
+
+def _calls(blocks, q, k, causal, window) -> list[_Call]:
+    calls = []
+    for wave in waves(sequences(blocks, causal=causal, window=window)):
+        q_ranges = [s.q for s in wave]
+        k_ranges = [r for s in wave for r in s.k]
+        cu_q, max_q = _cu([hi - lo for lo, hi in q_ranges], q.shape[0], q.device)
+        cu_k, max_k = _cu([sum(hi - lo for lo, hi in s.k) for s in wave], q.shape[0], q.device)
+        left, right = wave[0].left, wave[0].right  # the band that opened the wave
+        is_causal = (left, right) == (-1, 0)  # the kernels' own causal path (bottom-right)
+        calls.append(_Call(
+            _index(q_ranges, q.shape[2], q.device), _index(k_ranges, k.shape[2], k.device),
+            sum(hi - lo for lo, hi in q_ranges), sum(hi - lo for lo, hi in k_ranges),
+            cu_q, cu_k, max_q, max_k, is_causal, -1 if is_causal else left, -1 if is_causal else right,
+        ))
+    return calls
+
+
+@dataclass(frozen=True)
+class PackedBackend:
+    """A varlen kernel adapter (`forward(qp, kp, vp, cu_q, cu_k, max_q, max_k, *, scale,
+    causal, left, right, softcap) -> (out [T, H, D], lse [H, T] fp32, -inf for empty rows)`
+    and the matching `backward`) behind the (out, lse) contract of `ops/kernels.py`."""
+
+    name: str
+    kernel: object
+
+    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype):
+        b, h, sq, d = q.shape
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, S, H(_kv), D] views
+        out = lse = None
+        for c in _calls(blocks, q, k, causal, window):
+            o, l = self.kernel.forward(
+                _gather(qt, c.q_idx), _gather(kt, c.k_idx), _gather(vt, c.k_idx), c.cu_q, c.cu_k, c.max_q, c.max_k,
+                scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
+            )  # o [B·nq, H, D], l [H, B·nq]
+            o = o.view(b, c.nq, h, d).transpose(1, 2)  # [B, H, nq, D]
+            l = l.view(h, b, c.nq).transpose(0, 1)  # [B, H, nq]
+            if out is None and c.q_idx is None:
+                out, lse = o, l
+                continue
+            if out is None:
+                out = q.new_zeros(q.shape, dtype=acc_dtype(q.dtype))
+                lse = q.new_full(q.shape[:3], NEG_INF, dtype=acc_dtype(q.dtype))
+            idx = c.q_idx if c.q_idx is not None else torch.arange(sq, device=q.device)
+            m_out, m_lse = merge(out[:, :, idx], lse[:, :, idx], o, l)  # rows of this wave, [B, H, nq, (D)]
+            out, lse = out.to(m_out.dtype), lse.to(m_lse.dtype)
+            out[:, :, idx], lse[:, :, idx] = m_out, m_lse
+        if out is None:  # no tile at all
+            return q.new_zeros(q.shape, dtype=out_dtype), q.new_full(q.shape[:3], NEG_INF, dtype=acc_dtype(q.dtype))
+        return out.to(out_dtype), lse.to(acc_dtype(q.dtype))
+
+    def backward(self, dout, q, k, v, out, lse, blocks: Sequence[Block], *, scale, causal, window, softcap, grad_dtype):
+        b, h, sq, d = q.shape
+        hkv, sk, acc = k.shape[1], k.shape[2], acc_dtype(q.dtype)
+        qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))  # [B, S, H(_kv), D] views
+        ot = out.to(q.dtype).transpose(1, 2)  # the kernels take out in q's dtype (for rowsum(dO ⊙ O))
+        lse_t = lse.to(acc).permute(1, 0, 2)  # [H, B, Sq], float32 (the kernels' lse dtype)
+        calls = _calls(blocks, q, k, causal, window)
+        dq = torch.zeros((b, sq, h, d), dtype=acc, device=q.device)  # [B, Sq, H, D] like the kernel's rows
+        dk = torch.zeros((b, sk, hkv, d), dtype=acc, device=k.device)
+        dv = torch.zeros((b, sk, hkv, d), dtype=acc, device=v.device)
+        for c in calls:
+            l = lse_t if c.q_idx is None else lse_t.index_select(2, c.q_idx)
+            gq, gk, gv = self.kernel.backward(
+                _gather(dot, c.q_idx), _gather(qt, c.q_idx), _gather(kt, c.k_idx), _gather(vt, c.k_idx),
+                _gather(ot, c.q_idx), l.reshape(h, b * c.nq), c.cu_q, c.cu_k, c.max_q, c.max_k,
+                scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
+            )  # [B·nq, H, D], [B·nk, H_kv, D] x2
+            for acc_t, idx, g, n in ((dq, c.q_idx, gq, c.nq), (dk, c.k_idx, gk, c.nk), (dv, c.k_idx, gv, c.nk)):
+                g = g.view(b, n, *g.shape[1:])
+                if idx is None:
+                    acc_t += g
+                else:
+                    acc_t.index_add_(1, idx, g.to(acc))
+        return tuple(
+            x.transpose(1, 2).to(grad_dtype or t.dtype) for x, t in ((dq, q), (dk, k), (dv, v))
+        )  # [B, H(_kv), S, D]
