@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tests.reference import reference_attention, rel_err
+from tests.reference import make_runs, reference_attention, rel_err
 
 
 def case_errors(
@@ -83,3 +83,46 @@ def case_errors(
         if sinks is not None:
             errs["base_dsink"] = rel_err(base_sinks.grad.double(), ref_sinks.grad)
     return errs
+
+
+def rounding_mismatch(mesh, attention, cu: list[int], *, softcap: float = 5.0, heads: int = 4, head_dim: int = 16) -> dict:
+    """Fraction of this rank's bf16 outputs/gradients that differ from the correctly rounded
+    float64 value of the same computation: 0 up to rare ties when the distributed
+    attention rounds once, a large fraction when partial results are rounded to bf16
+    before the merge. `softcap` sends every tile to the math kernel, which returns its
+    partials unrounded (the fused CPU op rounds inside and cannot be tested this way).
+
+    The truth: forward, the dense float64 reference on the bf16 inputs; backward, the
+    FlashAttention-2 backward in float64 from the bf16 output every rank saved (gathered:
+    dk/dv of a rank's keys depend on every rank's rows) -- the gradient a single rounding
+    of the distributed backward must reproduce."""
+    from hf_longctx.ops import kernels
+
+    g = torch.Generator().manual_seed(0)
+    s = cu[-1]
+    q, k, v, dout = (torch.randn(1, s, heads, head_dim, generator=g).bfloat16() for _ in range(4))  # [1, S, H, D]
+    idx = mesh.local_indices(cu)
+    local = [t[:, idx].requires_grad_() for t in (q, k, v)]
+    out = attention(*local, mesh, cu_seqlens=cu, softcap=softcap)
+    out.backward(dout[:, idx])
+    full = torch.empty_like(q)  # [1, S, H, D]: every rank's bf16 output, in global order
+    if mesh.sp > 1:
+        outs, idxs = [torch.empty_like(out) for _ in range(mesh.sp)], [torch.empty_like(idx) for _ in range(mesh.sp)]
+        dist.all_gather(outs, out.detach().contiguous(), group=mesh.sp_group)
+        dist.all_gather(idxs, idx, group=mesh.sp_group)
+        for o, i in zip(outs, idxs):
+            full[:, i] = o
+    else:
+        full[:, idx] = out.detach()
+    ref_out = reference_attention(q.double(), k.double(), v.double(), cu, softcap=softcap)
+    heads_first = lambda t: t.double().transpose(1, 2)  # [1, H, S, D], the kernel layout
+    runs = make_runs(cu)
+    kw = dict(scale=head_dim**-0.5, causal=True, softcap=softcap)
+    _, lse = kernels.varlen_forward(heads_first(q), heads_first(k), heads_first(v), runs, runs, **kw)
+    grads = kernels.varlen_backward(
+        heads_first(dout), heads_first(q), heads_first(k), heads_first(v), heads_first(full), lse, runs, runs, **kw
+    )
+    fractions = {"out": (out != ref_out[:, idx].bfloat16()).float().mean().item()}
+    for name, t, r in zip(("dq", "dk", "dv"), local, grads):
+        fractions[name] = (t.grad != r.transpose(1, 2)[:, idx].bfloat16()).float().mean().item()
+    return fractions

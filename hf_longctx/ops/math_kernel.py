@@ -61,13 +61,15 @@ def _math_scores(q5c, k, *, scale, softcap, allowed):
 
 
 def math_forward(q, k, v, *, scale: float, causal: bool, mask: torch.Tensor | None, softcap: float | None):
-    """Reference-grade blockwise kernel in float32 (float64 for float64 inputs); same contract as `block_forward`."""
+    """Reference-grade blockwise kernel in float32 (float64 for float64 inputs); same contract as `block_forward`,
+    except that out stays in the accumulation dtype: `varlen_forward` rounds it once, to its
+    `out_dtype` -- q's dtype, or float32 for ring/FPDT callers that keep merging partials."""
     check_tile(q, k, v, mask)
     b, h, sq, d = q.shape
     hkv, sk, acc = k.shape[1], k.shape[2], acc_dtype(q.dtype)
     q5 = q.unflatten(1, (hkv, h // hkv))  # [B, H_kv, G, Sq, D]: GQA by broadcasting, no kv copy
     kc, vc = k.to(acc), v.to(acc)
-    out, lse = torch.empty_like(q), q.new_empty((b, h, sq), dtype=acc)
+    out, lse = q.new_empty(q.shape, dtype=acc), q.new_empty((b, h, sq), dtype=acc)
     out5, lse5 = out.unflatten(1, (hkv, h // hkv)), lse.unflatten(1, (hkv, h // hkv))  # views [B, H_kv, G, ...]
     step = _math_rows(q, sk)
     for lo in range(0, sq, step):
@@ -76,7 +78,7 @@ def math_forward(q, k, v, *, scale: float, causal: bool, mask: torch.Tensor | No
         s, _ = _math_scores(q5[..., lo:hi, :].to(acc), kc, scale=scale, softcap=softcap, allowed=allowed)
         l = torch.logsumexp(s, -1)  # [B, H_kv, G, rows]; -inf for a row with no key
         p = torch.exp(s - l.masked_fill(torch.isneginf(l), 0.0).unsqueeze(-1))
-        out5[..., lo:hi, :] = (p @ vc.unsqueeze(2)).to(q.dtype)  # [B, H_kv, G, rows, D]
+        out5[..., lo:hi, :] = p @ vc.unsqueeze(2)  # [B, H_kv, G, rows, D]
         lse5[..., lo:hi] = l
     return out, lse
 
