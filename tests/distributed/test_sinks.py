@@ -79,6 +79,16 @@ def test_bf16_no_worse_than_twice_single_process(pools):
                 assert errs[name] <= 2 * errs["base_" + name], f"{layout} rank {rank}: {name} {errs}"
 
 
+def test_bad_sinks_raise_before_any_collective():
+    from hf_longctx.ops.fpdt import fpdt_attention
+    from hf_longctx.ops.usp import usp_attention
+
+    x = torch.zeros(1, 8, 4, 8)
+    for attention, mesh in ((usp_attention, init_sequence_parallel()), (fpdt_attention, init_sequence_parallel(1, 1, 2))):
+        with pytest.raises(ValueError, match=r"sinks must be a floating tensor of shape \[H\] = \[4\].*\(2,\)"):
+            attention(x, x, x, mesh, sinks=torch.zeros(2))
+
+
 # ---- model level: every sink family of transformers, patched, vs the unpatched model ------
 
 # Tiny configs: 2 layers (one sliding with a window shorter than the documents, one full),
