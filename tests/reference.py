@@ -46,10 +46,13 @@ def reference_mask(
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Sequence[int] | torch.Tensor | None = None, *,
     causal: bool = True, scale: float | None = None, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense attention in the PUBLIC layout: q [B, S, H, D], k/v [B, S, H_kv, D] -> [B, S, H, D].
 
     Computed in the input dtype (tests pass float64). Rows with no allowed key give 0.
+    `sinks` [H]: attention sinks as HF's eager GPT-OSS attention applies them -- one extra
+    logit column per head, softmaxed with the scores and dropped (it has no value).
     """
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -64,6 +67,10 @@ def reference_attention(
         scores = softcap * torch.tanh(scores / softcap)
     allowed = reference_mask(cu_seqlens, b, s, causal=causal, window=window, device=q.device)[:, None]  # [B, 1, S, S]
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.to(scores.dtype).reshape(1, h, 1, 1).expand(b, h, s, 1)  # [B, H, S, 1]
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]  # drop the sink column
+        return (probs @ vh).transpose(1, 2)  # [B, S, H, D]; a row with no key puts all weight on the sink: 0
     # softmax of an all -inf row is NaN; those rows have no key and must give 0.
     probs = torch.softmax(scores.masked_fill(~allowed.any(-1, keepdim=True), 0.0), dim=-1) * allowed
     return (probs @ vh).transpose(1, 2)  # [B, S, H, D]

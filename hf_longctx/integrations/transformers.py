@@ -126,6 +126,7 @@ def _make_attention(state: _PatchState) -> Callable:
             softmax_scale=scaling,
             window=int(window) if window is not None else None,
             softcap=float(softcap) if softcap else None,
+            sinks=kwargs.get("s_aux"),  # per-head attention sinks [H] (GPT-OSS & co.), None elsewhere
         )
         # Our kernels accumulate in fp32 themselves; autocast must not re-cast their matmuls.
         with torch.autocast(q.device.type, enabled=False):

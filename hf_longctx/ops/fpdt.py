@@ -16,6 +16,9 @@ back double-buffered for each later query chunk. Without causality (or with a wi
 reaches forward) a query chunk may need later K/V chunks: it is computed as soon as the
 last one it needs has been exchanged, which for causal masks is its own step.
 
+Attention sinks (`ops/sinks.py`): a query chunk's sink logit joins its denominator once,
+after its last K/V chunk; the backward runs from that sink-merged out/lse.
+
 Backward (FPDT §3.4): nested loops from the final out/lse, K/V outer and Q inner. For K/V
 chunk j, every query chunk i that saw it is streamed in (q_i, dout_i, out_i, lse_i and the
 dq_i accumulator); dk_j/dv_j are complete after the inner loop and travel back with one
@@ -39,7 +42,9 @@ from hf_longctx.ops import blocks, kernels
 from hf_longctx.ops.lse import merge
 from hf_longctx.ops.offload import ChunkStore
 from hf_longctx.ops.ulysses import replicate_kv
-from hf_longctx.ops.usp import check_inputs
+from hf_longctx.ops.math_kernel import acc_dtype
+from hf_longctx.ops.sinks import merge_sink, sink_grad
+from hf_longctx.ops.usp import check_inputs, local_sinks
 
 
 class FPDTPlan:
@@ -70,9 +75,14 @@ def _from_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous()  # [B, h, S_c, D] -> [B, S_c, h, D] for the all-to-all
 
 
-def _attend(plan: FPDTPlan, store: ChunkStore, i: int, q_i: torch.Tensor, live: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(
+    plan: FPDTPlan, store: ChunkStore, i: int, q_i: torch.Tensor, live: dict, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Online softmax of query chunk i over its K/V chunks: `live` ones are on the device
-    already, the others are streamed from the store, double-buffered, in chunk order."""
+    already, the others are streamed from the store, double-buffered, in chunk order.
+    Partial results stay in the accumulation dtype; the sinks join once, at the end; the
+    chunk's output is rounded to q's dtype once."""
+    acc = acc_dtype(q_i.dtype)
     acc_out = acc_lse = None
     streamed = store.stream([[("kv", j)] for j in plan.needs[i] if j not in live])
     for j in plan.needs[i]:
@@ -80,24 +90,27 @@ def _attend(plan: FPDTPlan, store: ChunkStore, i: int, q_i: torch.Tensor, live: 
             k_j, v_j = live[j]
         else:
             _, (k_j, v_j) = next(streamed)
-        o, l = kernels.varlen_forward(q_i, k_j, v_j, plan.runs[i], plan.runs[j], **plan.kw)  # [B, h, S_c, D], [B, h, S_c]
+        o, l = kernels.varlen_forward(q_i, k_j, v_j, plan.runs[i], plan.runs[j], out_dtype=acc, **plan.kw)  # [B, h, S_c, D], [B, h, S_c]
         acc_out, acc_lse = (o, l) if acc_out is None else merge(acc_out, acc_lse, o, l)
         del k_j, v_j
     for _ in streamed:  # records the last chunk's "end" and frees its device buffer
         pass
     if acc_out is None:  # no allowed key for any row of the chunk
-        return kernels.empty_result(q_i)
+        acc_out, acc_lse = kernels.empty_result(q_i)
+    if sinks is not None:  # once per query row, after every K/V chunk (ops/sinks.py)
+        acc_out, acc_lse = merge_sink(acc_out, acc_lse, sinks)
     return acc_out.to(q_i.dtype), acc_lse
 
 
-def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore) -> torch.Tensor:
-    """q [B, S_local, H, D], k/v [B, S_local, H_kv', D] (H_kv' divisible by U) → out [B, S_local, H, D].
+def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, S_local, H, D], k/v [B, S_local, H_kv', D] (H_kv' divisible by U) → out [B, S_local, H, D],
+    contiguous whatever q's strides. `sinks`: this rank's [H/U] sink logits or None.
 
     Leaves in `store`, for the backward: ("q", i) q_i, ("kv", j) (k_j, v_j) and ("o", i)
     (out_i, lse_i), in the kernel layout [B, h, S/u, D] (lse [B, h, S/u]).
     """
     u, c = plan.chunks, q.shape[1] // plan.chunks
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # not empty_like: q may be a strided view
     for step in range(u):
         rows = slice(step * c, (step + 1) * c)
         qh, kh, vh = seq_to_head([q[:, rows], k[:, rows], v[:, rows]], plan.group)  # [B, S/u, H/U, D], [B, S/u, H_kv'/U, D]
@@ -107,7 +120,7 @@ def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore) -> torch.Tensor:
         for i in [i for i in range(u) if plan.ready_at[i] == step]:
             store.note("pass", ("q", i))
             q_i = qh if i == step else store.get(("q", i))[0]
-            o_i, lse_i = _attend(plan, store, i, q_i, live)
+            o_i, lse_i = _attend(plan, store, i, q_i, live, sinks)
             store.release(("q", i))
             store.put(("o", i), o_i, lse_i)
             (o_seq,) = head_to_seq([_from_heads(o_i)], plan.group)  # [B, S/u, H/U, D] -> [B, c, H, D]
@@ -117,14 +130,17 @@ def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore) -> torch.Tensor:
     return out
 
 
-def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape, kv_shape):
-    """Gradients (dq [B, S_local, H, D], dk/dv [B, S_local, H_kv', D]) of `fpdt_forward`
-    from the final out/lse held in `store`: K/V chunks outer, query chunks inner."""
+def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape, kv_shape, sinks=None):
+    """Gradients (dq [B, S_local, H, D], dk/dv [B, S_local, H_kv', D], dsink [H/U] or None)
+    of `fpdt_forward` from the final (sink-merged) out/lse held in `store`: K/V chunks
+    outer, query chunks inner. Every chunk gradient stays in the accumulation dtype until
+    its sum is complete: one rounding per gradient."""
     u = plan.chunks
     c = q_shape[1] // u
     dtype = dout.dtype
-    acc = torch.float64 if dtype == torch.float64 else torch.float32  # dq sums over K/V chunks: round once
+    acc = acc_dtype(dtype)  # dq sums over K/V chunks, dk/dv over query chunks: round once
     dq, dk, dv = dout.new_empty(q_shape), dout.new_empty(kv_shape), dout.new_empty(kv_shape)
+    dsink = None if sinks is None else torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
     for i in range(u):  # dout chunk i to the head layout, stored next to the chunk's saved tensors
         (do_i,) = seq_to_head([dout[:, i * c : (i + 1) * c]], plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D]
         do_i = _to_heads(do_i)  # [B, h, S/u, D]
@@ -142,7 +158,11 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         final: dict[int, torch.Tensor] = {}  # dq of chunks no later K/V chunk touches: kept on the device
         for (key, *_), (q_i, do_i, o_i, lse_i, dq_i) in store.stream(groups):
             i = key[1]
-            gq, gk, gv = kernels.varlen_backward(do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], **plan.kw)
+            gq, gk, gv = kernels.varlen_backward(
+                do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], grad_dtype=acc, **plan.kw
+            )
+            if dsink is not None and j == plan.needs[i][0]:  # each query chunk once; chunks with no key have out 0
+                dsink += sink_grad(do_i, o_i, lse_i, sinks.to(acc))
             if plan.dq_done_at[i] == j:
                 final[i] = dq_i + gq
             else:
@@ -164,7 +184,7 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         dk[:, j * c : (j + 1) * c], dv[:, j * c : (j + 1) * c] = grads[0], grads[1]
         for i, g in zip(done, grads[2:]):
             dq[:, i * c : (i + 1) * c] = g
-    return dq, dk, dv
+    return dq, dk, dv, dsink
 
 
 def _saved_keys(u: int) -> list:
@@ -176,21 +196,25 @@ class FPDTAttention(torch.autograd.Function):
     offloading), so activation checkpointing and saved-tensor hooks see all of it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, offload):
+    def forward(ctx, q, k, v, plan, offload, sinks):
         store = ChunkStore(q.device, offload=offload)
-        out = fpdt_forward(q, k, v, plan, store)
+        out = fpdt_forward(q, k, v, plan, store, sinks)
         keys = _saved_keys(plan.chunks)
         ctx.keys, ctx.counts = keys, store.counts(keys)
-        ctx.save_for_backward(*store.export(keys))
+        ctx.save_for_backward(*store.export(keys), *([] if sinks is None else [sinks]))
         ctx.plan, ctx.offload, ctx.shapes = plan, offload, (q.shape, k.shape)
+        ctx.has_sinks = sinks is not None
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        sinks = saved[-1] if ctx.has_sinks else None
+        saved = saved[:-1] if ctx.has_sinks else saved
         store = ChunkStore(dout.device, offload=ctx.offload)
-        store.load(ctx.keys, ctx.counts, ctx.saved_tensors)
-        dq, dk, dv = fpdt_backward(dout.contiguous(), ctx.plan, store, *ctx.shapes)
-        return dq, dk, dv, None, None
+        store.load(ctx.keys, ctx.counts, saved)
+        dq, dk, dv, dsink = fpdt_backward(dout.contiguous(), ctx.plan, store, *ctx.shapes, sinks=sinks)
+        return dq, dk, dv, None, None, None if dsink is None else dsink.to(sinks.dtype)
 
 
 def make_plan(mesh: SPMesh, cu: Sequence[int], *, scale: float, causal: bool, window, softcap) -> FPDTPlan:
@@ -210,6 +234,7 @@ def fpdt_attention(
     window: int | None = None,
     softcap: float | None = None,
     offload: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the Ulysses group, FPDT-chunked.
 
@@ -217,7 +242,9 @@ def fpdt_attention(
     global tokens at `mesh.local_indices(cu_seqlens)` (rank-ordinal chunk layout with
     `mesh.fpdt_chunks` chunks); `cu_seqlens` are the global document boundaries of the
     packed sequence (B = 1), None = every row is one document. `offload=True` keeps
-    finished chunks in pinned host memory on CUDA (no effect on CPU).
+    finished chunks in pinned host memory on CUDA (no effect on CPU). `sinks`: None, or
+    the per-head sink logits [H] (HF's `s_aux`), joined to every query row's softmax
+    denominator once, after its last K/V chunk (`ops/sinks.py`); differentiable.
     """
     if mesh.ring != 1:
         raise ValueError(f"fpdt_attention needs ring degree 1, got ring {mesh.ring} (fpdt_chunks {mesh.fpdt_chunks})")
@@ -229,10 +256,12 @@ def fpdt_attention(
             f"S_local ({q.shape[1]}) must be a positive multiple of fpdt_chunks ({u}): every rank cuts its "
             f"tokens into {u} equal chunks (packed length = S_local x ulysses({mesh.ulysses}))"
         )
-    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap)
+    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks)
     if cu_seqlens is None:
         cu = [0, q.shape[1] * mesh.ulysses]  # the same single-document layout in every batch row
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
     plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)
-    return FPDTAttention.apply(q, k, v, plan, offload)
+    if sinks is not None:
+        sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all
+    return FPDTAttention.apply(q, k, v, plan, offload, sinks)

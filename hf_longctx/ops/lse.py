@@ -11,7 +11,8 @@ For a key set A with softmax-normalised output o_A and log-normaliser l_A, and a
 disjoint set B, the attention over A ∪ B is
     l = log(exp(l_A) + exp(l_B)),  o = exp(l_A - l) · o_A + exp(l_B - l) · o_B.
 lse = -inf means "no keys yet": its weight is 0, and two empty sets stay empty
-(out 0, lse -inf) instead of producing NaN.
+(out 0, lse -inf) instead of producing NaN. Attention sinks are this merge with a key set
+of output 0 and log-normaliser `sink`, applied once to the final result (`ops/sinks.py`).
 """
 
 from __future__ import annotations

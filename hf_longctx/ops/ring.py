@@ -9,6 +9,10 @@ plan is computed from global document boundaries, packed documents never see eac
 and blocks with no allowed (query, key) pair are skipped: with the zigzag layout every
 rank computes the same number of causal scores.
 
+Attention sinks (`ops/sinks.py`): the per-head sink logit joins the denominator once,
+merged into the final (out, lse) after the last ring step, never per step; the backward
+runs from that sink-merged pair and adds the sink's gradient.
+
 Backward (same schedule, flash-attention style): each rank recomputes its blocks from the
 final out/lse, keeps dq locally, and the dK/dV accumulator of each block travels with it
 around the ring, arriving at its owner after R hops.
@@ -26,6 +30,7 @@ import torch
 from hf_longctx.data.layout import Run, ring_stream
 from hf_longctx.distributed.comm import RingExchanger
 from hf_longctx.ops import blocks, kernels, lse as lse_ops
+from hf_longctx.ops.sinks import check_sinks, merge_sink, sink_grad
 from hf_longctx.ops.math_kernel import acc_dtype  # float32, or float64 so float64 references stay exact
 
 
@@ -67,11 +72,16 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).contiguous()  # [2, B, H_kv, S_ring, D]: one message per hop
 
 
-def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
-    """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse [B, H, S_ring]."""
+def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sinks=None):
+    """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse [B, H, S_ring].
+
+    Partial results stay in float32 (float64 for float64 inputs) through every merge; the
+    caller rounds once. `sinks` [H] joins the denominator once, after the last ring step.
+    """
     q_runs = spec.plan.q_runs
-    out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     kv = _pack(k, v)
     ex = spec.exchanger(tag=0)
     for step in range(spec.ring):
@@ -80,11 +90,14 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap):
         k_runs, tiles = spec.plan.steps[step]  # K/V of ring rank (ring_rank - step) mod R
         if tiles:
             b_out, b_lse = kernels.varlen_forward(
-                q, kv[0], kv[1], q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles
+                q, kv[0], kv[1], q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles,
+                out_dtype=acc,
             )
             out, lse = lse_ops.merge(out, lse, b_out, b_lse)
         if step + 1 < spec.ring:
             kv = ex.wait()
+    if sinks is not None:  # once, on the complete result: per step it would count R times
+        out, lse = merge_sink(out, lse, sinks)
     return out, lse
 
 
@@ -118,32 +131,42 @@ def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, win
 
 
 class RingAttention(torch.autograd.Function):
+    """Ring forward/backward; with `sinks` [H] (None = no sink) also their gradient."""
+
     @staticmethod
-    def forward(ctx, q, k, v, spec, scale, causal, window, softcap):
-        out, lse = ring_forward(q, k, v, spec, scale=scale, causal=causal, window=window, softcap=softcap)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, spec, scale, causal, window, softcap, sinks):
+        out, lse = ring_forward(q, k, v, spec, scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks)
+        out = out.to(q.dtype)  # the one rounding of the merged result
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.spec, ctx.kw = spec, dict(scale=scale, causal=causal, window=window, softcap=softcap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.spec, **ctx.kw)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        # out/lse are the sink-merged ones: the sink is a key with v = 0, so every tile's
+        # FlashAttention-2 backward stays exact given them (see ops/sinks.py).
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.spec, **ctx.kw)
+        dsink = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
 
 
-def ring_attention(q, k, v, spec: RingSpec, *, scale: float, causal: bool = True, window=None, softcap=None):
+def ring_attention(q, k, v, spec: RingSpec, *, scale: float, causal: bool = True, window=None, softcap=None, sinks=None):
     """Differentiable ring attention. q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → [B, H, S_ring, D].
 
-    With R = 1 this is the local varlen kernel over the whole stream.
+    `sinks`: None, or [H] per-head sink logits (differentiable), merged once into the final
+    log-sum-exp (`ops/sinks.py`). With R = 1 and no sinks this is the local varlen kernel
+    over the whole stream; with sinks it is the same ring Function with one step (no
+    exchange), so the sink merge and its gradient live in one place.
     """
-    if spec.ring == 1:
+    check_sinks(sinks, q.shape[1])
+    if spec.ring == 1 and sinks is None:
         runs, (_, tiles) = spec.plan.q_runs, spec.plan.steps[0]
         return kernels.local_attention(
             q, k, v, runs, runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles
         )
-    return RingAttention.apply(q, k, v, spec, scale, causal, window, softcap)
+    return RingAttention.apply(q, k, v, spec, scale, causal, window, softcap, sinks)
 
 
 def ring_work(cu: Sequence[int], ring: int, ring_rank: int, *, causal: bool = True, window=None) -> list[int]:

@@ -5,7 +5,8 @@ Where it sits: the attention that `integrations/transformers.py` registers with 
 1. Ulysses all-to-all: [B, S_local, H, D] → the ring rank's stream [B, S_ring, H/U, D];
 2. zigzag ring attention over the ring group on that stream, packed documents exact;
 3. inverse all-to-all back to [B, S_local, H, D].
-With U = 1 step 1/3 are skipped, with R = 1 step 2 is the local kernel.
+With U = 1 step 1/3 are skipped, with R = 1 step 2 is the local kernel (or, with attention
+sinks, the ring Function with one step: the sink merge lives there, `ops/sinks.py`).
 
 Everything that could make ranks disagree (shapes, heads, boundaries) is checked on
 every rank from information all ranks share BEFORE the first collective, so bad input
@@ -21,10 +22,21 @@ import torch
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.ops.ring import RingSpec, ring_attention, ring_plan
+from hf_longctx.ops.sinks import check_sinks
 from hf_longctx.ops.ulysses import gather_heads, kv_replication, scatter_heads
 
 
-def check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap) -> list[int]:
+def local_sinks(sinks: torch.Tensor, mesh: SPMesh) -> torch.Tensor:
+    """[H] → [H/U]: the sinks of the query heads this Ulysses rank holds after the all-to-all,
+    a contiguous slice (`comm._split_heads` sends head slice u to Ulysses rank u; KV
+    replication for H_kv < U never reorders query heads). The slice is differentiable:
+    each rank's sink gradient lands in its own heads, and summing gradients over the SP
+    group (as every parameter's) gives the whole."""
+    per_rank = sinks.shape[0] // mesh.ulysses
+    return sinks[mesh.ulysses_rank * per_rank : (mesh.ulysses_rank + 1) * per_rank]  # [H/U]
+
+
+def check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap, sinks=None) -> list[int]:
     """Validate and return the global document boundaries of the packed stream."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, S_local, H, D]; got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -35,6 +47,7 @@ def check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap) -> list[int
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     kv_replication(q.shape[2], k.shape[2], mesh.ulysses)
+    check_sinks(sinks, q.shape[2])
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if softcap is not None and not softcap > 0:
@@ -67,6 +80,7 @@ def usp_attention(
     window: int | None = None,
     softcap: float | None = None,
     plan_cache: dict | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the SP group of `mesh`.
 
@@ -74,13 +88,18 @@ def usp_attention(
     global tokens at `mesh.local_indices(cu_seqlens)`; `cu_seqlens` are the global document
     boundaries of the packed sequence (B = 1), None = every row is one document.
     `plan_cache`: an optional dict the caller keeps per batch, so that the layers of one
-    micro-batch plan the ring once (`patch()` does this).
+    micro-batch plan the ring once (`patch()` does this). `sinks`: None, or the per-head
+    sink logits [H] (HF's `s_aux`), joined to the softmax denominator once (`ops/sinks.py`);
+    differentiable. The output is contiguous, like HF's own attention functions (models
+    `.view()` it).
     """
     if mesh.fpdt_chunks > 1:
         raise ValueError(f"mesh has fpdt_chunks={mesh.fpdt_chunks}: use hf_longctx.ops.fpdt.fpdt_attention")
-    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap)
+    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     b = q.shape[0]
+    if sinks is not None:
+        sinks = local_sinks(sinks, mesh)  # [H/U]: the heads this rank computes after the all-to-all
     if mesh.ulysses > 1:
         q, k, v = scatter_heads(q, k, v, mesh.ulysses_group, mesh.ulysses)  # [B, S_ring, H/U, D], [B, S_ring, H_kv'/U, D]
     s_ring = q.shape[1]
@@ -103,8 +122,10 @@ def usp_attention(
         prev_rank=mesh.global_rank(ring_rank=mesh.ring_rank - 1),
         plan=plan,
     )
-    out = ring_attention(qf, kf, vf, spec, scale=scale, causal=causal, window=window, softcap=softcap)
+    out = ring_attention(qf, kf, vf, spec, scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks)
     out = out.transpose(1, 2).reshape(b, s_ring, out.shape[1], out.shape[3])  # [B, S_ring, H/U, D]
     if mesh.ulysses > 1:
         out = gather_heads(out, mesh.ulysses_group)  # [B, S_local, H, D]
-    return out
+    # HF's attention functions return contiguous outputs and models `.view()` them (AFMoE,
+    # JetMoE); the transpose above is a strided view (a no-op copy when already contiguous).
+    return out.contiguous()

@@ -1,0 +1,195 @@
+"""Attention sinks (HF's `s_aux`) under USP, ring, Ulysses and FPDT vs a float64 single-process reference.
+
+The reference (`tests/reference.reference_attention(..., sinks=)`) is HF's eager GPT-OSS
+rule: one extra logit column per head, softmaxed with the scores and dropped. Checked:
+forward output, dq/dk/dv and the sink gradient (summed over the SP group, as every
+parameter gradient is), for U×R in (1,1), (2,1), (1,2), (2,2), (4,1), (1,4), FPDT u = 2
+on 2 ranks and u = 4 on 4 ranks; MHA, GQA with H_kv < U, packed uneven documents with a
+padding document, sliding window, B = 2 unpacked rows. The outputs must be contiguous.
+
+Tolerances as in test_usp.py: fp32 relative error <= 2e-5 against float64 (~1e-7 is
+measured; a sink merged once per ring step or per FPDT chunk instead of once gives ~1e-1,
+a missing sink gradient 1.0); bf16 no worse than twice single-process bf16 attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_longctx import init_sequence_parallel
+from tests.distributed import test_fpdt, test_usp
+from tests.pool import worker_mesh
+from tests.reference import rel_err
+
+FP32_TOL = 2e-5
+
+CASES = [
+    dict(heads=8, kv_heads=8, sinks=True, seed=21),
+    dict(heads=8, kv_heads=2, docs=5, sinks=True, seed=22),  # GQA; H_kv < U for U = 4 (KV replication)
+    dict(heads=4, kv_heads=2, window=5, sinks=True, seed=23),  # sliding window crossing shards
+    dict(heads=4, kv_heads=4, packed=False, sinks=True, seed=24),  # B = 2 rows, one document each
+]
+
+
+def _usp(ulysses: int, ring: int, dtype_name: str, cases: list[dict]):
+    mesh = worker_mesh(ulysses, ring)
+    return [test_usp._case(mesh, c, getattr(torch, dtype_name)) for c in cases]
+
+
+def _fpdt(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]):
+    mesh = worker_mesh(ulysses, 1, chunks)
+    return [test_fpdt._case(mesh, c, getattr(torch, dtype_name)) for c in cases]
+
+
+def _check_fp32(results, layout):
+    for rank, per_rank in enumerate(results):
+        for case, errs in zip(CASES, per_rank):
+            assert any(name.endswith("dsink") for name in errs), errs
+            for name, e in errs.items():
+                assert e <= FP32_TOL, f"{layout} rank {rank} case {case}: {name} rel err {e:.2e} > {FP32_TOL} ({errs})"
+
+
+def test_world1_fp32():
+    mesh = init_sequence_parallel()
+    _check_fp32([[test_usp._case(mesh, c, torch.float32) for c in CASES]], "(1,1)")
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
+def test_world2_fp32(pools, ulysses, ring):
+    _check_fp32(pools.get(2).run(_usp, ulysses, ring, "float32", CASES), (ulysses, ring))
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 2), (4, 1), (1, 4)])
+def test_world4_fp32(pools, ulysses, ring):
+    _check_fp32(pools.get(4).run(_usp, ulysses, ring, "float32", CASES), (ulysses, ring))
+
+
+@pytest.mark.parametrize("world,ulysses,chunks", [(2, 2, 2), (4, 4, 4)])
+def test_fpdt_fp32(pools, world, ulysses, chunks):
+    _check_fp32(pools.get(world).run(_fpdt, ulysses, chunks, "float32", CASES), f"fpdt U={ulysses} u={chunks}")
+
+
+def test_bf16_no_worse_than_twice_single_process(pools):
+    cases = CASES[1:2]
+    for layout, fn, args in (("ring 2", _usp, (1, 2)), ("fpdt U=2 u=2", _fpdt, (2, 2))):
+        for rank, per_rank in enumerate(pools.get(2).run(fn, *args, "bfloat16", cases)):
+            errs = per_rank[0]
+            for name in ("out", "dq", "dk", "dv", "dsink"):
+                assert errs[name] <= 2 * errs["base_" + name], f"{layout} rank {rank}: {name} {errs}"
+
+
+def test_bad_sinks_raise_before_any_collective():
+    from hf_longctx.ops.fpdt import fpdt_attention
+    from hf_longctx.ops.usp import usp_attention
+
+    x = torch.zeros(1, 8, 4, 8)
+    for attention, mesh in ((usp_attention, init_sequence_parallel()), (fpdt_attention, init_sequence_parallel(1, 1, 2))):
+        with pytest.raises(ValueError, match=r"sinks must be a floating tensor of shape \[H\] = \[4\].*\(2,\)"):
+            attention(x, x, x, mesh, sinks=torch.zeros(2))
+
+
+# ---- model level: every sink family of transformers, patched, vs the unpatched model ------
+
+# Tiny configs: 2 layers (one sliding with a window shorter than the documents, one full),
+# GQA, MoE with every expert active (top-k = number of experts: routing cannot flip on a
+# rounding difference, and no auxiliary loss: output_router_logits stays False).
+WINDOW = 8
+SINK_FAMILIES = ["gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash"]
+
+
+def sink_family_config(family: str):
+    import transformers as tf
+
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    moe = dict(num_experts_per_tok=2, output_router_logits=False)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(**common, head_dim=8, num_local_experts=2, **moe)
+    if family == "flint":
+        return tf.FlintConfig(**common, head_dim=8, num_experts=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, **moe)
+    if family == "granite_swa":
+        return tf.GraniteSWAConfig(**common, bos_token_id=1, eos_token_id=2)
+    if family == "granitemoe_swa":
+        return tf.GraniteMoeSWAConfig(**common, num_local_experts=2, **moe)
+    if family == "mimo_v2_flash":  # sinks on its sliding layer only (s_aux=None on the full one)
+        return tf.MiMoV2FlashConfig(**common, head_dim=8, v_head_dim=8, n_routed_experts=2, moe_intermediate_size=16, **moe)
+    raise KeyError(family)
+
+
+def _save_sink_family(family: str, root) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(sink_family_config(family))
+    with torch.no_grad():  # sinks of order 1 (HF initialises them near 0): they must visibly matter
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) + 1.0)
+    path = f"{root}/{family}"
+    model.save_pretrained(path)
+    return path
+
+
+def per_document_reference(model, docs: list[torch.Tensor]):
+    """Loss and gradients of the unpatched model run on each document ALONE, normalised by
+    the packed batch's target count: what a packed batch means. Not `model(**packed)`:
+    GPT-OSS, JetMoE and AFMoE (transformers 5.23) build their masks without position_ids,
+    so their unpatched forward on a packed row lets documents attend to each other."""
+    model.zero_grad(set_to_none=True)
+    n_items = sum(len(d) - 1 for d in docs)  # targets of the packed row: every token but each document's last
+    loss = 0.0
+    for d in docs:
+        out = model(input_ids=d[None], labels=d[None], num_items_in_batch=n_items, use_cache=False)
+        out.loss.backward()
+        loss += out.loss.detach()
+    return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def documents(batch: dict) -> list[torch.Tensor]:
+    """The documents of a packed row, split where position_ids restart at 0."""
+    ids, pos = batch["input_ids"][0], batch["position_ids"][0]
+    starts = (pos == 0).nonzero().flatten().tolist() + [len(ids)]
+    return [ids[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+def _sink_models_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
+    from hf_longctx.integrations.transformers import patch
+    from tests.distributed.test_models import compare, load, packed_batch, sp_loss_and_grads
+
+    mesh = worker_mesh(ulysses, ring)
+    batch = packed_batch()
+    out = {}
+    for family, path in paths.items():
+        ref_loss, ref_grads = per_document_reference(load(path), documents(batch))
+        loss, _, grads = sp_loss_and_grads(patch(load(path), mesh), batch, mesh)
+        missing = sorted(set(ref_grads) ^ set(grads))
+        if missing:  # e.g. sinks ignored: they get no gradient at all
+            out[family] = {"missing_grads": missing}
+            continue
+        errs = compare(ref_loss, ref_grads, loss, grads)
+        sinks = [n for n in ref_grads if n.endswith("sinks")]
+        errs["sink_params"] = float(len(sinks))
+        errs["min_sink_grad"] = min(grads[n].abs().max().item() for n in sinks) if sinks else 0.0
+        errs["sink_grad"] = max(rel_err(grads[n], ref_grads[n]) for n in sinks) if sinks else 1.0
+        out[family] = errs
+    return out
+
+
+@pytest.fixture(scope="module")
+def sink_model_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sink_models")
+    return {family: _save_sink_family(family, root) for family in SINK_FAMILIES}
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
+def test_sink_families_match_single_process(pools, sink_model_paths, ulysses, ring):
+    """Loss 1e-5 and every gradient (the sinks' included) 1e-4, relative per tensor, as in
+    test_models.py; the sinks must get a nonzero gradient (they got none before sinks were
+    supported, and the loss was off by ~1e-3)."""
+    for rank, per_family in enumerate(pools.get(2).run(_sink_models_on_mesh, ulysses, ring, sink_model_paths, timeout=300)):
+        for family, errs in per_family.items():
+            where = f"{family} mesh ({ulysses},{ring}) rank {rank}: {errs}"
+            assert "missing_grads" not in errs, where
+            assert errs["sink_params"] >= 1 and errs["min_sink_grad"] > 0, where
+            assert errs["loss"] <= 1e-5 and errs["grad"] <= 1e-4 and errs["sink_grad"] <= 1e-4, where
