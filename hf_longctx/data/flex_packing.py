@@ -46,7 +46,7 @@ from hf_longctx.data.cost import GroupCost
 from hf_longctx.data.flex_groups import GroupShape
 from hf_longctx.data.packing import _as_lengths, _check_int, plan_microbatches
 
-TAU_FACTORS = (0.5, 0.75, 1.0, 1.5, math.inf)  # target slot lengths tried, × the ideal slot length
+TAU_FACTORS = (0.75, 1.0, 1.5, math.inf)  # target slot lengths tried, × the ideal slot length (inf: no promotion)
 _FP_MOD = 2_147_483_647
 
 
@@ -266,6 +266,12 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots):
             room = tok + p <= cap_g
         new = load + c + rho_g * (cap_g - tok - p)  # [G] projected cost after adding d
         key = np.where(room, smax[gm] - new, -np.inf)
+        # A wider group takes a short document only under its slot's maximum: its room is
+        # not projected full, so letting it grow would lengthen the slot for short
+        # documents that run cheaper (no communication) on the smallest groups.
+        key[(gs > 0) & (new > smax[gm])] = -np.inf
+        if not np.isfinite(key).any():
+            key = np.where(room, smax[gm] - new, -np.inf)
         g = int(np.argmax(key))
         load[g] += c[g]
         tok[g] += p[g]
@@ -300,8 +306,8 @@ def plan_flexible(
 ) -> FlexPlan:
     """Plan one step on groups of the given shapes (`bank.shapes` / `group_shapes(...)`).
 
-    `num_slots`: micro-batch slots to aim for (default: the fewest the tokens need at the
-    smallest feasible sizes); the planner opens more only when documents do not fit.
+    `num_slots`: micro-batch slots to aim for (default, and at least: the fewest the tokens
+    need at the smallest feasible sizes); the planner opens more only when documents do not fit.
     A document longer than the largest group holds raises ValueError naming it.
     """
     world = _check_int("world_size", world_size, 1)
@@ -330,13 +336,15 @@ def plan_flexible(
     smallest = np.argmax(ok, axis=0) if n else np.zeros(0, dtype=np.int64)  # [N] smallest feasible shape
     work = np.array([sizes[k] for k in smallest]) * costs[smallest, np.arange(n)] if n else np.zeros(0)
     need = int(np.ceil(padded[smallest, np.arange(n)].sum() / (world * cap))) if n else 1
-    m = max(1, need) if num_slots is None else _check_int("num_slots", num_slots, 1)
+    # Never aim below what the tokens need: slots opened one by one during the fill would
+    # collect only the leftovers (unbalanced); the aim is met exactly whenever it suffices.
+    m = max(1, need) if num_slots is None else max(_check_int("num_slots", num_slots, 1), need)
     tau0 = float(work.sum()) / (world * m) if n else 0.0
     # Cheapest per-token cost of each shape (projects a group's free room as if filled).
     with np.errstate(divide="ignore", invalid="ignore"):
         rho = np.array([float(np.min(costs[k] / np.maximum(padded[k], 1))) if n else 0.0 for k in range(len(shapes))])
     order = np.lexsort((np.arange(n), -lengths, -work)).tolist()  # costliest first, ties by index
-    best = None
+    best, tried = None, set()
     for f in tau_factors:
         width = smallest.copy()
         if math.isfinite(f):
@@ -346,6 +354,10 @@ def plan_flexible(
                 while k + 1 < len(shapes) and costs[k, d] > tau:
                     k += 1
                 width[d] = k
+        key = tuple(width.tolist())
+        if key in tried:  # another target gave the same widths, hence the same plan
+            continue
+        tried.add(key)
         gs, gm, load, docs = _construct(width.tolist(), order, padded, caps, costs, rho, sizes, world, m)
         step = sum(float(load[gm == j].max()) for j in range(int(gm.max()) + 1))
         if best is None or step < best[0] - 1e-12 * max(step, 1.0):
