@@ -10,7 +10,8 @@ normalised by the global token count and gradients are summed over ranks.
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex_groups import GroupShape, group_shapes
-from hf_longctx.data.flex_packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
+from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
+from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import Piece, Plan, plan_microbatches
 from hf_longctx.data.pipeline import tokenize_dataset
 from hf_longctx.data.sampler import StepSampler, group_stream
