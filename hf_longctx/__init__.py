@@ -8,12 +8,17 @@ normalised by the global token count and gradients are summed over ranks.
 """
 
 from hf_longctx.data.collator import LongContextCollator
-from hf_longctx.data.cost import CostModel
+from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.data.flex_groups import GroupShape, group_shapes
+from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
+from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import Piece, Plan, plan_microbatches
 from hf_longctx.data.pipeline import tokenize_dataset
 from hf_longctx.data.sampler import StepSampler, group_stream
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.distributed.gather import gather_sequence
+from hf_longctx.distributed.flex_step import flex_microbatches, run_flex_step
+from hf_longctx.distributed.group_bank import GroupBank, init_group_bank
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch, unpatch
@@ -25,21 +30,32 @@ from hf_longctx.training import TrainConfig, train
 __all__ = [
     "CostModel",
     "FSDPPlan",
+    "FlexGroup",
+    "FlexPlan",
+    "GroupBank",
+    "GroupCost",
+    "GroupShape",
     "LongContextCollator",
     "Piece",
     "Plan",
     "SPMesh",
     "StepSampler",
     "TrainConfig",
+    "flex_microbatches",
     "fpdt_attention",
     "fsdp_plan",
     "gather_sequence",
     "global_loss",
+    "group_shapes",
     "group_stream",
+    "init_group_bank",
     "init_sequence_parallel",
     "is_patched",
     "patch",
+    "plan_fixed",
+    "plan_flexible",
     "plan_microbatches",
+    "run_flex_step",
     "shard_batch",
     "sum_gradients",
     "tokenize_dataset",

@@ -28,6 +28,7 @@ class WorkerState:
     """Per-process cache of meshes; lives only inside a worker process."""
 
     meshes: dict = {}
+    banks: dict = {}
 
 
 def worker_mesh(ulysses: int, ring: int, fpdt_chunks: int = 1):
@@ -38,6 +39,18 @@ def worker_mesh(ulysses: int, ring: int, fpdt_chunks: int = 1):
     if key not in WorkerState.meshes:
         WorkerState.meshes[key] = init_sequence_parallel(ulysses, ring)
     return dataclasses.replace(WorkerState.meshes[key], fpdt_chunks=fpdt_chunks)
+
+
+def worker_bank(heads: int, ranks_per_node: int, fpdt_chunks: int = 1, min_size: int = 1):
+    """The group bank for these settings in the current worker (created once, then cached)."""
+    from hf_longctx.distributed.group_bank import init_group_bank
+
+    key = (heads, ranks_per_node, fpdt_chunks, min_size)
+    if key not in WorkerState.banks:
+        WorkerState.banks[key] = init_group_bank(
+            heads=heads, ranks_per_node=ranks_per_node, fpdt_chunks=fpdt_chunks, min_size=min_size
+        )
+    return WorkerState.banks[key]
 
 
 def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:

@@ -120,3 +120,74 @@ class CostModel:
                     best, best_err = coef, err
         a, b, c = best / scale
         return cls(a=float(a), b=float(b), c=float(c))
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """Per-group-size cost models for flexible sequence parallelism (FlexSP §4, Hydraulis §5).
+
+    `models[s]` is the time one rank of an SP group of size s spends on a document of l
+    tokens: T_s(l) = a_s·l² + b_s·l + c_s, which for an analytic model is
+    (a·l² + b·l)/s plus the group's communication per token (Ulysses all-to-all, ring
+    hops) -- see `analytic`. A micro-batch of a group costs the sum over its documents.
+    The planner compares sizes through s·T_s(l) (rank-seconds), so the unit must be the
+    same for every size.
+    """
+
+    models: tuple[tuple[int, CostModel], ...]
+
+    def __post_init__(self) -> None:
+        models = tuple(sorted(dict(self.models).items()))
+        if not models:
+            raise ValueError("GroupCost needs a CostModel for at least one group size")
+        for size, m in models:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"GroupCost sizes must be positive ints, got {size!r}")
+            if not isinstance(m, CostModel):
+                raise ValueError(f"GroupCost[{size}] must be a CostModel, got {type(m).__name__}")
+        object.__setattr__(self, "models", models)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(s for s, _ in self.models)
+
+    def __getitem__(self, size: int) -> CostModel:
+        for s, m in self.models:
+            if s == size:
+                return m
+        raise ValueError(f"no cost model for group size {size}; sizes with one: {list(self.sizes)}")
+
+    def __call__(self, size: int, length):
+        return self[size](length)
+
+    @classmethod
+    def analytic(
+        cls, base: CostModel, sizes: Sequence[int], *, comm_per_token: dict[int, float] | None = None
+    ) -> "GroupCost":
+        """T_s(l) = (a·l² + b·l)/s + comm_s·l + c: the work of `base` split over s ranks
+        plus a communication time per token of the document (`comm_per_token[s]`, seconds
+        or whatever `base` counts; default none)."""
+        comm = comm_per_token or {}
+        return cls(tuple(
+            (s, CostModel(a=base.a / s, b=base.b / s + float(comm.get(s, 0.0)), c=base.c)) for s in sizes
+        ))
+
+    @classmethod
+    def fit(
+        cls, sizes: Sequence[int], lengths: Sequence[int] | np.ndarray, times: Sequence[float] | np.ndarray
+    ) -> "GroupCost":
+        """One `CostModel.fit` per group size from measured (size, length, seconds) rows --
+        e.g. micro-batch times profiled for each group size on the user's hardware."""
+        sz = np.asarray(sizes).ravel()
+        x = np.asarray(lengths, dtype=np.float64).ravel()
+        y = np.asarray(times, dtype=np.float64).ravel()
+        if not (sz.shape == x.shape == y.shape):
+            raise ValueError(f"GroupCost.fit: {sz.size} sizes, {x.size} lengths and {y.size} times must agree")
+        out = []
+        for s in sorted({int(v) for v in sz.tolist()}):
+            rows = sz == s
+            try:
+                out.append((s, CostModel.fit(x[rows], y[rows])))
+            except ValueError as e:
+                raise ValueError(f"group size {s}: {e}") from None
+        return cls(tuple(out))

@@ -46,12 +46,17 @@ class SPBatchInfo:
     rows: B.
     fingerprint: checksum of the user's input_ids and boundaries; the patched model compares
         it across the SP group so that SP ranks fed different samples fail loudly.
+    group: (size, index) of the aligned SP group the batch was laid out for -- ranks
+        [index·size, (index+1)·size) -- so that a model patched with a `GroupBank` runs its
+        attention (and any recomputation of it) on that group; None for metadata built by
+        hand (the patch-time mesh is used).
     """
 
     cu_seqlens: tuple[int, ...]
     source_cu_seqlens: tuple[int, ...]
     rows: int
     fingerprint: int
+    group: tuple[int, int] | None = None
 
     @property
     def padded_length(self) -> int:
@@ -241,5 +246,6 @@ def shard_batch(
         source_cu_seqlens=tuple(cu) if b == 1 else (0, s),
         rows=b,
         fingerprint=_fingerprint(input_ids, cu),
+        group=(mesh.sp, mesh.dp_rank),  # aligned: global rank = dp_rank·sp + sp_rank (distributed/mesh.py)
     )
     return shard

@@ -31,6 +31,7 @@ import torch
 
 from hf_longctx.config import PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
+from hf_longctx.distributed.group_bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.exactness import SUPPORTED
 from hf_longctx.integrations.exactness import attention_modules as _attention_modules
@@ -48,6 +49,7 @@ class _PatchState:
     mesh: SPMesh
     options: PatchOptions
     attention_layers: int
+    bank: GroupBank | None = None  # patch(model, bank): each batch names its group (SPBatchInfo.group)
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
@@ -93,9 +95,33 @@ def _hf_model(model: Any):
     )
 
 
+def batch_mesh(state: _PatchState, info: SPBatchInfo) -> SPMesh:
+    """The SP group this batch was laid out for. With a group bank it comes from the batch
+    (`SPBatchInfo.group`), so every layer -- and activation-checkpoint recomputation, which
+    replays the same kwargs -- runs on the group the planner chose for this micro-batch."""
+    if info.group is None:
+        return state.mesh
+    size, index = info.group
+    if state.bank is None:
+        if size != state.mesh.sp or index != state.mesh.dp_rank:
+            raise ValueError(
+                f"the batch was sharded for SP group (size {size}, index {index}) but the model was patched with a mesh "
+                f"whose group is (size {state.mesh.sp}, index {state.mesh.dp_rank}); shard with the patch() mesh, or patch "
+                "with a GroupBank"
+            )
+        return state.mesh
+    mesh = state.bank.mesh(size)  # raises naming the bank's sizes if it has none of this size
+    if mesh.dp_rank != index:
+        raise ValueError(
+            f"rank {state.bank.rank} got a batch for group {index} of size {size}, which covers ranks "
+            f"[{index * size}, {(index + 1) * size}); its own group of that size is {mesh.dp_rank}"
+        )
+    return mesh
+
+
 def _make_attention(state: _PatchState) -> Callable:
     """The function registered with AttentionInterface; `state` is this patch's binding."""
-    mesh, offload = state.mesh, state.options.kv_offload
+    offload = state.options.kv_offload
 
     def sp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         info = kwargs.get(SP_METADATA_KEY)
@@ -104,6 +130,7 @@ def _make_attention(state: _PatchState) -> Callable:
                 f"{type(module).__name__}: no '{SP_METADATA_KEY}' metadata reached the attention; call the patched model "
                 "with the output of hf_longctx.shard_batch(batch, mesh) (model(**shard)), or unpatch() it first"
             )
+        mesh = batch_mesh(state, info)
         if dropout:
             raise ValueError(f"{type(module).__name__}: attention dropout {dropout} cannot be exact under SP; load with it set to 0.0")
         if isinstance(attention_mask, torch.Tensor):
@@ -228,8 +255,9 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
         ref = ids if ids is not None else kwargs.get("inputs_embeds")
         if ref is None:
             raise ValueError("the patched model needs input_ids or inputs_embeds")
-        if state.mesh.sp > 1:
-            _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, state.mesh)
+        mesh = batch_mesh(state, info)  # the batch's own group (a GroupBank patch), else the patch-time mesh
+        if mesh.sp > 1:
+            _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, mesh)
         state.calls = 0
         state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
         return args, kwargs
@@ -252,7 +280,7 @@ def _post_forward(state: _PatchState) -> Callable:
 
 def patch(
     model: Any,
-    mesh: SPMesh,
+    mesh: SPMesh | GroupBank,
     *,
     kv_offload: bool = False,
     mlp_chunks: int | str | None = None,
@@ -265,21 +293,30 @@ def patch(
     rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
     ones). Idempotent: patching again with the same mesh and options does nothing; with
     different ones it re-patches. Raises (changing nothing) when SP cannot be exact.
+    With a `GroupBank` (`init_group_bank`) each micro-batch runs on the SP group it was
+    sharded for (`shard_batch(batch, bank.mesh(size))`); sizes come from the batch.
     """
+    bank = mesh if isinstance(mesh, GroupBank) else None
+    if bank is not None:
+        mesh = bank.patch_mesh
     if not isinstance(mesh, SPMesh):
-        raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
+        raise TypeError(
+            f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from init_group_bank, "
+            f"got {type(mesh).__name__}"
+        )
     options = PatchOptions(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
     hf = _hf_model(model)
     old = hf.__dict__.get(_STATE_ATTR)
     if old is not None:
-        if old.mesh == mesh and old.options == options:
+        if old.mesh == mesh and old.bank == bank and old.options == options:
             return model
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
     _refuse(hf, mesh, options)
 
     state = _PatchState(
-        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, attention_layers=len(_attention_modules(hf))
+        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, attention_layers=len(_attention_modules(hf)),
+        bank=bank,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, _make_attention(state))

@@ -1,0 +1,99 @@
+"""The shapes of the SP groups a flexible step may use: size, Ulysses × ring split, padding.
+
+Where it sits: pure arithmetic shared by the group bank (`distributed/group_bank.py`, which
+builds one process group per shape) and the flexible planner (`data/flex_packing.py`,
+which must know each shape's padding multiples and capacity without any process group).
+FlexSP §3 / Hydraulis §4: SP groups of different power-of-two sizes, aligned so that a
+group of size s covers ranks [g·s, (g+1)·s) ("buddy" layout: any multiset of sizes that
+sums to the world tiles it when the groups are laid out largest first).
+
+The split of a group of size s: Ulysses U = the largest power of two dividing the
+query-head count, s and the ranks of one node (the all-to-all carries the heaviest
+traffic and must stay on the fastest links; fewer KV heads than U are handled by KV
+replication in `ops/ulysses.py`); ring R = s / U takes the rest. FPDT chunks only in
+groups with ring 1 (FPDT chunks the Ulysses all-to-all; `distributed/mesh.check_degrees`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_longctx.data import layout
+
+
+def _pow2(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 1, got {value!r}")
+    return value
+
+
+def ulysses_split(size: int, heads: int, ranks_per_node: int) -> tuple[int, int]:
+    """(U, R) of a group of `size` ranks: U the largest power of two dividing heads, size
+    and ranks_per_node; R = size / U."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads must be a positive int (query heads of the model), got {heads!r}")
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+    u = 1
+    while size % (2 * u) == 0 and heads % (2 * u) == 0 and ranks_per_node % (2 * u) == 0:
+        u *= 2
+    return u, size // u
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """One SP group size of the bank and how its ranks split."""
+
+    size: int
+    ulysses: int
+    ring: int
+    fpdt_chunks: int = 1
+
+    @property
+    def doc_multiple(self) -> int:
+        """Every document is padded to a multiple of this in a group of this shape."""
+        return layout.doc_multiple(self.ring)
+
+    @property
+    def seq_multiple(self) -> int:
+        """A micro-batch of this shape is padded to a multiple of this."""
+        return layout.seq_multiple(self.ring, self.ulysses, self.fpdt_chunks)
+
+    def padded(self, length: int) -> int:
+        """Tokens a document of `length` occupies in a group of this shape."""
+        m = self.doc_multiple
+        return -(-length // m) * m
+
+    def capacity(self, max_tokens_per_rank: int) -> int:
+        """Padded tokens one micro-batch of this group may hold: size × per-rank tokens,
+        rounded down to the packed-length multiple (the total is padded up to it)."""
+        cap = self.size * max_tokens_per_rank
+        return cap // self.seq_multiple * self.seq_multiple
+
+
+def group_shapes(
+    world_size: int, *, heads: int, min_size: int = 1, max_size: int | None = None, ranks_per_node: int = 8,
+    fpdt_chunks: int = 1,
+) -> tuple[GroupShape, ...]:
+    """Every power-of-two group size from `min_size` to `max_size` (default: the world),
+    smallest first, with its split. Raises ValueError naming the offending values."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    max_size = world_size if max_size is None else max_size
+    _pow2("min_size", min_size)
+    _pow2("max_size", max_size)
+    if isinstance(fpdt_chunks, bool) or not isinstance(fpdt_chunks, int) or fpdt_chunks < 1:
+        raise ValueError(f"fpdt_chunks must be a positive int, got {fpdt_chunks!r}")
+    if min_size > max_size:
+        raise ValueError(f"min_size ({min_size}) > max_size ({max_size})")
+    if world_size % max_size:
+        raise ValueError(
+            f"max_size ({max_size}) does not divide world size {world_size}: aligned groups of every size must tile "
+            f"the world; use a power of two dividing {world_size}"
+        )
+    shapes, s = [], min_size
+    while s <= max_size:
+        u, r = ulysses_split(s, heads, ranks_per_node)
+        shapes.append(GroupShape(size=s, ulysses=u, ring=r, fpdt_chunks=fpdt_chunks if r == 1 and s > 1 else 1))
+        s *= 2
+    return tuple(shapes)

@@ -1,0 +1,286 @@
+"""Flexible planner: per micro-batch slot, a partition of the world into SP groups of
+different sizes, and the documents of each group.
+
+Where it sits: where `data/packing.py` sits for a fixed SP degree -- after the step sampler
+drew the same document list on every rank, before `shard_batch` lays each group's
+micro-batch out over that group (`distributed/flex_step.py` drives it). Pure NumPy, no
+process group: every rank computes the same plan from the same list (DESIGN invariant 8);
+`FlexPlan.fingerprint()` is what the step driver compares across ranks.
+
+Which paper sections: FlexSP §4 (heterogeneity-adaptive SP: each sequence goes to a group
+whose size fits its length, groups change every step) and Hydraulis §4-5 (heterogeneous
+propagation, a dynamic group per micro-batch, cost T_s = attention/s + linear/s +
+communication). The planner here is a greedy construction with projected costs rather than
+FlexSP's MILP, so it runs in milliseconds:
+
+1. every document needs a group of at least its smallest size that holds it
+   (Σ padded tokens ≤ s × `max_tokens_per_rank`); a document whose own time T_s(l) exceeds
+   a target slot length τ is promoted to the next size (a lone long document otherwise
+   holds its slot while memory-bound short-document ranks cannot fill it);
+2. wide documents first, costliest first: each joins a group with room or opens a group of
+   its width in the slot where it raises that slot's projected maximum least (heavy work
+   lines up in the same slot);
+3. the free ranks of every slot become groups of the smallest size; then the remaining
+   documents, costliest first, go where they lie furthest below their slot's maximum
+   (the rule of `packing._cost_fill`, with a group judged by its projected full cost);
+4. τ is tried at a few multiples of the ideal slot length; the plan with the smallest
+   modelled step Σ_slot max_group T wins (deterministic: no wall-clock bound).
+
+Every slot covers every rank exactly once, so every rank runs the same number of
+forward/backward calls (FSDP2's per-layer collectives hang otherwise). Groups are
+aligned: in each slot they are laid out largest first, so a group of size s starts at a
+multiple of s (buddy layout; only the multiset of sizes matters). The fixed-degree
+strategies of `packing.py` (the FlexSP DP chunking, the Hydraulis two-stage assignment)
+stay available through `plan_fixed`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from hf_longctx.data.cost import GroupCost
+from hf_longctx.data.flex_groups import GroupShape
+from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
+from hf_longctx.data.packing import _as_lengths, _check_int, plan_microbatches
+
+TAU_FACTORS = (0.75, 1.0, 1.5, math.inf)  # target slot lengths tried, × the ideal slot length (inf: no promotion)
+
+
+def _tables(lengths, shapes, cap_per_rank, cost):
+    """[K, N] padded tokens, per-rank cost and feasibility of every document in every shape."""
+    padded = np.stack([-(-lengths // s.doc_multiple) * s.doc_multiple for s in shapes])  # [K, N]
+    caps = np.array([s.capacity(cap_per_rank) for s in shapes], dtype=np.int64)  # [K]
+    costs = np.stack([np.asarray(cost(s.size, padded[k]), dtype=np.float64) for k, s in enumerate(shapes)])  # [K, N]
+    return padded, caps, costs, padded <= caps[:, None]
+
+
+def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots):
+    """Steps 2-3 of the module docstring for one choice of widths (shape index per doc).
+
+    Groups are parallel arrays; a group's projected cost is its load plus its free room
+    filled at the cheapest per-token cost of its shape (groups nearly always end full)."""
+    g_shape, g_slot, g_load, g_tok, g_docs = [], [], [], [], []
+    free = [world] * num_slots
+    slot_max = [float(rho[0] * caps[0])] * num_slots  # a slot of empty smallest groups, projected full
+
+    def add_slot():
+        free.append(world)
+        slot_max.append(float(rho[0] * caps[0]))
+
+    def proj(k, load, tok):
+        # Only groups of the smallest size are memory-bound fillers that end full; a wider
+        # group holds what its documents cost -- filling its room with short documents that
+        # pay its communication is a choice step 3 makes, not a given.
+        return load + rho[k] * (caps[k] - tok) if k == 0 else load
+
+    def open_group(k, m):
+        free[m] -= sizes[k]
+        g_shape.append(k), g_slot.append(m), g_load.append(0.0), g_tok.append(0), g_docs.append([])
+        return len(g_shape) - 1
+
+    def put(d, g):
+        k = g_shape[g]
+        g_load[g] += costs[k, d]
+        g_tok[g] += padded[k, d]
+        g_docs[g].append(d)
+        m = g_slot[g]
+        slot_max[m] = max(slot_max[m], proj(k, g_load[g], g_tok[g]))
+
+    wide = [d for d in order if width[d] > 0]
+    narrow = [d for d in order if width[d] == 0]
+    for d in wide:  # step 2
+        w = width[d]
+        best, choice = -math.inf, None
+        for g in range(len(g_shape)):
+            k = g_shape[g]
+            if k >= w and g_tok[g] + padded[k, d] <= caps[k]:
+                key = slot_max[g_slot[g]] - proj(k, g_load[g] + costs[k, d], g_tok[g] + padded[k, d])
+                if key > best:
+                    best, choice = key, ("join", g)
+        new = proj(w, costs[w, d], padded[w, d])
+        for m in range(len(free)):
+            if free[m] >= sizes[w]:
+                key = slot_max[m] - new
+                if key > best:
+                    best, choice = key, ("open", m)
+        if choice is None:
+            add_slot()
+            choice = ("open", len(free) - 1)
+        put(d, choice[1] if choice[0] == "join" else open_group(w, choice[1]))
+    for m in range(len(free)):  # step 3: free ranks become groups of the smallest size
+        while free[m]:
+            open_group(0, m)
+    gs = np.array(g_shape, dtype=np.int64)
+    gm = np.array(g_slot, dtype=np.int64)
+    load = np.array(g_load, dtype=np.float64)
+    tok = np.array(g_tok, dtype=np.int64)
+    cap_g, rho_g = caps[gs], np.where(gs == 0, rho[gs], 0.0)
+    smax = np.array(slot_max, dtype=np.float64)
+    # Short documents come in batches: once a document costs < 1 % of a full smallest
+    # group, the next B go to the B groups the rule ranks highest (one each, in rank order)
+    # -- what the one-by-one rule does when each document barely moves its group's key --
+    # so planning stays in milliseconds for thousands of short documents.
+    small = 0.01 * rho[0] * caps[0]
+    i = 0
+    while i < len(narrow):
+        d = narrow[i]
+        c, p = costs[gs, d], padded[gs, d]  # [G]: this document's cost and tokens in each group
+        room = tok + p <= cap_g
+        if not room.any():  # a new slot of smallest groups
+            m = len(smax)
+            n_new = world // sizes[0]
+            gs = np.concatenate([gs, np.zeros(n_new, dtype=np.int64)])
+            gm = np.concatenate([gm, np.full(n_new, m)])
+            load, tok = np.concatenate([load, np.zeros(n_new)]), np.concatenate([tok, np.zeros(n_new, dtype=np.int64)])
+            cap_g, rho_g = caps[gs], np.where(gs == 0, rho[gs], 0.0)
+            smax = np.append(smax, rho[0] * caps[0])
+            g_docs += [[] for _ in range(n_new)]
+            continue
+        new = load + c + rho_g * (cap_g - tok - p)  # [G] projected cost after adding d
+        key = np.where(room, smax[gm] - new, -np.inf)
+        # A wider group takes a short document only under its slot's maximum: its room is
+        # not projected full, so letting it grow would lengthen the slot for short
+        # documents that run cheaper (no communication) on the smallest groups.
+        key[(gs > 0) & (new > smax[gm])] = -np.inf
+        if key.max() == -np.inf:
+            key = np.where(room, smax[gm] - new, -np.inf)
+        if costs[0, d] >= small:
+            top = np.array([int(np.argmax(key))])
+        else:
+            b = min(max(1, len(key) // 4), len(narrow) - i, int(np.isfinite(key).sum()))
+            top = np.argsort(-key, kind="stable")[:b]  # later documents are no longer: they fit too
+        batch = np.array(narrow[i : i + len(top)])
+        cg, pg = costs[gs[top], batch], padded[gs[top], batch]  # [b]
+        load[top] += cg
+        tok[top] += pg
+        for g, dd in zip(top.tolist(), batch.tolist()):
+            g_docs[g].append(dd)
+        np.maximum.at(smax, gm[top], load[top] + rho_g[top] * (cap_g[top] - tok[top]))
+        i += len(top)
+    return gs, gm, load, g_docs
+
+
+def _assemble(gs, gm, load, g_docs, sizes):
+    """Groups → slots: largest first within a slot (aligned offsets), costliest slot first."""
+    slots = []
+    for m in range(int(gm.max()) + 1 if len(gm) else 0):
+        members = sorted(np.flatnonzero(gm == m).tolist(), key=lambda g: (-sizes[gs[g]], -load[g], g))
+        offset, groups = 0, []
+        for g in members:
+            s = sizes[gs[g]]
+            groups.append(FlexGroup(size=s, index=offset // s, docs=tuple(g_docs[g])))
+            offset += s
+        slots.append((max(load[members]) if members else 0.0, m, tuple(groups)))
+    return tuple(groups for _, _, groups in sorted(slots, key=lambda t: (-t[0], t[1])))
+
+
+def plan_flexible(
+    lengths: Sequence[int] | np.ndarray,
+    *,
+    shapes: Sequence[GroupShape],
+    world_size: int,
+    max_tokens_per_rank: int,
+    cost: GroupCost,
+    num_slots: int | None = None,
+    tau_factors: Sequence[float] = TAU_FACTORS,
+) -> FlexPlan:
+    """Plan one step on groups of the given shapes (`bank.shapes` / `group_shapes(...)`).
+
+    `num_slots`: micro-batch slots to aim for (default, and at least: the fewest the tokens
+    need at the smallest feasible sizes); the planner opens more only when documents do not fit.
+    A document longer than the largest group holds raises ValueError naming it.
+    """
+    world = _check_int("world_size", world_size, 1)
+    cap = _check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
+    shapes = tuple(sorted(shapes, key=lambda s: s.size))
+    if not shapes:
+        raise ValueError("shapes is empty: pass the group bank's shapes")
+    bad = [s.size for s in shapes if world % s.size]
+    if bad:
+        raise ValueError(f"group sizes {bad} do not divide world size {world}")
+    missing = [s.size for s in shapes if s.size not in cost.sizes]
+    if missing:
+        raise ValueError(f"cost has no model for group sizes {missing} (it has {list(cost.sizes)})")
+    lengths = _as_lengths(lengths)
+    n = len(lengths)
+    sizes = [s.size for s in shapes]
+    padded, caps, costs, ok = _tables(lengths, shapes, cap, cost)
+    fits = ok.any(axis=0)
+    if not fits.all():
+        bad = np.flatnonzero(~fits)[:8]
+        raise ValueError(
+            f"{int((~fits).sum())} document(s) do not fit the largest group ({sizes[-1]} ranks × {cap} tokens = {caps[-1]}): "
+            + ", ".join(f"document {i} has {lengths[i]} tokens" for i in bad)
+            + "; raise max_size / max_tokens_per_rank or split them"
+        )
+    smallest = np.argmax(ok, axis=0) if n else np.zeros(0, dtype=np.int64)  # [N] smallest feasible shape
+    work = np.array([sizes[k] for k in smallest]) * costs[smallest, np.arange(n)] if n else np.zeros(0)
+    need = int(np.ceil(padded[smallest, np.arange(n)].sum() / (world * cap))) if n else 1
+    # Never aim below what the tokens need: slots opened one by one during the fill would
+    # collect only the leftovers (unbalanced); the aim is met exactly whenever it suffices.
+    m = max(1, need) if num_slots is None else max(_check_int("num_slots", num_slots, 1), need)
+    tau0 = float(work.sum()) / (world * m) if n else 0.0
+    # Cheapest per-token cost of each shape (projects a group's free room as if filled).
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rho = np.array([float(np.min(costs[k] / np.maximum(padded[k], 1))) if n else 0.0 for k in range(len(shapes))])
+    order = np.lexsort((np.arange(n), -lengths, -work)).tolist()  # costliest first, ties by index
+    best, tried = None, set()
+    for f in tau_factors:
+        width = smallest.copy()
+        if math.isfinite(f):
+            tau = f * tau0
+            for d in np.flatnonzero(costs[smallest, np.arange(n)] > tau).tolist():
+                k = int(smallest[d])
+                while k + 1 < len(shapes) and costs[k, d] > tau:
+                    k += 1
+                width[d] = k
+        key = tuple(width.tolist())
+        if key in tried:  # another target gave the same widths, hence the same plan
+            continue
+        tried.add(key)
+        gs, gm, load, docs = _construct(width.tolist(), order, padded, caps, costs, rho, sizes, world, m)
+        step = sum(float(load[gm == j].max()) for j in range(int(gm.max()) + 1))
+        if best is None or step < best[0] - 1e-12 * max(step, 1.0):
+            best = (step, gs, gm, load, docs)
+    _, gs, gm, load, docs = best
+    return FlexPlan(
+        slots=_assemble(gs, gm, load, docs, sizes), lengths=tuple(int(x) for x in lengths), world_size=world,
+        max_tokens_per_rank=cap, shapes=shapes, strategy="flex",
+    )
+
+
+def plan_fixed(
+    lengths: Sequence[int] | np.ndarray,
+    *,
+    shape: GroupShape,
+    shapes: Sequence[GroupShape] | None = None,
+    world_size: int,
+    max_tokens_per_rank: int,
+    cost: GroupCost,
+    strategy: str = "balanced",
+    seed: int = 0,
+) -> FlexPlan:
+    """One fixed SP degree for the whole step, as a FlexPlan (every slot world/size groups of
+    `shape`): the fixed-degree strategies of `packing.py` -- "balanced", "ffd",
+    "karmarkar_karp", FlexSP's DP chunking "flexsp", Hydraulis's two-stage "hydraulis" --
+    as baselines and for a step driver that only runs FlexPlans."""
+    world = _check_int("world_size", world_size, 1)
+    if world % shape.size:
+        raise ValueError(f"group size {shape.size} does not divide world size {world}")
+    dp = world // shape.size
+    plan = plan_microbatches(
+        lengths, dp_size=dp, max_tokens=shape.capacity(max_tokens_per_rank), cost=cost[shape.size], seed=seed,
+        strategy=strategy, doc_multiple=shape.doc_multiple, seq_multiple=shape.seq_multiple,
+    )
+    slots = []
+    for j in range(plan.num_microbatches):
+        slots.append(tuple(
+            FlexGroup(size=shape.size, index=r, docs=tuple(plan.pieces[p].doc for p in plan.ranks[r][j])) for r in range(dp)
+        ))
+    return FlexPlan(
+        slots=tuple(slots), lengths=tuple(int(x) for x in _as_lengths(lengths)), world_size=world,
+        max_tokens_per_rank=int(max_tokens_per_rank), shapes=tuple(shapes) if shapes else (shape,), strategy=strategy,
+    )

@@ -1,0 +1,152 @@
+"""The flexible step plan: per micro-batch slot, the SP groups tiling the world and their
+documents; its checks, fingerprint and modelled cost.
+
+Where it sits: produced by `data/flex_packing.py` (`plan_flexible`, `plan_fixed`) on every
+rank from the same document list, consumed by `distributed/flex_step.py`, which lays each
+group's micro-batch out for that group. Pure Python/NumPy, no process group. `validate()`
+is the liveness guard of FlexSP/Hydraulis-style heterogeneous groups under FSDP2: every
+slot must cover every rank exactly once, so every rank runs the same number of
+forward/backward calls; it runs when a plan is built, before any collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hf_longctx.data.cost import GroupCost
+from hf_longctx.data.flex_groups import GroupShape
+
+_FP_MOD = 2_147_483_647
+
+
+@dataclass(frozen=True)
+class FlexGroup:
+    """One SP group of one slot: ranks [index·size, (index+1)·size), documents in order."""
+
+    size: int
+    index: int
+    docs: tuple[int, ...]
+
+    @property
+    def ranks(self) -> range:
+        return range(self.index * self.size, (self.index + 1) * self.size)
+
+
+@dataclass(frozen=True)
+class FlexPlan:
+    """`slots[m]`: the groups of micro-batch slot m, largest first, tiling the world."""
+
+    slots: tuple[tuple[FlexGroup, ...], ...]
+    lengths: tuple[int, ...]
+    world_size: int
+    max_tokens_per_rank: int
+    shapes: tuple[GroupShape, ...]
+    strategy: str = "flex"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    def shape(self, size: int) -> GroupShape:
+        for s in self.shapes:
+            if s.size == size:
+                return s
+        raise ValueError(f"group size {size} is not one of the plan's sizes {[s.size for s in self.shapes]}")
+
+    def layouts(self) -> list[tuple[int, ...]]:
+        """Group sizes of every slot, e.g. [(4,), (2, 1, 1)]."""
+        return [tuple(g.size for g in slot) for slot in self.slots]
+
+    def for_rank(self, rank: int) -> list[FlexGroup]:
+        """The group `rank` belongs to in each slot (one per slot, so equal call counts)."""
+        return [next(g for g in slot if rank in g.ranks) for slot in self.slots]
+
+    def group_tokens(self, group: FlexGroup) -> int:
+        """Padded tokens of a group's micro-batch (documents to the shape's doc multiple)."""
+        shape = self.shape(group.size)
+        return sum(shape.padded(self.lengths[d]) for d in group.docs)
+
+    def validate(self) -> None:
+        """Every document exactly once; groups aligned, disjoint and tiling the world in every
+        slot (equal call counts on every rank); capacities respected. Raises ValueError naming
+        the offending slot/group -- before any collective."""
+        w, n = self.world_size, len(self.lengths)
+        seen = np.zeros(n, dtype=np.int64)
+        for m, slot in enumerate(self.slots):
+            covered = np.zeros(w, dtype=np.int64)
+            for g in slot:
+                shape = self.shape(g.size)
+                if g.index < 0 or (g.index + 1) * g.size > w:
+                    raise ValueError(f"slot {m}: group (size {g.size}, index {g.index}) lies outside the world of {w} ranks")
+                covered[g.index * g.size : (g.index + 1) * g.size] += 1
+                for d in g.docs:
+                    if not 0 <= d < n:
+                        raise ValueError(f"slot {m}: document {d} does not exist ({n} documents)")
+                    seen[d] += 1
+                tokens, cap = self.group_tokens(g), shape.capacity(self.max_tokens_per_rank)
+                if tokens > cap:
+                    raise ValueError(
+                        f"slot {m}: group (size {g.size}, index {g.index}) holds {tokens} padded tokens > its capacity {cap} "
+                        f"({g.size} × max_tokens_per_rank {self.max_tokens_per_rank})"
+                    )
+            if not (covered == 1).all():
+                bad = np.flatnonzero(covered != 1)[:8].tolist()
+                raise ValueError(
+                    f"slot {m}: groups {[(g.size, g.index) for g in slot]} do not cover every rank exactly once (ranks {bad} "
+                    f"are covered {covered[bad].tolist()} times): those ranks would run a different number of "
+                    "forward/backward calls and FSDP's collectives would hang"
+                )
+        if not (seen == 1).all():
+            bad = np.flatnonzero(seen != 1)[:8].tolist()
+            raise ValueError(f"documents {bad} appear {seen[bad].tolist()} times in the plan (each must appear once)")
+
+    def fingerprint(self) -> int:
+        """A checksum of the whole plan; equal on every rank iff the plans agree."""
+        v = (len(self.lengths) * 1_000_003 + self.world_size) % _FP_MOD
+        for i, n in enumerate(self.lengths):
+            v = (v * 31 + n * (i % 65521 + 1)) % _FP_MOD
+        for m, slot in enumerate(self.slots):
+            for g in slot:
+                v = (v * 131 + g.size * 7 + g.index * 13 + m) % _FP_MOD
+                for d in g.docs:
+                    v = (v * 37 + d + 1) % _FP_MOD
+        return v
+
+    def stats(self, cost: GroupCost) -> dict[str, Any]:
+        """Modelled step (Σ over slots of the slowest group), ideal (Σ_doc min_s s·T_s / world,
+        which no plan can beat), per-rank busy time max/mean."""
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        slot_max, busy = [], np.zeros(self.world_size)
+        for slot in self.slots:
+            loads = [self._load(g, cost, lengths) for g in slot]
+            slot_max.append(max(loads))
+            for g, t in zip(slot, loads):
+                busy[g.index * g.size : (g.index + 1) * g.size] += t
+        best = np.full(len(lengths), np.inf)
+        for shape in self.shapes:
+            p = -(-lengths // shape.doc_multiple) * shape.doc_multiple
+            ok = p <= shape.capacity(self.max_tokens_per_rank)
+            best = np.where(ok, np.minimum(best, shape.size * cost(shape.size, p)), best)
+        ideal = float(best.sum()) / self.world_size if len(lengths) else 0.0
+        synced = float(sum(slot_max))
+        return {
+            "synced_step": synced,
+            "ideal_step": ideal,
+            "synced_over_ideal": synced / ideal if ideal > 0 else 1.0,
+            "busy_max_over_mean": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
+            "num_slots": self.num_slots,
+            "layouts": self.layouts(),
+        }
+
+    def _load(self, g: FlexGroup, cost: GroupCost, lengths: np.ndarray) -> float:
+        if not g.docs:
+            return 0.0
+        shape = self.shape(g.size)
+        p = -(-lengths[list(g.docs)] // shape.doc_multiple) * shape.doc_multiple
+        return float(np.sum(cost(g.size, p)))

@@ -1,0 +1,154 @@
+"""The flexible step driver: run one planned step, slot by slot, each on its own SP group.
+
+Where it sits: between the flexible planner (`data/flex_packing.py`, a `FlexPlan` computed
+on every rank from the step's document list) and the model patched with a `GroupBank`
+(`patch(model, bank)`). For each slot this rank looks up its group (size, index), packs the
+group's documents into one row, lays it out for that group with `shard_batch(batch,
+bank.mesh(size))` (which writes the group into `SPBatchInfo.group`, so the attention and
+any recomputation run on it), and runs forward + backward. A Trainer integration calls
+`run_flex_step` (or `flex_microbatches` for its own loop) per optimizer step.
+
+Loss contract (DESIGN invariant 6, unchanged by grouping -- Hydraulis separates
+propagation from optimisation): every micro-batch's loss is its token-loss sum divided by
+the step's GLOBAL valid-label count `num_items_in_batch`, so the losses of all ranks and
+slots sum to the single-device mean loss, and gradients are SUMMED over the whole world:
+by FSDP2's reduce-scatter over the bank's world mesh (sync on the last slot only), or by
+`loss.sum_gradients` over the world without FSDP.
+
+Liveness: every slot tiles the world (`FlexPlan.validate`), so every rank runs exactly
+`plan.num_slots` forward/backward calls; a plan that breaks this, or that differs between
+ranks (a cheap fingerprint all-reduce), is refused before the first forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
+from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
+from hf_longctx.distributed.group_bank import GroupBank
+
+
+def check_plan(plan: FlexPlan, bank: GroupBank) -> None:
+    """Pure checks (raise the same ValueError on every rank, before any collective)."""
+    if not isinstance(plan, FlexPlan):
+        raise TypeError(f"plan must be a FlexPlan from plan_flexible/plan_fixed, got {type(plan).__name__}")
+    if plan.world_size != bank.world_size:
+        raise ValueError(f"the plan is for {plan.world_size} ranks but the group bank spans {bank.world_size}")
+    for shape in plan.shapes:
+        if shape not in bank.shapes:
+            raise ValueError(
+                f"the plan uses group shape {shape} which the bank does not hold (bank: {list(bank.shapes)}); plan with "
+                "shapes=bank.shapes"
+            )
+    plan.validate()
+
+
+def check_plan_agrees(plan: FlexPlan, bank: GroupBank) -> None:
+    """One all-reduce of [fingerprint, -fingerprint] with MAX over the world: every rank
+    learns whether all computed the same plan, and all raise together (no hang later)."""
+    if bank.world_size == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    fp = plan.fingerprint()
+    t = torch.tensor([fp, -fp], dtype=torch.long, device=device)  # [2]
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=bank.world_mesh.get_group())  # [2]: max fp, -min fp
+    hi, lo = int(t[0]), -int(t[1])
+    if hi != fp or lo != fp:
+        raise ValueError(
+            f"ranks computed different flexible plans (fingerprints range over [{lo}, {hi}], this rank {fp}): every rank "
+            "must plan from the same document list with the same settings"
+        )
+
+
+def _tokens(doc: Any) -> tuple[list[int], list[int]]:
+    if isinstance(doc, Mapping):
+        ids = list(doc["input_ids"])
+        labels = list(doc.get("labels", ids))
+    else:
+        ids = list(doc)
+        labels = ids
+    if len(labels) != len(ids) or not ids:
+        raise ValueError(f"a document needs >= 1 token and labels of its length, got {len(ids)} ids, {len(labels)} labels")
+    return [int(x) for x in ids], [int(x) for x in labels]
+
+
+def valid_labels(documents: Sequence[Any]) -> int:
+    """Valid targets of the step once labels are shifted per document (`num_items_in_batch`)."""
+    return sum(sum(1 for x in _tokens(d)[1][1:] if x != IGNORE_INDEX) for d in documents)
+
+
+def group_batch(documents: Sequence[Any], group: FlexGroup, plan: FlexPlan, pad_token_id: int = 0) -> dict:
+    """The packed row of one group's micro-batch (as DataCollatorWithFlattening makes it, HF
+    unshifted labels); an empty group gets one padding document without targets, so its
+    ranks still run the slot's forward/backward (their collectives must happen)."""
+    ids, labels, pos = [], [], []
+    for d in group.docs:
+        i, lab = _tokens(documents[d])
+        ids += i
+        labels += lab
+        pos += list(range(len(i)))
+    if not ids:
+        n = plan.shape(group.size).seq_multiple
+        ids, labels, pos = [pad_token_id] * n, [IGNORE_INDEX] * n, list(range(n))
+    return {
+        "input_ids": torch.tensor([ids]),  # [1, S]
+        "labels": torch.tensor([labels]),  # [1, S]
+        "position_ids": torch.tensor([pos]),  # [1, S]: restarts per document
+    }
+
+
+def flex_microbatches(
+    plan: FlexPlan, bank: GroupBank, documents: Sequence[Any], *, num_items_in_batch: int | None = None, pad_token_id: int = 0
+) -> Iterator[dict]:
+    """This rank's shards, one per slot, ready for `model(**shard)` (checks first)."""
+    check_plan(plan, bank)
+    if len(documents) != len(plan.lengths):
+        raise ValueError(f"the plan covers {len(plan.lengths)} documents but {len(documents)} were given")
+    lengths = [len(_tokens(d)[0]) for d in documents]
+    if tuple(lengths) != plan.lengths:
+        bad = [i for i, (a, b) in enumerate(zip(lengths, plan.lengths)) if a != b][:8]
+        raise ValueError(f"documents {bad} have lengths {[lengths[i] for i in bad]}, the plan expects {[plan.lengths[i] for i in bad]}")
+    total = valid_labels(documents) if num_items_in_batch is None else int(num_items_in_batch)
+    if total < 1:
+        raise ValueError("the step has no valid label (every document is one token or fully masked)")
+    check_plan_agrees(plan, bank)
+    for group in plan.for_rank(bank.rank):
+        mesh = bank.mesh(group.size)
+        yield shard_batch(group_batch(documents, group, plan, pad_token_id), mesh, num_items_in_batch=total,
+                          pad_token_id=pad_token_id)
+
+
+def run_flex_step(
+    model: torch.nn.Module, bank: GroupBank, plan: FlexPlan, documents: Sequence[Any], *,
+    num_items_in_batch: int | None = None, pad_token_id: int = 0,
+) -> torch.Tensor:
+    """Forward + backward of every slot of `plan` on this rank; returns the step's global mean
+    loss (the same on every rank). Gradients end summed over the world, ready for
+    `optimizer.step()`. `model` is patched with `bank` and optionally FSDP2-sharded over
+    `bank.world` (`fsdp_plan(model, bank.world).apply(model)`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = isinstance(model, FSDPModule)
+    local = torch.zeros((), dtype=torch.float64)
+    n = plan.num_slots
+    for j, shard in enumerate(flex_microbatches(plan, bank, documents, num_items_in_batch=num_items_in_batch,
+                                                pad_token_id=pad_token_id)):
+        if fsdp:
+            model.set_requires_gradient_sync(j == n - 1)  # one reduce-scatter over the world per step
+        loss = model(**shard).loss
+        loss.backward()
+        local += loss.detach().double().cpu()
+    if not fsdp and bank.world_size > 1:
+        from hf_longctx.loss import sum_gradients
+
+        sum_gradients([p for p in model.parameters() if p.requires_grad], bank.world)
+    if bank.world_size > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = local.to(device)
+        dist.all_reduce(t, group=bank.world_mesh.get_group())  # []: shares of every rank and slot sum to the mean
+        local = t.cpu()
+    return local.float()

@@ -1,0 +1,128 @@
+"""Flexible SP groups on 4 gloo ranks: a step whose slots use different group layouts equals
+the single-process step.
+
+The step (`distributed/flex_step.run_flex_step`) runs four slots with the layouts
+1×[4]; 2×[2]; 1×[2] + 2×[1]; 4×[1] -- changing from slot to slot, one group left empty
+(it runs a padding document) -- on a model patched with a `GroupBank`; each micro-batch's
+attention takes its group from the batch. The reference: the unpatched model in one process
+on ONE packed row of all the step's documents (the global mean loss). Variants: Llama with
+GQA (4 heads, 2 KV heads) FSDP2-sharded over the bank's world with activation checkpointing
+and FPDT chunks in the ring-1 groups (ranks_per_node 2, so the size-4 group is Ulysses 2 ×
+ring 2 and the size-2 groups Ulysses 2 with 2 FPDT chunks); GPT-2 without FSDP (gradients
+summed by `sum_gradients`), ranks_per_node 4 (size 4 = Ulysses 4).
+
+Tolerances as tests/distributed/test_models.py (fp32): loss 1e-5 relative (summation order
+only), gradients 1e-4 relative to each parameter's largest entry (a parameter gradient sums
+contributions whose order differs between ring/FPDT merges and one dense softmax); a lost
+target, a wrong group or a wrong scale gives errors of order 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_models import load, rel, save_family
+from tests.pool import worker_bank
+
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+LENGTHS = [23, 9, 17, 6, 11, 5, 14, 7, 3, 19, 8, 4]
+# slot -> groups (size, index, documents): the issue's four layouts, one group empty.
+SLOTS = [
+    [(4, 0, (0, 1))],
+    [(2, 0, (2,)), (2, 1, (3, 4))],
+    [(2, 0, (5, 6)), (1, 2, (7,)), (1, 3, ())],
+    [(1, 0, (8,)), (1, 1, (9,)), (1, 2, (10,)), (1, 3, (11,))],
+]
+
+
+def _documents(seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _plan(bank):
+    from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
+
+    slots = tuple(tuple(FlexGroup(s, i, d) for s, i, d in slot) for slot in SLOTS)
+    return FlexPlan(slots=slots, lengths=tuple(LENGTHS), world_size=4, max_tokens_per_rank=32, shapes=bank.shapes)
+
+
+def _reference(path: str):
+    from transformers import DataCollatorWithFlattening
+
+    model = load(path)
+    batch = DataCollatorWithFlattening(return_position_ids=True, return_tensors="pt")([{"input_ids": d} for d in _documents()])
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, checkpoint: bool) -> dict:
+    from hf_longctx.distributed.flex_step import run_flex_step
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.transformers import patch
+
+    ref_loss, ref_grads = _reference(path)
+    bank = worker_bank(heads=4, ranks_per_node=ranks_per_node, fpdt_chunks=fpdt_chunks)
+    model = patch(load(path), bank, checkpoint=checkpoint)
+    if fsdp:
+        fsdp_plan(model, bank.world, mixed_precision="fp32").apply(model)
+    loss = run_flex_step(model, bank, _plan(bank), _documents())
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        grads[n] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    errs = {n: rel(grads[n], ref_grads[n]) for n in ref_grads}
+    splits = [(s.size, s.ulysses, s.ring, s.fpdt_chunks) for s in bank.shapes]
+    return {"loss_err": abs(float(loss) - ref_loss) / abs(ref_loss), "errs": errs, "splits": splits}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flex")
+    return {f: save_family(f, root) for f in ("llama", "gpt2")}
+
+
+@pytest.mark.parametrize(
+    "family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits",
+    [
+        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)]),
+        ("gpt2", 4, 1, False, False, [(1, 1, 1, 1), (2, 2, 1, 1), (4, 4, 1, 1)]),
+    ],
+    ids=["llama-gqa-fsdp-fpdt-ckpt", "gpt2-sum-gradients"],
+)
+def test_mixed_layouts_equal_single_process(pools, paths, family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits):
+    results = pools.get(4).run(_flex_step, paths[family], ranks_per_node, fpdt_chunks, fsdp, checkpoint, timeout=300)
+    for rank, res in enumerate(results):
+        assert res["splits"] == splits, f"rank {rank}: bank (size, U, R, fpdt) = {res['splits']}"
+        assert res["loss_err"] <= LOSS_TOL, f"rank {rank}: loss rel err {res['loss_err']:.2e}"
+        worst = max(res["errs"], key=res["errs"].get)
+        assert res["errs"][worst] <= GRAD_TOL, f"rank {rank}: {worst} grad rel err {res['errs'][worst]:.2e}"
+
+
+def _disagreeing_plans() -> str:
+    """Rank 3 plans differently (documents swapped between groups): every rank must raise
+    the same clear error from the fingerprint check, before any forward."""
+    import torch.distributed as dist
+
+    from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
+    from hf_longctx.distributed.flex_step import flex_microbatches
+
+    bank = worker_bank(heads=4, ranks_per_node=4)
+    a, b = (0, 1), (2, 3)
+    if dist.get_rank() == 3:
+        a, b = b, a
+    plan = FlexPlan(slots=((FlexGroup(2, 0, a), FlexGroup(2, 1, b)),), lengths=(5, 6, 7, 8), world_size=4,
+                    max_tokens_per_rank=32, shapes=bank.shapes)
+    try:
+        next(flex_microbatches(plan, bank, [[1] * n for n in (5, 6, 7, 8)]))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_plans_that_differ_across_ranks_are_refused(pools):
+    for rank, msg in enumerate(pools.get(4).run(_disagreeing_plans, timeout=120)):
+        assert "different flexible plans" in msg, f"rank {rank}: {msg}"
