@@ -51,6 +51,7 @@ class _PatchState:
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
+    probed: bool = True  # False under unsafe_skip_exactness_check: attention_layers is then a guess
     calls: int = 0  # attention calls in the current forward
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
@@ -91,6 +92,22 @@ def _hf_model(model: Any):
         f"patch()/unpatch() need a transformers PreTrainedModel or a PEFT model wrapping one, got {type(model).__name__}; "
         "patch the model before wrapping it in DDP/FSDP"
     )
+
+
+# Keywords `sp_attention` APPLIES (the structural rule of probe.py lets them reach it) and
+# keywords it may safely ignore (with why). Any other non-None keyword a model passes to the
+# attention refuses at patch(). When the attention learns a new input (e.g. `s_aux` sinks),
+# move it into USED here.
+USED_ATTENTION_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "softcap", SP_METADATA_KEY})
+IGNORED_ATTENTION_KWARGS = frozenset({
+    "position_ids",  # the document layout comes from SP_METADATA_KEY, built from the same positions
+    "cache_position", "past_key_values", "past_key_value", "use_cache", "layer_idx",  # cache only; refused at forward
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",  # flash varlen metadata: shard_batch's replaces it
+    "output_attentions",  # refused at forward
+    "is_causal",  # non-causal modules are refused by refuse_inexact
+    "position_embeddings",  # RoPE cos/sin, already applied to q and k by the model
+    "attention_type", "head_mask",
+})
 
 
 def _make_attention(state: _PatchState) -> Callable:
@@ -215,6 +232,11 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
             )
         if kwargs.get("output_attentions"):
             raise ValueError("output_attentions=True is not supported under sequence parallelism")
+        if kwargs.get("output_router_logits"):
+            raise ValueError(
+                "output_router_logits=True under sequence parallelism: the MoE load-balancing loss would be computed per "
+                "shard and differ from the single-device one; pass output_router_logits=False"
+            )
         if accepts_cache:
             kwargs["use_cache"] = False
         info = kwargs.get(SP_METADATA_KEY)
@@ -238,11 +260,12 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
 
 def _post_forward(state: _PatchState) -> Callable:
     def hook(module, args, kwargs, output):
-        if state.calls != state.attention_layers:
+        if state.probed and state.calls != state.attention_layers:
             raise RuntimeError(
-                f"only {state.calls} of {state.attention_layers} attention layers went through sequence-parallel "
-                "attention in this forward: this transformers release dispatches attention differently; "
-                "hf_longctx supports transformers >=5.23,<6"
+                f"this forward made {state.calls} sequence-parallel attention calls, but the dry run at patch() made "
+                f"{state.attention_layers}: the model takes a different path at run time than on the probe (inputs it "
+                "was not probed with, e.g. inputs_embeds or extra modalities), and exactness was only proven for that "
+                "path; call the patched model with input_ids/labels from shard_batch only"
             )
         return output
 
@@ -257,6 +280,8 @@ def patch(
     mlp_chunks: int | str | None = None,
     loss_chunks: int | str | None = None,
     checkpoint: bool = False,
+    verify: bool = False,
+    unsafe_skip_exactness_check: bool = False,
 ) -> Any:
     """Make `model` (a PreTrainedModel or a PEFT model) sequence-parallel over `mesh`; returns it.
 
@@ -264,6 +289,15 @@ def patch(
     rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
     ones). Idempotent: patching again with the same mesh and options does nothing; with
     different ones it re-patches. Raises (changing nothing) when SP cannot be exact.
+
+    Before changing anything, a local dry run (`integrations/probe.py`, no collective)
+    proves that only the attention mixes tokens and that everything the attention receives
+    is applied; otherwise `patch()` raises naming the module class, its layers and the cause.
+    verify: also run `hf_longctx.verify(model, mesh)` (fp32, on a copy of the first layer of
+        each distinct layer class; collective over the SP group) before patching.
+    unsafe_skip_exactness_check: skip the dry run. UNSAFE: a model whose modules mix tokens
+        outside attention (Mamba, convolutions, linear attention, indexers) then trains a
+        different model than the user thinks, silently. For experts and for verify() tests.
     """
     if not isinstance(mesh, SPMesh):
         raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
@@ -275,10 +309,19 @@ def patch(
             return model
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
-    _refuse(hf, mesh, options)
+    report = _refuse(
+        hf, mesh, options, structural=not unsafe_skip_exactness_check,
+        used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
+    )
+    if verify:
+        from hf_longctx.verify import verify as _verify
+
+        _verify(model, mesh)
 
     state = _PatchState(
-        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, attention_layers=len(_attention_modules(hf))
+        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options,
+        attention_layers=report.attention_calls if report is not None else len(_attention_modules(hf)),
+        probed=report is not None,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, _make_attention(state))
