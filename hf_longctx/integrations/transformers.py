@@ -52,6 +52,7 @@ class _PatchState:
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
     probed: bool = True  # False under unsafe_skip_exactness_check: attention_layers is then a guess
+    probe: Any = None  # the ProbeReport of patch()'s dry run (None when skipped)
     calls: int = 0  # attention calls in the current forward
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
@@ -321,7 +322,7 @@ def patch(
     state = _PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options,
         attention_layers=report.attention_calls if report is not None else len(_attention_modules(hf)),
-        probed=report is not None,
+        probed=report is not None, probe=report,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, _make_attention(state))
