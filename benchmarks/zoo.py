@@ -255,7 +255,16 @@ def run_zoo(types: list[str], timeout: float = 240.0, pool=None, log=print) -> l
                 pool = GlooPool(2)
                 own = True
             row["seconds"] = round(time.time() - start, 1)
-            if "CRASH" in row["verdict"].values():  # a collective may have been left half-done
+            broken = "gloo" in row.get("reason", "") or "Connection closed" in row.get("reason", "")
+            if broken:  # a rank died (not the model's fault): retry once on a fresh pool
+                pool.close()
+                pool = GlooPool(2)
+                own = True
+                try:
+                    row = pool.run(run_arch, t, root, MESHES, timeout=timeout)[0]
+                except Exception as e:  # noqa: BLE001
+                    row = {"model_type": t, "verdict": {m: "CRASH" for m in MESHES}, "reason": f"{type(e).__name__}: {str(e)[-300:]}", "features": {}}
+            if "CRASH" in row["verdict"].values() or broken:  # a collective may have been left half-done
                 pool.close()
                 pool = GlooPool(2)
                 own = True

@@ -196,6 +196,8 @@ def probe_model(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: f
             if k in used_kwargs or k in ignored_kwargs or v is None or v is False:
                 continue
             report.unknown_kwargs.setdefault(k, set()).add(cls)
+        if value.shape[-1] > key.shape[-1]:
+            report.problems.append(f"{cls}: value head dim {value.shape[-1]} > key head dim {key.shape[-1]} is not supported by the kernels")
         h, h_kv = query.shape[1], key.shape[1]
         k_e = key.repeat_interleave(h // h_kv, dim=1) if h != h_kv else key  # [B, H, S, D]
         v_e = value.repeat_interleave(h // value.shape[1], dim=1) if h != value.shape[1] else value  # [B, H, S, Dv]
@@ -240,8 +242,8 @@ def probe_model(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: f
         return changed, new
 
     def blame(module, mname: str, run: str) -> None:
-        if getattr(type(module), HANDLED_ATTR, False):
-            return
+        if any(getattr(type(m), HANDLED_ATTR, False) for m in [module, *state["stack"]]):
+            return  # inside an SP wrapper: it owns the exchange of its mixer's state
         target = (report.leaks if run == "B" else report.shape_deps).setdefault(type(module).__name__, [])
         if mname not in target:
             target.append(mname)
@@ -304,6 +306,12 @@ def probe_model(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: f
                     report.attention_calls = len(calls)
     except Exception as e:  # noqa: BLE001 -- every failure of the dry run is a refusal with its cause
         where = state["stack"][-1] if state["stack"] else hf
+        indexers = sorted({type(m).__name__ for m in where.modules() if "indexer" in type(m).__name__.lower()})
+        if indexers:  # a name only enriches the message: the failure itself is the refusal
+            report.problems.append(
+                f"{', '.join(indexers)} in {type(where).__name__} is a sparse-attention indexer: it selects a global "
+                "top-k of keys per query from the attention mask, which cannot be made exact on local shards"
+            )
         report.problems.append(
             f"the dry run with sequence-parallel attention failed in {type(where).__name__} "
             f"({names.get(id(where), '?')}) with {type(e).__name__}: {str(e)[:300]} -- under SP the attention mask is "

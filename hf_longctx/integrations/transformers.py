@@ -138,6 +138,11 @@ def _make_attention(state: _PatchState) -> Callable:
             raise ValueError(f"the shard's metadata describes {info.rows} rows but the attention got B = {b}")
         dtype = compute_dtype(query, key, value)
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, S_local, H(_kv), D]
+        d_v = v.shape[-1]
+        if d_v != k.shape[-1]:  # MLA (DeepSeek): zero value columns give zero outputs, as HF's flash path pads
+            v = torch.nn.functional.pad(v, (0, k.shape[-1] - d_v)) if d_v < k.shape[-1] else None
+            if v is None:
+                raise NotImplementedError(f"{type(module).__name__}: value head dim {d_v} > key head dim {k.shape[-1]}")
         kw = dict(
             cu_seqlens=info.cu_seqlens if b == 1 else None,  # B > 1: one document per row
             causal=True,
@@ -156,6 +161,8 @@ def _make_attention(state: _PatchState) -> Callable:
 
                 out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
         state.calls += 1
+        if out.shape[-1] != d_v:
+            out = out[..., :d_v].contiguous()  # [B, S_local, H, D_v]
         return out, None
 
     return sp_attention
