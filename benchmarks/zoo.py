@@ -22,7 +22,7 @@ could be built or run unpatched on plain input_ids). A window/chunk that was con
 never reached the attention is flagged ("window inactive") so "exact" always means the
 feature was exercised.
 
-Run:  PYTHONPATH=. python benchmarks/zoo.py                     (all, ~? min on 2 shared cores)
+Run:  PYTHONPATH=. python benchmarks/zoo.py                     (all 189, ~25 min on 2 shared cores)
       PYTHONPATH=. python benchmarks/zoo.py --only llama,jamba     (a subset)
       PYTHONPATH=. python benchmarks/zoo.py --json out.json --markdown   (README summary)
 """
