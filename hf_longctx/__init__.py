@@ -26,6 +26,7 @@ from hf_longctx.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
 from hf_longctx.training import TrainConfig, train
+from hf_longctx.verify import VerificationError, verify
 
 __all__ = [
     "CostModel",
@@ -62,4 +63,6 @@ __all__ = [
     "train",
     "unpatch",
     "usp_attention",
+    "verify",
+    "VerificationError",
 ]

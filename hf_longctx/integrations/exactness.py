@@ -16,6 +16,7 @@ import inspect
 import torch
 
 from hf_longctx.config import PatchOptions
+from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.mesh import SPMesh
 
 SUPPORTED = "models whose attention uses AttentionInterface, e.g. (tested) Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, GPT-2, GPT-NeoX, GPTBigCode"
@@ -58,8 +59,11 @@ def _rope_types(cfg) -> set[str]:
     return types
 
 
-def refuse_inexact(hf, mesh: SPMesh, options: PatchOptions) -> None:
-    """Raise before anything is changed if the model cannot run EXACTLY under SP."""
+def refuse_inexact(hf, mesh: SPMesh, options: PatchOptions, *, structural: bool = True, used_kwargs=frozenset(), ignored_kwargs=frozenset()):
+    """Raise before anything is changed if the model cannot run EXACTLY under SP.
+
+    `structural=False` (patch's unsafe_skip_exactness_check) skips the dry run of
+    `probe.py`; the config rules below always apply. Returns the probe's report (or None)."""
     from transformers import PreTrainedModel
 
     cls = type(hf).__name__
@@ -70,9 +74,7 @@ def refuse_inexact(hf, mesh: SPMesh, options: PatchOptions) -> None:
             f"cannot be replaced by sequence-parallel attention (transformers would silently keep "
             f"'{hf.config._attn_implementation}'). hf_longctx supports {SUPPORTED}."
         )
-    layers = attention_modules(hf)
-    if not layers:
-        raise NotImplementedError(f"{cls} has no '*Attention' module; hf_longctx supports {SUPPORTED}")
+    layers = attention_modules(hf)  # by name: only to check their dropout / causality fields below
     problems = []
     for cfg in configs(hf):
         for name in _DROPOUT_FIELDS:
@@ -119,5 +121,22 @@ def refuse_inexact(hf, mesh: SPMesh, options: PatchOptions) -> None:
         options.check_mesh(mesh.fpdt_chunks)
     except ValueError as e:
         problems.append(str(e))
+    for cfg in configs(hf):
+        if getattr(cfg, "output_router_logits", False):
+            problems.append(
+                f"{type(cfg).__name__}.output_router_logits = True: the MoE load-balancing loss would be computed from each "
+                "rank's shard (its per-expert token fractions and router probabilities are means over the shard, and their "
+                "product is not additive over ranks), so the summed loss would differ from the single-device one; load the "
+                "model with output_router_logits=False (TRL: model_init_kwargs={'output_router_logits': False})"
+            )
+            break
+    report = None
+    if structural and not problems:
+        from hf_longctx.integrations.probe import probe_model
+        from hf_longctx.integrations.refusals import describe
+
+        report = probe_model(hf, SP_METADATA_KEY, frozenset(used_kwargs), frozenset(ignored_kwargs))
+        problems.extend(describe(report))
     if problems:
         raise ValueError(f"cannot patch {cls} for exact sequence parallelism:\n- " + "\n- ".join(problems))
+    return report

@@ -53,6 +53,8 @@ class _PatchState:
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
+    probed: bool = True  # False under unsafe_skip_exactness_check: attention_layers is then a guess
+    probe: Any = None  # the ProbeReport of patch()'s dry run (None when skipped)
     calls: int = 0  # attention calls in the current forward
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
@@ -93,6 +95,22 @@ def _hf_model(model: Any):
         f"patch()/unpatch() need a transformers PreTrainedModel or a PEFT model wrapping one, got {type(model).__name__}; "
         "patch the model before wrapping it in DDP/FSDP"
     )
+
+
+# Keywords `sp_attention` APPLIES (the structural rule of probe.py lets them reach it) and
+# keywords it may safely ignore (with why). Any other non-None keyword a model passes to the
+# attention refuses at patch(). When the attention learns a new input (e.g. `s_aux` sinks),
+# move it into USED here.
+USED_ATTENTION_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "softcap", "s_aux", SP_METADATA_KEY})
+IGNORED_ATTENTION_KWARGS = frozenset({
+    "position_ids",  # the document layout comes from SP_METADATA_KEY, built from the same positions
+    "cache_position", "past_key_values", "past_key_value", "use_cache", "layer_idx",  # cache only; refused at forward
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",  # flash varlen metadata: shard_batch's replaces it
+    "output_attentions",  # refused at forward
+    "is_causal",  # non-causal modules are refused by refuse_inexact
+    "position_embeddings",  # RoPE cos/sin, already applied to q and k by the model
+    "attention_type", "head_mask",
+})
 
 
 def batch_mesh(state: _PatchState, info: SPBatchInfo) -> SPMesh:
@@ -147,6 +165,11 @@ def _make_attention(state: _PatchState) -> Callable:
             raise ValueError(f"the shard's metadata describes {info.rows} rows but the attention got B = {b}")
         dtype = compute_dtype(query, key, value)
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, S_local, H(_kv), D]
+        d_v = v.shape[-1]
+        if d_v > k.shape[-1]:
+            raise NotImplementedError(f"{type(module).__name__}: value head dim {d_v} > key head dim {k.shape[-1]}")
+        if d_v < k.shape[-1]:  # MLA (DeepSeek): zero value columns give zero outputs, as HF's flash path pads
+            v = torch.nn.functional.pad(v, (0, k.shape[-1] - d_v))  # [B, S_local, H_kv, D]
         kw = dict(
             cu_seqlens=info.cu_seqlens if b == 1 else None,  # B > 1: one document per row
             causal=True,
@@ -166,6 +189,8 @@ def _make_attention(state: _PatchState) -> Callable:
 
                 out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
         state.calls += 1
+        if out.shape[-1] != d_v:
+            out = out[..., :d_v].contiguous()  # [B, S_local, H, D_v]
         return out, None
 
     return sp_attention
@@ -243,6 +268,11 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
             )
         if kwargs.get("output_attentions"):
             raise ValueError("output_attentions=True is not supported under sequence parallelism")
+        if kwargs.get("output_router_logits"):
+            raise ValueError(
+                "output_router_logits=True under sequence parallelism: the MoE load-balancing loss would be computed per "
+                "shard and differ from the single-device one; pass output_router_logits=False"
+            )
         if accepts_cache:
             kwargs["use_cache"] = False
         info = kwargs.get(SP_METADATA_KEY)
@@ -267,11 +297,12 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
 
 def _post_forward(state: _PatchState) -> Callable:
     def hook(module, args, kwargs, output):
-        if state.calls != state.attention_layers:
+        if state.probed and state.calls != state.attention_layers:
             raise RuntimeError(
-                f"only {state.calls} of {state.attention_layers} attention layers went through sequence-parallel "
-                "attention in this forward: this transformers release dispatches attention differently; "
-                "hf_longctx supports transformers >=5.23,<6"
+                f"this forward made {state.calls} sequence-parallel attention calls, but the dry run at patch() made "
+                f"{state.attention_layers}: the model takes a different path at run time than on the probe (inputs it "
+                "was not probed with, e.g. inputs_embeds or extra modalities), and exactness was only proven for that "
+                "path; call the patched model with input_ids/labels from shard_batch only"
             )
         return output
 
@@ -286,6 +317,8 @@ def patch(
     mlp_chunks: int | str | None = None,
     loss_chunks: int | str | None = None,
     checkpoint: bool = False,
+    verify: bool = False,
+    unsafe_skip_exactness_check: bool = False,
 ) -> Any:
     """Make `model` (a PreTrainedModel or a PEFT model) sequence-parallel over `mesh`; returns it.
 
@@ -295,6 +328,15 @@ def patch(
     different ones it re-patches. Raises (changing nothing) when SP cannot be exact.
     With a `GroupBank` (`init_group_bank`) each micro-batch runs on the SP group it was
     sharded for (`shard_batch(batch, bank.mesh(size))`); sizes come from the batch.
+
+    Before changing anything, a local dry run (`integrations/probe.py`, no collective)
+    proves that only the attention mixes tokens and that everything the attention receives
+    is applied; otherwise `patch()` raises naming the module class, its layers and the cause.
+    verify: also run `hf_longctx.verify(model, mesh)` (fp32, on a copy of the first layer of
+        each distinct layer class; collective over the SP group) before patching.
+    unsafe_skip_exactness_check: skip the dry run. UNSAFE: a model whose modules mix tokens
+        outside attention (Mamba, convolutions, linear attention, indexers) then trains a
+        different model than the user thinks, silently. For experts and for verify() tests.
     """
     bank = mesh if isinstance(mesh, GroupBank) else None
     if bank is not None:
@@ -312,11 +354,19 @@ def patch(
             return model
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
-    _refuse(hf, mesh, options)
+    report = _refuse(
+        hf, mesh, options, structural=not unsafe_skip_exactness_check,
+        used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
+    )
+    if verify:
+        from hf_longctx.verify import verify as _verify
+
+        _verify(model, mesh)
 
     state = _PatchState(
-        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, attention_layers=len(_attention_modules(hf)),
-        bank=bank,
+        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options,
+        attention_layers=report.attention_calls if report is not None else len(_attention_modules(hf)),
+        probed=report is not None, probe=report, bank=bank,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, _make_attention(state))

@@ -1,0 +1,315 @@
+"""The measured support matrix: every causal LM of the installed transformers through patch().
+
+Where it sits: outside the library; it drives the public path (`from_pretrained`, `patch`,
+`shard_batch`, `global_loss`, `sum_gradients`) on 2 gloo ranks (the persistent pool of
+tests/pool.py) exactly as a new user would, for every model type registered for
+`AutoModelForCausalLM`:
+
+1. build it tiny from its own config class (hidden 32, 4 layers, 4 heads / 2 KV heads, 4
+   experts, every dropout 0; sliding windows of WINDOW and attention chunks of CHUNK tokens,
+   both shorter than the test documents), `save_pretrained`, reload with `from_pretrained`;
+2. reference: the unpatched model in fp32 on the packed batch of DOCS (as
+   DataCollatorWithFlattening makes it); when the model's own torch path leaks across packed
+   documents (its packed loss differs from the documents run one at a time) the reference
+   is the documents one at a time;
+3. `patch()` on a Ulysses-2 mesh and on a ring-2 mesh, one forward/backward of
+   `shard_batch(batch)`, losses and gradients summed over the 2 ranks.
+
+Verdicts: EXACT (loss <= 1e-6 relative, every gradient within 1e-4 of the largest reference
+gradient), REFUSED (patch raised; the first cause is printed), WRONG (it ran but differs),
+CRASH (anything else raised, or a hang past the per-model timeout), SKIP (no tiny model
+could be built or run unpatched on plain input_ids). A window/chunk that was configured but
+never reached the attention is flagged ("window inactive") so "exact" always means the
+feature was exercised.
+
+Run:  PYTHONPATH=. python benchmarks/zoo.py                     (all 189, ~25 min on 2 shared cores)
+      PYTHONPATH=. python benchmarks/zoo.py --only llama,jamba     (a subset)
+      PYTHONPATH=. python benchmarks/zoo.py --json out.json --markdown   (README summary)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+WINDOW, CHUNK = 5, 4
+DOCS = [13, 30, 9, 20]  # every document longer than WINDOW and CHUNK; 30 spans both shards
+LOSS_TOL, GRAD_TOL = 1e-6, 1e-4
+MESHES = {"ulysses2": (2, 1), "ring2": (1, 2)}
+_SIZES = dict(
+    vocab_size=128, hidden_size=32, d_model=32, n_embd=32, intermediate_size=64, ffn_dim=64, n_inner=64,
+    intermediate_size_mlp=64, num_hidden_layers=4, n_layer=4, num_layers=4, num_attention_heads=4, n_head=4,
+    num_key_value_heads=2, head_dim=8, max_window_layers=2, max_position_embeddings=256, n_positions=256,
+    sliding_window=WINDOW, attention_chunk_size=CHUNK, use_sliding_window=True,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, index_topk=4, index_head_dim=8,
+    index_n_heads=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    mamba_d_state=4, ssm_state_size=4, state_size=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    output_router_logits=False, use_cache=False,
+)
+
+# Layer kinds a default config leaves out (its default pattern is attention only).
+_KINDS = {
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+}
+
+
+def _every_kind(seq: list, n: int) -> list:
+    """The first n entries of a per-layer pattern, widened so that every kind of layer of
+    the full pattern occurs (a 4-layer Qwen3-Next must still contain a full-attention layer)."""
+    out = list(seq[:n])
+    for kind in dict.fromkeys(seq):
+        if kind not in out:
+            out.append(kind)
+    return out
+
+
+def tiny_config(cls, depth: int = 0):
+    """`cls()` with the sizes above wherever the config has that field; sub-configs recursively."""
+    default = cls()
+    known = set(default.to_dict())
+    kw = {k: v for k, v in _SIZES.items() if k in known}
+    if "q_lora_rank" in known and default.q_lora_rank is not None:
+        kw["q_lora_rank"] = 16
+    if "kv_lora_rank" in known and getattr(default, "kv_lora_rank", None):  # MLA: one latent KV per query head
+        kw["num_key_value_heads"] = kw["num_attention_heads"]
+    for field in ("layer_types", "hybrid_override_pattern", "layers_block_type", "block_types"):
+        seq = getattr(default, field, None)
+        if isinstance(seq, (list, tuple, str)) and len(set(seq)) > 1:
+            tiny_seq = _every_kind(list(seq), 4)
+            kw[field] = "".join(tiny_seq) if isinstance(seq, str) else tiny_seq
+            for size in ("num_hidden_layers", "n_layer", "num_layers"):
+                if size in kw:
+                    kw[size] = len(tiny_seq)
+    for k, v in default.to_dict().items():
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
+            kw[k] = 0.0
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if depth < 2 and isinstance(sub, type) and hasattr(sub, "model_type") and getattr(default, name, None) is not None:
+            try:
+                kw[name] = tiny_config(sub, depth + 1)
+            except Exception:  # noqa: BLE001 -- keep the default sub-config
+                pass
+    kw.update({k: v for k, v in _KINDS.get(getattr(cls, "model_type", ""), {}).items() if k in known})
+    try:
+        return cls(**kw)
+    except Exception:  # noqa: BLE001 -- some fields are validated together: set what is accepted one by one
+        cfg = cls()
+        for k, v in kw.items():
+            try:
+                setattr(cfg, k, v)
+            except Exception:  # noqa: BLE001
+                pass
+        return cfg
+
+
+def packed_batch(vocab: int, docs=DOCS) -> dict:
+    from transformers import DataCollatorWithFlattening
+
+    g = torch.Generator().manual_seed(0)
+    feats = [{"input_ids": torch.randint(3, vocab, (n,), generator=g).tolist()} for n in docs]
+    return DataCollatorWithFlattening(return_position_ids=True, return_tensors="pt")(feats)
+
+
+def _grads(model) -> dict:
+    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def reference(model, batch: dict, per_document: bool):
+    """Unpatched loss and gradients; per_document=True runs the documents one at a time with
+    the packed batch's normaliser (the sum of their token losses / all valid labels)."""
+    model.zero_grad(set_to_none=True)
+    if not per_document:
+        loss = model(**batch, use_cache=False).loss
+    else:
+        ids, pos = batch["input_ids"][0], batch["position_ids"][0]
+        starts = (pos == 0).nonzero().flatten().tolist() + [ids.numel()]
+        n_total = sum(b - a - 1 for a, b in zip(starts, starts[1:]))
+        loss = 0
+        for a, b in zip(starts, starts[1:]):
+            out = model(input_ids=ids[a:b][None], labels=ids[a:b][None], use_cache=False)
+            loss = loss + out.loss * (b - a - 1) / n_total
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _errors(ref_loss, ref_grads, loss, grads) -> tuple[float, float, str]:
+    lerr = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30)
+    top = max((g.abs().max().item() for g in ref_grads.values() if g.numel()), default=0.0) or 1e-30
+    worst, name = 0.0, ""
+    for n, g in ref_grads.items():
+        e = (grads[n] - g).abs().max().item() / top if g.numel() else 0.0
+        if e > worst:
+            worst, name = e, n
+    return lerr, worst, name
+
+
+def run_arch(model_type: str, root: str, meshes: dict) -> dict:
+    """One architecture on this rank (a pool task: both ranks run it in lockstep)."""
+    import torch.distributed as dist
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from hf_longctx import global_loss, patch, shard_batch, sum_gradients
+    from tests.pool import worker_mesh
+
+    tf.utils.logging.disable_progress_bar()
+    tf.utils.logging.set_verbosity_error()
+    row = {"model_type": model_type, "features": {}}
+    try:
+        cls = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        cfg = tiny_config(tf.CONFIG_MAPPING[model_type])
+        torch.manual_seed(0)
+        path = os.path.join(root, model_type)
+        built = cls._from_config(cfg, dtype=torch.float32)  # every rank builds (same seed): a failure is on all ranks
+        if dist.get_rank() == 0:  # transformers' save_pretrained writes the weights from the main process only
+            built.save_pretrained(path)
+        dist.barrier()
+        load = lambda: cls.from_pretrained(path, dtype=torch.float32).train()  # noqa: E731
+        model = load()
+        vocab = model.get_input_embeddings().num_embeddings
+        batch = packed_batch(vocab)
+        packed = reference(model, batch, per_document=False)
+        alone = reference(model, batch, per_document=True)
+        leaks = _errors(alone[0], alone[1], *packed)
+        row["own_path_leaks"] = leaks[0] > LOSS_TOL or leaks[1] > GRAD_TOL
+        ref_loss, ref_grads = alone if row["own_path_leaks"] else packed
+    except Exception as e:  # noqa: BLE001
+        row["verdict"] = {m: "SKIP" for m in meshes}
+        row["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return row
+    for text in [c for c in (cfg, getattr(cfg, "text_config", None)) if c is not None]:
+        for feat, val in (("window", getattr(text, "sliding_window", None)), ("chunk", getattr(text, "attention_chunk_size", None))):
+            if isinstance(val, int) and val > 0:
+                row["features"][feat] = val
+    row["verdict"], row["errors"] = {}, {}
+    for mname, (u, r) in meshes.items():
+        mesh = worker_mesh(u, r)
+        model = load()
+        try:
+            patch(model, mesh)
+        except Exception as e:  # noqa: BLE001
+            row["verdict"][mname] = "REFUSED"
+            msg = str(e).split("\n- ")
+            row["reason"] = (msg[1] if len(msg) > 1 else msg[0]).strip()[:400]
+            continue
+        probe = model._hf_longctx_patch.probe
+        if probe is not None and "window" in row["features"]:
+            row["features"]["window_active"] = row["features"]["window"] in probe.windows_attention
+        try:
+            model.zero_grad(set_to_none=True)
+            out = model(**shard_batch(batch, mesh))
+            out.loss.backward()
+            for p in model.parameters():  # an unused parameter must not skip the all-reduce on one rank only
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            sum_gradients(model.parameters(), mesh)
+            lerr, gerr, worst = _errors(ref_loss, ref_grads, global_loss(out.loss, mesh), _grads(model))
+        except Exception as e:  # noqa: BLE001
+            row["verdict"][mname] = "CRASH"
+            row["reason"] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
+        row["errors"][mname] = (lerr, gerr, worst)
+        row["verdict"][mname] = "EXACT" if lerr <= LOSS_TOL and gerr <= GRAD_TOL else "WRONG"
+        if row["verdict"][mname] == "WRONG":
+            row["reason"] = f"loss rel {lerr:.1e}, grad {gerr:.1e} (worst {worst})"
+    return row
+
+
+def overall(row: dict) -> str:
+    vs = set(row["verdict"].values())
+    for v in ("CRASH", "WRONG", "SKIP", "REFUSED", "EXACT"):
+        if v in vs:
+            return v
+    return "CRASH"
+
+
+def all_model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def run_zoo(types: list[str], timeout: float = 240.0, pool=None, log=print) -> list[dict]:
+    from tests.pool import GlooPool
+
+    own = pool is None
+    pool = pool or GlooPool(2)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hf_longctx_zoo_") as root:
+        for t in types:
+            start = time.time()
+            try:
+                row = pool.run(run_arch, t, root, MESHES, timeout=timeout)[0]
+            except Exception as e:  # noqa: BLE001 -- a hang or a rank-local failure: a fresh pool for the next one
+                row = {"model_type": t, "verdict": {m: "CRASH" for m in MESHES}, "reason": f"{type(e).__name__}: {str(e)[-300:]}", "features": {}}
+                pool.close()
+                pool = GlooPool(2)
+                own = True
+            row["seconds"] = round(time.time() - start, 1)
+            broken = "gloo" in row.get("reason", "") or "Connection closed" in row.get("reason", "")
+            if broken:  # a rank died (not the model's fault): retry once on a fresh pool
+                pool.close()
+                pool = GlooPool(2)
+                own = True
+                try:
+                    row = pool.run(run_arch, t, root, MESHES, timeout=timeout)[0]
+                except Exception as e:  # noqa: BLE001
+                    row = {"model_type": t, "verdict": {m: "CRASH" for m in MESHES}, "reason": f"{type(e).__name__}: {str(e)[-300:]}", "features": {}}
+            if "CRASH" in row["verdict"].values() or broken:  # a collective may have been left half-done
+                pool.close()
+                pool = GlooPool(2)
+                own = True
+            rows.append(row)
+            log(line(row))
+    if own:
+        pool.close()
+    return rows
+
+
+def line(row: dict) -> str:
+    feats = ",".join(f"{k}={v}" for k, v in row.get("features", {}).items())
+    verdicts = " ".join(f"{m}:{v}" for m, v in row["verdict"].items())
+    return f"{row['model_type']:28s} {overall(row):8s} {verdicts:36s} {feats:40s} {row.get('reason', '')}"
+
+
+def markdown(rows: list[dict]) -> str:
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(overall(r), []).append(r["model_type"])
+    out = ["| verdict | count | architectures (transformers model_type) |", "|---|---|---|"]
+    for v in ("EXACT", "REFUSED", "WRONG", "CRASH", "SKIP"):
+        names = sorted(groups.get(v, []))
+        out.append(f"| {v} | {len(names)} | {', '.join(names)} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
+    ap.add_argument("--timeout", type=float, default=240.0, help="per-model seconds before CRASH (hang)")
+    ap.add_argument("--json", default="", help="write the rows here")
+    ap.add_argument("--markdown", action="store_true", help="print the README summary table")
+    args = ap.parse_args()
+    types = [t for t in args.only.split(",") if t] or all_model_types()
+    rows = run_zoo(types, timeout=args.timeout, log=lambda s: print(s, flush=True))
+    counts = {v: sum(overall(r) == v for r in rows) for v in ("EXACT", "REFUSED", "WRONG", "CRASH", "SKIP")}
+    print("summary:", counts)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    if args.markdown:
+        print(markdown(rows))
+    sys.exit(1 if counts["WRONG"] or counts["CRASH"] else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""The structural exactness rule: prove, per model, that only our attention mixes tokens.
+
+Where it sits: called by `exactness.refuse_inexact` inside `patch()`, before anything is
+changed and before any collective. DESIGN invariant 7 (outputs and gradients equal the
+single-device ones) holds iff (a) every module that mixes information across tokens does
+it through the attention function we register, and (b) everything that attention function
+receives (masks, biases, sinks, windows) is something it applies. Sequence parallelism
+hands each rank a shard; a Mamba mixer, a causal convolution, a gated-delta recurrence or a
+sparse indexer run on that shard silently computes something else. Instead of a list of
+known-bad names (deny by default) we dry-run the model once, locally, on a tiny packed probe:
+
+- attention is replaced by a PER-TOKEN stand-in (a token attends only to itself: out =
+  v * sigmoid(q.k), GQA expanded), so the model becomes a per-token function;
+- run A: two documents; run B: the same with one token changed -- every module output (by
+  forward hooks) must be unchanged at every other position, else that module mixes tokens;
+- run C: a suffix of the probe alone (a "shard" that starts mid-document, with its global
+  position_ids) -- every module output must equal run A's at the same tokens, else the
+  module depends on the local shard's shape or index (e.g. terms built from `arange(S)`);
+- the stand-in records every keyword it receives: an unknown tensor (a relative-position
+  bias, a materialised mask) or a missing `sp_batch` (a layer that drops **kwargs) refuses;
+- the mask function HF composes for each mask is walked: only causal, packed-document,
+  all-ones padding and sliding-window pieces (with a window the attention also receives)
+  are allowed; anything else (chunked, blockwise, bidirectional, custom) refuses.
+
+A module that leaks is blamed at the innermost module whose output first differs (forward
+hooks fire innermost-first); its output is then spliced back to the clean values so that
+one pass finds every independent source. A module class with a true class attribute
+`_hf_longctx_sp_handled` (an SP wrapper, issue 13) is trusted: its output is spliced
+without blame. Cost: three no-grad forwards over ~12 tokens plus the per-module outputs of
+run A kept in memory (~12 x hidden floats per module call). No parameter, gradient, RNG,
+training mode or attention implementation is changed when it returns.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+HANDLED_ATTR = "_hf_longctx_sp_handled"  # class attribute an SP wrapper module sets to True
+_REL_TOL = 1e-4  # a per-token model reproduces other positions bit-for-bit up to GEMM blocking
+
+
+@dataclass
+class ProbeReport:
+    """What the dry run saw; `problems` empty means the structural rule holds."""
+
+    attention_calls: int = 0  # per forward (the runtime check compares with it)
+    problems: list[str] = field(default_factory=list)
+    leaks: dict = field(default_factory=dict)  # class name -> [module names]
+    shape_deps: dict = field(default_factory=dict)  # class name -> [module names]
+    unknown_kwargs: dict = field(default_factory=dict)  # kwarg -> {attention classes}
+    mask_parts: set = field(default_factory=set)  # unsupported mask-function pieces
+    no_metadata: set = field(default_factory=set)  # attention classes the metadata never reached
+    tensor_masks: set = field(default_factory=set)
+    windows_mask: set = field(default_factory=set)
+    windows_attention: set = field(default_factory=set)
+
+
+def _seq_view(t: Any, s: int):
+    """The sequence dim of `t` (the one dim of size s), or None when absent or ambiguous."""
+    if not isinstance(t, torch.Tensor) or t.is_sparse:
+        return None
+    dims = [d for d, n in enumerate(t.shape) if n == s]
+    return dims[0] if len(dims) == 1 else None
+
+
+def _flatten(obj: Any, out: list) -> list:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _flatten(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _flatten(o, out)
+    return out
+
+
+def _rebuild(obj: Any, it) -> Any:
+    """`obj` with its tensors replaced, in `_flatten` order, by the items of `it`."""
+    if isinstance(obj, torch.Tensor):
+        return next(it)
+    if isinstance(obj, (tuple, list)):
+        items = [_rebuild(o, it) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        new = {k: _rebuild(v, it) for k, v in obj.items()}
+        try:
+            return type(obj)(**new)
+        except TypeError:
+            return new
+    return obj
+
+
+def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return True
+    if not a.is_floating_point():
+        return not torch.equal(a, b)
+    scale = a.detach().abs().max().item() if a.numel() else 0.0
+    return bool(((a - b).abs() > _REL_TOL * max(scale, 1e-6)).any()) or bool((a.isnan() != b.isnan()).any())
+
+
+def _mask_pieces(fn: Callable, windows: set, bad: set, depth: int = 0) -> None:
+    """Walk the closures of one HF mask function; allow only what our attention applies."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), (c.cell_contents for c in (getattr(fn, "__closure__", None) or ()))))
+    if depth > 16:
+        bad.add(name)
+    elif name == "causal_mask_function" or name.startswith("packed_sequence_mask_function."):
+        pass
+    elif name.startswith("and_masks."):
+        for f in cells.get("mask_functions", ()):
+            _mask_pieces(f, windows, bad, depth + 1)
+    elif name.startswith(("remap_positions_for_packed_sequence.", "add_offsets_to_mask_function.")):
+        if cells.get("q_offset", 0) or cells.get("kv_offset", 0):
+            bad.add(f"{name} with offsets ({cells.get('q_offset')}, {cells.get('kv_offset')})")
+        _mask_pieces(cells.get("mask_function"), windows, bad, depth + 1)
+    elif name.startswith("sliding_window_overlay."):
+        windows.add(int(cells["sliding_window"]))
+    elif name.startswith("padding_mask_function."):
+        pad = cells.get("padding_mask")
+        if isinstance(pad, torch.Tensor) and not bool(pad.all()):
+            bad.add("a padding mask with zeros")
+    elif name.startswith("or_masks."):
+        extra = [f for f in cells.get("mask_functions", ()) if getattr(f, "__qualname__", "") != "causal_mask_function"]
+        for f in extra:
+            bad.add(f"or-ed {getattr(f, '__qualname__', repr(f))} (keys beyond the causal document mask)")
+    else:
+        bad.add(name)
+
+
+def _probe_lengths(hf) -> tuple[int, int, int]:
+    """(len doc 0, len doc 1, shard start): the probe length S and the shard length S - a
+    must differ from every size in the model, so a dim of that size IS the sequence."""
+    sizes = {n for p in hf.parameters() for n in p.shape} | {n for p in hf.buffers() for n in p.shape}
+
+    def ints(obj, depth=0):
+        if depth > 3:
+            return
+        for v in (vars(obj).values() if hasattr(obj, "__dict__") else []):
+            if isinstance(v, int) and not isinstance(v, bool):
+                sizes.add(v)
+            elif isinstance(v, (list, tuple)):
+                sizes.update(x for x in v if isinstance(x, int))
+            elif hasattr(v, "to_dict") and hasattr(v, "model_type"):
+                ints(v, depth + 1)
+
+    ints(hf.config)
+    for s in range(11, 200):
+        a = 3  # the shard starts mid-document 0, after the perturbed token 1
+        if s not in sizes and (s - a) not in sizes and (s - a) != s:
+            return s // 2, s - s // 2, a
+    raise ValueError("no probe length distinct from the model's sizes in 11..199")
+
+
+def probe_model(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: frozenset) -> ProbeReport:
+    """Dry-run `hf` (a PreTrainedModel) with a per-token attention; see the module docstring."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    from hf_longctx.integrations.exactness import configs
+
+    report = ProbeReport()
+    p0 = next(hf.parameters(), None)
+    if p0 is None or p0.device.type == "meta":
+        report.problems.append("the model has no materialised parameters (meta device); load its weights before patch()")
+        return report
+    names = {id(m): n or type(m).__name__ for n, m in hf.named_modules()}
+    l0, l1, a = _probe_lengths(hf)
+    s = l0 + l1
+    vocab = hf.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(1234)  # a local generator: the global RNG is untouched
+    ids = torch.randint(min(4, vocab - 1), vocab, (1, s), generator=gen).to(p0.device)
+    pos = torch.cat([torch.arange(l0), torch.arange(l1)]).unsqueeze(0).to(p0.device)  # [1, S]
+    perturbed = ids.clone()
+    perturbed[0, 1] = (ids[0, 1] + 1 + vocab // 2) % vocab if vocab > 2 else 1 - ids[0, 1]
+    marker = object()
+    calls: list[int] = []
+    mask_fns: list = []
+
+    def stand_in(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cls = type(module).__name__
+        calls.append(1)
+        if kwargs.get(metadata_key) is not marker:
+            report.no_metadata.add(cls)
+        if isinstance(attention_mask, torch.Tensor):
+            report.tensor_masks.add(f"{cls} ({tuple(attention_mask.shape)})")
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if window is not None:
+            report.windows_attention.add(int(window))
+        for k, v in kwargs.items():
+            if k in used_kwargs or k in ignored_kwargs or v is None or v is False:
+                continue
+            report.unknown_kwargs.setdefault(k, set()).add(cls)
+        if value.shape[-1] > key.shape[-1]:
+            report.problems.append(f"{cls}: value head dim {value.shape[-1]} > key head dim {key.shape[-1]} is not supported by the kernels")
+        h, h_kv = query.shape[1], key.shape[1]
+        k_e = key.repeat_interleave(h // h_kv, dim=1) if h != h_kv else key  # [B, H, S, D]
+        v_e = value.repeat_interleave(h // value.shape[1], dim=1) if h != value.shape[1] else value  # [B, H, S, Dv]
+        d = min(query.shape[-1], k_e.shape[-1])
+        gate = torch.sigmoid((query[..., :d] * k_e[..., :d]).sum(-1, keepdim=True) * (scaling or d**-0.5))  # [B, H, S, 1]
+        return (v_e * gate).transpose(1, 2).contiguous(), None  # [B, S, H, Dv]: token i sees only itself
+
+    def mask_fn(mask_function=None, attention_mask=None, **_):
+        mask_fns.append(mask_function)
+        return None  # as the real patch: the attention builds the document mask itself
+
+    name = f"hf_longctx_probe_{uuid.uuid4().hex[:12]}"
+    saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in configs(hf)]
+    modes = [(m, m.training) for m in hf.modules()]
+    AttentionInterface.register(name, stand_in)
+    AttentionMaskInterface.register(name, mask_fn)
+    runs: dict = {}  # (module name, call idx) -> run A's outputs [tensor with a sequence dim, or None]
+    inputs: dict = {}  # the same for the inputs (args and kwargs)
+    state = {"run": "A", "counts": {}, "in_counts": {}, "stack": []}
+    handles = []
+
+    def splice(flat_now: list, ref: list, run: str):
+        """(changed, spliced tensors): compare with run A's tensors at the same call; put
+        back run A's values wherever a token other than the perturbed one changed."""
+        new, changed = [], False
+        for t, r in zip(flat_now, ref):
+            if r is None or not isinstance(t, torch.Tensor):
+                new.append(t)
+                continue
+            dim = _seq_view(r, s)
+            if run == "B":
+                shape = [1] * r.dim()
+                shape[dim] = s
+                other = (torch.arange(s, device=r.device) != 1).view(shape)  # broadcast over non-sequence dims
+                if t.shape == r.shape and t.dtype == r.dtype and _differs(torch.where(other, t, r), r):
+                    changed, t = True, torch.where(other, r, t)
+            else:  # run C: the shard [a:S] alone must reproduce run A at those tokens
+                want = r.narrow(dim, a, s - a)
+                if _differs(t, want):
+                    changed, t = True, want.clone()
+            new.append(t)
+        return changed, new
+
+    def blame(module, mname: str, run: str) -> None:
+        if any(getattr(type(m), HANDLED_ATTR, False) for m in [module, *state["stack"]]):
+            return  # inside an SP wrapper: it owns the exchange of its mixer's state
+        target = (report.leaks if run == "B" else report.shape_deps).setdefault(type(module).__name__, [])
+        if mname not in target:
+            target.append(mname)
+
+    def pre_hook(module, args, kwargs):
+        parent = state["stack"][-1] if state["stack"] else hf
+        state["stack"].append(module)
+        mname = names.get(id(module), type(module).__name__)
+        key = (mname, state["in_counts"].get(mname, 0))
+        state["in_counts"][mname] = key[1] + 1
+        flat = _flatten((args, kwargs), [])
+        run = state["run"]
+        if run == "A":
+            inputs[key] = [t.detach().clone() if _seq_view(t, s) is not None else None for t in flat]
+            return None
+        ref = inputs.get(key)
+        if ref is None or len(ref) != len(flat):
+            return None
+        changed, new = splice(flat, ref, run)
+        if not changed:
+            return None
+        # the inputs already differ: the PARENT's own code (not a submodule) mixed tokens
+        blame(parent, names.get(id(parent), type(parent).__name__), run)
+        return _rebuild((args, kwargs), iter(new))
+
+    def hook(module, args, output):
+        state["stack"].pop()
+        mname = names.get(id(module), type(module).__name__)
+        key = (mname, state["counts"].get(mname, 0))
+        state["counts"][mname] = key[1] + 1
+        flat = _flatten(output, [])
+        run = state["run"]
+        if run == "A":
+            runs[key] = [t.detach().clone() if _seq_view(t, s) is not None else None for t in flat]
+            return None
+        ref = runs.get(key)
+        if ref is None or len(ref) != len(flat):
+            return None
+        changed, new = splice(flat, ref, run)
+        if not changed:
+            return None
+        blame(module, mname, run)
+        return _rebuild(output, iter(new))
+
+    rng = torch.get_rng_state()
+    try:
+        hf.set_attn_implementation(name)
+        hf.eval()
+        for m in hf.modules():
+            if m is not hf:
+                handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                handles.append(m.register_forward_hook(hook))
+        kw = {metadata_key: marker, "use_cache": False}
+        with torch.no_grad():
+            for run, (x, p) in {"A": (ids, pos), "B": (perturbed, pos), "C": (ids[:, a:], pos[:, a:])}.items():
+                state.update(run=run, counts={}, in_counts={}, stack=[])
+                calls.clear()
+                hf(input_ids=x, position_ids=p, **kw)
+                if run == "A":
+                    report.attention_calls = len(calls)
+    except Exception as e:  # noqa: BLE001 -- every failure of the dry run is a refusal with its cause
+        where = state["stack"][-1] if state["stack"] else hf
+        indexers = sorted({type(m).__name__ for m in where.modules() if "indexer" in type(m).__name__.lower()})
+        if indexers:  # a name only enriches the message: the failure itself is the refusal
+            report.problems.append(
+                f"{', '.join(indexers)} in {type(where).__name__} is a sparse-attention indexer: it selects a global "
+                "top-k of keys per query from the attention mask, which cannot be made exact on local shards"
+            )
+        report.problems.append(
+            f"the dry run with sequence-parallel attention failed in {type(where).__name__} "
+            f"({names.get(id(where), '?')}) with {type(e).__name__}: {str(e)[:300]} -- under SP the attention mask is "
+            "left to our attention (the documents live on other ranks), so a module that reads the mask or runs "
+            "outside the attention interface cannot be exact"
+        )
+    finally:
+        for h_ in handles:
+            h_.remove()
+        for cfg, original in saved_impls:
+            cfg._attn_implementation_internal = original
+        for m, mode in modes:
+            m.training = mode
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
+        torch.set_rng_state(rng)
+    bad: set = set()
+    for f in mask_fns:
+        if f is not None:
+            _mask_pieces(f, report.windows_mask, bad)
+    report.mask_parts = bad
+    return report

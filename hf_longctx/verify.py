@@ -1,0 +1,147 @@
+"""`verify(model, mesh)`: measure, for THIS model, that sequence parallelism is exact.
+
+Where it sits: beside `patch()` (which calls it with `verify=True`), after the structural
+rule of `integrations/probe.py`, as its numerical backstop for families nobody has tried
+(DESIGN invariant 7). It compares the patched model with the unpatched one on a small
+synthetic packed batch across the SP group -- loss and every parameter gradient -- in fp32,
+on a reduced copy of the model: embeddings, final norm, head and the FIRST decoder layer of
+each distinct layer kind (class, submodule structure, attention type); every other decoder
+layer is replaced in the copy by an identity. So it is cheap and independent of the
+training dtype, and the model itself is never touched: its parameters, gradients, training
+mode, RNG state and attention implementation are as before.
+
+Reference: the unpatched copy on each document ALONE (the truth of a packed batch), the
+same on every rank. SP: a second copy patched with the structural rule OFF (so what is
+measured is the arithmetic, not the rule), loss and gradients summed over the SP group.
+Tolerances (fp32): loss 1e-5 relative, each gradient within 1e-4 of the largest reference
+gradient -- the summation-order noise of a few layers is ~1e-6; a dropped sink, a mixer on
+shards, a lost bias or mask are 1e-3 and more.
+
+Cost, with P_v = parameters of embeddings + head + one layer per distinct layer kind and
+T = 16 x SP tokens: memory 2 x P_v x (4 B weights + 4 B gradients); compute about
+2 x 6 x P_v x T FLOPs (two forward+backward passes) plus one all-reduce of P_v fp32 values
+over the SP group. For a 7B Llama (P_v ~ 0.5B: 2 x 131M embedding/head + one 200M layer)
+on SP 8: ~8 GB of host or device memory and ~0.8 TFLOP.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+
+
+class VerificationError(ValueError):
+    """The patched model differs from the unpatched one beyond fp32 tolerance."""
+
+
+class _SkippedLayer(torch.nn.Module):
+    """Stands in for a decoder layer the check does not need: passes hidden_states through."""
+
+    def forward(self, hidden_states=None, *args, **kwargs):
+        return hidden_states
+
+
+def _decoder_layers(hf) -> torch.nn.ModuleList:
+    lists = [m for m in hf.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"{type(hf).__name__} has no ModuleList of decoder layers to verify")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def _kind(layer) -> tuple:
+    return (
+        type(layer).__name__,
+        tuple(sorted((n, type(m).__name__) for n, m in layer.named_modules())),
+        str(getattr(layer, "attention_type", getattr(getattr(layer, "self_attn", None), "sliding_window", None))),
+    )
+
+
+def reduced_copy(hf) -> torch.nn.Module:
+    """fp32 copy of `hf` keeping only the first decoder layer of each distinct kind."""
+    layers = _decoder_layers(hf)
+    seen, memo = set(), {}
+    for layer in layers:
+        k = _kind(layer)
+        if k in seen:
+            memo[id(layer)] = _SkippedLayer()  # deepcopy returns this instead of copying the layer
+        seen.add(k)
+    out = copy.deepcopy(hf, memo)
+    return out.float().train()
+
+
+def _batch(vocab: int, sp: int):
+    lens = [5 * sp + 1, 8 * sp + 3, 3, 3 * sp - 1]  # one document spans several shards; odd lengths
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, vocab, (n,), generator=g) for n in lens]
+    ids = torch.cat(docs)[None]  # [1, T]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]  # [1, T]
+    return docs, {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
+
+
+def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TOL) -> dict:
+    """Raise `VerificationError` naming the worst parameter when SP is not exact for `model`.
+
+    Call it on every rank of the SP group (it runs collectives over it), on a model that is
+    not patched yet and not wrapped by FSDP (or use `patch(..., verify=True)`). Returns
+    {"loss": relative error, "grad": worst gradient error, "worst": parameter name}.
+    """
+    import torch.distributed as dist
+
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.transformers import _hf_model, is_patched, patch
+
+    hf = _hf_model(model)
+    if is_patched(hf):
+        raise ValueError("verify() needs the model before patch(): call it first, or patch(model, mesh, verify=True)")
+    if any(type(p).__name__ == "DTensor" for p in hf.parameters()):
+        raise ValueError("verify() needs the model before FSDP wraps it (its parameters are DTensors); call it before fully_shard")
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        ref = reduced_copy(hf)
+        sp_model = copy.deepcopy(ref)
+        device = next(ref.parameters()).device
+        docs, batch = _batch(ref.get_input_embeddings().num_embeddings, mesh.sp)
+        n_valid = sum(d.numel() - 1 for d in docs)
+        loss_ref = 0
+        for d in docs:  # reference: every document alone, normalised by the packed batch's count
+            d = d[None].to(device)
+            loss_ref = loss_ref + ref(input_ids=d, labels=d, use_cache=False).loss * (d.numel() - 1) / n_valid
+        loss_ref.backward()
+        patch(sp_model, mesh, unsafe_skip_exactness_check=True)
+        loss = sp_model(**shard_batch({k: v.to(device) for k, v in batch.items()}, mesh)).loss
+        loss.backward()
+        names = [n for n, p in ref.named_parameters() if p.requires_grad]
+        sp_params = dict(sp_model.named_parameters())
+        grads = [sp_params[n].grad if sp_params[n].grad is not None else torch.zeros_like(sp_params[n]) for n in names]
+        flat = torch.cat([loss.detach().reshape(1)] + [g.reshape(-1) for g in grads])  # [1 + P_v]
+        if mesh.sp > 1:
+            dist.all_reduce(flat, group=mesh.sp_group)  # SP ranks' losses and gradients SUM to one device's
+        ref_params = dict(ref.named_parameters())
+        top = max((ref_params[n].grad.abs().max().item() for n in names if ref_params[n].grad is not None), default=0.0) or 1e-30
+        loss_err = abs(flat[0].item() - loss_ref.item()) / max(abs(loss_ref.item()), 1e-30)
+        worst, worst_name, off = 0.0, "", 1
+        for n in names:
+            p = ref_params[n]
+            g_sp = flat[off : off + p.numel()].view_as(p)
+            off += p.numel()
+            g_ref = p.grad if p.grad is not None else torch.zeros_like(p)
+            err = (g_sp - g_ref).abs().max().item() / top if p.numel() else 0.0
+            if err > worst:
+                worst, worst_name = err, n
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    result = {"loss": loss_err, "grad": worst, "worst": worst_name}
+    if loss_err > loss_tol or worst > grad_tol:
+        raise VerificationError(
+            f"sequence parallelism is NOT exact for {type(hf).__name__}: worst parameter {worst_name!r} has a gradient "
+            f"error of {worst:.2e} of the largest gradient (tolerance {grad_tol:.0e}), loss relative error {loss_err:.2e} "
+            f"(tolerance {loss_tol:.0e}), fp32, on a copy with one layer per kind over SP {mesh.sp}; do not train this "
+            "model with hf_longctx"
+        )
+    return result

@@ -1,0 +1,98 @@
+"""The structural exactness rule of patch() (integrations/probe.py), in one process.
+
+Each refused family is built tiny (benchmarks/zoo.py's builder) so that its token mixer is
+present; patch() must raise BEFORE changing anything, naming the module class and the real
+cause. Exact families must pass, and the dry run must leave no trace (RNG, training mode,
+attention implementation, gradients, registrations).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from transformers.modeling_utils import AttentionInterface
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from benchmarks.zoo import tiny_config
+from hf_longctx.distributed.mesh import init_sequence_parallel
+from hf_longctx.integrations.transformers import USED_ATTENTION_KWARGS, is_patched, patch
+
+
+def build(model_type: str, **overrides):
+    cfg = tiny_config(tf.CONFIG_MAPPING[model_type])
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._from_config(cfg, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return init_sequence_parallel()
+
+
+REFUSED = {
+    "jamba": ["JambaMambaMixer", "model.layers.0.mamba", "state-space"],
+    "qwen3_next": ["Qwen3NextGatedDeltaNet", "linear_attn", "gated-delta"],
+    "lfm2": ["Lfm2ShortConv", "convolution"],
+    "llama4_text": ["chunked_overlay", "chunked local attention"],
+    "nemotron": ["NemotronAttention", "does not forward its **kwargs"],
+    "stablelm": ["StableLmAttention", "does not forward its **kwargs"],
+    "deepseek_v32": ["Indexer", "top-k"],
+    "recurrent_gemma": ["recurrent"],
+}
+if "s_aux" not in USED_ATTENTION_KWARGS:  # flips to EXACT when sequence-parallel attention applies sinks
+    REFUSED["gpt_oss"] = ["GptOssAttention", "'s_aux'", "sink"]
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_at_patch_with_the_real_cause(mesh, model_type):
+    model = build(model_type)
+    impl, names = model.config._attn_implementation, set(AttentionInterface._global_mapping)
+    with pytest.raises(ValueError) as err:
+        patch(model, mesh)
+    for part in REFUSED[model_type]:
+        assert part.lower() in str(err.value).lower(), f"{model_type}: {part!r} not in {err.value}"
+    assert "only" not in str(err.value).split("attention layers")[0] or "attention layers" not in str(err.value)
+    assert not is_patched(model) and model.config._attn_implementation == impl
+    assert set(AttentionInterface._global_mapping) == names  # the probe's registration is gone
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma3_text", "deepseek_v3", "diffllama"])
+def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type):
+    model = build(model_type).train()
+    model.model.layers[0].eval()  # a mixed training mode must come back as it was
+    rng = torch.get_rng_state()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    patch(model, mesh)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
+    assert all(p.grad is None and torch.equal(p, params[n]) for n, p in model.named_parameters())
+    assert model._hf_longctx_patch.attention_layers == model._hf_longctx_patch.probe.attention_calls > 0
+    assert not any(k.startswith("hf_longctx_probe") for k in AttentionInterface._global_mapping)
+
+
+def test_unsafe_keyword_skips_the_rule(mesh):
+    model = build("jamba")
+    patch(model, mesh, unsafe_skip_exactness_check=True)
+    assert is_patched(model) and model._hf_longctx_patch.probe is None
+
+
+def test_a_module_registered_as_handled_by_an_sp_wrapper_is_trusted(mesh, monkeypatch):
+    model = build("jamba")
+    mixer = type(model.model.layers[0].mamba)
+    monkeypatch.setattr(mixer, "_hf_longctx_sp_handled", True, raising=False)
+    patch(model, mesh)  # the mixer (and the convolution inside it) is now the wrapper's business
+    assert is_patched(model)
+
+
+def test_moe_router_logits_refused_at_patch_and_at_forward(mesh):
+    with pytest.raises(ValueError, match="output_router_logits"):
+        patch(build("mixtral", output_router_logits=True), mesh)
+    model = patch(build("mixtral"), mesh)
+    from hf_longctx.data.sharding import shard_batch
+
+    ids = torch.randint(3, 100, (1, 12))
+    with pytest.raises(ValueError, match="output_router_logits"):
+        model(**shard_batch({"input_ids": ids, "labels": ids}, mesh), output_router_logits=True)
