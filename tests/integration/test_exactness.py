@@ -16,7 +16,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from benchmarks.zoo import tiny_config
 from hf_longctx.distributed.mesh import init_sequence_parallel
-from hf_longctx.integrations.transformers import USED_ATTENTION_KWARGS, is_patched, patch
+from hf_longctx.integrations.transformers import USED_ATTENTION_KWARGS, is_patched, unpatch
+from hf_longctx.integrations.transformers import patch as _patch
 
 
 def build(model_type: str, **overrides):
@@ -30,6 +31,22 @@ def build(model_type: str, **overrides):
 @pytest.fixture(scope="module")
 def mesh():
     return init_sequence_parallel()
+
+
+@pytest.fixture(autouse=True)
+def patch():
+    """`patch` that unpatches every model it patched when the test ends, so no test leaves
+    an attention registration behind in transformers' global registries."""
+    patched = []
+
+    def patch_and_track(model, *args, **kwargs):
+        out = _patch(model, *args, **kwargs)
+        patched.append(model)
+        return out
+
+    yield patch_and_track
+    for model in patched:
+        unpatch(model)
 
 
 REFUSED = {
@@ -47,7 +64,7 @@ if "s_aux" not in USED_ATTENTION_KWARGS:  # flips to EXACT when sequence-paralle
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
-def test_refused_at_patch_with_the_real_cause(mesh, model_type):
+def test_refused_at_patch_with_the_real_cause(mesh, model_type, patch):
     model = build(model_type)
     impl, names = model.config._attn_implementation, set(AttentionInterface._global_mapping)
     with pytest.raises(ValueError) as err:
@@ -60,7 +77,7 @@ def test_refused_at_patch_with_the_real_cause(mesh, model_type):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma3_text", "deepseek_v3", "diffllama"])
-def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type):
+def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type, patch):
     model = build(model_type).train()
     model.model.layers[0].eval()  # a mixed training mode must come back as it was
     rng = torch.get_rng_state()
@@ -73,13 +90,13 @@ def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type):
     assert not any(k.startswith("hf_longctx_probe") for k in AttentionInterface._global_mapping)
 
 
-def test_unsafe_keyword_skips_the_rule(mesh):
+def test_unsafe_keyword_skips_the_rule(mesh, patch):
     model = build("jamba")
     patch(model, mesh, unsafe_skip_exactness_check=True)
     assert is_patched(model) and model._hf_longctx_patch.probe is None
 
 
-def test_a_module_registered_as_handled_by_an_sp_wrapper_is_trusted(mesh, monkeypatch):
+def test_a_module_registered_as_handled_by_an_sp_wrapper_is_trusted(mesh, monkeypatch, patch):
     model = build("jamba")
     mixer = type(model.model.layers[0].mamba)
     monkeypatch.setattr(mixer, "_hf_longctx_sp_handled", True, raising=False)
@@ -87,7 +104,7 @@ def test_a_module_registered_as_handled_by_an_sp_wrapper_is_trusted(mesh, monkey
     assert is_patched(model)
 
 
-def test_moe_router_logits_refused_at_patch_and_at_forward(mesh):
+def test_moe_router_logits_refused_at_patch_and_at_forward(mesh, patch):
     with pytest.raises(ValueError, match="output_router_logits"):
         patch(build("mixtral", output_router_logits=True), mesh)
     model = patch(build("mixtral"), mesh)
