@@ -51,6 +51,7 @@ class _PatchState:
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
+    mixers: Any = None  # integrations/mixers.MixerBinding of the wrapped linear mixers, or None
     calls: int = 0  # attention calls in the current forward
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
@@ -230,6 +231,8 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
         if state.mesh.sp > 1:
             _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, state.mesh)
         state.calls = 0
+        if state.mixers is not None:
+            state.mixers.begin(info)  # the linear-mixer wrappers read the batch layout from here
         state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
         return args, kwargs
 
@@ -244,6 +247,8 @@ def _post_forward(state: _PatchState) -> Callable:
                 "attention in this forward: this transformers release dispatches attention differently; "
                 "hf_longctx supports transformers >=5.23,<6"
             )
+        if state.mixers is not None:
+            state.mixers.check_calls()
         return output
 
     return hook
@@ -276,6 +281,9 @@ def patch(
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
     _refuse(hf, mesh, options)
+    from hf_longctx.integrations.mixers import apply_mixers, plan_mixers
+
+    mixer_plan = plan_mixers(hf, mesh)  # refuses unsupported linear mixers before anything changes
 
     state = _PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, attention_layers=len(_attention_modules(hf))
@@ -294,6 +302,7 @@ def patch(
             )
         state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
         state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))
+        state.mixers = apply_mixers(mixer_plan, mesh)
         if options.uses_memory_options:
             from hf_longctx.integrations.memory import apply_memory_options
 
@@ -315,6 +324,8 @@ def unpatch(model: Any) -> Any:
         return model
     if state.memory_undo is not None:
         state.memory_undo()
+    if state.mixers is not None:
+        state.mixers.restore()
     for handle in state.hooks:
         handle.remove()
     for cfg, original in state.saved_impls:
