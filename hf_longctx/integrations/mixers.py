@@ -31,6 +31,7 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.gdn import GDNHeads, gdn_sequence_parallel
 from hf_longctx.ops.mixers.layout import SequenceLayout
+from hf_longctx.ops.mixers.mamba2 import Mamba2Heads, mamba2_sequence_parallel
 
 _M = "transformers.models."
 _MISSING = object()
@@ -179,6 +180,47 @@ def _norm_out(norm: str, proj: str) -> Callable:
     return finish
 
 
+# ---- Mamba-2: Bamba, Granite-4 hybrid, Falcon-H1, Nemotron-H, Zamba2 -------------------------
+
+
+def _check_mamba2(module: Any, mesh: SPMesh) -> None:
+    Mamba2Heads.split(module.num_heads, module.n_groups, mesh.sp)
+    _check_depthwise(module.conv1d, type(module).__name__)
+    inner = module.num_heads * module.head_dim
+    if module.intermediate_size != inner:
+        raise ValueError(f"intermediate_size {module.intermediate_size} != heads {module.num_heads} × head_dim {module.head_dim}")
+
+
+def _mamba2(module: Any, bind: MixerBinding) -> Callable:
+    from transformers.activations import ACT2FN
+
+    scan = importlib.import_module(type(module).__module__).mamba2_chunk_scan
+    heads, act = Mamba2Heads.split(module.num_heads, module.n_groups, bind.mesh.sp), ACT2FN[module.activation]
+    falcon = hasattr(module, "ssm_in_multiplier")  # Falcon-H1: µP multipliers around in_proj, optional norm
+
+    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        lay = bind.layout(module, hidden_states)
+        dtype = hidden_states.dtype
+        if falcon:
+            projected = module.in_proj(hidden_states * module.ssm_in_multiplier) * module.mup_vector
+        else:
+            projected = module.in_proj(hidden_states)  # [B, S_local, I + conv_dim + H]
+        gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+        y = mamba2_sequence_parallel(
+            xbc, dt, conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias, activation=act,
+            A_log=module.A_log, D=module.D, dt_bias=module.dt_bias, dt_limit=tuple(module.time_step_limit),
+            head_dim=module.head_dim, state=module.ssm_state_size, chunk_size=module.chunk_size, heads=heads, scan=scan,
+            lay=lay, rank=bind.rank, group=bind.group,
+        )  # [B, S_local, I] fp32
+        if falcon and not module.mamba_rms_norm:
+            y = y * torch.nn.functional.silu(gate)
+        else:
+            y = module.norm(y, gate)  # gated RMSNorm, groups spanning heads: after the exchange back
+        return module.out_proj(y.to(dtype))
+
+    return forward
+
+
 # ---- the registry -------------------------------------------------------------------------------
 
 _SHORT_CONV = MixerAdapter("halo short convolution", _short_conv, lambda m, mesh: _check_depthwise(m.conv, type(m).__name__))
@@ -188,10 +230,7 @@ _MAMBA1 = (
     "parallel in hf_longctx: a channel all-to-all of its x/dt/B/C would move d_state-wide B/C to every rank and its "
     "state passing is not implemented; its layers would run on each shard as if it were the whole sequence"
 )
-_MAMBA2_TODO = (
-    "Mamba-2 mixers are not sequence-parallel yet in this hf_longctx build (head-parallel all-to-all with group "
-    "replication is planned); its layers would run on each shard as if it were the whole sequence"
-)
+_MAMBA2 = MixerAdapter("Mamba-2 head all-to-all", _mamba2, _check_mamba2)
 _RGLRU_TODO = (
     "the RG-LRU recurrent block is not sequence-parallel yet in this hf_longctx build (halo convolution + state "
     "passing is planned); it would run on each shard as if it were the whole sequence"
@@ -213,12 +252,11 @@ REGISTRY: dict[str, MixerAdapter] = {
     _M + "zamba.modeling_zamba.ZambaMambaMixer": MixerAdapter("refused", reason=_MAMBA1),
     _M + "mamba.modeling_mamba.MambaMixer": MixerAdapter("refused", reason=_MAMBA1),
     _M + "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer": MixerAdapter("refused", reason=_MAMBA1),
-    _M + "bamba.modeling_bamba.BambaMixer": MixerAdapter("refused", reason=_MAMBA2_TODO),
-    _M + "falcon_h1.modeling_falcon_h1.FalconH1Mixer": MixerAdapter("refused", reason=_MAMBA2_TODO),
-    _M + "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer": MixerAdapter("refused", reason=_MAMBA2_TODO),
-    _M + "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": MixerAdapter("refused", reason=_MAMBA2_TODO),
-    _M + "zamba2.modeling_zamba2.Zamba2MambaMixer": MixerAdapter("refused", reason=_MAMBA2_TODO),
-    _M + "mamba2.modeling_mamba2.Mamba2Mixer": MixerAdapter("refused", reason=_MAMBA2_TODO),
+    _M + "bamba.modeling_bamba.BambaMixer": _MAMBA2,
+    _M + "falcon_h1.modeling_falcon_h1.FalconH1Mixer": _MAMBA2,
+    _M + "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer": _MAMBA2,
+    _M + "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": _MAMBA2,
+    _M + "zamba2.modeling_zamba2.Zamba2MambaMixer": _MAMBA2,
     _M + "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock": MixerAdapter("refused", reason=_RGLRU_TODO),
 }
 

@@ -10,7 +10,9 @@ packed batch's valid-target count, so the per-document losses add up to the pack
 Configs are tiny and built to force every branch of the schemes: GDN key heads 2 / value
 heads 4 (split by key head on 2 ranks, q/k replicated on 4), an odd head count (Qwen3-Next
 1 key / 3 value heads: uneven value split on 2 ranks), OLMo-hybrid 3 key / 6 value heads on
-4 ranks (a rank's value heads span two key heads), LFM2 short convolutions of kernel 3 and 4.
+4 ranks (a rank's value heads span two key heads), LFM2 short convolutions of kernel 3 and 4,
+Mamba-2 with n_groups 1 (Granite-4, Nemotron-H) and 2 (Bamba, Zamba2) on 4 ranks (B/C
+replicated), Falcon-H1 with 3 heads (uneven), scan chunks of 4 (several per document).
 The batch holds unequal documents, one shorter than every conv kernel, plus padding on
 every mesh (zigzag chunks of 1-2 tokens: the halo comes from several ranks).
 
@@ -50,6 +52,36 @@ def hybrid_config(family: str):
         )
     if family == "olmo_hybrid":  # 3 key / 6 value heads; beta in [0, 2]
         return tf.OlmoHybridConfig(**small, linear_num_key_heads=3, linear_num_value_heads=6, **gdn)
+    if family == "qwen3_5_moe_text":
+        return tf.Qwen3_5MoeTextConfig(
+            **small, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16, **gdn,
+        )
+    if family == "lfm2_moe":
+        return tf.Lfm2MoeConfig(**small, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_dense_layers=1,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    m2 = dict(mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)  # chunk 4: several scan chunks per document
+    if family == "bamba":  # 4 heads, n_groups 2: on 4 ranks each group's B/C go to 2 ranks
+        return tf.BambaConfig(**small, attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, **m2)
+    if family == "granitemoehybrid":  # n_groups 1 (B/C replicated to every rank), conv kernel 3
+        return tf.GraniteMoeHybridConfig(
+            **small, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_n_groups=1,
+            num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=16, **{**m2, "mamba_d_conv": 3},
+        )
+    if family == "falcon_h1":  # odd: 3 heads (uneven split on 2 ranks); attention and Mamba-2 in parallel in every layer
+        return tf.FalconH1Config(**{**small, "num_hidden_layers": 2}, mamba_d_ssm=24, mamba_n_heads=3, mamba_d_head=8,
+                                 mamba_n_groups=1, mamba_rms_norm=True, **m2)
+    if family == "nemotron_h":  # n_groups 1
+        return tf.NemotronHConfig(
+            **{k: v for k, v in small.items() if k != "num_hidden_layers"}, head_dim=4,
+            layers_block_type=["mamba", "attention", "mamba"], ssm_state_size=4, mamba_num_heads=4, mamba_head_dim=8,
+            n_groups=1, conv_kernel=4, expand=2, chunk_size=4,
+        )
+    if family == "zamba2":  # shared hybrid attention blocks; n_groups 2
+        return tf.Zamba2Config(
+            **small, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=4, mamba_d_conv=4,
+            mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=4,
+        )
     raise KeyError(family)
 
 
@@ -121,11 +153,11 @@ def _assert_exact(results, ulysses, ring):
 
 # Full cross product of meshes for the GDN family; fewer for the others (CI budget).
 CASES = [
-    (2, 2, 1, ["qwen3_5_text", "lfm2", "qwen3_next"]),
-    (2, 1, 2, ["qwen3_5_text", "lfm2_k4", "qwen3_next"]),
-    (4, 2, 2, ["qwen3_5_text", "lfm2", "olmo_hybrid"]),
-    (4, 4, 1, ["qwen3_5_text", "olmo_hybrid"]),
-    (4, 1, 4, ["qwen3_5_text", "lfm2_k4"]),
+    (2, 2, 1, ["qwen3_5_text", "lfm2", "qwen3_next", "falcon_h1"]),
+    (2, 1, 2, ["qwen3_5_text", "lfm2_k4", "qwen3_next", "falcon_h1", "zamba2"]),
+    (4, 2, 2, ["qwen3_5_text", "lfm2", "olmo_hybrid", "bamba", "nemotron_h"]),
+    (4, 4, 1, ["qwen3_5_text", "olmo_hybrid", "granitemoehybrid", "lfm2_moe"]),
+    (4, 1, 4, ["qwen3_5_text", "lfm2_k4", "bamba", "qwen3_5_moe_text", "zamba2"]),
 ]
 
 
@@ -152,6 +184,6 @@ def _without_wrappers(family: str) -> dict:
 
 
 def test_without_wrappers_gradients_are_wrong(pools):
-    for family in ("qwen3_5_text", "lfm2"):
+    for family in ("qwen3_5_text", "lfm2", "bamba"):
         for rank, errs in enumerate(pools.get(4).run(_without_wrappers, family, timeout=300)):
             assert errs["grad"] > 100 * GRAD_TOL, f"{family} rank {rank}: unwrapped mixers look exact {errs}"
