@@ -32,6 +32,7 @@ from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.gdn import GDNHeads, gdn_sequence_parallel
 from hf_longctx.ops.mixers.layout import SequenceLayout
 from hf_longctx.ops.mixers.mamba2 import Mamba2Heads, mamba2_sequence_parallel
+from hf_longctx.ops.mixers.rglru import rglru_scan_sequence_parallel
 
 _M = "transformers.models."
 _MISSING = object()
@@ -221,6 +222,45 @@ def _mamba2(module: Any, bind: MixerBinding) -> Callable:
     return forward
 
 
+# ---- RG-LRU: RecurrentGemma ------------------------------------------------------------------
+
+
+def _recurrent_block(module: Any, bind: MixerBinding) -> Callable:
+    sqrt_bound = importlib.import_module(type(module).__module__).SqrtBoundDerivative
+    lru = module.rg_lru
+
+    def gates(x: torch.Tensor, reset: torch.Tensor):
+        """transformers' RecurrentGemmaRglru.forward up to the scan, with `reset` from OUR metadata."""
+        b, s, w = x.shape
+        act = x.reshape(b * s, lru.num_attention_heads, lru.block_width).permute(1, 0, 2)  # [heads, B·S_local, bw]
+        res = torch.baddbmm(lru.input_gate_bias[:, None, :], act, lru.input_gate_weight)
+        input_gate = torch.sigmoid(res.transpose(0, 1).reshape(b, s, w))
+        res = torch.baddbmm(lru.recurrent_gate_bias[:, None, :], act, lru.recurrent_gate_weight)
+        recurrent_gate = torch.sigmoid(res.transpose(0, 1).reshape(b, s, w))
+        log_a = -8.0 * recurrent_gate * torch.nn.functional.softplus(lru.recurrent_param)
+        a, a_square = torch.exp(log_a), torch.exp(2 * log_a)
+        multiplier = sqrt_bound.apply(1 - a_square)
+        multiplier = reset + ~reset * multiplier
+        return (x * input_gate) * multiplier.type(x.dtype), a * ~reset  # normalized x, a (0 at document starts)
+
+    def forward(input_states, position_ids=None, attention_mask=None, use_cache=None, **kwargs):
+        lay = bind.layout(module, input_states)
+        y = module.act_fn(module.linear_y(input_states))  # [B, S_local, W]
+        x = module.linear_x(input_states)
+        x = halo_conv(x, lay, module.conv_1d.weight.squeeze(1), module.conv_1d.bias, bind.rank, bind.group).to(x.dtype)
+        idx = lay.indices[bind.rank]
+        reset = (lay.doc_start[idx] == idx).to(x.device)[None, :, None]  # [1, S_local, 1]: document starts
+        normalized, a = gates(x, reset)
+        h = rglru_scan_sequence_parallel(normalized, a, lay, bind.rank, bind.group).to(x.dtype)  # [B, S_local, W]
+        return module.linear_out(h * y), None
+
+    return forward
+
+
+def _check_recurrent_block(module: Any, mesh: SPMesh) -> None:
+    _check_depthwise(module.conv_1d, type(module).__name__)
+
+
 # ---- the registry -------------------------------------------------------------------------------
 
 _SHORT_CONV = MixerAdapter("halo short convolution", _short_conv, lambda m, mesh: _check_depthwise(m.conv, type(m).__name__))
@@ -231,10 +271,6 @@ _MAMBA1 = (
     "state passing is not implemented; its layers would run on each shard as if it were the whole sequence"
 )
 _MAMBA2 = MixerAdapter("Mamba-2 head all-to-all", _mamba2, _check_mamba2)
-_RGLRU_TODO = (
-    "the RG-LRU recurrent block is not sequence-parallel yet in this hf_longctx build (halo convolution + state "
-    "passing is planned); it would run on each shard as if it were the whole sequence"
-)
 
 REGISTRY: dict[str, MixerAdapter] = {
     _M + "lfm2.modeling_lfm2.Lfm2ShortConv": _SHORT_CONV,
@@ -257,7 +293,9 @@ REGISTRY: dict[str, MixerAdapter] = {
     _M + "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer": _MAMBA2,
     _M + "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": _MAMBA2,
     _M + "zamba2.modeling_zamba2.Zamba2MambaMixer": _MAMBA2,
-    _M + "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock": MixerAdapter("refused", reason=_RGLRU_TODO),
+    _M + "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock": MixerAdapter(
+        "halo conv + RG-LRU state passing", _recurrent_block, _check_recurrent_block
+    ),
 }
 
 

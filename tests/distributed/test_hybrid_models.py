@@ -82,6 +82,11 @@ def hybrid_config(family: str):
             **small, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=4, mamba_d_conv=4,
             mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=4,
         )
+    if family == "recurrent_gemma":  # RG-LRU: halo conv of width 4, state passing; local sliding attention
+        return tf.RecurrentGemmaConfig(
+            **{k: v for k, v in small.items() if k not in ("bos_token_id", "eos_token_id")}, lru_width=16,
+            attention_window_size=64, conv1d_width=4, block_types=("recurrent", "attention", "recurrent"),
+        )
     raise KeyError(family)
 
 
@@ -154,10 +159,10 @@ def _assert_exact(results, ulysses, ring):
 # Full cross product of meshes for the GDN family; fewer for the others (CI budget).
 CASES = [
     (2, 2, 1, ["qwen3_5_text", "lfm2", "qwen3_next", "falcon_h1"]),
-    (2, 1, 2, ["qwen3_5_text", "lfm2_k4", "qwen3_next", "falcon_h1", "zamba2"]),
-    (4, 2, 2, ["qwen3_5_text", "lfm2", "olmo_hybrid", "bamba", "nemotron_h"]),
+    (2, 1, 2, ["qwen3_5_text", "lfm2_k4", "qwen3_next", "falcon_h1", "zamba2", "recurrent_gemma"]),
+    (4, 2, 2, ["qwen3_5_text", "lfm2", "olmo_hybrid", "bamba", "nemotron_h", "recurrent_gemma"]),
     (4, 4, 1, ["qwen3_5_text", "olmo_hybrid", "granitemoehybrid", "lfm2_moe"]),
-    (4, 1, 4, ["qwen3_5_text", "lfm2_k4", "bamba", "qwen3_5_moe_text", "zamba2"]),
+    (4, 1, 4, ["qwen3_5_text", "lfm2_k4", "bamba", "qwen3_5_moe_text", "zamba2", "recurrent_gemma"]),
 ]
 
 
@@ -184,6 +189,25 @@ def _without_wrappers(family: str) -> dict:
 
 
 def test_without_wrappers_gradients_are_wrong(pools):
-    for family in ("qwen3_5_text", "lfm2", "bamba"):
+    for family in ("qwen3_5_text", "lfm2", "bamba", "recurrent_gemma"):
         for rank, errs in enumerate(pools.get(4).run(_without_wrappers, family, timeout=300)):
             assert errs["grad"] > 100 * GRAD_TOL, f"{family} rank {rank}: unwrapped mixers look exact {errs}"
+
+
+def _fpdt(families: list) -> dict:
+    """FPDT's rank-ordinal chunk layout: the mixers exchange the whole sequence (they are not
+    chunked), so they are exact under it too; only attention runs chunk by chunk."""
+    from hf_longctx.integrations.transformers import patch
+
+    mesh = worker_mesh(2, 1, fpdt_chunks=2)
+    batch = packed_batch()
+    out = {}
+    for family in families:
+        ref_loss, ref_grads = per_document_reference(build(family), batch)
+        loss, grads = sp_run(patch(build(family), mesh), batch, mesh)
+        out[family] = errors(ref_loss, ref_grads, loss, grads)
+    return out
+
+
+def test_hybrid_under_fpdt_chunks(pools):
+    _assert_exact(pools.get(2).run(_fpdt, ["qwen3_5_text", "lfm2", "bamba"], timeout=300), 2, 1)

@@ -49,17 +49,21 @@ class SequenceLayout:
         return self.cu_seqlens[-1]
 
     @cached_property
-    def indices(self) -> list[torch.Tensor]:
-        """[SP] x int64 [S_local]: global positions of every SP rank, in its local order."""
+    def runs(self) -> list[list[layout.Run]]:
+        """[SP] x runs (consecutive global positions of one document) of every SP rank, local order."""
         cu = layout.check_boundaries(self.cu_seqlens, self.ring, self.ulysses, self.fpdt_chunks)
-        out = []
-        for p in range(self.sp):
-            runs = layout.local_runs(
+        return [
+            layout.local_runs(
                 cu, ring=self.ring, ulysses=self.ulysses, ring_rank=p // self.ulysses, ulysses_rank=p % self.ulysses,
                 fpdt_chunks=self.fpdt_chunks,
             )
-            out.append(layout.runs_to_indices(runs))
-        return out
+            for p in range(self.sp)
+        ]
+
+    @cached_property
+    def indices(self) -> list[torch.Tensor]:
+        """[SP] x int64 [S_local]: global positions of every SP rank, in its local order."""
+        return [layout.runs_to_indices(runs) for runs in self.runs]
 
     @property
     def local_length(self) -> int:
