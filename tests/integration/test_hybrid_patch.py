@@ -24,7 +24,7 @@ def test_registry_lists_every_supported_family_and_the_refused_ones():
     assert set(handled) == {
         "Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv", "Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet",
         "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet", "BambaMixer", "FalconH1Mixer",
-        "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "Zamba2MambaMixer",
+        "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "Zamba2MambaMixer", "RecurrentGemmaRecurrentBlock",
     }
     refused = {k.rsplit(".", 1)[1]: v for k, v in refused_classes().items()}
     assert "Mamba-1" in refused["JambaMambaMixer"] and "Mamba-1" in refused["ZambaMambaMixer"]
@@ -63,11 +63,11 @@ def test_head_counts_the_layout_cannot_serve_are_refused_naming_the_numbers(fami
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "bamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "bamba", "recurrent_gemma"])
 def test_unpatch_restores_the_mixers(family):
     model = build(family)
     batch = packed_batch(docs=[7, 5])
-    mixers = [m for m in model.modules() if type(m).__name__.endswith(("GatedDeltaNet", "ShortConv", "Mixer"))]
+    mixers = [m for m in model.modules() if type(m).__name__.endswith(("GatedDeltaNet", "ShortConv", "Mixer", "RecurrentBlock"))]
     assert mixers
     patch(model, init_sequence_parallel())
     assert all("forward" in m.__dict__ for m in mixers)

@@ -130,6 +130,10 @@ def test_halo_plan_reads_the_previous_positions_of_the_same_document(ring, ulyss
         pos = idx[:, None] - torch.arange(kernel - 1, -1, -1)[None]  # [S_local, K]
         want = torch.where(pos >= lay.doc_start[idx][:, None], pos, torch.full_like(pos, -1))
         assert torch.equal(got, want), f"rank {p}"
+        # the conv1d segments: the K inputs of an unpadded conv1d at out_index are the same taps
+        seg = ext[plan.seg_rows[p]]  # [N'] positions laid out for conv1d
+        windows = seg[plan.out_index[p][:, None] + torch.arange(kernel)[None]]  # [S_local, K]
+        assert torch.equal(windows, want), f"rank {p} segments"
         assert not bool(torch.isin(torch.cat(recv), idx).any()), "a rank fetched a row it holds"
 
 

@@ -107,6 +107,20 @@ class SequenceLayout:
         valid = pos >= self.doc_start[positions][:, None]  # [N, K]
         return pos.clamp_min(0), valid
 
+    def doc_segments(self, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a convolution over the WHOLE sequence (global order) with a zero row appended at
+        index S: (seg_rows [S + n_docs·(K-1)], out_index [S]). seg_rows puts K-1 zero rows in
+        front of every document, so one unpadded `conv1d` over it never reads across a document
+        boundary; out_index picks the output of every token (t + d·(K-1) for document d)."""
+        key = ("docs", kernel)
+        if key not in self._halo:
+            parts, out = [], []
+            for d, (a, b) in enumerate(zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])):
+                parts += [torch.full((kernel - 1,), self.total, dtype=torch.long), torch.arange(a, b)]
+                out.append(torch.arange(a, b) + d * (kernel - 1))
+            self._halo[key] = (torch.cat(parts), torch.cat(out))
+        return self._halo[key]
+
     def halo(self, kernel: int) -> "HaloPlan":
         """The halo exchange of a causal convolution with `kernel` taps (cached per kernel)."""
         plan = self._halo.get(kernel)
@@ -124,12 +138,17 @@ class HaloPlan:
     send_rows[p][q]: local rows rank p sends to rank q (in q's receive order);
     recv_counts[p][q]: rows rank p receives from rank q (= len(send_rows[q][p]));
     tap_rows[p]: int64 [S_local, K] rows of rank p's extended tensor
-    cat([own shard, received halo (by source rank), one zero row]) each tap reads."""
+    cat([own shard, received halo (by source rank), one zero row]) each tap reads;
+    seg_rows[p], out_index[p]: the same as segments for one unpadded `conv1d`: every local run
+    preceded by the K-1 rows before its start (halo, own or zero rows), and where each local
+    token's output lands (see `SequenceLayout.doc_segments`)."""
 
     kernel: int
     send_rows: list
     recv_counts: list
     tap_rows: list
+    seg_rows: list
+    out_index: list
 
     @staticmethod
     def build(lay: SequenceLayout, kernel: int) -> "HaloPlan":
@@ -137,7 +156,7 @@ class HaloPlan:
         sp, s_local = lay.sp, lay.local_length
         send_rows = [[torch.empty(0, dtype=torch.long) for _ in range(sp)] for _ in range(sp)]
         recv_counts = [[0] * sp for _ in range(sp)]
-        tap_rows = []
+        tap_rows, seg_rows, out_index = [], [], []
         for p, idx in enumerate(lay.indices):
             pos, valid = lay.taps(idx, kernel)  # [S_local, K]
             src = owner_rank[pos]  # [S_local, K]
@@ -155,5 +174,13 @@ class HaloPlan:
                 offset += from_q.numel()
             rows = torch.where(remote, halo_row[pos], rows)
             zero_row = offset  # the appended zero row: invalid taps read it
-            tap_rows.append(torch.where(valid, rows, torch.full_like(rows, zero_row)))
-        return HaloPlan(kernel=kernel, send_rows=send_rows, recv_counts=recv_counts, tap_rows=tap_rows)
+            taps = torch.where(valid, rows, torch.full_like(rows, zero_row))  # [S_local, K]
+            tap_rows.append(taps)
+            segs, outs, local, seg = [], [], 0, 0
+            for run in lay.runs[p]:
+                segs += [taps[local, : kernel - 1], torch.arange(local, local + run.length)]
+                outs.append(torch.arange(seg, seg + run.length))
+                local, seg = local + run.length, seg + run.length + kernel - 1
+            seg_rows.append(torch.cat(segs))
+            out_index.append(torch.cat(outs))
+        return HaloPlan(kernel, send_rows, recv_counts, tap_rows, seg_rows, out_index)
