@@ -211,3 +211,37 @@ def _fpdt(families: list) -> dict:
 
 def test_hybrid_under_fpdt_chunks(pools):
     _assert_exact(pools.get(2).run(_fpdt, ["qwen3_5_text", "lfm2", "bamba"], timeout=300), 2, 1)
+
+
+def _rows(families: list) -> dict:
+    """B = 2 rows of one document each (right padding by attention_mask): shard_batch pads each
+    row's document; the mixers run per row (batch dimension) from zero state."""
+    from hf_longctx.integrations.transformers import patch
+
+    mesh = worker_mesh(1, 2)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 64, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    out = {}
+    for family in families:
+        ref = build(family)
+        ref.zero_grad(set_to_none=True)
+        n_items = 11 + 8
+        for row, n in ((0, 12), (1, 9)):  # every row alone, without its padding
+            r = ids[row : row + 1, :n]
+            ref(input_ids=r, labels=r, num_items_in_batch=n_items, use_cache=False).loss.backward()
+        ref_grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+        ref_loss = sum(  # loss of the same reference, recomputed without gradients
+            ref(input_ids=ids[i : i + 1, :n], labels=ids[i : i + 1, :n], num_items_in_batch=n_items, use_cache=False).loss.detach()
+            for i, n in ((0, 12), (1, 9))
+        )
+        loss, grads = sp_run(patch(build(family), mesh), batch, mesh)
+        out[family] = errors(ref_loss, ref_grads, loss, grads)
+    return out
+
+
+def test_hybrid_rows_of_one_document(pools):
+    _assert_exact(pools.get(2).run(_rows, ["qwen3_5_text", "lfm2", "bamba", "recurrent_gemma"], timeout=300), 1, 2)
