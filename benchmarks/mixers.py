@@ -21,7 +21,7 @@ gloo ranks, one training step (forward, backward, SGD) with the wrappers, vs the
 model with full attention in every layer: step time (worst rank) and peak tensor memory
 per rank (`MemTracker`, worst rank).
 
-Run: /work/main/.venv/bin/python benchmarks/mixers.py                 (about 2 minutes on 2 CPU cores)
+Run: /work/main/.venv/bin/python benchmarks/mixers.py                 (about 5 minutes on 2 shared CPU cores)
      /work/main/.venv/bin/python benchmarks/mixers.py --tokens 2048 --step-tokens 4096   (quicker)
 """
 
