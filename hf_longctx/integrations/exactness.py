@@ -59,11 +59,16 @@ def _rope_types(cfg) -> set[str]:
     return types
 
 
-def refuse_inexact(hf, mesh: SPMesh, options: PatchOptions, *, structural: bool = True, used_kwargs=frozenset(), ignored_kwargs=frozenset()):
+def refuse_inexact(
+    hf, mesh: SPMesh, options: PatchOptions, *, structural: bool = True, used_kwargs=frozenset(), ignored_kwargs=frozenset(),
+    handled: frozenset = frozenset(),
+):
     """Raise before anything is changed if the model cannot run EXACTLY under SP.
 
     `structural=False` (patch's unsafe_skip_exactness_check) skips the dry run of
-    `probe.py`; the config rules below always apply. Returns the probe's report (or None)."""
+    `probe.py`; the config rules below always apply. `handled`: module classes that run under
+    a sequence-parallel wrapper (`integrations/mixers.py`); the dry run trusts them. Returns
+    the probe's report (or None)."""
     from transformers import PreTrainedModel
 
     cls = type(hf).__name__
@@ -135,7 +140,7 @@ def refuse_inexact(hf, mesh: SPMesh, options: PatchOptions, *, structural: bool 
         from hf_longctx.integrations.probe import probe_model
         from hf_longctx.integrations.refusals import describe
 
-        report = probe_model(hf, SP_METADATA_KEY, frozenset(used_kwargs), frozenset(ignored_kwargs))
+        report = probe_model(hf, SP_METADATA_KEY, frozenset(used_kwargs), frozenset(ignored_kwargs), handled=handled)
         problems.extend(describe(report))
     if problems:
         raise ValueError(f"cannot patch {cls} for exact sequence parallelism:\n- " + "\n- ".join(problems))

@@ -24,9 +24,9 @@ known-bad names (deny by default) we dry-run the model once, locally, on a tiny 
 
 A module that leaks is blamed at the innermost module whose output first differs (forward
 hooks fire innermost-first); its output is then spliced back to the clean values so that
-one pass finds every independent source. A module class with a true class attribute
-`_hf_longctx_sp_handled` (an SP wrapper, issue 13) is trusted: its output is spliced
-without blame. Cost: three no-grad forwards over ~12 tokens plus the per-module outputs of
+one pass finds every independent source. Module classes in `handled` (the linear mixers
+that `integrations/mixers.py` wraps for SP) are trusted: their outputs are spliced without
+blame. Cost: three no-grad forwards over ~12 tokens plus the per-module outputs of
 run A kept in memory (~12 x hidden floats per module call). No parameter, gradient, RNG,
 training mode or attention implementation is changed when it returns.
 """
@@ -39,7 +39,6 @@ from typing import Any, Callable
 
 import torch
 
-HANDLED_ATTR = "_hf_longctx_sp_handled"  # class attribute an SP wrapper module sets to True
 _REL_TOL = 1e-4  # a per-token model reproduces other positions bit-for-bit up to GEMM blocking
 
 
@@ -157,7 +156,9 @@ def _probe_lengths(hf) -> tuple[int, int, int]:
     raise ValueError("no probe length distinct from the model's sizes in 11..199")
 
 
-def probe_model(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: frozenset) -> ProbeReport:
+def probe_model(
+    hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: frozenset, handled: frozenset = frozenset()
+) -> ProbeReport:
     """Dry-run `hf` (a PreTrainedModel) with a per-token attention; see the module docstring."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
@@ -242,7 +243,7 @@ def probe_model(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: f
         return changed, new
 
     def blame(module, mname: str, run: str) -> None:
-        if any(getattr(type(m), HANDLED_ATTR, False) for m in [module, *state["stack"]]):
+        if any(type(m) in handled for m in [module, *state["stack"]]):
             return  # inside an SP wrapper: it owns the exchange of its mixer's state
         target = (report.leaks if run == "B" else report.shape_deps).setdefault(type(module).__name__, [])
         if mname not in target:

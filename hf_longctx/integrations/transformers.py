@@ -55,6 +55,7 @@ class _PatchState:
     memory_undo: Callable[[], None] | None = None
     probed: bool = True  # False under unsafe_skip_exactness_check: attention_layers is then a guess
     probe: Any = None  # the ProbeReport of patch()'s dry run (None when skipped)
+    mixers: Any = None  # integrations/mixers.MixerBinding of the wrapped linear mixers, or None
     calls: int = 0  # attention calls in the current forward
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
@@ -289,6 +290,8 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
         if mesh.sp > 1:
             _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, mesh)
         state.calls = 0
+        if state.mixers is not None:
+            state.mixers.begin(info)  # the linear-mixer wrappers read the batch layout from here
         state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
         return args, kwargs
 
@@ -304,6 +307,8 @@ def _post_forward(state: _PatchState) -> Callable:
                 "was not probed with, e.g. inputs_embeds or extra modalities), and exactness was only proven for that "
                 "path; call the patched model with input_ids/labels from shard_batch only"
             )
+        if state.mixers is not None:
+            state.mixers.check_calls()
         return output
 
     return hook
@@ -354,9 +359,15 @@ def patch(
             return model
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
+    from hf_longctx.integrations.mixers import apply_mixers, plan_mixers
+
+    # Linear mixers with a sequence-parallel wrapper (integrations/mixers.py) are trusted by the
+    # structural rule; refused mixer classes raise here with their reason (unless unsafe).
+    mixer_plan = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check)
     report = _refuse(
         hf, mesh, options, structural=not unsafe_skip_exactness_check,
         used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
+        handled=frozenset(type(module) for _, module, _ in mixer_plan),
     )
     if verify:
         from hf_longctx.verify import verify as _verify
@@ -382,6 +393,7 @@ def patch(
             )
         state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
         state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))
+        state.mixers = apply_mixers(mixer_plan, mesh)
         if options.uses_memory_options:
             from hf_longctx.integrations.memory import apply_memory_options
 
@@ -403,6 +415,8 @@ def unpatch(model: Any) -> Any:
         return model
     if state.memory_undo is not None:
         state.memory_undo()
+    if state.mixers is not None:
+        state.mixers.restore()
     for handle in state.hooks:
         handle.remove()
     for cfg, original in state.saved_impls:

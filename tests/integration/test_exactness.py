@@ -50,14 +50,11 @@ def patch():
 
 
 REFUSED = {
-    "jamba": ["JambaMambaMixer", "model.layers.0.mamba", "state-space"],
-    "qwen3_next": ["Qwen3NextGatedDeltaNet", "linear_attn", "gated-delta"],
-    "lfm2": ["Lfm2ShortConv", "convolution"],
+    "jamba": ["JambaMambaMixer", "model.layers.0.mamba", "Mamba-1"],
     "llama4_text": ["chunked_overlay", "chunked local attention"],
     "nemotron": ["NemotronAttention", "does not forward its **kwargs"],
     "stablelm": ["StableLmAttention", "does not forward its **kwargs"],
     "deepseek_v32": ["Indexer", "top-k"],
-    "recurrent_gemma": ["recurrent"],
 }
 if "s_aux" not in USED_ATTENTION_KWARGS:  # flips to EXACT when sequence-parallel attention applies sinks
     REFUSED["gpt_oss"] = ["GptOssAttention", "'s_aux'", "sink"]
@@ -96,12 +93,25 @@ def test_unsafe_keyword_skips_the_rule(mesh, patch):
     assert is_patched(model) and model._hf_longctx_patch.probe is None
 
 
-def test_a_module_registered_as_handled_by_an_sp_wrapper_is_trusted(mesh, monkeypatch, patch):
+def test_a_module_class_handled_by_an_sp_wrapper_is_trusted(mesh, patch):
+    from hf_longctx.config import PatchOptions
+    from hf_longctx.integrations.exactness import refuse_inexact
+    from hf_longctx.integrations.transformers import IGNORED_ATTENTION_KWARGS
+
     model = build("jamba")
     mixer = type(model.model.layers[0].mamba)
-    monkeypatch.setattr(mixer, "_hf_longctx_sp_handled", True, raising=False)
-    patch(model, mesh)  # the mixer (and the convolution inside it) is now the wrapper's business
-    assert is_patched(model)
+    kw = dict(used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS)
+    with pytest.raises(ValueError, match="JambaMambaMixer"):
+        refuse_inexact(model, mesh, PatchOptions(), **kw)
+    # the mixer (and the convolution inside it) is then the wrapper's business
+    assert refuse_inexact(model, mesh, PatchOptions(), handled=frozenset({mixer}), **kw).attention_calls > 0
+
+
+def test_wrapped_hybrids_pass_the_rule(mesh, patch):
+    for model_type in ("qwen3_next", "lfm2", "recurrent_gemma"):
+        model = build(model_type)
+        patch(model, mesh)
+        assert is_patched(model) and model._hf_longctx_patch.mixers.modules > 0, model_type
 
 
 def test_moe_router_logits_refused_at_patch_and_at_forward(mesh, patch):

@@ -14,9 +14,10 @@ EXPECTED = {
     "gemma3_text": ("EXACT", ""),  # text model of a multimodal family, sliding + full layers
     # sinks: REFUSED until sequence-parallel attention applies `s_aux`; then EXACT (helper `sinks`)
     "gpt_oss": ("REFUSED", "s_aux"),
-    "jamba": ("REFUSED", "JambaMambaMixer"),  # SSM hybrid
-    "qwen3_next": ("REFUSED", "GatedDeltaNet"),  # linear-attention hybrid
-    "lfm2": ("REFUSED", "ShortConv"),  # convolution hybrid
+    "jamba": ("REFUSED", "Mamba-1"),  # SSM hybrid without a wrapper (Mamba-1)
+    "nemotron_h": ("EXACT", ""),  # SSM hybrid (Mamba-2 wrapper)
+    "qwen3_next": ("EXACT", ""),  # linear-attention hybrid (Gated DeltaNet wrapper)
+    "lfm2": ("EXACT", ""),  # convolution hybrid (halo short-conv wrapper)
     "deepseek_v32": ("REFUSED", "Indexer"),  # sparse-attention indexer
     "llama4_text": ("REFUSED", "chunked"),  # Llama 4: chunked local attention
 }

@@ -1,0 +1,67 @@
+"""Short causal depthwise convolutions of packed documents under sequence parallelism.
+
+Where it sits: the token mixer of LFM2 / LFM2-MoE / LFM3 `ShortConv` (through
+`integrations/mixers.py`), and the convolution in front of the Gated DeltaNet and Mamba-2
+cores (`ops/mixers/gdn.py`, run there on the whole sequence after the head exchange).
+
+A causal depthwise convolution of K taps reads, for token t, the inputs t-K+1 .. t of the
+SAME document (documents start fresh: the taps before a document start read zeros, as
+`F.conv1d(x, padding=K-1)[..., :L]` on that document alone). Under SP a rank holds zigzag
+chunks of documents, so the K-1 previous inputs may live on other ranks -- possibly
+several, since a chunk may be shorter than K-1. `halo_conv` fetches exactly those rows by
+global index (`SequenceLayout.halo`, one all-to-all of at most (K-1) rows per local run),
+then every local run, preceded by its K-1 previous rows (halo, own, or zeros at a document
+start), is laid end to end and ONE unpadded depthwise `F.conv1d` -- the op transformers'
+`causal_conv1d_fn` runs -- computes every output; autograd keeps one copy of its input.
+
+Pure tensor code; never imports transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hf_longctx.ops.mixers.exchange import halo_rows
+from hf_longctx.ops.mixers.layout import SequenceLayout
+
+
+def segment_conv(
+    x_ext: torch.Tensor, seg_rows: torch.Tensor, out_index: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x_ext [B, N, C]; seg_rows int64 [N'] rows of x_ext forming segments that each start with
+    the K-1 rows before their first token; out_index int64 [S_out] outputs to keep; weight
+    [C, K] (depthwise `Conv1d.weight.squeeze(1)`); bias [C] or None → [B, S_out, C].
+
+    Computed in the weight's dtype, as transformers' `causal_conv1d_fn` does."""
+    c = weight.shape[0]
+    xp = x_ext.index_select(1, seg_rows.to(x_ext.device)).transpose(1, 2).to(weight.dtype)  # [B, C, N']
+    y = F.conv1d(xp, weight.unsqueeze(1), bias, groups=c)  # [B, C, N' - K + 1]: no padding, segments carry their own
+    return y.index_select(2, out_index.to(y.device)).transpose(1, 2)  # [B, S_out, C]
+
+
+def doc_causal_conv(x: torch.Tensor, lay: SequenceLayout, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [B, S, C]: the WHOLE packed sequence in global order → per-document causal conv [B, S, C]."""
+    seg_rows, out_index = lay.doc_segments(weight.shape[1])
+    x_ext = torch.cat([x, x.new_zeros(x.shape[0], 1, x.shape[2])], dim=1)  # [B, S + 1, C]: row S is zero
+    return segment_conv(x_ext, seg_rows, out_index, weight, bias)
+
+
+def halo_conv(
+    x: torch.Tensor,
+    lay: SequenceLayout,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rank: int,
+    group,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x [B, S_local, C] (this rank's shard, local order) → [B, S_local, C]: the per-document
+    causal depthwise convolution (then `activation`), equal to running it on each whole
+    document. Collective over `group` (the SP group): every rank must call it."""
+    plan = lay.halo(weight.shape[1])
+    x_ext = halo_rows(x, lay, weight.shape[1], rank, group)  # [B, S_local + N_halo + 1, C]
+    out = segment_conv(x_ext, plan.seg_rows[rank], plan.out_index[rank], weight, bias)  # [B, S_local, C]
+    return out if activation is None else activation(out)

@@ -1,0 +1,135 @@
+"""Gated DeltaNet under sequence parallelism: head-parallel all-to-all over the SP group.
+
+Where it sits: called by the GDN wrappers of `integrations/mixers.py` (Qwen3-Next,
+Qwen3.5 / Qwen3.5-MoE, OLMo-hybrid) between the module's own input projections and its
+own gated norm + output projection, which stay on the sequence shard.
+
+Scheme ("Ulysses for mixers"; DeepSpeed-Ulysses §3 applied to a recurrence): GDN heads are
+independent and the depthwise convolution in front of the core is per channel, so one
+all-to-all over the WHOLE SP group (ring × Ulysses) gives every rank the whole packed
+sequence, in global order, for a subset of heads:
+- P ≤ H_k: key heads split over the P ranks (unevenly if P ∤ H_k), each with its H_v/H_k
+  value heads;
+- P > H_k: value heads split over the ranks (unevenly if P ∤ H_v) and each rank receives
+  the q/k channels of the key heads its value heads read (q/k replicated); refused when
+  H_v < P (a rank would get no head).
+The convolution runs AFTER the exchange, per document on the whole sequence: the channels
+must cross anyway (pre-conv instead of post-conv, the same bytes), no halo message is
+needed, and the convolution work is split by channel. The core then runs per document
+from zero state with the GLOBAL boundaries; the output comes back with the inverse
+all-to-all. beta travels (computed on the shard in the model dtype, as the module does);
+g is computed after the exchange from the raw `a` projection in fp32, as the module does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hf_longctx.ops.mixers.conv import doc_causal_conv
+from hf_longctx.ops.mixers.exchange import gather_channels, scatter_channels
+from hf_longctx.ops.mixers.layout import SequenceLayout
+
+
+@dataclass(frozen=True)
+class GDNHeads:
+    """Which heads every SP rank runs: value heads [v_lo, v_hi) and key heads [k_lo, k_hi)."""
+
+    k_heads: int
+    v_heads: int
+    ranks: tuple  # ((v_lo, v_hi, k_lo, k_hi), ...) per SP rank
+
+    @staticmethod
+    def split(k_heads: int, v_heads: int, sp: int) -> "GDNHeads":
+        if k_heads < 1 or v_heads % k_heads:
+            raise ValueError(f"Gated DeltaNet needs value heads ({v_heads}) to be a multiple of key heads ({k_heads})")
+        r = v_heads // k_heads
+        ranks = []
+        if sp <= k_heads:
+            for p in range(sp):
+                k_lo, k_hi = p * k_heads // sp, (p + 1) * k_heads // sp
+                ranks.append((k_lo * r, k_hi * r, k_lo, k_hi))
+        elif sp <= v_heads:
+            for p in range(sp):
+                v_lo, v_hi = p * v_heads // sp, (p + 1) * v_heads // sp
+                ranks.append((v_lo, v_hi, v_lo // r, (v_hi - 1) // r + 1))
+        else:
+            raise ValueError(
+                f"Gated DeltaNet with {v_heads} value heads ({k_heads} key heads) cannot be split over an SP group of "
+                f"{sp} ranks (ring × ulysses): every rank needs at least one value head; use ulysses × ring ≤ {v_heads}"
+            )
+        return GDNHeads(k_heads, v_heads, tuple(ranks))
+
+    def channels(self, p: int, head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+        """int64 channels of [q | k | v | beta | a] (the concatenated projections) rank p receives."""
+        v_lo, v_hi, k_lo, k_hi = self.ranks[p]
+        key_dim, value_dim = self.k_heads * head_k_dim, self.v_heads * head_v_dim
+        q = torch.arange(k_lo * head_k_dim, k_hi * head_k_dim)
+        v = torch.arange(v_lo * head_v_dim, v_hi * head_v_dim)
+        heads = torch.arange(v_lo, v_hi)
+        base = 2 * key_dim + value_dim
+        return torch.cat([q, key_dim + q, 2 * key_dim + v, base + heads, base + self.v_heads + heads])
+
+
+def gdn_sequence_parallel(
+    mixed_qkv: torch.Tensor,
+    beta: torch.Tensor,
+    a: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    head_k_dim: int,
+    head_v_dim: int,
+    heads: GDNHeads,
+    core: Callable,
+    lay: SequenceLayout,
+    rank: int,
+    group,
+) -> torch.Tensor:
+    """The sequence-mixing core of a Gated DeltaNet layer on this rank's shard.
+
+    mixed_qkv [B, S_local, 2·H_k·D_k + H_v·D_v] BEFORE the convolution; beta, a
+    [B, S_local, H_v] (beta already sigmoid-ed, a the raw projection). `core` is
+    transformers' `torch_chunk_gated_delta_rule`-compatible function of the module's file.
+    Returns core_out [B, S_local, H_v, D_v] (before the gated norm)."""
+    b, s_local, _ = mixed_qkv.shape
+    v_lo, v_hi, k_lo, k_hi = heads.ranks[rank]
+    hk, hv = k_hi - k_lo, v_hi - v_lo
+    x = torch.cat([mixed_qkv, beta.to(mixed_qkv.dtype), a.to(mixed_qkv.dtype)], dim=-1)  # [B, S_local, C + 2·H_v]
+    chans = [heads.channels(p, head_k_dim, head_v_dim) for p in range(lay.sp)]
+    full = scatter_channels(x, chans, lay, rank, group)  # [B, S, 2·hk·D_k + hv·D_v + 2·hv] global order
+
+    conv_dim = 2 * hk * head_k_dim + hv * head_v_dim
+    qkv, beta_r, a_r = full.split([conv_dim, hv, hv], dim=-1)
+    w = conv_weight.index_select(0, chans[rank][:conv_dim].to(conv_weight.device))  # [conv_dim_rank, K]
+    bias = None if conv_bias is None else conv_bias.index_select(0, chans[rank][:conv_dim].to(conv_bias.device))
+    qkv = activation(doc_causal_conv(qkv, lay, w, bias)).to(mixed_qkv.dtype)  # [B, S, conv_dim_rank]
+    q, k, v = qkv.split([hk * head_k_dim, hk * head_k_dim, hv * head_v_dim], dim=-1)
+    q = q.reshape(b, -1, hk, head_k_dim)  # [B, S, hk, D_k]
+    k = k.reshape(b, -1, hk, head_k_dim)
+    v = v.reshape(b, -1, hv, head_v_dim)  # [B, S, hv, D_v]
+    # Value head j of this rank reads key head (v_lo + j) // r: expand q/k per value head,
+    # as the core's own repeat_interleave would on the whole head set.
+    r = heads.v_heads // heads.k_heads
+    kmap = torch.arange(v_lo, v_hi) // r - k_lo  # [hv]
+    q, k = q.index_select(2, kmap.to(q.device)), k.index_select(2, kmap.to(k.device))  # [B, S, hv, D_k]
+    g = -A_log[v_lo:v_hi].float().exp() * F.softplus(a_r.float() + dt_bias[v_lo:v_hi])  # [B, S, hv] fp32
+
+    outs = []
+    cu = lay.cu_seqlens
+    for lo, hi in zip(cu[:-1], cu[1:]):  # every document from zero state (padding documents too)
+        out, _ = core(
+            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g=g[:, lo:hi], beta=beta_r[:, lo:hi],
+            initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+        )
+        outs.append(out)  # [B, L_doc, hv, D_v]
+    out = torch.cat(outs, dim=1).reshape(b, -1, hv * head_v_dim)  # [B, S, hv·D_v]
+    counts = [(hi_ - lo_) * head_v_dim for lo_, hi_, _, _ in heads.ranks]
+    back = gather_channels(out, counts, lay, rank, group)  # [B, S_local, H_v·D_v]: ranks' value heads in order
+    return back.reshape(b, s_local, heads.v_heads, head_v_dim)

@@ -1,0 +1,125 @@
+"""Mamba-2 (SSD) under sequence parallelism: head-parallel all-to-all with group replication.
+
+Where it sits: called by the Mamba-2 wrappers of `integrations/mixers.py` (Bamba,
+Granite-4 hybrid, Falcon-H1, Nemotron-H, Zamba2) between the module's own input projection
+and its own gated RMSNorm + output projection, which stay on the sequence shard. The
+fused conv+scan+norm+out path (`mamba_split_conv1d_scan_combined`) is bypassed.
+
+Scheme (Mamba-2 paper §7 "tensor parallelism" for heads, applied along the sequence as a
+Ulysses-style all-to-all over the WHOLE SP group): SSD heads are independent given their
+B/C, and the depthwise convolution is per channel, so one all-to-all gives every rank the
+whole packed sequence in global order for a contiguous (possibly uneven) range of heads,
+plus the B/C channels of the groups those heads read. When n_groups < P a group's B/C go
+to every rank whose heads read it (replicated to about P / n_groups ranks); autograd sums
+the replicas' gradients back through the inverse all-to-all. The convolution runs after
+the exchange, per document, on the whole sequence (no halo); the scan runs per document
+from zero state; the output (fp32, as the scan returns it) comes back by the inverse
+all-to-all and the gated RMSNorm (whose groups span heads) runs on the shard after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from hf_longctx.ops.mixers.conv import doc_causal_conv
+from hf_longctx.ops.mixers.exchange import gather_channels, scatter_channels
+from hf_longctx.ops.mixers.layout import SequenceLayout
+
+
+@dataclass(frozen=True)
+class Mamba2Heads:
+    """Heads [h_lo, h_hi) and groups [g_lo, g_hi) every SP rank runs."""
+
+    heads: int
+    groups: int
+    ranks: tuple  # ((h_lo, h_hi, g_lo, g_hi), ...) per SP rank
+
+    @staticmethod
+    def split(heads: int, groups: int, sp: int) -> "Mamba2Heads":
+        if groups < 1 or heads % groups:
+            raise ValueError(f"Mamba-2 needs its heads ({heads}) to be a multiple of n_groups ({groups})")
+        if sp > heads:
+            raise ValueError(
+                f"Mamba-2 with {heads} heads cannot be split over an SP group of {sp} ranks (ring × ulysses): every rank "
+                f"needs at least one head; use ulysses × ring ≤ {heads}"
+            )
+        per_group = heads // groups
+        ranks = []
+        for p in range(sp):
+            h_lo, h_hi = p * heads // sp, (p + 1) * heads // sp
+            ranks.append((h_lo, h_hi, h_lo // per_group, (h_hi - 1) // per_group + 1))
+        return Mamba2Heads(heads, groups, tuple(ranks))
+
+    def channels(self, p: int, head_dim: int, state: int) -> torch.Tensor:
+        """int64 channels of [x | B | C | dt] (the conv input, then dt) rank p receives."""
+        h_lo, h_hi, g_lo, g_hi = self.ranks[p]
+        inner, gn = self.heads * head_dim, self.groups * state
+        x = torch.arange(h_lo * head_dim, h_hi * head_dim)
+        bc = torch.arange(g_lo * state, g_hi * state)
+        dt = torch.arange(h_lo, h_hi)
+        return torch.cat([x, inner + bc, inner + gn + bc, inner + 2 * gn + dt])
+
+
+def mamba2_sequence_parallel(
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple,
+    head_dim: int,
+    state: int,
+    chunk_size: int,
+    heads: Mamba2Heads,
+    scan: Callable,
+    lay: SequenceLayout,
+    rank: int,
+    group,
+) -> torch.Tensor:
+    """The SSD core of a Mamba-2 layer on this rank's shard.
+
+    xbc [B, S_local, H·P_h + 2·G·N] BEFORE the convolution; dt [B, S_local, H] raw (before
+    dt_bias / softplus). `scan` is transformers' `mamba2_chunk_scan`-compatible function of
+    the module's file. Returns y [B, S_local, H·P_h] (the scan's dtype, fp32) before the norm."""
+    b, s_local, _ = xbc.shape
+    h_lo, h_hi, g_lo, g_hi = heads.ranks[rank]
+    hp, gp = h_hi - h_lo, g_hi - g_lo
+    x = torch.cat([xbc, dt.to(xbc.dtype)], dim=-1)  # [B, S_local, conv_dim + H]
+    chans = [heads.channels(p, head_dim, state) for p in range(lay.sp)]
+    full = scatter_channels(x, chans, lay, rank, group)  # [B, S, hp·P_h + 2·gp·N + hp] global order
+
+    conv_dim = hp * head_dim + 2 * gp * state
+    xbc_r, dt_r = full.split([conv_dim, hp], dim=-1)
+    idx = chans[rank][:conv_dim].to(conv_weight.device)
+    w = conv_weight.index_select(0, idx)  # [conv_dim_rank, K]
+    bias = None if conv_bias is None else conv_bias.index_select(0, idx)
+    xbc_r = activation(doc_causal_conv(xbc_r, lay, w, bias)).to(xbc.dtype)  # [B, S, conv_dim_rank]
+    xs, B, C = xbc_r.split([hp * head_dim, gp * state, gp * state], dim=-1)
+    xs = xs.reshape(b, -1, hp, head_dim)  # [B, S, hp, P_h]
+    # Head h of this rank reads group h // (H/G): give the scan one B/C per head (its own
+    # repeat_interleave then is the identity), since a rank's heads need not split its groups evenly.
+    gmap = (torch.arange(h_lo, h_hi) // (heads.heads // heads.groups) - g_lo).to(B.device)  # [hp]
+    B = B.reshape(b, -1, gp, state).index_select(2, gmap)  # [B, S, hp, N]
+    C = C.reshape(b, -1, gp, state).index_select(2, gmap)
+    A = -torch.exp(A_log[h_lo:h_hi].float())  # [hp]
+
+    outs = []
+    cu = lay.cu_seqlens
+    for lo, hi in zip(cu[:-1], cu[1:]):  # every document from zero state (padding documents too)
+        outs.append(
+            scan(
+                xs[:, lo:hi], dt_r[:, lo:hi], A, B[:, lo:hi], C[:, lo:hi], chunk_size=chunk_size, D=D[h_lo:h_hi],
+                dt_bias=dt_bias[h_lo:h_hi], dt_softplus=True, dt_limit=dt_limit, initial_states=None,
+                return_final_states=False,
+            )
+        )  # [B, L_doc, hp, P_h]
+    y = torch.cat(outs, dim=1).reshape(b, -1, hp * head_dim)  # [B, S, hp·P_h]
+    counts = [(hi_ - lo_) * head_dim for lo_, hi_, _, _ in heads.ranks]
+    return gather_channels(y, counts, lay, rank, group)  # [B, S_local, H·P_h]

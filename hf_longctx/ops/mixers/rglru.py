@@ -1,0 +1,75 @@
+"""The RG-LRU linear recurrence (RecurrentGemma / Griffin) under sequence parallelism: state passing.
+
+Where it sits: called by the RecurrentGemma wrapper of `integrations/mixers.py` after the
+module's own projections, its halo convolution (`ops/mixers/conv.py`) and its per-token
+gates (all local to the shard); the output goes back into the module's own gating and
+output projection.
+
+The recurrence h_t = a_t ⊙ h_{t-1} + x_t is diagonal and affine in its incoming state
+(Griffin paper §2.4; the same observation as "state passing" in Mamba-2 §8 / Megatron's
+context parallelism for SSMs). Each rank cuts its shard into runs (consecutive global
+positions of one document: zigzag chunks, Ulysses pieces) and computes, per run, from zero
+state: the local outputs h⁰_t and the cumulative decay A_t = Π a over the run so far. The
+true output is h_t = h⁰_t + A_t ⊙ h_in(run), where h_in is the true state at the position
+before the run (zero at a document start, where a = 0 anyway). One all-gather of two
+[B, W] summaries per run (A at the run's end, h⁰ at the run's end: fixed size, independent
+of the run length), then every rank walks the runs in GLOBAL order -- an exclusive prefix
+over the affine maps -- and corrects its own runs. No state is kept on the module.
+Accumulation in fp32, as transformers' `_rnn_scan` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_longctx.ops.mixers.exchange import all_to_all_v
+from hf_longctx.ops.mixers.layout import SequenceLayout
+
+
+def _local_scan(x: torch.Tensor, a: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """h⁰ [B, S_local, W]: the recurrence restarted from zero at every local run start."""
+    is_start = torch.zeros(x.shape[1], dtype=torch.bool)
+    is_start[starts] = True
+    h = torch.zeros_like(x[:, 0])
+    out = []
+    for t in range(x.shape[1]):  # a token loop, as transformers' own linear-mode scan
+        h = x[:, t] if is_start[t] else a[:, t] * h + x[:, t]
+        out.append(h)
+    return torch.stack(out, dim=1)
+
+
+def rglru_scan_sequence_parallel(x: torch.Tensor, a: torch.Tensor, lay: SequenceLayout, rank: int, group) -> torch.Tensor:
+    """x, a [B, S_local, W] (a already 0 at document starts) → h [B, S_local, W] in fp32, equal
+    to running h_t = a_t·h_{t-1} + x_t over every whole document from zero state."""
+    x, a = x.float(), a.float()
+    b, _, w = x.shape
+    runs = lay.runs[rank]
+    offsets = [0]
+    for r in runs:
+        offsets.append(offsets[-1] + r.length)
+    h0 = _local_scan(x, a, offsets[:-1])  # [B, S_local, W]
+    decay = torch.cat([torch.cumprod(a[:, lo:hi], dim=1) for lo, hi in zip(offsets[:-1], offsets[1:])], dim=1)  # [B, S_local, W]
+    ends = torch.tensor([hi - 1 for hi in offsets[1:]])
+    summary = torch.stack([decay[:, ends], h0[:, ends]], dim=0)  # [2, B, n_runs, W]: (A_end, h⁰_end) per run
+    if lay.sp > 1:
+        shapes = [(2, b, len(lay.runs[q]), w) for q in range(lay.sp)]
+        gathered = all_to_all_v([summary] * lay.sp, shapes, group)  # [2, B, n_runs_q, W] from every rank q
+    else:
+        gathered = [summary]
+    # Exclusive prefix over the runs of the whole sequence, in global order (runs tile [0, S)).
+    order = sorted((r.start, q, i) for q, rs in enumerate(lay.runs) for i, r in enumerate(rs))
+    cu = set(lay.cu_seqlens)
+    state = None  # true state at the end of the previous run
+    incoming = {}
+    for start, q, i in order:
+        h_in = None if (start in cu or state is None) else state  # documents start from zero state
+        if q == rank:
+            incoming[i] = h_in
+        a_end, h_end = gathered[q][0][:, i], gathered[q][1][:, i]  # [B, W]
+        state = h_end if h_in is None else h_end + a_end * h_in
+    pieces = []
+    for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+        h_in = incoming[i]
+        piece = h0[:, lo:hi]
+        pieces.append(piece if h_in is None else piece + decay[:, lo:hi] * h_in[:, None])
+    return torch.cat(pieces, dim=1)  # [B, S_local, W] fp32
