@@ -95,9 +95,10 @@ class LongContextTrainerMixin:
         super().__init__(*args, **kwargs)
         check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
-        lengths = document_lengths(self.train_dataset) if self.train_dataset is not None else None
+        lengths = None
         if self.train_dataset is not None:
             check_dataset(self.train_dataset)
+            lengths = document_lengths(self.train_dataset)
             check_lengths(lengths, self.max_tokens, overlong)
         if self.args.load_best_model_at_end or self.args.save_only_model:
             raise ValueError("load_best_model_at_end / save_only_model: checkpoints hold sharded states; leave them False")
