@@ -50,11 +50,6 @@ def check_training_arguments(args: Any) -> None:
             f"parallelism_config with sp_size={getattr(pc, 'sp_size', 1)}, cp_size={getattr(pc, 'cp_size', 1)}: "
             "sequence parallelism comes from the mesh (init_sequence_parallel) and patch(); drop it"
         )
-    if args.activation_checkpointing or args.gradient_checkpointing:
-        errors.append(
-            "activation_checkpointing/gradient_checkpointing=True: HF's checkpointing wraps the layers outside our "
-            "attention binding; use patch(model, mesh, checkpoint=True)"
-        )
     if args.label_smoothing_factor > 0:
         errors.append(
             f"label_smoothing_factor={args.label_smoothing_factor}: the loss must be the model's token NLL normalised "

@@ -92,6 +92,8 @@ class LongContextTrainerMixin:
                 )
         model = kwargs.get("model", args[0] if args else None)
         self._check_patched(model)
+        if training_args is not None:
+            self._map_activation_checkpointing(model, training_args)
         super().__init__(*args, **kwargs)
         check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
@@ -129,6 +131,20 @@ class LongContextTrainerMixin:
             )
         if _hf_model(model).__dict__[_STATE_ATTR].mesh != self.mesh:
             raise ValueError("the model was patched with a different mesh than the trainer's `mesh`")
+
+    @staticmethod
+    def _map_activation_checkpointing(model: Any, args: Any) -> None:
+        # HF's checkpointing (TRL's SFTConfig turns it on by default) wraps the decoder layers
+        # outside our attention binding; patch(checkpoint=True) recomputes them inside it.
+        if not (args.activation_checkpointing or args.gradient_checkpointing):
+            return
+        import dataclasses
+
+        from hf_longctx.integrations.transformers import patch
+
+        state = _hf_model(model).__dict__[_STATE_ATTR]
+        patch(model, state.mesh, **{**dataclasses.asdict(state.options), "checkpoint": True})
+        args.activation_checkpointing = args.gradient_checkpointing = False
 
     def _pad_id(self, pad_token_id: int | None) -> int:
         if pad_token_id is not None:

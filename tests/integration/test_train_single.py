@@ -59,7 +59,6 @@ def test_single_process_loss_is_the_token_mean_over_labels(llama_path, tmp_path,
 
 REFUSED = {
     "gradient_accumulation_steps": (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
-    "activation_checkpointing": (dict(activation_checkpointing=True), "checkpoint=True"),
     "label_smoothing": (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
     "liger": (dict(use_liger_kernel=True), "use_liger_kernel"),
     "sampling": (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
@@ -105,3 +104,14 @@ def test_refused_models_and_data(llama_path, tmp_path):
     with pytest.raises(ValueError, match="compute_metrics is not supported"):
         LongContextTrainer(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(),
                            compute_metrics=lambda p: {}, **kw)
+
+
+def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path):
+    from hf_longctx.integrations.transformers import _STATE_ATTR
+
+    mesh = init_sequence_parallel()
+    args = training_args(str(tmp_path), activation_checkpointing=True)
+    model = _model(llama_path, mesh)
+    LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
+    assert model.__dict__[_STATE_ATTR].options.checkpoint is True  # recomputation inside our attention binding
+    assert not args.activation_checkpointing  # HF's own wrapper stays off
