@@ -109,6 +109,25 @@ def test_watchdog_fires_without_beats_and_not_with_them():
     assert fired and "no progress for 0.4s (last step 7)" in fired[0]
 
 
+def test_watchdog_callback_spans_train():
+    from hf_longctx.training.faults import WatchdogCallback
+
+    fired = []
+    cb = WatchdogCallback(0.4, on_expire=fired.append)
+    cb.on_train_begin(None, None, None)
+    for step in range(4):  # the trainer beats after every micro-batch
+        time.sleep(0.1)
+        cb.beat(step)
+    cb.on_train_end(None, None, None)
+    assert not fired and cb._dog is None
+    cb.on_train_begin(None, None, None)
+    deadline = time.monotonic() + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cb.on_train_end(None, None, None)
+    assert fired and "no progress for 0.4s" in fired[0]
+
+
 def test_comm_guard_wraps_backend_errors_only():
     import pytest
 
