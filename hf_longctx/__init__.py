@@ -5,6 +5,8 @@ documents on every rank → `plan_microbatches` assigns them to DP ranks and mic
 by estimated cost → `shard_batch` (through the collator) shifts labels, pads and gathers
 this SP rank's tokens → the `patch`ed model runs `usp_attention` (or FPDT) → the loss is
 normalised by the global token count and gradients are summed over ranks.
+`LongContextTrainer` / `LongContextTrainerMixin` run it through `transformers.Trainer`
+(imported on first access: they load the Trainer).
 """
 
 from hf_longctx.data.collator import LongContextCollator
@@ -25,7 +27,6 @@ from hf_longctx.integrations.transformers import is_patched, patch, unpatch
 from hf_longctx.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
-from hf_longctx.training import TrainConfig, train
 from hf_longctx.verify import VerificationError, verify
 
 __all__ = [
@@ -41,7 +42,8 @@ __all__ = [
     "Plan",
     "SPMesh",
     "StepSampler",
-    "TrainConfig",
+    "LongContextTrainer",
+    "LongContextTrainerMixin",
     "flex_microbatches",
     "fpdt_attention",
     "fsdp_plan",
@@ -60,9 +62,16 @@ __all__ = [
     "shard_batch",
     "sum_gradients",
     "tokenize_dataset",
-    "train",
     "unpatch",
     "usp_attention",
     "verify",
     "VerificationError",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("LongContextTrainer", "LongContextTrainerMixin"):
+        from hf_longctx.training import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'hf_longctx' has no attribute {name!r}")

@@ -8,9 +8,10 @@ Everything is local, nothing comes from a hub: the corpus is the `.py` files of 
 Python's own standard library (read with `datasets`), the tokenizer a byte-level BPE
 trained on them in seconds with `tokenizers`, the model a small Llama built from a config,
 saved with `save_pretrained` and loaded back with `from_pretrained` -- the path a real
-checkpoint takes. Then the shared loop of `hf_longctx.training` runs: step sampler → cost-
-balanced plan → USP-sharded micro-batches → FSDP2 over all 4 ranks. Rank 0 prints, per
-step, loss, tokens/s and the plan's balance (synced step / ideal), and a summary at the end.
+checkpoint takes. Then `hf_longctx.LongContextTrainer` (a `transformers.Trainer`) trains:
+step sampler → cost-balanced plan → USP-sharded micro-batches → FSDP2 over all 4 ranks.
+The Trainer logs, per step, the loss (the global token mean), tokens/s and the plan's
+balance (synced step / ideal); rank 0 prints a summary at the end.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import time
 
 import torch
 
-from hf_longctx.data.pipeline import tokenize_dataset
-from hf_longctx.training.launch import describe, setup_distributed
-from hf_longctx.training.loop import TrainConfig, train
+from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset
+from hf_longctx.training.launch import describe, init_distributed
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3", "turtledemo"}
@@ -100,23 +100,31 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainingArguments
+
     args = parse_args(argv)
     torch.set_num_threads(1)  # 4 ranks share the cores: more threads per rank only thrash
     t0 = time.perf_counter()
-    accelerator, mesh = setup_distributed(ulysses=args.ulysses, ring=args.ring, timeout_s=args.timeout, seed=args.seed)
-    say = accelerator.print
-    say(describe(accelerator, mesh))
+    device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + process group with a fault timeout
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.output_dir, "checkpoints"), max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10), max_grad_norm=1.0, logging_steps=1,
+        save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, seed=args.seed,
+        report_to=[], disable_tqdm=args.no_bar, use_cpu=device.type == "cpu",  # fp32 on CPU: bf16 matmuls are slow
+    )
+    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring)
+    main_rank = targs.process_index == 0
+    say = print if main_rank else (lambda *a, **k: None)
+    say(describe(mesh, device))
 
     files = stdlib_files(args.files, 200, args.max_file_bytes)
     raw = load_corpus(files)
     tok_path, model_path = os.path.join(args.output_dir, "tokenizer"), os.path.join(args.output_dir, "model")
-    with accelerator.main_process_first():  # rank 0 builds and saves; the others then load
-        if accelerator.is_main_process:
+    with targs.main_process_first():  # rank 0 builds and saves; the others then load
+        if main_rank:
             build_tokenizer(raw["text"], args.vocab, tok_path)
-        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
         tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_path)
-        if accelerator.is_main_process:
+        if main_rank:
             build_model(len(tokenizer), model_path, args)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     data = tokenize_dataset(raw, tokenizer)
@@ -126,25 +134,27 @@ def main(argv=None) -> dict:
         f"corpus: {len(files)} stdlib files, {sum(lengths)} tokens (documents of {min(lengths)}..{max(lengths)} tokens); "
         f"tokenizer: byte-level BPE, {len(tokenizer)} ids; model: Llama {args.layers}x{args.hidden}, {n_params / 1e6:.2f}M params"
     )
-    config = TrainConfig(
-        steps=args.steps, tokens_per_step=args.tokens_per_step, max_tokens=args.max_tokens, lr=args.lr,
-        warmup_steps=max(1, args.steps // 10), seed=args.seed, mixed_precision="fp32",  # CPU: bf16 matmuls are slow
-        output_dir=os.path.join(args.output_dir, "checkpoints") if args.save_every else None,
-        save_every=args.save_every, resume=False, progress_bar=not args.no_bar,
+    trainer = LongContextTrainer(
+        model=patch(model, mesh), args=targs, train_dataset=data, processing_class=tokenizer, mesh=mesh,
+        max_tokens=args.max_tokens, tokens_per_step=args.tokens_per_step, overlong="split",
     )
-    result = train(model, data, mesh, config, pad_token_id=tokenizer.eos_token_id)
-    recs = result.records
+    result = trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "tokens_per_s" in h]
+    for h in logs:  # one plain line per step (the bar/printer show the same dicts)
+        say(f"step {h['step']:4d} | loss {h['loss']:.4f} | lr {h['learning_rate']:.2e} | grad_norm {h['grad_norm']:.3f} | "
+            f"{h['tokens_per_s']:.0f} tok/s | plan synced/ideal {h.get('plan_balance', float('nan')):.3f} | "
+            f"peak mem {h['peak_mem_gib']:.2f} GiB")
+    tokens = sum(h["step_tokens"] for h in logs)
     summary = {
-        "loss_first": recs[0].loss, "loss_last": recs[-1].loss, "tokens": result.tokens, "train_s": result.wall_s,
-        "wall_s": time.perf_counter() - t0, "tokens_per_s": result.tokens / result.wall_s,
-        "balance_mean": sum(r.balance or 1.0 for r in recs) / len(recs),
-        "microbatches_mean": sum(r.microbatches for r in recs) / len(recs),
+        "loss_first": logs[0]["loss"], "loss_last": logs[-1]["loss"], "tokens": tokens,
+        "train_s": result.metrics["train_runtime"], "wall_s": time.perf_counter() - t0,
+        "tokens_per_s": tokens / result.metrics["train_runtime"],
+        "balance_mean": sum(h.get("plan_balance", 1.0) for h in logs) / len(logs),
     }
     say(
-        f"summary: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {len(recs)} steps | "
-        f"{summary['tokens']} tokens in {summary['train_s']:.1f}s = {summary['tokens_per_s']:.0f} tok/s | "
-        f"plan synced/ideal mean {summary['balance_mean']:.3f}, {summary['microbatches_mean']:.1f} micro-batches/step | "
-        f"wall time {summary['wall_s']:.1f}s"
+        f"summary: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {len(logs)} steps | "
+        f"{summary['tokens']:.0f} tokens in {summary['train_s']:.1f}s = {summary['tokens_per_s']:.0f} tok/s | "
+        f"plan synced/ideal mean {summary['balance_mean']:.3f} | wall time {summary['wall_s']:.1f}s"
     )
     return summary
 

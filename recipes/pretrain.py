@@ -5,10 +5,12 @@ Run, e.g. one node of 8 GPUs with Ulysses 4 × ring 2:
         --model meta-llama/Llama-3.2-1B --dataset text --data-files 'corpus/*.txt' --sample-by document \
         --ulysses 4 --ring 2 --tokens-per-step 1048576 --max-tokens 131072 --steps 1000 --output-dir runs/pt
 
-The shared loop of `hf_longctx.training` does the rest: step sampler → cost-balanced plan
-(Hydraulis / FlexSP) → USP / FPDT micro-batches → FSDP2 over DP × SP (USP "Tip 3") with
-summed gradients → AdamW + cosine; periodic sharded checkpoints, resumed automatically.
-`recipes/lora.py` is this recipe plus a PEFT adapter.
+`hf_longctx.LongContextTrainer` (a `transformers.Trainer`) does the rest: step sampler →
+cost-balanced plan (Hydraulis / FlexSP) → USP / FPDT micro-batches → FSDP2 over DP × SP
+(USP "Tip 3") with summed gradients → the Trainer's AdamW + cosine schedule, logging,
+sharded `checkpoint-N/` saves; `--resume` continues from the newest one. `recipes/lora.py`
+is this recipe plus a PEFT adapter. Works on CUDA/NCCL (each rank on its LOCAL_RANK GPU) and
+on CPU/gloo.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from hf_longctx.data.pipeline import tokenize_dataset
-from hf_longctx.training.launch import describe, setup_distributed
-from hf_longctx.training.loop import TrainConfig, train
+from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset
+from hf_longctx.training.launch import describe, init_distributed
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -45,61 +46,49 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--param-offload", action="store_true", help="FSDP2 CPU offload of params/grads/optimizer states")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint-N in output-dir")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
     p.add_argument("--step-timeout", type=float, default=None, help="watchdog: seconds without progress before exiting")
     p.add_argument("--seed", type=int, default=0)
     return p
 
 
-def export(model: torch.nn.Module, path: str, is_main: bool) -> None:
-    """Gather the sharded model once (a collective) and `save_pretrained` it on rank 0
-    (for a PEFT model only the adapter is written)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if is_main:
-        model.save_pretrained(path, state_dict=state)
-
-
 def run(args: argparse.Namespace, wrap: Callable[[Any], Any] | None = None) -> None:
-    """The recipe; `wrap(model)` may replace the model before training (LoRA)."""
+    """The recipe; `wrap(model)` may replace the model before patching (LoRA)."""
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
-    accelerator, mesh = setup_distributed(
-        ulysses=args.ulysses, ring=args.ring, fpdt_chunks=args.fpdt_chunks, timeout_s=args.timeout, seed=args.seed
+    device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + the process group
+    targs = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay, lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=1,
+        save_strategy="steps", save_steps=args.save_every, seed=args.seed, bf16=args.mixed_precision == "bf16",
+        activation_checkpointing=args.activation_checkpointing,  # mapped to patch(checkpoint=True)
+        use_cpu=device.type == "cpu", report_to=[],
     )
-    accelerator.print(describe(accelerator, mesh))
+    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
+    if targs.process_index == 0:
+        print(describe(mesh, device))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     extra = {"sample_by": args.sample_by} if args.sample_by else {}
-    with accelerator.main_process_first():  # rank 0 downloads / fills the cache first
+    with targs.main_process_first():  # rank 0 downloads / fills the cache first
         raw = load_dataset(args.dataset, data_files=args.data_files, split=args.split, **extra)
         data = tokenize_dataset(raw, tokenizer, text_column=args.text_column)
     # fp32 master weights: the FSDP plan casts to bf16 for compute (MixedPrecisionPolicy).
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     if wrap is not None:
         model = wrap(model)
-    config = TrainConfig(
-        steps=args.steps, tokens_per_step=args.tokens_per_step, max_tokens=args.max_tokens, lr=args.lr,
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, seed=args.seed,
-        mixed_precision=args.mixed_precision, param_offload=args.param_offload,
-        output_dir=os.path.join(args.output_dir, "checkpoints"), save_every=args.save_every,
-        step_timeout_s=args.step_timeout,
+    patch(model, mesh, kv_offload=args.kv_offload)
+    trainer = LongContextTrainer(
+        model=model, args=targs, train_dataset=data, processing_class=tokenizer, mesh=mesh, max_tokens=args.max_tokens,
+        tokens_per_step=args.tokens_per_step, overlong="split", step_timeout_s=args.step_timeout,
     )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    patch_options = {"kv_offload": args.kv_offload, "checkpoint": args.activation_checkpointing}
-    result = train(model, data, mesh, config, pad_token_id=pad, patch_options=patch_options)
-    if result.records:
-        accelerator.print(
-            f"done: loss {result.records[0].loss:.4f} -> {result.records[-1].loss:.4f}, {result.tokens} tokens "
-            f"in {result.wall_s:.1f}s; checkpoint {result.checkpoint}"
-        )
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.export:
-        export(model, os.path.join(args.output_dir, "final"), accelerator.is_main_process)
+        trainer.save_model(os.path.join(args.output_dir, "final"))  # consolidated; a PEFT model saves its adapter
 
 
 if __name__ == "__main__":

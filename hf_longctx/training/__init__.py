@@ -1,33 +1,16 @@
-"""The shared training loop of the recipes and what it is made of.
+"""Training through `transformers.Trainer` (and TRL's `SFTTrainer`): what only hf_longctx does.
 
-Where it sits: on top of the whole library -- `loop.py` drives the step sampler, the
-long-context collator, the patched model and the FSDP2 plan (ZeRO-3 over DP × SP, USP
-"Tip 3"); `checkpoint.py` saves and resumes it exactly; `progress.py` reports loss,
-tokens/s, MFU and memory; `faults.py` turns a dead or hung rank into a clear error.
+Where it sits: on top of the whole library. `trainer.py` is the `LongContextTrainerMixin`
+(exact SP arithmetic under Trainer); `steps.py` its step dataloader (step sampler →
+cost-balanced plan → sharded micro-batches); `checks.py` the refused settings;
+`checkpoint.py` the sharded model/optimizer states and sampler position of `checkpoint-N/`;
+`metrics.py` / `token_metrics.py` what it logs; `faults.py` the dead-rank stop; `launch.py`
+the device and process group of a recipe. Schedules, checkpoint bookkeeping, progress bars
+and config parsing are the Trainer's. The trainer classes are imported lazily
+(`hf_longctx.training.trainer`): importing them loads `transformers.Trainer`.
 """
 
-from hf_longctx.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from hf_longctx.training.faults import RankFailure, Watchdog, comm_guard, process_group_kwargs
-from hf_longctx.training.launch import describe, setup_distributed
-from hf_longctx.training.loop import StepRecord, TrainConfig, TrainResult, train
-from hf_longctx.training.progress import Progress, peak_memory_bytes
-from hf_longctx.training.schedule import cosine_schedule
+from hf_longctx.training.faults import RankFailure, Watchdog, comm_guard
+from hf_longctx.training.launch import describe, init_distributed
 
-__all__ = [
-    "Progress",
-    "RankFailure",
-    "StepRecord",
-    "TrainConfig",
-    "TrainResult",
-    "Watchdog",
-    "comm_guard",
-    "cosine_schedule",
-    "describe",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "peak_memory_bytes",
-    "process_group_kwargs",
-    "save_checkpoint",
-    "setup_distributed",
-    "train",
-]
+__all__ = ["RankFailure", "Watchdog", "comm_guard", "describe", "init_distributed"]

@@ -1,134 +1,71 @@
-"""Sharded checkpoints that resume exactly: model, optimizer, scheduler, sampler, RNG.
+"""What `checkpoint-N/` adds for exact resume: every rank's FSDP2 shards of model AND optimizer
+(torch distributed checkpoint) and the step sampler's position.
 
-Where it sits: called by `training/loop.py` every `save_every` steps and once at start
-(resume). Model and optimizer states are saved SHARDED with `torch.distributed.checkpoint`
-(each rank writes its own FSDP2 shards -- ZeRO-3 over DP × SP, USP "Tip 3" -- no rank
-gathers the full model); the small per-rank rest (scheduler, step sampler, step counter and
-every RNG: Python, NumPy, torch CPU, CUDA) goes to `rank{r}.pt`. A run stopped after step n
-and resumed from that checkpoint draws the same documents, the same plan and the same
-random numbers as an uninterrupted run, so its loss trajectory is identical (fp32).
-
-Layout: `<output_dir>/step_{n:08d}/` with the DCP files, `rank{r}.pt` per rank and a `DONE`
-marker written by rank 0 after every rank finished; a checkpoint without it (a crash while
-saving) is ignored by `latest_checkpoint`.
+Where it sits: called from `LongContextTrainerMixin._save_optimizer_and_scheduler` /
+`_load_optimizer_and_scheduler`, i.e. inside the Trainer's own checkpoint bookkeeping
+(`checkpoint-N/` naming, `trainer_state.json`, scheduler, per-rank RNG files, rotation,
+`resume_from_checkpoint=True` lookup all stay the Trainer's). What the stock Trainer gets
+wrong on this stack: with no Accelerate FSDP plugin it `torch.save`s the optimizer state
+of rank 0 only -- under ZeRO-3 over DP x SP (USP "Tip 3") every rank holds a different
+shard, so the other ranks' moments would be lost. Here each rank writes its own shards with
+`torch.distributed.checkpoint` (no rank gathers the full model) and reads them back with
+this run's sharding; the sampler state (identical on every rank) is one JSON file.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import random
-import re
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-_DIR = re.compile(r"^step_(\d{8})$")
-_MARKER = "DONE"
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+DCP_DIR = "hf_longctx_dcp"
+SAMPLER_FILE = "hf_longctx_sampler.json"
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def checkpoint_dir(output_dir: str, step: int) -> str:
-    return os.path.join(output_dir, f"step_{step:08d}")
-
-
-def latest_checkpoint(output_dir: str | None) -> str | None:
-    """The newest complete checkpoint under `output_dir`, or None."""
-    if not output_dir or not os.path.isdir(output_dir):
-        return None
-    done = [
-        (int(m.group(1)), name)
-        for name in os.listdir(output_dir)
-        if (m := _DIR.match(name)) and os.path.exists(os.path.join(output_dir, name, _MARKER))
-    ]
-    return os.path.join(output_dir, max(done)[1]) if done else None
-
-
-def save_checkpoint(
-    output_dir: str, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any
-) -> str:
-    """Save everything a resume needs after `step` completed steps. A collective: call it
-    on every rank. Returns the checkpoint directory."""
+def save_sharded(output_dir: str, model: torch.nn.Module, optimizer: Any, sampler: Any, *, is_main: bool) -> None:
+    """Save model + optimizer shards and the sampler position into `output_dir`. A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    rank, world = _rank_world()
-    path = checkpoint_dir(output_dir, step)
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        # Saving over an earlier checkpoint of this step: it is incomplete until the new marker.
-        if os.path.exists(os.path.join(path, _MARKER)):
-            os.remove(os.path.join(path, _MARKER))
-    _barrier()  # nobody writes before the old marker is gone
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # sharded (DTensor) under FSDP2
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    torch.save(
-        {
-            "step": step,
-            "world_size": world,
-            "scheduler": scheduler.state_dict(),
-            "sampler": sampler.state_dict(),
-            "rng": _rng_state(),
-        },
-        os.path.join(path, f"rank{rank}.pt"),
-    )
-    _barrier()  # the marker must not exist before every rank's files do
-    if rank == 0:
-        with open(os.path.join(path, _MARKER), "w") as f:
-            f.write(f"{step}\n")
-    _barrier()
-    return path
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps the torch one
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensor shards under FSDP2, plain tensors in one process
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(output_dir, DCP_DIR))
+    if is_main:
+        with open(os.path.join(output_dir, SAMPLER_FILE), "w") as f:
+            json.dump(sampler.state_dict(), f)
 
 
-def load_checkpoint(
-    path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Any
-) -> int:
-    """Restore a checkpoint saved by `save_checkpoint` with the same world size and mesh;
-    returns the number of completed steps. A collective: call it on every rank."""
+def load_sharded(checkpoint: str, model: torch.nn.Module, optimizer: Any, sampler: Any) -> None:
+    """Restore what `save_sharded` wrote, with the same world size and mesh degrees. A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    rank, world = _rank_world()
-    local = os.path.join(path, f"rank{rank}.pt")
-    if not os.path.exists(os.path.join(path, _MARKER)) or not os.path.exists(local):
-        raise ValueError(f"{path} is not a complete checkpoint for rank {rank} (missing {_MARKER} or rank{rank}.pt)")
-    extra = torch.load(local, weights_only=False)  # our own file: pickled RNG states
-    if extra["world_size"] != world:
+    path = os.path.join(checkpoint, DCP_DIR)
+    sampler_file = os.path.join(checkpoint, SAMPLER_FILE)
+    if not os.path.isdir(path) or not os.path.isfile(sampler_file):
         raise ValueError(
-            f"checkpoint {path} was saved by {extra['world_size']} ranks, this job has {world}; "
-            "resume with the same number of processes and the same ulysses/ring degrees"
+            f"{checkpoint} has no {DCP_DIR}/ or {SAMPLER_FILE}: it was not written by a LongContextTrainer "
+            "(or saving crashed); resume from a complete checkpoint"
         )
+    optimizer = getattr(optimizer, "optimizer", optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # templates with this run's sharding
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    scheduler.load_state_dict(extra["scheduler"])
-    sampler.load_state_dict(extra["sampler"])
-    _set_rng_state(extra["rng"])
-    return int(extra["step"])
+    with open(sampler_file) as f:
+        sampler.load_state_dict(json.load(f))
+
+
+def save_consolidated(model: torch.nn.Module, output_dir: str, *, is_main: bool, **save_kwargs: Any) -> None:
+    """Gather the full model once (a collective) and `save_pretrained` it on the main rank; the
+    directory loads with `from_pretrained`, unpatched (for a PEFT model: the adapter)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # The config's attention implementation (our per-patch name) is not serialised by
+    # transformers (`_attn_implementation_internal`), so the directory loads unpatched.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main:
+        os.makedirs(output_dir, exist_ok=True)
+        model.save_pretrained(output_dir, state_dict=state, **save_kwargs)

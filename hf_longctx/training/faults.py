@@ -1,6 +1,6 @@
 """Faults: a dead or hung rank becomes a clear error on every other rank, within a timeout.
 
-Where it sits: around every step of `training/loop.py`. Under FSDP + USP every rank joins
+Under FSDP + USP every rank joins
 every collective of every micro-batch, so one dead rank leaves the others blocked in an
 all-gather, all-to-all or ring exchange. Three layers stop them:
 1. the process-group timeout (`process_group_kwargs(timeout_s)` for `Accelerator`, or
@@ -10,7 +10,10 @@ all-gather, all-to-all or ring exchange. Three layers stop them:
    and the timeout, instead of a bare gloo/NCCL traceback;
 3. `Watchdog` (optional): a thread that ends the process with a clear message if a step
    makes no progress for `timeout_s`, for hangs no backend reports (e.g. NCCL without
-   async error handling, or a rank stuck outside any collective).
+   async error handling, or a rank stuck outside any collective). `WatchdogCallback` runs it
+   for the span of `Trainer.train()`; the trainer beats it after every micro-batch.
+Where it sits now: around `LongContextTrainerMixin.training_step`, its gradient-norm
+collective, evaluation and checkpoint saving.
 """
 
 from __future__ import annotations
@@ -123,3 +126,34 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def _trainer_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class WatchdogCallback(_trainer_callback_base()):
+    """A `Watchdog` over `Trainer.train()`: started at train begin, beaten at every step end (and
+    by the trainer after every micro-batch), stopped at train end."""
+
+    def __init__(self, timeout_s: float, *, on_expire=None) -> None:
+        self.timeout_s = float(timeout_s)
+        self._on_expire = on_expire
+        self._dog: Watchdog | None = None
+
+    def beat(self, step: int) -> None:
+        if self._dog is not None:
+            self._dog.beat(step)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._dog = Watchdog(self.timeout_s, on_expire=self._on_expire).__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.beat(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._dog is not None:
+            self._dog.__exit__(None, None, None)
+            self._dog = None

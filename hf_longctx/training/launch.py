@@ -1,45 +1,51 @@
-"""Process setup of a recipe: the `Accelerator` (process group with a fault timeout) and the SP mesh.
+"""Process setup of a recipe: this rank's device and the process group, before `TrainingArguments`.
 
-Where it sits: the first lines of every recipe, before the model is loaded. `accelerate
-launch` (or torchrun) starts the ranks; `Accelerator` initialises the process group --
-gloo on CPU, NCCL on CUDA -- with the collective timeout of `training/faults.py`; then
+Where it sits: the first lines of every recipe. `torchrun` / `accelerate launch` start the
+ranks and set RANK, LOCAL_RANK, WORLD_SIZE; here each rank selects its GPU from LOCAL_RANK
+(`torch.cuda.set_device`, so NCCL and FSDP2 use the right device) and initialises the process
+group itself -- NCCL on CUDA, gloo on CPU -- with the fault timeout of `training/faults.py`
+(Accelerate passes `ddp_timeout` on GPUs only; on CPU the default is 30 minutes). Then
+`TrainingArguments` finds the group already initialised and adopts it, and
 `init_sequence_parallel` builds the dp × ring × ulysses mesh (USP paper §3) over it.
-Accelerate's own `ParallelismConfig` is not used: it has no dimension for a third-party SP.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from datetime import timedelta
 
 import torch
 
-from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
-from hf_longctx.training.faults import process_group_kwargs
+from hf_longctx.distributed.mesh import SPMesh
 
 
-def setup_distributed(
-    *, ulysses: int = 1, ring: int = 1, fpdt_chunks: int = 1, timeout_s: float = 600.0, seed: int = 0
-) -> tuple[Any, SPMesh]:
-    """(accelerator, mesh) for this rank. `timeout_s`: how long a collective may block
-    before every rank stops with an error (a dead peer)."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+def init_distributed(timeout_s: float = 1800.0) -> torch.device:
+    """This rank's device; initialises the default process group when launched with several ranks."""
+    import torch.distributed as dist
 
-    # cpu=True on a machine without CUDA: Accelerate otherwise leaves a torchrun-started
-    # CPU job un-initialised (DistributedType.NO) and every rank would train alone.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[process_group_kwargs(timeout_s)])
-    set_seed(seed)
-    mesh = init_sequence_parallel(ulysses_degree=ulysses, ring_degree=ring, fpdt_chunks=fpdt_chunks)
-    return accelerator, mesh
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=float(timeout_s)),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
 
 
-def describe(accelerator: Any, mesh: SPMesh) -> str:
+def describe(mesh: SPMesh, device: torch.device) -> str:
     """One line naming the launch: backend, world and the mesh factorisation."""
     import torch.distributed as dist
 
     backend = dist.get_backend() if dist.is_initialized() else "none"
     return (
-        f"{mesh.world_size} rank(s) on {accelerator.device.type} ({backend}): dp {mesh.dp} x ring {mesh.ring} x "
+        f"{mesh.world_size} rank(s) on {device.type} ({backend}): dp {mesh.dp} x ring {mesh.ring} x "
         f"ulysses {mesh.ulysses}{f' x fpdt_chunks {mesh.fpdt_chunks}' if mesh.fpdt_chunks > 1 else ''}; "
         f"FSDP2 shards over all {mesh.world_size}"
     )

@@ -2,7 +2,7 @@
 
 The test starts its OWN 2-rank gloo job (the shared pool must not lose a rank): this file
 run as a script is the worker. Both ranks train a tiny patched Llama (Ulysses 2, FSDP2
-over both) through `hf_longctx.training.train` with a 10 s process-group timeout; rank 1
+over both) through `LongContextTrainer` with a 10 s process-group timeout; rank 1
 calls `os._exit` inside the forward of step 2 (mid-step: after step 1's collectives,
 before step 2's all-gathers complete). Rank 0 must exit non-zero with the `RankFailure`
 message naming its rank and the step, within the timeout plus start-up and teardown slack,
@@ -28,20 +28,26 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from datasets import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
-    from hf_longctx.distributed.mesh import init_sequence_parallel
-    from hf_longctx.training.loop import TrainConfig, train
+    from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
+    from tests.trainer_cases import make_dataset, training_args
 
     torch.set_num_threads(1)
+    # The job's own process group, with the fault timeout (what training.init_distributed does
+    # under torchrun); TrainingArguments adopts it.
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
+    args = training_args(tempfile.mkdtemp(prefix="hf_longctx_faults_out_"), max_steps=4)
     mesh = init_sequence_parallel(ulysses_degree=world)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
     steps_done = []
+
+    class Count(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps_done.append(state.global_step)
 
     def die_mid_step(module, args, kwargs):
         if rank == 1 and len(steps_done) == DIE_AT_STEP - 1:
@@ -49,11 +55,9 @@ def _worker(rank: int, world: int, init_file: str) -> None:
             os._exit(DEAD_EXIT)
 
     model.register_forward_pre_hook(die_mid_step, with_kwargs=True)
-    g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (12, 20, 9, 15, 30, 7, 18, 11)]
-    data = Dataset.from_dict({"input_ids": docs, "length": [len(d) for d in docs]})
-    cfg = TrainConfig(steps=4, tokens_per_step=40, max_tokens=32, mixed_precision="fp32", progress_bar=False)
-    train(model, data, mesh, cfg, callbacks=[lambda rec: steps_done.append(rec.step)])
+    trainer = LongContextTrainer(model=patch(model, mesh), args=args, train_dataset=make_dataset(), mesh=mesh,
+                                 max_tokens=48, tokens_per_step=60, callbacks=[Count()])
+    trainer.train()
     print(f"rank {rank}: finished all steps", flush=True)
 
 
@@ -103,6 +107,25 @@ def test_watchdog_fires_without_beats_and_not_with_them():
         while not fired and time.monotonic() < deadline:
             time.sleep(0.05)
     assert fired and "no progress for 0.4s (last step 7)" in fired[0]
+
+
+def test_watchdog_callback_spans_train():
+    from hf_longctx.training.faults import WatchdogCallback
+
+    fired = []
+    cb = WatchdogCallback(0.4, on_expire=fired.append)
+    cb.on_train_begin(None, None, None)
+    for step in range(4):  # the trainer beats after every micro-batch
+        time.sleep(0.1)
+        cb.beat(step)
+    cb.on_train_end(None, None, None)
+    assert not fired and cb._dog is None
+    cb.on_train_begin(None, None, None)
+    deadline = time.monotonic() + 5
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cb.on_train_end(None, None, None)
+    assert fired and "no progress for 0.4s" in fired[0]
 
 
 def test_comm_guard_wraps_backend_errors_only():

@@ -2,7 +2,8 @@
 
 `accelerate launch` with accelerate_configs/cpu_4proc.yaml must start 4 gloo ranks (its
 MULTI_CPU type would start one), the recipe must build its tokenizer and model locally,
-load the model with `from_pretrained`, and train with Ulysses 2 × ring 2 under FSDP2. The
+load the model with `from_pretrained`, and train through `LongContextTrainer` (a
+`transformers.Trainer`) with Ulysses 2 × ring 2 under FSDP2. The
 loss must fall: from ln(1024) ≈ 6.93 (a fresh model over a 1024-id vocabulary) the first
 optimizer steps on Python source cut it by >0.1 deterministically (seeded data, plan and
 init); a broken gradient (wrong scale, no sync) leaves it flat or makes it rise.
@@ -31,10 +32,11 @@ def test_demo_runs_end_to_end(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "4 rank(s) on cpu (gloo): dp 1 x ring 2 x ulysses 2" in out, out[-2000:]
-    steps = re.findall(r"step +(\d+) \| loss ([\d.]+) .* = ([\d.]+k?) tok/s .* synced/ideal ([\d.]+)", out)
+    steps = re.findall(r"step +(\d+) \| loss ([\d.]+) .* \| ([\d.]+) tok/s \| plan synced/ideal ([\d.]+)", out)
     assert [int(s[0]) for s in steps] == list(range(1, STEPS + 1)), out[-2000:]
     losses = [float(s[1]) for s in steps]
     assert losses[-1] < losses[0] - 0.1, f"loss did not fall: {losses}"
     assert "summary: loss" in out and "wall time" in out
-    assert os.path.exists(tmp_path / "checkpoints" / f"step_{STEPS:08d}" / "DONE")
+    ckpt = tmp_path / "checkpoints" / f"checkpoint-{STEPS}"
+    assert (ckpt / "hf_longctx_dcp").is_dir() and (ckpt / "hf_longctx_sampler.json").exists()
     assert os.path.exists(tmp_path / "model" / "config.json")  # saved, then loaded with from_pretrained

@@ -1,14 +1,19 @@
-"""`hf_longctx.train` in one process (no FSDP to shard with): the loop must place the model
-itself and honour a dataset's own `labels` column instead of training on every token."""
+"""`LongContextTrainer` in one process, and every refusal (raised before any collective).
+
+One process: the trainer places the model itself (no FSDP to shard with) and honours a
+dataset's own `labels` column: with the first third of every other document masked, the
+logged loss is the mean over the remaining targets only -- checked against the loss the
+unpatched model computes on the same documents by hand (no trainer involved).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_longctx import init_sequence_parallel
-from hf_longctx.training.loop import TrainConfig, train
+from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
 from tests.distributed.test_models import save_family
+from tests.trainer_cases import make_dataset, training_args
 
 
 @pytest.fixture(scope="module")
@@ -16,43 +21,97 @@ def llama_path(tmp_path_factory):
     return save_family("llama", tmp_path_factory.mktemp("single"))
 
 
-def _dataset(masked: bool):
+def _model(path, mesh=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return patch(model, mesh) if mesh is not None else model
+
+
+def _reference_first_loss(path, ds, trainer) -> float:
+    """Mean token loss of the first step's documents, unpatched model, per document, HF shift."""
+    sampler_steps = trainer._step_sampler.epoch_steps(0)
+    model = _model(path)
+    total, count = 0.0, 0
+    for i in sampler_steps[0].tolist():
+        row = ds[i]
+        ids = torch.tensor([row["input_ids"]])
+        labels = torch.tensor([row.get("labels") or row["input_ids"]])
+        logits = model(input_ids=ids, use_cache=False).logits.double()
+        tgt = labels[:, 1:]
+        lp = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                                               ignore_index=-100, reduction="sum")
+        total += float(lp)
+        count += int((tgt != -100).sum())
+    return total / count
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_single_process_loss_is_the_token_mean_over_labels(llama_path, tmp_path, masked):
+    mesh = init_sequence_parallel()
+    ds = make_dataset(masked=masked)
+    trainer = LongContextTrainer(model=_model(llama_path, mesh), args=training_args(str(tmp_path), max_steps=1),
+                                 train_dataset=ds, mesh=mesh, max_tokens=48, tokens_per_step=120)
+    trainer.train()
+    logged = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    assert logged == pytest.approx(_reference_first_loss(llama_path, ds, trainer), rel=1e-5)
+
+
+REFUSED = {
+    "gradient_accumulation_steps": (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
+    "label_smoothing": (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
+    "liger": (dict(use_liger_kernel=True), "use_liger_kernel"),
+    "sampling": (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
+    "batch_size": (dict(per_device_train_batch_size=2), "per_device_train_batch_size=2"),
+    "compile": (dict(torch_compile=True), "torch_compile"),
+    "workers": (dict(dataloader_num_workers=2), "dataloader_num_workers=2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_training_arguments(llama_path, tmp_path, name):
+    kw, match = REFUSED[name]
+    mesh = init_sequence_parallel()
+    with pytest.raises(ValueError, match=match):
+        LongContextTrainer(model=_model(llama_path, mesh), args=training_args(str(tmp_path), **kw),
+                           train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
+
+
+def test_refused_sequence_parallel_parallelism_config(llama_path, tmp_path):
+    from accelerate import ParallelismConfig
+
+    from hf_longctx.training.checks import check_training_arguments
+
+    args = training_args(str(tmp_path))
+    args.parallelism_config = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # the ALST path
+    with pytest.raises(ValueError, match="sp_size=2"):
+        check_training_arguments(args)
+
+
+def test_refused_models_and_data(llama_path, tmp_path):
     from datasets import Dataset
 
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(6, 30, (12,), generator=g).tolist()
-    ids = [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
-    cols = {"input_ids": ids, "length": lengths}
-    if masked:  # a prompt/response split: only the second half of each document is trained
-        cols["labels"] = [[-100] * (len(x) // 2) + x[len(x) // 2 :] for x in ids]
-    return Dataset.from_dict(cols)
+    mesh = init_sequence_parallel()
+    args = training_args(str(tmp_path))
+    kw = dict(mesh=mesh, max_tokens=48, tokens_per_step=120)
+    with pytest.raises(ValueError, match="is not patched"):
+        LongContextTrainer(model=_model(llama_path), args=args, train_dataset=make_dataset(), **kw)
+    with pytest.raises(ValueError, match="no 'input_ids' column"):
+        LongContextTrainer(model=_model(llama_path, mesh), args=args, train_dataset=Dataset.from_dict({"text": ["a b"]}), **kw)
+    with pytest.raises(ValueError, match=r"exceed max_tokens=16 \(document 0 has 30 tokens"):
+        LongContextTrainer(model=_model(llama_path, mesh), args=args, tokens_per_step=120, mesh=mesh, max_tokens=16,
+                           train_dataset=Dataset.from_dict({"input_ids": [list(range(1, 31))]}))
+    with pytest.raises(ValueError, match="compute_metrics is not supported"):
+        LongContextTrainer(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(),
+                           compute_metrics=lambda p: {}, **kw)
 
 
-def _train(path, dataset):
-    from transformers import AutoModelForCausalLM
+def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path):
+    from hf_longctx.integrations.transformers import _STATE_ATTR
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    before = [p.detach().clone() for p in model.parameters()]
-    cfg = TrainConfig(steps=2, tokens_per_step=120, max_tokens=64, lr=1e-3, warmup_steps=0, mixed_precision="fp32",
-                      progress_bar=False)
-    res = train(model, dataset, init_sequence_parallel(), cfg)
-    changed = any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
-    return res.losses, changed
-
-
-def test_single_process_train_uses_labels_column(llama_path):
-    plain, changed = _train(llama_path, _dataset(masked=False))
-    assert changed and len(plain) == 2
-    masked, _ = _train(llama_path, _dataset(masked=True))
-    assert masked[0] != pytest.approx(plain[0], rel=1e-3)  # the prompt half is not in the loss
-
-
-def test_param_offload_refused_in_one_process(llama_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
-    cfg = TrainConfig(steps=1, tokens_per_step=120, max_tokens=64, mixed_precision="fp32", param_offload=True,
-                      progress_bar=False)
-    with pytest.raises(ValueError, match="param_offload=True needs FSDP"):
-        train(model, _dataset(masked=False), init_sequence_parallel(), cfg)
+    mesh = init_sequence_parallel()
+    args = training_args(str(tmp_path), activation_checkpointing=True)
+    model = _model(llama_path, mesh)
+    LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
+    assert model.__dict__[_STATE_ATTR].options.checkpoint is True  # recomputation inside our attention binding
+    assert not args.activation_checkpointing  # HF's own wrapper stays off

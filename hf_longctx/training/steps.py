@@ -1,0 +1,172 @@
+"""The trainers' data: one DataLoader item = one optimizer step of THIS rank.
+
+Where it sits: between a `datasets.Dataset` (`input_ids`, optional `labels`) and
+`LongContextTrainerMixin.training_step`. A `transformers.Trainer` expects one batch per
+`next(dataloader)` and shards the dataset over processes with Accelerate; our data flow
+(DESIGN.md) needs the opposite -- every rank draws the SAME global list of documents per
+step (`StepSampler`, DESIGN invariant 8), the cost-balanced plan picks this DP rank's
+micro-batches and `shard_batch` this SP rank's slice (`LongContextCollator`, Hydraulis
+two-stage assignment / FlexSP chunking). So the DataLoader built here is never handed to
+`accelerator.prepare` (which would split the global list over ranks), its batch sampler
+yields the step sampler's index lists, and its collate function wraps the collator's
+`list[dict]` into ONE step dict:
+
+    {"micro_batches": [shard, ...],      # this rank's sharded micro-batches (count varies per step)
+     "num_items_in_batch": N,            # valid targets of the WHOLE step (all ranks): the normaliser
+     "tokens": T, "flops": F,            # trained tokens / estimated FLOPs of the whole step
+     "balance": b}                       # the plan's synced/ideal cost (None without a cost model)
+
+Nothing is truncated here: a document longer than `max_tokens` is the planner's business
+(`overlong="error" | "split" | "truncate"`), checked up front by `check_lengths`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from hf_longctx.data.collator import LongContextCollator
+from hf_longctx.data.sampler import StepSampler
+
+STEP_KEYS = ("micro_batches", "num_items_in_batch", "tokens", "flops", "balance")
+
+
+def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
+    """The columns the collator reads (`input_ids`, and `labels` if present); raises for
+    anything that is not a `datasets.Dataset` with `input_ids`."""
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset):
+        raise ValueError(
+            f"{name} must be a datasets.Dataset with an 'input_ids' column (the step sampler needs every document's "
+            f"length up front), got {type(dataset).__name__}"
+        )
+    if "input_ids" not in dataset.column_names:
+        raise ValueError(
+            f"{name} has no 'input_ids' column (columns: {dataset.column_names}); tokenize it first, e.g. "
+            "hf_longctx.tokenize_dataset(raw, tokenizer)"
+        )
+    return [c for c in ("input_ids", "labels") if c in dataset.column_names]
+
+
+def document_lengths(dataset: Any) -> list[int]:
+    """Token count of every document: the `length` column of `tokenize_dataset`, else len(input_ids)."""
+    if "length" in dataset.column_names:
+        return [int(n) for n in dataset["length"]]
+    return [len(ids) for ids in dataset["input_ids"]]
+
+
+def check_lengths(lengths: Sequence[int], max_tokens: int, overlong: str, name: str = "train_dataset") -> None:
+    """`overlong="error"`: name the first documents longer than the micro-batch cap, before training."""
+    if overlong != "error":
+        return
+    long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+    if long:
+        shown = ", ".join(f"document {i} has {n} tokens" for i, n in long[:5])
+        raise ValueError(
+            f"{name}: {len(long)} document(s) exceed max_tokens={max_tokens} ({shown}); nothing is truncated silently: "
+            "raise max_tokens, or pass overlong='split' (train the pieces as separate documents) or 'truncate'"
+        )
+
+
+class StepStream(torch.utils.data.Sampler):
+    """Batch sampler of the step DataLoader: the step sampler's index lists.
+
+    `endless=True` (training) continues into the next epoch instead of ending, so a Trainer
+    "epoch" (`len()` = the steps of the sampler's first epoch; epochs differ slightly since
+    steps are cut by a token budget) never drops the tail of a sampler epoch; `max_steps` ends
+    training. `endless=False` (evaluation) yields one pass.
+    """
+
+    def __init__(self, sampler: StepSampler, *, endless: bool) -> None:
+        self.sampler = sampler
+        self.endless = endless
+        self._len = len(sampler.epoch_steps(sampler.epoch))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if not self.endless:
+            yield from self.sampler
+            return
+        while True:
+            empty = True
+            for indices in self.sampler:
+                empty = False
+                yield indices
+            if empty:
+                raise ValueError("the step sampler yields no step: the dataset is empty")
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Dataset rows as the collator's features (only the columns it reads), fetched per step."""
+
+    def __init__(self, dataset: Any, columns: list[str]) -> None:
+        self.dataset = dataset
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        rows = self.dataset.select_columns(self.columns)[indices]  # {column: [value per document]}
+        return [dict(zip(self.columns, values)) for values in zip(*(rows[c] for c in self.columns))]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.__getitems__([index])[0]
+
+
+class StepCollate:
+    """collate_fn: one step's features -> one step dict (see the module docstring)."""
+
+    def __init__(self, collator: LongContextCollator, flops_model: Any = None) -> None:
+        self.collator = collator
+        self.flops_model = flops_model
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        micro_batches = self.collator(features)
+        plan = self.collator.last_plan
+        # What is trained: the plan's pieces (a split document attends within its piece).
+        lengths = [p.end - p.start for p in plan.pieces]
+        flops = float(self.flops_model(lengths).sum()) if self.flops_model is not None else 0.0
+        balance = (self.collator.stats or {}).get("synced_over_ideal") if self.collator.cost is not None else None
+        return {
+            "micro_batches": micro_batches,
+            "num_items_in_batch": int(self.collator.last_num_items),
+            "tokens": int(sum(lengths)),
+            "flops": flops,
+            "balance": balance,
+        }
+
+
+def step_dataloader(
+    dataset: Any,
+    collator: LongContextCollator,
+    *,
+    tokens_per_step: int,
+    seed: int,
+    shuffle: bool,
+    endless: bool,
+    flops_model: Any = None,
+    lengths: Sequence[int] | None = None,
+    name: str = "train_dataset",
+) -> tuple[torch.utils.data.DataLoader, StepSampler]:
+    """(DataLoader of step dicts, its StepSampler, whose state a checkpoint saves). `lengths`:
+    the documents' token counts when already known.
+
+    num_workers is 0 on purpose: the sampler's position must be exactly the steps consumed
+    (a worker's prefetch would advance it), and planning a step costs milliseconds.
+    """
+    columns = check_dataset(dataset, name)
+    lengths = document_lengths(dataset) if lengths is None else lengths
+    check_lengths(lengths, collator.max_tokens, collator.overlong, name)
+    sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
+    loader = torch.utils.data.DataLoader(
+        _Rows(dataset, columns),
+        batch_sampler=StepStream(sampler, endless=endless),
+        collate_fn=StepCollate(collator, flops_model),
+        num_workers=0,
+    )
+    return loader, sampler

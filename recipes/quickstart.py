@@ -1,0 +1,25 @@
+"""The README quickstart: a plain `transformers.Trainer` script plus hf_longctx's three additions
+(marked `# hf_longctx`). Run: torchrun --nproc-per-node N recipes/quickstart.py MODEL 'docs/*.txt' OUT_DIR STEPS
+(on CPU it uses gloo; tests/integration/test_quickstart.py runs it on 2 CPU ranks)."""
+import os
+import sys
+
+import torch
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+
+from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset
+
+model_id, data_files, output_dir, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+args = TrainingArguments(output_dir=output_dir, max_steps=steps, learning_rate=2e-5, logging_steps=1, report_to=[],
+                         bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())  # sets up the process group
+mesh = init_sequence_parallel(ulysses_degree=int(os.environ.get("WORLD_SIZE", 1)))  # hf_longctx: all ranks one SP group
+tokenizer = AutoTokenizer.from_pretrained(model_id)
+model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
+patch(model, mesh)  # hf_longctx: attention through Ulysses/ring
+raw = load_dataset("text", data_files=data_files, sample_by="document", split="train")
+data = tokenize_dataset(raw, tokenizer)  # one row per document, nothing truncated
+trainer = LongContextTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                             mesh=mesh, max_tokens=32768, tokens_per_step=65536)  # hf_longctx: the new kwargs
+trainer.train()
+trainer.save_model()  # a consolidated save_pretrained directory; loads without hf_longctx

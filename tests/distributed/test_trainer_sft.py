@@ -1,0 +1,100 @@
+"""TRL `SFTTrainer` through `LongContextTrainerMixin`: completion-only loss on 2 ranks
+(Ulysses 2, FSDP2) equals the same trainer in one process.
+
+The dataset is prompt–completion text; TRL tokenizes it with a word-level tokenizer built
+here and turns its `completion_mask` into `labels` (-100 on the prompt), which the step
+collator reads. Checked: the labels really mask the prompt; the logged loss, `grad_norm`,
+`mean_token_accuracy` and `entropy` of every step equal the single-process run within 1e-5
+(fp32; see test_trainer.py), and the per-step loss is NOT the full-sequence loss (the
+completion-only masking changed it). `SFTConfig.max_length` other than None and packing are
+refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_models import save_family
+from tests.pool import worker_mesh
+from tests.trainer_cases import assert_steps_close, trainer_env
+
+TOL = 1e-5
+WORDS = [f"w{i}" for i in range(120)]
+
+
+def make_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+
+
+def make_sft_dataset(n: int = 16, seed: int = 0):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+
+    def text(k: int) -> str:
+        return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (k,), generator=g).tolist())
+
+    rows = [(text(int(a)), " " + text(int(b))) for a, b in torch.randint(3, 18, (n, 2), generator=g)]
+    return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [c for _, c in rows]})
+
+
+def _run(model_path: str, tok_path: str, output_dir: str, distributed: bool, **sft: object) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_longctx import LongContextTrainerMixin, init_sequence_parallel, patch
+
+    class LongSFT(LongContextTrainerMixin, SFTTrainer):
+        pass
+
+    trainer_env()
+    # bf16=False: SFTConfig defaults to bf16; fp32 makes the 1e-5 comparison meaningful. gradient_checkpointing
+    # stays at its SFTConfig default (True): the mixin maps it to patch(checkpoint=True).
+    cfg = dict(output_dir=output_dir, max_steps=3, learning_rate=3e-3, logging_steps=1, max_grad_norm=1.0, report_to=[],
+               use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0, bf16=False, **{"max_length": None, **sft})
+    args = SFTConfig(**cfg)
+    mesh = worker_mesh(2, 1) if distributed else init_sequence_parallel()
+    model = patch(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), mesh)
+    trainer = LongSFT(model=model, args=args, train_dataset=make_sft_dataset(), processing_class=AutoTokenizer.from_pretrained(tok_path),
+                      mesh=mesh, max_tokens=64, tokens_per_step=160)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    first = trainer.train_dataset[0]
+    return {"steps": [(h["loss"], h["grad_norm"]) for h in logs],
+            "acc": [(h["mean_token_accuracy"], h["entropy"]) for h in logs],
+            "masked": first["labels"][0] == -100 and first["labels"][-1] != -100}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    make_tokenizer(str(root / "tok"))
+    return save_family("llama", root), str(root / "tok")
+
+
+def test_sft_completion_only_matches_single_process(pools, paths, tmp_path):
+    pytest.importorskip("trl")
+    model_path, tok_path = paths
+    ref = _run(model_path, tok_path, str(tmp_path / "ref"), False)
+    full = _run(model_path, tok_path, str(tmp_path / "full"), False, completion_only_loss=False)
+    out = pools.get(2).run(_run, model_path, tok_path, str(tmp_path / "sp"), True, timeout=600)
+    assert ref["masked"] and not full["masked"]
+    assert abs(full["steps"][0][0] - ref["steps"][0][0]) > 1e-3  # the prompt is really out of the loss
+    for rank, res in enumerate(out):
+        assert_steps_close(res["steps"], ref["steps"], TOL, f"sft rank {rank}")
+        assert_steps_close(res["acc"], ref["acc"], TOL, f"sft metrics rank {rank}")
+
+
+@pytest.mark.parametrize("kw,match", [(dict(max_length=1024), "max_length=1024"), (dict(packing=True), "packing=True")])
+def test_sft_refusals(paths, tmp_path, kw, match):
+    pytest.importorskip("trl")
+    model_path, tok_path = paths
+    with pytest.raises(ValueError, match=match):
+        _run(model_path, tok_path, str(tmp_path), False, **kw)
