@@ -59,10 +59,16 @@ class ProbeReport:
 
 
 def _seq_view(t: Any, s: int):
-    """The sequence dim of `t` (the one dim of size s), or None when absent or ambiguous."""
-    if not isinstance(t, torch.Tensor) or t.is_sparse:
+    """The sequence dim of `t` (the one dim of size s after the batch dim), or None.
+
+    Only tensors that keep the probe's batch dim (size 1, first) count: a module that
+    flattens tokens to [B·S, ...] may also reorder them (an MoE layer sorts its tokens by
+    expert before the experts' activation), so a flat tensor's rows are not positions and
+    comparing them position by position would blame a per-token module. The enclosing
+    module's [B, S, ...] output still exposes any real mixing there."""
+    if not isinstance(t, torch.Tensor) or t.is_sparse or t.dim() < 2 or t.shape[0] != 1:
         return None
-    dims = [d for d, n in enumerate(t.shape) if n == s]
+    dims = [d for d, n in enumerate(t.shape) if n == s and d > 0]
     return dims[0] if len(dims) == 1 else None
 
 
@@ -237,7 +243,9 @@ def probe_model(
                     changed, t = True, torch.where(other, r, t)
             else:  # run C: the shard [a:S] alone must reproduce run A at those tokens
                 want = r.narrow(dim, a, s - a)
-                if _differs(t, want):
+                # A tensor whose shape does not line up is not a sequence-aligned tensor (e.g. the
+                # tokens an MoE loop gathered for one expert, whose count changes between runs).
+                if t.shape == want.shape and t.dtype == want.dtype and _differs(t, want):
                     changed, t = True, want.clone()
             new.append(t)
         return changed, new
