@@ -16,9 +16,20 @@ in DDP). So `fsdp_plan()` decides everything itself and returns
 - `gradient_reduction = "sum"`: DESIGN invariant 6 -- every rank's loss is already divided
   by the step's GLOBAL token count, so FSDP must SUM the gradient shares; its default
   average would divide the gradient by the world size;
-- `apply(model)`: torch `fully_shard` on every decoder layer, then on the root, with the
-  sum reduction set on every FSDP unit. This is the path the training loop uses everywhere
+- `apply(model)`: torch `fully_shard` on every decoder layer, on the input embedding and
+  the LM head (ONE unit when their weights are tied), then on the root, with the sum
+  reduction set on every FSDP unit. This is the path the training loop uses everywhere
   (gloo on CPU, NCCL on CUDA).
+
+Memory at load (torch 2.13 `fully_shard`, `_fsdp_init._move_states_to_device`): each call
+moves only the parameters and buffers of the unit it creates to the mesh's device
+(`torch.cuda.current_device()` for a CUDA mesh) and shards them right away, so calling it
+unit by unit on a model still on CPU holds at most one unsharded unit on the GPU at a time;
+`apply` therefore never moves the model itself (a `model.to("cuda")` first would put the
+whole unsharded model on every GPU). Embedding and LM head as units of their own, resharded
+after use: the root unit would otherwise keep them unsharded from its forward through the
+whole backward (a vocabulary-sized [V, Hd] matrix, twice when untied, is the largest
+parameter of most models).
 """
 
 from __future__ import annotations
@@ -113,20 +124,41 @@ class FSDPPlan:
 
         if any(isinstance(m, FSDPModule) for m in model.modules()):
             raise ValueError(f"{type(model).__name__} is already sharded with fully_shard; apply the plan once")
-        if self.device_mesh.device_type == "cuda":
-            model.to(torch.device("cuda", torch.cuda.current_device()))
         mp, offload = self._policies()
         kw = dict(mesh=self.device_mesh, mp_policy=mp, offload_policy=offload)
         layers = [m for m in model.modules() if isinstance(m, self.layer_classes)]
         if not layers:
             raise ValueError(f"no module of classes {[c.__name__ for c in self.layer_classes]} in {type(model).__name__}")
+        # No model.to(device): fully_shard moves each unit's states itself (module docstring).
         for layer in layers:
             fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kw)
-        # The root's parameters (embeddings, final norm, LM head) are needed right after
-        # forward by the loss and first in backward: keeping them unsharded saves one gather.
+        for unit in embedding_units(model):
+            # Always resharded after use: the LM head runs last in forward and first in
+            # backward (one extra all-gather), the embedding first and last.
+            fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=True, **kw)
+        # What is left to the root (final norm, position embeddings, buffers) is small; it is
+        # needed first in backward, so it stays unsharded after forward.
         fully_shard(model, reshard_after_forward=False, **kw)
         self.sum_reduction(model)
         return model
+
+
+def embedding_units(model: Any) -> list[list[torch.nn.Module]]:
+    """The input embedding and the LM head as FSDP units: [[embed, head]] when their weights
+    are tied (one parameter must live in one unit: `fully_shard([embed, head])`, a list of
+    modules grouped for communication), else [[embed], [head]]; modules without parameters
+    of their own are skipped."""
+    from hf_longctx.integrations.transformers import _hf_model
+
+    hf = _hf_model(model)
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    found = [m for m in (embed, head) if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters())]
+    if len(found) == 2 and found[0] is found[1]:
+        found = found[:1]
+    if len(found) == 2 and {id(p) for p in found[0].parameters()} & {id(p) for p in found[1].parameters()}:
+        return [found]  # tied: one unit
+    return [[m] for m in found]
 
 
 def _plugin(layer_classes: tuple[type, ...], mixed_precision: str, param_offload: bool, reshard_after_forward: bool):

@@ -114,31 +114,31 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
         num_items = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("logits_to_keep", None)  # the loss covers every token
         return_dict = kwargs.pop("return_dict", None)  # None: HF's default, a ModelOutput
-        captured: list[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
 
-        def capture(hidden: torch.Tensor) -> torch.Tensor:
-            captured.append(hidden)
+        def head_loss(hidden: torch.Tensor) -> torch.Tensor:
+            # The loss is computed INSIDE the head's call: under FSDP the head is a unit of its
+            # own (integrations/accelerate.py), its weight is unsharded only during this call.
+            # The loss Function takes every gradient here, so backward needs no weights.
+            nonlocal shift_labels
+            if shift_labels is None:  # HF's convention: position t predicts labels[t + 1]
+                shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # [B, S]
+            n = hidden.shape[0] * hidden.shape[1]
+            chunk_size = default_loss_chunk_size(config, n) if loss_chunks == "auto" else math.ceil(n / loss_chunks)
+            losses.append(chunked_causal_lm_loss(
+                hidden, head.weight, getattr(head, "bias", None), shift_labels=shift_labels,
+                num_items_in_batch=num_items, chunk_size=max(1, chunk_size), final_logit_softcapping=softcap,
+            ))
             return hidden.new_empty((*hidden.shape[:-1], 0))  # [B, S, 0]: no logits; softcap ops on it are free
 
-        _set_instance_attr(head, "forward", capture, restore := [])
+        _set_instance_attr(head, "forward", head_loss, restore := [])
         try:
             out = forward(*args, return_dict=True, **kwargs)
         finally:
             restore[0]()
-        if len(captured) != 1:
-            raise RuntimeError(f"expected one LM head call in {type(model).__name__}.forward, saw {len(captured)}")
-        hidden = captured[0]  # [B, S, Hd]
-        if shift_labels is None:  # HF's convention: position t predicts labels[t + 1]
-            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # [B, S]
-        chunk_size = (
-            default_loss_chunk_size(config, hidden.shape[0] * hidden.shape[1])
-            if loss_chunks == "auto"
-            else math.ceil(hidden.shape[0] * hidden.shape[1] / loss_chunks)
-        )
-        loss = chunked_causal_lm_loss(
-            hidden, head.weight, getattr(head, "bias", None), shift_labels=shift_labels,
-            num_items_in_batch=num_items, chunk_size=max(1, chunk_size), final_logit_softcapping=softcap,
-        )
+        if len(losses) != 1:
+            raise RuntimeError(f"expected one LM head call in {type(model).__name__}.forward, saw {len(losses)}")
+        loss = losses[0]
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         out = type(out)(loss=loss, logits=None, **fields)
         return out.to_tuple() if return_dict is False else out

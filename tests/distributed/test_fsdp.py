@@ -43,14 +43,14 @@ def _flat(docs):
 
 
 def _reference_update(path: str) -> dict[str, torch.Tensor]:
-    model = load(path)
+    model = load(path)  # unpatched: HF's own loss
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model(**_flat(_step_batches()), use_cache=False).loss.backward()
     torch.optim.SGD(model.parameters(), lr=LR).step()
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-def _fsdp_step(path: str, mixed_precision: str) -> dict:
+def _fsdp_step(path: str, mixed_precision: str, **memory) -> dict:
     from torch.distributed.tensor import DTensor
 
     from hf_longctx.data.sharding import shard_batch
@@ -59,7 +59,7 @@ def _fsdp_step(path: str, mixed_precision: str) -> dict:
 
     mesh = worker_mesh(2, 1)  # ulysses 2 × ring 1 → dp 2
     ref = _reference_update(path)
-    model = patch(load(path), mesh)
+    model = patch(load(path), mesh, **memory)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     plan = fsdp_plan(model, mesh, mixed_precision=mixed_precision)
     plan.apply(model)
@@ -84,8 +84,15 @@ def _fsdp_step(path: str, mixed_precision: str) -> dict:
     local_numel = sum(p.to_local().numel() for p in model.parameters())
     full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     errs = {n: rel(full[n] - before[n], ref[n]) for n in ref}
+    from torch.distributed.fsdp import FSDPModule
+
+    groups: dict[int, list[str]] = {}  # one entry per FSDP unit: the modules grouped in it
+    for n, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            groups.setdefault(id(m._get_fsdp_state()), []).append(n or "<root>")
+    units = sorted("+".join(g) for g in groups.values())
     return {"sharded": sharded, "local_numel": local_numel, "numel": sum(t.numel() for t in full.values()), "errs": errs,
-            "units": sum(1 for _ in plan.layer_classes)}
+            "units": units}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +108,48 @@ def test_fsdp_step_equals_single_process(pools, llama_path):
         assert res["local_numel"] <= res["numel"] / 4 + 256, f"rank {rank}: holds {res['local_numel']} of {res['numel']}"
         worst = max(res["errs"], key=res["errs"].get)
         assert res["errs"][worst] <= UPDATE_TOL, f"rank {rank}: {worst} update rel err {res['errs'][worst]:.2e}"
+
+
+@pytest.fixture(scope="module")
+def tied_paths(tmp_path_factory):
+    """GPT-2 (tied by default) and a Llama with tie_word_embeddings=True (the demo's)."""
+    import transformers as tf
+
+    from tests.distributed.test_models import family_config
+
+    root = tmp_path_factory.mktemp("tied")
+    paths = {}
+    for family in ("gpt2", "llama"):
+        cfg = family_config(family)
+        cfg.tie_word_embeddings = True
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+        assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+        model.save_pretrained(f"{root}/{family}")
+        paths[family] = f"{root}/{family}"
+    return paths
+
+
+@pytest.mark.parametrize("memory", [{}, {"loss_chunks": 3}], ids=["hf_loss", "chunked_loss"])
+def test_tied_embeddings_one_unit_exact(pools, tied_paths, memory):
+    """Tied embedding/LM head: ONE FSDP unit ([embed, head]) resharded after use; the step is
+    the single-process step (fp32, 4 gloo ranks), with HF's loss and with the chunked loss
+    computed inside the head unit's forward."""
+    for family, path in tied_paths.items():
+        results = pools.get(4).run(_fsdp_step, path, "fp32", **memory, timeout=240)
+        for rank, res in enumerate(results):
+            embed = {"gpt2": "transformer.wte", "llama": "model.embed_tokens"}[family]
+            assert f"{embed}+lm_head" in res["units"], f"{family}: units {res['units']}"
+            assert res["local_numel"] <= res["numel"] / 4 + 256, f"{family} rank {rank}: not sharded"
+            worst = max(res["errs"], key=res["errs"].get)
+            assert res["errs"][worst] <= UPDATE_TOL, f"{family} rank {rank}: {worst} update rel err {res['errs'][worst]:.2e}"
+
+
+def test_untied_embeddings_two_units(pools, llama_path):
+    res = pools.get(4).run(_fsdp_step, llama_path, "fp32", loss_chunks=2, timeout=240)[0]
+    assert {"model.embed_tokens", "lm_head", "<root>"} <= set(res["units"]), res["units"]
+    worst = max(res["errs"], key=res["errs"].get)
+    assert res["errs"][worst] <= UPDATE_TOL, f"{worst} update rel err {res['errs'][worst]:.2e}"
 
 
 def test_plan_fields_and_errors(llama_path):
