@@ -19,12 +19,13 @@ from typing import Iterable, Literal
 import torch
 
 
-def collective_device(group, like: torch.Tensor | None = None) -> torch.device:
+def collective_device(group, like: torch.Tensor | torch.device | None = None) -> torch.device:
     """The device a collective over `group` needs: the CUDA device this process set with
     `torch.cuda.set_device(LOCAL_RANK)` for NCCL (which refuses CPU tensors), CPU for gloo.
-    A tensor already on a CUDA device (`like`) keeps its device."""
-    if like is not None and like.device.type != "cpu":
-        return like.device
+    A tensor (or device) `like` already on an accelerator keeps its device."""
+    device = like.device if isinstance(like, torch.Tensor) else like
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.device(device)
     if group is not None:
         import torch.distributed as dist
 
