@@ -74,9 +74,9 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ce[keep].double()  # [N]
 
 
-def _single(model, autocast: bool):
+def _single(model, autocast: bool, seed: int = 0):
     """Unpatched one-process per-token losses, loss and gradients (float64) on all documents."""
-    batch = _flat(_docs())
+    batch = _flat(_docs(seed))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = model(**batch, use_cache=False)
     out.loss.backward()
@@ -187,3 +187,93 @@ def test_bf16_step_other_families(pools, bf16_models):
     world, layout = OTHERS_LAYOUT
     cases = [(f, paths[f], regime, layout) for regime in REGIMES for f in OTHERS]
     _check(pools.get(world).run(run_cases, cases, {f: refs[f] for f in OTHERS}, timeout=300))
+
+
+# ---- a few AdamW steps: FSDP2 bf16 plan (and under Accelerate) vs one process -------------
+#
+# Bound: per parameter, the summed update of STEPS AdamW steps satisfies the same criterion,
+# ‖Δ − Δ64‖ ≤ 2·‖Δ₁ − Δ64‖ + 1e-6·‖Δ64‖, with Δ64 the float64 run and Δ₁ the one-process
+# run in the same mixed precision (fp32 master weights and AdamW states, bf16 copies for
+# compute, fp32 gradients; under autocast for Accelerate). Why this is "as close as bf16
+# allows": the sharded run cannot be closer to Δ₁ than the bf16 noise itself (the SP/FSDP
+# run rounds at other places, so its bf16 errors are different draws of the same size,
+# and AdamW's normalisation m/√v turns small-gradient noise into updates of size lr in both
+# runs); anything systematic (a lost or doubled gradient share, bf16 master weights, a
+# bf16 reduction) makes the error exceed that noise.
+
+STEPS, LR = 3, 1e-2
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def single_adamw(path: str, mode: str) -> dict:
+    """mode "fp64": the truth; "bf16" / "bf16_autocast": fp32 master weights and AdamW,
+    bf16 compute copies (under CPU autocast for the second), fp32 gradients."""
+    master = _fresh(path, torch.float64 if mode == "fp64" else torch.float32)
+    start = {n: p.detach().clone() for n, p in master.named_parameters()}
+    opt = _adamw(master.parameters())
+    for step in range(STEPS):
+        work = master if mode == "fp64" else copy.deepcopy(master).to(torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16_autocast"):
+            loss = work(**_flat(_docs(step)), use_cache=False).loss
+        loss.backward()
+        if work is not master:
+            for p, w in zip(master.parameters(), work.parameters()):
+                p.grad = w.grad.to(p.dtype)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: (p.detach() - start[n]).double() for n, p in master.named_parameters()}
+
+
+def fsdp_adamw(path: str, refs: dict, use_accelerate: bool) -> dict:
+    """STEPS AdamW steps of a patched model under fsdp_plan(mixed_precision="bf16") on this
+    rank's DP share; returns per-parameter (excess, ratio) as `excess` does."""
+    import contextlib
+
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.transformers import patch
+
+    mesh = worker_mesh(2, 1)  # dp 2 x ulysses 2 on 4 ranks: FSDP over all 4
+    accelerator = None
+    if use_accelerate:
+        from accelerate import Accelerator
+
+        # No launcher env in the pool: Accelerate sees one process and gives CPU bf16
+        # autocast; the FSDP plan shards (Accelerate never wraps the model).
+        accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    try:
+        model = patch(_fresh(path, torch.float32), mesh)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        fsdp_plan(model, mesh, mixed_precision="bf16").apply(model)
+        opt = _adamw(model.parameters())
+        for step in range(STEPS):
+            batch = _flat(_docs(step)[mesh.dp_rank :: mesh.dp])
+            shard = shard_batch(batch, mesh, num_items_in_batch=_targets())
+            with accelerator.autocast() if accelerator else contextlib.nullcontext():
+                loss = model(**shard).loss
+            accelerator.backward(loss) if accelerator else loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        updates = {n: p.full_tensor().detach().double() - start[n].double() for n, p in model.named_parameters()}
+    finally:
+        if accelerator is not None:
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state(reset_partial_state=True)  # the pool's next task starts clean
+    truth, single = refs["fp64"], refs["bf16_autocast" if use_accelerate else "bf16"]
+    out = {}
+    for n in truth:
+        err, err1 = (updates[n] - truth[n]).norm().item(), (single[n] - truth[n]).norm().item()
+        out[n] = (err - (2 * err1 + 1e-6 * truth[n].norm().item()), err / max(err1, 1e-30))
+    return out
+
+
+@pytest.mark.parametrize("use_accelerate", [False, True], ids=["fsdp_bf16", "accelerate_bf16"])
+def test_fsdp_bf16_adamw_steps_track_single_process(pools, bf16_models, use_accelerate):
+    paths, _ = bf16_models
+    refs = {m: single_adamw(paths["llama"], m) for m in ("fp64", "bf16_autocast" if use_accelerate else "bf16")}
+    results = pools.get(4).run(fsdp_adamw, paths["llama"], refs, use_accelerate, timeout=300)
+    _check([{("llama", "adamw", use_accelerate): r} for r in results])
