@@ -98,8 +98,8 @@ def footer(args: argparse.Namespace) -> str:
     return "\n".join([
         "Assumptions (hf_longctx/planning/memory.py and search.py docstrings):",
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
-        "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered root + 2 layers and unsharded grads in the "
-        "compute dtype;",
+        "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered units (2 layers, or LM head + 1 layer) and "
+        "one unit's unsharded grads in the compute dtype;",
         "- activ = what autograd keeps for a Llama-style layer at S/sp tokens per GPU (checkpointing: layer inputs, "
         "on host; FPDT+offload: q/k/v/out on host); buffers = the larger transient of the loss and of one layer's "
         "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
