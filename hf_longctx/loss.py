@@ -59,7 +59,8 @@ def global_loss(
     if dp_reduce not in ("sum", "mean", "none"):
         raise ValueError(f"dp_reduce must be 'sum', 'mean' or 'none', got {dp_reduce!r}")
     t = torch.as_tensor(loss).detach()
-    t = t.to(collective_device(mesh.sp_group or mesh.dp_group, t), torch.float64, copy=True)  # []: float64, summing adds no rounding
+    group = mesh.sp_group if mesh.sp_group is not None else mesh.dp_group
+    t = t.to(collective_device(group, t), torch.float64, copy=True)  # []: float64, summing adds no rounding
     t = _all_reduce_sum(t, mesh.sp_group)  # []: this DP group's loss
     if dp_reduce != "none" and mesh.dp > 1:
         t = _all_reduce_sum(t, mesh.dp_group)  # []: summed over DP groups

@@ -171,3 +171,22 @@ def test_plan_fields_and_errors(llama_path):
     assert plan.device_mesh is None and plan.apply(model) is model  # one process: nothing to shard
     with pytest.raises(ValueError, match="mixed_precision"):
         fsdp_plan(model, mesh, mixed_precision="fp16")
+
+
+def test_collectives_take_the_nccl_device(monkeypatch):
+    """Under NCCL (emulated: the backend query and the current device are faked) every
+    collective of the library runs on the device `torch.cuda.set_device(LOCAL_RANK)` chose,
+    unless its tensor already lives on an accelerator; under gloo on CPU."""
+    import torch.distributed as dist
+
+    from hf_longctx.loss import collective_device
+
+    group = object()
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device(group) == torch.device("cuda", 3)
+    assert collective_device(group, torch.zeros(1)) == torch.device("cuda", 3)  # a CPU tensor moves
+    assert collective_device(group, torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert collective_device(None) == torch.device("cpu")  # one process: no collective
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "gloo")
+    assert collective_device(group, torch.zeros(1)) == torch.device("cpu")
