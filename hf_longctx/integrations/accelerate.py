@@ -115,11 +115,21 @@ class FSDPPlan:
             m.set_force_sum_reduction_for_comms(True)
         return len(units)
 
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard `model` in place with torch `fully_shard` (layers first, then the root) and
-        return it. In one process (no mesh) there is nothing to shard: the model is returned as is."""
+    def apply(self, model: torch.nn.Module, *, broadcast_from_rank0: bool = False) -> torch.nn.Module:
+        """Shard `model` in place with torch `fully_shard` (layers first, then the vocabulary
+        units, then the root) and return it. In one process (no mesh) there is nothing to
+        shard: the model is returned as is.
+
+        `broadcast_from_rank0=True`: only global rank 0 loaded the weights; every other rank
+        built the model on the meta device (`with torch.device("meta"): from_config(...)`),
+        so host memory holds ONE full copy per job instead of one per rank. After sharding,
+        the meta ranks allocate their shards (`to_empty`) and rank 0's full state dict is
+        broadcast with `set_model_state_dict(..., StateDictOptions(full_state_dict=True,
+        broadcast_from_rank0=True))`; every buffer (non-persistent ones such as RoPE's
+        inv_freq are in no state dict) is broadcast from rank 0 too."""
         if self.device_mesh is None:
             return model
+        full_state = self._rank0_state(model) if broadcast_from_rank0 else None
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -139,8 +149,42 @@ class FSDPPlan:
         # What is left to the root (final norm, position embeddings, buffers) is small; it is
         # needed first in backward, so it stays unsharded after forward.
         fully_shard(model, reshard_after_forward=False, **kw)
+        if broadcast_from_rank0:
+            self._broadcast_from_rank0(model, full_state)
         self.sum_reduction(model)
         return model
+
+    def _rank0_state(self, model: torch.nn.Module) -> dict:
+        """Rank 0's full state dict, taken before sharding; checks the other ranks are on meta."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if rank == 0 and on_meta:
+            raise ValueError(f"broadcast_from_rank0=True: rank 0 must hold the real weights, but {on_meta[:3]} are on meta")
+        if rank != 0 and len(on_meta) != len(list(model.parameters())):
+            raise ValueError(
+                f"broadcast_from_rank0=True: rank {rank} should build the model on the meta device "
+                "(with torch.device('meta'): AutoModelForCausalLM.from_config(config)); it holds real parameters"
+            )
+        return {k: v for k, v in model.state_dict().items()} if rank == 0 else {}
+
+    def _broadcast_from_rank0(self, model: torch.nn.Module, full_state: dict) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        device = torch.device("cpu") if self.param_offload or self.device_mesh.device_type == "cpu" else torch.device(
+            self.device_mesh.device_type, torch.cuda.current_device()
+        )
+        if dist.get_rank() != 0:
+            model.to_empty(device=device)  # this rank's shards (and buffers), uninitialised
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        group = self.device_mesh.get_group()
+        for _, buf in model.named_buffers():
+            moved = buf.to(device)
+            dist.broadcast(moved, src=dist.get_global_rank(group, 0), group=group)  # [same shape] from rank 0
+            if moved is not buf:
+                buf.copy_(moved)
 
 
 def embedding_units(model: Any) -> list[list[torch.nn.Module]]:

@@ -50,7 +50,18 @@ def _reference_update(path: str) -> dict[str, torch.Tensor]:
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-def _fsdp_step(path: str, mixed_precision: str, **memory) -> dict:
+def _meta_or_loaded(path: str, broadcast: bool):
+    """Rank 0 loads the weights; with `broadcast` every other rank builds the model on meta."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not broadcast or dist.get_rank() == 0:
+        return load(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).train()
+
+
+def _fsdp_step(path: str, mixed_precision: str, broadcast: bool = False, **memory) -> dict:
     from torch.distributed.tensor import DTensor
 
     from hf_longctx.data.sharding import shard_batch
@@ -59,10 +70,12 @@ def _fsdp_step(path: str, mixed_precision: str, **memory) -> dict:
 
     mesh = worker_mesh(2, 1)  # ulysses 2 × ring 1 → dp 2
     ref = _reference_update(path)
-    model = patch(load(path), mesh, **memory)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = patch(_meta_or_loaded(path, broadcast), mesh, **memory)
     plan = fsdp_plan(model, mesh, mixed_precision=mixed_precision)
-    plan.apply(model)
+    plan.apply(model, broadcast_from_rank0=broadcast)
+    before = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    start = {n: t.detach() for n, t in load(path).state_dict().items()}
+    loaded = max(rel(p.full_tensor(), start[n]) for n, p in model.named_parameters())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     docs, k = _step_batches(), 0
@@ -92,7 +105,13 @@ def _fsdp_step(path: str, mixed_precision: str, **memory) -> dict:
             groups.setdefault(id(m._get_fsdp_state()), []).append(n or "<root>")
     units = sorted("+".join(g) for g in groups.values())
     return {"sharded": sharded, "local_numel": local_numel, "numel": sum(t.numel() for t in full.values()), "errs": errs,
-            "units": units}
+            "units": units, "loaded": loaded, "inv_freq": _inv_freq_ok(model, path)}
+
+
+def _inv_freq_ok(model, path: str) -> bool:
+    """Non-persistent buffers (RoPE inv_freq) equal a freshly loaded model's."""
+    ref = dict(load(path).named_buffers())
+    return all(torch.equal(b.cpu(), ref[n]) for n, b in model.named_buffers() if n in ref)
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +169,15 @@ def test_untied_embeddings_two_units(pools, llama_path):
     assert {"model.embed_tokens", "lm_head", "<root>"} <= set(res["units"]), res["units"]
     worst = max(res["errs"], key=res["errs"].get)
     assert res["errs"][worst] <= UPDATE_TOL, f"{worst} update rel err {res['errs'][worst]:.2e}"
+
+
+def test_broadcast_from_rank0_meta_init_step_is_exact(pools, llama_path):
+    """Only rank 0 loads the weights, the others build the model on meta; after apply every
+    rank holds rank 0's weights (and buffers) and the step equals the single-process step."""
+    for rank, res in enumerate(pools.get(4).run(_fsdp_step, llama_path, "fp32", True, timeout=240)):
+        assert res["loaded"] == 0.0 and res["inv_freq"], f"rank {rank}: weights/buffers differ from rank 0's {res}"
+        worst = max(res["errs"], key=res["errs"].get)
+        assert res["errs"][worst] <= UPDATE_TOL, f"rank {rank}: {worst} update rel err {res['errs'][worst]:.2e}"
 
 
 def test_plan_fields_and_errors(llama_path):
