@@ -108,7 +108,8 @@ def excess(truth, single, run, dp_rank: int = 0, dp: int = 1) -> dict[str, tuple
     (tok64, g64), (tok1, g1), (tok, loss, g) = truth, single, run
     tok64, tok1 = _doc_slice(tok64, dp_rank, dp), _doc_slice(tok1, dp_rank, dp)
     out = {}
-    for name, t, s, r in [("tokens", tok64, tok1, tok)] + [(n, g64[n], g1[n], g[n]) for n in g64]:
+    per_token = [("tokens", tok64, tok1, tok)] if tok is not None else []  # None: chunked loss, no logits
+    for name, t, s, r in per_token + [(n, g64[n], g1[n], g[n]) for n in g64]:
         err, err1 = (r.double() - t).norm().item(), (s - t).norm().item()
         out[name] = (err - (2 * err1 + 1e-6 * t.norm().item()), err / max(err1, 1e-30))
     n_all = sum(n - 1 for n in DOCS)
@@ -118,7 +119,7 @@ def excess(truth, single, run, dp_rank: int = 0, dp: int = 1) -> dict[str, tuple
     return out
 
 
-def _sp_step(path: str, regime: str, mesh) -> tuple:
+def _sp_step(path: str, regime: str, mesh, memory: str | None = None) -> tuple:
     """One patched training step of this rank; loss and gradients summed over the world (float64)."""
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.gather import gather_sequence
@@ -126,7 +127,7 @@ def _sp_step(path: str, regime: str, mesh) -> tuple:
     from hf_longctx.integrations.transformers import patch
     from hf_longctx.loss import global_loss, sum_gradients
 
-    model = patch(_fresh(path, torch.bfloat16 if regime == "bf16" else torch.float32), mesh)
+    model = patch(_fresh(path, torch.bfloat16 if regime == "bf16" else torch.float32), mesh, memory=memory)
     if regime == "fsdp":
         fsdp_plan(model, mesh, mixed_precision="bf16").apply(model)
     batch = _flat(_docs()[mesh.dp_rank :: mesh.dp])
@@ -134,7 +135,7 @@ def _sp_step(path: str, regime: str, mesh) -> tuple:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=regime == "autocast"):
         out = model(**shard)
     out.loss.backward()
-    tokens = token_losses(gather_sequence(out.logits, shard, mesh), batch["labels"])  # this DP group's targets
+    tokens = None if out.logits is None else token_losses(gather_sequence(out.logits, shard, mesh), batch["labels"])
     if regime == "fsdp":
         grads = {n: p.grad.full_tensor().double() for n, p in model.named_parameters()}
     else:
@@ -144,12 +145,13 @@ def _sp_step(path: str, regime: str, mesh) -> tuple:
 
 
 def run_cases(cases: list, refs: dict) -> dict:
-    """cases: [(family, path, regime, (ulysses, ring, fpdt_chunks))] -> {case: excess dict}."""
+    """cases: [(family, path, regime, (ulysses, ring, fpdt_chunks)[, memory preset])] -> {case: excess dict}."""
     out = {}
-    for family, path, regime, (u, r, c) in cases:
+    for family, path, regime, (u, r, c), *memory in cases:
         mesh = worker_mesh(u, r, c)
         truth, single = refs[family][regime]
-        out[(family, regime, (u, r, c))] = excess(truth, single, _sp_step(path, regime, mesh), mesh.dp_rank, mesh.dp)
+        run = _sp_step(path, regime, mesh, *memory)
+        out[(family, regime, (u, r, c), *memory)] = excess(truth, single, run, mesh.dp_rank, mesh.dp)
     return out
 
 
@@ -187,6 +189,15 @@ def test_bf16_step_other_families(pools, bf16_models):
     world, layout = OTHERS_LAYOUT
     cases = [(f, paths[f], regime, layout) for regime in REGIMES for f in OTHERS]
     _check(pools.get(world).run(run_cases, cases, {f: refs[f] for f in OTHERS}, timeout=300))
+
+
+def test_bf16_step_with_memory_max(pools, bf16_models):
+    """memory="max" (chunked loss inside the LM head, chunked MLP, offloaded checkpointing,
+    FPDT K/V offload) in every regime, Llama and Gemma2 (softcapped chunked loss) on FPDT u=2, 4 ranks
+    (dp 2): no logits, so the loss is checked with its bound and every gradient as above."""
+    paths, refs = bf16_models
+    cases = [(f, paths[f], regime, (2, 1, 2), "max") for regime in REGIMES for f in ("llama", "gemma2")]
+    _check(pools.get(4).run(run_cases, cases, {f: refs[f] for f in ("llama", "gemma2")}, timeout=300))
 
 
 # ---- a few AdamW steps: FSDP2 bf16 plan (and under Accelerate) vs one process -------------
