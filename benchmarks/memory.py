@@ -16,7 +16,11 @@ Fit points lie where every loss chunk has its full (floor) length, so the line i
 
 GPU figures (pinned-host offload, side-stream prefetch): not measured -- no GPU here.
 
+The table ends with the `patch(memory=...)` presets: "max" against the all-features row,
+"balanced" against plain USP's step time.
+
 Run: /work/venv/bin/python benchmarks/memory.py            (about 10 minutes on 2 CPU cores)
+     /work/venv/bin/python benchmarks/memory.py --no-fit   (the ablation table with the presets only)
      /work/venv/bin/python benchmarks/memory.py --tokens 4096 --budget-tokens 2048 --verify-limit 0   (quick)
 """
 
@@ -44,6 +48,10 @@ ROWS = [  # (label, options); each row adds one feature to the one above
     ("+ chunked MLP", dict(loss=True, mlp=True)),
     ("+ FPDT chunks (u=4)", dict(loss=True, mlp=True, fpdt=True)),
     ("+ checkpoint offload", dict(loss=True, mlp=True, fpdt=True, checkpoint=True)),
+]
+PRESET_ROWS = [  # patch(memory=...) presets; "max" on the FPDT mesh of the all-features row
+    ("memory='balanced'", dict(preset="balanced")),
+    ("memory='max' (u=4)", dict(preset="max", fpdt=True)),
 ]
 
 
@@ -80,10 +88,13 @@ def _measure(base_mesh, opts: dict, tokens: int, loss_chunk_tokens: int) -> tupl
     s_local = tokens // WORLD
     chunk = loss_chunk_tokens or default_loss_chunk_size(model.config, s_local)
     loss_chunks = math.ceil(s_local / min(chunk, s_local)) if opts.get("loss") else None
-    patch(
-        model, mesh, kv_offload=bool(opts.get("fpdt")), checkpoint=bool(opts.get("checkpoint")),
-        mlp_chunks=default_mlp_chunks(FPDT_CHUNKS) if opts.get("mlp") else None, loss_chunks=loss_chunks,
-    )
+    if opts.get("preset"):
+        patch(model, mesh, memory=opts["preset"])
+    else:
+        patch(
+            model, mesh, kv_offload=bool(opts.get("fpdt")), checkpoint=bool(opts.get("checkpoint")),
+            mlp_chunks=default_mlp_chunks(FPDT_CHUNKS) if opts.get("mlp") else None, loss_chunks=loss_chunks,
+        )
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # stateless: the table is about activations
     shard = shard_batch(_batch(tokens, model.config.vocab_size), mesh)
@@ -122,7 +133,12 @@ def _worker(rank: int, init_file: str, args, results) -> None:
             print(f"  measured {opts or 'plain'} at {tokens} tokens: {peak / 2**20:.1f} MiB, {secs:.2f} s", flush=True)
         return peak, secs
 
-    table = [(label, *run(opts, args.tokens)) for label, opts in ROWS]
+    table = [(label, *run(opts, args.tokens)) for label, opts in ROWS + PRESET_ROWS]
+    if args.no_fit:
+        if rank == 0:
+            results.put((table, None, None))
+        dist.destroy_process_group()
+        return
     # Both fit points in the linear regime: every loss chunk at its full length (the floor).
     plain_lo, plain_hi = run(ROWS[0][1], args.budget_tokens // 2)[0], run(ROWS[0][1], args.budget_tokens)[0]
     budget = args.budget or plain_hi
@@ -156,6 +172,14 @@ def _print(args, table, budget, fits) -> None:
     for label, peak, secs in table:
         print(f"| {label} | {peak / mib:.1f} | {peak / plain_peak:.3f} | {peak / loss_peak:.3f} | {secs:.2f} | "
               f"{secs / plain_time:.2f} | not measured | not measured |")
+    rows = {label: (peak, secs) for label, peak, secs in table}
+    all_on, balanced, top = rows[ROWS[-1][0]], rows[PRESET_ROWS[0][0]], rows[PRESET_ROWS[1][0]]
+    print(f"\npresets: memory='max' peak = {top[0] / all_on[0]:.3f}x the all-features row (target within 5%); "
+          f"memory='balanced' step time = {balanced[1] / plain_time:.2f}x plain (target <= 1.1), "
+          f"peak {balanced[0] / plain_peak:.3f}x plain")
+    if fits is None:
+        return
+    table = table[: len(ROWS)]
     print(f"| longest sequence within {budget / mib:.1f} MiB/rank (plain USP peak at {args.budget_tokens} tokens) "
           "| fitted tokens | measured at tokens | measured peak MiB | | | | |")
     for label, longest, checked in fits:
@@ -181,6 +205,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=0, help="explicit per-rank budget in bytes (overrides the above)")
     parser.add_argument("--verify-limit", type=int, default=65536, help="re-measure fitted lengths up to this")
     parser.add_argument("--loss-chunk-tokens", type=int, default=0, help="tokens per loss chunk (0: library default)")
+    parser.add_argument("--no-fit", action="store_true", help="only the ablation table (with the memory presets)")
     args = parser.parse_args()
     fd, init_file = tempfile.mkstemp(prefix="hf_longctx_bench_")
     os.close(fd)

@@ -1,5 +1,6 @@
-"""The `hf-longctx` command. `plan`: which (ulysses, ring, fpdt chunks, offload,
-checkpointing) setting to train a model at a sequence length on a given cluster.
+"""The `hf-longctx` command. `plan`: which (ulysses, ring, fpdt chunks) mesh and which
+`patch(memory=...)` preset to train a model at a sequence length on a given cluster; the
+last lines print the suggestion as code (`planning.search.suggest` returns the same).
 
 Where it sits: outside the training data flow, before a job is launched. It reads the
 model config (a config.json, a directory holding one, or a name already in the local
@@ -72,14 +73,14 @@ def _gib(x: float) -> str:
 
 def _row(rank: int | str, c) -> list[str]:
     s, m = c.setting, c.memory
-    return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), "yes" if s.kv_offload else "no",
+    return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
             "yes" if s.checkpoint else "no", "yes" if s.mlp_chunks > 1 else "no",
             _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.peak),
             _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
             "yes" if c.feasible else f"no: {c.reason}"]
 
 
-HEADER = ["#", "ulysses", "ring", "dp", "fpdt", "kv offload", "ckpt", "chunked mlp/loss", "params", "grads",
+HEADER = ["#", "ulysses", "ring", "dp", "fpdt", "memory", "kv offload", "ckpt", "chunked mlp/loss", "params", "grads",
           "optim", "activ", "buffers", "peak GiB", "host GiB/GPU", "step s", "tok/s/GPU", "fits"]
 
 
@@ -97,8 +98,8 @@ def footer(args: argparse.Namespace) -> str:
     return "\n".join([
         "Assumptions (hf_longctx/planning/memory.py and search.py docstrings):",
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
-        "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered root + 2 layers and unsharded grads in the "
-        "compute dtype;",
+        "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered units (2 layers, or LM head + 1 layer) and "
+        "one unit's unsharded grads in the compute dtype;",
         "- activ = what autograd keeps for a Llama-style layer at S/sp tokens per GPU (checkpointing: layer inputs, "
         "on host; FPDT+offload: q/k/v/out on host); buffers = the larger transient of the loss and of one layer's "
         "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
@@ -140,7 +141,7 @@ def _plot(args: argparse.Namespace, config: Any, best) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hf_longctx.planning.memory import ModelDims
-    from hf_longctx.planning.search import Cluster, rank_settings
+    from hf_longctx.planning.search import Cluster, Suggestion, rank_settings
 
     args.micro_batch_tokens = args.micro_batch_tokens or args.seq_len
     config = load_config(args.model)
@@ -173,6 +174,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\n{len(feasible)} of {len(ranked)} settings fit; showing the best {len(shown)}"
           + ("" if args.show_infeasible else f"; {len(ranked) - len(feasible)} infeasible not shown (--show-infeasible)"))
     print(footer(args))
+    best = Suggestion.of(feasible[0])  # what hf_longctx.planning.search.suggest() returns
+    print(f"\nsuggested (fastest estimate that fits):\n{best.code()}")
     if args.plot:
         print(_plot(args, config, feasible[0]))
     return 0

@@ -6,11 +6,34 @@ collective -- and the same object is stored with the patch so that a second `pat
 equal options is a no-op (idempotence). The memory options belong to FPDT (FPDT paper §4:
 KV offload to host, chunked MLP and loss, activation checkpointing); they are forwarded to
 `integrations/memory.py` unchanged.
+
+Memory presets (`patch(model, mesh, memory=...)`): named bundles of those knobs, so a user
+need not know that the logits dominate. FPDT chunks stay a property of the mesh; "max"
+turns K/V offload on exactly when the mesh has them. `hf-longctx plan` chooses among the
+same presets (`planning/search.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+MEMORY_PRESETS = ("off", "balanced", "max")
+KNOBS = ("kv_offload", "mlp_chunks", "loss_chunks", "checkpoint")
+
+
+def preset_knobs(memory: str, fpdt_chunks: int) -> dict:
+    """The knobs of a memory preset on a mesh with `fpdt_chunks` FPDT chunks:
+    "off": nothing; "balanced": chunked LM head + loss and chunked MLP (no recompute of
+    attention, no host traffic); "max": those plus activation checkpointing with the layer
+    inputs offloaded to host, plus FPDT's K/V offload when the mesh has FPDT chunks."""
+    if memory not in MEMORY_PRESETS:
+        raise ValueError(f"memory must be one of {MEMORY_PRESETS}, got {memory!r}")
+    if memory == "off":
+        return {}
+    knobs = {"mlp_chunks": "auto", "loss_chunks": "auto"}
+    if memory == "max":
+        knobs.update(checkpoint=True, kv_offload=fpdt_chunks > 1)
+    return knobs
 
 
 def _check_chunks(name: str, value) -> None:
@@ -28,18 +51,39 @@ class PatchOptions:
     mlp_chunks: run every MLP over this many sequence chunks (None = unchunked, "auto" = FPDT's default).
     loss_chunks: compute the LM head + loss over this many sequence chunks (None = unchunked, "auto").
     checkpoint: activation checkpointing of every decoder layer.
+    memory: the preset these knobs came from (None: set one by one, or nothing).
     """
 
     kv_offload: bool = False
     mlp_chunks: int | str | None = None
     loss_chunks: int | str | None = None
     checkpoint: bool = False
+    memory: str | None = None
+
+    @classmethod
+    def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int) -> "PatchOptions":
+        """Options from `patch()`'s arguments: `knobs` holds only the knobs the caller passed
+        explicitly. A preset and an explicit knob together are refused: the preset would
+        silently override the knob or the knob the preset."""
+        unknown = sorted(set(knobs) - set(KNOBS))
+        if unknown:
+            raise TypeError(f"unknown patch() options {unknown}; the memory knobs are {KNOBS}")
+        if memory is None:
+            return cls(**knobs)
+        if knobs:
+            raise ValueError(
+                f"patch(memory={memory!r}) together with explicit {sorted(knobs)} is ambiguous; pass either a preset "
+                f"(memory in {MEMORY_PRESETS}) or the individual knobs"
+            )
+        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory)
 
     def __post_init__(self) -> None:
         for name in ("kv_offload", "checkpoint"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
+        if self.memory is not None and self.memory not in MEMORY_PRESETS:
+            raise ValueError(f"memory must be one of {MEMORY_PRESETS}, got {self.memory!r}")
         _check_chunks("mlp_chunks", self.mlp_chunks)
         _check_chunks("loss_chunks", self.loss_chunks)
 

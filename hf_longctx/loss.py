@@ -19,6 +19,21 @@ from typing import Iterable, Literal
 import torch
 
 
+def collective_device(group, like: torch.Tensor | torch.device | None = None) -> torch.device:
+    """The device a collective over `group` needs: the CUDA device this process set with
+    `torch.cuda.set_device(LOCAL_RANK)` for NCCL (which refuses CPU tensors), CPU for gloo.
+    A tensor (or device) `like` already on an accelerator keeps its device."""
+    device = like.device if isinstance(like, torch.Tensor) else like
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.device(device)
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     if group is None:
         return t
@@ -43,7 +58,9 @@ def global_loss(
     """
     if dp_reduce not in ("sum", "mean", "none"):
         raise ValueError(f"dp_reduce must be 'sum', 'mean' or 'none', got {dp_reduce!r}")
-    t = torch.as_tensor(loss).detach().clone().double()  # []: float64 so that summing many ranks adds no rounding
+    t = torch.as_tensor(loss).detach()
+    group = mesh.sp_group if mesh.sp_group is not None else mesh.dp_group
+    t = t.to(collective_device(group, t), torch.float64, copy=True)  # []: float64, summing adds no rounding
     t = _all_reduce_sum(t, mesh.sp_group)  # []: this DP group's loss
     if dp_reduce != "none" and mesh.dp > 1:
         t = _all_reduce_sum(t, mesh.dp_group)  # []: summed over DP groups
@@ -64,23 +81,30 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh) -> None:
         return
     group = mesh.world_mesh.get_group()  # SP x DP = the whole world: one sum, not two
     grads = [p.grad for p in parameters if p.grad is not None]
-    # Buckets of same-dtype gradients, ~64 MiB each: one all-reduce per bucket, not per tensor.
+    # Buckets of gradients of one dtype and device, ~64 MiB of fp32 each: one all-reduce per
+    # bucket, not per tensor.
     bucket, size, limit = [], 0, 64 << 20
     for g in grads + [None]:
-        if g is not None and bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > limit):
+        if g is not None and bucket and (
+            (g.dtype, g.device) != (bucket[0].dtype, bucket[0].device) or size + g.numel() * 4 > limit
+        ):
             _flush(bucket, group)
             bucket, size = [], 0
         if g is None:
             _flush(bucket, group)
         else:
             bucket.append(g)
-            size += g.numel() * g.element_size()
+            size += g.numel() * 4
 
 
 def _flush(bucket: list[torch.Tensor], group) -> None:
+    """All-reduce one bucket. Low-precision (bf16) gradients are summed in fp32 and rounded
+    once at the end, as FSDP's reduce_dtype=fp32 does: a ring all-reduce in bf16 would round
+    every partial sum to 8 mantissa bits (world_size - 1 roundings)."""
     if not bucket:
         return
-    flat = torch.cat([g.reshape(-1) for g in bucket])  # [Σ numel]
+    acc = torch.float64 if bucket[0].dtype == torch.float64 else torch.float32
+    flat = torch.cat([g.reshape(-1).to(acc) for g in bucket])  # [Σ numel] on the gradients' device
     _all_reduce_sum(flat, group)
     offset = 0
     for g in bucket:

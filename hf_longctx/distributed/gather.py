@@ -32,10 +32,14 @@ def gather_sequence(local: torch.Tensor, shard: Mapping[str, Any], mesh) -> torc
             f"local tensor of shape {tuple(local.shape)} does not match the shard: expected B = {info.rows} and "
             f"S_local = {info.padded_length} / sp({mesh.sp}) = {info.padded_length // mesh.sp}"
         )
+    from hf_longctx.loss import collective_device
+
+    device = local.device
     local = local.detach().contiguous()
     if mesh.sp_group is None or mesh.sp == 1:
         pieces = [local]
     else:
+        local = local.to(collective_device(mesh.sp_group, local))  # NCCL gathers device tensors only
         pieces = [torch.empty_like(local) for _ in range(mesh.sp)]
         dist.all_gather(pieces, local, group=mesh.sp_group)  # SP-group rank j = ring_rank·U + ulysses_rank
     full = local.new_empty((b, info.padded_length, *local.shape[2:]))  # [B, S_pad, ...]
@@ -49,4 +53,4 @@ def gather_sequence(local: torch.Tensor, shard: Mapping[str, Any], mesh) -> torc
             fpdt_chunks=mesh.fpdt_chunks,
         )
         full[:, idx] = piece
-    return full[:, info.source_positions()]  # [B, S, ...]
+    return full[:, info.source_positions()].to(device)  # [B, S, ...] where the caller's tensor was

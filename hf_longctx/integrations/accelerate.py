@@ -16,9 +16,20 @@ in DDP). So `fsdp_plan()` decides everything itself and returns
 - `gradient_reduction = "sum"`: DESIGN invariant 6 -- every rank's loss is already divided
   by the step's GLOBAL token count, so FSDP must SUM the gradient shares; its default
   average would divide the gradient by the world size;
-- `apply(model)`: torch `fully_shard` on every decoder layer, then on the root, with the
-  sum reduction set on every FSDP unit. This is the path the training loop uses everywhere
+- `apply(model)`: torch `fully_shard` on every decoder layer, on the input embedding and
+  the LM head (ONE unit when their weights are tied), then on the root, with the sum
+  reduction set on every FSDP unit. This is the path the training loop uses everywhere
   (gloo on CPU, NCCL on CUDA).
+
+Memory at load (torch 2.13 `fully_shard`, `_fsdp_init._move_states_to_device`): each call
+moves only the parameters and buffers of the unit it creates to the mesh's device
+(`torch.cuda.current_device()` for a CUDA mesh) and shards them right away, so calling it
+unit by unit on a model still on CPU holds at most one unsharded unit on the GPU at a time;
+`apply` therefore never moves the model itself (a `model.to("cuda")` first would put the
+whole unsharded model on every GPU). Embedding and LM head as units of their own, resharded
+after use: the root unit would otherwise keep them unsharded from its forward through the
+whole backward (a vocabulary-sized [V, Hd] matrix, twice when untied, is the largest
+parameter of most models).
 """
 
 from __future__ import annotations
@@ -104,29 +115,94 @@ class FSDPPlan:
             m.set_force_sum_reduction_for_comms(True)
         return len(units)
 
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard `model` in place with torch `fully_shard` (layers first, then the root) and
-        return it. In one process (no mesh) there is nothing to shard: the model is returned as is."""
+    def apply(self, model: torch.nn.Module, *, broadcast_from_rank0: bool = False) -> torch.nn.Module:
+        """Shard `model` in place with torch `fully_shard` (layers first, then the vocabulary
+        units, then the root) and return it. In one process (no mesh) there is nothing to
+        shard: the model is returned as is.
+
+        `broadcast_from_rank0=True`: only global rank 0 loaded the weights; every other rank
+        built the model on the meta device (`with torch.device("meta"): from_config(...)`),
+        so host memory holds ONE full copy per job instead of one per rank. After sharding,
+        the meta ranks allocate their shards (`to_empty`) and rank 0's full state dict is
+        broadcast with `set_model_state_dict(..., StateDictOptions(full_state_dict=True,
+        broadcast_from_rank0=True))`; every buffer (non-persistent ones such as RoPE's
+        inv_freq are in no state dict) is broadcast from rank 0 too."""
         if self.device_mesh is None:
             return model
+        full_state = self._rank0_state(model) if broadcast_from_rank0 else None
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if any(isinstance(m, FSDPModule) for m in model.modules()):
             raise ValueError(f"{type(model).__name__} is already sharded with fully_shard; apply the plan once")
-        if self.device_mesh.device_type == "cuda":
-            model.to(torch.device("cuda", torch.cuda.current_device()))
         mp, offload = self._policies()
         kw = dict(mesh=self.device_mesh, mp_policy=mp, offload_policy=offload)
         layers = [m for m in model.modules() if isinstance(m, self.layer_classes)]
         if not layers:
             raise ValueError(f"no module of classes {[c.__name__ for c in self.layer_classes]} in {type(model).__name__}")
+        # No model.to(device): fully_shard moves each unit's states itself (module docstring).
         for layer in layers:
             fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kw)
-        # The root's parameters (embeddings, final norm, LM head) are needed right after
-        # forward by the loss and first in backward: keeping them unsharded saves one gather.
+        for unit in embedding_units(model):
+            # Always resharded after use: the LM head runs last in forward and first in
+            # backward (one extra all-gather), the embedding first and last.
+            fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=True, **kw)
+        # What is left to the root (final norm, position embeddings, buffers) is small; it is
+        # needed first in backward, so it stays unsharded after forward.
         fully_shard(model, reshard_after_forward=False, **kw)
+        if broadcast_from_rank0:
+            self._broadcast_from_rank0(model, full_state)
         self.sum_reduction(model)
         return model
+
+    def _rank0_state(self, model: torch.nn.Module) -> dict:
+        """Rank 0's full state dict, taken before sharding; checks the other ranks are on meta."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if rank == 0 and on_meta:
+            raise ValueError(f"broadcast_from_rank0=True: rank 0 must hold the real weights, but {on_meta[:3]} are on meta")
+        if rank != 0 and len(on_meta) != len(list(model.parameters())):
+            raise ValueError(
+                f"broadcast_from_rank0=True: rank {rank} should build the model on the meta device "
+                "(with torch.device('meta'): AutoModelForCausalLM.from_config(config)); it holds real parameters"
+            )
+        return {k: v for k, v in model.state_dict().items()} if rank == 0 else {}
+
+    def _broadcast_from_rank0(self, model: torch.nn.Module, full_state: dict) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        device = torch.device("cpu") if self.param_offload or self.device_mesh.device_type == "cpu" else torch.device(
+            self.device_mesh.device_type, torch.cuda.current_device()
+        )
+        if dist.get_rank() != 0:
+            model.to_empty(device=device)  # this rank's shards (and buffers), uninitialised
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        group = self.device_mesh.get_group()
+        for _, buf in model.named_buffers():
+            moved = buf.to(device)
+            dist.broadcast(moved, src=dist.get_global_rank(group, 0), group=group)  # [same shape] from rank 0
+            if moved is not buf:
+                buf.copy_(moved)
+
+
+def embedding_units(model: Any) -> list[list[torch.nn.Module]]:
+    """The input embedding and the LM head as FSDP units: [[embed, head]] when their weights
+    are tied (one parameter must live in one unit: `fully_shard([embed, head])`, a list of
+    modules grouped for communication), else [[embed], [head]]; modules without parameters
+    of their own are skipped."""
+    from hf_longctx.integrations.transformers import _hf_model
+
+    hf = _hf_model(model)
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    found = [m for m in (embed, head) if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters())]
+    if len(found) == 2 and found[0] is found[1]:
+        found = found[:1]
+    if len(found) == 2 and {id(p) for p in found[0].parameters()} & {id(p) for p in found[1].parameters()}:
+        return [found]  # tied: one unit
+    return [[m] for m in found]
 
 
 def _plugin(layer_classes: tuple[type, ...], mixed_precision: str, param_offload: bool, reshard_after_forward: bool):

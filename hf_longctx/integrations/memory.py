@@ -10,7 +10,8 @@ part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attenti
   softcapping inside it, `num_items_in_batch` honoured) and `logits` is None; without
   labels the model behaves as before;
 - `checkpoint=True`: activation checkpointing of every decoder layer, with the layer inputs
-  the checkpoint keeps offloaded to pinned host memory on CUDA.
+  the checkpoint keeps copied to pinned host memory on CUDA, on a side stream that overlaps
+  the layer's forward (`offloaded_checkpoint`).
 `kv_offload` is FPDT's K/V host offload; the attention binding of `patch()` passes it to
 `ops/fpdt.fpdt_attention(offload=...)`, so here it is only validated.
 
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.ops.offload import CudaStreams, Streams
 from hf_longctx.ops.tiling import chunked_causal_lm_loss, chunked_mlp, default_loss_chunk_size, default_mlp_chunks
 
 _MISSING = object()
@@ -114,31 +116,31 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
         num_items = kwargs.pop("num_items_in_batch", None)
         kwargs.pop("logits_to_keep", None)  # the loss covers every token
         return_dict = kwargs.pop("return_dict", None)  # None: HF's default, a ModelOutput
-        captured: list[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
 
-        def capture(hidden: torch.Tensor) -> torch.Tensor:
-            captured.append(hidden)
+        def head_loss(hidden: torch.Tensor) -> torch.Tensor:
+            # The loss is computed INSIDE the head's call: under FSDP the head is a unit of its
+            # own (integrations/accelerate.py), its weight is unsharded only during this call.
+            # The loss Function takes every gradient here, so backward needs no weights.
+            nonlocal shift_labels
+            if shift_labels is None:  # HF's convention: position t predicts labels[t + 1]
+                shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # [B, S]
+            n = hidden.shape[0] * hidden.shape[1]
+            chunk_size = default_loss_chunk_size(config, n) if loss_chunks == "auto" else math.ceil(n / loss_chunks)
+            losses.append(chunked_causal_lm_loss(
+                hidden, head.weight, getattr(head, "bias", None), shift_labels=shift_labels,
+                num_items_in_batch=num_items, chunk_size=max(1, chunk_size), final_logit_softcapping=softcap,
+            ))
             return hidden.new_empty((*hidden.shape[:-1], 0))  # [B, S, 0]: no logits; softcap ops on it are free
 
-        _set_instance_attr(head, "forward", capture, restore := [])
+        _set_instance_attr(head, "forward", head_loss, restore := [])
         try:
             out = forward(*args, return_dict=True, **kwargs)
         finally:
             restore[0]()
-        if len(captured) != 1:
-            raise RuntimeError(f"expected one LM head call in {type(model).__name__}.forward, saw {len(captured)}")
-        hidden = captured[0]  # [B, S, Hd]
-        if shift_labels is None:  # HF's convention: position t predicts labels[t + 1]
-            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # [B, S]
-        chunk_size = (
-            default_loss_chunk_size(config, hidden.shape[0] * hidden.shape[1])
-            if loss_chunks == "auto"
-            else math.ceil(hidden.shape[0] * hidden.shape[1] / loss_chunks)
-        )
-        loss = chunked_causal_lm_loss(
-            hidden, head.weight, getattr(head, "bias", None), shift_labels=shift_labels,
-            num_items_in_batch=num_items, chunk_size=max(1, chunk_size), final_logit_softcapping=softcap,
-        )
+        if len(losses) != 1:
+            raise RuntimeError(f"expected one LM head call in {type(model).__name__}.forward, saw {len(losses)}")
+        loss = losses[0]
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         out = type(out)(loss=loss, logits=None, **fields)
         return out.to_tuple() if return_dict is False else out
@@ -150,68 +152,91 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
 
 
 class _Parked(NamedTuple):
-    value: torch.Tensor  # pinned host copy (CUDA) or detached alias
+    value: torch.Tensor  # pinned host copy (offloaded) or detached alias
     device: torch.device
     requires_grad: bool
+    copied: Any  # event recorded after the device -> host copy on the side stream; None: no copy
 
 
-def _park(arg: Any) -> Any:
-    """What the recompute will read instead of a layer input: a pinned host copy on CUDA
-    (the device tensor is then free once its last user drops it), a detached alias elsewhere."""
+def _park(arg: Any, streams: Streams) -> Any:
+    """What the recompute will read instead of a layer input: a pinned host copy where the
+    device offloads (CUDA), a detached alias elsewhere.
+
+    The copy is of the DETACHED input (no autograd node), issued on the side stream after
+    the kernels that produced the input, so it overlaps the layer's forward on the compute
+    stream; the input's memory is marked as in use by the side stream until the copy has
+    read it, and an event marks the copy's end for `_unpark`."""
     if not isinstance(arg, torch.Tensor):
         return arg
-    if arg.is_cuda:  # UNVERIFIED (no GPU here)
-        host = torch.empty(arg.shape, dtype=arg.dtype, pin_memory=True)
-        host.copy_(arg, non_blocking=True)  # queued after the kernels that produced arg, on the same stream
-        return _Parked(host, arg.device, arg.requires_grad)
-    return _Parked(arg.detach(), arg.device, arg.requires_grad)
+    src = arg.detach()
+    if not streams.offloads(src.device):
+        return _Parked(src, src.device, arg.requires_grad, None)
+    main, side = streams.current(src.device), streams.side(src.device)
+    side.wait_stream(main)  # arg is produced by kernels already queued on the compute stream
+    with streams.on(side):
+        host = streams.pinned(src)
+        host.copy_(src, non_blocking=True)  # [same shape] device -> pinned host, async on side
+        copied = streams.event()
+        copied.record(side)
+    streams.keep_alive(src, side)  # the caching allocator must not reuse arg before the copy read it
+    return _Parked(host, src.device, arg.requires_grad, copied)
 
 
-def _unpark(parked: Any) -> Any:
+def _unpark(parked: Any, streams: Streams) -> Any:
     if not isinstance(parked, _Parked):
         return parked
-    host, device, requires_grad = parked
+    host, device, requires_grad, copied = parked
+    if copied is not None:
+        streams.current(device).wait_event(copied)  # the host copy is complete before we read it
     # A leaf with the input's value: the recompute must record (and save) the same tensors
     # as the original forward, which needs requires_grad to match; gradients flow through
     # the ORIGINAL graph, whose saved tensors the recompute only refills.
     return host.to(device, non_blocking=True).detach().requires_grad_(requires_grad)
 
 
-def offloaded_checkpoint(function: Callable, *args: Any) -> Any:
+def offloaded_checkpoint(function: Callable, *args: Any, streams: Streams | None = None) -> Any:
     """Non-reentrant activation checkpointing of `function(*args)` whose recompute reads the
     inputs from host memory (FPDT's "OC." setting).
 
-    Why not `save_on_cpu` around `torch.utils.checkpoint`: the non-reentrant checkpoint keeps
-    its inputs referenced from its recompute closure, out of reach of saved-tensor hooks, and
-    the reentrant one breaks `torch.autograd.grad` and needs inputs that require grad. Here the
-    inputs sit in a box the recompute reads: the original forward runs on the real inputs,
-    then the box switches to host copies. On CPU the box holds detached aliases: same
-    structure, no copy.
+    Why not `torch.autograd.graph.save_on_cpu(pin_memory=True)` around
+    `torch.utils.checkpoint` (checked against torch 2.13): the non-reentrant checkpoint keeps
+    its inputs referenced from its recompute closure, out of reach of saved-tensor hooks, so
+    save_on_cpu would copy only what the checkpoint already discards and leave the inputs on
+    the device; and save_on_cpu copies on the compute stream. The reentrant checkpoint breaks
+    `torch.autograd.grad` and needs inputs that require grad. Here the inputs sit in a box the
+    recompute reads: the host copies start (side stream, `_park`) before the original forward
+    runs on the real inputs, then the box switches to the host copies. Where the device does
+    not offload (CPU) the box holds detached aliases: same structure, no copy. `streams`:
+    the stream operations (`ops/offload.CudaStreams` by default; tests pass a fake).
     """
+    streams = CudaStreams() if streams is None else streams
+    parked = [_park(a, streams) for a in args]  # copies start now and overlap the forward
     box = list(args)
 
     def run(_anchor: torch.Tensor) -> Any:
-        return function(*[_unpark(a) for a in box])
+        return function(*[_unpark(a, streams) if isinstance(a, _Parked) else a for a in box])
 
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     anchor = tensors[0].new_empty(0) if tensors else torch.empty(0)  # tells checkpoint the device (RNG state)
     out = torch_checkpoint(run, anchor, use_reentrant=False)
-    box[:] = [_park(a) for a in args]  # from now on only the recompute reads the inputs
+    box[:] = parked  # from now on only the recompute reads the inputs
     return out
 
 
-def _patch_checkpointing(model: nn.Module, undo: list) -> None:
+def _patch_checkpointing(model: nn.Module, undo: list, streams: Streams | None = None) -> None:
+    # One side stream per device for the whole model, not one per layer call.
+    offload = functools.partial(offloaded_checkpoint, streams=CudaStreams() if streams is None else streams)
     for layer in decoder_layers(model):
         if hasattr(type(layer), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
             _set_instance_attr(layer, "gradient_checkpointing", True, undo)
-            _set_instance_attr(layer, "_gradient_checkpointing_func", offloaded_checkpoint, undo)
+            _set_instance_attr(layer, "_gradient_checkpointing_func", offload, undo)
             continue
         forward = layer.forward
 
         def checkpointed(*args, _forward=forward, _layer=layer, **kwargs):
             if not (_layer.training and torch.is_grad_enabled()):
                 return _forward(*args, **kwargs)
-            return offloaded_checkpoint(functools.partial(_forward, **kwargs), *args)
+            return offload(functools.partial(_forward, **kwargs), *args)
 
         _set_instance_attr(layer, "forward", checkpointed, undo)
 

@@ -245,7 +245,11 @@ def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh:
     cu_hash = 0
     for i, c in enumerate(info.cu_seqlens):
         cu_hash = (cu_hash * 1_000_003 + c * (i + 1)) % 2_147_483_647
+    from hf_longctx.loss import collective_device
+
     n = -1 if num_items is None else int(num_items)
+    # The batch's device when it is a GPU one; else the group's (NCCL refuses CPU tensors).
+    device = collective_device(mesh.sp_group, device)
     sig = torch.tensor([info.fingerprint, cu_hash, n, s_local, info.rows], dtype=torch.long, device=device)  # [5]
     rows = [torch.empty_like(sig) for _ in range(mesh.sp)]
     dist.all_gather(rows, sig, group=mesh.sp_group)  # [SP] x [5]
@@ -314,18 +318,27 @@ def _post_forward(state: _PatchState) -> Callable:
     return hook
 
 
+_UNSET: Any = object()  # a knob the caller did not pass (memory= and a knob together is an error)
+
+
 def patch(
     model: Any,
     mesh: SPMesh | GroupBank,
     *,
-    kv_offload: bool = False,
-    mlp_chunks: int | str | None = None,
-    loss_chunks: int | str | None = None,
-    checkpoint: bool = False,
+    memory: str | None = None,
+    kv_offload: bool = _UNSET,
+    mlp_chunks: int | str | None = _UNSET,
+    loss_chunks: int | str | None = _UNSET,
+    checkpoint: bool = _UNSET,
     verify: bool = False,
     unsafe_skip_exactness_check: bool = False,
 ) -> Any:
     """Make `model` (a PreTrainedModel or a PEFT model) sequence-parallel over `mesh`; returns it.
+
+    `memory`: "off", "balanced" (chunked LM head + loss, chunked MLP) or "max" (those plus
+    checkpointing with offloaded inputs, plus K/V offload when the mesh has FPDT chunks);
+    `hf-longctx plan` suggests one. The four knobs (default off) are for experts; a preset
+    and a knob together are an error.
 
     Call it on every rank. Afterwards call the model with `shard_batch(batch, mesh)`; each
     rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
@@ -351,7 +364,8 @@ def patch(
             f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from init_group_bank, "
             f"got {type(mesh).__name__}"
         )
-    options = PatchOptions(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
+    knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
+    options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not _UNSET}, mesh.fpdt_chunks)
     hf = _hf_model(model)
     old = hf.__dict__.get(_STATE_ATTR)
     if old is not None:
@@ -398,7 +412,8 @@ def patch(
             from hf_longctx.integrations.memory import apply_memory_options
 
             state.memory_undo = apply_memory_options(
-                hf, mesh, kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint
+                hf, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
+                checkpoint=options.checkpoint,
             )
     except BaseException:
         unpatch(model)

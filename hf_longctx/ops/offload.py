@@ -12,8 +12,13 @@ the caller moves past it.
 On CUDA with `offload=True`: `put` copies to pinned host memory on the side stream (the
 device tensor is marked as used by that stream, so the caching allocator cannot hand its
 memory out before the copy ends), `prefetch` copies back on the side stream and records an
-event, `get` makes the compute stream wait for that event. This branch is UNVERIFIED: no
-GPU was available when it was written. Everywhere else (CPU, or offload off) the store keeps
+event, `get` makes the compute stream wait for that event. At the forward -> backward
+hand-off `export` makes the compute stream wait for every device -> host copy still in
+flight (the backward's store then orders its host -> device copies after them through the
+compute stream). Every stream/event operation goes through `Streams` (`CudaStreams` on a
+GPU), so the exact sequence of waits and records is tested on CPU with a fake
+(tests/unit/test_offload.py); what stays UNVERIFIED without a GPU is that the CUDA calls
+themselves behave as documented. Everywhere else (CPU, or offload off) the store keeps
 references and runs the same schedule without copies, so the schedule itself is tested on
 CPU through `trace`.
 
@@ -25,24 +30,71 @@ compute on it is done.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterator, Sequence
+from typing import Any, ContextManager, Hashable, Iterator, Protocol, Sequence
 
 import torch
 
 Key = Hashable
 
 
+class Streams(Protocol):
+    """The stream/event operations host offload needs (CUDA semantics). `CudaStreams` is the
+    real one; tests pass a fake that records the calls and copies synchronously on CPU."""
+
+    def offloads(self, device: torch.device) -> bool: ...  # does this device get host copies?
+    def current(self, device: torch.device) -> Any: ...  # the compute stream
+    def side(self, device: torch.device) -> Any: ...  # the copy stream (one per device)
+    def on(self, stream: Any) -> ContextManager: ...  # make `stream` current
+    def event(self) -> Any: ...  # .record(stream); stream.wait_event(event)
+    def pinned(self, like: torch.Tensor) -> torch.Tensor: ...  # empty page-locked host tensor
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None: ...  # tensor.record_stream
+
+
+class CudaStreams:
+    """`Streams` on CUDA: torch.cuda streams and events, pinned host memory; one side stream
+    per device, created on first use."""
+
+    def __init__(self) -> None:
+        self._side: dict[torch.device, Any] = {}
+
+    def offloads(self, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_available()
+
+    def current(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def side(self, device: torch.device) -> Any:
+        if device not in self._side:
+            self._side[device] = torch.cuda.Stream(device)
+        return self._side[device]
+
+    def on(self, stream: Any) -> ContextManager:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def pinned(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
 class ChunkStore:
     """Chunk tensors keyed by the caller, held on host (offload on CUDA) or in place."""
 
-    def __init__(self, device: torch.device | str, *, offload: bool, trace: list | None = None):
+    def __init__(
+        self, device: torch.device | str, *, offload: bool, trace: list | None = None, streams: Streams | None = None
+    ):
         self.device = torch.device(device)
+        self._streams = CudaStreams() if streams is None else streams
         # Copies only pay off (and pinned memory only exists) with a CUDA device.
-        self.copies = bool(offload) and self.device.type == "cuda" and torch.cuda.is_available()
+        self.copies = bool(offload) and self._streams.offloads(self.device)
         self.trace = trace
         self._held: dict[Key, tuple[torch.Tensor, ...]] = {}  # host copies, or the tensors themselves
         self._ready: dict[Key, tuple[tuple[torch.Tensor, ...], object]] = {}  # fetched: (device tensors, event)
-        self._side = torch.cuda.Stream(self.device) if self.copies else None
+        self._side = self._streams.side(self.device) if self.copies else None
 
     def note(self, event: str, key: Key) -> None:
         """Record an event of the caller's (e.g. the start of a pass) in the trace."""
@@ -57,14 +109,14 @@ class ChunkStore:
         if not self.copies:
             self._held[key] = tensors
             return
-        main = torch.cuda.current_stream(self.device)
+        main = self._streams.current(self.device)
         self._side.wait_stream(main)  # the tensors are produced by kernels already queued on main
         hosts = []
-        with torch.cuda.stream(self._side):
+        with self._streams.on(self._side):
             for t in tensors:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)  # [same shape] device -> pinned host, async on side
-                t.record_stream(self._side)  # keep t's memory reserved until the copy has run
+                host = self._streams.pinned(t)
+                host.copy_(t.detach(), non_blocking=True)  # [same shape] device -> pinned host, async on side
+                self._streams.keep_alive(t, self._side)  # keep t's memory reserved until the copy has run
                 hosts.append(host)
         self._held[key] = tuple(hosts)
 
@@ -79,13 +131,13 @@ class ChunkStore:
         if not self.copies:
             self._ready[key] = (self._held[key], None)
             return
-        main = torch.cuda.current_stream(self.device)
+        main = self._streams.current(self.device)
         # Waiting for main here only orders after work queued so far: the caller's compute
         # on the previous chunk is queued after this call, so it still overlaps the copy.
         self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
+        with self._streams.on(self._side):
             devs = tuple(h.to(self.device, non_blocking=True) for h in self._held[key])  # pinned -> device
-            event = torch.cuda.Event()
+            event = self._streams.event()
             event.record(self._side)
         self._ready[key] = (devs, event)
 
@@ -94,10 +146,10 @@ class ChunkStore:
         self.prefetch(key)
         devs, event = self._ready[key]
         if event is not None:
-            main = torch.cuda.current_stream(self.device)
+            main = self._streams.current(self.device)
             main.wait_event(event)
             for d in devs:
-                d.record_stream(main)  # allocated on side, read on main: free only after main's use
+                self._streams.keep_alive(d, main)  # allocated on side, read on main: free only after main's use
         return devs
 
     def release(self, key: Key) -> None:
@@ -132,10 +184,12 @@ class ChunkStore:
     def finish(self) -> None:
         """Order every queued copy before later work on the compute stream."""
         if self.copies:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._streams.current(self.device).wait_stream(self._side)
 
     def export(self, keys: Sequence[Key]) -> list[torch.Tensor]:
-        """Flat list of the held tensors of `keys` (for `ctx.save_for_backward`)."""
+        """Flat list of the held tensors of `keys` (for `ctx.save_for_backward`), after making
+        the compute stream wait for every copy still in flight: backward (another store, on
+        the same compute stream) reads these host tensors only after that point."""
         self.finish()
         return [t for key in keys for t in self._held[key]]
 

@@ -13,9 +13,10 @@ Every term is bytes per GPU; `dt` is the compute dtype's size, S_l = tokens per 
 Assumptions (each is also printed under the plan table):
 - ZeRO-3 over all `world` GPUs: fp32 params, fp32 grads and AdamW's two fp32 moments are
   sharded (16 B/param/world); for bf16 the sharded fp32 params are the master weights.
-  With world > 1 FSDP gathers, in the compute dtype, the root unit (embeddings, final norm,
-  LM head) and two decoder layers (the running one plus the prefetched one), and holds one
-  layer's unsharded gradient plus the root's before reduce-scatter.
+  With world > 1 FSDP gathers, in the compute dtype, two decoder layers (the running one
+  plus the prefetched one) or the LM head plus one layer, whichever is larger, and the
+  root's final norm; it holds one unit's unsharded gradient before reduce-scatter
+  (embedding and LM head are units of their own, resharded after use).
 - Activations follow what autograd saves in a Llama-style layer (RMSNorm, gated MLP) with
   this library's attention: per token and layer dt·(2h + 3·q + 2·kv·f + 4i) + 16h + 8 +
   4·H bytes (residual stream twice; q, k, v, out and the o_proj input; 4 MLP
@@ -132,8 +133,14 @@ def estimate_memory(
 
     # ZeRO-3 shards plus FSDP's unsharded working set (none on one GPU: nothing to gather).
     master = 4 * P / world
-    gathered = dt * (dims.root_params + 2 * dims.layer_params) if world > 1 else 0.0
-    unsharded_grads = dt * (dims.root_params + dims.layer_params) if world > 1 else 0.0
+    # FSDP units (integrations/accelerate.py): each decoder layer, the vocabulary matrices
+    # (embedding and LM head, one unit when tied), both resharded after use, and the root
+    # (final norm) kept unsharded. Gathered at once: two layers (running + prefetched), or
+    # the LM head and the layer prefetched next to it; unsharded gradients: one unit's.
+    vocab_unit = dims.vocab * dims.hidden
+    rest = max(0, dims.root_params - vocab_unit * (1 if dims.tied else 2))
+    gathered = dt * (rest + max(2 * dims.layer_params, vocab_unit + dims.layer_params)) if world > 1 else 0.0
+    unsharded_grads = dt * (rest + max(dims.layer_params, vocab_unit)) if world > 1 else 0.0
     params = master + gathered
     grads = 4 * P / world + unsharded_grads
     optim = (8 * P / world) if optimizer == "adamw" else 0.0

@@ -1,9 +1,12 @@
-"""Enumerate and rank (ulysses, ring, fpdt chunks, offload, checkpointing) settings.
+"""Enumerate and rank (ulysses, ring, fpdt chunks) x memory preset settings; suggest one.
 
-Where it sits: behind `hf-longctx plan` (`cli.py`). For a model config and a cluster it
-lists every setting the library can run, estimates per-GPU memory with
-`planning/memory.py` and step time as below, and returns them best first: feasible
-ones (they fit GPU and host memory) ordered by cluster throughput.
+Where it sits: behind `hf-longctx plan` (`cli.py`) and `suggest()`, its Python twin. For a
+model config and a cluster it lists every mesh the library can run, each with the three
+memory presets of `patch(memory=...)` ("off", "balanced", "max": `config.preset_knobs`),
+estimates per-GPU memory with `planning/memory.py` and step time as below, and returns
+them best first: feasible ones (they fit GPU and host memory) ordered by cluster
+throughput. `suggest()` returns the first: the `init_sequence_parallel` arguments and the
+preset to pass to `patch()`.
 
 Which paper sections: USP §4 (all-to-all and ring communication volume per layer; ring
 P2P overlaps the attention compute), FPDT §3-4 (chunked attention, host offload traffic
@@ -30,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hf_longctx.config import MEMORY_PRESETS, preset_knobs
 from hf_longctx.data.cost import CostModel
 from hf_longctx.data.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
@@ -78,21 +82,51 @@ class Candidate:
     step_seconds: float
     tokens_per_second: float  # whole cluster
     reason: str  # "" when feasible, else why not
+    preset: str = "off"  # the patch(memory=...) preset of this setting
 
     @property
     def feasible(self) -> bool:
         return not self.reason
 
 
+@dataclass(frozen=True)
+class Suggestion:
+    """What to run: `init_sequence_parallel(**init_kwargs)` then `patch(model, mesh, memory=memory)`."""
+
+    init_kwargs: dict  # ulysses_degree, ring_degree, fpdt_chunks
+    memory: str
+    candidate: Candidate
+
+    @classmethod
+    def of(cls, c: Candidate) -> "Suggestion":
+        s = c.setting
+        return cls({"ulysses_degree": s.ulysses, "ring_degree": s.ring, "fpdt_chunks": s.fpdt_chunks}, c.preset, c)
+
+    def code(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.init_kwargs.items())
+        return f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r})"
+
+
+def preset_setting(ulysses: int, ring: int, fpdt_chunks: int, memory: str) -> Setting:
+    """The memory-model `Setting` of a mesh under a `patch(memory=...)` preset (the knobs of
+    `config.preset_knobs`; "auto" chunks are FPDT's defaults, as `integrations/memory.py` resolves them)."""
+    knobs = preset_knobs(memory, fpdt_chunks)
+    return Setting(
+        ulysses=ulysses, ring=ring, fpdt_chunks=fpdt_chunks, kv_offload=knobs.get("kv_offload", False),
+        checkpoint=knobs.get("checkpoint", False),
+        mlp_chunks=default_mlp_chunks(fpdt_chunks) if knobs.get("mlp_chunks") == "auto" else 1,
+        loss_chunks=0 if knobs.get("loss_chunks") == "auto" else 1,
+    )
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_settings(dims: ModelDims, gpus: int, tokens: int, max_fpdt: int = 64) -> list[Setting]:
-    """Every setting the library accepts: ulysses × ring dividing `gpus` with Ulysses-
-    divisible heads; FPDT chunks (powers of two) only with ring 1; KV offload only with
-    FPDT; chunked MLP (2 × FPDT chunks) and chunked loss whenever FPDT or checkpointing is on,
-    optional otherwise."""
+def enumerate_settings(dims: ModelDims, gpus: int, tokens: int, max_fpdt: int = 64) -> list[tuple[Setting, str]]:
+    """Every (setting, preset) the library accepts: ulysses × ring dividing `gpus` with
+    Ulysses-divisible heads; FPDT chunks (powers of two) only with ring 1; each mesh with
+    the three memory presets (K/V offload comes with "max" exactly when FPDT is on)."""
     out = []
     for sp in _divisors(gpus):
         for ulysses in _divisors(sp):
@@ -108,15 +142,8 @@ def enumerate_settings(dims: ModelDims, gpus: int, tokens: int, max_fpdt: int = 
                     chunk_options.append(u)
                     u *= 2
             for u in chunk_options:
-                for offload in ((False, True) if u > 1 else (False,)):
-                    for ckpt in (False, True):
-                        # Chunked MLP/loss are always on with FPDT or checkpointing (FPDT's
-                        # recipe); without either they are an option of their own.
-                        for chunked in (True,) if u > 1 or ckpt else (False, True):
-                            out.append(Setting(
-                                ulysses=ulysses, ring=ring, fpdt_chunks=u, kv_offload=offload, checkpoint=ckpt,
-                                mlp_chunks=default_mlp_chunks(u) if chunked else 1, loss_chunks=0 if chunked else 1,
-                            ))
+                for memory in MEMORY_PRESETS:
+                    out.append((preset_setting(ulysses, ring, u, memory), memory))
     return out
 
 
@@ -177,7 +204,7 @@ def rank_settings(
     usable_host = cluster.host_memory * (1 - cluster.headroom)
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     out = []
-    for s in enumerate_settings(dims, cluster.gpus, tokens):
+    for s, preset in enumerate_settings(dims, cluster.gpus, tokens):
         mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer)
         dp = cluster.gpus // s.sp
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len)
@@ -189,7 +216,24 @@ def rank_settings(
             reason = f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"
         elif mem.host * per_node > usable_host:
             reason = f"host {mem.host * per_node / 2**30:.1f} > {usable_host / 2**30:.1f} GiB"
-        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason))
+        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, preset))
     # Ties (FPDT chunk counts cost the same in this model): the simpler setting first.
     out.sort(key=lambda c: (not c.feasible, -c.tokens_per_second, c.memory.peak, c.setting.fpdt_chunks))
     return out
+
+
+def suggest(
+    config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
+    optimizer: str = "adamw",
+) -> Suggestion:
+    """The fastest setting by the step-time estimate among those whose estimated peak fits
+    (the first row of `hf-longctx plan` with the same arguments). Raises ValueError naming
+    the lowest estimated peak when nothing fits."""
+    ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer)
+    if not ranked[0].feasible:
+        low = min(ranked, key=lambda c: c.memory.peak)
+        raise ValueError(
+            f"no setting fits: the lowest estimated peak is {low.memory.peak / 2**30:.1f} GiB per GPU "
+            f"({low.setting}, memory={low.preset!r}: {low.reason})"
+        )
+    return Suggestion.of(ranked[0])

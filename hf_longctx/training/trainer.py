@@ -138,12 +138,12 @@ class LongContextTrainerMixin:
         # outside our attention binding; patch(checkpoint=True) recomputes them inside it.
         if not (args.activation_checkpointing or args.gradient_checkpointing):
             return
-        import dataclasses
-
         from hf_longctx.integrations.transformers import patch
 
         state = _hf_model(model).__dict__[_STATE_ATTR]
-        patch(model, state.mesh, **{**dataclasses.asdict(state.options), "checkpoint": True})
+        if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
+            knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
+            patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
         args.activation_checkpointing = args.gradient_checkpointing = False
 
     def _pad_id(self, pad_token_id: int | None) -> int:

@@ -163,3 +163,33 @@ def test_bad_options_raise_before_touching_the_model():
         apply_memory_options(dropout, mesh, mlp_chunks=2, loss_chunks=2)
     assert "forward" not in dropout.__dict__  # nothing was left half-applied
     assert len(decoder_layers(model)) == 2
+
+
+# ---- memory presets ------------------------------------------------------------------------
+
+
+def test_memory_presets_turn_on_exactly_their_knobs():
+    from hf_longctx.config import PatchOptions
+    from hf_longctx.integrations.transformers import _STATE_ATTR
+
+    model = _model("llama")
+    plain = init_sequence_parallel(1, 1, 1)
+    layer = decoder_layers(model)[0]
+    expected = {  # preset -> (mlp chunked, loss chunked, checkpointing) on a mesh without FPDT
+        "off": (False, False, False), "balanced": (True, True, False), "max": (True, True, True),
+    }
+    for memory, (mlp, loss, ckpt) in expected.items():
+        patch(model, plain, memory=memory)
+        options = model.__dict__[_STATE_ATTR].options
+        assert (options.memory, options.kv_offload) == (memory, False)
+        assert ("forward" in layer.mlp.__dict__, "forward" in model.__dict__, bool(layer.__dict__.get("gradient_checkpointing"))) == (mlp, loss, ckpt), memory
+        unpatch(model)
+    # K/V offload comes with "max" exactly when the mesh has FPDT chunks.
+    assert PatchOptions.resolve("max", {}, 2) == PatchOptions(True, "auto", "auto", True, memory="max")
+    assert PatchOptions.resolve("balanced", {}, 2) == PatchOptions(False, "auto", "auto", False, memory="balanced")
+    assert PatchOptions.resolve(None, {"checkpoint": True}, 1) == PatchOptions(checkpoint=True)
+    with pytest.raises(ValueError, match=r"memory='max'\) together with explicit \['kv_offload'\]"):
+        patch(model, plain, memory="max", kv_offload=False)  # even a knob equal to its default
+    with pytest.raises(ValueError, match="memory must be one of"):
+        patch(model, plain, memory="low")
+    assert "forward" not in model.__dict__ and _STATE_ATTR not in model.__dict__

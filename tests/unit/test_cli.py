@@ -106,3 +106,45 @@ def test_plot_writes_a_png(config_path, tmp_path, capsys):
     out = capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"lengths from {lengths}" in out and "synchronised step / ideal" in out
+
+
+def test_suggestion_is_the_top_row_and_fits_where_the_memory_model_says(config_path, capsys):
+    """`suggest()` and the CLI give the same answer (mesh + memory preset); its estimated peak
+    fits the GPU, and with the GPU just below that peak the plan no longer suggests it."""
+    from transformers import LlamaConfig
+
+    from hf_longctx.planning.search import Cluster, preset_setting, suggest
+
+    assert main([*BASE, "--model", str(config_path), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    (row,) = _table(out)
+    config = LlamaConfig(**CONFIG)
+    cluster = Cluster(gpus=16, gpu_memory=3 * 2**30, host_memory=64 * 2**30)
+    best = suggest(config, cluster, 65536)
+    assert best.code() in out
+    kw = best.init_kwargs
+    assert (str(kw["ulysses_degree"]), str(kw["ring_degree"]), str(kw["fpdt_chunks"]), best.memory) == (
+        row["ulysses"], row["ring"], row["fpdt"], row["memory"])
+    setting = preset_setting(kw["ulysses_degree"], kw["ring_degree"], kw["fpdt_chunks"], best.memory)
+    assert setting == best.candidate.setting
+    peak = estimate_memory(ModelDims.from_config(config), setting, world=16, tokens=65536).peak
+    assert peak <= 0.9 * cluster.gpu_memory
+    tighter = Cluster(gpus=16, gpu_memory=peak / 0.9 * 0.999, host_memory=64 * 2**30)
+    try:
+        other = suggest(config, tighter, 65536)
+    except ValueError as e:
+        assert "no setting fits" in str(e)
+    else:
+        assert other.candidate.memory.peak < peak and other.candidate.setting != setting
+
+
+def test_presets_in_the_plan_are_the_patch_presets():
+    from hf_longctx.config import preset_knobs
+    from hf_longctx.planning.search import preset_setting
+
+    for u in (1, 4):
+        off, balanced, top = (preset_setting(2, 1, u, m) for m in ("off", "balanced", "max"))
+        assert (off.mlp_chunks, off.loss_chunks, off.checkpoint, off.kv_offload) == (1, 1, False, False)
+        assert (balanced.mlp_chunks, balanced.loss_chunks, balanced.checkpoint) == (2 * u, 0, False)
+        assert (top.mlp_chunks, top.checkpoint, top.kv_offload) == (2 * u, True, u > 1)
+        assert top.kv_offload == preset_knobs("max", u).get("kv_offload")

@@ -116,3 +116,124 @@ def test_fpdt_loops_schedule(chunks):
         _check_pass(seg, groups)
         if j + 1 < chunks:  # the next outer K/V chunk is requested before this inner loop starts
             assert seg.index(("fetch", ("kv", j + 1))) < seg.index(("begin", groups[0]))
+
+
+# ---- the stream/event logic, on CPU through a fake `Streams` -------------------------------
+
+
+class FakeStreams:
+    """`ops.offload.Streams` on CPU: named streams and events that log every operation in
+    program order; copies run synchronously. What it checks is the ORDER of waits, records
+    and copies the CUDA path issues, not CUDA's behaviour."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.events = 0
+
+    class _Stream:
+        def __init__(self, owner, name):
+            self.owner, self.name = owner, name
+
+        def wait_stream(self, other):
+            self.owner.log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            self.owner.log.append(("wait_event", self.name, event.name))
+
+    class _Event:
+        def __init__(self, owner, name):
+            self.owner, self.name = owner, name
+
+        def record(self, stream):
+            self.owner.log.append(("record", self.name, stream.name))
+
+    def offloads(self, device):
+        return True
+
+    def current(self, device):
+        return self._Stream(self, "main")
+
+    def side(self, device):
+        return self._Stream(self, "side")
+
+    def on(self, stream):
+        import contextlib
+
+        log = self.log
+
+        @contextlib.contextmanager
+        def ctx():
+            log.append(("enter", stream.name))
+            yield
+            log.append(("exit", stream.name))
+
+        return ctx()
+
+    def event(self):
+        self.events += 1
+        return self._Event(self, f"e{self.events}")
+
+    def pinned(self, like):
+        self.log.append(("pinned", tuple(like.shape)))
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    def keep_alive(self, tensor, stream):
+        self.log.append(("keep_alive", tuple(tensor.shape), stream.name))
+
+
+def test_store_stream_protocol_with_fake_streams():
+    fake = FakeStreams()
+    store = ChunkStore("cpu", offload=True, streams=fake)
+    assert store.copies
+    t = torch.randn(3, 2)
+    store.put("a", t)
+    # put: the side stream waits for the producer, copies inside the side stream, keeps t alive for it
+    assert fake.log == [("wait_stream", "side", "main"), ("enter", "side"), ("pinned", (3, 2)),
+                        ("keep_alive", (3, 2), "side"), ("exit", "side")]
+    assert store._held["a"][0] is not t and torch.equal(store._held["a"][0], t)
+    fake.log.clear()
+    (back,) = store.get("a")
+    assert fake.log == [("wait_stream", "side", "main"), ("enter", "side"), ("record", "e1", "side"), ("exit", "side"),
+                        ("wait_event", "main", "e1"), ("keep_alive", (3, 2), "main")]
+    assert torch.equal(back, t)
+    fake.log.clear()
+    saved = store.export(["a"])
+    # the forward -> backward hand-off: the compute stream waits for every copy in flight
+    assert fake.log == [("wait_stream", "main", "side")] and saved[0] is store._held["a"][0]
+
+
+def test_offloaded_checkpoint_stream_protocol_and_gradients():
+    from hf_longctx.integrations.memory import offloaded_checkpoint
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    x = torch.randn(5, 4, requires_grad=True)
+    ref_out = layer(x * 2)
+    ref = torch.autograd.grad(ref_out.square().sum(), [x, *layer.parameters()])
+
+    fake = FakeStreams()
+    h = x * 2
+    out = offloaded_checkpoint(layer, h, streams=fake)
+    # forward: one detached copy on the side stream, issued BEFORE the layer runs, and an event after it
+    assert fake.log == [("wait_stream", "side", "main"), ("enter", "side"), ("pinned", (5, 4)),
+                        ("record", "e1", "side"), ("exit", "side"), ("keep_alive", (5, 4), "side")]
+    fake.log.clear()
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    # backward: the compute stream waits for the copy's event before the recompute reads the host copy
+    assert fake.log == [("wait_event", "main", "e1")]
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side-stream copies to pinned host memory)")
+def test_cuda_offloaded_checkpoint_matches_plain_backward():
+    from hf_longctx.integrations.memory import offloaded_checkpoint
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    x = torch.randn(512, 64, device="cuda", requires_grad=True)
+    ref = torch.autograd.grad(layer(x * 2).square().sum(), [x, *layer.parameters()])
+    out = offloaded_checkpoint(layer, x * 2)
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
