@@ -37,21 +37,21 @@ class VerificationError(ValueError):
     """The patched model differs from the unpatched one beyond fp32 tolerance."""
 
 
-class _SkippedLayer(torch.nn.Module):
+class SkippedLayer(torch.nn.Module):
     """Stands in for a decoder layer the check does not need: passes hidden_states through."""
 
     def forward(self, hidden_states=None, *args, **kwargs):
         return hidden_states
 
 
-def _decoder_layers(hf) -> torch.nn.ModuleList:
+def decoder_layers(hf) -> torch.nn.ModuleList:
     lists = [m for m in hf.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
     if not lists:
         raise ValueError(f"{type(hf).__name__} has no ModuleList of decoder layers to verify")
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
-def _kind(layer) -> tuple:
+def layer_kind(layer) -> tuple:
     return (
         type(layer).__name__,
         tuple(sorted((n, type(m).__name__) for n, m in layer.named_modules())),
@@ -61,12 +61,12 @@ def _kind(layer) -> tuple:
 
 def reduced_copy(hf) -> torch.nn.Module:
     """fp32 copy of `hf` keeping only the first decoder layer of each distinct kind."""
-    layers = _decoder_layers(hf)
+    layers = decoder_layers(hf)
     seen, memo = set(), {}
     for layer in layers:
-        k = _kind(layer)
+        k = layer_kind(layer)
         if k in seen:
-            memo[id(layer)] = _SkippedLayer()  # deepcopy returns this instead of copying the layer
+            memo[id(layer)] = SkippedLayer()  # deepcopy returns this instead of copying the layer
         seen.add(k)
     out = copy.deepcopy(hf, memo)
     return out.float().train()

@@ -47,6 +47,7 @@ class ProbeReport:
     """What the dry run saw; `problems` empty means the structural rule holds."""
 
     attention_calls: int = 0  # per forward (the runtime check compares with it)
+    called: list = field(default_factory=list)  # the attention module of each call of run A
     problems: list[str] = field(default_factory=list)
     leaks: dict = field(default_factory=dict)  # class name -> [module names]
     shape_deps: dict = field(default_factory=dict)  # class name -> [module names]
@@ -173,9 +174,11 @@ def probe_model(
 
     report = ProbeReport()
     p0 = next(hf.parameters(), None)
-    if p0 is None or p0.device.type == "meta":
-        report.problems.append("the model has no materialised parameters (meta device); load its weights before patch()")
+    if p0 is None:
+        report.problems.append(f"{type(hf).__name__} has no parameters to probe")
         return report
+    if p0.device.type == "meta":
+        return _probe_meta(hf, metadata_key, used_kwargs, ignored_kwargs, handled)
     names = {id(m): n or type(m).__name__ for n, m in hf.named_modules()}
     l0, l1, a = _probe_lengths(hf)
     s = l0 + l1
@@ -186,12 +189,12 @@ def probe_model(
     perturbed = ids.clone()
     perturbed[0, 1] = (ids[0, 1] + 1 + vocab // 2) % vocab if vocab > 2 else 1 - ids[0, 1]
     marker = object()
-    calls: list[int] = []
+    calls: list[torch.nn.Module] = []  # the attention module of every call of the current run
     mask_fns: list = []
 
     def stand_in(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cls = type(module).__name__
-        calls.append(1)
+        calls.append(module)
         if kwargs.get(metadata_key) is not marker:
             report.no_metadata.add(cls)
         if isinstance(attention_mask, torch.Tensor):
@@ -313,6 +316,7 @@ def probe_model(
                 hf(input_ids=x, position_ids=p, **kw)
                 if run == "A":
                     report.attention_calls = len(calls)
+                    report.called = list(calls)
     except Exception as e:  # noqa: BLE001 -- every failure of the dry run is a refusal with its cause
         where = state["stack"][-1] if state["stack"] else hf
         indexers = sorted({type(m).__name__ for m in where.modules() if "indexer" in type(m).__name__.lower()})
@@ -342,4 +346,32 @@ def probe_model(
         if f is not None:
             _mask_pieces(f, report.windows_mask, bad)
     report.mask_parts = bad
+    return report
+
+
+def _probe_meta(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: frozenset, handled: frozenset) -> ProbeReport:
+    """The dry run of a model whose weights are on the meta device (every rank but 0 of a
+    broadcast-from-rank-0 load): the rule is about structure, not values, so it runs on a
+    twin with one decoder layer per kind (as `verify()` builds it), materialised on CPU with
+    seeded weights -- the same twin on every rank, so every rank reaches the same verdict.
+    The attention calls of each kept layer count for every layer of its kind."""
+    from hf_longctx.verify import SkippedLayer, decoder_layers, layer_kind, reduced_copy
+
+    with torch.random.fork_rng(devices=[]):  # init_weights draws from the global RNG
+        torch.manual_seed(0)
+        twin = reduced_copy(hf)  # meta: nothing is allocated until to_empty
+        twin.to_empty(device="cpu")
+        twin.init_weights()  # parameters and the buffers (RoPE frequencies) that to_empty left empty
+    report = probe_model(twin, metadata_key, used_kwargs, ignored_kwargs, handled)
+    kept = {}  # kind -> attention calls inside the twin's layer of that kind
+    inside = 0
+    for layer in decoder_layers(twin):
+        if isinstance(layer, SkippedLayer):
+            continue
+        members = {id(m) for m in layer.modules()}
+        kept[layer_kind(layer)] = n = sum(id(m) in members for m in report.called)
+        inside += n
+    outside = len(report.called) - inside  # attention outside the decoder layers runs once
+    report.attention_calls = outside + sum(kept.get(layer_kind(layer), 0) for layer in decoder_layers(hf))
+    report.called = []
     return report
