@@ -9,7 +9,8 @@ causal flag is top-left aligned, so only square diagonal tiles use it; a fully m
 returns lse = 0 (fixed to -inf here); a row with lse = -inf makes its backward NaN, so
 -inf is passed as +inf, which zeroes P. GQA is not native: K/V heads are expanded.
 
-Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]; out in q's dtype, lse [B, H, Sq] float32.
+Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]; out in q's dtype (fp32 for callers that merge),
+lse [B, H, Sq] float32.
 """
 
 from __future__ import annotations
@@ -42,8 +43,19 @@ def _additive(q: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> tuple
     return False, torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, NEG_INF)
 
 
+def _widened(out_dtype, *tensors):
+    """A caller that keeps merging (ring steps, FPDT chunks, tiles) asks for fp32 results; the
+    op rounds its outputs to its input dtype, so bf16/fp16 tiles are computed in fp32 instead
+    (the CPU kernel computes in fp32 internally anyway) and the merge rounds once, at the end."""
+    low = tensors[0].dtype in (torch.bfloat16, torch.float16)
+    if out_dtype is None or not low or out_dtype in (torch.bfloat16, torch.float16):
+        return tensors
+    return tuple(t.to(out_dtype) for t in tensors)
+
+
 def aten_forward(q, k, v, *, scale, causal, mask, softcap=None, out_dtype=None):
-    """out [B, H, Sq, D] (q's dtype: the op rounds internally), lse [B, H, Sq]."""
+    """out [B, H, Sq, D] (q's dtype, or fp32 when asked: see `_widened`), lse [B, H, Sq]."""
+    q, k, v = _widened(out_dtype, q, k, v)
     is_causal, bias = _additive(q, causal, mask)
     h = q.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -56,6 +68,8 @@ def aten_forward(q, k, v, *, scale, causal, mask, softcap=None, out_dtype=None):
 
 
 def aten_backward(dout, q, k, v, out, lse, *, scale, causal, mask, softcap=None, grad_dtype=None):
+    k_dtype, v_dtype = k.dtype, v.dtype
+    dout, q, k, v, out = _widened(grad_dtype, dout, q, k, v, out)
     is_causal, bias = _additive(q, causal, mask)
     h, hkv = q.shape[1], k.shape[1]
     safe_lse = lse.masked_fill(torch.isneginf(lse), float("inf")).to(acc_dtype(q.dtype))  # exp(s - inf) = 0
@@ -63,4 +77,4 @@ def aten_backward(dout, q, k, v, out, lse, *, scale, causal, mask, softcap=None,
         dout, q, expand_kv(k, h), expand_kv(v, h), out.to(q.dtype), safe_lse, 0.0, is_causal, attn_mask=bias, scale=scale
     )
     # GQA heads summed in fp32 and rounded once, to the dtype the caller accumulates in.
-    return dq.to(grad_dtype or q.dtype), reduce_kv(dk, hkv, grad_dtype or k.dtype), reduce_kv(dv, hkv, grad_dtype or v.dtype)
+    return dq.to(grad_dtype or q.dtype), reduce_kv(dk, hkv, grad_dtype or k_dtype), reduce_kv(dv, hkv, grad_dtype or v_dtype)

@@ -51,7 +51,7 @@ CAPABILITIES: dict[str, Capability] = {
     "aten_cpu": Capability(
         "aten_cpu", "cpu", (torch.float32, torch.float64, torch.bfloat16, torch.float16), None, 1, None,
         "additive mask per tile", "K/V expanded once per call", "[B, H, S] fp32 (0 for an empty row)",
-        False, "top-left", False, False,
+        False, "top-left", False, True,  # bf16/fp16 tiles that are merged run in fp32 (aten_cpu._widened)
     ),
     "math": Capability(
         "math", "any", (torch.float32, torch.float64, torch.bfloat16, torch.float16), None, 1, None,
