@@ -70,6 +70,7 @@ def test_patch_registers_switches_and_unpatch_restores_exactly(llama_path, mesh)
 
 def test_idempotent_and_unique_names(llama_path, mesh):
     a, b = load(llama_path), load(llama_path)
+    before = our_names()  # other tests' live patches are theirs: compare with this test's start
     patch(a, mesh)
     name = a.config._attn_implementation
     patch(a, mesh)
@@ -80,7 +81,7 @@ def test_idempotent_and_unique_names(llama_path, mesh):
     assert a.config._attn_implementation == name
     unpatch(a)
     unpatch(b)
-    assert not our_names()
+    assert our_names() == before
 
 
 def test_patched_forward_train_and_eval_match_hf(llama_path, mesh):
@@ -118,14 +119,14 @@ def test_peft_before_or_after_get_peft_model(llama_path, mesh, order):
 
     cfg = LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     base = load(llama_path).train()
-    original = base.config._attn_implementation
+    original, before = base.config._attn_implementation, our_names()
     model = get_peft_model(patch(base, mesh), cfg) if order == "before" else patch(get_peft_model(base, cfg), mesh)
     assert is_patched(model) and base.config._attn_implementation.startswith("hf_longctx")
     out = model(**shard_batch(packed_batch(), mesh))
     out.loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
     unpatch(model)
-    assert base.config._attn_implementation == original and not our_names()
+    assert base.config._attn_implementation == original and our_names() == before
 
 
 # ---- refusals: at patch() time, with the field to change, model untouched -----------------
