@@ -173,6 +173,32 @@ class GroupCost:
         ))
 
     @classmethod
+    def from_config(
+        cls, config: Any, shapes: Sequence[Any], *, flops_per_s: float = 0.5 * 989e12, ulysses_bw: float = 300e9,
+        ring_bw: float = 40e9, bytes_per_element: int = 2,
+    ) -> "GroupCost":
+        """Seconds per document for every group shape (`bank.shapes`): the model's training
+        FLOPs (`CostModel.from_config`) at `flops_per_s` per rank, split over the group, plus
+        the traffic a group of s = U·R ranks adds per token of a document, unoverlapped:
+        Ulysses all-to-all of q, k, v and the output (2(U−1)/U of (2·h_q + 2·h_kv)·E bytes per
+        layer, forward and backward, per rank's 1/s of the tokens) at `ulysses_bw`, and the
+        zigzag ring's K/V passes (R−1 hops of 2·h_kv·E bytes plus fp32 log-sum-exp, per rank's
+        1/s) at `ring_bw`. Defaults: an H100-class GPU at 50 % of 989 TFLOP/s, NVLink within
+        a node, 40 GB/s across (the constants of benchmarks/flex_planning.py). Only ratios
+        between sizes matter to the planner; on other hardware fit one (`GroupCost.fit`)."""
+        d = ModelDims.from_config(config)
+        flops = CostModel.from_config(config)
+        base = CostModel(a=flops.a / flops_per_s, b=flops.b / flops_per_s)
+        q, kv, e = d.heads * d.head_dim, d.kv_heads * d.head_dim, bytes_per_element
+        comm = {}
+        for sh in shapes:
+            s, u, r = sh.size, sh.ulysses, sh.ring
+            ulysses = 2 * (u - 1) / u / s * (2 * q + 2 * kv) * e * d.layers / ulysses_bw
+            ring = (r - 1) / s * 2 * kv * (2 * e + 4) * d.layers / ring_bw
+            comm[s] = ulysses + ring
+        return cls.analytic(base, [sh.size for sh in shapes], comm_per_token=comm)
+
+    @classmethod
     def fit(
         cls, sizes: Sequence[int], lengths: Sequence[int] | np.ndarray, times: Sequence[float] | np.ndarray
     ) -> "GroupCost":
