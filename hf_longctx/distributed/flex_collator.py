@@ -36,8 +36,8 @@ from hf_longctx.distributed.group_bank import GroupBank
 
 
 def layout_text(layouts: Sequence[Sequence[int]]) -> str:
-    """Slot layouts for logs: [(4,), (2, 1, 1)] -> "4 | 2+1+1"."""
-    return " | ".join("+".join(str(s) for s in slot) for slot in layouts)
+    """Slot layouts for logs, one bracket per slot: [(4,), (2, 1, 1)] -> "[4] [2+1+1]"."""
+    return " ".join("[" + "+".join(str(s) for s in slot) + "]" for slot in layouts)
 
 
 class FlexCollator:

@@ -58,7 +58,7 @@ class StepWindow:
     def _reset(self) -> None:
         self.loss_sum, self.steps, self.tokens, self.flops = 0.0, 0, 0, 0.0
         self.balances: list[float] = []
-        self.layouts: list[str] = []  # group bank: each step's slot layouts, e.g. "4 | 2+1+1"
+        self.layouts: list[str] = []  # group bank: each step's slot layouts, e.g. "[4] [2+1+1]"
         self.busy: list[float] = []  # group bank: each step's modelled per-rank busy max/mean
         self.t0: float | None = None
 

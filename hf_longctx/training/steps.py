@@ -15,7 +15,7 @@ yields the step sampler's index lists, and its collate function wraps the collat
      "num_items_in_batch": N,            # valid targets of the WHOLE step (all ranks): the normaliser
      "tokens": T, "flops": F,            # trained tokens / estimated FLOPs of the whole step
      "balance": b,                       # the plan's synced/ideal cost (None without a cost model)
-     "layouts": "4 | 2+1+1", "busy": m}  # group bank only: each slot's group sizes, per-rank busy max/mean
+     "layouts": "[4] [2+1+1]", "busy": m}  # group bank only: each slot's group sizes, per-rank busy max/mean
 
 With a `GroupBank` the collator is `distributed/flex_collator.FlexCollator` (flexible SP
 groups, planned per step by `plan_flexible`): its micro-batches are this rank's slots, each
