@@ -79,8 +79,9 @@ class LongContextTrainerMixin:
     bank give `max_tokens_per_rank` instead: a group of size s packs at most s × that),
     `tokens_per_step` (global tokens per optimizer step), optionally `cost` (a `CostModel`;
     default: FLOPs of the model's config; with a bank a `GroupCost`, default
-    `GroupCost.from_config`: FLOPs split over each size plus its communication), `strategy` (the fixed-degree planner's), `overlong` ("error":
-    refuse documents above max_tokens; "split" / "truncate"), `pad_token_id` (default: the
+    `GroupCost.from_config`: FLOPs split over each size plus its communication), `strategy`
+    (the fixed-degree planner's), `overlong` ("error": refuse documents above max_tokens, or
+    with a bank above the largest group's capacity; "split" / "truncate"), `pad_token_id` (default: the
     processing class's pad, else EOS, else 0), `step_timeout_s` (watchdog for hung ranks),
     `peak_flops` (per device, for MFU). Everything else is plain `TrainingArguments`.
     """
