@@ -8,12 +8,15 @@ Hugging Face cache -- never the network), ranks every setting with `planning/sea
 (memory from `planning/memory.py`: FPDT §3-4 memory analysis, USP §4 memory and
 communication) and prints one table, best first. `--plot FILE.png` draws the per-rank load
 of one sampled step planned with `plan_microbatches` for the best setting
-(`planning/plot.py`).
+(`planning/plot.py`); with `--flex` the step is planned with flexible SP groups instead
+(`plan_flexible`, groups of every power-of-two size, FlexSP / Hydraulis): the figure shows
+each slot's group layout and every rank's load, and the output names the layouts, the
+per-rank busy max/mean and the modelled step against the best setting's fixed degree.
 
 Usage:
   hf-longctx plan --model PATH_OR_NAME --gpus 64 --gpu-memory 80GiB --host-memory 1TiB \\
       --seq-len 131072 [--dtype bf16] [--micro-batch-tokens N] [--top 10] [--show-infeasible] \\
-      [--plot load.png [--lengths-file lengths.txt.gz]]
+      [--plot load.png [--lengths-file lengths.txt.gz] [--flex]]
 """
 
 from __future__ import annotations
@@ -139,6 +142,47 @@ def _plot(args: argparse.Namespace, config: Any, best) -> str:
             f"{plan.num_microbatches} micro-batches per rank; synchronised step / ideal = {stats['synced_over_ideal']:.3f}")
 
 
+def _plot_flex(args: argparse.Namespace, config: Any, best) -> str:
+    """The flexible plan of one sampled step at the best setting's tokens per rank, drawn
+    per rank with each slot's group sizes; compared with that setting's fixed degree."""
+    from hf_longctx.data.cost import GroupCost
+    from hf_longctx.data.flex_groups import group_shapes
+    from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
+    from hf_longctx.data.model_dims import ModelDims
+    from hf_longctx.distributed.flex_collator import layout_text
+    from hf_longctx.planning import plot
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    s, world = best.setting, args.gpus
+    per_rank = args.micro_batch_tokens // s.sp  # the best fixed setting's tokens per rank
+    shapes = group_shapes(world, heads=ModelDims.from_config(text).heads, max_size=world & -world,
+                          ranks_per_node=min(args.gpus_per_node, world & -world))
+    fixed_shape = next((sh for sh in shapes if sh.size == s.sp), None)
+    cost = GroupCost.from_config(text, shapes, flops_per_s=args.tflops * 1e12 * args.mfu, ulysses_bw=args.intra_bw,
+                                 ring_bw=args.inter_bw)
+    max_len = (fixed_shape or shapes[-1]).capacity(per_rank)  # documents the fixed setting can hold too
+    if args.lengths_file:
+        pool, source = plot.read_lengths(args.lengths_file), f"lengths from {args.lengths_file}"
+    else:
+        pool, source = plot.synthetic_lengths(max_len, seed=args.seed), f"synthetic log-normal lengths (seed {args.seed})"
+    lengths = plot.sample_step(pool, world * per_rank * args.plot_microbatches, max_len, seed=args.seed)
+    flex = plan_flexible(lengths, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank, cost=cost,
+                         num_slots=args.plot_microbatches)
+    title = (f"flexible SP groups, one sampled step: {world} ranks, {per_rank} tokens per rank per micro-batch\n"
+             f"{source}")
+    stats = plot.draw_flex_load(flex, cost, args.plot, title)
+    out = (f"wrote {args.plot}: one step of {len(lengths)} documents ({source}) planned with flexible SP groups on "
+           f"{world} ranks, {per_rank} tokens per rank; slot layouts {layout_text(flex.layouts())}; synchronised step / "
+           f"ideal = {stats['synced_over_ideal']:.3f}; per-rank busy max/mean = {stats['busy_max_over_mean']:.3f}")
+    if fixed_shape is not None:
+        fixed = plan_fixed(lengths, shape=fixed_shape, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank,
+                           cost=cost).stats(cost)
+        out += (f"\nthe suggestion's fixed degree on the same step (sp {s.sp}, dp {world // s.sp}; split as the "
+                f"bank's group of {s.sp}: ulysses {fixed_shape.ulysses} x ring {fixed_shape.ring}): synchronised step / ideal = {fixed['synced_over_ideal']:.3f}; "
+                f"modelled speed-up of flexible groups {fixed['synced_step'] / stats['synced_step']:.2f}x")
+    return out
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from hf_longctx.planning.memory import ModelDims
     from hf_longctx.planning.search import Cluster, Suggestion, rank_settings
@@ -177,7 +221,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best = Suggestion.of(feasible[0])  # what hf_longctx.planning.search.suggest() returns
     print(f"\nsuggested (fastest estimate that fits):\n{best.code()}")
     if args.plot:
-        print(_plot(args, config, feasible[0]))
+        print((_plot_flex if args.flex else _plot)(args, config, feasible[0]))
     return 0
 
 
@@ -206,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write the per-rank load of a sampled step (PNG) for the best setting")
     p.add_argument("--lengths-file", default=None, help="document lengths for --plot: one per line or a JSON list, .gz ok")
     p.add_argument("--plot-microbatches", type=int, default=4, help="micro-batches per DP rank in the sampled step")
+    p.add_argument("--flex", action="store_true",
+                   help="--plot the step with flexible SP groups (sizes chosen per slot): layouts and per-rank load")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
     return parser

@@ -3,6 +3,8 @@
 Run (what `make demo` does):
     accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/demo.py
 or  torchrun --nproc-per-node 4 recipes/demo.py
+Flexible SP groups (FlexSP / Hydraulis), i.e. `make demo DEMO_ARGS="--flex"`:
+    accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/demo.py --flex
 
 Everything is local, nothing comes from a hub: the corpus is the `.py` files of this
 Python's own standard library (read with `datasets`), the tokenizer a byte-level BPE
@@ -12,6 +14,14 @@ checkpoint takes. Then `hf_longctx.LongContextTrainer` (a `transformers.Trainer`
 step sampler → cost-balanced plan → USP-sharded micro-batches → FSDP2 over all 4 ranks.
 The Trainer logs, per step, the loss (the global token mean), tokens/s and the plan's
 balance (synced step / ideal); rank 0 prints a summary at the end.
+
+`--flex`: instead of one Ulysses × ring mesh, a group bank (`init_group_bank`: groups of
+1, 2 and 4 ranks, the group of 4 split ulysses × ring as above) is the trainer's mesh; each
+step's documents are planned with `plan_flexible` under `--max-tokens / 4` tokens per rank
+(a group of s ranks holds s × that, so the longest piece is the same as without --flex),
+short files train on single ranks without communication and long ones on groups of 2 or 4,
+and every step prints its slot layouts (e.g. "[4] [2+1+1]") and the plan's per-rank busy
+max/mean.
 """
 
 from __future__ import annotations
@@ -23,10 +33,11 @@ import time
 
 import torch
 
-from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset
+from hf_longctx import LongContextTrainer, init_group_bank, init_sequence_parallel, patch, tokenize_dataset
 from hf_longctx.training.launch import describe, init_distributed
 
 EOS = "<|endoftext|>"
+HEADS = 4  # query heads of the demo Llama (bounds the Ulysses degree of every group)
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3", "turtledemo"}
 
 
@@ -73,7 +84,7 @@ def build_model(vocab_size: int, path: str, args) -> None:
     torch.manual_seed(args.seed)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
+        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(path)
 
@@ -95,6 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may block (dead rank)")
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--flex", action="store_true",
+                   help="flexible SP groups: a group bank of sizes 1..world, planned per step (FlexSP / Hydraulis)")
     p.add_argument("--no-bar", action="store_true", help="plain per-step lines only (CI logs)")
     return p.parse_args(argv)
 
@@ -112,7 +125,12 @@ def main(argv=None) -> dict:
         save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, seed=args.seed,
         report_to=[], disable_tqdm=args.no_bar, use_cpu=device.type == "cpu",  # fp32 on CPU: bf16 matmuls are slow
     )
-    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring)
+    if args.flex:  # ranks_per_node = ulysses: the largest group splits ulysses x ring like the fixed mesh
+        mesh = init_group_bank(heads=HEADS, ranks_per_node=args.ulysses)
+        caps = dict(max_tokens_per_rank=args.max_tokens // mesh.world_size)
+    else:
+        mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring)
+        caps = dict(max_tokens=args.max_tokens)
     main_rank = targs.process_index == 0
     say = print if main_rank else (lambda *a, **k: None)
     say(describe(mesh, device))
@@ -136,14 +154,15 @@ def main(argv=None) -> dict:
     )
     trainer = LongContextTrainer(
         model=patch(model, mesh), args=targs, train_dataset=data, processing_class=tokenizer, mesh=mesh,
-        max_tokens=args.max_tokens, tokens_per_step=args.tokens_per_step, overlong="split",
+        tokens_per_step=args.tokens_per_step, overlong="split", **caps,
     )
     result = trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "tokens_per_s" in h]
     for h in logs:  # one plain line per step (the bar/printer show the same dicts)
         say(f"step {h['step']:4d} | loss {h['loss']:.4f} | lr {h['learning_rate']:.2e} | grad_norm {h['grad_norm']:.3f} | "
             f"{h['tokens_per_s']:.0f} tok/s | plan synced/ideal {h.get('plan_balance', float('nan')):.3f} | "
-            f"peak mem {h['peak_mem_gib']:.2f} GiB")
+            f"peak mem {h['peak_mem_gib']:.2f} GiB"
+            + (f" | slots {h['plan_layouts']} | busy max/mean {h['plan_busy_max_over_mean']:.3f}" if args.flex else ""))
     tokens = sum(h["step_tokens"] for h in logs)
     summary = {
         "loss_first": logs[0]["loss"], "loss_last": logs[-1]["loss"], "tokens": tokens,

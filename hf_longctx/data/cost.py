@@ -104,22 +104,29 @@ class CostModel:
             raise ValueError("CostModel.fit: lengths and times must be finite")
         if np.any(x < 0):
             raise ValueError(f"CostModel.fit: negative length {x[x < 0][0]!r}")
-        # Scale columns to unit max so l² (up to ~1e12) does not swamp the conditioning.
-        scale = np.array([max(x.max(), 1.0) ** 2, max(x.max(), 1.0), 1.0])
-        design = np.stack([x * x, x, np.ones_like(x)], axis=1) / scale
-        best, best_err = np.zeros(3), float(np.sum(y * y))
-        for k in (1, 2, 3):
-            for free in itertools.combinations(range(3), k):
-                sol, *_ = np.linalg.lstsq(design[:, free], y, rcond=None)
-                if np.any(sol < 0):
-                    continue
-                coef = np.zeros(3)
-                coef[list(free)] = sol
-                err = float(np.sum((design @ coef - y) ** 2))
-                if err < best_err:
-                    best, best_err = coef, err
-        a, b, c = best / scale
+        a, b, c = _nnls(np.stack([x * x, x, np.ones_like(x)], axis=1), y)
         return cls(a=float(a), b=float(b), c=float(c))
+
+
+def _nnls(design: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a few columns: every subset of free columns is
+    solved and the best feasible one kept. Columns are scaled to unit max first, so l² (up
+    to ~1e12) does not swamp the conditioning."""
+    scale = np.maximum(np.abs(design).max(axis=0), 1.0)  # [K]
+    d = design / scale
+    k_all = d.shape[1]
+    best, best_err = np.zeros(k_all), float(np.sum(y * y))
+    for k in range(1, k_all + 1):
+        for free in itertools.combinations(range(k_all), k):
+            sol, *_ = np.linalg.lstsq(d[:, free], y, rcond=None)
+            if np.any(sol < 0):
+                continue
+            coef = np.zeros(k_all)
+            coef[list(free)] = sol
+            err = float(np.sum((d @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = coef, err
+    return best / scale
 
 
 @dataclass(frozen=True)
@@ -131,10 +138,13 @@ class GroupCost:
     (a·l² + b·l)/s plus the group's communication per token (Ulysses all-to-all, ring
     hops) -- see `analytic`. A micro-batch of a group costs the sum over its documents.
     The planner compares sizes through s·T_s(l) (rank-seconds), so the unit must be the
-    same for every size.
+    same for every size. `overheads[s]` (default 0) is a constant per MICRO-BATCH of a group
+    of size s (layer launches, collective latency: the c_s of T_s(docs) = Σ(a_s·l² + b_s·l)
+    + c_s), paid once however many documents the group packs -- what `fit` measures.
     """
 
     models: tuple[tuple[int, CostModel], ...]
+    overheads: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         models = tuple(sorted(dict(self.models).items()))
@@ -146,6 +156,19 @@ class GroupCost:
             if not isinstance(m, CostModel):
                 raise ValueError(f"GroupCost[{size}] must be a CostModel, got {type(m).__name__}")
         object.__setattr__(self, "models", models)
+        overheads = tuple(sorted((int(s), float(o)) for s, o in dict(self.overheads).items()))
+        bad = [(s, o) for s, o in overheads if s not in self.sizes or not math.isfinite(o) or o < 0]
+        if bad:
+            raise ValueError(f"GroupCost overheads must be finite, >= 0 and for sizes with a model, got {bad}")
+        object.__setattr__(self, "overheads", overheads)
+
+    def overhead(self, size: int) -> float:
+        """Constant time of one micro-batch of a group of `size` (0 unless fitted or given)."""
+        return dict(self.overheads).get(size, 0.0)
+
+    def microbatch(self, size: int, lengths: Sequence[int] | np.ndarray) -> float:
+        """Modelled time of one micro-batch of a group of `size` packing documents of `lengths`."""
+        return float(np.sum(self(size, np.asarray(lengths, dtype=np.float64)))) + self.overhead(size)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -173,21 +196,57 @@ class GroupCost:
         ))
 
     @classmethod
+    def from_config(
+        cls, config: Any, shapes: Sequence[Any], *, flops_per_s: float = 0.5 * 989e12, ulysses_bw: float = 300e9,
+        ring_bw: float = 40e9, bytes_per_element: int = 2,
+    ) -> "GroupCost":
+        """Seconds per document for every group shape (`bank.shapes`): the model's training
+        FLOPs (`CostModel.from_config`) at `flops_per_s` per rank, split over the group, plus
+        the traffic a group of s = U·R ranks adds per token of a document, unoverlapped:
+        Ulysses all-to-all of q, k, v and the output (2(U−1)/U of (2·h_q + 2·h_kv)·E bytes per
+        layer, forward and backward, per rank's 1/s of the tokens) at `ulysses_bw`, and the
+        zigzag ring's K/V passes (R−1 hops of 2·h_kv·E bytes plus fp32 log-sum-exp, per rank's
+        1/s) at `ring_bw`. Defaults: an H100-class GPU at 50 % of 989 TFLOP/s, NVLink within
+        a node, 40 GB/s across (the constants of benchmarks/flex_planning.py). Only ratios
+        between sizes matter to the planner; on other hardware fit one (`GroupCost.fit`)."""
+        d = ModelDims.from_config(config)
+        flops = CostModel.from_config(config)
+        base = CostModel(a=flops.a / flops_per_s, b=flops.b / flops_per_s)
+        q, kv, e = d.heads * d.head_dim, d.kv_heads * d.head_dim, bytes_per_element
+        comm = {}
+        for sh in shapes:
+            s, u, r = sh.size, sh.ulysses, sh.ring
+            ulysses = 2 * (u - 1) / u / s * (2 * q + 2 * kv) * e * d.layers / ulysses_bw
+            ring = (r - 1) / s * 2 * kv * (2 * e + 4) * d.layers / ring_bw
+            comm[s] = ulysses + ring
+        return cls.analytic(base, [sh.size for sh in shapes], comm_per_token=comm)
+
+    @classmethod
     def fit(
         cls, sizes: Sequence[int], lengths: Sequence[int] | np.ndarray, times: Sequence[float] | np.ndarray
     ) -> "GroupCost":
-        """One `CostModel.fit` per group size from measured (size, length, seconds) rows --
-        e.g. micro-batch times profiled for each group size on the user's hardware."""
+        """Per-size coefficients from measured micro-batch times: rows (size, documents, seconds),
+        `lengths[i]` one document's length or the lengths of a packed micro-batch. Fits
+        T_s(docs) = a_s·Σl² + b_s·Σl + c_s by non-negative least squares, c_s per micro-batch
+        (`overheads`; the per-document models get c = 0). Needs >= 3 distinct token totals per size."""
         sz = np.asarray(sizes).ravel()
-        x = np.asarray(lengths, dtype=np.float64).ravel()
+        docs = [np.atleast_1d(np.asarray(x, dtype=np.float64)) for x in lengths]
         y = np.asarray(times, dtype=np.float64).ravel()
-        if not (sz.shape == x.shape == y.shape):
-            raise ValueError(f"GroupCost.fit: {sz.size} sizes, {x.size} lengths and {y.size} times must agree")
-        out = []
+        if not (sz.size == len(docs) == y.size):
+            raise ValueError(f"GroupCost.fit: {sz.size} sizes, {len(docs)} lengths and {y.size} times must agree")
+        if not np.all(np.isfinite(y)) or any(not np.all(np.isfinite(d)) or np.any(d < 0) for d in docs):
+            raise ValueError("GroupCost.fit: lengths must be finite and >= 0, times finite")
+        sq = np.array([float(np.sum(d * d)) for d in docs])  # [rows] Σl²
+        lin = np.array([float(np.sum(d)) for d in docs])  # [rows] Σl
+        models, overheads = [], []
         for s in sorted({int(v) for v in sz.tolist()}):
             rows = sz == s
-            try:
-                out.append((s, CostModel.fit(x[rows], y[rows])))
-            except ValueError as e:
-                raise ValueError(f"group size {s}: {e}") from None
-        return cls(tuple(out))
+            if np.unique(lin[rows]).size < 3:
+                raise ValueError(
+                    f"group size {s}: GroupCost.fit needs at least 3 distinct token totals to fit a·Σl² + b·Σl + c, "
+                    f"got {np.unique(lin[rows]).size} among {int(rows.sum())} rows"
+                )
+            a, b, c = _nnls(np.stack([sq[rows], lin[rows], np.ones(int(rows.sum()))], axis=1), y[rows])
+            models.append((s, CostModel(a=float(a), b=float(b))))
+            overheads.append((s, float(c)))
+        return cls(tuple(models), tuple(overheads))

@@ -57,18 +57,19 @@ def _tables(lengths, shapes, cap_per_rank, cost):
     return padded, caps, costs, padded <= caps[:, None]
 
 
-def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots):
+def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, ovh):
     """Steps 2-3 of the module docstring for one choice of widths (shape index per doc).
 
     Groups are parallel arrays; a group's projected cost is its load plus its free room
-    filled at the cheapest per-token cost of its shape (groups nearly always end full)."""
+    filled at the cheapest per-token cost of its shape (groups nearly always end full).
+    `ovh[k]`: the per-micro-batch constant of shape k, a group's load from the start."""
     g_shape, g_slot, g_load, g_tok, g_docs = [], [], [], [], []
     free = [world] * num_slots
-    slot_max = [float(rho[0] * caps[0])] * num_slots  # a slot of empty smallest groups, projected full
+    slot_max = [float(rho[0] * caps[0] + ovh[0])] * num_slots  # a slot of empty smallest groups, projected full
 
     def add_slot():
         free.append(world)
-        slot_max.append(float(rho[0] * caps[0]))
+        slot_max.append(float(rho[0] * caps[0] + ovh[0]))
 
     def proj(k, load, tok):
         # Only groups of the smallest size are memory-bound fillers that end full; a wider
@@ -78,7 +79,7 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots):
 
     def open_group(k, m):
         free[m] -= sizes[k]
-        g_shape.append(k), g_slot.append(m), g_load.append(0.0), g_tok.append(0), g_docs.append([])
+        g_shape.append(k), g_slot.append(m), g_load.append(float(ovh[k])), g_tok.append(0), g_docs.append([])
         return len(g_shape) - 1
 
     def put(d, g):
@@ -100,7 +101,7 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots):
                 key = slot_max[g_slot[g]] - proj(k, g_load[g] + costs[k, d], g_tok[g] + padded[k, d])
                 if key > best:
                     best, choice = key, ("join", g)
-        new = proj(w, costs[w, d], padded[w, d])
+        new = proj(w, ovh[w] + costs[w, d], padded[w, d])
         for m in range(len(free)):
             if free[m] >= sizes[w]:
                 key = slot_max[m] - new
@@ -134,9 +135,9 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots):
             n_new = world // sizes[0]
             gs = np.concatenate([gs, np.zeros(n_new, dtype=np.int64)])
             gm = np.concatenate([gm, np.full(n_new, m)])
-            load, tok = np.concatenate([load, np.zeros(n_new)]), np.concatenate([tok, np.zeros(n_new, dtype=np.int64)])
+            load, tok = np.concatenate([load, np.full(n_new, ovh[0])]), np.concatenate([tok, np.zeros(n_new, dtype=np.int64)])
             cap_g, rho_g = caps[gs], np.where(gs == 0, rho[gs], 0.0)
-            smax = np.append(smax, rho[0] * caps[0])
+            smax = np.append(smax, rho[0] * caps[0] + ovh[0])
             g_docs += [[] for _ in range(n_new)]
             continue
         new = load + c + rho_g * (cap_g - tok - p)  # [G] projected cost after adding d
@@ -226,6 +227,7 @@ def plan_flexible(
     # Cheapest per-token cost of each shape (projects a group's free room as if filled).
     with np.errstate(divide="ignore", invalid="ignore"):
         rho = np.array([float(np.min(costs[k] / np.maximum(padded[k], 1))) if n else 0.0 for k in range(len(shapes))])
+    ovh = np.array([cost.overhead(s) for s in sizes], dtype=np.float64)  # [K] per micro-batch
     order = np.lexsort((np.arange(n), -lengths, -work)).tolist()  # costliest first, ties by index
     best, tried = None, set()
     for f in tau_factors:
@@ -241,7 +243,7 @@ def plan_flexible(
         if key in tried:  # another target gave the same widths, hence the same plan
             continue
         tried.add(key)
-        gs, gm, load, docs = _construct(width.tolist(), order, padded, caps, costs, rho, sizes, world, m)
+        gs, gm, load, docs = _construct(width.tolist(), order, padded, caps, costs, rho, sizes, world, m, ovh)
         step = sum(float(load[gm == j].max()) for j in range(int(gm.max()) + 1))
         if best is None or step < best[0] - 1e-12 * max(step, 1.0):
             best = (step, gs, gm, load, docs)

@@ -119,8 +119,9 @@ class FlexPlan:
         return v
 
     def stats(self, cost: GroupCost) -> dict[str, Any]:
-        """Modelled step (Σ over slots of the slowest group), ideal (Σ_doc min_s s·T_s / world,
-        which no plan can beat), per-rank busy time max/mean."""
+        """Modelled step (Σ over slots of the slowest group, each group's micro-batch with its
+        size's overhead), ideal (Σ_doc min_s s·T_s / world plus the fewest slots any plan
+        needs × the smallest overhead, which no plan can beat), per-rank busy time max/mean."""
         lengths = np.asarray(self.lengths, dtype=np.int64)
         slot_max, busy = [], np.zeros(self.world_size)
         for slot in self.slots:
@@ -129,11 +130,16 @@ class FlexPlan:
             for g, t in zip(slot, loads):
                 busy[g.index * g.size : (g.index + 1) * g.size] += t
         best = np.full(len(lengths), np.inf)
+        fewest = np.full(len(lengths), np.inf)  # [N] fewest padded tokens of each document
         for shape in self.shapes:
             p = -(-lengths // shape.doc_multiple) * shape.doc_multiple
             ok = p <= shape.capacity(self.max_tokens_per_rank)
             best = np.where(ok, np.minimum(best, shape.size * cost(shape.size, p)), best)
+            fewest = np.where(ok, np.minimum(fewest, p), fewest)
         ideal = float(best.sum()) / self.world_size if len(lengths) else 0.0
+        if cost.overheads and len(lengths):
+            slots = int(np.ceil(fewest.sum() / (self.world_size * self.max_tokens_per_rank)))
+            ideal += slots * min(cost.overhead(s.size) for s in self.shapes)
         synced = float(sum(slot_max))
         return {
             "synced_step": synced,
@@ -145,8 +151,7 @@ class FlexPlan:
         }
 
     def _load(self, g: FlexGroup, cost: GroupCost, lengths: np.ndarray) -> float:
-        if not g.docs:
-            return 0.0
+        # An empty group still runs its slot's (padding) micro-batch: it pays the overhead.
         shape = self.shape(g.size)
         p = -(-lengths[list(g.docs)] // shape.doc_multiple) * shape.doc_multiple
-        return float(np.sum(cost(g.size, p)))
+        return float(np.sum(cost(g.size, p))) + cost.overhead(g.size)

@@ -7,6 +7,11 @@ and drawn as one stacked bar per DP rank: each segment is one micro-batch slot's
 (`CostModel.from_config` FLOPs). Hydraulis / FlexSP balance: with FSDP every rank waits
 for the slowest at each slot, so equal bars and equal segments are the goal.
 
+With `--flex` (`draw_flex_load`) the step is planned with `plan_flexible` on groups of
+every power-of-two size instead (FlexSP / Hydraulis): one bar per rank, one segment per
+micro-batch slot labelled with the size of the rank's group in that slot, so each slot's
+group layout and every rank's load are visible.
+
 matplotlib is optional (the `bench` extra) and imported only when a figure is drawn.
 """
 
@@ -19,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from hf_longctx.data.cost import CostModel
+from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.data.flex_plan import FlexPlan
 from hf_longctx.data.packing import Plan
 
 
@@ -70,8 +76,7 @@ def slot_costs(plan: Plan, cost: CostModel) -> np.ndarray:
     return costs
 
 
-def draw_load(plan: Plan, cost: CostModel, path: str | Path, title: str) -> dict[str, Any]:
-    """Save the stacked per-rank bar chart to `path` (PNG); returns `plan.stats(cost)`."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -81,6 +86,12 @@ def draw_load(plan: Plan, cost: CostModel, path: str | Path, title: str) -> dict
         raise ImportError(
             "--plot needs matplotlib: pip install matplotlib  (or pip install 'hf_longctx[bench]')"
         ) from None
+    return plt
+
+
+def draw_load(plan: Plan, cost: CostModel, path: str | Path, title: str) -> dict[str, Any]:
+    """Save the stacked per-rank bar chart to `path` (PNG); returns `plan.stats(cost)`."""
+    plt = _pyplot()
     costs = slot_costs(plan, cost) / 1e12  # TFLOPs
     stats = plan.stats(cost)
     dp, slots = costs.shape
@@ -103,6 +114,58 @@ def draw_load(plan: Plan, cost: CostModel, path: str | Path, title: str) -> dict
             transform=ax.transAxes, va="top", fontsize=8, bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
     ax.legend(fontsize=7, loc="upper right", ncol=2)
     ax.set_ylim(0, bottom.max() * 1.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return stats
+
+
+def flex_rank_costs(plan: FlexPlan, cost: GroupCost) -> tuple[np.ndarray, np.ndarray]:
+    """([world, slots] cost of each rank's group micro-batch in each slot (every rank of a
+    group runs the group's whole micro-batch time), [world, slots] that group's size)."""
+    costs = np.zeros((plan.world_size, plan.num_slots))
+    sizes = np.zeros((plan.world_size, plan.num_slots), dtype=np.int64)
+    lengths = np.asarray(plan.lengths, dtype=np.int64)
+    for m, slot in enumerate(plan.slots):
+        for g in slot:
+            shape = plan.shape(g.size)
+            p = -(-lengths[list(g.docs)] // shape.doc_multiple) * shape.doc_multiple
+            costs[g.ranks.start : g.ranks.stop, m] = cost.microbatch(g.size, p)
+            sizes[g.ranks.start : g.ranks.stop, m] = g.size
+    return costs, sizes
+
+
+def draw_flex_load(plan: FlexPlan, cost: GroupCost, path: str | Path, title: str, unit: str = "s") -> dict[str, Any]:
+    """The flexible plan as a stacked per-rank bar chart: one segment per slot (colour), each
+    labelled with the size of the group the rank is in (so a slot's layout reads across the
+    ranks: [4] [2+1+1] ...); the slot layouts are listed in the text box. Returns
+    `plan.stats(cost)`."""
+    plt = _pyplot()
+    costs, sizes = flex_rank_costs(plan, cost)
+    stats = plan.stats(cost)
+    world, slots = costs.shape
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * world + 3), 4.5))
+    cmap = plt.get_cmap("tab20")
+    bottom = np.zeros(world)
+    for m in range(slots):
+        ax.bar(np.arange(world), costs[:, m], bottom=bottom, color=cmap(m % 20), edgecolor="white", linewidth=0.5,
+               label=f"slot {m}: [{'+'.join(str(g.size) for g in plan.slots[m])}]" if slots <= 12 else None)
+        if world <= 32:  # the group size of every segment (unreadable beyond ~32 bars)
+            for r in range(world):
+                if costs[r, m] > 0.04 * costs.sum(axis=1).max():
+                    ax.text(r, bottom[r] + costs[r, m] / 2, str(sizes[r, m]), ha="center", va="center", fontsize=7)
+        bottom += costs[:, m]
+    ax.axhline(stats["ideal_step"], color="black", linestyle="--", linewidth=1, label="ideal")
+    ax.set_xlabel("rank (segment label: size of its SP group in that slot)")
+    ax.set_ylabel(f"busy time per rank ({unit}, modelled)")
+    ax.set_xticks(np.arange(world) if world <= 32 else np.arange(0, world, max(1, world // 16)))
+    ax.set_title(title, fontsize=9)
+    ax.text(0.01, 0.98, f"synchronised step / ideal = {stats['synced_over_ideal']:.3f}\n"
+            f"per-rank busy max / mean = {stats['busy_max_over_mean']:.3f}\n"
+            f"{len(plan.lengths)} documents, {slots} slots", transform=ax.transAxes, va="top", fontsize=8,
+            bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    ax.set_ylim(0, bottom.max() * 1.35)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 
+from hf_longctx.distributed.group_bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 
 
@@ -39,11 +40,19 @@ def init_distributed(timeout_s: float = 1800.0) -> torch.device:
     return device
 
 
-def describe(mesh: SPMesh, device: torch.device) -> str:
-    """One line naming the launch: backend, world and the mesh factorisation."""
+def describe(mesh: SPMesh | GroupBank, device: torch.device) -> str:
+    """One line naming the launch: backend, world and the mesh factorisation (for a group
+    bank: every group size with its Ulysses × ring split)."""
     import torch.distributed as dist
 
     backend = dist.get_backend() if dist.is_initialized() else "none"
+    if isinstance(mesh, GroupBank):
+        sizes = ", ".join(
+            f"{s.size} (ulysses {s.ulysses} x ring {s.ring}{f' x fpdt_chunks {s.fpdt_chunks}' if s.fpdt_chunks > 1 else ''})"
+            for s in mesh.shapes
+        )
+        return (f"{mesh.world_size} rank(s) on {device.type} ({backend}): flexible SP groups of sizes {sizes}, "
+                f"chosen per micro-batch slot; FSDP2 shards over all {mesh.world_size}")
     return (
         f"{mesh.world_size} rank(s) on {device.type} ({backend}): dp {mesh.dp} x ring {mesh.ring} x "
         f"ulysses {mesh.ulysses}{f' x fpdt_chunks {mesh.fpdt_chunks}' if mesh.fpdt_chunks > 1 else ''}; "

@@ -1,5 +1,6 @@
 """What the trainers add to the Trainer's logs: the exact step loss, tokens/s, plan balance,
-estimated MFU and peak memory.
+estimated MFU and peak memory; with a group bank, each step's slot layouts and the plan's
+per-rank busy time max/mean.
 
 Where it sits: fed once per optimizer step by `LongContextTrainerMixin.training_step` with
 figures every rank already agrees on (the step's global loss from `global_loss`, its
@@ -57,6 +58,8 @@ class StepWindow:
     def _reset(self) -> None:
         self.loss_sum, self.steps, self.tokens, self.flops = 0.0, 0, 0, 0.0
         self.balances: list[float] = []
+        self.layouts: list[str] = []  # group bank: each step's slot layouts, e.g. "[4] [2+1+1]"
+        self.busy: list[float] = []  # group bank: each step's modelled per-rank busy max/mean
         self.t0: float | None = None
 
     def start_step(self) -> None:
@@ -65,7 +68,8 @@ class StepWindow:
         if self.t0 is None:
             self.t0 = time.perf_counter()
 
-    def end_step(self, *, loss: float, tokens: int, flops: float, balance: float | None) -> None:
+    def end_step(self, *, loss: float, tokens: int, flops: float, balance: float | None, layouts: str | None = None,
+                 busy: float | None = None) -> None:
         self.loss_sum += loss
         self.steps += 1
         self.tokens += tokens
@@ -74,6 +78,10 @@ class StepWindow:
         self.run_steps += 1
         if balance is not None:
             self.balances.append(balance)
+        if layouts is not None:
+            self.layouts.append(layouts)
+        if busy is not None:
+            self.busy.append(busy)
 
     def drain(self) -> dict[str, float]:
         """The window's log entries (loss = mean step loss); empty if no step ran. Resets the window."""
@@ -88,6 +96,10 @@ class StepWindow:
         }
         if self.balances:
             out["plan_balance"] = sum(self.balances) / len(self.balances)  # synced / ideal, 1.0 = perfect
+        if self.layouts:  # a string: the printer/progress callbacks show it, scalar-only back ends skip it
+            out["plan_layouts"] = " ; ".join(self.layouts)
+        if self.busy:
+            out["plan_busy_max_over_mean"] = sum(self.busy) / len(self.busy)  # 1.0 = every rank equally busy
         if self.peak_flops and seconds > 0:
             out["mfu"] = self.flops / (seconds * self.world_size * self.peak_flops)
         self._reset()

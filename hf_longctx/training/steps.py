@@ -14,7 +14,13 @@ yields the step sampler's index lists, and its collate function wraps the collat
     {"micro_batches": [shard, ...],      # this rank's sharded micro-batches (count varies per step)
      "num_items_in_batch": N,            # valid targets of the WHOLE step (all ranks): the normaliser
      "tokens": T, "flops": F,            # trained tokens / estimated FLOPs of the whole step
-     "balance": b}                       # the plan's synced/ideal cost (None without a cost model)
+     "balance": b,                       # the plan's synced/ideal cost (None without a cost model)
+     "layouts": "[4] [2+1+1]", "busy": m}  # group bank only: each slot's group sizes, per-rank busy max/mean
+
+With a `GroupBank` the collator is `distributed/flex_collator.FlexCollator` (flexible SP
+groups, planned per step by `plan_flexible`): its micro-batches are this rank's slots, each
+sharded for that slot's group, and the step dict also names the slot layouts and the plan's
+modelled per-rank busy time max/mean (the logs show both).
 
 Nothing is truncated here: a document longer than `max_tokens` is the planner's business
 (`overlong="error" | "split" | "truncate"`), checked up front by `check_lengths`.
@@ -28,8 +34,9 @@ import torch
 
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.sampler import StepSampler
+from hf_longctx.distributed.flex_collator import FlexCollator, layout_text
 
-STEP_KEYS = ("micro_batches", "num_items_in_batch", "tokens", "flops", "balance")
+STEP_KEYS = ("micro_batches", "num_items_in_batch", "tokens", "flops", "balance", "layouts", "busy")
 
 
 def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
@@ -121,29 +128,31 @@ class _Rows(torch.utils.data.Dataset):
 class StepCollate:
     """collate_fn: one step's features -> one step dict (see the module docstring)."""
 
-    def __init__(self, collator: LongContextCollator, flops_model: Any = None) -> None:
+    def __init__(self, collator: LongContextCollator | FlexCollator, flops_model: Any = None) -> None:
         self.collator = collator
         self.flops_model = flops_model
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         micro_batches = self.collator(features)
-        plan = self.collator.last_plan
+        flex = isinstance(self.collator, FlexCollator)
         # What is trained: the plan's pieces (a split document attends within its piece).
-        lengths = [p.end - p.start for p in plan.pieces]
+        lengths = self.collator.last_lengths if flex else [p.end - p.start for p in self.collator.last_plan.pieces]
         flops = float(self.flops_model(lengths).sum()) if self.flops_model is not None else 0.0
-        balance = (self.collator.stats or {}).get("synced_over_ideal") if self.collator.cost is not None else None
+        stats = (self.collator.stats or {}) if self.collator.cost is not None else {}
         return {
             "micro_batches": micro_batches,
             "num_items_in_batch": int(self.collator.last_num_items),
             "tokens": int(sum(lengths)),
             "flops": flops,
-            "balance": balance,
+            "balance": stats.get("synced_over_ideal"),
+            "layouts": layout_text(stats["layouts"]) if flex else None,
+            "busy": stats.get("busy_max_over_mean") if flex else None,
         }
 
 
 def step_dataloader(
     dataset: Any,
-    collator: LongContextCollator,
+    collator: LongContextCollator | FlexCollator,
     *,
     tokens_per_step: int,
     seed: int,

@@ -24,6 +24,15 @@ in five places on this stack; each is one override here:
 5. it saves rank 0's optimizer state only -- every rank writes its shards (`checkpoint.py`).
 `grad_norm` and clipping use torch's `clip_grad_norm_` on the (DTensor) gradients: the norm
 of the true, summed gradient.
+
+Flexible SP groups (FlexSP / Hydraulis): `mesh=` a `GroupBank` (`init_group_bank`) and
+`max_tokens_per_rank=` instead of `max_tokens`. The model is `patch(model, bank)`ed, FSDP2
+shards it over `bank.world`, and the step DataLoader's collator is a `FlexCollator`: each
+step's global list is planned with `plan_flexible` (a group of size s packs at most
+s × max_tokens_per_rank), every rank gets the same number of slots, the plan fingerprint is
+compared across ranks, and each slot's shard carries its group -- so `training_step` runs
+unchanged; the loss contract does not depend on the grouping. The logs add each step's
+slot layouts (`plan_layouts`) and the plan's per-rank busy max/mean.
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from hf_longctx.data.collator import LongContextCollator
-from hf_longctx.data.cost import CostModel
+from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.sharding import SP_METADATA_KEY
+from hf_longctx.distributed.flex_collator import FlexCollator
+from hf_longctx.distributed.group_bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import _STATE_ATTR, _hf_model, is_patched
@@ -62,24 +73,36 @@ def _positive_int(name: str, value: Any) -> int:
 class LongContextTrainerMixin:
     """Put in front of `transformers.Trainer` or any subclass: `class T(LongContextTrainerMixin, SFTTrainer)`.
 
-    Extra keyword arguments: `mesh` (`init_sequence_parallel`; the model must be `patch`ed
-    with it), `max_tokens` (tokens of one packed micro-batch of an SP group, before sharding),
+    Extra keyword arguments: `mesh` (`init_sequence_parallel`, or a `GroupBank` from
+    `init_group_bank` for flexible SP groups; the model must be `patch`ed with it),
+    `max_tokens` (tokens of one packed micro-batch of an SP group, before sharding; with a
+    bank give `max_tokens_per_rank` instead: a group of size s packs at most s × that),
     `tokens_per_step` (global tokens per optimizer step), optionally `cost` (a `CostModel`;
-    default: FLOPs of the model's config), `strategy` (the planner's), `overlong` ("error":
-    refuse documents above max_tokens; "split" / "truncate"), `pad_token_id` (default: the
+    default: FLOPs of the model's config; with a bank a `GroupCost`, default
+    `GroupCost.from_config`: FLOPs split over each size plus its communication), `strategy`
+    (the fixed-degree planner's), `overlong` ("error": refuse documents above max_tokens, or
+    with a bank above the largest group's capacity; "split" / "truncate"), `pad_token_id` (default: the
     processing class's pad, else EOS, else 0), `step_timeout_s` (watchdog for hung ranks),
     `peak_flops` (per device, for MFU). Everything else is plain `TrainingArguments`.
     """
 
     def __init__(
-        self, *args: Any, mesh: SPMesh, max_tokens: int, tokens_per_step: int, cost: CostModel | None = None,
-        strategy: str = "balanced", overlong: str = "error", pad_token_id: int | None = None,
-        step_timeout_s: float | None = None, peak_flops: float | None = None, **kwargs: Any,
+        self, *args: Any, mesh: SPMesh | GroupBank, max_tokens: int | None = None, tokens_per_step: int,
+        cost: CostModel | GroupCost | None = None, strategy: str = "balanced", overlong: str = "error",
+        pad_token_id: int | None = None, step_timeout_s: float | None = None, peak_flops: float | None = None,
+        max_tokens_per_rank: int | None = None, **kwargs: Any,
     ) -> None:
-        if not isinstance(mesh, SPMesh):
-            raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
+        if not isinstance(mesh, (SPMesh, GroupBank)):
+            raise TypeError(
+                "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
+                f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
+            )
         self.mesh = mesh
-        self.max_tokens = _positive_int("max_tokens", max_tokens)
+        self._check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
+        # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
+        self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_tokens = self._largest_piece(mesh, max_tokens, max_tokens_per_rank)
         self.tokens_per_step = _positive_int("tokens_per_step", tokens_per_step)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
@@ -107,10 +130,19 @@ class LongContextTrainerMixin:
         self._train_lengths = lengths
         hf_config = getattr(_hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
-        self.collator = LongContextCollator(
-            mesh, self.max_tokens, cost if cost is not None else self._flops_model, strategy=strategy,
-            overlong=overlong, seed=self.args.seed, pad_token_id=self._pad_id(pad_token_id),
-        )
+        if isinstance(mesh, GroupBank):
+            if cost is None and hf_config is None:
+                raise ValueError("with a GroupBank pass cost= (a GroupCost): the model has no config to estimate it from")
+            # Default: FLOPs split over each size plus its Ulysses/ring traffic (GroupCost.from_config);
+            # without a communication term a bigger group would never cost more and flexibility never pays.
+            cost = cost if cost is not None else GroupCost.from_config(hf_config, mesh.shapes)
+            self.collator = FlexCollator(mesh, max_tokens_per_rank, cost, overlong=overlong,
+                                         pad_token_id=self._pad_id(pad_token_id))
+        else:
+            self.collator = LongContextCollator(
+                mesh, self.max_tokens, cost if cost is not None else self._flops_model, strategy=strategy, overlong=overlong, seed=self.args.seed,
+                pad_token_id=self._pad_id(pad_token_id),
+            )
         if mesh.world_size > 1:
             self._shard_model()
         self._window = StepWindow(world_size=mesh.world_size, device=self.args.device, peak_flops=peak_flops)
@@ -121,6 +153,37 @@ class LongContextTrainerMixin:
         self._step_sampler = None
 
     # ---- set-up ----------------------------------------------------------------------------
+    @staticmethod
+    def _check_caps(mesh: Any, max_tokens: Any, max_tokens_per_rank: Any, cost: Any, strategy: str) -> None:
+        if isinstance(mesh, GroupBank):
+            if max_tokens is not None:
+                raise ValueError(
+                    f"max_tokens={max_tokens!r} with a GroupBank: groups differ in size, so the cap is per rank; pass "
+                    "max_tokens_per_rank (a group of size s packs at most s × max_tokens_per_rank tokens)"
+                )
+            _positive_int("max_tokens_per_rank", max_tokens_per_rank)
+            if cost is not None and not isinstance(cost, (GroupCost, CostModel)):
+                raise ValueError(f"cost must be a GroupCost (or a CostModel split over the sizes), got {type(cost).__name__}")
+            if strategy != "balanced":
+                raise ValueError(
+                    f"strategy={strategy!r} picks a fixed-degree planner; a GroupBank plans every step with "
+                    "plan_flexible (use an SPMesh to run the fixed-degree strategies)"
+                )
+        else:
+            if max_tokens_per_rank is not None:
+                raise ValueError("max_tokens_per_rank is the cap of a GroupBank; with an SPMesh pass max_tokens")
+            _positive_int("max_tokens", max_tokens)
+            if cost is not None and not isinstance(cost, CostModel):
+                raise ValueError(f"cost must be a CostModel with an SPMesh, got {type(cost).__name__}")
+
+    @staticmethod
+    def _largest_piece(mesh: Any, max_tokens: int | None, max_tokens_per_rank: int | None) -> int:
+        """The longest document one micro-batch holds (what `overlong` compares against)."""
+        if not isinstance(mesh, GroupBank):
+            return max_tokens
+        shape = mesh.shape(mesh.max_size)
+        return shape.capacity(max_tokens_per_rank) // shape.doc_multiple * shape.doc_multiple
+
     def _check_patched(self, model: Any) -> None:
         if model is None or isinstance(model, str):
             raise ValueError("pass a model instance patched with hf_longctx.patch(model, mesh), not a name or None")
@@ -129,7 +192,11 @@ class LongContextTrainerMixin:
                 f"{type(model).__name__} is not patched: call hf_longctx.patch(model, mesh) before building the trainer "
                 "(the unpatched model would attend across shards and ranks wrongly)"
             )
-        if _hf_model(model).__dict__[_STATE_ATTR].mesh != self.mesh:
+        state = _hf_model(model).__dict__[_STATE_ATTR]
+        if isinstance(self.mesh, GroupBank):
+            if state.bank != self.mesh:
+                raise ValueError("the model was not patched with the trainer's GroupBank: call patch(model, bank)")
+        elif state.bank is not None or state.mesh != self.mesh:
             raise ValueError("the model was patched with a different mesh than the trainer's `mesh`")
 
     @staticmethod
@@ -158,7 +225,7 @@ class LongContextTrainerMixin:
     def _shard_model(self) -> None:
         from torch.distributed.tensor import DTensor
 
-        fsdp_plan(self.model, self.mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.model)
+        fsdp_plan(self.model, self._world_mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.model)
         loose = [n for n, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
         if loose:
             raise ValueError(f"trainable parameters outside FSDP after fsdp_plan: {loose[:4]}")
@@ -231,9 +298,10 @@ class LongContextTrainerMixin:
                 local += loss.detach().double()
                 if self._watchdog is not None:
                     self._watchdog.beat(step)
-            step_loss = global_loss(local, self.mesh)  # []: the step's global token mean, on every rank
+            step_loss = global_loss(local, self._world_mesh)  # []: the step's global token mean, on every rank
             self._flush_token_stats("train", inputs["tokens"])
-        self._window.end_step(loss=float(step_loss), tokens=inputs["tokens"], flops=inputs["flops"], balance=inputs["balance"])
+        self._window.end_step(loss=float(step_loss), tokens=inputs["tokens"], flops=inputs["flops"], balance=inputs["balance"],
+                              layouts=inputs.get("layouts"), busy=inputs.get("busy"))
         return step_loss.to(torch.float32)
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -308,7 +376,7 @@ class LongContextTrainerMixin:
                     local += loss.double() * n  # undo the step normalisation: this rank's token-loss sum
                 targets += n  # the same on every rank
                 tokens += step["tokens"]
-            total = global_loss(local, self.mesh)  # []: Σ over all ranks
+            total = global_loss(local, self._world_mesh)  # []: Σ over all ranks
             self._flush_token_stats("eval", None)
         metrics = {
             f"{metric_key_prefix}_loss": float(total) / max(targets, 1),

@@ -148,3 +148,22 @@ def test_presets_in_the_plan_are_the_patch_presets():
         assert (balanced.mlp_chunks, balanced.loss_chunks, balanced.checkpoint) == (2 * u, 0, False)
         assert (top.mlp_chunks, top.checkpoint, top.kv_offload) == (2 * u, True, u > 1)
         assert top.kv_offload == preset_knobs("max", u).get("kv_offload")
+
+
+def test_plot_flex_shows_layouts_and_per_rank_load(config_path, tmp_path, capsys):
+    """`--plot --flex`: the step is planned with flexible groups; the output names every
+    slot's layout (each tiling the 16 ranks) and the per-rank busy max/mean, and compares
+    with the suggestion's fixed degree on the same step."""
+    pytest.importorskip("matplotlib")
+    import re
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [100, 5000, 300, 20000, 70000, 800] * 50))
+    png = tmp_path / "flex.png"
+    assert main([*BASE, "--model", str(config_path), "--top", "1", "--plot", str(png), "--flex",
+                 "--lengths-file", str(lengths)]) == 0
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    slots = re.search(r"slot layouts ((?:\[[\d+]+\] ?)+);", out).group(1).split()
+    assert slots and all(sum(int(x) for x in slot.strip("[]").split("+")) == 16 for slot in slots), slots
+    assert re.search(r"per-rank busy max/mean = \d+\.\d+", out) and "modelled speed-up of flexible groups" in out

@@ -134,9 +134,15 @@ def test_group_cost_fit_recovers_per_size_coefficients():
     for s, m in truth.items():
         for n in (128, 512, 1024, 4096, 8192):
             sizes.append(s), lengths.append(n), times.append(m(n))
+    # Packed micro-batches: the constant is paid once per micro-batch, not per document.
+    for s, m in truth.items():
+        for docs in ([100, 300], [50, 60, 70, 80]):
+            sizes.append(s), lengths.append(docs), times.append(m.a * sum(n * n for n in docs) + m.b * sum(docs) + m.c)
     fit = GroupCost.fit(sizes, lengths, times)
     for s, m in truth.items():
+        assert fit.overhead(s) == pytest.approx(m.c, rel=1e-6) and fit[s].c == 0.0
         for n in (256, 2048, 16384):
-            assert fit(s, n) == pytest.approx(m(n), rel=1e-6)
+            assert fit.microbatch(s, [n]) == pytest.approx(m(n), rel=1e-6)
+        assert fit.microbatch(s, [256, 512]) == pytest.approx(m(256) + m(512) - m.c, rel=1e-6)
     with pytest.raises(ValueError, match="group size 4"):
         GroupCost.fit([4, 4], [10, 20], [1.0, 2.0])

@@ -1,0 +1,258 @@
+"""Flexible SP groups MEASURED on CPU (gloo): flexible vs the best fixed SP degree on a skewed
+mix, and the fitted per-size cost model checked against fresh measurements. Two tables.
+
+Where it sits: outside the training data flow; it runs what a training step runs --
+`init_group_bank`, a tiny Llama `patch`ed with the bank, `plan_flexible` / `plan_fixed`,
+`flex_step.flex_microbatches` (shards laid out per slot group), forward + backward per slot.
+Gradients are not synchronised (identical work for every plan; the step comparison is about
+propagation, Hydraulis §4), and the optimizer is not run.
+
+The mix: one long document (3.5 × the per-rank cap on 4 ranks, 1.75 × on 2: it needs the
+group of all ranks) and many short ones (32..256 tokens). Per-rank cap `--cap` tokens.
+
+Clocks. 2 ranks: wall clock (barrier, the step or micro-batch, barrier): the machine has 2
+cores, so both ranks run in parallel. 4 ranks: more ranks than cores, so wall time measures
+the scheduler; each rank's CPU time (`time.process_time`, every thread of the process,
+gloo's included; a rank blocked in a collective uses none) is its busy time, and a step's
+time is Σ over slots of the slowest rank's CPU time in that slot (every rank waits for the
+slowest at each slot's collectives). Per-rank busy max/mean = max over ranks of Σ_slot CPU
+time / its mean.
+
+Steps of the plans are interleaved (flex, fixed s1, fixed s2, ..., repeated `--reps` times)
+so load from other processes on a shared machine hits every plan alike; medians are shown.
+
+Cost model (FlexSP appendix: a profiled model within ~5 %): for every group size, single-
+document micro-batches at 1/8 .. 1 of the group's capacity are timed (min of `--fit-reps`)
+and `GroupCost.fit` fits T_s(docs) = a_s·Σl² + b_s·Σl + c_s (c_s once per micro-batch);
+FRESH micro-batches -- single documents at lengths not in the fit, and packed micro-batches
+of short documents -- are timed and compared; the same fitted model plans the steps.
+
+    PYTHONPATH=. python benchmarks/flex_measured.py                    # both worlds, ~5 min on 2 cores
+    PYTHONPATH=. python benchmarks/flex_measured.py --worlds 2 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FIT_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
+CHECK_FRACTIONS = (0.1875, 0.375, 0.625, 0.875)
+
+
+def _model(hidden: int, layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384)
+    return LlamaForCausalLM(cfg).train()
+
+
+def _row(lengths: list[int], seed: int) -> dict:
+    """A packed row (DataCollatorWithFlattening layout) of documents of these lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 256, (sum(lengths),), generator=g)[None]  # [1, S]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, S]
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
+
+
+class Timer:
+    """Times a callable on every rank: wall (both barriers included) or this rank's CPU time."""
+
+    def __init__(self, cpu: bool) -> None:
+        self.cpu = cpu
+
+    def __call__(self, fn) -> float:
+        dist.barrier()
+        t0 = time.process_time() if self.cpu else time.perf_counter()
+        fn()
+        if self.cpu:
+            t = time.process_time() - t0
+            dist.barrier()
+            return t
+        dist.barrier()
+        return time.perf_counter() - t0
+
+
+def _gather(x: list[float]) -> np.ndarray:
+    """[world, len(x)] of every rank's values."""
+    t = torch.tensor(x, dtype=torch.float64)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out).numpy()
+
+
+def _fwd_bwd(model, shard) -> None:
+    model(**shard).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _microbatch_time(model, bank, size: int, lengths: list[int], reps: int, timer: Timer, seed: int) -> float:
+    """Minimum over reps of the mean over ranks of one micro-batch (these documents) run by
+    every group of `size` at once (the minimum: the run least disturbed by other load)."""
+    from hf_longctx.data.sharding import shard_batch
+
+    shard = shard_batch(_row(lengths, seed), bank.mesh(size), num_items_in_batch=sum(lengths))
+    times = [timer(lambda: _fwd_bwd(model, shard)) for _ in range(reps)]
+    return float(_gather(times).mean(axis=0).min())
+
+
+def _mix(world: int, cap: int, n_short: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    long = int(cap * (3.5 if world >= 4 else 1.75))
+    return [long] + rng.integers(32, 257, size=n_short).tolist()
+
+
+def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out: str) -> None:
+    from hf_longctx import GroupCost, init_group_bank, patch, plan_fixed, plan_flexible
+    from hf_longctx.distributed.flex_step import flex_microbatches
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    cpu = world > 2
+    timer = Timer(cpu)
+    bank = init_group_bank(heads=4)
+    model = patch(_model(args.hidden, args.layers), bank)
+    for s in bank.sizes:  # warm-up: first-call allocations and graph set-up of every size
+        _microbatch_time(model, bank, s, [64, 512], 3, timer, 0)
+
+    # ---- cost model: fit, then fresh measurements ----
+    fit_rows = []
+    for sh in bank.shapes:
+        capacity = sh.capacity(args.cap)
+        for f in FIT_FRACTIONS:
+            n = int(capacity * f) // sh.doc_multiple * sh.doc_multiple
+            fit_rows.append((sh.size, n, _microbatch_time(model, bank, sh.size, [n], args.fit_reps, timer, n)))
+    cost = GroupCost.fit(*zip(*fit_rows))
+    check = []
+    rng = np.random.default_rng(args.seed + 1)
+    for sh in bank.shapes:
+        capacity = sh.capacity(args.cap)
+        for f in CHECK_FRACTIONS:
+            n = int(capacity * f) // sh.doc_multiple * sh.doc_multiple
+            check.append((sh.size, "1 document", n, cost.microbatch(sh.size, [n]),
+                          _microbatch_time(model, bank, sh.size, [n], args.fit_reps, timer, n + 7)))
+        docs, total = [], 0
+        while True:  # short documents packed to ~3/4 of the group's capacity
+            n = sh.padded(int(rng.integers(32, 257)))
+            if total + n > 0.75 * capacity:
+                break
+            docs.append(n)
+            total += n
+        if docs:
+            check.append((sh.size, f"{len(docs)} short documents", total, cost.microbatch(sh.size, docs),
+                          _microbatch_time(model, bank, sh.size, docs, args.fit_reps, timer, total)))
+
+    # ---- steps: flexible vs every feasible fixed degree, interleaved ----
+    lengths = _mix(world, args.cap, args.short, args.seed)
+    docs = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(i)).tolist() for i, n in enumerate(lengths)]
+    plans = {"flexible": plan_flexible(lengths, shapes=bank.shapes, world_size=world, max_tokens_per_rank=args.cap, cost=cost)}
+    for sh in bank.shapes:
+        if sh.padded(max(lengths)) <= sh.capacity(args.cap):
+            plans[f"fixed {sh.size} (U{sh.ulysses}×R{sh.ring}×dp{world // sh.size})"] = plan_fixed(
+                lengths, shape=sh, shapes=bank.shapes, world_size=world, max_tokens_per_rank=args.cap, cost=cost)
+    shards = {k: list(flex_microbatches(p, bank, docs)) for k, p in plans.items()}
+    res = {k: {"step": [], "busy": [], "synced": []} for k in plans}
+    for _ in range(args.reps):
+        for k in plans:
+            t_slot = []
+
+            def step():
+                for shard in shards[k]:
+                    c0 = time.process_time()
+                    model(**shard).loss.backward()
+                    t_slot.append(time.process_time() - c0)
+                model.zero_grad(set_to_none=True)
+
+            wall = timer(step)
+            cpu_slots = _gather(t_slot)  # [world, slots]: each rank's CPU time per slot
+            busy = cpu_slots.sum(axis=1)  # [world]
+            res[k]["busy"].append(float(busy.max() / busy.mean()))
+            res[k]["synced"].append(float(cpu_slots.max(axis=0).sum()))
+            res[k]["step"].append(float(np.median(_gather([wall]))) if not cpu else float(cpu_slots.max(axis=0).sum()))
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump({
+                "world": world, "clock": "CPU time" if cpu else "wall clock", "fit": fit_rows, "check": check,
+                "coef": {s: [m.a, m.b, m.c] for s, m in cost.models},
+                "lengths": lengths,
+                "plans": {k: {"layouts": [list(x) for x in p.layouts()], "model": p.stats(cost)["synced_step"],
+                              "model_busy": p.stats(cost)["busy_max_over_mean"], **res[k]} for k, p in plans.items()},
+            }, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(world: int, args: argparse.Namespace) -> dict:
+    fd, init_file = tempfile.mkstemp(prefix="flex_measured_")
+    os.close(fd)
+    os.unlink(init_file)
+    out = init_file + ".json"
+    mp.start_processes(_worker, args=(world, init_file, args, out), nprocs=world, start_method="spawn")
+    with open(out) as fh:
+        data = json.load(fh)
+    os.unlink(out)
+    return data
+
+
+def _layouts(layouts: list[list[int]]) -> str:
+    kinds = []
+    for slot in layouts:
+        k = "[" + ",".join(map(str, slot)) + "]"
+        if k not in kinds:
+            kinds.append(k)
+    return f"{len(layouts)} slots: " + " ".join(kinds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--cap", type=int, default=1024, help="tokens per rank per micro-batch")
+    ap.add_argument("--short", type=int, default=40, help="short documents in the step")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of every plan's step")
+    ap.add_argument("--fit-reps", type=int, default=5, help="timings per micro-batch of the cost model (minimum)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    results = [measure(w, args) for w in args.worlds]
+    print(f"Tiny Llama (hidden {args.hidden}, {args.layers} layers, 4 heads / 2 KV), {args.cap} tokens per rank per "
+          f"micro-batch, one long document + {args.short} short (32..256 tokens); medians of {args.reps} interleaved "
+          "repetitions\n")
+    print("| ranks (clock) | plan | slot layouts | step s (measured) | step (model, s) | busy max/mean measured | "
+          "busy max/mean model | speed-up vs best fixed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        plans = r["plans"]
+        med = {k: statistics.median(v["step"]) for k, v in plans.items()}
+        best_fixed = min(v for k, v in med.items() if k.startswith("fixed"))
+        for k, v in plans.items():
+            print(f"| {r['world']} ({r['clock']}) | {k} | {_layouts(v['layouts'])} | {med[k]:.3f} | {v['model']:.3f} | "
+                  f"{statistics.median(v['busy']):.3f} | {v['model_busy']:.3f} | {best_fixed / med[k]:.2f}× |")
+    print("\nCost model: T_s(docs) = a_s·Σl² + b_s·Σl + c_s fitted per group size (GroupCost.fit) on single-document "
+          f"micro-batches at {', '.join(f'{f:g}' for f in FIT_FRACTIONS)} of the group's capacity; checked on fresh "
+          "micro-batches\n")
+    print("| ranks (clock) | group size | micro-batch | tokens | predicted ms | measured ms | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        for size, what, tokens, pred, meas in r["check"]:
+            print(f"| {r['world']} ({r['clock']}) | {size} | {what} | {tokens} | {1e3 * pred:.1f} | {1e3 * meas:.1f} | "
+                  f"{100 * (pred - meas) / meas:+.1f} % |")
+        errs = [abs(p - m) / m for *_, p, m in r["check"]]
+        print(f"| {r['world']} | all | mean abs error | | | | {100 * np.mean(errs):.1f} % |")
+
+
+if __name__ == "__main__":
+    main()

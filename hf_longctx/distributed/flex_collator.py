@@ -1,0 +1,139 @@
+"""The flexible step collator: one step's global list of documents -> THIS rank's shards,
+one per micro-batch slot, each laid out for the SP group of that slot.
+
+Where it sits: the `LongContextCollator` of a `GroupBank` (FlexSP §4 / Hydraulis §4-5:
+SP groups of different sizes in every slot, chosen per step). The step sampler drew the
+same global list on every rank; this collator
+1. cuts documents longer than the largest group holds (`overlong="split" | "truncate"`,
+   the rule of `packing._make_pieces`; "error" refuses them) into pieces,
+2. plans the step with `plan_flexible` (per-size `GroupCost`; a group of size s packs at
+   most s × `max_tokens_per_rank` padded tokens) -- deterministic, no collective,
+3. hands the plan to `flex_step.flex_microbatches`, which checks it (every slot tiles the
+   world, so every rank runs the same number of forward/backward calls), compares its
+   fingerprint across ranks (ONE all-reduce of two integers: the only collective here)
+   and `shard_batch`es each slot's group row for `bank.mesh(size)`.
+
+It has the attributes the trainer's step DataLoader reads from a `LongContextCollator`
+(`max_tokens`, `overlong`, `cost`, `last_plan`, `last_num_items`, `stats`) plus
+`last_lengths` (the trained pieces' lengths), so `training/steps.py` wraps either one.
+Loss normalisation is global (DESIGN invariant 6): every shard carries the step's valid
+shifted-target count over all pieces of all slots and ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.data.flex_packing import plan_flexible
+from hf_longctx.data.flex_plan import FlexPlan
+from hf_longctx.data.packing import OVERLONG, _make_pieces
+from hf_longctx.data.sharding import IGNORE_INDEX
+from hf_longctx.distributed.flex_step import flex_microbatches
+from hf_longctx.distributed.group_bank import GroupBank
+
+
+def layout_text(layouts: Sequence[Sequence[int]]) -> str:
+    """Slot layouts for logs, one bracket per slot: [(4,), (2, 1, 1)] -> "[4] [2+1+1]"."""
+    return " ".join("[" + "+".join(str(s) for s in slot) + "]" for slot in layouts)
+
+
+class FlexCollator:
+    """`collator(features)` -> this rank's shards of one step, one per slot (same count on
+    every rank). A collective (the plan fingerprint check): every rank calls it with the
+    same global list, in the same order.
+
+    `bank`: `init_group_bank(...)`. `max_tokens_per_rank`: padded tokens one rank holds in
+    one micro-batch. `cost`: a `GroupCost` with a model for every bank size, or a
+    `CostModel` of the whole work, split as `GroupCost.analytic(cost, bank.sizes)` (no
+    communication term; fit one with `GroupCost.fit` to include it). `num_slots`: slots to
+    aim for (default: the fewest the tokens need). Features: mappings with `input_ids` and
+    optional unshifted `labels` (-100 = no target).
+    """
+
+    def __init__(
+        self, bank: GroupBank, max_tokens_per_rank: int, cost: GroupCost | CostModel, *, overlong: str = "error",
+        pad_token_id: int = 0, num_slots: int | None = None,
+    ) -> None:
+        if not isinstance(bank, GroupBank):
+            raise TypeError(f"bank must be a GroupBank from init_group_bank, got {type(bank).__name__}")
+        if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
+        if overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
+        if isinstance(cost, CostModel):
+            cost = GroupCost.analytic(cost, bank.sizes)
+        if not isinstance(cost, GroupCost):
+            raise ValueError(f"cost must be a GroupCost (or a CostModel to split over the sizes), got {type(cost).__name__}")
+        missing = [s for s in bank.sizes if s not in cost.sizes]
+        if missing:
+            raise ValueError(f"cost has no model for the bank's group sizes {missing} (it has {list(cost.sizes)})")
+        largest = bank.shape(bank.max_size)
+        if largest.capacity(max_tokens_per_rank) < largest.doc_multiple:
+            raise ValueError(
+                f"max_tokens_per_rank={max_tokens_per_rank}: the largest group ({largest.size} ranks) holds "
+                f"{largest.capacity(max_tokens_per_rank)} tokens after padding to {largest.seq_multiple}; no document fits"
+            )
+        self.bank = bank
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.cost = cost
+        self.overlong = overlong
+        self.pad_token_id = pad_token_id
+        self.num_slots = num_slots
+        # The longest piece any group holds: the largest group's capacity (a multiple of
+        # its seq_multiple, hence of its doc_multiple). `check_lengths` compares against it.
+        self.max_tokens = largest.capacity(max_tokens_per_rank) // largest.doc_multiple * largest.doc_multiple
+        self.last_plan: FlexPlan | None = None
+        self.last_num_items: int | None = None
+        self.last_lengths: list[int] | None = None
+
+    def plan(self, lengths: Sequence[int]) -> FlexPlan:
+        """The step's plan for these (piece) lengths, the same on every rank."""
+        return plan_flexible(
+            lengths, shapes=self.bank.shapes, world_size=self.bank.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
+            cost=self.cost, num_slots=self.num_slots,
+        )
+
+    @property
+    def stats(self) -> dict[str, Any] | None:
+        """The last plan's modelled balance (synced/ideal, per-rank busy max/mean, layouts)."""
+        if self.last_plan is None:
+            return None
+        return {**self.last_plan.stats(self.cost), "num_items_in_batch": self.last_num_items}
+
+    @staticmethod
+    def _document(i: int, feat: Any) -> tuple[list[int], list[int]]:
+        if not isinstance(feat, Mapping) or "input_ids" not in feat:
+            raise ValueError(f"feature {i} must be a mapping with 'input_ids', got {type(feat).__name__}")
+        ids = np.asarray(feat["input_ids"]).reshape(-1)  # [L]
+        labels = ids if feat.get("labels") is None else np.asarray(feat["labels"]).reshape(-1)  # [L] unshifted
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"feature {i}: input_ids must be integers, got dtype {ids.dtype}")
+        if len(labels) != len(ids):
+            raise ValueError(f"feature {i}: 'labels' has {len(labels)} entries but input_ids has {len(ids)}")
+        return ids.tolist(), labels.tolist()
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
+            raise ValueError(f"features must be a non-empty list of per-document mappings, got {type(features).__name__}")
+        docs = [self._document(i, f) for i, f in enumerate(features)]
+        lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
+        cap = f"the largest group: {self.bank.max_size} ranks × max_tokens_per_rank {self.max_tokens_per_rank}"
+        pieces = _make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document
+        documents = [
+            {"input_ids": docs[p.doc][0][p.start : p.end], "labels": docs[p.doc][1][p.start : p.end]} for p in pieces
+        ]
+        # Valid targets of the whole step after the per-piece shift: labels [start+1, end).
+        num_items = sum(sum(1 for x in d["labels"][1:] if x != IGNORE_INDEX) for d in documents)
+        if num_items == 0:
+            raise ValueError(
+                f"the step's {len(docs)} document(s) have no valid target after the per-document shift "
+                f"(lengths {lengths[:8].tolist()}): every label is -100 or a document has 1 token"
+            )
+        plan = self.plan([p.length for p in pieces])
+        out = list(flex_microbatches(plan, self.bank, documents, num_items_in_batch=num_items,
+                                     pad_token_id=self.pad_token_id))
+        self.last_plan, self.last_num_items, self.last_lengths = plan, num_items, [p.length for p in pieces]
+        return out
