@@ -32,9 +32,9 @@ def llama_1b_config(layers: int = 16):
 
 
 def memory_max(model, mesh):
-    """Our most memory-frugal setting. One line to switch to the preset once it lands:
-    `return patch(model, mesh, memory="max")`."""
-    return patch(model, mesh, kv_offload=mesh.fpdt_chunks > 1, mlp_chunks="auto", loss_chunks="auto", checkpoint=True)
+    """Our most memory-frugal setting: the "max" preset (chunked LM head + loss, chunked MLP,
+    checkpointing with offloaded inputs, KV offload when the mesh has FPDT chunks)."""
+    return patch(model, mesh, memory="max")
 
 
 def build(mode: str, layers: int):
