@@ -1,0 +1,158 @@
+"""The attention function `patch()` registers with transformers, and its mask function.
+
+Where it sits: called by every attention module of a patched HF model with q `[B, H, S, D]`
+and k/v `[B, H_kv, S, D]` after RoPE (GQA not expanded); it reads the batch's global
+document layout and SP group from `SP_METADATA_KEY` (never from HF's mask, which HF builds
+at the LOCAL shard length), brings q/k/v to one compute dtype, and calls `ops/usp.py`
+(USP paper §3-4) or `ops/fpdt.py` (FPDT paper §3), returning `[B, S, H, D]`. The
+registration, hooks and undo live in `integrations/transformers.py`; `state` is that
+module's per-`patch()` binding (mesh, options, group bank, plan cache, call counter).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
+from hf_longctx.distributed.mesh import SPMesh
+
+
+# Keywords `sp_attention` APPLIES (the structural rule of probe.py lets them reach it) and
+# keywords it may safely ignore (with why). Any other non-None keyword a model passes to the
+# attention refuses at patch(). When the attention learns a new input (e.g. `s_aux` sinks),
+# move it into USED here.
+USED_ATTENTION_KWARGS = frozenset({"scaling", "dropout", "sliding_window", "softcap", "s_aux", SP_METADATA_KEY})
+IGNORED_ATTENTION_KWARGS = frozenset({
+    "position_ids",  # the document layout comes from SP_METADATA_KEY, built from the same positions
+    "cache_position", "past_key_values", "past_key_value", "use_cache", "layer_idx",  # cache only; refused at forward
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",  # flash varlen metadata: shard_batch's replaces it
+    "output_attentions",  # refused at forward
+    "is_causal",  # non-causal modules are refused by refuse_inexact
+    "position_embeddings",  # RoPE cos/sin, already applied to q and k by the model
+    "attention_type", "head_mask",
+})
+
+
+def batch_mesh(state: Any, info: SPBatchInfo) -> SPMesh:
+    """The SP group this batch was laid out for. With a group bank it comes from the batch
+    (`SPBatchInfo.group`), so every layer -- and activation-checkpoint recomputation, which
+    replays the same kwargs -- runs on the group the planner chose for this micro-batch."""
+    if info.group is None:
+        return state.mesh
+    size, index = info.group
+    if state.bank is None:
+        if size != state.mesh.sp or index != state.mesh.dp_rank:
+            raise ValueError(
+                f"the batch was sharded for SP group (size {size}, index {index}) but the model was patched with a mesh "
+                f"whose group is (size {state.mesh.sp}, index {state.mesh.dp_rank}); shard with the patch() mesh, or patch "
+                "with a GroupBank"
+            )
+        return state.mesh
+    mesh = state.bank.mesh(size)  # raises naming the bank's sizes if it has none of this size
+    if mesh.dp_rank != index:
+        raise ValueError(
+            f"rank {state.bank.rank} got a batch for group {index} of size {size}, which covers ranks "
+            f"[{index * size}, {(index + 1) * size}); its own group of that size is {mesh.dp_rank}"
+        )
+    return mesh
+
+
+def make_attention(state: Any) -> Callable:
+    """The function registered with AttentionInterface; `state` is this patch's binding."""
+    offload = state.options.kv_offload
+
+    def sp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        info = kwargs.get(SP_METADATA_KEY)
+        if not isinstance(info, SPBatchInfo):
+            raise ValueError(
+                f"{type(module).__name__}: no '{SP_METADATA_KEY}' metadata reached the attention; call the patched model "
+                "with the output of hf_longctx.shard_batch(batch, mesh) (model(**shard)), or unpatch() it first"
+            )
+        mesh = batch_mesh(state, info)
+        if dropout:
+            raise ValueError(f"{type(module).__name__}: attention dropout {dropout} cannot be exact under SP; load with it set to 0.0")
+        if isinstance(attention_mask, torch.Tensor):
+            raise ValueError(
+                f"{type(module).__name__} received a materialised attention mask of shape {tuple(attention_mask.shape)}; "
+                "under SP the document mask comes from shard_batch -- do not pass attention_mask"
+            )
+        if getattr(module, "is_causal", True) is False:
+            raise NotImplementedError(f"{type(module).__name__}: non-causal attention is not supported under SP")
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        softcap = kwargs.get("softcap")
+        b = query.shape[0]
+        if b != info.rows:
+            raise ValueError(f"the shard's metadata describes {info.rows} rows but the attention got B = {b}")
+        dtype = compute_dtype(query, key, value)
+        q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, S_local, H(_kv), D]
+        d_v = v.shape[-1]
+        if d_v > k.shape[-1]:
+            raise NotImplementedError(f"{type(module).__name__}: value head dim {d_v} > key head dim {k.shape[-1]}")
+        if d_v < k.shape[-1]:  # MLA (DeepSeek): zero value columns give zero outputs, as HF's flash path pads
+            v = torch.nn.functional.pad(v, (0, k.shape[-1] - d_v))  # [B, S_local, H_kv, D]
+        kw = dict(
+            cu_seqlens=info.cu_seqlens if b == 1 else None,  # B > 1: one document per row
+            causal=True,
+            softmax_scale=scaling,
+            window=int(window) if window is not None else None,
+            softcap=float(softcap) if softcap else None,
+            sinks=kwargs.get("s_aux"),  # per-head attention sinks [H] (GPT-OSS & co.), None elsewhere
+        )
+        # Our kernels accumulate in fp32 themselves; autocast must not re-cast their matmuls.
+        with torch.autocast(q.device.type, enabled=False):
+            if mesh.fpdt_chunks > 1:
+                from hf_longctx.ops.fpdt import fpdt_attention
+
+                out = fpdt_attention(q, k, v, mesh, offload=offload, **kw)  # [B, S_local, H, D]
+            else:
+                from hf_longctx.ops.usp import usp_attention
+
+                out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
+        state.calls += 1
+        if out.shape[-1] != d_v:
+            out = out[..., :d_v].contiguous()  # [B, S_local, H, D_v]
+        return out, None
+
+    return sp_attention
+
+
+def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The one dtype q, k and v are brought to before sequence-parallel attention.
+
+    Under autocast HF's rotary embedding hands fp32 q/k next to a bf16 v; HF's own
+    flash-attention integration (`integrations/flash_attention.get_target_dtype`) then runs
+    attention in the autocast dtype, and so do we. Without autocast the inputs already agree
+    (fp32 weights, or weights loaded in bf16). fp16 is refused: its range needs loss scaling
+    and the ring/FPDT merges are verified for fp32 and bf16 only.
+    """
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type) and query.dtype == torch.float32:
+        dtype = torch.get_autocast_dtype(device_type)
+    elif query.dtype == key.dtype == value.dtype:
+        dtype = query.dtype
+    else:
+        raise ValueError(
+            f"attention inputs of different dtypes outside autocast: q {query.dtype}, k {key.dtype}, v {value.dtype}; "
+            "load the model in one dtype or train under torch.autocast"
+        )
+    if dtype == torch.float16:
+        raise ValueError(
+            "fp16 attention is not supported by hf_longctx (its range needs loss scaling and the ring/FPDT merges are "
+            "verified for fp32 and bf16 only); use bf16: Accelerate mixed_precision='bf16', TrainingArguments(bf16=True), "
+            "or from_pretrained(..., dtype=torch.bfloat16)"
+        )
+    return dtype
+
+
+def mask_function(attention_mask=None, **_: Any):
+    """Registered with AttentionMaskInterface. HF calls it with LOCAL lengths; the real
+    document mask is built inside the attention, so build nothing. A 2D padding mask with
+    zeros cannot be honoured (its keys live on other ranks): refuse instead of dropping it."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(
+            "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
+            "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
+        )
+    return None
