@@ -28,7 +28,6 @@ from typing import Any, Mapping
 
 import torch
 
-from hf_longctx.data import layout
 
 SP_METADATA_KEY = "sp_batch"  # the one kwarg that carries global document metadata to our attention
 IGNORE_INDEX = -100

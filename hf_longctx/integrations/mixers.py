@@ -21,7 +21,7 @@ deny-by-default structural rule uses to accept models whose mixers are wrapped h
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch

@@ -30,7 +30,6 @@ from hf_longctx.ops.blocks import Block, plan_blocks
 from hf_longctx.ops.math_kernel import NEG_INF as _NEG_INF
 from hf_longctx.ops.math_kernel import acc_dtype as _acc_dtype
 from hf_longctx.ops.math_kernel import check_tile as _check
-from hf_longctx.ops.math_kernel import math_backward, math_forward  # noqa: F401  (re-exported: the reference kernel)
 
 
 def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

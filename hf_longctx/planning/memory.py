@@ -39,7 +39,6 @@ Assumptions (each is also printed under the plan table):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
 from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.tiling import default_loss_chunk_size
