@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 from hf_longctx.data.layout import Run, ring_stream, runs_to_indices
 from hf_longctx.ops import math_kernel
 from hf_longctx.ops.blocks import block_mask, plan_blocks, score_count
-from hf_longctx.ops.kernels import (
-    block_backward, block_forward, local_attention, math_backward, math_forward, varlen_backward, varlen_forward,
-)
+from hf_longctx.ops.kernels import block_backward, block_forward, local_attention, varlen_backward, varlen_forward
+from hf_longctx.ops.math_kernel import math_backward, math_forward
 from hf_longctx.ops.lse import merge
 from tests.reference import make_runs, reference_attention, reference_mask, rel_err
 
