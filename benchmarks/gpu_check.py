@@ -1,9 +1,9 @@
 """`make gpu-check`: validate a GPU machine in one command and print one table.
 
 On CUDA: runs every CUDA-only test (tests/gpu: fast kernels vs the math kernel, the
-offload double buffer with real streams, FSDP2 bf16 on one GPU; multi-GPU tests when more
-than one GPU is visible), the emulated-backend tests, and the GPU benchmark
-(benchmarks/gpu_longctx.py). On a CPU machine: collects every CUDA-marked test and
+offload double buffer with real streams, FSDP2 bf16 on one GPU; when more than one GPU is
+visible, the multi-GPU NCCL tests of tests/gpu/test_multi_gpu.py as their own row), the
+emulated-backend tests, and the GPU benchmark (benchmarks/gpu_longctx.py). On a CPU machine: collects every CUDA-marked test and
 imports the GPU benchmark (so a broken import or signature fails here too), runs the
 emulated-backend tests, says there is no GPU and exits 0.
 
@@ -24,6 +24,19 @@ def _pytest(*args: str) -> int:
     return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args])
 
 
+def _pytest_summary(*args: str) -> tuple[int, str]:
+    """Run pytest, echoing its output; (exit code, its last non-empty line: "N passed, M skipped ...")."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(proc.stdout, end="")
+    lines = [line.strip("= ") for line in proc.stdout.splitlines() if line.strip()]
+    return proc.returncode, lines[-1] if lines else ""
+
+
+def _row(code: int, summary: str) -> str:
+    return summary if code == 0 else f"FAILED (exit {code}): {summary}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-bench", action="store_true")
@@ -31,18 +44,28 @@ def main() -> int:
     rows: list[tuple[str, str]] = []
     collect = _pytest("--collect-only", "tests/gpu")
     rows.append(("collect tests/gpu", "ok" if collect == 0 else f"FAILED (exit {collect})"))
+    # The multi-GPU tests on their own: exit 5 ("no tests collected") means they went missing.
+    collect_multi, summary = _pytest_summary("--collect-only", "-m", "multi_gpu", "tests/gpu")
+    rows.append(("collect multi-GPU tests (-m multi_gpu)", _row(collect_multi, summary)))
     bench = importlib.import_module("benchmarks.gpu_longctx")
     rows.append(("import benchmarks/gpu_longctx.py", "ok"))
     emulated = _pytest("tests/unit/test_backends.py")
     rows.append(("emulated backends (tests/unit/test_backends.py)", "ok" if emulated == 0 else f"FAILED (exit {emulated})"))
-    failed = collect != 0 or emulated != 0
+    failed = collect != 0 or collect_multi != 0 or emulated != 0
     if not torch.cuda.is_available():
         rows.append(("GPU", "none visible: CUDA tests and benchmarks not run"))
     else:
         rows.append(("GPU", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"))
-        gpu = _pytest("-rA", "-s", "tests/gpu")
-        rows.append(("CUDA tests (tests/gpu)", "ok" if gpu == 0 else f"FAILED (exit {gpu})"))
+        gpu, summary = _pytest_summary("-rA", "-s", "-m", "not multi_gpu", "tests/gpu")
+        rows.append(("CUDA tests, one GPU (tests/gpu)", _row(gpu, summary)))
         failed |= gpu != 0
+        n_gpus = torch.cuda.device_count()
+        if n_gpus > 1:  # NCCL, one process per GPU; the 4-GPU cases skip themselves below 4
+            multi, summary = _pytest_summary("-rA", "-s", "-m", "multi_gpu", "tests/gpu/test_multi_gpu.py")
+            rows.append((f"multi-GPU tests, {n_gpus} GPUs (tests/gpu/test_multi_gpu.py)", _row(multi, summary)))
+            failed |= multi != 0
+        else:
+            rows.append(("multi-GPU tests (tests/gpu/test_multi_gpu.py)", "one GPU visible: not run"))
         if not args.skip_bench:
             rows += bench.run()
     width = max(len(n) for n, _ in rows) + 2

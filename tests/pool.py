@@ -9,6 +9,11 @@ kills the pool and raises; the next test gets a fresh pool.
 
 Task functions call `worker_mesh(...)` to get an SP mesh: meshes are cached per worker
 process (group creation is collective and slow on gloo), keyed by degrees.
+
+`backend="nccl"` (or "cpu:gloo,cuda:nccl"; tests/gpu/test_multi_gpu.py): the same pool on
+GPUs, rank r on cuda:r, selected with `torch.cuda.set_device` before the group is created
+(NCCL binds its communicator to the current device); tasks place their tensors on
+`torch.cuda.current_device()`. The default stays gloo on CPU.
 """
 
 from __future__ import annotations
@@ -53,12 +58,14 @@ def worker_bank(heads: int, ranks_per_node: int, fpdt_chunks: int = 1, min_size:
     return WorkerState.banks[key]
 
 
-def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:
+def _worker(rank: int, world: int, init_file: str, tasks, results, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if "nccl" in backend:  # "nccl" or a per-device string such as "cpu:gloo,cuda:nccl"
+        torch.cuda.set_device(rank)  # before the group: NCCL's communicator uses the current device
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     while True:
         item = tasks.get()
@@ -73,8 +80,11 @@ def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:
 
 
 class GlooPool:
-    def __init__(self, world_size: int, timeout: float = 180.0):
+    def __init__(self, world_size: int, timeout: float = 180.0, backend: str = "gloo"):
+        if "nccl" in backend and torch.cuda.device_count() < world_size:
+            raise RuntimeError(f"an NCCL pool of {world_size} ranks needs {world_size} GPUs, {torch.cuda.device_count()} visible")
         self.world_size = world_size
+        self.backend = backend
         self.timeout = timeout
         ctx = mp.get_context("spawn")
         fd, self._init_file = tempfile.mkstemp(prefix="hf_longctx_pool_")
@@ -83,7 +93,7 @@ class GlooPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, self._init_file, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, self._init_file, self._tasks[r], self._results, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -133,15 +143,15 @@ class GlooPool:
 
 
 class PoolRegistry:
-    """One pool per world size for the test session, rebuilt after a hang."""
+    """One pool per (world size, backend) for the test session, rebuilt after a hang."""
 
     def __init__(self):
-        self._pools: dict[int, GlooPool] = {}
+        self._pools: dict[tuple[int, str], GlooPool] = {}
 
-    def get(self, world_size: int) -> GlooPool:
-        pool = self._pools.get(world_size)
+    def get(self, world_size: int, backend: str = "gloo") -> GlooPool:
+        pool = self._pools.get((world_size, backend))
         if pool is None or pool.broken:
-            pool = self._pools[world_size] = GlooPool(world_size)
+            pool = self._pools[(world_size, backend)] = GlooPool(world_size, backend=backend)
         return pool
 
     def close(self) -> None:
