@@ -52,14 +52,63 @@ _SIZES = dict(
     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, index_topk=4, index_head_dim=8,
     index_n_heads=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
     mamba_d_state=4, ssm_state_size=4, state_size=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    output_router_logits=False, use_cache=False,
+    output_router_logits=False, use_cache=False, rotary_dim=4, hidden_size_global=32, encoder_hash_byte_group_vocab=64,
+    # Mamba-2 heads: 4 of 16 channels (expand 2 x hidden 32 = 64), 2 groups (one per rank under Ulysses 2)
+    mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+    # Qwen4-Exp's sparse-attention indexer (its default config leaves these None and cannot be built)
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=2,
 )
 
 # Layer kinds a default config leaves out (its default pattern is attention only).
 _KINDS = {
     "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    # KV sharing: the 2 last layers reuse the KV of the last earlier layer of their type, so
+    # both types must occur before them; per-layer inputs and activation sparsity sized to 4 layers
+    "gemma3n_text": {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "num_kv_shared_layers": 2, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8,
+        "laurel_rank": 4, "activation_sparsity_pattern": [0.0] * 4, "intermediate_size": [64] * 4,
+    },
+    # North's checkpoints give RoPE per layer type (its default config gives none and cannot be built)
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0} for t in ("sliding_attention", "full_attention")},
+    },
 }
+
+# Constructor-only keywords (no config field of that name): Dots3-Note's sliding layers read
+# their sizes from `swa_*` aliases into a per-layer config that the sizes above do not reach.
+_CONSTRUCTOR_KW = {
+    "dots3_note_text": dict(
+        swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=16,
+        swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=8,
+    ),
+}
+
+
+def _dbrx_rope_theta(cfg) -> None:
+    """Released DBRX checkpoints carry `attn_config.rope_theta` and `clip_qkv` (8); transformers
+    5.23's DbrxAttentionConfig lost the first and defaults the second to None, but DbrxAttention
+    reads the one and clamps with the other."""
+    if getattr(cfg, "attn_config", None) is not None:
+        if not hasattr(cfg.attn_config, "rope_theta"):
+            cfg.attn_config.rope_theta = 10000.0
+        if cfg.attn_config.clip_qkv is None:
+            cfg.attn_config.clip_qkv = 8.0
+
+
+# Fields a real checkpoint's config.json has and the default config class lacks.
+_CHECKPOINT_FIELDS = {"dbrx": _dbrx_rope_theta}
+
+
+def _get(cfg, name: str, default=None):
+    """getattr that tolerates configs whose per-layer attributes refuse a global read
+    (heterogeneous configs raise AmbiguousGlobalPerLayerAttributeError)."""
+    try:
+        return getattr(cfg, name, default)
+    except Exception:  # noqa: BLE001
+        return cfg.to_dict().get(name, default)
 
 
 def _every_kind(seq: list, n: int) -> list:
@@ -75,14 +124,14 @@ def _every_kind(seq: list, n: int) -> list:
 def tiny_config(cls, depth: int = 0):
     """`cls()` with the sizes above wherever the config has that field; sub-configs recursively."""
     default = cls()
-    known = set(default.to_dict())
+    known = set(default.to_dict()) | set(getattr(cls, "attribute_map", {}) or {})  # aliases too (n_group -> num_expert_group)
     kw = {k: v for k, v in _SIZES.items() if k in known}
-    if "q_lora_rank" in known and default.q_lora_rank is not None:
+    if "q_lora_rank" in known and _get(default, "q_lora_rank") is not None:
         kw["q_lora_rank"] = 16
-    if "kv_lora_rank" in known and getattr(default, "kv_lora_rank", None):  # MLA: one latent KV per query head
+    if "kv_lora_rank" in known and _get(default, "kv_lora_rank"):  # MLA: one latent KV per query head
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     for field in ("layer_types", "hybrid_override_pattern", "layers_block_type", "block_types"):
-        seq = getattr(default, field, None)
+        seq = _get(default, field)
         if isinstance(seq, (list, tuple, str)) and len(set(seq)) > 1:
             tiny_seq = _every_kind(list(seq), 4)
             kw[field] = "".join(tiny_seq) if isinstance(seq, str) else tiny_seq
@@ -93,14 +142,20 @@ def tiny_config(cls, depth: int = 0):
         if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
             kw[k] = 0.0
     for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
-        if depth < 2 and isinstance(sub, type) and hasattr(sub, "model_type") and getattr(default, name, None) is not None:
+        if depth < 2 and isinstance(sub, type) and hasattr(sub, "model_type") and _get(default, name) is not None:
             try:
                 kw[name] = tiny_config(sub, depth + 1)
             except Exception:  # noqa: BLE001 -- keep the default sub-config
                 pass
-    kw.update({k: v for k, v in _KINDS.get(getattr(cls, "model_type", ""), {}).items() if k in known})
+    kinds = {k: v for k, v in _KINDS.get(getattr(cls, "model_type", ""), {}).items() if k in known}
+    kw.update(kinds)
+    if "layer_types" in kinds:
+        for size in ("num_hidden_layers", "n_layer", "num_layers"):
+            if size in kw:
+                kw[size] = len(kinds["layer_types"])
+    kw.update(_CONSTRUCTOR_KW.get(getattr(cls, "model_type", ""), {}))
     try:
-        return cls(**kw)
+        cfg = cls(**kw)
     except Exception:  # noqa: BLE001 -- some fields are validated together: set what is accepted one by one
         cfg = cls()
         for k, v in kw.items():
@@ -108,7 +163,8 @@ def tiny_config(cls, depth: int = 0):
                 setattr(cfg, k, v)
             except Exception:  # noqa: BLE001
                 pass
-        return cfg
+    _CHECKPOINT_FIELDS.get(getattr(cls, "model_type", ""), lambda c: None)(cfg)
+    return cfg
 
 
 def packed_batch(vocab: int, docs=DOCS) -> dict:
@@ -158,34 +214,41 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hf_longctx import global_loss, patch, shard_batch, sum_gradients
+    from hf_longctx import global_loss, patch, shard_batch, sum_gradients, unpatch
     from tests.pool import worker_mesh
 
     tf.utils.logging.disable_progress_bar()
     tf.utils.logging.set_verbosity_error()
     row = {"model_type": model_type, "features": {}}
     try:
-        cls = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
         cfg = tiny_config(tf.CONFIG_MAPPING[model_type])
         torch.manual_seed(0)
         path = os.path.join(root, model_type)
-        built = cls._from_config(cfg, dtype=torch.float32)  # every rank builds (same seed): a failure is on all ranks
+        # through the Auto class, as a user would: a composite config mapped to a text-only
+        # causal LM (qwen4_exp -> Qwen4ExpForCausalLM) is swapped for its text config there
+        auto = tf.AutoModelForCausalLM
+        built = auto.from_config(cfg, dtype=torch.float32)  # every rank builds (same seed): a failure is on all ranks
         if dist.get_rank() == 0:  # transformers' save_pretrained writes the weights from the main process only
             built.save_pretrained(path)
         dist.barrier()
-        load = lambda: cls.from_pretrained(path, dtype=torch.float32).train()  # noqa: E731
+        load = lambda: auto.from_pretrained(path, dtype=torch.float32).train()  # noqa: E731
         model = load()
-        vocab = model.get_input_embeddings().num_embeddings
+    except Exception as e:  # noqa: BLE001
+        row["verdict"] = {m: "SKIP" for m in meshes}
+        row["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return row
+    ref_error = None
+    try:
+        # token ids the LM head predicts (CPM-Ant's embedding also holds its prompt tokens)
+        vocab = min(model.get_input_embeddings().num_embeddings, getattr(model.config.get_text_config(), "vocab_size", None) or 1 << 30)
         batch = packed_batch(vocab)
         packed = reference(model, batch, per_document=False)
         alone = reference(model, batch, per_document=True)
         leaks = _errors(alone[0], alone[1], *packed)
         row["own_path_leaks"] = leaks[0] > LOSS_TOL or leaks[1] > GRAD_TOL
         ref_loss, ref_grads = alone if row["own_path_leaks"] else packed
-    except Exception as e:  # noqa: BLE001
-        row["verdict"] = {m: "SKIP" for m in meshes}
-        row["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        return row
+    except Exception as e:  # noqa: BLE001 -- cannot run on plain input_ids: SKIP, unless patch() refuses it anyway
+        ref_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     for text in [c for c in (cfg, getattr(cfg, "text_config", None)) if c is not None]:
         for feat, val in (("window", getattr(text, "sliding_window", None)), ("chunk", getattr(text, "attention_chunk_size", None))):
             if isinstance(val, int) and val > 0:
@@ -200,6 +263,10 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
             row["verdict"][mname] = "REFUSED"
             msg = str(e).split("\n- ")
             row["reason"] = (msg[1] if len(msg) > 1 else msg[0]).strip()[:400]
+            continue
+        if ref_error is not None:  # accepted by patch() but no unpatched reference to compare with
+            row["verdict"][mname], row["reason"] = "SKIP", ref_error
+            unpatch(model)
             continue
         probe = model._hf_longctx_patch.probe
         if probe is not None and "window" in row["features"]:

@@ -16,7 +16,9 @@ known-bad names (deny by default) we dry-run the model once, locally, on a tiny 
 - run C: a suffix of the probe alone (a "shard" that starts mid-document, with its global
   position_ids) -- every module output must equal run A's at the same tokens, else the
   module depends on the local shard's shape or index (e.g. terms built from `arange(S)`);
-- the stand-in records every keyword it receives: an unknown tensor (a relative-position
+- the stand-in records every keyword it receives and whether its module is causal: a
+  non-causal attention that the text path calls refuses (a vision tower that a text-only
+  forward never calls does not); an unknown tensor (a relative-position
   bias, a materialised mask) or a missing `sp_batch` (a layer that drops **kwargs) refuses;
 - the mask function HF composes for each mask is walked: only causal, packed-document,
   all-ones padding and sliding-window pieces (with a window the attention also receives)
@@ -54,6 +56,7 @@ class ProbeReport:
     mask_parts: set = field(default_factory=set)  # unsupported mask-function pieces
     no_metadata: set = field(default_factory=set)  # attention classes the metadata never reached
     tensor_masks: set = field(default_factory=set)
+    non_causal: set = field(default_factory=set)  # attention classes CALLED with is_causal=False
     windows_mask: set = field(default_factory=set)
     windows_attention: set = field(default_factory=set)
 
@@ -194,6 +197,8 @@ def probe_model(
         calls.append(1)
         if kwargs.get(metadata_key) is not marker:
             report.no_metadata.add(cls)
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+            report.non_causal.add(cls)  # only modules the text path calls (a vision tower's never are)
         if isinstance(attention_mask, torch.Tensor):
             report.tensor_masks.add(f"{cls} ({tuple(attention_mask.shape)})")
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))

@@ -72,6 +72,8 @@ def describe(report: ProbeReport) -> list[str]:
             f"{', '.join(sorted(classes))} passes '{kw}' to the attention function: {what}; ignoring it would silently "
             "change the model. Supported attention inputs: q, k, v, scaling, sliding_window, softcap"
         )
+    if report.non_causal:
+        out.append(f"{', '.join(sorted(report.non_causal))} is not causal (is_causal=False); hf_longctx supports causal self-attention only")
     if report.tensor_masks:
         out.append(
             f"{', '.join(sorted(report.tensor_masks))} passes a materialised attention mask to the attention function, "
