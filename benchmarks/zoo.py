@@ -63,6 +63,13 @@ _SIZES = dict(
 _KINDS = {
     "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    # Granite-4's default pattern is Mamba-2 only; its checkpoints interleave attention layers
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
+    "gpt_neo": {"attention_types": [[["global", "local"], 2]]},  # sized for 4 layers
+    # Laguna's default pattern is full attention only; its sliding layers exist in checkpoints
+    "laguna": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
+    # MiMo-V2-Flash's value heads are narrower than its key heads (128 vs 192 released)
+    "mimo_v2_flash": {"v_head_dim": 4},
     # KV sharing: the 2 last layers reuse the KV of the last earlier layer of their type, so
     # both types must occur before them; per-layer inputs and activation sparsity sized to 4 layers
     "gemma3n_text": {
