@@ -65,6 +65,7 @@ _KINDS = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     # Granite-4's default pattern is Mamba-2 only; its checkpoints interleave attention layers
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
+    "bamba": {"attn_layer_indices": [1, 3]},  # its default is Mamba-2 only; checkpoints interleave attention
     "gpt_neo": {"attention_types": [[["global", "local"], 2]]},  # sized for 4 layers
     # Laguna's default pattern is full attention only; its sliding layers exist in checkpoints
     "laguna": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
@@ -238,7 +239,9 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
         if dist.get_rank() == 0:  # transformers' save_pretrained writes the weights from the main process only
             built.save_pretrained(path)
         dist.barrier()
-        load = lambda: auto.from_pretrained(path, dtype=torch.float32).train()  # noqa: E731
+        # reloaded by the built class: a text config that Auto swapped in (Emu3TextConfig) is not
+        # itself registered for AutoModelForCausalLM
+        load = lambda: type(built).from_pretrained(path, dtype=torch.float32).train()  # noqa: E731
         model = load()
     except Exception as e:  # noqa: BLE001
         row["verdict"] = {m: "SKIP" for m in meshes}
