@@ -24,7 +24,8 @@ feature was exercised.
 
 Run:  PYTHONPATH=. python benchmarks/zoo.py                     (all 189, ~25 min on 2 shared cores)
       PYTHONPATH=. python benchmarks/zoo.py --only llama,jamba     (a subset)
-      PYTHONPATH=. python benchmarks/zoo.py --json out.json --markdown   (README summary)
+      PYTHONPATH=. python benchmarks/zoo.py --json out.json --markdown benchmarks/results/zoo.md   (README summary)
+      PYTHONPATH=. python benchmarks/zoo.py --from-json out.json --markdown   (the table again, no run)
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ _KINDS = {
     # Granite-4's default pattern is Mamba-2 only; its checkpoints interleave attention layers
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
     "bamba": {"attn_layer_indices": [1, 3]},  # its default is Mamba-2 only; checkpoints interleave attention
+    "mamba2": {"num_heads": 8, "head_dim": 8},  # 8 x 8 = expand 2 x hidden 32
     "gpt_neo": {"attention_types": [[["global", "local"], 2]]},  # sized for 4 layers
     # Laguna's default pattern is full attention only; its sliding layers exist in checkpoints
     "laguna": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
@@ -358,14 +360,37 @@ def line(row: dict) -> str:
     return f"{row['model_type']:28s} {overall(row):8s} {verdicts:36s} {feats:40s} {row.get('reason', '')}"
 
 
-def markdown(rows: list[dict]) -> str:
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(rows: list[dict], command: str = "") -> str:
+    """The README summary (verdict counts with the architectures) and the per-architecture table."""
+    import transformers
+
     groups: dict = {}
     for r in rows:
         groups.setdefault(overall(r), []).append(r["model_type"])
-    out = ["| verdict | count | architectures (transformers model_type) |", "|---|---|---|"]
+    out = [
+        f"Measured by `benchmarks/zoo.py` on transformers {transformers.__version__}, torch {torch.__version__} "
+        f"(CPU, 2 gloo ranks, fp32){f': `{command}`' if command else ''}. EXACT: loss <= {LOSS_TOL:g} relative and every "
+        f"gradient within {GRAD_TOL:g} of the largest reference gradient, on Ulysses 2 and on ring 2.",
+        "",
+        "| verdict | count | architectures (transformers model_type) |",
+        "|---|---|---|",
+    ]
     for v in ("EXACT", "REFUSED", "WRONG", "CRASH", "SKIP"):
         names = sorted(groups.get(v, []))
         out.append(f"| {v} | {len(names)} | {', '.join(names)} |")
+    out += ["", "| model_type | verdict | " + " | ".join(MESHES) + " | features | reason |", "|---|---|" + "---|" * len(MESHES) + "---|---|"]
+    for r in sorted(rows, key=lambda r: r["model_type"]):
+        cells = []
+        for m in MESHES:
+            v = r["verdict"].get(m, "")
+            err = (r.get("errors") or {}).get(m)
+            cells.append(f"{v} ({err[0]:.0e} / {err[1]:.0e})" if err and v in ("EXACT", "WRONG") else v)
+        feats = ", ".join(f"{k}={v}" for k, v in r.get("features", {}).items())
+        out.append(f"| {r['model_type']} | {overall(r)} | " + " | ".join(cells) + f" | {_cell(feats)} | {_cell(r.get('reason', ''))} |")
     return "\n".join(out)
 
 
@@ -374,17 +399,28 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
     ap.add_argument("--timeout", type=float, default=240.0, help="per-model seconds before CRASH (hang)")
     ap.add_argument("--json", default="", help="write the rows here")
-    ap.add_argument("--markdown", action="store_true", help="print the README summary table")
+    ap.add_argument("--markdown", nargs="?", const="-", default="", help="write the README summary and per-architecture table (to stdout, or to this file)")
+    ap.add_argument("--from-json", default="", help="do not run: read the rows of an earlier --json run")
     args = ap.parse_args()
-    types = [t for t in args.only.split(",") if t] or all_model_types()
-    rows = run_zoo(types, timeout=args.timeout, log=lambda s: print(s, flush=True))
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)
+    else:
+        types = [t for t in args.only.split(",") if t] or all_model_types()
+        rows = run_zoo(types, timeout=args.timeout, log=lambda s: print(s, flush=True))
     counts = {v: sum(overall(r) == v for r in rows) for v in ("EXACT", "REFUSED", "WRONG", "CRASH", "SKIP")}
     print("summary:", counts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
     if args.markdown:
-        print(markdown(rows))
+        text = markdown(rows, "python benchmarks/zoo.py" + (f" --only {args.only}" if args.only else ""))
+        if args.markdown == "-":
+            print(text)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+            with open(args.markdown, "w") as f:
+                f.write(text + "\n")
     sys.exit(1 if counts["WRONG"] or counts["CRASH"] else 0)
 
 
