@@ -67,6 +67,7 @@ _KINDS = {
     # Granite-4's default pattern is Mamba-2 only; its checkpoints interleave attention layers
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
     "bamba": {"attn_layer_indices": [1, 3]},  # its default is Mamba-2 only; checkpoints interleave attention
+    "mellum": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
     "mamba2": {"num_heads": 8, "head_dim": 8},  # 8 x 8 = expand 2 x hidden 32
     "gpt_neo": {"attention_types": [[["global", "local"], 2]]},  # sized for 4 layers
     # Laguna's default pattern is full attention only; its sliding layers exist in checkpoints
@@ -282,7 +283,11 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
             continue
         probe = model._hf_longctx_patch.probe
         if probe is not None and "window" in row["features"]:
-            row["features"]["window_active"] = row["features"]["window"] in probe.windows_attention
+            w = row["features"]["window"]
+            # a window the config carries but neither the mask nor the attention uses (Moshi) is no feature of the model
+            row["features"]["window_active"] = (
+                True if w in probe.windows_attention else False if w in probe.windows_mask else "unused by the model"
+            )
         try:
             model.zero_grad(set_to_none=True)
             out = model(**shard_batch(batch, mesh))
