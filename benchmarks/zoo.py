@@ -405,11 +405,14 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=240.0, help="per-model seconds before CRASH (hang)")
     ap.add_argument("--json", default="", help="write the rows here")
     ap.add_argument("--markdown", nargs="?", const="-", default="", help="write the README summary and per-architecture table (to stdout, or to this file)")
-    ap.add_argument("--from-json", default="", help="do not run: read the rows of an earlier --json run")
+    ap.add_argument("--from-json", default="", help="do not run: read the rows of earlier --json runs (comma-separated; later ones win)")
     args = ap.parse_args()
-    if args.from_json:
-        with open(args.from_json) as f:
-            rows = json.load(f)
+    if args.from_json:  # several files: a later file's row replaces an earlier one's (a re-run after a fix)
+        merged: dict = {}
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                merged.update({r["model_type"]: r for r in json.load(f)})
+        rows = [merged[t] for t in sorted(merged)]
     else:
         types = [t for t in args.only.split(",") if t] or all_model_types()
         rows = run_zoo(types, timeout=args.timeout, log=lambda s: print(s, flush=True))
