@@ -12,7 +12,6 @@ import pytest
 import torch
 import transformers as tf
 from transformers.modeling_utils import AttentionInterface
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from benchmarks.zoo import tiny_config
 from hf_longctx.distributed.mesh import init_sequence_parallel
@@ -25,7 +24,7 @@ def build(model_type: str, **overrides):
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(0)
-    return getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._from_config(cfg, dtype=torch.float32)
+    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +54,7 @@ REFUSED = {
     "nemotron": ["NemotronAttention", "does not forward its **kwargs"],
     "stablelm": ["StableLmAttention", "does not forward its **kwargs"],
     "deepseek_v32": ["Indexer", "top-k"],
+    "bert": ["BertSelfAttention", "is not causal"],  # a non-causal attention the text path calls
 }
 if "s_aux" not in USED_ATTENTION_KWARGS:  # flips to EXACT when sequence-parallel attention applies sinks
     REFUSED["gpt_oss"] = ["GptOssAttention", "'s_aux'", "sink"]
@@ -85,6 +85,15 @@ def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type, pat
     assert all(p.grad is None and torch.equal(p, params[n]) for n, p in model.named_parameters())
     assert model._hf_longctx_patch.attention_layers == model._hf_longctx_patch.probe.attention_calls > 0
     assert not any(k.startswith("hf_longctx_probe") for k in AttentionInterface._global_mapping)
+
+
+def test_a_non_causal_tower_the_text_path_never_calls_does_not_refuse(mesh, patch):
+    """Gemma 3 (multimodal) carries a Siglip vision tower (is_causal=False); a text-only
+    forward never calls it, so the dry run does not refuse it (a name check did)."""
+    model = build("gemma3")
+    assert any(getattr(m, "is_causal", True) is False for m in model.modules() if type(m).__name__ == "SiglipAttention")
+    patch(model, mesh)
+    assert is_patched(model) and not model._hf_longctx_patch.probe.non_causal
 
 
 def test_unsafe_keyword_skips_the_rule(mesh, patch):
