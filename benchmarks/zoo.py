@@ -153,7 +153,10 @@ def tiny_config(cls, depth: int = 0):
         if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
             kw[k] = 0.0
     for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
-        if depth < 2 and isinstance(sub, type) and hasattr(sub, "model_type") and _get(default, name) is not None:
+        inst = _get(default, name)
+        if type(inst).__name__ != "dict" and hasattr(inst, "to_dict"):  # declared as AutoConfig: the default's class
+            sub = type(inst)
+        if depth < 2 and isinstance(sub, type) and hasattr(sub, "model_type") and inst is not None:
             try:
                 kw[name] = tiny_config(sub, depth + 1)
             except Exception:  # noqa: BLE001 -- keep the default sub-config
