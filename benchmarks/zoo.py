@@ -54,6 +54,7 @@ _SIZES = dict(
     index_n_heads=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
     mamba_d_state=4, ssm_state_size=4, state_size=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     output_router_logits=False, use_cache=False, rotary_dim=4, hidden_size_global=32, encoder_hash_byte_group_vocab=64,
+    encoder_attention_heads=4, decoder_attention_heads=4,
     # Mamba-2 heads: 4 of 16 channels (expand 2 x hidden 32 = 64), 2 groups (one per rank under Ulysses 2)
     mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
     # Qwen4-Exp's sparse-attention indexer (its default config leaves these None and cannot be built)
@@ -68,6 +69,8 @@ _KINDS = {
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]},
     "bamba": {"attn_layer_indices": [1, 3]},  # its default is Mamba-2 only; checkpoints interleave attention
     "mellum": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]},
+    # Zamba ties its shared attention block across hybrid layers: it needs two of them
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"]},
     "mamba2": {"num_heads": 8, "head_dim": 8},  # 8 x 8 = expand 2 x hidden 32
     "gpt_neo": {"attention_types": [[["global", "local"], 2]]},  # sized for 4 layers
     # Laguna's default pattern is full attention only; its sliding layers exist in checkpoints
@@ -162,11 +165,17 @@ def tiny_config(cls, depth: int = 0):
             except Exception:  # noqa: BLE001 -- keep the default sub-config
                 pass
     kinds = {k: v for k, v in _KINDS.get(getattr(cls, "model_type", ""), {}).items() if k in known}
+    aliases = getattr(cls, "attribute_map", {}) or {}
+    for k in kinds:  # an alias of a field set here (Zamba: layer_types -> layers_block_type) must not override it
+        for a, target in aliases.items():
+            if target == k or a == k:
+                kw.pop(a if target == k else target, None)
     kw.update(kinds)
-    if "layer_types" in kinds:
-        for size in ("num_hidden_layers", "n_layer", "num_layers"):
-            if size in kw:
-                kw[size] = len(kinds["layer_types"])
+    for field in ("layer_types", "layers_block_type"):
+        if field in kinds:
+            for size in ("num_hidden_layers", "n_layer", "num_layers"):
+                if size in kw:
+                    kw[size] = len(kinds[field])
     kw.update(_CONSTRUCTOR_KW.get(getattr(cls, "model_type", ""), {}))
     try:
         cfg = cls(**kw)

@@ -59,6 +59,7 @@ class ProbeReport:
     non_causal: set = field(default_factory=set)  # attention classes CALLED with is_causal=False
     windows_mask: set = field(default_factory=set)
     windows_attention: set = field(default_factory=set)
+    mask_windows: list = field(default_factory=list)  # per mask built: its sliding windows
 
 
 def _seq_view(t: Any, s: int):
@@ -139,6 +140,13 @@ def _mask_pieces(fn: Callable, windows: set, bad: set, depth: int = 0) -> None:
             bad.add(f"or-ed {getattr(f, '__qualname__', repr(f))} (keys beyond the causal document mask)")
     else:
         bad.add(name)
+
+
+def mask_windows(fn: Callable) -> set:
+    """The sliding windows of one HF mask function (its sliding_window_overlay pieces)."""
+    windows: set = set()
+    _mask_pieces(fn, windows, set())
+    return windows
 
 
 def _probe_lengths(hf) -> tuple[int, int, int]:
@@ -345,6 +353,9 @@ def probe_model(
     bad: set = set()
     for f in mask_fns:
         if f is not None:
-            _mask_pieces(f, report.windows_mask, bad)
+            windows: set = set()
+            _mask_pieces(f, windows, bad)
+            report.windows_mask |= windows
+            report.mask_windows.append(frozenset(windows))
     report.mask_parts = bad
     return report

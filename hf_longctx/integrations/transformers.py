@@ -57,6 +57,10 @@ class _PatchState:
     probe: Any = None  # the ProbeReport of patch()'s dry run (None when skipped)
     mixers: Any = None  # integrations/mixers.MixerBinding of the wrapped linear mixers, or None
     calls: int = 0  # attention calls in the current forward
+    # Sliding windows of each mask the model built in the current forward (one frozenset per
+    # mask); a model whose masks ALL carry the same window but that does not pass it to the
+    # attention (PhiMoE) gets it from here -- HF's sdpa/eager paths apply it through the mask.
+    mask_windows: list = field(default_factory=list)
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
     plan_cache: dict = field(default_factory=dict)
@@ -160,6 +164,8 @@ def _make_attention(state: _PatchState) -> Callable:
         if getattr(module, "is_causal", True) is False:
             raise NotImplementedError(f"{type(module).__name__}: non-causal attention is not supported under SP")
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if window is None:
+            window = mask_implied_window(state.mask_windows)
         softcap = kwargs.get("softcap")
         b = query.shape[0]
         if b != info.rows:
@@ -225,16 +231,36 @@ def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     return dtype
 
 
-def _mask_function(attention_mask=None, **_: Any):
-    """Registered with AttentionMaskInterface. HF calls it with LOCAL lengths; the real
-    document mask is built inside the attention, so build nothing. A 2D padding mask with
-    zeros cannot be honoured (its keys live on other ranks): refuse instead of dropping it."""
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise ValueError(
-            "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
-            "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
-        )
+def mask_implied_window(mask_windows: list) -> int | None:
+    """The sliding window every mask of this forward carries (all masks built with the same
+    single window), else None: with masks of several kinds (full and sliding layers) the
+    attention must receive its layer's window itself (the structural rule checks it does)."""
+    kinds = set(mask_windows)
+    if len(kinds) == 1:
+        (only,) = kinds
+        if len(only) == 1:
+            return next(iter(only))
     return None
+
+
+def _make_mask_function(state: _PatchState) -> Callable:
+    def sp_mask(attention_mask=None, mask_function=None, **_: Any):
+        """Registered with AttentionMaskInterface. HF calls it with LOCAL lengths; the real
+        document mask is built inside the attention, so build nothing -- only note the mask's
+        sliding window (`state.mask_windows`). A 2D padding mask with zeros cannot be honoured
+        (its keys live on other ranks): refuse instead of dropping it."""
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise ValueError(
+                "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
+                "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
+            )
+        if mask_function is not None:
+            from hf_longctx.integrations.probe import mask_windows
+
+            state.mask_windows.append(frozenset(mask_windows(mask_function)))
+        return None
+
+    return sp_mask
 
 
 def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh: SPMesh) -> None:
@@ -294,6 +320,7 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
         if mesh.sp > 1:
             _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, mesh)
         state.calls = 0
+        state.mask_windows.clear()  # filled by the mask function as the model builds this forward's masks
         if state.mixers is not None:
             state.mixers.begin(info)  # the linear-mixer wrappers read the batch layout from here
         state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
@@ -395,7 +422,7 @@ def patch(
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, _make_attention(state))
-    mask_iface.register(state.name, _mask_function)
+    mask_iface.register(state.name, _make_mask_function(state))
     hf.__dict__[_STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
     try:
         hf.set_attn_implementation(state.name)
