@@ -173,6 +173,37 @@ def _probe_lengths(hf) -> tuple[int, int, int]:
     raise ValueError("no probe length distinct from the model's sizes in 11..199")
 
 
+def _per_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> tuple:
+    """The stand-in attention: token i attends only to itself (out = v * sigmoid(q.k))."""
+    h, h_kv = query.shape[1], key.shape[1]
+    k_e = key.repeat_interleave(h // h_kv, dim=1) if h != h_kv else key  # [B, H, S, D]
+    v_e = value.repeat_interleave(h // value.shape[1], dim=1) if h != value.shape[1] else value  # [B, H, S, Dv]
+    d = min(query.shape[-1], k_e.shape[-1])
+    gate = torch.sigmoid((query[..., :d] * k_e[..., :d]).sum(-1, keepdim=True) * (scaling or d**-0.5))  # [B, H, S, 1]
+    return (v_e * gate).transpose(1, 2).contiguous(), None  # [B, S, H, Dv]
+
+
+def _loss_takes_shift_labels(hf, ids: torch.Tensor, pos: torch.Tensor, kw: dict) -> str | None:
+    """None if the model's loss is computed from `shift_labels` (what shard_batch hands each
+    rank: targets shifted on the whole packed sequence, with the global token count), else why
+    not. Measured: two forwards whose shift_labels differ must give different losses."""
+    targets = torch.roll(ids, -1, dims=1)  # [1, S]
+    targets[:, -1] = -100
+    other = targets.clone()
+    other[:, : ids.shape[1] // 2] = -100  # [1, S]: half the targets dropped
+    try:
+        losses = [hf(input_ids=ids, position_ids=pos, labels=ids, shift_labels=t, **kw).loss for t in (targets, other)]
+    except TypeError as e:
+        return f"{type(hf).__name__}.forward does not take shift_labels ({e})"
+    if losses[0] is None or torch.equal(losses[0], losses[1]):
+        return (
+            f"{type(hf).__name__} computes its loss without shift_labels (not through transformers' ForCausalLMLoss), "
+            "so the targets shard_batch shifted on the whole packed sequence and the global token count would be "
+            "ignored; e.g. WhisperForCausalLM takes labels that are not shifted and averages over each rank's shard"
+        )
+    return None
+
+
 def probe_model(
     hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: frozenset, handled: frozenset = frozenset()
 ) -> ProbeReport:
@@ -202,6 +233,8 @@ def probe_model(
 
     def stand_in(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cls = type(module).__name__
+        if state["run"] == "loss":  # the loss check below: nothing to record
+            return _per_token(query, key, value, scaling)
         calls.append(1)
         if kwargs.get(metadata_key) is not marker:
             report.no_metadata.add(cls)
@@ -218,12 +251,7 @@ def probe_model(
             report.unknown_kwargs.setdefault(k, set()).add(cls)
         if value.shape[-1] > key.shape[-1]:
             report.problems.append(f"{cls}: value head dim {value.shape[-1]} > key head dim {key.shape[-1]} is not supported by the kernels")
-        h, h_kv = query.shape[1], key.shape[1]
-        k_e = key.repeat_interleave(h // h_kv, dim=1) if h != h_kv else key  # [B, H, S, D]
-        v_e = value.repeat_interleave(h // value.shape[1], dim=1) if h != value.shape[1] else value  # [B, H, S, Dv]
-        d = min(query.shape[-1], k_e.shape[-1])
-        gate = torch.sigmoid((query[..., :d] * k_e[..., :d]).sum(-1, keepdim=True) * (scaling or d**-0.5))  # [B, H, S, 1]
-        return (v_e * gate).transpose(1, 2).contiguous(), None  # [B, S, H, Dv]: token i sees only itself
+        return _per_token(query, key, value, scaling)
 
     def mask_fn(mask_function=None, attention_mask=None, **_):
         mask_fns.append(mask_function)
@@ -320,6 +348,10 @@ def probe_model(
                 handles.append(m.register_forward_hook(hook))
         kw = {metadata_key: marker, "use_cache": False}
         with torch.no_grad():
+            state["run"] = "loss"
+            loss_problem = _loss_takes_shift_labels(hf, ids, pos, kw)
+            if loss_problem:
+                report.problems.append(loss_problem)
             for run, (x, p) in {"A": (ids, pos), "B": (perturbed, pos), "C": (ids[:, a:], pos[:, a:])}.items():
                 state.update(run=run, counts={}, in_counts={}, stack=[])
                 calls.clear()

@@ -55,6 +55,7 @@ REFUSED = {
     "stablelm": ["StableLmAttention", "does not forward its **kwargs"],
     "deepseek_v32": ["Indexer", "top-k"],
     "bert": ["BertSelfAttention", "is not causal"],  # a non-causal attention the text path calls
+    "whisper": ["WhisperForCausalLM", "without shift_labels"],  # its own loss on unshifted labels, mean per shard
 }
 if "s_aux" not in USED_ATTENTION_KWARGS:  # flips to EXACT when sequence-parallel attention applies sinks
     REFUSED["gpt_oss"] = ["GptOssAttention", "'s_aux'", "sink"]
