@@ -74,7 +74,7 @@ def test_refused_at_patch_with_the_real_cause(mesh, model_type, patch):
     assert set(AttentionInterface._global_mapping) == names  # the probe's registration is gone
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma3_text", "deepseek_v3", "diffllama"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma3_text", "deepseek_v3", "diffllama", "phimoe"])
 def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type, patch):
     model = build(model_type).train()
     model.model.layers[0].eval()  # a mixed training mode must come back as it was
@@ -95,6 +95,22 @@ def test_a_non_causal_tower_the_text_path_never_calls_does_not_refuse(mesh, patc
     assert any(getattr(m, "is_causal", True) is False for m in model.modules() if type(m).__name__ == "SiglipAttention")
     patch(model, mesh)
     assert is_patched(model) and not model._hf_longctx_patch.probe.non_causal
+
+
+def test_a_window_only_the_masks_carry_is_applied_not_refused(mesh, patch):
+    """PhiMoE builds a sliding-window mask but does not pass the window to the attention (HF's
+    sdpa/eager paths apply it through the mask): every mask of the forward has the same
+    window, so sp_attention takes it from there and the rule does not refuse."""
+    from hf_longctx.integrations.transformers import mask_implied_window
+
+    model = build("phimoe")
+    patch(model, mesh)
+    probe = model._hf_longctx_patch.probe
+    assert probe.windows_mask == {5} and not probe.windows_attention
+    assert mask_implied_window(probe.mask_windows) == 5
+    # masks of several kinds (full + sliding layers) imply nothing: each layer must pass its own
+    assert mask_implied_window([frozenset(), frozenset({5})]) is None
+    assert mask_implied_window([frozenset({5}), frozenset({5})]) == 5
 
 
 def test_unsafe_keyword_skips_the_rule(mesh, patch):

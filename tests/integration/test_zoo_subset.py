@@ -3,7 +3,7 @@
 
 Kinds covered (one model may cover several, to keep this under a minute): dense + sliding
 window (Mistral, window 5 < documents, asserted active), MoE + attention sinks + sliding
-window (gpt-oss), multimodal family's text model (Gemma 3, sliding + full layers), SSM
+window (gpt-oss), a sliding window carried only by the masks + random routing (PhiMoE), multimodal family's text model (Gemma 3, sliding + full layers), SSM
 hybrid with a wrapper (Nemotron-H, Mamba-2) and without (Jamba, Mamba-1: refused),
 linear-attention hybrid (Qwen3-Next, Gated DeltaNet), convolution hybrid (LFM2), sparse
 indexer (DeepSeek-V3.2: refused), Llama 4 (chunked local attention: refused).
@@ -17,6 +17,7 @@ from benchmarks.zoo import overall, run_zoo
 
 EXPECTED = {
     "mistral": ("EXACT", ""),
+    "phimoe": ("EXACT", ""),  # a window only its masks carry; random routing in training (compared in eval mode)
     "gpt_oss": ("EXACT", ""),
     "gemma3_text": ("EXACT", ""),
     "nemotron_h": ("EXACT", ""),
@@ -35,5 +36,6 @@ def test_zoo_subset_verdicts(pools):
         row = rows[t]
         assert overall(row) == verdict and set(row["verdict"].values()) == {verdict}, f"{t}: {row}"
         assert cause in row.get("reason", ""), f"{t}: cause {cause!r} not in {row.get('reason')}"
-    for t in ("mistral", "gpt_oss", "gemma3_text"):
+    assert rows["phimoe"]["features"].get("train_mode_random") is True
+    for t in ("mistral", "gpt_oss", "gemma3_text", "phimoe"):
         assert rows[t]["features"].get("window_active") is True, f"{t}: {rows[t]['features']}"
