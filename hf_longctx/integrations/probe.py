@@ -187,7 +187,9 @@ def _loss_takes_shift_labels(hf, ids: torch.Tensor, pos: torch.Tensor, kw: dict)
     """None if the model's loss is computed from `shift_labels` (what shard_batch hands each
     rank: targets shifted on the whole packed sequence, with the global token count), else why
     not. Measured: two forwards whose shift_labels differ must give different losses."""
-    targets = torch.roll(ids, -1, dims=1)  # [1, S]
+    text = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    n_out = getattr(text, "vocab_size", None) or hf.get_input_embeddings().num_embeddings  # the LM head's classes
+    targets = torch.roll(ids, -1, dims=1) % n_out  # [1, S]: Mllama's embedding has more rows than its head
     targets[:, -1] = -100
     other = targets.clone()
     other[:, : ids.shape[1] // 2] = -100  # [1, S]: half the targets dropped
