@@ -188,7 +188,8 @@ def tiny_config(cls, depth: int = 0):
     try:
         cfg = cls(**kw)
     except Exception:  # noqa: BLE001 -- a size the class validates against another (ZAYA: 1 expert per token)
-        for drop in [None, *kw]:  # the first single size whose default makes it valid
+        sizes = [k for k, v in kw.items() if not hasattr(v, "to_dict")]  # never a sub-config (its default is full size)
+        for drop in [None, *sizes]:  # the first single size whose default makes it valid
             try:
                 cfg = cls(**{k: v for k, v in kw.items() if k != drop}) if drop else None
             except Exception:  # noqa: BLE001
