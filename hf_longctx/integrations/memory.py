@@ -56,13 +56,17 @@ def _set_instance_attr(module: Any, name: str, value: Any, undo: list) -> None:
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
 
 
+def _mlp_attr(layer: nn.Module) -> str | None:
+    for name in MLP_NAMES:
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return name
+    return None
+
+
 def layer_mlp(layer: nn.Module) -> nn.Module | None:
     """The token-wise MLP (or MoE block) of one decoder layer, or None if it has none."""
-    for name in MLP_NAMES:
-        sub = getattr(layer, name, None)
-        if isinstance(sub, nn.Module):
-            return sub
-    return None
+    name = _mlp_attr(layer)
+    return getattr(layer, name) if name else None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -96,18 +100,18 @@ def _resolve_chunks(name: str, value: Any) -> int | str | None:
 
 
 def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
-    mlps = [(n, layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
-    mlps = [(n, mlp) for n, mlp in mlps if mlp is not None]
+    mlps = [(n, _mlp_attr(layer), layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
+    mlps = [(n, attr, mlp) for n, attr, mlp in mlps if mlp is not None]
     if not mlps:
         raise ValueError(f"mlp_chunks: no decoder layer of {type(model).__name__} has an MLP named {' / '.join(MLP_NAMES)}")
-    for n, mlp in mlps:
+    for n, attr, mlp in mlps:
         for name, sub in mlp.named_modules():
             if isinstance(sub, nn.Dropout) and sub.p > 0:
                 raise ValueError(
                     f"mlp_chunks needs dropout-free MLPs (a recomputed chunk cannot replay dropout): layer {n} "
-                    f"MLP submodule {name!r} has p={sub.p}; set the config's MLP/residual dropout to 0"
+                    f"{attr}.{name} has p={sub.p}; set the config's MLP/residual dropout to 0"
                 )
-    for _, mlp in mlps:
+    for _, _, mlp in mlps:
         forward = mlp.forward  # bound: class forward, or an earlier instance-level patch
 
         def chunked_forward(hidden: torch.Tensor, *args, _forward=forward, **kwargs) -> torch.Tensor:
