@@ -27,7 +27,10 @@ WRONG = {
     "inkling_text": None,  # relative-position bias dropped (+ convolutions on shards)
     "llama4_text": None,  # chunked local attention run as full causal
 }
-EXACT = ["llama", "mixtral", "mistral", "gemma3_text", "gpt_oss", "nemotron_h", "qwen3_next", "lfm2"]
+# every EXACT model of the CI subset (tests/integration/test_zoo_subset.py) and then some;
+# PhiMoE samples its experts in training mode: verify compares in eval mode, so it passes
+EXACT = ["llama", "mixtral", "mistral", "phimoe", "gemma3_text", "gpt_oss", "nemotron_h", "qwen3_next", "lfm2"]
+EXACT_WITH = {"gpt2": "hidden_dropout"}  # residual/embedding dropout 0.1: verify compares in eval mode
 
 
 def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
@@ -48,7 +51,10 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
 
     for t, fault in cases:
         torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(tiny_config(tf.CONFIG_MAPPING[t]), dtype=torch.float32).train()
+        cfg = tiny_config(tf.CONFIG_MAPPING[t])
+        if fault == "hidden_dropout":
+            cfg.resid_pdrop = cfg.embd_pdrop = 0.1
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         rng = torch.get_rng_state()
         if fault == "drop_sinks":
@@ -70,13 +76,13 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
 
 
 def test_verify_catches_every_wrong_class_and_passes_exact_ones(pools):
-    cases = list(WRONG.items()) + [(t, None) for t in EXACT]
+    cases = list(WRONG.items()) + [(t, None) for t in EXACT] + list(EXACT_WITH.items())
     results = pools.get(2).run(_verify_all, cases, timeout=600)
     for rank, res in enumerate(results):
         for t, fault in WRONG.items():
             r = res[f"{t}:{fault}"]
             assert r.startswith("CAUGHT") and "worst parameter" in r, f"rank {rank} {t} ({fault}): {r}"
-        for t in EXACT:
-            assert res[f"{t}:None"] == "PASS", f"rank {rank} {t}: {res[f'{t}:None']}"
+        for t, how in [(t, None) for t in EXACT] + list(EXACT_WITH.items()):
+            assert res[f"{t}:{how}"] == "PASS", f"rank {rank} {t} ({how}): {res[f'{t}:{how}']}"
         assert all(v for k, v in res.items() if k.endswith(":clean")), f"rank {rank}: side effect {res}"
     assert results[0] == results[1]  # every rank reaches the same verdict (no rank-local raise)
