@@ -1,30 +1,39 @@
 """The measured support matrix: every causal LM of the installed transformers through patch().
 
-Where it sits: outside the library; it drives the public path (`from_pretrained`, `patch`,
-`shard_batch`, `global_loss`, `sum_gradients`) on 2 gloo ranks (the persistent pool of
-tests/pool.py) exactly as a new user would, for every model type registered for
+Where it sits: outside the library; it drives the public path (`AutoModelForCausalLM`,
+`patch`, `shard_batch`, `global_loss`, `sum_gradients`) on 2 gloo ranks (the persistent
+pool of tests/pool.py) exactly as a new user would, for every model type registered for
 `AutoModelForCausalLM`:
 
 1. build it tiny from its own config class (hidden 32, 4 layers, 4 heads / 2 KV heads, 4
    experts, every dropout 0; sliding windows of WINDOW and attention chunks of CHUNK tokens,
-   both shorter than the test documents), `save_pretrained`, reload with `from_pretrained`;
+   both shorter than the test documents; zoo_configs.py: `_KINDS`: hybrids and window families get every
+   kind of layer their checkpoints have; `_CHECKPOINT_FIELDS`: fields released checkpoints
+   carry that the default config lacks) with `AutoModelForCausalLM.from_config` (a composite
+   config mapped to a text-only model is swapped for its text config there),
+   `save_pretrained`, reload with `from_pretrained`;
 2. reference: the unpatched model in fp32 on the packed batch of DOCS (as
    DataCollatorWithFlattening makes it); when the model's own torch path leaks across packed
-   documents (its packed loss differs from the documents run one at a time) the reference
-   is the documents one at a time;
+   documents (its packed loss differs from the documents run one at a time: hybrids, masks
+   that ignore position_ids) the reference is the documents one at a time. A model that is
+   random in training mode beyond dropout (PhiMoE samples its experts: two runs differ) is
+   compared in eval mode, reference and SP alike (flagged `train_mode_random`);
 3. `patch()` on a Ulysses-2 mesh and on a ring-2 mesh, one forward/backward of
    `shard_batch(batch)`, losses and gradients summed over the 2 ranks.
 
 Verdicts: EXACT (loss <= 1e-6 relative, every gradient within 1e-4 of the largest reference
-gradient), REFUSED (patch raised; the first cause is printed), WRONG (it ran but differs),
-CRASH (anything else raised, or a hang past the per-model timeout), SKIP (no tiny model
-could be built or run unpatched on plain input_ids). A window/chunk that was configured but
-never reached the attention is flagged ("window inactive") so "exact" always means the
-feature was exercised.
+gradient), REFUSED (patch raised; the first cause is printed -- also when the unpatched
+model cannot run on plain input_ids), WRONG (it ran but differs), CRASH (anything else
+raised, or a hang past the per-model timeout), SKIP (no tiny model could be built, or it
+cannot run unpatched on plain input_ids and patch() accepts it). `window_active` says
+whether the configured window reached the attention (False: the mask has it but the
+attention does not; "unused by the model": neither does), so "exact" means the feature was
+exercised.
 
-Run:  PYTHONPATH=. python benchmarks/zoo.py                     (all 189, ~25 min on 2 shared cores)
+Run:  PYTHONPATH=. python benchmarks/zoo.py                     (all 189: ~5 min on 2 idle cores, ~25 min loaded)
       PYTHONPATH=. python benchmarks/zoo.py --only llama,jamba     (a subset)
-      PYTHONPATH=. python benchmarks/zoo.py --json out.json --markdown   (README summary)
+      PYTHONPATH=. python benchmarks/zoo.py --json out.json --markdown benchmarks/results/zoo.md   (README summary)
+      PYTHONPATH=. python benchmarks/zoo.py --from-json out.json --markdown   (the table again, no run)
 """
 
 from __future__ import annotations
@@ -38,77 +47,17 @@ import time
 
 import torch
 
-WINDOW, CHUNK = 5, 4
+from benchmarks.zoo_configs import CHUNK, WINDOW, tiny_config  # noqa: F401 -- re-exported for tests
+
 DOCS = [13, 30, 9, 20]  # every document longer than WINDOW and CHUNK; 30 spans both shards
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-4
 MESHES = {"ulysses2": (2, 1), "ring2": (1, 2)}
-_SIZES = dict(
-    vocab_size=128, hidden_size=32, d_model=32, n_embd=32, intermediate_size=64, ffn_dim=64, n_inner=64,
-    intermediate_size_mlp=64, num_hidden_layers=4, n_layer=4, num_layers=4, num_attention_heads=4, n_head=4,
-    num_key_value_heads=2, head_dim=8, max_window_layers=2, max_position_embeddings=256, n_positions=256,
-    sliding_window=WINDOW, attention_chunk_size=CHUNK, use_sliding_window=True,
-    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-    shared_expert_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16,
-    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, index_topk=4, index_head_dim=8,
-    index_n_heads=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-    mamba_d_state=4, ssm_state_size=4, state_size=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    output_router_logits=False, use_cache=False,
-)
-
-# Layer kinds a default config leaves out (its default pattern is attention only).
-_KINDS = {
-    "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
-}
 
 
-def _every_kind(seq: list, n: int) -> list:
-    """The first n entries of a per-layer pattern, widened so that every kind of layer of
-    the full pattern occurs (a 4-layer Qwen3-Next must still contain a full-attention layer)."""
-    out = list(seq[:n])
-    for kind in dict.fromkeys(seq):
-        if kind not in out:
-            out.append(kind)
-    return out
-
-
-def tiny_config(cls, depth: int = 0):
-    """`cls()` with the sizes above wherever the config has that field; sub-configs recursively."""
-    default = cls()
-    known = set(default.to_dict())
-    kw = {k: v for k, v in _SIZES.items() if k in known}
-    if "q_lora_rank" in known and default.q_lora_rank is not None:
-        kw["q_lora_rank"] = 16
-    if "kv_lora_rank" in known and getattr(default, "kv_lora_rank", None):  # MLA: one latent KV per query head
-        kw["num_key_value_heads"] = kw["num_attention_heads"]
-    for field in ("layer_types", "hybrid_override_pattern", "layers_block_type", "block_types"):
-        seq = getattr(default, field, None)
-        if isinstance(seq, (list, tuple, str)) and len(set(seq)) > 1:
-            tiny_seq = _every_kind(list(seq), 4)
-            kw[field] = "".join(tiny_seq) if isinstance(seq, str) else tiny_seq
-            for size in ("num_hidden_layers", "n_layer", "num_layers"):
-                if size in kw:
-                    kw[size] = len(tiny_seq)
-    for k, v in default.to_dict().items():
-        if ("dropout" in k or "pdrop" in k) and isinstance(v, float):
-            kw[k] = 0.0
-    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
-        if depth < 2 and isinstance(sub, type) and hasattr(sub, "model_type") and getattr(default, name, None) is not None:
-            try:
-                kw[name] = tiny_config(sub, depth + 1)
-            except Exception:  # noqa: BLE001 -- keep the default sub-config
-                pass
-    kw.update({k: v for k, v in _KINDS.get(getattr(cls, "model_type", ""), {}).items() if k in known})
-    try:
-        return cls(**kw)
-    except Exception:  # noqa: BLE001 -- some fields are validated together: set what is accepted one by one
-        cfg = cls()
-        for k, v in kw.items():
-            try:
-                setattr(cfg, k, v)
-            except Exception:  # noqa: BLE001
-                pass
-        return cfg
+def _first_lines(e: Exception) -> str:
+    """The cause of an exception in one line (a validation error names it on its second line)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return " ".join(lines[:2])[:240] or repr(e)[:240]
 
 
 def packed_batch(vocab: int, docs=DOCS) -> dict:
@@ -156,36 +105,56 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
     """One architecture on this rank (a pool task: both ranks run it in lockstep)."""
     import torch.distributed as dist
     import transformers as tf
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hf_longctx import global_loss, patch, shard_batch, sum_gradients
+    from hf_longctx import global_loss, patch, shard_batch, sum_gradients, unpatch
+    from hf_longctx.integrations.transformers import mask_implied_window
     from tests.pool import worker_mesh
 
     tf.utils.logging.disable_progress_bar()
     tf.utils.logging.set_verbosity_error()
     row = {"model_type": model_type, "features": {}}
     try:
-        cls = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
         cfg = tiny_config(tf.CONFIG_MAPPING[model_type])
         torch.manual_seed(0)
         path = os.path.join(root, model_type)
-        built = cls._from_config(cfg, dtype=torch.float32)  # every rank builds (same seed): a failure is on all ranks
+        # through the Auto class, as a user would: a composite config mapped to a text-only
+        # causal LM (qwen4_exp -> Qwen4ExpForCausalLM) is swapped for its text config there
+        auto = tf.AutoModelForCausalLM
+        built = auto.from_config(cfg, dtype=torch.float32)  # every rank builds (same seed): a failure is on all ranks
         if dist.get_rank() == 0:  # transformers' save_pretrained writes the weights from the main process only
             built.save_pretrained(path)
         dist.barrier()
-        load = lambda: cls.from_pretrained(path, dtype=torch.float32).train()  # noqa: E731
+        # reloaded by the built class: a text config that Auto swapped in (Emu3TextConfig) is not
+        # itself registered for AutoModelForCausalLM
+        mode = {"train": True}
+        load = lambda: type(built).from_pretrained(path, dtype=torch.float32).train(mode["train"])  # noqa: E731
         model = load()
-        vocab = model.get_input_embeddings().num_embeddings
+    except Exception as e:  # noqa: BLE001
+        row["verdict"] = {m: "SKIP" for m in meshes}
+        row["reason"] = f"{type(e).__name__}: {_first_lines(e)}"
+        return row
+    ref_error = None
+    try:
+        # token ids the LM head predicts (CPM-Ant's embedding also holds its prompt tokens)
+        vocab = min(model.get_input_embeddings().num_embeddings, getattr(model.config.get_text_config(), "vocab_size", None) or 1 << 30)
         batch = packed_batch(vocab)
+        torch.manual_seed(1)
         packed = reference(model, batch, per_document=False)
+        torch.manual_seed(2)
+        again = _errors(*packed, *reference(model, batch, per_document=False))
+        if again[0] > LOSS_TOL / 100 or again[1] > GRAD_TOL / 100:  # a deterministic model repeats itself bit for bit
+            # random in training mode beyond dropout (PhiMoE samples its experts): no two runs agree,
+            # so SP and its reference are compared in eval mode (the same arithmetic, gradients too)
+            row["features"]["train_mode_random"] = True
+            mode["train"] = False
+            model.eval()
+            packed = reference(model, batch, per_document=False)
         alone = reference(model, batch, per_document=True)
         leaks = _errors(alone[0], alone[1], *packed)
         row["own_path_leaks"] = leaks[0] > LOSS_TOL or leaks[1] > GRAD_TOL
         ref_loss, ref_grads = alone if row["own_path_leaks"] else packed
-    except Exception as e:  # noqa: BLE001
-        row["verdict"] = {m: "SKIP" for m in meshes}
-        row["reason"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        return row
+    except Exception as e:  # noqa: BLE001 -- cannot run on plain input_ids: SKIP, unless patch() refuses it anyway
+        ref_error = f"{type(e).__name__}: {_first_lines(e)}"
     for text in [c for c in (cfg, getattr(cfg, "text_config", None)) if c is not None]:
         for feat, val in (("window", getattr(text, "sliding_window", None)), ("chunk", getattr(text, "attention_chunk_size", None))):
             if isinstance(val, int) and val > 0:
@@ -201,9 +170,18 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
             msg = str(e).split("\n- ")
             row["reason"] = (msg[1] if len(msg) > 1 else msg[0]).strip()[:400]
             continue
+        if ref_error is not None:  # accepted by patch() but no unpatched reference to compare with
+            row["verdict"][mname], row["reason"] = "SKIP", ref_error
+            unpatch(model)
+            continue
         probe = model._hf_longctx_patch.probe
         if probe is not None and "window" in row["features"]:
-            row["features"]["window_active"] = row["features"]["window"] in probe.windows_attention
+            w = row["features"]["window"]
+            # a window the config carries but neither the mask nor the attention uses (Moshi) is no feature of the model
+            row["features"]["window_active"] = (
+                True if w in probe.windows_attention or mask_implied_window(probe.mask_windows) == w
+                else False if w in probe.windows_mask else "unused by the model"
+            )
         try:
             model.zero_grad(set_to_none=True)
             out = model(**shard_batch(batch, mesh))
@@ -281,14 +259,37 @@ def line(row: dict) -> str:
     return f"{row['model_type']:28s} {overall(row):8s} {verdicts:36s} {feats:40s} {row.get('reason', '')}"
 
 
-def markdown(rows: list[dict]) -> str:
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(rows: list[dict], command: str = "") -> str:
+    """The README summary (verdict counts with the architectures) and the per-architecture table."""
+    import transformers
+
     groups: dict = {}
     for r in rows:
         groups.setdefault(overall(r), []).append(r["model_type"])
-    out = ["| verdict | count | architectures (transformers model_type) |", "|---|---|---|"]
+    out = [
+        f"Measured by `benchmarks/zoo.py` on transformers {transformers.__version__}, torch {torch.__version__} "
+        f"(CPU, 2 gloo ranks, fp32){f': `{command}`' if command else ''}. EXACT: loss <= {LOSS_TOL:g} relative and every "
+        f"gradient within {GRAD_TOL:g} of the largest reference gradient, on Ulysses 2 and on ring 2.",
+        "",
+        "| verdict | count | architectures (transformers model_type) |",
+        "|---|---|---|",
+    ]
     for v in ("EXACT", "REFUSED", "WRONG", "CRASH", "SKIP"):
         names = sorted(groups.get(v, []))
         out.append(f"| {v} | {len(names)} | {', '.join(names)} |")
+    out += ["", "| model_type | verdict | " + " | ".join(MESHES) + " | features | reason |", "|---|---|" + "---|" * len(MESHES) + "---|---|"]
+    for r in sorted(rows, key=lambda r: r["model_type"]):
+        cells = []
+        for m in MESHES:
+            v = r["verdict"].get(m, "")
+            err = (r.get("errors") or {}).get(m)
+            cells.append(f"{v} ({err[0]:.0e} / {err[1]:.0e})" if err and v in ("EXACT", "WRONG") else v)
+        feats = ", ".join(f"{k}={v}" for k, v in r.get("features", {}).items())
+        out.append(f"| {r['model_type']} | {overall(r)} | " + " | ".join(cells) + f" | {_cell(feats)} | {_cell(r.get('reason', ''))} |")
     return "\n".join(out)
 
 
@@ -297,17 +298,31 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
     ap.add_argument("--timeout", type=float, default=240.0, help="per-model seconds before CRASH (hang)")
     ap.add_argument("--json", default="", help="write the rows here")
-    ap.add_argument("--markdown", action="store_true", help="print the README summary table")
+    ap.add_argument("--markdown", nargs="?", const="-", default="", help="write the README summary and per-architecture table (to stdout, or to this file)")
+    ap.add_argument("--from-json", default="", help="do not run: read the rows of earlier --json runs (comma-separated; later ones win)")
     args = ap.parse_args()
-    types = [t for t in args.only.split(",") if t] or all_model_types()
-    rows = run_zoo(types, timeout=args.timeout, log=lambda s: print(s, flush=True))
+    if args.from_json:  # several files: a later file's row replaces an earlier one's (a re-run after a fix)
+        merged: dict = {}
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                merged.update({r["model_type"]: r for r in json.load(f)})
+        rows = [merged[t] for t in sorted(merged)]
+    else:
+        types = [t for t in args.only.split(",") if t] or all_model_types()
+        rows = run_zoo(types, timeout=args.timeout, log=lambda s: print(s, flush=True))
     counts = {v: sum(overall(r) == v for r in rows) for v in ("EXACT", "REFUSED", "WRONG", "CRASH", "SKIP")}
     print("summary:", counts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
     if args.markdown:
-        print(markdown(rows))
+        text = markdown(rows, "python benchmarks/zoo.py" + (f" --only {args.only}" if args.only else ""))
+        if args.markdown == "-":
+            print(text)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+            with open(args.markdown, "w") as f:
+                f.write(text + "\n")
     sys.exit(1 if counts["WRONG"] or counts["CRASH"] else 0)
 
 

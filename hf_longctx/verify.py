@@ -6,8 +6,8 @@ rule of `integrations/probe.py`, as its numerical backstop for families nobody h
 synthetic packed batch across the SP group -- loss and every parameter gradient -- in fp32,
 on a reduced copy of the model: embeddings, final norm, head and the FIRST decoder layer of
 each distinct layer kind (class, submodule structure, attention type); every other decoder
-layer is replaced in the copy by an identity. So it is cheap and independent of the
-training dtype, and the model itself is never touched: its parameters, gradients, training
+layer is replaced in the copy by an identity, in eval mode (no dropout or sampled routing).
+So it is cheap and independent of the training dtype, and the model itself is never touched: its parameters, gradients, training
 mode, RNG state and attention implementation are as before.
 
 Reference: the unpatched copy on each document ALONE (the truth of a packed batch), the
@@ -60,7 +60,7 @@ def layer_kind(layer) -> tuple:
 
 
 def reduced_copy(hf) -> torch.nn.Module:
-    """fp32 copy of `hf` keeping only the first decoder layer of each distinct kind."""
+    """fp32 copy of `hf` in eval mode keeping only the first decoder layer of each distinct kind."""
     layers = decoder_layers(hf)
     seen, memo = set(), {}
     for layer in layers:
@@ -69,7 +69,10 @@ def reduced_copy(hf) -> torch.nn.Module:
             memo[id(layer)] = SkippedLayer()  # deepcopy returns this instead of copying the layer
         seen.add(k)
     out = copy.deepcopy(hf, memo)
-    return out.float().train()
+    # eval mode: dropout and stochastic routing (PhiMoE samples its experts in training) are off,
+    # so the comparison is deterministic; what SP changes -- how attention and the linear
+    # mixers combine tokens across shards -- is the same arithmetic in both modes.
+    return out.float().eval()
 
 
 def _batch(vocab: int, sp: int):

@@ -81,6 +81,8 @@ def make_attention(state: Any) -> Callable:
         if getattr(module, "is_causal", True) is False:
             raise NotImplementedError(f"{type(module).__name__}: non-causal attention is not supported under SP")
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if window is None:
+            window = mask_implied_window(state.mask_windows)
         softcap = kwargs.get("softcap")
         b = query.shape[0]
         if b != info.rows:
@@ -146,13 +148,34 @@ def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     return dtype
 
 
-def mask_function(attention_mask=None, **_: Any):
-    """Registered with AttentionMaskInterface. HF calls it with LOCAL lengths; the real
-    document mask is built inside the attention, so build nothing. A 2D padding mask with
-    zeros cannot be honoured (its keys live on other ranks): refuse instead of dropping it."""
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise ValueError(
-            "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
-            "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
-        )
+def mask_implied_window(mask_windows: list) -> int | None:
+    """The sliding window every mask of this forward carries (all masks built with the same
+    single window), else None: with masks of several kinds (full and sliding layers) the
+    attention must receive its layer's window itself (the structural rule checks it does)."""
+    kinds = set(mask_windows)
+    if len(kinds) == 1:
+        (only,) = kinds
+        if len(only) == 1:
+            return next(iter(only))
     return None
+
+
+def make_mask_function(state: Any) -> Callable:
+    def sp_mask(attention_mask=None, mask_function=None, **_: Any):
+        """Registered with AttentionMaskInterface. HF calls it with LOCAL lengths; the real
+        document mask is built inside the attention, so build nothing -- only note the mask's
+        sliding window (`state.mask_windows`: PhiMoE applies its window through the mask
+        alone). A 2D padding mask with zeros cannot be honoured (its keys live on other
+        ranks): refuse instead of dropping it."""
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise ValueError(
+                "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
+                "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
+            )
+        if mask_function is not None:
+            from hf_longctx.integrations.probe import mask_windows
+
+            state.mask_windows.append(frozenset(mask_windows(mask_function)))
+        return None
+
+    return sp_mask

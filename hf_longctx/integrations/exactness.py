@@ -5,7 +5,8 @@ changes anything. DESIGN invariant 7 (outputs and gradients equal the single-dev
 ones) rules out: attention dropout (the shards would draw different masks than one
 device), RoPE variants whose frequencies depend on the sequence length each rank sees
 (dynamic NTK, longrope), models whose attention bypasses transformers' AttentionInterface
-(their attention cannot be replaced), non-causal attention modules, and loss functions
+(their attention cannot be replaced), non-causal attention modules (those the dry run of
+`probe.py` sees called; by name when it is switched off), and loss functions
 that would shift the already shifted labels again. Each refusal says what to change.
 """
 
@@ -110,9 +111,11 @@ def refuse_inexact(
                     "reload the model with the attention-dropout field set to 0.0 in from_pretrained(...)"
                 )
                 break
-    non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False})
-    if non_causal:
-        problems.append(f"{', '.join(non_causal)} is not causal (is_causal=False); hf_longctx supports causal self-attention only")
+    if not structural:  # without the dry run, by name: every non-causal attention module refuses (the dry run
+        # refuses only those a forward calls, so a multimodal model's unused vision tower does not)
+        non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False})
+        if non_causal:
+            problems.append(f"{', '.join(non_causal)} is not causal (is_causal=False); hf_longctx supports causal self-attention only")
     try:
         params = inspect.signature(hf.loss_function).parameters
     except (TypeError, ValueError, AttributeError):

@@ -3,8 +3,8 @@
 Where it sits: `patch()` (`integrations/transformers.py`) calls `apply_memory_options` when
 any memory option is set and calls the returned undo in `unpatch()`. It implements the
 part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attention:
-- every decoder layer's `mlp` runs through `ops/tiling.chunked_mlp` (2x the attention
-  chunks by default), so only one chunk of the [tokens x intermediate] activations exists;
+- every decoder layer's MLP (`mlp`, `feed_forward`, ...: `layer_mlp`) runs through
+  `ops/tiling.chunked_mlp` (2x the attention chunks by default), so only one chunk of the [tokens x intermediate] activations exists;
 - the causal-LM head is intercepted: when labels or shift_labels are given, the loss comes
   from `ops/tiling.chunked_causal_lm_loss` on the last hidden state (Gemma2's final logit
   softcapping inside it, `num_items_in_batch` honoured) and `logits` is None; without
@@ -51,18 +51,41 @@ def _set_instance_attr(module: Any, name: str, value: Any, undo: list) -> None:
     setattr(module, name, value)
 
 
+# The names transformers gives a decoder layer's token-wise MLP / MoE block (Llama `mlp`,
+# Bamba/Jamba/Granite-4/Falcon-H1/LFM2 `feed_forward`, DBRX `ffn`, Mixtral-era `block_sparse_moe`).
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
+
+
+def _mlp_attr(layer: nn.Module) -> str | None:
+    for name in MLP_NAMES:
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return name
+    return None
+
+
+def layer_mlp(layer: nn.Module) -> nn.Module | None:
+    """The token-wise MLP (or MoE block) of one decoder layer, or None if it has none."""
+    name = _mlp_attr(layer)
+    return getattr(layer, name) if name else None
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list: the longest ModuleList whose every entry has an `mlp`
-    (Llama/Mistral/Qwen/Phi3/Gemma2 `model.layers`, GPT-2/GPTBigCode `transformer.h`,
-    GPT-NeoX `gpt_neox.layers`)."""
-    best = None
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) and all(hasattr(m, "mlp") for m in module):
-            if best is None or len(module) > len(best):
-                best = module
-    if best is None:
-        raise ValueError(f"{type(model).__name__}: found no list of decoder layers with an `mlp` submodule")
-    return best
+    """The decoder layer list: the longest ModuleList whose every entry has an MLP under one
+    of MLP_NAMES (Llama/Mistral/Qwen/Phi3/Gemma2 `model.layers`, GPT-2/GPTBigCode
+    `transformer.h`, GPT-NeoX `gpt_neox.layers`, Bamba/Jamba `model.layers` with
+    `feed_forward`), else the longest list of transformers' GradientCheckpointingLayer (a
+    hybrid whose MLP is a layer of its own, e.g. Nemotron-H's `mixer`)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    for accept in (lambda m: layer_mlp(m) is not None, lambda m: isinstance(m, GradientCheckpointingLayer)):
+        found = [ml for ml in lists if all(accept(m) for m in ml)]
+        if found:
+            return max(found, key=len)
+    raise ValueError(
+        f"{type(model).__name__}: found no list of decoder layers (a ModuleList whose layers have an MLP named "
+        f"{' / '.join(MLP_NAMES)}, or of transformers' GradientCheckpointingLayer)"
+    )
 
 
 def _resolve_chunks(name: str, value: Any) -> int | str | None:
@@ -77,16 +100,18 @@ def _resolve_chunks(name: str, value: Any) -> int | str | None:
 
 
 def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
-    layers = decoder_layers(model)
-    for n, layer in enumerate(layers):
-        for name, sub in layer.mlp.named_modules():
+    mlps = [(n, _mlp_attr(layer), layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
+    mlps = [(n, attr, mlp) for n, attr, mlp in mlps if mlp is not None]
+    if not mlps:
+        raise ValueError(f"mlp_chunks: no decoder layer of {type(model).__name__} has an MLP named {' / '.join(MLP_NAMES)}")
+    for n, attr, mlp in mlps:
+        for name, sub in mlp.named_modules():
             if isinstance(sub, nn.Dropout) and sub.p > 0:
                 raise ValueError(
                     f"mlp_chunks needs dropout-free MLPs (a recomputed chunk cannot replay dropout): layer {n} "
-                    f"mlp.{name} has p={sub.p}; set the config's MLP/residual dropout to 0"
+                    f"{attr}.{name} has p={sub.p}; set the config's MLP/residual dropout to 0"
                 )
-    for layer in layers:
-        mlp = layer.mlp
+    for _, _, mlp in mlps:
         forward = mlp.forward  # bound: class forward, or an earlier instance-level patch
 
         def chunked_forward(hidden: torch.Tensor, *args, _forward=forward, **kwargs) -> torch.Tensor:

@@ -16,7 +16,9 @@ known-bad names (deny by default) we dry-run the model once, locally, on a tiny 
 - run C: a suffix of the probe alone (a "shard" that starts mid-document, with its global
   position_ids) -- every module output must equal run A's at the same tokens, else the
   module depends on the local shard's shape or index (e.g. terms built from `arange(S)`);
-- the stand-in records every keyword it receives: an unknown tensor (a relative-position
+- the stand-in records every keyword it receives and whether its module is causal: a
+  non-causal attention that the text path calls refuses (a vision tower that a text-only
+  forward never calls does not); an unknown tensor (a relative-position
   bias, a materialised mask) or a missing `sp_batch` (a layer that drops **kwargs) refuses;
 - the mask function HF composes for each mask is walked: only causal, packed-document,
   all-ones padding and sliding-window pieces (with a window the attention also receives)
@@ -55,8 +57,10 @@ class ProbeReport:
     mask_parts: set = field(default_factory=set)  # unsupported mask-function pieces
     no_metadata: set = field(default_factory=set)  # attention classes the metadata never reached
     tensor_masks: set = field(default_factory=set)
+    non_causal: set = field(default_factory=set)  # attention classes CALLED with is_causal=False
     windows_mask: set = field(default_factory=set)
     windows_attention: set = field(default_factory=set)
+    mask_windows: list = field(default_factory=list)  # per mask built: its sliding windows
 
 
 def _seq_view(t: Any, s: int):
@@ -139,6 +143,13 @@ def _mask_pieces(fn: Callable, windows: set, bad: set, depth: int = 0) -> None:
         bad.add(name)
 
 
+def mask_windows(fn: Callable) -> set:
+    """The sliding windows of one HF mask function (its sliding_window_overlay pieces)."""
+    windows: set = set()
+    _mask_pieces(fn, windows, set())
+    return windows
+
+
 def _probe_lengths(hf) -> tuple[int, int, int]:
     """(len doc 0, len doc 1, shard start): the probe length S and the shard length S - a
     must differ from every size in the model, so a dim of that size IS the sequence."""
@@ -161,6 +172,41 @@ def _probe_lengths(hf) -> tuple[int, int, int]:
         if s not in sizes and (s - a) not in sizes and (s - a) != s:
             return s // 2, s - s // 2, a
     raise ValueError("no probe length distinct from the model's sizes in 11..199")
+
+
+def _per_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> tuple:
+    """The stand-in attention: token i attends only to itself (out = v * sigmoid(q.k))."""
+    h, h_kv = query.shape[1], key.shape[1]
+    k_e = key.repeat_interleave(h // h_kv, dim=1) if h != h_kv else key  # [B, H, S, D]
+    v_e = value.repeat_interleave(h // value.shape[1], dim=1) if h != value.shape[1] else value  # [B, H, S, Dv]
+    d = min(query.shape[-1], k_e.shape[-1])
+    gate = torch.sigmoid((query[..., :d] * k_e[..., :d]).sum(-1, keepdim=True) * (scaling or d**-0.5))  # [B, H, S, 1]
+    return (v_e * gate).transpose(1, 2).contiguous(), None  # [B, S, H, Dv]
+
+
+def _loss_takes_shift_labels(hf, ids: torch.Tensor, pos: torch.Tensor, kw: dict) -> str | None:
+    """None if the model's loss is computed from `shift_labels` (what shard_batch hands each
+    rank: targets shifted on the whole packed sequence, with the global token count), else why
+    not. Measured: two forwards whose shift_labels differ must give different losses."""
+    text = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    n_out = getattr(text, "vocab_size", None) or hf.get_input_embeddings().num_embeddings  # the LM head's classes
+    targets = torch.roll(ids, -1, dims=1) % n_out  # [1, S]: Mllama's embedding has more rows than its head
+    targets[:, -1] = -100
+    other = targets.clone()
+    other[:, : ids.shape[1] // 2] = -100  # [1, S]: half the targets dropped
+    try:
+        losses = [hf(input_ids=ids, position_ids=pos, labels=ids, shift_labels=t, **kw).loss for t in (targets, other)]
+    except TypeError as e:
+        if "shift_labels" not in str(e):
+            raise  # another failure of the dry run: refused by the caller with its own cause
+        return f"{type(hf).__name__}.forward does not take shift_labels ({e})"
+    if losses[0] is None or torch.equal(losses[0], losses[1]):
+        return (
+            f"{type(hf).__name__} computes its loss without shift_labels (not through transformers' ForCausalLMLoss), "
+            "so the targets shard_batch shifted on the whole packed sequence and the global token count would be "
+            "ignored; e.g. WhisperForCausalLM takes labels that are not shifted and averages over each rank's shard"
+        )
+    return None
 
 
 def probe_model(
@@ -194,9 +240,13 @@ def probe_model(
 
     def stand_in(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cls = type(module).__name__
+        if state["run"] == "loss":  # the loss check below: nothing to record
+            return _per_token(query, key, value, scaling)
         calls.append(module)
         if kwargs.get(metadata_key) is not marker:
             report.no_metadata.add(cls)
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+            report.non_causal.add(cls)  # only modules the text path calls (a vision tower's never are)
         if isinstance(attention_mask, torch.Tensor):
             report.tensor_masks.add(f"{cls} ({tuple(attention_mask.shape)})")
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
@@ -208,12 +258,7 @@ def probe_model(
             report.unknown_kwargs.setdefault(k, set()).add(cls)
         if value.shape[-1] > key.shape[-1]:
             report.problems.append(f"{cls}: value head dim {value.shape[-1]} > key head dim {key.shape[-1]} is not supported by the kernels")
-        h, h_kv = query.shape[1], key.shape[1]
-        k_e = key.repeat_interleave(h // h_kv, dim=1) if h != h_kv else key  # [B, H, S, D]
-        v_e = value.repeat_interleave(h // value.shape[1], dim=1) if h != value.shape[1] else value  # [B, H, S, Dv]
-        d = min(query.shape[-1], k_e.shape[-1])
-        gate = torch.sigmoid((query[..., :d] * k_e[..., :d]).sum(-1, keepdim=True) * (scaling or d**-0.5))  # [B, H, S, 1]
-        return (v_e * gate).transpose(1, 2).contiguous(), None  # [B, S, H, Dv]: token i sees only itself
+        return _per_token(query, key, value, scaling)
 
     def mask_fn(mask_function=None, attention_mask=None, **_):
         mask_fns.append(mask_function)
@@ -310,6 +355,10 @@ def probe_model(
                 handles.append(m.register_forward_hook(hook))
         kw = {metadata_key: marker, "use_cache": False}
         with torch.no_grad():
+            state["run"] = "loss"
+            loss_problem = _loss_takes_shift_labels(hf, ids, pos, kw)
+            if loss_problem:
+                report.problems.append(loss_problem)
             for run, (x, p) in {"A": (ids, pos), "B": (perturbed, pos), "C": (ids[:, a:], pos[:, a:])}.items():
                 state.update(run=run, counts={}, in_counts={}, stack=[])
                 calls.clear()
@@ -344,7 +393,10 @@ def probe_model(
     bad: set = set()
     for f in mask_fns:
         if f is not None:
-            _mask_pieces(f, report.windows_mask, bad)
+            windows: set = set()
+            _mask_pieces(f, windows, bad)
+            report.windows_mask |= windows
+            report.mask_windows.append(frozenset(windows))
     report.mask_parts = bad
     return report
 

@@ -72,6 +72,8 @@ def describe(report: ProbeReport) -> list[str]:
             f"{', '.join(sorted(classes))} passes '{kw}' to the attention function: {what}; ignoring it would silently "
             "change the model. Supported attention inputs: q, k, v, scaling, sliding_window, softcap"
         )
+    if report.non_causal:
+        out.append(f"{', '.join(sorted(report.non_causal))} is not causal (is_causal=False); hf_longctx supports causal self-attention only")
     if report.tensor_masks:
         out.append(
             f"{', '.join(sorted(report.tensor_masks))} passes a materialised attention mask to the attention function, "
@@ -88,8 +90,11 @@ def describe(report: ProbeReport) -> list[str]:
             f"the model's attention mask contains '{part}'{f' ({hint})' if hint else ''}: sequence-parallel attention "
             "applies only causal document masks with a sliding window, so this pattern would be dropped"
         )
+    from hf_longctx.integrations.attention import mask_implied_window
+
     missing = report.windows_mask - report.windows_attention
-    if missing:
+    implied = mask_implied_window(report.mask_windows)  # one window on every mask: sp_attention applies it itself
+    if missing and (implied is None or report.windows_attention - {implied}):
         out.append(
             f"the model's mask uses sliding window(s) {sorted(missing)} that never reach the attention function "
             f"(it receives {sorted(report.windows_attention) or 'none'}), so the window would be dropped"

@@ -34,7 +34,9 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.distributed.group_bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations.attention import IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, mask_function
+from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
+    IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
+)
 from hf_longctx.integrations.exactness import SUPPORTED
 from hf_longctx.integrations.exactness import attention_modules as _attention_modules
 from hf_longctx.integrations.exactness import configs as _configs
@@ -59,6 +61,10 @@ class _PatchState:
     probe: Any = None  # the ProbeReport of patch()'s dry run (None when skipped)
     mixers: Any = None  # integrations/mixers.MixerBinding of the wrapped linear mixers, or None
     calls: int = 0  # attention calls in the current forward
+    # Sliding windows of each mask the model built in the current forward (one frozenset per
+    # mask); a model whose masks ALL carry the same window but that does not pass it to the
+    # attention (PhiMoE) gets it from here -- HF's sdpa/eager paths apply it through the mask.
+    mask_windows: list = field(default_factory=list)
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
     plan_cache: dict = field(default_factory=dict)
@@ -157,6 +163,7 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
         if mesh.sp > 1:
             _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, mesh)
         state.calls = 0
+        state.mask_windows.clear()  # filled by the mask function as the model builds this forward's masks
         if state.mixers is not None:
             state.mixers.begin(info)  # the linear-mixer wrappers read the batch layout from here
         state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
@@ -258,7 +265,7 @@ def patch(
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, make_attention(state))
-    mask_iface.register(state.name, mask_function)
+    mask_iface.register(state.name, make_mask_function(state))
     hf.__dict__[_STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
     try:
         hf.set_attn_implementation(state.name)

@@ -135,11 +135,11 @@ def errors(ref_loss, ref_grads, loss, grads) -> dict:
     return compare(ref_loss, ref_grads, loss, grads)
 
 
-def _families(ulysses: int, ring: int, families: list) -> dict:
+def _families(ulysses: int, ring: int, families: list, docs=DOCS) -> dict:
     from hf_longctx.integrations.transformers import patch
 
     mesh = worker_mesh(ulysses, ring)
-    batch = packed_batch()
+    batch = packed_batch(docs)
     out = {}
     for family in families:
         ref_loss, ref_grads = per_document_reference(build(family), batch)
@@ -170,6 +170,13 @@ CASES = [
 def test_hybrid_matches_per_document_reference(pools, world, ulysses, ring, families):
     results = pools.get(world).run(_families, ulysses, ring, families, timeout=300)
     _assert_exact(results, ulysses, ring)
+
+
+def test_rglru_exchange_backward_runs_on_every_rank(pools):
+    """U=2 on documents [13, 8, 9]: rank 0's runs both start documents, so it uses none of the
+    RG-LRU summaries it receives while rank 1 does. The exchange's backward is a collective:
+    autograd pruned it on rank 0 and the ranks mismatched (gloo abort / hang) before the fix."""
+    _assert_exact(pools.get(2).run(_families, 2, 1, ["recurrent_gemma"], [13, 8, 9], timeout=120), 2, 1)
 
 
 def _without_wrappers(family: str) -> dict:

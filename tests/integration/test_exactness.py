@@ -12,7 +12,6 @@ import pytest
 import torch
 import transformers as tf
 from transformers.modeling_utils import AttentionInterface
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from benchmarks.zoo import tiny_config
 from hf_longctx.distributed.mesh import init_sequence_parallel
@@ -25,7 +24,7 @@ def build(model_type: str, **overrides):
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(0)
-    return getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])._from_config(cfg, dtype=torch.float32)
+    return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +54,8 @@ REFUSED = {
     "nemotron": ["NemotronAttention", "does not forward its **kwargs"],
     "stablelm": ["StableLmAttention", "does not forward its **kwargs"],
     "deepseek_v32": ["Indexer", "top-k"],
+    "bert": ["BertSelfAttention", "is not causal"],  # a non-causal attention the text path calls
+    "whisper": ["WhisperForCausalLM", "without shift_labels"],  # its own loss on unshifted labels, mean per shard
 }
 if "s_aux" not in USED_ATTENTION_KWARGS:  # flips to EXACT when sequence-parallel attention applies sinks
     REFUSED["gpt_oss"] = ["GptOssAttention", "'s_aux'", "sink"]
@@ -73,7 +74,7 @@ def test_refused_at_patch_with_the_real_cause(mesh, model_type, patch):
     assert set(AttentionInterface._global_mapping) == names  # the probe's registration is gone
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma3_text", "deepseek_v3", "diffllama"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma3_text", "deepseek_v3", "diffllama", "phimoe"])
 def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type, patch):
     model = build(model_type).train()
     model.model.layers[0].eval()  # a mixed training mode must come back as it was
@@ -85,6 +86,31 @@ def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type, pat
     assert all(p.grad is None and torch.equal(p, params[n]) for n, p in model.named_parameters())
     assert model._hf_longctx_patch.attention_layers == model._hf_longctx_patch.probe.attention_calls > 0
     assert not any(k.startswith("hf_longctx_probe") for k in AttentionInterface._global_mapping)
+
+
+def test_a_non_causal_tower_the_text_path_never_calls_does_not_refuse(mesh, patch):
+    """Gemma 3 (multimodal) carries a Siglip vision tower (is_causal=False); a text-only
+    forward never calls it, so the dry run does not refuse it (a name check did)."""
+    model = build("gemma3")
+    assert any(getattr(m, "is_causal", True) is False for m in model.modules() if type(m).__name__ == "SiglipAttention")
+    patch(model, mesh)
+    assert is_patched(model) and not model._hf_longctx_patch.probe.non_causal
+
+
+def test_a_window_only_the_masks_carry_is_applied_not_refused(mesh, patch):
+    """PhiMoE builds a sliding-window mask but does not pass the window to the attention (HF's
+    sdpa/eager paths apply it through the mask): every mask of the forward has the same
+    window, so sp_attention takes it from there and the rule does not refuse."""
+    from hf_longctx.integrations.attention import mask_implied_window
+
+    model = build("phimoe")
+    patch(model, mesh)
+    probe = model._hf_longctx_patch.probe
+    assert probe.windows_mask == {5} and not probe.windows_attention
+    assert mask_implied_window(probe.mask_windows) == 5
+    # masks of several kinds (full + sliding layers) imply nothing: each layer must pass its own
+    assert mask_implied_window([frozenset(), frozenset({5})]) is None
+    assert mask_implied_window([frozenset({5}), frozenset({5})]) == 5
 
 
 def test_unsafe_keyword_skips_the_rule(mesh, patch):

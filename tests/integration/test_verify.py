@@ -1,54 +1,88 @@
 """verify(): catches each class of silently wrong model when the structural rule is off, and
-passes on the exact families, on 2 gloo ranks (ring 2), with no side effect on the model.
+passes on the exact families of the CI subset, on 2 gloo ranks (ring 2), with no side
+effect on the model.
 
 verify() patches its copy with unsafe_skip_exactness_check=True, so what is tested is the
-numerical comparison alone. fp32 tolerances are verify's own (loss 1e-5, gradients 1e-4 of
-the largest); the wrong classes measured here miss them by 50x or more (sinks 0.2, Mamba
-5e-3, chunked mask 0.4, short convolutions + dropped relative bias 7e-3).
+numerical comparison alone. The wrong classes of the zoo issue, each made to happen:
+- a Mamba mixer run on shards (Jamba: Mamba-1 has no wrapper and unsafe leaves it as is);
+- a linear mixer run on shards: Qwen3-Next (Gated DeltaNet) and LFM2 (short convolution)
+  with the SP mixer wrappers switched off (`plan_mixers` returns nothing);
+- attention sinks ignored: gpt-oss with an attention that drops `s_aux`;
+- a dropped relative-position bias (+ short convolutions): Inkling;
+- a chunked mask run as full causal attention: Llama 4.
+fp32 tolerances are verify's own (loss 1e-5, gradients 1e-4 of the largest); each wrong
+class misses them by 50x or more.
 """
 
 from __future__ import annotations
 
 from tests.pool import worker_mesh
 
+# model type -> how the wrong class is produced (None: the model as built)
+WRONG = {
+    "jamba": None,  # Mamba-1 on shards
+    "qwen3_next": "no_wrappers",  # Gated DeltaNet on shards
+    "lfm2": "no_wrappers",  # short convolution on shards
+    "gpt_oss": "drop_sinks",  # sinks ignored
+    "inkling_text": None,  # relative-position bias dropped (+ convolutions on shards)
+    "llama4_text": None,  # chunked local attention run as full causal
+}
+# every EXACT model of the CI subset (tests/integration/test_zoo_subset.py) and then some;
+# PhiMoE samples its experts in training mode: verify compares in eval mode, so it passes
+EXACT = ["llama", "mixtral", "mistral", "phimoe", "gemma3_text", "gpt_oss", "nemotron_h", "qwen3_next", "lfm2"]
+EXACT_WITH = {"gpt2": "hidden_dropout"}  # residual/embedding dropout 0.1: verify compares in eval mode
 
-def _verify_all(types: list[str]) -> dict:
+
+def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
     import torch
     import transformers as tf
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    import hf_longctx.integrations.mixers as mixers
+    import hf_longctx.integrations.transformers as itf
     from benchmarks.zoo import tiny_config
     from hf_longctx import VerificationError, verify
 
     out = {}
-    for t in types:
+    make_attention, plan_mixers = itf._make_attention, mixers.plan_mixers
+
+    def dropping_sinks(state):
+        inner = make_attention(state)
+        return lambda *a, **kw: inner(*a, **{k: v for k, v in kw.items() if k != "s_aux"})
+
+    for t, fault in cases:
         torch.manual_seed(0)
         cfg = tiny_config(tf.CONFIG_MAPPING[t])
-        model = getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t])._from_config(cfg, dtype=torch.float32).train()
+        if fault == "hidden_dropout":
+            cfg.resid_pdrop = cfg.embd_pdrop = 0.1
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         rng = torch.get_rng_state()
+        if fault == "drop_sinks":
+            itf._make_attention = dropping_sinks
+        if fault == "no_wrappers":
+            mixers.plan_mixers = lambda *a, **kw: []
+        key = f"{t}:{fault}"
         try:
             verify(model, worker_mesh(1, 2))
-            out[t] = "PASS"
+            out[key] = "PASS"
         except VerificationError as e:
-            out[t] = f"CAUGHT {e}"
+            out[key] = f"CAUGHT {e}"
+        finally:
+            itf._make_attention, mixers.plan_mixers = make_attention, plan_mixers
         clean = torch.equal(rng, torch.get_rng_state()) and model.training
         clean &= all(p.grad is None and torch.equal(p, before[n]) for n, p in model.named_parameters())
-        out[t + ":clean"] = clean
+        out[key + ":clean"] = clean
     return out
 
 
 def test_verify_catches_every_wrong_class_and_passes_exact_ones(pools):
-    from hf_longctx.integrations.transformers import USED_ATTENTION_KWARGS
-
-    wrong = ["jamba", "inkling_text", "llama4_text"]  # SSM mixer, dropped relative bias (+ convolutions), chunked mask
-    exact = ["llama", "mixtral", "mistral", "gemma3_text"]
-    (wrong if "s_aux" not in USED_ATTENTION_KWARGS else exact).append("gpt_oss")  # sinks ignored until applied
-    results = pools.get(2).run(_verify_all, wrong + exact, timeout=300)
+    cases = list(WRONG.items()) + [(t, None) for t in EXACT] + list(EXACT_WITH.items())
+    results = pools.get(2).run(_verify_all, cases, timeout=600)
     for rank, res in enumerate(results):
-        for t in wrong:
-            assert res[t].startswith("CAUGHT") and "worst parameter" in res[t], f"rank {rank} {t}: {res[t]}"
-        for t in exact:
-            assert res[t] == "PASS", f"rank {rank} {t}: {res[t]}"
+        for t, fault in WRONG.items():
+            r = res[f"{t}:{fault}"]
+            assert r.startswith("CAUGHT") and "worst parameter" in r, f"rank {rank} {t} ({fault}): {r}"
+        for t, how in [(t, None) for t in EXACT] + list(EXACT_WITH.items()):
+            assert res[f"{t}:{how}"] == "PASS", f"rank {rank} {t} ({how}): {res[f'{t}:{how}']}"
         assert all(v for k, v in res.items() if k.endswith(":clean")), f"rank {rank}: side effect {res}"
     assert results[0] == results[1]  # every rank reaches the same verdict (no rank-local raise)

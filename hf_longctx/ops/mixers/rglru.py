@@ -72,4 +72,12 @@ def rglru_scan_sequence_parallel(x: torch.Tensor, a: torch.Tensor, lay: Sequence
         h_in = incoming[i]
         piece = h0[:, lo:hi]
         pieces.append(piece if h_in is None else piece + decay[:, lo:hi] * h_in[:, None])
-    return torch.cat(pieces, dim=1)  # [B, S_local, W] fp32
+    out = torch.cat(pieces, dim=1)  # [B, S_local, W] fp32
+    if lay.sp > 1:
+        # The backward of the exchange above is a collective too, so every rank must run it. A
+        # rank whose runs all start documents (or the first rank of a contiguous layout) uses
+        # none of `gathered`, and autograd would prune the node there: the other ranks then
+        # hang or mismatch in it. A zero term keeps it in every rank's graph (its gradient is 0;
+        # the summaries are finite: decays in [0, 1]).
+        out = out + sum(g.sum() for g in gathered) * 0.0
+    return out
