@@ -107,7 +107,7 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
     import transformers as tf
 
     from hf_longctx import global_loss, patch, shard_batch, sum_gradients, unpatch
-    from hf_longctx.integrations.transformers import mask_implied_window
+    from hf_longctx.integrations.attention import mask_implied_window
     from tests.pool import worker_mesh
 
     tf.utils.logging.disable_progress_bar()

@@ -43,7 +43,7 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
     from hf_longctx import VerificationError, verify
 
     out = {}
-    make_attention, plan_mixers = itf._make_attention, mixers.plan_mixers
+    make_attention, plan_mixers = itf.make_attention, mixers.plan_mixers
 
     def dropping_sinks(state):
         inner = make_attention(state)
@@ -58,7 +58,7 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         rng = torch.get_rng_state()
         if fault == "drop_sinks":
-            itf._make_attention = dropping_sinks
+            itf.make_attention = dropping_sinks
         if fault == "no_wrappers":
             mixers.plan_mixers = lambda *a, **kw: []
         key = f"{t}:{fault}"
@@ -68,7 +68,7 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
         except VerificationError as e:
             out[key] = f"CAUGHT {e}"
         finally:
-            itf._make_attention, mixers.plan_mixers = make_attention, plan_mixers
+            itf.make_attention, mixers.plan_mixers = make_attention, plan_mixers
         clean = torch.equal(rng, torch.get_rng_state()) and model.training
         clean &= all(p.grad is None and torch.equal(p, before[n]) for n, p in model.named_parameters())
         out[key + ":clean"] = clean
