@@ -24,7 +24,7 @@ cannot have its other groups costlier than the longest remaining documents packe
 densely), on the same ideal. "planner ms": CPU time of `plan_flexible` per step (process
 time, so that other load on a shared machine does not count).
 
-    python benchmarks/flex_planning.py              # full table
+    PYTHONPATH=. python benchmarks/flex_planning.py              # full table
     python benchmarks/flex_planning.py --steps 4    # quicker
 """
 

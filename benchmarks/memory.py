@@ -19,9 +19,9 @@ GPU figures (pinned-host offload, side-stream prefetch): not measured -- no GPU 
 The table ends with the `patch(memory=...)` presets: "max" against the all-features row,
 "balanced" against plain USP's step time.
 
-Run: /work/venv/bin/python benchmarks/memory.py            (about 10 minutes on 2 CPU cores)
-     /work/venv/bin/python benchmarks/memory.py --no-fit   (the ablation table with the presets only)
-     /work/venv/bin/python benchmarks/memory.py --tokens 4096 --budget-tokens 2048 --verify-limit 0   (quick)
+Run: PYTHONPATH=. python benchmarks/memory.py            (about 10 minutes on 2 CPU cores)
+     PYTHONPATH=. python benchmarks/memory.py --no-fit   (the ablation table with the presets only)
+     PYTHONPATH=. python benchmarks/memory.py --tokens 4096 --budget-tokens 2048 --verify-limit 0   (quick)
 """
 
 from __future__ import annotations
@@ -29,15 +29,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
-import queue
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from benchmarks._ranks import run_ranks
 
 WORLD = 2  # Ulysses degree = world size: 16K tokens on 2 ranks
 FPDT_CHUNKS = 4
@@ -207,24 +204,7 @@ def main() -> None:
     parser.add_argument("--loss-chunk-tokens", type=int, default=0, help="tokens per loss chunk (0: library default)")
     parser.add_argument("--no-fit", action="store_true", help="only the ablation table (with the memory presets)")
     args = parser.parse_args()
-    fd, init_file = tempfile.mkstemp(prefix="hf_longctx_bench_")
-    os.close(fd)
-    os.unlink(init_file)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, init_file, args, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    while True:  # a worker killed (e.g. out of memory) must not leave us waiting forever
-        try:
-            table, budget, fits = results.get(timeout=10)
-            break
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise SystemExit(f"a benchmark rank died with exit code {dead[0]} (killed for memory?)")
-    for p in procs:
-        p.join()
+    table, budget, fits = run_ranks(_worker, WORLD, args)
     _print(args, table, budget, fits)
 
 

@@ -28,16 +28,13 @@ Run: /work/main/.venv/bin/python benchmarks/mixers.py                 (about 5 m
 from __future__ import annotations
 
 import argparse
-import os
-import queue
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from benchmarks._ranks import run_ranks
 
 WORLD = 4
 
@@ -268,24 +265,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="packed tokens for the traffic table")
     parser.add_argument("--step-tokens", type=int, default=16384, help="packed tokens of the timed step")
     args = parser.parse_args()
-    fd, init_file = tempfile.mkstemp(prefix="hf_longctx_bench_")
-    os.close(fd)
-    os.unlink(init_file)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, init_file, args, results)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    while True:  # a dead worker must not leave us waiting forever
-        try:
-            gathered = results.get(timeout=10)
-            break
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise SystemExit(f"a benchmark rank died with exit code {dead[0]}")
-    for p in procs:
-        p.join()
+    gathered = run_ranks(_worker, WORLD, args)
     _print(args, gathered)
 
 
