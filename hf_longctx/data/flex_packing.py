@@ -125,34 +125,45 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, 
     # -- what the one-by-one rule does when each document barely moves its group's key --
     # so planning stays in milliseconds for thousands of short documents.
     small = 0.01 * rho[0] * caps[0]
+    costs_t, padded_t = np.ascontiguousarray(costs.T), np.ascontiguousarray(padded.T)  # [N, K]: one row per document
+    wide_g = gs > 0  # [G] groups wider than the smallest size
     i = 0
     while i < len(narrow):
         d = narrow[i]
-        c, p = costs[gs, d], padded[gs, d]  # [G]: this document's cost and tokens in each group
-        room = tok + p <= cap_g
-        if not room.any():  # a new slot of smallest groups
+        c, after = costs_t[d][gs], tok + padded_t[d][gs]  # [G]: this document's cost, tokens after adding it
+        room = after <= cap_g
+        new = load + c + rho_g * (cap_g - after)  # [G] projected cost after adding d
+        over = smax[gm] - new  # [G] how far below its slot's maximum the group would stay
+        # A wider group takes a short document only under its slot's maximum: its room is
+        # not projected full, so letting it grow would lengthen the slot for short
+        # documents that run cheaper (no communication) on the smallest groups.
+        key = np.where(room & ~(wide_g & (over < 0)), over, -np.inf)
+        g = int(np.argmax(key))
+        if key[g] == -np.inf:
+            key = np.where(room, over, -np.inf)
+            g = int(np.argmax(key))
+        if key[g] == -np.inf:  # no group has room: a new slot of smallest groups
             m = len(smax)
             n_new = world // sizes[0]
             gs = np.concatenate([gs, np.zeros(n_new, dtype=np.int64)])
             gm = np.concatenate([gm, np.full(n_new, m)])
             load, tok = np.concatenate([load, np.full(n_new, ovh[0])]), np.concatenate([tok, np.zeros(n_new, dtype=np.int64)])
             cap_g, rho_g = caps[gs], np.where(gs == 0, rho[gs], 0.0)
+            wide_g = gs > 0
             smax = np.append(smax, rho[0] * caps[0] + ovh[0])
             g_docs += [[] for _ in range(n_new)]
             continue
-        new = load + c + rho_g * (cap_g - tok - p)  # [G] projected cost after adding d
-        key = np.where(room, smax[gm] - new, -np.inf)
-        # A wider group takes a short document only under its slot's maximum: its room is
-        # not projected full, so letting it grow would lengthen the slot for short
-        # documents that run cheaper (no communication) on the smallest groups.
-        key[(gs > 0) & (new > smax[gm])] = -np.inf
-        if key.max() == -np.inf:
-            key = np.where(room, smax[gm] - new, -np.inf)
-        if costs[0, d] >= small:
-            top = np.array([int(np.argmax(key))])
-        else:
-            b = min(max(1, len(key) // 4), len(narrow) - i, int(np.isfinite(key).sum()))
-            top = np.argsort(-key, kind="stable")[:b]  # later documents are no longer: they fit too
+        if costs_t[d, 0] >= small:  # one document: scalar updates (most of the planner's time)
+            k = int(gs[g])
+            load[g] += costs_t[d, k]
+            tok[g] += padded_t[d, k]
+            g_docs[g].append(d)
+            m = int(gm[g])
+            smax[m] = max(smax[m], load[g] + rho_g[g] * (cap_g[g] - tok[g]))
+            i += 1
+            continue
+        b = min(max(1, len(key) // 4), len(narrow) - i, int(np.isfinite(key).sum()))
+        top = np.argsort(-key, kind="stable")[:b]  # later documents are no longer: they fit too
         batch = np.array(narrow[i : i + len(top)])
         cg, pg = costs[gs[top], batch], padded[gs[top], batch]  # [b]
         load[top] += cg
