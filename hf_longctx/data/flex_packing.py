@@ -57,6 +57,34 @@ def _tables(lengths, shapes, cap_per_rank, cost):
     return padded, caps, costs, padded <= caps[:, None]
 
 
+def prepare(lengths, shapes, world: int, cap: int, cost: GroupCost):
+    """Checks shared by the flexible planners, then the tables: (shapes smallest first,
+    lengths, [K, N] padded tokens, [K] capacities, [K, N] per-rank costs, [N] smallest
+    shape index holding each document). Raises ValueError naming the offending values."""
+    shapes = tuple(sorted(shapes, key=lambda s: s.size))
+    if not shapes:
+        raise ValueError("shapes is empty: pass the group bank's shapes")
+    bad = [s.size for s in shapes if world % s.size]
+    if bad:
+        raise ValueError(f"group sizes {bad} do not divide world size {world}")
+    missing = [s.size for s in shapes if s.size not in cost.sizes]
+    if missing:
+        raise ValueError(f"cost has no model for group sizes {missing} (it has {list(cost.sizes)})")
+    lengths = _as_lengths(lengths)
+    sizes = [s.size for s in shapes]
+    padded, caps, costs, ok = _tables(lengths, shapes, cap, cost)
+    fits = ok.any(axis=0)
+    if not fits.all():
+        bad = np.flatnonzero(~fits)[:8]
+        raise ValueError(
+            f"{int((~fits).sum())} document(s) do not fit the largest group ({sizes[-1]} ranks × {cap} tokens = {caps[-1]}): "
+            + ", ".join(f"document {i} has {lengths[i]} tokens" for i in bad)
+            + "; raise max_size / max_tokens_per_rank or split them"
+        )
+    smallest = np.argmax(ok, axis=0) if len(lengths) else np.zeros(0, dtype=np.int64)  # [N] smallest feasible shape
+    return shapes, lengths, padded, caps, costs, smallest
+
+
 def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, ovh):
     """Steps 2-3 of the module docstring for one choice of widths (shape index per doc).
 
@@ -207,28 +235,9 @@ def plan_flexible(
     """
     world = _check_int("world_size", world_size, 1)
     cap = _check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
-    shapes = tuple(sorted(shapes, key=lambda s: s.size))
-    if not shapes:
-        raise ValueError("shapes is empty: pass the group bank's shapes")
-    bad = [s.size for s in shapes if world % s.size]
-    if bad:
-        raise ValueError(f"group sizes {bad} do not divide world size {world}")
-    missing = [s.size for s in shapes if s.size not in cost.sizes]
-    if missing:
-        raise ValueError(f"cost has no model for group sizes {missing} (it has {list(cost.sizes)})")
-    lengths = _as_lengths(lengths)
+    shapes, lengths, padded, caps, costs, smallest = prepare(lengths, shapes, world, cap, cost)
     n = len(lengths)
     sizes = [s.size for s in shapes]
-    padded, caps, costs, ok = _tables(lengths, shapes, cap, cost)
-    fits = ok.any(axis=0)
-    if not fits.all():
-        bad = np.flatnonzero(~fits)[:8]
-        raise ValueError(
-            f"{int((~fits).sum())} document(s) do not fit the largest group ({sizes[-1]} ranks × {cap} tokens = {caps[-1]}): "
-            + ", ".join(f"document {i} has {lengths[i]} tokens" for i in bad)
-            + "; raise max_size / max_tokens_per_rank or split them"
-        )
-    smallest = np.argmax(ok, axis=0) if n else np.zeros(0, dtype=np.int64)  # [N] smallest feasible shape
     work = np.array([sizes[k] for k in smallest]) * costs[smallest, np.arange(n)] if n else np.zeros(0)
     need = int(np.ceil(padded[smallest, np.arange(n)].sum() / (world * cap))) if n else 1
     # Never aim below what the tokens need: slots opened one by one during the fill would

@@ -4,9 +4,20 @@ documents; its checks, fingerprint and modelled cost.
 Where it sits: produced by `data/flex_packing.py` (`plan_flexible`, `plan_fixed`) on every
 rank from the same document list, consumed by `distributed/flex_step.py`, which lays each
 group's micro-batch out for that group. Pure Python/NumPy, no process group. `validate()`
-is the liveness guard of FlexSP/Hydraulis-style heterogeneous groups under FSDP2: every
-slot must cover every rank exactly once, so every rank runs the same number of
-forward/backward calls; it runs when a plan is built, before any collective.
+is the liveness guard of FlexSP/Hydraulis-style heterogeneous groups under FSDP2; it runs
+when a plan is built, before any collective:
+- equal calls (default, FSDP2 resharding per layer): every slot covers every rank exactly
+  once, so every rank runs the same number of forward/backward calls and FSDP's per-layer
+  all-gathers and reduce-scatters pair up;
+- unequal calls (`equal_calls=False`, `data/flex_unequal.py`, Hydraulis §5's heterogeneous
+  propagation with parameters unsharded for the step, `distributed/unsharded_step.py`): a
+  slot's groups are disjoint but may leave ranks idle; each rank runs the groups that hold
+  it in slot order. The slot order is one total order of all micro-batches that every rank
+  follows, so a group's collectives never wait on a member blocked elsewhere (the first
+  unfinished micro-batch in that order always has all its members ready). Each rank's last
+  micro-batch must be the last of every member of its group ("closing"): the gradient
+  reduce-scatter over the world runs inside that backward, interleaved with the group's own
+  collectives, so all members must issue both in the same order.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ class FlexPlan:
     max_tokens_per_rank: int
     shapes: tuple[GroupShape, ...]
     strategy: str = "flex"
+    equal_calls: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -64,8 +76,16 @@ class FlexPlan:
         return [tuple(g.size for g in slot) for slot in self.slots]
 
     def for_rank(self, rank: int) -> list[FlexGroup]:
-        """The group `rank` belongs to in each slot (one per slot, so equal call counts)."""
-        return [next(g for g in slot if rank in g.ranks) for slot in self.slots]
+        """The groups `rank` belongs to, in slot order: one per slot with equal calls."""
+        return [g for slot in self.slots for g in slot if rank in g.ranks]
+
+    def calls(self) -> np.ndarray:
+        """[world] forward/backward calls of every rank."""
+        n = np.zeros(self.world_size, dtype=np.int64)
+        for slot in self.slots:
+            for g in slot:
+                n[g.index * g.size : (g.index + 1) * g.size] += 1
+        return n
 
     def group_tokens(self, group: FlexGroup) -> int:
         """Padded tokens of a group's micro-batch (documents to the shape's doc multiple)."""
@@ -95,7 +115,10 @@ class FlexPlan:
                         f"slot {m}: group (size {g.size}, index {g.index}) holds {tokens} padded tokens > its capacity {cap} "
                         f"({g.size} × max_tokens_per_rank {self.max_tokens_per_rank})"
                     )
-            if not (covered == 1).all():
+            if not self.equal_calls and (covered > 1).any():
+                bad = np.flatnonzero(covered > 1)[:8].tolist()
+                raise ValueError(f"slot {m}: groups {[(g.size, g.index) for g in slot]} overlap on ranks {bad}")
+            if self.equal_calls and not (covered == 1).all():
                 bad = np.flatnonzero(covered != 1)[:8].tolist()
                 raise ValueError(
                     f"slot {m}: groups {[(g.size, g.index) for g in slot]} do not cover every rank exactly once (ranks {bad} "
@@ -105,10 +128,35 @@ class FlexPlan:
         if not (seen == 1).all():
             bad = np.flatnonzero(seen != 1)[:8].tolist()
             raise ValueError(f"documents {bad} appear {seen[bad].tolist()} times in the plan (each must appear once)")
+        if not self.equal_calls:
+            self._validate_closing()
+
+    def _validate_closing(self) -> None:
+        """Unequal calls: every rank runs >= 1 micro-batch (its last one carries the gradient
+        sync) and every rank's last micro-batch is the last of all its group's members."""
+        last: list[tuple[int, int, int] | None] = [None] * self.world_size  # rank -> (slot, size, index) of its last
+        for m, slot in enumerate(self.slots):
+            for g in slot:
+                for r in g.ranks:
+                    last[r] = (m, g.size, g.index)
+        idle = [r for r in range(self.world_size) if last[r] is None][:8]
+        if idle:
+            raise ValueError(f"ranks {idle} run no micro-batch: every rank needs one (its backward syncs the gradients)")
+        for r in range(self.world_size):
+            m, size, i = last[r]
+            g = next(x for x in self.slots[m] if (x.size, x.index) == (size, i))
+            later = [q for q in g.ranks if last[q] != last[r]]
+            if later:
+                raise ValueError(
+                    f"rank {r} ends the step in slot {m}'s group (size {g.size}, index {g.index}) but its members {later[:8]} "
+                    "run later micro-batches: the gradient reduce-scatter inside that backward would be ordered "
+                    "differently against the group's collectives on its members (a hang); give those ranks a last "
+                    "micro-batch of their own (plan_unequal does)"
+                )
 
     def fingerprint(self) -> int:
         """A checksum of the whole plan; equal on every rank iff the plans agree."""
-        v = (len(self.lengths) * 1_000_003 + self.world_size) % _FP_MOD
+        v = (len(self.lengths) * 1_000_003 + self.world_size * 2 + int(self.equal_calls)) % _FP_MOD
         for i, n in enumerate(self.lengths):
             v = (v * 31 + n * (i % 65521 + 1)) % _FP_MOD
         for m, slot in enumerate(self.slots):
@@ -119,16 +167,24 @@ class FlexPlan:
         return v
 
     def stats(self, cost: GroupCost) -> dict[str, Any]:
-        """Modelled step (Σ over slots of the slowest group, each group's micro-batch with its
-        size's overhead), ideal (Σ_doc min_s s·T_s / world plus the fewest slots any plan
-        needs × the smallest overhead, which no plan can beat), per-rank busy time max/mean."""
+        """Modelled step, ideal, per-rank busy time max/mean.
+
+        Equal calls: the step is Σ over slots of the slowest group (each group's micro-batch
+        with its size's overhead). Unequal calls: ranks do not wait for a slot to end, only
+        for their group's members, so the step is the makespan of running every micro-batch
+        in slot order as soon as all its members are free. Ideal: Σ_doc min_s s·T_s / world
+        plus the micro-batches the tokens need × the smallest overhead (the fewest slots with
+        equal calls; their average per rank, not rounded up, with unequal calls), which no
+        plan can beat."""
         lengths = np.asarray(self.lengths, dtype=np.int64)
-        slot_max, busy = [], np.zeros(self.world_size)
+        slot_max, busy, free = [], np.zeros(self.world_size), np.zeros(self.world_size)
         for slot in self.slots:
             loads = [self._load(g, cost, lengths) for g in slot]
             slot_max.append(max(loads))
             for g, t in zip(slot, loads):
-                busy[g.index * g.size : (g.index + 1) * g.size] += t
+                r = slice(g.index * g.size, (g.index + 1) * g.size)
+                busy[r] += t
+                free[r] = free[r].max() + t
         best = np.full(len(lengths), np.inf)
         fewest = np.full(len(lengths), np.inf)  # [N] fewest padded tokens of each document
         for shape in self.shapes:
@@ -138,15 +194,18 @@ class FlexPlan:
             fewest = np.where(ok, np.minimum(fewest, p), fewest)
         ideal = float(best.sum()) / self.world_size if len(lengths) else 0.0
         if cost.overheads and len(lengths):
-            slots = int(np.ceil(fewest.sum() / (self.world_size * self.max_tokens_per_rank)))
+            need = fewest.sum() / (self.world_size * self.max_tokens_per_rank)
+            slots = int(np.ceil(need)) if self.equal_calls else float(need)
             ideal += slots * min(cost.overhead(s.size) for s in self.shapes)
-        synced = float(sum(slot_max))
+        step = float(sum(slot_max)) if self.equal_calls else float(free.max())
+        calls = self.calls()
         return {
-            "synced_step": synced,
+            "synced_step": step,
             "ideal_step": ideal,
-            "synced_over_ideal": synced / ideal if ideal > 0 else 1.0,
+            "synced_over_ideal": step / ideal if ideal > 0 else 1.0,
             "busy_max_over_mean": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
             "num_slots": self.num_slots,
+            "calls": (int(calls.min()), int(calls.max())),
             "layouts": self.layouts(),
         }
 

@@ -15,9 +15,13 @@ slots sum to the single-device mean loss, and gradients are SUMMED over the whol
 by FSDP2's reduce-scatter over the bank's world mesh (sync on the last slot only), or by
 `loss.sum_gradients` over the world without FSDP.
 
-Liveness: every slot tiles the world (`FlexPlan.validate`), so every rank runs exactly
-`plan.num_slots` forward/backward calls; a plan that breaks this, or that differs between
-ranks (a cheap fingerprint all-reduce), is refused before the first forward.
+Liveness: with equal calls every slot tiles the world (`FlexPlan.validate`), so every rank
+runs exactly `plan.num_slots` forward/backward calls; a plan that breaks this, or that
+differs between ranks (a cheap fingerprint all-reduce), is refused before the first
+forward. With unequal calls (`plan_unequal`) ranks run different numbers of micro-batches
+in the plan's one global order, and an FSDP2 model runs the step unsharded
+(`distributed/unsharded_step.py`): its only world collectives are the all-gathers at the
+start and the reduce-scatters of each rank's own last backward.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.distributed as dist
 from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.distributed.unsharded_step import check_unsharded_step, unsharded_step
 
 
 def check_plan(plan: FlexPlan, bank: GroupBank) -> None:
@@ -134,14 +139,24 @@ def run_flex_step(
 
     fsdp = isinstance(model, FSDPModule)
     local = torch.zeros((), dtype=torch.float64)
-    n = plan.num_slots
-    for j, shard in enumerate(flex_microbatches(plan, bank, documents, num_items_in_batch=num_items_in_batch,
-                                                pad_token_id=pad_token_id)):
-        if fsdp:
-            model.set_requires_gradient_sync(j == n - 1)  # one reduce-scatter over the world per step
-        loss = model(**shard).loss
-        loss.backward()
-        local += loss.detach().double().cpu()
+    shards = list(flex_microbatches(plan, bank, documents, num_items_in_batch=num_items_in_batch,
+                                    pad_token_id=pad_token_id))  # checks and the fingerprint first
+    n = len(shards)
+    if plan.equal_calls or not fsdp:
+        for j, shard in enumerate(shards):
+            if fsdp:
+                model.set_requires_gradient_sync(j == n - 1)  # one reduce-scatter over the world per step
+            loss = model(**shard).loss
+            loss.backward()
+            local += loss.detach().double().cpu()
+    else:  # unequal counts: parameters unsharded for the step, each rank syncs in its own last backward
+        check_unsharded_step(model, bank.world_mesh.get_group())
+        with unsharded_step(model, n) as before_backward:
+            for j, shard in enumerate(shards):
+                loss = model(**shard).loss
+                before_backward(j)
+                loss.backward()
+                local += loss.detach().double().cpu()
     if not fsdp and bank.world_size > 1:
         from hf_longctx.loss import sum_gradients
 

@@ -36,17 +36,29 @@ SLOTS = [
     [(1, 0, (8,)), (1, 1, (9,)), (1, 2, (10,)), (1, 3, (11,))],
 ]
 
+# Unequal calls (plan_unequal's mode): ranks run 5, 3, 4, 4 micro-batches; rank 1 idles in
+# slot 2, ranks 2-3 open a size-2 group while rank 0 runs alone; every rank's last
+# micro-batch closes its group (FlexPlan's rule).
+SLOTS_UNEQUAL = [
+    [(4, 0, (0, 1))],
+    [(2, 0, (2,)), (1, 2, (3,)), (1, 3, (4,))],
+    [(1, 0, (5,)), (1, 2, (6,)), (1, 3, ())],
+    [(1, 0, (7,)), (2, 1, (8, 9))],
+    [(1, 0, (10,)), (1, 1, (11,))],
+]
+
 
 def _documents(seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 128, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def _plan(bank):
+def _plan(bank, equal_calls: bool = True):
     from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
 
-    slots = tuple(tuple(FlexGroup(s, i, d) for s, i, d in slot) for slot in SLOTS)
-    return FlexPlan(slots=slots, lengths=tuple(LENGTHS), world_size=4, max_tokens_per_rank=32, shapes=bank.shapes)
+    slots = tuple(tuple(FlexGroup(s, i, d) for s, i, d in slot) for slot in (SLOTS if equal_calls else SLOTS_UNEQUAL))
+    return FlexPlan(slots=slots, lengths=tuple(LENGTHS), world_size=4, max_tokens_per_rank=32, shapes=bank.shapes,
+                    equal_calls=equal_calls)
 
 
 def _reference(path: str):
@@ -59,7 +71,7 @@ def _reference(path: str):
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, checkpoint: bool) -> dict:
+def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, checkpoint: bool, equal_calls: bool) -> dict:
     from hf_longctx.distributed.flex_step import run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import patch
@@ -69,14 +81,18 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
     model = patch(load(path), bank, checkpoint=checkpoint)
     if fsdp:
         fsdp_plan(model, bank.world, mixed_precision="fp32").apply(model)
-    loss = run_flex_step(model, bank, _plan(bank), _documents())
+    plan = _plan(bank, equal_calls)
+    loss = run_flex_step(model, bank, plan, _documents())
     grads = {}
     for n, p in model.named_parameters():
         g = p.grad
         grads[n] = g.full_tensor() if hasattr(g, "full_tensor") else g
     errs = {n: rel(grads[n], ref_grads[n]) for n in ref_grads}
     splits = [(s.size, s.ulysses, s.ring, s.fpdt_chunks) for s in bank.shapes]
-    return {"loss_err": abs(float(loss) - ref_loss) / abs(ref_loss), "errs": errs, "splits": splits}
+    resharded = all(not hasattr(p, "full_tensor") or p.to_local().numel() < p.numel() or p.numel() == 1
+                    for p in model.parameters())  # FSDP2 parameters are sharded again after the step
+    return {"loss_err": abs(float(loss) - ref_loss) / abs(ref_loss), "errs": errs, "splits": splits,
+            "calls": len(plan.for_rank(bank.rank)), "resharded": resharded}
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +102,23 @@ def paths(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits",
+    "family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits, equal_calls",
     [
-        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)]),
-        ("gpt2", 4, 1, False, False, [(1, 1, 1, 1), (2, 2, 1, 1), (4, 4, 1, 1)]),
+        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], True),
+        ("gpt2", 4, 1, False, False, [(1, 1, 1, 1), (2, 2, 1, 1), (4, 4, 1, 1)], True),
+        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], False),
+        ("gpt2", 4, 1, False, False, [(1, 1, 1, 1), (2, 2, 1, 1), (4, 4, 1, 1)], False),
     ],
-    ids=["llama-gqa-fsdp-fpdt-ckpt", "gpt2-sum-gradients"],
+    ids=["llama-gqa-fsdp-fpdt-ckpt", "gpt2-sum-gradients", "unequal-llama-gqa-fsdp-fpdt-ckpt", "unequal-gpt2-sum-gradients"],
 )
-def test_mixed_layouts_equal_single_process(pools, paths, family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits):
-    results = pools.get(4).run(_flex_step, paths[family], ranks_per_node, fpdt_chunks, fsdp, checkpoint, timeout=300)
+def test_mixed_layouts_equal_single_process(pools, paths, family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits,
+                                            equal_calls):
+    results = pools.get(4).run(_flex_step, paths[family], ranks_per_node, fpdt_chunks, fsdp, checkpoint, equal_calls,
+                               timeout=300)
+    calls = [res["calls"] for res in results]
+    assert calls == ([4] * 4 if equal_calls else [5, 3, 4, 4]), f"micro-batches per rank {calls}"
     for rank, res in enumerate(results):
+        assert res["resharded"], f"rank {rank}: parameters left unsharded after the step"
         assert res["splits"] == splits, f"rank {rank}: bank (size, U, R, fpdt) = {res['splits']}"
         assert res["loss_err"] <= LOSS_TOL, f"rank {rank}: loss rel err {res['loss_err']:.2e}"
         worst = max(res["errs"], key=res["errs"].get)
@@ -126,3 +149,43 @@ def _disagreeing_plans() -> str:
 def test_plans_that_differ_across_ranks_are_refused(pools):
     for rank, msg in enumerate(pools.get(4).run(_disagreeing_plans, timeout=120)):
         assert "different flexible plans" in msg, f"rank {rank}: {msg}"
+
+
+def _unsharded_refusals(path: str) -> dict:
+    """The unequal-count mode refuses, on every rank together and before any micro-batch:
+    FSDP parameter offload, and a step whose unsharded parameters and gradients do not fit
+    one rank's free device memory (rank 2 reports 0 bytes free; CPU has no device limit)."""
+    import torch.distributed as dist
+
+    from hf_longctx.distributed.flex_step import run_flex_step
+    from hf_longctx.distributed.unsharded_step import unsharded_bytes, check_unsharded_step
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.transformers import patch
+
+    bank = worker_bank(heads=4, ranks_per_node=4)
+    out = {}
+    model = patch(load(path), bank)
+    fsdp_plan(model, bank.world, mixed_precision="fp32", param_offload=True).apply(model)
+    try:
+        run_flex_step(model, bank, _plan(bank, equal_calls=False), _documents())
+        out["offload"] = "no error"
+    except ValueError as e:
+        out["offload"] = str(e)
+    model = patch(load(path), bank)
+    numel = sum(p.numel() for p in model.parameters())
+    fsdp_plan(model, bank.world, mixed_precision="bf16").apply(model)
+    out["bytes"], out["expected"] = unsharded_bytes(model), numel * (2 + 4)  # bf16 parameters, fp32 gradients
+    try:
+        check_unsharded_step(model, bank.world_mesh.get_group(), free_bytes=lambda: 0 if dist.get_rank() == 2 else None)
+        out["memory"] = "no error"
+    except ValueError as e:
+        out["memory"] = str(e)
+    return out
+
+
+def test_unequal_calls_refusals(pools, paths):
+    for rank, res in enumerate(pools.get(4).run(_unsharded_refusals, paths["llama"], timeout=120)):
+        assert "param_offload" in res["offload"], f"rank {rank}: {res['offload']}"
+        assert res["bytes"] == res["expected"], f"rank {rank}: unsharded bytes {res['bytes']} != {res['expected']}"
+        assert "plan with equal counts" in res["memory"], f"rank {rank}: {res['memory']}"
+        assert ("this rank has 0.00 GiB free" in res["memory"]) == (rank == 2), f"rank {rank}: {res['memory']}"

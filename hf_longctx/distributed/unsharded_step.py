@@ -1,0 +1,142 @@
+"""A training step with parameters unsharded from its first forward to its last backward, so
+ranks may run different numbers of micro-batches (the unequal-count mode of flexible SP).
+
+Where it sits: around the micro-batch loop of `distributed/flex_step.run_flex_step` and of
+`LongContextTrainer.training_step`, when the step's `FlexPlan` has `equal_calls=False`
+(`data/flex_unequal.plan_unequal`). Hydraulis §5 (heterogeneous propagation): with FSDP2
+resharding per layer, every forward and backward of every micro-batch issues all-gathers
+and reduce-scatters over the whole world, so all ranks must run the same number of them.
+Here every FSDP2 unit is all-gathered ONCE at the step's start (`FSDPModule.unshard`, the
+same calls in the same order on every rank), stays unsharded through every forward and
+backward (`set_reshard_after_forward(False)`, `set_reshard_after_backward(False)`),
+accumulates its unsharded gradient without communication (`set_requires_gradient_sync(False)`),
+and reduce-scatters (a SUM, FSDP's sum reduction of `fsdp_plan`) in each rank's own last
+backward, after which it reshards. That reduce-scatter runs once per unit on every rank, in
+the same layer order, whatever the rank's micro-batch count; `FlexPlan.validate` guarantees
+that a rank's last micro-batch is also the last of all its group's members, so the group's
+collectives and the reduce-scatters are issued in one order by all of them.
+
+The cost is memory: the unsharded parameters (param dtype) and gradients (reduce dtype, fp32)
+of the whole model are held for the whole step (`planning/memory.estimate_memory(...,
+unsharded_step=True)`). Refused, before any collective: parameter CPU offload (the mode
+exists for parameters that fit on the device), and, on CUDA, a step whose unsharded
+parameters and gradients do not fit the free device memory of some rank (one all-reduce so
+that every rank raises together).
+
+A model without FSDP (gradients summed with `loss.sum_gradients` after the loop) needs
+nothing here: its only world collective is after the last micro-batch on every rank.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def fsdp_units(model: torch.nn.Module) -> list:
+    """Every FSDP2 unit of `model` in module order (the same on every rank)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _param_groups(unit) -> list:
+    """FSDP2's parameter groups of one unit (torch keeps no public accessor; empty for a
+    unit without parameters of its own)."""
+    return list(unit._get_fsdp_state()._fsdp_param_groups)
+
+
+def unsharded_bytes(model: torch.nn.Module) -> int:
+    """Device bytes the step adds: every parameter unsharded in its param dtype plus its
+    unsharded gradient in the reduce dtype (fp32 unless FSDP's policy says otherwise)."""
+    total = 0
+    for unit in fsdp_units(model):
+        for pg in _param_groups(unit):
+            policy = pg.mp_policy  # torch's MixedPrecisionPolicy of this unit
+            for p in _own_parameters(unit):
+                numel = int(torch.Size(p.shape).numel())  # a DTensor parameter's shape is the global one
+                pd = policy.param_dtype or p.dtype
+                rd = policy.reduce_dtype or pd
+                total += numel * (pd.itemsize + rd.itemsize)
+    return total
+
+
+def _own_parameters(unit: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    """Parameters managed by this unit (not by a nested unit)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    for p in unit.parameters():
+        if id(p) not in nested:
+            yield p
+
+
+def check_unsharded_step(
+    model: torch.nn.Module, group, *, free_bytes: Callable[[], int | None] | None = None
+) -> None:
+    """Refuse what the mode cannot run, on every rank together. `free_bytes`: this rank's free
+    device memory (default: `torch.cuda.mem_get_info` on CUDA, no limit on CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    units = fsdp_units(model)
+    offloaded = [type(u).__name__ for u in units if any(isinstance(pg.offload_policy, CPUOffloadPolicy)
+                                                        for pg in _param_groups(u))]
+    if offloaded:
+        raise ValueError(
+            f"unequal micro-batch counts keep every parameter unsharded on the device for the whole step, but "
+            f"{len(offloaded)} FSDP unit(s) ({sorted(set(offloaded))[:4]}) offload parameters to the CPU (param_offload); "
+            "use equal counts (plan_flexible) with offloading, or drop param_offload"
+        )
+    if not units:
+        return
+    if free_bytes is None:
+        free_bytes = (lambda: torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else (lambda: None)
+    need, free = unsharded_bytes(model), free_bytes()
+    ok = free is None or need <= free
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        flag = torch.tensor([int(ok)], device=device)  # [1]
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # [1]: 0 if any rank lacks the memory
+        all_ok = bool(flag.item())
+    else:
+        all_ok = ok
+    if not all_ok:
+        where = f"this rank has {free / 2**30:.2f} GiB free" if not ok else "another rank lacks it"
+        raise ValueError(
+            f"unequal micro-batch counts need the unsharded parameters and gradients for the whole step: "
+            f"{need / 2**30:.2f} GiB per rank, and {where}; plan with equal counts (plan_flexible) instead"
+        )
+
+
+@contextmanager
+def unsharded_step(model: torch.nn.Module, num_microbatches: int) -> Iterator[Callable[[int], None]]:
+    """`with unsharded_step(model, n) as before_backward:` call `before_backward(i)` before the
+    backward of micro-batch i (0-based, n on this rank); the last one syncs and reshards.
+    FSDP's per-unit reshard-after-forward settings are restored on exit."""
+    units = fsdp_units(model)
+    if num_microbatches < 1:
+        raise ValueError(f"a rank runs at least one micro-batch per step, got {num_microbatches}")
+    # FSDP2 keeps no public getter; its param group's post-forward mesh is set iff it reshards.
+    saved = [any(pg.post_forward_mesh_info is not None for pg in _param_groups(u)) for u in units]
+    for u in units:  # one all-gather per unit, in module order on every rank
+        u.set_reshard_after_forward(False, recurse=False)
+        u.set_reshard_after_backward(False, recurse=False)
+        u.set_requires_gradient_sync(False, recurse=False)
+        u.unshard()
+
+    def before_backward(i: int) -> None:
+        last = i == num_microbatches - 1
+        for u in units:
+            u.set_requires_gradient_sync(last, recurse=False)
+            u.set_reshard_after_backward(last, recurse=False)
+
+    try:
+        yield before_backward
+    finally:
+        for u, reshard in zip(units, saved):
+            u.set_reshard_after_forward(reshard, recurse=False)
+            u.set_reshard_after_backward(True, recurse=False)
+            u.set_requires_gradient_sync(True, recurse=False)
