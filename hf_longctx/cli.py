@@ -78,7 +78,7 @@ def _row(rank: int | str, c) -> list[str]:
     s, m = c.setting, c.memory
     return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
             "yes" if s.checkpoint else "no", "yes" if s.mlp_chunks > 1 else "no",
-            _gib(m.params), _gib(m.grads), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.peak),
+            _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.peak),
             _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
             "yes" if c.feasible else f"no: {c.reason}"]
 
@@ -106,6 +106,11 @@ def footer(args: argparse.Namespace) -> str:
         "- activ = what autograd keeps for a Llama-style layer at S/sp tokens per GPU (checkpointing: layer inputs, "
         "on host; FPDT+offload: q/k/v/out on host); buffers = the larger transient of the loss and of one layer's "
         "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
+        *([f"- --unequal-calls: every rank holds the whole model in {args.dtype} for the step plus its fp32 unsharded "
+           "gradients (4 B/param, included in grads; held next to every micro-batch's activations: peak = params + "
+           "optim + held grads + max(grads, activ + buffers)), as ranks run different numbers of micro-batches "
+           "(distributed/unsharded_step.py);"]
+          if args.unequal_calls else []),
         f"- fits = peak <= (1 - {args.headroom}) x --gpu-memory and host GiB/GPU x GPUs per node <= (1 - "
         f"{args.headroom}) x --host-memory; validated within 10% on CPU (benchmarks/memory_model.py);",
         f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of {args.seq_len}): "
@@ -148,6 +153,7 @@ def _plot_flex(args: argparse.Namespace, config: Any, best) -> str:
     from hf_longctx.data.cost import GroupCost
     from hf_longctx.data.flex_groups import group_shapes
     from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
+    from hf_longctx.data.flex_unequal import plan_unequal
     from hf_longctx.data.model_dims import ModelDims
     from hf_longctx.distributed.flex_collator import layout_text
     from hf_longctx.planning import plot
@@ -166,13 +172,19 @@ def _plot_flex(args: argparse.Namespace, config: Any, best) -> str:
     else:
         pool, source = plot.synthetic_lengths(max_len, seed=args.seed), f"synthetic log-normal lengths (seed {args.seed})"
     lengths = plot.sample_step(pool, world * per_rank * args.plot_microbatches, max_len, seed=args.seed)
-    flex = plan_flexible(lengths, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank, cost=cost,
-                         num_slots=args.plot_microbatches)
-    title = (f"flexible SP groups, one sampled step: {world} ranks, {per_rank} tokens per rank per micro-batch\n"
+    if args.unequal_calls:
+        flex = plan_unequal(lengths, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank, cost=cost)
+        mode = "unequal micro-batch counts (makespan)"
+    else:
+        flex = plan_flexible(lengths, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank, cost=cost,
+                             num_slots=args.plot_microbatches)
+        mode = "equal micro-batch counts (synchronised slots)"
+    title = (f"flexible SP groups, one sampled step: {world} ranks, {per_rank} tokens per rank per micro-batch, {mode}\n"
              f"{source}")
     stats = plot.draw_flex_load(flex, cost, args.plot, title)
-    out = (f"wrote {args.plot}: one step of {len(lengths)} documents ({source}) planned with flexible SP groups on "
-           f"{world} ranks, {per_rank} tokens per rank; slot layouts {layout_text(flex.layouts())}; synchronised step / "
+    out = (f"wrote {args.plot}: one step of {len(lengths)} documents ({source}) planned with flexible SP groups and "
+           f"{mode} on {world} ranks, {per_rank} tokens per rank; slot layouts {layout_text(flex.layouts())}; "
+           f"micro-batches per rank {stats['calls'][0]}-{stats['calls'][1]}; modelled step / "
            f"ideal = {stats['synced_over_ideal']:.3f}; per-rank busy max/mean = {stats['busy_max_over_mean']:.3f}")
     if fixed_shape is not None:
         fixed = plan_fixed(lengths, shape=fixed_shape, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank,
@@ -196,7 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         headroom=args.headroom, latency=args.latency,
     )
     ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
-                           optimizer=args.optimizer)
+                           optimizer=args.optimizer, unsharded_step=args.unequal_calls)
     feasible = [c for c in ranked if c.feasible]
     print(f"hf-longctx plan: {getattr(config, 'model_type', '?')} ({dims.params / 1e9:.2f}B params, {dims.layers} layers, "
           f"hidden {dims.hidden}, {dims.heads}/{dims.kv_heads} heads, vocab {dims.vocab}) on {args.gpus} GPUs x "
@@ -252,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot-microbatches", type=int, default=4, help="micro-batches per DP rank in the sampled step")
     p.add_argument("--flex", action="store_true",
                    help="--plot the step with flexible SP groups (sizes chosen per slot): layouts and per-rank load")
+    p.add_argument("--unequal-calls", action="store_true",
+                   help="memory of flexible groups with unequal micro-batch counts (parameters and gradients unsharded "
+                        "for the whole step); with --flex --plot, plan the step that way")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
     return parser

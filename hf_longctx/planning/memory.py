@@ -32,8 +32,14 @@ Assumptions (each is also printed under the plan table):
 - Buffers = the larger transient phase: the loss (end of forward) or one layer's backward
   (all-to-all / ring / fetched FPDT chunks, the recomputed layer when checkpointing, one
   recomputed MLP chunk, activation gradients).
-- Peak = params + optimizer + max(grads, activations + buffers): during backward,
+- Peak = params + optimizer + held + max(grads, activations + buffers): during backward,
   activations are freed while gradients appear, and the optimizer step needs grads only.
+- Unequal micro-batch counts (`unsharded_step=True`, `distributed/unsharded_step.py`): the
+  whole model is gathered once per step in the compute dtype (params: the master shards
+  plus dt·P instead of the two gathered units) and every unsharded gradient is accumulated
+  in fp32 (FSDP's reduce dtype) until each rank's last backward: held = 4·P for the whole
+  step, next to every micro-batch's activations; one unit's gradient in the compute dtype
+  is the transient before it is added. Only with world > 1 (one GPU gathers nothing).
 """
 
 from __future__ import annotations
@@ -74,10 +80,11 @@ class MemoryEstimate:
     activations: float
     buffers: float
     host: float
+    held: float = 0.0  # gradients accumulated unsharded across micro-batches (unequal counts)
 
     @property
     def peak(self) -> float:
-        return self.params + self.optimizer + max(self.grads, self.activations + self.buffers)
+        return self.params + self.optimizer + self.held + max(self.grads, self.activations + self.buffers)
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"peak": self.peak}
@@ -107,12 +114,15 @@ def layer_activation_bytes(dims: ModelDims, dt: int, kv_factor: int) -> dict[str
 
 
 def estimate_memory(
-    dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw"
+    dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
+    unsharded_step: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
-    `optimizer`: "adamw" (two fp32 moments) or "sgd" (stateless). Raises ValueError when
-    the setting cannot run (degrees that do not divide, heads not divisible).
+    `optimizer`: "adamw" (two fp32 moments) or "sgd" (stateless). `unsharded_step`: the
+    unequal-count mode of flexible SP groups (parameters and gradients unsharded for the
+    whole step). Raises ValueError when the setting cannot run (degrees that do not divide,
+    heads not divisible).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
@@ -140,6 +150,11 @@ def estimate_memory(
     rest = max(0, dims.root_params - vocab_unit * (1 if dims.tied else 2))
     gathered = dt * (rest + max(2 * dims.layer_params, vocab_unit + dims.layer_params)) if world > 1 else 0.0
     unsharded_grads = dt * (rest + max(dims.layer_params, vocab_unit)) if world > 1 else 0.0
+    held = 0.0
+    if unsharded_step and world > 1:
+        gathered = dt * P  # the whole model, gathered once at the step's start
+        unsharded_grads = dt * max(dims.layer_params, vocab_unit, rest)  # one unit's, before accumulation
+        held = 4.0 * P  # fp32 accumulated unsharded gradients until the rank's last backward
     params = master + gathered
     grads = 4 * P / world + unsharded_grads
     optim = (8 * P / world) if optimizer == "adamw" else 0.0
@@ -185,5 +200,5 @@ def estimate_memory(
     else:
         loss_phase = s_l * dims.vocab * (12 + (dt if dt < 4 else 0))
     buffers = max(layer_phase, loss_phase)
-    return MemoryEstimate(params, grads, optim, activations, buffers, host)
+    return MemoryEstimate(params, grads, optim, activations, buffers, host, held)
 

@@ -160,7 +160,8 @@ def draw_flex_load(plan: FlexPlan, cost: GroupCost, path: str | Path, title: str
     ax.set_ylabel(f"busy time per rank ({unit}, modelled)")
     ax.set_xticks(np.arange(world) if world <= 32 else np.arange(0, world, max(1, world // 16)))
     ax.set_title(title, fontsize=9)
-    ax.text(0.01, 0.98, f"synchronised step / ideal = {stats['synced_over_ideal']:.3f}\n"
+    step = "synchronised step" if plan.equal_calls else "makespan (unequal counts)"
+    ax.text(0.01, 0.98, f"{step} / ideal = {stats['synced_over_ideal']:.3f}\n"
             f"per-rank busy max / mean = {stats['busy_max_over_mean']:.3f}\n"
             f"{len(plan.lengths)} documents, {slots} slots", transform=ax.transAxes, va="top", fontsize=8,
             bbox=dict(facecolor="white", alpha=0.8, linewidth=0))

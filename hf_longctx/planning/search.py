@@ -190,7 +190,7 @@ def step_time(
 
 def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
-    optimizer: str = "adamw",
+    optimizer: str = "adamw", unsharded_step: bool = False,
 ) -> list[Candidate]:
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
@@ -205,7 +205,8 @@ def rank_settings(
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     out = []
     for s, preset in enumerate_settings(dims, cluster.gpus, tokens):
-        mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer)
+        mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
+                              unsharded_step=unsharded_step)
         dp = cluster.gpus // s.sp
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len)
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
@@ -224,12 +225,13 @@ def rank_settings(
 
 def suggest(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
-    optimizer: str = "adamw",
+    optimizer: str = "adamw", unsharded_step: bool = False,
 ) -> Suggestion:
     """The fastest setting by the step-time estimate among those whose estimated peak fits
     (the first row of `hf-longctx plan` with the same arguments). Raises ValueError naming
     the lowest estimated peak when nothing fits."""
-    ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer)
+    ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
+                           unsharded_step=unsharded_step)
     if not ranked[0].feasible:
         low = min(ranked, key=lambda c: c.memory.peak)
         raise ValueError(

@@ -167,3 +167,40 @@ def test_plot_flex_shows_layouts_and_per_rank_load(config_path, tmp_path, capsys
     slots = re.search(r"slot layouts ((?:\[[\d+]+\] ?)+);", out).group(1).split()
     assert slots and all(sum(int(x) for x in slot.strip("[]").split("+")) == 16 for slot in slots), slots
     assert re.search(r"per-rank busy max/mean = \d+\.\d+", out) and "modelled speed-up of flexible groups" in out
+
+
+def test_unequal_calls_memory_and_plot(config_path, tmp_path, capsys):
+    """`--unequal-calls`: every row's peak is the memory model's with the whole model and its
+    fp32 gradients unsharded (peak grows by at least dt·P + 4·P − the two gathered units
+    on every setting), and `--flex --plot` plans the step with unequal counts: slots need
+    not tile the ranks, the output gives the per-rank micro-batch range."""
+    pytest.importorskip("matplotlib")
+    import re
+
+    from transformers import LlamaConfig
+
+    assert main([*BASE, "--model", str(config_path), "--top", "1"]) == 0
+    (plain,) = _table(capsys.readouterr().out)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [100, 5000, 300, 20000, 70000, 800] * 50))
+    png = tmp_path / "unequal.png"
+    assert main([*BASE, "--model", str(config_path), "--top", "1", "--unequal-calls", "--plot", str(png), "--flex",
+                 "--lengths-file", str(lengths)]) == 0
+    out = capsys.readouterr().out
+    (row,) = _table(out)
+    setting = Setting(
+        ulysses=int(row["ulysses"]), ring=int(row["ring"]), fpdt_chunks=int(row["fpdt"]),
+        kv_offload=row["kv offload"] == "yes", checkpoint=row["ckpt"] == "yes",
+        mlp_chunks=2 * int(row["fpdt"]) if row["chunked mlp/loss"] == "yes" else 1,
+        loss_chunks=0 if row["chunked mlp/loss"] == "yes" else 1,
+    )
+    dims = ModelDims.from_config(LlamaConfig(**CONFIG))
+    est = estimate_memory(dims, setting, world=16, tokens=65536, unsharded_step=True)
+    base = estimate_memory(dims, setting, world=16, tokens=65536)
+    assert row["peak GiB"] == f"{est.peak / 2**30:.1f}" and est.held == 4 * dims.params
+    assert est.params - base.params >= 2 * dims.params - 2 * (2 * dims.layer_params + dims.vocab * dims.hidden)
+    assert float(row["grads"]) > float(plain["grads"])
+    assert "--unequal-calls: every rank holds the whole model" in out
+    assert "unequal micro-batch counts" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lo, hi = map(int, re.search(r"micro-batches per rank (\d+)-(\d+)", out).groups())
+    assert 1 <= lo <= hi
