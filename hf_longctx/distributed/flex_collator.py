@@ -29,6 +29,7 @@ import numpy as np
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex_packing import plan_flexible
 from hf_longctx.data.flex_plan import FlexPlan
+from hf_longctx.data.flex_unequal import plan_unequal
 from hf_longctx.data.packing import OVERLONG, _make_pieces
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.distributed.flex_step import flex_microbatches
@@ -49,13 +50,15 @@ class FlexCollator:
     one micro-batch. `cost`: a `GroupCost` with a model for every bank size, or a
     `CostModel` of the whole work, split as `GroupCost.analytic(cost, bank.sizes)` (no
     communication term; fit one with `GroupCost.fit` to include it). `num_slots`: slots to
-    aim for (default: the fewest the tokens need). Features: mappings with `input_ids` and
+    aim for (default: the fewest the tokens need). `unequal_calls`: plan with `plan_unequal`
+    (ranks get different numbers of micro-batches; the step must run unsharded, see
+    `distributed/unsharded_step.py`). Features: mappings with `input_ids` and
     optional unshifted `labels` (-100 = no target).
     """
 
     def __init__(
         self, bank: GroupBank, max_tokens_per_rank: int, cost: GroupCost | CostModel, *, overlong: str = "error",
-        pad_token_id: int = 0, num_slots: int | None = None,
+        pad_token_id: int = 0, num_slots: int | None = None, unequal_calls: bool = False,
     ) -> None:
         if not isinstance(bank, GroupBank):
             raise TypeError(f"bank must be a GroupBank from init_group_bank, got {type(bank).__name__}")
@@ -82,6 +85,9 @@ class FlexCollator:
         self.overlong = overlong
         self.pad_token_id = pad_token_id
         self.num_slots = num_slots
+        if not isinstance(unequal_calls, bool):
+            raise ValueError(f"unequal_calls must be a bool, got {unequal_calls!r}")
+        self.unequal_calls = unequal_calls
         # The longest piece any group holds: the largest group's capacity (a multiple of
         # its seq_multiple, hence of its doc_multiple). `check_lengths` compares against it.
         self.max_tokens = largest.capacity(max_tokens_per_rank) // largest.doc_multiple * largest.doc_multiple
@@ -91,6 +97,11 @@ class FlexCollator:
 
     def plan(self, lengths: Sequence[int]) -> FlexPlan:
         """The step's plan for these (piece) lengths, the same on every rank."""
+        if self.unequal_calls:
+            return plan_unequal(
+                lengths, shapes=self.bank.shapes, world_size=self.bank.world_size,
+                max_tokens_per_rank=self.max_tokens_per_rank, cost=self.cost,
+            )
         return plan_flexible(
             lengths, shapes=self.bank.shapes, world_size=self.bank.world_size, max_tokens_per_rank=self.max_tokens_per_rank,
             cost=self.cost, num_slots=self.num_slots,

@@ -147,6 +147,7 @@ class StepCollate:
             "balance": stats.get("synced_over_ideal"),
             "layouts": layout_text(stats["layouts"]) if flex else None,
             "busy": stats.get("busy_max_over_mean") if flex else None,
+            "equal_calls": not (flex and self.collator.unequal_calls),
         }
 
 

@@ -32,13 +32,19 @@ step's global list is planned with `plan_flexible` (a group of size s packs at m
 s × max_tokens_per_rank), every rank gets the same number of slots, the plan fingerprint is
 compared across ranks, and each slot's shard carries its group -- so `training_step` runs
 unchanged; the loss contract does not depend on the grouping. The logs add each step's
-slot layouts (`plan_layouts`) and the plan's per-rank busy max/mean.
+slot layouts (`plan_layouts`) and the plan's per-rank busy max/mean. `unequal_calls=True`
+plans training steps with `plan_unequal` instead: ranks run different numbers of
+micro-batches, with the model unsharded for the step (`distributed/unsharded_step.py`:
+gathered once, gradients reduce-scattered in each rank's own last backward; refused with
+parameter offload or when it does not fit device memory). Evaluation keeps equal counts
+(its forwards gather parameters per layer).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -51,6 +57,7 @@ from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.flex_collator import FlexCollator
 from hf_longctx.distributed.group_bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.distributed.unsharded_step import check_unsharded_step, unsharded_step
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import _STATE_ATTR, _hf_model, is_patched
 from hf_longctx.loss import global_loss
@@ -83,14 +90,16 @@ class LongContextTrainerMixin:
     (the fixed-degree planner's), `overlong` ("error": refuse documents above max_tokens, or
     with a bank above the largest group's capacity; "split" / "truncate"), `pad_token_id` (default: the
     processing class's pad, else EOS, else 0), `step_timeout_s` (watchdog for hung ranks),
-    `peak_flops` (per device, for MFU). Everything else is plain `TrainingArguments`.
+    `peak_flops` (per device, for MFU), `unequal_calls` (with a bank: ranks run different
+    numbers of micro-batches, the model unsharded for the step). Everything else is plain
+    `TrainingArguments`.
     """
 
     def __init__(
         self, *args: Any, mesh: SPMesh | GroupBank, max_tokens: int | None = None, tokens_per_step: int,
         cost: CostModel | GroupCost | None = None, strategy: str = "balanced", overlong: str = "error",
         pad_token_id: int | None = None, step_timeout_s: float | None = None, peak_flops: float | None = None,
-        max_tokens_per_rank: int | None = None, **kwargs: Any,
+        max_tokens_per_rank: int | None = None, unequal_calls: bool = False, **kwargs: Any,
     ) -> None:
         if not isinstance(mesh, (SPMesh, GroupBank)):
             raise TypeError(
@@ -99,6 +108,14 @@ class LongContextTrainerMixin:
             )
         self.mesh = mesh
         self._check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
+        if not isinstance(unequal_calls, bool):
+            raise ValueError(f"unequal_calls must be a bool, got {unequal_calls!r}")
+        if unequal_calls and not isinstance(mesh, GroupBank):
+            raise ValueError(
+                "unequal_calls=True needs a GroupBank (flexible SP groups planned by plan_unequal); with an SPMesh "
+                "every rank runs the same number of micro-batches"
+            )
+        self.unequal_calls = unequal_calls
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
         self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -137,12 +154,16 @@ class LongContextTrainerMixin:
             # without a communication term a bigger group would never cost more and flexibility never pays.
             cost = cost if cost is not None else GroupCost.from_config(hf_config, mesh.shapes)
             self.collator = FlexCollator(mesh, max_tokens_per_rank, cost, overlong=overlong,
-                                         pad_token_id=self._pad_id(pad_token_id))
+                                         pad_token_id=self._pad_id(pad_token_id), unequal_calls=unequal_calls)
+            # Evaluation is forward-only under per-layer FSDP all-gathers: always equal counts.
+            self.eval_collator = FlexCollator(mesh, max_tokens_per_rank, cost, overlong=overlong,
+                                              pad_token_id=self._pad_id(pad_token_id))
         else:
             self.collator = LongContextCollator(
                 mesh, self.max_tokens, cost if cost is not None else self._flops_model, strategy=strategy, overlong=overlong, seed=self.args.seed,
                 pad_token_id=self._pad_id(pad_token_id),
             )
+            self.eval_collator = self.collator
         if mesh.world_size > 1:
             self._shard_model()
         self._window = StepWindow(world_size=mesh.world_size, device=self.args.device, peak_flops=peak_flops)
@@ -254,7 +275,7 @@ class LongContextTrainerMixin:
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         loader, _ = step_dataloader(
-            eval_dataset if eval_dataset is not None else self.eval_dataset, self.collator,
+            eval_dataset if eval_dataset is not None else self.eval_dataset, self.eval_collator,
             tokens_per_step=self.tokens_per_step, seed=self.args.seed, shuffle=False, endless=False,
             flops_model=self._flops_model, name="eval_dataset",
         )
@@ -287,13 +308,19 @@ class LongContextTrainerMixin:
         micro_batches = inputs["micro_batches"]
         fsdp = hasattr(model, "set_requires_gradient_sync")
         local = torch.zeros((), dtype=torch.float64, device=self.args.device)  # Σ this rank's micro-batch losses
-        with comm_guard(step, self._watchdog.timeout_s if self._watchdog else None):
+        unsharded = fsdp and not inputs.get("equal_calls", True)
+        with comm_guard(step, self._watchdog.timeout_s if self._watchdog else None), ExitStack() as stack:
+            if unsharded:  # unequal counts: gather once, sync in this rank's own last backward
+                check_unsharded_step(model, self._world_mesh.world_mesh.get_group())
+                before_backward = stack.enter_context(unsharded_step(model, len(micro_batches)))
             for i, mb in enumerate(micro_batches):
-                if fsdp:  # FSDP2: accumulate unsharded, reduce-scatter (a SUM) once, after the last micro-batch
+                if fsdp and not unsharded:  # FSDP2: accumulate unsharded, reduce-scatter (a SUM) once, after the last micro-batch
                     model.set_requires_gradient_sync(i == len(micro_batches) - 1)
                 mb = self._prepare_inputs(mb)
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, mb, num_items_in_batch=mb["num_items_in_batch"])
+                if unsharded:
+                    before_backward(i)
                 self.accelerator.backward(loss)
                 local += loss.detach().double()
                 if self._watchdog is not None:

@@ -12,7 +12,9 @@ The logged loss and grad_norm of every one of the 3 AdamW steps (cosine schedule
 clipping at 1.0) and the eval loss must agree within 1e-5 relative: fp32, where summation
 order changes results by ~1e-7, while a lost or duplicated document, a wrong group or a
 wrong normaliser is off by >= 1e-2 (see test_trainer.py). The test also asserts that at
-least one step's slots use different layouts, so the equality covers a mixed step.
+least one step's slots use different layouts, so the equality covers a mixed step. The same
+holds with `unequal_calls=True` (steps planned by `plan_unequal`, the model unsharded for the
+step), where at least one step must give ranks different micro-batch counts.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ TOL = 1e-5
 PER_RANK = 12
 
 
-def _trainer(path: str, output_dir: str, bank=None):
+def _trainer(path: str, output_dir: str, bank=None, unequal_calls: bool = False):
     from transformers import AutoModelForCausalLM
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
@@ -40,18 +42,30 @@ def _trainer(path: str, output_dir: str, bank=None):
     if bank is None:
         mesh = init_sequence_parallel()
         return LongContextTrainer(model=patch(model, mesh), mesh=mesh, max_tokens=4 * PER_RANK, **common)
-    return LongContextTrainer(model=patch(model, bank), mesh=bank, max_tokens_per_rank=PER_RANK, **common)
+    return LongContextTrainer(model=patch(model, bank), mesh=bank, max_tokens_per_rank=PER_RANK,
+                              unequal_calls=unequal_calls, **common)
 
 
-def _run(path: str, output_dir: str, flex: bool) -> dict:
+def _run(path: str, output_dir: str, flex: bool, unequal_calls: bool = False) -> dict:
+    import torch.distributed as dist
+
     bank = worker_bank(heads=4, ranks_per_node=2) if flex else None
-    trainer = _trainer(path, output_dir, bank)
+    trainer = _trainer(path, output_dir, bank, unequal_calls)
+    calls = []  # this rank's micro-batches in every training step
+    step = trainer.training_step
+
+    def counting(model, inputs, *args, **kwargs):
+        calls.append(len(inputs["micro_batches"]))
+        return step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = counting
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     return {
         "steps": history(trainer), "eval": trainer.evaluate()["eval_loss"],
         "layouts": [h.get("plan_layouts") for h in logs], "busy": [h.get("plan_busy_max_over_mean") for h in logs],
         "splits": [(s.size, s.ulysses, s.ring) for s in bank.shapes] if bank else None,
+        "calls": calls, "rank": dist.get_rank() if dist.is_initialized() else 0,
     }
 
 
@@ -77,6 +91,19 @@ def test_flex_trainer_matches_single_process(pools, llama, tmp_path):
     assert all(b is not None and b >= 1.0 for b in out[0]["busy"]), out[0]["busy"]
 
 
+def test_unequal_calls_trainer_matches_single_process(pools, llama, tmp_path):
+    """`unequal_calls=True`: every step is planned with `plan_unequal` and FSDP2 runs it
+    unsharded; ranks run different numbers of micro-batches in at least one step, and the
+    logged losses, grad norms and eval loss still equal the single-process trainer's."""
+    ref = _run(llama, str(tmp_path / "ref"), flex=False)
+    out = pools.get(4).run(_run, llama, str(tmp_path / "unequal"), True, True, timeout=600)
+    for rank, res in enumerate(out):
+        assert_steps_close(res["steps"], ref["steps"], TOL, f"unequal rank {rank}")
+        assert res["eval"] == pytest.approx(ref["eval"], rel=TOL), f"rank {rank}: eval loss {res['eval']} vs {ref['eval']}"
+    per_step = list(zip(*(res["calls"] for res in out)))  # [(rank 0's count, rank 1's, ...) per step]
+    assert per_step and any(len(set(c)) > 1 for c in per_step), f"no step with unequal counts: {per_step}"
+
+
 def test_bank_settings_are_refused_before_training(llama, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -100,3 +127,5 @@ def test_bank_settings_are_refused_before_training(llama, tmp_path):
         build(plain, mesh=bank, max_tokens_per_rank=48)
     with pytest.raises(ValueError, match="exceed"):  # 39-token documents, one rank of 8 tokens
         build(model, mesh=bank, max_tokens_per_rank=8)
+    with pytest.raises(ValueError, match="unequal_calls=True needs a GroupBank"):
+        build(plain, mesh=mesh, max_tokens=48, unequal_calls=True)
