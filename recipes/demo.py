@@ -21,7 +21,10 @@ step's documents are planned with `plan_flexible` under `--max-tokens / 4` token
 (a group of s ranks holds s × that, so the longest piece is the same as without --flex),
 short files train on single ranks without communication and long ones on groups of 2 or 4,
 and every step prints its slot layouts (e.g. "[4] [2+1+1]") and the plan's per-rank busy
-max/mean.
+max/mean. `--flex --unequal-calls` (`make demo DEMO_ARGS="--flex --unequal-calls"`): steps
+are planned with `plan_unequal` instead, ranks run different numbers of micro-batches and
+FSDP2 keeps the model unsharded for each step (gathered once, gradients synced in each
+rank's own last backward).
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--flex", action="store_true",
                    help="flexible SP groups: a group bank of sizes 1..world, planned per step (FlexSP / Hydraulis)")
+    p.add_argument("--unequal-calls", action="store_true",
+                   help="with --flex: ranks run different numbers of micro-batches (model unsharded for each step)")
     p.add_argument("--no-bar", action="store_true", help="plain per-step lines only (CI logs)")
     return p.parse_args(argv)
 
@@ -116,6 +121,8 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainingArguments
 
     args = parse_args(argv)
+    if args.unequal_calls and not args.flex:
+        raise SystemExit("--unequal-calls needs --flex (flexible SP groups)")
     torch.set_num_threads(1)  # 4 ranks share the cores: more threads per rank only thrash
     t0 = time.perf_counter()
     device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + process group with a fault timeout
@@ -127,7 +134,7 @@ def main(argv=None) -> dict:
     )
     if args.flex:  # ranks_per_node = ulysses: the largest group splits ulysses x ring like the fixed mesh
         mesh = init_group_bank(heads=HEADS, ranks_per_node=args.ulysses)
-        caps = dict(max_tokens_per_rank=args.max_tokens // mesh.world_size)
+        caps = dict(max_tokens_per_rank=args.max_tokens // mesh.world_size, unequal_calls=args.unequal_calls)
     else:
         mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring)
         caps = dict(max_tokens=args.max_tokens)
