@@ -23,6 +23,7 @@ test: setup
 # The main job: a small Llama trained on 4 CPU ranks (Ulysses 2 x ring 2, FSDP2 over all 4)
 # on the Python standard library's own source; DEMO_ARGS=--steps 8 for a shorter run;
 # DEMO_ARGS=--flex for flexible SP groups (sizes 1, 2, 4 chosen per micro-batch slot, FlexSP/Hydraulis).
+# DEMO_ARGS="--flex --unequal-calls": ranks run different numbers of micro-batches (model unsharded per step).
 DEMO_ARGS ?=
 demo: setup
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/demo.py $(DEMO_ARGS)

@@ -15,8 +15,11 @@ cores, so both ranks run in parallel. 4 ranks: more ranks than cores, so wall ti
 the scheduler; each rank's CPU time (`time.process_time`, every thread of the process,
 gloo's included; a rank blocked in a collective uses none) is its busy time, and a step's
 time is Σ over slots of the slowest rank's CPU time in that slot (every rank waits for the
-slowest at each slot's collectives). Per-rank busy max/mean = max over ranks of Σ_slot CPU
-time / its mean.
+slowest at each slot's collectives); with unequal counts (`plan_unequal`), where ranks wait
+only for their group's members, the makespan of the plan's order with each micro-batch
+lasting as long as its slowest member. Per-rank busy max/mean = max over ranks of Σ_slot
+CPU time / its mean. The unequal-count plan runs without FSDP here like the others (its
+unsharded-step gathers and syncs are once per step, outside the propagation compared).
 
 Steps of the plans are interleaved (flex, fixed s1, fixed s2, ..., repeated `--reps` times)
 so load from other processes on a shared machine hits every plan alike; medians are shown.
@@ -108,6 +111,21 @@ def _microbatch_time(model, bank, size: int, lengths: list[int], reps: int, time
     return float(_gather(times).mean(axis=0).min())
 
 
+def _cpu_step(plan, cpu_slots: np.ndarray) -> float:
+    """A step's time from per-rank CPU times [world, slots]. Equal counts: Σ over slots of the
+    slowest rank (every slot ends together: FSDP's and the groups' collectives). Unequal
+    counts: each group's micro-batch starts when all its members are free and lasts as long
+    as its slowest member; the step is when the last rank is done."""
+    if plan.equal_calls:
+        return float(cpu_slots.max(axis=0).sum())
+    free = np.zeros(plan.world_size)
+    for m, slot in enumerate(plan.slots):
+        for g in slot:
+            r = slice(g.ranks.start, g.ranks.stop)
+            free[r] = free[r].max() + cpu_slots[r, m].max()
+    return float(free.max())
+
+
 def _mix(world: int, cap: int, n_short: int, seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     long = int(cap * (3.5 if world >= 4 else 1.75))
@@ -115,7 +133,7 @@ def _mix(world: int, cap: int, n_short: int, seed: int) -> list[int]:
 
 
 def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out: str) -> None:
-    from hf_longctx import GroupCost, init_group_bank, patch, plan_fixed, plan_flexible
+    from hf_longctx import GroupCost, init_group_bank, patch, plan_fixed, plan_flexible, plan_unequal
     from hf_longctx.distributed.flex_step import flex_microbatches
 
     torch.set_num_threads(1)
@@ -158,30 +176,36 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out
     # ---- steps: flexible vs every feasible fixed degree, interleaved ----
     lengths = _mix(world, args.cap, args.short, args.seed)
     docs = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(i)).tolist() for i, n in enumerate(lengths)]
-    plans = {"flexible": plan_flexible(lengths, shapes=bank.shapes, world_size=world, max_tokens_per_rank=args.cap, cost=cost)}
+    plans = {
+        "flexible": plan_flexible(lengths, shapes=bank.shapes, world_size=world, max_tokens_per_rank=args.cap, cost=cost),
+        "flexible, unequal counts": plan_unequal(lengths, shapes=bank.shapes, world_size=world,
+                                                 max_tokens_per_rank=args.cap, cost=cost),
+    }
     for sh in bank.shapes:
         if sh.padded(max(lengths)) <= sh.capacity(args.cap):
             plans[f"fixed {sh.size} (U{sh.ulysses}×R{sh.ring}×dp{world // sh.size})"] = plan_fixed(
                 lengths, shape=sh, shapes=bank.shapes, world_size=world, max_tokens_per_rank=args.cap, cost=cost)
     shards = {k: list(flex_microbatches(p, bank, docs)) for k, p in plans.items()}
+    # The slots this rank runs, in order (all of them with equal counts).
+    mine = {k: [m for m, slot in enumerate(p.slots) if any(rank in g.ranks for g in slot)] for k, p in plans.items()}
     res = {k: {"step": [], "busy": [], "synced": []} for k in plans}
     for _ in range(args.reps):
-        for k in plans:
-            t_slot = []
+        for k, plan in plans.items():
+            t_slot = [0.0] * plan.num_slots  # this rank's CPU time per slot (0 where it idles)
 
             def step():
-                for shard in shards[k]:
+                for m, shard in zip(mine[k], shards[k]):
                     c0 = time.process_time()
                     model(**shard).loss.backward()
-                    t_slot.append(time.process_time() - c0)
+                    t_slot[m] = time.process_time() - c0
                 model.zero_grad(set_to_none=True)
 
             wall = timer(step)
             cpu_slots = _gather(t_slot)  # [world, slots]: each rank's CPU time per slot
             busy = cpu_slots.sum(axis=1)  # [world]
             res[k]["busy"].append(float(busy.max() / busy.mean()))
-            res[k]["synced"].append(float(cpu_slots.max(axis=0).sum()))
-            res[k]["step"].append(float(np.median(_gather([wall]))) if not cpu else float(cpu_slots.max(axis=0).sum()))
+            res[k]["synced"].append(_cpu_step(plan, cpu_slots))
+            res[k]["step"].append(float(np.median(_gather([wall]))) if not cpu else _cpu_step(plan, cpu_slots))
     if rank == 0:
         with open(out, "w") as fh:
             json.dump({

@@ -22,7 +22,9 @@ planner (`plan_microbatches`, dp = ranks/s, cap s·32K); "fixed bound" = the bes
 the provable floor of any fixed-degree plan (the slot holding the costliest document
 cannot have its other groups costlier than the longest remaining documents packed
 densely), on the same ideal. "planner ms": CPU time of `plan_flexible` per step (process
-time, so that other load on a shared machine does not count).
+time, so that other load on a shared machine does not count). "unequal counts": the same
+step planned with `plan_unequal` (ranks run different numbers of micro-batches, the model
+unsharded for the step): its modelled makespan / the same ideal (no equal-count floor).
 
     PYTHONPATH=. python benchmarks/flex_planning.py              # full table
     python benchmarks/flex_planning.py --steps 4    # quicker
@@ -39,6 +41,7 @@ from benchmarks.packing import load
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex_groups import group_shapes
 from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
+from hf_longctx.data.flex_unequal import plan_unequal
 from hf_longctx.data.sampler import StepSampler
 
 CAP = 32768  # tokens per rank per micro-batch
@@ -86,7 +89,8 @@ def run(lengths, world, slots, steps, seed):
     cost, shapes = llama7b_cost(world)
     sampler = StepSampler(np.minimum(lengths, LONG), tokens_per_step=int(0.9 * world * slots * CAP), seed=seed)
     batch = [sampler.lengths[s] for s in sampler.epoch_steps(0)[:steps]]
-    rec = {k: [] for k in ("flex", "fixed", "bound", "speedup", "ms", "slots", "best_s", "busy", "layouts")}
+    rec = {k: [] for k in ("flex", "fixed", "bound", "speedup", "ms", "slots", "best_s", "busy", "layouts",
+                           "unequal", "speedup_u", "ms_u", "calls_lo", "calls_hi")}
     for step in batch:
         t0 = time.process_time()  # CPU time: the benchmark machine is shared
         flex = plan_flexible(step, shapes=shapes, world_size=world, max_tokens_per_rank=CAP, cost=cost, num_slots=slots)
@@ -110,6 +114,14 @@ def run(lengths, world, slots, steps, seed):
         rec["best_s"].append(f"{best_s.ulysses}×{best_s.ring}×{world // best_s.size}")
         rec["busy"].append(fs["busy_max_over_mean"])
         rec["layouts"].append(len({tuple(sorted(l)) for l in flex.layouts()}))
+        t0 = time.process_time()
+        unequal = plan_unequal(step, shapes=shapes, world_size=world, max_tokens_per_rank=CAP, cost=cost)
+        rec["ms_u"].append(1e3 * (time.process_time() - t0))
+        us = unequal.stats(cost)
+        rec["unequal"].append(us["synced_step"] / ideal)
+        rec["speedup_u"].append(fixed / us["synced_step"])
+        rec["calls_lo"].append(us["calls"][0])
+        rec["calls_hi"].append(us["calls"][1])
     return rec
 
 
@@ -128,8 +140,9 @@ def main() -> None:
     if args.scale_steps:
         settings += [(64, 8, args.scale_steps), (64, 4, args.scale_steps)]
     print("| distribution | ranks × slots | flexible / ideal | best fixed (U×R×dp) / ideal | fixed-degree bound / ideal | "
-          "speed-up over best fixed | slots used | distinct layouts | busy max/mean | planner ms |")
-    print("|" + "---|" * 10)
+          "speed-up over best fixed | slots used | distinct layouts | busy max/mean | planner ms | "
+          "unequal counts: makespan / ideal | speed-up over best fixed | micro-batches per rank | planner ms |")
+    print("|" + "---|" * 14)
     for name, lengths in dists.items():
         for world, slots, steps in settings:
             r = run(lengths, world, slots, steps, args.seed)
@@ -139,7 +152,9 @@ def main() -> None:
                 f"| {name} | {world} × {slots} | {a['flex'].mean():.3f} ({a['flex'].max():.3f}) | "
                 f"{a['fixed'].mean():.3f} ({a['fixed'].max():.3f}; {common}) | {a['bound'].mean():.3f} | "
                 f"{a['speedup'].mean():.2f}× ({a['speedup'].min():.2f}) | {a['slots'].mean():.2f} | "
-                f"{a['layouts'].mean():.1f} | {a['busy'].mean():.3f} | {a['ms'].mean():.0f} ({a['ms'].max():.0f}) |",
+                f"{a['layouts'].mean():.1f} | {a['busy'].mean():.3f} | {a['ms'].mean():.0f} ({a['ms'].max():.0f}) | "
+                f"{a['unequal'].mean():.3f} ({a['unequal'].max():.3f}) | {a['speedup_u'].mean():.2f}× ({a['speedup_u'].min():.2f}) | "
+                f"{a['calls_lo'].min()}–{a['calls_hi'].max()} | {a['ms_u'].mean():.0f} ({a['ms_u'].max():.0f}) |",
                 flush=True,
             )
 

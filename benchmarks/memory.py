@@ -164,7 +164,7 @@ def _print(args, table, budget, fits) -> None:
     print(f"\nOne training step, tiny Llama (hidden 256, inter 688, 2 layers, 8 heads / 4 KV, vocab 32000), "
           f"{args.tokens} tokens on {WORLD} gloo ranks (Ulysses {WORLD}); peak tensor memory per rank (MemTracker, worst rank); "
           f"loss chunk: {args.loss_chunk_tokens or 'library default'} tokens\n")
-    print(f"| setting | CPU peak MiB | x plain USP | x (+ chunked loss) | CPU step s | x plain time | GPU peak | GPU step |")
+    print("| setting | CPU peak MiB | x plain USP | x (+ chunked loss) | CPU step s | x plain time | GPU peak | GPU step |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
     for label, peak, secs in table:
         print(f"| {label} | {peak / mib:.1f} | {peak / plain_peak:.3f} | {peak / loss_peak:.3f} | {secs:.2f} | "

@@ -106,8 +106,8 @@ def main() -> None:
     if args.scale_steps:
         settings.append((64, 16 * 2**20 / (0.9 * 64 * CAP), args.scale_steps))  # 16M tokens per step
     header = (
-        f"| distribution | ranks × mb/step | strategy | rank max/mean | synced/ideal | "
-        f"micro-batches (bound) | planner ms |"
+        "| distribution | ranks × mb/step | strategy | rank max/mean | synced/ideal | "
+        "micro-batches (bound) | planner ms |"
     )
     print(header)
     print("|" + "---|" * 7)

@@ -13,6 +13,7 @@ from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex_groups import GroupShape, group_shapes
 from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
+from hf_longctx.data.flex_unequal import plan_unequal
 from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import Piece, Plan, plan_microbatches
 from hf_longctx.data.pipeline import tokenize_dataset
@@ -57,6 +58,7 @@ __all__ = [
     "patch",
     "plan_fixed",
     "plan_flexible",
+    "plan_unequal",
     "plan_microbatches",
     "run_flex_step",
     "shard_batch",

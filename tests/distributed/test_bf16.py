@@ -29,7 +29,6 @@ import copy
 import pytest
 import torch
 
-from tests.distributed.test_models import family_config
 from tests.pool import worker_mesh
 
 DOCS = [7, 23, 5, 14, 11, 9]  # DP rank d of dp takes DOCS[d::dp]

@@ -52,7 +52,7 @@ def load(path: str):
 def reference(path: str, feats: list[dict]):
     """Mean loss over every valid target of the global batch, each document on its own."""
     model = load(path)
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    count = 0
     losses = []
     for f in feats:
         ids = torch.tensor([f["input_ids"]])

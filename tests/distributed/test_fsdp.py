@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import load, packed_batch, rel, save_family
+from tests.distributed.test_models import load, rel, save_family
 from tests.pool import worker_mesh
 
 UPDATE_TOL = 1e-4

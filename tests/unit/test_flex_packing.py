@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex_groups import GroupShape, group_shapes, ulysses_split
+from hf_longctx.data.flex_groups import group_shapes, ulysses_split
 from hf_longctx.data.flex_packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
 
 BASE = CostModel(a=1.0, b=4096.0)
