@@ -139,8 +139,12 @@ def run_flex_step(
 
     fsdp = isinstance(model, FSDPModule)
     local = torch.zeros((), dtype=torch.float64)
-    shards = list(flex_microbatches(plan, bank, documents, num_items_in_batch=num_items_in_batch,
-                                    pad_token_id=pad_token_id))  # checks and the fingerprint first
+    device = next(model.parameters()).device  # a DTensor parameter's device is its local shard's
+    shards = [
+        {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}  # metadata stays as is
+        for shard in flex_microbatches(plan, bank, documents, num_items_in_batch=num_items_in_batch,
+                                       pad_token_id=pad_token_id)
+    ]  # checks and the fingerprint first
     n = len(shards)
     if plan.equal_calls or not fsdp:
         for j, shard in enumerate(shards):

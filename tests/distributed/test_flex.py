@@ -86,7 +86,7 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
     grads = {}
     for n, p in model.named_parameters():
         g = p.grad
-        grads[n] = g.full_tensor() if hasattr(g, "full_tensor") else g
+        grads[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).cpu()  # the reference is on the host
     errs = {n: rel(grads[n], ref_grads[n]) for n in ref_grads}
     splits = [(s.size, s.ulysses, s.ring, s.fpdt_chunks) for s in bank.shapes]
     resharded = all(not hasattr(p, "full_tensor") or p.to_local().numel() < p.numel() or p.numel() == 1
@@ -115,6 +115,11 @@ def test_mixed_layouts_equal_single_process(pools, paths, family, ranks_per_node
                                             equal_calls):
     results = pools.get(4).run(_flex_step, paths[family], ranks_per_node, fpdt_chunks, fsdp, checkpoint, equal_calls,
                                timeout=300)
+    check_results(results, splits, equal_calls)
+
+
+def check_results(results: list[dict], splits: list, equal_calls: bool) -> None:
+    """Per-rank call counts, reshard, the bank's splits, loss and gradients (also the 4-GPU test's)."""
     calls = [res["calls"] for res in results]
     assert calls == ([4] * 4 if equal_calls else [5, 3, 4, 4]), f"micro-batches per rank {calls}"
     for rank, res in enumerate(results):
