@@ -102,15 +102,20 @@ def footer(args: argparse.Namespace) -> str:
         "Assumptions (hf_longctx/planning/memory.py and search.py docstrings):",
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
         "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered units (2 layers, or LM head + 1 layer) and "
-        "one unit's unsharded grads in the compute dtype;",
+        "one unit's unsharded grads in the compute dtype; "
+        + ("gradients reduce-scattered in every micro-batch's backward (--sync-each-microbatch), the earlier "
+           "micro-batches' sharded fp32 gradients held through the step;" if args.sync_each_microbatch
+           else "with several micro-batches per step the trainer reduce-scatters in the last backward only, so the fp32 "
+           "unsharded gradients (4 B/param) are held through the step (in grads; --sync-each-microbatch shards them);"),
         "- activ = what autograd keeps for a Llama-style layer at S/sp tokens per GPU (checkpointing: layer inputs, "
         "on host; FPDT+offload: q/k/v/out on host); buffers = the larger transient of the loss and of one layer's "
         "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
-        *([f"- --unequal-calls: every rank holds the whole model in {args.dtype} for the step plus its fp32 unsharded "
-           "gradients (4 B/param, included in grads; held next to every micro-batch's activations: peak = params + "
-           "optim + held grads + max(grads, activ + buffers)), as ranks run different numbers of micro-batches "
+        *([f"- --unequal-calls: every rank holds the whole model in {args.dtype} for the step (in params) next to the "
+           "held fp32 unsharded gradients, as ranks run different numbers of micro-batches "
            "(distributed/unsharded_step.py);"]
           if args.unequal_calls else []),
+        "- held fp32 gradients sit next to every micro-batch's activations: peak = params + optim + held + "
+        "max(grads - held, activ + buffers);",
         f"- fits = peak <= (1 - {args.headroom}) x --gpu-memory and host GiB/GPU x GPUs per node <= (1 - "
         f"{args.headroom}) x --host-memory; validated within 10% on CPU (benchmarks/memory_model.py);",
         f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of {args.seq_len}): "
@@ -199,6 +204,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hf_longctx.planning.memory import ModelDims
     from hf_longctx.planning.search import Cluster, Suggestion, rank_settings
 
+    if args.unequal_calls and args.sync_each_microbatch:
+        print("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
+              "--sync-each-microbatch", file=sys.stderr)
+        return 2
     args.micro_batch_tokens = args.micro_batch_tokens or args.seq_len
     config = load_config(args.model)
     dims = ModelDims.from_config(config)
@@ -208,7 +217,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         headroom=args.headroom, latency=args.latency,
     )
     ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
-                           optimizer=args.optimizer, unsharded_step=args.unequal_calls)
+                           optimizer=args.optimizer, unsharded_step=args.unequal_calls,
+                           grad_sync="microbatch" if args.sync_each_microbatch else "step")
     feasible = [c for c in ranked if c.feasible]
     print(f"hf-longctx plan: {getattr(config, 'model_type', '?')} ({dims.params / 1e9:.2f}B params, {dims.layers} layers, "
           f"hidden {dims.hidden}, {dims.heads}/{dims.kv_heads} heads, vocab {dims.vocab}) on {args.gpus} GPUs x "
@@ -267,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unequal-calls", action="store_true",
                    help="memory of flexible groups with unequal micro-batch counts (parameters and gradients unsharded "
                         "for the whole step); with --flex --plot, plan the step that way")
+    p.add_argument("--sync-each-microbatch", action="store_true",
+                   help="memory with a gradient reduce-scatter in every micro-batch (LongContextTrainer("
+                        "sync_each_microbatch=True)) instead of unsharded fp32 gradients held through the step")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
     return parser

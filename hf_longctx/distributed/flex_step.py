@@ -129,14 +129,20 @@ def flex_microbatches(
 
 def run_flex_step(
     model: torch.nn.Module, bank: GroupBank, plan: FlexPlan, documents: Sequence[Any], *,
-    num_items_in_batch: int | None = None, pad_token_id: int = 0,
+    num_items_in_batch: int | None = None, pad_token_id: int = 0, sync_each_microbatch: bool = False,
 ) -> torch.Tensor:
     """Forward + backward of every slot of `plan` on this rank; returns the step's global mean
     loss (the same on every rank). Gradients end summed over the world, ready for
     `optimizer.step()`. `model` is patched with `bank` and optionally FSDP2-sharded over
-    `bank.world` (`fsdp_plan(model, bank.world).apply(model)`)."""
+    `bank.world` (`fsdp_plan(model, bank.world).apply(model)`). `sync_each_microbatch`:
+    with FSDP2 and equal counts, reduce-scatter in every backward (gradients accumulate
+    sharded; more traffic) instead of only in the last (the default, which holds the fp32
+    unsharded gradients through the step: `planning/memory.py`)."""
     from torch.distributed.fsdp import FSDPModule
 
+    if sync_each_microbatch and not plan.equal_calls:
+        raise ValueError("sync_each_microbatch=True needs equal micro-batch counts: with unequal counts every rank syncs "
+                         "in its own last backward (the reduce-scatters must pair up across ranks)")
     fsdp = isinstance(model, FSDPModule)
     local = torch.zeros((), dtype=torch.float64)
     device = next(model.parameters()).device  # a DTensor parameter's device is its local shard's
@@ -149,7 +155,7 @@ def run_flex_step(
     if plan.equal_calls or not fsdp:
         for j, shard in enumerate(shards):
             if fsdp:
-                model.set_requires_gradient_sync(j == n - 1)  # one reduce-scatter over the world per step
+                model.set_requires_gradient_sync(sync_each_microbatch or j == n - 1)  # default: one reduce-scatter per step
             loss = model(**shard).loss
             loss.backward()
             local += loss.detach().double().cpu()

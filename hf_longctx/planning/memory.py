@@ -34,12 +34,20 @@ Assumptions (each is also printed under the plan table):
   recomputed MLP chunk, activation gradients).
 - Peak = params + optimizer + held + max(grads, activations + buffers): during backward,
   activations are freed while gradients appear, and the optimizer step needs grads only.
-- Unequal micro-batch counts (`unsharded_step=True`, `distributed/unsharded_step.py`): the
-  whole model is gathered once per step in the compute dtype (params: the master shards
-  plus dt·P instead of the two gathered units) and every unsharded gradient is accumulated
-  in fp32 (FSDP's reduce dtype) until each rank's last backward: held = 4·P for the whole
-  step, next to every micro-batch's activations; one unit's gradient in the compute dtype
-  is the transient before it is added. Only with world > 1 (one GPU gathers nothing).
+- Gradient sync (`grad_sync`, world > 1): "step" (the trainer's and `run_flex_step`'s
+  default, Accelerate's `sync_each_batch=False`): FSDP2 reduce-scatters only in the step's
+  last backward, so every earlier micro-batch leaves its UNSHARDED gradients accumulated in
+  fp32 (FSDP's reduce dtype) until then: held = 4·P next to the later micro-batches'
+  activations -- with one micro-batch per step nothing is held, so this is conservative
+  there. "microbatch" (`sync_each_microbatch=True`): a reduce-scatter in every backward,
+  gradients accumulate sharded: held = 4·P / world (the earlier micro-batches' sharded
+  gradients next to the later ones' activations), at P·e bytes of traffic per rank and
+  micro-batch. Measured within 4 % on 2 gloo ranks (benchmarks/memory_model_fsdp.py).
+- Unequal micro-batch counts (`unsharded_step=True`, `distributed/unsharded_step.py`, grad
+  sync "step" by construction): the whole model is gathered once per step in the compute
+  dtype (params: the master shards plus dt·P instead of the two gathered units), the fp32
+  gradients are held as above; one unit's gradient in the compute dtype is the transient
+  before it is added. Only with world > 1 (one GPU gathers nothing).
 """
 
 from __future__ import annotations
@@ -80,7 +88,7 @@ class MemoryEstimate:
     activations: float
     buffers: float
     host: float
-    held: float = 0.0  # gradients accumulated unsharded across micro-batches (unequal counts)
+    held: float = 0.0  # fp32 gradients of the step's earlier micro-batches, next to the later ones' activations
 
     @property
     def peak(self) -> float:
@@ -115,19 +123,24 @@ def layer_activation_bytes(dims: ModelDims, dt: int, kv_factor: int) -> dict[str
 
 def estimate_memory(
     dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
-    unsharded_step: bool = False,
+    unsharded_step: bool = False, grad_sync: str = "step",
 ) -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
     `optimizer`: "adamw" (two fp32 moments) or "sgd" (stateless). `unsharded_step`: the
     unequal-count mode of flexible SP groups (parameters and gradients unsharded for the
-    whole step). Raises ValueError when the setting cannot run (degrees that do not divide,
-    heads not divisible).
+    whole step). `grad_sync`: "step" (reduce-scatter in the step's last backward; unsharded
+    fp32 gradients held until then) or "microbatch" (every backward). Raises ValueError when
+    the setting cannot run (degrees that do not divide, heads not divisible).
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+    if grad_sync not in ("step", "microbatch"):
+        raise ValueError(f"grad_sync must be 'step' or 'microbatch', got {grad_sync!r}")
+    if unsharded_step and grad_sync != "step":
+        raise ValueError("unsharded_step=True syncs gradients in each rank's last backward: grad_sync must be 'step'")
     s = setting
     if world % s.sp:
         raise ValueError(f"ulysses({s.ulysses}) x ring({s.ring}) = {s.sp} does not divide {world} GPUs")
@@ -150,11 +163,11 @@ def estimate_memory(
     rest = max(0, dims.root_params - vocab_unit * (1 if dims.tied else 2))
     gathered = dt * (rest + max(2 * dims.layer_params, vocab_unit + dims.layer_params)) if world > 1 else 0.0
     unsharded_grads = dt * (rest + max(dims.layer_params, vocab_unit)) if world > 1 else 0.0
-    held = 0.0
+    # fp32 gradients of the earlier micro-batches: unsharded until the last backward, or sharded.
+    held = (4.0 * P if grad_sync == "step" else 4.0 * P / world) if world > 1 else 0.0
     if unsharded_step and world > 1:
         gathered = dt * P  # the whole model, gathered once at the step's start
         unsharded_grads = dt * max(dims.layer_params, vocab_unit, rest)  # one unit's, before accumulation
-        held = 4.0 * P  # fp32 accumulated unsharded gradients until the rank's last backward
     params = master + gathered
     grads = 4 * P / world + unsharded_grads
     optim = (8 * P / world) if optimizer == "adamw" else 0.0

@@ -190,7 +190,7 @@ def step_time(
 
 def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
-    optimizer: str = "adamw", unsharded_step: bool = False,
+    optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step",
 ) -> list[Candidate]:
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
@@ -206,7 +206,7 @@ def rank_settings(
     out = []
     for s, preset in enumerate_settings(dims, cluster.gpus, tokens):
         mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
-                              unsharded_step=unsharded_step)
+                              unsharded_step=unsharded_step, grad_sync=grad_sync)
         dp = cluster.gpus // s.sp
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len)
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
@@ -225,13 +225,13 @@ def rank_settings(
 
 def suggest(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
-    optimizer: str = "adamw", unsharded_step: bool = False,
+    optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step",
 ) -> Suggestion:
     """The fastest setting by the step-time estimate among those whose estimated peak fits
     (the first row of `hf-longctx plan` with the same arguments). Raises ValueError naming
     the lowest estimated peak when nothing fits."""
     ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                           unsharded_step=unsharded_step)
+                           unsharded_step=unsharded_step, grad_sync=grad_sync)
     if not ranked[0].feasible:
         low = min(ranked, key=lambda c: c.memory.peak)
         raise ValueError(

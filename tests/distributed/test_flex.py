@@ -71,7 +71,8 @@ def _reference(path: str):
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, checkpoint: bool, equal_calls: bool) -> dict:
+def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, checkpoint: bool, equal_calls: bool,
+               sync_each_microbatch: bool = False) -> dict:
     from hf_longctx.distributed.flex_step import run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import patch
@@ -82,7 +83,19 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
     if fsdp:
         fsdp_plan(model, bank.world, mixed_precision="fp32").apply(model)
     plan = _plan(bank, equal_calls)
-    loss = run_flex_step(model, bank, plan, _documents())
+    units = sum(1 for m in model.modules() if hasattr(m, "set_requires_gradient_sync"))
+    scatters = []  # FSDP2's gradient reduce-scatters of this rank during the step
+    scatter = torch.distributed.reduce_scatter_single  # what torch's FSDP2 calls (torch 2.13, _fsdp_collectives.py)
+
+    def counted(*args, **kwargs):
+        scatters.append(1)
+        return scatter(*args, **kwargs)
+
+    torch.distributed.reduce_scatter_single = counted
+    try:
+        loss = run_flex_step(model, bank, plan, _documents(), sync_each_microbatch=sync_each_microbatch)
+    finally:
+        torch.distributed.reduce_scatter_single = scatter
     grads = {}
     for n, p in model.named_parameters():
         g = p.grad
@@ -92,7 +105,7 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
     resharded = all(not hasattr(p, "full_tensor") or p.to_local().numel() < p.numel() or p.numel() == 1
                     for p in model.parameters())  # FSDP2 parameters are sharded again after the step
     return {"loss_err": abs(float(loss) - ref_loss) / abs(ref_loss), "errs": errs, "splits": splits,
-            "calls": len(plan.for_rank(bank.rank)), "resharded": resharded}
+            "calls": len(plan.for_rank(bank.rank)), "resharded": resharded, "scatters": len(scatters), "units": units}
 
 
 @pytest.fixture(scope="module")
@@ -102,20 +115,25 @@ def paths(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits, equal_calls",
+    "family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits, equal_calls, sync_each",
     [
-        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], True),
-        ("gpt2", 4, 1, False, False, [(1, 1, 1, 1), (2, 2, 1, 1), (4, 4, 1, 1)], True),
-        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], False),
-        ("gpt2", 4, 1, False, False, [(1, 1, 1, 1), (2, 2, 1, 1), (4, 4, 1, 1)], False),
+        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], True, False),
+        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], True, True),
+        ("gpt2", 4, 1, False, False, [(1, 1, 1, 1), (2, 2, 1, 1), (4, 4, 1, 1)], True, False),
+        ("llama", 2, 2, True, True, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], False, False),
+        ("gpt2", 4, 1, False, False, [(1, 1, 1, 1), (2, 2, 1, 1), (4, 4, 1, 1)], False, False),
     ],
-    ids=["llama-gqa-fsdp-fpdt-ckpt", "gpt2-sum-gradients", "unequal-llama-gqa-fsdp-fpdt-ckpt", "unequal-gpt2-sum-gradients"],
+    ids=["llama-gqa-fsdp-fpdt-ckpt", "llama-sync-each-microbatch", "gpt2-sum-gradients", "unequal-llama-gqa-fsdp-fpdt-ckpt",
+         "unequal-gpt2-sum-gradients"],
 )
 def test_mixed_layouts_equal_single_process(pools, paths, family, ranks_per_node, fpdt_chunks, fsdp, checkpoint, splits,
-                                            equal_calls):
+                                            equal_calls, sync_each):
     results = pools.get(4).run(_flex_step, paths[family], ranks_per_node, fpdt_chunks, fsdp, checkpoint, equal_calls,
-                               timeout=300)
+                               sync_each, timeout=300)
     check_results(results, splits, equal_calls)
+    for rank, res in enumerate(results):  # one reduce-scatter per FSDP unit per step, or per micro-batch if asked
+        expected = res["units"] * (res["calls"] if sync_each else 1) if fsdp else 0
+        assert res["scatters"] == expected, f"rank {rank}: {res['scatters']} reduce-scatters, expected {expected}"
 
 
 def check_results(results: list[dict], splits: list, equal_calls: bool) -> None:

@@ -27,7 +27,8 @@ BF16_TOL = 2e-2
 MESHES = {"u2xr2": (2, 2, 1), "dp2xu2": (2, 1, 1), "fpdt_u2": (2, 1, 2)}
 
 
-def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora: bool = False, bf16: bool = False) -> dict:
+def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora: bool = False, bf16: bool = False,
+         sync_each_microbatch: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
@@ -44,7 +45,7 @@ def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora:
     patch(model, mesh)
     ds = make_dataset(masked=True)
     trainer = LongContextTrainer(model=model, args=args, train_dataset=ds, eval_dataset=make_dataset(8, seed=1),
-                                 mesh=mesh, max_tokens=48, tokens_per_step=120)
+                                 mesh=mesh, max_tokens=48, tokens_per_step=120, sync_each_microbatch=sync_each_microbatch)
     trainer.train()
     return {"steps": history(trainer), "eval": trainer.evaluate()["eval_loss"],
             "balance": [h.get("plan_balance") for h in trainer.state.log_history if "loss" in h]}
@@ -79,6 +80,15 @@ def test_trainer_matches_single_process(pools, paths, reference, tmp_path, famil
         assert res["eval"] == pytest.approx(ref["eval"], rel=TOL), f"rank {rank}: eval loss {res['eval']} vs {ref['eval']}"
     if MESHES[mesh][0] * MESHES[mesh][1] == 2:  # dp 2: the plan's balance is logged
         assert all(b is not None and b >= 1.0 for b in out[0]["balance"])
+
+
+def test_sync_each_microbatch_matches_single_process(pools, paths, reference, tmp_path):
+    """`sync_each_microbatch=True`: FSDP2 reduce-scatters in every micro-batch's backward and
+    accumulates the gradients sharded; the steps still equal the single-process run."""
+    ref = reference("llama")
+    out = pools.get(4).run(_run, paths["llama"], MESHES["dp2xu2"], str(tmp_path), sync_each_microbatch=True, timeout=600)
+    for rank, res in enumerate(out):
+        assert_steps_close(res["steps"], ref["steps"], TOL, f"sync each micro-batch rank {rank}")
 
 
 def test_lora_trainer_matches_single_process(pools, paths, reference, tmp_path):

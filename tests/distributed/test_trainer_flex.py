@@ -129,3 +129,5 @@ def test_bank_settings_are_refused_before_training(llama, tmp_path):
         build(model, mesh=bank, max_tokens_per_rank=8)
     with pytest.raises(ValueError, match="unequal_calls=True needs a GroupBank"):
         build(plain, mesh=mesh, max_tokens=48, unequal_calls=True)
+    with pytest.raises(ValueError, match="sync_each_microbatch=True cannot be combined with unequal_calls=True"):
+        build(model, mesh=bank, max_tokens_per_rank=48, unequal_calls=True, sync_each_microbatch=True)

@@ -169,11 +169,38 @@ def test_plot_flex_shows_layouts_and_per_rank_load(config_path, tmp_path, capsys
     assert re.search(r"per-rank busy max/mean = \d+\.\d+", out) and "modelled speed-up of flexible groups" in out
 
 
+def test_gradient_sync_memory(config_path, capsys):
+    """By default (the trainer's: reduce-scatter in the step's last backward) every row holds
+    the fp32 unsharded gradients, 4 B/param, in its grads; `--sync-each-microbatch` holds them
+    sharded, 4 B/param / 16 GPUs (the row equals the model with grad_sync="microbatch");
+    `--unequal-calls` with it is refused."""
+    from transformers import LlamaConfig
+
+    assert main([*BASE, "--model", str(config_path), "--top", "1"]) == 0
+    (held,) = _table(capsys.readouterr().out)
+    assert main([*BASE, "--model", str(config_path), "--top", "1", "--sync-each-microbatch"]) == 0
+    out = capsys.readouterr().out
+    (synced,) = _table(out)
+    assert "--sync-each-microbatch" in out
+    dims = ModelDims.from_config(LlamaConfig(**CONFIG))
+    setting = Setting(ulysses=int(synced["ulysses"]), ring=int(synced["ring"]), fpdt_chunks=int(synced["fpdt"]),
+                      kv_offload=synced["kv offload"] == "yes", checkpoint=synced["ckpt"] == "yes",
+                      mlp_chunks=2 * int(synced["fpdt"]) if synced["chunked mlp/loss"] == "yes" else 1,
+                      loss_chunks=0 if synced["chunked mlp/loss"] == "yes" else 1)
+    est = estimate_memory(dims, setting, world=16, tokens=65536, grad_sync="microbatch")
+    assert est.held == 4 * dims.params / 16 and synced["peak GiB"] == f"{est.peak / 2**30:.1f}"
+    assert float(held["grads"]) - float(synced["grads"]) == pytest.approx(4 * dims.params * 15 / 16 / 2**30, abs=0.11)
+    assert main([*BASE, "--model", str(config_path), "--unequal-calls", "--sync-each-microbatch"]) == 2
+    with pytest.raises(ValueError, match="grad_sync must be 'step'"):
+        estimate_memory(dims, setting, world=16, tokens=65536, unsharded_step=True, grad_sync="microbatch")
+
+
 def test_unequal_calls_memory_and_plot(config_path, tmp_path, capsys):
-    """`--unequal-calls`: every row's peak is the memory model's with the whole model and its
-    fp32 gradients unsharded (peak grows by at least dt·P + 4·P − the two gathered units
-    on every setting), and `--flex --plot` plans the step with unequal counts: slots need
-    not tile the ranks, the output gives the per-rank micro-batch range."""
+    """`--unequal-calls`: every row's peak is the memory model's with the whole model
+    gathered for the step (params grow by at least dt·P − the two gathered units; the fp32
+    unsharded gradients are held as in the default), and `--flex --plot` plans the step
+    with unequal counts: slots need not tile the ranks, the output gives the per-rank
+    micro-batch range."""
     pytest.importorskip("matplotlib")
     import re
 
@@ -199,7 +226,7 @@ def test_unequal_calls_memory_and_plot(config_path, tmp_path, capsys):
     base = estimate_memory(dims, setting, world=16, tokens=65536)
     assert row["peak GiB"] == f"{est.peak / 2**30:.1f}" and est.held == 4 * dims.params
     assert est.params - base.params >= 2 * dims.params - 2 * (2 * dims.layer_params + dims.vocab * dims.hidden)
-    assert float(row["grads"]) > float(plain["grads"])
+    assert float(row["params"]) > float(plain["params"]) and row["grads"] == plain["grads"]  # held fp32 grads in both
     assert "--unequal-calls: every rank holds the whole model" in out
     assert "unequal micro-batch counts" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lo, hi = map(int, re.search(r"micro-batches per rank (\d+)-(\d+)", out).groups())
