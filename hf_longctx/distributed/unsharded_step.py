@@ -50,8 +50,9 @@ def _param_groups(unit) -> list:
 
 
 def unsharded_bytes(model: torch.nn.Module) -> int:
-    """Device bytes the step adds: every parameter unsharded in its param dtype plus its
-    unsharded gradient in the reduce dtype (fp32 unless FSDP's policy says otherwise)."""
+    """Device bytes the step adds: every parameter unsharded in its param dtype plus, for a
+    trainable one, its unsharded gradient in the reduce dtype (fp32 unless FSDP's policy
+    says otherwise)."""
     total = 0
     for unit in fsdp_units(model):
         for pg in _param_groups(unit):
@@ -60,7 +61,7 @@ def unsharded_bytes(model: torch.nn.Module) -> int:
                 numel = int(torch.Size(p.shape).numel())  # a DTensor parameter's shape is the global one
                 pd = policy.param_dtype or p.dtype
                 rd = policy.reduce_dtype or pd
-                total += numel * (pd.itemsize + rd.itemsize)
+                total += numel * (pd.itemsize + (rd.itemsize if p.requires_grad else 0))  # frozen (LoRA): no gradient
     return total
 
 
