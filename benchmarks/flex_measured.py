@@ -25,12 +25,14 @@ Steps of the plans are interleaved (flex, fixed s1, fixed s2, ..., repeated `--r
 so load from other processes on a shared machine hits every plan alike; medians are shown.
 
 Cost model (FlexSP appendix: a profiled model within ~5 %): for every group size, single-
-document micro-batches at 1/8 .. 1 of the group's capacity are timed (min of `--fit-reps`)
-and `GroupCost.fit` fits T_s(docs) = a_s·Σl² + b_s·Σl + c_s (c_s once per micro-batch);
-FRESH micro-batches -- single documents at lengths not in the fit, and packed micro-batches
-of short documents -- are timed and compared; the same fitted model plans the steps.
+document micro-batches at 1/8 .. 1 of the group's capacity and two micro-batches of packed
+short documents (1/4 and 1/2 of the capacity) are timed (min of `--fit-reps`) and
+`GroupCost.fit` fits T_s(docs) = a_s·Σl² + b_s·Σl + d_s·n + c_s (d_s per document, c_s once
+per micro-batch); FRESH micro-batches -- single documents at lengths not in the fit, and a
+micro-batch of other short documents packed to 3/4 of the capacity -- are timed and
+compared; the same fitted model plans the steps.
 
-    PYTHONPATH=. python benchmarks/flex_measured.py                    # both worlds, ~5 min on 2 cores
+    PYTHONPATH=. python benchmarks/flex_measured.py                    # both worlds, ~1 min on 2 quiet cores
     PYTHONPATH=. python benchmarks/flex_measured.py --worlds 2 --reps 3
 """
 
@@ -51,6 +53,7 @@ import torch.multiprocessing as mp
 
 FIT_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 CHECK_FRACTIONS = (0.1875, 0.375, 0.625, 0.875)
+FIT_PACKED = (0.25, 0.5)  # packed short documents in the fit, at these fractions of the capacity
 
 
 def _model(hidden: int, layers: int):
@@ -126,6 +129,17 @@ def _cpu_step(plan, cpu_slots: np.ndarray) -> float:
     return float(free.max())
 
 
+def _short_docs(shape, tokens: float, rng) -> list[int]:
+    """Short documents (32..256 tokens, padded for the shape) packed up to `tokens`."""
+    docs, total = [], 0
+    while True:
+        n = shape.padded(int(rng.integers(32, 257)))
+        if total + n > tokens:
+            return docs
+        docs.append(n)
+        total += n
+
+
 def _mix(world: int, cap: int, n_short: int, seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
     long = int(cap * (3.5 if world >= 4 else 1.75))
@@ -148,11 +162,15 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out
 
     # ---- cost model: fit, then fresh measurements ----
     fit_rows = []
+    fit_rng = np.random.default_rng(args.seed + 2)
     for sh in bank.shapes:
         capacity = sh.capacity(args.cap)
         for f in FIT_FRACTIONS:
             n = int(capacity * f) // sh.doc_multiple * sh.doc_multiple
-            fit_rows.append((sh.size, n, _microbatch_time(model, bank, sh.size, [n], args.fit_reps, timer, n)))
+            fit_rows.append((sh.size, [n], _microbatch_time(model, bank, sh.size, [n], args.fit_reps, timer, n)))
+        for f in FIT_PACKED:  # packed short documents: they separate the per-document from the per-micro-batch cost
+            docs = _short_docs(sh, f * capacity, fit_rng)
+            fit_rows.append((sh.size, docs, _microbatch_time(model, bank, sh.size, docs, args.fit_reps, timer, sum(docs))))
     cost = GroupCost.fit(*zip(*fit_rows))
     check = []
     rng = np.random.default_rng(args.seed + 1)
@@ -162,16 +180,10 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out
             n = int(capacity * f) // sh.doc_multiple * sh.doc_multiple
             check.append((sh.size, "1 document", n, cost.microbatch(sh.size, [n]),
                           _microbatch_time(model, bank, sh.size, [n], args.fit_reps, timer, n + 7)))
-        docs, total = [], 0
-        while True:  # short documents packed to ~3/4 of the group's capacity
-            n = sh.padded(int(rng.integers(32, 257)))
-            if total + n > 0.75 * capacity:
-                break
-            docs.append(n)
-            total += n
+        docs = _short_docs(sh, 0.75 * capacity, rng)  # fresh: other lengths, another count
         if docs:
-            check.append((sh.size, f"{len(docs)} short documents", total, cost.microbatch(sh.size, docs),
-                          _microbatch_time(model, bank, sh.size, docs, args.fit_reps, timer, total)))
+            check.append((sh.size, f"{len(docs)} short documents", sum(docs), cost.microbatch(sh.size, docs),
+                          _microbatch_time(model, bank, sh.size, docs, args.fit_reps, timer, sum(docs))))
 
     # ---- steps: flexible vs every feasible fixed degree, interleaved ----
     lengths = _mix(world, args.cap, args.short, args.seed)
@@ -210,7 +222,7 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out
         with open(out, "w") as fh:
             json.dump({
                 "world": world, "clock": "CPU time" if cpu else "wall clock", "fit": fit_rows, "check": check,
-                "coef": {s: [m.a, m.b, m.c] for s, m in cost.models},
+                "coef": {s: [m.a, m.b, m.c, cost.overhead(s)] for s, m in cost.models},  # a, b, d (per document), c
                 "lengths": lengths,
                 "plans": {k: {"layouts": [list(x) for x in p.layouts()], "model": p.stats(cost)["synced_step"],
                               "model_busy": p.stats(cost)["busy_max_over_mean"], **res[k]} for k, p in plans.items()},
@@ -265,9 +277,9 @@ def main() -> None:
         for k, v in plans.items():
             print(f"| {r['world']} ({r['clock']}) | {k} | {_layouts(v['layouts'])} | {med[k]:.3f} | {v['model']:.3f} | "
                   f"{statistics.median(v['busy']):.3f} | {v['model_busy']:.3f} | {best_fixed / med[k]:.2f}× |")
-    print("\nCost model: T_s(docs) = a_s·Σl² + b_s·Σl + c_s fitted per group size (GroupCost.fit) on single-document "
-          f"micro-batches at {', '.join(f'{f:g}' for f in FIT_FRACTIONS)} of the group's capacity; checked on fresh "
-          "micro-batches\n")
+    print("\nCost model: T_s(docs) = a_s·Σl² + b_s·Σl + d_s·n + c_s fitted per group size (GroupCost.fit) on "
+          f"single-document micro-batches at {', '.join(f'{f:g}' for f in FIT_FRACTIONS)} of the group's capacity and "
+          f"packed short documents at {', '.join(f'{f:g}' for f in FIT_PACKED)} of it; checked on fresh micro-batches\n")
     print("| ranks (clock) | group size | micro-batch | tokens | predicted ms | measured ms | error |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

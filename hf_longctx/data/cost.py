@@ -134,13 +134,14 @@ class GroupCost:
     """Per-group-size cost models for flexible sequence parallelism (FlexSP §4, Hydraulis §5).
 
     `models[s]` is the time one rank of an SP group of size s spends on a document of l
-    tokens: T_s(l) = a_s·l² + b_s·l + c_s, which for an analytic model is
+    tokens: T_s(l) = a_s·l² + b_s·l + d_s, which for an analytic model is
     (a·l² + b·l)/s plus the group's communication per token (Ulysses all-to-all, ring
-    hops) -- see `analytic`. A micro-batch of a group costs the sum over its documents.
+    hops) -- see `analytic`; d_s (the model's c) is a per-DOCUMENT constant (a varlen kernel
+    walking the documents). A micro-batch of a group costs the sum over its documents.
     The planner compares sizes through s·T_s(l) (rank-seconds), so the unit must be the
     same for every size. `overheads[s]` (default 0) is a constant per MICRO-BATCH of a group
-    of size s (layer launches, collective latency: the c_s of T_s(docs) = Σ(a_s·l² + b_s·l)
-    + c_s), paid once however many documents the group packs -- what `fit` measures.
+    of size s (layer launches, collective latency: the c_s of T_s(docs) = Σ(a_s·l² + b_s·l
+    + d_s) + c_s), paid once however many documents the group packs. `fit` measures all four.
     """
 
     models: tuple[tuple[int, CostModel], ...]
@@ -227,8 +228,13 @@ class GroupCost:
     ) -> "GroupCost":
         """Per-size coefficients from measured micro-batch times: rows (size, documents, seconds),
         `lengths[i]` one document's length or the lengths of a packed micro-batch. Fits
-        T_s(docs) = a_s·Σl² + b_s·Σl + c_s by non-negative least squares, c_s per micro-batch
-        (`overheads`; the per-document models get c = 0). Needs >= 3 distinct token totals per size."""
+        T_s(docs) = a_s·Σl² + b_s·Σl + d_s·n + c_s by non-negative least squares: c_s per
+        micro-batch (`overheads`), d_s per document (the per-document models' c; a varlen
+        kernel that walks the documents, the per-document padding, the metadata), where n is
+        the micro-batch's document count. d_s is fitted only where the rows of a size hold
+        packed micro-batches whose document counts vary independently of the constant
+        (otherwise d_s = 0: single-document rows cannot tell it from c_s). Needs >= 3
+        distinct token totals per size."""
         sz = np.asarray(sizes).ravel()
         docs = [np.atleast_1d(np.asarray(x, dtype=np.float64)) for x in lengths]
         y = np.asarray(times, dtype=np.float64).ravel()
@@ -238,6 +244,7 @@ class GroupCost:
             raise ValueError("GroupCost.fit: lengths must be finite and >= 0, times finite")
         sq = np.array([float(np.sum(d * d)) for d in docs])  # [rows] Σl²
         lin = np.array([float(np.sum(d)) for d in docs])  # [rows] Σl
+        count = np.array([float(d.size) for d in docs])  # [rows] documents per micro-batch
         models, overheads = [], []
         for s in sorted({int(v) for v in sz.tolist()}):
             rows = sz == s
@@ -246,7 +253,13 @@ class GroupCost:
                     f"group size {s}: GroupCost.fit needs at least 3 distinct token totals to fit a·Σl² + b·Σl + c, "
                     f"got {np.unique(lin[rows]).size} among {int(rows.sum())} rows"
                 )
-            a, b, c = _nnls(np.stack([sq[rows], lin[rows], np.ones(int(rows.sum()))], axis=1), y[rows])
-            models.append((s, CostModel(a=float(a), b=float(b))))
-            overheads.append((s, float(c)))
+            n = count[rows]
+            columns = [sq[rows], lin[rows], np.ones(int(rows.sum()))]
+            if np.unique(n).size >= 2:  # the document count is identifiable apart from the constant
+                columns.insert(2, n)
+            coef = _nnls(np.stack(columns, axis=1), y[rows])
+            a, b, c = float(coef[0]), float(coef[1]), float(coef[-1])
+            d = float(coef[2]) if len(coef) == 4 else 0.0
+            models.append((s, CostModel(a=a, b=b, c=d)))
+            overheads.append((s, c))
         return cls(tuple(models), tuple(overheads))

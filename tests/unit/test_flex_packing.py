@@ -140,9 +140,25 @@ def test_group_cost_fit_recovers_per_size_coefficients():
             sizes.append(s), lengths.append(docs), times.append(m.a * sum(n * n for n in docs) + m.b * sum(docs) + m.c)
     fit = GroupCost.fit(sizes, lengths, times)
     for s, m in truth.items():
-        assert fit.overhead(s) == pytest.approx(m.c, rel=1e-6) and fit[s].c == 0.0
+        assert fit.overhead(s) == pytest.approx(m.c, rel=1e-6) and fit[s].c == pytest.approx(0.0, abs=1e-12 * m.c)
         for n in (256, 2048, 16384):
             assert fit.microbatch(s, [n]) == pytest.approx(m(n), rel=1e-6)
         assert fit.microbatch(s, [256, 512]) == pytest.approx(m(256) + m(512) - m.c, rel=1e-6)
     with pytest.raises(ValueError, match="group size 4"):
         GroupCost.fit([4, 4], [10, 20], [1.0, 2.0])
+
+
+def test_group_cost_fit_separates_per_document_and_per_microbatch_constants():
+    """Rows that pack different numbers of documents tell a per-document cost d_s (e.g. a
+    varlen kernel walking the documents) from the per-micro-batch c_s; single-document rows
+    alone cannot, and leave d_s = 0."""
+    a, b, d, c = 1e-9, 5e-6, 4e-4, 2e-3
+    sizes, lengths, times = [], [], []
+    for docs in ([4096], [1024], [256, 256], [100, 200, 300], [64] * 12, [500] * 6, [2048, 1024, 512, 50]):
+        sizes.append(4), lengths.append(docs)
+        times.append(a * sum(x * x for x in docs) + b * sum(docs) + d * len(docs) + c)
+    fit = GroupCost.fit(sizes, lengths, times)
+    assert fit[4].c == pytest.approx(d, rel=1e-6) and fit.overhead(4) == pytest.approx(c, rel=1e-6)
+    assert fit.microbatch(4, [32] * 20) == pytest.approx(a * 20 * 32 * 32 + b * 640 + 20 * d + c, rel=1e-6)
+    single = GroupCost.fit([4] * 3, [[1024], [2048], [4096]], [a * n * n + b * n + d + c for n in (1024, 2048, 4096)])
+    assert single[4].c == 0.0 and single.overhead(4) == pytest.approx(c + d, rel=1e-6)
