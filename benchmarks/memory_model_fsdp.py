@@ -4,14 +4,15 @@ unsharded for the step), measured with MemTracker, next to `estimate_memory(...)
 
 Where it sits: outside the library, beside `benchmarks/memory_model.py` (one process, no
 FSDP). Here `--world` gloo ranks shard a tiny Llama with `fsdp_plan(mixed_precision="fp32")`
-over the group bank's world; every group has size 1 (the bank's only size, so the SP terms
-are those of `memory_model.py` and the rows differ only in what FSDP holds), each
-micro-batch holds `tokens` tokens of four packed documents, and one step is
-`run_flex_step` + AdamW. Equal counts: every rank runs `--microbatches` micro-batches, with
+over the group bank's world; every group has `--group-size` ranks (default 1: the SP terms
+are those of `memory_model.py` and the rows differ only in what FSDP holds; 2 or 4 add the
+all-to-all buffers, or the ring's with `--ranks-per-node 1`), each micro-batch holds
+`tokens` tokens of four packed documents (per group, before sharding), and one step is
+`run_flex_step` + AdamW. Equal counts: every group runs `--microbatches` micro-batches, with
 FSDP's gradient reduce-scatter in the last backward only (the default: the fp32 unsharded
 gradients are held through the step) or in every backward (`sync_each_microbatch=True`).
-Unequal counts: rank r runs `--microbatches` + r micro-batches (a valid `plan_unequal`-style
-plan: every rank's last micro-batch is its own), with `distributed/unsharded_step.py`
+Unequal counts: group i runs `--microbatches` + i micro-batches (a valid `plan_unequal`-style
+plan: every group's last micro-batch is its own), with `distributed/unsharded_step.py`
 holding the gathered parameters and the fp32 unsharded gradients through the step. The
 memory model's unsharded-step terms (planning/memory.py docstring) are what the second row
 checks. Peaks are MemTracker's (tensor storage on this CPU), after a warm-up step, worst
@@ -19,6 +20,8 @@ rank.
 
     PYTHONPATH=. python benchmarks/memory_model_fsdp.py                     # about 1 minute
     PYTHONPATH=. python benchmarks/memory_model_fsdp.py --world 4 --tokens 1024 4096
+    PYTHONPATH=. python benchmarks/memory_model_fsdp.py --world 4 --group-size 2                       # Ulysses 2
+    PYTHONPATH=. python benchmarks/memory_model_fsdp.py --world 4 --group-size 2 --ranks-per-node 1    # ring 2
 """
 
 from __future__ import annotations
@@ -45,20 +48,25 @@ MODES = ("step", "microbatch", "unequal")  # grad sync in the last backward / in
 
 
 def _plan(bank, tokens: int, microbatches: int, equal: bool):
+    """Every slot: the bank's groups of its largest size, each with four documents of
+    tokens/4; group i runs `microbatches` (+ i with unequal counts, so every group's last
+    micro-batch is its own)."""
     from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
 
-    world = bank.world_size
-    counts = [microbatches if equal else microbatches + r for r in range(world)]
+    size = bank.max_size
+    groups = bank.world_size // size
+    counts = [microbatches if equal else microbatches + i for i in range(groups)]
     slots, docs = [], 0
     for m in range(max(counts)):
         slot = []
-        for r in range(world):
-            if m < counts[r]:
-                slot.append(FlexGroup(size=1, index=r, docs=tuple(range(docs, docs + 4))))
+        for i in range(groups):
+            if m < counts[i]:
+                slot.append(FlexGroup(size=size, index=i, docs=tuple(range(docs, docs + 4))))
                 docs += 4
         slots.append(tuple(slot))
-    return FlexPlan(slots=tuple(slots), lengths=(tokens // 4,) * docs, world_size=world, max_tokens_per_rank=tokens,
-                    shapes=bank.shapes, equal_calls=equal)
+    shapes = tuple(sh for sh in bank.shapes if sh.size == size)
+    return FlexPlan(slots=tuple(slots), lengths=(tokens // 4,) * docs, world_size=bank.world_size,
+                    max_tokens_per_rank=tokens // size, shapes=shapes, equal_calls=equal)
 
 
 def _measure(bank, tokens: int, microbatches: int, mode: str, config) -> int:
@@ -112,7 +120,8 @@ def _worker(rank: int, init_file: str, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world,
                             timeout=timedelta(minutes=10))
-    bank = init_group_bank(heads=tiny_config(args).num_attention_heads, max_size=1)
+    bank = init_group_bank(heads=tiny_config(args).num_attention_heads, min_size=args.group_size,
+                           max_size=args.group_size, ranks_per_node=args.ranks_per_node or args.world)
     rows = []
     for tokens in args.tokens:
         for mode in MODES:
@@ -121,7 +130,7 @@ def _worker(rank: int, init_file: str, args, results) -> None:
             dist.all_gather_object(peaks, peak)
             rows.append((tokens, mode, max(peaks)))
     if rank == 0:
-        results.put(rows)
+        results.put(((bank.shapes[0].ulysses, bank.shapes[0].ring), rows))
     dist.destroy_process_group()
 
 
@@ -134,22 +143,26 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default memory_model.py's 4)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default memory_model.py's 8192)")
+    ap.add_argument("--group-size", type=int, default=1, help="SP group size of every micro-batch (a power of two)")
+    ap.add_argument("--ranks-per-node", type=int, default=None,
+                    help="Ulysses stays within a node: 1 makes every group a ring (default: the world)")
     args = ap.parse_args()
-    rows = run_ranks(_worker, args.world, args)
+    (u, r), rows = run_ranks(_worker, args.world, args)
     c = tiny_config(args)
     dims = ModelDims.from_config(c)
     mib = 2**20
     print(f"\nTiny Llama (hidden {c.hidden_size}, {c.num_hidden_layers} layers, vocab {c.vocab_size}, "
-          f"{dims.params / 1e6:.2f}M params), {args.world} gloo ranks, FSDP2 fp32 over all of them, groups of size 1, "
+          f"{dims.params / 1e6:.2f}M params), {args.world} gloo ranks, FSDP2 fp32 over all of them, SP groups of "
+          f"{args.group_size} (ulysses {u} x ring {r}), "
           f"AdamW; peak per rank of one step (MemTracker, worst rank) vs estimate_memory\n")
     print("| micro-batch counts | tokens per micro-batch | measured MiB | estimated MiB | error |")
     print("|---|---:|---:|---:|---:|")
     worst = 0.0
     labels = {"step": f"equal ({args.microbatches} each), sync in the last backward",
               "microbatch": f"equal ({args.microbatches} each), sync in every backward",
-              "unequal": f"unequal ({args.microbatches}..{args.microbatches + args.world - 1}), unsharded step"}
+              "unequal": f"unequal ({args.microbatches}..{args.microbatches + args.world // args.group_size - 1}), unsharded step"}
     for tokens, mode, peak in rows:
-        est = estimate_memory(dims, Setting(ulysses=1, ring=1), world=args.world, tokens=tokens, dtype="fp32",
+        est = estimate_memory(dims, Setting(ulysses=u, ring=r), world=args.world, tokens=tokens, dtype="fp32",
                               optimizer="adamw", unsharded_step=mode == "unequal",
                               grad_sync="microbatch" if mode == "microbatch" else "step").peak
         err = est / peak - 1
