@@ -55,13 +55,15 @@ def unsharded_bytes(model: torch.nn.Module) -> int:
     says otherwise)."""
     total = 0
     for unit in fsdp_units(model):
-        for pg in _param_groups(unit):
-            policy = pg.mp_policy  # torch's MixedPrecisionPolicy of this unit
-            for p in _own_parameters(unit):
-                numel = int(torch.Size(p.shape).numel())  # a DTensor parameter's shape is the global one
-                pd = policy.param_dtype or p.dtype
-                rd = policy.reduce_dtype or pd
-                total += numel * (pd.itemsize + (rd.itemsize if p.requires_grad else 0))  # frozen (LoRA): no gradient
+        groups = _param_groups(unit)
+        if not groups:
+            continue
+        policy = groups[0].mp_policy  # torch's MixedPrecisionPolicy of this unit (one per fully_shard call)
+        for p in _own_parameters(unit):
+            numel = int(torch.Size(p.shape).numel())  # a DTensor parameter's shape is the global one
+            pd = policy.param_dtype or p.dtype
+            rd = policy.reduce_dtype or pd
+            total += numel * (pd.itemsize + (rd.itemsize if p.requires_grad else 0))  # frozen (LoRA): no gradient
     return total
 
 
@@ -79,7 +81,9 @@ def check_unsharded_step(
     model: torch.nn.Module, group, *, free_bytes: Callable[[], int | None] | None = None
 ) -> None:
     """Refuse what the mode cannot run, on every rank together. `free_bytes`: this rank's free
-    device memory (default: `torch.cuda.mem_get_info` on CUDA, no limit on CPU)."""
+    device memory (default: `torch.cuda.mem_get_info` on CUDA, no limit on CPU). The memory
+    check is necessary, not sufficient: activations come on top (`hf-longctx plan
+    --unequal-calls` estimates the whole peak)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     units = fsdp_units(model)
