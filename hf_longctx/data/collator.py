@@ -33,6 +33,51 @@ from .sharding import IGNORE_INDEX, shard_batch
 _MESH_ATTRS = ("dp", "dp_rank", "doc_multiple", "seq_multiple", "local_indices")
 
 
+def read_documents(
+    features: Sequence[Mapping[str, Any]], *, label_key: str = "labels", loss_mask_key: str | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids [L], unshifted labels [L]) per feature, int64, loss mask applied; the
+    feature checks every collator shares (fixed-degree and flexible)."""
+    if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
+        raise ValueError(
+            f"features must be a non-empty list of per-document mappings, got {type(features).__name__}"
+            + (" (already collated? pass the list of documents)" if isinstance(features, Mapping) else "")
+        )
+    docs = []
+    for i, feat in enumerate(features):
+        if not isinstance(feat, Mapping) or "input_ids" not in feat:
+            raise ValueError(f"feature {i} must be a mapping with 'input_ids', got {type(feat).__name__}")
+        ids = _vector(i, "input_ids", feat["input_ids"])
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"feature {i}: input_ids must be integers, got dtype {ids.dtype}")
+        ids = ids.long()
+        labels = ids
+        if feat.get(label_key) is not None:
+            labels = _vector(i, label_key, feat[label_key], len(ids)).long()
+        if loss_mask_key is not None:
+            if feat.get(loss_mask_key) is None:
+                raise ValueError(f"feature {i} has no '{loss_mask_key}' (loss_mask_key); keys: {sorted(feat)[:8]}")
+            mask = _vector(i, loss_mask_key, feat[loss_mask_key], len(ids))
+            bad = ((mask != 0) & (mask != 1)).nonzero()
+            if len(bad):
+                j = int(bad[0, 0])
+                raise ValueError(f"feature {i}: '{loss_mask_key}' must be 0/1, token {j} has {mask[j].item()!r}")
+            labels = torch.where(mask.bool(), labels, IGNORE_INDEX)
+        docs.append((ids, labels))
+    return docs
+
+
+def _vector(i: int, key: str, value: Any, length: int | None = None) -> torch.Tensor:
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if t.numel() == 0 and not isinstance(value, torch.Tensor):
+        t = t.long()  # [] would be float32; let the planner name the empty document
+    if t.dim() != 1:
+        raise ValueError(f"feature {i}: '{key}' must be 1-D (one document per feature), got shape {tuple(t.shape)}")
+    if length is not None and len(t) != length:
+        raise ValueError(f"feature {i}: '{key}' has {len(t)} entries but input_ids has {length}")
+    return t
+
+
 class LongContextCollator:
     """`collator(features)` -> this rank's micro-batches, each ready for `model(**mb)`.
 
@@ -117,45 +162,7 @@ class LongContextCollator:
 
     # ---- features ------------------------------------------------------------------------
     def _documents(self, features: Sequence[Mapping[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(input_ids [L], unshifted labels [L]) per feature, int64, loss mask applied."""
-        if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
-            raise ValueError(
-                f"features must be a non-empty list of per-document mappings, got {type(features).__name__}"
-                + (" (already collated? pass the list of documents)" if isinstance(features, Mapping) else "")
-            )
-        docs = []
-        for i, feat in enumerate(features):
-            if not isinstance(feat, Mapping) or "input_ids" not in feat:
-                raise ValueError(f"feature {i} must be a mapping with 'input_ids', got {type(feat).__name__}")
-            ids = self._vector(i, "input_ids", feat["input_ids"])
-            if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-                raise ValueError(f"feature {i}: input_ids must be integers, got dtype {ids.dtype}")
-            ids = ids.long()
-            labels = ids
-            if feat.get(self.label_key) is not None:
-                labels = self._vector(i, self.label_key, feat[self.label_key], len(ids)).long()
-            if self.loss_mask_key is not None:
-                if feat.get(self.loss_mask_key) is None:
-                    raise ValueError(f"feature {i} has no '{self.loss_mask_key}' (loss_mask_key); keys: {sorted(feat)[:8]}")
-                mask = self._vector(i, self.loss_mask_key, feat[self.loss_mask_key], len(ids))
-                bad = ((mask != 0) & (mask != 1)).nonzero()
-                if len(bad):
-                    j = int(bad[0, 0])
-                    raise ValueError(f"feature {i}: '{self.loss_mask_key}' must be 0/1, token {j} has {mask[j].item()!r}")
-                labels = torch.where(mask.bool(), labels, IGNORE_INDEX)
-            docs.append((ids, labels))
-        return docs
-
-    @staticmethod
-    def _vector(i: int, key: str, value: Any, length: int | None = None) -> torch.Tensor:
-        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-        if t.numel() == 0 and not isinstance(value, torch.Tensor):
-            t = t.long()  # [] would be float32; let the planner name the empty document
-        if t.dim() != 1:
-            raise ValueError(f"feature {i}: '{key}' must be 1-D (one document per feature), got shape {tuple(t.shape)}")
-        if length is not None and len(t) != length:
-            raise ValueError(f"feature {i}: '{key}' has {len(t)} entries but input_ids has {length}")
-        return t
+        return read_documents(features, label_key=self.label_key, loss_mask_key=self.loss_mask_key)
 
     # ---- packing -------------------------------------------------------------------------
     def _pack(self, docs: list[tuple[torch.Tensor, torch.Tensor]], plan: Plan, piece_ids: list[int]) -> dict:

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from hf_longctx.data.collator import read_documents
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex_packing import plan_flexible
 from hf_longctx.data.flex_plan import FlexPlan
@@ -114,22 +115,8 @@ class FlexCollator:
             return None
         return {**self.last_plan.stats(self.cost), "num_items_in_batch": self.last_num_items}
 
-    @staticmethod
-    def _document(i: int, feat: Any) -> tuple[list[int], list[int]]:
-        if not isinstance(feat, Mapping) or "input_ids" not in feat:
-            raise ValueError(f"feature {i} must be a mapping with 'input_ids', got {type(feat).__name__}")
-        ids = np.asarray(feat["input_ids"]).reshape(-1)  # [L]
-        labels = ids if feat.get("labels") is None else np.asarray(feat["labels"]).reshape(-1)  # [L] unshifted
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"feature {i}: input_ids must be integers, got dtype {ids.dtype}")
-        if len(labels) != len(ids):
-            raise ValueError(f"feature {i}: 'labels' has {len(labels)} entries but input_ids has {len(ids)}")
-        return ids.tolist(), labels.tolist()
-
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
-            raise ValueError(f"features must be a non-empty list of per-document mappings, got {type(features).__name__}")
-        docs = [self._document(i, f) for i, f in enumerate(features)]
+        docs = [(ids.tolist(), labels.tolist()) for ids, labels in read_documents(features)]  # the collators' checks
         lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
         cap = f"the largest group: {self.bank.max_size} ranks × max_tokens_per_rank {self.max_tokens_per_rank}"
         pieces = _make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document

@@ -199,3 +199,21 @@ def test_errors():
         LongContextCollator(object(), 16)
     with pytest.raises(ValueError, match="pad_token_id"):
         LongContextCollator(mesh, 16, pad_token_id=-1)
+
+
+def test_flex_collator_shares_the_feature_checks():
+    """FlexCollator reads features with the same `read_documents` as LongContextCollator:
+    the same errors for float ids, 2-D features and label/ids length mismatches."""
+    from hf_longctx import init_group_bank
+    from hf_longctx.data.cost import CostModel
+    from hf_longctx.distributed.flex_collator import FlexCollator
+
+    flex = FlexCollator(init_group_bank(heads=4), 64, CostModel(a=1.0, b=1.0))
+    with pytest.raises(ValueError, match="input_ids must be integers"):
+        flex([{"input_ids": [1.5, 2.0]}])
+    with pytest.raises(ValueError, match="must be 1-D"):
+        flex([{"input_ids": [[1, 2]]}])
+    with pytest.raises(ValueError, match="'labels' has 1 entries but input_ids has 2"):
+        flex([{"input_ids": [1, 2], "labels": [1]}])
+    out = flex([{"input_ids": [3, 4, 5]}, {"input_ids": [6, 7], "labels": [-100, 7]}])
+    assert flex.last_num_items == 3 and len(out) == 1  # targets 4, 5 and 7 (labels shifted per document)
