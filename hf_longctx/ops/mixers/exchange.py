@@ -55,6 +55,17 @@ def all_to_all_v(pieces: Sequence[torch.Tensor], recv_shapes: Sequence[tuple], g
     return list(_AllToAllV.apply(group, [tuple(s) for s in recv_shapes], *pieces))
 
 
+def head_ranges(heads: int, per_group: int, sp: int) -> tuple[tuple[int, int, int, int], ...]:
+    """(h_lo, h_hi, g_lo, g_hi) per SP rank: `heads` split as evenly as the group allows,
+    with the groups of `per_group` consecutive heads that rank's heads read (a group
+    straddling two ranks is sent to both: Mamba-2's B/C groups, Gated DeltaNet's key heads)."""
+    out = []
+    for p in range(sp):
+        h_lo, h_hi = p * heads // sp, (p + 1) * heads // sp
+        out.append((h_lo, h_hi, h_lo // per_group, (h_hi - 1) // per_group + 1))
+    return tuple(out)
+
+
 def scatter_channels(x: torch.Tensor, channels: Sequence[torch.Tensor], lay: SequenceLayout, rank: int, group) -> torch.Tensor:
     """Sequence-sharded → channel-sharded, whole sequence in GLOBAL order.
 

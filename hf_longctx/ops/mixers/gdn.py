@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_longctx.ops.mixers.conv import doc_causal_conv
-from hf_longctx.ops.mixers.exchange import gather_channels, scatter_channels
+from hf_longctx.ops.mixers.exchange import gather_channels, head_ranges, scatter_channels
 from hf_longctx.ops.mixers.layout import SequenceLayout
 
 
@@ -53,9 +53,7 @@ class GDNHeads:
                 k_lo, k_hi = p * k_heads // sp, (p + 1) * k_heads // sp
                 ranks.append((k_lo * r, k_hi * r, k_lo, k_hi))
         elif sp <= v_heads:
-            for p in range(sp):
-                v_lo, v_hi = p * v_heads // sp, (p + 1) * v_heads // sp
-                ranks.append((v_lo, v_hi, v_lo // r, (v_hi - 1) // r + 1))
+            ranks = list(head_ranges(v_heads, r, sp))
         else:
             raise ValueError(
                 f"Gated DeltaNet with {v_heads} value heads ({k_heads} key heads) cannot be split over an SP group of "

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from hf_longctx.ops.mixers.conv import doc_causal_conv
-from hf_longctx.ops.mixers.exchange import gather_channels, scatter_channels
+from hf_longctx.ops.mixers.exchange import gather_channels, head_ranges, scatter_channels
 from hf_longctx.ops.mixers.layout import SequenceLayout
 
 
@@ -46,12 +46,7 @@ class Mamba2Heads:
                 f"Mamba-2 with {heads} heads cannot be split over an SP group of {sp} ranks (ring × ulysses): every rank "
                 f"needs at least one head; use ulysses × ring ≤ {heads}"
             )
-        per_group = heads // groups
-        ranks = []
-        for p in range(sp):
-            h_lo, h_hi = p * heads // sp, (p + 1) * heads // sp
-            ranks.append((h_lo, h_hi, h_lo // per_group, (h_hi - 1) // per_group + 1))
-        return Mamba2Heads(heads, groups, tuple(ranks))
+        return Mamba2Heads(heads, groups, head_ranges(heads, heads // groups, sp))
 
     def channels(self, p: int, head_dim: int, state: int) -> torch.Tensor:
         """int64 channels of [x | B | C | dt] (the conv input, then dt) rank p receives."""
