@@ -184,8 +184,8 @@ def _plot_flex(args: argparse.Namespace, config: Any, best) -> str:
         flex = plan_flexible(lengths, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank, cost=cost,
                              num_slots=args.plot_microbatches)
         mode = "equal micro-batch counts (synchronised slots)"
-    title = (f"flexible SP groups, one sampled step: {world} ranks, {per_rank} tokens per rank per micro-batch, {mode}\n"
-             f"{source}")
+    title = (f"flexible SP groups, one sampled step: {world} ranks, {per_rank} tokens per rank per micro-batch\n"
+             f"{mode}; {source}")
     stats = plot.draw_flex_load(flex, cost, args.plot, title)
     out = (f"wrote {args.plot}: one step of {len(lengths)} documents ({source}) planned with flexible SP groups and "
            f"{mode} on {world} ranks, {per_rank} tokens per rank; slot layouts {layout_text(flex.layouts())}; "

@@ -96,12 +96,7 @@ def draw_load(plan: Plan, cost: CostModel, path: str | Path, title: str) -> dict
     stats = plan.stats(cost)
     dp, slots = costs.shape
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * dp + 3), 4.5))
-    cmap = plt.get_cmap("tab20")
-    bottom = np.zeros(dp)
-    for m in range(slots):
-        ax.bar(np.arange(dp), costs[:, m], bottom=bottom, color=cmap(m % 20), edgecolor="white", linewidth=0.5,
-               label=f"micro-batch {m}" if slots <= 12 else None)
-        bottom += costs[:, m]
+    bottom = _stack(plt, ax, costs, [f"micro-batch {m}" for m in range(slots)])
     ideal = costs.sum() / dp
     ax.axhline(ideal, color="black", linestyle="--", linewidth=1, label="ideal (total / dp)")
     ax.set_xlabel("DP rank")
@@ -112,11 +107,7 @@ def draw_load(plan: Plan, cost: CostModel, path: str | Path, title: str) -> dict
             f"max rank / mean rank = {stats['rank_max_over_mean']:.3f}\n"
             f"{stats['num_pieces']} documents, {slots} micro-batches per rank, fill {stats['fill']:.0%}",
             transform=ax.transAxes, va="top", fontsize=8, bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
-    ax.legend(fontsize=7, loc="upper right", ncol=2)
-    ax.set_ylim(0, bottom.max() * 1.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, ax, path, bottom.max() * 1.3)
     return stats
 
 
@@ -145,16 +136,8 @@ def draw_flex_load(plan: FlexPlan, cost: GroupCost, path: str | Path, title: str
     stats = plan.stats(cost)
     world, slots = costs.shape
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * world + 3), 4.5))
-    cmap = plt.get_cmap("tab20")
-    bottom = np.zeros(world)
-    for m in range(slots):
-        ax.bar(np.arange(world), costs[:, m], bottom=bottom, color=cmap(m % 20), edgecolor="white", linewidth=0.5,
-               label=f"slot {m}: [{'+'.join(str(g.size) for g in plan.slots[m])}]" if slots <= 12 else None)
-        if world <= 32:  # the group size of every segment (unreadable beyond ~32 bars)
-            for r in range(world):
-                if costs[r, m] > 0.04 * costs.sum(axis=1).max():
-                    ax.text(r, bottom[r] + costs[r, m] / 2, str(sizes[r, m]), ha="center", va="center", fontsize=7)
-        bottom += costs[:, m]
+    labels = [f"slot {m}: [{'+'.join(str(g.size) for g in plan.slots[m])}]" for m in range(slots)]
+    bottom = _stack(plt, ax, costs, labels, sizes if world <= 32 else None)  # sizes unreadable beyond ~32 bars
     ax.axhline(stats["ideal_step"], color="black", linestyle="--", linewidth=1, label="ideal")
     ax.set_xlabel("rank (segment label: size of its SP group in that slot)")
     ax.set_ylabel(f"busy time per rank ({unit}, modelled)")
@@ -165,9 +148,31 @@ def draw_flex_load(plan: FlexPlan, cost: GroupCost, path: str | Path, title: str
             f"per-rank busy max / mean = {stats['busy_max_over_mean']:.3f}\n"
             f"{len(plan.lengths)} documents, {slots} slots", transform=ax.transAxes, va="top", fontsize=8,
             bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
+    _save(plt, fig, ax, path, bottom.max() * 1.35)
+    return stats
+
+
+def _stack(plt, ax, costs: np.ndarray, labels: list[str], segment_text: np.ndarray | None = None) -> np.ndarray:
+    """Stacked bars of costs [bars, segments], one colour per segment (legend up to 12); with
+    `segment_text` [bars, segments], each visible segment is labelled with its entry.
+    Returns the bars' totals."""
+    cmap = plt.get_cmap("tab20")
+    n, segments = costs.shape
+    bottom = np.zeros(n)
+    for m in range(segments):
+        ax.bar(np.arange(n), costs[:, m], bottom=bottom, color=cmap(m % 20), edgecolor="white", linewidth=0.5,
+               label=labels[m] if segments <= 12 else None)
+        if segment_text is not None:
+            for r in range(n):
+                if costs[r, m] > 0.04 * costs.sum(axis=1).max():
+                    ax.text(r, bottom[r] + costs[r, m] / 2, str(segment_text[r, m]), ha="center", va="center", fontsize=7)
+        bottom += costs[:, m]
+    return bottom
+
+
+def _save(plt, fig, ax, path: str | Path, top: float) -> None:
     ax.legend(fontsize=7, loc="upper right", ncol=2)
-    ax.set_ylim(0, bottom.max() * 1.35)
+    ax.set_ylim(0, top)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return stats
