@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from benchmarks.packing import load
+from benchmarks.packing import distributions
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex_groups import group_shapes
 from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
@@ -131,11 +131,7 @@ def main() -> None:
     ap.add_argument("--scale-steps", type=int, default=2, help="steps for the 64-rank rows (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    dists = {
-        "wikipedia": load("wikipedia_lengths.txt.gz"),
-        "wlbllm": load("dist_wlbllm.json.gz"),
-        "prolong": load("dist_prolong.json.gz"),
-    }
+    dists = distributions()
     settings = [(8, 8, args.steps), (8, 4, args.steps)]
     if args.scale_steps:
         settings += [(64, 8, args.scale_steps), (64, 4, args.scale_steps)]

@@ -45,6 +45,15 @@ def load(name: str) -> np.ndarray:
         return np.asarray([int(line) for line in f if line.strip()], dtype=np.int64)
 
 
+def distributions() -> dict[str, np.ndarray]:
+    """The three length distributions of the planning benchmarks (benchmarks/data)."""
+    return {
+        "wikipedia": load("wikipedia_lengths.txt.gz"),
+        "wlbllm": load("dist_wlbllm.json.gz"),
+        "prolong": load("dist_prolong.json.gz"),
+    }
+
+
 def lower_bound(lengths: np.ndarray, dp: int) -> float:
     c = COST(lengths)
     total = float(c.sum())
@@ -97,11 +106,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of strategies")
     args = ap.parse_args()
-    dists = {
-        "wikipedia": load("wikipedia_lengths.txt.gz"),
-        "wlbllm": load("dist_wlbllm.json.gz"),
-        "prolong": load("dist_prolong.json.gz"),
-    }
+    dists = distributions()
     settings = [(8, 8, args.steps), (8, 4, args.steps)]
     if args.scale_steps:
         settings.append((64, 16 * 2**20 / (0.9 * 64 * CAP), args.scale_steps))  # 16M tokens per step
