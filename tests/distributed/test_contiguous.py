@@ -19,6 +19,7 @@ import torch
 from hf_longctx import init_sequence_parallel
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
+from tests.distributed.test_sinks import models_on_mesh
 from tests.pool import worker_mesh
 
 
@@ -86,21 +87,6 @@ def _config(family: str):
     raise KeyError(family)
 
 
-def _models_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
-    from hf_longctx.integrations.transformers import patch
-    from tests.distributed.test_models import compare, load, packed_batch, sp_loss_and_grads
-    from tests.distributed.test_sinks import documents, per_document_reference
-
-    mesh = worker_mesh(ulysses, ring)
-    batch = packed_batch()
-    out = {}
-    for family, path in paths.items():
-        ref_loss, ref_grads = per_document_reference(load(path), documents(batch))
-        loss, _, grads = sp_loss_and_grads(patch(load(path), mesh), batch, mesh)
-        out[family] = compare(ref_loss, ref_grads, loss, grads)
-    return out
-
-
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory):
     from transformers import AutoModelForCausalLM
@@ -116,7 +102,7 @@ def model_paths(tmp_path_factory):
 
 @pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)])
 def test_view_the_output_families_run_exactly(pools, model_paths, ulysses, ring):
-    for rank, per_family in enumerate(pools.get(2).run(_models_on_mesh, ulysses, ring, model_paths, timeout=300)):
+    for rank, per_family in enumerate(pools.get(2).run(models_on_mesh, ulysses, ring, model_paths, timeout=300)):
         for family, errs in per_family.items():
             where = f"{family} mesh ({ulysses},{ring}) rank {rank}: {errs}"
             assert "missing_grads" not in errs and errs["loss"] <= 1e-5 and errs["grad"] <= 1e-4, where

@@ -153,7 +153,9 @@ def documents(batch: dict) -> list[torch.Tensor]:
     return [ids[a:b] for a, b in zip(starts[:-1], starts[1:])]
 
 
-def _sink_models_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
+def models_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
+    """Per family: loss/gradient errors of the patched model on this mesh against the
+    per-document reference, plus the sink parameters' (also test_contiguous.py's check)."""
     from hf_longctx.integrations.transformers import patch
     from tests.distributed.test_models import compare, load, packed_batch, sp_loss_and_grads
 
@@ -187,7 +189,7 @@ def test_sink_families_match_single_process(pools, sink_model_paths, ulysses, ri
     """Loss 1e-5 and every gradient (the sinks' included) 1e-4, relative per tensor, as in
     test_models.py; the sinks must get a nonzero gradient (they got none before sinks were
     supported, and the loss was off by ~1e-3)."""
-    for rank, per_family in enumerate(pools.get(2).run(_sink_models_on_mesh, ulysses, ring, sink_model_paths, timeout=300)):
+    for rank, per_family in enumerate(pools.get(2).run(models_on_mesh, ulysses, ring, sink_model_paths, timeout=300)):
         for family, errs in per_family.items():
             where = f"{family} mesh ({ulysses},{ring}) rank {rank}: {errs}"
             assert "missing_grads" not in errs, where
