@@ -86,3 +86,14 @@ def make_runs(cu_seqlens: Sequence[int] | torch.Tensor) -> list[Run]:
     """Runs of the whole packed sequence: one per document."""
     cu = [int(x) for x in cu_seqlens]
     return [Run(i, a, b - a) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+
+
+def random_runs(cu_seqlens: Sequence[int], rng) -> list[Run]:
+    """The whole packed sequence cut into random pieces at random points, pieces shuffled
+    (`rng`: a `random.Random`)."""
+    runs = []
+    for doc, (a, b) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        cuts = sorted({a, b, *(rng.randrange(a, b) for _ in range(2))})
+        runs += [Run(doc, x, y - x) for x, y in zip(cuts[:-1], cuts[1:])]
+    rng.shuffle(runs)
+    return runs

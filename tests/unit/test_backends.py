@@ -15,14 +15,14 @@ import warnings
 import pytest
 import torch
 
-from hf_longctx.data.layout import Run, ring_stream, runs_to_indices
+from hf_longctx.data.layout import ring_stream, runs_to_indices
 from hf_longctx.ops import kernels
 from hf_longctx.ops.backends import CAPABILITIES, markdown_table, select
 from hf_longctx.ops.backends import flash_attn as fa_adapter
 from hf_longctx.ops.backends.packed import PackedBackend
 from hf_longctx.ops.backends.tiled import TiledBackend
 from tests.emulated_backends import TorchFlashOps, cuda_env, flash_attn_release
-from tests.reference import make_runs, reference_attention, rel_err
+from tests.reference import make_runs, random_runs, reference_attention, rel_err
 
 F64 = 1e-10
 D = 8
@@ -77,15 +77,6 @@ def _reference(q, k, v, dout, cu, causal, window, softcap):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _random_runs(cu, rng):
-    runs = []
-    for doc, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-        cuts = sorted({a, b, *(rng.randrange(a, b) for _ in range(2))})
-        runs += [Run(doc, x, y - x) for x, y in zip(cuts[:-1], cuts[1:])]
-    rng.shuffle(runs)
-    return runs
-
-
 def _layout(name):
     cu = [0, 8, 24, 28, 40]
     if name == "packed":
@@ -93,7 +84,7 @@ def _layout(name):
     if name == "zigzag":
         return cu, ring_stream(cu, 2, 1), ring_stream(cu, 2, 0) + ring_stream(cu, 2, 1)
     rng = random.Random(5)
-    return cu, _random_runs(cu, rng), _random_runs(cu, rng)
+    return cu, random_runs(cu, rng), random_runs(cu, rng)
 
 
 def _backend(kind):

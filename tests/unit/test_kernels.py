@@ -17,7 +17,7 @@ from hf_longctx.ops.blocks import block_mask, plan_blocks, score_count
 from hf_longctx.ops.kernels import block_backward, block_forward, local_attention, varlen_backward, varlen_forward
 from hf_longctx.ops.math_kernel import math_backward, math_forward
 from hf_longctx.ops.lse import merge
-from tests.reference import make_runs, reference_attention, reference_mask, rel_err
+from tests.reference import make_runs, random_runs, reference_attention, reference_mask, rel_err
 
 # float64: products of O(1) numbers summed over <= 40 keys; reassociation between the
 # blockwise kernels and dense math leaves ~1e-15 relative; 1e-10 cannot hide a wrong term.
@@ -72,22 +72,12 @@ def test_local_attention_matches_reference(hkv, causal, window, softcap):
     torch.testing.assert_close(lse, ref_lse, rtol=F64, atol=F64)
 
 
-def _random_runs(cu, rng):
-    """The whole packed sequence cut into random pieces at random points, pieces shuffled."""
-    runs = []
-    for doc, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-        cuts = sorted({a, b, *(rng.randrange(a, b) for _ in range(2))})
-        runs += [Run(doc, x, y - x) for x, y in zip(cuts[:-1], cuts[1:])]
-    rng.shuffle(runs)
-    return runs
-
-
 def _layouts():
     cu = [0, 8, 24, 28, 40]  # multiples of 2R = 4
     zig_q = ring_stream(cu, 2, 1)
     zig_k = ring_stream(cu, 2, 0) + ring_stream(cu, 2, 1)
     rng = random.Random(0)
-    return [(cu, zig_q, zig_k)] + [(cu, _random_runs(cu, rng), _random_runs(cu, rng)) for _ in range(3)]
+    return [(cu, zig_q, zig_k)] + [(cu, random_runs(cu, rng), random_runs(cu, rng)) for _ in range(3)]
 
 
 @pytest.mark.parametrize("layout", range(4))
@@ -215,7 +205,7 @@ def _plans(draw):
     for n in lengths:
         cu.append(cu[-1] + n)
     rng = random.Random(draw(st.integers(0, 2**16)))
-    runs = [_random_runs(cu, rng) for _ in range(2)]
+    runs = [random_runs(cu, rng) for _ in range(2)]
     q_runs = rng.sample(runs[0], rng.randint(1, len(runs[0])))  # a random subset of the queries
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, 14)))
