@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.test_models import compare
 from tests.pool import worker_mesh
 
 LOSS_TOL = 1e-5
@@ -129,22 +130,16 @@ def sp_run(model, batch, mesh):
     return loss, grads
 
 
-def errors(ref_loss, ref_grads, loss, grads) -> dict:
-    from tests.distributed.test_models import compare
-
-    return compare(ref_loss, ref_grads, loss, grads)
-
-
-def _families(ulysses: int, ring: int, families: list, docs=DOCS) -> dict:
+def _families(ulysses: int, ring: int, families: list, docs=DOCS, fpdt_chunks: int = 1) -> dict:
     from hf_longctx.integrations.transformers import patch
 
-    mesh = worker_mesh(ulysses, ring)
+    mesh = worker_mesh(ulysses, ring, fpdt_chunks=fpdt_chunks)
     batch = packed_batch(docs)
     out = {}
     for family in families:
         ref_loss, ref_grads = per_document_reference(build(family), batch)
         loss, grads = sp_run(patch(build(family), mesh), batch, mesh)
-        out[family] = errors(ref_loss, ref_grads, loss, grads)
+        out[family] = compare(ref_loss, ref_grads, loss, grads)
     return out
 
 
@@ -192,7 +187,7 @@ def _without_wrappers(family: str) -> dict:
     state.mixers.restore()
     state.mixers = None
     loss, grads = sp_run(model, batch, mesh)
-    return errors(ref_loss, ref_grads, loss, grads)
+    return compare(ref_loss, ref_grads, loss, grads)
 
 
 def test_without_wrappers_gradients_are_wrong(pools):
@@ -201,23 +196,11 @@ def test_without_wrappers_gradients_are_wrong(pools):
             assert errs["grad"] > 100 * GRAD_TOL, f"{family} rank {rank}: unwrapped mixers look exact {errs}"
 
 
-def _fpdt(families: list) -> dict:
+def test_hybrid_under_fpdt_chunks(pools):
     """FPDT's rank-ordinal chunk layout: the mixers exchange the whole sequence (they are not
     chunked), so they are exact under it too; only attention runs chunk by chunk."""
-    from hf_longctx.integrations.transformers import patch
-
-    mesh = worker_mesh(2, 1, fpdt_chunks=2)
-    batch = packed_batch()
-    out = {}
-    for family in families:
-        ref_loss, ref_grads = per_document_reference(build(family), batch)
-        loss, grads = sp_run(patch(build(family), mesh), batch, mesh)
-        out[family] = errors(ref_loss, ref_grads, loss, grads)
-    return out
-
-
-def test_hybrid_under_fpdt_chunks(pools):
-    _assert_exact(pools.get(2).run(_fpdt, ["qwen3_5_text", "lfm2", "bamba"], timeout=300), 2, 1)
+    families = ["qwen3_5_text", "lfm2", "bamba"]
+    _assert_exact(pools.get(2).run(_families, 2, 1, families, DOCS, 2, timeout=300), 2, 1)
 
 
 def _rows(families: list) -> dict:
@@ -246,7 +229,7 @@ def _rows(families: list) -> dict:
             for i, n in ((0, 12), (1, 9))
         )
         loss, grads = sp_run(patch(build(family), mesh), batch, mesh)
-        out[family] = errors(ref_loss, ref_grads, loss, grads)
+        out[family] = compare(ref_loss, ref_grads, loss, grads)
     return out
 
 
