@@ -94,7 +94,7 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
     import torch.distributed as dist
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import _hf_model, is_patched, patch
+    from hf_longctx.integrations.transformers import _hf_model, is_patched, patch, unpatch
 
     hf = _hf_model(model)
     if is_patched(hf):
@@ -103,6 +103,7 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
         raise ValueError("verify() needs the model before FSDP wraps it (its parameters are DTensors); call it before fully_shard")
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    sp_model = None
     try:
         ref = reduced_copy(hf)
         sp_model = copy.deepcopy(ref)
@@ -136,6 +137,8 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
             if err > worst:
                 worst, worst_name = err, n
     finally:
+        if sp_model is not None and is_patched(sp_model):  # its attention/mask registrations and mixer wrappers
+            unpatch(sp_model)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
