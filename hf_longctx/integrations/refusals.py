@@ -25,7 +25,6 @@ _HINTS = (
     ("rnn", "a recurrent block: its state runs over the whole sequence"),
 )
 _KWARG_HINTS = {
-    "s_aux": "learned attention-sink logits (this build's sequence-parallel attention does not apply them)",
     "position_bias": "an additive relative-position bias on the attention logits",
     "attention_bias": "an additive bias on the attention logits",
     "alibi": "an ALiBi bias on the attention logits",
@@ -70,7 +69,7 @@ def describe(report: ProbeReport) -> list[str]:
         what = _KWARG_HINTS.get(kw, "an input the sequence-parallel attention does not apply")
         out.append(
             f"{', '.join(sorted(classes))} passes '{kw}' to the attention function: {what}; ignoring it would silently "
-            "change the model. Supported attention inputs: q, k, v, scaling, sliding_window, softcap"
+            "change the model. Supported attention inputs: q, k, v, scaling, sliding_window, softcap, s_aux (sinks)"
         )
     if report.non_causal:
         out.append(f"{', '.join(sorted(report.non_causal))} is not causal (is_causal=False); hf_longctx supports causal self-attention only")

@@ -38,7 +38,6 @@ from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs table
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
 )
 from hf_longctx.integrations.exactness import SUPPORTED
-from hf_longctx.integrations.exactness import attention_modules as _attention_modules
 from hf_longctx.integrations.exactness import configs as _configs
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
 
@@ -52,13 +51,11 @@ class _PatchState:
     name: str
     mesh: SPMesh
     options: PatchOptions
-    attention_layers: int
     bank: GroupBank | None = None  # patch(model, bank): each batch names its group (SPBatchInfo.group)
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
-    probed: bool = True  # False under unsafe_skip_exactness_check: attention_layers is then a guess
-    probe: Any = None  # the ProbeReport of patch()'s dry run (None when skipped)
+    probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
     mixers: Any = None  # integrations/mixers.MixerBinding of the wrapped linear mixers, or None
     calls: int = 0  # attention calls in the current forward
     # Sliding windows of each mask the model built in the current forward (one frozenset per
@@ -174,10 +171,10 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
 
 def _post_forward(state: _PatchState) -> Callable:
     def hook(module, args, kwargs, output):
-        if state.probed and state.calls != state.attention_layers:
+        if state.probe is not None and state.calls != state.probe.attention_calls:
             raise RuntimeError(
                 f"this forward made {state.calls} sequence-parallel attention calls, but the dry run at patch() made "
-                f"{state.attention_layers}: the model takes a different path at run time than on the probe (inputs it "
+                f"{state.probe.attention_calls}: the model takes a different path at run time than on the probe (inputs it "
                 "was not probed with, e.g. inputs_embeds or extra modalities), and exactness was only proven for that "
                 "path; call the patched model with input_ids/labels from shard_batch only"
             )
@@ -239,8 +236,9 @@ def patch(
     hf = _hf_model(model)
     old = hf.__dict__.get(_STATE_ATTR)
     if old is not None:
-        if old.mesh == mesh and old.bank == bank and old.options == options:
-            return model
+        probed_alike = (old.probe is None) == bool(unsafe_skip_exactness_check)
+        if old.mesh == mesh and old.bank == bank and old.options == options and probed_alike and not verify:
+            return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
     from hf_longctx.integrations.mixers import apply_mixers, plan_mixers
@@ -259,9 +257,7 @@ def patch(
         _verify(model, mesh)
 
     state = _PatchState(
-        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options,
-        attention_layers=report.attention_calls if report is not None else len(_attention_modules(hf)),
-        probed=report is not None, probe=report, bank=bank,
+        name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, make_attention(state))

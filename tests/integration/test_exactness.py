@@ -57,9 +57,6 @@ REFUSED = {
     "bert": ["BertSelfAttention", "is not causal"],  # a non-causal attention the text path calls
     "whisper": ["WhisperForCausalLM", "without shift_labels"],  # its own loss on unshifted labels, mean per shard
 }
-if "s_aux" not in USED_ATTENTION_KWARGS:  # flips to EXACT when sequence-parallel attention applies sinks
-    REFUSED["gpt_oss"] = ["GptOssAttention", "'s_aux'", "sink"]
-
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
 def test_refused_at_patch_with_the_real_cause(mesh, model_type, patch):
@@ -69,12 +66,12 @@ def test_refused_at_patch_with_the_real_cause(mesh, model_type, patch):
         patch(model, mesh)
     for part in REFUSED[model_type]:
         assert part.lower() in str(err.value).lower(), f"{model_type}: {part!r} not in {err.value}"
-    assert "only" not in str(err.value).split("attention layers")[0] or "attention layers" not in str(err.value)
     assert not is_patched(model) and model.config._attn_implementation == impl
     assert set(AttentionInterface._global_mapping) == names  # the probe's registration is gone
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma3_text", "deepseek_v3", "diffllama", "phimoe"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "gemma3_text", "deepseek_v3", "diffllama", "phimoe",
+                                        "gpt_oss"])
 def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type, patch):
     model = build(model_type).train()
     model.model.layers[0].eval()  # a mixed training mode must come back as it was
@@ -84,7 +81,9 @@ def test_exact_families_pass_and_the_probe_leaves_no_trace(mesh, model_type, pat
     assert torch.equal(rng, torch.get_rng_state())
     assert model.training and not model.model.layers[0].training and model.model.layers[1].training
     assert all(p.grad is None and torch.equal(p, params[n]) for n, p in model.named_parameters())
-    assert model._hf_longctx_patch.attention_layers == model._hf_longctx_patch.probe.attention_calls > 0
+    # every decoder layer calls attention at least once (DiffLlama twice); the patched forward
+    # checks its own count against this one (test_patch.py)
+    assert model._hf_longctx_patch.probe.attention_calls >= model.config.num_hidden_layers
     assert not any(k.startswith("hf_longctx_probe") for k in AttentionInterface._global_mapping)
 
 
@@ -117,6 +116,10 @@ def test_unsafe_keyword_skips_the_rule(mesh, patch):
     model = build("jamba")
     patch(model, mesh, unsafe_skip_exactness_check=True)
     assert is_patched(model) and model._hf_longctx_patch.probe is None
+    # patching again with the rule on is not "already patched": the rule runs and refuses
+    with pytest.raises(ValueError, match="Mamba-1"):
+        patch(model, mesh)
+    assert not is_patched(model)
 
 
 def test_a_module_class_handled_by_an_sp_wrapper_is_trusted(mesh, patch):
