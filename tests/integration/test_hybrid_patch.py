@@ -76,3 +76,14 @@ def test_unpatch_restores_the_mixers(family):
     with torch.no_grad():  # the unpatched model runs transformers' own path again
         out = model(input_ids=batch["input_ids"][:, :7], use_cache=False).logits
         assert torch.isfinite(out).all()
+
+
+def test_group_bank_with_linear_mixers_is_refused():
+    """The mixer wrappers split heads over the SP group fixed at patch(); a bank changes the
+    group per micro-batch, so the combination is refused before anything changes."""
+    from hf_longctx import init_group_bank
+
+    model = build("lfm2")
+    with pytest.raises(ValueError, match="GroupBank.*Lfm2ShortConv.*init_sequence_parallel"):
+        patch(model, init_group_bank(heads=model.config.num_attention_heads))
+    assert not is_patched(model)
