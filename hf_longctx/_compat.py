@@ -88,31 +88,11 @@ def flash_attn_modules():
     return getattr(flash_attn, "__version__", None), flash_attn_interface, ops
 
 
-@functools.cache
-def torch_flash_impl(index: int) -> str | None:
-    """Switch torch's CUDA flash kernels to FA4 (sm90/sm100) or FA3 (sm90) where the
-    package providing them is installed, via `torch.nn.attention.activate_flash_attention_impl`;
-    returns the active implementation ("FA4", "FA3", or None for torch's built-in FA2).
-    A choice the user already made is kept. Process-wide by torch's design (its registry
-    is global), so it is made once, here."""
+def torch_flash_impl() -> str | None:
+    """The flash implementation torch's CUDA flash ops run: "FA4" / "FA3" when the user
+    activated one (`torch.nn.attention.activate_flash_attention_impl("FA3")` -- process-wide
+    by torch's design, so it is the user's choice and never made here), None for torch's
+    built-in FA2 or a torch without the switch. Read only."""
     attention = importlib.import_module("torch.nn.attention")
     current = getattr(attention, "current_flash_attention_impl", None)
-    activate = getattr(attention, "activate_flash_attention_impl", None)
-    if current is None or activate is None:
-        return None
-    if current() is not None:
-        return current()
-    major = cuda_capability(index)[0]
-    wanted = [("FA4", "flash_attn.cute.interface", (9, 10)), ("FA3", "flash_attn_interface", (9,))]
-    for name, module, majors in wanted:
-        if major not in majors or name not in attention.list_flash_attention_impls():
-            continue
-        try:
-            if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
-                continue
-            activate(name)
-        except (ImportError, RuntimeError, ValueError) as exc:
-            warnings.warn(f"hf_longctx: torch could not activate its {name} flash attention ({exc})", stacklevel=2)
-            continue
-        return name
-    return None
+    return current() if current is not None else None

@@ -61,7 +61,7 @@ def probe_env(device: torch.device) -> KernelEnv:
         fwd, bwd = torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
         tf_reason = torch_flash.detect(fwd, bwd)
         tf = None if tf_reason else torch_flash.TorchFlashKernel(fwd, bwd)
-        impl = _compat.torch_flash_impl(index) if tf is not None else None
+        impl = _compat.torch_flash_impl() if tf is not None else None
     return KernelEnv("cuda", _compat.cuda_capability(index), fa, fa_reason, tf, tf_reason or "", impl)
 
 

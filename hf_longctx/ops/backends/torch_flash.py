@@ -1,9 +1,9 @@
 """torch's own CUDA flash kernels with cumulative lengths, behind the packed-kernel contract.
 
 Where it sits: the "torch_flash" backend, driven by `packed.py`; `select.py` picks it on
-CUDA when flash-attn is absent (or when torch runs FA3/FA4: `_compat.torch_flash_impl`
-activates them with `torch.nn.attention.activate_flash_attention_impl`, which re-routes
-these very aten ops). The ops `torch.nn.attention.varlen.varlen_attn` is built on, called
+CUDA when flash-attn is absent (or when torch runs FA3/FA4: a user who called
+`torch.nn.attention.activate_flash_attention_impl("FA3")` re-routed these very aten ops;
+`_compat.torch_flash_impl` reads that choice and never makes it). The ops `torch.nn.attention.varlen.varlen_attn` is built on, called
 directly because we need the backward from the FINAL merged out/lse:
 
   aten::_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
