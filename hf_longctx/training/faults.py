@@ -94,9 +94,22 @@ class Watchdog:
         self._step = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._paused = 0
 
     def beat(self, step: int) -> None:
         self._last, self._step = time.monotonic(), step
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No expiry inside (a checkpoint write: one long operation with no step to beat on;
+        its collectives are still bounded by the process-group timeout); the clock restarts
+        on exit."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._last = time.monotonic()
 
     def _expire(self) -> None:
         msg = (
@@ -112,7 +125,7 @@ class Watchdog:
     def _run(self) -> None:
         poll = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(poll):
-            if time.monotonic() - self._last > self.timeout_s:
+            if not self._paused and time.monotonic() - self._last > self.timeout_s:
                 self._expire()
                 return
 
@@ -136,7 +149,8 @@ def _trainer_callback_base():
 
 class WatchdogCallback(_trainer_callback_base()):
     """A `Watchdog` over `Trainer.train()`: started at train begin, beaten at every step end (and
-    by the trainer after every micro-batch), stopped at train end."""
+    by the trainer after every training and evaluation micro-batch), paused while checkpoints
+    are written, stopped at train end."""
 
     def __init__(self, timeout_s: float, *, on_expire=None) -> None:
         self.timeout_s = float(timeout_s)
@@ -146,6 +160,9 @@ class WatchdogCallback(_trainer_callback_base()):
     def beat(self, step: int) -> None:
         if self._dog is not None:
             self._dog.beat(step)
+
+    def paused(self):
+        return self._dog.paused() if self._dog is not None else contextlib.nullcontext()
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._dog = Watchdog(self.timeout_s, on_expire=self._on_expire).__enter__()

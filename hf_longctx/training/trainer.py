@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -410,6 +410,8 @@ class LongContextTrainerMixin:
                     with self.accelerator.autocast():
                         loss = self.compute_loss(model, self._prepare_inputs(mb))
                     local += loss.double() * n  # undo the step normalisation: this rank's token-loss sum
+                    if self._watchdog is not None:  # evaluation is progress too (it runs between steps)
+                        self._watchdog.beat(self.state.global_step)
                 targets += n  # the same on every rank
                 tokens += step["tokens"]
             total = global_loss(local, self._world_mesh)  # []: Σ over all ranks
@@ -425,10 +427,13 @@ class LongContextTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # (5) every rank's shards of model and optimizer + the sampler position; the scheduler as usual.
         os.makedirs(output_dir, exist_ok=True)
-        with comm_guard(self.state.global_step):
+        with comm_guard(self.state.global_step), self._watchdog_paused():
             save_sharded(output_dir, self.model, self.optimizer, self._step_sampler, is_main=self.args.should_save)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _watchdog_paused(self):
+        return self._watchdog.paused() if self._watchdog is not None else nullcontext()
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -448,7 +453,8 @@ class LongContextTrainerMixin:
         if _internal_call:
             os.makedirs(output_dir, exist_ok=True)
             return
-        save_consolidated(self.model, output_dir, is_main=self.args.should_save)
+        with self._watchdog_paused():
+            save_consolidated(self.model, output_dir, is_main=self.args.should_save)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)

@@ -109,6 +109,26 @@ def test_watchdog_fires_without_beats_and_not_with_them():
     assert fired and "no progress for 0.4s (last step 7)" in fired[0]
 
 
+def test_watchdog_pauses_while_a_checkpoint_is_written():
+    """A checkpoint write is one long operation with no step to beat on: paused() keeps the
+    watchdog quiet inside and restarts its clock after (the trainer wraps its saves in it)."""
+    from hf_longctx.training.faults import Watchdog
+
+    fired = []
+    with Watchdog(0.3, on_expire=fired.append) as wd:
+        with wd.paused():
+            time.sleep(0.9)
+        time.sleep(0.15)
+    assert not fired
+    with Watchdog(0.3, on_expire=fired.append) as wd:
+        with wd.paused():
+            time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while not fired and time.monotonic() < deadline:  # expiry resumes after the pause
+            time.sleep(0.05)
+    assert fired
+
+
 def test_watchdog_callback_spans_train():
     from hf_longctx.training.faults import WatchdogCallback
 
