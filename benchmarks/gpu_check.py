@@ -1,8 +1,10 @@
 """`make gpu-check`: validate a GPU machine in one command and print one table.
 
 On CUDA: runs every CUDA-only test (tests/gpu: fast kernels vs the math kernel, the
-offload double buffer with real streams, FSDP2 bf16 on one GPU; when more than one GPU is
-visible, the multi-GPU NCCL tests of tests/gpu/test_multi_gpu.py as their own row), the
+offload double buffer with real streams; tests/unit/test_offload.py's pinned side-stream
+copies; when more than one GPU is visible, the multi-GPU NCCL tests of
+tests/gpu/test_multi_gpu.py -- FSDP2 bf16, USP, FPDT, the Trainer, flexible groups -- as
+their own row), the
 emulated-backend tests, and the GPU benchmark (benchmarks/gpu_longctx.py). On a CPU machine: collects every CUDA-marked test and
 imports the GPU benchmark (so a broken import or signature fails here too), runs the
 emulated-backend tests, says there is no GPU and exits 0.
@@ -56,8 +58,8 @@ def main() -> int:
         rows.append(("GPU", "none visible: CUDA tests and benchmarks not run"))
     else:
         rows.append(("GPU", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"))
-        gpu, summary = _pytest_summary("-rA", "-s", "-m", "not multi_gpu", "tests/gpu")
-        rows.append(("CUDA tests, one GPU (tests/gpu)", _row(gpu, summary)))
+        gpu, summary = _pytest_summary("-rA", "-s", "-m", "not multi_gpu", "tests/gpu", "tests/unit/test_offload.py")
+        rows.append(("CUDA tests, one GPU (tests/gpu, tests/unit/test_offload.py)", _row(gpu, summary)))
         failed |= gpu != 0
         n_gpus = torch.cuda.device_count()
         if n_gpus > 1:  # NCCL, one process per GPU; the 4-GPU cases skip themselves below 4

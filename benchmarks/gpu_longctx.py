@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from hf_longctx import init_sequence_parallel, patch
+from hf_longctx import init_sequence_parallel, patch, shard_batch
 
 
 def llama_1b_config(layers: int = 16):
@@ -38,31 +38,42 @@ def memory_max(model, mesh):
 
 
 def build(mode: str, layers: int):
+    """(model on the GPU, its SP mesh for "ours" / None for plain sdpa + checkpointing)."""
     from transformers import LlamaForCausalLM
 
     cfg = llama_1b_config(layers)
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
     if mode == "ours":
-        return memory_max(model, init_sequence_parallel())
+        mesh = init_sequence_parallel()
+        return memory_max(model, mesh), mesh
     model.gradient_checkpointing_enable()
-    return model
+    return model, None
 
 
-def step(model, tokens: int) -> float:
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
-    torch.cuda.synchronize()
+def step(model, mesh, tokens: int) -> float:
+    """Seconds of one forward + backward on `tokens` random tokens; a patched model (mesh
+    given) takes its batch through `shard_batch`, as every patched model must."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    batch = {"input_ids": ids, "labels": ids}
+    if mesh is not None:
+        batch = shard_batch(batch, mesh)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    torch.cuda.synchronize()
-    model.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
-
-
-def fits(model, tokens: int) -> bool:
     try:
-        step(model, tokens)
+        model(**batch).loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    finally:
+        model.zero_grad(set_to_none=True)  # also after an OOM in backward: later probes start clean
+
+
+def fits(model, mesh, tokens: int) -> bool:
+    try:
+        step(model, mesh, tokens)
         return True
     except torch.OutOfMemoryError:
         return False
@@ -71,14 +82,14 @@ def fits(model, tokens: int) -> bool:
         torch.cuda.empty_cache()
 
 
-def longest(model, cap: int, quantum: int = 4096) -> int:
+def longest(model, mesh, cap: int, quantum: int = 4096) -> int:
     lo, hi = 0, quantum
-    while hi <= cap and fits(model, hi):
+    while hi <= cap and fits(model, mesh, hi):
         lo, hi = hi, hi * 2
     hi = min(hi, cap + quantum)
     while hi - lo > quantum:
         mid = (lo + hi) // 2 // quantum * quantum
-        lo, hi = (mid, hi) if fits(model, mid) else (lo, mid)
+        lo, hi = (mid, hi) if fits(model, mesh, mid) else (lo, mid)
     return lo
 
 
@@ -93,13 +104,13 @@ def run(layers: int = 16, max_tokens: int = 1 << 20, at: int = 131072, peak_tflo
     rows = []
     lengths = {}
     for mode in ("sdpa+ckpt", "ours"):
-        model = build("sdpa" if mode == "sdpa+ckpt" else "ours", layers)
-        lengths[mode] = longest(model, max_tokens)
+        model, mesh = build("sdpa" if mode == "sdpa+ckpt" else "ours", layers)
+        lengths[mode] = longest(model, mesh, max_tokens)
         rows.append((f"longest trainable context, {mode}", f"{lengths[mode]} tokens"))
         if mode == "ours":
             if lengths[mode] >= at:
-                step(model, at)
-                seconds = min(step(model, at) for _ in range(2))
+                step(model, mesh, at)
+                seconds = min(step(model, mesh, at) for _ in range(2))
                 rows.append((f"tokens/s at {at // 1024}K, ours", f"{at / seconds:.0f}"))
                 rows.append((f"MFU at {at // 1024}K, ours (peak {peak_tflops:.0f} TFLOP/s)", f"{100 * mfu(model, at, seconds, peak_tflops):.1f}%"))
             else:
