@@ -101,6 +101,18 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
         raise ValueError("verify() needs the model before patch(): call it first, or patch(model, mesh, verify=True)")
     if any(type(p).__name__ == "DTensor" for p in hf.parameters()):
         raise ValueError("verify() needs the model before FSDP wraps it (its parameters are DTensors); call it before fully_shard")
+    meta = any(p.is_meta for p in hf.parameters())
+    if mesh.sp > 1:  # rank 0 may hold real weights while the others are on meta: every rank must agree first
+        from hf_longctx.loss import collective_device
+
+        flag = torch.tensor([int(meta)], device=collective_device(mesh.sp_group))  # [1]
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.sp_group)  # [1]: 1 if any rank is on meta
+        meta = bool(flag.item())
+    if meta:
+        raise ValueError(
+            "verify() needs real weights on every rank of the SP group, but some rank's model is on the meta device "
+            "(e.g. loaded for broadcast_from_rank0); verify a model loaded on every rank, or patch without verify=True"
+        )
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     sp_model = None

@@ -97,3 +97,20 @@ def test_verify_catches_every_wrong_class_and_passes_exact_ones(pools):
             assert r.startswith("PASS") and float(r.split()[1]) <= GRAD_TOL / 10, f"rank {rank} {t} ({how}): {r}"
         assert all(v for k, v in res.items() if k.endswith(":clean")), f"rank {rank}: side effect {res}"
     assert results[0] == results[1]  # every rank reaches the same verdict (no rank-local raise)
+
+
+def test_verify_refuses_meta_weights():
+    """A model on the meta device (the non-zero ranks of broadcast_from_rank0) cannot be
+    verified; every rank of the SP group agrees on that before any other collective."""
+    import pytest
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_longctx import init_sequence_parallel, verify
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="meta device"):
+        verify(model, init_sequence_parallel())
