@@ -173,7 +173,10 @@ class FSDPPlan:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        device = torch.device("cpu") if self.param_offload or self.device_mesh.device_type == "cpu" else torch.device(
+        # The mesh's device even with param_offload: fully_shard moved rank 0's buffers there
+        # (torch's _move_states_to_device ignores the offload policy), so every rank's buffers
+        # live there; FSDP moves offloaded parameter shards to host memory itself at lazy init.
+        device = torch.device("cpu") if self.device_mesh.device_type == "cpu" else torch.device(
             self.device_mesh.device_type, torch.cuda.current_device()
         )
         if dist.get_rank() != 0:
