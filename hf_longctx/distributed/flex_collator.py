@@ -32,8 +32,7 @@ from hf_longctx.data.flex_packing import plan_flexible
 from hf_longctx.data.flex_plan import FlexPlan
 from hf_longctx.data.flex_unequal import plan_unequal
 from hf_longctx.data.packing import OVERLONG, _make_pieces
-from hf_longctx.data.sharding import IGNORE_INDEX
-from hf_longctx.distributed.flex_step import flex_microbatches
+from hf_longctx.distributed.flex_step import flex_microbatches, valid_labels
 from hf_longctx.distributed.group_bank import GroupBank
 
 
@@ -116,15 +115,14 @@ class FlexCollator:
         return {**self.last_plan.stats(self.cost), "num_items_in_batch": self.last_num_items}
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        docs = [(ids.tolist(), labels.tolist()) for ids, labels in read_documents(features)]  # the collators' checks
+        docs = read_documents(features)  # [(ids [L], labels [L])]: the collators' checks
         lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
         cap = f"the largest group: {self.bank.max_size} ranks × max_tokens_per_rank {self.max_tokens_per_rank}"
         pieces = _make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document
         documents = [
             {"input_ids": docs[p.doc][0][p.start : p.end], "labels": docs[p.doc][1][p.start : p.end]} for p in pieces
         ]
-        # Valid targets of the whole step after the per-piece shift: labels [start+1, end).
-        num_items = sum(sum(1 for x in d["labels"][1:] if x != IGNORE_INDEX) for d in documents)
+        num_items = valid_labels(documents)  # targets of the whole step after the per-piece shift
         if num_items == 0:
             raise ValueError(
                 f"the step's {len(docs)} document(s) have no valid target after the per-document shift "

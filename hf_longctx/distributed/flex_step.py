@@ -49,7 +49,7 @@ def check_plan(plan: FlexPlan, bank: GroupBank) -> None:
                 f"the plan uses group shape {shape} which the bank does not hold (bank: {list(bank.shapes)}); plan with "
                 "shapes=bank.shapes"
             )
-    plan.validate()
+    # No plan.validate() here: a FlexPlan is frozen and validated when it is built.
 
 
 def check_plan_agrees(plan: FlexPlan, bank: GroupBank) -> None:
@@ -69,40 +69,35 @@ def check_plan_agrees(plan: FlexPlan, bank: GroupBank) -> None:
         )
 
 
-def _tokens(doc: Any) -> tuple[list[int], list[int]]:
-    if isinstance(doc, Mapping):
-        ids = list(doc["input_ids"])
-        labels = list(doc.get("labels", ids))
-    else:
-        ids = list(doc)
-        labels = ids
-    if len(labels) != len(ids) or not ids:
+def _tokens(doc: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [L], unshifted labels [L]) int64 of one document: a mapping with
+    `input_ids` (and optional `labels`), or a token sequence / tensor."""
+    ids = doc["input_ids"] if isinstance(doc, Mapping) else doc
+    labels = doc.get("labels") if isinstance(doc, Mapping) else None
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # [L]
+    labels = ids if labels is None else torch.as_tensor(labels, dtype=torch.long).reshape(-1)  # [L]
+    if len(labels) != len(ids) or not len(ids):
         raise ValueError(f"a document needs >= 1 token and labels of its length, got {len(ids)} ids, {len(labels)} labels")
-    return [int(x) for x in ids], [int(x) for x in labels]
+    return ids, labels
 
 
 def valid_labels(documents: Sequence[Any]) -> int:
     """Valid targets of the step once labels are shifted per document (`num_items_in_batch`)."""
-    return sum(sum(1 for x in _tokens(d)[1][1:] if x != IGNORE_INDEX) for d in documents)
+    return sum(int((_tokens(d)[1][1:] != IGNORE_INDEX).sum()) for d in documents)
 
 
 def group_batch(documents: Sequence[Any], group: FlexGroup, plan: FlexPlan, pad_token_id: int = 0) -> dict:
     """The packed row of one group's micro-batch (as DataCollatorWithFlattening makes it, HF
     unshifted labels); an empty group gets one padding document without targets, so its
     ranks still run the slot's forward/backward (their collectives must happen)."""
-    ids, labels, pos = [], [], []
-    for d in group.docs:
-        i, lab = _tokens(documents[d])
-        ids += i
-        labels += lab
-        pos += list(range(len(i)))
-    if not ids:
+    docs = [_tokens(documents[d]) for d in group.docs]
+    if not docs:
         n = plan.shape(group.size).seq_multiple
-        ids, labels, pos = [pad_token_id] * n, [IGNORE_INDEX] * n, list(range(n))
+        docs = [(torch.full((n,), pad_token_id, dtype=torch.long), torch.full((n,), IGNORE_INDEX, dtype=torch.long))]
     return {
-        "input_ids": torch.tensor([ids]),  # [1, S]
-        "labels": torch.tensor([labels]),  # [1, S]
-        "position_ids": torch.tensor([pos]),  # [1, S]: restarts per document
+        "input_ids": torch.cat([i for i, _ in docs])[None],  # [1, S]
+        "labels": torch.cat([lab for _, lab in docs])[None],  # [1, S]
+        "position_ids": torch.cat([torch.arange(len(i)) for i, _ in docs])[None],  # [1, S]: restarts per document
     }
 
 
