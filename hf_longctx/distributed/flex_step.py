@@ -34,6 +34,7 @@ import torch.distributed as dist
 from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.loss import collective_device, global_loss
 from hf_longctx.distributed.unsharded_step import check_unsharded_step, unsharded_step
 
 
@@ -57,9 +58,8 @@ def check_plan_agrees(plan: FlexPlan, bank: GroupBank) -> None:
     learns whether all computed the same plan, and all raise together (no hang later)."""
     if bank.world_size == 1:
         return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     fp = plan.fingerprint()
-    t = torch.tensor([fp, -fp], dtype=torch.long, device=device)  # [2]
+    t = torch.tensor([fp, -fp], dtype=torch.long, device=collective_device(bank.world_mesh.get_group()))  # [2]
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=bank.world_mesh.get_group())  # [2]: max fp, -min fp
     hi, lo = int(t[0]), -int(t[1])
     if hi != fp or lo != fp:
@@ -139,8 +139,8 @@ def run_flex_step(
         raise ValueError("sync_each_microbatch=True needs equal micro-batch counts: with unequal counts every rank syncs "
                          "in its own last backward (the reduce-scatters must pair up across ranks)")
     fsdp = isinstance(model, FSDPModule)
-    local = torch.zeros((), dtype=torch.float64)
     device = next(model.parameters()).device  # a DTensor parameter's device is its local shard's
+    local = torch.zeros((), dtype=torch.float64, device=device)  # Σ this rank's micro-batch losses
     shards = [
         {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}  # metadata stays as is
         for shard in flex_microbatches(plan, bank, documents, num_items_in_batch=num_items_in_batch,
@@ -153,7 +153,7 @@ def run_flex_step(
                 model.set_requires_gradient_sync(sync_each_microbatch or j == n - 1)  # default: one reduce-scatter per step
             loss = model(**shard).loss
             loss.backward()
-            local += loss.detach().double().cpu()
+            local += loss.detach().double()
     else:  # unequal counts: parameters unsharded for the step, each rank syncs in its own last backward
         check_unsharded_step(model, bank.world_mesh.get_group())
         with unsharded_step(model, n) as before_backward:
@@ -161,14 +161,9 @@ def run_flex_step(
                 loss = model(**shard).loss
                 before_backward(j)
                 loss.backward()
-                local += loss.detach().double().cpu()
+                local += loss.detach().double()
     if not fsdp and bank.world_size > 1:
         from hf_longctx.loss import sum_gradients
 
         sum_gradients([p for p in model.parameters() if p.requires_grad], bank.world)
-    if bank.world_size > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        t = local.to(device)
-        dist.all_reduce(t, group=bank.world_mesh.get_group())  # []: shares of every rank and slot sum to the mean
-        local = t.cpu()
-    return local.float()
+    return global_loss(local, bank.world).float()  # []: shares of every rank and slot sum to the mean

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hf_longctx.data.flex_groups import GroupShape, group_shapes
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.loss import collective_device
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,6 @@ def init_group_bank(
     world_mesh = meshes[-1].world_mesh
     meshes = tuple(dataclasses.replace(m, world_mesh=world_mesh) for m in meshes)
     if warm_up:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = collective_device(dist.group.WORLD)
         _warm_up(meshes, device)
     return GroupBank(world_size=world, rank=dist.get_rank(), shapes=shapes, meshes=meshes, world_mesh=world_mesh)

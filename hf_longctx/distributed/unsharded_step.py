@@ -35,6 +35,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hf_longctx.loss import collective_device
+
 
 def fsdp_units(model: torch.nn.Module) -> list:
     """Every FSDP2 unit of `model` in module order (the same on every rank)."""
@@ -102,8 +104,7 @@ def check_unsharded_step(
     need, free = unsharded_bytes(model), free_bytes()
     ok = free is None or need <= free
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        flag = torch.tensor([int(ok)], device=device)  # [1]
+        flag = torch.tensor([int(ok)], device=collective_device(group))  # [1]
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # [1]: 0 if any rank lacks the memory
         all_ok = bool(flag.item())
     else:
