@@ -118,7 +118,6 @@ class LongContextTrainerMixin:
                 "unequal_calls=True needs a GroupBank (flexible SP groups planned by plan_unequal); with an SPMesh "
                 "every rank runs the same number of micro-batches"
             )
-        self.unequal_calls = unequal_calls
         if not isinstance(sync_each_microbatch, bool):
             raise ValueError(f"sync_each_microbatch must be a bool, got {sync_each_microbatch!r}")
         if sync_each_microbatch and unequal_calls:
@@ -127,7 +126,6 @@ class LongContextTrainerMixin:
         self.sync_each_microbatch = sync_each_microbatch
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
         self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
-        self.max_tokens_per_rank = max_tokens_per_rank
         self.max_tokens = self._largest_piece(mesh, max_tokens, max_tokens_per_rank)
         self.tokens_per_step = _positive_int("tokens_per_step", tokens_per_step)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -165,8 +163,8 @@ class LongContextTrainerMixin:
             self.collator = FlexCollator(mesh, max_tokens_per_rank, cost, overlong=overlong,
                                          pad_token_id=self._pad_id(pad_token_id), unequal_calls=unequal_calls)
             # Evaluation is forward-only under per-layer FSDP all-gathers: always equal counts.
-            self.eval_collator = FlexCollator(mesh, max_tokens_per_rank, cost, overlong=overlong,
-                                              pad_token_id=self._pad_id(pad_token_id))
+            self.eval_collator = self.collator if not unequal_calls else FlexCollator(
+                mesh, max_tokens_per_rank, cost, overlong=overlong, pad_token_id=self._pad_id(pad_token_id))
         else:
             self.collator = LongContextCollator(
                 mesh, self.max_tokens, cost if cost is not None else self._flops_model, strategy=strategy, overlong=overlong, seed=self.args.seed,
@@ -181,6 +179,7 @@ class LongContextTrainerMixin:
         if self._watchdog is not None:
             self.add_callback(self._watchdog)
         self._step_sampler = None
+        self._unsharded_checked = False
 
     # ---- set-up ----------------------------------------------------------------------------
     @staticmethod
@@ -320,7 +319,9 @@ class LongContextTrainerMixin:
         unsharded = fsdp and not inputs.get("equal_calls", True)
         with comm_guard(step, self._watchdog.timeout_s if self._watchdog else None), ExitStack() as stack:
             if unsharded:  # unequal counts: gather once, sync in this rank's own last backward
-                check_unsharded_step(model, self._world_mesh.world_mesh.get_group())
+                if not self._unsharded_checked:  # the bytes it needs do not change during the run
+                    check_unsharded_step(model, self._world_mesh.world_mesh.get_group())
+                    self._unsharded_checked = True
                 before_backward = stack.enter_context(unsharded_step(model, len(micro_batches)))
             for i, mb in enumerate(micro_batches):
                 if fsdp and not unsharded:  # FSDP2: accumulate unsharded, reduce-scatter (a SUM) once, after the last micro-batch
