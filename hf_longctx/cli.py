@@ -230,7 +230,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"no setting fits: the lowest estimated peak is {_gib(low.memory.peak)} GiB per GPU (ulysses {s.ulysses}, "
               f"ring {s.ring}, fpdt {s.fpdt_chunks}, kv offload {s.kv_offload}, checkpointing {s.checkpoint}: {low.reason}) "
               f"against {_gib(args.gpu_memory * (1 - args.headroom))} GiB usable of --gpu-memory {_gib(args.gpu_memory)} GiB; "
-              "use more GPUs, more GPU memory or a shorter --seq-len", file=sys.stderr)
+              "use more GPUs, more GPU memory or a shorter --seq-len"
+              + (f"; {_gib(low.memory.held)} GiB of it are the fp32 gradients held unsharded until the step's last "
+                 "backward, which --sync-each-microbatch (LongContextTrainer(sync_each_microbatch=True)) shards"
+                 if low.memory.held and not args.sync_each_microbatch and not args.unequal_calls else ""),
+              file=sys.stderr)
         return 1
     shown = feasible[: args.top]
     rows = [_row(i + 1, c) for i, c in enumerate(shown)]

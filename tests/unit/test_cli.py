@@ -78,6 +78,7 @@ def test_too_small_gpu_memory_says_so(config_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1
     assert "no setting fits" in err and "lowest estimated peak" in err and "--gpu-memory 0.1 GiB" in err
+    assert "held unsharded" in err and "--sync-each-microbatch" in err  # the default loop's held gradients named
 
 
 def test_model_directory_and_missing_model(config_path, capsys, tmp_path):
