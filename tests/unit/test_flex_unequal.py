@@ -8,17 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex_groups import group_shapes
 from hf_longctx.data.flex_packing import FlexGroup, FlexPlan, plan_flexible
 from hf_longctx.data.flex_unequal import plan_unequal
+from tests.unit.test_flex_packing import _cost
 
-BASE = CostModel(a=1.0, b=4096.0)
-
-
-def _cost(shapes, comm=64.0, overhead=0.0):
-    c = GroupCost.analytic(BASE, [s.size for s in shapes], comm_per_token={s.size: comm * (s.size > 1) for s in shapes})
-    return GroupCost(c.models, tuple((s.size, overhead) for s in shapes))
 
 
 def _runs_without_deadlock(plan: FlexPlan) -> bool:
