@@ -11,6 +11,7 @@ run bf16 as the real kernels require.
 import inspect
 import random
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,10 +141,6 @@ def test_lse_of_rows_without_keys_is_neg_inf():
 
 # ---- dispatch ------------------------------------------------------------------------
 
-class _CountingMath(TiledBackend):
-    pass
-
-
 @pytest.fixture
 def counted_math(monkeypatch):
     calls = []
@@ -235,3 +232,5 @@ def test_cpu_dispatch_and_table():
     assert select.probe_env(torch.device("cpu")).cpu_op
     table = markdown_table()
     assert all(f"| {name} |" in table for name in CAPABILITIES)
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    assert table in readme.read_text(), "README's kernel capability table differs from capabilities.markdown_table()"
