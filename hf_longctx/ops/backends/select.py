@@ -15,6 +15,7 @@ aten CPU flash op, or the math kernel for softcap (Gemma2) -- by design, no warn
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -50,19 +51,27 @@ def probe_env(device: torch.device) -> KernelEnv:
         return KernelEnv("cpu", cpu_op=_compat.has_cpu_flash_op())
     if device.type != "cuda":
         return KernelEnv(device.type)
+    fa, fa_reason, tf, tf_reason = _cuda_kernels()
+    impl = _compat.torch_flash_impl() if tf is not None else None  # read per call: the user may switch it
     index = device.index if device.index is not None else torch.cuda.current_device()
+    return KernelEnv("cuda", _compat.cuda_capability(index), fa, fa_reason, tf, tf_reason, impl)
+
+
+@functools.cache
+def _cuda_kernels() -> tuple:
+    """(flash-attn adapter or None, why not, torch flash adapter or None, why not): the op
+    schemas are read once per process, not per attention call."""
     fa, fa_reason = None, "flash-attn is not installed"
     modules = _compat.flash_attn_modules()
     if modules is not None:
         api, fa_reason = flash_attn.detect(*modules)
         fa = None if api is None else flash_attn.FlashAttnKernel(api)
-    tf, tf_reason, impl = None, "this torch build has no CUDA flash kernels", None
+    tf, tf_reason = None, "this torch build has no CUDA flash kernels"
     if _compat.has_torch_cuda_flash():
         fwd, bwd = torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
         tf_reason = torch_flash.detect(fwd, bwd)
         tf = None if tf_reason else torch_flash.TorchFlashKernel(fwd, bwd)
-        impl = _compat.torch_flash_impl() if tf is not None else None
-    return KernelEnv("cuda", _compat.cuda_capability(index), fa, fa_reason, tf, tf_reason or "", impl)
+    return fa, fa_reason, tf, tf_reason or ""
 
 
 def select_backend(env: KernelEnv, *, dtype: torch.dtype, head_dim: int, softcap: float | None, mask: bool = False):
