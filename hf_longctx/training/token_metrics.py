@@ -19,21 +19,26 @@ from hf_longctx.data.sharding import IGNORE_INDEX
 class TokenStats:
     """Running [correct, entropy sum, valid targets] of this rank, float64."""
 
+    ROWS = 1024  # target rows converted to fp32 at a time: [ROWS, V] transients, not [n, V]
+
     def __init__(self) -> None:
         self.sums = torch.zeros(3, dtype=torch.float64)
         self.seen = False
 
     @torch.no_grad()
     def add(self, logits: torch.Tensor | None, shift_labels: torch.Tensor) -> None:
+        from trl.trainer.utils import entropy_from_logits  # TRL's own (chunked) entropy; this runs under TRL only
+
         if logits is None:
             return
         valid = shift_labels != IGNORE_INDEX  # [B, S_local]
-        lg = logits.detach()[valid].float()  # [n, V]: only the targets count
+        lg = logits.detach()[valid]  # [n, V] in the model's dtype: only the targets count
         target = shift_labels[valid]  # [n]
-        logp = torch.log_softmax(lg, dim=-1)  # [n, V]
-        entropy = -(logp.exp() * logp).sum(-1)  # [n]
+        entropy = sum((entropy_from_logits(c.float()).double().sum() for c in lg.split(self.ROWS)),
+                      torch.zeros((), dtype=torch.float64, device=lg.device))
         correct = (lg.argmax(-1) == target).sum()
-        self.sums += torch.stack([correct.double(), entropy.double().sum(), valid.sum().double()]).cpu()
+        self.sums = self.sums.to(lg.device)  # stays on the device: no host sync per micro-batch
+        self.sums += torch.stack([correct.double(), entropy, valid.sum().double()])
         self.seen = True
 
     def flush(self, device: torch.device) -> tuple[float, float] | None:
@@ -41,7 +46,7 @@ class TokenStats:
         when a process group exists (every rank calls it, the same number of times)."""
         import torch.distributed as dist
 
-        seen = torch.tensor([1.0 if self.seen else 0.0, *self.sums.tolist()], dtype=torch.float64, device=device)
+        seen = torch.cat([torch.tensor([1.0 if self.seen else 0.0], dtype=torch.float64), self.sums.cpu()]).to(device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(seen)  # [4]: ranks with logits, correct, entropy sum, valid -- summed over the world
         self.sums.zero_()
