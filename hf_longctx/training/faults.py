@@ -3,7 +3,7 @@
 Under FSDP + USP every rank joins
 every collective of every micro-batch, so one dead rank leaves the others blocked in an
 all-gather, all-to-all or ring exchange. Three layers stop them:
-1. the process-group timeout (`process_group_kwargs(timeout_s)` for `Accelerator`, or
+1. the process-group timeout (`training/launch.init_distributed(timeout_s=...)`, or
    `init_process_group(timeout=...)`): gloo raises from a blocked collective once it passes;
    a peer that died usually makes gloo raise at once ("Connection closed by peer");
 2. `comm_guard`: turns that backend error into `RankFailure`, naming this rank, the step
@@ -23,7 +23,6 @@ import os
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Iterator
 
 import torch.distributed as dist
@@ -34,16 +33,6 @@ _COMM_HINTS = ("connection", "timed out", "timeout", "closed", "reset by peer", 
 
 class RankFailure(RuntimeError):
     """A collective failed or timed out: a peer rank died, hung or lost its connection."""
-
-
-def process_group_kwargs(timeout_s: float):
-    """`accelerate.InitProcessGroupKwargs` setting the collective timeout to `timeout_s`:
-    pass it in `Accelerator(kwargs_handlers=[...])`."""
-    from accelerate.utils import InitProcessGroupKwargs
-
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-    return InitProcessGroupKwargs(timeout=timedelta(seconds=float(timeout_s)))
 
 
 def _is_comm_error(err: BaseException) -> bool:

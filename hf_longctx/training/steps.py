@@ -36,8 +36,6 @@ from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.distributed.flex_collator import FlexCollator, layout_text
 
-STEP_KEYS = ("micro_batches", "num_items_in_batch", "tokens", "flops", "balance", "layouts", "busy")
-
 
 def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
     """The columns the collator reads (`input_ids`, and `labels` if present); raises for
