@@ -38,30 +38,14 @@ def kv_replication(heads: int, kv_heads: int, ulysses: int) -> int:
     )
 
 
-class _Replicate(torch.autograd.Function):
-    """repeat_interleave over heads whose backward sums the f replicas in fp32 and rounds
-    once (autograd's own backward would add bf16 replicas with a rounding per addition)."""
-
-    @staticmethod
-    def forward(ctx, x, f: int):
-        ctx.f = f
-        return x.repeat_interleave(f, dim=2)  # [B, S_local, H_kv·f, D]: replica i of head j sits at j·f + i
-
-    @staticmethod
-    def backward(ctx, grad):
-        b, s, h, d = grad.shape
-        acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        summed = grad.view(b, s, h // ctx.f, ctx.f, d).sum(3, dtype=acc)  # [B, S_local, H_kv, D]
-        return summed.to(grad.dtype), None
-
-
 def replicate_kv(q, k, v, ulysses: int):
-    """k/v [B, S_local, H_kv, D] → [B, S_local, H_kv·f, D] with f = `kv_replication`; the
-    backward sums the replicas' gradients (fp32, one rounding). Used before every Ulysses
-    all-to-all (USP and FPDT)."""
+    """k/v [B, S_local, H_kv, D] → [B, S_local, H_kv·f, D] with f = `kv_replication` (replica i
+    of head j at j·f + i). Autograd's backward of repeat_interleave is a sum over the replicas
+    (expand's backward), which accumulates bf16 in fp32 and rounds once -- bitwise what an
+    explicit fp32 sum gives. Used before every Ulysses all-to-all (USP and FPDT)."""
     f = kv_replication(q.shape[2], k.shape[2], ulysses)
     if f > 1:
-        k, v = _Replicate.apply(k, f), _Replicate.apply(v, f)
+        k, v = k.repeat_interleave(f, dim=2), v.repeat_interleave(f, dim=2)
     return k, v
 
 

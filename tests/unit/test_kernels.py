@@ -260,3 +260,20 @@ def test_window_tiles_never_exceed_window_squared(causal, ring):
         band = sum(min(i + 1, window) for i in range(s)) if causal else sum(
             min(s - 1, i + window - 1) - max(0, i - window + 1) + 1 for i in range(s))
         assert score_count(plan, causal=causal, window=window) == band
+
+
+@pytest.mark.parametrize("f", [2, 4])
+def test_kv_replication_backward_sums_in_fp32_once(f):
+    """replicate_kv relies on autograd's repeat_interleave backward summing the bf16 replicas
+    in fp32 with one rounding (bitwise equal to an explicit fp32 sum); a torch that rounded
+    per addition would fail here before the bf16 distributed tests do."""
+    from hf_longctx.ops.ulysses import replicate_kv
+
+    g = torch.Generator().manual_seed(f)
+    q = torch.randn(1, 64, 8, 16, generator=g).bfloat16()  # 8 query heads, one KV head (MQA)
+    k = torch.randn(1, 64, 1, 16, generator=g).bfloat16().requires_grad_()
+    k2, _ = replicate_kv(q, k, k.detach(), ulysses=f)  # [1, 64, f, 16]: one replica per Ulysses rank
+    assert k2.shape[2] == f
+    grad = torch.randn(k2.shape, generator=g).bfloat16()
+    (k2 * grad).sum().backward()
+    assert torch.equal(k.grad, grad.sum(2, keepdim=True, dtype=torch.float32).bfloat16())
