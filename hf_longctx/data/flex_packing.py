@@ -51,7 +51,7 @@ TAU_FACTORS = (0.75, 1.0, 1.5, math.inf)  # target slot lengths tried, × the id
 
 def _tables(lengths, shapes, cap_per_rank, cost):
     """[K, N] padded tokens, per-rank cost and feasibility of every document in every shape."""
-    padded = np.stack([-(-lengths // s.doc_multiple) * s.doc_multiple for s in shapes])  # [K, N]
+    padded = np.stack([s.padded(lengths) for s in shapes])  # [K, N]
     caps = np.array([s.capacity(cap_per_rank) for s in shapes], dtype=np.int64)  # [K]
     costs = np.stack([np.asarray(cost(s.size, padded[k]), dtype=np.float64) for k, s in enumerate(shapes)])  # [K, N]
     return padded, caps, costs, padded <= caps[:, None]

@@ -179,7 +179,7 @@ class FlexPlan:
         lengths = np.asarray(self.lengths, dtype=np.int64)
         slot_max, busy, free = [], np.zeros(self.world_size), np.zeros(self.world_size)
         for slot in self.slots:
-            loads = [self._load(g, cost, lengths) for g in slot]
+            loads = [self.group_cost(g, cost) for g in slot]
             slot_max.append(max(loads))
             for g, t in zip(slot, loads):
                 r = slice(g.index * g.size, (g.index + 1) * g.size)
@@ -188,7 +188,7 @@ class FlexPlan:
         best = np.full(len(lengths), np.inf)
         fewest = np.full(len(lengths), np.inf)  # [N] fewest padded tokens of each document
         for shape in self.shapes:
-            p = -(-lengths // shape.doc_multiple) * shape.doc_multiple
+            p = shape.padded(lengths)
             ok = p <= shape.capacity(self.max_tokens_per_rank)
             best = np.where(ok, np.minimum(best, shape.size * cost(shape.size, p)), best)
             fewest = np.where(ok, np.minimum(fewest, p), fewest)
@@ -209,8 +209,8 @@ class FlexPlan:
             "layouts": self.layouts(),
         }
 
-    def _load(self, g: FlexGroup, cost: GroupCost, lengths: np.ndarray) -> float:
-        # An empty group still runs its slot's (padding) micro-batch: it pays the overhead.
-        shape = self.shape(g.size)
-        p = -(-lengths[list(g.docs)] // shape.doc_multiple) * shape.doc_multiple
-        return float(np.sum(cost(g.size, p))) + cost.overhead(g.size)
+    def group_cost(self, g: FlexGroup, cost: GroupCost) -> float:
+        """Modelled time of group g's micro-batch (its documents padded for its shape); an
+        empty group still runs its slot's (padding) micro-batch: it pays the overhead."""
+        lengths = np.asarray(self.lengths, dtype=np.int64)[list(g.docs)]
+        return cost.microbatch(g.size, self.shape(g.size).padded(lengths))

@@ -116,12 +116,9 @@ def flex_rank_costs(plan: FlexPlan, cost: GroupCost) -> tuple[np.ndarray, np.nda
     group runs the group's whole micro-batch time), [world, slots] that group's size)."""
     costs = np.zeros((plan.world_size, plan.num_slots))
     sizes = np.zeros((plan.world_size, plan.num_slots), dtype=np.int64)
-    lengths = np.asarray(plan.lengths, dtype=np.int64)
     for m, slot in enumerate(plan.slots):
         for g in slot:
-            shape = plan.shape(g.size)
-            p = -(-lengths[list(g.docs)] // shape.doc_multiple) * shape.doc_multiple
-            costs[g.ranks.start : g.ranks.stop, m] = cost.microbatch(g.size, p)
+            costs[g.ranks.start : g.ranks.stop, m] = plan.group_cost(g, cost)
             sizes[g.ranks.start : g.ranks.stop, m] = g.size
     return costs, sizes
 
