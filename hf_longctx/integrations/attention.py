@@ -87,7 +87,7 @@ def make_attention(state: Any) -> Callable:
         b = query.shape[0]
         if b != info.rows:
             raise ValueError(f"the shard's metadata describes {info.rows} rows but the attention got B = {b}")
-        dtype = compute_dtype(query, key, value)
+        dtype = compute_dtype(query, module)
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, S_local, H(_kv), D]
         d_v = v.shape[-1]
         if d_v > k.shape[-1]:
@@ -120,25 +120,23 @@ def make_attention(state: Any) -> Callable:
     return sp_attention
 
 
-def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
-    """The one dtype q, k and v are brought to before sequence-parallel attention.
-
-    Under autocast HF's rotary embedding hands fp32 q/k next to a bf16 v; HF's own
-    flash-attention integration (`integrations/flash_attention.get_target_dtype`) then runs
-    attention in the autocast dtype, and so do we. Without autocast the inputs already agree
-    (fp32 weights, or weights loaded in bf16). fp16 is refused: its range needs loss scaling
-    and the ring/FPDT merges are verified for fp32 and bf16 only.
+def compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
+    """The one dtype q, k and v are brought to before sequence-parallel attention: HF's own
+    flash-attention rule (`transformers.integrations.flash_attention.get_target_dtype`, not
+    called because it raises StopIteration on modules without an nn.Linear, e.g. GPT-2's
+    Conv1D): an fp32 query (RoPE may upcast it) runs in the autocast dtype under autocast,
+    else in the quantized config's or the module's weights' dtype; any other query keeps its
+    dtype. fp16 is refused: its range needs loss scaling and the ring/FPDT merges are
+    verified for fp32 and bf16 only.
     """
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type) and query.dtype == torch.float32:
-        dtype = torch.get_autocast_dtype(device_type)
-    elif query.dtype == key.dtype == value.dtype:
-        dtype = query.dtype
-    else:
-        raise ValueError(
-            f"attention inputs of different dtypes outside autocast: q {query.dtype}, k {key.dtype}, v {value.dtype}; "
-            "load the model in one dtype or train under torch.autocast"
-        )
+    dtype = query.dtype
+    if query.dtype == torch.float32:
+        if torch.is_autocast_enabled(query.device.type):
+            dtype = torch.get_autocast_dtype(query.device.type)
+        elif hasattr(getattr(module, "config", None), "_is_quantized"):
+            dtype = module.config.dtype
+        else:  # HF looks for an nn.Linear; GPT-2's Conv1D has none, so take any floating weight
+            dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), query.dtype)
     if dtype == torch.float16:
         raise ValueError(
             "fp16 attention is not supported by hf_longctx (its range needs loss scaling and the ring/FPDT merges are "

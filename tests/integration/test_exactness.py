@@ -152,3 +152,23 @@ def test_moe_router_logits_refused_at_patch_and_at_forward(mesh, patch):
     ids = torch.randint(3, 100, (1, 12))
     with pytest.raises(ValueError, match="output_router_logits"):
         model(**shard_batch({"input_ids": ids, "labels": ids}, mesh), output_router_logits=True)
+
+
+def test_attention_compute_dtype_follows_hf_flash_rule():
+    """compute_dtype: HF's flash rule -- an fp32 query (RoPE may upcast it) runs in the
+    autocast dtype, else in the module's weights' dtype (bf16 weights: bf16, instead of an
+    error); a bf16 query stays bf16; fp16 is refused; a Conv1D module (GPT-2) works."""
+    from transformers.pytorch_utils import Conv1D
+
+    from hf_longctx.integrations.attention import compute_dtype
+
+    q32, q16 = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
+    bf16_linear = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    assert compute_dtype(q32, bf16_linear) == torch.bfloat16
+    assert compute_dtype(q32, torch.nn.Linear(8, 8)) == torch.float32
+    assert compute_dtype(q16, torch.nn.Linear(8, 8)) == torch.bfloat16
+    assert compute_dtype(q32, Conv1D(8, 8)) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compute_dtype(q32, torch.nn.Linear(8, 8)) == torch.bfloat16
+    with pytest.raises(ValueError, match="fp16"):
+        compute_dtype(q32, torch.nn.Linear(8, 8).half())
