@@ -169,7 +169,7 @@ def _probe_lengths(hf) -> tuple[int, int, int]:
     ints(hf.config)
     for s in range(11, 200):
         a = 3  # the shard starts mid-document 0, after the perturbed token 1
-        if s not in sizes and (s - a) not in sizes and (s - a) != s:
+        if s not in sizes and (s - a) not in sizes:
             return s // 2, s - s // 2, a
     raise ValueError("no probe length distinct from the model's sizes in 11..199")
 
@@ -256,8 +256,9 @@ def probe_model(
             if k in used_kwargs or k in ignored_kwargs or v is None or v is False:
                 continue
             report.unknown_kwargs.setdefault(k, set()).add(cls)
-        if value.shape[-1] > key.shape[-1]:
-            report.problems.append(f"{cls}: value head dim {value.shape[-1]} > key head dim {key.shape[-1]} is not supported by the kernels")
+        problem = f"{cls}: value head dim {value.shape[-1]} > key head dim {key.shape[-1]} is not supported by the kernels"
+        if value.shape[-1] > key.shape[-1] and problem not in report.problems:  # once, not per layer and run
+            report.problems.append(problem)
         return _per_token(query, key, value, scaling)
 
     def mask_fn(mask_function=None, attention_mask=None, **_):
