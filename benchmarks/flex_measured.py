@@ -39,17 +39,15 @@ compared; the same fitted model plans the steps.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from benchmarks._ranks import run_ranks
 
 FIT_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 CHECK_FRACTIONS = (0.1875, 0.375, 0.625, 0.875)
@@ -146,11 +144,12 @@ def _mix(world: int, cap: int, n_short: int, seed: int) -> list[int]:
     return [long] + rng.integers(32, 257, size=n_short).tolist()
 
 
-def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, init_file: str, args: argparse.Namespace, results) -> None:
     from hf_longctx import GroupCost, init_group_bank, patch, plan_fixed, plan_flexible, plan_unequal
     from hf_longctx.distributed.flex_step import flex_microbatches
 
     torch.set_num_threads(1)
+    world = args.world
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     cpu = world > 2
@@ -200,7 +199,7 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out
     shards = {k: list(flex_microbatches(p, bank, docs)) for k, p in plans.items()}
     # The slots this rank runs, in order (all of them with equal counts).
     mine = {k: [m for m, slot in enumerate(p.slots) if any(rank in g.ranks for g in slot)] for k, p in plans.items()}
-    res = {k: {"step": [], "busy": [], "synced": []} for k in plans}
+    res = {k: {"step": [], "busy": []} for k in plans}
     for _ in range(args.reps):
         for k, plan in plans.items():
             t_slot = [0.0] * plan.num_slots  # this rank's CPU time per slot (0 where it idles)
@@ -216,31 +215,24 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, out
             cpu_slots = _gather(t_slot)  # [world, slots]: each rank's CPU time per slot
             busy = cpu_slots.sum(axis=1)  # [world]
             res[k]["busy"].append(float(busy.max() / busy.mean()))
-            res[k]["synced"].append(_cpu_step(plan, cpu_slots))
             res[k]["step"].append(float(np.median(_gather([wall]))) if not cpu else _cpu_step(plan, cpu_slots))
     if rank == 0:
-        with open(out, "w") as fh:
-            json.dump({
-                "world": world, "clock": "CPU time" if cpu else "wall clock", "fit": fit_rows, "check": check,
-                "coef": {s: [m.a, m.b, m.c, cost.overhead(s)] for s, m in cost.models},  # a, b, d (per document), c
-                "lengths": lengths,
-                "plans": {k: {"layouts": [list(x) for x in p.layouts()], "model": p.stats(cost)["synced_step"],
-                              "model_busy": p.stats(cost)["busy_max_over_mean"], **res[k]} for k, p in plans.items()},
-            }, fh)
+        results.put({
+            "world": world, "clock": "CPU time" if cpu else "wall clock", "check": check,
+            "plans": {k: {"layouts": [list(x) for x in p.layouts()], **{f"model_{m}": v for m, v in _modelled(p, cost).items()},
+                          **res[k]} for k, p in plans.items()},
+        })
     dist.barrier()
     dist.destroy_process_group()
 
 
 def measure(world: int, args: argparse.Namespace) -> dict:
-    fd, init_file = tempfile.mkstemp(prefix="flex_measured_")
-    os.close(fd)
-    os.unlink(init_file)
-    out = init_file + ".json"
-    mp.start_processes(_worker, args=(world, init_file, args, out), nprocs=world, start_method="spawn")
-    with open(out) as fh:
-        data = json.load(fh)
-    os.unlink(out)
-    return data
+    return run_ranks(_worker, world, argparse.Namespace(**vars(args), world=world))
+
+
+def _modelled(plan, cost) -> dict:
+    stats = plan.stats(cost)
+    return {"step": stats["synced_step"], "busy": stats["busy_max_over_mean"]}
 
 
 def _layouts(layouts: list[list[int]]) -> str:
@@ -275,7 +267,7 @@ def main() -> None:
         med = {k: statistics.median(v["step"]) for k, v in plans.items()}
         best_fixed = min(v for k, v in med.items() if k.startswith("fixed"))
         for k, v in plans.items():
-            print(f"| {r['world']} ({r['clock']}) | {k} | {_layouts(v['layouts'])} | {med[k]:.3f} | {v['model']:.3f} | "
+            print(f"| {r['world']} ({r['clock']}) | {k} | {_layouts(v['layouts'])} | {med[k]:.3f} | {v['model_step']:.3f} | "
                   f"{statistics.median(v['busy']):.3f} | {v['model_busy']:.3f} | {best_fixed / med[k]:.2f}× |")
     print("\nCost model: T_s(docs) = a_s·Σl² + b_s·Σl + d_s·n + c_s fitted per group size (GroupCost.fit) on "
           f"single-document micro-batches at {', '.join(f'{f:g}' for f in FIT_FRACTIONS)} of the group's capacity and "
