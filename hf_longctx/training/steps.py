@@ -56,10 +56,14 @@ def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
 
 
 def document_lengths(dataset: Any) -> list[int]:
-    """Token count of every document: the `length` column of `tokenize_dataset`, else len(input_ids)."""
+    """Token count of every document: the `length` column of `tokenize_dataset`, else the
+    lengths of the `input_ids` lists, read by Arrow (no Python list per row; shuffles and
+    selections of the dataset are respected)."""
     if "length" in dataset.column_names:
         return [int(n) for n in dataset["length"]]
-    return [len(ids) for ids in dataset["input_ids"]]
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
 
 
 def check_lengths(lengths: Sequence[int], max_tokens: int, overlong: str, name: str = "train_dataset") -> None:

@@ -164,3 +164,14 @@ def test_resume_saved_right_after_the_last_step_of_an_epoch():
     b.load_state_dict(state)
     expected = [s.tolist() for s in StepSampler(lengths, tokens_per_step=10, seed=3).epoch_steps(1)]
     assert next(iter(b)) == expected[0]
+
+
+def test_document_lengths_reads_arrow_and_respects_selection():
+    """Without a `length` column the lengths come from Arrow; a shuffled selection of the
+    dataset gives the lengths of exactly those rows, in that order."""
+    from datasets import Dataset
+
+    from hf_longctx.training.steps import document_lengths
+
+    ds = Dataset.from_dict({"input_ids": [[1] * (i % 9 + 1) for i in range(50)]}).shuffle(seed=3).select(range(5, 30))
+    assert document_lengths(ds) == [len(ids) for ids in ds["input_ids"]]
