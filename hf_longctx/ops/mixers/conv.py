@@ -19,8 +19,6 @@ Pure tensor code; never imports transformers.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -56,12 +54,10 @@ def halo_conv(
     bias: torch.Tensor | None,
     rank: int,
     group,
-    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [B, S_local, C] (this rank's shard, local order) → [B, S_local, C]: the per-document
-    causal depthwise convolution (then `activation`), equal to running it on each whole
-    document. Collective over `group` (the SP group): every rank must call it."""
+    causal depthwise convolution, equal to running it on each whole document. Collective
+    over `group` (the SP group): every rank must call it."""
     plan = lay.halo(weight.shape[1])
     x_ext = halo_rows(x, lay, weight.shape[1], rank, group)  # [B, S_local + N_halo + 1, C]
-    out = segment_conv(x_ext, plan.seg_rows[rank], plan.out_index[rank], weight, bias)  # [B, S_local, C]
-    return out if activation is None else activation(out)
+    return segment_conv(x_ext, plan.seg_rows[rank], plan.out_index[rank], weight, bias)  # [B, S_local, C]
