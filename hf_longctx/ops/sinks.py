@@ -46,7 +46,9 @@ def merge_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tup
     `ops/lse.py` with a key set of output 0 and log-normaliser `sinks`.
 
     out [B, h, S, D] and lse [B, h, S] in the accumulation dtype (float32/float64), sinks [h].
-    A row with no real key (lse -inf) gets out 0 and lse = sink.
+    A row with no real key (lse -inf) gets out 0 and lse = sink. Written out rather than
+    calling `lse.merge` with a zero output block: the sink's output is 0, so only the
+    rescale of `out` remains (no [B, h, S, D] zeros, no multiply-add against them).
     """
     if out.shape[:-1] != lse.shape or lse.shape[1] != sinks.shape[0]:
         raise ValueError(f"merge_sink needs out [B, h, S, D], lse [B, h, S], sinks [h]; got {tuple(out.shape)}, {tuple(lse.shape)}, {tuple(sinks.shape)}")
