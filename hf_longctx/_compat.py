@@ -43,10 +43,6 @@ def torch_version() -> tuple[int, ...]:
     return package_version("torch") or tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def transformers_version() -> tuple[int, ...] | None:
-    return package_version("transformers")
-
-
 @functools.cache
 def has_cpu_flash_op() -> bool:
     """torch ships the CPU flash-attention op pair that returns the log-sum-exp."""

@@ -115,7 +115,9 @@ def refuse_inexact(
         # refuses only those a forward calls, so a multimodal model's unused vision tower does not)
         non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False})
         if non_causal:
-            problems.append(f"{', '.join(non_causal)} is not causal (is_causal=False); hf_longctx supports causal self-attention only")
+            from hf_longctx.integrations.refusals import non_causal_message
+
+            problems.append(non_causal_message(non_causal))
     try:
         params = inspect.signature(hf.loss_function).parameters
     except (TypeError, ValueError, AttributeError):

@@ -72,7 +72,7 @@ def describe(report: ProbeReport) -> list[str]:
             "change the model. Supported attention inputs: q, k, v, scaling, sliding_window, softcap, s_aux (sinks)"
         )
     if report.non_causal:
-        out.append(f"{', '.join(sorted(report.non_causal))} is not causal (is_causal=False); hf_longctx supports causal self-attention only")
+        out.append(non_causal_message(report.non_causal))
     if report.tensor_masks:
         out.append(
             f"{', '.join(sorted(report.tensor_masks))} passes a materialised attention mask to the attention function, "
@@ -101,3 +101,8 @@ def describe(report: ProbeReport) -> list[str]:
     if not out and report.attention_calls == 0:
         out.append("no attention call went through transformers' AttentionInterface in a dry run; nothing could be made sequence-parallel")
     return out
+
+
+def non_causal_message(classes) -> str:
+    """The refusal of attention modules with is_causal=False (the dry run's and the by-name check's)."""
+    return f"{', '.join(sorted(classes))} is not causal (is_causal=False); hf_longctx supports causal self-attention only"
