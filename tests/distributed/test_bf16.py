@@ -116,6 +116,13 @@ def pooled_small(rows: list[tuple]) -> list[tuple]:
     return big
 
 
+def criterion(truth: torch.Tensor, single: torch.Tensor, ours: torch.Tensor) -> tuple[float, float]:
+    """The 2x rule on one tensor: (‖ours − truth‖ − (2·‖single − truth‖ + 1e-6·‖truth‖), the
+    error ratio); the first > 0 is a failure."""
+    err, err1 = (ours - truth).norm().item(), (single - truth).norm().item()
+    return err - (2 * err1 + 1e-6 * truth.norm().item()), err / max(err1, 1e-30)
+
+
 def excess(truth, single, run, dp_rank: int = 0, dp: int = 1) -> dict[str, tuple[float, float]]:
     """Per tensor: (‖g − g64‖ − (2·‖g₁ − g64‖ + 1e-6·‖g64‖), ‖g − g64‖ / ‖g₁ − g64‖); the first
     > 0 is a failure. "tokens" applies the criterion to this DP rank's per-token losses ℓ: the
@@ -127,8 +134,7 @@ def excess(truth, single, run, dp_rank: int = 0, dp: int = 1) -> dict[str, tuple
     out = {}
     per_token = [("tokens", tok64, tok1, tok)] if tok is not None else []  # None: chunked loss, no logits
     for name, t, s, r in per_token + pooled_small([(n, g64[n], g1[n], g[n]) for n in g64]):
-        err, err1 = (r.double() - t).norm().item(), (s - t).norm().item()
-        out[name] = (err - (2 * err1 + 1e-6 * t.norm().item()), err / max(err1, 1e-30))
+        out[name] = criterion(t, s, r.double())
     n_all = sum(n - 1 for n in DOCS)
     bound = (2 * (tok1 - tok64).norm().item() + 1e-6 * tok64.norm().item()) * tok64.numel() ** 0.5 / n_all
     err = abs(loss.item() - tok64.sum().item() / n_all)  # this DP group's share of the step loss
@@ -294,8 +300,7 @@ def fsdp_adamw(path: str, refs: dict, use_accelerate: bool) -> dict:
     truth, single = refs["fp64"], refs["bf16_autocast" if use_accelerate else "bf16"]
     out = {}
     for n, t, s, u in pooled_small([(n, truth[n], single[n], updates[n]) for n in truth]):
-        err, err1 = (u - t).norm().item(), (s - t).norm().item()
-        out[n] = (err - (2 * err1 + 1e-6 * t.norm().item()), err / max(err1, 1e-30))
+        out[n] = criterion(t, s, u)
     return out
 
 
