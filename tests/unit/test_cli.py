@@ -31,6 +31,16 @@ def _table(out: str) -> list[dict[str, str]]:
     return [dict(zip(HEADER, row)) for row in cells[1:]]
 
 
+def _setting(row: dict[str, str]) -> Setting:
+    """The memory-model Setting a table row stands for."""
+    chunked = row["chunked mlp/loss"] == "yes"
+    return Setting(
+        ulysses=int(row["ulysses"]), ring=int(row["ring"]), fpdt_chunks=int(row["fpdt"]),
+        kv_offload=row["kv offload"] == "yes", checkpoint=row["ckpt"] == "yes",
+        mlp_chunks=2 * int(row["fpdt"]) if chunked else 1, loss_chunks=0 if chunked else 1,
+    )
+
+
 def test_plan_table_is_feasible_and_best_first(config_path, capsys):
     assert main([*BASE, "--model", str(config_path), "--top", "100"]) == 0
     out = capsys.readouterr().out
@@ -50,12 +60,7 @@ def test_plan_table_is_feasible_and_best_first(config_path, capsys):
 def test_rows_match_the_memory_model(config_path, capsys):
     assert main([*BASE, "--model", str(config_path), "--top", "1"]) == 0
     (row,) = _table(capsys.readouterr().out)
-    setting = Setting(
-        ulysses=int(row["ulysses"]), ring=int(row["ring"]), fpdt_chunks=int(row["fpdt"]),
-        kv_offload=row["kv offload"] == "yes", checkpoint=row["ckpt"] == "yes",
-        mlp_chunks=2 * int(row["fpdt"]) if row["chunked mlp/loss"] == "yes" else 1,
-        loss_chunks=0 if row["chunked mlp/loss"] == "yes" else 1,
-    )
+    setting = _setting(row)
     from transformers import LlamaConfig
 
     est = estimate_memory(ModelDims.from_config(LlamaConfig(**CONFIG)), setting, world=16, tokens=65536)
@@ -184,10 +189,7 @@ def test_gradient_sync_memory(config_path, capsys):
     (synced,) = _table(out)
     assert "--sync-each-microbatch" in out
     dims = ModelDims.from_config(LlamaConfig(**CONFIG))
-    setting = Setting(ulysses=int(synced["ulysses"]), ring=int(synced["ring"]), fpdt_chunks=int(synced["fpdt"]),
-                      kv_offload=synced["kv offload"] == "yes", checkpoint=synced["ckpt"] == "yes",
-                      mlp_chunks=2 * int(synced["fpdt"]) if synced["chunked mlp/loss"] == "yes" else 1,
-                      loss_chunks=0 if synced["chunked mlp/loss"] == "yes" else 1)
+    setting = _setting(synced)
     est = estimate_memory(dims, setting, world=16, tokens=65536, grad_sync="microbatch")
     assert est.held == 4 * dims.params / 16 and synced["peak GiB"] == f"{est.peak / 2**30:.1f}"
     assert float(held["grads"]) - float(synced["grads"]) == pytest.approx(4 * dims.params * 15 / 16 / 2**30, abs=0.11)
@@ -216,12 +218,7 @@ def test_unequal_calls_memory_and_plot(config_path, tmp_path, capsys):
                  "--lengths-file", str(lengths)]) == 0
     out = capsys.readouterr().out
     (row,) = _table(out)
-    setting = Setting(
-        ulysses=int(row["ulysses"]), ring=int(row["ring"]), fpdt_chunks=int(row["fpdt"]),
-        kv_offload=row["kv offload"] == "yes", checkpoint=row["ckpt"] == "yes",
-        mlp_chunks=2 * int(row["fpdt"]) if row["chunked mlp/loss"] == "yes" else 1,
-        loss_chunks=0 if row["chunked mlp/loss"] == "yes" else 1,
-    )
+    setting = _setting(row)
     dims = ModelDims.from_config(LlamaConfig(**CONFIG))
     est = estimate_memory(dims, setting, world=16, tokens=65536, unsharded_step=True)
     base = estimate_memory(dims, setting, world=16, tokens=65536)
