@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.zoo import overall, run_zoo
+from tests.integration.test_patch import on_attention_interface
 
 EXPECTED = {
     "mistral": ("EXACT", ""),
@@ -27,6 +28,10 @@ EXPECTED = {
     "deepseek_v32": ("REFUSED", "Indexer"),
     "llama4_text": ("REFUSED", "chunked"),
 }
+# transformers 5.24 moved GPT-J onto AttentionInterface: from then on it must be exact on 2 ranks
+# (before, tests/integration/test_patch.py checks it is refused).
+if on_attention_interface("transformers.models.gptj.modeling_gptj"):
+    EXPECTED["gptj"] = ("EXACT", "")
 
 
 @pytest.mark.timeout(600)
