@@ -74,13 +74,32 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh) -> None:
 
     For plain data/sequence parallel training without FSDP: afterwards every rank holds the
     single-device gradient of the global mean loss. A collective; every rank must call it
-    with the same parameters in the same order (parameters without .grad are skipped on
-    every rank alike, since requires_grad and the graph are the same everywhere).
+    with the same parameters in the same order.
+
+    Every parameter that requires grad takes part, whether or not it got a gradient on this
+    rank: an MoE expert that received no token of this rank's shard has `grad is None` here
+    but a gradient on its peers, so skipping it would give the ranks buckets of different
+    sizes (a gloo "collective mismatch", a hang or a wrong sum under NCCL). Such a parameter
+    contributes zeros, and gets the summed gradient written back (or stays None when no rank
+    had one: the all-reduced zeros are dropped, as the unsharded model would have no grad).
+    Parameters that do not require grad never take part (the same on every rank).
     """
     if mesh.world_size == 1:
         return
     group = mesh.world_mesh.get_group()  # SP x DP = the whole world: one sum, not two
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = [p for p in parameters if p.requires_grad]
+    # Which parameters got a gradient on ANY rank: one tiny all-reduce (MAX) of P bytes per
+    # call, on every rank (whether it misses a gradient or not), so the buckets agree.
+    had = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)  # [P]: 1 where this rank has a grad
+    flags = had.to(collective_device(group, params[0].device if params else None))
+    _all_reduce_max(flags, group)  # [P]: 1 where any rank has a grad
+    grads = []
+    for p, anywhere in zip(params, flags.tolist()):
+        if not anywhere:
+            continue  # no rank has a gradient: all skip it alike
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # this rank's share is zero (no token reached it)
+        grads.append(p.grad)
     # Buckets of gradients of one dtype and device, ~64 MiB of fp32 each: one all-reduce per
     # bucket, not per tensor.
     bucket, size, limit = [], 0, 64 << 20
@@ -95,6 +114,13 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh) -> None:
         else:
             bucket.append(g)
             size += g.numel() * 4
+
+
+def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # [P] elementwise max over the group
+    return t
 
 
 def _flush(bucket: list[torch.Tensor], group) -> None:

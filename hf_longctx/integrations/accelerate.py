@@ -113,6 +113,11 @@ class FSDPPlan:
         for m in units:
             m.set_gradient_divide_factor(self.gradient_divide_factor)
             m.set_force_sum_reduction_for_comms(True)
+            # An MoE expert that got no token of this rank's shard has no gradient here but one
+            # on its peers: FSDP2 would leave it out of this rank's reduce-scatter only, and the
+            # ranks' collectives would disagree (a mismatch on gloo, a hang or a wrong sum on
+            # NCCL). Unused trainable parameters join with zeros instead.
+            m.set_reduce_scatter_unused_params(True, recurse=False)
         return len(units)
 
     def apply(self, model: torch.nn.Module, *, broadcast_from_rank0: bool = False) -> torch.nn.Module:

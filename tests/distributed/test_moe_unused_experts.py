@@ -1,0 +1,185 @@
+"""MoE models whose router sends no token of one rank's shard to some expert (issue: MoE never
+desynchronises the ranks).
+
+Under SP every rank runs the MoE block on its own tokens only, so an expert may receive tokens
+on one rank and none on another: there its parameters have `grad is None`. Before the fix,
+`sum_gradients` skipped them on that rank only (the ranks' all-reduce buckets differed: gloo
+"Received data size doesn't match expected size ... collective mismatch", a hang or a wrong sum
+under NCCL), and FSDP2 left them out of that rank's reduce-scatter.
+
+The routing is FORCED, not hoped for: a tiny LongCat-Flash (routed experts + identity "zero"
+experts, experts fused in two parameters) whose embedding puts ±5 in hidden dimension 0 (+ for
+token ids < 64, - for ids >= 64) and whose router scores dimension 0 (+ for the zero experts,
+- for the routed ones). A document of ids >= 64 followed by ids < 64 puts the routed experts'
+tokens on the first half of the Ulysses ranks only: the other ranks route every token to the
+identity experts, so the routed experts' `gate_up_proj` / `down_proj` get no gradient there.
+Each test asserts that precondition on the ranks before checking the gradients.
+
+Paths: `sum_gradients` (hand-written loop, no FSDP; what `run_flex_step` uses without FSDP)
+and FSDP2 through `fsdp_plan` (the plan `LongContextTrainer` applies), on 2 and 4 gloo ranks.
+Tolerances as in test_models.py (fp32: loss 1e-5, gradients 1e-4 relative).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_models import compare
+from tests.pool import worker_mesh
+
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def moe_config():
+    import transformers as tf
+
+    from benchmarks.zoo import tiny_config
+
+    cfg = tiny_config(tf.CONFIG_MAPPING["longcat_flash"])
+    cfg.num_hidden_layers, cfg.zero_expert_num = 2, 2  # 4 routed + 2 identity experts, top-2
+    return cfg
+
+
+def save_moe(root) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(moe_config(), dtype=torch.float32)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight  # [V, hidden]
+        emb[:, 0] = torch.where(torch.arange(emb.shape[0]) < 64, 5.0, -5.0)
+        for layer in model.model.layers:
+            router = layer.mlp.router.classifier.weight  # [routed + zero experts, hidden]
+            n_routed = layer.mlp.experts.num_routed_experts
+            router[:n_routed, 0], router[n_routed:, 0] = -2.0, 2.0
+    path = f"{root}/longcat_moe"
+    model.save_pretrained(path)
+    return path
+
+
+def moe_batch(sp: int) -> dict:
+    """One document: the first half ids >= 64 (routed experts), the second half ids < 64
+    (identity experts); 8 tokens per rank, so with Ulysses the halves fall on different ranks."""
+    g = torch.Generator().manual_seed(0)
+    n = 8 * sp
+    ids = torch.cat([torch.randint(64, 128, (n // 2,), generator=g), torch.randint(1, 64, (n // 2,), generator=g)])
+    return {"input_ids": ids[None], "labels": ids[None].clone(), "position_ids": torch.arange(n)[None]}
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+
+
+def _reference(path, batch):
+    model = _load(path)
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _unused_here(model) -> list[str]:
+    return sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None and n.endswith(EXPERT_PARAMS))
+
+
+def _sum_gradients_path(path: str, ulysses: int) -> dict:
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.loss import global_loss, sum_gradients
+
+    mesh = worker_mesh(ulysses, 1)
+    batch = moe_batch(mesh.sp)
+    ref_loss, ref_grads = _reference(path, batch)
+    model = patch(_load(path), mesh)
+    out = model(**shard_batch(batch, mesh))
+    out.loss.backward()
+    unused = _unused_here(model)
+    sum_gradients(model.parameters(), mesh)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    errs = compare(ref_loss, ref_grads, global_loss(out.loss, mesh), grads)
+    errs["unused_here"] = unused
+    return errs
+
+
+def _fsdp_path(path: str, ulysses: int) -> dict:
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.loss import global_loss
+
+    mesh = worker_mesh(ulysses, 1)
+    batch = moe_batch(mesh.sp)
+    ref_loss, ref_grads = _reference(path, batch)
+    model = patch(_load(path), mesh)
+    fsdp_plan(model, mesh, mixed_precision="fp32").apply(model)
+    shard = shard_batch(batch, mesh)
+    # The unsharded expert gradients exist only inside FSDP's backward: read the routing instead.
+    unused = _routed_nowhere_here(model, shard)
+    out = model(**shard)
+    out.loss.backward()
+    grads = {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    errs = compare(ref_loss, ref_grads, global_loss(out.loss, mesh), grads)
+    errs["unused_here"] = unused
+    return errs
+
+
+def _routed_nowhere_here(model, shard) -> list[str]:
+    """Layers whose routed experts get no token of this rank's shard (router outputs, no grad)."""
+    seen = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        n_routed = layer.mlp.experts.num_routed_experts
+
+        def hook(module, args, output, i=i, n_routed=n_routed):
+            seen[i] = bool((output[2] < n_routed).any())  # top-k indices below n_routed: a routed expert
+
+        hooks.append(layer.mlp.router.register_forward_hook(hook))
+    with torch.no_grad():
+        model(**{k: v for k, v in shard.items() if k not in ("labels", "shift_labels")})
+    for h in hooks:
+        h.remove()
+    return [f"model.layers.{i}.mlp.{p}" for i, used in sorted(seen.items()) if not used for p in EXPERT_PARAMS]
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return save_moe(tmp_path_factory.mktemp("moe"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("path_kind", ["sum_gradients", "fsdp2"])
+def test_moe_expert_without_tokens_on_a_rank_is_exact(pools, moe_path, world, path_kind):
+    task = _sum_gradients_path if path_kind == "sum_gradients" else _fsdp_path
+    results = pools.get(world).run(task, moe_path, world, timeout=300)
+    # The precondition: the first half of the ranks route tokens to the routed experts, the
+    # second half to the identity experts only (no gradient for the routed experts there).
+    half = world // 2
+    assert all(not r["unused_here"] for r in results[:half]), [r["unused_here"] for r in results]
+    assert all(r["unused_here"] for r in results[half:]), [r["unused_here"] for r in results]
+    for rank, errs in enumerate(results):
+        assert "missing_grads" not in errs, f"rank {rank}: gradient set differs from the single process: {errs}"
+        assert errs["loss"] <= LOSS_TOL and errs["grad"] <= GRAD_TOL, f"{path_kind} rank {rank}: {errs}"
+
+
+def test_sum_gradients_parameter_without_grad_anywhere_stays_none(pools):
+    """A trainable parameter no rank used keeps grad None (as in the unsharded model), and
+    every rank still joins the same collectives."""
+    results = pools.get(2).run(_unused_everywhere, timeout=120)
+    assert results == [(True, 3.0)] * 2, results
+
+
+def _unused_everywhere():
+    import torch.distributed as dist
+
+    from hf_longctx.loss import sum_gradients
+
+    mesh = worker_mesh(2, 1)
+    used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    (used * (dist.get_rank() + 1)).sum().backward()  # rank 0: grad 1, rank 1: grad 2 -> sum 3
+    sum_gradients([unused, used], mesh)
+    return unused.grad is None, float(used.grad[0])
+
