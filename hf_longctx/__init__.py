@@ -23,6 +23,7 @@ from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.flex_step import flex_microbatches, run_flex_step
 from hf_longctx.distributed.group_bank import GroupBank, init_group_bank
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
+from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch, unpatch
 from hf_longctx.loss import global_loss, sum_gradients
@@ -39,6 +40,7 @@ __all__ = [
     "GroupCost",
     "GroupShape",
     "LongContextCollator",
+    "NotSupported",
     "Piece",
     "Plan",
     "SPMesh",

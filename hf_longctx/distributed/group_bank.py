@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.data.flex_groups import GroupShape, group_shapes
-from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.distributed.mesh import SPMesh, process_group_world
 from hf_longctx.loss import collective_device
 
 
@@ -108,8 +108,7 @@ def init_group_bank(
     CUDA device count, or the world on CPU) -- Ulysses stays within a node, the ring spans
     nodes. `fpdt_chunks` applies to the groups with ring 1 and size > 1.
     """
-    initialised = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if initialised else 1
+    initialised, world = process_group_world("init_group_bank")
     if ranks_per_node is None:
         ranks_per_node = torch.cuda.device_count() if torch.cuda.is_available() else world
         ranks_per_node = max(1, min(ranks_per_node, world))

@@ -13,6 +13,7 @@ and every collective in `distributed/comm.py` is the identity.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.data import layout
+from hf_longctx.errors import NotSupported
 
 
 def _check_degree(name: str, value: Any) -> int:
@@ -123,14 +125,33 @@ class SPMesh:
         return layout.runs_to_indices(self.local_runs(cu_seqlens))
 
 
+def process_group_world(what: str = "init_sequence_parallel") -> tuple[bool, int]:
+    """(is the default process group initialised, its world size). Refuses a launch whose
+    environment says several processes (WORLD_SIZE > 1, set by torchrun / accelerate launch)
+    while no process group exists yet: a mesh built then would be a world of 1 on every rank,
+    and each rank would train the whole step alone (silently: 1/WORLD_SIZE of the throughput)."""
+    initialised = dist.is_available() and dist.is_initialized()
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if not initialised and launched > 1:
+        raise NotSupported(
+            f"{what}: the launcher started WORLD_SIZE={launched} processes but no torch.distributed process group "
+            "exists yet, so the mesh would be a world of 1 on every rank (each rank training the whole step alone)",
+            "create the process group first: build TrainingArguments(...) before the mesh (Accelerate initialises "
+            "the group under torchrun / accelerate launch), or call torch.distributed.init_process_group() "
+            "(backend 'nccl' on GPUs, 'gloo' on CPU)",
+        )
+    return initialised, (dist.get_world_size() if initialised else 1)
+
+
 def init_sequence_parallel(ulysses_degree: int = 1, ring_degree: int = 1, fpdt_chunks: int = 1) -> SPMesh:
     """Build the frozen SP mesh over the default process group.
 
-    `world = dp × ring × ulysses`; dp is what is left. Call it on every rank, after
-    `torch.distributed.init_process_group` (or not at all for one process).
+    `world = dp × ring × ulysses`; dp is what is left. Call it on every rank, after the
+    process group exists (`torch.distributed.init_process_group`, or `TrainingArguments(...)`
+    under a launcher); without a launcher (one process) no group is needed. Under a launcher
+    with WORLD_SIZE > 1 and no group yet it refuses (`process_group_world`).
     """
-    initialised = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if initialised else 1
+    initialised, world = process_group_world("init_sequence_parallel")
     dp = check_degrees(world, ulysses_degree, ring_degree, fpdt_chunks)
     if not initialised:
         return SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=fpdt_chunks, dp_rank=0, ring_rank=0, ulysses_rank=0)

@@ -17,6 +17,7 @@ import torch
 
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.errors import NotSupported
 
 
 # Keywords `sp_attention` APPLIES (the structural rule of probe.py lets them reach it) and
@@ -79,7 +80,10 @@ def make_attention(state: Any) -> Callable:
                 "under SP the document mask comes from shard_batch -- do not pass attention_mask"
             )
         if getattr(module, "is_causal", True) is False:
-            raise NotImplementedError(f"{type(module).__name__}: non-causal attention is not supported under SP")
+            raise NotSupported(
+                f"{type(module).__name__}: non-causal attention (is_causal=False) is not supported under SP",
+                "train this model without sequence parallelism (ulysses_degree=ring_degree=1)",
+            )
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         if window is None:
             window = mask_implied_window(state.mask_windows)
@@ -91,7 +95,10 @@ def make_attention(state: Any) -> Callable:
         q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, S_local, H(_kv), D]
         d_v = v.shape[-1]
         if d_v > k.shape[-1]:
-            raise NotImplementedError(f"{type(module).__name__}: value head dim {d_v} > key head dim {k.shape[-1]}")
+            raise NotSupported(
+                f"{type(module).__name__}: value head dim {d_v} > key head dim {k.shape[-1]}",
+                "train this model without sequence parallelism (ulysses_degree=ring_degree=1)",
+            )
         if d_v < k.shape[-1]:  # MLA (DeepSeek): zero value columns give zero outputs, as HF's flash path pads
             v = torch.nn.functional.pad(v, (0, k.shape[-1] - d_v))  # [B, S_local, H_kv, D]
         kw = dict(

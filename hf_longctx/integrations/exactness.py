@@ -19,8 +19,14 @@ import torch
 from hf_longctx.config import PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.errors import NotSupported
 
 SUPPORTED = "models whose attention uses AttentionInterface, e.g. (tested) Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, GPT-2, GPT-NeoX, GPTBigCode"
+NO_SP = (
+    "train this model without sequence parallelism (init_sequence_parallel(ulysses_degree=1, ring_degree=1): "
+    "data parallel + FSDP2 only, with memory='max' to reach longer documents), or pick a supported model; "
+    "hf_longctx.verify(model, mesh) reports which layers are exact"
+)
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 _INEXACT_ROPE = {
     "dynamic": "rescales RoPE frequencies from max(position_ids) + 1, which every SP rank takes from its own shard",
@@ -60,14 +66,70 @@ def _rope_types(cfg) -> set[str]:
     return types
 
 
+def _config_heads(hf) -> dict:
+    """(query heads, KV heads) from the configs, where the dry run did not run (unsafe mode)."""
+    out = {}
+    for cfg in configs(hf):
+        h = getattr(cfg, "num_attention_heads", None)
+        if isinstance(h, int) and h > 0:
+            kv = getattr(cfg, "num_key_value_heads", None)
+            out.setdefault((h, kv if isinstance(kv, int) and kv > 0 else h), set()).add(type(cfg).__name__)
+    return out
+
+
+def head_problems(heads: dict, ulysses_degrees) -> list[str]:
+    """Each (query heads, KV heads) the attention is called with, against every Ulysses degree
+    it will run at (a GroupBank has several): what `ops/ulysses.kv_replication` would raise at
+    the first forward, said at patch() instead."""
+    from hf_longctx.ops.ulysses import kv_replication
+
+    problems = []
+    for (h, kv), where in sorted(heads.items()):
+        for u in sorted(set(ulysses_degrees)):
+            try:
+                kv_replication(h, kv, u)
+            except ValueError as e:
+                usable = [d for d in range(1, h + 1) if h % d == 0 and _replicable(h, kv, d)]
+                problems.append(
+                    f"{', '.join(sorted(where))}: {e}; this attention splits over Ulysses degrees "
+                    f"{usable} only -- use one of them and put the rest of the SP degree on the ring "
+                    "(init_sequence_parallel(ulysses_degree=..., ring_degree=...))"
+                )
+    return problems
+
+
+def _replicable(h: int, kv: int, u: int) -> bool:
+    from hf_longctx.ops.ulysses import kv_replication
+
+    try:
+        kv_replication(h, kv, u)
+        return True
+    except ValueError:
+        return False
+
+
+def dtype_problems(hf) -> list[str]:
+    """fp16 weights: the attention refuses fp16 at its first forward (compute_dtype); say it here."""
+    half = sorted({n.split(".")[-1] for n, p in hf.named_parameters() if p.dtype == torch.float16})
+    if not half:
+        return []
+    return [
+        f"the model has float16 weights ({', '.join(half[:4])}{' ...' if len(half) > 4 else ''}): hf_longctx's attention "
+        "refuses fp16 (its range needs loss scaling; the ring/FPDT merges are verified for fp32 and bf16); load it with "
+        "from_pretrained(..., dtype=torch.bfloat16) (or torch.float32), or model.to(torch.bfloat16)"
+    ]
+
+
 def refuse_inexact(
     hf, mesh: SPMesh, options: PatchOptions, *, structural: bool = True, used_kwargs=frozenset(), ignored_kwargs=frozenset(),
-    handled: frozenset = frozenset(),
+    handled: frozenset = frozenset(), ulysses_degrees: tuple = (),
 ):
     """Raise before anything is changed if the model cannot run EXACTLY under SP.
 
     `structural=False` (patch's unsafe_skip_exactness_check) skips the dry run of
-    `probe.py`; the config rules below always apply. `handled`: module classes that run under
+    `probe.py`; the config rules below always apply. `ulysses_degrees`: every Ulysses degree
+    the attention will run at (a GroupBank's groups; default the mesh's), checked against the
+    head counts the dry run saw (the configs' without it), as the fp16 weights are. `handled`: module classes that run under
     a sequence-parallel wrapper (`integrations/mixers.py`); the dry run trusts them. Returns
     the probe's report (or None)."""
     from transformers import PreTrainedModel
@@ -75,10 +137,11 @@ def refuse_inexact(
     cls = type(hf).__name__
     bypass = sorted({type(m).__name__ for m in hf.modules() if isinstance(m, PreTrainedModel) and not m._can_set_attn_implementation()})
     if bypass:
-        raise NotImplementedError(
+        raise NotSupported(
             f"{', '.join(bypass)} {'do' if len(bypass) > 1 else 'does'} not call attention through transformers' AttentionInterface, so its attention "
             f"cannot be replaced by sequence-parallel attention (transformers would silently keep "
-            f"'{hf.config._attn_implementation}'). hf_longctx supports {SUPPORTED}."
+            f"'{hf.config._attn_implementation}'). hf_longctx supports {SUPPORTED}.",
+            NO_SP,
         )
     layers = attention_modules(hf)  # by name: only to check their dropout / causality fields below
     problems = []
@@ -140,6 +203,7 @@ def refuse_inexact(
                 "model with output_router_logits=False (TRL: model_init_kwargs={'output_router_logits': False})"
             )
             break
+    problems += dtype_problems(hf)
     report = None
     if structural and not problems:
         from hf_longctx.integrations.probe import probe_model
@@ -147,6 +211,12 @@ def refuse_inexact(
 
         report = probe_model(hf, SP_METADATA_KEY, frozenset(used_kwargs), frozenset(ignored_kwargs), handled=handled)
         problems.extend(describe(report))
+    degrees = tuple(ulysses_degrees) or (mesh.ulysses,)
+    if not problems and any(u > 1 for u in degrees):
+        problems += head_problems(report.heads if report is not None else _config_heads(hf), degrees)
     if problems:
-        raise ValueError(f"cannot patch {cls} for exact sequence parallelism:\n- " + "\n- ".join(problems))
+        raise NotSupported(
+            f"cannot patch {cls} for exact sequence parallelism:\n- " + "\n- ".join(problems),
+            "where a line above names a setting, reload or re-patch with it changed; otherwise " + NO_SP,
+        )
     return report

@@ -61,6 +61,7 @@ class ProbeReport:
     windows_mask: set = field(default_factory=set)
     windows_attention: set = field(default_factory=set)
     mask_windows: list = field(default_factory=list)  # per mask built: its sliding windows
+    heads: dict = field(default_factory=dict)  # (query heads, KV heads) -> {attention classes} of the calls
 
 
 def _seq_view(t: Any, s: int):
@@ -256,6 +257,7 @@ def probe_model(
             if k in used_kwargs or k in ignored_kwargs or v is None or v is False:
                 continue
             report.unknown_kwargs.setdefault(k, set()).add(cls)
+        report.heads.setdefault((int(query.shape[1]), int(key.shape[1])), set()).add(cls)  # query/key: [B, H(_kv), S, D]
         problem = f"{cls}: value head dim {value.shape[-1]} > key head dim {key.shape[-1]} is not supported by the kernels"
         if value.shape[-1] > key.shape[-1] and problem not in report.problems:  # once, not per layer and run
             report.problems.append(problem)

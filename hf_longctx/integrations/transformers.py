@@ -37,7 +37,8 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
 )
-from hf_longctx.integrations.exactness import SUPPORTED
+from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
 from hf_longctx.integrations.exactness import configs as _configs
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
 
@@ -185,7 +186,15 @@ def _post_forward(state: _PatchState) -> Callable:
     return hook
 
 
-_UNSET: Any = object()  # a knob the caller did not pass (memory= and a knob together is an error)
+class _Unset:
+    """A knob the caller did not pass (memory= and a knob together is an error); `help(patch)`
+    shows it as `unset` rather than an object address."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+
+_UNSET: Any = _Unset()
 
 
 def patch(
@@ -257,6 +266,7 @@ def patch(
         hf, mesh, options, structural=not unsafe_skip_exactness_check,
         used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
         handled=frozenset(type(module) for _, module, _ in mixer_plan),
+        ulysses_degrees=tuple(s.ulysses for s in bank.shapes) if bank is not None else (mesh.ulysses,),
     )
     if verify:
         from hf_longctx.verify import verify as _verify
@@ -274,9 +284,10 @@ def patch(
         hf.set_attn_implementation(state.name)
         stale = [type(cfg).__name__ for cfg, _ in state.saved_impls if cfg._attn_implementation != state.name]
         if stale:
-            raise NotImplementedError(
+            raise NotSupported(
                 f"transformers did not switch {', '.join(stale)} to sequence-parallel attention; "
-                f"hf_longctx supports {SUPPORTED}"
+                f"hf_longctx supports {SUPPORTED}",
+                NO_SP,
             )
         state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
         state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))

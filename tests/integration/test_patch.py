@@ -20,6 +20,7 @@ from transformers.modeling_utils import AttentionInterface
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.mesh import init_sequence_parallel
+from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.transformers import is_patched, patch, unpatch
 from tests.distributed.test_models import family_config, packed_batch, rel
 
@@ -213,7 +214,7 @@ def test_models_off_the_attention_interface_refused(tmp_path, mesh, family):
         assert is_patched(model)
         unpatch(model)
         return
-    assert_refused(model, mesh, NotImplementedError, type(model).__name__, "AttentionInterface", "Llama")
+    assert_refused(model, mesh, NotSupported, type(model).__name__, "AttentionInterface", "Llama")
 
 
 def test_option_errors(llama_path, mesh):
