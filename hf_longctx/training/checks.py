@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-_DEFAULT_PER_DEVICE_BATCH = 8  # TrainingArguments' default; any other value would be ignored
-
+from hf_longctx.errors import NotSupported
+from hf_longctx.training.arguments import refused_arguments, refused_parameters
 
 def _trl_refusals(args: Any) -> list[str]:
     errors = []
@@ -37,55 +37,28 @@ def _trl_refusals(args: Any) -> list[str]:
 
 
 def check_training_arguments(args: Any) -> None:
-    """Raise one ValueError listing every refused setting of `args`, with why and what to use."""
-    errors = []
-    if args.gradient_accumulation_steps != 1:
-        errors.append(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one optimizer step is one planned step "
-            "whose micro-batch count the planner chooses; set tokens_per_step for a larger batch"
-        )
-    pc = getattr(args, "parallelism_config", None)
-    if pc is not None and (getattr(pc, "sp_size", 1) > 1 or getattr(pc, "cp_size", 1) > 1):
-        errors.append(
-            f"parallelism_config with sp_size={getattr(pc, 'sp_size', 1)}, cp_size={getattr(pc, 'cp_size', 1)}: "
-            "sequence parallelism comes from the mesh (init_sequence_parallel) and patch(); drop it"
-        )
-    if args.label_smoothing_factor > 0:
-        errors.append(
-            f"label_smoothing_factor={args.label_smoothing_factor}: the loss must be the model's token NLL normalised "
-            "by the global target count"
-        )
-    if args.use_liger_kernel:
-        errors.append("use_liger_kernel=True: Liger replaces the model's forward and loss; use patch(..., loss_chunks=N)")
-    if args.train_sampling_strategy != "random":
-        errors.append(
-            f"train_sampling_strategy={args.train_sampling_strategy!r}: the step sampler draws documents "
-            "(seeded by args.seed); shuffling is built in"
-        )
-    if args.per_device_train_batch_size != _DEFAULT_PER_DEVICE_BATCH:
-        errors.append(
-            f"per_device_train_batch_size={args.per_device_train_batch_size}: the batch is tokens_per_step global "
-            "tokens per optimizer step (and max_tokens per micro-batch); leave it at its default"
-        )
-    if args.torch_compile:
-        errors.append("torch_compile=True: not tested with the patched attention; leave it False")
-    if args.fp16:
-        errors.append("fp16=True: the attention kernels refuse fp16; use bf16=True")
-    if args.fsdp or args.deepspeed:
-        errors.append(
-            "fsdp/deepspeed set: hf_longctx shards the model itself with FSDP2 over the whole DP x SP world "
-            "(fsdp_plan); drop these settings"
-        )
-    if args.dataloader_num_workers:
-        errors.append(
-            f"dataloader_num_workers={args.dataloader_num_workers}: the step sampler's checkpointed position must "
-            "equal the steps consumed, and workers prefetch; planning a step costs milliseconds, use 0"
-        )
+    """Raise one `NotSupported` listing every refused setting of `args` (the table of
+    `arguments.py`, plus TRL's SFTConfig fields), each with why and what to use instead."""
+    errors = refused_arguments(args)
     if args.n_gpu > 1:
-        errors.append(f"n_gpu={args.n_gpu} (nn.DataParallel): launch one process per device (torchrun / accelerate launch)")
+        errors.append(
+            f"n_gpu={args.n_gpu} (nn.DataParallel in one process); do instead: launch one process per device "
+            "(torchrun / accelerate launch)"
+        )
     errors += _trl_refusals(args)
     if errors:
-        raise ValueError("LongContextTrainer cannot honour these TrainingArguments:\n- " + "\n- ".join(errors))
+        raise NotSupported(
+            "LongContextTrainer cannot honour these TrainingArguments:\n- " + "\n- ".join(errors),
+            "change the settings listed above as each line says",
+        )
+
+
+def check_trainer_parameters(params: dict[str, Any]) -> None:
+    """Raise one `NotSupported` for the `Trainer.__init__` parameters the mixin refuses
+    (`arguments.TRAINER_PARAMETERS`), before the Trainer is built."""
+    errors = refused_parameters(params)
+    if errors:
+        raise NotSupported("LongContextTrainer:\n- " + "\n- ".join(errors), "change the parameters listed above as each line says")
 
 
 def check_process_group(args: Any) -> None:
@@ -99,4 +72,20 @@ def check_process_group(args: Any) -> None:
             f"has {world} rank(s): Accelerate reads the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE, "
             "LOCAL_WORLD_SIZE); launch with torchrun / accelerate launch, or, for a process group you initialised "
             "yourself, set those variables before creating TrainingArguments (on CPU also use_cpu=True)"
+        )
+
+
+def check_world(mesh_world: int) -> None:
+    """The mesh and torch.distributed agree on the world: a mesh built on another process group,
+    or before one existed (a world of 1 on every rank, each training the whole step alone)."""
+    from hf_longctx.distributed.mesh import process_group_world
+
+    _, world = process_group_world("LongContextTrainer")  # refuses a launch with WORLD_SIZE > 1 and no group
+    if mesh_world != world:
+        raise NotSupported(
+            f"the mesh spans {mesh_world} rank(s) but torch.distributed has {world}: the mesh was built before the "
+            "process group (or on another one), so the ranks would not share the step",
+            "create TrainingArguments (which initialises the process group under torchrun / accelerate launch) or call "
+            "torch.distributed.init_process_group() BEFORE hf_longctx.init_sequence_parallel / init_group_bank, then "
+            "patch the model with that mesh",
         )

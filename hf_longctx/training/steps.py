@@ -34,6 +34,7 @@ import torch
 
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.sampler import StepSampler
+from hf_longctx.errors import NotSupported
 from hf_longctx.distributed.flex_collator import FlexCollator, layout_text
 
 
@@ -46,6 +47,11 @@ def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
         raise ValueError(
             f"{name} must be a datasets.Dataset with an 'input_ids' column (the step sampler needs every document's "
             f"length up front), got {type(dataset).__name__}"
+        )
+    if len(dataset) == 0:
+        raise ValueError(
+            f"{name} is empty (0 rows, columns: {dataset.column_names}); check the data files / split / filter that "
+            "produced it"
         )
     if "input_ids" not in dataset.column_names:
         raise ValueError(
@@ -76,6 +82,42 @@ def check_lengths(lengths: Sequence[int], max_tokens: int, overlong: str, name: 
         raise ValueError(
             f"{name}: {len(long)} document(s) exceed max_tokens={max_tokens} ({shown}); nothing is truncated silently: "
             "raise max_tokens, or pass overlong='split' (train the pieces as separate documents) or 'truncate'"
+        )
+
+
+def check_step_budget(
+    lengths: Sequence[int], tokens_per_step: int, max_tokens: int, overlong: str, *, name: str = "train_dataset",
+    warn: bool = True,
+) -> None:
+    """`tokens_per_step` against the data. A document longer than the budget forms an over-budget
+    step of its own: refused with overlong="error" (every document then fits one micro-batch, so
+    the budget is simply too small), said (a warning naming the documents) when the user chose
+    to split or truncate long documents. A dataset smaller than one step trains the whole
+    dataset every step: exact, but said. `warn`: this process speaks (the main one)."""
+    import warnings
+
+    longest = max(range(len(lengths)), key=lambda i: lengths[i], default=None)
+    if longest is not None and lengths[longest] > tokens_per_step:
+        over = sum(1 for n in lengths if n > tokens_per_step)
+        what = (
+            f"tokens_per_step={tokens_per_step} is smaller than {over} document(s) of {name} (the longest, document "
+            f"{longest}, has {lengths[longest]} tokens): each forms a step of its own, larger than the budget"
+        )
+        fix = (
+            f"raise tokens_per_step to at least {lengths[longest]} (usually several times max_tokens={max_tokens} x "
+            "the data-parallel degree), or filter the long documents first"
+        )
+        if overlong == "error":
+            raise NotSupported(what, fix)
+        if warn:
+            warnings.warn(f"{what} (overlong={overlong!r} then cuts it into micro-batches); to keep steps even, {fix}",
+                          stacklevel=3)
+    total = int(sum(lengths))
+    if warn and 0 < total < tokens_per_step:
+        warnings.warn(
+            f"{name} holds {total} tokens in {len(lengths)} document(s), fewer than tokens_per_step={tokens_per_step}: "
+            "every optimizer step trains the whole dataset (an epoch is one step)",
+            stacklevel=3,
         )
 
 
@@ -164,9 +206,11 @@ def step_dataloader(
     flops_model: Any = None,
     lengths: Sequence[int] | None = None,
     name: str = "train_dataset",
+    pin_memory: bool = False,
 ) -> tuple[torch.utils.data.DataLoader, StepSampler]:
     """(DataLoader of step dicts, its StepSampler, whose state a checkpoint saves). `lengths`:
-    the documents' token counts when already known.
+    the documents' token counts when already known; `pin_memory`: pin the step's tensors
+    (the Trainer's dataloader_pin_memory, on a CUDA machine).
 
     num_workers is 0 on purpose: the sampler's position must be exactly the steps consumed
     (a worker's prefetch would advance it), and planning a step costs milliseconds.
@@ -180,5 +224,6 @@ def step_dataloader(
         batch_sampler=StepStream(sampler, endless=endless),
         collate_fn=StepCollate(collator, flops_model),
         num_workers=0,
+        pin_memory=pin_memory,
     )
     return loader, sampler

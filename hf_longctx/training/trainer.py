@@ -42,6 +42,7 @@ parameter offload or when it does not fit device memory). Evaluation keeps equal
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from contextlib import ExitStack, nullcontext
@@ -62,13 +63,14 @@ from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import _STATE_ATTR, _hf_model, is_patched
 from hf_longctx.loss import global_loss
 from hf_longctx.training.checkpoint import load_sharded, save_consolidated, save_sharded
-from hf_longctx.training.checks import check_process_group, check_training_arguments
+from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments, check_world
 from hf_longctx.training.faults import WatchdogCallback, comm_guard
 from hf_longctx.training.metrics import StepWindow
-from hf_longctx.training.steps import check_dataset, check_lengths, document_lengths, step_dataloader
+from hf_longctx.training.steps import check_dataset, check_lengths, check_step_budget, document_lengths, step_dataloader
 from hf_longctx.training.token_metrics import TokenStats
 
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file name
+_TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:]  # positional order, without self
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -131,14 +133,13 @@ class LongContextTrainerMixin:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             check_training_arguments(training_args)  # before anything else, on every rank alike
-        for name in ("compute_metrics", "compute_loss_func"):
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"{name} is not supported: logits and labels are sharded over the SP group, and the loss must be the "
-                    "model's token loss over the step's global target count"
-                )
+        # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (arguments.py).
+        check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
         model = kwargs.get("model", args[0] if args else None)
         self._check_patched(model)
+        self._check_world(mesh)
+        # The Trainer writes args.use_cache into model.config; the exported model keeps the user's value.
+        self._config_use_cache = getattr(getattr(_hf_model(model), "config", None), "use_cache", None)
         if training_args is not None:
             self._map_activation_checkpointing(model, training_args)
         super().__init__(*args, **kwargs)
@@ -149,8 +150,7 @@ class LongContextTrainerMixin:
             check_dataset(self.train_dataset)
             lengths = document_lengths(self.train_dataset)
             check_lengths(lengths, self.max_tokens, overlong)
-        if self.args.load_best_model_at_end or self.args.save_only_model:
-            raise ValueError("load_best_model_at_end / save_only_model: checkpoints hold sharded states; leave them False")
+            check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
         self._train_lengths = lengths
         hf_config = getattr(_hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
@@ -241,6 +241,10 @@ class LongContextTrainerMixin:
             knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
             patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
         args.activation_checkpointing = args.gradient_checkpointing = False
+
+    @staticmethod
+    def _check_world(mesh: Any) -> None:
+        check_world(mesh.world.world_size if isinstance(mesh, GroupBank) else mesh.world_size)
 
     def _pad_id(self, pad_token_id: int | None) -> int:
         if pad_token_id is not None:
@@ -336,6 +340,11 @@ class LongContextTrainerMixin:
                 if self._watchdog is not None:
                     self._watchdog.beat(step)
             step_loss = global_loss(local, self._world_mesh)  # []: the step's global token mean, on every rank
+            every = self.args.torch_empty_cache_steps
+            if every is not None and self.state.global_step % every == 0:  # as Trainer.training_step does
+                from accelerate.utils import clear_device_cache
+
+                clear_device_cache()
             self._flush_token_stats("train", inputs["tokens"])
         self._window.end_step(loss=float(step_loss), tokens=inputs["tokens"], flops=inputs["flops"], balance=inputs["balance"],
                               layouts=inputs.get("layouts"), busy=inputs.get("busy"))
@@ -454,8 +463,16 @@ class LongContextTrainerMixin:
         if _internal_call:
             os.makedirs(output_dir, exist_ok=True)
             return
-        with self._watchdog_paused():
-            save_consolidated(self.model, output_dir, is_main=self.args.should_save)
+        config = getattr(_hf_model(self.model), "config", None)
+        trained_value = getattr(config, "use_cache", None)
+        if config is not None and self._config_use_cache is not None:
+            config.use_cache = self._config_use_cache  # the model as loaded, not the Trainer's training-time value
+        try:
+            with self._watchdog_paused():
+                save_consolidated(self.model, output_dir, is_main=self.args.should_save)
+        finally:
+            if config is not None and trained_value is not None:
+                config.use_cache = trained_value
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -463,4 +480,14 @@ class LongContextTrainerMixin:
 
 
 class LongContextTrainer(LongContextTrainerMixin, Trainer):
-    """`transformers.Trainer` with exact sequence-parallel long-context training (see the mixin)."""
+    """`transformers.Trainer` with exact sequence-parallel long-context training.
+
+    `LongContextTrainer(model=patch(model, mesh), args=TrainingArguments(...), train_dataset=ds,
+    mesh=mesh, max_tokens=..., tokens_per_step=...)`: every optimizer step trains
+    `tokens_per_step` global tokens, planned into micro-batches of at most `max_tokens` tokens
+    per SP group and sharded over the group; the loss is the step's token mean over every rank
+    and the gradients are summed, so a step equals a single-device step on the same documents.
+    The model is sharded with FSDP2 over the whole DP x SP world. Every `TrainingArguments`
+    field and `Trainer` parameter is honoured, mapped or refused at construction
+    (`hf_longctx.training.arguments`). The keyword arguments: see `LongContextTrainerMixin`.
+    """

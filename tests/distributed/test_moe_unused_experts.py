@@ -69,10 +69,10 @@ def moe_batch(sp: int) -> dict:
     return {"input_ids": ids[None], "labels": ids[None].clone(), "position_ids": torch.arange(n)[None]}
 
 
-def _load(path):
+def _load(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
 
 
 def _reference(path, batch):
@@ -183,3 +183,88 @@ def _unused_everywhere():
     sum_gradients([unused, used], mesh)
     return unused.grad is None, float(used.grad[0])
 
+
+
+# -- the Trainer (FSDP2 through LongContextTrainer) and the flexible step (run_flex_step) -----------
+def _split_documents(n_docs: int, half: int, seed: int = 3) -> list[list[int]]:
+    """Documents of `half` ids >= 64 (routed experts) then `half` ids < 64 (identity experts)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.cat([torch.randint(64, 128, (half,), generator=g), torch.randint(1, 64, (half,), generator=g)]).tolist()
+            for _ in range(n_docs)]
+
+
+def _trainer_run(path: str, ulysses: int | None, output_dir: str) -> dict:
+    from datasets import Dataset
+
+    from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
+    from tests.trainer_cases import history, training_args
+
+    args = training_args(output_dir, max_steps=2)  # first: it adopts the process group
+    mesh = worker_mesh(ulysses, 1) if ulysses else init_sequence_parallel()
+    model = patch(_load(path), mesh)
+    # One 16-token document per step: with Ulysses 2 rank 0 holds its ids >= 64, rank 1 only ids < 64.
+    ds = Dataset.from_dict({"input_ids": _split_documents(2, 8)})
+    trainer = LongContextTrainer(model=model, args=args, train_dataset=ds, mesh=mesh, max_tokens=16, tokens_per_step=16)
+    unused = []
+    if ulysses:  # the precondition, on the first step's document sharded as the trainer shards it
+        from hf_longctx.data.sharding import shard_batch
+
+        ids = torch.tensor(ds[0]["input_ids"])[None]  # [1, 16]
+        batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(ids.shape[1])[None]}
+        unused = _routed_nowhere_here(model, shard_batch(batch, mesh))
+    trainer.train()
+    return {"steps": history(trainer), "unused_here": unused}
+
+
+def test_moe_trainer_step_with_unused_experts_on_a_rank(pools, moe_path, tmp_path):
+    from tests.trainer_cases import assert_steps_close
+
+    ref = _trainer_run(moe_path, None, str(tmp_path / "ref"))
+    out = pools.get(2).run(_trainer_run, moe_path, 2, str(tmp_path / "sp"), timeout=300)
+    assert not out[0]["unused_here"] and out[1]["unused_here"], [r["unused_here"] for r in out]  # the precondition
+    for rank, res in enumerate(out):
+        assert_steps_close(res["steps"], ref["steps"], LOSS_TOL, f"MoE trainer rank {rank}")
+
+
+def _flex_run(path: str, fsdp: bool) -> dict:
+    from transformers import DataCollatorWithFlattening
+
+    from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
+    from hf_longctx.distributed.flex_step import flex_microbatches, run_flex_step
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.transformers import patch
+    from tests.pool import worker_bank
+
+    docs = [_split_documents(1, 8)[0][:8], _split_documents(1, 8)[0][8:]]  # rank 0: ids >= 64; rank 1: ids < 64
+    # float64: with 8-token documents the MLA query projection's gradient is ill-conditioned, so
+    # two fp32 single-process references (packed vs one document at a time) already differ by
+    # 2e-4; in float64 the comparison measures the step, not fp32 re-association.
+    ref_model = _load(path, torch.float64)
+    batch = DataCollatorWithFlattening(return_position_ids=True, return_tensors="pt")([{"input_ids": d} for d in docs])
+    ref = ref_model(**batch, use_cache=False)
+    ref.loss.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters() if p.grad is not None}
+
+    bank = worker_bank(heads=moe_config().num_attention_heads, ranks_per_node=2)
+    model = patch(_load(path, torch.float64), bank)
+    if fsdp:
+        fsdp_plan(model, bank.world, mixed_precision="fp32").apply(model)
+    plan = FlexPlan(slots=((FlexGroup(1, 0, (0,)), FlexGroup(1, 1, (1,))),), lengths=(8, 8), world_size=2,
+                    max_tokens_per_rank=16, shapes=bank.shapes, equal_calls=True)
+    shard = next(iter(flex_microbatches(plan, bank, docs)))  # this rank's one slot
+    unused = _routed_nowhere_here(model, shard)
+    loss = run_flex_step(model, bank, plan, docs)
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+             for n, p in model.named_parameters() if p.grad is not None}
+    errs = compare(ref.loss.detach(), ref_grads, loss, grads)
+    errs["unused_here"] = unused
+    return errs
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_moe_flexible_step_with_unused_experts_on_a_rank(pools, moe_path, fsdp):
+    results = pools.get(2).run(_flex_run, moe_path, fsdp, timeout=300)
+    assert not results[0]["unused_here"] and results[1]["unused_here"], [r["unused_here"] for r in results]
+    for rank, errs in enumerate(results):
+        assert "missing_grads" not in errs, f"rank {rank}: {errs}"
+        assert errs["loss"] <= LOSS_TOL and errs["grad"] <= GRAD_TOL, f"flex fsdp={fsdp} rank {rank}: {errs}"

@@ -1,0 +1,235 @@
+"""The bad-input matrix: every mistake a user can make on the documented path, each asserting
+WHERE it is caught (patch(), the trainer's construction, init_sequence_parallel -- all before
+any collective) and that the message names the offending value and what to do instead.
+
+The README's "Reliability" section counts the rows of this file (`CASES` below plus the
+parametrised TrainingArguments table); a new refusal gets its row here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+
+import pytest
+import torch
+
+from hf_longctx import LongContextTrainer, NotSupported, init_group_bank, init_sequence_parallel, patch
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.training.arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
+from tests.distributed.test_models import save_family
+from tests.trainer_cases import make_dataset, training_args
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return save_family("llama", tmp_path_factory.mktemp("bad"))
+
+
+def _model(path, mesh=None, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return patch(model, mesh) if mesh is not None else model
+
+
+def _trainer(path, tmp_path, *, args=None, **kw):
+    mesh = init_sequence_parallel()
+    kw = {"model": _model(path, mesh), "train_dataset": make_dataset(), "mesh": mesh, "max_tokens": 48,
+          "tokens_per_step": 120, **kw}
+    return LongContextTrainer(args=args or training_args(str(tmp_path)), **kw)
+
+
+def _local_mesh(ulysses: int) -> SPMesh:
+    """A mesh description without groups: patch() validates it without any collective."""
+    return SPMesh(dp=1, ring=1, ulysses=ulysses, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
+
+
+def _says(err: BaseException, *needles: str) -> None:
+    text = str(err)
+    assert isinstance(err, NotSupported) and "do instead" in text.lower(), text
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in: {text}"
+
+
+# -- TrainingArguments: every field classified, every refused value refused at construction ----------
+BAD_ARGUMENTS = {
+    "per_device_eval_batch_size": 2,
+    "average_tokens_across_devices": False,
+    "neftune_noise_alpha": 5.0,
+    "bf16_full_eval": True,
+    "eval_accumulation_steps": 2,
+    "batch_eval_metrics": True,
+    "dataloader_drop_last": True,
+    "label_names": ["targets"],
+    "remove_unused_columns": False,
+    "length_column_name": "n_tokens",
+    "ignore_data_skip": True,
+    "enable_jit_checkpoint": True,
+    "gradient_checkpointing_kwargs": {"preserve_rng_state": False},
+    "auto_find_batch_size": True,
+    "ddp_find_unused_parameters": True,
+}
+
+
+def test_every_training_argument_and_trainer_parameter_is_classified():
+    from transformers import Trainer, TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert fields - set(TRAINING_ARGUMENTS) == set(), "classify these new TrainingArguments fields in training/arguments.py"
+    params = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
+    assert params - set(TRAINER_PARAMETERS) == set(), "classify these new Trainer parameters in training/arguments.py"
+    for name, rule in {**TRAINING_ARGUMENTS, **TRAINER_PARAMETERS}.items():
+        assert rule.kind in ("trainer", "ours", "mapped", "refused"), name
+        assert (rule.ok is not None and bool(rule.instead)) == (rule.kind == "refused"), name
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ARGUMENTS))
+def test_refused_training_argument_at_construction(llama_path, tmp_path, name):
+    args = training_args(str(tmp_path), **{name: BAD_ARGUMENTS[name]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, args=args)
+    _says(info.value, f"{name}={getattr(args, name)!r}")
+
+
+def test_unclassified_training_argument_is_refused_when_set(tmp_path, monkeypatch):
+    from hf_longctx.training import arguments
+    from hf_longctx.training.checks import check_training_arguments
+
+    table = dict(arguments.TRAINING_ARGUMENTS)
+    del table["eval_delay"]  # as if a newer transformers had added it
+    monkeypatch.setattr(arguments, "TRAINING_ARGUMENTS", table)
+    check_training_arguments(training_args(str(tmp_path)))  # at its default: nothing to say
+    with pytest.raises(NotSupported) as info:
+        check_training_arguments(training_args(str(tmp_path), eval_delay=3))
+    _says(info.value, "eval_delay=3", "not classified")
+
+
+# -- Trainer parameters ------------------------------------------------------------------------------
+def _collator_that_raises(features):
+    raise AssertionError("a refused collator must never run")
+
+
+BAD_PARAMETERS = {
+    "data_collator": (_collator_that_raises, "'labels' column"),
+    "model_init": (lambda: None, "model_init"),
+    "preprocess_logits_for_metrics": (lambda logits, labels: logits, "sharded"),
+    "compute_metrics": (lambda p: {}, "compute_metrics is not supported"),
+    "compute_loss_func": (lambda outputs, labels, num_items_in_batch=None: outputs.loss, "global target count"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_PARAMETERS))
+def test_refused_trainer_parameter(llama_path, tmp_path, name):
+    value, needle = BAD_PARAMETERS[name]
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, **{name: value})
+    _says(info.value, name, needle)
+
+
+def test_optimizer_built_before_sharding_is_refused(llama_path, tmp_path):
+    mesh = init_sequence_parallel()
+    model = _model(llama_path, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NotSupported) as info:
+        LongContextTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                           max_tokens=48, tokens_per_step=120, optimizers=(opt, None))
+    _says(info.value, "optimizers", "optimizer_cls_and_kwargs")
+
+
+def test_positional_data_collator_is_refused_too(llama_path, tmp_path):
+    mesh = init_sequence_parallel()
+    model = _model(llama_path, mesh)
+    with pytest.raises(NotSupported) as info:
+        LongContextTrainer(model, training_args(str(tmp_path)), _collator_that_raises, make_dataset(), mesh=mesh,
+                           max_tokens=48, tokens_per_step=120)
+    _says(info.value, "data_collator")
+
+
+# -- the mesh and the process group -------------------------------------------------------------------
+def test_mesh_before_the_process_group_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun / accelerate launch set; no group in this process
+    for build in (lambda: init_sequence_parallel(ulysses_degree=1), lambda: init_sequence_parallel(ulysses_degree=2),
+                  lambda: init_group_bank(heads=4)):
+        with pytest.raises(NotSupported) as info:
+            build()
+        _says(info.value, "WORLD_SIZE=2", "init_process_group")
+
+
+def _mesh_world_mismatch():
+    from hf_longctx.training.checks import check_world
+
+    try:
+        check_world(1)  # a mesh of one rank (built before the group) under a world of 2
+    except NotSupported as e:
+        return str(e)
+    return None
+
+
+def test_trainer_refuses_a_mesh_smaller_than_the_world(pools):
+    for message in pools.get(2).run(_mesh_world_mismatch, timeout=60):
+        assert message is not None and "mesh spans 1 rank(s) but torch.distributed has 2" in message
+
+
+# -- patch(): what the first forward would find, said at patch() ---------------------------------------
+def test_ulysses_degree_above_the_heads_refused_at_patch(llama_path):
+    model = _model(llama_path)  # 4 query heads, 2 KV heads
+    with pytest.raises(NotSupported) as info:
+        patch(model, _local_mesh(8))
+    _says(info.value, "query heads (4) must be divisible by ulysses degree (8)", "[1, 2, 4]")
+    patch(model, _local_mesh(4))  # 4 heads over 4 ranks (KV heads replicated): accepted
+
+
+def test_fp16_weights_refused_at_patch(llama_path):
+    model = _model(llama_path, dtype=torch.float16)
+    with pytest.raises(NotSupported) as info:
+        patch(model, init_sequence_parallel())
+    _says(info.value, "float16 weights", "torch.bfloat16")
+
+
+def test_patch_signature_reads_well():
+    assert "object at" not in str(inspect.signature(patch))
+
+
+# -- the data ------------------------------------------------------------------------------------------
+def test_empty_dataset_is_named_empty(llama_path, tmp_path):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=r"train_dataset is empty \(0 rows"):
+        _trainer(llama_path, tmp_path, train_dataset=Dataset.from_dict({}))
+
+
+def test_tokens_per_step_below_a_document(llama_path, tmp_path):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [list(range(1, 41)), list(range(1, 11))]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds, tokens_per_step=30)
+    _says(info.value, "tokens_per_step=30", "document 0, has 40 tokens", "at least 40")
+    with pytest.warns(UserWarning, match="tokens_per_step=30 is smaller than 1 document"):
+        _trainer(llama_path, tmp_path, train_dataset=ds, tokens_per_step=30, max_tokens=32, overlong="split")
+
+
+def test_dataset_smaller_than_one_step_is_said(llama_path, tmp_path):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [list(range(1, 21)), list(range(1, 11))]})
+    with pytest.warns(UserWarning, match="holds 30 tokens in 2 document"):
+        _trainer(llama_path, tmp_path, train_dataset=ds, tokens_per_step=120)
+
+
+# -- what the trainer writes ---------------------------------------------------------------------------
+def test_saved_config_keeps_the_models_use_cache(llama_path, tmp_path):
+    trainer = _trainer(llama_path, tmp_path, args=training_args(str(tmp_path), max_steps=1))
+    assert trainer.model.config.use_cache is False  # the Trainer's training-time value (TrainingArguments.use_cache)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "export"))
+    saved = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert saved["use_cache"] is True  # as the model was loaded (LlamaConfig's default)
+    assert trainer.model.config.use_cache is False  # training state unchanged after the save
+
+
+def test_trainer_docstring_is_real():
+    doc = LongContextTrainer.__doc__
+    assert "see the mixin" not in doc and "tokens_per_step" in doc and "max_tokens" in doc
