@@ -13,28 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.arguments import refused_arguments, refused_parameters
-
-def _trl_refusals(args: Any) -> list[str]:
-    errors = []
-    if not hasattr(args, "packing"):  # not an SFTConfig
-        return errors
-    if getattr(args, "max_length", None) is not None:
-        errors.append(
-            f"SFTConfig.max_length={args.max_length}: TRL would truncate every longer document silently; "
-            "pass max_length=None (the cap is the trainer's max_tokens, and overlong= decides what happens above it)"
-        )
-    if args.packing or getattr(args, "padding_free", False):
-        errors.append(
-            f"SFTConfig.packing={args.packing} / padding_free={getattr(args, 'padding_free', False)}: hf_longctx's "
-            "planner packs documents itself (cost-balanced, per-document attention); set both to False"
-        )
-    if getattr(args, "loss_type", "nll") != "nll":
-        errors.append(f"SFTConfig.loss_type={args.loss_type!r}: only 'nll' (the model's token loss) is exact under SP")
-    if getattr(args, "activation_offloading", False):
-        errors.append("SFTConfig.activation_offloading=True: use patch(model, mesh, kv_offload=True / checkpoint=True)")
-    return errors
-
+from hf_longctx.training.arguments import refused_arguments, refused_parameters, refused_sft_fields
 
 def check_training_arguments(args: Any) -> None:
     """Raise one `NotSupported` listing every refused setting of `args` (the table of
@@ -45,7 +24,7 @@ def check_training_arguments(args: Any) -> None:
             f"n_gpu={args.n_gpu} (nn.DataParallel in one process); do instead: launch one process per device "
             "(torchrun / accelerate launch)"
         )
-    errors += _trl_refusals(args)
+    errors += refused_sft_fields(args)
     if errors:
         raise NotSupported(
             "LongContextTrainer cannot honour these TrainingArguments:\n- " + "\n- ".join(errors),

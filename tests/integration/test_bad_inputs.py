@@ -233,3 +233,21 @@ def test_saved_config_keeps_the_models_use_cache(llama_path, tmp_path):
 def test_trainer_docstring_is_real():
     doc = LongContextTrainer.__doc__
     assert "see the mixin" not in doc and "tokens_per_step" in doc and "max_tokens" in doc
+
+
+def test_every_sft_config_field_is_classified(tmp_path):
+    pytest.importorskip("trl")
+    from transformers import TrainingArguments
+    from trl import SFTConfig
+
+    from hf_longctx.training.arguments import SFT_CONFIG
+    from hf_longctx.training.checks import check_training_arguments
+
+    extra = {f.name for f in dataclasses.fields(SFTConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert extra - set(SFT_CONFIG) == set(), "classify these new SFTConfig fields in training/arguments.py"
+    ok = dict(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to=[], gradient_checkpointing=False)
+    check_training_arguments(SFTConfig(**ok))  # TRL's defaults (max_length=None aside) are accepted
+    for name, value in {"pad_to_multiple_of": 8, "eval_packing": True, "model_init_kwargs": {"dtype": "float32"}}.items():
+        with pytest.raises(NotSupported) as info:
+            check_training_arguments(SFTConfig(**ok, **{name: value}))
+        _says(info.value, f"SFTConfig.{name}=")
