@@ -94,7 +94,9 @@ class LongContextTrainerMixin:
     numbers of micro-batches, the model unsharded for the step), `sync_each_microbatch`
     (reduce-scatter gradients in every micro-batch's backward, Accelerate's
     `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic; default:
-    once per step, in the last backward). Everything else is plain `TrainingArguments`.
+    once per step, in the last backward), `param_offload` (FSDP2 CPUOffloadPolicy through
+    `fsdp_plan`: sharded parameters, gradients and optimizer states in host memory, the
+    optimizer step on the CPU). Everything else is plain `TrainingArguments`.
     """
 
     def __init__(
@@ -102,7 +104,7 @@ class LongContextTrainerMixin:
         cost: CostModel | GroupCost | None = None, strategy: str = "balanced", overlong: str = "error",
         pad_token_id: int | None = None, step_timeout_s: float | None = None, peak_flops: float | None = None,
         max_tokens_per_rank: int | None = None, unequal_calls: bool = False, sync_each_microbatch: bool = False,
-        **kwargs: Any,
+        param_offload: bool = False, **kwargs: Any,
     ) -> None:
         if not isinstance(mesh, (SPMesh, GroupBank)):
             raise TypeError(
@@ -124,6 +126,12 @@ class LongContextTrainerMixin:
             raise ValueError("sync_each_microbatch=True cannot be combined with unequal_calls=True: with unequal counts "
                              "every rank syncs in its own last backward")
         self.sync_each_microbatch = sync_each_microbatch
+        if not isinstance(param_offload, bool):
+            raise ValueError(f"param_offload must be a bool, got {param_offload!r}")
+        if param_offload and unequal_calls:
+            raise ValueError("param_offload=True cannot be combined with unequal_calls=True: the unequal-count step "
+                             "keeps the model unsharded on the device for the whole step; use equal counts")
+        self.param_offload = param_offload
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
         self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
         self.max_tokens = self._largest_piece(mesh, max_tokens, max_tokens_per_rank)
@@ -254,7 +262,8 @@ class LongContextTrainerMixin:
     def _shard_model(self) -> None:
         from torch.distributed.tensor import DTensor
 
-        fsdp_plan(self.model, self._world_mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.model)
+        fsdp_plan(self.model, self._world_mesh, mixed_precision="bf16" if self.args.bf16 else "fp32",
+                  param_offload=self.param_offload).apply(self.model)
         loose = [n for n, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
         if loose:
             raise ValueError(f"trainable parameters outside FSDP after fsdp_plan: {loose[:4]}")

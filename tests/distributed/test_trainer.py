@@ -31,7 +31,7 @@ MESHES = {"u2xr2": (2, 2, 1), "dp2xu2": (2, 1, 1), "fpdt_u2": (2, 1, 2)}
 
 
 def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora: bool = False, bf16: bool = False,
-         sync_each_microbatch: bool = False) -> dict:
+         sync_each_microbatch: bool = False, param_offload: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
@@ -48,10 +48,15 @@ def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora:
     patch(model, mesh)
     ds = make_dataset(masked=True)
     trainer = LongContextTrainer(model=model, args=args, train_dataset=ds, eval_dataset=make_dataset(8, seed=1),
-                                 mesh=mesh, max_tokens=48, tokens_per_step=120, sync_each_microbatch=sync_each_microbatch)
+                                 mesh=mesh, max_tokens=48, tokens_per_step=120, sync_each_microbatch=sync_each_microbatch,
+                                 param_offload=param_offload)
     trainer.train()
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules() if isinstance(m, FSDPModule)]
     return {"steps": history(trainer), "eval": trainer.evaluate()["eval_loss"],
-            "balance": [h.get("plan_balance") for h in trainer.state.log_history if "loss" in h]}
+            "balance": [h.get("plan_balance") for h in trainer.state.log_history if "loss" in h],
+            "offloaded": [isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups if g is not None]}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +97,17 @@ def test_sync_each_microbatch_matches_single_process(pools, paths, reference, tm
     out = pools.get(4).run(_run, paths["llama"], MESHES["dp2xu2"], str(tmp_path), sync_each_microbatch=True, timeout=600)
     for rank, res in enumerate(out):
         assert_steps_close(res["steps"], ref["steps"], TOL, f"sync each micro-batch rank {rank}")
+
+
+def test_param_offload_matches_single_process(pools, paths, reference, tmp_path):
+    """`param_offload=True` reaches FSDP2 (every unit has a CPUOffloadPolicy: shards, gradients
+    and optimizer states in host memory, the AdamW step on the CPU); the steps still equal the
+    single-process run."""
+    ref = reference("llama")
+    out = pools.get(4).run(_run, paths["llama"], MESHES["dp2xu2"], str(tmp_path), param_offload=True, timeout=600)
+    for rank, res in enumerate(out):
+        assert res["offloaded"] and all(res["offloaded"]), f"rank {rank}: offload policies {res['offloaded']}"
+        assert_steps_close(res["steps"], ref["steps"], TOL, f"param offload rank {rank}")
 
 
 def test_lora_trainer_matches_single_process(pools, paths, reference, tmp_path):
