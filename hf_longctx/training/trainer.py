@@ -65,6 +65,7 @@ from hf_longctx.training.checkpoint import load_sharded, save_consolidated, save
 from hf_longctx.training.checks import check_process_group, check_training_arguments
 from hf_longctx.training.faults import WatchdogCallback, comm_guard
 from hf_longctx.training.metrics import StepWindow
+from hf_longctx.training.step_record import StepRecord
 from hf_longctx.training.steps import check_dataset, check_lengths, document_lengths, step_dataloader
 from hf_longctx.training.token_metrics import TokenStats
 
@@ -132,6 +133,7 @@ class LongContextTrainerMixin:
             raise ValueError("param_offload=True cannot be combined with unequal_calls=True: the unequal-count step "
                              "keeps the model unsharded on the device for the whole step; use equal counts")
         self.param_offload = param_offload
+        self.last_plan: StepRecord | None = None  # the last step's plan, modelled and measured times
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
         self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
         self.max_tokens = self._largest_piece(mesh, max_tokens, max_tokens_per_rank)
@@ -325,6 +327,7 @@ class LongContextTrainerMixin:
         micro_batches = inputs["micro_batches"]
         fsdp = hasattr(model, "set_requires_gradient_sync")
         local = torch.zeros((), dtype=torch.float64, device=self.args.device)  # Σ this rank's micro-batch losses
+        times: list[float] = []
         unsharded = fsdp and not inputs.get("equal_calls", True)
         with comm_guard(step, self._watchdog.timeout_s if self._watchdog else None), ExitStack() as stack:
             if unsharded:  # unequal counts: gather once, sync in this rank's own last backward
@@ -333,6 +336,7 @@ class LongContextTrainerMixin:
                     self._unsharded_checked = True
                 before_backward = stack.enter_context(unsharded_step(model, len(micro_batches)))
             for i, mb in enumerate(micro_batches):
+                t0 = time.perf_counter()
                 if fsdp and not unsharded:  # FSDP2: accumulate unsharded, reduce-scatter (a SUM) once, after the last micro-batch
                     model.set_requires_gradient_sync(self.sync_each_microbatch or i == len(micro_batches) - 1)
                 mb = self._prepare_inputs(mb)
@@ -342,10 +346,13 @@ class LongContextTrainerMixin:
                     before_backward(i)
                 self.accelerator.backward(loss)
                 local += loss.detach().double()
+                times.append(time.perf_counter() - t0)
                 if self._watchdog is not None:
                     self._watchdog.beat(step)
             step_loss = global_loss(local, self._world_mesh)  # []: the step's global token mean, on every rank
             self._flush_token_stats("train", inputs["tokens"])
+        self.last_plan = StepRecord(step, inputs.get("plan"), inputs.get("lengths", ()), inputs.get("plan_stats") or {},
+                                    tuple(times))
         self._window.end_step(loss=float(step_loss), tokens=inputs["tokens"], flops=inputs["flops"], balance=inputs["balance"],
                               layouts=inputs.get("layouts"), busy=inputs.get("busy"))
         return step_loss.to(torch.float32)

@@ -54,7 +54,11 @@ def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora:
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules() if isinstance(m, FSDPModule)]
-    return {"steps": history(trainer), "eval": trainer.evaluate()["eval_loss"],
+    last = trainer.last_plan
+    return {"last_plan": {"step": last.step, "tokens": sum(last.lengths), "pieces": len(last.plan.pieces),
+                          "lengths": len(last.lengths), "slots": len(last.plan.ranks[0]), "times": last.microbatch_s,
+                          "measured": last.measured_s, "modelled": last.modelled, "groups": last.groups},
+            "steps": history(trainer), "eval": trainer.evaluate()["eval_loss"],
             "balance": [h.get("plan_balance") for h in trainer.state.log_history if "loss" in h],
             "offloaded": [isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups if g is not None]}
 
@@ -88,6 +92,14 @@ def test_trainer_matches_single_process(pools, paths, reference, tmp_path, famil
         assert res["eval"] == pytest.approx(ref["eval"], rel=TOL), f"rank {rank}: eval loss {res['eval']} vs {ref['eval']}"
     if MESHES[mesh][0] * MESHES[mesh][1] == 2:  # dp 2: the plan's balance is logged
         assert all(b is not None and b >= 1.0 for b in out[0]["balance"])
+        # trainer.last_plan: the last (3rd) step's plan, its modelled balance, this rank's measured micro-batch times.
+        for rank, res in enumerate(out):
+            last = res["last_plan"]
+            assert last["step"] == 3 and last["lengths"] == last["pieces"] and last["tokens"] > 0, f"rank {rank}: {last}"
+            assert len(last["times"]) == last["slots"] >= 1 and all(t > 0 for t in last["times"]), f"rank {rank}: {last}"
+            assert last["measured"] == pytest.approx(sum(last["times"]))
+            assert last["modelled"]["synced_over_ideal"] == pytest.approx(out[0]["balance"][-1])
+            assert last["groups"] == ["[2 DP rank(s)]"] * last["slots"]
 
 
 def test_sync_each_microbatch_matches_single_process(pools, paths, reference, tmp_path):
