@@ -308,6 +308,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_step_plot(args: argparse.Namespace) -> int:
+    from hf_longctx.planning import plot
+
+    try:
+        record = json.loads(Path(args.record).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{args.record!r}: not a StepRecord JSON written by trainer.last_plan.save(...) ({e})") from None
+    missing = {"step", "lengths", "groups", "slot_tokens", "microbatch_s", "measured_s"} - set(record)
+    if missing:
+        raise ValueError(f"{args.record!r}: missing {sorted(missing)}; write it with trainer.last_plan.save(path)")
+    plot.draw_step_record(record, args.out)
+    print(f"wrote {args.out}: step {record['step']}, {len(record['slot_tokens'])} slots {' '.join(record['groups'])}, "
+          f"measured {record['measured_s']:.3f} s on the saving rank")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-longctx", description="hf_longctx command line tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -351,12 +367,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "sync_each_microbatch=True)) instead of unsharded fp32 gradients held through the step")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
+    q = sub.add_parser("step-plot", help="draw trainer.last_plan (saved with trainer.last_plan.save(FILE.json))")
+    q.add_argument("record", help="the JSON written by StepRecord.save")
+    q.add_argument("--out", required=True, help="PNG to write")
+    q.set_defaults(func=cmd_step_plot)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "plan":
+        try:
+            return args.func(args)
+        except (ValueError, ImportError) as e:
+            print(f"hf-longctx {args.command}: error: {e}", file=sys.stderr)
+            return 2
     for name in ("gpus", "seq_len", "top", "gpus_per_node", "plot_microbatches", "microbatches", "tokens_per_step"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -152,6 +152,39 @@ def draw_flex_load(plan: FlexPlan, cost: GroupCost, path: str | Path, title: str
     return stats
 
 
+def draw_step_record(record: dict[str, Any], path: str | Path) -> None:
+    """`trainer.last_plan` (its `to_dict()`, or the JSON `StepRecord.save` wrote) as two
+    panels: the planned tokens of every group in every micro-batch slot (one stacked bar
+    per group position, one segment per slot), and this rank's measured seconds per
+    micro-batch; the modelled balance is in the title."""
+    plt = _pyplot()
+    slots = record["slot_tokens"]
+    width = max((len(s) for s in slots), default=0)
+    tokens = np.zeros((width, len(slots)))
+    for j, slot in enumerate(slots):
+        for i, (_, n) in enumerate(slot):
+            tokens[i, j] = n
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(6.0, 0.5 * width + 3) + 6, 4.5))
+    _stack(plt, ax, tokens, [f"slot {j}: {g}" for j, g in enumerate(record["groups"])])
+    ax.set_xlabel("group (DP rank for a fixed degree)")
+    ax.set_ylabel("planned tokens")
+    ax.set_xticks(np.arange(width))
+    times = np.asarray(record["microbatch_s"], dtype=float)
+    bx.bar(np.arange(len(times)), times, color="grey")
+    bx.set_xlabel("micro-batch (this rank)")
+    bx.set_ylabel("measured seconds (forward + backward)")
+    modelled = record.get("modelled", {})
+    balance = modelled.get("synced_over_ideal")
+    _title(ax, fig, f"step {record['step']}: {len(record['lengths'])} pieces, {len(slots)} slots"
+           + (f"; modelled synchronised step / ideal = {balance:.3f}" if balance is not None else ""))
+    bx.set_title(f"measured on this rank: {record['measured_s']:.3f} s", fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _stack(plt, ax, costs: np.ndarray, labels: list[str], segment_text: np.ndarray | None = None) -> np.ndarray:
     """Stacked bars of costs [bars, segments], one colour per segment (legend up to 12); with
     `segment_text` [bars, segments], each visible segment is labelled with its entry.

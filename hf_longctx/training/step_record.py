@@ -10,7 +10,9 @@ the measured ones (Hydraulis / FlexSP balance); `planning/plot.py` draws it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -44,3 +46,26 @@ class StepRecord:
             return ["[" + "+".join(str(s) for s in slot) + "]" for slot in layouts()]
         ranks = getattr(self.plan, "ranks", None) or []
         return [f"[{len(ranks)} DP rank(s)]"] * max((len(r) for r in ranks), default=0)
+
+    def slot_tokens(self) -> list[list[tuple[int, int]]]:
+        """Per micro-batch slot, (group size, tokens) of every group (fixed plans: one per DP
+        rank, size = the SP degree, 0 when unknown) in rank order."""
+        plan = self.plan
+        if hasattr(plan, "slots"):  # FlexPlan: groups of each slot, their documents' tokens
+            return [[(g.size, int(sum(plan.lengths[d] for d in g.docs))) for g in slot] for slot in plan.slots]
+        ranks = getattr(plan, "ranks", None) or []
+        slots = max((len(r) for r in ranks), default=0)
+        return [[(0, int(sum(plan.pieces[p].length for p in r[j]))) if j < len(r) else (0, 0) for r in ranks]
+                for j in range(slots)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (what `hf-longctx step-plot` draws)."""
+        return {
+            "step": self.step, "lengths": list(self.lengths), "groups": self.groups, "slot_tokens": self.slot_tokens(),
+            "modelled": {k: v for k, v in self.modelled.items() if isinstance(v, (int, float, str))},
+            "microbatch_s": list(self.microbatch_s), "measured_s": self.measured_s,
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write `to_dict()` as JSON (e.g. from rank 0 after `trainer.train()`)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))

@@ -15,6 +15,8 @@ copies round differently from autocast's, over 3 steps.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -55,7 +57,11 @@ def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora:
 
     groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules() if isinstance(m, FSDPModule)]
     last = trainer.last_plan
-    return {"last_plan": {"step": last.step, "tokens": sum(last.lengths), "pieces": len(last.plan.pieces),
+    import torch.distributed as dist
+
+    record = os.path.join(output_dir, f"last_plan_{dist.get_rank() if dist.is_initialized() else 0}.json")
+    last.save(record)
+    return {"last_plan": {"record": record, "slot_tokens": sum(n for slot in last.slot_tokens() for _, n in slot),"step": last.step, "tokens": sum(last.lengths), "pieces": len(last.plan.pieces),
                           "lengths": len(last.lengths), "slots": len(last.plan.ranks[0]), "times": last.microbatch_s,
                           "measured": last.measured_s, "modelled": last.modelled, "groups": last.groups},
             "steps": history(trainer), "eval": trainer.evaluate()["eval_loss"],
@@ -100,6 +106,13 @@ def test_trainer_matches_single_process(pools, paths, reference, tmp_path, famil
             assert last["measured"] == pytest.approx(sum(last["times"]))
             assert last["modelled"]["synced_over_ideal"] == pytest.approx(out[0]["balance"][-1])
             assert last["groups"] == ["[2 DP rank(s)]"] * last["slots"]
+            assert last["slot_tokens"] == last["tokens"]  # every planned piece in some slot
+        # `hf-longctx step-plot` draws the saved record.
+        from hf_longctx.cli import main
+
+        png = tmp_path / "last_plan.png"
+        assert main(["step-plot", out[0]["last_plan"]["record"], "--out", str(png)]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sync_each_microbatch_matches_single_process(pools, paths, reference, tmp_path):
