@@ -41,3 +41,29 @@ def test_fixed_record_tokens_per_dp_rank_and_plot(tmp_path):
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "bad.json").write_text("{}")
     assert main(["step-plot", str(tmp_path / "bad.json"), "--out", str(tmp_path / "t.png")]) == 2
+
+
+def test_fixed_degree_plot_labels_legend_and_dp1_note(tmp_path, monkeypatch):
+    """The fixed-degree `--plot`: the y axis counts TFLOP (an amount, not a rate), the legend
+    sits beside the axes (not over the bars), a long title is wrapped to the figure, and a
+    dp-1 figure says its single bar is balanced by construction."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from hf_longctx.data.cost import CostModel
+    from hf_longctx.planning import plot
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    cost = CostModel(a=1e6, b=1e9)
+    plan = plan_microbatches([300, 70, 120, 90, 250, 30, 140], dp_size=1, max_tokens=320, cost=cost)
+    plot.draw_load(plan, cost, tmp_path / "f.png", "x " * 200)
+    (fig,) = figs
+    ax = fig.axes[0]
+    assert ax.get_ylabel().startswith("step cost (TFLOP,")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
+    assert ax.get_title().count("\n") >= 1
+    assert all(t.get_window_extent(renderer).x1 <= fig.bbox.x1 + 1 for t in [ax.title])
+    assert any("balanced by construction" in t.get_text() for t in ax.texts)
