@@ -163,7 +163,7 @@ def main() -> None:
               "unequal": f"unequal ({args.microbatches}..{args.microbatches + args.world // args.group_size - 1}), unsharded step"}
     for tokens, mode, peak in rows:
         est = estimate_memory(dims, Setting(ulysses=u, ring=r), world=args.world, tokens=tokens, dtype="fp32",
-                              optimizer="adamw", unsharded_step=mode == "unequal",
+                              optimizer="adamw", unsharded_step=mode == "unequal", microbatches=args.microbatches,
                               grad_sync="microbatch" if mode == "microbatch" else "step").peak
         err = est / peak - 1
         worst = max(worst, abs(err))

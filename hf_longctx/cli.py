@@ -77,13 +77,14 @@ def _gib(x: float) -> str:
 def _row(rank: int | str, c) -> list[str]:
     s, m = c.setting, c.memory
     return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
-            "yes" if s.checkpoint else "no", "yes" if s.mlp_chunks > 1 else "no",
-            _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.peak),
+            "yes" if s.checkpoint else "no", "yes" if s.mlp_chunks > 1 else "no", "yes" if s.param_offload else "no",
+            str(c.microbatches), _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.peak),
             _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
             "yes" if c.feasible else f"no: {c.reason}"]
 
 
-HEADER = ["#", "ulysses", "ring", "dp", "fpdt", "memory", "kv offload", "ckpt", "chunked mlp/loss", "params", "grads",
+HEADER = ["#", "ulysses", "ring", "dp", "fpdt", "memory", "kv offload", "ckpt", "chunked mlp/loss", "param offload",
+          "micro-batches", "params", "grads",
           "optim", "activ", "buffers", "peak GiB", "host GiB/GPU", "step s", "tok/s/GPU", "fits"]
 
 
@@ -98,6 +99,7 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 def footer(args: argparse.Namespace) -> str:
+    from hf_longctx.planning.search import TIE_TOLERANCE
     return "\n".join([
         "Assumptions (hf_longctx/planning/memory.py and search.py docstrings):",
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
@@ -124,8 +126,44 @@ def footer(args: argparse.Namespace) -> str:
         f"({args.intra_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {args.inter_bw / 1e9:g} GB/s across, "
         f"{args.latency * 1e6:g} us per call) + "
         f"ring / FSDP / host offload ({args.pcie_bw / 1e9:g} GB/s) traffic beyond the compute they overlap;",
-        "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak.",
+        "- param offload (FSDP2 CPUOffloadPolicy; --param-offload auto|yes|no): the fp32 parameter and gradient "
+        "shards and the optimizer states on host (in host GiB/GPU), their PCIe traffic overlapped, the optimizer step "
+        f"on the CPU at {args.cpu_optim_bw / 1e9:g} GB/s per GPU (--cpu-optim-bw), not overlapped;",
+        "- micro-batches = per rank and step (--microbatches, or --tokens-per-step / (dp x micro-batch tokens)); with "
+        "one, no earlier gradients are held;",
+        "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates within "
+        f"{TIE_TOLERANCE:.0%} of the fastest (the cost model's measured error) are not told apart: among them the USP "
+        "guidance (Ulysses inside a node, ring only across nodes) ranks first.",
     ])
+
+
+def _binding_advice(args: argparse.Namespace, c) -> str:
+    """Which resource rules out `c` (the setting closest to fitting) and the flags that change it."""
+    usable = 1 - args.headroom
+    if c.binding == "host memory":
+        return (f"HOST memory binds: {_gib(c.memory.host * min(args.gpus, args.gpus_per_node))} GiB per node needed, "
+                f"{_gib(args.host_memory * usable)} GiB usable of --host-memory {_gib(args.host_memory)} GiB; raise "
+                "--host-memory, or offload less (--param-offload no, a lighter memory preset) with more GPU memory")
+    flags = ["--gpu-memory", "more --gpus"]
+    if args.param_offload == "no":
+        flags.append("--param-offload auto (parameters, gradients and optimizer states on host)")
+    if c.memory.held and not args.sync_each_microbatch and not args.unequal_calls:
+        flags.append(f"--sync-each-microbatch ({_gib(c.memory.held)} GiB are fp32 gradients held unsharded until the "
+                     "step's last backward; LongContextTrainer(sync_each_microbatch=True) shards them)")
+    if c.microbatches > 1:
+        flags.append(f"fewer micro-batches per step (now {c.microbatches}: --microbatches / --tokens-per-step)")
+    flags.append("a shorter --seq-len / --micro-batch-tokens")
+    return (f"GPU memory binds: {_gib(c.memory.peak)} GiB per GPU needed, {_gib(args.gpu_memory * usable)} GiB usable "
+            f"of --gpu-memory {_gib(args.gpu_memory)} GiB; change " + ", ".join(flags))
+
+
+def _fit_line(args: argparse.Namespace, c) -> str:
+    """How close the suggestion is to each limit (which one binds first)."""
+    usable = 1 - args.headroom
+    gpu = c.memory.peak / (args.gpu_memory * usable)
+    host = c.memory.host * min(args.gpus, args.gpus_per_node) / (args.host_memory * usable)
+    which = "GPU memory (--gpu-memory)" if gpu >= host else "host memory (--host-memory)"
+    return (f"uses {gpu:.0%} of the usable GPU memory and {host:.0%} of the usable host memory: {which} binds first")
 
 
 def _plot(args: argparse.Namespace, config: Any, best) -> str:
@@ -202,38 +240,49 @@ def _plot_flex(args: argparse.Namespace, config: Any, best) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hf_longctx.planning.memory import ModelDims
-    from hf_longctx.planning.search import Cluster, Suggestion, rank_settings
+    from hf_longctx.planning.search import TIE_TOLERANCE, Cluster, Suggestion, rank_settings
 
     if args.unequal_calls and args.sync_each_microbatch:
         print("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
               "--sync-each-microbatch", file=sys.stderr)
         return 2
     args.micro_batch_tokens = args.micro_batch_tokens or args.seq_len
+    if args.tokens_per_step is not None and args.microbatches is not None:
+        print("give --microbatches or --tokens-per-step, not both (the second derives the first per setting)",
+              file=sys.stderr)
+        return 2
+    if args.tokens_per_step is None:
+        args.microbatches = args.microbatches or 1
     config = load_config(args.model)
     dims = ModelDims.from_config(config)
     cluster = Cluster(
         gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
         tflops=args.tflops, mfu=args.mfu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw,
-        headroom=args.headroom, latency=args.latency,
+        headroom=args.headroom, latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
     )
+    grad_sync = "microbatch" if args.sync_each_microbatch else "step"
     ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
-                           optimizer=args.optimizer, unsharded_step=args.unequal_calls,
-                           grad_sync="microbatch" if args.sync_each_microbatch else "step")
+                           optimizer=args.optimizer, unsharded_step=args.unequal_calls, grad_sync=grad_sync,
+                           microbatches=args.microbatches or 1, tokens_per_step=args.tokens_per_step,
+                           param_offload=args.param_offload)
     feasible = [c for c in ranked if c.feasible]
     print(f"hf-longctx plan: {getattr(config, 'model_type', '?')} ({dims.params / 1e9:.2f}B params, {dims.layers} layers, "
           f"hidden {dims.hidden}, {dims.heads}/{dims.kv_heads} heads, vocab {dims.vocab}) on {args.gpus} GPUs x "
           f"{_gib(args.gpu_memory)} GiB, host {_gib(args.host_memory)} GiB per node, seq-len {args.seq_len}, "
-          f"{args.dtype}, {args.optimizer}\n")
+          f"{args.dtype}, {args.optimizer}, "
+          + (f"{args.microbatches} micro-batch(es) per rank and step" if args.tokens_per_step is None
+             else f"{args.tokens_per_step} tokens per step") + "\n")
     if not feasible:
-        low = min(ranked, key=lambda c: c.memory.peak)
+        if args.show_infeasible:
+            print(format_table([_row("-", c) for c in ranked]))
+            print(footer(args))
+        # The setting closest to fitting: lowest GPU peak among those whose host memory fits, else lowest host need.
+        host_ok = [c for c in ranked if c.binding != "host memory"]
+        low = min(host_ok, key=lambda c: c.memory.peak) if host_ok else min(ranked, key=lambda c: c.memory.host)
         s = low.setting
-        print(f"no setting fits: the lowest estimated peak is {_gib(low.memory.peak)} GiB per GPU (ulysses {s.ulysses}, "
-              f"ring {s.ring}, fpdt {s.fpdt_chunks}, kv offload {s.kv_offload}, checkpointing {s.checkpoint}: {low.reason}) "
-              f"against {_gib(args.gpu_memory * (1 - args.headroom))} GiB usable of --gpu-memory {_gib(args.gpu_memory)} GiB; "
-              "use more GPUs, more GPU memory or a shorter --seq-len"
-              + (f"; {_gib(low.memory.held)} GiB of it are the fp32 gradients held unsharded until the step's last "
-                 "backward, which --sync-each-microbatch (LongContextTrainer(sync_each_microbatch=True)) shards"
-                 if low.memory.held and not args.sync_each_microbatch and not args.unequal_calls else ""),
+        print(f"no setting fits: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
+              f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{_binding_advice(args, low)}"
+              + ("" if args.show_infeasible else "\n(--show-infeasible lists every setting with why it does not fit)"),
               file=sys.stderr)
         return 1
     shown = feasible[: args.top]
@@ -244,10 +293,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\n{len(feasible)} of {len(ranked)} settings fit; showing the best {len(shown)}"
           + ("" if args.show_infeasible else f"; {len(ranked) - len(feasible)} infeasible not shown (--show-infeasible)"))
     print(footer(args))
-    best = Suggestion.of(feasible[0])  # what hf_longctx.planning.search.suggest() returns
-    print(f"\nsuggested (fastest estimate that fits):\n{best.code()}")
+    # what hf_longctx.planning.search.suggest() returns
+    best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype)
+    tied = [c for c in feasible if c.tied]
+    if tied:
+        print(f"\nrows 1-{len(tied)} are within {TIE_TOLERANCE:.0%} of the fastest estimate, less than the cost model's "
+              "measured error: the estimates do not separate them; "
+              + ("the first follows the USP guidance (Ulysses inside a node, ring only across nodes)"
+                 if cluster.follows_usp_guidance(feasible[0].setting) else "none of them follows the USP guidance"))
+    print(f"\nsuggested (fastest estimate that fits; {_fit_line(args, feasible[0])}):\n{best.code()}")
+    print(f"\nas recipe flags (recipes/pretrain.py, lora.py, sft.py):\n{best.recipe_flags()}")
     if args.plot:
         print((_plot_flex if args.flex else _plot)(args, config, feasible[0]))
+    return 0
+
+
+def cmd_step_plot(args: argparse.Namespace) -> int:
+    from hf_longctx.planning import plot
+
+    try:
+        record = json.loads(Path(args.record).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{args.record!r}: not a StepRecord JSON written by trainer.last_plan.save(...) ({e})") from None
+    missing = {"step", "lengths", "groups", "slot_tokens", "microbatch_s", "measured_s"} - set(record)
+    if missing:
+        raise ValueError(f"{args.record!r}: missing {sorted(missing)}; write it with trainer.last_plan.save(path)")
+    plot.draw_step_record(record, args.out)
+    print(f"wrote {args.out}: step {record['step']}, {len(record['slot_tokens'])} slots {' '.join(record['groups'])}, "
+          f"measured {record['measured_s']:.3f} s on the saving rank")
     return 0
 
 
@@ -261,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", type=parse_size, required=True, help="host memory per node, e.g. 512GiB")
     p.add_argument("--seq-len", type=int, required=True, help="target sequence (document) length in tokens")
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per SP group per micro-batch (default: --seq-len)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per rank and optimizer step (default 1: no gradients held between them)")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="global tokens per optimizer step; micro-batches = this / (dp x micro-batch tokens) per setting")
+    p.add_argument("--param-offload", choices=["auto", "yes", "no"], default="auto",
+                   help="FSDP2 CPUOffloadPolicy (parameters, gradients, optimizer states on host): try both, force, forbid")
+    p.add_argument("--cpu-optim-bw", type=parse_size, default=10e9,
+                   help="per-GPU host memory bandwidth of the CPU optimizer step with parameter offload, bytes/s")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--top", type=int, default=10, help="feasible settings to show")
@@ -286,17 +367,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "sync_each_microbatch=True)) instead of unsharded fp32 gradients held through the step")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
+    q = sub.add_parser("step-plot", help="draw trainer.last_plan (saved with trainer.last_plan.save(FILE.json))")
+    q.add_argument("record", help="the JSON written by StepRecord.save")
+    q.add_argument("--out", required=True, help="PNG to write")
+    q.set_defaults(func=cmd_step_plot)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("gpus", "seq_len", "top", "gpus_per_node", "plot_microbatches"):
-        if getattr(args, name) < 1:
+    if args.command != "plan":
+        try:
+            return args.func(args)
+        except (ValueError, ImportError) as e:
+            print(f"hf-longctx {args.command}: error: {e}", file=sys.stderr)
+            return 2
+    for name in ("gpus", "seq_len", "top", "gpus_per_node", "plot_microbatches", "microbatches", "tokens_per_step"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.micro_batch_tokens is not None and args.micro_batch_tokens < args.seq_len:
         parser.error(f"--micro-batch-tokens ({args.micro_batch_tokens}) must be >= --seq-len ({args.seq_len})")
+    if args.tokens_per_step is not None and args.tokens_per_step < (args.micro_batch_tokens or args.seq_len):
+        parser.error(f"--tokens-per-step ({args.tokens_per_step}) must be >= the micro-batch tokens "
+                     f"({args.micro_batch_tokens or args.seq_len})")
     try:
         return args.func(args)
     except (ValueError, ImportError) as e:

@@ -31,13 +31,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import sysconfig
 import time
 
 import torch
 
-from hf_longctx import LongContextTrainer, init_group_bank, init_sequence_parallel, patch, tokenize_dataset
-from hf_longctx.training.launch import describe, init_distributed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
+
+from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
+
+from hf_longctx import LongContextTrainer, init_group_bank, init_sequence_parallel, patch, tokenize_dataset  # noqa: E402
+from hf_longctx.training.launch import describe, init_distributed  # noqa: E402
 
 EOS = "<|endoftext|>"
 HEADS = 4  # query heads of the demo Llama (bounds the Ulysses degree of every group)
@@ -94,8 +99,6 @@ def build_model(vocab_size: int, path: str, args) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ulysses", type=int, default=2)
-    p.add_argument("--ring", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--files", type=int, default=240, help="stdlib files in the corpus")
     p.add_argument("--max-file-bytes", type=int, default=12000)
@@ -114,7 +117,8 @@ def parse_args(argv=None):
     p.add_argument("--unequal-calls", action="store_true",
                    help="with --flex: ranks run different numbers of micro-batches (model unsharded for each step)")
     p.add_argument("--no-bar", action="store_true", help="plain per-step lines only (CI logs)")
-    return p.parse_args(argv)
+    add_common_args(p, ulysses=2, ring=2, mixed_precision="fp32")  # fp32 on CPU: bf16 matmuls are slow there
+    return check_common_args(p, p.parse_args(argv))
 
 
 def main(argv=None) -> dict:
@@ -126,19 +130,24 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)  # 4 ranks share the cores: more threads per rank only thrash
     t0 = time.perf_counter()
     device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + process group with a fault timeout
+    main_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if not main_rank:  # one copy of the progress bar and of library notices, from rank 0
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
     targs = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "checkpoints"), max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10), max_grad_norm=1.0, logging_steps=1,
         save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, seed=args.seed,
-        report_to=[], disable_tqdm=args.no_bar, use_cpu=device.type == "cpu",  # fp32 on CPU: bf16 matmuls are slow
+        report_to=[], disable_tqdm=args.no_bar or not main_rank, use_cpu=device.type == "cpu",
+        bf16=args.mixed_precision == "bf16",
     )
     if args.flex:  # ranks_per_node = ulysses: the largest group splits ulysses x ring like the fixed mesh
         mesh = init_group_bank(heads=HEADS, ranks_per_node=args.ulysses)
         caps = dict(max_tokens_per_rank=args.max_tokens // mesh.world_size, unequal_calls=args.unequal_calls)
     else:
-        mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring)
+        mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
         caps = dict(max_tokens=args.max_tokens)
-    main_rank = targs.process_index == 0
     say = print if main_rank else (lambda *a, **k: None)
     say(describe(mesh, device))
 
@@ -146,9 +155,14 @@ def main(argv=None) -> dict:
     raw = load_corpus(files)
     tok_path, model_path = os.path.join(args.output_dir, "tokenizer"), os.path.join(args.output_dir, "model")
     with targs.main_process_first():  # rank 0 builds and saves; the others then load
-        if main_rank:
-            build_tokenizer(raw["text"], args.vocab, tok_path)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_path)
+        if args.tokenizer:  # a given tokenizer instead of the locally trained BPE
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        else:
+            if main_rank:
+                build_tokenizer(raw["text"], args.vocab, tok_path)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_path)
         if main_rank:
             build_model(len(tokenizer), model_path, args)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -160,10 +174,10 @@ def main(argv=None) -> dict:
         f"tokenizer: byte-level BPE, {len(tokenizer)} ids; model: Llama {args.layers}x{args.hidden}, {n_params / 1e6:.2f}M params"
     )
     trainer = LongContextTrainer(
-        model=patch(model, mesh), args=targs, train_dataset=data, processing_class=tokenizer, mesh=mesh,
-        tokens_per_step=args.tokens_per_step, overlong="split", **caps,
+        model=patch(model, mesh, **patch_kwargs(args)), args=targs, train_dataset=data, processing_class=tokenizer,
+        mesh=mesh, tokens_per_step=args.tokens_per_step, overlong="split", **caps, **trainer_kwargs(args),
     )
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     logs = [h for h in trainer.state.log_history if "loss" in h and "tokens_per_s" in h]
     for h in logs:  # one plain line per step (the bar/printer show the same dicts)
         say(f"step {h['step']:4d} | loss {h['loss']:.4f} | lr {h['learning_rate']:.2e} | grad_norm {h['grad_norm']:.3f} | "

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling recipe, also under accelerate launch
 
-from pretrain import build_parser, run  # noqa: E402
+from pretrain import build_parser, parse_args, run  # noqa: E402
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--lora-alpha", type=int, default=32)
     parser.add_argument("--lora-targets", nargs="*", default=None, help="module names; default: PEFT's per-model list")
     parser.set_defaults(lr=2e-4, weight_decay=0.0)
-    args = parser.parse_args()
+    args = parse_args(parser)
 
     def wrap(model):
         from peft import LoraConfig, get_peft_model

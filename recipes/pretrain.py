@@ -17,43 +17,49 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any, Callable
 
 import torch
 
-from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset
-from hf_longctx.training.launch import describe, init_distributed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
+
+from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
+
+from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset  # noqa: E402
+from hf_longctx.training.launch import describe, init_distributed  # noqa: E402
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", required=True, help="from_pretrained path or hub id")
-    p.add_argument("--tokenizer", default=None, help="default: --model")
     p.add_argument("--dataset", required=True, help="datasets builder or hub id, e.g. text, json, parquet")
     p.add_argument("--data-files", nargs="*", default=None)
     p.add_argument("--sample-by", default=None, help="for the text builder: 'document' keeps one file per row")
     p.add_argument("--split", default="train")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--ulysses", type=int, default=1)
-    p.add_argument("--ring", type=int, default=1)
-    p.add_argument("--fpdt-chunks", type=int, default=1)
-    p.add_argument("--kv-offload", action="store_true", help="FPDT: offload KV chunks to host memory")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true", help="patch(checkpoint=True); not with --memory")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--tokens-per-step", type=int, required=True, help="global tokens per optimizer step")
     p.add_argument("--max-tokens", type=int, required=True, help="tokens of one micro-batch of one SP group")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup-steps", type=int, default=0)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint-N in output-dir")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
     p.add_argument("--step-timeout", type=float, default=None, help="watchdog: seconds without progress before exiting")
     p.add_argument("--seed", type=int, default=0)
-    return p
+    return add_common_args(p)
+
+
+def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    args = check_common_args(p, p.parse_args(argv))
+    if args.memory is not None and args.activation_checkpointing:
+        p.error(f"--memory {args.memory} and --activation-checkpointing together: the preset decides checkpointing "
+                "('max' checkpoints); pass one of them")
+    return args
 
 
 def run(args: argparse.Namespace, wrap: Callable[[Any], Any] | None = None) -> None:
@@ -81,10 +87,10 @@ def run(args: argparse.Namespace, wrap: Callable[[Any], Any] | None = None) -> N
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     if wrap is not None:
         model = wrap(model)
-    patch(model, mesh, kv_offload=args.kv_offload)
+    patch(model, mesh, **patch_kwargs(args))
     trainer = LongContextTrainer(
         model=model, args=targs, train_dataset=data, processing_class=tokenizer, mesh=mesh, max_tokens=args.max_tokens,
-        tokens_per_step=args.tokens_per_step, overlong="split", step_timeout_s=args.step_timeout,
+        tokens_per_step=args.tokens_per_step, overlong="split", step_timeout_s=args.step_timeout, **trainer_kwargs(args),
     )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.export:
@@ -92,4 +98,5 @@ def run(args: argparse.Namespace, wrap: Callable[[Any], Any] | None = None) -> N
 
 
 if __name__ == "__main__":
-    run(build_parser(__doc__.split("\n")[0]).parse_args())
+    parser = build_parser(__doc__.split("\n")[0])
+    run(parse_args(parser))

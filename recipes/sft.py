@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
-from hf_longctx import LongContextTrainerMixin, init_sequence_parallel, patch
-from hf_longctx.training.launch import describe, init_distributed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
+
+from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
+
+from hf_longctx import LongContextTrainerMixin, init_sequence_parallel, patch  # noqa: E402
+from hf_longctx.training.launch import describe, init_distributed  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -31,21 +36,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset", required=True, help="datasets builder or hub id (json, parquet, ...)")
     p.add_argument("--data-files", nargs="*", default=None)
     p.add_argument("--split", default="train")
-    p.add_argument("--ulysses", type=int, default=1)
-    p.add_argument("--ring", type=int, default=1)
-    p.add_argument("--fpdt-chunks", type=int, default=1)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--tokens-per-step", type=int, required=True, help="global tokens per optimizer step")
     p.add_argument("--max-tokens", type=int, required=True, help="tokens of one micro-batch of one SP group")
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--assistant-only-loss", action="store_true", help="conversational data: train on assistant turns")
-    p.add_argument("--fp32", action="store_true", help="no bf16 (CPU, exactness checks)")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    add_common_args(p)
+    return check_common_args(p, p.parse_args(argv))
 
 
 def main(argv=None) -> None:
@@ -61,22 +63,22 @@ def main(argv=None) -> None:
     config = SFTConfig(
         output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="cosine",
         max_grad_norm=1.0, logging_steps=1, save_strategy="steps", save_steps=args.save_every, seed=args.seed,
-        bf16=not args.fp32, use_cpu=device.type == "cpu", report_to=[],
+        bf16=args.mixed_precision == "bf16", use_cpu=device.type == "cpu", report_to=[],
         max_length=None, packing=False, padding_free=False,  # hf_longctx caps (max_tokens) and packs
         assistant_only_loss=args.assistant_only_loss,
     )
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
         print(describe(mesh, device))
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     with config.main_process_first():
         data = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
-    model = patch(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), mesh)
+    model = patch(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), mesh, **patch_kwargs(args))
     trainer = LongSFTTrainer(
         model=model, args=config, train_dataset=data, processing_class=tokenizer, mesh=mesh,
-        max_tokens=args.max_tokens, tokens_per_step=args.tokens_per_step, overlong="split",
+        max_tokens=args.max_tokens, tokens_per_step=args.tokens_per_step, overlong="split", **trainer_kwargs(args),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.export:
         trainer.save_model(os.path.join(args.output_dir, "final"))
 

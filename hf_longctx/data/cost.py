@@ -199,9 +199,11 @@ class GroupCost:
     @classmethod
     def from_config(
         cls, config: Any, shapes: Sequence[Any], *, flops_per_s: float = 0.5 * 989e12, ulysses_bw: float = 300e9,
-        ring_bw: float = 40e9, bytes_per_element: int = 2,
+        ring_bw: float = 40e9, bytes_per_element: int = 2, ranks_per_node: int | None = None,
     ) -> "GroupCost":
-        """Seconds per document for every group shape (`bank.shapes`): the model's training
+        """Seconds per document for every group shape (`bank.shapes`, or group sizes as ints:
+        each split as `group_shapes` splits it, over `ranks_per_node`, default
+        `flex_groups.default_ranks_per_node(largest size)`): the model's training
         FLOPs (`CostModel.from_config`) at `flops_per_s` per rank, split over the group, plus
         the traffic a group of s = U·R ranks adds per token of a document, unoverlapped:
         Ulysses all-to-all of q, k, v and the output (2(U−1)/U of (2·h_q + 2·h_kv)·E bytes per
@@ -211,6 +213,12 @@ class GroupCost:
         a node, 40 GB/s across (the constants of benchmarks/flex_planning.py). Only ratios
         between sizes matter to the planner; on other hardware fit one (`GroupCost.fit`)."""
         d = ModelDims.from_config(config)
+        if any(isinstance(sh, int) and not isinstance(sh, bool) for sh in shapes):
+            from hf_longctx.data.flex_groups import GroupShape, default_ranks_per_node, ulysses_split
+
+            sizes = [sh if isinstance(sh, int) else sh.size for sh in shapes]
+            rpn = default_ranks_per_node(max(sizes)) if ranks_per_node is None else ranks_per_node
+            shapes = [GroupShape(sh, *ulysses_split(sh, d.heads, rpn)) if isinstance(sh, int) else sh for sh in shapes]
         flops = CostModel.from_config(config)
         base = CostModel(a=flops.a / flops_per_s, b=flops.b / flops_per_s)
         q, kv, e = d.heads * d.head_dim, d.kv_heads * d.head_dim, bytes_per_element

@@ -71,14 +71,27 @@ class GroupShape:
         return cap // self.seq_multiple * self.seq_multiple
 
 
+def default_ranks_per_node(world_size: int) -> int:
+    """The one `ranks_per_node` default of `group_shapes`, `init_group_bank` and
+    `GroupCost.from_config`: the local CUDA device count, or the whole world without CUDA
+    (CPU ranks share one machine), never more than the world."""
+    import torch
+
+    local = torch.cuda.device_count() if torch.cuda.is_available() else world_size
+    return max(1, min(local, world_size))
+
+
 def group_shapes(
-    world_size: int, *, heads: int, min_size: int = 1, max_size: int | None = None, ranks_per_node: int = 8,
+    world_size: int, *, heads: int, min_size: int = 1, max_size: int | None = None, ranks_per_node: int | None = None,
     fpdt_chunks: int = 1,
 ) -> tuple[GroupShape, ...]:
     """Every power-of-two group size from `min_size` to `max_size` (default: the world),
-    smallest first, with its split. Raises ValueError naming the offending values."""
+    smallest first, with its split. `ranks_per_node`: default `default_ranks_per_node`.
+    Raises ValueError naming the offending values."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if ranks_per_node is None:
+        ranks_per_node = default_ranks_per_node(world_size)
     max_size = world_size if max_size is None else max_size
     _pow2("min_size", min_size)
     _pow2("max_size", max_size)

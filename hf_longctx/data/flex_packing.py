@@ -277,19 +277,32 @@ def plan_flexible(
 def plan_fixed(
     lengths: Sequence[int] | np.ndarray,
     *,
-    shape: GroupShape,
+    shape: GroupShape | int,
     shapes: Sequence[GroupShape] | None = None,
     world_size: int,
     max_tokens_per_rank: int,
     cost: GroupCost,
     strategy: str = "balanced",
     seed: int = 0,
+    num_slots: int | None = None,
 ) -> FlexPlan:
     """One fixed SP degree for the whole step, as a FlexPlan (every slot world/size groups of
     `shape`): the fixed-degree strategies of `packing.py` -- "balanced", "ffd",
     "karmarkar_karp", FlexSP's DP chunking "flexsp", Hydraulis's two-stage "hydraulis" --
-    as baselines and for a step driver that only runs FlexPlans."""
+    as baselines and for a step driver that only runs FlexPlans. `shape` may be a group
+    size (int): its split is then the one in `shapes` (`bank.shapes`). `num_slots`: the
+    step's micro-batch slots (as `plan_flexible`'s; the missing ones are empty groups);
+    fewer than the documents need raises ValueError naming both."""
     world = _check_int("world_size", world_size, 1)
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        match = [sh for sh in shapes or () if sh.size == shape]
+        if not match:
+            raise ValueError(
+                f"shape={shape} is a group size, and shapes={None if shapes is None else [s.size for s in shapes]} has "
+                "no group of that size to take its ulysses x ring split from: pass shapes=bank.shapes (or "
+                "group_shapes(...)) including it, or a GroupShape"
+            )
+        shape = match[0]
     if world % shape.size:
         raise ValueError(f"group size {shape.size} does not divide world size {world}")
     dp = world // shape.size
@@ -302,6 +315,12 @@ def plan_fixed(
         slots.append(tuple(
             FlexGroup(size=shape.size, index=r, docs=tuple(plan.pieces[p].doc for p in plan.ranks[r][j])) for r in range(dp)
         ))
+    if num_slots is not None:
+        want = _check_int("num_slots", num_slots, 1)
+        if want < len(slots):
+            raise ValueError(f"num_slots={want} is fewer than the {len(slots)} micro-batch slots these documents need "
+                             f"at group size {shape.size}; pass num_slots >= {len(slots)} or None")
+        slots += [tuple(FlexGroup(size=shape.size, index=r, docs=()) for r in range(dp))] * (want - len(slots))
     return FlexPlan(
         slots=tuple(slots), lengths=tuple(int(x) for x in _as_lengths(lengths)), world_size=world,
         max_tokens_per_rank=int(max_tokens_per_rank), shapes=tuple(shapes) if shapes else (shape,), strategy=strategy,

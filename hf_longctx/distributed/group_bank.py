@@ -105,13 +105,10 @@ def init_group_bank(
     `heads`: the model's query-head count (bounds the Ulysses degree of every group).
     `min_size` / `max_size`: the smallest and largest SP group a step may use (powers of
     two; max defaults to the world). `ranks_per_node`: GPUs per node (default: the local
-    CUDA device count, or the world on CPU) -- Ulysses stays within a node, the ring spans
-    nodes. `fpdt_chunks` applies to the groups with ring 1 and size > 1.
+    CUDA device count, or the world on CPU: `flex_groups.default_ranks_per_node`, as in
+    `group_shapes`) -- Ulysses stays within a node, the ring spans nodes. `fpdt_chunks` applies to the groups with ring 1 and size > 1.
     """
     initialised, world = process_group_world("init_group_bank")
-    if ranks_per_node is None:
-        ranks_per_node = torch.cuda.device_count() if torch.cuda.is_available() else world
-        ranks_per_node = max(1, min(ranks_per_node, world))
     max_size = world if max_size is None else max_size
     # Pure validation first: a bad setting raises the same error on every rank, before any group exists.
     shapes = group_shapes(

@@ -230,11 +230,17 @@ def _plugin(layer_classes: tuple[type, ...], mixed_precision: str, param_offload
     )
 
 
+def _model_precision(model: Any) -> str:
+    """"bf16" when the model's first floating-point parameter is bf16, else "fp32" (no cast)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
 def fsdp_plan(
     model: Any,
     mesh: SPMesh,
     *,
-    mixed_precision: Literal["bf16", "fp32"] = "bf16",
+    mixed_precision: Literal["bf16", "fp32"] | None = None,
     param_offload: bool = False,
     reshard_after_forward: bool = True,
     layer_classes: tuple[type, ...] | None = None,
@@ -242,14 +248,19 @@ def fsdp_plan(
     """The FSDP2 plan of `model` over the whole world of `mesh` (ZeRO-3 over DP × SP).
 
     `mixed_precision="bf16"`: bf16 parameters in compute, fp32 master weights and fp32
-    gradient reduction; `"fp32"` keeps everything in fp32 (CPU, exactness tests).
+    gradient reduction; `"fp32"` keeps the model's own dtype everywhere (no cast: an fp32
+    model computes in fp32). Default (None): follows the model -- "bf16" when its floating
+    parameters are bf16, else "fp32" -- never a silent bf16 cast of an fp32 model.
     `param_offload`: keep sharded parameters, gradients and optimizer states in host memory.
     Call `plan.apply(model)` on every rank before building the optimizer.
     """
     if not isinstance(mesh, SPMesh):
         raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
+    if mixed_precision is None:
+        mixed_precision = _model_precision(model)
     if mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}")
+        raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION} or None (follow the model's dtype), "
+                         f"got {mixed_precision!r}")
     if mesh.world_size > 1 and mesh.world_mesh is None:
         raise ValueError(f"mesh of world size {mesh.world_size} has no world_mesh; build it with init_sequence_parallel")
     classes = tuple(layer_classes) if layer_classes else decoder_layer_classes(model)

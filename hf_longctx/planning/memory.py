@@ -38,11 +38,19 @@ Assumptions (each is also printed under the plan table):
   default, Accelerate's `sync_each_batch=False`): FSDP2 reduce-scatters only in the step's
   last backward, so every earlier micro-batch leaves its UNSHARDED gradients accumulated in
   fp32 (FSDP's reduce dtype) until then: held = 4·P next to the later micro-batches'
-  activations -- with one micro-batch per step nothing is held, so this is conservative
-  there. "microbatch" (`sync_each_microbatch=True`): a reduce-scatter in every backward,
+  activations. "microbatch" (`sync_each_microbatch=True`): a reduce-scatter in every backward,
   gradients accumulate sharded: held = 4·P / world (the earlier micro-batches' sharded
   gradients next to the later ones' activations), at P·e bytes of traffic per rank and
   micro-batch. Measured within 4 % on 2 gloo ranks (benchmarks/memory_model_fsdp.py).
+  With ONE micro-batch per step (`microbatches=1`) there are no earlier gradients: held = 0.
+- Parameter offload (`Setting.param_offload`, FSDP2 `CPUOffloadPolicy`, what
+  `fsdp_plan(param_offload=True)` / `LongContextTrainer(param_offload=True)` apply): the
+  sharded fp32 parameters, their sharded fp32 gradients and the optimizer states (updated
+  by the optimizer on the CPU) live in host memory -- (4 + 4 + 8)·P / world bytes per GPU,
+  charged to the host; the GPU keeps what FSDP gathers (the two units in the compute dtype),
+  one unit's unsharded gradient before its reduce-scatter, and the held gradients above
+  (unsharded gradients accumulate on the GPU until the reduce-scatter; sharded ones, with
+  "microbatch" sync, accumulate on host).
 - Unequal micro-batch counts (`unsharded_step=True`, `distributed/unsharded_step.py`, grad
   sync "step" by construction): the whole model is gathered once per step in the compute
   dtype (params: the master shards plus dt·P instead of the two gathered units), the fp32
@@ -72,6 +80,7 @@ class Setting:
     checkpoint: bool = False
     mlp_chunks: int = 1
     loss_chunks: int = 1
+    param_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads, optimizer states on host
 
     @property
     def sp(self) -> int:
@@ -123,14 +132,15 @@ def layer_activation_bytes(dims: ModelDims, dt: int, kv_factor: int) -> dict[str
 
 def estimate_memory(
     dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
-    unsharded_step: bool = False, grad_sync: str = "step",
+    unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
 ) -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
     `optimizer`: "adamw" (two fp32 moments) or "sgd" (stateless). `unsharded_step`: the
     unequal-count mode of flexible SP groups (parameters and gradients unsharded for the
     whole step). `grad_sync`: "step" (reduce-scatter in the step's last backward; unsharded
-    fp32 gradients held until then) or "microbatch" (every backward). Raises ValueError when
+    fp32 gradients held until then) or "microbatch" (every backward). `microbatches`: per rank
+    and optimizer step (1: no earlier gradients are held). Raises ValueError when
     the setting cannot run (degrees that do not divide, heads not divisible).
     """
     if dtype not in DTYPE_BYTES:
@@ -141,6 +151,8 @@ def estimate_memory(
         raise ValueError(f"grad_sync must be 'step' or 'microbatch', got {grad_sync!r}")
     if unsharded_step and grad_sync != "step":
         raise ValueError("unsharded_step=True syncs gradients in each rank's last backward: grad_sync must be 'step'")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an int >= 1 (micro-batches per rank and step), got {microbatches!r}")
     s = setting
     if world % s.sp:
         raise ValueError(f"ulysses({s.ulysses}) x ring({s.ring}) = {s.sp} does not divide {world} GPUs")
@@ -164,19 +176,25 @@ def estimate_memory(
     gathered = dt * (rest + max(2 * dims.layer_params, vocab_unit + dims.layer_params)) if world > 1 else 0.0
     unsharded_grads = dt * (rest + max(dims.layer_params, vocab_unit)) if world > 1 else 0.0
     # fp32 gradients of the earlier micro-batches: unsharded until the last backward, or sharded.
-    held = (4.0 * P if grad_sync == "step" else 4.0 * P / world) if world > 1 else 0.0
+    held = (4.0 * P if grad_sync == "step" else 4.0 * P / world) if world > 1 and microbatches > 1 else 0.0
     if unsharded_step and world > 1:
         gathered = dt * P  # the whole model, gathered once at the step's start
         unsharded_grads = dt * max(dims.layer_params, vocab_unit, rest)  # one unit's, before accumulation
-    params = master + gathered
-    grads = 4 * P / world + unsharded_grads
+    sharded_grads = 4 * P / world
     optim = (8 * P / world) if optimizer == "adamw" else 0.0
+    host = 0.0
+    if s.param_offload:  # the fp32 shards and the optimizer states live on host (CPUOffloadPolicy)
+        host += master + sharded_grads + optim
+        master = sharded_grads = optim = 0.0
+        if grad_sync == "microbatch":
+            held = 0.0  # the accumulated sharded gradients are the host shards above
+    params = master + gathered
+    grads = sharded_grads + unsharded_grads
 
     per_layer = layer_activation_bytes(dims, dt, f)
     attn_saved = per_layer["attention"]
     if s.mlp_chunks > 1:
         per_layer["mlp"] = 0.0  # only the chunk inputs, views of the norm output
-    host = 0.0
     if s.fpdt_chunks > 1 and s.kv_offload:
         per_layer["attention"] = 0.0
         host += dims.layers * s_l * attn_saved

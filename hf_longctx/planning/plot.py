@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -92,20 +93,22 @@ def _pyplot():
 def draw_load(plan: Plan, cost: CostModel, path: str | Path, title: str) -> dict[str, Any]:
     """Save the stacked per-rank bar chart to `path` (PNG); returns `plan.stats(cost)`."""
     plt = _pyplot()
-    costs = slot_costs(plan, cost) / 1e12  # TFLOPs
+    costs = slot_costs(plan, cost) / 1e12  # TFLOP (an amount of work, not a rate)
     stats = plan.stats(cost)
     dp, slots = costs.shape
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * dp + 3), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * dp + 3) + 2, 4.5))
     bottom = _stack(plt, ax, costs, [f"micro-batch {m}" for m in range(slots)])
     ideal = costs.sum() / dp
     ax.axhline(ideal, color="black", linestyle="--", linewidth=1, label="ideal (total / dp)")
     ax.set_xlabel("DP rank")
-    ax.set_ylabel("step cost (TFLOPs, forward + backward)")
+    ax.set_ylabel("step cost (TFLOP, forward + backward)")
     ax.set_xticks(np.arange(dp))
-    ax.set_title(title, fontsize=9)
+    _title(ax, fig, title)
+    note = ("\ndp 1: one bar, balanced by construction (nothing to balance\nacross ranks); --flex compares group sizes"
+            if dp == 1 else "")
     ax.text(0.01, 0.98, f"synchronised step / ideal = {stats['synced_over_ideal']:.3f}\n"
             f"max rank / mean rank = {stats['rank_max_over_mean']:.3f}\n"
-            f"{stats['num_pieces']} documents, {slots} micro-batches per rank, fill {stats['fill']:.0%}",
+            f"{stats['num_pieces']} documents, {slots} micro-batches per rank, fill {stats['fill']:.0%}{note}",
             transform=ax.transAxes, va="top", fontsize=8, bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
     _save(plt, fig, ax, path, bottom.max() * 1.3)
     return stats
@@ -132,14 +135,14 @@ def draw_flex_load(plan: FlexPlan, cost: GroupCost, path: str | Path, title: str
     costs, sizes = flex_rank_costs(plan, cost)
     stats = plan.stats(cost)
     world, slots = costs.shape
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * world + 3), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * world + 3) + 2, 4.5))
     labels = [f"slot {m}: [{'+'.join(str(g.size) for g in plan.slots[m])}]" for m in range(slots)]
     bottom = _stack(plt, ax, costs, labels, sizes if world <= 32 else None)  # sizes unreadable beyond ~32 bars
     ax.axhline(stats["ideal_step"], color="black", linestyle="--", linewidth=1, label="ideal")
     ax.set_xlabel("rank (segment label: size of its SP group in that slot)")
     ax.set_ylabel(f"busy time per rank ({unit}, modelled)")
     ax.set_xticks(np.arange(world) if world <= 32 else np.arange(0, world, max(1, world // 16)))
-    ax.set_title(title, fontsize=9)
+    _title(ax, fig, title)
     step = "synchronised step" if plan.equal_calls else "makespan (unequal counts)"
     ax.text(0.01, 0.98, f"{step} / ideal = {stats['synced_over_ideal']:.3f}\n"
             f"per-rank busy max / mean = {stats['busy_max_over_mean']:.3f}\n"
@@ -147,6 +150,39 @@ def draw_flex_load(plan: FlexPlan, cost: GroupCost, path: str | Path, title: str
             bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
     _save(plt, fig, ax, path, bottom.max() * 1.35)
     return stats
+
+
+def draw_step_record(record: dict[str, Any], path: str | Path) -> None:
+    """`trainer.last_plan` (its `to_dict()`, or the JSON `StepRecord.save` wrote) as two
+    panels: the planned tokens of every group in every micro-batch slot (one stacked bar
+    per group position, one segment per slot), and this rank's measured seconds per
+    micro-batch; the modelled balance is in the title."""
+    plt = _pyplot()
+    slots = record["slot_tokens"]
+    width = max((len(s) for s in slots), default=0)
+    tokens = np.zeros((width, len(slots)))
+    for j, slot in enumerate(slots):
+        for i, (_, n) in enumerate(slot):
+            tokens[i, j] = n
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(6.0, 0.5 * width + 3) + 6, 4.5))
+    _stack(plt, ax, tokens, [f"slot {j}: {g}" for j, g in enumerate(record["groups"])])
+    ax.set_xlabel("group (DP rank for a fixed degree)")
+    ax.set_ylabel("planned tokens")
+    ax.set_xticks(np.arange(width))
+    times = np.asarray(record["microbatch_s"], dtype=float)
+    bx.bar(np.arange(len(times)), times, color="grey")
+    bx.set_xlabel("micro-batch (this rank)")
+    bx.set_ylabel("measured seconds (forward + backward)")
+    modelled = record.get("modelled", {})
+    balance = modelled.get("synced_over_ideal")
+    _title(ax, fig, f"step {record['step']}: {len(record['lengths'])} pieces, {len(slots)} slots"
+           + (f"; modelled synchronised step / ideal = {balance:.3f}" if balance is not None else ""))
+    bx.set_title(f"measured on this rank: {record['measured_s']:.3f} s", fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _stack(plt, ax, costs: np.ndarray, labels: list[str], segment_text: np.ndarray | None = None) -> np.ndarray:
@@ -167,8 +203,15 @@ def _stack(plt, ax, costs: np.ndarray, labels: list[str], segment_text: np.ndarr
     return bottom
 
 
+def _title(ax, fig, title: str) -> None:
+    """The title wrapped to the figure's width (about 15 characters per inch at 9 pt)."""
+    width = int(fig.get_figwidth() * 15)
+    ax.set_title("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=9)
+
+
 def _save(plt, fig, ax, path: str | Path, top: float) -> None:
-    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    if ax.get_legend_handles_labels()[0]:  # beside the axes, never over the bars
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     ax.set_ylim(0, top)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -25,12 +25,23 @@ quadratic attention term):
 - ring K/V P2P (forward R-1 blocks, backward R-1 K/V + R-1 dK/dV blocks) overlaps the
   attention compute; only the excess counts;
 - FSDP (all-gather params twice, reduce-scatter grads once, in the compute dtype) and host
-  offload traffic (PCIe) overlap the whole compute; only the excess counts.
+  offload traffic (PCIe) overlap the whole compute; only the excess counts;
+- parameter offload (FSDP2 CPUOffloadPolicy): the fp32 shards cross PCIe before each of the
+  two all-gathers, the gradient shards once per reduce-scatter (overlapped like the other
+  offload traffic), and the optimizer step runs on the CPU at `cpu_optim_bw` bytes/s per
+  GPU (AdamW reads parameter, gradient and two moments, writes three: 28 B/param; SGD 12),
+  not overlapped, spread over the step's micro-batches.
+
+Near ties: the step-time estimates of two settings within `TIE_TOLERANCE` (7 %: the worst
+measured error of the per-size cost model, +6.8 %, README "flexible SP groups") do not
+separate them; among the settings that close to the fastest one, those that follow the USP
+guidance (Ulysses inside a node, ring only across nodes, USP §4) rank first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hf_longctx.config import MEMORY_PRESETS, preset_knobs
@@ -56,12 +67,13 @@ class Cluster:
     pcie_bw: float = 25e9  # bytes/s per GPU host <-> device
     headroom: float = 0.1  # fraction of GPU / host memory kept free (context, fragmentation, model error)
     latency: float = 30e-6  # seconds per all-to-all call (what makes many FPDT chunks cost something)
+    cpu_optim_bw: float = 10e9  # bytes/s per GPU of host memory traffic in a CPU optimizer step (param offload)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("gpu_memory", "host_memory", "tflops", "intra_bw", "inter_bw", "pcie_bw"):
+        for name in ("gpu_memory", "host_memory", "tflops", "intra_bw", "inter_bw", "pcie_bw", "cpu_optim_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.mfu <= 1:
@@ -73,6 +85,12 @@ class Cluster:
         """Per-GPU bandwidth of a group of `span` consecutive ranks."""
         return self.intra_bw if span <= self.gpus_per_node else self.inter_bw
 
+    def follows_usp_guidance(self, s: Setting) -> bool:
+        """USP §4: Ulysses inside a node, ring only across nodes."""
+        return s.ulysses <= self.gpus_per_node and (s.ring == 1 or s.sp > self.gpus_per_node)
+
+
+TIE_TOLERANCE = 0.07  # relative step-time difference the estimates cannot resolve (see the module docstring)
 
 @dataclass(frozen=True)
 class Candidate:
@@ -83,10 +101,17 @@ class Candidate:
     tokens_per_second: float  # whole cluster
     reason: str  # "" when feasible, else why not
     preset: str = "off"  # the patch(memory=...) preset of this setting
+    microbatches: int = 1  # per rank and optimizer step
+    tied: bool = False  # within TIE_TOLERANCE of the fastest feasible setting's throughput
 
     @property
     def feasible(self) -> bool:
         return not self.reason
+
+    @property
+    def binding(self) -> str:
+        """The resource that rules this setting out: "GPU memory", "host memory", "" (fits or other)."""
+        return {"GPU": "GPU memory", "host": "host memory"}.get(self.reason.split(" ")[0], "")
 
 
 @dataclass(frozen=True)
@@ -96,15 +121,40 @@ class Suggestion:
     init_kwargs: dict  # ulysses_degree, ring_degree, fpdt_chunks
     memory: str
     candidate: Candidate
+    trainer_kwargs: dict | None = None  # LongContextTrainer: max_tokens, tokens_per_step, param_offload, ...
+    mixed_precision: str = "bf16"
 
     @classmethod
-    def of(cls, c: Candidate) -> "Suggestion":
+    def of(cls, c: Candidate, tokens: int | None = None, *, grad_sync: str = "step", dtype: str = "bf16") -> "Suggestion":
+        """`tokens`: per SP group and micro-batch (the trainer's `max_tokens`)."""
         s = c.setting
-        return cls({"ulysses_degree": s.ulysses, "ring_degree": s.ring, "fpdt_chunks": s.fpdt_chunks}, c.preset, c)
+        trainer = {"max_tokens": tokens, "tokens_per_step": tokens * c.dp * c.microbatches} if tokens else {}
+        if s.param_offload:
+            trainer["param_offload"] = True
+        if grad_sync == "microbatch":
+            trainer["sync_each_microbatch"] = True
+        return cls({"ulysses_degree": s.ulysses, "ring_degree": s.ring, "fpdt_chunks": s.fpdt_chunks}, c.preset, c,
+                   trainer, "fp32" if dtype == "fp32" else "bf16")
 
     def code(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.init_kwargs.items())
-        return f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r})"
+        out = f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r})"
+        if self.trainer_kwargs:
+            kw = ", ".join(f"{k}={v}" for k, v in self.trainer_kwargs.items())
+            out += f"\ntrainer = hf_longctx.LongContextTrainer(model=model, args=args, mesh=mesh, {kw}, ...)"
+        return out
+
+    def recipe_flags(self) -> str:
+        """The same setting as flags of recipes/pretrain.py, lora.py and sft.py (recipes/common.py)."""
+        k, t = self.init_kwargs, self.trainer_kwargs or {}
+        flags = [f"--ulysses {k['ulysses_degree']}", f"--ring {k['ring_degree']}", f"--fpdt-chunks {k['fpdt_chunks']}",
+                 f"--memory {self.memory}"]
+        if "max_tokens" in t:
+            flags += [f"--max-tokens {t['max_tokens']}", f"--tokens-per-step {t['tokens_per_step']}"]
+        flags += [f"--mixed-precision {self.mixed_precision}"]
+        flags += ["--param-offload"] if t.get("param_offload") else []
+        flags += ["--sync-each-microbatch"] if t.get("sync_each_microbatch") else []
+        return " ".join(flags)
 
 
 def preset_setting(ulysses: int, ring: int, fpdt_chunks: int, memory: str) -> Setting:
@@ -123,10 +173,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_settings(dims: ModelDims, gpus: int, tokens: int, max_fpdt: int = 64) -> list[tuple[Setting, str]]:
+PARAM_OFFLOAD = {"auto": (False, True), "yes": (True,), "no": (False,)}
+
+
+def enumerate_settings(
+    dims: ModelDims, gpus: int, tokens: int, max_fpdt: int = 64, param_offload: str = "no"
+) -> list[tuple[Setting, str]]:
     """Every (setting, preset) the library accepts: ulysses × ring dividing `gpus` with
     Ulysses-divisible heads; FPDT chunks (powers of two) only with ring 1; each mesh with
-    the three memory presets (K/V offload comes with "max" exactly when FPDT is on)."""
+    the three memory presets (K/V offload comes with "max" exactly when FPDT is on), and
+    with parameter offload off and/or on (`param_offload`: "no", "yes", "auto" = both)."""
+    if param_offload not in PARAM_OFFLOAD:
+        raise ValueError(f"param_offload must be one of {sorted(PARAM_OFFLOAD)}, got {param_offload!r}")
     out = []
     for sp in _divisors(gpus):
         for ulysses in _divisors(sp):
@@ -143,15 +201,18 @@ def enumerate_settings(dims: ModelDims, gpus: int, tokens: int, max_fpdt: int = 
                     u *= 2
             for u in chunk_options:
                 for memory in MEMORY_PRESETS:
-                    out.append((preset_setting(ulysses, ring, u, memory), memory))
+                    for off in PARAM_OFFLOAD[param_offload]:
+                        out.append((replace(preset_setting(ulysses, ring, u, memory), param_offload=off), memory))
     return out
 
 
 def step_time(
-    dims: ModelDims, cost: CostModel, s: Setting, cluster: Cluster, tokens: int, dtype: str, seq_len: int | None = None
+    dims: ModelDims, cost: CostModel, s: Setting, cluster: Cluster, tokens: int, dtype: str, seq_len: int | None = None,
+    *, microbatches: int = 1, optimizer: str = "adamw", grad_sync: str = "step",
 ) -> float:
-    """Seconds of one micro-batch step of `tokens` tokens made of documents of `seq_len`
-    (default: one document of `tokens`); see the module docstring for every term."""
+    """Seconds of one micro-batch of `tokens` tokens made of documents of `seq_len`
+    (default: one document of `tokens`), with its share of the step's CPU optimizer step
+    when parameters are offloaded; see the module docstring for every term."""
     dt = DTYPE_BYTES[dtype]
     world = cluster.gpus
     rate = cluster.tflops * 1e12 * cluster.mfu
@@ -185,17 +246,33 @@ def step_time(
         offload += dims.layers * dt * s_l * (3 * q + 2 * kv) * (1 + s.fpdt_chunks) / cluster.pcie_bw
     if s.checkpoint:
         offload += dims.layers * 2 * dt * s_l * dims.hidden / cluster.pcie_bw
-    return compute + a2a + max(0.0, ring - attn_compute) + max(0.0, fsdp - compute) + max(0.0, offload - compute)
+    cpu_step = 0.0
+    if s.param_offload:
+        shard = 4 * dims.params / world  # fp32 bytes of this GPU's shard
+        syncs = 1.0 if grad_sync == "microbatch" else 1.0 / microbatches  # gradient shards to host
+        offload += (2 + syncs) * shard / cluster.pcie_bw
+        cpu_step = (28 if optimizer == "adamw" else 12) / 4 * shard / cluster.cpu_optim_bw / microbatches
+    return cpu_step + compute + a2a + max(0.0, ring - attn_compute) + max(0.0, fsdp - compute) + max(0.0, offload - compute)
 
 
 def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
-    optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step",
+    optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
+    tokens_per_step: int | None = None, param_offload: str = "auto",
 ) -> list[Candidate]:
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
-    cluster throughput (tokens/s), then lowest peak memory, then fewest FPDT chunks."""
+    cluster throughput (tokens/s), then lowest peak memory, then fewest FPDT chunks; near
+    ties (within TIE_TOLERANCE of the fastest feasible) following the USP guidance first.
+
+    Micro-batches per rank and step: `microbatches`, or, with `tokens_per_step` (global),
+    ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
+    (try both), "yes", "no"."""
     seq_len = tokens if seq_len is None else seq_len
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+    if tokens_per_step is not None and tokens_per_step < tokens:
+        raise ValueError(f"tokens_per_step ({tokens_per_step}) must be >= the micro-batch tokens ({tokens})")
     if not 1 <= seq_len <= tokens:
         raise ValueError(f"need 1 <= seq_len <= micro-batch tokens, got seq_len {seq_len}, tokens {tokens}")
     dims = ModelDims.from_config(config)
@@ -204,11 +281,13 @@ def rank_settings(
     usable_host = cluster.host_memory * (1 - cluster.headroom)
     per_node = min(cluster.gpus, cluster.gpus_per_node)
     out = []
-    for s, preset in enumerate_settings(dims, cluster.gpus, tokens):
-        mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
-                              unsharded_step=unsharded_step, grad_sync=grad_sync)
+    for s, preset in enumerate_settings(dims, cluster.gpus, tokens, param_offload=param_offload):
         dp = cluster.gpus // s.sp
-        secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len)
+        mbs = microbatches if tokens_per_step is None else math.ceil(tokens_per_step / (dp * tokens))
+        mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
+                              unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
+        secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len, microbatches=mbs, optimizer=optimizer,
+                         grad_sync=grad_sync)
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
         reason = ""
         if tokens % multiple:
@@ -217,25 +296,34 @@ def rank_settings(
             reason = f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"
         elif mem.host * per_node > usable_host:
             reason = f"host {mem.host * per_node / 2**30:.1f} > {usable_host / 2**30:.1f} GiB"
-        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, preset))
-    # Ties (FPDT chunk counts cost the same in this model): the simpler setting first.
-    out.sort(key=lambda c: (not c.feasible, -c.tokens_per_second, c.memory.peak, c.setting.fpdt_chunks))
-    return out
+        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, preset, mbs))
+    # Exact ties (FPDT chunk counts cost the same in this model): the simpler setting first.
+    out.sort(key=lambda c: (not c.feasible, -c.tokens_per_second, c.memory.peak, c.setting.fpdt_chunks,
+                            c.setting.param_offload))
+    if not out or not out[0].feasible:
+        return out
+    # Near ties: the estimates cannot separate them; the USP guidance decides (stable sort).
+    floor = out[0].tokens_per_second * (1 - TIE_TOLERANCE)
+    n = next((i for i, c in enumerate(out) if not c.feasible or c.tokens_per_second < floor), len(out))
+    band = sorted((replace(c, tied=n > 1) for c in out[:n]), key=lambda c: not cluster.follows_usp_guidance(c.setting))
+    return band + out[n:]
 
 
 def suggest(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
-    optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step",
+    optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
+    tokens_per_step: int | None = None, param_offload: str = "auto",
 ) -> Suggestion:
     """The fastest setting by the step-time estimate among those whose estimated peak fits
-    (the first row of `hf-longctx plan` with the same arguments). Raises ValueError naming
-    the lowest estimated peak when nothing fits."""
+    (the first row of `hf-longctx plan` with the same arguments; near ties broken by the USP
+    guidance). Raises ValueError naming the lowest estimated peak when nothing fits."""
     ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
-                           unsharded_step=unsharded_step, grad_sync=grad_sync)
+                           unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=microbatches,
+                           tokens_per_step=tokens_per_step, param_offload=param_offload)
     if not ranked[0].feasible:
         low = min(ranked, key=lambda c: c.memory.peak)
         raise ValueError(
             f"no setting fits: the lowest estimated peak is {low.memory.peak / 2**30:.1f} GiB per GPU "
             f"({low.setting}, memory={low.preset!r}: {low.reason})"
         )
-    return Suggestion.of(ranked[0])
+    return Suggestion.of(ranked[0], tokens, grad_sync=grad_sync, dtype=dtype)

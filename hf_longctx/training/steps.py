@@ -15,7 +15,8 @@ yields the step sampler's index lists, and its collate function wraps the collat
      "num_items_in_batch": N,            # valid targets of the WHOLE step (all ranks): the normaliser
      "tokens": T, "flops": F,            # trained tokens / estimated FLOPs of the whole step
      "balance": b,                       # the plan's synced/ideal cost (None without a cost model)
-     "layouts": "[4] [2+1+1]", "busy": m}  # group bank only: each slot's group sizes, per-rank busy max/mean
+     "layouts": "[4] [2+1+1]", "busy": m,  # group bank only: each slot's group sizes, per-rank busy max/mean
+     "plan": plan, "lengths": (...), "plan_stats": {...}}  # kept by the trainer as `last_plan`
 
 With a `GroupBank` the collator is `distributed/flex_collator.FlexCollator` (flexible SP
 groups, planned per step by `plan_flexible`): its micro-batches are this rank's slots, each
@@ -192,6 +193,9 @@ class StepCollate:
             "layouts": layout_text(stats["layouts"]) if flex else None,
             "busy": stats.get("busy_max_over_mean") if flex else None,
             "equal_calls": not (flex and self.collator.unequal_calls),
+            "plan": self.collator.last_plan,  # the whole step's plan (trainer.last_plan)
+            "lengths": tuple(int(n) for n in lengths),
+            "plan_stats": dict(stats),  # the cost model's view of the plan (empty without one)
         }
 
 

@@ -66,6 +66,7 @@ from hf_longctx.training.checkpoint import load_sharded, save_consolidated, save
 from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments, check_world
 from hf_longctx.training.faults import WatchdogCallback, comm_guard
 from hf_longctx.training.metrics import StepWindow
+from hf_longctx.training.step_record import StepRecord
 from hf_longctx.training.steps import check_dataset, check_lengths, check_step_budget, document_lengths, step_dataloader
 from hf_longctx.training.token_metrics import TokenStats
 
@@ -96,7 +97,9 @@ class LongContextTrainerMixin:
     numbers of micro-batches, the model unsharded for the step), `sync_each_microbatch`
     (reduce-scatter gradients in every micro-batch's backward, Accelerate's
     `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic; default:
-    once per step, in the last backward). Everything else is plain `TrainingArguments`.
+    once per step, in the last backward), `param_offload` (FSDP2 CPUOffloadPolicy through
+    `fsdp_plan`: sharded parameters, gradients and optimizer states in host memory, the
+    optimizer step on the CPU). Everything else is plain `TrainingArguments`.
     """
 
     def __init__(
@@ -104,7 +107,7 @@ class LongContextTrainerMixin:
         cost: CostModel | GroupCost | None = None, strategy: str = "balanced", overlong: str = "error",
         pad_token_id: int | None = None, step_timeout_s: float | None = None, peak_flops: float | None = None,
         max_tokens_per_rank: int | None = None, unequal_calls: bool = False, sync_each_microbatch: bool = False,
-        **kwargs: Any,
+        param_offload: bool = False, **kwargs: Any,
     ) -> None:
         if not isinstance(mesh, (SPMesh, GroupBank)):
             raise TypeError(
@@ -126,6 +129,13 @@ class LongContextTrainerMixin:
             raise ValueError("sync_each_microbatch=True cannot be combined with unequal_calls=True: with unequal counts "
                              "every rank syncs in its own last backward")
         self.sync_each_microbatch = sync_each_microbatch
+        if not isinstance(param_offload, bool):
+            raise ValueError(f"param_offload must be a bool, got {param_offload!r}")
+        if param_offload and unequal_calls:
+            raise ValueError("param_offload=True cannot be combined with unequal_calls=True: the unequal-count step "
+                             "keeps the model unsharded on the device for the whole step; use equal counts")
+        self.param_offload = param_offload
+        self.last_plan: StepRecord | None = None  # the last step's plan, modelled and measured times
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
         self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
         self.max_tokens = self._largest_piece(mesh, max_tokens, max_tokens_per_rank)
@@ -258,7 +268,8 @@ class LongContextTrainerMixin:
     def _shard_model(self) -> None:
         from torch.distributed.tensor import DTensor
 
-        fsdp_plan(self.model, self._world_mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.model)
+        fsdp_plan(self.model, self._world_mesh, mixed_precision="bf16" if self.args.bf16 else "fp32",
+                  param_offload=self.param_offload).apply(self.model)
         loose = [n for n, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
         if loose:
             raise ValueError(f"trainable parameters outside FSDP after fsdp_plan: {loose[:4]}")
@@ -320,6 +331,7 @@ class LongContextTrainerMixin:
         micro_batches = inputs["micro_batches"]
         fsdp = hasattr(model, "set_requires_gradient_sync")
         local = torch.zeros((), dtype=torch.float64, device=self.args.device)  # Σ this rank's micro-batch losses
+        times: list[float] = []
         unsharded = fsdp and not inputs.get("equal_calls", True)
         with comm_guard(step, self._watchdog.timeout_s if self._watchdog else None), ExitStack() as stack:
             if unsharded:  # unequal counts: gather once, sync in this rank's own last backward
@@ -328,6 +340,7 @@ class LongContextTrainerMixin:
                     self._unsharded_checked = True
                 before_backward = stack.enter_context(unsharded_step(model, len(micro_batches)))
             for i, mb in enumerate(micro_batches):
+                t0 = time.perf_counter()
                 if fsdp and not unsharded:  # FSDP2: accumulate unsharded, reduce-scatter (a SUM) once, after the last micro-batch
                     model.set_requires_gradient_sync(self.sync_each_microbatch or i == len(micro_batches) - 1)
                 mb = self._prepare_inputs(mb)
@@ -337,6 +350,7 @@ class LongContextTrainerMixin:
                     before_backward(i)
                 self.accelerator.backward(loss)
                 local += loss.detach().double()
+                times.append(time.perf_counter() - t0)
                 if self._watchdog is not None:
                     self._watchdog.beat(step)
             step_loss = global_loss(local, self._world_mesh)  # []: the step's global token mean, on every rank
@@ -346,6 +360,8 @@ class LongContextTrainerMixin:
 
                 clear_device_cache()
             self._flush_token_stats("train", inputs["tokens"])
+        self.last_plan = StepRecord(step, inputs.get("plan"), inputs.get("lengths", ()), inputs.get("plan_stats") or {},
+                                    tuple(times))
         self._window.end_step(loss=float(step_loss), tokens=inputs["tokens"], flops=inputs["flops"], balance=inputs["balance"],
                               layouts=inputs.get("layouts"), busy=inputs.get("busy"))
         return step_loss.to(torch.float32)

@@ -72,7 +72,7 @@ def _reference(path: str):
 
 
 def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, checkpoint: bool, equal_calls: bool,
-               sync_each_microbatch: bool = False) -> dict:
+               sync_each_microbatch: bool = False, mixed_precision: str | None = "fp32") -> dict:
     from hf_longctx.distributed.flex_step import run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import patch
@@ -80,8 +80,11 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
     ref_loss, ref_grads = _reference(path)
     bank = worker_bank(heads=4, ranks_per_node=ranks_per_node, fpdt_chunks=fpdt_chunks)
     model = patch(load(path), bank, checkpoint=checkpoint)
-    if fsdp:
-        fsdp_plan(model, bank.world, mixed_precision="fp32").apply(model)
+    if fsdp:  # mixed_precision None: the plan follows the model's dtype (fp32 here)
+        fsdp_plan(model, bank.world, **({} if mixed_precision is None else {"mixed_precision": mixed_precision})).apply(model)
+    dtypes = set()  # what the linear layers compute in
+    hooks = [m.register_forward_pre_hook(lambda mod, a: dtypes.add(str(a[0].dtype))) for m in model.modules()
+             if isinstance(m, torch.nn.Linear)]
     plan = _plan(bank, equal_calls)
     units = sum(1 for m in model.modules() if hasattr(m, "set_requires_gradient_sync"))
     scatters = []  # FSDP2's gradient reduce-scatters of this rank during the step
@@ -96,6 +99,8 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
         loss = run_flex_step(model, bank, plan, _documents(), sync_each_microbatch=sync_each_microbatch)
     finally:
         torch.distributed.reduce_scatter_single = scatter
+        for h in hooks:
+            h.remove()
     grads = {}
     for n, p in model.named_parameters():
         g = p.grad
@@ -105,7 +110,8 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
     resharded = all(not hasattr(p, "full_tensor") or p.to_local().numel() < p.numel() or p.numel() == 1
                     for p in model.parameters())  # FSDP2 parameters are sharded again after the step
     return {"loss_err": abs(float(loss) - ref_loss) / abs(ref_loss), "errs": errs, "splits": splits,
-            "calls": len(plan.for_rank(bank.rank)), "resharded": resharded, "scatters": len(scatters), "units": units}
+            "calls": len(plan.for_rank(bank.rank)), "resharded": resharded, "scatters": len(scatters), "units": units,
+            "dtypes": sorted(dtypes)}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +140,17 @@ def test_mixed_layouts_equal_single_process(pools, paths, family, ranks_per_node
     for rank, res in enumerate(results):  # one reduce-scatter per FSDP unit per step, or per micro-batch if asked
         expected = res["units"] * (res["calls"] if sync_each else 1) if fsdp else 0
         assert res["scatters"] == expected, f"rank {rank}: {res['scatters']} reduce-scatters, expected {expected}"
+
+
+def test_hand_written_loop_on_fp32_model_computes_in_fp32(pools, paths):
+    """`fsdp_plan(model, bank.world)` without mixed_precision on an fp32 model: every linear
+    layer computes in fp32 and the step equals the fp32 single-process step at fp32
+    tolerances (the old default, a silent bf16 cast, computes the linear layers in bf16 and
+    misses the loss: 1.6e-5 relative on this tiny model, above the 1e-5 fp32 tolerance)."""
+    results = pools.get(4).run(_flex_step, paths["llama"], 2, 2, True, True, True, False, None, timeout=300)
+    check_results(results, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], True)
+    for rank, res in enumerate(results):
+        assert res["dtypes"] == ["torch.float32"], f"rank {rank}: linear layers computed in {res['dtypes']}"
 
 
 def check_results(results: list[dict], splits: list, equal_calls: bool) -> None:

@@ -188,7 +188,13 @@ def test_plan_fields_and_errors(llama_path):
 
     model = load(llama_path)
     mesh = SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
-    plan = fsdp_plan(model, mesh, param_offload=True)
+    # Precision follows the model unless given: an fp32 model is not silently cast to bf16.
+    assert model.dtype == torch.float32
+    follow = fsdp_plan(model, mesh)
+    assert follow.mixed_precision == "fp32" and follow.plugin.mixed_precision_policy is None
+    assert follow._policies()[0].param_dtype is None  # FSDP2 MixedPrecisionPolicy(): no cast
+    assert fsdp_plan(load(llama_path).to(torch.bfloat16), mesh).mixed_precision == "bf16"
+    plan = fsdp_plan(model, mesh, mixed_precision="bf16", param_offload=True)
     assert [c.__name__ for c in plan.layer_classes] == ["LlamaDecoderLayer"]
     assert isinstance(plan.plugin, FullyShardedDataParallelPlugin) and plan.plugin.fsdp_version == 2
     assert plan.plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]

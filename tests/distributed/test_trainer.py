@@ -15,6 +15,8 @@ copies round differently from autocast's, over 3 steps.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ MESHES = {"u2xr2": (2, 2, 1), "dp2xu2": (2, 1, 1), "fpdt_u2": (2, 1, 2)}
 
 
 def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora: bool = False, bf16: bool = False,
-         sync_each_microbatch: bool = False) -> dict:
+         sync_each_microbatch: bool = False, param_offload: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
@@ -48,10 +50,23 @@ def _run(path: str, degrees: tuple[int, int, int] | None, output_dir: str, lora:
     patch(model, mesh)
     ds = make_dataset(masked=True)
     trainer = LongContextTrainer(model=model, args=args, train_dataset=ds, eval_dataset=make_dataset(8, seed=1),
-                                 mesh=mesh, max_tokens=48, tokens_per_step=120, sync_each_microbatch=sync_each_microbatch)
+                                 mesh=mesh, max_tokens=48, tokens_per_step=120, sync_each_microbatch=sync_each_microbatch,
+                                 param_offload=param_offload)
     trainer.train()
-    return {"steps": history(trainer), "eval": trainer.evaluate()["eval_loss"],
-            "balance": [h.get("plan_balance") for h in trainer.state.log_history if "loss" in h]}
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+    last = trainer.last_plan
+    import torch.distributed as dist
+
+    record = os.path.join(output_dir, f"last_plan_{dist.get_rank() if dist.is_initialized() else 0}.json")
+    last.save(record)
+    return {"last_plan": {"record": record, "slot_tokens": sum(n for slot in last.slot_tokens() for _, n in slot),"step": last.step, "tokens": sum(last.lengths), "pieces": len(last.plan.pieces),
+                          "lengths": len(last.lengths), "slots": len(last.plan.ranks[0]), "times": last.microbatch_s,
+                          "measured": last.measured_s, "modelled": last.modelled, "groups": last.groups},
+            "steps": history(trainer), "eval": trainer.evaluate()["eval_loss"],
+            "balance": [h.get("plan_balance") for h in trainer.state.log_history if "loss" in h],
+            "offloaded": [isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups if g is not None]}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +98,21 @@ def test_trainer_matches_single_process(pools, paths, reference, tmp_path, famil
         assert res["eval"] == pytest.approx(ref["eval"], rel=TOL), f"rank {rank}: eval loss {res['eval']} vs {ref['eval']}"
     if MESHES[mesh][0] * MESHES[mesh][1] == 2:  # dp 2: the plan's balance is logged
         assert all(b is not None and b >= 1.0 for b in out[0]["balance"])
+        # trainer.last_plan: the last (3rd) step's plan, its modelled balance, this rank's measured micro-batch times.
+        for rank, res in enumerate(out):
+            last = res["last_plan"]
+            assert last["step"] == 3 and last["lengths"] == last["pieces"] and last["tokens"] > 0, f"rank {rank}: {last}"
+            assert len(last["times"]) == last["slots"] >= 1 and all(t > 0 for t in last["times"]), f"rank {rank}: {last}"
+            assert last["measured"] == pytest.approx(sum(last["times"]))
+            assert last["modelled"]["synced_over_ideal"] == pytest.approx(out[0]["balance"][-1])
+            assert last["groups"] == ["[2 DP rank(s)]"] * last["slots"]
+            assert last["slot_tokens"] == last["tokens"]  # every planned piece in some slot
+        # `hf-longctx step-plot` draws the saved record.
+        from hf_longctx.cli import main
+
+        png = tmp_path / "last_plan.png"
+        assert main(["step-plot", out[0]["last_plan"]["record"], "--out", str(png)]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sync_each_microbatch_matches_single_process(pools, paths, reference, tmp_path):
@@ -92,6 +122,17 @@ def test_sync_each_microbatch_matches_single_process(pools, paths, reference, tm
     out = pools.get(4).run(_run, paths["llama"], MESHES["dp2xu2"], str(tmp_path), sync_each_microbatch=True, timeout=600)
     for rank, res in enumerate(out):
         assert_steps_close(res["steps"], ref["steps"], TOL, f"sync each micro-batch rank {rank}")
+
+
+def test_param_offload_matches_single_process(pools, paths, reference, tmp_path):
+    """`param_offload=True` reaches FSDP2 (every unit has a CPUOffloadPolicy: shards, gradients
+    and optimizer states in host memory, the AdamW step on the CPU); the steps still equal the
+    single-process run."""
+    ref = reference("llama")
+    out = pools.get(4).run(_run, paths["llama"], MESHES["dp2xu2"], str(tmp_path), param_offload=True, timeout=600)
+    for rank, res in enumerate(out):
+        assert res["offloaded"] and all(res["offloaded"]), f"rank {rank}: offload policies {res['offloaded']}"
+        assert_steps_close(res["steps"], ref["steps"], TOL, f"param offload rank {rank}")
 
 
 def test_lora_trainer_matches_single_process(pools, paths, reference, tmp_path):

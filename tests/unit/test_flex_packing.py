@@ -164,3 +164,44 @@ def test_group_cost_fit_separates_per_document_and_per_microbatch_constants():
     assert fit.microbatch(4, [32] * 20) == pytest.approx(a * 20 * 32 * 32 + b * 640 + 20 * d + c, rel=1e-6)
     single = GroupCost.fit([4] * 3, [[1024], [2048], [4096]], [a * n * n + b * n + d + c for n in (1024, 2048, 4096)])
     assert single[4].c == 0.0 and single.overhead(4) == pytest.approx(c + d, rel=1e-6)
+
+
+def test_sizes_as_ints_num_slots_and_one_ranks_per_node_default(monkeypatch):
+    """Group sizes (ints) work where GroupShapes are wanted: `plan_fixed(shape=2, shapes=...)`
+    equals `shape=shapes[1]`, `GroupCost.from_config(config, [1, 2, 4])` equals it built from
+    `group_shapes(...)`; `plan_fixed(num_slots=...)` pads with empty groups (fewer than needed
+    is refused); `group_shapes` and `init_group_bank` share one `ranks_per_node` default."""
+    from transformers import LlamaConfig
+
+    from hf_longctx.data import flex_groups
+
+    shapes = group_shapes(4, heads=4)
+    cost = _cost(shapes)
+    lengths = [30, 7, 12, 9, 25, 3, 14]
+    kw = dict(shapes=shapes, world_size=4, max_tokens_per_rank=16, cost=cost)
+    assert plan_fixed(lengths, shape=2, **kw) == plan_fixed(lengths, shape=shapes[1], **kw)
+    with pytest.raises(ValueError, match="no group of that size"):
+        plan_fixed(lengths, shape=8, **kw)
+    base = plan_fixed(lengths, shape=2, **kw)
+    padded = plan_fixed(lengths, shape=2, num_slots=len(base.slots) + 2, **kw)
+    assert padded.slots[: len(base.slots)] == base.slots and len(padded.slots) == len(base.slots) + 2
+    assert all(g.docs == () and g.size == 2 for slot in padded.slots[len(base.slots):] for g in slot)
+    assert len(base.slots) >= 2
+    with pytest.raises(ValueError, match="fewer than the"):
+        plan_fixed(lengths, shape=2, num_slots=len(base.slots) - 1, **kw)
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    by_shape = GroupCost.from_config(config, group_shapes(4, heads=4, ranks_per_node=2))
+    by_size = GroupCost.from_config(config, [1, 2, 4], ranks_per_node=2)
+    for s in (1, 2, 4):
+        assert by_size[s](100) == by_shape[s](100)
+
+    monkeypatch.setattr(flex_groups, "default_ranks_per_node", lambda world: 2)  # what both read
+    assert [(s.ulysses, s.ring) for s in group_shapes(4, heads=4)] == [(1, 1), (2, 1), (2, 2)]
+    import inspect
+
+    from hf_longctx.distributed.group_bank import init_group_bank
+
+    assert inspect.signature(init_group_bank).parameters["ranks_per_node"].default is None
+    assert inspect.signature(group_shapes).parameters["ranks_per_node"].default is None
