@@ -118,18 +118,27 @@ def waves(seqs: Sequence[Seq]) -> list[list[Seq]]:
     return [members for _, _, members in result]
 
 
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """A host-built tensor on `device` without blocking the host: on CUDA staged in pinned
+    memory (torch's caching host allocator keeps the block until the copy has run) and
+    copied with non_blocking=True; a no-op on CPU."""
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _index(ranges: Sequence[tuple[int, int]], total: int, device) -> torch.Tensor | None:
     """Row index of the concatenated ranges, or None when they are exactly 0..total."""
     if ranges and ranges[0][0] == 0 and ranges[-1][1] == total and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
         return None
-    return torch.cat([torch.arange(lo, hi) for lo, hi in ranges]).to(device)
+    return upload(torch.cat([torch.arange(lo, hi) for lo, hi in ranges]), device)  # [n] int64
 
 
 def _cu(lengths: Sequence[int], batch: int, device) -> tuple[torch.Tensor, int]:
     """int32 cumulative lengths of `lengths` repeated for every batch row, and the max."""
     per_batch = [n for _ in range(batch) for n in lengths]
     cu = torch.tensor([0, *per_batch], dtype=torch.int64).cumsum(0).to(torch.int32)
-    return cu.to(device, non_blocking=True), max(lengths)
+    return upload(cu, device), max(lengths)
 
 
 def _gather(x_t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
