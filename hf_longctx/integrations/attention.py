@@ -114,7 +114,7 @@ def make_attention(state: Any) -> Callable:
             if mesh.fpdt_chunks > 1:
                 from hf_longctx.ops.fpdt import fpdt_attention
 
-                out = fpdt_attention(q, k, v, mesh, offload=offload, **kw)  # [B, S_local, H, D]
+                out = fpdt_attention(q, k, v, mesh, offload=offload, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
             else:
                 from hf_longctx.ops.usp import usp_attention
 

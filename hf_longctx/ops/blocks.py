@@ -81,6 +81,18 @@ def _classify(q0: int, nq: int, k0: int, nk: int, causal: bool, window: int | No
     return "masked"
 
 
+class Tiles(list):
+    """The tiles of one planned (q runs x k runs) pair, kept by a plan for the whole micro-batch
+    (`ops/ring.RingPlan`, `ops/fpdt.FPDTPlan`), with a `memo` where a backend keeps what it
+    derives from them once (`ops/backends/packed.py`: the device index tensors and
+    cumulative lengths), so that no layer rebuilds or re-uploads them. A list: compares
+    equal to the plain list of the same blocks."""
+
+    def __init__(self, blocks=()):
+        super().__init__(blocks)
+        self.memo: dict = {}
+
+
 def plan_blocks(q_runs: Sequence[Run], k_runs: Sequence[Run], *, causal: bool, window: int | None) -> list[Block]:
     """Every (q run × k run) tile of the same document that holds an allowed pair,
     with its exact kind, in q-run-major order. With a window, runs are first cut into

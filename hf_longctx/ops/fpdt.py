@@ -55,10 +55,12 @@ class FPDTPlan:
         self.group, self.chunks, self.kw = group, chunks, kw
         total = cu[-1]
         self.runs: list[list[Run]] = [runs_of_range(cu, *fpdt_chunk_range(total, chunks, i)) for i in range(chunks)]
-        self.needs: list[list[int]] = [
-            [j for j in range(chunks) if blocks.plan_blocks(self.runs[i], self.runs[j], causal=causal, window=window)]
+        # tiles[i][j]: the (query chunk i, K/V chunk j) tiles, planned once per micro-batch
+        self.tiles: list[list[blocks.Tiles]] = [
+            [blocks.Tiles(blocks.plan_blocks(self.runs[i], self.runs[j], causal=causal, window=window)) for j in range(chunks)]
             for i in range(chunks)
         ]
+        self.needs: list[list[int]] = [[j for j in range(chunks) if self.tiles[i][j]] for i in range(chunks)]
         # A query chunk is computed at the step its last needed K/V chunk arrives (its own
         # step at the latest, so its q need not be stored for causal masks).
         self.ready_at = [max(need + [i]) for i, need in enumerate(self.needs)]
@@ -90,7 +92,7 @@ def _attend(
             k_j, v_j = live[j]
         else:
             _, (k_j, v_j) = next(streamed)
-        o, l = kernels.varlen_forward(q_i, k_j, v_j, plan.runs[i], plan.runs[j], out_dtype=acc, **plan.kw)  # [B, h, S_c, D], [B, h, S_c]
+        o, l = kernels.varlen_forward(q_i, k_j, v_j, plan.runs[i], plan.runs[j], out_dtype=acc, blocks=plan.tiles[i][j], **plan.kw)  # [B, h, S_c, D], [B, h, S_c]
         acc_out, acc_lse = (o, l) if acc_out is None else merge(acc_out, acc_lse, o, l)
         del k_j, v_j
     for _ in streamed:  # records the last chunk's "end" and frees its device buffer
@@ -159,7 +161,7 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         for (key, *_), (q_i, do_i, o_i, lse_i, dq_i) in store.stream(groups):
             i = key[1]
             gq, gk, gv = kernels.varlen_backward(
-                do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], grad_dtype=acc, **plan.kw
+                do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], grad_dtype=acc, blocks=plan.tiles[i][j], **plan.kw
             )
             if dsink is not None and j == plan.needs[i][0]:  # each query chunk once; chunks with no key have out 0
                 dsink += sink_grad(do_i, o_i, lse_i, sinks.to(acc))
@@ -235,6 +237,7 @@ def fpdt_attention(
     softcap: float | None = None,
     offload: bool = False,
     sinks: torch.Tensor | None = None,
+    plan_cache: dict | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the Ulysses group, FPDT-chunked.
 
@@ -245,6 +248,9 @@ def fpdt_attention(
     finished chunks in pinned host memory on CUDA (no effect on CPU). `sinks`: None, or
     the per-head sink logits [H] (HF's `s_aux`), joined to every query row's softmax
     denominator once, after its last K/V chunk (`ops/sinks.py`); differentiable.
+    `plan_cache`: an optional dict the caller keeps per batch, so that the layers of one
+    micro-batch share one chunk plan (and the device tensors backends derive from its
+    tiles); `patch()` does this.
     """
     if mesh.ring != 1:
         raise ValueError(f"fpdt_attention needs ring degree 1, got ring {mesh.ring} (fpdt_chunks {mesh.fpdt_chunks})")
@@ -261,7 +267,13 @@ def fpdt_attention(
         cu = [0, q.shape[1] * mesh.ulysses]  # the same single-document layout in every batch row
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
-    plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)
+    # Every layer of a micro-batch has the same boundaries: one plan per batch (pure Python).
+    key = ("fpdt", tuple(cu), u, id(mesh.ulysses_group), scale, causal, window, softcap)
+    plan = plan_cache.get(key) if plan_cache is not None else None
+    if plan is None:
+        plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)
+        if plan_cache is not None:
+            plan_cache[key] = plan
     if sinks is not None:
         sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all
     return FPDTAttention.apply(q, k, v, plan, offload, sinks)

@@ -26,7 +26,7 @@ import torch
 
 from hf_longctx.data.layout import Run
 from hf_longctx.ops.backends import backend_for
-from hf_longctx.ops.blocks import Block, plan_blocks
+from hf_longctx.ops.blocks import Block, Tiles, plan_blocks
 from hf_longctx.ops.math_kernel import NEG_INF as _NEG_INF
 from hf_longctx.ops.math_kernel import acc_dtype as _acc_dtype
 from hf_longctx.ops.math_kernel import check_tile as _check
@@ -94,7 +94,9 @@ def _check_runs(x: torch.Tensor, runs: Sequence[Run], name: str) -> None:
 def _plan(q, k, q_runs, k_runs, causal, window, blocks=None) -> list[Block]:
     _check_runs(q, q_runs, "q")
     _check_runs(k, k_runs, "k")
-    return list(plan_blocks(q_runs, k_runs, causal=causal, window=window) if blocks is None else blocks)
+    if blocks is None:
+        return plan_blocks(q_runs, k_runs, causal=causal, window=window)
+    return blocks if isinstance(blocks, Tiles) else list(blocks)  # a plan's Tiles keep their memo
 
 
 def varlen_forward(

@@ -48,7 +48,7 @@ def ring_plan(cu: Sequence[int], ring: int, ring_rank: int, *, causal: bool, win
     steps = []
     for step in range(ring):
         k_runs = ring_stream(cu, ring, (ring_rank - step) % ring)
-        steps.append((k_runs, blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window)))
+        steps.append((k_runs, blocks.Tiles(blocks.plan_blocks(q_runs, k_runs, causal=causal, window=window))))
     return RingPlan(q_runs, steps)
 
 

@@ -163,6 +163,19 @@ class _Call:
 
 
 def _calls(blocks, q, k, causal, window) -> list[_Call]:
+    """The kernel calls of a plan; kept in the plan's `memo` (`ops/blocks.Tiles`) so that
+    every layer of a micro-batch reuses the same device tensors (no rebuild, no upload)."""
+    memo = getattr(blocks, "memo", None)
+    key = ("packed", q.shape[0], q.shape[2], k.shape[2], q.device, causal, window)
+    if memo is not None and key in memo:
+        return memo[key]
+    calls = _plan_calls(blocks, q, k, causal, window)
+    if memo is not None:
+        memo[key] = calls
+    return calls
+
+
+def _plan_calls(blocks, q, k, causal, window) -> list[_Call]:
     calls = []
     for wave in waves(sequences(blocks, causal=causal, window=window)):
         q_ranges = [s.q for s in wave]
