@@ -66,6 +66,7 @@ class _PatchState:
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
     plan_cache: dict = field(default_factory=dict)
+    checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
 
 
 def _interfaces():
@@ -104,29 +105,42 @@ def _hf_model(model: Any):
     )
 
 
-def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh: SPMesh) -> None:
-    """All SP ranks must hold shards of the SAME batch (invariant 3). One tiny all_gather;
-    every rank sees the same gathered rows, so all raise together (no hang)."""
+def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh: SPMesh, *, first: bool) -> None:
+    """All SP ranks must hold shards of the SAME batch (invariant 3). One tiny all_gather per
+    micro-batch; every rank sees the same gathered rows, so all raise together (no hang).
+    `first` (the first micro-batch of this patch) or a CPU table: the table is read on the
+    host and the error names every rank's values. Later micro-batches on a GPU never block
+    the host: the comparison stays on the device and `torch._assert_async` raises from there
+    (a device-side assert, reported at the next synchronisation)."""
     import torch.distributed as dist
 
     cu_hash = 0
     for i, c in enumerate(info.cu_seqlens):
         cu_hash = (cu_hash * 1_000_003 + c * (i + 1)) % 2_147_483_647
     from hf_longctx.loss import collective_device
+    from hf_longctx.ops.backends.packed import upload
 
-    n = -1 if num_items is None else int(num_items)
     # The batch's device when it is a GPU one; else the group's (NCCL refuses CPU tensors).
     device = collective_device(mesh.sp_group, device)
-    sig = torch.tensor([info.fingerprint, cu_hash, n, s_local, info.rows], dtype=torch.long, device=device)  # [5]
+    on_device = isinstance(num_items, torch.Tensor) and num_items.device.type != "cpu"  # int() would sync
+    n = -1 if num_items is None or on_device else int(num_items)
+    sig = upload(torch.tensor([info.fingerprint, cu_hash, n, s_local, info.rows], dtype=torch.long), device)  # [5]
+    if on_device:
+        sig[2] = num_items.to(device=device, dtype=torch.long).reshape(())  # a device copy, no host read
     rows = [torch.empty_like(sig) for _ in range(mesh.sp)]
     dist.all_gather(rows, sig, group=mesh.sp_group)  # [SP] x [5]
-    table = torch.stack(rows).cpu()  # [SP, 5]
+    table = torch.stack(rows)  # [SP, 5]
+    why = (
+        "the ranks of one SP group hold shards of DIFFERENT batches (per-rank [fingerprint, boundaries, "
+        "num_items_in_batch, S_local, B] = {}); every rank of an SP group must call shard_batch on the same batch -- "
+        "seed the sampler by DP rank, not by global rank"
+    )
+    if not first and table.device.type != "cpu":  # on CPU reading the table costs no device sync
+        torch._assert_async((table == table[0]).all(), why.format("not read, to keep the host free"))
+        return
+    table = table.cpu()
     if not bool((table == table[0]).all()):
-        raise ValueError(
-            "the ranks of one SP group hold shards of DIFFERENT batches (per-rank [fingerprint, boundaries, "
-            f"num_items_in_batch, S_local, B] = {table.tolist()}); every rank of an SP group must call shard_batch "
-            "on the same batch -- seed the sampler by DP rank, not by global rank"
-        )
+        raise ValueError(why.format(table.tolist()))
 
 
 def _pre_forward(state: _PatchState, hf) -> Callable:
@@ -159,7 +173,8 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
             raise ValueError("the patched model needs input_ids or inputs_embeds")
         mesh = batch_mesh(state, info)  # the batch's own group (a GroupBank patch), else the patch-time mesh
         if mesh.sp > 1:
-            _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, mesh)
+            _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, mesh, first=not state.checked)
+            state.checked = True
         state.calls = 0
         state.mask_windows.clear()  # filled by the mask function as the model builds this forward's masks
         if state.mixers is not None:
