@@ -52,6 +52,12 @@ class _Sim:
         if any(not isinstance(w, int) or w < -1 for w in window):
             raise RuntimeError(f"window sizes must be ints >= -1, got {window}")
 
+    @staticmethod
+    def unbounded(left, right, max_k):
+        """flash_api.cpp (mha_varlen_fwd / mha_varlen_bwd, flash-attn 2.x and torch's copy):
+        a window side >= max_seqlen_k becomes -1, unbounded."""
+        return (-1 if left >= max_k else left), (-1 if right >= max_k else right)
+
     def scores(self, qs, ks, scale, causal, left, right, softcap):
         """s [H, nq, nk] (masked to -inf) and tanh term, bottom-right aligned."""
         acc = torch.float64 if qs.dtype == torch.float64 else torch.float32
@@ -74,6 +80,7 @@ class _Sim:
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap):
         self.check(q, k, v, cu_q, cu_k, max_q, max_k, (left, right))
+        left, right = self.unbounded(left, right, max_k)
         self.calls["forward"] += 1
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(q.shape, dtype=acc)
@@ -92,6 +99,7 @@ class _Sim:
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap):
         self.check(q, k, v, cu_q, cu_k, max_q, max_k, (left, right))
+        left, right = self.unbounded(left, right, max_k)
         if out.dtype != q.dtype or dout.dtype != q.dtype or dout.shape != q.shape or out.shape != q.shape:
             raise RuntimeError(f"out/dout must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {dout.dtype} {out.shape}")
         if lse.dtype not in (torch.float32, torch.float64) or tuple(lse.shape) != (q.shape[1], q.shape[0]):

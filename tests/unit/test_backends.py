@@ -234,3 +234,13 @@ def test_cpu_dispatch_and_table():
     assert all(f"| {name} |" in table for name in CAPABILITIES)
     readme = Path(__file__).resolve().parents[2] / "README.md"
     assert table in readme.read_text(), "README's kernel capability table differs from capabilities.markdown_table()"
+
+
+
+def test_right_window_stays_below_max_keys():
+    """flash-attn 2 reads window_size_right >= max_seqlen_k as unbounded (the emulation does
+    too): a causal tile trimmed to 14 rows over 5 keys has right 9, so the call's max_k is
+    raised above it; the exactness tests above fail when it is not."""
+    from hf_longctx.ops.backends.packed import _kernel_max_k
+
+    assert _kernel_max_k(9, 5) == 10 and _kernel_max_k(2, 5) == 5 and _kernel_max_k(-1, 5) == 5

@@ -21,8 +21,10 @@ their (left, right).
 
 Waves: one call takes one (left, right), and a query row may appear in one sequence of a
 call (so results scatter without a merge); sequences are packed greedily into waves,
-waves merge with `ops/lse.merge`. The backward reuses the waves and index_adds gradients
-in float32.
+waves merge with `ops/lse.merge`. The backward reuses the waves; when one call covers
+every row (a packed micro-batch, a causal ring step 0) it returns the kernel's gradients
+as they are, otherwise it index_adds them in float32 (several calls add into one row) and
+rounds once.
 
 Layout: q [B, H, Sq, D] -> gathered [B·n, H, D] (flash layout, batch rows concatenated);
 lse [H, B·n] from the kernel -> [B, H, n].
@@ -147,6 +149,16 @@ def _gather(x_t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     return picked.reshape(-1, *x_t.shape[2:])
 
 
+def _kernel_max_k(right: int, max_k: int) -> int:
+    """The max_seqlen_k a call hands the kernel. flash-attn 2 (and torch's vendored copy)
+    turns window_size_right >= max_seqlen_k into -1, unbounded: a trimmed causal tile with
+    more rows than keys (right = q_end - k_end >= its key count) would then let its first
+    rows see later keys. max_seqlen_k only sizes the grid (blocks past a sequence's own
+    length exit at once), so it is raised above the window instead. (left >= max_seqlen_k
+    becomes -1 too, which is harmless: such a bound is below key 0 for every row.)"""
+    return max(max_k, right + 1)
+
+
 @dataclass(frozen=True)
 class _Call:
     q_idx: torch.Tensor | None
@@ -183,6 +195,8 @@ def _plan_calls(blocks, q, k, causal, window) -> list[_Call]:
         cu_q, max_q = _cu([hi - lo for lo, hi in q_ranges], q.shape[0], q.device)
         cu_k, max_k = _cu([sum(hi - lo for lo, hi in s.k) for s in wave], q.shape[0], q.device)
         left, right = wave[0].left, wave[0].right  # the band that opened the wave
+        max_k = _kernel_max_k(right, max_k)
+        assert right < max_k, (right, max_k)  # never a window flash-attn reads as unbounded
         is_causal = (left, right) == (-1, 0)  # the kernels' own causal path (bottom-right)
         calls.append(_Call(
             _index(q_ranges, q.shape[2], q.device), _index(k_ranges, k.shape[2], k.device),
@@ -233,6 +247,8 @@ class PackedBackend:
         ot = out.to(q.dtype).transpose(1, 2)  # the kernels take out in q's dtype (for rowsum(dO ⊙ O))
         lse_t = lse.to(acc).permute(1, 0, 2)  # [H, B, Sq], float32 (the kernels' lse dtype)
         calls = _calls(blocks, q, k, causal, window)
+        if len(calls) == 1 and calls[0].q_idx is None and calls[0].k_idx is None:
+            return self._one_call_backward(calls[0], dot, qt, kt, vt, ot, lse_t, (q, k, v), scale, softcap, grad_dtype)
         dq = torch.zeros((b, sq, h, d), dtype=acc, device=q.device)  # [B, Sq, H, D] like the kernel's rows
         dk = torch.zeros((b, sk, hkv, d), dtype=acc, device=k.device)
         dv = torch.zeros((b, sk, hkv, d), dtype=acc, device=v.device)
@@ -252,3 +268,17 @@ class PackedBackend:
         return tuple(
             x.transpose(1, 2).to(grad_dtype or t.dtype) for x, t in ((dq, q), (dk, k), (dv, v))
         )  # [B, H(_kv), S, D]
+
+    def _one_call_backward(self, c: _Call, dot, qt, kt, vt, ot, lse_t, qkv, scale, softcap, grad_dtype):
+        """One kernel call covers every row of q, k and v: its gradients ARE the result (no
+        fp32 scratch, no index_add; the kernel rounded them once)."""
+        b, sq, h, d = qt.shape
+        grads = self.kernel.backward(
+            _gather(dot, None), _gather(qt, None), _gather(kt, None), _gather(vt, None), _gather(ot, None),
+            lse_t.reshape(h, b * sq), c.cu_q, c.cu_k, c.max_q, c.max_k,
+            scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
+        )  # [B·Sq, H, D], [B·Sk, H_kv, D] x2
+        return tuple(
+            g.view(b, -1, *g.shape[1:]).transpose(1, 2).to(grad_dtype or t.dtype) for g, t in zip(grads, qkv)
+        )  # [B, H(_kv), S, D]
+
