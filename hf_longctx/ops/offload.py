@@ -30,6 +30,7 @@ compute on it is done.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ContextManager, Hashable, Iterator, Protocol, Sequence
 
 import torch
@@ -81,6 +82,25 @@ class CudaStreams:
         tensor.record_stream(stream)
 
 
+@functools.cache
+def default_streams() -> CudaStreams:
+    """The process's one `CudaStreams`: every offload (FPDT chunk stores, checkpoint inputs
+    in `integrations/memory.py`) shares its one side stream per device, created on first
+    use. A new `torch.cuda.Stream` per store would rotate through torch's pool of 32
+    streams and spread prefetch buffers over as many caching-allocator pools. Pinned host
+    buffers come from torch's caching host allocator (`pin_memory=True`), which reuses a
+    freed block of the same size class instead of calling cudaHostAlloc again;
+    `release_pinned()` hands the cached blocks back to the driver."""
+    return CudaStreams()
+
+
+def release_pinned() -> None:
+    """Free the pinned host blocks torch's caching host allocator keeps for reuse (e.g.
+    between benchmark probes of different lengths); blocks still in use stay."""
+    if torch.accelerator.is_available():  # it raises on a machine with no accelerator
+        torch.accelerator.empty_host_cache()
+
+
 class ChunkStore:
     """Chunk tensors keyed by the caller, held on host (offload on CUDA) or in place."""
 
@@ -88,7 +108,7 @@ class ChunkStore:
         self, device: torch.device | str, *, offload: bool, trace: list | None = None, streams: Streams | None = None
     ):
         self.device = torch.device(device)
-        self._streams = CudaStreams() if streams is None else streams
+        self._streams = default_streams() if streams is None else streams  # one side stream per device
         # Copies only pay off (and pinned memory only exists) with a CUDA device.
         self.copies = bool(offload) and self._streams.offloads(self.device)
         self.trace = trace

@@ -237,3 +237,14 @@ def test_cuda_offloaded_checkpoint_matches_plain_backward():
     grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
+def test_every_store_shares_one_streams_object():
+    """One side stream per device for every offload: stores built without `streams` share
+    the process's `default_streams()` (whose `side(device)` is created once per device);
+    `release_pinned` is callable on any machine."""
+    from hf_longctx.ops.offload import ChunkStore, default_streams, release_pinned
+
+    a, b = ChunkStore("cpu", offload=True), ChunkStore("cpu", offload=True)
+    assert a._streams is b._streams is default_streams()
+    release_pinned()
