@@ -80,8 +80,7 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sin
     """
     q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    out = lse = None  # the first block's result starts the merge (no all-zero accumulator)
     kv = _pack(k, v)
     ex = spec.exchanger(tag=0)
     for step in range(spec.ring):
@@ -93,9 +92,12 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sin
                 q, kv[0], kv[1], q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles,
                 out_dtype=acc,
             )
-            out, lse = lse_ops.merge(out, lse, b_out, b_lse)
+            out, lse = (b_out, b_lse) if out is None else lse_ops.merge(out, lse, b_out, b_lse)
         if step + 1 < spec.ring:
             kv = ex.wait()
+    if out is None:  # no allowed pair on this rank: out 0, lse -inf (the kernels' empty rows)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     if sinks is not None:  # once, on the complete result: per step it would count R times
         out, lse = merge_sink(out, lse, sinks)
     return out, lse
@@ -105,7 +107,7 @@ def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, win
     """Gradients of `ring_forward` from the final out/lse; dk/dv travel with their block."""
     q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = None  # the first block's dq starts the sum
     kv = _pack(k, v)
     kv_ex, dkv_ex = spec.exchanger(tag=0), spec.exchanger(tag=1)
     for step in range(spec.ring):
@@ -113,20 +115,27 @@ def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, win
             kv_ex.start(kv)
         k_runs, tiles = spec.plan.steps[step]
         # dK/dV of block (ring_rank - step) mod R accumulated by the ranks it already visited (zeros on its owner).
-        dkv = dkv_ex.wait() if step > 0 else torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        dkv = dkv_ex.wait() if step > 0 else None
         if tiles:
             b_dq, b_dk, b_dv = kernels.varlen_backward(
                 dout, q, kv[0], kv[1], out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap,
                 grad_dtype=acc, blocks=tiles,
             )
-            dq += b_dq
-            dkv[0] += b_dk
-            dkv[1] += b_dv
+            dq = b_dq if dq is None else dq.add_(b_dq)
+            if dkv is None:  # its owner: the block's first gradient (no zeros to add into)
+                dkv = torch.stack((b_dk, b_dv))  # [2, B, H_kv, S_ring, D]
+            else:
+                dkv[0] += b_dk
+                dkv[1] += b_dv
+        if dkv is None:
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # [2, B, H_kv, S_ring, D]
         if spec.ring > 1:
             dkv_ex.start(dkv)  # on to the next rank; after R hops it is back at the owner
         if step + 1 < spec.ring:
             kv = kv_ex.wait()
     dkv = dkv_ex.wait() if spec.ring > 1 else dkv
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     return dq, dkv[0], dkv[1]
 
 
