@@ -153,7 +153,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dout = dout.contiguous()
+        # dout stays as autograd hands it (usp.py's out is a head-major view of a token-major
+        # tensor): the varlen backends gather it token-major without a copy; a .contiguous()
+        # here would copy it head-major only for the packed backend to copy it back.
         # out/lse are the sink-merged ones: the sink is a key with v = 0, so every tile's
         # FlashAttention-2 backward stays exact given them (see ops/sinks.py).
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.spec, **ctx.kw)
