@@ -147,7 +147,7 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         (do_i,) = seq_to_head([dout[:, i * c : (i + 1) * c]], plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D]
         do_i = _to_heads(do_i)  # [B, h, S/u, D]
         store.put(("do", i), do_i)
-        store.put(("dq", i), torch.zeros(do_i.shape, dtype=acc, device=do_i.device))
+        do_shape = do_i.shape  # dq_i's; its accumulator starts from the first K/V chunk's gradient (no zeros)
         del do_i
     for j in range(u):
         store.note("pass", ("kv", j))
@@ -156,19 +156,24 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         k_j, v_j = store.get(("kv", j))
         dk_j = torch.zeros(k_j.shape, dtype=acc, device=k_j.device)  # [B, h_kv, S/u, D]
         dv_j = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
-        groups = [[("q", i), ("do", i), ("o", i), ("dq", i)] for i in plan.users[j]]
+        # ("dq", i) exists from the second K/V chunk chunk i needs on (the first one's gradient starts it)
+        groups = [[("q", i), ("do", i), ("o", i)] + ([("dq", i)] if j != plan.needs[i][0] else []) for i in plan.users[j]]
         final: dict[int, torch.Tensor] = {}  # dq of chunks no later K/V chunk touches: kept on the device
-        for (key, *_), (q_i, do_i, o_i, lse_i, dq_i) in store.stream(groups):
+        for (key, *_), tensors in store.stream(groups):
             i = key[1]
+            q_i, do_i, o_i, lse_i = tensors[:4]
+            dq_i = tensors[4] if len(tensors) > 4 else None
+            del tensors
             gq, gk, gv = kernels.varlen_backward(
                 do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], grad_dtype=acc, blocks=plan.tiles[i][j], **plan.kw
             )
             if dsink is not None and j == plan.needs[i][0]:  # each query chunk once; chunks with no key have out 0
                 dsink += sink_grad(do_i, o_i, lse_i, sinks.to(acc))
+            dq_i = gq if dq_i is None else dq_i + gq
             if plan.dq_done_at[i] == j:
-                final[i] = dq_i + gq
+                final[i] = dq_i
             else:
-                store.put(("dq", i), dq_i + gq)  # written back (to host when offloading) for later K/V chunks
+                store.put(("dq", i), dq_i)  # written back (to host when offloading) for later K/V chunks
             dk_j += gk
             dv_j += gv
             del q_i, do_i, o_i, lse_i, dq_i
@@ -177,7 +182,8 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         done = [i for i in range(u) if plan.dq_done_at[i] == j]
         dq_done = []
         for i in done:
-            dq_i = final.pop(i) if i in final else store.get(("dq", i))[0]  # the latter: a chunk with no key at all
+            # a chunk with no key at all has no gradient: zeros
+            dq_i = final.pop(i) if i in final else torch.zeros(do_shape, dtype=acc, device=dout.device)
             dq_done.append(_from_heads(dq_i.to(dtype)))  # [B, S/u, H/U, D]
             for key in (("dq", i), ("q", i), ("do", i), ("o", i)):
                 store.pop(key)

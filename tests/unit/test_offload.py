@@ -106,12 +106,15 @@ def test_fpdt_loops_schedule(chunks):
     trace.clear()
     dout = torch.randn(1, s, h, d, generator=g)
     fpdt_backward(dout, plan, store, q.shape, k.shape)
+    for i in range(chunks):  # the dq accumulator is first stored with chunk i's first gradient: no zeros put
+        assert ("put", ("dq", i)) not in trace[: trace.index(("pass", ("kv", plan.needs[i][0])))]
     # Backward: every K/V chunk fetched exactly once (K/V outer); per outer chunk j each
     # query group fetched once, the next group before the current one's compute ends.
     for j in range(chunks):
         assert trace.count(("fetch", ("kv", j))) == 1
         seg = _segment(trace, ("kv", j))
-        groups = [(("q", i), ("do", i), ("o", i), ("dq", i)) for i in plan.users[j]]
+        # the dq accumulator of chunk i exists only after the first K/V chunk it needs (no zeros round-trip)
+        groups = [(("q", i), ("do", i), ("o", i)) + ((("dq", i),) if j != plan.needs[i][0] else ()) for i in plan.users[j]]
         assert plan.users[j] == list(range(j, chunks))
         _check_pass(seg, groups)
         if j + 1 < chunks:  # the next outer K/V chunk is requested before this inner loop starts
