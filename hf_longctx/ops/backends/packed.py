@@ -40,6 +40,7 @@ import torch
 from hf_longctx.ops.blocks import Block
 from hf_longctx.ops.lse import merge
 from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
+from hf_longctx.ops.offload import upload
 
 
 class Seq(NamedTuple):
@@ -118,15 +119,6 @@ def waves(seqs: Sequence[Seq]) -> list[list[Seq]]:
         else:
             result.append(((s.left, s.right), {s.piece}, [s]))
     return [members for _, _, members in result]
-
-
-def upload(host: torch.Tensor, device) -> torch.Tensor:
-    """A host-built tensor on `device` without blocking the host: on CUDA staged in pinned
-    memory (torch's caching host allocator keeps the block until the copy has run) and
-    copied with non_blocking=True; a no-op on CPU."""
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def _index(ranges: Sequence[tuple[int, int]], total: int, device) -> torch.Tensor | None:
