@@ -28,6 +28,8 @@ from typing import Any, Mapping
 
 import torch
 
+from hf_longctx.ops.offload import upload
+
 
 SP_METADATA_KEY = "sp_batch"  # the one kwarg that carries global document metadata to our attention
 IGNORE_INDEX = -100
@@ -236,7 +238,8 @@ def shard_batch(
 
     row_cu = padded_cu if b == 1 else [0, padded_cu[-1]]
     idx = mesh.local_indices(row_cu)  # [S_local] global positions this rank holds
-    shard: dict[str, Any] = {key: t[:, idx].contiguous().to(device) for key, t in full.items()}  # [B, S_local] each
+    # [B, S_local] each, back on the batch's device without blocking the host (pinned, non_blocking)
+    shard: dict[str, Any] = {key: upload(t[:, idx].contiguous(), device) for key, t in full.items()}
     if labels is not None:
         shard["labels"] = shard["shift_labels"]  # pre-shifted: HF's loss uses shift_labels, labels only switch it on
         shard["num_items_in_batch"] = num_items_in_batch
