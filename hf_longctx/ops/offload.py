@@ -47,7 +47,7 @@ class Streams(Protocol):
     def side(self, device: torch.device) -> Any: ...  # the copy stream (one per device)
     def on(self, stream: Any) -> ContextManager: ...  # make `stream` current
     def event(self) -> Any: ...  # .record(stream); stream.wait_event(event)
-    def pinned(self, like: torch.Tensor) -> torch.Tensor: ...  # empty page-locked host tensor
+    def pinned(self, like: torch.Tensor) -> torch.Tensor: ...  # empty page-locked host tensor, like's strides
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None: ...  # tensor.record_stream
 
 
@@ -76,7 +76,9 @@ class CudaStreams:
         return torch.cuda.Event()
 
     def pinned(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        # like's own strides (preserve_format, for a dense tensor such as FPDT's head-major
+        # views of token-major chunks): the copy is one memcpy, with no contiguous device copy first
+        return torch.empty_like(like, device="cpu", pin_memory=True)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)

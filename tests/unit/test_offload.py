@@ -251,3 +251,14 @@ def test_every_store_shares_one_streams_object():
     a, b = ChunkStore("cpu", offload=True), ChunkStore("cpu", offload=True)
     assert a._streams is b._streams is default_streams()
     release_pinned()
+
+
+def test_pinned_host_copy_keeps_the_strides_of_a_head_major_view():
+    """The torch contract `CudaStreams.pinned` relies on (pin_memory aside, CUDA-only):
+    empty_like(preserve_format) of FPDT's [B, h, S/u, D] view of a token-major chunk has the
+    view's strides, so copying into it and back needs no contiguous device copy."""
+    x = torch.randn(1, 6, 4, 8).transpose(1, 2)  # [B, h, S/u, D] view of [B, S/u, h, D]
+    host = torch.empty_like(x, device="cpu")
+    assert host.stride() == x.stride() and not host.is_contiguous()
+    back = host.copy_(x).to("cpu", non_blocking=True)
+    assert back.stride() == x.stride() and torch.equal(back, x)
