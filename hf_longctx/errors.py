@@ -9,6 +9,13 @@ ends with a "Do instead:" line, so the user learns the way forward, not only the
 
 from __future__ import annotations
 
+# The way forward when a model cannot be made exact under SP at all (a constant, not state).
+NO_SP = (
+    "train this model without sequence parallelism (init_sequence_parallel(ulysses_degree=1, ring_degree=1): "
+    "data parallel + FSDP2 only, with memory='max' to reach longer documents), or pick a supported model; "
+    "hf_longctx.verify(model, mesh) reports which layers are exact"
+)
+
 
 class NotSupported(ValueError):
     """What was asked cannot run exactly here. `what`: the obstacle, naming the offending

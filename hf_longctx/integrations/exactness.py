@@ -19,14 +19,9 @@ import torch
 from hf_longctx.config import PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.errors import NotSupported
+from hf_longctx.errors import NO_SP, NotSupported
 
 SUPPORTED = "models whose attention uses AttentionInterface, e.g. (tested) Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, GPT-2, GPT-NeoX, GPTBigCode"
-NO_SP = (
-    "train this model without sequence parallelism (init_sequence_parallel(ulysses_degree=1, ring_degree=1): "
-    "data parallel + FSDP2 only, with memory='max' to reach longer documents), or pick a supported model; "
-    "hf_longctx.verify(model, mesh) reports which layers are exact"
-)
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 _INEXACT_ROPE = {
     "dynamic": "rescales RoPE frequencies from max(position_ids) + 1, which every SP rank takes from its own shard",

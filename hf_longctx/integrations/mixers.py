@@ -28,6 +28,7 @@ import torch
 
 from hf_longctx.data.sharding import SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.errors import NO_SP, NotSupported
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.gdn import GDNHeads, gdn_sequence_parallel
 from hf_longctx.ops.mixers.layout import SequenceLayout
@@ -342,7 +343,11 @@ def plan_mixers(
         except ValueError as e:
             problems.setdefault(cls, f"{cls} ({name}): {e}")
     if problems:
-        raise ValueError(f"cannot patch {type(hf).__name__} for exact sequence parallelism:\n- " + "\n- ".join(problems.values()))
+        raise NotSupported(
+            f"cannot patch {type(hf).__name__} for exact sequence parallelism:\n- " + "\n- ".join(problems.values()),
+            "where a line above names a head count or setting, use an SP degree it divides (ulysses x ring); otherwise "
+            + NO_SP,
+        )
     return planned
 
 

@@ -272,10 +272,11 @@ def patch(
     mixer_plan = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check)
     if bank is not None and mixer_plan:
         classes = sorted({type(module).__name__ for _, module, _ in mixer_plan})
-        raise ValueError(
+        raise NotSupported(
             f"flexible SP groups (a GroupBank) are not supported for models with linear mixers ({', '.join(classes)}): "
             "the mixers' sequence-parallel wrappers split their heads over one SP group fixed at patch(), while a bank "
-            "changes the group per micro-batch; patch with an SPMesh from init_sequence_parallel"
+            "changes the group per micro-batch",
+            "patch with an SPMesh from init_sequence_parallel (one fixed SP degree)",
         )
     report = _refuse(
         hf, mesh, options, structural=not unsafe_skip_exactness_check,

@@ -251,3 +251,15 @@ def test_every_sft_config_field_is_classified(tmp_path):
         with pytest.raises(NotSupported) as info:
             check_training_arguments(SFTConfig(**ok, **{name: value}))
         _says(info.value, f"SFTConfig.{name}=")
+
+
+def test_mixer_refusal_is_not_supported_too(tmp_path):
+    """A refused linear mixer (Jamba's Mamba-1) raises the same class, with a do-instead line."""
+    import transformers as tf
+
+    from benchmarks.zoo import tiny_config
+
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(tf.CONFIG_MAPPING["jamba"]))
+    with pytest.raises(NotSupported) as info:
+        patch(model, _local_mesh(2))
+    _says(info.value, "Mamba")
