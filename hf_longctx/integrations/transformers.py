@@ -275,7 +275,7 @@ def patch(
         raise NotSupported(
             f"flexible SP groups (a GroupBank) are not supported for models with linear mixers ({', '.join(classes)}): "
             "the mixers' sequence-parallel wrappers split their heads over one SP group fixed at patch(), while a bank "
-            "changes the group per micro-batch",
+            "changes the group per micro-batch; patch with an SPMesh from init_sequence_parallel",
             "patch with an SPMesh from init_sequence_parallel (one fixed SP degree)",
         )
     report = _refuse(
