@@ -69,6 +69,7 @@ def test_demo_flex_runs_end_to_end(tmp_path, unequal):
         import warnings
 
         warnings.warn(f"unequal-calls demo aborted natively; retrying once. Tail:\n{out[-1500:]}", stacklevel=1)
+        cmd[cmd.index("--output-dir") + 1] = str(tmp_path / "retry")  # a fresh directory
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
         out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
