@@ -92,3 +92,12 @@ def torch_flash_impl() -> str | None:
     attention = importlib.import_module("torch.nn.attention")
     current = getattr(attention, "current_flash_attention_impl", None)
     return current() if current is not None else None
+
+
+def fsdp_reduces_unused_params() -> bool:
+    """torch's FSDP2 can put parameters without a gradient into its reduce-scatter as
+    zeros (`FSDPModule.set_reduce_scatter_unused_params`): present in torch 2.13, absent in
+    torch 2.11 (the floor), where `integrations/unused_params.py` stands in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
