@@ -44,6 +44,22 @@ setup-system:
 test: setup
 	$(PY) -m pytest -q --durations=15
 
+# The version floor (pyproject.toml): torch 2.11.0 from PyPI (its CUDA build, with its nvidia
+# wheels, ~4.6 GB; it runs on CPU) and the oldest supported transformers/accelerate/datasets/
+# peft/TRL, in a venv of its own.
+FLOOR_VENV ?= .venv-floor
+FLOOR_SPEC ?= torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 datasets==5.2.0 peft==0.21.2 trl==1.16.0
+FLOOR_TESTS ?= tests/unit tests/integration tests/distributed
+
+$(FLOOR_VENV)/.installed-floor: pyproject.toml
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR_SPEC)
+	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test,peft]" $(FLOOR_SPEC)
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed-floor
+	$(FLOOR_VENV)/bin/python -m pytest -q --durations=15 $(FLOOR_TESTS)
+
 # The main job: a small Llama trained on 4 CPU ranks (Ulysses 2 x ring 2, FSDP2 over all 4)
 # on the Python standard library's own source; DEMO_ARGS=--steps 8 for a shorter run;
 # DEMO_ARGS=--flex for flexible SP groups (sizes 1, 2, 4 chosen per micro-batch slot, FlexSP/Hydraulis).
@@ -63,4 +79,4 @@ gpu-check: setup
 	PYTHONPATH=$(CURDIR) $(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .hypothesis
