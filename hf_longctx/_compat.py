@@ -101,3 +101,10 @@ def fsdp_reduces_unused_params() -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
+def checkpointing_fields(args) -> tuple[str, ...]:
+    """The TrainingArguments fields that turn on HF's own activation checkpointing:
+    transformers >= 5.18 has `activation_checkpointing` and `gradient_checkpointing` (its
+    deprecated alias); 5.17 (the floor) only `gradient_checkpointing`."""
+    return tuple(f for f in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, f))

@@ -51,6 +51,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
+from hf_longctx._compat import checkpointing_fields
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.sharding import SP_METADATA_KEY
@@ -232,7 +233,8 @@ class LongContextTrainerMixin:
     def _map_activation_checkpointing(model: Any, args: Any) -> None:
         # HF's checkpointing (TRL's SFTConfig turns it on by default) wraps the decoder layers
         # outside our attention binding; patch(checkpoint=True) recomputes them inside it.
-        if not (args.activation_checkpointing or args.gradient_checkpointing):
+        fields = checkpointing_fields(args)  # no `activation_checkpointing` on transformers 5.17
+        if not any(getattr(args, f) for f in fields):
             return
         from hf_longctx.integrations.transformers import patch
 
@@ -240,7 +242,8 @@ class LongContextTrainerMixin:
         if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
             knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
             patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
-        args.activation_checkpointing = args.gradient_checkpointing = False
+        for f in fields:
+            setattr(args, f, False)
 
     def _pad_id(self, pad_token_id: int | None) -> int:
         if pad_token_id is not None:
