@@ -48,7 +48,7 @@ test: setup
 # wheels, ~4.6 GB; it runs on CPU) and the oldest supported transformers/accelerate/datasets/
 # peft/TRL, in a venv of its own.
 FLOOR_VENV ?= .venv-floor
-FLOOR_SPEC ?= torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 datasets==5.2.0 peft==0.21.2 trl==1.16.0
+FLOOR_SPEC ?= torch==2.11.0 transformers==5.19.0 accelerate==1.15.0 datasets==5.2.0 peft==0.21.2 trl==1.16.0
 FLOOR_TESTS ?= tests/unit tests/integration tests/distributed
 
 $(FLOOR_VENV)/.installed-floor: pyproject.toml

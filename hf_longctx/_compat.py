@@ -108,3 +108,15 @@ def checkpointing_fields(args) -> tuple[str, ...]:
     transformers >= 5.18 has `activation_checkpointing` and `gradient_checkpointing` (its
     deprecated alias); 5.17 (the floor) only `gradient_checkpointing`."""
     return tuple(f for f in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, f))
+
+
+TRAINER_SHARDED_MODELS = (5, 19)
+
+
+def trainer_takes_sharded_models() -> bool:
+    """transformers' Trainer has the path for a model that owns its placement and gradient
+    reduction (`is_distributed_loading_by_transformers`: `accelerator.prepare_model(model,
+    device_placement=False, evaluation_mode=True)`, autocast only), added in 5.19. Before it
+    (5.17, 5.18) Accelerate wraps an FSDP2-sharded model in DDP on several ranks, which fails
+    on its DTensor parameters ("mixed torch.Tensor and DTensor")."""
+    return (package_version("transformers") or (0,)) >= TRAINER_SHARDED_MODELS

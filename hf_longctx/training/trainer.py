@@ -48,10 +48,11 @@ from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
+import transformers
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from hf_longctx._compat import checkpointing_fields
+from hf_longctx._compat import TRAINER_SHARDED_MODELS, checkpointing_fields, trainer_takes_sharded_models
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.sharding import SP_METADATA_KEY
@@ -140,6 +141,13 @@ class LongContextTrainerMixin:
                 )
         model = kwargs.get("model", args[0] if args else None)
         self._check_patched(model)
+        if mesh.world_size > 1 and not trainer_takes_sharded_models():  # every rank alike, before any collective
+            raise RuntimeError(
+                f"LongContextTrainer on {mesh.world_size} ranks needs transformers >= "
+                f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded before "
+                f"prepare); transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade "
+                "transformers, or train on one rank / with hf_longctx.distributed.flex_step.run_flex_step."
+            )
         if training_args is not None:
             self._map_activation_checkpointing(model, training_args)
         super().__init__(*args, **kwargs)
