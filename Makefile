@@ -2,7 +2,8 @@
 #   make demo   set up a virtual environment, then run the main job on an embedded default
 #   make test   set up the same environment, then run the test suite
 # TORCH_SPEC picks the torch build: the default pins the CPU wheel this project is tested with.
-# It reaches pip unquoted, so it may carry pip options:
+# It reaches pip unquoted, so it may carry pip options (quote a spec with < or > inside it:
+# TORCH_SPEC='"torch>=2.11"'):
 #   make gpu-check TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128"
 # (PIP_INDEX_URL / PIP_EXTRA_INDEX_URL work too). The venv stamp names a hash of TORCH_SPEC:
 # changing it reinstalls.

@@ -120,3 +120,15 @@ def trainer_takes_sharded_models() -> bool:
     (5.17, 5.18) Accelerate wraps an FSDP2-sharded model in DDP on several ranks, which fails
     on its DTensor parameters ("mixed torch.Tensor and DTensor")."""
     return (package_version("transformers") or (0,)) >= TRAINER_SHARDED_MODELS
+
+
+def fsdp_param_groups(unit) -> list:
+    """FSDP2's parameter groups of one unit (torch keeps no public accessor; empty for a unit
+    without parameters of its own): `FSDPState._fsdp_param_groups` (a list) in torch 2.13,
+    `_fsdp_param_group` (one or None) in torch 2.11."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
