@@ -2,23 +2,64 @@
 #   make demo   set up a virtual environment, then run the main job on an embedded default
 #   make test   set up the same environment, then run the test suite
 # TORCH_SPEC picks the torch build: the default pins the CPU wheel this project is tested with.
+# It reaches pip unquoted, so it may carry pip options (quote a spec with < or > inside it:
+# TORCH_SPEC='"torch>=2.11"'):
+#   make gpu-check TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128"
+# (PIP_INDEX_URL / PIP_EXTRA_INDEX_URL work too). The venv stamp names a hash of TORCH_SPEC:
+# changing it reinstalls.
+# PYTHON_ENV=system: no venv, no network -- use $(PYTHON) with its own (CUDA) torch and
+# transformers, installing only what is missing from the wheel folder $(WHEELS) (README, GPU).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+PYTHON_ENV ?= venv
+WHEELS ?= wheels
+TORCH_STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
+SYSTEM_NEEDS := "torch>=2.11" "transformers>=5.17,<6" "accelerate>=1.15,<2" numpy tqdm "pytest>=8" "hypothesis>=6" pytest-timeout
+
+ifeq ($(PYTHON_ENV),system)
+PY := $(PYTHON)
+SETUP := setup-system
+else ifeq ($(PYTHON_ENV),venv)
 PY := $(VENV)/bin/python
+SETUP := $(TORCH_STAMP)
+else
+$(error PYTHON_ENV must be venv (default) or system, got "$(PYTHON_ENV)")
+endif
 
-.PHONY: setup test demo bench gpu-check clean
+.PHONY: setup setup-system test test-floor demo bench gpu-check clean
 
-setup: $(VENV)/.installed
+setup: $(SETUP)
 
-$(VENV)/.installed: pyproject.toml
+$(TORCH_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	rm -f $(VENV)/.installed-*
+	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e ".[test,peft]"
 	touch $@
 
+# Offline: what is already installed satisfies pip without the folder; the rest comes from it.
+setup-system:
+	$(PY) -m pip install -q --no-index --find-links $(WHEELS) $(SYSTEM_NEEDS)
+
 test: setup
 	$(PY) -m pytest -q --durations=15
+
+# The version floor (pyproject.toml): torch 2.11.0 from PyPI (its CUDA build, with its nvidia
+# wheels, ~4.6 GB; it runs on CPU) and the oldest supported transformers/accelerate/datasets/
+# peft/TRL, in a venv of its own.
+FLOOR_VENV ?= .venv-floor
+FLOOR_SPEC ?= torch==2.11.0 transformers==5.19.0 accelerate==1.15.0 datasets==5.2.0 peft==0.21.2 trl==1.16.0
+FLOOR_TESTS ?= tests/unit tests/integration tests/distributed
+
+$(FLOOR_VENV)/.installed-floor: pyproject.toml
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR_SPEC)
+	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test,peft]" $(FLOOR_SPEC)
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed-floor
+	$(FLOOR_VENV)/bin/python -m pytest -q --durations=15 $(FLOOR_TESTS)
 
 # The main job: a small Llama trained on 4 CPU ranks (Ulysses 2 x ring 2, FSDP2 over all 4)
 # on the Python standard library's own source; DEMO_ARGS=--steps 8 for a shorter run;
@@ -33,8 +74,10 @@ bench: setup
 
 # Validate a GPU machine: CUDA-only tests + GPU benchmarks, one table. On CPU: collects the
 # CUDA tests, runs the emulated-backend tests, reports that there is no GPU, exits 0.
+# GPU_CHECK_ARGS=--max-tokens 524288 raises the longest-context bound (default 256K, ~20 min on one H100).
+GPU_CHECK_ARGS ?=
 gpu-check: setup
-	PYTHONPATH=$(CURDIR) $(PY) benchmarks/gpu_check.py
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .hypothesis

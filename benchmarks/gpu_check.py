@@ -7,17 +7,22 @@ tests/gpu/test_multi_gpu.py -- FSDP2 bf16, USP, FPDT, the Trainer, flexible grou
 their own row), the
 emulated-backend tests, and the GPU benchmark (benchmarks/gpu_longctx.py). On a CPU machine: collects every CUDA-marked test and
 imports the GPU benchmark (so a broken import or signature fails here too), runs the
-emulated-backend tests, says there is no GPU and exits 0.
+emulated-backend tests, runs benchmarks/hot_path.py when it exists (host syncs and ops per
+layer on the emulated CUDA dispatch path), says there is no GPU and exits 0 -- unless an
+NVIDIA device node (/dev/nvidia0) exists: then the torch installed is a CPU build (or cannot
+see the driver) on a GPU machine, and the check FAILS instead of validating nothing.
 
-Run: python benchmarks/gpu_check.py [--skip-bench]
+Run: python benchmarks/gpu_check.py [--skip-bench] [--max-tokens 262144]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -39,10 +44,32 @@ def _row(code: int, summary: str) -> str:
     return summary if code == 0 else f"FAILED (exit {code}): {summary}"
 
 
-def main() -> int:
+NVIDIA_DEVICE = "/dev/nvidia0"
+
+
+def gpu_row(nvidia_device: bool, cuda_available: bool) -> tuple[str, bool]:
+    """(the GPU row's text, whether the check fails) when torch sees no CUDA device."""
+    assert not cuda_available
+    if nvidia_device:
+        return (f"FAILED: {NVIDIA_DEVICE} exists but torch {torch.__version__} (CUDA build: {torch.version.cuda}) "
+                "sees no CUDA device: install a CUDA torch (make gpu-check TORCH_SPEC='torch==2.11.0 --index-url "
+                "https://download.pytorch.org/whl/cu128') or use the one already there (PYTHON_ENV=system)"), True
+    return "none visible: CUDA tests and benchmarks not run", False
+
+
+def _script(path: Path, *args: str) -> tuple[str, bool]:
+    code = subprocess.call([sys.executable, str(path), *args])
+    return ("ok" if code == 0 else f"FAILED (exit {code})"), code != 0
+
+
+def main(argv: list[str] | None = None, nvidia_device: bool | None = None) -> int:
+    """`nvidia_device` overrides the /dev/nvidia0 probe (tests)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-bench", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--max-tokens", type=int, default=None, help="bound of the longest-context probe (default: gpu_longctx.MAX_TOKENS)")
+    args = parser.parse_args(argv)
+    if nvidia_device is None:
+        nvidia_device = os.path.exists(NVIDIA_DEVICE)
     rows: list[tuple[str, str]] = []
     collect = _pytest("--collect-only", "tests/gpu")
     rows.append(("collect tests/gpu", "ok" if collect == 0 else f"FAILED (exit {collect})"))
@@ -54,8 +81,17 @@ def main() -> int:
     emulated = _pytest("tests/unit/test_backends.py")
     rows.append(("emulated backends (tests/unit/test_backends.py)", "ok" if emulated == 0 else f"FAILED (exit {emulated})"))
     failed = collect != 0 or collect_multi != 0 or emulated != 0
+    hot_path = Path(__file__).resolve().parent / "hot_path.py"
+    if hot_path.exists():
+        text, bad = _script(hot_path)
+        rows.append(("benchmarks/hot_path.py (syncs / ops per layer)", text))
+        failed |= bad
+    else:
+        rows.append(("benchmarks/hot_path.py", "not present: not run"))
     if not torch.cuda.is_available():
-        rows.append(("GPU", "none visible: CUDA tests and benchmarks not run"))
+        text, bad = gpu_row(nvidia_device, False)
+        rows.append(("GPU", text))
+        failed |= bad
     else:
         rows.append(("GPU", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"))
         gpu, summary = _pytest_summary("-rA", "-s", "-m", "not multi_gpu", "tests/gpu", "tests/unit/test_offload.py")
@@ -69,7 +105,12 @@ def main() -> int:
         else:
             rows.append(("multi-GPU tests (tests/gpu/test_multi_gpu.py)", "one GPU visible: not run"))
         if not args.skip_bench:
-            rows += bench.run()
+            try:
+                rows += bench.run(max_tokens=args.max_tokens or bench.MAX_TOKENS)
+            except RuntimeError as exc:  # a probe failed for a reason other than an OOM
+                print(exc)
+                rows.append(("GPU benchmark (benchmarks/gpu_longctx.py)", f"FAILED: {str(exc).splitlines()[0]}"))
+                failed = True
     width = max(len(n) for n, _ in rows) + 2
     print("\n" + "=" * (width + 30))
     for name, value in rows:

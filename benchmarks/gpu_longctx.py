@@ -7,14 +7,27 @@ then bisecting to a multiple of 4K tokens; (2) tokens/s and MFU of our step at 1
 tokens (MFU = model FLOPs / (step time x peak bf16 dense FLOP/s), model FLOPs =
 6·N·T + 6·L·H·D·T² (causal attention, forward + backward)).
 
-Run: python benchmarks/gpu_longctx.py [--layers 16] [--max-tokens 1048576] [--peak-tflops 989]
+Bounded so that `make gpu-check` finishes in <= 20 minutes on one H100: the probe stops at
+`--max-tokens` (default 256K; the table says so when a mode reaches it), and every probe runs
+in its own subprocess, so torch's pinned-host cache (which rounds every checkpointed layer's
+offload up to a power of two and never frees it) and a CUDA context broken by an OOM die with
+it. Both CUDA OOM forms count as "does not fit": `torch.OutOfMemoryError` and
+`RuntimeError: CUDA error: out of memory`; any other failure is an error, not a length.
+
+Run: python benchmarks/gpu_longctx.py [--layers 16] [--max-tokens 262144] [--peak-tflops 989]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -43,7 +56,8 @@ def build(mode: str, layers: int):
 
     cfg = llama_1b_config(layers)
     cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    with torch.device("cuda"):  # initialised on the GPU: no 5 GB fp32 host copy per probe
+        model = LlamaForCausalLM(cfg).to(dtype=torch.bfloat16)
     if mode == "ours":
         mesh = init_sequence_parallel()
         return memory_max(model, mesh), mesh
@@ -71,66 +85,127 @@ def step(model, mesh, tokens: int) -> float:
         model.zero_grad(set_to_none=True)  # also after an OOM in backward: later probes start clean
 
 
+MAX_TOKENS = 1 << 18  # 256K: the default bound (a 16-layer 1B step at 256K is ~1 min on an H100)
+QUANTUM = 8192
+_RESULT = "GPU_LONGCTX_PROBE "  # prefix of the one line a probe subprocess reports on
+
+
+def is_cuda_oom(exc: BaseException) -> bool:
+    """Both forms a CUDA allocation failure takes: the caching allocator's
+    `torch.OutOfMemoryError`, and `RuntimeError: CUDA error: out of memory` from a kernel
+    launch or a library's own allocation (cuBLAS workspace, NCCL)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+
+
 def fits(model, mesh, tokens: int) -> bool:
     try:
         step(model, mesh, tokens)
         return True
-    except torch.OutOfMemoryError:
+    except Exception as exc:  # noqa: BLE001 -- anything but an OOM propagates
+        if not is_cuda_oom(exc):
+            raise
         return False
     finally:
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
-def longest(model, mesh, cap: int, quantum: int = 4096) -> int:
+def probe_in_subprocess(mode: str, tokens: int, layers: int, repeat: int = 0) -> dict:
+    """Run one probe (`_probe_main`) in a fresh interpreter: {"fits": bool, "seconds": float
+    (best of `repeat` timed steps after the probing one, or the probing step)}. Raises
+    RuntimeError naming the probe when the child fails for a reason other than an OOM."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "benchmarks.gpu_longctx", "--probe", mode, str(tokens), "--layers", str(layers),
+           "--repeat", str(repeat)]
+    proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = [line[len(_RESULT):] for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"probe {mode} at {tokens} tokens exited {proc.returncode}:\n{proc.stdout[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _probe_main(mode: str, tokens: int, layers: int, repeat: int) -> None:
+    model, mesh = build("sdpa" if mode == "sdpa+ckpt" else "ours", layers)
+    try:
+        seconds = step(model, mesh, tokens)
+        if repeat:
+            seconds = min(step(model, mesh, tokens) for _ in range(repeat))
+        result = {"fits": True, "seconds": seconds}
+    except Exception as exc:  # noqa: BLE001 -- anything but an OOM fails the probe
+        if not is_cuda_oom(exc):
+            raise
+        result = {"fits": False, "seconds": None}
+    print(_RESULT + json.dumps(result), flush=True)
+
+
+def longest(fits_at: Callable[[int], bool], cap: int, quantum: int = QUANTUM) -> int:
+    """Largest multiple of `quantum` <= cap for which `fits_at` holds (doubling, then
+    bisecting), assuming monotonicity; 0 if even `quantum` does not fit."""
     lo, hi = 0, quantum
-    while hi <= cap and fits(model, mesh, hi):
+    while hi <= cap and fits_at(hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, cap + quantum)
+    if lo == cap or (lo and hi > cap and fits_at(cap)):  # reached the bound
+        return cap
+    hi = min(hi, cap)
     while hi - lo > quantum:
         mid = (lo + hi) // 2 // quantum * quantum
-        lo, hi = (mid, hi) if fits(model, mesh, mid) else (lo, mid)
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
     return lo
 
 
-def mfu(model, tokens: int, seconds: float, peak_tflops: float) -> float:
-    cfg = model.config
-    n = sum(p.numel() for p in model.parameters())
+def _mfu(cfg, n_params: int, tokens: int, seconds: float, peak_tflops: float) -> float:
     attn = 6 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * tokens * tokens
-    return (6 * n * tokens + attn) / seconds / (peak_tflops * 1e12)
+    return (6 * n_params * tokens + attn) / seconds / (peak_tflops * 1e12)
 
 
-def run(layers: int = 16, max_tokens: int = 1 << 20, at: int = 131072, peak_tflops: float = 989.0) -> list[tuple[str, str]]:
+def mfu(model, tokens: int, seconds: float, peak_tflops: float) -> float:
+    return _mfu(model.config, sum(p.numel() for p in model.parameters()), tokens, seconds, peak_tflops)
+
+
+def run(layers: int = 16, max_tokens: int = MAX_TOKENS, at: int = 131072, peak_tflops: float = 989.0,
+        probe: Callable[..., dict] = probe_in_subprocess) -> list[tuple[str, str]]:
     rows = []
     lengths = {}
     for mode in ("sdpa+ckpt", "ours"):
-        model, mesh = build("sdpa" if mode == "sdpa+ckpt" else "ours", layers)
-        lengths[mode] = longest(model, mesh, max_tokens)
-        rows.append((f"longest trainable context, {mode}", f"{lengths[mode]} tokens"))
-        if mode == "ours":
-            if lengths[mode] >= at:
-                step(model, mesh, at)
-                seconds = min(step(model, mesh, at) for _ in range(2))
-                rows.append((f"tokens/s at {at // 1024}K, ours", f"{at / seconds:.0f}"))
-                rows.append((f"MFU at {at // 1024}K, ours (peak {peak_tflops:.0f} TFLOP/s)", f"{100 * mfu(model, at, seconds, peak_tflops):.1f}%"))
-            else:
-                rows.append((f"tokens/s at {at // 1024}K, ours", "does not fit"))
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
+        lengths[mode] = longest(lambda t, mode=mode: probe(mode, t, layers)["fits"], max_tokens)
+        bounded = " (the --max-tokens bound; may fit more)" if lengths[mode] >= max_tokens else ""
+        rows.append((f"longest trainable context, {mode}", f"{lengths[mode]} tokens{bounded}"))
+    if lengths["ours"] >= at:
+        seconds = probe("ours", at, layers, repeat=2)["seconds"]
+        rows.append((f"tokens/s at {at // 1024}K, ours", f"{at / seconds:.0f}"))
+        n = _parameters(layers)
+        rows.append((f"MFU at {at // 1024}K, ours (peak {peak_tflops:.0f} TFLOP/s)",
+                     f"{100 * _mfu(llama_1b_config(layers), n, at, seconds, peak_tflops):.1f}%"))
+    else:
+        rows.append((f"tokens/s at {at // 1024}K, ours", "does not fit"))
     ratio = lengths["ours"] / max(1, lengths["sdpa+ckpt"])
-    rows.append(("context ratio ours / sdpa+ckpt (goal >= 16x)", f"{ratio:.1f}x"))
+    capped = " (lower bound: ours reached --max-tokens)" if lengths["ours"] >= max_tokens else ""
+    rows.append(("context ratio ours / sdpa+ckpt (goal >= 16x)", f"{ratio:.1f}x{capped}"))
     return rows
+
+
+def _parameters(layers: int) -> int:
+    with torch.device("meta"):
+        from transformers import LlamaForCausalLM
+
+        return sum(p.numel() for p in LlamaForCausalLM(llama_1b_config(layers)).parameters())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=1 << 20)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="H100 SXM bf16 dense")
+    parser.add_argument("--probe", nargs=2, metavar=("MODE", "TOKENS"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: nothing to measure")
+    if args.probe:
+        _probe_main(args.probe[0], int(args.probe[1]), args.layers, args.repeat)
+        return
     for name, value in run(args.layers, args.max_tokens, peak_tflops=args.peak_tflops):
         print(f"{name:<60}{value}")
 

@@ -92,3 +92,43 @@ def torch_flash_impl() -> str | None:
     attention = importlib.import_module("torch.nn.attention")
     current = getattr(attention, "current_flash_attention_impl", None)
     return current() if current is not None else None
+
+
+def fsdp_reduces_unused_params() -> bool:
+    """torch's FSDP2 can put parameters without a gradient into its reduce-scatter as
+    zeros (`FSDPModule.set_reduce_scatter_unused_params`): present in torch 2.13, absent in
+    torch 2.11 (the floor), where `integrations/unused_params.py` stands in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
+def checkpointing_fields(args) -> tuple[str, ...]:
+    """The TrainingArguments fields that turn on HF's own activation checkpointing:
+    transformers >= 5.18 has `activation_checkpointing` and `gradient_checkpointing` (its
+    deprecated alias); 5.17 (the floor) only `gradient_checkpointing`."""
+    return tuple(f for f in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, f))
+
+
+TRAINER_SHARDED_MODELS = (5, 19)
+
+
+def trainer_takes_sharded_models() -> bool:
+    """transformers' Trainer has the path for a model that owns its placement and gradient
+    reduction (`is_distributed_loading_by_transformers`: `accelerator.prepare_model(model,
+    device_placement=False, evaluation_mode=True)`, autocast only), added in 5.19. Before it
+    (5.17, 5.18) Accelerate wraps an FSDP2-sharded model in DDP on several ranks, which fails
+    on its DTensor parameters ("mixed torch.Tensor and DTensor")."""
+    return (package_version("transformers") or (0,)) >= TRAINER_SHARDED_MODELS
+
+
+def fsdp_param_groups(unit) -> list:
+    """FSDP2's parameter groups of one unit (torch keeps no public accessor; empty for a unit
+    without parameters of its own): `FSDPState._fsdp_param_groups` (a list) in torch 2.13,
+    `_fsdp_param_group` (one or None) in torch 2.11."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]

@@ -2,8 +2,8 @@
 
 Where it sits: test support for `ops/backends/` (tests/unit/test_backends.py). Each
 emulation has the EXACT Python signature and return convention of the real entry point
-(flash-attn v2.6.x, v2.7.0-2.7.3, v2.7.4+/2.8.x `_flash_attn_varlen_forward/_backward`, read
-from the tags of Dao-AILab/flash-attention; torch 2.13 `aten::_flash_attention_forward/
+(flash-attn v2.6.0/2.6.0.post1, v2.6.1, v2.6.2-2.6.3, v2.7.0-2.7.3, v2.7.4+/2.8.x `_flash_attn_varlen_forward/_backward`, read
+from the tags of Dao-AILab/flash-attention; torch 2.11 / 2.13 `aten::_flash_attention_forward/
 _backward`, checked against the installed schema by a test) and the kernel semantics the
 adapters rely on: cumulative lengths, bottom-right aligned causal and (left, right)
 windows (-1 = unbounded; causal forces right = 0), softcap, GQA, lse [H, total_q] float32
@@ -18,6 +18,7 @@ kernel; `calls` counts invocations for the dispatch tests.
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -158,15 +159,38 @@ def flash_attn_release(version: str, *, allow_float64: bool = False, schema_with
     release = tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
     iface = types.ModuleType("flash_attn.flash_attn_interface")
     if release < (2, 7):
-        def _flash_attn_varlen_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
-            leftpad_k=None, seqused_k=None,
-        ):
+        def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                    window_size, softcap, alibi_slopes, return_softmax, block_table):
             assert dropout_p == 0.0 and not return_softmax and alibi_slopes is None and block_table is None
             out, lse = sim.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                    causal, window_size[0], window_size[1], softcap)
             return out, q, k, v, out, lse, None, torch.empty(2, dtype=torch.int64)
+
+        # The three Python signatures of the 2.6 line (tags v2.6.0 / v2.6.0.post1, v2.6.1, v2.6.2+):
+        if release < (2, 6, 1):  # everything positional, block_table REQUIRED, no leftpad_k / seqused_k
+            def _flash_attn_varlen_forward(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, return_softmax, block_table,
+            ):
+                return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax, block_table)
+        elif release < (2, 6, 2):  # block_table optional, leftpad_k added; window/softcap/... still required
+            def _flash_attn_varlen_forward(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, return_softmax, block_table=None, leftpad_k=None,
+            ):
+                assert leftpad_k is None
+                return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax, block_table)
+        else:
+            def _flash_attn_varlen_forward(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+                leftpad_k=None, seqused_k=None,
+            ):
+                assert leftpad_k is None and seqused_k is None
+                return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax, block_table)
 
         def _flash_attn_varlen_backward(
             dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -215,8 +239,9 @@ def flash_attn_release(version: str, *, allow_float64: bool = False, schema_with
 
 
 class TorchFlashOps:
-    """`torch.ops.aten._flash_attention_forward/_backward` (torch 2.13 signatures) on CPU;
-    `.default._schema` are the installed torch's real schemas."""
+    """`torch.ops.aten._flash_attention_forward/_backward` on CPU with the installed torch's
+    signatures (2.13 below; 2.11 lacks `block_table` / `num_splits`); `.default._schema` are
+    the installed torch's real schemas."""
 
     def __init__(self, *, allow_float64: bool = False):
         self.sim = _Sim(allow_float64)
@@ -242,9 +267,24 @@ class TorchFlashOps:
                          scale, is_causal, left, right, None)
             return dq, dk, dv
 
-        forward.default = torch.ops.aten._flash_attention_forward.default
-        backward.default = torch.ops.aten._flash_attention_backward.default
-        self.forward, self.backward = forward, backward
+        self.forward = _as_installed(forward, torch.ops.aten._flash_attention_forward.default)
+        self.backward = _as_installed(backward, torch.ops.aten._flash_attention_backward.default)
+
+
+def _as_installed(fn, overload):
+    """`fn` restricted to the arguments the installed op's schema has (torch 2.11's forward
+    lacks torch 2.13's `block_table` / `num_splits`): passing one it lacks is a TypeError,
+    as with the real op. `.default` is the real overload (its `_schema` for `detect`)."""
+    names = {a.name for a in overload._schema.arguments}
+    full = inspect.signature(fn)
+    sig = full.replace(parameters=[p for p in full.parameters.values() if p.name in names])
+
+    def op(*args, **kwargs):
+        sig.bind(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    op.__signature__, op.default = sig, overload
+    return op
 
 
 def cuda_env(*, flash: str | None = "2.8.3", torch_ops: bool = True, capability=(9, 0), torch_impl=None,

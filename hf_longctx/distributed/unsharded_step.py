@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hf_longctx._compat import fsdp_param_groups
 from hf_longctx.loss import collective_device
 
 
@@ -48,7 +49,7 @@ def fsdp_units(model: torch.nn.Module) -> list:
 def _param_groups(unit) -> list:
     """FSDP2's parameter groups of one unit (torch keeps no public accessor; empty for a
     unit without parameters of its own)."""
-    return list(unit._get_fsdp_state()._fsdp_param_groups)
+    return fsdp_param_groups(unit)
 
 
 def unsharded_bytes(model: torch.nn.Module) -> int:

@@ -39,7 +39,9 @@ from typing import Any, Literal
 
 import torch
 
+from hf_longctx._compat import fsdp_reduces_unused_params
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.integrations.unused_params import reduce_unused_params
 
 MIXED_PRECISION = ("bf16", "fp32")
 
@@ -117,7 +119,10 @@ class FSDPPlan:
             # on its peers: FSDP2 would leave it out of this rank's reduce-scatter only, and the
             # ranks' collectives would disagree (a mismatch on gloo, a hang or a wrong sum on
             # NCCL). Unused trainable parameters join with zeros instead.
-            m.set_reduce_scatter_unused_params(True, recurse=False)
+            if fsdp_reduces_unused_params():
+                m.set_reduce_scatter_unused_params(True, recurse=False)
+            else:  # torch 2.11 floor: zero gradients from a forward hook (see unused_params.py)
+                reduce_unused_params(m)
         return len(units)
 
     def apply(self, model: torch.nn.Module, *, broadcast_from_rank0: bool = False) -> torch.nn.Module:

@@ -49,9 +49,11 @@ from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
+import transformers
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
+from hf_longctx._compat import TRAINER_SHARDED_MODELS, checkpointing_fields, trainer_takes_sharded_models
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.sharding import SP_METADATA_KEY
@@ -150,6 +152,13 @@ class LongContextTrainerMixin:
         self._check_world(mesh)
         # The Trainer writes args.use_cache into model.config; the exported model keeps the user's value.
         self._config_use_cache = getattr(getattr(_hf_model(model), "config", None), "use_cache", None)
+        if mesh.world_size > 1 and not trainer_takes_sharded_models():  # every rank alike, before any collective
+            raise RuntimeError(
+                f"LongContextTrainer on {mesh.world_size} ranks needs transformers >= "
+                f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded before "
+                f"prepare); transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade "
+                "transformers, or train on one rank / with hf_longctx.distributed.flex_step.run_flex_step."
+            )
         if training_args is not None:
             self._map_activation_checkpointing(model, training_args)
         super().__init__(*args, **kwargs)
@@ -242,7 +251,8 @@ class LongContextTrainerMixin:
     def _map_activation_checkpointing(model: Any, args: Any) -> None:
         # HF's checkpointing (TRL's SFTConfig turns it on by default) wraps the decoder layers
         # outside our attention binding; patch(checkpoint=True) recomputes them inside it.
-        if not (args.activation_checkpointing or args.gradient_checkpointing):
+        fields = checkpointing_fields(args)  # no `activation_checkpointing` on transformers 5.17
+        if not any(getattr(args, f) for f in fields):
             return
         from hf_longctx.integrations.transformers import patch
 
@@ -250,7 +260,8 @@ class LongContextTrainerMixin:
         if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
             knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
             patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
-        args.activation_checkpointing = args.gradient_checkpointing = False
+        for f in fields:
+            setattr(args, f, False)
 
     @staticmethod
     def _check_world(mesh: Any) -> None:

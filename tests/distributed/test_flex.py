@@ -88,17 +88,19 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
     plan = _plan(bank, equal_calls)
     units = sum(1 for m in model.modules() if hasattr(m, "set_requires_gradient_sync"))
     scatters = []  # FSDP2's gradient reduce-scatters of this rank during the step
-    scatter = torch.distributed.reduce_scatter_single  # what torch's FSDP2 calls (torch 2.13, _fsdp_collectives.py)
+    # what torch's FSDP2 calls (_fsdp_collectives.py): reduce_scatter_single on torch 2.13, reduce_scatter_tensor on 2.11
+    name = "reduce_scatter_single" if hasattr(torch.distributed, "reduce_scatter_single") else "reduce_scatter_tensor"
+    scatter = getattr(torch.distributed, name)
 
     def counted(*args, **kwargs):
         scatters.append(1)
         return scatter(*args, **kwargs)
 
-    torch.distributed.reduce_scatter_single = counted
+    setattr(torch.distributed, name, counted)
     try:
         loss = run_flex_step(model, bank, plan, _documents(), sync_each_microbatch=sync_each_microbatch)
     finally:
-        torch.distributed.reduce_scatter_single = scatter
+        setattr(torch.distributed, name, scatter)
         for h in hooks:
             h.remove()
     grads = {}

@@ -107,11 +107,15 @@ def test_refused_models_and_data(llama_path, tmp_path):
 
 
 def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_longctx._compat import checkpointing_fields
     from hf_longctx.integrations.transformers import _STATE_ATTR
 
     mesh = init_sequence_parallel()
-    args = training_args(str(tmp_path), activation_checkpointing=True)
+    field = checkpointing_fields(TrainingArguments)[0]  # activation_checkpointing; 5.17: gradient_checkpointing
+    args = training_args(str(tmp_path), **{field: True})
     model = _model(llama_path, mesh)
     LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
     assert model.__dict__[_STATE_ATTR].options.checkpoint is True  # recomputation inside our attention binding
-    assert not args.activation_checkpointing  # HF's own wrapper stays off
+    assert not any(getattr(args, f) for f in checkpointing_fields(args))  # HF's own wrapper stays off

@@ -32,7 +32,7 @@ RELEASES = ["2.6.3", "2.7.0", "2.7.4.post1", "2.8.3"]
 
 # ---- detection -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version", RELEASES + ["2.6.0", "2.7.2"])
+@pytest.mark.parametrize("version", RELEASES + ["2.6.0", "2.6.0.post1", "2.6.1", "2.7.2"])
 def test_detects_every_supported_release(version):
     v, iface, ops, _ = flash_attn_release(version)
     api, reason = fa_adapter.detect(v, iface, ops)
@@ -97,7 +97,7 @@ def _backend(kind):
 MODES = [(True, None, None), (False, None, None), (True, 5, None), (False, 3, None), (True, None, 2.0), (True, 6, 1.5)]
 
 
-@pytest.mark.parametrize("kind", ["2.6.3", "2.7.0", "2.8.3", "torch"])
+@pytest.mark.parametrize("kind", ["2.6.0", "2.6.3", "2.7.0", "2.8.3", "torch"])
 @pytest.mark.parametrize("layout", ["packed", "zigzag", "random"])
 @pytest.mark.parametrize("causal,window,softcap", MODES)
 def test_packed_backend_matches_reference(kind, layout, causal, window, softcap):
@@ -127,6 +127,22 @@ def test_packed_backend_matches_reference(kind, layout, causal, window, softcap)
     assert rel_err(dv.transpose(1, 2), ref[3][:, ki_idx]) < F64
     if layout == "packed" and window is None:  # one document per sequence, one call each way
         assert sim.calls == {"forward": 1, "backward": 2}  # backward: once per key half
+
+
+@pytest.mark.parametrize("version", ["2.6.0", "2.6.0.post1", "2.6.1", "2.6.2"])
+def test_every_2_6_signature_is_called_correctly(version):
+    """v2.6.0 / 2.6.0.post1 take `block_table` positionally with no default (optional from
+    v2.6.1) and know no `leftpad_k` / `seqused_k`: the adapter's call binds in each."""
+    v, iface, ops, sim = flash_attn_release(version)
+    api, reason = fa_adapter.detect(v, iface, ops)
+    assert reason is None
+    kernel = fa_adapter.FlashAttnKernel(api)
+    q, k, v_, dout = (x[0].to(torch.bfloat16).contiguous() for x in _tensors(16, 4, 2, seed=3))
+    cu = torch.tensor([0, 6, 16], dtype=torch.int32)
+    kw = dict(scale=D**-0.5, causal=True, left=-1, right=-1, softcap=None)
+    out, lse = kernel.forward(q, k, v_, cu, cu, 10, 10, **kw)
+    dq, dk, dv = kernel.backward(dout, q, k, v_, out, lse, cu, cu, 10, 10, **kw)
+    assert sim.calls == {"forward": 1, "backward": 1} and dq.shape == q.shape and dk.shape == k.shape
 
 
 def test_lse_of_rows_without_keys_is_neg_inf():

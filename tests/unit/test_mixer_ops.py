@@ -82,7 +82,9 @@ def test_gdn_op_matches_transformers_on_one_document():
     q, kk, v = qkv.split([hk * dk, hk * dk, hv * dv], -1)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     ref, _ = torch_chunk_gated_delta_rule(
-        q.reshape(1, s, hk, dk), kk.reshape(1, s, hk, dk), v.reshape(1, s, hv, dv), g=g, beta=beta,
+        # key heads expanded per value head as the modules do (transformers 5.17's core needs equal heads)
+        q.reshape(1, s, hk, dk).repeat_interleave(hv // hk, 2), kk.reshape(1, s, hk, dk).repeat_interleave(hv // hk, 2),
+        v.reshape(1, s, hv, dv), g=g, beta=beta,
         use_qk_l2norm_in_kernel=True,
     )
     assert rel(out, ref) <= 1e-5

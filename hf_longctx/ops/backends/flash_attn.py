@@ -7,7 +7,9 @@ the backward from the FINAL merged out/lse (FlashAttention-2, Dao 2023, Algorith
 which the autograd function does not expose.
 
 Release differences (read from the tags in Dao-AILab/flash-attention):
-- v2.6.x: plain functions; `window_size=(left, right)` as one tuple; the forward returns
+- v2.6.x: plain functions; `window_size=(left, right)` as one tuple; v2.6.0 and
+  v2.6.0.post1 have no defaults in the forward (`block_table` is required, there is no
+  `leftpad_k` / `seqused_k`), so every argument up to `block_table` is passed by name; the forward returns
   (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state); the backward writes
   dq/dk/dv in place and returns (dq, dk, dv, softmax_d).
 - v2.7.0+: torch custom ops (`torch.ops.flash_attn._flash_attn_varlen_forward`), whose
@@ -79,6 +81,7 @@ class FlashAttnKernel:
         res = self.api.varlen_forward(
             q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
             **_window(self.api, left, right), softcap=softcap or 0.0, alibi_slopes=None, return_softmax=False,
+            block_table=None,  # required (no default) in v2.6.0 / v2.6.0.post1; optional from v2.6.1
         )
         out, lse = (res[0], res[5]) if self.api.window_tuple else (res[0], res[1])
         return out, lse.masked_fill(torch.isposinf(lse), float("-inf"))  # [T, H, D], [H, T]; +inf = no key
