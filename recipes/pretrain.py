@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling mo
 from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
 
 from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset  # noqa: E402
+from hf_longctx._compat import checkpointing_fields  # noqa: E402
 from hf_longctx.training.launch import describe, init_distributed  # noqa: E402
 
 
@@ -72,9 +73,10 @@ def run(args: argparse.Namespace, wrap: Callable[[Any], Any] | None = None) -> N
         output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=1,
         save_strategy="steps", save_steps=args.save_every, seed=args.seed, bf16=args.mixed_precision == "bf16",
-        activation_checkpointing=args.activation_checkpointing,  # mapped to patch(checkpoint=True)
         use_cpu=device.type == "cpu", report_to=[],
     )
+    if args.activation_checkpointing:  # mapped to patch(checkpoint=True); the field is named per transformers release
+        setattr(targs, checkpointing_fields(targs)[0], True)
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if targs.process_index == 0:
         print(describe(mesh, device))
