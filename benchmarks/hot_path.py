@@ -264,7 +264,7 @@ def layout_costs(label: str, mesh) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, init_file: str, results) -> None:
+def _worker(rank: int, init_file: str, world: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=10))
@@ -284,29 +284,9 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
 
 
 def _run(world: int):
-    import queue
-    import tempfile
+    from benchmarks._ranks import run_ranks
 
-    import torch.multiprocessing as mp
-
-    fd, init_file = tempfile.mkstemp(prefix="hf_longctx_hot_")
-    os.close(fd)
-    os.unlink(init_file)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, init_file, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    while True:
-        try:
-            rows = results.get(timeout=10)
-            break
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise SystemExit("a benchmark rank died")
-    for p in procs:
-        p.join()
-    return rows
+    return run_ranks(_worker, world, world)  # rank 0's rows
 
 
 def main() -> None:

@@ -167,7 +167,7 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
             patch(model, mesh)
         except Exception as e:  # noqa: BLE001
             row["verdict"][mname] = "REFUSED"
-            msg = str(e).split("\n- ")
+            msg = str(getattr(e, "what", e)).split("\n- ")  # a NotSupported's obstacle, without its do-instead line
             row["reason"] = (msg[1] if len(msg) > 1 else msg[0]).strip()[:400]
             continue
         if ref_error is not None:  # accepted by patch() but no unpatched reference to compare with
