@@ -15,8 +15,9 @@ tokens on the first half of the Ulysses ranks only: the other ranks route every 
 identity experts, so the routed experts' `gate_up_proj` / `down_proj` get no gradient there.
 Each test asserts that precondition on the ranks before checking the gradients.
 
-Paths: `sum_gradients` (hand-written loop, no FSDP; what `run_flex_step` uses without FSDP)
-and FSDP2 through `fsdp_plan` (the plan `LongContextTrainer` applies), on 2 and 4 gloo ranks.
+Paths, each on 2 and 4 gloo ranks: `sum_gradients` (hand-written loop, no FSDP), FSDP2 through
+`fsdp_plan`, `LongContextTrainer` (2 optimizer steps against the single-process trainer) and the
+flexible step `run_flex_step` with and without FSDP2 (float64: see `_flex_run`).
 Tolerances as in test_models.py (fp32: loss 1e-5, gradients 1e-4 relative).
 """
 
@@ -202,7 +203,7 @@ def _trainer_run(path: str, ulysses: int | None, output_dir: str) -> dict:
     args = training_args(output_dir, max_steps=2)  # first: it adopts the process group
     mesh = worker_mesh(ulysses, 1) if ulysses else init_sequence_parallel()
     model = patch(_load(path), mesh)
-    # One 16-token document per step: with Ulysses 2 rank 0 holds its ids >= 64, rank 1 only ids < 64.
+    # One 16-token document per step: with Ulysses U the first U/2 ranks hold its ids >= 64, the rest only ids < 64.
     ds = Dataset.from_dict({"input_ids": _split_documents(2, 8)})
     trainer = LongContextTrainer(model=model, args=args, train_dataset=ds, mesh=mesh, max_tokens=16, tokens_per_step=16)
     unused = []
@@ -216,17 +217,20 @@ def _trainer_run(path: str, ulysses: int | None, output_dir: str) -> dict:
     return {"steps": history(trainer), "unused_here": unused}
 
 
-def test_moe_trainer_step_with_unused_experts_on_a_rank(pools, moe_path, tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_trainer_step_with_unused_experts_on_a_rank(pools, moe_path, tmp_path, world):
     from tests.trainer_cases import assert_steps_close
 
     ref = _trainer_run(moe_path, None, str(tmp_path / "ref"))
-    out = pools.get(2).run(_trainer_run, moe_path, 2, str(tmp_path / "sp"), timeout=300)
-    assert not out[0]["unused_here"] and out[1]["unused_here"], [r["unused_here"] for r in out]  # the precondition
+    out = pools.get(world).run(_trainer_run, moe_path, world, str(tmp_path / "sp"), timeout=300)
+    half = world // 2  # the precondition: the second half of the ranks route no token to the routed experts
+    assert all(not r["unused_here"] for r in out[:half]) and all(r["unused_here"] for r in out[half:]), [
+        r["unused_here"] for r in out]
     for rank, res in enumerate(out):
         assert_steps_close(res["steps"], ref["steps"], LOSS_TOL, f"MoE trainer rank {rank}")
 
 
-def _flex_run(path: str, fsdp: bool) -> dict:
+def _flex_run(path: str, fsdp: bool, world: int) -> dict:
     from transformers import DataCollatorWithFlattening
 
     from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
@@ -235,7 +239,8 @@ def _flex_run(path: str, fsdp: bool) -> dict:
     from hf_longctx.integrations.transformers import patch
     from tests.pool import worker_bank
 
-    docs = [_split_documents(1, 8)[0][:8], _split_documents(1, 8)[0][8:]]  # rank 0: ids >= 64; rank 1: ids < 64
+    high, low = _split_documents(1, 8)[0][:8], _split_documents(1, 8)[0][8:]
+    docs = [high] * (world // 2) + [low] * (world // 2)  # rank r runs docs[r]: the first half ids >= 64, the rest < 64
     # float64: with 8-token documents the MLA query projection's gradient is ill-conditioned, so
     # two fp32 single-process references (packed vs one document at a time) already differ by
     # 2e-4; in float64 the comparison measures the step, not fp32 re-association.
@@ -245,11 +250,11 @@ def _flex_run(path: str, fsdp: bool) -> dict:
     ref.loss.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters() if p.grad is not None}
 
-    bank = worker_bank(heads=moe_config().num_attention_heads, ranks_per_node=2)
+    bank = worker_bank(heads=moe_config().num_attention_heads, ranks_per_node=world)
     model = patch(_load(path, torch.float64), bank)
     if fsdp:
         fsdp_plan(model, bank.world, mixed_precision="fp32").apply(model)
-    plan = FlexPlan(slots=((FlexGroup(1, 0, (0,)), FlexGroup(1, 1, (1,))),), lengths=(8, 8), world_size=2,
+    plan = FlexPlan(slots=(tuple(FlexGroup(1, r, (r,)) for r in range(world)),), lengths=(8,) * world, world_size=world,
                     max_tokens_per_rank=16, shapes=bank.shapes, equal_calls=True)
     shard = next(iter(flex_microbatches(plan, bank, docs)))  # this rank's one slot
     unused = _routed_nowhere_here(model, shard)
@@ -261,10 +266,13 @@ def _flex_run(path: str, fsdp: bool) -> dict:
     return errs
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("fsdp", [False, True])
-def test_moe_flexible_step_with_unused_experts_on_a_rank(pools, moe_path, fsdp):
-    results = pools.get(2).run(_flex_run, moe_path, fsdp, timeout=300)
-    assert not results[0]["unused_here"] and results[1]["unused_here"], [r["unused_here"] for r in results]
+def test_moe_flexible_step_with_unused_experts_on_a_rank(pools, moe_path, fsdp, world):
+    results = pools.get(world).run(_flex_run, moe_path, fsdp, world, timeout=300)
+    half = world // 2
+    assert all(not r["unused_here"] for r in results[:half]) and all(r["unused_here"] for r in results[half:]), [
+        r["unused_here"] for r in results]
     for rank, errs in enumerate(results):
         assert "missing_grads" not in errs, f"rank {rank}: {errs}"
         assert errs["loss"] <= LOSS_TOL and errs["grad"] <= GRAD_TOL, f"flex fsdp={fsdp} rank {rank}: {errs}"
