@@ -76,6 +76,12 @@ SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file name
 _TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:]  # positional order, without self
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -118,21 +124,18 @@ class LongContextTrainerMixin:
             )
         self.mesh = mesh
         self._check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
-        if not isinstance(unequal_calls, bool):
-            raise ValueError(f"unequal_calls must be a bool, got {unequal_calls!r}")
+        _flag("unequal_calls", unequal_calls)
         if unequal_calls and not isinstance(mesh, GroupBank):
             raise ValueError(
                 "unequal_calls=True needs a GroupBank (flexible SP groups planned by plan_unequal); with an SPMesh "
                 "every rank runs the same number of micro-batches"
             )
-        if not isinstance(sync_each_microbatch, bool):
-            raise ValueError(f"sync_each_microbatch must be a bool, got {sync_each_microbatch!r}")
+        _flag("sync_each_microbatch", sync_each_microbatch)
         if sync_each_microbatch and unequal_calls:
             raise ValueError("sync_each_microbatch=True cannot be combined with unequal_calls=True: with unequal counts "
                              "every rank syncs in its own last backward")
         self.sync_each_microbatch = sync_each_microbatch
-        if not isinstance(param_offload, bool):
-            raise ValueError(f"param_offload must be a bool, got {param_offload!r}")
+        _flag("param_offload", param_offload)
         if param_offload and unequal_calls:
             raise ValueError("param_offload=True cannot be combined with unequal_calls=True: the unequal-count step "
                              "keeps the model unsharded on the device for the whole step; use equal counts")
