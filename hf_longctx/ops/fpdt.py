@@ -208,7 +208,7 @@ class FPDTAttention(torch.autograd.Function):
         store = ChunkStore(q.device, offload=offload)
         out = fpdt_forward(q, k, v, plan, store, sinks)
         keys = _saved_keys(plan.chunks)
-        ctx.keys, ctx.counts = keys, store.counts(keys)
+        ctx.keys, ctx.counts, ctx.written = keys, store.counts(keys), store.written(keys)  # events: see ops/offload.py
         ctx.save_for_backward(*store.export(keys), *([] if sinks is None else [sinks]))
         ctx.plan, ctx.offload, ctx.shapes = plan, offload, (q.shape, k.shape)
         ctx.has_sinks = sinks is not None
@@ -226,7 +226,7 @@ class FPDTAttention(torch.autograd.Function):
         sinks = saved[-1] if ctx.has_sinks else None
         saved = saved[:-1] if ctx.has_sinks else saved
         store = ChunkStore(dout.device, offload=ctx.offload)
-        store.load(ctx.keys, ctx.counts, saved)
+        store.load(ctx.keys, ctx.counts, saved, ctx.written)
         ctx.recycled = store.copies  # the store pops (and recycles) every host copy it reads
         dq, dk, dv, dsink = fpdt_backward(dout.contiguous(), ctx.plan, store, *ctx.shapes, sinks=sinks)
         return dq, dk, dv, None, None, None if dsink is None else dsink.to(sinks.dtype)

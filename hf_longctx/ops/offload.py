@@ -12,12 +12,17 @@ the caller moves past it.
 On CUDA with `offload=True`: `put` copies to pinned host memory on the side stream (the
 device tensor is marked as used by that stream, so the caching allocator cannot hand its
 memory out before the copy ends), `prefetch` copies back on the side stream and records an
-event, `get` makes the compute stream wait for that event. At the forward -> backward
-hand-off `export` makes the compute stream wait for every device -> host copy still in
-flight (the backward's store then orders its host -> device copies after them through the
-compute stream). Every stream/event operation goes through `Streams` (`CudaStreams` on a
-GPU), so the exact sequence of waits and records is tested on CPU with a fake
-(tests/unit/test_offload.py); what stays UNVERIFIED without a GPU is that the CUDA calls
+event, `get` makes the compute stream wait for that event. Waits sit only where a buffer
+is reused: every `put` records an event after its device -> host copies, and the copy
+that reads that host copy back (`prefetch`, in this store or in the backward's store that
+`load`s it with the events from `written`) waits for it; the compute stream never waits
+for a device -> host copy (nothing on it reads the host copies), so the end of a layer
+does not stall on its offload. A device tensor being copied out is kept reserved for the
+side stream (`keep_alive`); a host buffer handed back to the pool (`ops/host_pool.py`) is
+only rewritten by a later copy on the same side stream, after every earlier one. Every
+stream/event operation goes through `Streams` (`CudaStreams` on a GPU), so the exact
+sequence of waits and records is tested on CPU with a fake (tests/unit/test_offload.py,
+tests/unit/test_host_pool.py); what stays UNVERIFIED without a GPU is that the CUDA calls
 themselves behave as documented. Everywhere else (CPU, or offload off) the store keeps
 references and runs the same schedule without copies, so the schedule itself is tested on
 CPU through `trace`.
@@ -133,6 +138,7 @@ class ChunkStore:
         self.trace = trace
         self._held: dict[Key, tuple[torch.Tensor, ...]] = {}  # host copies, or the tensors themselves
         self._ready: dict[Key, tuple[tuple[torch.Tensor, ...], object]] = {}  # fetched: (device tensors, event)
+        self._written: dict[Key, object] = {}  # key -> event recorded after its device -> host copies
         self._side = self._streams.side(self.device) if self.copies else None
 
     def note(self, event: str, key: Key) -> None:
@@ -158,7 +164,10 @@ class ChunkStore:
                 host.copy_(t.detach(), non_blocking=True)  # [same shape] device -> pinned host, async on side
                 self._streams.keep_alive(t, self._side)  # keep t's memory reserved until the copy has run
                 hosts.append(host)
+            written = self._streams.event()
+            written.record(self._side)  # whoever reads these host copies waits for this, and only they
         self._held[key] = tuple(hosts)
+        self._written[key] = written
 
     # ---- fetch --------------------------------------------------------------------------
     def prefetch(self, key: Key) -> None:
@@ -175,6 +184,9 @@ class ChunkStore:
         # Waiting for main here only orders after work queued so far: the caller's compute
         # on the previous chunk is queued after this call, so it still overlaps the copy.
         self._side.wait_stream(main)
+        written = self._written.get(key)
+        if written is not None:  # the host copy is read here: after the copy that wrote it
+            self._side.wait_event(written)
         with self._streams.on(self._side):
             devs = tuple(h.to(self.device, non_blocking=True) for h in self._held[key])  # pinned -> device
             event = self._streams.event()
@@ -203,6 +215,7 @@ class ChunkStore:
         self._recycle(key)
 
     def _recycle(self, key: Key) -> None:
+        self._written.pop(key, None)
         held = self._held.pop(key, ())
         if self.copies:
             for host in held:
@@ -228,22 +241,28 @@ class ChunkStore:
 
     # ---- hand-over between forward and backward -----------------------------------------
     def finish(self) -> None:
-        """Order every queued copy before later work on the compute stream."""
+        """Order every queued copy before later work on the compute stream (for a caller
+        that reads host copies outside the store; the store itself never needs it)."""
         if self.copies:
             self._streams.current(self.device).wait_stream(self._side)
 
     def export(self, keys: Sequence[Key]) -> list[torch.Tensor]:
-        """Flat list of the held tensors of `keys` (for `ctx.save_for_backward`), after making
-        the compute stream wait for every copy still in flight: backward (another store, on
-        the same compute stream) reads these host tensors only after that point."""
-        self.finish()
+        """Flat list of the held tensors of `keys` (for `ctx.save_for_backward`). No wait:
+        copies into them may still be in flight; pass `written(keys)` on to `load`."""
         return [t for key in keys for t in self._held[key]]
 
-    def load(self, keys: Sequence[Key], counts: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
-        """Inverse of `export`: hold `tensors` (already host copies when offloading) again."""
+    def written(self, keys: Sequence[Key]) -> list:
+        """Per key, the event after its device -> host copies (None: no copy), for `load`."""
+        return [self._written.get(key) for key in keys]
+
+    def load(self, keys: Sequence[Key], counts: Sequence[int], tensors: Sequence[torch.Tensor], written=None) -> None:
+        """Inverse of `export`: hold `tensors` (already host copies when offloading) again;
+        `written` (from `written(keys)`): the events their first read back waits for."""
         it = iter(tensors)
-        for key, n in zip(keys, counts):
-            self._held[key] = tuple(next(it) for _ in range(n))
+        for n, (key, count) in enumerate(zip(keys, counts)):
+            self._held[key] = tuple(next(it) for _ in range(count))
+            if written is not None and written[n] is not None:
+                self._written[key] = written[n]
 
     def counts(self, keys: Sequence[Key]) -> list[int]:
         return [len(self._held[key]) for key in keys]

@@ -62,7 +62,7 @@ def _two_layer_step(plan, streams, q, k, v, dout):
     for layer in range(2):
         store = ChunkStore("cpu", offload=True, streams=streams)
         outs.append(fpdt_forward(q[layer], k[layer], v[layer], plan, store))
-        saved.append((store.counts(keys), store.export(keys)))
+        saved.append((store.counts(keys), store.export(keys), store.written(keys)))
     grads = []
     for layer in (1, 0):
         store = ChunkStore("cpu", offload=True, streams=streams)
@@ -89,3 +89,43 @@ def test_second_step_allocates_no_pinned_buffer(chunks):
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # no buffer reused while its chunk was held
     assert counts[0] > 0 and counts[1] == counts[0], counts  # step 2: every buffer from the pool
     assert sum(e[0] == "recycle" for e in fake.log) > 0
+
+
+def test_fpdt_offload_waits_only_where_a_host_copy_is_read():
+    """Issue 19 item 3: no compute-stream wait for device -> host copies at the end of a layer
+    (the old `finish()` in `export`); each read of a host copy (a prefetch on the side stream)
+    waits for exactly the event of the put that wrote it, and no other event."""
+    chunks, s, h, d = 4, 32, 2, 4
+    kw = dict(scale=1 / math.sqrt(d), causal=True, window=None, softcap=None)
+    plan = FPDTPlan([0, 5, s], chunks, group=None, causal=True, window=None, kw=kw)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = ([torch.randn(1, s, h, d, generator=g) for _ in range(2)] for _ in range(4))
+    fake = PooledFakeStreams()
+    trace: list = []
+    orig_put, orig_prefetch = ChunkStore.put, ChunkStore.prefetch
+
+    def put(self, key, *tensors):  # tag each put with the event it records
+        orig_put(self, key, *tensors)
+        trace.append(("put", key, self._written[key].name))
+
+    def prefetch(self, key):
+        if key not in self._ready:
+            trace.append(("read", key, self._written[key].name, len(fake.log)))
+        orig_prefetch(self, key)
+
+    ChunkStore.put, ChunkStore.prefetch = put, prefetch
+    try:
+        _two_layer_step(plan, fake, q, k, v, dout)
+    finally:
+        ChunkStore.put, ChunkStore.prefetch = orig_put, orig_prefetch
+    assert ("wait_stream", "main", "side") not in fake.log  # the compute stream never waits for an offload
+    reads = [e for e in trace if e[0] == "read"]
+    assert reads
+    for _, key, event, at in reads:
+        # the read's own waits: the side stream after main (ordering), then the put's event
+        assert fake.log[at : at + 2] == [("wait_stream", "side", "main"), ("wait_event", "side", event)], (key, event)
+    side_waits = [e for e in fake.log if e[:2] == ("wait_event", "side")]
+    assert len(side_waits) == len(reads)  # no wait anywhere else
+    main_waits = {e[2] for e in fake.log if e[:2] == ("wait_event", "main")}
+    put_events = {e[2] for e in trace if e[0] == "put"}
+    assert not main_waits & put_events  # the compute stream waits only for copies back to the device

@@ -193,19 +193,23 @@ def test_store_stream_protocol_with_fake_streams():
     assert store.copies
     t = torch.randn(3, 2)
     store.put("a", t)
-    # put: the side stream waits for the producer, copies inside the side stream, keeps t alive for it
+    # put: the side stream waits for the producer, copies inside the side stream, keeps t alive
+    # for it, and records the event that readers of the host copy will wait for
     assert fake.log == [("wait_stream", "side", "main"), ("enter", "side"), ("pinned", (3, 2)),
-                        ("keep_alive", (3, 2), "side"), ("exit", "side")]
+                        ("keep_alive", (3, 2), "side"), ("record", "e1", "side"), ("exit", "side")]
     assert store._held["a"][0] is not t and torch.equal(store._held["a"][0], t)
     fake.log.clear()
-    (back,) = store.get("a")
-    assert fake.log == [("wait_stream", "side", "main"), ("enter", "side"), ("record", "e1", "side"), ("exit", "side"),
-                        ("wait_event", "main", "e1"), ("keep_alive", (3, 2), "main")]
+    saved, written = store.export(["a"]), store.written(["a"])
+    # the forward -> backward hand-off: no wait at all (the compute stream never reads the host copy)
+    assert fake.log == [] and saved[0] is store._held["a"][0] and written[0].name == "e1"
+    back_store = ChunkStore("cpu", offload=True, streams=fake)
+    back_store.load(["a"], [1], saved, written)
+    (back,) = back_store.get("a")
+    # the read of the host copy (on the side stream) waits for the copy that wrote it; main waits for the read
+    assert fake.log == [("wait_stream", "side", "main"), ("wait_event", "side", "e1"), ("enter", "side"),
+                        ("record", "e2", "side"), ("exit", "side"), ("wait_event", "main", "e2"),
+                        ("keep_alive", (3, 2), "main")]
     assert torch.equal(back, t)
-    fake.log.clear()
-    saved = store.export(["a"])
-    # the forward -> backward hand-off: the compute stream waits for every copy in flight
-    assert fake.log == [("wait_stream", "main", "side")] and saved[0] is store._held["a"][0]
 
 
 def test_offloaded_checkpoint_stream_protocol_and_gradients():
