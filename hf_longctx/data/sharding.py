@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hf_longctx.ops.offload import upload
+from hf_longctx.data.device_copy import upload_stacked
 
 
 SP_METADATA_KEY = "sp_batch"  # the one kwarg that carries global document metadata to our attention
@@ -164,7 +164,8 @@ def _fingerprint(input_ids: torch.Tensor, cu: list[int]) -> int:
 
 
 def shard_batch(
-    batch: Mapping[str, Any], mesh, num_items_in_batch: int | torch.Tensor | None = None, *, pad_token_id: int = 0
+    batch: Mapping[str, Any], mesh, num_items_in_batch: int | torch.Tensor | None = None, *, pad_token_id: int = 0,
+    device: torch.device | str | None = None,
 ) -> dict[str, Any]:
     """The shard of THIS SP rank: exactly the kwargs of `model(**shard)`.
 
@@ -177,13 +178,19 @@ def shard_batch(
     `shift_labels` (both the pre-shifted targets) and `num_items_in_batch` (default: valid
     targets of this batch); and `SP_METADATA_KEY` -> `SPBatchInfo`. Same on every rank except
     the per-token tensors. Raises ValueError (before any collective) on unusable input.
+
+    `device`: where the shard goes (default: the batch's device). The layout runs on the
+    host; pass the batch as it comes from the data pipeline (host tensors) with
+    `device=...`, so that the only copy is the shard's, one pinned non-blocking copy per
+    dtype: a batch already on the GPU is first copied back to the host (a blocking copy).
     """
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise ValueError(f"batch must be a mapping with 'input_ids', got {type(batch).__name__} with keys {list(batch)[:8] if isinstance(batch, Mapping) else '-'}")
     input_ids = _as_tensor("input_ids", batch["input_ids"])
     # The layout math runs on CPU (small integer tensors, no device syncs per index); the
     # shard goes back to the device the batch came from.
-    device, input_ids = input_ids.device, input_ids.cpu()
+    device = input_ids.device if device is None else torch.device(device)
+    input_ids = input_ids.cpu()
     b, s = input_ids.shape
     if s == 0:
         raise ValueError("batch['input_ids'] is empty")
@@ -238,8 +245,8 @@ def shard_batch(
 
     row_cu = padded_cu if b == 1 else [0, padded_cu[-1]]
     idx = mesh.local_indices(row_cu)  # [S_local] global positions this rank holds
-    # [B, S_local] each, back on the batch's device without blocking the host (pinned, non_blocking)
-    shard: dict[str, Any] = {key: upload(t[:, idx].contiguous(), device) for key, t in full.items()}
+    # [B, S_local] each, on the device without blocking the host: one pinned non_blocking copy per dtype
+    shard: dict[str, Any] = upload_stacked({key: t[:, idx] for key, t in full.items()}, device)
     if labels is not None:
         shard["labels"] = shard["shift_labels"]  # pre-shifted: HF's loss uses shift_labels, labels only switch it on
         shard["num_items_in_batch"] = num_items_in_batch

@@ -56,6 +56,7 @@ from transformers.trainer_utils import EvalLoopOutput
 from hf_longctx._compat import TRAINER_SHARDED_MODELS, checkpointing_fields, trainer_takes_sharded_models
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.data.device_copy import to_device
 from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.flex_collator import FlexCollator
 from hf_longctx.distributed.group_bank import GroupBank
@@ -334,6 +335,10 @@ class LongContextTrainerMixin:
             except StopIteration:
                 break
         return samples, None
+
+    def _prepare_input(self, data: Any) -> Any:
+        # A micro-batch's host shard to the device with pinned, non_blocking copies (Trainer's is a blocking .to())
+        return to_device(data, self.args.device, pin=self.args.dataloader_pin_memory)
 
     # ---- the step ------------------------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
