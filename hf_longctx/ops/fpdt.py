@@ -73,8 +73,10 @@ def _to_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [B, S_c, h, D] -> [B, h, S_c, D], the kernel layout (a view)
 
 
-def _from_heads(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2).contiguous()  # [B, h, S_c, D] -> [B, S_c, h, D] for the all-to-all
+def _from_heads(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, h, S_c, D] -> [B, S_c, h, D] contiguous for the all-to-all, cast to `dtype` in the
+    same copy (one rounding, one kernel: no cast then layout copy)."""
+    return x.transpose(1, 2).to(dtype=dtype or x.dtype, memory_format=torch.contiguous_format)
 
 
 def _attend(
@@ -154,8 +156,7 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         if j + 1 < u:
             store.prefetch(("kv", j + 1))  # the next outer chunk comes in while this one is worked on
         k_j, v_j = store.get(("kv", j))
-        dk_j = torch.zeros(k_j.shape, dtype=acc, device=k_j.device)  # [B, h_kv, S/u, D]
-        dv_j = torch.zeros(v_j.shape, dtype=acc, device=v_j.device)
+        dk_j = dv_j = None  # [B, h_kv, S/u, D] in acc; the first query chunk's gradient starts the sum (no zeros)
         # ("dq", i) exists from the second K/V chunk chunk i needs on (the first one's gradient starts it)
         groups = [[("q", i), ("do", i), ("o", i)] + ([("dq", i)] if j != plan.needs[i][0] else []) for i in plan.users[j]]
         final: dict[int, torch.Tensor] = {}  # dq of chunks no later K/V chunk touches: kept on the device
@@ -174,9 +175,10 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
                 final[i] = dq_i
             else:
                 store.put(("dq", i), dq_i)  # written back (to host when offloading) for later K/V chunks
-            dk_j += gk
-            dv_j += gv
+            dk_j, dv_j = (gk, gv) if dk_j is None else (dk_j.add_(gk), dv_j.add_(gv))
             del q_i, do_i, o_i, lse_i, dq_i
+        if dk_j is None:  # no query chunk sees this K/V chunk
+            dk_j, dv_j = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k_j, v_j))
         del k_j, v_j
         store.pop(("kv", j))
         done = [i for i in range(u) if plan.dq_done_at[i] == j]
@@ -184,10 +186,10 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         for i in done:
             # a chunk with no key at all has no gradient: zeros
             dq_i = final.pop(i) if i in final else torch.zeros(do_shape, dtype=acc, device=dout.device)
-            dq_done.append(_from_heads(dq_i.to(dtype)))  # [B, S/u, H/U, D]
+            dq_done.append(_from_heads(dq_i, dtype))  # [B, S/u, H/U, D]
             for key in (("dq", i), ("q", i), ("do", i), ("o", i)):
                 store.pop(key)
-        grads = head_to_seq([_from_heads(dk_j.to(dtype)), _from_heads(dv_j.to(dtype)), *dq_done], plan.group)
+        grads = head_to_seq([_from_heads(dk_j, dtype), _from_heads(dv_j, dtype), *dq_done], plan.group)
         del dk_j, dv_j, dq_done  # each [B, S/u, h, D] -> [B, c, U·h, D]
         dk[:, j * c : (j + 1) * c], dv[:, j * c : (j + 1) * c] = grads[0], grads[1]
         for i, g in zip(done, grads[2:]):
