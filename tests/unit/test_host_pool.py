@@ -129,3 +129,38 @@ def test_fpdt_offload_waits_only_where_a_host_copy_is_read():
     main_waits = {e[2] for e in fake.log if e[:2] == ("wait_event", "main")}
     put_events = {e[2] for e in trace if e[0] == "put"}
     assert not main_waits & put_events  # the compute stream waits only for copies back to the device
+
+
+def test_fpdt_attention_with_pooled_offload_matches_and_refuses_a_second_backward(monkeypatch):
+    """`FPDTAttention` end to end on the pooled fake streams (the stores it builds use
+    `default_streams()`): gradients equal the no-offload ones, the second step allocates no
+    buffer, and a second backward through the same graph (its buffers recycled) raises."""
+    from hf_longctx.ops import offload
+    from hf_longctx.ops.fpdt import FPDTAttention
+
+    chunks, s, h, d = 2, 16, 2, 4
+    kw = dict(scale=1 / math.sqrt(d), causal=True, window=None, softcap=None)
+    plan = FPDTPlan([0, 5, s], chunks, group=None, causal=True, window=None, kw=kw)
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(1, s, h, d, generator=g) for _ in range(3)]
+
+    def grads(offload_on: bool, retain: bool = False):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = FPDTAttention.apply(q, k, v, plan, offload_on, None)
+        out.square().sum().backward(retain_graph=retain)
+        return out, [t.grad for t in (q, k, v)]
+
+    ref_out, ref = grads(False)
+    fake = PooledFakeStreams()
+    monkeypatch.setattr(offload, "default_streams", lambda: fake)
+    allocations = []
+    for _ in range(2):
+        out, got = grads(True)
+        allocations.append(fake.pool.allocations)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert allocations[1] == allocations[0] > 0
+    out, _ = grads(True, retain=True)
+    with pytest.raises(RuntimeError, match="offload=False"):
+        out.square().sum().backward()
