@@ -72,8 +72,9 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).contiguous()  # [2, B, H_kv, S_ring, D]: one message per hop
 
 
-def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sinks=None):
-    """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse [B, H, S_ring].
+def ring_forward(q, kv, spec: RingSpec, *, scale, causal, window, softcap, sinks=None):
+    """q [B, H, S_ring, D], kv [2, B, H_kv, S_ring, D] (`_pack(k, v)`, what travels) →
+    out [B, H, S_ring, D] (float32), lse [B, H, S_ring].
 
     Partial results stay in float32 (float64 for float64 inputs) through every merge; the
     caller rounds once. `sinks` [H] joins the denominator once, after the last ring step.
@@ -81,7 +82,6 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sin
     q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
     out = lse = None  # the first block's result starts the merge (no all-zero accumulator)
-    kv = _pack(k, v)
     ex = spec.exchanger(tag=0)
     for step in range(spec.ring):
         if step + 1 < spec.ring:
@@ -103,12 +103,12 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sin
     return out, lse
 
 
-def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
-    """Gradients of `ring_forward` from the final out/lse; dk/dv travel with their block."""
+def ring_backward(dout, q, kv, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
+    """Gradients (dq, dk, dv) of `ring_forward` from the final out/lse and the forward's own
+    packed `kv` (saved, not re-packed); dk/dv travel with their block."""
     q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
     dq = None  # the first block's dq starts the sum
-    kv = _pack(k, v)
     kv_ex, dkv_ex = spec.exchanger(tag=0), spec.exchanger(tag=1)
     for step in range(spec.ring):
         if step + 1 < spec.ring:
@@ -144,23 +144,24 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, spec, scale, causal, window, softcap, sinks):
-        out, lse = ring_forward(q, k, v, spec, scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks)
+        kv = _pack(k, v)  # [2, B, H_kv, S_ring, D]: saved for the backward too (k, v themselves are not)
+        out, lse = ring_forward(q, kv, spec, scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks)
         out = out.to(q.dtype)  # the one rounding of the merged result
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.save_for_backward(q, kv, out, lse, sinks)
         ctx.spec, ctx.kw = spec, dict(scale=scale, causal=causal, window=window, softcap=softcap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, kv, out, lse, sinks = ctx.saved_tensors
         # dout stays as autograd hands it (usp.py's out is a head-major view of a token-major
         # tensor): the varlen backends gather it token-major without a copy; a .contiguous()
         # here would copy it head-major only for the packed backend to copy it back.
         # out/lse are the sink-merged ones: the sink is a key with v = 0, so every tile's
         # FlashAttention-2 backward stays exact given them (see ops/sinks.py).
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.spec, **ctx.kw)
+        dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.spec, **ctx.kw)
         dsink = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
+        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None, dsink
 
 
 def ring_attention(q, k, v, spec: RingSpec, *, scale: float, causal: bool = True, window=None, softcap=None, sinks=None):
