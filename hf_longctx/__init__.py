@@ -25,10 +25,11 @@ from hf_longctx.distributed.group_bank import GroupBank, init_group_bank
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
-from hf_longctx.integrations.transformers import is_patched, patch, unpatch
+from hf_longctx.integrations.transformers import is_patched, unpatch
 from hf_longctx.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
+from hf_longctx.patching import patch
 from hf_longctx.verify import VerificationError, verify
 
 __all__ = [

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hf_longctx.ops.offload import upload
+from hf_longctx.devices import upload
 
 
 SP_METADATA_KEY = "sp_batch"  # the one kwarg that carries global document metadata to our attention

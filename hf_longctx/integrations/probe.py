@@ -41,6 +41,8 @@ from typing import Any, Callable
 
 import torch
 
+from hf_longctx.model_walk import SkippedLayer, configs, decoder_layers, layer_kind, reduced_copy
+
 _REL_TOL = 1e-4  # a per-token model reproduces other positions bit-for-bit up to GEMM blocking
 # ... and in bf16 / fp16 up to a rounding of the dtype: a GEMM over a different number of rows
 # (runs A/B vs the shorter run C) may pick another cuBLAS kernel whose fp32 accumulation rounds
@@ -223,7 +225,6 @@ def probe_model(
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    from hf_longctx.integrations.exactness import configs
 
     report = ProbeReport()
     p0 = next(hf.parameters(), None)
@@ -416,8 +417,6 @@ def _probe_meta(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: f
     twin with one decoder layer per kind (as `verify()` builds it), materialised on CPU with
     seeded weights -- the same twin on every rank, so every rank reaches the same verdict.
     The attention calls of each kept layer count for every layer of its kind."""
-    from hf_longctx.verify import SkippedLayer, decoder_layers, layer_kind, reduced_copy
-
     with torch.random.fork_rng(devices=[]):  # init_weights draws from the global RNG
         torch.manual_seed(0)
         twin = reduced_copy(hf)  # meta: nothing is allocated until to_empty

@@ -62,7 +62,8 @@ from hf_longctx.distributed.group_bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.distributed.unsharded_step import check_unsharded_step, unsharded_step
 from hf_longctx.integrations.accelerate import fsdp_plan
-from hf_longctx.integrations.transformers import _STATE_ATTR, _hf_model, is_patched
+from hf_longctx.integrations.transformers import _STATE_ATTR, is_patched
+from hf_longctx.model_walk import hf_model
 from hf_longctx.loss import global_loss
 from hf_longctx.training.checkpoint import load_sharded, save_consolidated, save_sharded
 from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments, check_world
@@ -154,7 +155,7 @@ class LongContextTrainerMixin:
         self._check_patched(model)
         self._check_world(mesh)
         # The Trainer writes args.use_cache into model.config; the exported model keeps the user's value.
-        self._config_use_cache = getattr(getattr(_hf_model(model), "config", None), "use_cache", None)
+        self._config_use_cache = getattr(getattr(hf_model(model), "config", None), "use_cache", None)
         if mesh.world_size > 1 and not trainer_takes_sharded_models():  # every rank alike, before any collective
             raise RuntimeError(
                 f"LongContextTrainer on {mesh.world_size} ranks needs transformers >= "
@@ -174,7 +175,7 @@ class LongContextTrainerMixin:
             check_lengths(lengths, self.max_tokens, overlong)
             check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
         self._train_lengths = lengths
-        hf_config = getattr(_hf_model(self.model), "config", None)
+        hf_config = getattr(hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
         if isinstance(mesh, GroupBank):
             if cost is None and hf_config is None:
@@ -243,7 +244,7 @@ class LongContextTrainerMixin:
                 f"{type(model).__name__} is not patched: call hf_longctx.patch(model, mesh) before building the trainer "
                 "(the unpatched model would attend across shards and ranks wrongly)"
             )
-        state = _hf_model(model).__dict__[_STATE_ATTR]
+        state = hf_model(model).__dict__[_STATE_ATTR]
         if isinstance(self.mesh, GroupBank):
             if state.bank != self.mesh:
                 raise ValueError("the model was not patched with the trainer's GroupBank: call patch(model, bank)")
@@ -259,7 +260,7 @@ class LongContextTrainerMixin:
             return
         from hf_longctx.integrations.transformers import patch
 
-        state = _hf_model(model).__dict__[_STATE_ATTR]
+        state = hf_model(model).__dict__[_STATE_ATTR]
         if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
             knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
             patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
@@ -493,7 +494,7 @@ class LongContextTrainerMixin:
         if _internal_call:
             os.makedirs(output_dir, exist_ok=True)
             return
-        config = getattr(_hf_model(self.model), "config", None)
+        config = getattr(hf_model(self.model), "config", None)
         trained_value = getattr(config, "use_cache", None)
         if config is not None and self._config_use_cache is not None:
             config.use_cache = self._config_use_cache  # the model as loaded, not the Trainer's training-time value
