@@ -114,7 +114,7 @@ def footer(args: argparse.Namespace) -> str:
         "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
         *([f"- --unequal-calls: every rank holds the whole model in {args.dtype} for the step (in params) next to the "
            "held fp32 unsharded gradients, as ranks run different numbers of micro-batches "
-           "(distributed/unsharded_step.py);"]
+           "(distributed/flex/unsharded_step.py);"]
           if args.unequal_calls else []),
         "- held fp32 gradients sit next to every micro-batch's activations: peak = params + optim + held + "
         "max(grads - held, activ + buffers);",
@@ -194,11 +194,11 @@ def _plot_flex(args: argparse.Namespace, config: Any, best) -> str:
     """The flexible plan of one sampled step at the best setting's tokens per rank, drawn
     per rank with each slot's group sizes; compared with that setting's fixed degree."""
     from hf_longctx.data.cost import GroupCost
-    from hf_longctx.data.flex_groups import group_shapes
-    from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
-    from hf_longctx.data.flex_unequal import plan_unequal
+    from hf_longctx.data.flex.groups import group_shapes
+    from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
+    from hf_longctx.data.flex.unequal import plan_unequal
     from hf_longctx.data.model_dims import ModelDims
-    from hf_longctx.distributed.flex_collator import layout_text
+    from hf_longctx.distributed.flex.collator import layout_text
     from hf_longctx.planning import plot
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

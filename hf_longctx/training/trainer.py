@@ -34,7 +34,7 @@ compared across ranks, and each slot's shard carries its group -- so `training_s
 unchanged; the loss contract does not depend on the grouping. The logs add each step's
 slot layouts (`plan_layouts`) and the plan's per-rank busy max/mean. `unequal_calls=True`
 plans training steps with `plan_unequal` instead: ranks run different numbers of
-micro-batches, with the model unsharded for the step (`distributed/unsharded_step.py`:
+micro-batches, with the model unsharded for the step (`distributed/flex/unsharded_step.py`:
 gathered once, gradients reduce-scattered in each rank's own last backward; refused with
 parameter offload or when it does not fit device memory). Evaluation keeps equal counts
 (its forwards gather parameters per layer).
@@ -57,10 +57,10 @@ from hf_longctx._compat import TRAINER_SHARDED_MODELS, checkpointing_fields, tra
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.sharding import SP_METADATA_KEY
-from hf_longctx.distributed.flex_collator import FlexCollator
-from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.distributed.flex.collator import FlexCollator
+from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.distributed.unsharded_step import check_unsharded_step, unsharded_step
+from hf_longctx.distributed.flex.unsharded_step import check_unsharded_step, unsharded_step
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import _STATE_ATTR, is_patched
 from hf_longctx.model_walk import hf_model
@@ -161,7 +161,7 @@ class LongContextTrainerMixin:
                 f"LongContextTrainer on {mesh.world_size} ranks needs transformers >= "
                 f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded before "
                 f"prepare); transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade "
-                "transformers, or train on one rank / with hf_longctx.distributed.flex_step.run_flex_step."
+                "transformers, or train on one rank / with hf_longctx.distributed.flex.step.run_flex_step."
             )
         if training_args is not None:
             self._map_activation_checkpointing(model, training_args)

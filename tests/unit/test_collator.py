@@ -206,7 +206,7 @@ def test_flex_collator_shares_the_feature_checks():
     the same errors for float ids, 2-D features and label/ids length mismatches."""
     from hf_longctx import init_group_bank
     from hf_longctx.data.cost import CostModel
-    from hf_longctx.distributed.flex_collator import FlexCollator
+    from hf_longctx.distributed.flex.collator import FlexCollator
 
     flex = FlexCollator(init_group_bank(heads=4), 64, CostModel(a=1.0, b=1.0))
     with pytest.raises(ValueError, match="input_ids must be integers"):

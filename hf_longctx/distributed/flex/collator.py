@@ -8,7 +8,7 @@ same global list on every rank; this collator
    the rule of `packing._make_pieces`; "error" refuses them) into pieces,
 2. plans the step with `plan_flexible` (per-size `GroupCost`; a group of size s packs at
    most s × `max_tokens_per_rank` padded tokens) -- deterministic, no collective,
-3. hands the plan to `flex_step.flex_microbatches`, which checks it (every slot tiles the
+3. hands the plan to `distributed/flex/step.flex_microbatches`, which checks it (every slot tiles the
    world, so every rank runs the same number of forward/backward calls), compares its
    fingerprint across ranks (ONE all-reduce of two integers: the only collective here)
    and `shard_batch`es each slot's group row for `bank.mesh(size)`.
@@ -28,12 +28,12 @@ import numpy as np
 
 from hf_longctx.data.collator import read_documents
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex_packing import plan_flexible
-from hf_longctx.data.flex_plan import FlexPlan
-from hf_longctx.data.flex_unequal import plan_unequal
+from hf_longctx.data.flex.packing import plan_flexible
+from hf_longctx.data.flex.plan import FlexPlan
+from hf_longctx.data.flex.unequal import plan_unequal
 from hf_longctx.data.packing import OVERLONG, _make_pieces
-from hf_longctx.distributed.flex_step import flex_microbatches, valid_labels
-from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.distributed.flex.step import flex_microbatches, valid_labels
+from hf_longctx.distributed.flex.bank import GroupBank
 
 
 def layout_text(layouts: Sequence[Sequence[int]]) -> str:
@@ -52,7 +52,7 @@ class FlexCollator:
     communication term; fit one with `GroupCost.fit` to include it). `num_slots`: slots to
     aim for (default: the fewest the tokens need). `unequal_calls`: plan with `plan_unequal`
     (ranks get different numbers of micro-batches; the step must run unsharded, see
-    `distributed/unsharded_step.py`). Features: mappings with `input_ids` and
+    `distributed/flex/unsharded_step.py`). Features: mappings with `input_ids` and
     optional unshifted `labels` (-100 = no target).
     """
 
