@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from hf_longctx.data.collator import read_documents
+from hf_longctx.data.collator import check_feature_options, read_documents, require_targets
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex.packing import plan_flexible
 from hf_longctx.data.flex.plan import FlexPlan
@@ -53,17 +53,20 @@ class FlexCollator:
     aim for (default: the fewest the tokens need). `unequal_calls`: plan with `plan_unequal`
     (ranks get different numbers of micro-batches; the step must run unsharded, see
     `distributed/flex/unsharded_step.py`). Features: mappings with `input_ids` and
-    optional unshifted `labels` (-100 = no target).
+    optional unshifted targets under `label_key` (-100 = no target) and a 0/1 loss mask
+    under `loss_mask_key`, read and checked as `LongContextCollator` does.
     """
 
     def __init__(
         self, bank: GroupBank, max_tokens_per_rank: int, cost: GroupCost | CostModel, *, overlong: str = "error",
         pad_token_id: int = 0, num_slots: int | None = None, unequal_calls: bool = False,
+        label_key: str = "labels", loss_mask_key: str | None = None,
     ) -> None:
         if not isinstance(bank, GroupBank):
             raise TypeError(f"bank must be a GroupBank from init_group_bank, got {type(bank).__name__}")
         if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
+        check_feature_options(pad_token_id, label_key, loss_mask_key)  # LongContextCollator's checks
         if overlong not in OVERLONG:
             raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
         if isinstance(cost, CostModel):
@@ -84,6 +87,8 @@ class FlexCollator:
         self.cost = cost
         self.overlong = overlong
         self.pad_token_id = pad_token_id
+        self.label_key = label_key
+        self.loss_mask_key = loss_mask_key
         self.num_slots = num_slots
         if not isinstance(unequal_calls, bool):
             raise ValueError(f"unequal_calls must be a bool, got {unequal_calls!r}")
@@ -115,7 +120,8 @@ class FlexCollator:
         return {**self.last_plan.stats(self.cost), "num_items_in_batch": self.last_num_items}
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        docs = read_documents(features)  # [(ids [L], labels [L])]: the collators' checks
+        # [(ids [L], labels [L])]: LongContextCollator's feature checks, labels and loss mask
+        docs = read_documents(features, label_key=self.label_key, loss_mask_key=self.loss_mask_key)
         lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
         cap = f"the largest group: {self.bank.max_size} ranks × max_tokens_per_rank {self.max_tokens_per_rank}"
         pieces = _make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document
@@ -123,11 +129,7 @@ class FlexCollator:
             {"input_ids": docs[p.doc][0][p.start : p.end], "labels": docs[p.doc][1][p.start : p.end]} for p in pieces
         ]
         num_items = valid_labels(documents)  # targets of the whole step after the per-piece shift
-        if num_items == 0:
-            raise ValueError(
-                f"the step's {len(docs)} document(s) have no valid target after the per-document shift "
-                f"(lengths {lengths[:8].tolist()}): every label is -100 or a document has 1 token"
-            )
+        require_targets(num_items, lengths.tolist())
         plan = self.plan([p.length for p in pieces])
         out = list(flex_microbatches(plan, self.bank, documents, num_items_in_batch=num_items,
                                      pad_token_id=self.pad_token_id))
