@@ -2,7 +2,7 @@
 
 Where it sits: the lowest floor (beside `errors`, `config`, `_compat`; it imports only torch
 and, lazily, transformers). Everything that needs to find parts of a user's model asks here:
-`patch()` and the structural rule (`integrations/probe.py`, `exactness.py`), the memory
+`patch()` and the structural rule (`integrations/probe/dry_run.py`, `exactness.py`), the memory
 features (`integrations/memory.py`: which layers to checkpoint, which MLPs to chunk), the
 FSDP2 plan (`integrations/accelerate.py`: one unit per decoder layer) and `verify()` (its
 reduced copy keeps one decoder layer per kind). One rule, so these can no longer disagree
@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch
 from torch import nn
 
 # The attribute under which each family keeps its decoder layer's token-wise MLP (Llama-style

@@ -1,7 +1,7 @@
 """`verify(model, mesh)`: measure, for THIS model, that sequence parallelism is exact.
 
 Where it sits: beside `patch()` (which calls it with `verify=True`), after the structural
-rule of `integrations/probe.py`, as its numerical backstop for families nobody has tried
+rule of `integrations/probe/dry_run.py`, as its numerical backstop for families nobody has tried
 (DESIGN invariant 7). It compares the patched model with the unpatched one on a small
 synthetic packed batch across the SP group -- loss and every parameter gradient -- in fp32,
 on a reduced copy of the model: embeddings, final norm, head and the FIRST decoder layer of

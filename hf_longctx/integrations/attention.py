@@ -178,7 +178,7 @@ def make_mask_function(state: Any) -> Callable:
                 "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
             )
         if mask_function is not None:
-            from hf_longctx.integrations.probe import mask_windows
+            from hf_longctx.integrations.probe.masks import mask_windows
 
             state.mask_windows.append(frozenset(mask_windows(mask_function)))
         return None

@@ -186,7 +186,7 @@ def refuse_inexact(
     problems += dtype_problems(hf)
     report = None
     if structural and not problems:
-        from hf_longctx.integrations.probe import probe_model
+        from hf_longctx.integrations.probe.dry_run import probe_model
         from hf_longctx.integrations.refusals import describe
 
         report = probe_model(hf, SP_METADATA_KEY, frozenset(used_kwargs), frozenset(ignored_kwargs), handled=handled)

@@ -8,7 +8,7 @@ probe already made; no name ever makes a model pass.
 
 from __future__ import annotations
 
-from hf_longctx.integrations.probe import ProbeReport
+from hf_longctx.integrations.probe.report import ProbeReport
 
 # (substring of the lowercased class name, what it is and why it cannot be exact on shards)
 _HINTS = (

@@ -219,7 +219,7 @@ def patch(
     With a `GroupBank` (`init_group_bank`) each micro-batch runs on the SP group it was
     sharded for (`shard_batch(batch, bank.mesh(size))`); sizes come from the batch.
 
-    Before changing anything, a local dry run (`integrations/probe.py`, no collective)
+    Before changing anything, a local dry run (`integrations/probe/dry_run.py`, no collective)
     proves that only the attention mixes tokens and that everything the attention receives
     is applied; otherwise `patch()` raises naming the module class, its layers and the cause.
     unsafe_skip_exactness_check: skip the dry run. UNSAFE: a model whose modules mix tokens

@@ -1,4 +1,4 @@
-"""The structural exactness rule of patch() (integrations/probe.py), in one process.
+"""The structural exactness rule of patch() (integrations/probe/dry_run.py), in one process.
 
 Each refused family is built tiny (benchmarks/zoo.py's builder) so that its token mixer is
 present; patch() must raise BEFORE changing anything, naming the module class and the real
