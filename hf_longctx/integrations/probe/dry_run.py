@@ -28,7 +28,8 @@ A module that leaks is blamed at the innermost module whose output first differs
 hooks fire innermost-first); its output is then spliced back to the clean values so that
 one pass finds every independent source. Module classes in `handled` (the linear mixers
 that `integrations/mixers.py` wraps for SP) are trusted: their outputs are spliced without
-blame. Cost: three no-grad forwards over ~12 tokens plus the per-module outputs of
+blame. Cost: four no-grad forwards over ~12 tokens (runs A, B, C; run A also computes the
+loss of the shift_labels check, which needs one more forward) plus the per-module outputs of
 run A kept in memory (~12 x hidden floats per module call). No parameter, gradient, RNG,
 training mode or attention implementation is changed when it returns.
 """
@@ -40,7 +41,13 @@ import uuid
 import torch
 
 from hf_longctx.integrations.probe.compare import differs, flatten, rebuild, seq_view
-from hf_longctx.integrations.probe.inputs import loss_takes_shift_labels, per_token, probe_lengths
+from hf_longctx.integrations.probe.inputs import (
+    loss_ignores_shift_labels,
+    no_shift_labels,
+    per_token,
+    probe_lengths,
+    shift_label_pair,
+)
 from hf_longctx.integrations.probe.masks import mask_pieces
 from hf_longctx.integrations.probe.report import ProbeReport
 from hf_longctx.model_walk import SkippedLayer, configs, decoder_layers, layer_kind, reduced_copy
@@ -192,18 +199,27 @@ def probe_model(
                 handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 handles.append(m.register_forward_hook(hook))
         kw = {metadata_key: marker, "use_cache": False}
+        targets, other = shift_label_pair(hf, ids)
         with torch.no_grad():
-            state["run"] = "loss"
-            loss_problem = loss_takes_shift_labels(hf, ids, pos, kw)
-            if loss_problem:
-                report.problems.append(loss_problem)
+            state["run"] = "loss"  # the one extra forward: the loss under the second shift_labels
+            try:
+                other_loss = hf(input_ids=ids, position_ids=pos, labels=ids, shift_labels=other, **kw).loss
+                loss_kw = {"labels": ids, "shift_labels": targets}  # run A computes the first loss
+            except TypeError as e:
+                if "shift_labels" not in str(e):
+                    raise  # another failure of the dry run: refused below with its own cause
+                report.problems.append(no_shift_labels(hf, e))
+                other_loss, loss_kw = None, {}
             for run, (x, p) in {"A": (ids, pos), "B": (perturbed, pos), "C": (ids[:, a:], pos[:, a:])}.items():
                 state.update(run=run, counts={}, in_counts={}, stack=[])
                 calls.clear()
-                hf(input_ids=x, position_ids=p, **kw)
+                out = hf(input_ids=x, position_ids=p, **kw, **(loss_kw if run == "A" else {}))
                 if run == "A":
                     report.attention_calls = len(calls)
                     report.called = list(calls)
+                    loss_problem = loss_ignores_shift_labels(hf, out.loss, other_loss) if loss_kw else None
+                    if loss_problem:
+                        report.problems.append(loss_problem)
     except Exception as e:  # noqa: BLE001 -- every failure of the dry run is a refusal with its cause
         where = state["stack"][-1] if state["stack"] else hf
         indexers = sorted({type(m).__name__ for m in where.modules() if "indexer" in type(m).__name__.lower()})

@@ -4,7 +4,7 @@ Where it sits: used by `dry_run.probe_model` before and during its runs. The pro
 is chosen distinct from every size in the model (so a dim of that size IS the sequence);
 the stand-in makes attention per-token (token i attends only to itself), so any remaining
 mixing is a module's own; the loss check measures that the model's loss is computed from
-`shift_labels` (what `shard_batch` hands each rank).
+`shift_labels` (what `shard_batch` hands each rank), on run A plus one extra forward.
 """
 
 from __future__ import annotations
@@ -46,23 +46,28 @@ def per_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scali
     return (v_e * gate).transpose(1, 2).contiguous(), None  # [B, S, H, Dv]
 
 
-def loss_takes_shift_labels(hf, ids: torch.Tensor, pos: torch.Tensor, kw: dict) -> str | None:
-    """None if the model's loss is computed from `shift_labels` (what shard_batch hands each
-    rank: targets shifted on the whole packed sequence, with the global token count), else why
-    not. Measured: two forwards whose shift_labels differ must give different losses."""
+def shift_label_pair(hf, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two `shift_labels` for the probe ids: the next-token targets, and the same with the
+    first half dropped. A model whose loss is computed from `shift_labels` (what shard_batch
+    hands each rank: targets shifted on the whole packed sequence, with the global token
+    count) gives two different losses for them; the dry run's run A takes the first, one
+    extra forward the second."""
     text = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     n_out = getattr(text, "vocab_size", None) or hf.get_input_embeddings().num_embeddings  # the LM head's classes
     targets = torch.roll(ids, -1, dims=1) % n_out  # [1, S]: Mllama's embedding has more rows than its head
     targets[:, -1] = -100
     other = targets.clone()
     other[:, : ids.shape[1] // 2] = -100  # [1, S]: half the targets dropped
-    try:
-        losses = [hf(input_ids=ids, position_ids=pos, labels=ids, shift_labels=t, **kw).loss for t in (targets, other)]
-    except TypeError as e:
-        if "shift_labels" not in str(e):
-            raise  # another failure of the dry run: refused by the caller with its own cause
-        return f"{type(hf).__name__}.forward does not take shift_labels ({e})"
-    if losses[0] is None or torch.equal(losses[0], losses[1]):
+    return targets, other
+
+
+def no_shift_labels(hf, error: TypeError) -> str:
+    return f"{type(hf).__name__}.forward does not take shift_labels ({error})"
+
+
+def loss_ignores_shift_labels(hf, loss: torch.Tensor | None, other: torch.Tensor | None) -> str | None:
+    """None if the two losses of `shift_label_pair` differ, else why the model is refused."""
+    if loss is None or other is None or torch.equal(loss, other):
         return (
             f"{type(hf).__name__} computes its loss without shift_labels (not through transformers' ForCausalLMLoss), "
             "so the targets shard_batch shifted on the whole packed sequence and the global token count would be "
