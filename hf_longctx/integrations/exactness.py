@@ -110,7 +110,7 @@ def refuse_inexact(
     `probe.py`; the config rules below always apply. `ulysses_degrees`: every Ulysses degree
     the attention will run at (a GroupBank's groups; default the mesh's), checked against the
     head counts the dry run saw (the configs' without it), as the fp16 weights are. `handled`: module classes that run under
-    a sequence-parallel wrapper (`integrations/mixers.py`); the dry run trusts them. Returns
+    a sequence-parallel wrapper (`integrations/mixers/`); the dry run trusts them. Returns
     the probe's report (or None)."""
     from transformers import PreTrainedModel
 

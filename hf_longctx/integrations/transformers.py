@@ -58,7 +58,7 @@ class _PatchState:
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
     probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
-    mixers: Any = None  # integrations/mixers.MixerBinding of the wrapped linear mixers, or None
+    mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
     calls: int = 0  # attention calls in the current forward
     # Sliding windows of each mask the model built in the current forward (one frozenset per
     # mask); a model whose masks ALL carry the same window but that does not pass it to the
@@ -246,9 +246,9 @@ def patch(
             return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
-    from hf_longctx.integrations.mixers import apply_mixers, plan_mixers
+    from hf_longctx.integrations.mixers.registry import apply_mixers, plan_mixers
 
-    # Linear mixers with a sequence-parallel wrapper (integrations/mixers.py) are trusted by the
+    # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
     # structural rule; refused mixer classes raise here with their reason (unless unsafe).
     mixer_plan = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check)
     if bank is not None and mixer_plan:

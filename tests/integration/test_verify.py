@@ -40,7 +40,7 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
     import torch
     import transformers as tf
 
-    import hf_longctx.integrations.mixers as mixers
+    import hf_longctx.integrations.mixers.registry as mixers
     import hf_longctx.integrations.transformers as itf
     from benchmarks.zoo import tiny_config
     from hf_longctx import VerificationError, verify

@@ -27,7 +27,7 @@ known-bad names (deny by default) we dry-run the model once, locally, on a tiny 
 A module that leaks is blamed at the innermost module whose output first differs (forward
 hooks fire innermost-first); its output is then spliced back to the clean values so that
 one pass finds every independent source. Module classes in `handled` (the linear mixers
-that `integrations/mixers.py` wraps for SP) are trusted: their outputs are spliced without
+that `integrations/mixers/` wraps for SP) are trusted: their outputs are spliced without
 blame. Cost: four no-grad forwards over ~12 tokens (runs A, B, C; run A also computes the
 loss of the shift_labels check, which needs one more forward) plus the per-module outputs of
 run A kept in memory (~12 x hidden floats per module call). No parameter, gradient, RNG,

@@ -1,7 +1,7 @@
 """Short causal depthwise convolutions of packed documents under sequence parallelism.
 
 Where it sits: the token mixer of LFM2 / LFM2-MoE / LFM3 `ShortConv` (through
-`integrations/mixers.py`), and the convolution in front of the Gated DeltaNet and Mamba-2
+`integrations/mixers/`), and the convolution in front of the Gated DeltaNet and Mamba-2
 cores (`ops/mixers/gdn.py`, run there on the whole sequence after the head exchange).
 
 A causal depthwise convolution of K taps reads, for token t, the inputs t-K+1 .. t of the

@@ -1,6 +1,6 @@
 """Gated DeltaNet under sequence parallelism: head-parallel all-to-all over the SP group.
 
-Where it sits: called by the GDN wrappers of `integrations/mixers.py` (Qwen3-Next,
+Where it sits: called by the GDN wrappers of `integrations/mixers/` (Qwen3-Next,
 Qwen3.5 / Qwen3.5-MoE, OLMo-hybrid) between the module's own input projections and its
 own gated norm + output projection, which stay on the sequence shard.
 

@@ -1,6 +1,6 @@
 """Mamba-2 (SSD) under sequence parallelism: head-parallel all-to-all with group replication.
 
-Where it sits: called by the Mamba-2 wrappers of `integrations/mixers.py` (Bamba,
+Where it sits: called by the Mamba-2 wrappers of `integrations/mixers/` (Bamba,
 Granite-4 hybrid, Falcon-H1, Nemotron-H, Zamba2) between the module's own input projection
 and its own gated RMSNorm + output projection, which stay on the sequence shard. The
 fused conv+scan+norm+out path (`mamba_split_conv1d_scan_combined`) is bypassed.
