@@ -15,7 +15,8 @@ from hf_longctx.data.flex.groups import GroupShape, group_shapes
 from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
 from hf_longctx.data.flex.unequal import plan_unequal
 from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
-from hf_longctx.data.packing import Piece, Plan, plan_microbatches
+from hf_longctx.data.packing import plan_microbatches
+from hf_longctx.data.plan import Piece, Plan
 from hf_longctx.data.pipeline import tokenize_dataset
 from hf_longctx.data.sampler import StepSampler, group_stream
 from hf_longctx.data.sharding import shard_batch

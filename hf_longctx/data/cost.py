@@ -108,6 +108,11 @@ class CostModel:
         return cls(a=float(a), b=float(b), c=float(c))
 
 
+# Attention and matmul work are equal at 16K tokens (b/a ≈ 12·hidden for a dense
+# transformer, so hidden ≈ 1.4K). Pass CostModel.from_config(model.config) for your model.
+DEFAULT_COST = CostModel(a=1.0, b=16384.0, c=0.0)
+
+
 def _nnls(design: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Exact non-negative least squares for a few columns: every subset of free columns is
     solved and the best feasible one kept. Columns are scaled to unit max first, so l² (up

@@ -27,7 +27,7 @@ import numpy as np
 
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex.plan import FlexPlan
-from hf_longctx.data.packing import Plan
+from hf_longctx.data.plan import Plan
 
 
 def read_lengths(path: str | Path) -> np.ndarray:

@@ -43,7 +43,7 @@ from hf_longctx.data.cost import GroupCost
 from hf_longctx.data.flex.groups import GroupShape
 from hf_longctx.data.flex.packing import prepare
 from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
-from hf_longctx.data.packing import _check_int
+from hf_longctx.data.pieces import check_int
 
 PROMOTE_FACTORS = (1.0, 0.5, math.inf)  # τ tried, × the ideal per-rank load (inf: no promotion)
 
@@ -171,8 +171,8 @@ def plan_unequal(
     Only for a step run with parameters unsharded throughout (`run_flex_step` and the
     Trainer check the model). A document longer than the largest group holds raises
     ValueError naming it."""
-    world = _check_int("world_size", world_size, 1)
-    cap = _check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
+    world = check_int("world_size", world_size, 1)
+    cap = check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
     shapes, lengths, padded, caps, costs, smallest = prepare(lengths, shapes, world, cap, cost)
     n = len(lengths)
     sizes = [s.size for s in shapes]

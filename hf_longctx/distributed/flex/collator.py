@@ -5,7 +5,7 @@ Where it sits: the `LongContextCollator` of a `GroupBank` (FlexSP §4 / Hydrauli
 SP groups of different sizes in every slot, chosen per step). The step sampler drew the
 same global list on every rank; this collator
 1. cuts documents longer than the largest group holds (`overlong="split" | "truncate"`,
-   the rule of `packing._make_pieces`; "error" refuses them) into pieces,
+   the rule of `pieces.make_pieces`; "error" refuses them) into pieces,
 2. plans the step with `plan_flexible` (per-size `GroupCost`; a group of size s packs at
    most s × `max_tokens_per_rank` padded tokens) -- deterministic, no collective,
 3. hands the plan to `distributed/flex/step.flex_microbatches`, which checks it (every slot tiles the
@@ -31,7 +31,7 @@ from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex.packing import plan_flexible
 from hf_longctx.data.flex.plan import FlexPlan
 from hf_longctx.data.flex.unequal import plan_unequal
-from hf_longctx.data.packing import OVERLONG, _make_pieces
+from hf_longctx.data.pieces import OVERLONG, make_pieces
 from hf_longctx.distributed.flex.step import flex_microbatches, valid_labels
 from hf_longctx.distributed.flex.bank import GroupBank
 
@@ -124,7 +124,7 @@ class FlexCollator:
         docs = read_documents(features, label_key=self.label_key, loss_mask_key=self.loss_mask_key)
         lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
         cap = f"the largest group: {self.bank.max_size} ranks × max_tokens_per_rank {self.max_tokens_per_rank}"
-        pieces = _make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document
+        pieces = make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document
         documents = [
             {"input_ids": docs[p.doc][0][p.start : p.end], "labels": docs[p.doc][1][p.start : p.end]} for p in pieces
         ]
