@@ -377,12 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "plan":
-        try:
-            return args.func(args)
-        except (ValueError, ImportError) as e:
-            print(f"hf-longctx {args.command}: error: {e}", file=sys.stderr)
-            return 2
+    if args.command == "plan":
+        _check_plan_args(parser, args)
+    try:
+        return args.func(args)
+    except (ValueError, ImportError) as e:
+        print(f"hf-longctx {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _check_plan_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`plan`'s numeric flags, refused by argparse (exit 2) before anything runs."""
     for name in ("gpus", "seq_len", "top", "gpus_per_node", "plot_microbatches", "microbatches", "tokens_per_step"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -391,11 +396,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tokens_per_step is not None and args.tokens_per_step < (args.micro_batch_tokens or args.seq_len):
         parser.error(f"--tokens-per-step ({args.tokens_per_step}) must be >= the micro-batch tokens "
                      f"({args.micro_batch_tokens or args.seq_len})")
-    try:
-        return args.func(args)
-    except (ValueError, ImportError) as e:
-        print(f"hf-longctx {args.command}: error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

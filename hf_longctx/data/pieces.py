@@ -17,7 +17,9 @@ from hf_longctx.data.plan import Piece
 OVERLONG = ("error", "truncate", "split")
 
 
-def as_lengths(lengths: Any) -> np.ndarray:
+def as_lengths(lengths: Any, hint: str = "") -> np.ndarray:
+    """int64 [N] document lengths, every one >= 1; integral floats accepted; `hint` ends the
+    error for empty documents (the step sampler names the usual cause)."""
     arr = np.asarray(lengths.tolist() if hasattr(lengths, "tolist") else list(lengths))
     if arr.ndim != 1:
         raise ValueError(f"lengths must be one-dimensional, got shape {arr.shape}")
@@ -33,7 +35,7 @@ def as_lengths(lengths: Any) -> np.ndarray:
     bad = np.flatnonzero(arr < 1)
     if bad.size:
         shown = ", ".join(f"document {i} has length {arr[i]}" for i in bad[:8])
-        raise ValueError(f"every document needs at least 1 token: {shown}{' ...' if bad.size > 8 else ''}")
+        raise ValueError(f"every document needs at least 1 token: {shown}{' ...' if bad.size > 8 else ''}{hint}")
     return arr
 
 

@@ -150,44 +150,38 @@ def probe_model(
         if mname not in target:
             target.append(mname)
 
-    def pre_hook(module, args, kwargs):
-        parent = state["stack"][-1] if state["stack"] else hf
-        state["stack"].append(module)
-        mname = names.get(id(module), type(module).__name__)
-        key = (mname, state["in_counts"].get(mname, 0))
-        state["in_counts"][mname] = key[1] + 1
-        flat = flatten((args, kwargs), [])
+    def visit(store: dict, counter: str, mname: str, flat: list) -> list | None:
+        """Run A: record this call's sequence-aligned tensors in `store`. Runs B / C: the
+        call's tensors with run A's values spliced back where they changed, or None."""
+        key = (mname, state[counter].get(mname, 0))  # the n-th call of this module in the run
+        state[counter][mname] = key[1] + 1
         run = state["run"]
         if run == "A":
-            inputs[key] = [t.detach().clone() if seq_view(t, s) is not None else None for t in flat]
+            store[key] = [t.detach().clone() if seq_view(t, s) is not None else None for t in flat]
             return None
-        ref = inputs.get(key)
+        ref = store.get(key)
         if ref is None or len(ref) != len(flat):
             return None
         changed, new = splice(flat, ref, run)
-        if not changed:
+        return new if changed else None
+
+    def pre_hook(module, args, kwargs):
+        parent = state["stack"][-1] if state["stack"] else hf
+        state["stack"].append(module)
+        new = visit(inputs, "in_counts", names.get(id(module), type(module).__name__), flatten((args, kwargs), []))
+        if new is None:
             return None
         # the inputs already differ: the PARENT's own code (not a submodule) mixed tokens
-        blame(parent, names.get(id(parent), type(parent).__name__), run)
+        blame(parent, names.get(id(parent), type(parent).__name__), state["run"])
         return rebuild((args, kwargs), iter(new))
 
     def hook(module, args, output):
         state["stack"].pop()
         mname = names.get(id(module), type(module).__name__)
-        key = (mname, state["counts"].get(mname, 0))
-        state["counts"][mname] = key[1] + 1
-        flat = flatten(output, [])
-        run = state["run"]
-        if run == "A":
-            runs[key] = [t.detach().clone() if seq_view(t, s) is not None else None for t in flat]
+        new = visit(runs, "counts", mname, flatten(output, []))
+        if new is None:
             return None
-        ref = runs.get(key)
-        if ref is None or len(ref) != len(flat):
-            return None
-        changed, new = splice(flat, ref, run)
-        if not changed:
-            return None
-        blame(module, mname, run)
+        blame(module, mname, state["run"])
         return rebuild(output, iter(new))
 
     rng = torch.get_rng_state()
