@@ -33,7 +33,7 @@ IGNORED_ATTENTION_KWARGS = frozenset({
     "is_causal",  # non-causal modules are refused by refuse_inexact
     "position_embeddings",  # RoPE cos/sin, already applied to q and k by the model
     "attention_type", "head_mask",
-    "shift_labels",  # the loss targets shard_batch passes travel down **kwargs with the rest; not an attention input
+    "labels", "shift_labels",  # loss targets (some families pass them down **kwargs, e.g. Gemma 4); not attention inputs
 })
 
 
