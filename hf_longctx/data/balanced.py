@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from hf_longctx.data.packing_baselines import _desc_order, _ffd_bins, _fill_empty, _to_ranks
+from hf_longctx.data.packing_baselines import desc_order, ffd_bins, fill_empty, to_ranks
 
 # --------------------------------------------------------------------------- default strategy
 # Bins are lists of piece indices; `sizes` are padded token counts, `costs` T(size).
@@ -96,19 +96,19 @@ def balanced(sizes, costs, cap, dp_size, seed):
     3. Empty bins take the cheapest pieces of bins holding several.
     4. `improve`: moves and swaps that lower Σ of slot maxima.
     5. Bins sorted by cost and cut into slots of dp_size (optimal for fixed bins), then
-       dealt to ranks to even out per-rank totals (`_to_ranks`).
+       dealt to ranks to even out per-rank totals (`to_ranks`).
     `seed` is unused: the plan is deterministic without randomness.
     """
-    base = math.ceil(len(_ffd_bins(sizes, cap)) / dp_size)
-    order = _desc_order(sizes, costs)
+    base = math.ceil(len(ffd_bins(sizes, cap)) / dp_size)
+    order = desc_order(sizes, costs)
     bins = cost_fill(sizes, costs, cap, dp_size, base, order, max_slots=base + 1)
     if bins is None:  # token FFD always fits `base` slots; balance it afterwards
-        bins = _ffd_bins(sizes, cap)
+        bins = ffd_bins(sizes, cap)
         bins += [[] for _ in range(base * dp_size - len(bins))]
-    bins = _fill_empty(bins, costs)
+    bins = fill_empty(bins, costs)
     if dp_size > 1:
         bins = improve(bins, sizes, costs, cap, dp_size)
-    return _to_ranks(slots_by_cost(bins, costs, dp_size), costs, dp_size)
+    return to_ranks(slots_by_cost(bins, costs, dp_size), costs, dp_size)
 
 
 def improve(bins, sizes, costs, cap, dp_size, max_changes=None, work=20_000_000):

@@ -30,7 +30,7 @@ import numpy as np
 
 from hf_longctx.data.balanced import balanced
 from hf_longctx.data.cost import DEFAULT_COST, CostModel
-from hf_longctx.data.packing_baselines import _ffd, _ffd_bins, _flexsp, _hydraulis, _karmarkar_karp
+from hf_longctx.data.packing_baselines import ffd, ffd_bins, flexsp, hydraulis, karmarkar_karp
 from hf_longctx.data.pieces import OVERLONG, as_lengths, check_int, make_pieces
 from hf_longctx.data.plan import Plan
 
@@ -108,7 +108,7 @@ def plan_microbatches(
 def ffd_bin_count(sizes: Sequence[int] | np.ndarray, cap: int) -> int:
     """Bins token first-fit-decreasing needs for these (padded) sizes under `cap`;
     the planner allows at most ⌈this / dp_size⌉ + 1 micro-batches per rank."""
-    return len(_ffd_bins(np.asarray(sizes, dtype=np.int64), cap))
+    return len(ffd_bins(np.asarray(sizes, dtype=np.int64), cap))
 
 
 def microbatch_bound(plan: Plan) -> int:
@@ -124,9 +124,9 @@ def _run_strategy(strategy, sizes, costs, *, cap, dp_size, seed):
         return [[] for _ in range(dp_size)]
     fn = {
         "balanced": balanced,
-        "ffd": _ffd,
-        "karmarkar_karp": _karmarkar_karp,
-        "hydraulis": _hydraulis,
-        "flexsp": _flexsp,
+        "ffd": ffd,
+        "karmarkar_karp": karmarkar_karp,
+        "hydraulis": hydraulis,
+        "flexsp": flexsp,
     }[strategy]
     return fn(sizes, costs, cap, dp_size, seed)

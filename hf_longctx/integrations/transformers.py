@@ -321,6 +321,12 @@ def unpatch(model: Any) -> Any:
     return model
 
 
+def patch_state(model: Any) -> Any:
+    """The patch of `model` (its mesh, bank, options and dry-run report: `_PatchState`), or
+    None when it is not patched. Read-only for callers."""
+    return hf_model(model).__dict__.get(_STATE_ATTR)
+
+
 def is_patched(model: Any) -> bool:
     """True while `model` is patched."""
     return _STATE_ATTR in hf_model(model).__dict__

@@ -18,8 +18,7 @@ from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.flex.collator import FlexCollator
 from hf_longctx.integrations.accelerate import fsdp_plan
-from hf_longctx.integrations.transformers import _STATE_ATTR, is_patched
-from hf_longctx.model_walk import hf_model
+from hf_longctx.integrations.transformers import is_patched, patch_state
 from hf_longctx.training.checks import check_world
 
 
@@ -92,7 +91,7 @@ def check_patched(model: Any, mesh: Any) -> None:
             f"{type(model).__name__} is not patched: call hf_longctx.patch(model, mesh) before building the trainer "
             "(the unpatched model would attend across shards and ranks wrongly)"
         )
-    state = hf_model(model).__dict__[_STATE_ATTR]
+    state = patch_state(model)
     if isinstance(mesh, GroupBank):
         if state.bank != mesh:
             raise ValueError("the model was not patched with the trainer's GroupBank: call patch(model, bank)")
@@ -112,7 +111,7 @@ def map_activation_checkpointing(model: Any, args: Any) -> None:
         return
     from hf_longctx.integrations.transformers import patch
 
-    state = hf_model(model).__dict__[_STATE_ATTR]
+    state = patch_state(model)
     if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
         knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
         patch(model, state.bank or state.mesh, **knobs, checkpoint=True)

@@ -19,7 +19,7 @@ from hf_longctx.data.packing import (
     microbatch_bound,
     plan_microbatches,
 )
-from hf_longctx.data.packing_baselines import _min_max_cuts
+from hf_longctx.data.packing_baselines import min_max_cuts
 
 COST = CostModel(1.0, 64.0)
 
@@ -166,7 +166,7 @@ def test_karmarkar_karp_differencing():
 @given(st.lists(st.integers(1, 20), min_size=1, max_size=9), st.integers(1, 5))
 def test_min_max_cuts_is_optimal(xs, m):
     m = min(m, len(xs))
-    cuts = _min_max_cuts(np.array(xs), m)
+    cuts = min_max_cuts(np.array(xs), m)
     assert cuts[0] == 0 and cuts[-1] == len(xs) and len(cuts) == m + 1
     assert all(a < b for a, b in zip(cuts, cuts[1:])), "groups are non-empty"
     got = max(sum(xs[a:b]) for a, b in zip(cuts, cuts[1:]))
