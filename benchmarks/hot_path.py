@@ -77,6 +77,7 @@ class Counter:
         self.host_depth = 0  # > 0 while a host-only call runs
         self.paused = 0
         self.sync_sites: list[str] = []
+        self.kernel_names: collections.Counter = collections.Counter()  # aten name -> kernel-like calls
 
     def is_host(self, t) -> bool:
         ref = self.host.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -153,6 +154,7 @@ class _Aten(TorchDispatchMode):
                 c.sync(f"aten.{name}")
             elif not func.is_view and name not in NOT_KERNELS:
                 c.counts["kernels"] += 1
+                c.kernel_names[name] += 1
         return func(*args, **kwargs)
 
 
@@ -206,7 +208,7 @@ def _batch() -> dict:
 def _step(model, kwargs, counter: Counter) -> dict:
     with counting(counter):
         model(**kwargs).loss.backward()
-    return dict(counter.counts, sync_sites=list(counter.sync_sites))
+    return dict(counter.counts, sync_sites=list(counter.sync_sites), kernel_names=collections.Counter(counter.kernel_names))
 
 
 @contextlib.contextmanager
@@ -256,11 +258,15 @@ def layout_costs(label: str, mesh) -> dict:
     """Per-layer costs of one layout on this rank; `mesh` matches the layout's degrees."""
     _, _, _, _, options, family = next(row for row in LAYOUTS if row[0] == label)
     lo, hi = (patched_counts(mesh, options, family, n) for n in (2, 4))
-    base = per_layer(unpatched_counts(family, 2), unpatched_counts(family, 4))
+    base_lo, base_hi = unpatched_counts(family, 2), unpatched_counts(family, 4)
+    base = per_layer(base_lo, base_hi)
     out = per_layer(lo, hi)
     out["unpatched"] = base["kernels"]
+    out["unpatched_names"] = {s: (n - base_lo["kernel_names"][s]) / 2 for s, n in base_hi["kernel_names"].items()}
     sites_lo, sites_hi = collections.Counter(lo["sync_sites"]), collections.Counter(hi["sync_sites"])
     out["sync_sites"] = {s: (n - sites_lo[s]) / 2 for s, n in sites_hi.items() if n != sites_lo[s]}  # per layer
+    names_lo, names_hi = lo["kernel_names"], hi["kernel_names"]
+    out["kernel_names"] = {s: (n - names_lo[s]) / 2 for s, n in names_hi.items() if n != names_lo[s]}  # per layer
     return out
 
 
@@ -289,7 +295,9 @@ def _run(world: int):
     return run_ranks(_worker, world, world)  # rank 0's rows
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    """`--ops`: also print, per layout, the kernel-like aten ops per layer by name next to
+    the unpatched model's (where the extra ops come from)."""
     rows = dict(_run(2) + _run(4))
     print("Per decoder layer, one fwd+bwd step, rank 0, CUDA dispatch path with the emulated flash-attn 2.8 kernel")
     print("| layout | kernel-like ops | unpatched | ratio | target | collectives | host->device copies | syncs |")
@@ -301,7 +309,14 @@ def main() -> None:
               f"<= {target}x | {c['collectives']:g} | {c['h2d']:g} | {c['syncs']:g} |")
         if c["syncs"]:
             print(f"  sync sites: {c['sync_sites']}")
+    if "--ops" in argv:
+        for label, *_ in LAYOUTS:
+            c = rows[label]
+            names = sorted(set(c["kernel_names"]) | set(c["unpatched_names"]))
+            diff = {n: c["kernel_names"].get(n, 0) - c["unpatched_names"].get(n, 0) for n in names}
+            print(f"\n{label}: aten op per layer: patched - unpatched (patched)")
+            print(", ".join(f"{n} {diff[n]:+g} ({c['kernel_names'].get(n, 0):g})" for n in names if diff[n]))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -216,11 +216,18 @@ class FPDTAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if getattr(ctx, "recycled", False):
+            raise RuntimeError(
+                "FPDT attention with offload=True hands its pinned host buffers back to the pool in its backward, "
+                "so its graph cannot be run backward twice (retain_graph=True); use offload=False "
+                "(patch(..., kv_offload=False)) for a second backward through the same graph"
+            )
         saved = ctx.saved_tensors
         sinks = saved[-1] if ctx.has_sinks else None
         saved = saved[:-1] if ctx.has_sinks else saved
         store = ChunkStore(dout.device, offload=ctx.offload)
         store.load(ctx.keys, ctx.counts, saved)
+        ctx.recycled = store.copies  # the store pops (and recycles) every host copy it reads
         dq, dk, dv, dsink = fpdt_backward(dout.contiguous(), ctx.plan, store, *ctx.shapes, sinks=sinks)
         return dq, dk, dv, None, None, None if dsink is None else dsink.to(sinks.dtype)
 

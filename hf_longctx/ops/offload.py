@@ -35,6 +35,8 @@ from typing import Any, ContextManager, Hashable, Iterator, Protocol, Sequence
 
 import torch
 
+from hf_longctx.ops.host_pool import HostPool
+
 Key = Hashable
 
 
@@ -48,15 +50,17 @@ class Streams(Protocol):
     def on(self, stream: Any) -> ContextManager: ...  # make `stream` current
     def event(self) -> Any: ...  # .record(stream); stream.wait_event(event)
     def pinned(self, like: torch.Tensor) -> torch.Tensor: ...  # empty page-locked host tensor, like's strides
+    def recycle(self, host: torch.Tensor) -> None: ...  # a `pinned` tensor its user is done with
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None: ...  # tensor.record_stream
 
 
 class CudaStreams:
-    """`Streams` on CUDA: torch.cuda streams and events, pinned host memory; one side stream
-    per device, created on first use."""
+    """`Streams` on CUDA: torch.cuda streams and events, pinned host memory from one
+    `HostPool` (`ops/host_pool.py`); one side stream per device, created on first use."""
 
     def __init__(self) -> None:
         self._side: dict[torch.device, Any] = {}
+        self.pool = HostPool()
 
     def offloads(self, device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_available()
@@ -78,7 +82,10 @@ class CudaStreams:
     def pinned(self, like: torch.Tensor) -> torch.Tensor:
         # like's own strides (preserve_format, for a dense tensor such as FPDT's head-major
         # views of token-major chunks): the copy is one memcpy, with no contiguous device copy first
-        return torch.empty_like(like, device="cpu", pin_memory=True)
+        return self.pool.take(like)
+
+    def recycle(self, host: torch.Tensor) -> None:
+        self.pool.give(host)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)
@@ -90,15 +97,16 @@ def default_streams() -> CudaStreams:
     in `integrations/memory.py`) shares its one side stream per device, created on first
     use. A new `torch.cuda.Stream` per store would rotate through torch's pool of 32
     streams and spread prefetch buffers over as many caching-allocator pools. Pinned host
-    buffers come from torch's caching host allocator (`pin_memory=True`), which reuses a
-    freed block of the same size class instead of calling cudaHostAlloc again;
-    `release_pinned()` hands the cached blocks back to the driver."""
+    buffers come from its one `HostPool`, reused per size class as stores hand them back;
+    `release_pinned()` drops the free ones."""
     return CudaStreams()
 
 
 def release_pinned() -> None:
-    """Free the pinned host blocks torch's caching host allocator keeps for reuse (e.g.
-    between benchmark probes of different lengths); blocks still in use stay."""
+    """Free the pinned host buffers kept for reuse -- the free ones of `default_streams()`'s
+    pool, then the blocks torch's caching host allocator keeps (e.g. between benchmark
+    probes of different lengths); buffers still in use stay."""
+    default_streams().pool.clear()
     if torch.accelerator.is_available():  # it raises on a machine with no accelerator
         torch.accelerator.empty_host_cache()
 
@@ -128,6 +136,7 @@ class ChunkStore:
         """Hand chunk tensors over; the caller may drop its references right after."""
         self.note("put", key)
         self._ready.pop(key, None)  # a stale device copy of an overwritten chunk (dq accumulators)
+        self._recycle(key)  # its old host copy (copies into it are ordered on the side stream)
         if not self.copies:
             self._held[key] = tensors
             return
@@ -180,9 +189,15 @@ class ChunkStore:
             self.note("release", key)
 
     def pop(self, key: Key) -> None:
-        """Forget a chunk entirely."""
+        """Forget a chunk entirely; its host buffers go back to the pool."""
         self._ready.pop(key, None)
-        self._held.pop(key, None)
+        self._recycle(key)
+
+    def _recycle(self, key: Key) -> None:
+        held = self._held.pop(key, ())
+        if self.copies:
+            for host in held:
+                self._streams.recycle(host)
 
     def stream(self, groups: Sequence[Sequence[Key]]) -> Iterator[tuple[tuple[Key, ...], list[torch.Tensor]]]:
         """Yield (group, device tensors of every key of the group, concatenated) in order,

@@ -183,6 +183,9 @@ class FakeStreams:
     def keep_alive(self, tensor, stream):
         self.log.append(("keep_alive", tuple(tensor.shape), stream.name))
 
+    def recycle(self, host):
+        self.log.append(("recycle", tuple(host.shape)))
+
 
 def test_store_stream_protocol_with_fake_streams():
     fake = FakeStreams()

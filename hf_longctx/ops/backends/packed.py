@@ -21,10 +21,11 @@ their (left, right).
 
 Waves: one call takes one (left, right), and a query row may appear in one sequence of a
 call (so results scatter without a merge); sequences are packed greedily into waves,
-waves merge with `ops/lse.merge`. The backward reuses the waves; when one call covers
-every row (a packed micro-batch, a causal ring step 0) it returns the kernel's gradients
-as they are, otherwise it index_adds them in float32 (several calls add into one row) and
-rounds once.
+waves merge with `ops/lse.merge`; the first wave's rows start the result (no merge with an
+empty accumulator). The backward reuses the waves; when one call covers every row (a
+packed micro-batch) it returns the kernel's gradients as they are, otherwise it sums them
+in float32 (several calls add into one row), starting from the first call's gradient
+where that call covers all rows of the tensor, and rounds once.
 
 Layout: q [B, H, Sq, D] -> gathered [B·n, H, D] (flash layout, batch rows concatenated);
 lse [H, B·n] from the kernel -> [B, H, n].
@@ -218,16 +219,19 @@ class PackedBackend:
             )  # o [B·nq, H, D], l [H, B·nq]
             o = o.view(b, c.nq, h, d).transpose(1, 2)  # [B, H, nq, D]
             l = l.view(h, b, c.nq).transpose(0, 1)  # [B, H, nq]
-            if out is None and c.q_idx is None:
-                out, lse = o, l
+            if out is None:  # the first call: its rows start the result, the rest attend nothing yet (0, -inf)
+                if c.q_idx is None:
+                    out, lse = o, l
+                else:
+                    out = o.new_zeros((b, h, sq, d)).index_copy_(2, c.q_idx, o)  # [B, H, Sq, D]
+                    lse = l.new_full((b, h, sq), NEG_INF).index_copy_(2, c.q_idx, l)  # [B, H, Sq]
                 continue
-            if out is None:
-                out = q.new_zeros(q.shape, dtype=acc_dtype(q.dtype))
-                lse = q.new_full(q.shape[:3], NEG_INF, dtype=acc_dtype(q.dtype))
-            idx = c.q_idx if c.q_idx is not None else torch.arange(sq, device=q.device)
-            m_out, m_lse = merge(out[:, :, idx], lse[:, :, idx], o, l)  # rows of this wave, [B, H, nq, (D)]
+            if c.q_idx is None:
+                out, lse = merge(out, lse, o, l)
+                continue
+            m_out, m_lse = merge(out[:, :, c.q_idx], lse[:, :, c.q_idx], o, l)  # rows of this wave, [B, H, nq, (D)]
             out, lse = out.to(m_out.dtype), lse.to(m_lse.dtype)
-            out[:, :, idx], lse[:, :, idx] = m_out, m_lse
+            out[:, :, c.q_idx], lse[:, :, c.q_idx] = m_out, m_lse
         if out is None:  # no tile at all
             return q.new_zeros(q.shape, dtype=out_dtype), q.new_full(q.shape[:3], NEG_INF, dtype=acc_dtype(q.dtype))
         return out.to(out_dtype), lse.to(acc_dtype(q.dtype))
@@ -241,9 +245,10 @@ class PackedBackend:
         calls = _calls(blocks, q, k, causal, window)
         if len(calls) == 1 and calls[0].q_idx is None and calls[0].k_idx is None:
             return self._one_call_backward(calls[0], dot, qt, kt, vt, ot, lse_t, (q, k, v), scale, softcap, grad_dtype)
-        dq = torch.zeros((b, sq, h, d), dtype=acc, device=q.device)  # [B, Sq, H, D] like the kernel's rows
-        dk = torch.zeros((b, sk, hkv, d), dtype=acc, device=k.device)
-        dv = torch.zeros((b, sk, hkv, d), dtype=acc, device=v.device)
+        # Sums over calls in float32 (one rounding at the end); a tensor's first contribution
+        # that covers all its rows is taken as the kernel returned it (no zeros to add into).
+        grads: list[torch.Tensor | None] = [None, None, None]  # [B, S, H(_kv), D] like the kernel's rows
+        shapes = ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d))
         for c in calls:
             l = lse_t if c.q_idx is None else lse_t.index_select(2, c.q_idx)
             gq, gk, gv = self.kernel.backward(
@@ -251,14 +256,20 @@ class PackedBackend:
                 _gather(ot, c.q_idx), l.reshape(h, b * c.nq), c.cu_q, c.cu_k, c.max_q, c.max_k,
                 scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
             )  # [B·nq, H, D], [B·nk, H_kv, D] x2
-            for acc_t, idx, g, n in ((dq, c.q_idx, gq, c.nq), (dk, c.k_idx, gk, c.nk), (dv, c.k_idx, gv, c.nk)):
-                g = g.view(b, n, *g.shape[1:])
-                if idx is None:
-                    acc_t += g
+            for i, (idx, g, n) in enumerate(((c.q_idx, gq, c.nq), (c.k_idx, gk, c.nk), (c.k_idx, gv, c.nk))):
+                g = g.view(b, n, *g.shape[1:])  # [B, n, H(_kv), D]
+                if grads[i] is None and idx is None:
+                    grads[i] = g
+                elif grads[i] is None:
+                    grads[i] = torch.zeros(shapes[i], dtype=acc, device=g.device).index_add_(1, idx, g.to(acc))
+                elif idx is None:
+                    grads[i] = grads[i].to(acc).add_(g)
                 else:
-                    acc_t.index_add_(1, idx, g.to(acc))
+                    grads[i] = grads[i].to(acc).index_add_(1, idx, g.to(acc))
         return tuple(
-            x.transpose(1, 2).to(grad_dtype or t.dtype) for x, t in ((dq, q), (dk, k), (dv, v))
+            torch.zeros(shape, dtype=grad_dtype or t.dtype, device=t.device).transpose(1, 2) if x is None
+            else x.transpose(1, 2).to(grad_dtype or t.dtype)
+            for x, t, shape in zip(grads, (q, k, v), shapes)
         )  # [B, H(_kv), S, D]
 
     def _one_call_backward(self, c: _Call, dot, qt, kt, vt, ot, lse_t, qkv, scale, softcap, grad_dtype):
