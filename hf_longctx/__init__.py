@@ -11,24 +11,26 @@ normalised by the global token count and gradients are summed over ranks.
 
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex_groups import GroupShape, group_shapes
-from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
-from hf_longctx.data.flex_unequal import plan_unequal
-from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
-from hf_longctx.data.packing import Piece, Plan, plan_microbatches
+from hf_longctx.data.flex.groups import GroupShape, group_shapes
+from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
+from hf_longctx.data.flex.unequal import plan_unequal
+from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.data.packing import plan_microbatches
+from hf_longctx.data.plan import Piece, Plan
 from hf_longctx.data.pipeline import tokenize_dataset
 from hf_longctx.data.sampler import StepSampler, group_stream
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.distributed.gather import gather_sequence
-from hf_longctx.distributed.flex_step import flex_microbatches, run_flex_step
-from hf_longctx.distributed.group_bank import GroupBank, init_group_bank
+from hf_longctx.distributed.flex.step import flex_microbatches, run_flex_step
+from hf_longctx.distributed.flex.bank import GroupBank, init_group_bank
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
-from hf_longctx.integrations.transformers import is_patched, patch, unpatch
+from hf_longctx.integrations.transformers import is_patched, unpatch
 from hf_longctx.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
+from hf_longctx.patching import patch
 from hf_longctx.verify import VerificationError, verify
 
 __all__ = [

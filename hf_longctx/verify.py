@@ -1,7 +1,7 @@
 """`verify(model, mesh)`: measure, for THIS model, that sequence parallelism is exact.
 
 Where it sits: beside `patch()` (which calls it with `verify=True`), after the structural
-rule of `integrations/probe.py`, as its numerical backstop for families nobody has tried
+rule of `integrations/probe/dry_run.py`, as its numerical backstop for families nobody has tried
 (DESIGN invariant 7). It compares the patched model with the unpatched one on a small
 synthetic packed batch across the SP group -- loss and every parameter gradient -- in fp32,
 on a reduced copy of the model: embeddings, final norm, head and the FIRST decoder layer of
@@ -30,49 +30,13 @@ import copy
 
 import torch
 
+from hf_longctx.model_walk import hf_model, reduced_copy
+
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
 class VerificationError(ValueError):
     """The patched model differs from the unpatched one beyond fp32 tolerance."""
-
-
-class SkippedLayer(torch.nn.Module):
-    """Stands in for a decoder layer the check does not need: passes hidden_states through."""
-
-    def forward(self, hidden_states=None, *args, **kwargs):
-        return hidden_states
-
-
-def decoder_layers(hf) -> torch.nn.ModuleList:
-    lists = [m for m in hf.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
-    if not lists:
-        raise ValueError(f"{type(hf).__name__} has no ModuleList of decoder layers to verify")
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-
-
-def layer_kind(layer) -> tuple:
-    return (
-        type(layer).__name__,
-        tuple(sorted((n, type(m).__name__) for n, m in layer.named_modules())),
-        str(getattr(layer, "attention_type", getattr(getattr(layer, "self_attn", None), "sliding_window", None))),
-    )
-
-
-def reduced_copy(hf) -> torch.nn.Module:
-    """fp32 copy of `hf` in eval mode keeping only the first decoder layer of each distinct kind."""
-    layers = decoder_layers(hf)
-    seen, memo = set(), {}
-    for layer in layers:
-        k = layer_kind(layer)
-        if k in seen:
-            memo[id(layer)] = SkippedLayer()  # deepcopy returns this instead of copying the layer
-        seen.add(k)
-    out = copy.deepcopy(hf, memo)
-    # eval mode: dropout and stochastic routing (PhiMoE samples its experts in training) are off,
-    # so the comparison is deterministic; what SP changes -- how attention and the linear
-    # mixers combine tokens across shards -- is the same arithmetic in both modes.
-    return out.float().eval()
 
 
 def _batch(vocab: int, sp: int):
@@ -94,9 +58,9 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
     import torch.distributed as dist
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import _hf_model, is_patched, patch, unpatch
+    from hf_longctx.integrations.transformers import is_patched, patch, unpatch
 
-    hf = _hf_model(model)
+    hf = hf_model(model)
     if is_patched(hf):
         raise ValueError("verify() needs the model before patch(): call it first, or patch(model, mesh, verify=True)")
     if any(type(p).__name__ == "DTensor" for p in hf.parameters()):

@@ -33,6 +33,24 @@ from .sharding import IGNORE_INDEX, shard_batch
 _MESH_ATTRS = ("dp", "dp_rank", "doc_multiple", "seq_multiple", "local_indices")
 
 
+def check_feature_options(pad_token_id: Any, label_key: Any, loss_mask_key: Any) -> None:
+    """The feature options every collator takes (fixed-degree and flexible), checked alike."""
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+        raise ValueError(f"pad_token_id must be a non-negative int, got {pad_token_id!r}")
+    if not isinstance(label_key, str) or not (loss_mask_key is None or isinstance(loss_mask_key, str)):
+        raise ValueError(f"label_key must be a str and loss_mask_key a str or None, got {label_key!r}, {loss_mask_key!r}")
+
+
+def require_targets(num_items: int, lengths: Sequence[int]) -> None:
+    """A step whose documents leave no valid target after the per-document shift has no loss
+    to normalise (num_items_in_batch = 0): refuse it, naming the lengths."""
+    if num_items == 0:
+        raise ValueError(
+            f"the step's {len(lengths)} document(s) have no valid target after the per-document shift "
+            f"(lengths {list(lengths)[:8]}): every label is -100, masked, or a document has 1 token"
+        )
+
+
 def read_documents(
     features: Sequence[Mapping[str, Any]], *, label_key: str = "labels", loss_mask_key: str | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -117,10 +135,7 @@ class LongContextCollator:
             raise ValueError(f"mesh must be an SPMesh (init_sequence_parallel), got {type(mesh).__name__} without {missing}")
         if not 0 <= mesh.dp_rank < mesh.dp:
             raise ValueError(f"mesh.dp_rank ({mesh.dp_rank}) must lie in [0, dp={mesh.dp})")
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
-            raise ValueError(f"pad_token_id must be a non-negative int, got {pad_token_id!r}")
-        if not isinstance(label_key, str) or not (loss_mask_key is None or isinstance(loss_mask_key, str)):
-            raise ValueError(f"label_key must be a str and loss_mask_key a str or None, got {label_key!r}, {loss_mask_key!r}")
+        check_feature_options(pad_token_id, label_key, loss_mask_key)
         self.mesh = mesh
         self.max_tokens = max_tokens
         self.cost = cost
@@ -199,11 +214,7 @@ class LongContextCollator:
         num_items = sum(
             int((docs[p.doc][1][p.start + 1 : p.end] != IGNORE_INDEX).sum()) for p in plan.pieces
         )
-        if num_items == 0:
-            raise ValueError(
-                f"the step's {len(docs)} document(s) have no valid target after the per-document shift "
-                f"(lengths {[len(d[0]) for d in docs][:8]}): every label is -100, masked, or a document has 1 token"
-            )
+        require_targets(num_items, [len(ids) for ids, _ in docs])
         out = [
             shard_batch(self._pack(docs, plan, mb), self.mesh, num_items, pad_token_id=self.pad_token_id)
             for mb in plan[self.mesh.dp_rank]

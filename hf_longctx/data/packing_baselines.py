@@ -32,15 +32,15 @@ import numpy as np
 
 # --------------------------------------------------------------------------- shared steps
 # Bins are lists of piece indices; `sizes` are padded token counts, `costs` T(size).
-# `_desc_order`, `_ffd_bins`, `_fill_empty` and `_to_ranks` serve packing.py's default too.
+# `desc_order`, `ffd_bins`, `fill_empty` and `to_ranks` serve packing.py's default too.
 
 
-def _desc_order(sizes: np.ndarray, costs: np.ndarray) -> np.ndarray:
+def desc_order(sizes: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """Pieces by cost, then size, descending; ties by index so every rank agrees."""
     return np.lexsort((np.arange(len(sizes)), -sizes, -costs))
 
 
-def _ffd_bins(sizes: np.ndarray, cap: int) -> list[list[int]]:
+def ffd_bins(sizes: np.ndarray, cap: int) -> list[list[int]]:
     """Token first-fit-decreasing: each piece, longest first, into the first bin with room."""
     free = np.empty(len(sizes), dtype=np.int64)
     bins: list[list[int]] = []
@@ -57,7 +57,7 @@ def _ffd_bins(sizes: np.ndarray, cap: int) -> list[list[int]]:
     return bins
 
 
-def _fill_empty(bins: list[list[int]], costs: np.ndarray) -> list[list[int]]:
+def fill_empty(bins: list[list[int]], costs: np.ndarray) -> list[list[int]]:
     """Give every empty bin the cheapest piece of any bin holding several (from the
     costliest such bin on ties): a small piece disturbs the balance least.
 
@@ -83,7 +83,7 @@ def _fill_empty(bins: list[list[int]], costs: np.ndarray) -> list[list[int]]:
     return bins
 
 
-def _to_ranks(slots: list[list[list[int]]], costs: np.ndarray, dp_size: int) -> list[list[list[int]]]:
+def to_ranks(slots: list[list[list[int]]], costs: np.ndarray, dp_size: int) -> list[list[list[int]]]:
     """Hand each slot's bins to ranks so per-rank totals even out: slots with the widest
     spread first, their costliest bin to the rank with the smallest total so far."""
     loads = [np.array([costs[b].sum() if b else 0.0 for b in slot]) for slot in slots]
@@ -101,10 +101,10 @@ def _to_ranks(slots: list[list[list[int]]], costs: np.ndarray, dp_size: int) -> 
 def _per_rank_ranks(per_rank: list[list[int]], sizes: np.ndarray, costs: np.ndarray, cap: int) -> list[list[list[int]]]:
     """Second stage of the dispatch-first strategies: token-FFD each rank's pieces into
     micro-batches, pad every rank to the same count, costliest micro-batch first."""
-    packed = [[[int(idx[i]) for i in b] for b in _ffd_bins(sizes[idx], cap)]
+    packed = [[[int(idx[i]) for i in b] for b in ffd_bins(sizes[idx], cap)]
               for idx in (np.asarray(p, dtype=np.int64) for p in per_rank)]
     m = max((len(b) for b in packed), default=0)
-    flat = _fill_empty([b for bins in packed for b in bins + [[] for _ in range(m - len(bins))]], costs)
+    flat = fill_empty([b for bins in packed for b in bins + [[] for _ in range(m - len(bins))]], costs)
     out = []
     for r in range(len(per_rank)):
         bins = flat[r * m : (r + 1) * m]
@@ -116,21 +116,21 @@ def _per_rank_ranks(per_rank: list[list[int]], sizes: np.ndarray, costs: np.ndar
 # --------------------------------------------------------------------------- strategies
 
 
-def _ffd(sizes, costs, cap, dp_size, seed):
+def ffd(sizes, costs, cap, dp_size, seed):
     """Megatron/NeMo-style: token FFD bins, dealt to ranks round-robin in bin order."""
-    bins = _ffd_bins(sizes, cap)
+    bins = ffd_bins(sizes, cap)
     m = math.ceil(len(bins) / dp_size)
-    bins = _fill_empty(bins + [[] for _ in range(m * dp_size - len(bins))], costs)
+    bins = fill_empty(bins + [[] for _ in range(m * dp_size - len(bins))], costs)
     return [[sorted(bins[j * dp_size + r]) for j in range(m)] for r in range(dp_size)]
 
 
-def _karmarkar_karp(sizes, costs, cap, dp_size, seed):
+def karmarkar_karp(sizes, costs, cap, dp_size, seed):
     """Multi-way largest differencing on cost across ranks (no token cap), then each
     rank's pieces token-FFD packed into micro-batches."""
     # A partial partition is dp_size subsets kept sorted by cost, descending; subsets are
     # nested tuples so that merging is O(1) and flattening happens once at the end.
     heap = []
-    for i in _desc_order(sizes, costs).tolist():
+    for i in desc_order(sizes, costs).tolist():
         sums = [float(costs[i])] + [0.0] * (dp_size - 1)
         items = [(i,)] + [()] * (dp_size - 1)
         heap.append((-sums[0], i, sums, items))
@@ -160,12 +160,12 @@ def _flatten(tree) -> list[int]:
     return sorted(out)
 
 
-def _hydraulis(sizes, costs, cap, dp_size, seed, trials=8, jitter=0.05):
+def hydraulis(sizes, costs, cap, dp_size, seed, trials=8, jitter=0.05):
     """Randomised greedy dispatch (Hydraulis stage 1): pieces in a jittered costliest-first
     order, each to the least-loaded rank whose token budget (what token FFD would give it)
     still has room, best of `trials` seeded orders by max rank cost; then stage 2 packs
     each rank's micro-batches under the token cap."""
-    budget = math.ceil(len(_ffd_bins(sizes, cap)) / dp_size) * cap
+    budget = math.ceil(len(ffd_bins(sizes, cap)) / dp_size) * cap
     rng = np.random.default_rng(seed)
     best = None
     for _ in range(trials):
@@ -183,15 +183,15 @@ def _hydraulis(sizes, costs, cap, dp_size, seed, trials=8, jitter=0.05):
     return _per_rank_ranks(best[1], sizes, costs, cap)
 
 
-def _flexsp(sizes, costs, cap, dp_size, seed):
+def flexsp(sizes, costs, cap, dp_size, seed):
     """FlexSP appendix: sort by length, cut into m consecutive micro-batch steps by the
     dynamic programme minimising the largest token sum, then spread each step over the
     ranks (costliest piece to the cheapest rank with room); m grows until every step
     packs into dp_size bins."""
     order = np.lexsort((np.arange(len(sizes)), -sizes))
-    m = math.ceil(len(_ffd_bins(sizes, cap)) / dp_size)
+    m = math.ceil(len(ffd_bins(sizes, cap)) / dp_size)
     while True:
-        cuts = _min_max_cuts(sizes[order], min(m, len(order)))
+        cuts = min_max_cuts(sizes[order], min(m, len(order)))
         slots = []
         for lo, hi in zip(cuts[:-1], cuts[1:]):
             slot = _spread(order[lo:hi], sizes, costs, cap, dp_size)
@@ -200,13 +200,13 @@ def _flexsp(sizes, costs, cap, dp_size, seed):
             slots.append(slot)
         else:
             slots += [[[] for _ in range(dp_size)] for _ in range(m - len(slots))]
-            flat = _fill_empty([b for slot in slots for b in slot], costs)
+            flat = fill_empty([b for slot in slots for b in slot], costs)
             slots = [flat[j * dp_size : (j + 1) * dp_size] for j in range(m)]
-            return _to_ranks(slots, costs, dp_size)
+            return to_ranks(slots, costs, dp_size)
         m += 1
 
 
-def _min_max_cuts(x: np.ndarray, m: int) -> list[int]:
+def min_max_cuts(x: np.ndarray, m: int) -> list[int]:
     """Boundaries cutting x into m consecutive non-empty groups with the smallest largest
     sum: dp[k][i] = min_j max(dp[k-1][j], sum x[j:i]). dp[k-1][j] + prefix[j] grows with
     j, so the best j sits where the two terms cross, found for all i by one searchsorted."""
@@ -242,7 +242,7 @@ def _spread(idx: np.ndarray, sizes, costs, cap, dp_size):
     for i in idx[np.lexsort((idx, -sizes[idx], -costs[idx]))].tolist():
         ok = room >= sizes[i]
         if not ok.any():
-            packed = _ffd_bins(sizes[idx], cap)
+            packed = ffd_bins(sizes[idx], cap)
             if len(packed) > dp_size:
                 return None
             return [[int(idx[p]) for p in b] for b in packed] + [[] for _ in range(dp_size - len(packed))]

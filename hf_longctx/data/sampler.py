@@ -18,24 +18,11 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from hf_longctx.data.pieces import as_lengths
+
 
 def _lengths_array(lengths: Any) -> np.ndarray:
-    if hasattr(lengths, "tolist"):
-        lengths = lengths.tolist()
-    arr = np.asarray(list(lengths))
-    if arr.ndim != 1:
-        raise ValueError(f"lengths must be one-dimensional, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64)
-    bad = np.flatnonzero(arr < 1)
-    if bad.size:
-        shown = ", ".join(f"document {i} has length {arr[i]}" for i in bad[:8])
-        raise ValueError(
-            f"every document needs at least 1 token: {shown}{' ...' if bad.size > 8 else ''} "
-            "(filter empty texts, or tokenize with add_eos=True)"
-        )
-    return arr
+    return as_lengths(lengths, hint=" (filter empty texts, or tokenize with add_eos=True)")
 
 
 class StepSampler:

@@ -42,33 +42,9 @@ import torch
 from hf_longctx._compat import fsdp_reduces_unused_params
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.unused_params import reduce_unused_params
+from hf_longctx.model_walk import decoder_layer_classes, hf_model
 
 MIXED_PRECISION = ("bf16", "fp32")
-
-
-def decoder_layer_classes(model: Any) -> tuple[type, ...]:
-    """The transformer-block classes of `model` (a PreTrainedModel or a PEFT wrapper).
-
-    HF declares them in `_no_split_modules` (the same list `device_map="auto"` uses); a
-    model without it falls back to the class of the blocks of its longest `nn.ModuleList`.
-    """
-    from hf_longctx.integrations.transformers import _hf_model
-
-    hf = _hf_model(model)
-    names = set(getattr(hf, "_no_split_modules", None) or ())
-    found = {type(m) for m in hf.modules() if type(m).__name__ in names}
-    if found:
-        return tuple(sorted(found, key=lambda c: c.__name__))
-    lists = [m for m in hf.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
-    if lists:
-        blocks = max(lists, key=len)
-        classes = {type(b) for b in blocks}
-        if len(classes) == 1:
-            return tuple(classes)
-    raise ValueError(
-        f"cannot find the decoder-layer class of {type(hf).__name__}: its _no_split_modules is "
-        f"{sorted(names) or 'empty'} and no uniform nn.ModuleList of blocks was found; pass layer_classes=(YourBlock,)"
-    )
 
 
 @dataclass(frozen=True)
@@ -205,9 +181,7 @@ def embedding_units(model: Any) -> list[list[torch.nn.Module]]:
     are tied (one parameter must live in one unit: `fully_shard([embed, head])`, a list of
     modules grouped for communication), else [[embed], [head]]; modules without parameters
     of their own are skipped."""
-    from hf_longctx.integrations.transformers import _hf_model
-
-    hf = _hf_model(model)
+    hf = hf_model(model)
     embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
     head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     found = [m for m in (embed, head) if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters())]

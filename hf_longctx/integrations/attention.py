@@ -33,6 +33,7 @@ IGNORED_ATTENTION_KWARGS = frozenset({
     "is_causal",  # non-causal modules are refused by refuse_inexact
     "position_embeddings",  # RoPE cos/sin, already applied to q and k by the model
     "attention_type", "head_mask",
+    "labels", "shift_labels",  # loss targets (some families pass them down **kwargs, e.g. Gemma 4); not attention inputs
 })
 
 
@@ -178,7 +179,7 @@ def make_mask_function(state: Any) -> Callable:
                 "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
             )
         if mask_function is not None:
-            from hf_longctx.integrations.probe import mask_windows
+            from hf_longctx.integrations.probe.masks import mask_windows
 
             state.mask_windows.append(frozenset(mask_windows(mask_function)))
         return None

@@ -20,6 +20,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NO_SP, NotSupported
+from hf_longctx.model_walk import configs
 
 SUPPORTED = "models whose attention uses AttentionInterface, e.g. (tested) Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, GPT-2, GPT-NeoX, GPTBigCode"
 _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
@@ -27,22 +28,6 @@ _INEXACT_ROPE = {
     "dynamic": "rescales RoPE frequencies from max(position_ids) + 1, which every SP rank takes from its own shard",
     "longrope": "switches between short and long factors on max(position_ids) + 1, which every SP rank takes from its own shard",
 }
-
-
-def configs(hf) -> list:
-    """Every config whose `_attn_implementation` a switch may touch: the model's, its
-    sub-configs at any depth, and those of nested PreTrainedModels (deduplicated by id)."""
-    from transformers import PreTrainedModel
-
-    out, seen, todo = [], set(), [hf.config] + [m.config for m in hf.modules() if isinstance(m, PreTrainedModel)]
-    while todo:
-        cfg = todo.pop()
-        if cfg is None or id(cfg) in seen:
-            continue
-        seen.add(id(cfg))
-        out.append(cfg)
-        todo.extend(getattr(cfg, key, None) for key in getattr(cfg, "sub_configs", {}) or {})
-    return out
 
 
 def attention_modules(hf) -> list:
@@ -125,7 +110,7 @@ def refuse_inexact(
     `probe.py`; the config rules below always apply. `ulysses_degrees`: every Ulysses degree
     the attention will run at (a GroupBank's groups; default the mesh's), checked against the
     head counts the dry run saw (the configs' without it), as the fp16 weights are. `handled`: module classes that run under
-    a sequence-parallel wrapper (`integrations/mixers.py`); the dry run trusts them. Returns
+    a sequence-parallel wrapper (`integrations/mixers/`); the dry run trusts them. Returns
     the probe's report (or None)."""
     from transformers import PreTrainedModel
 
@@ -201,7 +186,7 @@ def refuse_inexact(
     problems += dtype_problems(hf)
     report = None
     if structural and not problems:
-        from hf_longctx.integrations.probe import probe_model
+        from hf_longctx.integrations.probe.dry_run import probe_model
         from hf_longctx.integrations.refusals import describe
 
         report = probe_model(hf, SP_METADATA_KEY, frozenset(used_kwargs), frozenset(ignored_kwargs), handled=handled)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
 from hf_longctx.ops.offload import CudaStreams, Streams
 from hf_longctx.ops.tiling import chunked_causal_lm_loss, chunked_mlp, default_loss_chunk_size, default_mlp_chunks
 
@@ -51,43 +52,6 @@ def _set_instance_attr(module: Any, name: str, value: Any, undo: list) -> None:
     setattr(module, name, value)
 
 
-# The names transformers gives a decoder layer's token-wise MLP / MoE block (Llama `mlp`,
-# Bamba/Jamba/Granite-4/Falcon-H1/LFM2 `feed_forward`, DBRX `ffn`, Mixtral-era `block_sparse_moe`).
-MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
-
-
-def _mlp_attr(layer: nn.Module) -> str | None:
-    for name in MLP_NAMES:
-        if isinstance(getattr(layer, name, None), nn.Module):
-            return name
-    return None
-
-
-def layer_mlp(layer: nn.Module) -> nn.Module | None:
-    """The token-wise MLP (or MoE block) of one decoder layer, or None if it has none."""
-    name = _mlp_attr(layer)
-    return getattr(layer, name) if name else None
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list: the longest ModuleList whose every entry has an MLP under one
-    of MLP_NAMES (Llama/Mistral/Qwen/Phi3/Gemma2 `model.layers`, GPT-2/GPTBigCode
-    `transformer.h`, GPT-NeoX `gpt_neox.layers`, Bamba/Jamba `model.layers` with
-    `feed_forward`), else the longest list of transformers' GradientCheckpointingLayer (a
-    hybrid whose MLP is a layer of its own, e.g. Nemotron-H's `mixer`)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    for accept in (lambda m: layer_mlp(m) is not None, lambda m: isinstance(m, GradientCheckpointingLayer)):
-        found = [ml for ml in lists if all(accept(m) for m in ml)]
-        if found:
-            return max(found, key=len)
-    raise ValueError(
-        f"{type(model).__name__}: found no list of decoder layers (a ModuleList whose layers have an MLP named "
-        f"{' / '.join(MLP_NAMES)}, or of transformers' GradientCheckpointingLayer)"
-    )
-
-
 def _resolve_chunks(name: str, value: Any) -> int | str | None:
     if value is None or value == "auto":
         return value
@@ -100,7 +64,7 @@ def _resolve_chunks(name: str, value: Any) -> int | str | None:
 
 
 def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
-    mlps = [(n, _mlp_attr(layer), layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
+    mlps = [(n, mlp_attr(layer), layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
     mlps = [(n, attr, mlp) for n, attr, mlp in mlps if mlp is not None]
     if not mlps:
         raise ValueError(f"mlp_chunks: no decoder layer of {type(model).__name__} has an MLP named {' / '.join(MLP_NAMES)}")

@@ -8,7 +8,7 @@ probe already made; no name ever makes a model pass.
 
 from __future__ import annotations
 
-from hf_longctx.integrations.probe import ProbeReport
+from hf_longctx.integrations.probe.report import ProbeReport
 
 # (substring of the lowercased class name, what it is and why it cannot be exact on shards)
 _HINTS = (
@@ -54,7 +54,7 @@ def describe(report: ProbeReport) -> list[str]:
         out.append(
             f"{cls} ({_layers(names)}) mixes information across tokens outside the attention function{_hint(cls)}; on a "
             "shard it would see only this rank's tokens, so the result would silently differ from one device. It can run "
-            "exactly only behind a sequence-parallel wrapper (hf_longctx.integrations.mixers: sp_handled_classes() lists "
+            "exactly only behind a sequence-parallel wrapper (hf_longctx.integrations.mixers.registry: sp_handled_classes() lists "
             "the mixers that have one) or without SP"
         )
     for cls, names in report.shape_deps.items():

@@ -32,15 +32,16 @@ import torch
 
 from hf_longctx.config import PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
-from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
 )
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
-from hf_longctx.integrations.exactness import configs as _configs
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
+from hf_longctx.model_walk import configs as _configs
+from hf_longctx.model_walk import hf_model
 
 _STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
 
@@ -57,7 +58,7 @@ class _PatchState:
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
     probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
-    mixers: Any = None  # integrations/mixers.MixerBinding of the wrapped linear mixers, or None
+    mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
     calls: int = 0  # attention calls in the current forward
     # Sliding windows of each mask the model built in the current forward (one frozenset per
     # mask); a model whose masks ALL carry the same window but that does not pass it to the
@@ -85,26 +86,6 @@ def _interfaces():
     return AttentionInterface, AttentionMaskInterface
 
 
-def _hf_model(model: Any):
-    """The PreTrainedModel inside `model` (itself, or the base model of a PEFT wrapper)."""
-    from transformers import PreTrainedModel
-
-    seen = model
-    for _ in range(4):  # PeftModel -> LoraModel -> PreTrainedModel at most
-        if isinstance(seen, PreTrainedModel):
-            return seen
-        if callable(getattr(type(seen), "get_base_model", None)):
-            seen = seen.get_base_model()
-        elif type(seen).__module__.startswith("peft") and isinstance(getattr(seen, "model", None), torch.nn.Module):
-            seen = seen.model
-        else:
-            break
-    raise TypeError(
-        f"patch()/unpatch() need a transformers PreTrainedModel or a PEFT model wrapping one, got {type(model).__name__}; "
-        "patch the model before wrapping it in DDP/FSDP"
-    )
-
-
 def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh: SPMesh, *, first: bool) -> None:
     """All SP ranks must hold shards of the SAME batch (invariant 3). One tiny all_gather per
     micro-batch; every rank sees the same gathered rows, so all raise together (no hang).
@@ -118,7 +99,7 @@ def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh:
     for i, c in enumerate(info.cu_seqlens):
         cu_hash = (cu_hash * 1_000_003 + c * (i + 1)) % 2_147_483_647
     from hf_longctx.loss import collective_device
-    from hf_longctx.ops.offload import upload
+    from hf_longctx.devices import upload
 
     # The batch's device when it is a GPU one; else the group's (NCCL refuses CPU tensors).
     device = collective_device(mesh.sp_group, device)
@@ -221,8 +202,8 @@ def patch(
     mlp_chunks: int | str | None = _UNSET,
     loss_chunks: int | str | None = _UNSET,
     checkpoint: bool = _UNSET,
-    verify: bool = False,
     unsafe_skip_exactness_check: bool = False,
+    before_install: Callable[[], Any] | None = None,
 ) -> Any:
     """Make `model` (a PreTrainedModel or a PEFT model) sequence-parallel over `mesh`; returns it.
 
@@ -238,14 +219,14 @@ def patch(
     With a `GroupBank` (`init_group_bank`) each micro-batch runs on the SP group it was
     sharded for (`shard_batch(batch, bank.mesh(size))`); sizes come from the batch.
 
-    Before changing anything, a local dry run (`integrations/probe.py`, no collective)
+    Before changing anything, a local dry run (`integrations/probe/dry_run.py`, no collective)
     proves that only the attention mixes tokens and that everything the attention receives
     is applied; otherwise `patch()` raises naming the module class, its layers and the cause.
-    verify: also run `hf_longctx.verify(model, mesh)` (fp32, on a copy of the first layer of
-        each distinct layer class; collective over the SP group) before patching.
     unsafe_skip_exactness_check: skip the dry run. UNSAFE: a model whose modules mix tokens
         outside attention (Mamba, convolutions, linear attention, indexers) then trains a
         different model than the user thinks, silently. For experts and for verify() tests.
+    before_install: called once every check has passed and before anything is changed (the
+        public `hf_longctx.patch(..., verify=True)` runs `verify()` here: `hf_longctx/patching.py`).
     """
     bank = mesh if isinstance(mesh, GroupBank) else None
     if bank is not None:
@@ -257,17 +238,17 @@ def patch(
         )
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
     options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not _UNSET}, mesh.fpdt_chunks)
-    hf = _hf_model(model)
+    hf = hf_model(model)
     old = hf.__dict__.get(_STATE_ATTR)
     if old is not None:
         probed_alike = (old.probe is None) == bool(unsafe_skip_exactness_check)
-        if old.mesh == mesh and old.bank == bank and old.options == options and probed_alike and not verify:
+        if old.mesh == mesh and old.bank == bank and old.options == options and probed_alike and before_install is None:
             return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
-    from hf_longctx.integrations.mixers import apply_mixers, plan_mixers
+    from hf_longctx.integrations.mixers.registry import apply_mixers, plan_mixers
 
-    # Linear mixers with a sequence-parallel wrapper (integrations/mixers.py) are trusted by the
+    # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
     # structural rule; refused mixer classes raise here with their reason (unless unsafe).
     mixer_plan = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check)
     if bank is not None and mixer_plan:
@@ -284,10 +265,8 @@ def patch(
         handled=frozenset(type(module) for _, module, _ in mixer_plan),
         ulysses_degrees=tuple(s.ulysses for s in bank.shapes) if bank is not None else (mesh.ulysses,),
     )
-    if verify:
-        from hf_longctx.verify import verify as _verify
-
-        _verify(model, mesh)
+    if before_install is not None:
+        before_install()
 
     state = _PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
@@ -324,7 +303,7 @@ def patch(
 def unpatch(model: Any) -> Any:
     """Undo `patch()` exactly: memory options, hooks, every config's attention implementation,
     and both registrations. A no-op on a model that is not patched. Returns the model."""
-    hf = _hf_model(model)
+    hf = hf_model(model)
     state = hf.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return model
@@ -342,6 +321,12 @@ def unpatch(model: Any) -> Any:
     return model
 
 
+def patch_state(model: Any) -> Any:
+    """The patch of `model` (its mesh, bank, options and dry-run report: `_PatchState`), or
+    None when it is not patched. Read-only for callers."""
+    return hf_model(model).__dict__.get(_STATE_ATTR)
+
+
 def is_patched(model: Any) -> bool:
     """True while `model` is patched."""
-    return _STATE_ATTR in _hf_model(model).__dict__
+    return _STATE_ATTR in hf_model(model).__dict__

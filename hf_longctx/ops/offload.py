@@ -116,15 +116,6 @@ def release_pinned() -> None:
         torch.accelerator.empty_host_cache()
 
 
-def upload(host: torch.Tensor, device) -> torch.Tensor:
-    """A host-built tensor on `device` without blocking the host: on CUDA staged in pinned
-    memory (torch's caching host allocator keeps the block until the copy has run) and
-    copied with non_blocking=True; a no-op on CPU."""
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 class ChunkStore:
     """Chunk tensors keyed by the caller, held on host (offload on CUDA) or in place."""
 

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex_plan import FlexPlan
-from hf_longctx.data.packing import Plan
+from hf_longctx.data.flex.plan import FlexPlan
+from hf_longctx.data.plan import Plan
 
 
 def read_lengths(path: str | Path) -> np.ndarray:

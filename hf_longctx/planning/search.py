@@ -1,6 +1,6 @@
 """Enumerate and rank (ulysses, ring, fpdt chunks) x memory preset settings; suggest one.
 
-Where it sits: behind `hf-longctx plan` (`cli.py`) and `suggest()`, its Python twin. For a
+Where it sits: behind `hf-longctx plan` (`cli/plan.py`) and `suggest()`, its Python twin. For a
 model config and a cluster it lists every mesh the library can run, each with the three
 memory presets of `patch(memory=...)` ("off", "balanced", "max": `config.preset_knobs`),
 estimates per-GPU memory with `planning/memory.py` and step time as below, and returns

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 
-from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 
 

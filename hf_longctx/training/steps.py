@@ -18,7 +18,7 @@ yields the step sampler's index lists, and its collate function wraps the collat
      "layouts": "[4] [2+1+1]", "busy": m,  # group bank only: each slot's group sizes, per-rank busy max/mean
      "plan": plan, "lengths": (...), "plan_stats": {...}}  # kept by the trainer as `last_plan`
 
-With a `GroupBank` the collator is `distributed/flex_collator.FlexCollator` (flexible SP
+With a `GroupBank` the collator is `distributed/flex/collator.FlexCollator` (flexible SP
 groups, planned per step by `plan_flexible`): its micro-batches are this rank's slots, each
 sharded for that slot's group, and the step dict also names the slot layouts and the plan's
 modelled per-rank busy time max/mean (the logs show both).
@@ -36,7 +36,7 @@ import torch
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.errors import NotSupported
-from hf_longctx.distributed.flex_collator import FlexCollator, layout_text
+from hf_longctx.distributed.flex.collator import FlexCollator, layout_text
 
 
 def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:

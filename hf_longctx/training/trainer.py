@@ -25,6 +25,11 @@ in five places on this stack; each is one override here:
 `grad_norm` and clipping use torch's `clip_grad_norm_` on the (DTensor) gradients: the norm
 of the true, summed gradient.
 
+The mixin is the list of Trainer overrides; each points to where its logic lives:
+construction checks and builders `construction.py`, the step `step_loop.py`, evaluation
+`evaluation.py`, checkpoints `checkpoint.py`, the step DataLoader `steps.py`, argument
+refusals `checks.py` / `arguments.py`, logging windows `metrics.py`.
+
 Flexible SP groups (FlexSP / Hydraulis): `mesh=` a `GroupBank` (`init_group_bank`) and
 `max_tokens_per_rank=` instead of `max_tokens`. The model is `patch(model, bank)`ed, FSDP2
 shards it over `bank.world`, and the step DataLoader's collator is a `FlexCollator`: each
@@ -34,7 +39,7 @@ compared across ranks, and each slot's shard carries its group -- so `training_s
 unchanged; the loss contract does not depend on the grouping. The logs add each step's
 slot layouts (`plan_layouts`) and the plan's per-rank busy max/mean. `unequal_calls=True`
 plans training steps with `plan_unequal` instead: ranks run different numbers of
-micro-batches, with the model unsharded for the step (`distributed/unsharded_step.py`:
+micro-batches, with the model unsharded for the step (`distributed/flex/unsharded_step.py`:
 gathered once, gradients reduce-scattered in each rank's own last backward; refused with
 parameter offload or when it does not fit device memory). Evaluation keeps equal counts
 (its forwards gather parameters per layer).
@@ -44,8 +49,7 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -53,40 +57,25 @@ import transformers
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from hf_longctx._compat import TRAINER_SHARDED_MODELS, checkpointing_fields, trainer_takes_sharded_models
-from hf_longctx.data.collator import LongContextCollator
+from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.device_copy import to_device
-from hf_longctx.data.sharding import SP_METADATA_KEY
-from hf_longctx.distributed.flex_collator import FlexCollator
-from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.distributed.unsharded_step import check_unsharded_step, unsharded_step
-from hf_longctx.integrations.accelerate import fsdp_plan
-from hf_longctx.integrations.transformers import _STATE_ATTR, _hf_model, is_patched
-from hf_longctx.loss import global_loss
-from hf_longctx.training.checkpoint import load_sharded, save_consolidated, save_sharded
-from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments, check_world
-from hf_longctx.training.faults import WatchdogCallback, comm_guard
+from hf_longctx.model_walk import hf_model
+from hf_longctx.training import construction as build
+from hf_longctx.training.checkpoint import load_step_state, save_step_state, save_trained_model
+from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments
+from hf_longctx.training.evaluation import evaluate
+from hf_longctx.training.faults import WatchdogCallback
 from hf_longctx.training.metrics import StepWindow
+from hf_longctx.training.step_loop import flush_token_stats, model_loss, run_step
+from hf_longctx.training.step_loop import grad_norm as total_grad_norm
 from hf_longctx.training.step_record import StepRecord
 from hf_longctx.training.steps import check_dataset, check_lengths, check_step_budget, document_lengths, step_dataloader
 from hf_longctx.training.token_metrics import TokenStats
 
-SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file name
 _TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:]  # positional order, without self
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-    return value
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class LongContextTrainerMixin:
@@ -118,53 +107,41 @@ class LongContextTrainerMixin:
         max_tokens_per_rank: int | None = None, unequal_calls: bool = False, sync_each_microbatch: bool = False,
         param_offload: bool = False, **kwargs: Any,
     ) -> None:
+        # Every check runs on every rank alike, before any collective (construction.py).
         if not isinstance(mesh, (SPMesh, GroupBank)):
             raise TypeError(
                 "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
                 f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
             )
         self.mesh = mesh
-        self._check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
-        _flag("unequal_calls", unequal_calls)
-        if unequal_calls and not isinstance(mesh, GroupBank):
-            raise ValueError(
-                "unequal_calls=True needs a GroupBank (flexible SP groups planned by plan_unequal); with an SPMesh "
-                "every rank runs the same number of micro-batches"
-            )
-        _flag("sync_each_microbatch", sync_each_microbatch)
-        if sync_each_microbatch and unequal_calls:
-            raise ValueError("sync_each_microbatch=True cannot be combined with unequal_calls=True: with unequal counts "
-                             "every rank syncs in its own last backward")
+        build.check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
+        build.check_options(mesh, unequal_calls, sync_each_microbatch, param_offload)
         self.sync_each_microbatch = sync_each_microbatch
-        _flag("param_offload", param_offload)
-        if param_offload and unequal_calls:
-            raise ValueError("param_offload=True cannot be combined with unequal_calls=True: the unequal-count step "
-                             "keeps the model unsharded on the device for the whole step; use equal counts")
         self.param_offload = param_offload
         self.last_plan: StepRecord | None = None  # the last step's plan, modelled and measured times
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
         self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
-        self.max_tokens = self._largest_piece(mesh, max_tokens, max_tokens_per_rank)
-        self.tokens_per_step = _positive_int("tokens_per_step", tokens_per_step)
+        self.max_tokens = build.largest_piece(mesh, max_tokens, max_tokens_per_rank)
+        self.tokens_per_step = build.positive_int("tokens_per_step", tokens_per_step)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             check_training_arguments(training_args)  # before anything else, on every rank alike
         # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (arguments.py).
         check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
         model = kwargs.get("model", args[0] if args else None)
-        self._check_patched(model)
-        self._check_world(mesh)
+        build.check_patched(model, mesh)
+        build.check_mesh_world(mesh)
         # The Trainer writes args.use_cache into model.config; the exported model keeps the user's value.
-        self._config_use_cache = getattr(getattr(_hf_model(model), "config", None), "use_cache", None)
+        self._config_use_cache = getattr(getattr(hf_model(model), "config", None), "use_cache", None)
         if mesh.world_size > 1 and not trainer_takes_sharded_models():  # every rank alike, before any collective
             raise RuntimeError(
                 f"LongContextTrainer on {mesh.world_size} ranks needs transformers >= "
                 f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded before "
                 f"prepare); transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade "
-                "transformers, or train on one rank / with hf_longctx.distributed.flex_step.run_flex_step."
+                "transformers, or train on one rank / with hf_longctx.distributed.flex.step.run_flex_step."
             )
         if training_args is not None:
-            self._map_activation_checkpointing(model, training_args)
+            build.map_activation_checkpointing(model, training_args)
         super().__init__(*args, **kwargs)
         check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
@@ -175,25 +152,14 @@ class LongContextTrainerMixin:
             check_lengths(lengths, self.max_tokens, overlong)
             check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
         self._train_lengths = lengths
-        hf_config = getattr(_hf_model(self.model), "config", None)
+        hf_config = getattr(hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
-        if isinstance(mesh, GroupBank):
-            if cost is None and hf_config is None:
-                raise ValueError("with a GroupBank pass cost= (a GroupCost): the model has no config to estimate it from")
-            # Default: FLOPs split over each size plus its Ulysses/ring traffic (GroupCost.from_config);
-            # without a communication term a bigger group would never cost more and flexibility never pays.
-            cost = cost if cost is not None else GroupCost.from_config(hf_config, mesh.shapes)
-            self.collator = FlexCollator(mesh, max_tokens_per_rank, cost, overlong=overlong,
-                                         pad_token_id=self._pad_id(pad_token_id), unequal_calls=unequal_calls)
-            # Evaluation is forward-only under per-layer FSDP all-gathers: always equal counts.
-            self.eval_collator = self.collator if not unequal_calls else FlexCollator(
-                mesh, max_tokens_per_rank, cost, overlong=overlong, pad_token_id=self._pad_id(pad_token_id))
-        else:
-            self.collator = LongContextCollator(
-                mesh, self.max_tokens, cost if cost is not None else self._flops_model, strategy=strategy, overlong=overlong, seed=self.args.seed,
-                pad_token_id=self._pad_id(pad_token_id),
-            )
-            self.eval_collator = self.collator
+        self.collator, self.eval_collator = build.build_collators(
+            mesh, max_tokens=self.max_tokens, max_tokens_per_rank=max_tokens_per_rank, cost=cost,
+            flops_model=self._flops_model, hf_config=hf_config, strategy=strategy, overlong=overlong,
+            seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
+            unequal_calls=unequal_calls,
+        )
         if mesh.world_size > 1:
             self._shard_model()
         self._window = StepWindow(world_size=mesh.world_size, device=self.args.device, peak_flops=peak_flops)
@@ -204,91 +170,10 @@ class LongContextTrainerMixin:
         self._step_sampler = None
         self._unsharded_checked = False
 
-    # ---- set-up ----------------------------------------------------------------------------
-    @staticmethod
-    def _check_caps(mesh: Any, max_tokens: Any, max_tokens_per_rank: Any, cost: Any, strategy: str) -> None:
-        if isinstance(mesh, GroupBank):
-            if max_tokens is not None:
-                raise ValueError(
-                    f"max_tokens={max_tokens!r} with a GroupBank: groups differ in size, so the cap is per rank; pass "
-                    "max_tokens_per_rank (a group of size s packs at most s × max_tokens_per_rank tokens)"
-                )
-            _positive_int("max_tokens_per_rank", max_tokens_per_rank)
-            if cost is not None and not isinstance(cost, (GroupCost, CostModel)):
-                raise ValueError(f"cost must be a GroupCost (or a CostModel split over the sizes), got {type(cost).__name__}")
-            if strategy != "balanced":
-                raise ValueError(
-                    f"strategy={strategy!r} picks a fixed-degree planner; a GroupBank plans every step with "
-                    "plan_flexible (use an SPMesh to run the fixed-degree strategies)"
-                )
-        else:
-            if max_tokens_per_rank is not None:
-                raise ValueError("max_tokens_per_rank is the cap of a GroupBank; with an SPMesh pass max_tokens")
-            _positive_int("max_tokens", max_tokens)
-            if cost is not None and not isinstance(cost, CostModel):
-                raise ValueError(f"cost must be a CostModel with an SPMesh, got {type(cost).__name__}")
-
-    @staticmethod
-    def _largest_piece(mesh: Any, max_tokens: int | None, max_tokens_per_rank: int | None) -> int:
-        """The longest document one micro-batch holds (what `overlong` compares against)."""
-        if not isinstance(mesh, GroupBank):
-            return max_tokens
-        shape = mesh.shape(mesh.max_size)
-        return shape.capacity(max_tokens_per_rank) // shape.doc_multiple * shape.doc_multiple
-
-    def _check_patched(self, model: Any) -> None:
-        if model is None or isinstance(model, str):
-            raise ValueError("pass a model instance patched with hf_longctx.patch(model, mesh), not a name or None")
-        if not is_patched(model):
-            raise ValueError(
-                f"{type(model).__name__} is not patched: call hf_longctx.patch(model, mesh) before building the trainer "
-                "(the unpatched model would attend across shards and ranks wrongly)"
-            )
-        state = _hf_model(model).__dict__[_STATE_ATTR]
-        if isinstance(self.mesh, GroupBank):
-            if state.bank != self.mesh:
-                raise ValueError("the model was not patched with the trainer's GroupBank: call patch(model, bank)")
-        elif state.bank is not None or state.mesh != self.mesh:
-            raise ValueError("the model was patched with a different mesh than the trainer's `mesh`")
-
-    @staticmethod
-    def _map_activation_checkpointing(model: Any, args: Any) -> None:
-        # HF's checkpointing (TRL's SFTConfig turns it on by default) wraps the decoder layers
-        # outside our attention binding; patch(checkpoint=True) recomputes them inside it.
-        fields = checkpointing_fields(args)  # no `activation_checkpointing` on transformers 5.17
-        if not any(getattr(args, f) for f in fields):
-            return
-        from hf_longctx.integrations.transformers import patch
-
-        state = _hf_model(model).__dict__[_STATE_ATTR]
-        if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
-            knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
-            patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
-        for f in fields:
-            setattr(args, f, False)
-
-    @staticmethod
-    def _check_world(mesh: Any) -> None:
-        check_world(mesh.world.world_size if isinstance(mesh, GroupBank) else mesh.world_size)
-
-    def _pad_id(self, pad_token_id: int | None) -> int:
-        if pad_token_id is not None:
-            return pad_token_id
-        tok = getattr(self.processing_class, "tokenizer", self.processing_class)
-        for attr in ("pad_token_id", "eos_token_id"):
-            if isinstance(getattr(tok, attr, None), int):
-                return getattr(tok, attr)
-        return 0
-
+    # ---- set-up: (1) the model owns its placement and gradient reduction -------------------------
     def _shard_model(self) -> None:
-        from torch.distributed.tensor import DTensor
-
-        fsdp_plan(self.model, self._world_mesh, mixed_precision="bf16" if self.args.bf16 else "fp32",
-                  param_offload=self.param_offload).apply(self.model)
-        loose = [n for n, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
-        if loose:
-            raise ValueError(f"trainable parameters outside FSDP after fsdp_plan: {loose[:4]}")
-        # (1) The Trainer's path for a model that owns placement and gradient reduction:
+        build.shard_model(self.model, self._world_mesh, bf16=self.args.bf16, param_offload=self.param_offload)
+        # The Trainer's path for a model that owns placement and gradient reduction:
         # Accelerate prepares autocast only (no DDP, no `.to()` of DTensor shards).
         self.is_distributed_loading_by_transformers = True
 
@@ -296,7 +181,7 @@ class LongContextTrainerMixin:
         if self.mesh.world_size == 1:  # several ranks: fully_shard places the shards
             super()._move_model_to_device(model, device)
 
-    # ---- data --------------------------------------------------------------------------------
+    # ---- data: one DataLoader item = one optimizer step (steps.py) ---------------------------------
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         if self.train_dataset is None:
             raise ValueError("LongContextTrainer: training requires a train_dataset")
@@ -340,89 +225,22 @@ class LongContextTrainerMixin:
         # A micro-batch's host shard to the device with pinned, non_blocking copies (Trainer's is a blocking .to())
         return to_device(data, self.args.device, pin=self.args.dataloader_pin_memory)
 
-    # ---- the step ------------------------------------------------------------------------------
+    # ---- the step: (2) the loss as the model returns it (step_loop.py) ------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        if "micro_batches" not in inputs:
-            raise ValueError("LongContextTrainer.training_step expects the step dicts of its own train dataloader")
-        model.train()
-        self._window.start_step()
-        step = self.state.global_step + 1
-        micro_batches = inputs["micro_batches"]
-        fsdp = hasattr(model, "set_requires_gradient_sync")
-        local = torch.zeros((), dtype=torch.float64, device=self.args.device)  # Σ this rank's micro-batch losses
-        times: list[float] = []
-        unsharded = fsdp and not inputs.get("equal_calls", True)
-        with comm_guard(step, self._watchdog.timeout_s if self._watchdog else None), ExitStack() as stack:
-            if unsharded:  # unequal counts: gather once, sync in this rank's own last backward
-                if not self._unsharded_checked:  # the bytes it needs do not change during the run
-                    check_unsharded_step(model, self._world_mesh.world_mesh.get_group())
-                    self._unsharded_checked = True
-                before_backward = stack.enter_context(unsharded_step(model, len(micro_batches)))
-            for i, mb in enumerate(micro_batches):
-                t0 = time.perf_counter()
-                if fsdp and not unsharded:  # FSDP2: accumulate unsharded, reduce-scatter (a SUM) once, after the last micro-batch
-                    model.set_requires_gradient_sync(self.sync_each_microbatch or i == len(micro_batches) - 1)
-                mb = self._prepare_inputs(mb)
-                with self.compute_loss_context_manager():
-                    loss = self.compute_loss(model, mb, num_items_in_batch=mb["num_items_in_batch"])
-                if unsharded:
-                    before_backward(i)
-                self.accelerator.backward(loss)
-                local += loss.detach().double()
-                times.append(time.perf_counter() - t0)
-                if self._watchdog is not None:
-                    self._watchdog.beat(step)
-            step_loss = global_loss(local, self._world_mesh)  # []: the step's global token mean, on every rank
-            every = self.args.torch_empty_cache_steps
-            if every is not None and self.state.global_step % every == 0:  # as Trainer.training_step does
-                from accelerate.utils import clear_device_cache
-
-                clear_device_cache()
-            self._flush_token_stats("train", inputs["tokens"])
-        self.last_plan = StepRecord(step, inputs.get("plan"), inputs.get("lengths", ()), inputs.get("plan_stats") or {},
-                                    tuple(times))
-        self._window.end_step(loss=float(step_loss), tokens=inputs["tokens"], flops=inputs["flops"], balance=inputs["balance"],
-                              layouts=inputs.get("layouts"), busy=inputs.get("busy"))
-        return step_loss.to(torch.float32)
+        return run_step(self, model, inputs)
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        # (2) The model's loss IS this rank's share (local sum / global count): no num_processes factor.
-        # TRL's fused LM head is not used (we never pass fused_lm_head=True): the model's own head and
-        # loss run, chunked when patched with loss_chunks=N.
-        if SP_METADATA_KEY not in inputs:
-            raise ValueError("compute_loss needs a shard from the trainer's step dataloader (shard_batch metadata missing)")
-        outputs = model(**inputs)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
-        if self._token_stats is not None:
-            self._token_stats.add(outputs.get("logits") if isinstance(outputs, dict) else None, inputs["shift_labels"])
-        return (loss, outputs) if return_outputs else loss
+        return model_loss(self, model, inputs, return_outputs)
 
     def _flush_token_stats(self, mode: str, tokens: int | None) -> None:
-        if self._token_stats is None:
-            return
-        stats = self._token_stats.flush(self.args.device)
-        if stats is not None:
-            self._metrics[mode]["entropy"].append(stats[0])
-            self._metrics[mode]["mean_token_accuracy"].append(stats[1])
-        if mode == "train" and tokens is not None:
-            self._total_train_tokens += tokens  # trained tokens of the whole step, once (not per rank)
-            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        flush_token_stats(self, mode, tokens)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        return self._grad_norm(model, self.args.max_grad_norm)
+        return total_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)
 
-    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
-        return self._grad_norm(model, float("inf")) if grad_norm is None else grad_norm
-
-    def _grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        params = [p for p in model.parameters() if p.grad is not None]
-        with comm_guard(self.state.global_step + 1):
-            # DTensor gradients: torch reduces the norm over their mesh, i.e. the norm of the whole summed gradient.
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:  # the Trainer passes grad_norm=
+        return total_grad_norm(model, float("inf"), self.state.global_step + 1) if grad_norm is None else grad_norm
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> float:
         return inputs.get("flops", 0.0) / self.mesh.world_size  # the Trainer sums every rank's share
@@ -431,65 +249,31 @@ class LongContextTrainerMixin:
         if self.args.include_num_input_tokens_seen not in ("no", False):
             self.state.num_input_tokens_seen += inputs["tokens"]  # global already: no gather
 
+    # ---- logging: (3) the logged loss is the window's global step losses (metrics.py) ---------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # (3) the logged loss: the mean of the window's global step losses (float64), plus throughput.
         if "loss" in logs:
             logs.update(self._window.drain())
         if "train_loss" in logs and self._window.run_loss is not None:
             logs["train_loss"] = self._window.run_loss
         super().log(logs, start_time)
 
-    # ---- evaluation ------------------------------------------------------------------------------
+    # ---- evaluation: (4) Σ token losses / Σ targets over the eval set (evaluation.py) ----------------
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
-        # (4) Σ token losses / Σ valid targets over the whole eval set, sharded like training.
-        model = self.model
-        model.eval()
-        t0 = time.perf_counter()
-        local = torch.zeros((), dtype=torch.float64, device=self.args.device)  # Σ this rank's token losses
-        targets = tokens = 0
-        with torch.no_grad(), comm_guard(self.state.global_step):
-            for step in dataloader:
-                n = step["num_items_in_batch"]
-                for mb in step["micro_batches"]:
-                    with self.accelerator.autocast():
-                        loss = self.compute_loss(model, self._prepare_inputs(mb))
-                    local += loss.double() * n  # undo the step normalisation: this rank's token-loss sum
-                    if self._watchdog is not None:  # evaluation is progress too (it runs between steps)
-                        self._watchdog.beat(self.state.global_step)
-                targets += n  # the same on every rank
-                tokens += step["tokens"]
-            total = global_loss(local, self._world_mesh)  # []: Σ over all ranks
-            self._flush_token_stats("eval", None)
-        metrics = {
-            f"{metric_key_prefix}_loss": float(total) / max(targets, 1),
-            f"{metric_key_prefix}_targets": targets,
-            f"{metric_key_prefix}_tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
-        }
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataloader.dataset))
+        return evaluate(self, dataloader, metric_key_prefix)
 
-    # ---- checkpoints ------------------------------------------------------------------------------
+    # ---- checkpoints: (5) every rank's shards (checkpoint.py) ---------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        # (5) every rank's shards of model and optimizer + the sampler position; the scheduler as usual.
-        os.makedirs(output_dir, exist_ok=True)
-        with comm_guard(self.state.global_step), self._watchdog_paused():
-            save_sharded(output_dir, self.model, self.optimizer, self._step_sampler, is_main=self.args.should_save)
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        save_step_state(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        load_step_state(self, checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        return None  # the weights come back with the optimizer state in `_load_optimizer_and_scheduler`
 
     def _watchdog_paused(self):
         return self._watchdog.paused() if self._watchdog is not None else nullcontext()
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
-        load_sharded(checkpoint, self.model, self.optimizer, self._step_sampler)
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        # The weights come back with the optimizer state in `_load_optimizer_and_scheduler`
-        # (one distributed-checkpoint read, after the optimizer exists).
-        return None
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`save_pretrained` of the consolidated model (loads unpatched with `from_pretrained`); inside
@@ -498,20 +282,7 @@ class LongContextTrainerMixin:
         if _internal_call:
             os.makedirs(output_dir, exist_ok=True)
             return
-        config = getattr(_hf_model(self.model), "config", None)
-        trained_value = getattr(config, "use_cache", None)
-        if config is not None and self._config_use_cache is not None:
-            config.use_cache = self._config_use_cache  # the model as loaded, not the Trainer's training-time value
-        try:
-            with self._watchdog_paused():
-                save_consolidated(self.model, output_dir, is_main=self.args.should_save)
-        finally:
-            if config is not None and trained_value is not None:
-                config.use_cache = trained_value
-        if self.args.should_save:
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        save_trained_model(self, output_dir, getattr(hf_model(self.model), "config", None))
 
 
 class LongContextTrainer(LongContextTrainerMixin, Trainer):

@@ -24,7 +24,8 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHead
 
 from hf_longctx import init_sequence_parallel
 from hf_longctx.data.sharding import shard_batch
-from hf_longctx.integrations.memory import apply_memory_options, decoder_layers
+from hf_longctx.integrations.memory import apply_memory_options
+from hf_longctx.model_walk import decoder_layers
 from hf_longctx.integrations.transformers import patch, unpatch
 from tests.pool import worker_mesh
 from tests.reference import rel_err

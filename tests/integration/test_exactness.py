@@ -1,4 +1,4 @@
-"""The structural exactness rule of patch() (integrations/probe.py), in one process.
+"""The structural exactness rule of patch() (integrations/probe/dry_run.py), in one process.
 
 Each refused family is built tiny (benchmarks/zoo.py's builder) so that its token mixer is
 present; patch() must raise BEFORE changing anything, naming the module class and the real
@@ -172,3 +172,23 @@ def test_attention_compute_dtype_follows_hf_flash_rule():
         assert compute_dtype(q32, torch.nn.Linear(8, 8)) == torch.bfloat16
     with pytest.raises(ValueError, match="fp16"):
         compute_dtype(q32, torch.nn.Linear(8, 8).half())
+
+
+def test_the_dry_run_costs_four_forwards():
+    """Runs A, B, C and one extra forward for the shift_labels loss check (run A computes the
+    first loss): four forwards of the model, not five."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_longctx.integrations.probe.dry_run import probe_model
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(cfg)
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    from hf_longctx.integrations.transformers import IGNORED_ATTENTION_KWARGS
+
+    report = probe_model(model, "sp_batch", USED_ATTENTION_KWARGS, IGNORED_ATTENTION_KWARGS)
+    handle.remove()
+    assert len(forwards) == 4
+    assert not [p for p in report.problems if "shift_labels" in p]

@@ -16,7 +16,8 @@ import transformers as tf
 
 from benchmarks.zoo import tiny_config
 from hf_longctx.distributed.mesh import init_sequence_parallel
-from hf_longctx.integrations.memory import apply_memory_options, decoder_layers, layer_mlp
+from hf_longctx.integrations.memory import apply_memory_options
+from hf_longctx.model_walk import decoder_layers, layer_mlp
 
 
 def _build(model_type: str):

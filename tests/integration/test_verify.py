@@ -40,7 +40,7 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
     import torch
     import transformers as tf
 
-    import hf_longctx.integrations.mixers as mixers
+    import hf_longctx.integrations.mixers.registry as mixers
     import hf_longctx.integrations.transformers as itf
     from benchmarks.zoo import tiny_config
     from hf_longctx import VerificationError, verify
@@ -114,3 +114,55 @@ def test_verify_refuses_meta_weights():
         model = LlamaForCausalLM(cfg)
     with pytest.raises(ValueError, match="meta device"):
         verify(model, init_sequence_parallel())
+
+
+def _tiny_llama(device: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg)
+
+
+def test_patch_verify_true_runs_verify_before_changing_the_model():
+    """`hf_longctx.patch(..., verify=True)` (the public patch of hf_longctx/patching.py) runs
+    verify() after the structural checks and before installing anything: a model verify()
+    refuses (weights on meta) stays unpatched; without verify=True the same model patches."""
+    import pytest
+
+    from hf_longctx import init_sequence_parallel, is_patched, patch, unpatch
+
+    mesh = init_sequence_parallel()
+    model = _tiny_llama("meta")
+    with pytest.raises(ValueError, match="meta device"):
+        patch(model, mesh, verify=True)
+    assert not is_patched(model)
+    assert patch(model, mesh) is model and is_patched(model)
+    unpatch(model)
+
+
+def test_patch_verify_true_patches_an_exact_model_and_repatches():
+    """verify=True on an exact model returns it patched; patching again with verify=True
+    re-runs the check rather than returning early (the idempotent path is only taken
+    without it)."""
+    from unittest import mock
+
+    import hf_longctx.patching as patching
+    from hf_longctx import init_sequence_parallel, is_patched, patch, unpatch
+
+    mesh = init_sequence_parallel()
+    model = _tiny_llama("cpu")
+    with mock.patch.object(patching, "_verify", wraps=patching._verify) as spy:
+        assert patch(model, mesh, verify=True) is model and is_patched(model)
+        assert spy.call_count == 1
+        patch(model, mesh, verify=False)  # same options: the idempotent early return
+        assert spy.call_count == 1
+    unpatch(model)
+    with mock.patch.object(patching, "_verify", wraps=patching._verify) as spy:
+        patch(model, mesh)
+        patch(model, mesh, verify=True)  # verify=True again: unpatch, check, patch
+        assert spy.call_count == 1 and is_patched(model)
+    unpatch(model)

@@ -39,6 +39,10 @@ EXPECTED = {
 # (before, tests/integration/test_patch.py checks it is refused).
 if on_attention_interface("transformers.models.gptj.modeling_gptj"):
     EXPECTED["gptj"] = ("EXACT", "")
+# Gemma 4 passes `labels` down **kwargs to its attention (the dry run's run A computes the loss
+# with labels): a loss target, never an attention input -- exact, not refused for it.
+if on_attention_interface("transformers.models.gemma4.modeling_gemma4"):
+    EXPECTED["gemma4"] = ("EXACT", "")
 
 
 @pytest.mark.timeout(600)

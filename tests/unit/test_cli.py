@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from hf_longctx.cli import HEADER, main, parse_size
+from hf_longctx.cli import main
+from hf_longctx.cli.plan import HEADER, parse_size
 from hf_longctx.planning.memory import ModelDims, Setting, estimate_memory
 
 # Llama-style, 8 query / 2 KV heads: ulysses 16 cannot split the 8 heads.

@@ -206,7 +206,7 @@ def test_flex_collator_shares_the_feature_checks():
     the same errors for float ids, 2-D features and label/ids length mismatches."""
     from hf_longctx import init_group_bank
     from hf_longctx.data.cost import CostModel
-    from hf_longctx.distributed.flex_collator import FlexCollator
+    from hf_longctx.distributed.flex.collator import FlexCollator
 
     flex = FlexCollator(init_group_bank(heads=4), 64, CostModel(a=1.0, b=1.0))
     with pytest.raises(ValueError, match="input_ids must be integers"):
@@ -217,3 +217,27 @@ def test_flex_collator_shares_the_feature_checks():
         flex([{"input_ids": [1, 2], "labels": [1]}])
     out = flex([{"input_ids": [3, 4, 5]}, {"input_ids": [6, 7], "labels": [-100, 7]}])
     assert flex.last_num_items == 3 and len(out) == 1  # targets 4, 5 and 7 (labels shifted per document)
+
+
+def test_flex_collator_shares_the_option_checks_and_keys():
+    """FlexCollator takes LongContextCollator's feature options and checks them alike: a
+    negative pad id was accepted before (and padded micro-batches with it); `label_key` and
+    `loss_mask_key` now reach the flexible path too."""
+    from hf_longctx import init_group_bank
+    from hf_longctx.data.cost import CostModel
+    from hf_longctx.distributed.flex.collator import FlexCollator
+
+    bank, cost = init_group_bank(heads=4), CostModel(a=1.0, b=1.0)
+    with pytest.raises(ValueError, match="pad_token_id must be a non-negative int, got -1"):
+        FlexCollator(bank, 64, cost, pad_token_id=-1)
+    with pytest.raises(ValueError, match="label_key must be a str"):
+        FlexCollator(bank, 64, cost, label_key=3)
+    flex = FlexCollator(bank, 64, cost, label_key="targets", loss_mask_key="mask")
+    fixed = LongContextCollator(meshes(1, 1, 1)[0][0], 64, label_key="targets", loss_mask_key="mask")
+    feats = [{"input_ids": [3, 4, 5, 6], "targets": [3, 9, 9, 9], "mask": [1, 1, 0, 1]}, {"input_ids": [6, 7], "mask": [0, 0]}]
+    out = flex(feats)
+    fixed(feats)
+    assert flex.last_num_items == fixed.last_num_items == 2  # targets 9 (pos 1) and 9 (pos 3); pos 2 masked
+    assert out[0]["labels"].ne(-100).sum().item() == 2
+    with pytest.raises(ValueError, match="no valid target"):
+        flex([{"input_ids": [6, 7], "mask": [0, 0]}])

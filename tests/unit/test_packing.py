@@ -12,15 +12,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hf_longctx.data.cost import CostModel
+from hf_longctx.data.plan import Piece, Plan
 from hf_longctx.data.packing import (
     STRATEGIES,
-    Piece,
-    Plan,
     ffd_bin_count,
     microbatch_bound,
     plan_microbatches,
-    _min_max_cuts,
 )
+from hf_longctx.data.packing_baselines import min_max_cuts
 
 COST = CostModel(1.0, 64.0)
 
@@ -167,7 +166,7 @@ def test_karmarkar_karp_differencing():
 @given(st.lists(st.integers(1, 20), min_size=1, max_size=9), st.integers(1, 5))
 def test_min_max_cuts_is_optimal(xs, m):
     m = min(m, len(xs))
-    cuts = _min_max_cuts(np.array(xs), m)
+    cuts = min_max_cuts(np.array(xs), m)
     assert cuts[0] == 0 and cuts[-1] == len(xs) and len(cuts) == m + 1
     assert all(a < b for a, b in zip(cuts, cuts[1:])), "groups are non-empty"
     got = max(sum(xs[a:b]) for a, b in zip(cuts, cuts[1:]))
@@ -228,9 +227,9 @@ def test_stats_fields():
 def test_balanced_falls_back_to_token_packing(monkeypatch):
     # If the cost-aware fill ever finds no room even with the extra slot, the plan must
     # still hold every piece within the cap and the micro-batch bound.
-    from hf_longctx.data import packing
+    from hf_longctx.data import balanced
 
-    monkeypatch.setattr(packing, "_cost_fill", lambda *args, **kwargs: None)
+    monkeypatch.setattr(balanced, "cost_fill", lambda *args, **kwargs: None)
     lengths = [7, 7, 6, 5, 5, 4, 3, 3, 2, 1, 1, 1]
     kw = dict(dp_size=2, max_tokens=10, doc_multiple=1, seq_multiple=1, overlong="error")
     plan = plan_microbatches(lengths, **kw)

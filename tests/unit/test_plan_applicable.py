@@ -11,7 +11,8 @@ import os
 
 import pytest
 
-from hf_longctx.cli import HEADER, load_config, main
+from hf_longctx.cli import main
+from hf_longctx.cli.plan import HEADER, load_config
 from hf_longctx.planning.memory import ModelDims, Setting, estimate_memory
 
 LLAMA_8B = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "llama-3.1-8b-config.json")

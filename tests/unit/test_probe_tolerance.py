@@ -1,4 +1,4 @@
-"""integrations/probe.py's comparison scales with the dtype: a one-ULP difference in a bf16 /
+"""integrations/probe/dry_run.py's comparison scales with the dtype: a one-ULP difference in a bf16 /
 fp16 output (another cuBLAS kernel for a shorter shard) is not a leak, a change of a few
 percent of the output's scale (what a token-mixing module does to other positions) is, and
 fp32 keeps its 1e-4 relative bound."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_longctx.integrations.probe import _differs
+from hf_longctx.integrations.probe.compare import differs as _differs
 
 
 def _one_ulp_up(t: torch.Tensor, index) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 from hf_longctx.ops.blocks import Block
 from hf_longctx.ops.lse import merge
 from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
-from hf_longctx.ops.offload import upload
+from hf_longctx.devices import upload
 
 
 class Seq(NamedTuple):

@@ -6,5 +6,5 @@ conv.py      per-document causal depthwise convolution (whole sequence, or halo 
 gdn.py       Gated DeltaNet: head-parallel all-to-all by key-head group
 mamba2.py    Mamba-2 / SSD: head-parallel all-to-all with group replication
 rglru.py     RG-LRU: state passing of per-run affine summaries
-Never imports transformers; `integrations/mixers.py` binds these to the HF modules.
+Never imports transformers; `integrations/mixers/` binds these to the HF modules.
 """

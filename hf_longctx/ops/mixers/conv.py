@@ -1,7 +1,7 @@
 """Short causal depthwise convolutions of packed documents under sequence parallelism.
 
 Where it sits: the token mixer of LFM2 / LFM2-MoE / LFM3 `ShortConv` (through
-`integrations/mixers.py`), and the convolution in front of the Gated DeltaNet and Mamba-2
+`integrations/mixers/`), and the convolution in front of the Gated DeltaNet and Mamba-2
 cores (`ops/mixers/gdn.py`, run there on the whole sequence after the head exchange).
 
 A causal depthwise convolution of K taps reads, for token t, the inputs t-K+1 .. t of the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_longctx.ops.mixers.exchange import halo_rows
+from hf_longctx.ops.mixers.exchange import halo_rows, scatter_channels
 from hf_longctx.ops.mixers.layout import SequenceLayout
 
 
@@ -61,3 +61,21 @@ def halo_conv(
     plan = lay.halo(weight.shape[1])
     x_ext = halo_rows(x, lay, weight.shape[1], rank, group)  # [B, S_local + N_halo + 1, C]
     return segment_conv(x_ext, plan.seg_rows[rank], plan.out_index[rank], weight, bias)  # [B, S_local, C]
+
+
+def scatter_then_conv(
+    x: torch.Tensor, chans: list[torch.Tensor], conv_dim: int, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+    activation, lay: SequenceLayout, rank: int, group,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head-parallel mixers' (Gated DeltaNet, Mamba-2) first half: this rank's channels of
+    the whole sequence (`scatter_channels`), the first `conv_dim` of them through the
+    document-causal depthwise convolution with this rank's rows of the weight, then
+    `activation`. x [B, S_local, C]; chans[q]: channels rank q receives. Returns
+    (convolved [B, S, conv_dim] in x's dtype, the remaining channels [B, S, C_rank - conv_dim]),
+    both in global token order."""
+    full = scatter_channels(x, chans, lay, rank, group)  # [B, S, C_rank] global order
+    conv_in, rest = full.split([conv_dim, full.shape[-1] - conv_dim], dim=-1)
+    idx = chans[rank][:conv_dim].to(conv_weight.device)
+    w = conv_weight.index_select(0, idx)  # [conv_dim, K]: this rank's channels
+    bias = None if conv_bias is None else conv_bias.index_select(0, idx)
+    return activation(doc_causal_conv(conv_in, lay, w, bias)).to(x.dtype), rest

@@ -1,6 +1,6 @@
 """Gated DeltaNet under sequence parallelism: head-parallel all-to-all over the SP group.
 
-Where it sits: called by the GDN wrappers of `integrations/mixers.py` (Qwen3-Next,
+Where it sits: called by the GDN wrappers of `integrations/mixers/` (Qwen3-Next,
 Qwen3.5 / Qwen3.5-MoE, OLMo-hybrid) between the module's own input projections and its
 own gated norm + output projection, which stay on the sequence shard.
 
@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hf_longctx.ops.mixers.conv import doc_causal_conv
-from hf_longctx.ops.mixers.exchange import gather_channels, head_ranges, scatter_channels
+from hf_longctx.ops.mixers.conv import scatter_then_conv
+from hf_longctx.ops.mixers.exchange import gather_channels, head_ranges
 from hf_longctx.ops.mixers.layout import SequenceLayout
 
 
@@ -101,13 +101,10 @@ def gdn_sequence_parallel(
     hk, hv = k_hi - k_lo, v_hi - v_lo
     x = torch.cat([mixed_qkv, beta.to(mixed_qkv.dtype), a.to(mixed_qkv.dtype)], dim=-1)  # [B, S_local, C + 2·H_v]
     chans = [heads.channels(p, head_k_dim, head_v_dim) for p in range(lay.sp)]
-    full = scatter_channels(x, chans, lay, rank, group)  # [B, S, 2·hk·D_k + hv·D_v + 2·hv] global order
-
     conv_dim = 2 * hk * head_k_dim + hv * head_v_dim
-    qkv, beta_r, a_r = full.split([conv_dim, hv, hv], dim=-1)
-    w = conv_weight.index_select(0, chans[rank][:conv_dim].to(conv_weight.device))  # [conv_dim_rank, K]
-    bias = None if conv_bias is None else conv_bias.index_select(0, chans[rank][:conv_dim].to(conv_bias.device))
-    qkv = activation(doc_causal_conv(qkv, lay, w, bias)).to(mixed_qkv.dtype)  # [B, S, conv_dim_rank]
+    # qkv [B, S, conv_dim] convolved; rest [B, S, 2·hv] (beta, a), both in global order
+    qkv, rest = scatter_then_conv(x, chans, conv_dim, conv_weight, conv_bias, activation, lay, rank, group)
+    beta_r, a_r = rest.split([hv, hv], dim=-1)  # [B, S, hv] each
     q, k, v = qkv.split([hk * head_k_dim, hk * head_k_dim, hv * head_v_dim], dim=-1)
     q = q.reshape(b, -1, hk, head_k_dim)  # [B, S, hk, D_k]
     k = k.reshape(b, -1, hk, head_k_dim)

@@ -1,7 +1,7 @@
 """Where every token of a packed batch lives across the SP group, for the linear mixers.
 
 Where it sits: built once per batch (cached by the mixer wrappers of
-`integrations/mixers.py`) from the GLOBAL document boundaries of `SPBatchInfo.cu_seqlens`
+`integrations/mixers/`) from the GLOBAL document boundaries of `SPBatchInfo.cu_seqlens`
 and the mesh degrees, by calling the same pure layout functions as `shard_batch`
 (`data/layout.py`: zigzag over the ring, contiguous over Ulysses, rank-ordinal chunks for
 FPDT). A linear mixer (convolution, Gated DeltaNet, Mamba-2) needs what attention does not:

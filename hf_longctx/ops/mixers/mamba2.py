@@ -1,6 +1,6 @@
 """Mamba-2 (SSD) under sequence parallelism: head-parallel all-to-all with group replication.
 
-Where it sits: called by the Mamba-2 wrappers of `integrations/mixers.py` (Bamba,
+Where it sits: called by the Mamba-2 wrappers of `integrations/mixers/` (Bamba,
 Granite-4 hybrid, Falcon-H1, Nemotron-H, Zamba2) between the module's own input projection
 and its own gated RMSNorm + output projection, which stay on the sequence shard. The
 fused conv+scan+norm+out path (`mamba_split_conv1d_scan_combined`) is bypassed.
@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from hf_longctx.ops.mixers.conv import doc_causal_conv
-from hf_longctx.ops.mixers.exchange import gather_channels, head_ranges, scatter_channels
+from hf_longctx.ops.mixers.conv import scatter_then_conv
+from hf_longctx.ops.mixers.exchange import gather_channels, head_ranges
 from hf_longctx.ops.mixers.layout import SequenceLayout
 
 
@@ -88,14 +88,9 @@ def mamba2_sequence_parallel(
     hp, gp = h_hi - h_lo, g_hi - g_lo
     x = torch.cat([xbc, dt.to(xbc.dtype)], dim=-1)  # [B, S_local, conv_dim + H]
     chans = [heads.channels(p, head_dim, state) for p in range(lay.sp)]
-    full = scatter_channels(x, chans, lay, rank, group)  # [B, S, hp·P_h + 2·gp·N + hp] global order
-
     conv_dim = hp * head_dim + 2 * gp * state
-    xbc_r, dt_r = full.split([conv_dim, hp], dim=-1)
-    idx = chans[rank][:conv_dim].to(conv_weight.device)
-    w = conv_weight.index_select(0, idx)  # [conv_dim_rank, K]
-    bias = None if conv_bias is None else conv_bias.index_select(0, idx)
-    xbc_r = activation(doc_causal_conv(xbc_r, lay, w, bias)).to(xbc.dtype)  # [B, S, conv_dim_rank]
+    # xbc_r [B, S, conv_dim] convolved; dt_r [B, S, hp], both in global order
+    xbc_r, dt_r = scatter_then_conv(x, chans, conv_dim, conv_weight, conv_bias, activation, lay, rank, group)
     xs, B, C = xbc_r.split([hp * head_dim, gp * state, gp * state], dim=-1)
     xs = xs.reshape(b, -1, hp, head_dim)  # [B, S, hp, P_h]
     # Head h of this rank reads group h // (H/G): give the scan one B/C per head (its own

@@ -1,6 +1,6 @@
 """The RG-LRU linear recurrence (RecurrentGemma / Griffin) under sequence parallelism: state passing.
 
-Where it sits: called by the RecurrentGemma wrapper of `integrations/mixers.py` after the
+Where it sits: called by the RecurrentGemma wrapper of `integrations/mixers/` after the
 module's own projections, its halo convolution (`ops/mixers/conv.py`) and its per-token
 gates (all local to the shard); the output goes back into the module's own gating and
 output projection.

@@ -1,22 +1,8 @@
-"""The `hf-longctx` command. `plan`: which (ulysses, ring, fpdt chunks) mesh and which
-`patch(memory=...)` preset to train a model at a sequence length on a given cluster; the
-last lines print the suggestion as code (`planning.search.suggest` returns the same).
+"""`hf-longctx plan`: rank every setting for a model on a cluster, print the table, the
+binding limit and the suggestion as code and as recipe flags.
 
-Where it sits: outside the training data flow, before a job is launched. It reads the
-model config (a config.json, a directory holding one, or a name already in the local
-Hugging Face cache -- never the network), ranks every setting with `planning/search.py`
-(memory from `planning/memory.py`: FPDT §3-4 memory analysis, USP §4 memory and
-communication) and prints one table, best first. `--plot FILE.png` draws the per-rank load
-of one sampled step planned with `plan_microbatches` for the best setting
-(`planning/plot.py`); with `--flex` the step is planned with flexible SP groups instead
-(`plan_flexible`, groups of every power-of-two size, FlexSP / Hydraulis): the figure shows
-each slot's group layout and every rank's load, and the output names the layouts, the
-per-rank busy max/mean and the modelled step against the best setting's fixed degree.
-
-Usage:
-  hf-longctx plan --model PATH_OR_NAME --gpus 64 --gpu-memory 80GiB --host-memory 1TiB \\
-      --seq-len 131072 [--dtype bf16] [--micro-batch-tokens N] [--top 10] [--show-infeasible] \\
-      [--plot load.png [--lengths-file lengths.txt.gz] [--flex]]
+Where it sits: behind the `plan` subcommand of `hf_longctx/cli/__init__.py`; the ranking is
+`planning/search.py` (memory model `planning/memory.py`), the optional figure `cli/plots.py`.
 """
 
 from __future__ import annotations
@@ -26,7 +12,9 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+from hf_longctx.cli.plots import plot_flexible_step, plot_step
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -114,7 +102,7 @@ def footer(args: argparse.Namespace) -> str:
         "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
         *([f"- --unequal-calls: every rank holds the whole model in {args.dtype} for the step (in params) next to the "
            "held fp32 unsharded gradients, as ranks run different numbers of micro-batches "
-           "(distributed/unsharded_step.py);"]
+           "(distributed/flex/unsharded_step.py);"]
           if args.unequal_calls else []),
         "- held fp32 gradients sit next to every micro-batch's activations: peak = params + optim + held + "
         "max(grads - held, activ + buffers);",
@@ -164,78 +152,6 @@ def _fit_line(args: argparse.Namespace, c) -> str:
     host = c.memory.host * min(args.gpus, args.gpus_per_node) / (args.host_memory * usable)
     which = "GPU memory (--gpu-memory)" if gpu >= host else "host memory (--host-memory)"
     return (f"uses {gpu:.0%} of the usable GPU memory and {host:.0%} of the usable host memory: {which} binds first")
-
-
-def _plot(args: argparse.Namespace, config: Any, best) -> str:
-    from hf_longctx.data.cost import CostModel
-    from hf_longctx.data.layout import doc_multiple, seq_multiple
-    from hf_longctx.data.packing import plan_microbatches
-    from hf_longctx.planning import plot
-
-    s = best.setting
-    cap = args.micro_batch_tokens
-    if args.lengths_file:
-        pool, source = plot.read_lengths(args.lengths_file), f"lengths from {args.lengths_file}"
-    else:
-        pool, source = plot.synthetic_lengths(cap, seed=args.seed), f"synthetic log-normal lengths (seed {args.seed})"
-    lengths = plot.sample_step(pool, best.dp * cap * args.plot_microbatches, cap, seed=args.seed)
-    cost = CostModel.from_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
-    dm = doc_multiple(s.ring)  # FPDT runs with ring 1, where this is 1
-    plan = plan_microbatches(lengths, dp_size=best.dp, max_tokens=cap, cost=cost, doc_multiple=dm,
-                             seq_multiple=seq_multiple(s.ring, s.ulysses, s.fpdt_chunks), overlong="split")
-    title = (f"per-rank load of one sampled step: ulysses {s.ulysses} x ring {s.ring}, dp {best.dp}, "
-             f"{cap} tokens per micro-batch\n{source}")
-    stats = plot.draw_load(plan, cost, args.plot, title)
-    return (f"wrote {args.plot}: one step of {len(lengths)} documents ({source}) planned for dp {best.dp}, "
-            f"{plan.num_microbatches} micro-batches per rank; synchronised step / ideal = {stats['synced_over_ideal']:.3f}")
-
-
-def _plot_flex(args: argparse.Namespace, config: Any, best) -> str:
-    """The flexible plan of one sampled step at the best setting's tokens per rank, drawn
-    per rank with each slot's group sizes; compared with that setting's fixed degree."""
-    from hf_longctx.data.cost import GroupCost
-    from hf_longctx.data.flex_groups import group_shapes
-    from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
-    from hf_longctx.data.flex_unequal import plan_unequal
-    from hf_longctx.data.model_dims import ModelDims
-    from hf_longctx.distributed.flex_collator import layout_text
-    from hf_longctx.planning import plot
-
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    s, world = best.setting, args.gpus
-    per_rank = args.micro_batch_tokens // s.sp  # the best fixed setting's tokens per rank
-    shapes = group_shapes(world, heads=ModelDims.from_config(text).heads, max_size=world & -world,
-                          ranks_per_node=min(args.gpus_per_node, world & -world))
-    fixed_shape = next((sh for sh in shapes if sh.size == s.sp), None)
-    cost = GroupCost.from_config(text, shapes, flops_per_s=args.tflops * 1e12 * args.mfu, ulysses_bw=args.intra_bw,
-                                 ring_bw=args.inter_bw)
-    max_len = (fixed_shape or shapes[-1]).capacity(per_rank)  # documents the fixed setting can hold too
-    if args.lengths_file:
-        pool, source = plot.read_lengths(args.lengths_file), f"lengths from {args.lengths_file}"
-    else:
-        pool, source = plot.synthetic_lengths(max_len, seed=args.seed), f"synthetic log-normal lengths (seed {args.seed})"
-    lengths = plot.sample_step(pool, world * per_rank * args.plot_microbatches, max_len, seed=args.seed)
-    if args.unequal_calls:
-        flex = plan_unequal(lengths, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank, cost=cost)
-        mode = "unequal micro-batch counts (makespan)"
-    else:
-        flex = plan_flexible(lengths, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank, cost=cost,
-                             num_slots=args.plot_microbatches)
-        mode = "equal micro-batch counts (synchronised slots)"
-    title = (f"flexible SP groups, one sampled step: {world} ranks, {per_rank} tokens per rank per micro-batch\n"
-             f"{mode}; {source}")
-    stats = plot.draw_flex_load(flex, cost, args.plot, title)
-    out = (f"wrote {args.plot}: one step of {len(lengths)} documents ({source}) planned with flexible SP groups and "
-           f"{mode} on {world} ranks, {per_rank} tokens per rank; slot layouts {layout_text(flex.layouts())}; "
-           f"micro-batches per rank {stats['calls'][0]}-{stats['calls'][1]}; modelled step / "
-           f"ideal = {stats['synced_over_ideal']:.3f}; per-rank busy max/mean = {stats['busy_max_over_mean']:.3f}")
-    if fixed_shape is not None:
-        fixed = plan_fixed(lengths, shape=fixed_shape, shapes=shapes, world_size=world, max_tokens_per_rank=per_rank,
-                           cost=cost).stats(cost)
-        out += (f"\nthe suggestion's fixed degree on the same step (sp {s.sp}, dp {world // s.sp}; split as the "
-                f"bank's group of {s.sp}: ulysses {fixed_shape.ulysses} x ring {fixed_shape.ring}): synchronised step / ideal = {fixed['synced_over_ideal']:.3f}; "
-                f"modelled speed-up of flexible groups {fixed['synced_step'] / stats['synced_step']:.2f}x")
-    return out
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -304,99 +220,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\nsuggested (fastest estimate that fits; {_fit_line(args, feasible[0])}):\n{best.code()}")
     print(f"\nas recipe flags (recipes/pretrain.py, lora.py, sft.py):\n{best.recipe_flags()}")
     if args.plot:
-        print((_plot_flex if args.flex else _plot)(args, config, feasible[0]))
+        print((plot_flexible_step if args.flex else plot_step)(args, config, feasible[0]))
     return 0
-
-
-def cmd_step_plot(args: argparse.Namespace) -> int:
-    from hf_longctx.planning import plot
-
-    try:
-        record = json.loads(Path(args.record).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{args.record!r}: not a StepRecord JSON written by trainer.last_plan.save(...) ({e})") from None
-    missing = {"step", "lengths", "groups", "slot_tokens", "microbatch_s", "measured_s"} - set(record)
-    if missing:
-        raise ValueError(f"{args.record!r}: missing {sorted(missing)}; write it with trainer.last_plan.save(path)")
-    plot.draw_step_record(record, args.out)
-    print(f"wrote {args.out}: step {record['step']}, {len(record['slot_tokens'])} slots {' '.join(record['groups'])}, "
-          f"measured {record['measured_s']:.3f} s on the saving rank")
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-longctx", description="hf_longctx command line tools")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="rank sequence-parallel settings by estimated memory and step time")
-    p.add_argument("--model", required=True, help="config.json, a model directory, or a name in the local HF cache")
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
-    p.add_argument("--gpu-memory", type=parse_size, required=True, help="memory per GPU, e.g. 80GiB")
-    p.add_argument("--host-memory", type=parse_size, required=True, help="host memory per node, e.g. 512GiB")
-    p.add_argument("--seq-len", type=int, required=True, help="target sequence (document) length in tokens")
-    p.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per SP group per micro-batch (default: --seq-len)")
-    p.add_argument("--microbatches", type=int, default=None,
-                   help="micro-batches per rank and optimizer step (default 1: no gradients held between them)")
-    p.add_argument("--tokens-per-step", type=int, default=None,
-                   help="global tokens per optimizer step; micro-batches = this / (dp x micro-batch tokens) per setting")
-    p.add_argument("--param-offload", choices=["auto", "yes", "no"], default="auto",
-                   help="FSDP2 CPUOffloadPolicy (parameters, gradients, optimizer states on host): try both, force, forbid")
-    p.add_argument("--cpu-optim-bw", type=parse_size, default=10e9,
-                   help="per-GPU host memory bandwidth of the CPU optimizer step with parameter offload, bytes/s")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--top", type=int, default=10, help="feasible settings to show")
-    p.add_argument("--show-infeasible", action="store_true", help="also list settings that do not fit, with why")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--tflops", type=float, default=989.0, help="peak dense TFLOP/s per GPU (default: H100 SXM bf16)")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
-    p.add_argument("--intra-bw", type=parse_size, default=150e9, help="per-GPU bandwidth within a node, bytes/s")
-    p.add_argument("--inter-bw", type=parse_size, default=25e9, help="per-GPU bandwidth across nodes, bytes/s")
-    p.add_argument("--pcie-bw", type=parse_size, default=25e9, help="per-GPU host<->device bandwidth, bytes/s")
-    p.add_argument("--latency", type=float, default=30e-6, help="seconds per all-to-all call")
-    p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU/host memory kept free")
-    p.add_argument("--plot", default=None, help="write the per-rank load of a sampled step (PNG) for the best setting")
-    p.add_argument("--lengths-file", default=None, help="document lengths for --plot: one per line or a JSON list, .gz ok")
-    p.add_argument("--plot-microbatches", type=int, default=4, help="micro-batches per DP rank in the sampled step")
-    p.add_argument("--flex", action="store_true",
-                   help="--plot the step with flexible SP groups (sizes chosen per slot): layouts and per-rank load")
-    p.add_argument("--unequal-calls", action="store_true",
-                   help="memory of flexible groups with unequal micro-batch counts (parameters and gradients unsharded "
-                        "for the whole step); with --flex --plot, plan the step that way")
-    p.add_argument("--sync-each-microbatch", action="store_true",
-                   help="memory with a gradient reduce-scatter in every micro-batch (LongContextTrainer("
-                        "sync_each_microbatch=True)) instead of unsharded fp32 gradients held through the step")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_plan)
-    q = sub.add_parser("step-plot", help="draw trainer.last_plan (saved with trainer.last_plan.save(FILE.json))")
-    q.add_argument("record", help="the JSON written by StepRecord.save")
-    q.add_argument("--out", required=True, help="PNG to write")
-    q.set_defaults(func=cmd_step_plot)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command != "plan":
-        try:
-            return args.func(args)
-        except (ValueError, ImportError) as e:
-            print(f"hf-longctx {args.command}: error: {e}", file=sys.stderr)
-            return 2
-    for name in ("gpus", "seq_len", "top", "gpus_per_node", "plot_microbatches", "microbatches", "tokens_per_step"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.micro_batch_tokens is not None and args.micro_batch_tokens < args.seq_len:
-        parser.error(f"--micro-batch-tokens ({args.micro_batch_tokens}) must be >= --seq-len ({args.seq_len})")
-    if args.tokens_per_step is not None and args.tokens_per_step < (args.micro_batch_tokens or args.seq_len):
-        parser.error(f"--tokens-per-step ({args.tokens_per_step}) must be >= the micro-batch tokens "
-                     f"({args.micro_batch_tokens or args.seq_len})")
-    try:
-        return args.func(args)
-    except (ValueError, ImportError) as e:
-        print(f"hf-longctx {args.command}: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

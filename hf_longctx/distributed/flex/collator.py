@@ -5,10 +5,10 @@ Where it sits: the `LongContextCollator` of a `GroupBank` (FlexSP §4 / Hydrauli
 SP groups of different sizes in every slot, chosen per step). The step sampler drew the
 same global list on every rank; this collator
 1. cuts documents longer than the largest group holds (`overlong="split" | "truncate"`,
-   the rule of `packing._make_pieces`; "error" refuses them) into pieces,
+   the rule of `pieces.make_pieces`; "error" refuses them) into pieces,
 2. plans the step with `plan_flexible` (per-size `GroupCost`; a group of size s packs at
    most s × `max_tokens_per_rank` padded tokens) -- deterministic, no collective,
-3. hands the plan to `flex_step.flex_microbatches`, which checks it (every slot tiles the
+3. hands the plan to `distributed/flex/step.flex_microbatches`, which checks it (every slot tiles the
    world, so every rank runs the same number of forward/backward calls), compares its
    fingerprint across ranks (ONE all-reduce of two integers: the only collective here)
    and `shard_batch`es each slot's group row for `bank.mesh(size)`.
@@ -26,14 +26,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from hf_longctx.data.collator import read_documents
+from hf_longctx.data.collator import check_feature_options, read_documents, require_targets
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex_packing import plan_flexible
-from hf_longctx.data.flex_plan import FlexPlan
-from hf_longctx.data.flex_unequal import plan_unequal
-from hf_longctx.data.packing import OVERLONG, _make_pieces
-from hf_longctx.distributed.flex_step import flex_microbatches, valid_labels
-from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.data.flex.packing import plan_flexible
+from hf_longctx.data.flex.plan import FlexPlan
+from hf_longctx.data.flex.unequal import plan_unequal
+from hf_longctx.data.pieces import OVERLONG, make_pieces
+from hf_longctx.distributed.flex.step import flex_microbatches, valid_labels
+from hf_longctx.distributed.flex.bank import GroupBank
 
 
 def layout_text(layouts: Sequence[Sequence[int]]) -> str:
@@ -52,18 +52,21 @@ class FlexCollator:
     communication term; fit one with `GroupCost.fit` to include it). `num_slots`: slots to
     aim for (default: the fewest the tokens need). `unequal_calls`: plan with `plan_unequal`
     (ranks get different numbers of micro-batches; the step must run unsharded, see
-    `distributed/unsharded_step.py`). Features: mappings with `input_ids` and
-    optional unshifted `labels` (-100 = no target).
+    `distributed/flex/unsharded_step.py`). Features: mappings with `input_ids` and
+    optional unshifted targets under `label_key` (-100 = no target) and a 0/1 loss mask
+    under `loss_mask_key`, read and checked as `LongContextCollator` does.
     """
 
     def __init__(
         self, bank: GroupBank, max_tokens_per_rank: int, cost: GroupCost | CostModel, *, overlong: str = "error",
         pad_token_id: int = 0, num_slots: int | None = None, unequal_calls: bool = False,
+        label_key: str = "labels", loss_mask_key: str | None = None,
     ) -> None:
         if not isinstance(bank, GroupBank):
             raise TypeError(f"bank must be a GroupBank from init_group_bank, got {type(bank).__name__}")
         if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
+        check_feature_options(pad_token_id, label_key, loss_mask_key)  # LongContextCollator's checks
         if overlong not in OVERLONG:
             raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
         if isinstance(cost, CostModel):
@@ -84,6 +87,8 @@ class FlexCollator:
         self.cost = cost
         self.overlong = overlong
         self.pad_token_id = pad_token_id
+        self.label_key = label_key
+        self.loss_mask_key = loss_mask_key
         self.num_slots = num_slots
         if not isinstance(unequal_calls, bool):
             raise ValueError(f"unequal_calls must be a bool, got {unequal_calls!r}")
@@ -115,19 +120,16 @@ class FlexCollator:
         return {**self.last_plan.stats(self.cost), "num_items_in_batch": self.last_num_items}
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        docs = read_documents(features)  # [(ids [L], labels [L])]: the collators' checks
+        # [(ids [L], labels [L])]: LongContextCollator's feature checks, labels and loss mask
+        docs = read_documents(features, label_key=self.label_key, loss_mask_key=self.loss_mask_key)
         lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
         cap = f"the largest group: {self.bank.max_size} ranks × max_tokens_per_rank {self.max_tokens_per_rank}"
-        pieces = _make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document
+        pieces = make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document
         documents = [
             {"input_ids": docs[p.doc][0][p.start : p.end], "labels": docs[p.doc][1][p.start : p.end]} for p in pieces
         ]
         num_items = valid_labels(documents)  # targets of the whole step after the per-piece shift
-        if num_items == 0:
-            raise ValueError(
-                f"the step's {len(docs)} document(s) have no valid target after the per-document shift "
-                f"(lengths {lengths[:8].tolist()}): every label is -100 or a document has 1 token"
-            )
+        require_targets(num_items, lengths.tolist())
         plan = self.plan([p.length for p in pieces])
         out = list(flex_microbatches(plan, self.bank, documents, num_items_in_batch=num_items,
                                      pad_token_id=self.pad_token_id))

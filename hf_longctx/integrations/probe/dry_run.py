@@ -1,4 +1,4 @@
-"""The structural exactness rule: prove, per model, that only our attention mixes tokens.
+"""The structural exactness rule (the dry run): prove, per model, that only our attention mixes tokens.
 
 Where it sits: called by `exactness.refuse_inexact` inside `patch()`, before anything is
 changed and before any collective. DESIGN invariant 7 (outputs and gradients equal the
@@ -27,8 +27,9 @@ known-bad names (deny by default) we dry-run the model once, locally, on a tiny 
 A module that leaks is blamed at the innermost module whose output first differs (forward
 hooks fire innermost-first); its output is then spliced back to the clean values so that
 one pass finds every independent source. Module classes in `handled` (the linear mixers
-that `integrations/mixers.py` wraps for SP) are trusted: their outputs are spliced without
-blame. Cost: three no-grad forwards over ~12 tokens plus the per-module outputs of
+that `integrations/mixers/` wraps for SP) are trusted: their outputs are spliced without
+blame. Cost: four no-grad forwards over ~12 tokens (runs A, B, C; run A also computes the
+loss of the shift_labels check, which needs one more forward) plus the per-module outputs of
 run A kept in memory (~12 x hidden floats per module call). No parameter, gradient, RNG,
 training mode or attention implementation is changed when it returns.
 """
@@ -36,184 +37,20 @@ training mode or attention implementation is changed when it returns.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
-_REL_TOL = 1e-4  # a per-token model reproduces other positions bit-for-bit up to GEMM blocking
-# ... and in bf16 / fp16 up to a rounding of the dtype: a GEMM over a different number of rows
-# (runs A/B vs the shorter run C) may pick another cuBLAS kernel whose fp32 accumulation rounds
-# to the neighbouring value, one ULP = eps * 2^floor(log2 |x|) <= eps * scale. Two ULPs of room;
-# a real leak moves other positions by O(1/tokens) of the scale (~8% on the probe's ~12 tokens).
-_ULPS = 2
-
-
-@dataclass
-class ProbeReport:
-    """What the dry run saw; `problems` empty means the structural rule holds."""
-
-    attention_calls: int = 0  # per forward (the runtime check compares with it)
-    called: list = field(default_factory=list)  # the attention module of each call of run A
-    problems: list[str] = field(default_factory=list)
-    leaks: dict = field(default_factory=dict)  # class name -> [module names]
-    shape_deps: dict = field(default_factory=dict)  # class name -> [module names]
-    unknown_kwargs: dict = field(default_factory=dict)  # kwarg -> {attention classes}
-    mask_parts: set = field(default_factory=set)  # unsupported mask-function pieces
-    no_metadata: set = field(default_factory=set)  # attention classes the metadata never reached
-    tensor_masks: set = field(default_factory=set)
-    non_causal: set = field(default_factory=set)  # attention classes CALLED with is_causal=False
-    windows_mask: set = field(default_factory=set)
-    windows_attention: set = field(default_factory=set)
-    mask_windows: list = field(default_factory=list)  # per mask built: its sliding windows
-    heads: dict = field(default_factory=dict)  # (query heads, KV heads) -> {attention classes} of the calls
-
-
-def _seq_view(t: Any, s: int):
-    """The sequence dim of `t` (the one dim of size s after the batch dim), or None.
-
-    Only tensors that keep the probe's batch dim (size 1, first) count: a module that
-    flattens tokens to [B·S, ...] may also reorder them (an MoE layer sorts its tokens by
-    expert before the experts' activation), so a flat tensor's rows are not positions and
-    comparing them position by position would blame a per-token module. The enclosing
-    module's [B, S, ...] output still exposes any real mixing there."""
-    if not isinstance(t, torch.Tensor) or t.is_sparse or t.dim() < 2 or t.shape[0] != 1:
-        return None
-    dims = [d for d, n in enumerate(t.shape) if n == s and d > 0]
-    return dims[0] if len(dims) == 1 else None
-
-
-def _flatten(obj: Any, out: list) -> list:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            _flatten(o, out)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _flatten(o, out)
-    return out
-
-
-def _rebuild(obj: Any, it) -> Any:
-    """`obj` with its tensors replaced, in `_flatten` order, by the items of `it`."""
-    if isinstance(obj, torch.Tensor):
-        return next(it)
-    if isinstance(obj, (tuple, list)):
-        items = [_rebuild(o, it) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        new = {k: _rebuild(v, it) for k, v in obj.items()}
-        try:
-            return type(obj)(**new)
-        except TypeError:
-            return new
-    return obj
-
-
-def _differs(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape:
-        return True
-    if not a.is_floating_point():
-        return not torch.equal(a, b)
-    scale = a.detach().abs().max().item() if a.numel() else 0.0
-    rel = max(_REL_TOL, _ULPS * torch.finfo(a.dtype).eps)  # fp32: 1e-4; bf16: 1.6e-2; fp16: 2.0e-3
-    return bool(((a - b).abs() > rel * max(scale, 1e-6)).any()) or bool((a.isnan() != b.isnan()).any())
-
-
-def _mask_pieces(fn: Callable, windows: set, bad: set, depth: int = 0) -> None:
-    """Walk the closures of one HF mask function; allow only what our attention applies."""
-    name = getattr(fn, "__qualname__", repr(fn))
-    cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), (c.cell_contents for c in (getattr(fn, "__closure__", None) or ()))))
-    if depth > 16:
-        bad.add(name)
-    elif name == "causal_mask_function" or name.startswith("packed_sequence_mask_function."):
-        pass
-    elif name.startswith("and_masks."):
-        for f in cells.get("mask_functions", ()):
-            _mask_pieces(f, windows, bad, depth + 1)
-    elif name.startswith(("remap_positions_for_packed_sequence.", "add_offsets_to_mask_function.")):
-        if cells.get("q_offset", 0) or cells.get("kv_offset", 0):
-            bad.add(f"{name} with offsets ({cells.get('q_offset')}, {cells.get('kv_offset')})")
-        _mask_pieces(cells.get("mask_function"), windows, bad, depth + 1)
-    elif name.startswith("sliding_window_overlay."):
-        windows.add(int(cells["sliding_window"]))
-    elif name.startswith("padding_mask_function."):
-        pad = cells.get("padding_mask")
-        if isinstance(pad, torch.Tensor) and not bool(pad.all()):
-            bad.add("a padding mask with zeros")
-    elif name.startswith("or_masks."):
-        extra = [f for f in cells.get("mask_functions", ()) if getattr(f, "__qualname__", "") != "causal_mask_function"]
-        for f in extra:
-            bad.add(f"or-ed {getattr(f, '__qualname__', repr(f))} (keys beyond the causal document mask)")
-    else:
-        bad.add(name)
-
-
-def mask_windows(fn: Callable) -> set:
-    """The sliding windows of one HF mask function (its sliding_window_overlay pieces)."""
-    windows: set = set()
-    _mask_pieces(fn, windows, set())
-    return windows
-
-
-def _probe_lengths(hf) -> tuple[int, int, int]:
-    """(len doc 0, len doc 1, shard start): the probe length S and the shard length S - a
-    must differ from every size in the model, so a dim of that size IS the sequence."""
-    sizes = {n for p in hf.parameters() for n in p.shape} | {n for p in hf.buffers() for n in p.shape}
-
-    def ints(obj, depth=0):
-        if depth > 3:
-            return
-        for v in (vars(obj).values() if hasattr(obj, "__dict__") else []):
-            if isinstance(v, int) and not isinstance(v, bool):
-                sizes.add(v)
-            elif isinstance(v, (list, tuple)):
-                sizes.update(x for x in v if isinstance(x, int))
-            elif hasattr(v, "to_dict") and hasattr(v, "model_type"):
-                ints(v, depth + 1)
-
-    ints(hf.config)
-    for s in range(11, 200):
-        a = 3  # the shard starts mid-document 0, after the perturbed token 1
-        if s not in sizes and (s - a) not in sizes:
-            return s // 2, s - s // 2, a
-    raise ValueError("no probe length distinct from the model's sizes in 11..199")
-
-
-def _per_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> tuple:
-    """The stand-in attention: token i attends only to itself (out = v * sigmoid(q.k))."""
-    h, h_kv = query.shape[1], key.shape[1]
-    k_e = key.repeat_interleave(h // h_kv, dim=1) if h != h_kv else key  # [B, H, S, D]
-    v_e = value.repeat_interleave(h // value.shape[1], dim=1) if h != value.shape[1] else value  # [B, H, S, Dv]
-    d = min(query.shape[-1], k_e.shape[-1])
-    gate = torch.sigmoid((query[..., :d] * k_e[..., :d]).sum(-1, keepdim=True) * (scaling or d**-0.5))  # [B, H, S, 1]
-    return (v_e * gate).transpose(1, 2).contiguous(), None  # [B, S, H, Dv]
-
-
-def _loss_takes_shift_labels(hf, ids: torch.Tensor, pos: torch.Tensor, kw: dict) -> str | None:
-    """None if the model's loss is computed from `shift_labels` (what shard_batch hands each
-    rank: targets shifted on the whole packed sequence, with the global token count), else why
-    not. Measured: two forwards whose shift_labels differ must give different losses."""
-    text = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    n_out = getattr(text, "vocab_size", None) or hf.get_input_embeddings().num_embeddings  # the LM head's classes
-    targets = torch.roll(ids, -1, dims=1) % n_out  # [1, S]: Mllama's embedding has more rows than its head
-    targets[:, -1] = -100
-    other = targets.clone()
-    other[:, : ids.shape[1] // 2] = -100  # [1, S]: half the targets dropped
-    try:
-        losses = [hf(input_ids=ids, position_ids=pos, labels=ids, shift_labels=t, **kw).loss for t in (targets, other)]
-    except TypeError as e:
-        if "shift_labels" not in str(e):
-            raise  # another failure of the dry run: refused by the caller with its own cause
-        return f"{type(hf).__name__}.forward does not take shift_labels ({e})"
-    if losses[0] is None or torch.equal(losses[0], losses[1]):
-        return (
-            f"{type(hf).__name__} computes its loss without shift_labels (not through transformers' ForCausalLMLoss), "
-            "so the targets shard_batch shifted on the whole packed sequence and the global token count would be "
-            "ignored; e.g. WhisperForCausalLM takes labels that are not shifted and averages over each rank's shard"
-        )
-    return None
+from hf_longctx.integrations.probe.compare import differs, flatten, rebuild, seq_view
+from hf_longctx.integrations.probe.inputs import (
+    loss_ignores_shift_labels,
+    no_shift_labels,
+    per_token,
+    probe_lengths,
+    shift_label_pair,
+)
+from hf_longctx.integrations.probe.masks import mask_pieces
+from hf_longctx.integrations.probe.report import ProbeReport
+from hf_longctx.model_walk import SkippedLayer, configs, decoder_layers, layer_kind, reduced_copy
 
 
 def probe_model(
@@ -223,7 +60,6 @@ def probe_model(
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    from hf_longctx.integrations.exactness import configs
 
     report = ProbeReport()
     p0 = next(hf.parameters(), None)
@@ -233,7 +69,7 @@ def probe_model(
     if p0.device.type == "meta":
         return _probe_meta(hf, metadata_key, used_kwargs, ignored_kwargs, handled)
     names = {id(m): n or type(m).__name__ for n, m in hf.named_modules()}
-    l0, l1, a = _probe_lengths(hf)
+    l0, l1, a = probe_lengths(hf)
     s = l0 + l1
     vocab = hf.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(1234)  # a local generator: the global RNG is untouched
@@ -248,7 +84,7 @@ def probe_model(
     def stand_in(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cls = type(module).__name__
         if state["run"] == "loss":  # the loss check below: nothing to record
-            return _per_token(query, key, value, scaling)
+            return per_token(query, key, value, scaling)
         calls.append(module)
         if kwargs.get(metadata_key) is not marker:
             report.no_metadata.add(cls)
@@ -267,7 +103,7 @@ def probe_model(
         problem = f"{cls}: value head dim {value.shape[-1]} > key head dim {key.shape[-1]} is not supported by the kernels"
         if value.shape[-1] > key.shape[-1] and problem not in report.problems:  # once, not per layer and run
             report.problems.append(problem)
-        return _per_token(query, key, value, scaling)
+        return per_token(query, key, value, scaling)
 
     def mask_fn(mask_function=None, attention_mask=None, **_):
         mask_fns.append(mask_function)
@@ -291,18 +127,18 @@ def probe_model(
             if r is None or not isinstance(t, torch.Tensor):
                 new.append(t)
                 continue
-            dim = _seq_view(r, s)
+            dim = seq_view(r, s)
             if run == "B":
                 shape = [1] * r.dim()
                 shape[dim] = s
                 other = (torch.arange(s, device=r.device) != 1).view(shape)  # broadcast over non-sequence dims
-                if t.shape == r.shape and t.dtype == r.dtype and _differs(torch.where(other, t, r), r):
+                if t.shape == r.shape and t.dtype == r.dtype and differs(torch.where(other, t, r), r):
                     changed, t = True, torch.where(other, r, t)
             else:  # run C: the shard [a:S] alone must reproduce run A at those tokens
                 want = r.narrow(dim, a, s - a)
                 # A tensor whose shape does not line up is not a sequence-aligned tensor (e.g. the
                 # tokens an MoE loop gathered for one expert, whose count changes between runs).
-                if t.shape == want.shape and t.dtype == want.dtype and _differs(t, want):
+                if t.shape == want.shape and t.dtype == want.dtype and differs(t, want):
                     changed, t = True, want.clone()
             new.append(t)
         return changed, new
@@ -314,45 +150,39 @@ def probe_model(
         if mname not in target:
             target.append(mname)
 
-    def pre_hook(module, args, kwargs):
-        parent = state["stack"][-1] if state["stack"] else hf
-        state["stack"].append(module)
-        mname = names.get(id(module), type(module).__name__)
-        key = (mname, state["in_counts"].get(mname, 0))
-        state["in_counts"][mname] = key[1] + 1
-        flat = _flatten((args, kwargs), [])
+    def visit(store: dict, counter: str, mname: str, flat: list) -> list | None:
+        """Run A: record this call's sequence-aligned tensors in `store`. Runs B / C: the
+        call's tensors with run A's values spliced back where they changed, or None."""
+        key = (mname, state[counter].get(mname, 0))  # the n-th call of this module in the run
+        state[counter][mname] = key[1] + 1
         run = state["run"]
         if run == "A":
-            inputs[key] = [t.detach().clone() if _seq_view(t, s) is not None else None for t in flat]
+            store[key] = [t.detach().clone() if seq_view(t, s) is not None else None for t in flat]
             return None
-        ref = inputs.get(key)
+        ref = store.get(key)
         if ref is None or len(ref) != len(flat):
             return None
         changed, new = splice(flat, ref, run)
-        if not changed:
+        return new if changed else None
+
+    def pre_hook(module, args, kwargs):
+        parent = state["stack"][-1] if state["stack"] else hf
+        state["stack"].append(module)
+        new = visit(inputs, "in_counts", names.get(id(module), type(module).__name__), flatten((args, kwargs), []))
+        if new is None:
             return None
         # the inputs already differ: the PARENT's own code (not a submodule) mixed tokens
-        blame(parent, names.get(id(parent), type(parent).__name__), run)
-        return _rebuild((args, kwargs), iter(new))
+        blame(parent, names.get(id(parent), type(parent).__name__), state["run"])
+        return rebuild((args, kwargs), iter(new))
 
     def hook(module, args, output):
         state["stack"].pop()
         mname = names.get(id(module), type(module).__name__)
-        key = (mname, state["counts"].get(mname, 0))
-        state["counts"][mname] = key[1] + 1
-        flat = _flatten(output, [])
-        run = state["run"]
-        if run == "A":
-            runs[key] = [t.detach().clone() if _seq_view(t, s) is not None else None for t in flat]
+        new = visit(runs, "counts", mname, flatten(output, []))
+        if new is None:
             return None
-        ref = runs.get(key)
-        if ref is None or len(ref) != len(flat):
-            return None
-        changed, new = splice(flat, ref, run)
-        if not changed:
-            return None
-        blame(module, mname, run)
-        return _rebuild(output, iter(new))
+        blame(module, mname, state["run"])
+        return rebuild(output, iter(new))
 
     rng = torch.get_rng_state()
     try:
@@ -363,18 +193,27 @@ def probe_model(
                 handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
                 handles.append(m.register_forward_hook(hook))
         kw = {metadata_key: marker, "use_cache": False}
+        targets, other = shift_label_pair(hf, ids)
         with torch.no_grad():
-            state["run"] = "loss"
-            loss_problem = _loss_takes_shift_labels(hf, ids, pos, kw)
-            if loss_problem:
-                report.problems.append(loss_problem)
+            state["run"] = "loss"  # the one extra forward: the loss under the second shift_labels
+            try:
+                other_loss = hf(input_ids=ids, position_ids=pos, labels=ids, shift_labels=other, **kw).loss
+                loss_kw = {"labels": ids, "shift_labels": targets}  # run A computes the first loss
+            except TypeError as e:
+                if "shift_labels" not in str(e):
+                    raise  # another failure of the dry run: refused below with its own cause
+                report.problems.append(no_shift_labels(hf, e))
+                other_loss, loss_kw = None, {}
             for run, (x, p) in {"A": (ids, pos), "B": (perturbed, pos), "C": (ids[:, a:], pos[:, a:])}.items():
                 state.update(run=run, counts={}, in_counts={}, stack=[])
                 calls.clear()
-                hf(input_ids=x, position_ids=p, **kw)
+                out = hf(input_ids=x, position_ids=p, **kw, **(loss_kw if run == "A" else {}))
                 if run == "A":
                     report.attention_calls = len(calls)
                     report.called = list(calls)
+                    loss_problem = loss_ignores_shift_labels(hf, out.loss, other_loss) if loss_kw else None
+                    if loss_problem:
+                        report.problems.append(loss_problem)
     except Exception as e:  # noqa: BLE001 -- every failure of the dry run is a refusal with its cause
         where = state["stack"][-1] if state["stack"] else hf
         indexers = sorted({type(m).__name__ for m in where.modules() if "indexer" in type(m).__name__.lower()})
@@ -403,7 +242,7 @@ def probe_model(
     for f in mask_fns:
         if f is not None:
             windows: set = set()
-            _mask_pieces(f, windows, bad)
+            mask_pieces(f, windows, bad)
             report.windows_mask |= windows
             report.mask_windows.append(frozenset(windows))
     report.mask_parts = bad
@@ -416,8 +255,6 @@ def _probe_meta(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: f
     twin with one decoder layer per kind (as `verify()` builds it), materialised on CPU with
     seeded weights -- the same twin on every rank, so every rank reaches the same verdict.
     The attention calls of each kept layer count for every layer of its kind."""
-    from hf_longctx.verify import SkippedLayer, decoder_layers, layer_kind, reduced_copy
-
     with torch.random.fork_rng(devices=[]):  # init_weights draws from the global RNG
         torch.manual_seed(0)
         twin = reduced_copy(hf)  # meta: nothing is allocated until to_empty

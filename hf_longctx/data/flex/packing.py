@@ -3,7 +3,7 @@ different sizes, and the documents of each group.
 
 Where it sits: where `data/packing.py` sits for a fixed SP degree -- after the step sampler
 drew the same document list on every rank, before `shard_batch` lays each group's
-micro-batch out over that group (`distributed/flex_step.py` drives it). Pure NumPy, no
+micro-batch out over that group (`distributed/flex/step.py` drives it). Pure NumPy, no
 process group: every rank computes the same plan from the same list (DESIGN invariant 8);
 `FlexPlan.fingerprint()` is what the step driver compares across ranks.
 
@@ -22,7 +22,7 @@ FlexSP's MILP, so it runs in milliseconds:
    lines up in the same slot);
 3. the free ranks of every slot become groups of the smallest size; then the remaining
    documents, costliest first, go where they lie furthest below their slot's maximum
-   (the rule of `packing._cost_fill`, with a group judged by its projected full cost);
+   (the rule of `balanced.cost_fill`, with a group judged by its projected full cost);
 4. τ is tried at a few multiples of the ideal slot length; the plan with the smallest
    modelled step Σ_slot max_group T wins (deterministic: no wall-clock bound).
 
@@ -42,9 +42,10 @@ from typing import Sequence
 import numpy as np
 
 from hf_longctx.data.cost import GroupCost
-from hf_longctx.data.flex_groups import GroupShape
-from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
-from hf_longctx.data.packing import _as_lengths, _check_int, plan_microbatches
+from hf_longctx.data.flex.groups import GroupShape
+from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.data.packing import plan_microbatches
+from hf_longctx.data.pieces import as_lengths, check_int
 
 TAU_FACTORS = (0.75, 1.0, 1.5, math.inf)  # target slot lengths tried, × the ideal slot length (inf: no promotion)
 
@@ -70,7 +71,7 @@ def prepare(lengths, shapes, world: int, cap: int, cost: GroupCost):
     missing = [s.size for s in shapes if s.size not in cost.sizes]
     if missing:
         raise ValueError(f"cost has no model for group sizes {missing} (it has {list(cost.sizes)})")
-    lengths = _as_lengths(lengths)
+    lengths = as_lengths(lengths)
     sizes = [s.size for s in shapes]
     padded, caps, costs, ok = _tables(lengths, shapes, cap, cost)
     fits = ok.any(axis=0)
@@ -233,8 +234,8 @@ def plan_flexible(
     need at the smallest feasible sizes); the planner opens more only when documents do not fit.
     A document longer than the largest group holds raises ValueError naming it.
     """
-    world = _check_int("world_size", world_size, 1)
-    cap = _check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
+    world = check_int("world_size", world_size, 1)
+    cap = check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
     shapes, lengths, padded, caps, costs, smallest = prepare(lengths, shapes, world, cap, cost)
     n = len(lengths)
     sizes = [s.size for s in shapes]
@@ -242,7 +243,7 @@ def plan_flexible(
     need = int(np.ceil(padded[smallest, np.arange(n)].sum() / (world * cap))) if n else 1
     # Never aim below what the tokens need: slots opened one by one during the fill would
     # collect only the leftovers (unbalanced); the aim is met exactly whenever it suffices.
-    m = max(1, need) if num_slots is None else max(_check_int("num_slots", num_slots, 1), need)
+    m = max(1, need) if num_slots is None else max(check_int("num_slots", num_slots, 1), need)
     tau0 = float(work.sum()) / (world * m) if n else 0.0
     # Cheapest per-token cost of each shape (projects a group's free room as if filled).
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -293,7 +294,7 @@ def plan_fixed(
     size (int): its split is then the one in `shapes` (`bank.shapes`). `num_slots`: the
     step's micro-batch slots (as `plan_flexible`'s; the missing ones are empty groups);
     fewer than the documents need raises ValueError naming both."""
-    world = _check_int("world_size", world_size, 1)
+    world = check_int("world_size", world_size, 1)
     if isinstance(shape, int) and not isinstance(shape, bool):
         match = [sh for sh in shapes or () if sh.size == shape]
         if not match:
@@ -316,12 +317,12 @@ def plan_fixed(
             FlexGroup(size=shape.size, index=r, docs=tuple(plan.pieces[p].doc for p in plan.ranks[r][j])) for r in range(dp)
         ))
     if num_slots is not None:
-        want = _check_int("num_slots", num_slots, 1)
+        want = check_int("num_slots", num_slots, 1)
         if want < len(slots):
             raise ValueError(f"num_slots={want} is fewer than the {len(slots)} micro-batch slots these documents need "
                              f"at group size {shape.size}; pass num_slots >= {len(slots)} or None")
         slots += [tuple(FlexGroup(size=shape.size, index=r, docs=()) for r in range(dp))] * (want - len(slots))
     return FlexPlan(
-        slots=tuple(slots), lengths=tuple(int(x) for x in _as_lengths(lengths)), world_size=world,
+        slots=tuple(slots), lengths=tuple(int(x) for x in as_lengths(lengths)), world_size=world,
         max_tokens_per_rank=int(max_tokens_per_rank), shapes=tuple(shapes) if shapes else (shape,), strategy=strategy,
     )

@@ -1,6 +1,6 @@
 """The flexible step driver: run one planned step, slot by slot, each on its own SP group.
 
-Where it sits: between the flexible planner (`data/flex_packing.py`, a `FlexPlan` computed
+Where it sits: between the flexible planner (`data/flex/packing.py`, a `FlexPlan` computed
 on every rank from the step's document list) and the model patched with a `GroupBank`
 (`patch(model, bank)`). For each slot this rank looks up its group (size, index), packs the
 group's documents into one row, lays it out for that group with `shard_batch(batch,
@@ -20,7 +20,7 @@ runs exactly `plan.num_slots` forward/backward calls; a plan that breaks this, o
 differs between ranks (a cheap fingerprint all-reduce), is refused before the first
 forward. With unequal calls (`plan_unequal`) ranks run different numbers of micro-batches
 in the plan's one global order, and an FSDP2 model runs the step unsharded
-(`distributed/unsharded_step.py`): its only world collectives are the all-gathers at the
+(`distributed/flex/unsharded_step.py`): its only world collectives are the all-gathers at the
 start and the reduce-scatters of each rank's own last backward.
 """
 
@@ -31,11 +31,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx.data.flex_packing import FlexGroup, FlexPlan
+from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
-from hf_longctx.distributed.group_bank import GroupBank
+from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.loss import collective_device, global_loss
-from hf_longctx.distributed.unsharded_step import check_unsharded_step, unsharded_step
+from hf_longctx.distributed.flex.unsharded_step import check_unsharded_step, unsharded_step
 
 
 def check_plan(plan: FlexPlan, bank: GroupBank) -> None:

@@ -1,7 +1,7 @@
 """The shapes of the SP groups a flexible step may use: size, Ulysses × ring split, padding.
 
-Where it sits: pure arithmetic shared by the group bank (`distributed/group_bank.py`, which
-builds one process group per shape) and the flexible planner (`data/flex_packing.py`,
+Where it sits: pure arithmetic shared by the group bank (`distributed/flex/bank.py`, which
+builds one process group per shape) and the flexible planner (`data/flex/packing.py`,
 which must know each shape's padding multiples and capacity without any process group).
 FlexSP §3 / Hydraulis §4: SP groups of different power-of-two sizes, aligned so that a
 group of size s covers ranks [g·s, (g+1)·s) ("buddy" layout: any multiset of sizes that

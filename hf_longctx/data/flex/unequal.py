@@ -2,11 +2,11 @@
 its share of the step needs, groups of different sizes start as soon as their members are
 free, and no slot waits for its slowest group.
 
-Where it sits: beside `data/flex_packing.plan_flexible` (same inputs, same `FlexPlan`
+Where it sits: beside `data/flex/packing.plan_flexible` (same inputs, same `FlexPlan`
 output with `equal_calls=False`), on every rank from the same document list, before
-`distributed/flex_step.py` lays each group's micro-batch out. Pure NumPy, no process group.
+`distributed/flex/step.py` lays each group's micro-batch out. Pure NumPy, no process group.
 It is only usable where the step runs with parameters unsharded for its whole length
-(`distributed/unsharded_step.py`): FSDP2's per-layer all-gathers and reduce-scatters are
+(`distributed/flex/unsharded_step.py`): FSDP2's per-layer all-gathers and reduce-scatters are
 what force equal call counts, and with parameters gathered once per step and gradients
 synced in each rank's last backward, only the SP groups' own collectives remain.
 
@@ -40,10 +40,10 @@ from typing import Sequence
 import numpy as np
 
 from hf_longctx.data.cost import GroupCost
-from hf_longctx.data.flex_groups import GroupShape
-from hf_longctx.data.flex_packing import prepare
-from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
-from hf_longctx.data.packing import _check_int
+from hf_longctx.data.flex.groups import GroupShape
+from hf_longctx.data.flex.packing import prepare
+from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.data.pieces import check_int
 
 PROMOTE_FACTORS = (1.0, 0.5, math.inf)  # τ tried, × the ideal per-rank load (inf: no promotion)
 
@@ -171,8 +171,8 @@ def plan_unequal(
     Only for a step run with parameters unsharded throughout (`run_flex_step` and the
     Trainer check the model). A document longer than the largest group holds raises
     ValueError naming it."""
-    world = _check_int("world_size", world_size, 1)
-    cap = _check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
+    world = check_int("world_size", world_size, 1)
+    cap = check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
     shapes, lengths, padded, caps, costs, smallest = prepare(lengths, shapes, world, cap, cost)
     n = len(lengths)
     sizes = [s.size for s in shapes]

@@ -1,0 +1,165 @@
+"""The package's imports flow one way (docs/DESIGN.md "Package layout"): no import circle,
+no import from a higher floor.
+
+Every `import` / `from ... import` statement in `hf_longctx/` counts, also those inside
+functions (a deferred import is still a dependency; it only hides a circle from Python).
+An import of a package's `__init__` by its own submodules' importers is not an edge (Python
+runs parent packages first whatever the layering). The floors below are DESIGN's, lowest
+first; a module may import its own floor or lower, and nothing on its floor that imports it
+back.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "hf_longctx"
+
+# lowest first: (floor name, module prefixes on it)
+FLOORS = (
+    ("base", ("hf_longctx.errors", "hf_longctx.config", "hf_longctx._compat", "hf_longctx.model_walk", "hf_longctx.devices")),
+    ("data", ("hf_longctx.data",)),
+    ("distributed", ("hf_longctx.distributed", "hf_longctx.loss")),
+    ("ops", ("hf_longctx.ops",)),
+    ("integrations", ("hf_longctx.integrations", "hf_longctx.planning")),
+    ("verify", ("hf_longctx.verify",)),
+    ("patching", ("hf_longctx.patching",)),
+    ("training", ("hf_longctx.training",)),
+    ("top", ("hf_longctx.cli", "hf_longctx")),
+)
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def import_edges(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in its source)."""
+    edges: dict[str, set[str]] = {name: set() for name in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from .x import y
+                    stem = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(stem + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in mods and "." in target:
+                    target = target.rsplit(".", 1)[0]  # hf_longctx.x.y.Class -> hf_longctx.x.y
+                if target in mods and target != name:
+                    edges[name].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(edges):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def floor_of(module: str) -> int:
+    """The floor of `module`: its longest matching prefix in FLOORS."""
+    best, level = -1, None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), i
+    if level is None:
+        raise AssertionError(f"{module} is on no floor: add it to FLOORS and to docs/DESIGN.md")
+    return level
+
+
+def upward_edges(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} ({FLOORS[floor_of(a)][0]}) imports {b} ({FLOORS[floor_of(b)][0]})"
+        for a, targets in edges.items()
+        for b in targets
+        if floor_of(b) > floor_of(a)
+    )
+
+
+def test_no_import_circle_in_the_package():
+    found = cycles(import_edges(modules()))
+    assert not found, f"import circles in hf_longctx/: {found}"
+
+
+def test_no_import_from_a_higher_floor():
+    bad = upward_edges(import_edges(modules()))
+    assert not bad, "imports from a higher floor (docs/DESIGN.md 'Package layout'):\n" + "\n".join(bad)
+
+
+def test_every_module_is_on_a_floor():
+    for name in modules():
+        floor_of(name)
+
+
+@pytest.mark.parametrize(
+    "edges, expected",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+        ({"a": {"b"}, "b": set(), "c": {"c"}}, []),  # a self-import is no circle
+        ({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}, [["a", "b"], ["c", "d"]]),
+    ],
+)
+def test_the_circle_finder_finds_circles(edges, expected):
+    assert sorted(cycles(edges)) == expected
+
+
+def test_a_deferred_import_back_is_caught():
+    """The circle this test was written for: integrations/transformers.py importing verify
+    inside patch() while verify imports patch. With that edge added back to the real graph,
+    both checks fail."""
+    edges = import_edges(modules())
+    edges["hf_longctx.integrations.transformers"] = edges["hf_longctx.integrations.transformers"] | {"hf_longctx.verify"}
+    assert any("hf_longctx.verify" in c and "hf_longctx.integrations.transformers" in c for c in cycles(edges))
+    assert any(e.startswith("hf_longctx.integrations.transformers (integrations) imports hf_longctx.verify") for e in upward_edges(edges))
