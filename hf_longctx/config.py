@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 MEMORY_PRESETS = ("off", "balanced", "max")
 KNOBS = ("kv_offload", "mlp_chunks", "loss_chunks", "checkpoint")
+CHECKPOINT_ATTENTION = "attention"  # checkpoint= value: keep the attention, recompute the rest
 
 
 def preset_knobs(memory: str, fpdt_chunks: int) -> dict:
@@ -50,14 +51,17 @@ class PatchOptions:
     kv_offload: FPDT offloads K/V chunks to host memory (needs `mesh.fpdt_chunks > 1`).
     mlp_chunks: run every MLP over this many sequence chunks (None = unchunked, "auto" = FPDT's default).
     loss_chunks: compute the LM head + loss over this many sequence chunks (None = unchunked, "auto").
-    checkpoint: activation checkpointing of every decoder layer.
+    checkpoint: activation checkpointing of every decoder layer: True recomputes the whole
+        layer in the backward; "attention" recomputes everything but the core attention and
+        its collectives, whose saved tensors are kept (on the host where the device offloads;
+        `integrations/keep_attention.py`).
     memory: the preset these knobs came from (None: set one by one, or nothing).
     """
 
     kv_offload: bool = False
     mlp_chunks: int | str | None = None
     loss_chunks: int | str | None = None
-    checkpoint: bool = False
+    checkpoint: bool | str = False
     memory: str | None = None
 
     @classmethod
@@ -78,10 +82,13 @@ class PatchOptions:
         return cls(**preset_knobs(memory, fpdt_chunks), memory=memory)
 
     def __post_init__(self) -> None:
-        for name in ("kv_offload", "checkpoint"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if not isinstance(self.kv_offload, bool):
+            raise ValueError(f"kv_offload must be True or False, got {self.kv_offload!r}")
+        if not (isinstance(self.checkpoint, bool) or self.checkpoint == CHECKPOINT_ATTENTION):
+            raise ValueError(
+                f"checkpoint must be True (recompute whole layers), {CHECKPOINT_ATTENTION!r} (recompute all but the "
+                f"attention) or False, got {self.checkpoint!r}"
+            )
         if self.memory is not None and self.memory not in MEMORY_PRESETS:
             raise ValueError(f"memory must be one of {MEMORY_PRESETS}, got {self.memory!r}")
         _check_chunks("mlp_chunks", self.mlp_chunks)

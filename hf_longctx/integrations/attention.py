@@ -11,6 +11,7 @@ module's per-`patch()` binding (mesh, options, group bank, plan cache, call coun
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -63,9 +64,11 @@ def batch_mesh(state: Any, info: SPBatchInfo) -> SPMesh:
 
 def make_attention(state: Any) -> Callable:
     """The function registered with AttentionInterface; `state` is this patch's binding."""
-    offload = state.options.kv_offload
 
     def sp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        keeper = state.keeper  # checkpoint="attention": kept in the forward, replayed in the recompute
+        if keeper is not None and keeper.replaying():
+            return keeper.replay(query, key, value), None  # no kernel, no collective
         info = kwargs.get(SP_METADATA_KEY)
         if not isinstance(info, SPBatchInfo):
             raise ValueError(
@@ -88,44 +91,56 @@ def make_attention(state: Any) -> Callable:
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         if window is None:
             window = mask_implied_window(state.mask_windows)
-        softcap = kwargs.get("softcap")
-        b = query.shape[0]
-        if b != info.rows:
-            raise ValueError(f"the shard's metadata describes {info.rows} rows but the attention got B = {b}")
-        dtype = compute_dtype(query, module)
-        q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, S_local, H(_kv), D]
-        d_v = v.shape[-1]
-        if d_v > k.shape[-1]:
-            raise NotSupported(
-                f"{type(module).__name__}: value head dim {d_v} > key head dim {k.shape[-1]}",
-                "train this model without sequence parallelism (ulysses_degree=ring_degree=1)",
-            )
-        if d_v < k.shape[-1]:  # MLA (DeepSeek): zero value columns give zero outputs, as HF's flash path pads
-            v = torch.nn.functional.pad(v, (0, k.shape[-1] - d_v))  # [B, S_local, H_kv, D]
-        kw = dict(
-            cu_seqlens=info.cu_seqlens if b == 1 else None,  # B > 1: one document per row
-            causal=True,
-            softmax_scale=scaling,
-            window=int(window) if window is not None else None,
-            softcap=float(softcap) if softcap else None,
-            sinks=kwargs.get("s_aux"),  # per-head attention sinks [H] (GPT-OSS & co.), None elsewhere
-        )
-        # Our kernels accumulate in fp32 themselves; autocast must not re-cast their matmuls.
-        with torch.autocast(q.device.type, enabled=False):
-            if mesh.fpdt_chunks > 1:
-                from hf_longctx.ops.fpdt import fpdt_attention
-
-                out = fpdt_attention(q, k, v, mesh, offload=offload, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
-            else:
-                from hf_longctx.ops.usp import usp_attention
-
-                out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
+        with keeper.keeping() if keeper is not None else nullcontext():  # saved tensors escape the checkpoint
+            out = _attend(state, mesh, module, query, key, value, scaling, window, kwargs)  # [B, S_local, H, D_v]
+        if keeper is not None:
+            keeper.keep(out)
         state.calls += 1
-        if out.shape[-1] != d_v:
-            out = out[..., :d_v].contiguous()  # [B, S_local, H, D_v]
         return out, None
 
     return sp_attention
+
+
+def _attend(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
+    """One sequence-parallel attention call: query [B, H, S_local, D], key/value [B, H_kv, S_local, D]
+    -> [B, S_local, H, D_v] (USP, or FPDT when the mesh has chunks)."""
+    info = kwargs[SP_METADATA_KEY]
+    offload = state.options.kv_offload
+    softcap = kwargs.get("softcap")
+    b = query.shape[0]
+    if b != info.rows:
+        raise ValueError(f"the shard's metadata describes {info.rows} rows but the attention got B = {b}")
+    dtype = compute_dtype(query, module)
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [B, S_local, H(_kv), D]
+    d_v = v.shape[-1]
+    if d_v > k.shape[-1]:
+        raise NotSupported(
+            f"{type(module).__name__}: value head dim {d_v} > key head dim {k.shape[-1]}",
+            "train this model without sequence parallelism (ulysses_degree=ring_degree=1)",
+        )
+    if d_v < k.shape[-1]:  # MLA (DeepSeek): zero value columns give zero outputs, as HF's flash path pads
+        v = torch.nn.functional.pad(v, (0, k.shape[-1] - d_v))  # [B, S_local, H_kv, D]
+    kw = dict(
+        cu_seqlens=info.cu_seqlens if b == 1 else None,  # B > 1: one document per row
+        causal=True,
+        softmax_scale=scaling,
+        window=int(window) if window is not None else None,
+        softcap=float(softcap) if softcap else None,
+        sinks=kwargs.get("s_aux"),  # per-head attention sinks [H] (GPT-OSS & co.), None elsewhere
+    )
+    # Our kernels accumulate in fp32 themselves; autocast must not re-cast their matmuls.
+    with torch.autocast(q.device.type, enabled=False):
+        if mesh.fpdt_chunks > 1:
+            from hf_longctx.ops.fpdt import fpdt_attention
+
+            out = fpdt_attention(q, k, v, mesh, offload=offload, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
+        else:
+            from hf_longctx.ops.usp import usp_attention
+
+            out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
+    if out.shape[-1] != d_v:
+        out = out[..., :d_v].contiguous()  # [B, S_local, H, D_v]
+    return out
 
 
 def compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:

@@ -32,7 +32,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
-from hf_longctx.ops.offload import CudaStreams, Streams
+from hf_longctx.integrations.keep_attention import AttentionKeeper
+from hf_longctx.ops.offload import Streams, default_streams
 from hf_longctx.ops.tiling import chunked_causal_lm_loss, chunked_mlp, default_loss_chunk_size, default_mlp_chunks
 
 _MISSING = object()
@@ -183,7 +184,9 @@ def _unpark(parked: Any, streams: Streams) -> Any:
     return host.to(device, non_blocking=True).detach().requires_grad_(requires_grad)
 
 
-def offloaded_checkpoint(function: Callable, *args: Any, streams: Streams | None = None) -> Any:
+def offloaded_checkpoint(
+    function: Callable, *args: Any, streams: Streams | None = None, keeper: AttentionKeeper | None = None
+) -> Any:
     """Non-reentrant activation checkpointing of `function(*args)` whose recompute reads the
     inputs from host memory (FPDT's "OC." setting).
 
@@ -196,14 +199,25 @@ def offloaded_checkpoint(function: Callable, *args: Any, streams: Streams | None
     recompute reads: the host copies start (side stream, `_park`) before the original forward
     runs on the real inputs, then the box switches to the host copies. Where the device does
     not offload (CPU) the box holds detached aliases: same structure, no copy. `streams`:
-    the stream operations (`ops/offload.CudaStreams` by default; tests pass a fake).
+    the stream operations (the process's `ops/offload.default_streams()` by default; tests
+    pass a fake). `keeper`: checkpoint="attention" -- the layer's attention calls keep their
+    saved tensors and output in the original forward and are replayed in the recompute
+    (`integrations/keep_attention.py`).
     """
-    streams = CudaStreams() if streams is None else streams
+    streams = default_streams() if streams is None else streams
     parked = [_park(a, streams) for a in args]  # copies start now and overlap the forward
     box = list(args)
+    region = keeper.new_region() if keeper is not None else None
+    runs = [0]  # 0: the original forward is next; then recomputes
 
     def run(_anchor: torch.Tensor) -> Any:
-        return function(*[_unpark(a, streams) if isinstance(a, _Parked) else a for a in box])
+        inputs = [_unpark(a, streams) if isinstance(a, _Parked) else a for a in box]
+        if region is None:
+            return function(*inputs)
+        recompute = runs[0] > 0
+        runs[0] += 1
+        with keeper.entered(region, recompute=recompute):
+            return function(*inputs)
 
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     anchor = tensors[0].new_empty(0) if tensors else torch.empty(0)  # tells checkpoint the device (RNG state)
@@ -212,9 +226,12 @@ def offloaded_checkpoint(function: Callable, *args: Any, streams: Streams | None
     return out
 
 
-def _patch_checkpointing(model: nn.Module, undo: list, streams: Streams | None = None) -> None:
+def _patch_checkpointing(
+    model: nn.Module, undo: list, streams: Streams | None = None, keeper: AttentionKeeper | None = None
+) -> None:
     # One side stream per device for the whole model, not one per layer call.
-    offload = functools.partial(offloaded_checkpoint, streams=CudaStreams() if streams is None else streams)
+    offload = functools.partial(offloaded_checkpoint, streams=default_streams() if streams is None else streams,
+                                keeper=keeper)
     for layer in decoder_layers(model):
         if hasattr(type(layer), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
             _set_instance_attr(layer, "gradient_checkpointing", True, undo)
@@ -240,16 +257,22 @@ def apply_memory_options(
     kv_offload: bool = False,
     mlp_chunks: int | str | None = None,
     loss_chunks: int | str | None = None,
-    checkpoint: bool = False,
+    checkpoint: bool | str = False,
+    keeper: AttentionKeeper | None = None,
 ) -> Callable[[], None]:
     """Turn on the memory options on `model` in place; return an undo that restores it exactly.
 
     mlp_chunks / loss_chunks: None = off, "auto" = FPDT's defaults (MLP: 2 x mesh.fpdt_chunks;
     loss: about 2 x vocab / hidden chunks with a floor on the chunk length, per call), or a
-    number of sequence chunks. Everything is validated before the model is touched.
+    number of sequence chunks. checkpoint: False, True (recompute whole layers) or
+    "attention" (recompute all but the attention, whose calls `keeper` -- the patch's
+    `AttentionKeeper` -- keeps and replays). Everything is validated before the model is touched.
     """
-    if not isinstance(kv_offload, bool) or not isinstance(checkpoint, bool):
-        raise ValueError(f"kv_offload and checkpoint must be bools, got kv_offload={kv_offload!r}, checkpoint={checkpoint!r}")
+    if not isinstance(kv_offload, bool) or not (isinstance(checkpoint, bool) or checkpoint == "attention"):
+        raise ValueError(f"kv_offload must be a bool and checkpoint True, False or 'attention', got "
+                         f"kv_offload={kv_offload!r}, checkpoint={checkpoint!r}")
+    if (checkpoint == "attention") != (keeper is not None):
+        raise ValueError("checkpoint='attention' needs the patch's AttentionKeeper (keeper=), and only it")
     if kv_offload and mesh.fpdt_chunks < 2:
         raise ValueError(
             f"kv_offload=True needs FPDT chunks (mesh.fpdt_chunks = {mesh.fpdt_chunks}); "
@@ -266,7 +289,7 @@ def apply_memory_options(
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
         if checkpoint:
-            _patch_checkpointing(model, undo)
+            _patch_checkpointing(model, undo, keeper=keeper)
     except BaseException:
         for restore in reversed(undo):
             restore()

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_longctx.config import PatchOptions
+from hf_longctx.config import CHECKPOINT_ATTENTION, PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
@@ -68,6 +68,7 @@ class _PatchState:
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
     plan_cache: dict = field(default_factory=dict)
     checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
+    keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
 
 
 def _interfaces():
@@ -201,7 +202,7 @@ def patch(
     kv_offload: bool = _UNSET,
     mlp_chunks: int | str | None = _UNSET,
     loss_chunks: int | str | None = _UNSET,
-    checkpoint: bool = _UNSET,
+    checkpoint: bool | str = _UNSET,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
 ) -> Any:
@@ -290,9 +291,14 @@ def patch(
         if options.uses_memory_options:
             from hf_longctx.integrations.memory import apply_memory_options
 
+            if options.checkpoint == CHECKPOINT_ATTENTION:
+                from hf_longctx.integrations.keep_attention import AttentionKeeper
+                from hf_longctx.ops.offload import default_streams
+
+                state.keeper = AttentionKeeper(default_streams())
             state.memory_undo = apply_memory_options(
                 hf, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
-                checkpoint=options.checkpoint,
+                checkpoint=options.checkpoint, keeper=state.keeper,
             )
     except BaseException:
         unpatch(model)

@@ -119,3 +119,26 @@ def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path)
     LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
     assert model.__dict__[_STATE_ATTR].options.checkpoint is True  # recomputation inside our attention binding
     assert not any(getattr(args, f) for f in checkpointing_fields(args))  # HF's own wrapper stays off
+
+
+def test_trainer_steps_equal_with_keep_attention_full_and_no_checkpoint(llama_path, tmp_path):
+    """Three optimizer steps of LongContextTrainer with the model patched checkpoint=False,
+    True and "attention": the logged loss and grad_norm of every step are equal (fp32: the
+    same kernels on the same inputs, only autograd's summation order may differ, ~1e-7)."""
+    from hf_longctx.integrations.transformers import patch_state
+    from tests.trainer_cases import history
+
+    mesh = init_sequence_parallel()
+    runs = {}
+    for mode in (False, True, "attention"):
+        model = patch(_model(llama_path), mesh, checkpoint=mode)
+        trainer = LongContextTrainer(model=model, args=training_args(str(tmp_path / str(mode))), mesh=mesh,
+                                     train_dataset=make_dataset(), max_tokens=48, tokens_per_step=120)
+        trainer.train()
+        runs[mode] = history(trainer)
+        if mode == "attention":
+            assert patch_state(model).keeper.replayed > 0  # the recompute replayed the attention
+    assert len(runs[False]) == 3
+    for mode in (True, "attention"):
+        for (loss, norm), (loss_ref, norm_ref) in zip(runs[mode], runs[False]):
+            assert abs(loss - loss_ref) <= 1e-6 * abs(loss_ref) and abs(norm - norm_ref) <= 1e-5 * abs(norm_ref), (mode, runs)

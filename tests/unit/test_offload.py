@@ -9,6 +9,7 @@ FPDT loops themselves are traced at world size 1 (every all-to-all is the identi
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -269,3 +270,58 @@ def test_pinned_host_copy_keeps_the_strides_of_a_head_major_view():
     assert host.stride() == x.stride() and not host.is_contiguous()
     back = host.copy_(x).to("cpu", non_blocking=True)
     assert back.stride() == x.stride() and torch.equal(back, x)
+
+
+def test_keep_attention_region_stream_protocol_and_gradients():
+    """checkpoint="attention" on the fake streams: in the forward every tensor the attention
+    saves (and its output) goes to pinned host memory on the side stream; the recompute
+    starts by prefetching all of them on the side stream, replays the attention (it runs
+    once), and the compute stream waits for a prefetch only where its tensor is read.
+    Gradients equal a plain backward up to the order of one fp32 sum."""
+    from hf_longctx.integrations.keep_attention import AttentionKeeper
+    from hf_longctx.integrations.memory import offloaded_checkpoint
+
+    torch.manual_seed(0)
+    proj, back = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    calls = []
+
+    def attention(q):  # a token mixer whose autograd nodes save tensors: softmax(q q^T) q
+        calls.append(1)
+        return torch.softmax(q @ q.t(), dim=-1) @ q  # [T, 4]
+
+    def make_layer(keeper):
+        def layer(h):
+            q = proj(h)
+            if keeper is not None and keeper.replaying():
+                a = keeper.replay(q, q, q)
+            else:
+                with keeper.keeping() if keeper is not None else contextlib.nullcontext():
+                    a = attention(q)
+                if keeper is not None:
+                    keeper.keep(a)
+            return back(torch.tanh(a)) + h
+        return layer
+
+    x = torch.randn(5, 4, requires_grad=True)
+    params = [x, *proj.parameters(), *back.parameters()]
+    ref = torch.autograd.grad(make_layer(None)(x * 2).square().sum(), params)
+    fake = FakeStreams()
+    keeper = AttentionKeeper(fake)
+    out = offloaded_checkpoint(make_layer(keeper), x * 2, streams=fake, keeper=keeper)
+    forward_log, kept = list(fake.log), fake.log.count(("enter", "side")) - 1  # minus the layer input's copy
+    assert len(calls) == 2 and kept >= 3, (calls, forward_log)  # saved tensors of matmul/softmax/matmul + output
+    fake.log.clear()
+    grads = torch.autograd.grad(out.square().sum(), params)
+    assert len(calls) == 2 and keeper.replayed == 1  # the recompute replayed the attention: it ran once
+    backward_log = fake.log
+    assert not any(e[0] == "pinned" for e in backward_log)  # nothing new is pinned in the backward
+    prefetch = [e for e in backward_log if e == ("enter", "side")]
+    assert len(prefetch) == kept  # every kept tensor prefetched once, at the start of the recompute
+    first_main_wait = next(i for i, e in enumerate(backward_log) if e[:2] == ("wait_event", "main")
+                           and e[2] not in ("e1",))  # e1: the layer input's own copy
+    assert backward_log.index(("enter", "side")) < first_main_wait  # prefetches issued before any read
+    ready = {e[1] for e in backward_log if e[0] == "record" and e[2] == "side"}
+    reads = [e[2] for e in backward_log if e[:2] == ("wait_event", "main") and e[2] != "e1"]
+    assert reads and set(reads) <= ready and len(reads) == len(set(reads)) == kept  # each read waits for its own copy
+    for g, r in zip(grads, ref):  # x's gradient sums its two paths in another order: one fp32 rounding (~1e-7)
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=0)

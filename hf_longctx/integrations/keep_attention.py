@@ -1,0 +1,175 @@
+"""Checkpointing that keeps attention: `patch(..., checkpoint="attention")`.
+
+Where it sits: between the checkpoint wrapper of `integrations/memory.py` (one `Region` per
+checkpointed decoder-layer call, opened for its original forward and again for its
+recompute) and the attention function of `integrations/attention.py` (which asks the
+patch's `AttentionKeeper` what to do at each call). FPDT §4 / torchtitan's op-level
+selective checkpointing: at long context the core attention is most of a layer's FLOPs and
+owns all of its collectives (Ulysses all-to-alls, ring P2P, the FPDT chunk loop), so it is
+the one part of a layer NOT worth recomputing.
+
+How, with torch's non-reentrant checkpoint and nothing inside HF's layer code:
+- original forward: the attention runs as usual, but under its own saved-tensor hooks, so
+  the tensors its autograd nodes save (head-sharded q, k, v, out, log-sum-exp, ...) are
+  KEPT -- on the host where the device offloads (pinned copies on the one side stream),
+  in place on CPU -- instead of being dropped by the checkpoint's hooks; its output is kept
+  the same way;
+- recompute (the backward of the layer): norms, projections, rotary, MLP and residuals run
+  again; at the attention call the kept output comes back (`_Replay`: no kernel, no
+  collective) so that the ops after it save the same tensors as in the original forward;
+  the host copies of the region are prefetched on the side stream when the recompute
+  starts, and each is waited for only where it is read;
+- backward: gradients flow through the ORIGINAL graph; its attention nodes read the kept
+  tensors. The recompute's graph is discarded (non-reentrant checkpoint), so `_Replay`
+  never runs backward.
+The attention consumes no RNG, so the RNG state the checkpoint replays reaches every other
+op (dropout) exactly as before. Linear mixers of hybrid models (their own collectives) are
+recomputed like the rest of the layer.
+
+Memory held per token per layer: the attention's saved tensors (q, k, v head-sharded, out,
+lse: ~(2·H + 2·H_kv)·D values + H floats per token) plus its output (H·D), on the host
+where the device offloads; compute saved: the attention forward of the recompute and its
+collectives (Ulysses: 4 all-to-alls per layer).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, NamedTuple
+
+import torch
+
+from hf_longctx.ops.offload import Streams
+
+
+class _Kept(NamedTuple):
+    host: torch.Tensor  # pinned host copy
+    device: torch.device
+    copied: Any  # event after the device -> host copy on the side stream
+
+
+class Region:
+    """What one checkpointed layer call keeps of its attention calls (in call order)."""
+
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+        self.outputs: list[Any] = []  # each attention call's output (a tensor, or _Kept on the host)
+        self.kept: list[_Kept] = []  # every host copy of this region (saved tensors and outputs)
+        self.back: dict[int, tuple[torch.Tensor, Any]] = {}  # id(_Kept) -> (device copy, event) once prefetched
+        self.cursor = 0
+        self.recomputing = False
+        self.replays = 0
+
+    # ---- keeping (original forward) ----------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """Saved-tensor hook of the attention: keep `tensor` (host copy where the device offloads)."""
+        streams = self.streams
+        if not streams.offloads(tensor.device):
+            return tensor  # CPU: kept in place
+        src = tensor.detach()
+        main, side = streams.current(src.device), streams.side(src.device)
+        side.wait_stream(main)  # the tensor is produced by kernels queued on the compute stream
+        with streams.on(side):
+            host = streams.pinned(src)
+            host.copy_(src, non_blocking=True)  # device -> pinned host, async on the side stream
+            copied = streams.event()
+            copied.record(side)
+        streams.keep_alive(src, side)  # the allocator must not reuse the tensor before the copy read it
+        kept = _Kept(host, src.device, copied)
+        self.kept.append(kept)
+        return kept
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Kept):
+            return packed
+        streams = self.streams
+        device_copy, ready = self.back.pop(id(packed), (None, None))
+        if device_copy is None:  # not prefetched (a second backward, or no recompute before it)
+            streams.current(packed.device).wait_event(packed.copied)
+            return packed.host.to(packed.device, non_blocking=True)
+        streams.current(packed.device).wait_event(ready)  # the prefetch has landed
+        return device_copy
+
+    # ---- recompute ---------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Start every host -> device copy of this region on the side stream (the recompute of
+        the layer runs meanwhile on the compute stream)."""
+        streams = self.streams
+        for kept in self.kept:
+            if id(kept) in self.back:
+                continue
+            side = streams.side(kept.device)
+            side.wait_event(kept.copied)
+            with streams.on(side):
+                device_copy = kept.host.to(kept.device, non_blocking=True)
+                ready = streams.event()
+                ready.record(side)
+            streams.keep_alive(device_copy, streams.current(kept.device))
+            self.back[id(kept)] = (device_copy, ready)
+
+    def next_output(self) -> torch.Tensor:
+        if self.cursor >= len(self.outputs):
+            raise RuntimeError(
+                f"checkpoint='attention': the recompute made more attention calls ({self.cursor + 1}) than the original "
+                f"forward ({len(self.outputs)}); the layer's control flow differs between the two runs"
+            )
+        out = self.outputs[self.cursor]
+        self.cursor += 1
+        return self.unpack(out) if isinstance(out, _Kept) else out
+
+
+class _Replay(torch.autograd.Function):
+    """The attention's output in the recompute: the kept value, attached to the recomputed
+    q, k, v so that the ops after it record the same graph (and save the same tensors) as in
+    the original forward. The recompute's graph is never differentiated."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, holder):
+        return holder[0].detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("checkpoint='attention': the replayed attention output was differentiated; gradients must "
+                           "flow through the original forward's graph (non-reentrant checkpoint)")
+
+
+class AttentionKeeper:
+    """Per patch: which layer region the attention calls belong to, and what they do there."""
+
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+        self.region: Region | None = None
+        self.replayed = 0  # attention calls answered from kept outputs (tests and benchmarks count them)
+
+    def new_region(self) -> Region:
+        return Region(self.streams)
+
+    @contextmanager
+    def entered(self, region: Region, recompute: bool) -> Iterator[None]:
+        """Around one run of a checkpointed layer: its original forward, or its recompute."""
+        if recompute:
+            region.cursor, region.recomputing = 0, True
+            region.prefetch()
+        previous, self.region = self.region, region
+        try:
+            yield
+        finally:
+            self.region = previous
+
+    def replaying(self) -> bool:
+        return self.region is not None and self.region.recomputing
+
+    def replay(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        self.replayed += 1
+        return _Replay.apply(query, key, value, (self.region.next_output(),))
+
+    def keeping(self):
+        """Around the attention of the original forward: its saved tensors escape the checkpoint."""
+        region = self.region
+        if region is None:
+            return nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack)
+
+    def keep(self, out: torch.Tensor) -> None:
+        if self.region is not None:
+            self.region.outputs.append(self.region.pack(out.detach()))
