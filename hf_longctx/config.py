@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MEMORY_PRESETS = ("off", "balanced", "max")
+MEMORY_PRESETS = ("off", "balanced", "high", "max")
 KNOBS = ("kv_offload", "mlp_chunks", "loss_chunks", "checkpoint")
 CHECKPOINT_ATTENTION = "attention"  # checkpoint= value: keep the attention, recompute the rest
 
@@ -25,15 +25,17 @@ CHECKPOINT_ATTENTION = "attention"  # checkpoint= value: keep the attention, rec
 def preset_knobs(memory: str, fpdt_chunks: int) -> dict:
     """The knobs of a memory preset on a mesh with `fpdt_chunks` FPDT chunks:
     "off": nothing; "balanced": chunked LM head + loss and chunked MLP (no recompute of
-    attention, no host traffic); "max": those plus activation checkpointing with the layer
-    inputs offloaded to host, plus FPDT's K/V offload when the mesh has FPDT chunks."""
+    attention, no host traffic); "high": those plus checkpointing that keeps the attention
+    (checkpoint="attention": layer inputs and the attention's saved tensors on host, the rest
+    recomputed); "max": those plus full activation checkpointing (only the layer inputs, on
+    host). "high" and "max" add FPDT's K/V offload when the mesh has FPDT chunks."""
     if memory not in MEMORY_PRESETS:
         raise ValueError(f"memory must be one of {MEMORY_PRESETS}, got {memory!r}")
     if memory == "off":
         return {}
     knobs = {"mlp_chunks": "auto", "loss_chunks": "auto"}
-    if memory == "max":
-        knobs.update(checkpoint=True, kv_offload=fpdt_chunks > 1)
+    if memory in ("high", "max"):
+        knobs.update(checkpoint=CHECKPOINT_ATTENTION if memory == "high" else True, kv_offload=fpdt_chunks > 1)
     return knobs
 
 

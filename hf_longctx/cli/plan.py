@@ -65,7 +65,7 @@ def _gib(x: float) -> str:
 def _row(rank: int | str, c) -> list[str]:
     s, m = c.setting, c.memory
     return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
-            "yes" if s.checkpoint else "no", "yes" if s.mlp_chunks > 1 else "no", "yes" if s.param_offload else "no",
+            {True: "full", "attention": "keep attn"}.get(s.checkpoint, "no"), "yes" if s.mlp_chunks > 1 else "no", "yes" if s.param_offload else "no",
             str(c.microbatches), _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.peak),
             _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
             "yes" if c.feasible else f"no: {c.reason}"]

@@ -51,8 +51,9 @@ class _Kept(NamedTuple):
 class Region:
     """What one checkpointed layer call keeps of its attention calls (in call order)."""
 
-    def __init__(self, streams: Streams) -> None:
+    def __init__(self, streams: Streams, keeper: "AttentionKeeper") -> None:
         self.streams = streams
+        self.keeper = keeper
         self.outputs: list[Any] = []  # each attention call's output (a tensor, or _Kept on the host)
         self.kept: list[_Kept] = []  # every host copy of this region (saved tensors and outputs)
         self.back: dict[int, tuple[torch.Tensor, Any]] = {}  # id(_Kept) -> (device copy, event) once prefetched
@@ -64,6 +65,7 @@ class Region:
     def pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor hook of the attention: keep `tensor` (host copy where the device offloads)."""
         streams = self.streams
+        self.keeper.kept_bytes += tensor.numel() * tensor.element_size()
         if not streams.offloads(tensor.device):
             return tensor  # CPU: kept in place
         src = tensor.detach()
@@ -140,9 +142,10 @@ class AttentionKeeper:
         self.streams = streams
         self.region: Region | None = None
         self.replayed = 0  # attention calls answered from kept outputs (tests and benchmarks count them)
+        self.kept_bytes = 0  # bytes kept so far (saved tensors + outputs; benchmarks/recompute.py reads it)
 
     def new_region(self) -> Region:
-        return Region(self.streams)
+        return Region(self.streams, self)
 
     @contextmanager
     def entered(self, region: Region, recompute: bool) -> Iterator[None]:

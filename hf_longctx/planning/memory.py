@@ -24,7 +24,9 @@ Assumptions (each is also printed under the plan table):
   fp32 attention LSE). f is Ulysses' KV replication. Non-gated MLPs keep 2i instead of 4i.
 - Chunked MLP keeps no intermediates (recomputed per chunk); checkpointing keeps each
   layer's input (dt·h per token; on host when offloaded), plus one layer recomputed in
-  backward; FPDT with offload keeps q, k, v, out and LSE on host, two chunks on the GPU.
+  backward; checkpoint="attention" also keeps the attention's saved tensors (q, k, v, out,
+  LSE) on host, one layer's worth on the GPU while copied or prefetched; FPDT with offload
+  keeps q, k, v, out and LSE on host, two chunks on the GPU.
 - Loss: unchunked = 3 fp32 [S_l, V] tensors at once (log-softmax output, its gradient, the
   logits gradient) plus the dt copies when dt < 4; the logits of the returned output are
   assumed dropped (`loss = model(...).loss`). Chunked = 3 fp32 [chunk, V] tensors plus the
@@ -77,7 +79,7 @@ class Setting:
     ring: int
     fpdt_chunks: int = 1
     kv_offload: bool = False
-    checkpoint: bool = False
+    checkpoint: bool | str = False  # True: whole layers recomputed; "attention": all but the attention
     mlp_chunks: int = 1
     loss_chunks: int = 1
     param_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads, optimizer states on host
@@ -105,6 +107,16 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"peak": self.peak}
+
+
+def kept_attention_bytes(dims: ModelDims, dt: int, f: int, s: Setting) -> float:
+    """Bytes per token and layer that checkpoint="attention" keeps for the attention: what its
+    autograd nodes save (q, k, v, out and the fp32 LSE: `layer_activation_bytes`'s attention
+    term); with FPDT's K/V offload, whose chunk store already holds those on the host, only
+    the attention's output (dt·H·D) that the keeper keeps for the recompute."""
+    if s.fpdt_chunks > 1 and s.kv_offload:
+        return dt * dims.heads * dims.head_dim
+    return layer_activation_bytes(dims, dt, f)["attention"]
 
 
 def loss_chunk_tokens(dims: ModelDims, tokens: int, loss_chunks: int) -> int:
@@ -199,10 +211,12 @@ def estimate_memory(
         per_layer["attention"] = 0.0
         host += dims.layers * s_l * attn_saved
     full_layer = sum(per_layer.values()) * s_l
+    kept = kept_attention_bytes(dims, dt, f, s) if s.checkpoint == "attention" else 0.0  # per token and layer
     if s.checkpoint:
         # Saved layer inputs live on host on a GPU (offloaded checkpoint); one layer is
-        # recomputed at a time during backward.
-        host += dims.layers * s_l * dt * dims.hidden
+        # recomputed at a time during backward. Keep-attention also parks the attention's
+        # saved tensors and output there (integrations/keep_attention.py).
+        host += dims.layers * s_l * (dt * dims.hidden + kept)
         layers_act = 0.0  # the recomputed layer is a transient (layer phase below)
     else:
         layers_act = dims.layers * full_layer
@@ -224,7 +238,7 @@ def estimate_memory(
     if s.mlp_chunks > 1:
         layer_phase += dt * s_l * 4 * dims.intermediate / s.mlp_chunks  # one recomputed chunk
     if s.checkpoint:
-        layer_phase += full_layer
+        layer_phase += full_layer + s_l * kept  # + one layer's kept attention tensors in flight (copy / prefetch)
     if s.loss_chunks != 1:
         chunk = loss_chunk_tokens(dims, int(s_l), s.loss_chunks)
         loss_phase = 3 * 4 * chunk * dims.vocab + 4 * dims.vocab * h + dt * s_l * h

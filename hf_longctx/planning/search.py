@@ -2,7 +2,7 @@
 
 Where it sits: behind `hf-longctx plan` (`cli/plan.py`) and `suggest()`, its Python twin. For a
 model config and a cluster it lists every mesh the library can run, each with the three
-memory presets of `patch(memory=...)` ("off", "balanced", "max": `config.preset_knobs`),
+memory presets of `patch(memory=...)` ("off", "balanced", "high", "max": `config.preset_knobs`),
 estimates per-GPU memory with `planning/memory.py` and step time as below, and returns
 them best first: feasible ones (they fit GPU and host memory) ordered by cluster
 throughput. `suggest()` returns the first: the `init_sequence_parallel` arguments and the
@@ -16,8 +16,9 @@ Step-time assumptions (also printed under the table), for one micro-batch of `to
 tokens per SP group, treated as ONE document of that length (the worst case for the
 quadratic attention term):
 - compute = CostModel.from_config FLOPs (a·T² + b·T, forward + backward) / sp, plus one
-  extra forward (1/3 of it) with checkpointing and one extra MLP forward with chunked
-  MLP, at `mfu` × `tflops` per GPU;
+  extra forward (1/3 of it) with checkpointing (without its attention term, a·T², with
+  checkpoint="attention") and one extra MLP forward with chunked MLP, at `mfu` × `tflops`
+  per GPU;
 - Ulysses all-to-all (q, k, v out, attention output back; again in backward; once more
   when a checkpointed layer is recomputed) is exposed, over the intra-node bandwidth when
   the Ulysses group fits in a node, else the inter-node one, plus a fixed latency per
@@ -49,7 +50,14 @@ from hf_longctx.data.cost import CostModel
 from hf_longctx.data.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
 from hf_longctx.ops.ulysses import kv_replication
-from hf_longctx.planning.memory import DTYPE_BYTES, MemoryEstimate, ModelDims, Setting, estimate_memory
+from hf_longctx.planning.memory import (
+    DTYPE_BYTES,
+    MemoryEstimate,
+    ModelDims,
+    Setting,
+    estimate_memory,
+    kept_attention_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -181,7 +189,7 @@ def enumerate_settings(
 ) -> list[tuple[Setting, str]]:
     """Every (setting, preset) the library accepts: ulysses × ring dividing `gpus` with
     Ulysses-divisible heads; FPDT chunks (powers of two) only with ring 1; each mesh with
-    the three memory presets (K/V offload comes with "max" exactly when FPDT is on), and
+    the four memory presets (K/V offload comes with "high"/"max" exactly when FPDT is on), and
     with parameter offload off and/or on (`param_offload`: "no", "yes", "auto" = both)."""
     if param_offload not in PARAM_OFFLOAD:
         raise ValueError(f"param_offload must be one of {sorted(PARAM_OFFLOAD)}, got {param_offload!r}")
@@ -220,7 +228,10 @@ def step_time(
     docs, rest = divmod(tokens, seq_len)
     total = docs * cost(seq_len) + (cost(rest) if rest else 0.0)
     attn_compute = cost.a * (docs * seq_len**2 + rest**2) / s.sp / rate
-    extra = total / 3 if s.checkpoint else 0.0
+    # Recompute: one more forward (1/3 of forward + backward); keep-attention skips its
+    # attention part (the quadratic term of the cost model, `attn_flops`).
+    attn_flops = cost.a * (docs * seq_len**2 + rest**2)
+    extra = total / 3 if s.checkpoint is True else (total - attn_flops) / 3 if s.checkpoint else 0.0
     if s.mlp_chunks > 1:
         extra += 2 * (3 if dims.gated else 2) * dims.hidden * dims.intermediate * dims.layers * tokens
     compute = (total + extra) / s.sp / rate
@@ -228,7 +239,7 @@ def step_time(
     f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
     q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
     s_l = tokens / s.sp
-    passes = 3 if s.checkpoint else 2  # forward, backward (+ recomputed forward)
+    passes = 3 if s.checkpoint is True else 2  # forward, backward (+ recomputed forward; not with keep-attention)
     a2a = 0.0
     if s.ulysses > 1:
         volume = dims.layers * passes * dt * s_l * (2 * q + 2 * kv) * (s.ulysses - 1) / s.ulysses
@@ -245,7 +256,8 @@ def step_time(
         # (causal: (u-1)/2 times on average) in forward and again in backward.
         offload += dims.layers * dt * s_l * (3 * q + 2 * kv) * (1 + s.fpdt_chunks) / cluster.pcie_bw
     if s.checkpoint:
-        offload += dims.layers * 2 * dt * s_l * dims.hidden / cluster.pcie_bw
+        kept = kept_attention_bytes(dims, dt, f, s) if s.checkpoint == "attention" else 0.0
+        offload += dims.layers * 2 * s_l * (dt * dims.hidden + kept) / cluster.pcie_bw  # to host and back
     cpu_step = 0.0
     if s.param_offload:
         shard = 4 * dims.params / world  # fp32 bytes of this GPU's shard

@@ -177,7 +177,7 @@ def test_memory_presets_turn_on_exactly_their_knobs():
     plain = init_sequence_parallel(1, 1, 1)
     layer = decoder_layers(model)[0]
     expected = {  # preset -> (mlp chunked, loss chunked, checkpointing) on a mesh without FPDT
-        "off": (False, False, False), "balanced": (True, True, False), "max": (True, True, True),
+        "off": (False, False, False), "balanced": (True, True, False), "high": (True, True, True), "max": (True, True, True),
     }
     for memory, (mlp, loss, ckpt) in expected.items():
         patch(model, plain, memory=memory)
@@ -189,6 +189,9 @@ def test_memory_presets_turn_on_exactly_their_knobs():
     assert PatchOptions.resolve("max", {}, 2) == PatchOptions(True, "auto", "auto", True, memory="max")
     assert PatchOptions.resolve("balanced", {}, 2) == PatchOptions(False, "auto", "auto", False, memory="balanced")
     assert PatchOptions.resolve(None, {"checkpoint": True}, 1) == PatchOptions(checkpoint=True)
+    assert PatchOptions.resolve("high", {}, 2) == PatchOptions(True, "auto", "auto", "attention", memory="high")
+    with pytest.raises(ValueError, match="checkpoint must be True"):
+        patch(model, plain, checkpoint="layers")
     with pytest.raises(ValueError, match=r"memory='max'\) together with explicit \['kv_offload'\]"):
         patch(model, plain, memory="max", kv_offload=False)  # even a knob equal to its default
     with pytest.raises(ValueError, match="memory must be one of"):
