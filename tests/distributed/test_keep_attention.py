@@ -67,9 +67,10 @@ def _batch(vocab: int):
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
 
 
-def _exact_case(family: str, ulysses: int, ring: int, chunks: int, kv_offload: bool, bank: bool):
+def _exact_case(family: str, ulysses: int, ring: int, chunks: int, kv_offload: bool, bank: bool,
+                dtype: torch.dtype = torch.float32):
     mesh = worker_mesh(ulysses, ring, chunks)
-    base = _model(family)
+    base = _model(family).to(dtype)
     batch = _batch(base.config.vocab_size)
     if bank:
         from hf_longctx import init_group_bank
@@ -88,7 +89,7 @@ def _exact_case(family: str, ulysses: int, ring: int, chunks: int, kv_offload: b
         loss = model(**shard_batch(batch, sp_mesh)).loss
         loss.backward()
         flat = torch.cat([loss.detach().reshape(1)] + [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()]).float()
         if sp_mesh.sp > 1:
             dist.all_reduce(flat, group=sp_mesh.sp_group)  # losses and gradients SUM over the SP group
         flats[mode] = flat
@@ -197,3 +198,15 @@ def test_keep_attention_runs_the_attention_and_its_collectives_once(pools):
             assert per_layer["attention"] == (kernels_none, coll_none), per_layer
         else:  # the test's own check: without the replay keep-attention counts as full recompute
             assert per_layer["attention"] == (kernels_full, coll_full), per_layer
+
+
+def test_keep_attention_in_bf16_equals_full_checkpointing(pools):
+    """bf16 (the default training dtype), U2×R2: keep-attention runs the same bf16 kernels on
+    the same inputs as checkpoint=True, so loss and gradients agree within one bf16 rounding
+    of autograd's summation order (2 ULPs, 2 x 2^-8 relative to each gradient's largest value)."""
+    for rank, (errs, replayed) in enumerate(pools.get(4).run(_exact_case, "llama", 2, 2, 1, False, False, torch.bfloat16)):
+        assert replayed > 0
+        per = errs["True"]
+        assert per.pop("loss") <= 2 * 2**-8, f"rank {rank}: loss"
+        bad = {k: f"{e:.1e}" for k, e in per.items() if e > 2 * 2**-8}
+        assert not bad, f"rank {rank}: bf16 gradient rel errs vs checkpoint=True above 2 ULPs: {bad}"
