@@ -13,7 +13,8 @@ share of TRL's loss.
 
 Why no cross-rank reduction is needed in the loss (DeepSeekMath §4.1.2 eq. 3 as TRL 1.16
 implements it, `grpo_trainer.py::_compute_loss`): every term is per token (the ratio
-exp(logp - old_logp), its clipping, the k3 KL estimate exp(ref - logp) - (ref - logp) - 1)
+exp(logp - old_logp), its clipping, the k3 KL estimate exp(ref - logp) - (ref - logp) - 1,
+times that ratio under `use_bias_correction_kl`)
 times a per-completion constant (the advantage), and each `loss_type`'s normalisation is
 a per-token weight known from the UNSHARDED lengths before any forward:
   "grpo"    (1 / N) Σ_i (1 / |o_i|) Σ_t l_it   -> weight 1 / (N · |o_i|)
@@ -56,6 +57,7 @@ class GRPOObjective:
     delta: float | None = None
     temperature: float = 1.0
     max_completion_length: int = 256
+    use_bias_correction_kl: bool = True  # TRL 1.16's default: the KL term times the importance ratio
 
     def __post_init__(self) -> None:
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
@@ -74,7 +76,7 @@ class GRPOObjective:
         eps = args.epsilon
         return cls(loss_type=args.loss_type, epsilon_low=eps, epsilon_high=args.epsilon_high if args.epsilon_high is not None else eps,
                    beta=args.beta, delta=args.delta, temperature=args.temperature,
-                   max_completion_length=args.max_completion_length)
+                   max_completion_length=args.max_completion_length, use_bias_correction_kl=args.use_bias_correction_kl)
 
     def weights(self, lengths: Sequence[int], num_sequences: int, num_tokens: int) -> list[float]:
         """Per-completion token weight of the loss (module docstring); global counts of the step."""
@@ -184,6 +186,8 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
     if objective.beta != 0.0:
         ref = extra["grpo_ref_logps"]
         kl = torch.exp(ref - lp) - (ref - lp) - 1
+        if objective.use_bias_correction_kl:  # TRL: per_token_kl * coef_1 (before the delta clamp)
+            kl = kl * coef_1
         per_token = per_token + objective.beta * kl
     loss = (per_token * mask * extra["grpo_weight"]).sum()
     low = ((coef_1 < 1 - objective.epsilon_low) & (adv < 0)).double().detach()

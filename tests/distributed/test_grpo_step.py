@@ -8,7 +8,8 @@ on each prompt+completion alone), not TRL's trainer: its fused LM head and left-
 prompts are not what is under test. Checked on 4 gloo ranks, U2×R2 (one SP group of 4) and
 dp2×U2 (two DP groups on different completions): the step loss, every parameter gradient,
 grad_norm and TRL's logged metrics (kl, entropy, clip ratios, low_min / high_max), for each
-supported loss_type with beta > 0 and for "grpo" on-policy with beta = 0; fp32, loss 1e-5 and
+supported loss_type with beta > 0 (TRL's default use_bias_correction_kl=True, and False once), and
+for "grpo" on-policy with beta = 0; fp32, loss 1e-5 and
 gradients 1e-4 relative (tests/distributed/test_models.py).
 """
 
@@ -23,7 +24,9 @@ from tests.pool import worker_mesh
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
 METRIC_TOL = 1e-6  # ratios of fp32 quantities counted identically; kl / entropy as fp32 means
-CASES = [("grpo", 0.04, True), ("dr_grpo", 0.04, True), ("dapo", 0.04, True), ("grpo", 0.0, False)]
+# (loss_type, beta, old log-probs injected, use_bias_correction_kl)
+CASES = [("grpo", 0.04, True, True), ("dr_grpo", 0.04, True, True), ("dapo", 0.04, True, True), ("grpo", 0.0, False, True),
+         ("dapo", 0.04, False, False)]
 EPS_LOW, EPS_HIGH, TEMPERATURE, MAX_LEN = 0.2, 0.28, 0.7, 16
 
 
@@ -56,7 +59,7 @@ def injected(model, rollouts, with_old: bool):
     return old, ref
 
 
-def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool):
+def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool, bias_correction: bool):
     """TRL 1.16 `_compute_loss` (grpo_trainer.py) on a right-padded [N, L] completion batch."""
     prompts, completions, advantages, _, _ = rollouts
     old_rows, ref_rows = injected(model, rollouts, with_old)
@@ -79,6 +82,8 @@ def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool)
     coef_1 = torch.exp(per_token_logps - old)
     ref = pad(ref_rows)
     per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+    if bias_correction:
+        per_token_kl = per_token_kl * coef_1
     coef_2 = torch.clamp(coef_1, 1 - EPS_LOW, 1 + EPS_HIGH)
     per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
     if beta != 0.0:
@@ -117,10 +122,11 @@ def _sp_steps(ulysses: int, ring: int, path: str) -> list[dict]:
     n = len(completions)
     mine = range(mesh.dp_rank * n // mesh.dp, (mesh.dp_rank + 1) * n // mesh.dp)  # this DP group's completions
     results = []
-    for loss_type, beta, with_old in CASES:
-        ref_loss, ref_grads, ref_metrics, (old, refl) = reference_step(load(path), rollouts, loss_type, beta, with_old)
+    for loss_type, beta, with_old, correction in CASES:
+        ref_loss, ref_grads, ref_metrics, (old, refl) = reference_step(load(path), rollouts, loss_type, beta, with_old,
+                                                                       correction)
         objective = GRPOObjective(loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=beta,
-                                  temperature=TEMPERATURE, max_completion_length=MAX_LEN)
+                                  temperature=TEMPERATURE, max_completion_length=MAX_LEN, use_bias_correction_kl=correction)
         packed = pack_completions(
             [prompts[i] for i in mine], [completions[i] for i in mine], [advantages[i] for i in mine], objective,
             num_sequences=n, num_tokens=sum(len(c) for c in completions),
@@ -135,7 +141,7 @@ def _sp_steps(ulysses: int, ring: int, path: str) -> list[dict]:
         norm = torch.nn.utils.get_total_norm(list(grads.values()))
         ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
         results.append({
-            "case": (loss_type, beta, with_old),
+            "case": (loss_type, beta, with_old, correction),
             "loss": rel(global_loss(loss, mesh), ref_loss),
             "grad": max(rel(grads[k], ref_grads[k]) for k in ref_grads),
             "same_params": set(grads) == set(ref_grads),
