@@ -72,7 +72,11 @@ class GRPOObjective:
 
     @classmethod
     def from_config(cls, args: Any) -> "GRPOObjective":
-        """From a TRL `GRPOConfig` (after its __post_init__: epsilon_high defaults to epsilon)."""
+        """From a TRL `GRPOConfig` (after its __post_init__: epsilon_high defaults to epsilon); every
+        refused field raises first (`grpo_arguments.check_grpo_config`)."""
+        from hf_longctx.training.grpo_arguments import check_grpo_config
+
+        check_grpo_config(args)
         eps = args.epsilon
         return cls(loss_type=args.loss_type, epsilon_low=eps, epsilon_high=args.epsilon_high if args.epsilon_high is not None else eps,
                    beta=args.beta, delta=args.delta, temperature=args.temperature,
