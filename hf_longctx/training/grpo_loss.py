@@ -125,8 +125,6 @@ def pack_completions(
     lengths = [len(c) for c in completions]
     _check_rows("old_logps", old_logps, lengths)
     _check_rows("ref_logps", ref_logps, lengths)
-    if objective.beta != 0.0 and ref_logps is None:
-        raise ValueError(f"beta={objective.beta} needs ref_logps (the reference model's per-token log-probabilities)")
     weights = objective.weights(lengths, num_sequences, num_tokens)
     ids, pos, labels = [], [], []
     rows = {k: [] for k in _KEYS}
@@ -153,6 +151,18 @@ def pack_completions(
 def shard_completions(packed: dict[str, torch.Tensor], mesh, *, pad_token_id: int = 0) -> dict[str, Any]:
     """`shard_batch` of a `pack_completions` row: this rank's tokens of every row."""
     return shard_batch(packed, mesh, pad_token_id=pad_token_id)
+
+
+@torch.no_grad()
+def add_ref_logps(ref_model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObjective) -> dict[str, Any]:
+    """Write the reference model's per-token log-probabilities into `shard` (target-aligned, this
+    rank's tokens only: the reference forward runs on the same shard under the same SP mesh)."""
+    out = ref_model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                    **{SP_METADATA_KEY: shard[SP_METADATA_KEY]})
+    logits = out["logits"] if isinstance(out, dict) else out[0]  # [B, S_local, V]
+    logps, _ = _token_logps(logits, shard["shift_labels"], objective.temperature)  # [B, S_local]
+    shard["grpo_ref_logps"] = logps.double()
+    return shard
 
 
 def _token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +198,9 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
     per_token = -torch.min(coef_1c * adv, coef_2 * adv)
     kl = None
     if objective.beta != 0.0:
+        if "grpo_ref_logps" not in extra:
+            raise ValueError(f"beta={objective.beta} needs the reference log-probabilities: pass ref_logps to "
+                             "pack_completions or call add_ref_logps(ref_model, shard, objective) on the shard")
         ref = extra["grpo_ref_logps"]
         kl = torch.exp(ref - lp) - (ref - lp) - 1
         if objective.use_bias_correction_kl:  # TRL: per_token_kl * coef_1 (before the delta clamp)
