@@ -210,7 +210,7 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
     low = ((coef_1 < 1 - objective.epsilon_low) & (adv < 0)).double().detach()
     high = ((coef_1 > 1 + objective.epsilon_high) & (adv > 0)).double().detach()
     metrics = _metric_sums(mask, entropy.double(), kl, low, high, extra["grpo_doc"], num_sequences, mesh)
-    return loss.to(logits.dtype), metrics
+    return loss.to(torch.promote_types(logits.dtype, torch.float32)), metrics  # fp32 (fp64 models: fp64), never bf16
 
 
 def _metric_sums(mask, entropy, kl, low, high, doc, num_sequences: int, mesh) -> dict[str, float]:

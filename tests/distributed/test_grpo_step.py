@@ -45,7 +45,8 @@ def completion_logps(model, prompts, completions) -> list[torch.Tensor]:
     out = []
     for p, c in zip(prompts, completions):
         ids = torch.tensor([p + c])
-        logits = model(input_ids=ids, use_cache=False).logits[0, len(p) - 1 : -1].float() / TEMPERATURE  # [C, V]
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(p) - 1 : -1]  # [C, V]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / TEMPERATURE  # fp32 (fp64 for the truth)
         out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1))
     return out
 
@@ -59,25 +60,27 @@ def injected(model, rollouts, with_old: bool):
     return old, ref
 
 
-def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool, bias_correction: bool):
-    """TRL 1.16 `_compute_loss` (grpo_trainer.py) on a right-padded [N, L] completion batch."""
+def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool, bias_correction: bool, rows=None):
+    """TRL 1.16 `_compute_loss` (grpo_trainer.py) on a right-padded [N, L] completion batch; `rows`:
+    the injected (old, ref) log-probabilities (default: from `model`)."""
     prompts, completions, advantages, _, _ = rollouts
-    old_rows, ref_rows = injected(model, rollouts, with_old)
+    old_rows, ref_rows = rows if rows is not None else injected(model, rollouts, with_old)
     n, width = len(completions), max(len(c) for c in completions)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
 
     def pad(rows):  # [N, L]
-        return torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=torch.float32), (0, width - len(r))) for r in rows])
+        return torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=dtype), (0, width - len(r))) for r in rows])
 
     model.zero_grad(set_to_none=True)
     per_token_logps = pad(completion_logps(model, prompts, completions))  # [N, L]
     logits_all = []
     for p, c in zip(prompts, completions):
-        logits = model(input_ids=torch.tensor([p + c]), use_cache=False).logits[0, len(p) - 1 : -1].float() / TEMPERATURE
+        logits = model(input_ids=torch.tensor([p + c]), use_cache=False).logits[0, len(p) - 1 : -1].to(dtype) / TEMPERATURE
         lp = torch.log_softmax(logits, -1)
         logits_all.append(-(lp.exp() * lp).sum(-1).detach())
     entropies = pad(logits_all)
     mask = pad([[1.0] * len(c) for c in completions])
-    adv = torch.tensor(advantages)[:, None]
+    adv = torch.tensor(advantages, dtype=dtype)[:, None]
     old = pad(old_rows) if with_old else per_token_logps.detach()
     coef_1 = torch.exp(per_token_logps - old)
     ref = pad(ref_rows)
