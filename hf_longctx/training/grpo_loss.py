@@ -184,6 +184,9 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
     packed row (the global N of the step is fine). A collective over the world: every rank
     calls it once per micro-batch."""
     extra = {k: shard[k] for k in _KEYS if k in shard}
+    if objective.beta != 0.0 and "grpo_ref_logps" not in extra:  # the same keys on every rank: all raise, before any collective
+        raise ValueError(f"beta={objective.beta} needs the reference log-probabilities: pass ref_logps to "
+                         "pack_completions or call add_ref_logps(ref_model, shard, objective) on the shard")
     targets = shard["shift_labels"]  # [B, S_local]
     out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], **{SP_METADATA_KEY: shard[SP_METADATA_KEY]})
     logits = out["logits"] if isinstance(out, dict) else out[0]  # [B, S_local, V]
@@ -198,17 +201,15 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
     per_token = -torch.min(coef_1c * adv, coef_2 * adv)
     kl = None
     if objective.beta != 0.0:
-        if "grpo_ref_logps" not in extra:
-            raise ValueError(f"beta={objective.beta} needs the reference log-probabilities: pass ref_logps to "
-                             "pack_completions or call add_ref_logps(ref_model, shard, objective) on the shard")
         ref = extra["grpo_ref_logps"]
         kl = torch.exp(ref - lp) - (ref - lp) - 1
         if objective.use_bias_correction_kl:  # TRL: per_token_kl * coef_1 (before the delta clamp)
             kl = kl * coef_1
         per_token = per_token + objective.beta * kl
     loss = (per_token * mask * extra["grpo_weight"]).sum()
-    low = ((coef_1 < 1 - objective.epsilon_low) & (adv < 0)).double().detach()
-    high = ((coef_1 > 1 + objective.epsilon_high) & (adv > 0)).double().detach()
+    # TRL reassigns coef_1 to its delta-clamped value before these metrics
+    low = ((coef_1c < 1 - objective.epsilon_low) & (adv < 0)).double().detach()
+    high = ((coef_1c > 1 + objective.epsilon_high) & (adv > 0)).double().detach()
     metrics = _metric_sums(mask, entropy.double(), kl, low, high, extra["grpo_doc"], num_sequences, mesh)
     return loss.to(torch.promote_types(logits.dtype, torch.float32)), metrics  # fp32 (fp64 models: fp64), never bf16
 

@@ -14,7 +14,7 @@ from tests.distributed.test_grpo_step import EPS_HIGH, EPS_LOW, MAX_LEN, TEMPERA
 from tests.distributed.test_models import save_family
 from tests.pool import worker_mesh
 
-CASE = ("dapo", 0.04, True, True)
+CASE = ("dapo", 0.04, True, True, None)
 
 
 def _bf16_step(path: str) -> dict:

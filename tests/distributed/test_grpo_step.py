@@ -9,7 +9,7 @@ prompts are not what is under test. Checked on 4 gloo ranks, U2×R2 (one SP grou
 dp2×U2 (two DP groups on different completions): the step loss, every parameter gradient,
 grad_norm and TRL's logged metrics (kl, entropy, clip ratios, low_min / high_max), for each
 supported loss_type with beta > 0 (TRL's default use_bias_correction_kl=True, and False once), and
-for "grpo" on-policy with beta = 0; fp32, loss 1e-5 and
+for "grpo" on-policy with beta = 0, and with two-sided clipping (delta); fp32, loss 1e-5 and
 gradients 1e-4 relative (tests/distributed/test_models.py).
 """
 
@@ -24,9 +24,9 @@ from tests.pool import worker_mesh
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
 METRIC_TOL = 1e-6  # ratios of fp32 quantities counted identically; kl / entropy as fp32 means
-# (loss_type, beta, old log-probs injected, use_bias_correction_kl)
-CASES = [("grpo", 0.04, True, True), ("dr_grpo", 0.04, True, True), ("dapo", 0.04, True, True), ("grpo", 0.0, False, True),
-         ("dapo", 0.04, False, False)]
+# (loss_type, beta, old log-probs injected, use_bias_correction_kl, delta)
+CASES = [("grpo", 0.04, True, True, None), ("dr_grpo", 0.04, True, True, None), ("dapo", 0.04, True, True, None),
+         ("grpo", 0.0, False, True, None), ("dapo", 0.04, False, False, None), ("grpo", 0.04, True, True, 1.1)]
 EPS_LOW, EPS_HIGH, TEMPERATURE, MAX_LEN = 0.2, 0.28, 0.7, 16
 
 
@@ -60,7 +60,8 @@ def injected(model, rollouts, with_old: bool):
     return old, ref
 
 
-def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool, bias_correction: bool, rows=None):
+def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool, bias_correction: bool,
+                   delta: float | None = None, rows=None):
     """TRL 1.16 `_compute_loss` (grpo_trainer.py) on a right-padded [N, L] completion batch; `rows`:
     the injected (old, ref) log-probabilities (default: from `model`)."""
     prompts, completions, advantages, _, _ = rollouts
@@ -88,6 +89,8 @@ def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool,
     if bias_correction:
         per_token_kl = per_token_kl * coef_1
     coef_2 = torch.clamp(coef_1, 1 - EPS_LOW, 1 + EPS_HIGH)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
     per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
@@ -125,11 +128,12 @@ def _sp_steps(ulysses: int, ring: int, path: str) -> list[dict]:
     n = len(completions)
     mine = range(mesh.dp_rank * n // mesh.dp, (mesh.dp_rank + 1) * n // mesh.dp)  # this DP group's completions
     results = []
-    for loss_type, beta, with_old, correction in CASES:
+    for loss_type, beta, with_old, correction, delta in CASES:
         ref_loss, ref_grads, ref_metrics, (old, refl) = reference_step(load(path), rollouts, loss_type, beta, with_old,
-                                                                       correction)
+                                                                       correction, delta)
         objective = GRPOObjective(loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=beta,
-                                  temperature=TEMPERATURE, max_completion_length=MAX_LEN, use_bias_correction_kl=correction)
+                                  temperature=TEMPERATURE, max_completion_length=MAX_LEN, use_bias_correction_kl=correction,
+                                  delta=delta)
         packed = pack_completions(
             [prompts[i] for i in mine], [completions[i] for i in mine], [advantages[i] for i in mine], objective,
             num_sequences=n, num_tokens=sum(len(c) for c in completions),
@@ -144,7 +148,7 @@ def _sp_steps(ulysses: int, ring: int, path: str) -> list[dict]:
         norm = torch.nn.utils.get_total_norm(list(grads.values()))
         ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
         results.append({
-            "case": (loss_type, beta, with_old, correction),
+            "case": (loss_type, beta, with_old, correction, delta),
             "loss": rel(global_loss(loss, mesh), ref_loss),
             "grad": max(rel(grads[k], ref_grads[k]) for k in ref_grads),
             "same_params": set(grads) == set(ref_grads),
