@@ -77,8 +77,8 @@ def unpatched_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Module
                 u.reshard()  # free the gathered parameters; local, no collective
 
 
-def _gather_lists(mine: list[list[int]], group) -> list[list[list[int]]]:
-    """all_gather of ragged token lists over `group`: [world] x this rank's list of lists."""
+def _gather_lists(mine: Any, group) -> list[Any]:
+    """all_gather of a picklable object (ragged token lists) over `group`: [group size] x object."""
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, mine, group=group)  # ragged: pickled objects, not padded tensors
     return out
@@ -102,7 +102,17 @@ def sp_rollouts(
     for i, outs in zip(mine_idx, mine):
         if len(outs) != num_generations:
             raise ValueError(f"generate returned {len(outs)} completions for prompt {i}, expected {num_generations}")
-    per_rank = _gather_lists([list(map(list, o)) for o in mine], mesh.sp_group) if sp > 1 else [mine]
+    if sp > 1:
+        key = hash(tuple(tuple(int(t) for t in p) for p in prompts))  # the group's prompts, as this rank sees them
+        table = _gather_lists([key, [list(map(list, o)) for o in mine]], mesh.sp_group)  # [SP] x [key, lists]
+        keys = [k for k, _ in table]
+        if len(set(keys)) > 1:  # every rank sees the same table: all raise together
+            raise ValueError(
+                f"the ranks of one SP group passed different prompts to sp_rollouts (per-rank hashes {keys}); every "
+                "rank of an SP group must pass the same prompts -- draw them by DP rank, not by global rank")
+        per_rank = [lists for _, lists in table]
+    else:
+        per_rank = [mine]
     by_prompt: list[Any] = [None] * len(prompts)
     for rank, outs in enumerate(per_rank):
         for i, o in zip(range(rank, len(prompts), sp), outs):

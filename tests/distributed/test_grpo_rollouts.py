@@ -106,3 +106,25 @@ def test_ragged_generation_two_ranks_no_hang(pools, tmp_path):
         assert r["grad"] <= 1e-4, r["grad"]
         assert r["grad_max"] > 1e-3  # non-zero advantages: the gradient comparison is not vacuous
         assert abs(r["entropy"][0] - r["entropy"][1]) <= 1e-5 * abs(r["entropy"][1])
+
+
+def _mismatched(path: str) -> str:
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.training.grpo_generate import sp_rollouts
+
+    mesh = worker_mesh(2, 1)
+    model = patch(load(path), mesh)
+    fsdp_plan(model, mesh, mixed_precision="fp32").apply(model)
+    prompts = PROMPTS if mesh.sp_rank == 0 else PROMPTS[::-1]  # seeded by global rank: a user mistake
+    try:
+        sp_rollouts(model, prompts, mesh, num_generations=1, generate=_generate)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_different_prompts_in_one_sp_group_raise_on_every_rank(pools, tmp_path):
+    path = save_family("llama", tmp_path)
+    for msg in pools.get(2).run(_mismatched, path, timeout=120):
+        assert "different prompts" in msg and "by DP rank" in msg, msg
