@@ -8,7 +8,8 @@ function -> TRL's group-relative advantages (DeepSeekMath §4.1.2, TRL's default
 `scale_rewards="group"`: (r - mean_group) / (std_group + 1e-4)) -> `grpo_loss.pack_completions`
 with the step's GLOBAL completion and token counts (one all-reduce over the DP group) ->
 `shard_batch` -> the reference log-probabilities on the same shard (beta > 0) ->
-`grpo_loss` -> backward (FSDP2 reduce-scatters a SUM) -> clip -> optimizer step.
+`grpo_loss` -> backward (FSDP2 reduce-scatters a SUM; a replicated model gets
+`sum_gradients`) -> clip -> optimizer step.
 The prompts of one SP group stay together: all G completions of a prompt are in the same
 packed row, so the advantages are local.
 
@@ -24,8 +25,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx.loss import global_loss
-from hf_longctx.training.grpo_generate import sp_rollouts
+from hf_longctx.loss import global_loss, sum_gradients
+from hf_longctx.training.grpo_generate import _fsdp_units, sp_rollouts
 from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 
 
@@ -70,6 +71,8 @@ def grpo_step(
     model.train()
     loss, metrics = grpo_loss(model, shard, objective, mesh, num_sequences=int(n))
     loss.backward()
+    if mesh.world_size > 1 and not _fsdp_units(model):  # FSDP2 reduce-scatters a sum itself; a replicated model needs it
+        sum_gradients(model.parameters(), mesh)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor grads: the norm of the summed gradient

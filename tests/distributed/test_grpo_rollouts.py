@@ -128,3 +128,59 @@ def test_different_prompts_in_one_sp_group_raise_on_every_rank(pools, tmp_path):
     path = save_family("llama", tmp_path)
     for msg in pools.get(2).run(_mismatched, path, timeout=120):
         assert "different prompts" in msg and "by DP rank" in msg, msg
+
+
+class _Capture:
+    """An optimizer stand-in for grpo_step: records the (full) gradients its step() sees."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                      for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def _grpo_steps(path: str) -> dict:
+    from hf_longctx.distributed.mesh import SPMesh
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.training.grpo import grpo_step
+    from hf_longctx.training.grpo_loss import GRPOObjective
+
+    obj = GRPOObjective(loss_type="dr_grpo", beta=0.04, max_completion_length=12)
+    reward = lambda ps, cs: _rewards(cs).tolist()  # noqa: E731
+
+    def run(model, mesh, prompts):
+        opt = _Capture(model)
+        ref = patch(load(path), mesh)
+        logs = grpo_step(model, opt, mesh, prompts, reward, obj, num_generations=2, generate=_generate, ref_model=ref,
+                         max_grad_norm=None)
+        return logs, opt.grads
+
+    one = SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
+    ref_logs, ref_grads = run(patch(load(path), one), one, PROMPTS)
+    mesh = worker_mesh(2, 1)
+    out = {}
+    for kind in ("fsdp", "replicated"):
+        model = patch(load(path), mesh)
+        if kind == "fsdp":
+            fsdp_plan(model, mesh, mixed_precision="fp32").apply(model)
+        logs, grads = run(model, mesh, PROMPTS)
+        out[kind] = {"grad": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+                     "logs": {k: (logs[k], v) for k, v in ref_logs.items()}}
+    return out
+
+
+def test_grpo_step_on_two_ranks_equals_one_process(pools, tmp_path):
+    """grpo_step end to end (rollouts, rewards, advantages, global counts, reference log-probs on
+    the shard, loss, gradient sum): FSDP2 and a replicated model on U2 equal one process."""
+    path = save_family("llama", tmp_path)
+    for rank, out in enumerate(pools.get(2).run(_grpo_steps, path, timeout=240)):
+        for kind, r in out.items():
+            assert r["grad"] <= 1e-4, (rank, kind, r["grad"])
+            for name, (got, want) in r["logs"].items():
+                assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (rank, kind, name, got, want)
