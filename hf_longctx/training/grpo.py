@@ -31,9 +31,13 @@ from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_los
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """TRL's scale_rewards="group": [N] rewards, prompt-major -> [N] advantages."""
+    """TRL's scale_rewards="group": [N] rewards, prompt-major -> [N] advantages (NaN -> 0 as TRL:
+    one generation per prompt has no std)."""
+    if num_generations == 1:
+        return torch.zeros_like(rewards, dtype=torch.float64)
     r = rewards.double().view(-1, num_generations)  # [prompts, G]
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)  # [N]
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)  # unbiased std, like TRL's nanstd
+    return torch.nan_to_num(adv, nan=0.0).view(-1)  # [N]
 
 
 def _dp_sum(values: list[float], mesh) -> list[float]:

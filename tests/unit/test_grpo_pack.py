@@ -41,3 +41,15 @@ def test_bad_input_names_the_values():
         pack_completions([[]], [[3]], [1.0], obj, num_sequences=1, num_tokens=1)
     with pytest.raises(ValueError, match="bnpo"):
         GRPOObjective(loss_type="bnpo")
+
+
+def test_group_advantages_match_trl_scale_rewards_group():
+    from trl.trainer.utils import nanstd
+
+    from hf_longctx.training.grpo import group_advantages
+
+    r = torch.tensor([1.0, 2.0, 4.0, 4.0, 0.5, 3.0, 2.0, 2.0, 2.0])
+    g = r.view(-1, 3)
+    trl = ((g - g.nanmean(1, keepdim=True)) / (nanstd(g, dim=1).unsqueeze(1) + 1e-4)).view(-1)  # grpo_trainer.py 2765-2787
+    torch.testing.assert_close(group_advantages(r, 3), trl.double(), rtol=1e-6, atol=1e-6)
+    assert group_advantages(r, 1).tolist() == [0.0] * 9  # TRL: nan std -> nan_to_num(0)
