@@ -5,8 +5,8 @@ reference log-probabilities are injected (the old ones perturbed away from the c
 so that both clipping sides fire). The reference is hand-computed in one process with TRL
 1.16's `_compute_loss` formulas on a padded [N, L] completion batch (the unpatched model run
 on each prompt+completion alone), not TRL's trainer: its fused LM head and left-padded
-prompts are not what is under test. Checked on 4 gloo ranks, U2×R2 (one SP group of 4) and
-dp2×U2 (two DP groups on different completions): the step loss, every parameter gradient,
+prompts are not what is under test. Checked on 4 gloo ranks, U2×R2 (one SP group of 4),
+dp2×U2 (two DP groups on different completions) and dp2×U2 with FPDT chunks 2: the step loss, every parameter gradient,
 grad_norm and TRL's logged metrics (kl, entropy, clip ratios, low_min / high_max), for each
 supported loss_type with beta > 0 (TRL's default use_bias_correction_kl=True, and False once), and
 for "grpo" on-policy with beta = 0, and with two-sided clipping (delta); fp32, loss 1e-5 and
@@ -117,12 +117,12 @@ def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool,
     return loss.detach(), grads, metrics, (old_rows, ref_rows)
 
 
-def _sp_steps(ulysses: int, ring: int, path: str) -> list[dict]:
+def _sp_steps(ulysses: int, ring: int, fpdt: int, path: str) -> list[dict]:
     from hf_longctx.integrations.transformers import patch
     from hf_longctx.loss import global_loss, sum_gradients
     from hf_longctx.training.grpo_loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
 
-    mesh = worker_mesh(ulysses, ring)
+    mesh = worker_mesh(ulysses, ring, fpdt)
     rollouts = make_rollouts()
     prompts, completions, advantages, _, _ = rollouts
     n = len(completions)
@@ -165,9 +165,9 @@ def llama_path(tmp_path_factory):
     return save_family("llama", tmp_path_factory.mktemp("grpo"))
 
 
-@pytest.mark.parametrize("ulysses,ring", [(2, 2), (2, 1)], ids=["U2xR2", "dp2xU2"])
-def test_grpo_step_matches_single_process(pools, llama_path, ulysses, ring):
-    results = pools.get(4).run(_sp_steps, ulysses, ring, llama_path, timeout=300)
+@pytest.mark.parametrize("ulysses,ring,fpdt", [(2, 2, 1), (2, 1, 1), (2, 1, 2)], ids=["U2xR2", "dp2xU2", "dp2xU2-fpdt2"])
+def test_grpo_step_matches_single_process(pools, llama_path, ulysses, ring, fpdt):
+    results = pools.get(4).run(_sp_steps, ulysses, ring, fpdt, llama_path, timeout=300)
     for rank, per_case in enumerate(results):
         for r in per_case:
             where = f"rank {rank} mesh U{ulysses}xR{ring} case {r['case']}"
