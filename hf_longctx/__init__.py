@@ -49,11 +49,13 @@ __all__ = [
     "StepSampler",
     "LongContextTrainer",
     "LongContextTrainerMixin",
+    "GRPOObjective",
     "flex_microbatches",
     "fpdt_attention",
     "fsdp_plan",
     "gather_sequence",
     "global_loss",
+    "grpo_step",
     "group_shapes",
     "group_stream",
     "init_group_bank",
@@ -80,4 +82,8 @@ def __getattr__(name: str):
         from hf_longctx.training import trainer
 
         return getattr(trainer, name)
+    if name in ("GRPOObjective", "grpo_step"):  # the GRPO step (training/grpo.py), imported on first access
+        from hf_longctx.training import grpo, grpo_loss
+
+        return getattr(grpo_loss if name == "GRPOObjective" else grpo, name)
     raise AttributeError(f"module 'hf_longctx' has no attribute {name!r}")

@@ -1,0 +1,154 @@
+"""Every TRL `GRPOConfig` field beyond `TrainingArguments` (TRL 1.16), classified for the
+sequence-parallel GRPO step: honoured, mapped, left to the caller's loop, or refused.
+
+Where it sits: `GRPOObjective.from_config` (training/grpo_loss.py) and
+`generation_kwargs(args)` below call `check_grpo_config` first, on every rank alike and before
+any collective. The `TrainingArguments` half is `arguments.py`'s table. A field of a newer
+TRL missing from the table is refused when it differs from its default, and
+tests/unit/test_grpo_arguments.py fails on the installed TRL until the table names it.
+
+Kinds (arguments.py's `Rule`):
+- "ours":    honoured by grpo_loss / grpo_generate (the note says where);
+- "mapped":  turned into the sampling kwargs of `grpo_generate.hf_generate` by `generation_kwargs`;
+- "trainer": read by the caller's loop (rewards, advantages, logging, the dataset); recipes/grpo.py
+             shows each one honoured;
+- "refused": only the values `ok` accepts run; any other raises `NotSupported` with "Do instead".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hf_longctx.errors import NotSupported
+from hf_longctx.training.arguments import Rule, _falsy, _is, _refused, _trainer, field_defaults
+
+
+def _ours(note: str) -> Rule:
+    return Rule("ours", note)
+
+
+def _mapped(note: str) -> Rule:
+    return Rule("mapped", note)
+
+
+_VLLM = _refused(_falsy, "vLLM generation is not wired to the sequence-parallel step (its weight sync assumes TRL's "
+                 "DDP/FSDP model, not an FSDP2 model patched for SP)", "generate with grpo_generate.sp_rollouts "
+                 "(transformers' generate on gathered weights)")
+_VLLM_ONLY = _trainer("applies only with use_vllm, which must be False")
+_LOOP = "read by the caller's loop (recipes/grpo.py), not by the step functions"
+_ENTROPY = _refused(_is(0.0), "TRL's entropy bonus is a per-micro-batch token mean, not part of the exact global contract",
+                    "leave entropy_coef=0.0")
+
+GRPO_CONFIG: dict[str, Rule] = {
+    "model_init_kwargs": _refused(lambda v: not v, "they apply only when TRL loads the model from a name; the step "
+                                  "needs a patched instance", "load the model yourself with those kwargs and patch it"),
+    "trust_remote_code": _trainer("used only when a model or tokenizer is loaded from a name"),
+    "router_aux_loss_coef": _refused(lambda v: not v, "the MoE load-balancing loss needs output_router_logits=True, "
+                                     "which patch() refuses under SP", "leave it None"),
+    "disable_dropout": _trainer("dropout must already be 0 for patch()'s exactness; the caller's model config sets it"),
+    "cast_lm_head_to_fp32": _ours("log-probabilities are always computed in fp32 from the logits (grpo_loss._token_logps)"),
+    "num_generations": _ours("sp_rollouts(num_generations=...): completions per prompt, generated in one SP group"),
+    "num_generations_eval": _trainer(_LOOP + " (evaluation rollouts)"),
+    "max_completion_length": _ours("GRPOObjective.max_completion_length (dr_grpo's normaliser) and the max_new_tokens of "
+                                   "generation_kwargs"),
+    "ds3_gather_for_generation": _ours("FSDP2 weights are always gathered for generation (grpo_generate)"),
+    "shuffle_dataset": _trainer(_LOOP),
+    "pad_to_multiple_of": _trainer("TRL's padding of its own collated batch; the SP layout pads completions itself "
+                                   "(shard_batch)"),
+    "generation_batch_size": _trainer(_LOOP + " (prompts per rollout round)"),
+    "steps_per_generation": _trainer(_LOOP + " (with num_iterations > 1, pass old_logps to pack_completions)"),
+    "temperature": _ours("GRPOObjective.temperature (log-probs of logits / temperature) and the sampling temperature"),
+    "top_p": _mapped("generation_kwargs: top_p"), "top_k": _mapped("generation_kwargs: top_k"),
+    "min_p": _mapped("generation_kwargs: min_p"), "repetition_penalty": _mapped("generation_kwargs: repetition_penalty"),
+    "generation_kwargs": _mapped("merged into generation_kwargs last, as TRL does"),
+    "chat_template_kwargs": _trainer(_LOOP + " (prompt formatting)"),
+    "cache_implementation": _mapped("generation_kwargs: cache_implementation"),
+    "use_vllm": _VLLM,
+    **{name: _VLLM_ONLY for name in (
+        "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex", "vllm_server_base_url",
+        "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
+        "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_cap")},
+    "beta": _ours("GRPOObjective.beta: the KL term against ref_logps passed to pack_completions"),
+    "num_iterations": _ours("ratios against old_logps passed to pack_completions (grpo_loss clips them per token)"),
+    "epsilon": _ours("GRPOObjective.epsilon_low"), "epsilon_high": _ours("GRPOObjective.epsilon_high (default: epsilon)"),
+    "delta": _ours("GRPOObjective.delta: two-sided clipping of the ratio"),
+    **{name: _trainer("applies only with loss_type='sapo' / 'vespo', which are refused") for name in (
+        "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")},
+    "importance_sampling_level": _refused(
+        _is("token"), "a sequence-level ratio needs each completion's log-ratio sum over all of its SP shards inside the "
+        "differentiable loss; not implemented", "use importance_sampling_level='token'"),
+    "reward_weights": _trainer(_LOOP + " (rewards and advantages are computed before pack_completions)"),
+    "multi_objective_aggregation": _trainer(_LOOP), "scale_rewards": _trainer(_LOOP),
+    "loss_type": _refused(
+        lambda v: v in ("grpo", "dr_grpo", "dapo"), "only 'grpo', 'dr_grpo' and 'dapo' are exact under SP here: 'bnpo' "
+        "is a per-process token mean (it depends on how completions fall on ranks); 'cispo', 'sapo', 'vespo' and "
+        "'luspo' are not implemented", "use loss_type='dapo' (global token mean), 'grpo' or 'dr_grpo'"),
+    "mask_truncated_completions": _trainer(_LOOP + " (drop or zero-advantage completions that hit the length cap)"),
+    "sync_ref_model": _refused(_falsy, "reference-model syncing is TRL trainer state", "keep the reference fixed"),
+    "ref_model_mixup_alpha": _trainer("applies only with sync_ref_model, which must be False"),
+    "ref_model_sync_steps": _trainer("applies only with sync_ref_model, which must be False"),
+    "top_entropy_quantile": _refused(_is(1.0), "the high-entropy token mask is a per-batch quantile, different on each "
+                                     "shard", "leave top_entropy_quantile=1.0"),
+    "entropy_coef": _ENTROPY,
+    "use_adaptive_entropy": _refused(_falsy, "the adaptive entropy controller belongs to TRL's trainer",
+                                     "leave use_adaptive_entropy=False"),
+    **{name: _trainer("applies only with the entropy bonus, which is refused") for name in (
+        "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")},
+    "max_tool_calling_iterations": _refused(lambda v: v is None, "tool calling is not part of sp_rollouts",
+                                            "leave it None"),
+    "off_policy_mask_threshold": _refused(lambda v: v is None, "the off-policy sequence mask needs per-completion KL "
+                                          "sums across SP shards; not implemented", "leave it None"),
+    "use_bias_correction_kl": _ours("GRPOObjective.use_bias_correction_kl (KL term times the ratio)"),
+    "log_completions": _trainer(_LOOP), "log_multimodal": _trainer(_LOOP), "num_completions_to_print": _trainer(_LOOP),
+    "log_unique_prompts": _trainer(_LOOP), "log_completions_hub_repo": _trainer(_LOOP),
+    "use_transformers_continuous_batching": _refused(_falsy, "continuous batching is not used by hf_generate",
+                                                     "leave it False"),
+    "transformers_continuous_batching_config": _trainer("applies only with continuous batching, which must be False"),
+    "use_transformers_paged": _refused(_falsy, "paged generation is not used by hf_generate", "leave it False"),
+}
+
+
+def refused_grpo_fields(args: Any) -> list[str]:
+    """One line per refused value of a `GRPOConfig`-only field; a field missing from `GRPO_CONFIG`
+    is refused when it differs from its default (a newer TRL's field is never dropped unseen)."""
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    if not isinstance(args, GRPOConfig):
+        raise TypeError(f"expected a trl.GRPOConfig, got {type(args).__name__}")
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    defaults = field_defaults(GRPOConfig)
+    errors = []
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name in base:
+            continue
+        value, rule = getattr(args, f.name, None), GRPO_CONFIG.get(f.name)
+        if rule is None:
+            if f.name in defaults and value != defaults[f.name]:
+                errors.append(f"GRPOConfig.{f.name}={value!r}: not classified by hf_longctx (newer TRL?); do instead: "
+                              "leave it at its default and report it")
+        elif rule.kind == "refused" and not rule.ok(value):
+            errors.append(f"GRPOConfig.{f.name}={value!r}: {rule.note}; do instead: {rule.instead}")
+    return errors
+
+
+def check_grpo_config(args: Any) -> None:
+    """Raise `NotSupported` naming every refused GRPOConfig value (none: returns)."""
+    errors = refused_grpo_fields(args)
+    if errors:
+        raise NotSupported("GRPOConfig settings the sequence-parallel GRPO step cannot honour exactly:\n  "
+                           + "\n  ".join(errors), "change the values listed above as each line says")
+
+
+def generation_kwargs(args: Any) -> dict[str, Any]:
+    """The sampling kwargs of `hf_generate` from a GRPOConfig (TRL's transformers path: sampling on,
+    its temperature / top_p / top_k / min_p / repetition_penalty / cache_implementation, then
+    `generation_kwargs` on top)."""
+    check_grpo_config(args)
+    out = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+               repetition_penalty=args.repetition_penalty, cache_implementation=args.cache_implementation)
+    out.update(args.generation_kwargs or {})
+    return out

@@ -1,0 +1,141 @@
+"""GRPO rollouts on a sequence-parallel, FSDP2-sharded model: generation without a hang when
+ranks generate different lengths, and the same completions on every rank of an SP group.
+
+Where it sits: first half of a GRPO step (DeepSeekMath §4.1: sample G completions per
+prompt), before `grpo_loss.pack_completions` / `grpo_loss`. The problem: under FSDP2 every
+decoder layer all-gathers its parameters in its forward, so every rank must run the same
+number of forwards; `generate` runs one forward per new token and stops at EOS, so ranks
+with different completion lengths would wait forever in an all-gather. And a `patch`ed model
+refuses `generate` (its attention is the SP one, it has no KV cache).
+
+The design (`unpatched_for_generation`): generate with gathered weights outside FSDP's
+per-forward collectives --
+1. every FSDP2 unit is all-gathered ONCE (`FSDPModule.unshard`, the same calls in the same
+   order on every rank) and kept unsharded (`set_reshard_after_forward(False)`), so the
+   forwards inside `generate` make no collective and each rank decodes as long as it needs;
+2. the SP patch is taken off (`unpatch`) so TRL's / transformers' own generation path runs
+   (KV cache, sampling, stopping), and put back with the same options afterwards;
+3. afterwards every unit is resharded and its reshard-after-forward setting restored.
+Memory: the whole unsharded model on every rank during generation (like a vLLM colocate
+engine); the training step is sharded again. `sp_rollouts` then splits the SP group's
+prompts over its ranks (each rank generates ≈ 1/SP of them) and all-gathers the token
+lists over the SP group, so every rank of the group trains on the same completions and DP
+groups on their own prompts. vLLM is never imported here.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_longctx.integrations.transformers import _STATE_ATTR, _hf_model, patch, unpatch
+
+
+def _fsdp_units(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def unpatched_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Inside: `model` is a plain HF model with full local weights (see the module docstring);
+    `model.generate` may run any number of steps per rank. A collective on entry and on exit
+    (FSDP all-gathers / none), the same on every rank. Restores patch and sharding on exit."""
+    hf = _hf_model(model)
+    state = hf.__dict__.get(_STATE_ATTR)
+    units = _fsdp_units(model)
+    # post_forward_mesh_info is what set_reshard_after_forward writes (torch has no getter): saved to restore it.
+    saved = [[g.post_forward_mesh_info for g in u._get_fsdp_state()._fsdp_param_groups] for u in units]
+    was_training = model.training
+    with torch.no_grad():
+        for u in units:
+            u.unshard()  # all-gather this unit's parameters: one collective per unit, in module order on every rank
+        for u in units:
+            u.set_reshard_after_forward(False, recurse=False)  # forwards inside generate() neither gather nor free
+    if state is not None:
+        unpatch(model)
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+        try:
+            if state is not None:
+                opts = state.options
+                knobs = {} if opts.memory is not None else dict(
+                    kv_offload=opts.kv_offload, mlp_chunks=opts.mlp_chunks, loss_chunks=opts.loss_chunks, checkpoint=opts.checkpoint)
+                patch(model, state.bank if state.bank is not None else state.mesh, memory=opts.memory, **knobs,
+                      unsafe_skip_exactness_check=state.probe is None)
+        finally:
+            for u, infos in zip(units, saved):
+                for g, info in zip(u._get_fsdp_state()._fsdp_param_groups, infos):
+                    g.post_forward_mesh_info = info
+                u.reshard()  # free the gathered parameters; local, no collective
+
+
+def _gather_lists(mine: Any, group) -> list[Any]:
+    """all_gather of a picklable object (ragged token lists) over `group`: [group size] x object."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)  # ragged: pickled objects, not padded tensors
+    return out
+
+
+def sp_rollouts(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], mesh, *, num_generations: int,
+    generate: Callable[[torch.nn.Module, list[int], int], list[list[int]]],
+) -> list[list[int]]:
+    """Completions of this SP group's `prompts` (the same list on every rank of the group),
+    `num_generations` per prompt, prompt-major (TRL's order): the group's ranks split the
+    prompts, each calls `generate(model, prompt, n)` -> n token lists (the completion tokens,
+    up to and including EOS) on the unpatched, gathered model, and the lists are all-gathered
+    over the SP group. Identical on every rank of the group."""
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    sp, r = mesh.sp, mesh.sp_rank
+    mine_idx = list(range(r, len(prompts), sp))  # round-robin: ranks share the prompts ≈ evenly
+    with unpatched_for_generation(model):
+        mine = [generate(model, list(prompts[i]), num_generations) for i in mine_idx]
+    for i, outs in zip(mine_idx, mine):
+        if len(outs) != num_generations:
+            raise ValueError(f"generate returned {len(outs)} completions for prompt {i}, expected {num_generations}")
+    if sp > 1:
+        key = hash(tuple(tuple(int(t) for t in p) for p in prompts))  # the group's prompts, as this rank sees them
+        table = _gather_lists([key, [list(map(list, o)) for o in mine]], mesh.sp_group)  # [SP] x [key, lists]
+        keys = [k for k, _ in table]
+        if len(set(keys)) > 1:  # every rank sees the same table: all raise together
+            raise ValueError(
+                f"the ranks of one SP group passed different prompts to sp_rollouts (per-rank hashes {keys}); every "
+                "rank of an SP group must pass the same prompts -- draw them by DP rank, not by global rank")
+        per_rank = [lists for _, lists in table]
+    else:
+        per_rank = [mine]
+    by_prompt: list[Any] = [None] * len(prompts)
+    for rank, outs in enumerate(per_rank):
+        for i, o in zip(range(rank, len(prompts), sp), outs):
+            by_prompt[i] = o
+    return [c for outs in by_prompt for c in outs]
+
+
+def hf_generate(max_new_tokens: int, eos_token_id: int, pad_token_id: int = 0, **sampling: Any) -> Callable:
+    """A `generate` for `sp_rollouts` over `model.generate` (transformers' own path): n
+    samples of one prompt, cut after the first EOS (TRL's completion_mask). `synced_gpus=False`:
+    transformers turns it on for FSDP-managed models (an all-reduce per decoded token so that
+    every rank keeps stepping until all finish); inside `unpatched_for_generation` the forwards
+    make no collective, and that per-token all-reduce would deadlock as soon as ranks call
+    `generate` different numbers of times (an SP group's prompts do not split evenly)."""
+
+    def run(model: torch.nn.Module, prompt: list[int], n: int) -> list[list[int]]:
+        ids = torch.tensor([prompt] * n, device=next(model.parameters()).device)  # [n, P]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id, synced_gpus=False,
+                             **sampling)  # [n, P + C_max]
+        rows = []
+        for row in out[:, len(prompt):].tolist():
+            rows.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
+        return rows
+
+    return run

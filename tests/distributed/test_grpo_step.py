@@ -1,0 +1,183 @@
+"""GRPO training step under SP (training/grpo_loss.py) equals a single-process GRPO step.
+
+Generation is taken out of the comparison: fixed completions, advantages, old-policy and
+reference log-probabilities are injected (the old ones perturbed away from the current policy
+so that both clipping sides fire). The reference is hand-computed in one process with TRL
+1.16's `_compute_loss` formulas on a padded [N, L] completion batch (the unpatched model run
+on each prompt+completion alone), not TRL's trainer: its fused LM head and left-padded
+prompts are not what is under test. Checked on 4 gloo ranks, U2×R2 (one SP group of 4),
+dp2×U2 (two DP groups on different completions) and dp2×U2 with FPDT chunks 2: the step loss, every parameter gradient,
+grad_norm and TRL's logged metrics (kl, entropy, clip ratios, low_min / high_max), for each
+supported loss_type with beta > 0 (TRL's default use_bias_correction_kl=True, and False once), and
+for "grpo" on-policy with beta = 0, and with two-sided clipping (delta); fp32, loss 1e-5 and
+gradients 1e-4 relative (tests/distributed/test_models.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_models import load, rel, save_family
+from tests.pool import worker_mesh
+
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+METRIC_TOL = 1e-6  # ratios of fp32 quantities counted identically; kl / entropy as fp32 means
+# (loss_type, beta, old log-probs injected, use_bias_correction_kl, delta)
+CASES = [("grpo", 0.04, True, True, None), ("dr_grpo", 0.04, True, True, None), ("dapo", 0.04, True, True, None),
+         ("grpo", 0.0, False, True, None), ("dapo", 0.04, False, False, None), ("grpo", 0.04, True, True, 1.1)]
+EPS_LOW, EPS_HIGH, TEMPERATURE, MAX_LEN = 0.2, 0.28, 0.7, 16
+
+
+def make_rollouts(n: int = 6, seed: int = 0, vocab: int = 128):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(k),), generator=g).tolist() for k in torch.randint(3, 9, (n,), generator=g)]
+    completions = [torch.randint(1, vocab, (int(k),), generator=g).tolist() for k in torch.randint(1, 13, (n,), generator=g)]
+    advantages = (torch.randn(n, generator=g)).tolist()
+    noise = [torch.randn(len(c), generator=g) * 0.3 for c in completions]
+    ref_noise = [torch.randn(len(c), generator=g) * 0.5 for c in completions]
+    return prompts, completions, advantages, noise, ref_noise
+
+
+def completion_logps(model, prompts, completions) -> list[torch.Tensor]:
+    """Per-token log-probabilities of each completion, one unpadded forward per sequence."""
+    out = []
+    for p, c in zip(prompts, completions):
+        ids = torch.tensor([p + c])
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(p) - 1 : -1]  # [C, V]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / TEMPERATURE  # fp32 (fp64 for the truth)
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1))
+    return out
+
+
+def injected(model, rollouts, with_old: bool):
+    prompts, completions, _, noise, ref_noise = rollouts
+    with torch.no_grad():
+        base = completion_logps(model, prompts, completions)
+    old = [(b + e).tolist() for b, e in zip(base, noise)] if with_old else None
+    ref = [(b + e).tolist() for b, e in zip(base, ref_noise)]
+    return old, ref
+
+
+def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool, bias_correction: bool,
+                   delta: float | None = None, rows=None):
+    """TRL 1.16 `_compute_loss` (grpo_trainer.py) on a right-padded [N, L] completion batch; `rows`:
+    the injected (old, ref) log-probabilities (default: from `model`)."""
+    prompts, completions, advantages, _, _ = rollouts
+    old_rows, ref_rows = rows if rows is not None else injected(model, rollouts, with_old)
+    n, width = len(completions), max(len(c) for c in completions)
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+
+    def pad(rows):  # [N, L]
+        return torch.stack([torch.nn.functional.pad(torch.as_tensor(r, dtype=dtype), (0, width - len(r))) for r in rows])
+
+    model.zero_grad(set_to_none=True)
+    per_token_logps = pad(completion_logps(model, prompts, completions))  # [N, L]
+    logits_all = []
+    for p, c in zip(prompts, completions):
+        logits = model(input_ids=torch.tensor([p + c]), use_cache=False).logits[0, len(p) - 1 : -1].to(dtype) / TEMPERATURE
+        lp = torch.log_softmax(logits, -1)
+        logits_all.append(-(lp.exp() * lp).sum(-1).detach())
+    entropies = pad(logits_all)
+    mask = pad([[1.0] * len(c) for c in completions])
+    adv = torch.tensor(advantages, dtype=dtype)[:, None]
+    old = pad(old_rows) if with_old else per_token_logps.detach()
+    coef_1 = torch.exp(per_token_logps - old)
+    ref = pad(ref_rows)
+    per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+    if bias_correction:
+        per_token_kl = per_token_kl * coef_1
+    coef_2 = torch.clamp(coef_1, 1 - EPS_LOW, 1 + EPS_HIGH)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    if loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * MAX_LEN)
+    else:  # dapo: num_items_in_batch = all completion tokens (one process, one accumulation step)
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    loss.backward()
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    def mean(x):
+        return ((x * mask).sum() / mask.sum()).item()
+
+    low = ((coef_1 < 1 - EPS_LOW) & (adv < 0)).float()
+    high = ((coef_1 > 1 + EPS_HIGH) & (adv > 0)).float()
+    metrics = {"entropy": mean(entropies), "clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
+               "clip_ratio/region_mean": mean((low + high).clamp(max=1)),
+               "clip_ratio/low_min": ((low * mask).sum(-1) / mask.sum(-1)).min().item(),
+               "clip_ratio/high_max": ((high * mask).sum(-1) / mask.sum(-1)).max().item()}
+    if beta != 0.0:
+        metrics["kl"] = mean(per_token_kl.detach())
+    return loss.detach(), grads, metrics, (old_rows, ref_rows)
+
+
+def _sp_steps(ulysses: int, ring: int, fpdt: int, path: str) -> list[dict]:
+    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.training.grpo_loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
+
+    mesh = worker_mesh(ulysses, ring, fpdt)
+    rollouts = make_rollouts()
+    prompts, completions, advantages, _, _ = rollouts
+    n = len(completions)
+    mine = range(mesh.dp_rank * n // mesh.dp, (mesh.dp_rank + 1) * n // mesh.dp)  # this DP group's completions
+    results = []
+    for loss_type, beta, with_old, correction, delta in CASES:
+        ref_loss, ref_grads, ref_metrics, (old, refl) = reference_step(load(path), rollouts, loss_type, beta, with_old,
+                                                                       correction, delta)
+        objective = GRPOObjective(loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, beta=beta,
+                                  temperature=TEMPERATURE, max_completion_length=MAX_LEN, use_bias_correction_kl=correction,
+                                  delta=delta)
+        packed = pack_completions(
+            [prompts[i] for i in mine], [completions[i] for i in mine], [advantages[i] for i in mine], objective,
+            num_sequences=n, num_tokens=sum(len(c) for c in completions),
+            old_logps=[old[i] for i in mine] if with_old else None, ref_logps=[refl[i] for i in mine] if beta else None,
+        )
+        model = patch(load(path), mesh)
+        model.zero_grad(set_to_none=True)
+        loss, metrics = grpo_loss(model, shard_completions(packed, mesh), objective, mesh, num_sequences=n)
+        loss.backward()
+        sum_gradients(model.parameters(), mesh)
+        grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+        norm = torch.nn.utils.get_total_norm(list(grads.values()))
+        ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
+        results.append({
+            "case": (loss_type, beta, with_old, correction, delta),
+            "loss": rel(global_loss(loss, mesh), ref_loss),
+            "grad": max(rel(grads[k], ref_grads[k]) for k in ref_grads),
+            "same_params": set(grads) == set(ref_grads),
+            "grad_norm": rel(norm, ref_norm),
+            "metrics": {k: (metrics.get(k), v) for k, v in ref_metrics.items()},
+            "extra_metrics": sorted(set(metrics) - set(ref_metrics)),
+            "share": loss.item() / ref_loss.item(),
+        })
+    return results
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return save_family("llama", tmp_path_factory.mktemp("grpo"))
+
+
+@pytest.mark.parametrize("ulysses,ring,fpdt", [(2, 2, 1), (2, 1, 1), (2, 1, 2)], ids=["U2xR2", "dp2xU2", "dp2xU2-fpdt2"])
+def test_grpo_step_matches_single_process(pools, llama_path, ulysses, ring, fpdt):
+    results = pools.get(4).run(_sp_steps, ulysses, ring, fpdt, llama_path, timeout=300)
+    for rank, per_case in enumerate(results):
+        for r in per_case:
+            where = f"rank {rank} mesh U{ulysses}xR{ring} case {r['case']}"
+            assert r["same_params"] and not r["extra_metrics"], f"{where}: {r}"
+            assert r["loss"] <= LOSS_TOL, f"{where}: loss rel err {r['loss']}"
+            assert r["grad"] <= GRAD_TOL and r["grad_norm"] <= GRAD_TOL, f"{where}: grad rel err {r}"
+            for name, (got, want) in r["metrics"].items():
+                assert got == pytest.approx(want, rel=METRIC_TOL, abs=METRIC_TOL), f"{where}: {name} {got} vs {want}"
+    for i in range(len(CASES)):  # each rank holds a share of the loss, not all of it
+        shares = [per_case[i]["share"] for per_case in results]
+        assert sum(shares) == pytest.approx(1.0, abs=1e-5) and all(abs(s - 1.0) > 1e-3 for s in shares), shares
+    clipped = [r["metrics"]["clip_ratio/low_mean"][1] + r["metrics"]["clip_ratio/high_mean"][1] for r in results[0]]
+    assert min(clipped[:3]) > 0, "the injected old log-probabilities must make clipping fire"
