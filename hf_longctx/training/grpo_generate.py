@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx.integrations.transformers import _STATE_ATTR, _hf_model, patch, unpatch
+from hf_longctx._compat import fsdp_param_groups
+from hf_longctx.integrations.transformers import patch, patch_state, unpatch
 
 
 def _fsdp_units(model: torch.nn.Module) -> list:
@@ -45,11 +46,10 @@ def unpatched_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Module
     """Inside: `model` is a plain HF model with full local weights (see the module docstring);
     `model.generate` may run any number of steps per rank. A collective on entry and on exit
     (FSDP all-gathers / none), the same on every rank. Restores patch and sharding on exit."""
-    hf = _hf_model(model)
-    state = hf.__dict__.get(_STATE_ATTR)
+    state = patch_state(model)
     units = _fsdp_units(model)
     # post_forward_mesh_info is what set_reshard_after_forward writes (torch has no getter): saved to restore it.
-    saved = [[g.post_forward_mesh_info for g in u._get_fsdp_state()._fsdp_param_groups] for u in units]
+    saved = [[g.post_forward_mesh_info for g in fsdp_param_groups(u)] for u in units]
     was_training = model.training
     with torch.no_grad():
         for u in units:
@@ -72,7 +72,7 @@ def unpatched_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Module
                       unsafe_skip_exactness_check=state.probe is None)
         finally:
             for u, infos in zip(units, saved):
-                for g, info in zip(u._get_fsdp_state()._fsdp_param_groups, infos):
+                for g, info in zip(fsdp_param_groups(u), infos):
                     g.post_forward_mesh_info = info
                 u.reshard()  # free the gathered parameters; local, no collective
 
