@@ -66,7 +66,7 @@ def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool,
     the injected (old, ref) log-probabilities (default: from `model`)."""
     prompts, completions, advantages, _, _ = rollouts
     old_rows, ref_rows = rows if rows is not None else injected(model, rollouts, with_old)
-    n, width = len(completions), max(len(c) for c in completions)
+    width = max(len(c) for c in completions)
     dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
 
     def pad(rows):  # [N, L]
