@@ -1,6 +1,6 @@
 """Checkpointing that keeps attention: `patch(..., checkpoint="attention")`.
 
-Where it sits: between the checkpoint wrapper of `integrations/memory.py` (one `Region` per
+Where it sits: between the checkpoint wrapper of `integrations/checkpointing.py` (one `Region` per
 checkpointed decoder-layer call, opened for its original forward and again for its
 recompute) and the attention function of `integrations/attention.py` (which asks the
 patch's `AttentionKeeper` what to do at each call). FPDT §4 / torchtitan's op-level

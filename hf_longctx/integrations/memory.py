@@ -9,9 +9,9 @@ part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attenti
   from `ops/tiling.chunked_causal_lm_loss` on the last hidden state (Gemma2's final logit
   softcapping inside it, `num_items_in_batch` honoured) and `logits` is None; without
   labels the model behaves as before;
-- `checkpoint=True`: activation checkpointing of every decoder layer, with the layer inputs
-  the checkpoint keeps copied to pinned host memory on CUDA, on a side stream that overlaps
-  the layer's forward (`offloaded_checkpoint`).
+- `checkpoint=True` / `"attention"`: activation checkpointing of every decoder layer with
+  the inputs in pinned host memory on CUDA (`integrations/checkpointing.py`); "attention"
+  keeps the attention out of the recompute (`integrations/keep_attention.py`).
 `kv_offload` is FPDT's K/V host offload; the attention binding of `patch()` passes it to
 `ops/fpdt.fpdt_attention(offload=...)`, so here it is only validated.
 
@@ -24,34 +24,17 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
+from hf_longctx.integrations.checkpointing import patch_checkpointing
+from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.keep_attention import AttentionKeeper
-from hf_longctx.ops.offload import Streams, default_streams
 from hf_longctx.ops.tiling import chunked_causal_lm_loss, chunked_mlp, default_loss_chunk_size, default_mlp_chunks
-
-_MISSING = object()
-
-
-def _set_instance_attr(module: Any, name: str, value: Any, undo: list) -> None:
-    """Set an instance attribute and remember how to put the previous state back."""
-    previous = module.__dict__.get(name, _MISSING)
-
-    def restore() -> None:
-        if previous is _MISSING:
-            module.__dict__.pop(name, None)
-        else:
-            module.__dict__[name] = previous
-
-    undo.append(restore)
-    setattr(module, name, value)
-
 
 def _resolve_chunks(name: str, value: Any) -> int | str | None:
     if value is None or value == "auto":
@@ -84,7 +67,7 @@ def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
                 return _forward(hidden, *args, **kwargs)
             return chunked_mlp(_forward, hidden, chunks)
 
-        _set_instance_attr(mlp, "forward", chunked_forward, undo)
+        set_instance_attr(mlp, "forward", chunked_forward, undo)
 
 
 # ---- chunked LM head + loss ---------------------------------------------------------------
@@ -123,7 +106,7 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
             ))
             return hidden.new_empty((*hidden.shape[:-1], 0))  # [B, S, 0]: no logits; softcap ops on it are free
 
-        _set_instance_attr(head, "forward", head_loss, restore := [])
+        set_instance_attr(head, "forward", head_loss, restore := [])
         try:
             out = forward(*args, return_dict=True, **kwargs)
         finally:
@@ -135,116 +118,7 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
         out = type(out)(loss=loss, logits=None, **fields)
         return out.to_tuple() if return_dict is False else out
 
-    _set_instance_attr(model, "forward", functools.wraps(forward)(forward_with_chunked_loss), undo)
-
-
-# ---- offloaded activation checkpointing ----------------------------------------------------
-
-
-class _Parked(NamedTuple):
-    value: torch.Tensor  # pinned host copy (offloaded) or detached alias
-    device: torch.device
-    requires_grad: bool
-    copied: Any  # event recorded after the device -> host copy on the side stream; None: no copy
-
-
-def _park(arg: Any, streams: Streams) -> Any:
-    """What the recompute will read instead of a layer input: a pinned host copy where the
-    device offloads (CUDA), a detached alias elsewhere.
-
-    The copy is of the DETACHED input (no autograd node), issued on the side stream after
-    the kernels that produced the input, so it overlaps the layer's forward on the compute
-    stream; the input's memory is marked as in use by the side stream until the copy has
-    read it, and an event marks the copy's end for `_unpark`."""
-    if not isinstance(arg, torch.Tensor):
-        return arg
-    src = arg.detach()
-    if not streams.offloads(src.device):
-        return _Parked(src, src.device, arg.requires_grad, None)
-    main, side = streams.current(src.device), streams.side(src.device)
-    side.wait_stream(main)  # arg is produced by kernels already queued on the compute stream
-    with streams.on(side):
-        host = streams.pinned(src)
-        host.copy_(src, non_blocking=True)  # [same shape] device -> pinned host, async on side
-        copied = streams.event()
-        copied.record(side)
-    streams.keep_alive(src, side)  # the caching allocator must not reuse arg before the copy read it
-    return _Parked(host, src.device, arg.requires_grad, copied)
-
-
-def _unpark(parked: Any, streams: Streams) -> Any:
-    if not isinstance(parked, _Parked):
-        return parked
-    host, device, requires_grad, copied = parked
-    if copied is not None:
-        streams.current(device).wait_event(copied)  # the host copy is complete before we read it
-    # A leaf with the input's value: the recompute must record (and save) the same tensors
-    # as the original forward, which needs requires_grad to match; gradients flow through
-    # the ORIGINAL graph, whose saved tensors the recompute only refills.
-    return host.to(device, non_blocking=True).detach().requires_grad_(requires_grad)
-
-
-def offloaded_checkpoint(
-    function: Callable, *args: Any, streams: Streams | None = None, keeper: AttentionKeeper | None = None
-) -> Any:
-    """Non-reentrant activation checkpointing of `function(*args)` whose recompute reads the
-    inputs from host memory (FPDT's "OC." setting).
-
-    Why not `torch.autograd.graph.save_on_cpu(pin_memory=True)` around
-    `torch.utils.checkpoint` (checked against torch 2.13): the non-reentrant checkpoint keeps
-    its inputs referenced from its recompute closure, out of reach of saved-tensor hooks, so
-    save_on_cpu would copy only what the checkpoint already discards and leave the inputs on
-    the device; and save_on_cpu copies on the compute stream. The reentrant checkpoint breaks
-    `torch.autograd.grad` and needs inputs that require grad. Here the inputs sit in a box the
-    recompute reads: the host copies start (side stream, `_park`) before the original forward
-    runs on the real inputs, then the box switches to the host copies. Where the device does
-    not offload (CPU) the box holds detached aliases: same structure, no copy. `streams`:
-    the stream operations (the process's `ops/offload.default_streams()` by default; tests
-    pass a fake). `keeper`: checkpoint="attention" -- the layer's attention calls keep their
-    saved tensors and output in the original forward and are replayed in the recompute
-    (`integrations/keep_attention.py`).
-    """
-    streams = default_streams() if streams is None else streams
-    parked = [_park(a, streams) for a in args]  # copies start now and overlap the forward
-    box = list(args)
-    region = keeper.new_region() if keeper is not None else None
-    runs = [0]  # 0: the original forward is next; then recomputes
-
-    def run(_anchor: torch.Tensor) -> Any:
-        inputs = [_unpark(a, streams) if isinstance(a, _Parked) else a for a in box]
-        if region is None:
-            return function(*inputs)
-        recompute = runs[0] > 0
-        runs[0] += 1
-        with keeper.entered(region, recompute=recompute):
-            return function(*inputs)
-
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    anchor = tensors[0].new_empty(0) if tensors else torch.empty(0)  # tells checkpoint the device (RNG state)
-    out = torch_checkpoint(run, anchor, use_reentrant=False)
-    box[:] = parked  # from now on only the recompute reads the inputs
-    return out
-
-
-def _patch_checkpointing(
-    model: nn.Module, undo: list, streams: Streams | None = None, keeper: AttentionKeeper | None = None
-) -> None:
-    # One side stream per device for the whole model, not one per layer call.
-    offload = functools.partial(offloaded_checkpoint, streams=default_streams() if streams is None else streams,
-                                keeper=keeper)
-    for layer in decoder_layers(model):
-        if hasattr(type(layer), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
-            _set_instance_attr(layer, "gradient_checkpointing", True, undo)
-            _set_instance_attr(layer, "_gradient_checkpointing_func", offload, undo)
-            continue
-        forward = layer.forward
-
-        def checkpointed(*args, _forward=forward, _layer=layer, **kwargs):
-            if not (_layer.training and torch.is_grad_enabled()):
-                return _forward(*args, **kwargs)
-            return offload(functools.partial(_forward, **kwargs), *args)
-
-        _set_instance_attr(layer, "forward", checkpointed, undo)
+    set_instance_attr(model, "forward", functools.wraps(forward)(forward_with_chunked_loss), undo)
 
 
 # ---- entry point ---------------------------------------------------------------------------
@@ -289,7 +163,7 @@ def apply_memory_options(
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
         if checkpoint:
-            _patch_checkpointing(model, undo, keeper=keeper)
+            patch_checkpointing(model, undo, keeper=keeper)
     except BaseException:
         for restore in reversed(undo):
             restore()

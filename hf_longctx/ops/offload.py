@@ -99,7 +99,7 @@ class CudaStreams:
 @functools.cache
 def default_streams() -> CudaStreams:
     """The process's one `CudaStreams`: every offload (FPDT chunk stores, checkpoint inputs
-    in `integrations/memory.py`) shares its one side stream per device, created on first
+    in `integrations/checkpointing.py`) shares its one side stream per device, created on first
     use. A new `torch.cuda.Stream` per store would rotate through torch's pool of 32
     streams and spread prefetch buffers over as many caching-allocator pools. Pinned host
     buffers come from its one `HostPool`, reused per size class as stores hand them back;

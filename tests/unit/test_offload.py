@@ -214,7 +214,7 @@ def test_store_stream_protocol_with_fake_streams():
 
 
 def test_offloaded_checkpoint_stream_protocol_and_gradients():
-    from hf_longctx.integrations.memory import offloaded_checkpoint
+    from hf_longctx.integrations.checkpointing import offloaded_checkpoint
 
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
@@ -238,7 +238,7 @@ def test_offloaded_checkpoint_stream_protocol_and_gradients():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side-stream copies to pinned host memory)")
 def test_cuda_offloaded_checkpoint_matches_plain_backward():
-    from hf_longctx.integrations.memory import offloaded_checkpoint
+    from hf_longctx.integrations.checkpointing import offloaded_checkpoint
 
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
@@ -279,7 +279,7 @@ def test_keep_attention_region_stream_protocol_and_gradients():
     once), and the compute stream waits for a prefetch only where its tensor is read.
     Gradients equal a plain backward up to the order of one fp32 sum."""
     from hf_longctx.integrations.keep_attention import AttentionKeeper
-    from hf_longctx.integrations.memory import offloaded_checkpoint
+    from hf_longctx.integrations.checkpointing import offloaded_checkpoint
 
     torch.manual_seed(0)
     proj, back = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
@@ -324,4 +324,33 @@ def test_keep_attention_region_stream_protocol_and_gradients():
     reads = [e[2] for e in backward_log if e[:2] == ("wait_event", "main") and e[2] != "e1"]
     assert reads and set(reads) <= ready and len(reads) == len(set(reads)) == kept  # each read waits for its own copy
     for g, r in zip(grads, ref):  # x's gradient sums its two paths in another order: one fp32 rounding (~1e-7)
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=0)
+
+
+def test_checkpoint_inputs_of_the_next_layer_are_prefetched():
+    """Two checkpointed layers on one LayerChain (fake streams): the backward recomputes layer
+    1 first, and its recompute starts the side-stream copy of layer 0's input; layer 0's
+    recompute then waits for that prefetch (not for a copy issued on the compute stream).
+    Layer 1's own input has no prefetch (nothing runs before the first recompute). Gradients
+    equal a plain backward."""
+    from hf_longctx.integrations.checkpointing import LayerChain, offloaded_checkpoint
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(2)]
+    x = torch.randn(3, 4, requires_grad=True)
+    params = [x, *layers[0].parameters(), *layers[1].parameters()]
+    ref = torch.autograd.grad(layers[1](layers[0](x * 2)).square().sum(), params)
+    fake, chain = FakeStreams(), LayerChain()
+    h = offloaded_checkpoint(layers[0], x * 2, streams=fake, chain=chain, first=True)  # its copy: event e1
+    out = offloaded_checkpoint(layers[1], h, streams=fake, chain=chain)  # e2
+    assert chain.last is not None
+    fake.log.clear()
+    grads = torch.autograd.grad(out.square().sum(), params)
+    log = fake.log
+    # layer 1's recompute: reads its own input (waits e2), prefetches layer 0's (side waits e1, copy, record e3)
+    assert log[:5] == [("wait_event", "main", "e2"), ("wait_event", "side", "e1"), ("enter", "side"),
+                       ("record", "e3", "side"), ("exit", "side")], log
+    assert ("wait_event", "main", "e3") in log and ("wait_event", "main", "e1") not in log, log  # layer 0 reads the prefetch
+    assert chain.last is None  # nothing of the step stays referenced after its backward
+    for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=0)

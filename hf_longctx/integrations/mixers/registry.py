@@ -9,6 +9,7 @@ import torch
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NO_SP, NotSupported
 from hf_longctx.integrations.mixers.binding import MixerAdapter, MixerBinding
+from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.mixers.wrappers import (
     check_depthwise,
     check_gdn,
@@ -25,7 +26,6 @@ from hf_longctx.integrations.mixers.wrappers import (
 )
 
 _M = "transformers.models."
-_MISSING = object()
 
 _SHORT_CONV = MixerAdapter("halo short convolution", short_conv, lambda m, mesh: check_depthwise(m.conv, type(m).__name__))
 _GDN_QWEN35 = MixerAdapter("GDN head all-to-all", gdn(qwen3_5_project, norm_out("norm", "out_proj")), check_gdn)
@@ -120,15 +120,6 @@ def apply_mixers(found: list, mesh: SPMesh) -> MixerBinding | None:
         return None
     bind = MixerBinding(mesh)
     for _, module, adapter in found:
-        previous = module.__dict__.get("forward", _MISSING)
-
-        def restore(module=module, previous=previous) -> None:
-            if previous is _MISSING:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = previous
-
-        bind.undo.append(restore)
-        module.forward = adapter.make(module, bind)
+        set_instance_attr(module, "forward", adapter.make(module, bind), bind.undo)
         bind.modules += 1
     return bind
