@@ -309,31 +309,38 @@ def refused_arguments(args: Any) -> list[str]:
     return errors
 
 
+def refused_config_fields(args: Any, config_cls: type, table: dict[str, Rule]) -> list[str]:
+    """The refused values of the fields a TRL config class (`SFTConfig`, `GRPOConfig`, ...) adds
+    to `TrainingArguments`, by `table`; a field missing from it is refused when it differs from
+    its default (a newer TRL's field is never dropped unseen)."""
+    from transformers import TrainingArguments
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    defaults = field_defaults(config_cls)
+    label = config_cls.__name__
+    errors = []
+    for f in dataclasses.fields(config_cls):
+        if f.name in base:
+            continue
+        value, rule = getattr(args, f.name, None), table.get(f.name)
+        if rule is None:
+            if f.name in defaults and value != defaults[f.name]:
+                errors.append(f"{label}.{f.name}={value!r}: not classified by hf_longctx (newer TRL?); do instead: "
+                              "leave it at its default and report it")
+        elif rule.kind == "refused" and not rule.ok(value):
+            errors.append(f"{label}." + _message(f.name, value, rule))
+    return errors
+
+
 def refused_sft_fields(args: Any) -> list[str]:
-    """The refused values of TRL `SFTConfig`-only fields (nothing for plain TrainingArguments);
-    an SFTConfig field missing from `SFT_CONFIG` is refused when it differs from its default."""
+    """The refused values of TRL `SFTConfig`-only fields (nothing for plain TrainingArguments)."""
     try:
         from trl import SFTConfig
     except ImportError:
         return []
     if not isinstance(args, SFTConfig):
         return []
-    from transformers import TrainingArguments
-
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    defaults = field_defaults(SFTConfig)
-    errors = []
-    for f in dataclasses.fields(SFTConfig):
-        if f.name in base:
-            continue
-        value, rule = getattr(args, f.name, None), SFT_CONFIG.get(f.name)
-        if rule is None:
-            if f.name in defaults and value != defaults[f.name]:
-                errors.append(f"SFTConfig.{f.name}={value!r}: not classified by hf_longctx (newer TRL?); do instead: leave "
-                              "it at its default and report it")
-        elif rule.kind == "refused" and not rule.ok(value):
-            errors.append("SFTConfig." + _message(f.name, value, rule))
-    return errors
+    return refused_config_fields(args, SFTConfig, SFT_CONFIG)
 
 
 def refused_parameters(params: dict[str, Any]) -> list[str]:

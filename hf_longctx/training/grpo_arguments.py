@@ -17,11 +17,10 @@ Kinds (arguments.py's `Rule`):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.arguments import Rule, _falsy, _is, _refused, _trainer, field_defaults
+from hf_longctx.training.arguments import Rule, _falsy, _is, _refused, _trainer, refused_config_fields
 
 
 def _ours(note: str) -> Rule:
@@ -114,25 +113,11 @@ GRPO_CONFIG: dict[str, Rule] = {
 def refused_grpo_fields(args: Any) -> list[str]:
     """One line per refused value of a `GRPOConfig`-only field; a field missing from `GRPO_CONFIG`
     is refused when it differs from its default (a newer TRL's field is never dropped unseen)."""
-    from transformers import TrainingArguments
     from trl import GRPOConfig
 
     if not isinstance(args, GRPOConfig):
         raise TypeError(f"expected a trl.GRPOConfig, got {type(args).__name__}")
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    defaults = field_defaults(GRPOConfig)
-    errors = []
-    for f in dataclasses.fields(GRPOConfig):
-        if f.name in base:
-            continue
-        value, rule = getattr(args, f.name, None), GRPO_CONFIG.get(f.name)
-        if rule is None:
-            if f.name in defaults and value != defaults[f.name]:
-                errors.append(f"GRPOConfig.{f.name}={value!r}: not classified by hf_longctx (newer TRL?); do instead: "
-                              "leave it at its default and report it")
-        elif rule.kind == "refused" and not rule.ok(value):
-            errors.append(f"GRPOConfig.{f.name}={value!r}: {rule.note}; do instead: {rule.instead}")
-    return errors
+    return refused_config_fields(args, GRPOConfig, GRPO_CONFIG)
 
 
 def check_grpo_config(args: Any) -> None:
