@@ -5,6 +5,9 @@ formulas by hand (sigmoid -logsigmoid(beta·delta), hinge relu(1 - beta·delta),
 length-normalised scores), mean over the GLOBAL pairs (all DP ranks); precomputed reference
 log-probs (fixed numbers, TRL's precompute_ref_log_probs path). Meshes U2×R2 and dp2×U2 on 4
 gloo ranks. fp32: loss and metrics 1e-5, gradients 1e-4 relative (tests/distributed/test_models.py).
+bf16 (weights loaded in bf16, U2×R2): the tests/distributed/test_bf16.py criterion per gradient
+tensor and for the loss, ‖g − g64‖ ≤ 2·‖g₁ − g64‖ + 1e-6·‖g64‖, with g64 the single-process
+DPO in float64 on the same bf16-rounded weights and g₁ the single-process DPO in bf16.
 """
 
 from __future__ import annotations
@@ -41,6 +44,71 @@ def _row(docs):
 
 def _ref_logps(count: int, seed: int) -> torch.Tensor:
     return -20 - 10 * torch.rand(count, generator=torch.Generator().manual_seed(seed))
+
+
+def _single_process(path, all_docs, dtype, loss_type, global_pairs):
+    """DPO of every pair, each document alone through the unpatched model: (loss, grads)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_longctx.training.dpo_loss import dpo_loss
+
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if dtype != torch.float32 else dtype)
+    ref = ref.to(dtype).train()  # float64: the bf16-rounded weights, exactly
+    logps, counts = [], []
+    for docs in all_docs:
+        for d in docs:
+            logits = ref(input_ids=d[None], use_cache=False).logits[0, :-1]  # [n-1, V]
+            lp = torch.log_softmax(logits.to(torch.float64 if dtype == torch.float64 else torch.float32), -1)
+            lp = lp.gather(-1, d[1:, None])[:, 0][PROMPT - 1 :]
+            logps.append(lp.sum())
+            counts.append(float(lp.numel()))
+    policy = torch.stack(logps)
+    loss, metrics = dpo_loss(policy, _ref_logps(len(logps), 5).to(policy.dtype), beta=BETA, loss_type=loss_type,
+                             global_pairs=global_pairs, sp=1, counts=torch.tensor(counts))
+    loss.backward()
+    return loss.detach().double(), {n: p.grad.double() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _run_bf16(ulysses, ring, path, loss_type):
+    from transformers import AutoModelForCausalLM
+
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.training.dpo_loss import completion_logps, dpo_loss
+
+    mesh = worker_mesh(ulysses, ring)
+    all_docs = [_pairs(100 + d) for d in range(mesh.dp)]
+    global_pairs = sum(len(d) // 2 for d in all_docs)
+    l64, g64 = _single_process(path, all_docs, torch.float64, loss_type, global_pairs)
+    l1, g1 = _single_process(path, all_docs, torch.bfloat16, loss_type, global_pairs)
+    model = patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).train(), mesh)
+    shard = shard_batch(_row(all_docs[mesh.dp_rank]), mesh)
+    shard.pop("labels"), shard.pop("num_items_in_batch")
+    sums, cnt = completion_logps(model(**shard).logits, shard, mesh)
+    mine = slice(4 * mesh.dp_rank, 4 * mesh.dp_rank + 4)
+    loss, _ = dpo_loss(sums, _ref_logps(4 * mesh.dp, 5)[mine], beta=BETA, loss_type=loss_type,
+                       global_pairs=global_pairs, sp=mesh.sp, counts=cnt)
+    loss.backward()
+    sum_gradients(model.parameters(), mesh)
+    total = global_loss(loss, mesh)
+    bad = []
+
+    def check(name, got, one, truth):
+        err, bound = (got - truth).norm().item(), 2 * (one - truth).norm().item() + 1e-6 * truth.norm().item()
+        if err > bound:
+            bad.append(f"{name}: |sp - f64| {err:.3e} > {bound:.3e}")
+
+    check("loss", total.double(), l1, l64)
+    for n, p in model.named_parameters():
+        if n in g64:
+            check(n, p.grad.double(), g1[n], g64[n])
+    return bad
+
+
+def test_bf16_no_worse_than_twice_single_process(pools, llama_path):
+    for rank, bad in enumerate(pools.get(4).run(_run_bf16, 2, 2, llama_path, "sigmoid", timeout=300)):
+        assert not bad, f"rank {rank}: " + "; ".join(bad)
 
 
 def _run(ulysses, ring, path, loss_type):
