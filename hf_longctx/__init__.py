@@ -16,9 +16,11 @@ from hf_longctx.data.flex_packing import plan_fixed, plan_flexible
 from hf_longctx.data.flex_unequal import plan_unequal
 from hf_longctx.data.flex_plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import Piece, Plan, plan_microbatches
+from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.pipeline import tokenize_dataset
 from hf_longctx.data.sampler import StepSampler, group_stream
 from hf_longctx.data.sharding import shard_batch
+from hf_longctx.distributed.doc_sums import doc_sums
 from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.flex_step import flex_microbatches, run_flex_step
 from hf_longctx.distributed.group_bank import GroupBank, init_group_bank
@@ -48,6 +50,7 @@ __all__ = [
     "LongContextTrainer",
     "LongContextTrainerMixin",
     "flex_microbatches",
+    "doc_sums",
     "fpdt_attention",
     "fsdp_plan",
     "gather_sequence",
@@ -57,11 +60,13 @@ __all__ = [
     "init_group_bank",
     "init_sequence_parallel",
     "is_patched",
+    "pack_pairs",
     "patch",
     "plan_fixed",
     "plan_flexible",
     "plan_unequal",
     "plan_microbatches",
+    "plan_pairs",
     "run_flex_step",
     "shard_batch",
     "sum_gradients",
