@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
-from common import add_common_args, check_common_args, patch_kwargs
-from hf_longctx import init_sequence_parallel, pack_pairs, patch, plan_pairs, shard_batch
-from hf_longctx.loss import global_loss, sum_gradients
-from hf_longctx.training.dpo_loss import LOSS_TYPES, completion_logps, dpo_loss
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
+from common import add_common_args, check_common_args, patch_kwargs  # noqa: E402
+from hf_longctx import init_sequence_parallel, pack_pairs, patch, plan_pairs, shard_batch  # noqa: E402
+from hf_longctx.loss import global_loss, sum_gradients  # noqa: E402
+from hf_longctx.training.dpo_loss import LOSS_TYPES, completion_logps, dpo_loss  # noqa: E402
 
 
 def main() -> None:

@@ -25,8 +25,7 @@ def test_dpo_recipe_runs(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            os.path.join(ROOT, "recipes", "dpo.py"), model_dir, str(tmp_path / "pairs.jsonl"),
            "--ulysses", "2", "--steps", "2", "--pairs-per-step", "2", "--mixed-precision", "fp32"]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "recipes") + os.pathsep
-           + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
