@@ -16,10 +16,12 @@ from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
 from hf_longctx.data.flex.unequal import plan_unequal
 from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import plan_microbatches
+from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.plan import Piece, Plan
 from hf_longctx.data.pipeline import tokenize_dataset
 from hf_longctx.data.sampler import StepSampler, group_stream
 from hf_longctx.data.sharding import shard_batch
+from hf_longctx.distributed.doc_sums import doc_sums
 from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.flex.step import flex_microbatches, run_flex_step
 from hf_longctx.distributed.flex.bank import GroupBank, init_group_bank
@@ -51,6 +53,7 @@ __all__ = [
     "LongContextTrainerMixin",
     "GRPOObjective",
     "flex_microbatches",
+    "doc_sums",
     "fpdt_attention",
     "fsdp_plan",
     "gather_sequence",
@@ -61,11 +64,13 @@ __all__ = [
     "init_group_bank",
     "init_sequence_parallel",
     "is_patched",
+    "pack_pairs",
     "patch",
     "plan_fixed",
     "plan_flexible",
     "plan_unequal",
     "plan_microbatches",
+    "plan_pairs",
     "run_flex_step",
     "shard_batch",
     "sum_gradients",

@@ -1,0 +1,58 @@
+"""Preference pairs as planning units and packed rows (issue 21, item 2: DPO).
+
+Where it sits: before `shard_batch`. A DPO loss needs the chosen and the rejected
+completion of a pair in the same micro-batch and SP group (their per-document log-prob
+sums meet in one non-linear term, training/dpo_loss.py). `plan_pairs` is a thin layer over
+`data/packing.plan_microbatches`: each pair is ONE unit whose length is its two padded
+documents, so the planner never separates them (a pair that cannot fit raises, it is never
+split or truncated). The cost model then sees one document of length c + r where attention
+actually costs c² + r²: a conservative (over-)estimate for balancing. `pack_pairs` lays the
+pairs of one micro-batch out as [chosen_0, rejected_0, chosen_1, ...] (prompt + completion
+each, prompt labels -100, as TRL masks them), in the format of
+`DataCollatorWithFlattening(return_position_ids=True)`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from hf_longctx.data.packing import plan_microbatches
+from hf_longctx.data.plan import Plan
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_pairs(
+    chosen_lengths: Sequence[int], rejected_lengths: Sequence[int], *, dp_size: int, max_tokens: int,
+    doc_multiple: int = 1, seq_multiple: int = 1, **kwargs
+) -> Plan:
+    """A `Plan` whose piece i is PAIR i (prompt+chosen and prompt+rejected lengths given)."""
+    if len(chosen_lengths) != len(rejected_lengths):
+        raise ValueError(f"{len(chosen_lengths)} chosen but {len(rejected_lengths)} rejected lengths: give one of each per pair")
+    if kwargs.get("overlong", "error") != "error":
+        raise ValueError(f"overlong={kwargs['overlong']!r}: a preference pair cannot be split or truncated; "
+                         "filter long pairs out or raise max_tokens")
+    units = [_padded(int(c), doc_multiple) + _padded(int(r), doc_multiple) for c, r in zip(chosen_lengths, rejected_lengths)]
+    return plan_microbatches(units, dp_size=dp_size, max_tokens=max_tokens, doc_multiple=doc_multiple,
+                             seq_multiple=seq_multiple, **kwargs)
+
+
+def pack_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> dict[str, torch.Tensor]:
+    """(prompt, chosen, rejected) token lists -> one packed row: input_ids, labels, position_ids [1, S]."""
+    if not pairs:
+        raise ValueError("pack_pairs needs at least one (prompt, chosen, rejected) pair")
+    ids, labels, pos = [], [], []
+    for i, (prompt, chosen, rejected) in enumerate(pairs):
+        for completion in (chosen, rejected):
+            if not completion:
+                raise ValueError(f"pair {i} has an empty completion: nothing to score; drop the pair")
+            doc = list(prompt) + list(completion)
+            ids += doc
+            labels += [-100] * len(prompt) + list(completion)
+            pos += list(range(len(doc)))
+    row = lambda xs: torch.tensor(xs, dtype=torch.long)[None]  # noqa: E731  [1, S]
+    return {"input_ids": row(ids), "labels": row(labels), "position_ids": row(pos)}

@@ -1,0 +1,104 @@
+"""Per-document sums of per-token quantities over a sharded packed batch (issue 21).
+
+Where it sits: after `model(**shard)` on a batch made by `data/sharding.shard_batch`, before
+any SEQUENCE-level objective (DPO's log-ratio of a whole completion, GRPO's per-sequence
+mean, a per-document KL). Token-level losses need no such step (each rank sums its own
+tokens, loss.py); a sequence-level objective is a non-linear function of per-document
+sums, and under sequence parallelism (USP Algorithms 1-2, FPDT Figure 6) the tokens of one
+document are spread over the SP ranks. `doc_sums` maps every local token to its document
+through the batch's global boundaries (`SPBatchInfo.cu_seqlens`) and this rank's token
+permutation (`mesh.local_indices`), sums locally in fp32 and all-reduces over the SP group.
+
+The result is identical on every SP rank and equals the unsharded per-document sums. It is
+differentiable: backward all-reduces the incoming gradient over the SP group, i.e. it is the
+adjoint of a true sum over ranks, so each shard receives d(objective)/d(its tokens) for the
+objective SUMMED over the SP ranks. The project convention (loss.py) is that the step loss
+is the sum of the rank losses and gradients are summed over ranks; a sequence-level
+objective `f(sums)` that every SP rank computes therefore enters each rank's loss as
+`f(sums) / sp` (or on one rank only); both give the single-process gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from hf_longctx.data.sharding import IGNORE_INDEX, SP_METADATA_KEY
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """y = sum over the group of x (every rank gets y); dx = sum over the group of dy."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)  # [B, D] summed over the SP group
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        dx = dy.contiguous().clone()
+        dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=ctx.group)  # [B, D]: every rank's objective
+        return dx, None
+
+
+def document_count(shard: Mapping[str, Any]) -> int:
+    """D: documents of the user's row (packed, B = 1) or 1 (one document per row, B > 1)."""
+    info = shard[SP_METADATA_KEY]
+    return len(info.source_cu_seqlens) - 1
+
+
+def local_document_ids(shard: Mapping[str, Any], mesh) -> torch.Tensor:
+    """int64 [S_local]: the user's document index of every local position; D for padding
+    (the trailing padding document added by `shard_batch`)."""
+    info = shard[SP_METADATA_KEY]
+    d = document_count(shard)
+    cu = torch.tensor(info.cu_seqlens, dtype=torch.long)  # [docs_pad + 1] padded boundaries
+    idx = mesh.local_indices(info.cu_seqlens)  # [S_local] global padded positions of this rank
+    doc = torch.searchsorted(cu, idx, right=True) - 1  # [S_local] padded-document index
+    return doc.clamp(max=d)
+
+
+def target_mask(shard: Mapping[str, Any]) -> torch.Tensor:
+    """bool [B, S_local]: positions whose (pre-shifted) target is valid."""
+    return shard["shift_labels"] != IGNORE_INDEX
+
+
+def doc_sums(values: torch.Tensor, shard: Mapping[str, Any], mesh, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [B, D]: per-document sums of `values` over the whole sequence, on every SP rank.
+
+    values [B, S_local]: a per-token quantity aligned with the shard (e.g. the log-prob of
+        `shift_labels`, 1.0 for token counts, a per-token KL). Positions where `mask` is
+        False (default: `target_mask(shard)` when the shard has labels) contribute 0, so
+        garbage at padding or prompt positions (even inf/nan) never reaches the sums.
+    Returns the sums in the order of the user's documents (packed row: D documents of the
+    row; B > 1: one document per row, D = 1). A collective over `mesh.sp_group`: every SP
+    rank must call it, with the same shard metadata.
+    """
+    info = shard[SP_METADATA_KEY]
+    b, s_local = values.shape[:2] if values.dim() >= 2 else (None, None)
+    if values.dim() != 2 or b != info.rows or s_local * mesh.sp != info.padded_length:
+        raise ValueError(
+            f"values of shape {tuple(values.shape)} do not match the shard: expected [B={info.rows}, "
+            f"S_local={info.padded_length // max(mesh.sp, 1)}] -- pass one value per local token of `shard`"
+        )
+    if mask is None and "shift_labels" in shard:
+        mask = target_mask(shard)
+    if mask is not None and tuple(mask.shape) != tuple(values.shape):
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not match values {tuple(values.shape)}")
+    d = document_count(shard)
+    doc = local_document_ids(shard, mesh).to(values.device)  # [S_local]
+    v = values.float()
+    if mask is not None:
+        v = torch.where(mask.to(values.device), v, torch.zeros((), dtype=v.dtype, device=v.device))  # [B, S_local]
+    local = v.new_zeros(b, d + 1).index_add(1, doc, v)[:, :d]  # [B, D]: this rank's part, padding bin dropped
+    if mesh.sp_group is None or mesh.sp == 1:
+        return local
+    from hf_longctx.loss import collective_device
+
+    device = local.device
+    out = _SumOverGroup.apply(local.to(collective_device(mesh.sp_group, local)), mesh.sp_group)
+    return out.to(device)  # [B, D] identical on every SP rank
