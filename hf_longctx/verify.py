@@ -92,7 +92,7 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
             loss_ref = loss_ref + ref(input_ids=d, labels=d, use_cache=False).loss * (d.numel() - 1) / n_valid
         loss_ref.backward()
         patch(sp_model, mesh, unsafe_skip_exactness_check=True)
-        loss = sp_model(**shard_batch({k: v.to(device) for k, v in batch.items()}, mesh)).loss
+        loss = sp_model(**shard_batch(batch, mesh, device=device)).loss  # laid out on the host, copied once
         loss.backward()
         names = [n for n, p in ref.named_parameters() if p.requires_grad]
         sp_params = dict(sp_model.named_parameters())
