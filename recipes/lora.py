@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling re
 
 from pretrain import build_parser, parse_args, run  # noqa: E402
 
+from hf_longctx.training.launch import shutdown_distributed  # noqa: E402
+
 
 def main() -> None:
     parser = build_parser(__doc__.split("\n")[0])
@@ -42,4 +44,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown_distributed()  # before interpreter teardown (hf_longctx/training/launch.py)

@@ -58,3 +58,15 @@ def describe(mesh: SPMesh | GroupBank, device: torch.device) -> str:
         f"ulysses {mesh.ulysses}{f' x fpdt_chunks {mesh.fpdt_chunks}' if mesh.fpdt_chunks > 1 else ''}; "
         f"FSDP2 shards over all {mesh.world_size}"
     )
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group before the interpreter exits (a local call, no
+    collective). Left to interpreter teardown, gloo's worker threads can still be joinable when
+    their C++ objects are destroyed, and the process aborts with "terminate called without an
+    active exception" (seen at the end of recipes/grpo.py on torch 2.11, and in the
+    unequal-calls demo under load) -- after a run that had finished its work."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
