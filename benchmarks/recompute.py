@@ -51,7 +51,9 @@ DOCS_SMALL = [57, 23, 41, 9, 30]
 DOCS_TIME = [14336, 8192, 5120, 3072, 2048]
 
 
-class _Collectives(TorchDispatchMode):
+class Collectives(TorchDispatchMode):
+    """Counts c10d collectives (tests/distributed/test_keep_attention.py uses it too)."""
+
     def __init__(self):
         super().__init__()
         self.n = 0
@@ -128,7 +130,7 @@ def _count_step(mesh, mode, layers: int) -> dict:
 
     kernels.varlen_forward = counted
     try:
-        with _Collectives() as coll, FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops:
+        with Collectives() as coll, FlopCounterMode(display=False, custom_mapping=_flop_mapping()) as flops:
             model(**shard).loss.backward()
     finally:
         kernels.varlen_forward = original

@@ -24,8 +24,8 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.recompute import Collectives
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.integrations.transformers import patch, patch_state, unpatch
 from tests.pool import worker_mesh
@@ -135,17 +135,6 @@ def test_keep_attention_equals_full_and_no_checkpoint(pools, world, family, ulys
 # ---- counts: the attention runs once per step ---------------------------------------------------
 
 
-class _Collectives(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _counts_case(layers: int, replay: bool):
     import transformers as tf
 
@@ -173,7 +162,7 @@ def _counts_case(layers: int, replay: bool):
 
         kernels.varlen_forward = counted
         try:
-            with _Collectives() as mode_counter:
+            with Collectives() as mode_counter:
                 model(**shard).loss.backward()
         finally:
             kernels.varlen_forward = original
