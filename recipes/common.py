@@ -62,3 +62,11 @@ def patch_kwargs(args: argparse.Namespace) -> dict:
 def trainer_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of `LongContextTrainer` / `LongContextTrainerMixin` these options set."""
     return {"sync_each_microbatch": args.sync_each_microbatch, "param_offload": args.param_offload}
+
+
+def refuse_flags(p: argparse.ArgumentParser, args: argparse.Namespace, unsupported: dict[str, str]) -> None:
+    """A recipe that does not honour some shared flags refuses them when set (never drops one
+    silently): `unsupported` maps the option name to what to do instead."""
+    for name, instead in unsupported.items():
+        if getattr(args, name) != p.get_default(name):
+            p.error(f"--{name.replace('_', '-')} is not supported by this recipe; do instead: {instead}")

@@ -22,7 +22,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
-from common import add_common_args, check_common_args, patch_kwargs  # noqa: E402
+from common import add_common_args, check_common_args, patch_kwargs, refuse_flags  # noqa: E402
 from hf_longctx import init_sequence_parallel, pack_pairs, patch, plan_pairs, shard_batch  # noqa: E402
 from hf_longctx.loss import global_loss, sum_gradients  # noqa: E402
 from hf_longctx.training.dpo_loss import LOSS_TYPES, completion_logps, dpo_loss  # noqa: E402
@@ -36,6 +36,12 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.1), p.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid")
     p.add_argument("--lr", type=float, default=1e-4), p.add_argument("--max-tokens", type=int, default=4096)
     args = check_common_args(p, add_common_args(p, mixed_precision="fp32").parse_args())
+    refuse_flags(p, args, {
+        "sync_each_microbatch": "leave it off (one micro-batch per step here)",
+        "param_offload": "leave it off (the plain loop keeps the model on the device)",
+        "resume": "start a new run (this loop writes no checkpoints)",
+        "tokenizer": "pass token ids (the recipe reads no text)",
+    })
     if args.mixed_precision != "fp32":
         p.error("recipes/dpo.py runs fp32 only (--mixed-precision fp32)")
     PartialState(cpu=not torch.cuda.is_available())  # the process group accelerate launch describes

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
-from common import add_common_args, check_common_args, patch_kwargs  # noqa: E402
+from common import add_common_args, check_common_args, patch_kwargs, refuse_flags  # noqa: E402
 
 from hf_longctx import fsdp_plan, init_sequence_parallel, patch  # noqa: E402
 from hf_longctx.training.grpo import grpo_step  # noqa: E402
@@ -51,7 +51,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/grpo")
     add_common_args(p, mixed_precision="fp32")
-    return check_common_args(p, p.parse_args(argv))
+    args = check_common_args(p, p.parse_args(argv))
+    refuse_flags(p, args, {
+        "sync_each_microbatch": "leave it off (one micro-batch per step here)",
+        "param_offload": "leave it off (the plain loop keeps the model on the device)",
+        "resume": "start a new run (this loop writes no checkpoints)",
+        "tokenizer": "pass token ids (the recipe reads no text)",
+    })
+    return args
 
 
 def reward(prompts: list[list[int]], completions: list[list[int]]) -> list[float]:
