@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hf_longctx.data.device_copy import upload_stacked
+from hf_longctx.devices import upload_stacked
 
 
 SP_METADATA_KEY = "sp_batch"  # the one kwarg that carries global document metadata to our attention

@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from benchmarks.hot_path import Counter, counting
-from hf_longctx.data.device_copy import to_device, upload_stacked
+from hf_longctx.devices import to_device, upload_stacked
 from hf_longctx.data.sharding import SP_METADATA_KEY, shard_batch
 from hf_longctx.distributed.mesh import init_sequence_parallel
 from hf_longctx.training.trainer import LongContextTrainer
