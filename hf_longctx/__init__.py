@@ -54,6 +54,7 @@ __all__ = [
     "GRPOObjective",
     "flex_microbatches",
     "doc_sums",
+    "exit_rank",
     "fpdt_attention",
     "fsdp_plan",
     "gather_sequence",
@@ -72,6 +73,7 @@ __all__ = [
     "plan_microbatches",
     "plan_pairs",
     "run_flex_step",
+    "run_rank",
     "shard_batch",
     "sum_gradients",
     "tokenize_dataset",
@@ -91,4 +93,8 @@ def __getattr__(name: str):
         from hf_longctx.training import grpo, grpo_loss
 
         return getattr(grpo_loss if name == "GRPOObjective" else grpo, name)
+    if name in ("exit_rank", "run_rank"):  # a launched rank's clean end (training/launch.py)
+        from hf_longctx.training import launch
+
+        return getattr(launch, name)
     raise AttributeError(f"module 'hf_longctx' has no attribute {name!r}")

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling mo
 from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
 
 from hf_longctx import LongContextTrainer, init_group_bank, init_sequence_parallel, patch, tokenize_dataset  # noqa: E402
-from hf_longctx.training.launch import describe, init_distributed, shutdown_distributed  # noqa: E402
+from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
 
 EOS = "<|endoftext|>"
 HEADS = 4  # query heads of the demo Llama (bounds the Ulysses degree of every group)
@@ -200,7 +200,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        shutdown_distributed()  # before interpreter teardown (hf_longctx/training/launch.py)
+    run_rank(main)  # exits without interpreter finalisation (hf_longctx/training/launch.py)

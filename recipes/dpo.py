@@ -26,7 +26,7 @@ from common import add_common_args, check_common_args, patch_kwargs, refuse_flag
 from hf_longctx import init_sequence_parallel, pack_pairs, patch, plan_pairs, shard_batch  # noqa: E402
 from hf_longctx.loss import global_loss, sum_gradients  # noqa: E402
 from hf_longctx.training.dpo_loss import LOSS_TYPES, completion_logps, dpo_loss  # noqa: E402
-from hf_longctx.training.launch import shutdown_distributed  # noqa: E402
+from hf_longctx.training.launch import run_rank  # noqa: E402
 
 
 def main() -> None:
@@ -87,7 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        shutdown_distributed()  # before interpreter teardown (hf_longctx/training/launch.py)
+    run_rank(main)  # exits without interpreter finalisation (hf_longctx/training/launch.py)

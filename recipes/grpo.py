@@ -32,7 +32,7 @@ from hf_longctx.training.grpo import grpo_step  # noqa: E402
 from hf_longctx.training.grpo_arguments import generation_kwargs  # noqa: E402
 from hf_longctx.training.grpo_generate import hf_generate  # noqa: E402
 from hf_longctx.training.grpo_loss import GRPOObjective  # noqa: E402
-from hf_longctx.training.launch import describe, init_distributed, shutdown_distributed  # noqa: E402
+from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
 
 EOS = 2
 
@@ -116,7 +116,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        shutdown_distributed()  # before interpreter teardown (hf_longctx/training/launch.py)
+    run_rank(main)  # exits without interpreter finalisation (hf_longctx/training/launch.py)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling re
 
 from pretrain import build_parser, parse_args, run  # noqa: E402
 
-from hf_longctx.training.launch import shutdown_distributed  # noqa: E402
+from hf_longctx.training.launch import run_rank  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        shutdown_distributed()  # before interpreter teardown (hf_longctx/training/launch.py)
+    run_rank(main)  # exits without interpreter finalisation (hf_longctx/training/launch.py)

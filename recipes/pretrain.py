@@ -28,7 +28,7 @@ from common import add_common_args, check_common_args, patch_kwargs, trainer_kwa
 
 from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset  # noqa: E402
 from hf_longctx._compat import checkpointing_fields  # noqa: E402
-from hf_longctx.training.launch import describe, init_distributed, shutdown_distributed  # noqa: E402
+from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -100,8 +100,4 @@ def run(args: argparse.Namespace, wrap: Callable[[Any], Any] | None = None) -> N
 
 
 if __name__ == "__main__":
-    parser = build_parser(__doc__.split("\n")[0])
-    try:
-        run(parse_args(parser))
-    finally:
-        shutdown_distributed()  # before interpreter teardown (hf_longctx/training/launch.py)
+    run_rank(lambda: run(parse_args(build_parser(__doc__.split("\n")[0]))))  # exits without finalisation (training/launch.py)

@@ -1,4 +1,4 @@
-"""The README quickstart: a plain `transformers.Trainer` script plus hf_longctx's three additions
+"""The README quickstart: a plain `transformers.Trainer` script plus hf_longctx's four additions
 (marked `# hf_longctx`). Run: torchrun --nproc-per-node N recipes/quickstart.py MODEL 'docs/*.txt' OUT_DIR STEPS
 (on CPU it uses gloo; tests/integration/test_quickstart.py runs it on 2 CPU ranks)."""
 import os
@@ -8,7 +8,7 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
-from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset
+from hf_longctx import LongContextTrainer, exit_rank, init_sequence_parallel, patch, tokenize_dataset
 
 model_id, data_files, output_dir, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 args = TrainingArguments(output_dir=output_dir, max_steps=steps, learning_rate=2e-5, logging_steps=1, report_to=[],
@@ -23,3 +23,4 @@ trainer = LongContextTrainer(model=model, args=args, train_dataset=data, process
                              mesh=mesh, max_tokens=32768, tokens_per_step=65536)  # hf_longctx: the new kwargs
 trainer.train()
 trainer.save_model()  # a consolidated save_pretrained directory; loads without hf_longctx
+exit_rank()  # hf_longctx: leave without interpreter teardown (a gloo worker can abort it)

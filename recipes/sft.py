@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling mo
 from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
 
 from hf_longctx import LongContextTrainerMixin, init_sequence_parallel, patch  # noqa: E402
-from hf_longctx.training.launch import describe, init_distributed, shutdown_distributed  # noqa: E402
+from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,7 +84,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        shutdown_distributed()  # before interpreter teardown (hf_longctx/training/launch.py)
+    run_rank(main)  # exits without interpreter finalisation (hf_longctx/training/launch.py)

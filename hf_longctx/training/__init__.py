@@ -11,6 +11,6 @@ and config parsing are the Trainer's. The trainer classes are imported lazily
 """
 
 from hf_longctx.training.faults import RankFailure, Watchdog, comm_guard
-from hf_longctx.training.launch import describe, init_distributed
+from hf_longctx.training.launch import describe, exit_rank, init_distributed, run_rank
 
-__all__ = ["RankFailure", "Watchdog", "comm_guard", "describe", "init_distributed"]
+__all__ = ["RankFailure", "Watchdog", "comm_guard", "describe", "exit_rank", "init_distributed", "run_rank"]

@@ -1,4 +1,5 @@
-"""Process setup of a recipe: this rank's device and the process group, before `TrainingArguments`.
+"""Process setup and end of a recipe: this rank's device and the process group, before
+`TrainingArguments`; a clean exit after the work (`run_rank`).
 
 Where it sits: the first lines of every recipe. `torchrun` / `accelerate launch` start the
 ranks and set RANK, LOCAL_RANK, WORLD_SIZE; here each rank selects its GPU from LOCAL_RANK
@@ -11,8 +12,13 @@ group itself -- NCCL on CUDA, gloo on CPU -- with the fault timeout of `training
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
+from collections.abc import Callable
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 
@@ -61,12 +67,50 @@ def describe(mesh: SPMesh | GroupBank, device: torch.device) -> str:
 
 
 def shutdown_distributed() -> None:
-    """Destroy the default process group before the interpreter exits (a local call, no
-    collective). Left to interpreter teardown, gloo's worker threads can still be joinable when
-    their C++ objects are destroyed, and the process aborts with "terminate called without an
-    active exception" (seen at the end of recipes/grpo.py on torch 2.11, and in the
-    unequal-calls demo under load) -- after a run that had finished its work."""
+    """Destroy the default process group and every group made from it (a local call, no
+    collective). This does not stop gloo's worker threads of groups that something still
+    references (a mesh, FSDP2, DTensor): see `run_rank` for why that matters at exit."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a launched rank whose work is done, without interpreter finalisation.
+
+    Why: a gloo worker thread (`ProcessGroupGloo::runLoop`) drops its reference to a finished
+    collective after the waiting rank has moved on. When that is the last reference, the
+    collective's tensors release their Python objects, which needs the GIL. If the main thread
+    has reached `Py_FinalizeEx` by then, Python (3.11) ends the worker with `pthread_exit`; the
+    forced unwind crosses the collective's noexcept destructor and the process aborts with
+    "terminate called without an active exception" after every step has finished (captured in
+    a core dump of recipes/demo.py under torch 2.11 on 2 loaded cores: worker in
+    `~AsyncAllgatherWork` -> `decref_pyobject` -> `take_gil` -> `PyThread_exit_thread`, main
+    thread in `Py_FinalizeEx`). `destroy_process_group` does not join those threads while
+    meshes, FSDP2 or DTensor still hold the groups, so a rank skips finalisation instead: it
+    destroys the groups, joins its non-daemon Python threads, runs the `atexit` handlers
+    (logging, trackers), flushes stdout/stderr and leaves with `os._exit(code)`."""
+    shutdown_distributed()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what interpreter exit would run first; os._exit skips it
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to flush
+            pass
+    os._exit(code)
+
+
+def run_rank(main: Callable[[], object]) -> NoReturn:
+    """Run a launched script's `main()` and end the rank with `exit_rank(0)`; if `main` raises
+    (SystemExit included, e.g. argparse's --help), destroy the process group and let the
+    exception end the process as usual (its traceback and exit code unchanged)."""
+    try:
+        main()
+    except BaseException:
+        shutdown_distributed()
+        raise
+    exit_rank(0)

@@ -19,7 +19,6 @@ import sys
 
 import pytest
 
-from tests.launched import run_launched
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
@@ -60,9 +59,7 @@ def test_demo_flex_runs_end_to_end(tmp_path, unequal):
         "--tokens-per-step", "3072", "--max-tokens", "1024", "--no-bar", "--output-dir", str(tmp_path),
         *(["--unequal-calls"] if unequal else []),
     ]
-    retry = list(cmd)
-    retry[retry.index("--output-dir") + 1] = str(tmp_path / "retry")  # a fresh directory
-    proc = run_launched(cmd, retry_cmd=retry, cwd=ROOT, timeout=300)  # tests/launched.py: the known native abort
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "flexible SP groups of sizes 1 (ulysses 1 x ring 1), 2 (ulysses 2 x ring 1), 4 (ulysses 2 x ring 2)" in out, out[-2000:]
