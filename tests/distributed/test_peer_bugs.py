@@ -228,7 +228,7 @@ def test_8_release_breakage_is_detected_not_silent(llama_path, monkeypatch):
     # a release that stops routing one layer through the interface
     attn = model.model.layers[1].self_attn
     monkeypatch.setattr(attn, "forward", lambda hidden_states, **kw: (torch.zeros_like(hidden_states), None))
-    with pytest.raises(RuntimeError, match="made 1 sequence-parallel attention calls, but the dry run at patch\(\) made 2"):
+    with pytest.raises(RuntimeError, match=r"made 1 sequence-parallel attention calls, but the dry run at patch\(\) made 2"):
         model(**shard)
     monkeypatch.undo()
     # a release that stops forwarding model kwargs to the attention function
