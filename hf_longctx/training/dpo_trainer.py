@@ -1,0 +1,205 @@
+"""`LongDPOTrainer`: TRL's `DPOTrainer` made exact under sequence parallelism (issue 21, item 2).
+
+Where it sits: on top of the whole data flow, like `LongContextTrainerMixin` (trainer.py), whose
+overrides it inherits (FSDP2 over DP x SP with sum reduction, the logged global loss, the true
+grad_norm, checkpoints). What differs from token-level training is the unit and the objective:
+- data (dpo_steps.py): a step is a global list of preference PAIRS drawn alike on every rank;
+  `plan_pairs` keeps the chosen and rejected completions of a pair in one micro-batch of one SP
+  group, `pack_pairs` + `shard_batch` make the shards;
+- loss (`compute_loss`): the policy's per-document log-prob sums (`completion_logps`, i.e.
+  `distributed/doc_sums.py`, reduced over the SP group), the reference's on the same shard under
+  no_grad (TRL's default reference: the initial model loaded again from its path, patched with
+  the same mesh; or the user's `ref_model`), then `dpo_loss`: Σ per-pair losses / (GLOBAL pairs
+  of the step x sp) -- so the sum over ranks and micro-batches is TRL's per-batch mean over all
+  the step's pairs, and the summed gradients are its gradients;
+- metrics (`training_step`): TRL's rewards/chosen, rewards/rejected, rewards/accuracies,
+  rewards/margins, logps/chosen, logps/rejected as GLOBAL means (sums all-reduced over DP, /
+  global pairs; SP ranks hold the same sums) and num_tokens; TRL's logits/*, entropy and
+  mean_token_accuracy are not logged.
+
+Refused at construction, before any collective: every DPOConfig value `check_dpo_config` refuses
+(dpo_arguments.py), PEFT / quantization (`peft_config`, `quantization_config`), a `GroupBank`,
+`eval_dataset` (no sharded DPO evaluation yet) and datasets that are not preference pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from trl import DPOTrainer
+
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.transformers import is_patched, patch, patch_state
+from hf_longctx.training.construction import check_patched
+from hf_longctx.training.dpo_arguments import check_dpo_config
+from hf_longctx.training.dpo_loss import completion_logps, dpo_loss
+from hf_longctx.training.dpo_steps import (
+    PAIR_COLUMNS, PAIRS_KEY, PairStepCollate, pair_format, pair_lengths, pair_rows, pair_step_dataloader,
+)
+from hf_longctx.training.trainer import LongContextTrainerMixin
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
+_NOT_MODEL_INPUTS = ("labels", "num_items_in_batch", PAIRS_KEY)
+
+
+def _refuse(what: str, instead: str) -> None:
+    raise NotSupported(f"LongDPOTrainer: {what}", instead)
+
+
+def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) -> None:
+    """Everything LongDPOTrainer refuses, on every rank alike, before any collective."""
+    from trl import DPOConfig
+
+    if not isinstance(args, DPOConfig):
+        _refuse(f"args must be a trl.DPOConfig, got {type(args).__name__}", "pass args=DPOConfig(..., max_length=None)")
+    check_dpo_config(args)
+    if not isinstance(mesh, SPMesh):
+        _refuse(f"mesh must be an SPMesh (init_sequence_parallel), got {type(mesh).__name__}",
+                "use a fixed-degree mesh; flexible SP groups are not wired for pairs")
+    check_patched(model, mesh)
+    for name in ("peft_config", "quantization_config"):
+        if kwargs.get(name) is not None:
+            _refuse(f"{name} is not supported ({name}={type(kwargs[name]).__name__})",
+                    "train the full model (patch(model, mesh)); adapters are not sharded here")
+    if kwargs.get("eval_dataset") is not None:
+        _refuse("eval_dataset is not supported (no sharded DPO evaluation yet)",
+                "evaluate the saved model (trainer.save_model) with TRL's DPOTrainer.evaluate in one process")
+    train = kwargs.get("train_dataset")
+    if train is not None:
+        from datasets import Dataset
+
+        if not isinstance(train, Dataset) or len(train) == 0:
+            _refuse(f"train_dataset must be a non-empty datasets.Dataset, got {type(train).__name__}",
+                    "Dataset.from_list([{'prompt': [ids], 'chosen': [ids], 'rejected': [ids]}, ...])")
+        if pair_format(train[0]) == "unknown" or any(k in train.column_names for k in ("image", "images")):
+            _refuse(f"train_dataset columns {train.column_names} are not preference pairs",
+                    "give prompt/chosen/rejected token-id lists, TRL's prompt_ids/chosen_ids/rejected_ids, or "
+                    "TRL's text / conversational prompt/chosen/rejected (tokenized by TRL)")
+    knobs = patch_state(model).options
+    if getattr(knobs, "loss_chunks", None):
+        _refuse(f"patch(loss_chunks={knobs.loss_chunks}) drops the logits the DPO log-probs need",
+                "patch the policy without loss_chunks")
+
+
+def default_reference(model: Any, mesh: SPMesh, trust_remote_code: bool) -> Any:
+    """TRL's default reference (`ref_model=None`): the model loaded again from its path, in the
+    policy's dtype, patched with the same mesh and memory knobs (no checkpointing: no backward)."""
+    from trl.trainer.utils import create_model_from_path, get_config_model_id
+
+    ref = create_model_from_path(get_config_model_id(model.config), dtype=model.dtype, trust_remote_code=trust_remote_code)
+    return reference_on_mesh(ref, model, mesh)
+
+
+def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
+    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks), frozen."""
+    if is_patched(ref):
+        state = patch_state(ref)
+        if state.bank is not None or state.mesh != mesh:
+            raise ValueError("ref_model was patched with a different mesh than the trainer's `mesh`")
+    else:
+        options = patch_state(model).options
+        ref = patch(ref, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks)
+    return ref.eval().requires_grad_(False)
+
+
+class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
+    """TRL's `DPOTrainer` with exact sequence-parallel training of preference pairs.
+
+    `LongDPOTrainer(model=patch(model, mesh), args=DPOConfig(..., max_length=None),
+    train_dataset=pairs, processing_class=tokenizer, mesh=mesh, max_tokens=..., tokens_per_step=...)`:
+    every optimizer step trains the pairs that fill `tokens_per_step` tokens (chosen and rejected
+    documents counted), each micro-batch of an SP group holds at most `max_tokens`. Keyword
+    arguments only. `ref_model`: None (TRL's default, the initial model from its path) or a model
+    (patched here with the mesh if it is not). The other keyword arguments: `LongContextTrainerMixin`'s
+    (`cost`, `strategy`, `pad_token_id`, `step_timeout_s`, `peak_flops`, `sync_each_microbatch`,
+    `param_offload`) and DPOTrainer's.
+    """
+
+    def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh, **kwargs: Any) -> None:
+        check_dpo_trainer(model, args, mesh, kwargs)  # before any collective, on every rank alike
+        for name in ("max_tokens_per_rank", "unequal_calls", "overlong"):
+            if name in kwargs:
+                _refuse(f"{name} is not supported", "pairs are never split or truncated; use max_tokens with an SPMesh")
+        if ref_model is None:
+            ref_model = default_reference(model, mesh, args.trust_remote_code)
+        elif ref_model is model:
+            raise ValueError("model and ref_model must be different objects: leave ref_model=None for TRL's default copy")
+        else:
+            ref_model = reference_on_mesh(ref_model, model, mesh)
+        super().__init__(model=model, ref_model=ref_model, args=args, mesh=mesh, **kwargs)
+        self._token_stats = None  # TRL's token metrics of the fused head are not computed (see the module doc)
+        self._pair_collate = PairStepCollate(
+            mesh, self.max_tokens, cost=self.collator.cost, strategy=self.collator.strategy,
+            pad_token_id=self.collator.pad_token_id, flops_model=self._flops_model)
+        self._dpo_sums = torch.zeros(len(METRICS), dtype=torch.float64)
+
+    # ---- data: TRL's tokenized pairs, planned by pairs (dpo_steps.py) ----------------------------------
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        kind = pair_format(next(iter(dataset)))
+        if kind == "ids":
+            return pair_rows(dataset)
+        if kind == "trl":  # text / conversational: TRL's own tokenization, unchanged
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        return dataset  # "tokenized" (TRL's own output form); "unknown" was refused before
+
+    def _check_train_data(self, overlong: str) -> list[int]:
+        chosen, rejected = pair_lengths(self.train_dataset)
+        mesh, cap = self.mesh, self.max_tokens
+        units = [-(-c // mesh.doc_multiple) * mesh.doc_multiple + -(-r // mesh.doc_multiple) * mesh.doc_multiple
+                 for c, r in zip(chosen, rejected)]
+        long = [(i, n) for i, n in enumerate(units) if n > cap]
+        if long:
+            i, n = long[0]
+            raise ValueError(f"train_dataset: {len(long)} pair(s) exceed max_tokens={cap} (pair {i} holds {n} tokens, "
+                             "chosen and rejected padded): a pair is never split; raise max_tokens or drop long pairs")
+        return [c + r for c, r in zip(chosen, rejected)]
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        loader, self._step_sampler = pair_step_dataloader(
+            self.train_dataset.select_columns(list(PAIR_COLUMNS)), self._pair_collate,
+            tokens_per_step=self.tokens_per_step, seed=seed, shuffle=True, lengths=self._train_lengths)
+        return loader
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        _refuse("evaluation is not supported", "evaluate the saved model with TRL's DPOTrainer in one process")
+
+    # ---- the step: DPO on per-document sums, metrics as global means ----------------------------------
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if return_outputs:
+            _refuse("compute_loss(return_outputs=True)", "use the logged metrics")
+        kwargs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+        logits = model(**kwargs).logits  # [1, S_local, V]
+        if inputs[PAIRS_KEY] == 0:  # an empty slot: the forward joins FSDP's collectives, no loss
+            return logits.sum() * 0.0
+        mesh = self.mesh
+        policy, counts = completion_logps(logits, inputs, mesh)  # [2P] each, every SP rank
+        with torch.no_grad():
+            reference, _ = completion_logps(self.ref_model(**kwargs).logits, inputs, mesh)  # [2P]
+        # TRL 1.16 applies label_smoothing to none of the loss types dpo_loss implements.
+        loss, sums = dpo_loss(policy, reference, beta=self.beta, loss_type=self.loss_types[0],
+                              global_pairs=int(num_items_in_batch), sp=mesh.sp, counts=counts)
+        sums = {**sums, "logps/chosen": policy[0::2].detach().sum(), "logps/rejected": policy[1::2].detach().sum()}
+        self._dpo_sums += torch.stack([sums[k].double().cpu() for k in METRICS])
+        return loss
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        self._dpo_sums.zero_()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._record_metrics("train", inputs["num_items_in_batch"], inputs["tokens"])
+        return loss
+
+    def _record_metrics(self, mode: str, pairs: int, tokens: int) -> None:
+        """TRL's per-step metrics as means over the step's global pairs (one DP all-reduce)."""
+        sums = self._dpo_sums.to(self.args.device)
+        if self.mesh.dp > 1:
+            dist.all_reduce(sums, group=self.mesh.dp_group)  # [6]: Σ over DP groups (SP ranks hold equal sums)
+        for key, value in zip(METRICS, (sums / pairs).tolist()):
+            self._metrics[mode][key].append(value)
+        if mode == "train":
+            self._total_train_tokens += tokens  # both documents of every pair of the step, once
+            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
