@@ -14,8 +14,8 @@ grad_norm, checkpoints). What differs from token-level training is the unit and 
   the step's pairs, and the summed gradients are its gradients;
 - metrics (`training_step`): TRL's rewards/chosen, rewards/rejected, rewards/accuracies,
   rewards/margins, logps/chosen, logps/rejected as GLOBAL means (sums all-reduced over DP, /
-  global pairs; SP ranks hold the same sums) and num_tokens; TRL's logits/*, entropy and
-  mean_token_accuracy are not logged.
+  global pairs; SP ranks hold the same sums), num_tokens, and TRL's token metrics entropy,
+  logits/chosen, logits/rejected, mean_token_accuracy as global token means (dpo_loss.token_metric_sums).
 
 Refused at construction, before any collective: every DPOConfig value `check_dpo_config` refuses
 (dpo_arguments.py), PEFT / quantization (`peft_config`, `quantization_config`), a `GroupBank`,
@@ -35,7 +35,7 @@ from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.transformers import is_patched, patch, patch_state
 from hf_longctx.training.construction import check_patched
 from hf_longctx.training.dpo_arguments import check_dpo_config
-from hf_longctx.training.dpo_loss import completion_logps, dpo_loss
+from hf_longctx.training.dpo_loss import TOKEN_SUMS, completion_logps, dpo_loss, token_metric_sums
 from hf_longctx.training.dpo_steps import (
     PAIR_COLUMNS, PAIRS_KEY, PairStepCollate, pair_format, pair_lengths, pair_rows, pair_step_dataloader,
 )
@@ -130,11 +130,11 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         else:
             ref_model = reference_on_mesh(ref_model, model, mesh)
         super().__init__(model=model, ref_model=ref_model, args=args, mesh=mesh, **kwargs)
-        self._token_stats = None  # TRL's token metrics of the fused head are not computed (see the module doc)
+        self._token_stats = None  # TRL's token metrics come from token_metric_sums (step_loop's TokenStats unused)
         self._pair_collate = PairStepCollate(
             mesh, self.max_tokens, cost=self.collator.cost, strategy=self.collator.strategy,
             pad_token_id=self.collator.pad_token_id, flops_model=self._flops_model)
-        self._dpo_sums = torch.zeros(len(METRICS), dtype=torch.float64)
+        self._dpo_sums = torch.zeros(len(METRICS) + len(TOKEN_SUMS), dtype=torch.float64, device=self.args.device)
 
     # ---- data: TRL's tokenized pairs, planned by pairs (dpo_steps.py) ----------------------------------
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
@@ -184,7 +184,9 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         loss, sums = dpo_loss(policy, reference, beta=self.beta, loss_type=self.loss_types[0],
                               global_pairs=int(num_items_in_batch), sp=mesh.sp, counts=counts)
         sums = {**sums, "logps/chosen": policy[0::2].detach().sum(), "logps/rejected": policy[1::2].detach().sum()}
-        self._dpo_sums += torch.stack([sums[k].double().cpu() for k in METRICS])
+        pair_sums = torch.stack([sums[k].double() for k in METRICS]).to(self._dpo_sums.device)  # [6]
+        token_sums = token_metric_sums(logits.detach(), inputs, mesh).to(self._dpo_sums.device)  # [7]
+        self._dpo_sums += torch.cat([pair_sums, token_sums])
         return loss
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
@@ -194,12 +196,19 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         return loss
 
     def _record_metrics(self, mode: str, pairs: int, tokens: int) -> None:
-        """TRL's per-step metrics as means over the step's global pairs (one DP all-reduce)."""
-        sums = self._dpo_sums.to(self.args.device)
+        """TRL's per-step metrics over the step's global pairs and tokens (one DP all-reduce)."""
+        sums = self._dpo_sums.clone()
         if self.mesh.dp > 1:
-            dist.all_reduce(sums, group=self.mesh.dp_group)  # [6]: Σ over DP groups (SP ranks hold equal sums)
-        for key, value in zip(METRICS, (sums / pairs).tolist()):
-            self._metrics[mode][key].append(value)
+            dist.all_reduce(sums, group=self.mesh.dp_group)  # [13]: Σ over DP groups (SP ranks hold equal sums)
+        values = sums.tolist()
+        for key, value in zip(METRICS, values):
+            self._metrics[mode][key].append(value / pairs)
+        t = dict(zip(TOKEN_SUMS, values[len(METRICS):]))
+        ratio = lambda a, b: a / b if b > 0 else 0.0  # noqa: E731 (TRL's 0.0 for an empty count)
+        self._metrics[mode]["entropy"].append(ratio(t["entropy"], t["tokens"]))
+        self._metrics[mode]["logits/chosen"].append(ratio(t["logits/chosen"], t["chosen_tokens"]))
+        self._metrics[mode]["logits/rejected"].append(ratio(t["logits/rejected"], t["rejected_tokens"]))
+        self._metrics[mode]["mean_token_accuracy"].append(ratio(t["top1/chosen"], t["chosen_tokens"]))
         if mode == "train":
             self._total_train_tokens += tokens  # both documents of every pair of the step, once
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]

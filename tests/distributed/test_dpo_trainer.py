@@ -7,7 +7,8 @@ fp32, plain SGD, constant learning rate, no clipping in effect). One optimizer s
 (1e-5 relative), grad_norm (1e-4 relative), every parameter gradient as the optimizer sees it
 (captured in `on_pre_optimizer_step`, full tensors of the FSDP2 shards; 1e-4 relative to the
 tensor's max), and TRL's logged rewards/chosen, rewards/rejected, rewards/margins,
-rewards/accuracies, logps/chosen, logps/rejected (1e-5 absolute + relative) and num_tokens.
+rewards/accuracies, logps/chosen, logps/rejected, entropy, logits/chosen, logits/rejected,
+mean_token_accuracy (1e-5 absolute + relative) and num_tokens.
 With TRL's default reference (ref_model=None: the initial model) the rewards are all zero at
 the first step, so two cases pass an explicit reference (another saved model) to make them
 non-trivial. Datasets: token-id prompt/chosen/rejected lists (what recipes/dpo.py reads) and,
@@ -24,7 +25,7 @@ from tests.pool import worker_mesh
 from tests.trainer_cases import trainer_env
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected", "num_tokens")
+           "logps/rejected", "num_tokens", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
 BETA = 0.5
 
 
@@ -126,7 +127,7 @@ def paths(tmp_path_factory):
 
 
 def _close(got: float, want: float, tol: float) -> bool:
-    return abs(got - want) <= tol * (1.0 + abs(want))
+    return abs(got - want) <= tol * (1.0 + abs(want))  # relative above 1, absolute below (rewards: β·(differences of ~50))
 
 
 CASES = [  # (ulysses, ring, loss_type, explicit reference, dataset form)
@@ -150,12 +151,16 @@ def test_dpo_trainer_matches_trl(pools, paths, tmp_path, ulysses, ring, loss_typ
         worst["loss"] = max(worst["loss"], abs(got["loss"] - want["loss"]) / abs(want["loss"]))
         worst["grad_norm"] = max(worst["grad_norm"], abs(got["grad_norm"] - want["grad_norm"]) / want["grad_norm"])
         worst["metrics"] = max([worst["metrics"]] + [abs(got["metrics"][k] - v) for k, v in want["metrics"].items()])
+        worst["logits_rel"] = max([worst.get("logits_rel", 0.0)] + [abs(got["metrics"][k] - want["metrics"][k]) / abs(want["metrics"][k])
+                                                                     for k in ("logits/chosen", "logits/rejected")])
         worst["grads"] = max([worst["grads"]] + [((got["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
                                                  for n, g in want["grads"].items() if n in got["grads"]])
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), f"{where}: loss {got['loss']} vs {want['loss']}"
         assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-4 * want["grad_norm"], f"{where}: grad_norm"
         for k, v in want["metrics"].items():
             assert _close(got["metrics"][k], v, 1e-5), f"{where}: {k} {got['metrics'][k]} vs {v}"
+            if k.startswith("logits/"):  # ~1e-3: relative too
+                assert abs(got["metrics"][k] - v) <= 1e-5 * abs(v), f"{where}: {k} {got['metrics'][k]} vs {v}"
         assert set(got["grads"]) == set(want["grads"]), f"{where}: gradient sets differ"
         for n, g in want["grads"].items():
             err = (got["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)
@@ -164,12 +169,27 @@ def test_dpo_trainer_matches_trl(pools, paths, tmp_path, ulysses, ring, loss_typ
           f"reference metrics {want['metrics']}")
 
 
-@pytest.mark.parametrize("cfg,match", [
-    (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs"),
-    (dict(loss_type="robust"), "loss_type"),
-    (dict(max_length=1024), "max_length"),
+def _refusal_case(kind: str, paths):
+    """(DPOConfig fields, LongDPOTrainer keyword arguments) of one refused setting."""
+    from datasets import Dataset
+
+    if kind == "eval_dataset":
+        return {}, {"eval_dataset": _text_pairs(2)}
+    if kind == "dataset":
+        return {}, {"train_dataset": Dataset.from_dict({"input_ids": [[1, 2, 3]]})}
+    if kind == "peft_config":
+        return {}, {"peft_config": object()}
+    return {kind: {"precompute_ref_log_probs": True, "loss_type": "robust", "max_length": 1024,
+                   "use_weighting": True}[kind]}, {}
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("precompute_ref_log_probs", "precompute_ref_log_probs"), ("loss_type", "loss_type"), ("max_length", "max_length"),
+    ("use_weighting", "use_weighting"), ("eval_dataset", "eval_dataset"), ("dataset", "not preference pairs"),
+    ("peft_config", "peft_config"),
 ])
-def test_dpo_trainer_refusals(paths, tmp_path, cfg, match):
+def test_dpo_trainer_refusals(paths, tmp_path, kind, match):
+    """Refused at construction, before any collective, with the cause and a "Do instead" line."""
     pytest.importorskip("trl")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
@@ -178,10 +198,12 @@ def test_dpo_trainer_refusals(paths, tmp_path, cfg, match):
     from hf_longctx.errors import NotSupported
 
     trainer_env()
+    cfg, kw = _refusal_case(kind, paths)
     mesh = init_sequence_parallel()
     model = patch(AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32), mesh)
     args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], **{"max_length": None, **cfg})
+    kw = {"train_dataset": _text_pairs(), **kw}
     with pytest.raises(NotSupported, match=match) as err:
-        LongDPOTrainer(model=model, args=args, train_dataset=_text_pairs(), mesh=mesh, max_tokens=48, tokens_per_step=4096,
-                       processing_class=AutoTokenizer.from_pretrained(paths[2]))
-    assert "Do instead" in str(err.value) or "do instead" in str(err.value)
+        LongDPOTrainer(model=model, args=args, mesh=mesh, max_tokens=48, tokens_per_step=4096,
+                       processing_class=AutoTokenizer.from_pretrained(paths[2]), **kw)
+    assert "do instead" in str(err.value).lower()
