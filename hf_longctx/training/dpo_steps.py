@@ -80,10 +80,10 @@ class PairStepCollate:
         self.mesh, self.max_tokens, self.cost, self.strategy = mesh, max_tokens, cost, strategy
         self.pad_token_id, self.flops_model = pad_token_id, flops_model
 
-    def _empty(self) -> dict[str, Any]:
+    def _empty(self, pairs: int) -> dict[str, Any]:
         one = {"input_ids": torch.tensor([[self.pad_token_id]]), "labels": torch.tensor([[IGNORE_INDEX]]),
                "position_ids": torch.tensor([[0]])}  # [1, 1]: shard_batch pads it to the layout multiples
-        return {**shard_batch(one, self.mesh, 0, pad_token_id=self.pad_token_id), PAIRS_KEY: 0}
+        return {**shard_batch(one, self.mesh, pairs, pad_token_id=self.pad_token_id), PAIRS_KEY: 0}
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         chosen = [len(x["prompt_ids"]) + len(x["chosen_ids"]) for x in rows]
@@ -94,7 +94,7 @@ class PairStepCollate:
         micro_batches = []
         for mb in plan[mesh.dp_rank]:
             if not mb:
-                micro_batches.append(self._empty())
+                micro_batches.append(self._empty(len(rows)))
                 continue
             pairs = [tuple(list(rows[plan.pieces[i].doc][c]) for c in PAIR_COLUMNS) for i in mb]
             shard = shard_batch(pack_pairs(pairs), mesh, len(rows),

@@ -9,7 +9,7 @@ grad_norm, checkpoints). What differs from token-level training is the unit and 
 - loss (`compute_loss`): the policy's per-document log-prob sums (`completion_logps`, i.e.
   `distributed/doc_sums.py`, reduced over the SP group), the reference's on the same shard under
   no_grad (TRL's default reference: the initial model loaded again from its path, patched with
-  the same mesh; or the user's `ref_model`), then `dpo_loss`: Σ per-pair losses / (GLOBAL pairs
+  the same mesh, FSDP2-sharded over DP x SP like the policy; or the user's `ref_model`), then `dpo_loss`: Σ per-pair losses / (GLOBAL pairs
   of the step x sp) -- so the sum over ranks and micro-batches is TRL's per-batch mean over all
   the step's pairs, and the summed gradients are its gradients;
 - metrics (`training_step`): TRL's rewards/chosen, rewards/rejected, rewards/accuracies,
@@ -32,6 +32,7 @@ from trl import DPOTrainer
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch, patch_state
 from hf_longctx.training.construction import check_patched
 from hf_longctx.training.dpo_arguments import check_dpo_config
@@ -130,6 +131,8 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         else:
             ref_model = reference_on_mesh(ref_model, model, mesh)
         super().__init__(model=model, ref_model=ref_model, args=args, mesh=mesh, **kwargs)
+        if mesh.world_size > 1:  # ZeRO-3 like the policy: forward-only all-gathers, no replica per rank
+            fsdp_plan(self.ref_model, mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.ref_model)
         self._token_stats = None  # TRL's token metrics come from token_metric_sums (step_loop's TokenStats unused)
         self._pair_collate = PairStepCollate(
             mesh, self.max_tokens, cost=self.collator.cost, strategy=self.collator.strategy,
@@ -173,13 +176,17 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         if return_outputs:
             _refuse("compute_loss(return_outputs=True)", "use the logged metrics")
         kwargs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+        mesh, empty = self.mesh, inputs[PAIRS_KEY] == 0
+        with torch.no_grad():  # every slot, empty ones too: the sharded reference all-gathers per unit
+            ref_logits = self.ref_model(**kwargs).logits  # [1, S_local, V]
+            reference = None if empty else completion_logps(ref_logits, inputs, mesh)[0]  # [2P], every SP rank
+            del ref_logits
+        if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps the root unsharded after forward (for a backward)
+            self.ref_model.reshard()
         logits = model(**kwargs).logits  # [1, S_local, V]
-        if inputs[PAIRS_KEY] == 0:  # an empty slot: the forward joins FSDP's collectives, no loss
+        if empty:  # an empty slot: the forwards join FSDP's collectives, no loss
             return logits.sum() * 0.0
-        mesh = self.mesh
         policy, counts = completion_logps(logits, inputs, mesh)  # [2P] each, every SP rank
-        with torch.no_grad():
-            reference, _ = completion_logps(self.ref_model(**kwargs).logits, inputs, mesh)  # [2P]
         # TRL 1.16 applies label_smoothing to none of the loss types dpo_loss implements.
         loss, sums = dpo_loss(policy, reference, beta=self.beta, loss_type=self.loss_types[0],
                               global_pairs=int(num_items_in_batch), sp=mesh.sp, counts=counts)

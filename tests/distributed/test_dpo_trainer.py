@@ -77,7 +77,7 @@ def _result(trainer, grads: dict) -> dict:
             "grads": {n: g.double() for n, g in grads.items()}}
 
 
-def _reference(paths, output_dir: str, loss_type: str, explicit_ref: bool) -> dict:
+def _reference(paths, output_dir: str, loss_type: str, explicit_ref: bool, n_pairs: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOTrainer
 
@@ -85,13 +85,16 @@ def _reference(paths, output_dir: str, loss_type: str, explicit_ref: bool) -> di
     grads: dict = {}
     ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32) if explicit_ref else None
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), ref_model=ref,
-                         args=_config(output_dir, loss_type), train_dataset=_text_pairs(),
+                         args=_config(output_dir, loss_type), train_dataset=_text_pairs(n_pairs),
                          processing_class=AutoTokenizer.from_pretrained(tok_path), callbacks=[_grab_callback(grads)])
     trainer.train()
     return _result(trainer, grads)
 
 
-def _sharded(paths, output_dir: str, loss_type: str, explicit_ref: bool, ulysses: int, ring: int, data: str) -> dict:
+def _sharded(paths, output_dir: str, loss_type: str, explicit_ref: bool, ulysses: int, ring: int, data: str,
+             n_pairs: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_longctx import LongDPOTrainer, patch
@@ -99,7 +102,7 @@ def _sharded(paths, output_dir: str, loss_type: str, explicit_ref: bool, ulysses
     model_path, ref_path, tok_path = paths
     mesh = worker_mesh(ulysses, ring)
     tok = AutoTokenizer.from_pretrained(tok_path)
-    pairs = _text_pairs() if data == "text" else _id_pairs(tok, _text_pairs())
+    pairs = _text_pairs(n_pairs) if data == "text" else _id_pairs(tok, _text_pairs(n_pairs))
     grads: dict = {}
     ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32) if explicit_ref else None
     model = patch(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), mesh)
@@ -108,7 +111,9 @@ def _sharded(paths, output_dir: str, loss_type: str, explicit_ref: bool, ulysses
                              tokens_per_step=4096)
     trainer.train()
     out = _result(trainer, grads)
-    out["microbatches"] = len(trainer.last_plan.plan[mesh.dp_rank])
+    mine = trainer.last_plan.plan[mesh.dp_rank]
+    out["microbatches"], out["empty"] = len(mine), sum(1 for mb in mine if not mb)
+    out["ref_sharded"] = [n for n, p in trainer.ref_model.named_parameters() if not isinstance(p, DTensor)]
     return out
 
 
@@ -130,24 +135,29 @@ def _close(got: float, want: float, tol: float) -> bool:
     return abs(got - want) <= tol * (1.0 + abs(want))  # relative above 1, absolute below (rewards: β·(differences of ~50))
 
 
-CASES = [  # (ulysses, ring, loss_type, explicit reference, dataset form)
-    (2, 2, "sigmoid", False, "ids"),
-    (2, 1, "sigmoid", True, "ids"),
-    (2, 2, "ipo", True, "text"),
+CASES = [  # (ulysses, ring, loss_type, explicit reference, dataset form, pairs: 1 leaves a DP rank an empty slot)
+    (2, 2, "sigmoid", False, "ids", 8),
+    (2, 1, "sigmoid", True, "ids", 8),
+    (2, 2, "ipo", True, "text", 8),
+    (2, 1, "hinge", True, "ids", 1),
 ]
 
 
-@pytest.mark.parametrize("ulysses,ring,loss_type,explicit_ref,data", CASES)
-def test_dpo_trainer_matches_trl(pools, paths, tmp_path, ulysses, ring, loss_type, explicit_ref, data):
+@pytest.mark.parametrize("ulysses,ring,loss_type,explicit_ref,data,n_pairs", CASES)
+def test_dpo_trainer_matches_trl(pools, paths, tmp_path, ulysses, ring, loss_type, explicit_ref, data, n_pairs):
     pytest.importorskip("trl")
-    want = _reference(paths, str(tmp_path / "ref"), loss_type, explicit_ref)
-    out = pools.get(4).run(_sharded, paths, str(tmp_path / "sp"), loss_type, explicit_ref, ulysses, ring, data, timeout=300)
-    if explicit_ref:
+    want = _reference(paths, str(tmp_path / "ref"), loss_type, explicit_ref, n_pairs)
+    out = pools.get(4).run(_sharded, paths, str(tmp_path / "sp"), loss_type, explicit_ref, ulysses, ring, data, n_pairs,
+                           timeout=300)
+    if explicit_ref and n_pairs > 1:
         assert 0 < want["metrics"]["rewards/accuracies"] < 1 and want["metrics"]["rewards/margins"] != 0
+    if n_pairs == 1:
+        assert any(got["empty"] for got in out), "no DP rank had an empty slot"
     worst = {"loss": 0.0, "grad_norm": 0.0, "metrics": 0.0, "grads": 0.0}
     for rank, got in enumerate(out):
         where = f"rank {rank} U{ulysses}xR{ring} {loss_type}"
-        assert got["microbatches"] >= 2, f"{where}: one micro-batch only, accumulation untested"
+        assert not got["ref_sharded"], f"{where}: reference parameters not FSDP-sharded: {got['ref_sharded'][:4]}"
+        assert got["microbatches"] >= 2 or n_pairs == 1, f"{where}: one micro-batch only, accumulation untested"
         worst["loss"] = max(worst["loss"], abs(got["loss"] - want["loss"]) / abs(want["loss"]))
         worst["grad_norm"] = max(worst["grad_norm"], abs(got["grad_norm"] - want["grad_norm"]) / want["grad_norm"])
         worst["metrics"] = max([worst["metrics"]] + [abs(got["metrics"][k] - v) for k, v in want["metrics"].items()])
