@@ -132,7 +132,8 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             ref_model = reference_on_mesh(ref_model, model, mesh)
         super().__init__(model=model, ref_model=ref_model, args=args, mesh=mesh, **kwargs)
         if mesh.world_size > 1:  # ZeRO-3 like the policy: forward-only all-gathers, no replica per rank
-            fsdp_plan(self.ref_model, mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.ref_model)
+            fsdp_plan(self.ref_model, mesh, mixed_precision="bf16" if self.args.bf16 else "fp32",
+                      param_offload=self.param_offload).apply(self.ref_model)
         self._token_stats = None  # TRL's token metrics come from token_metric_sums (step_loop's TokenStats unused)
         self._pair_collate = PairStepCollate(
             mesh, self.max_tokens, cost=self.collator.cost, strategy=self.collator.strategy,

@@ -13,6 +13,10 @@ With TRL's default reference (ref_model=None: the initial model) the rewards are
 the first step, so two cases pass an explicit reference (another saved model) to make them
 non-trivial. Datasets: token-id prompt/chosen/rejected lists (what recipes/dpo.py reads) and,
 in one case, TRL's text form (tokenized by TRL itself); the reference always gets the text.
+One pair on dp2×U2 leaves a DP rank an empty plan slot (its forwards still run). Two steps
+(dp2×U2, default reference, so step 2 has non-zero rewards) equal TRL's, and resuming from the
+step-1 checkpoint trains one step that equals the uninterrupted step 2. Refusals: each refused
+setting raises `NotSupported` at construction with a "Do instead" line.
 """
 
 from __future__ import annotations
@@ -217,3 +221,64 @@ def test_dpo_trainer_refusals(paths, tmp_path, kind, match):
         LongDPOTrainer(model=model, args=args, mesh=mesh, max_tokens=48, tokens_per_step=4096,
                        processing_class=AutoTokenizer.from_pretrained(paths[2]), **kw)
     assert "do instead" in str(err.value).lower()
+
+
+STEP_KEYS = ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen")
+
+
+def _steps(trainer) -> list[tuple]:
+    return [tuple(h[k] for k in STEP_KEYS) for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+
+
+def _two_steps_reference(paths, output_dir: str) -> list[tuple]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOTrainer
+
+    args = _config(output_dir, "sigmoid")
+    args.max_steps = 2
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32), args=args,
+                         train_dataset=_text_pairs(), processing_class=AutoTokenizer.from_pretrained(paths[2]))
+    trainer.train()
+    return _steps(trainer)
+
+
+def _two_steps_sharded(paths, output_dir: str, resume: bool) -> tuple[list[tuple], int]:
+    """(per-step logs, optimizer steps this run trained)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from hf_longctx import LongDPOTrainer, patch
+
+    mesh = worker_mesh(2, 1)
+    tok = AutoTokenizer.from_pretrained(paths[2])
+    args = _config(output_dir, "sigmoid")
+    args.max_steps, args.save_strategy, args.save_steps = 2, "steps", 1
+    model = patch(AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32), mesh)
+    trained = []
+
+    class Count(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trained.append(state.global_step)
+
+    trainer = LongDPOTrainer(model=model, args=args, train_dataset=_id_pairs(tok, _text_pairs()), processing_class=tok,
+                             callbacks=[Count()], mesh=mesh, max_tokens=64, tokens_per_step=4096)
+    trainer.train(resume_from_checkpoint=f"{output_dir}/checkpoint-1" if resume else None)
+    return _steps(trainer), len(trained)
+
+
+def test_dpo_trainer_second_step_and_resume(pools, paths, tmp_path):
+    """Two SGD steps with TRL's default reference (rewards non-zero at step 2) equal TRL's, on
+    dp2×U2; resuming from the step-1 checkpoint gives the same step 2."""
+    pytest.importorskip("trl")
+    want = _two_steps_reference(paths, str(tmp_path / "ref"))
+    assert len(want) == 2 and want[1][2] != 0, want
+    pool = pools.get(4)
+    full = pool.run(_two_steps_sharded, paths, str(tmp_path / "sp"), False, timeout=300)
+    resumed = pool.run(_two_steps_sharded, paths, str(tmp_path / "sp"), True, timeout=300)
+    for rank, ((got, n_full), (again, n_resumed)) in enumerate(zip(full, resumed)):
+        assert (n_full, n_resumed) == (2, 1), f"rank {rank}: trained {n_full} then {n_resumed} step(s)"
+        assert len(got) == 2 and len(again) == 2, f"rank {rank}: {got} / {again}"  # resumed: step 1 from trainer_state
+        for step, (g, w) in enumerate(zip(got, want)):
+            for k, a, b in zip(STEP_KEYS, g, w):
+                assert _close(a, b, 1e-5), f"rank {rank} step {step + 1}: {k} {a} vs TRL {b}"
+        for k, a, b in zip(STEP_KEYS, again[1], got[1]):
+            assert _close(a, b, 1e-6), f"rank {rank} resumed step 2: {k} {a} vs uninterrupted {b}"
