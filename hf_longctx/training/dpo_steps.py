@@ -113,10 +113,11 @@ class PairStepCollate:
 
 
 def pair_step_dataloader(dataset: Any, collate: PairStepCollate, *, tokens_per_step: int, seed: int, shuffle: bool,
-                         lengths: Sequence[int]) -> tuple[torch.utils.data.DataLoader, StepSampler]:
+                         lengths: Sequence[int], endless: bool = True) -> tuple[torch.utils.data.DataLoader, StepSampler]:
     """(DataLoader of step dicts, its StepSampler): each step takes pairs until `tokens_per_step`
-    (both documents of a pair counted) is reached; endless, like the train loader of steps.py."""
+    (both documents of a pair counted) is reached; `endless` (training) runs into the next
+    epoch like the train loader of steps.py, else one pass (evaluation)."""
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
-    loader = torch.utils.data.DataLoader(_Rows(dataset, list(PAIR_COLUMNS)), batch_sampler=StepStream(sampler, endless=True),
+    loader = torch.utils.data.DataLoader(_Rows(dataset, list(PAIR_COLUMNS)), batch_sampler=StepStream(sampler, endless=endless),
                                          collate_fn=collate, num_workers=0)
     return loader, sampler

@@ -18,8 +18,10 @@ grad_norm, checkpoints). What differs from token-level training is the unit and 
   logits/chosen, logits/rejected, mean_token_accuracy as global token means (dpo_loss.token_metric_sums).
 
 Refused at construction, before any collective: every DPOConfig value `check_dpo_config` refuses
-(dpo_arguments.py), PEFT / quantization (`peft_config`, `quantization_config`), a `GroupBank`,
-`eval_dataset` (no sharded DPO evaluation yet) and datasets that are not preference pairs.
+(dpo_arguments.py), PEFT / quantization (`peft_config`, `quantization_config`), a `GroupBank`
+and datasets that are not preference pairs. Evaluation (`evaluate`) runs the same sharded
+forward under no_grad: eval_loss is the mean per-pair loss of the whole eval set and the
+eval metrics are global means over it (TRL averages per-batch means: equal when batches are).
 """
 
 from __future__ import annotations
@@ -61,28 +63,31 @@ def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) 
         _refuse(f"mesh must be an SPMesh (init_sequence_parallel), got {type(mesh).__name__}",
                 "use a fixed-degree mesh; flexible SP groups are not wired for pairs")
     check_patched(model, mesh)
-    for name in ("peft_config", "quantization_config"):
-        if kwargs.get(name) is not None:
-            _refuse(f"{name} is not supported ({name}={type(kwargs[name]).__name__})",
-                    "train the full model (patch(model, mesh)); adapters are not sharded here")
-    if kwargs.get("eval_dataset") is not None:
-        _refuse("eval_dataset is not supported (no sharded DPO evaluation yet)",
-                "evaluate the saved model (trainer.save_model) with TRL's DPOTrainer.evaluate in one process")
-    train = kwargs.get("train_dataset")
-    if train is not None:
-        from datasets import Dataset
-
-        if not isinstance(train, Dataset) or len(train) == 0:
-            _refuse(f"train_dataset must be a non-empty datasets.Dataset, got {type(train).__name__}",
-                    "Dataset.from_list([{'prompt': [ids], 'chosen': [ids], 'rejected': [ids]}, ...])")
-        if pair_format(train[0]) == "unknown" or any(k in train.column_names for k in ("image", "images")):
-            _refuse(f"train_dataset columns {train.column_names} are not preference pairs",
-                    "give prompt/chosen/rejected token-id lists, TRL's prompt_ids/chosen_ids/rejected_ids, or "
-                    "TRL's text / conversational prompt/chosen/rejected (tokenized by TRL)")
     knobs = patch_state(model).options
     if getattr(knobs, "loss_chunks", None):
         _refuse(f"patch(loss_chunks={knobs.loss_chunks}) drops the logits the DPO log-probs need",
                 "patch the policy without loss_chunks")
+    for name in ("peft_config", "quantization_config"):
+        if kwargs.get(name) is not None:
+            _refuse(f"{name} is not supported ({name}={type(kwargs[name]).__name__})",
+                    "train the full model (patch(model, mesh)); adapters are not sharded here")
+    evals = kwargs.get("eval_dataset")
+    evals = evals if isinstance(evals, dict) else {"eval_dataset": evals}
+    for name, dataset in [("train_dataset", kwargs.get("train_dataset")), *evals.items()]:
+        if dataset is not None:
+            check_pair_dataset(dataset, name)
+
+
+def check_pair_dataset(dataset: Any, name: str) -> None:
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset) or len(dataset) == 0:
+        _refuse(f"{name} must be a non-empty datasets.Dataset, got {type(dataset).__name__}",
+                "Dataset.from_list([{'prompt': [ids], 'chosen': [ids], 'rejected': [ids]}, ...])")
+    if pair_format(dataset[0]) == "unknown" or any(k in dataset.column_names for k in ("image", "images")):
+        _refuse(f"{name} columns {dataset.column_names} are not preference pairs",
+                "give prompt/chosen/rejected token-id lists, TRL's prompt_ids/chosen_ids/rejected_ids, or "
+                "TRL's text / conversational prompt/chosen/rejected (tokenized by TRL)")
 
 
 def default_reference(model: Any, mesh: SPMesh, trust_remote_code: bool) -> Any:
@@ -150,14 +155,18 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         return dataset  # "tokenized" (TRL's own output form); "unknown" was refused before
 
     def _check_train_data(self, overlong: str) -> list[int]:
-        chosen, rejected = pair_lengths(self.train_dataset)
+        return self._pair_lengths(self.train_dataset, "train_dataset")
+
+    def _pair_lengths(self, dataset: Any, name: str) -> list[int]:
+        """Tokens of every pair (both documents), each pair checked against max_tokens."""
+        chosen, rejected = pair_lengths(dataset, name)
         mesh, cap = self.mesh, self.max_tokens
         units = [-(-c // mesh.doc_multiple) * mesh.doc_multiple + -(-r // mesh.doc_multiple) * mesh.doc_multiple
                  for c, r in zip(chosen, rejected)]
         long = [(i, n) for i, n in enumerate(units) if n > cap]
         if long:
             i, n = long[0]
-            raise ValueError(f"train_dataset: {len(long)} pair(s) exceed max_tokens={cap} (pair {i} holds {n} tokens, "
+            raise ValueError(f"{name}: {len(long)} pair(s) exceed max_tokens={cap} (pair {i} holds {n} tokens, "
                              "chosen and rejected padded): a pair is never split; raise max_tokens or drop long pairs")
         return [c + r for c, r in zip(chosen, rejected)]
 
@@ -168,8 +177,26 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             tokens_per_step=self.tokens_per_step, seed=seed, shuffle=True, lengths=self._train_lengths)
         return loader
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        _refuse("evaluation is not supported", "evaluate the saved model with TRL's DPOTrainer in one process")
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("LongDPOTrainer: evaluation requires an eval_dataset")
+        check_pair_dataset(dataset, "eval_dataset")
+        loader, _ = pair_step_dataloader(
+            dataset.select_columns(list(PAIR_COLUMNS)), self._pair_collate, tokens_per_step=self.tokens_per_step,
+            seed=self.args.seed, shuffle=False, lengths=self._pair_lengths(dataset, "eval_dataset"), endless=False)
+        return loader
+
+    def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> Any:
+        # The mixin's loop (evaluation.py): Σ (micro-batch loss share x step pairs) over ranks / Σ pairs,
+        # i.e. the mean per-pair loss of the eval set; the metric sums cover the whole set.
+        self._dpo_sums.zero_()
+        out = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        self._record_metrics("eval", out.metrics[f"{metric_key_prefix}_targets"], 0)
+        return out
 
     # ---- the step: DPO on per-document sums, metrics as global means ----------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -189,8 +216,9 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             return logits.sum() * 0.0
         policy, counts = completion_logps(logits, inputs, mesh)  # [2P] each, every SP rank
         # TRL 1.16 applies label_smoothing to none of the loss types dpo_loss implements.
+        pairs = num_items_in_batch if num_items_in_batch is not None else inputs["num_items_in_batch"]  # the step's
         loss, sums = dpo_loss(policy, reference, beta=self.beta, loss_type=self.loss_types[0],
-                              global_pairs=int(num_items_in_batch), sp=mesh.sp, counts=counts)
+                              global_pairs=int(pairs), sp=mesh.sp, counts=counts)
         sums = {**sums, "logps/chosen": policy[0::2].detach().sum(), "logps/rejected": policy[1::2].detach().sum()}
         pair_sums = torch.stack([sums[k].double() for k in METRICS]).to(self._dpo_sums.device)  # [6]
         token_sums = token_metric_sums(logits.detach(), inputs, mesh).to(self._dpo_sums.device)  # [7]

@@ -15,7 +15,8 @@ non-trivial. Datasets: token-id prompt/chosen/rejected lists (what recipes/dpo.p
 in one case, TRL's text form (tokenized by TRL itself); the reference always gets the text.
 One pair on dp2×U2 leaves a DP rank an empty plan slot (its forwards still run). Two steps
 (dp2×U2, default reference, so step 2 has non-zero rewards) equal TRL's, and resuming from the
-step-1 checkpoint trains one step that equals the uninterrupted step 2. Refusals: each refused
+step-1 checkpoint trains one step that equals the uninterrupted step 2. `evaluate()` on U2×R2
+equals TRL's one-batch evaluation (eval_loss and eval metrics). Refusals: each refused
 setting raises `NotSupported` at construction with a "Do instead" line.
 """
 
@@ -188,7 +189,7 @@ def _refusal_case(kind: str, paths):
     from datasets import Dataset
 
     if kind == "eval_dataset":
-        return {}, {"eval_dataset": _text_pairs(2)}
+        return {}, {"eval_dataset": Dataset.from_dict({"text": ["w1 w2"]})}
     if kind == "dataset":
         return {}, {"train_dataset": Dataset.from_dict({"input_ids": [[1, 2, 3]]})}
     if kind == "peft_config":
@@ -199,7 +200,7 @@ def _refusal_case(kind: str, paths):
 
 @pytest.mark.parametrize("kind,match", [
     ("precompute_ref_log_probs", "precompute_ref_log_probs"), ("loss_type", "loss_type"), ("max_length", "max_length"),
-    ("use_weighting", "use_weighting"), ("eval_dataset", "eval_dataset"), ("dataset", "not preference pairs"),
+    ("use_weighting", "use_weighting"), ("eval_dataset", "eval_dataset columns"), ("dataset", "not preference pairs"),
     ("peft_config", "peft_config"),
 ])
 def test_dpo_trainer_refusals(paths, tmp_path, kind, match):
@@ -282,3 +283,40 @@ def test_dpo_trainer_second_step_and_resume(pools, paths, tmp_path):
                 assert _close(a, b, 1e-5), f"rank {rank} step {step + 1}: {k} {a} vs TRL {b}"
         for k, a, b in zip(STEP_KEYS, again[1], got[1]):
             assert _close(a, b, 1e-6), f"rank {rank} resumed step 2: {k} {a} vs uninterrupted {b}"
+
+
+EVAL_KEYS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins", "eval_rewards/accuracies",
+             "eval_logps/chosen", "eval_logps/rejected", "eval_entropy", "eval_mean_token_accuracy")
+
+
+def _evaluate(paths, output_dir: str, sharded: bool) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOTrainer
+
+    from hf_longctx import LongDPOTrainer, patch
+
+    tok = AutoTokenizer.from_pretrained(paths[2])
+    model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(paths[1], dtype=torch.float32)
+    common = dict(ref_model=ref, args=_config(output_dir, "sigmoid"), processing_class=tok)
+    if sharded:
+        mesh = worker_mesh(2, 2)
+        trainer = LongDPOTrainer(model=patch(model, mesh), train_dataset=_id_pairs(tok, _text_pairs()),
+                                 eval_dataset=_id_pairs(tok, _text_pairs(8, seed=1)), mesh=mesh, max_tokens=64,
+                                 tokens_per_step=4096, **common)
+    else:
+        trainer = DPOTrainer(model=model, train_dataset=_text_pairs(), eval_dataset=_text_pairs(8, seed=1), **common)
+    metrics = trainer.evaluate()
+    return {k: metrics[k] for k in EVAL_KEYS}
+
+
+def test_dpo_trainer_evaluate_matches_trl(pools, paths, tmp_path):
+    """evaluate() on U2×R2 (8 eval pairs, explicit reference): eval_loss and TRL's eval metrics
+    equal TRL's one-batch evaluation (TRL averages per-batch means; one batch makes that the
+    global mean our evaluation computes)."""
+    pytest.importorskip("trl")
+    want = _evaluate(paths, str(tmp_path / "ref"), False)
+    assert want["eval_rewards/margins"] != 0
+    for rank, got in enumerate(pools.get(4).run(_evaluate, paths, str(tmp_path / "sp"), True, timeout=300)):
+        for k, v in want.items():
+            assert _close(got[k], v, 1e-5), f"rank {rank}: {k} {got[k]} vs TRL {v}"
