@@ -8,14 +8,16 @@ grad_norm, checkpoints). What differs from token-level training is the unit and 
   group, `pack_pairs` + `shard_batch` make the shards;
 - loss (`compute_loss`): the policy's per-document log-prob sums (`completion_logps`, i.e.
   `distributed/doc_sums.py`, reduced over the SP group), the reference's on the same shard under
-  no_grad (TRL's default reference: the initial model loaded again from its path, patched with
-  the same mesh, FSDP2-sharded over DP x SP like the policy; or the user's `ref_model`), then `dpo_loss`: Σ per-pair losses / (GLOBAL pairs
-  of the step x sp) -- so the sum over ranks and micro-batches is TRL's per-batch mean over all
-  the step's pairs, and the summed gradients are its gradients;
+  no_grad (TRL's default reference: the initial model loaded again from its path; or the user's
+  `ref_model`; patched with the same mesh, FSDP2-sharded over DP x SP like the policy), then
+  `dpo_loss`: Σ per-pair losses / (GLOBAL pairs of the step x sp) -- so the sum over ranks and
+  micro-batches is TRL's per-batch mean over all the step's pairs, and the summed gradients
+  are its gradients;
 - metrics (`training_step`): TRL's rewards/chosen, rewards/rejected, rewards/accuracies,
   rewards/margins, logps/chosen, logps/rejected as GLOBAL means (sums all-reduced over DP, /
   global pairs; SP ranks hold the same sums), num_tokens, and TRL's token metrics entropy,
-  logits/chosen, logits/rejected, mean_token_accuracy as global token means (dpo_loss.token_metric_sums).
+  logits/chosen, logits/rejected, mean_token_accuracy as global token means
+  (`dpo_loss.token_metric_sums`).
 
 Refused at construction, before any collective: every DPOConfig value `check_dpo_config` refuses
 (dpo_arguments.py), PEFT / quantization (`peft_config`, `quantization_config`), a `GroupBank`
