@@ -51,6 +51,7 @@ __all__ = [
     "StepSampler",
     "LongContextTrainer",
     "LongContextTrainerMixin",
+    "LongDPOTrainer",
     "GRPOObjective",
     "flex_microbatches",
     "doc_sums",
@@ -89,6 +90,10 @@ def __getattr__(name: str):
         from hf_longctx.training import trainer
 
         return getattr(trainer, name)
+    if name == "LongDPOTrainer":  # imports TRL (training/dpo_trainer.py)
+        from hf_longctx.training.dpo_trainer import LongDPOTrainer
+
+        return LongDPOTrainer
     if name in ("GRPOObjective", "grpo_step"):  # the GRPO step (training/grpo.py), imported on first access
         from hf_longctx.training import grpo, grpo_loss
 

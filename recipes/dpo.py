@@ -5,8 +5,8 @@ Run (CPU, gloo, or GPUs):
 pairs.jsonl: one {"prompt": [ids], "chosen": [ids], "rejected": [ids]} per line (token ids).
 Flow: plan_pairs (a pair is one unit) -> pack_pairs -> shard_batch -> patched policy and
 reference (a frozen copy of the initial model, TRL's default) -> completion_logps (doc_sums)
--> dpo_loss over the step's GLOBAL pairs -> sum_gradients -> AdamW. A plain loop, not
-DPOTrainer (no DPOTrainer subclass yet).
+-> dpo_loss over the step's GLOBAL pairs -> sum_gradients -> AdamW. A plain loop; the same
+through TRL's DPOTrainer is hf_longctx.LongDPOTrainer (training/dpo_trainer.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Where it sits: on top of the whole library. `trainer.py` is the `LongContextTrai
 cost-balanced plan → sharded micro-batches); `checks.py` the refused settings;
 `checkpoint.py` the sharded model/optimizer states and sampler position of `checkpoint-N/`;
 `metrics.py` / `token_metrics.py` what it logs; `faults.py` the dead-rank stop; `launch.py`
-the device and process group of a recipe. Schedules, checkpoint bookkeeping, progress bars
+the device and process group of a recipe; `dpo_trainer.py` / `dpo_steps.py` the
+`LongDPOTrainer` over TRL's `DPOTrainer` (preference pairs as the step unit). Schedules, checkpoint bookkeeping, progress bars
 and config parsing are the Trainer's. The trainer classes are imported lazily
 (`hf_longctx.training.trainer`): importing them loads `transformers.Trainer`.
 """

@@ -46,7 +46,9 @@ DPO_CONFIG: dict[str, Rule] = {
     "padding_free": _refused(_falsy, _PACKED, "set padding_free=False"),
     "pad_to_multiple_of": _refused(
         lambda v: v in (None, "auto"), "micro-batches are padded by the SP layout, not by TRL's collator", "leave it 'auto' or None"),
-    "precompute_ref_log_probs": _ours("precomputed reference sums are per-document numbers, used as given"),
+    "precompute_ref_log_probs": _refused(
+        _falsy, "TRL's precompute pass runs the reference on unsharded padded rows, through the patched policy",
+        "leave precompute_ref_log_probs=False (the reference runs on the same shards, under no_grad)"),
     "precompute_ref_batch_size": _trainer("batch size of TRL's own reference pass"),
     "loss_type": _refused(
         _loss_type_ok, "only one of " + ", ".join(LOSS_TYPES) + " is implemented on per-document sums",
@@ -58,7 +60,8 @@ DPO_CONFIG: dict[str, Rule] = {
     "f_divergence_type": _refused(lambda v: str(getattr(v, "value", v)) == "reverse_kl",
                                   "only standard DPO (reverse KL) is implemented", "leave f_divergence_type='reverse_kl'"),
     "f_alpha_divergence_coef": _trainer("applies only with f_divergence_type='alpha_divergence', which is refused"),
-    "label_smoothing": _ours("conservative DPO in the sigmoid loss (TRL's formula)"),
+    "label_smoothing": _trainer("TRL 1.16 applies it only to loss types refused here (robust, exo_pair, aot); "
+                                "LongDPOTrainer ignores it as TRL does (dpo_loss's label_smoothing= is cDPO for loops)"),
     "beta": _ours("the DPO temperature"),
     "use_weighting": _refused(_falsy, "WPO weights are per-token averages not reduced over the SP group",
                               "leave use_weighting=False"),

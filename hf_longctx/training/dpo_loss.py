@@ -84,3 +84,29 @@ def dpo_loss(
         "rewards/margins": (c - r).sum(),
     }
     return loss, metrics
+
+
+TOKEN_SUMS = ("entropy", "tokens", "logits/chosen", "chosen_tokens", "logits/rejected", "rejected_tokens", "top1/chosen")
+
+
+@torch.no_grad()
+def token_metric_sums(logits: torch.Tensor, shard: Mapping[str, Any], mesh, chunk: int = 4096) -> torch.Tensor:
+    """fp64 [7] sums behind TRL's token metrics over this micro-batch's completion tokens, every SP
+    rank (order `TOKEN_SUMS`): entropy over all completions; mean-over-vocab logits of chosen /
+    rejected tokens and their counts; chosen tokens whose target is the argmax. TRL logs
+    entropy = Σ entropy / Σ tokens, logits/chosen = Σ / chosen tokens, mean_token_accuracy =
+    top1 / chosen tokens, each over the whole step. The vocabulary-wide terms run in chunks of
+    `chunk` positions (bounded fp32 temporaries); 3 reductions over the SP group (doc_sums)."""
+    targets = shard["shift_labels"]  # [1, S_local]
+    per_token = torch.zeros(3, logits.shape[1], dtype=torch.float32, device=logits.device)  # [3, S_local]
+    for s in range(0, logits.shape[1], chunk):
+        x = logits[0, s : s + chunk].float()  # [c, V]
+        logp = torch.log_softmax(x, dim=-1)
+        per_token[0, s : s + chunk] = -(logp.exp() * logp).sum(-1)  # entropy
+        per_token[1, s : s + chunk] = x.mean(-1)  # mean logit over the vocabulary
+        per_token[2, s : s + chunk] = (x.argmax(-1) == targets[0, s : s + chunk]).float()  # target is the top-1
+    mask = target_mask(shard)
+    entropy, mean_logits, top1 = (doc_sums(v[None], shard, mesh, mask=mask)[0].double() for v in per_token)  # [D] each
+    counts = doc_sums(mask.float(), shard, mesh, mask=mask)[0].double()  # [D]
+    return torch.stack([entropy.sum(), counts.sum(), mean_logits[0::2].sum(), counts[0::2].sum(),
+                        mean_logits[1::2].sum(), counts[1::2].sum(), top1[0::2].sum()])

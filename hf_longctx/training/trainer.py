@@ -145,13 +145,7 @@ class LongContextTrainerMixin:
         super().__init__(*args, **kwargs)
         check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
-        lengths = None
-        if self.train_dataset is not None:
-            check_dataset(self.train_dataset)
-            lengths = document_lengths(self.train_dataset)
-            check_lengths(lengths, self.max_tokens, overlong)
-            check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
-        self._train_lengths = lengths
+        self._train_lengths = self._check_train_data(overlong) if self.train_dataset is not None else None
         hf_config = getattr(hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
         self.collator, self.eval_collator = build.build_collators(
@@ -169,6 +163,15 @@ class LongContextTrainerMixin:
             self.add_callback(self._watchdog)
         self._step_sampler = None
         self._unsharded_checked = False
+
+    def _check_train_data(self, overlong: str) -> list[int]:
+        """The train dataset's document lengths, checked against the caps (a subclass with
+        other units, e.g. the preference pairs of dpo_trainer.py, overrides it)."""
+        check_dataset(self.train_dataset)
+        lengths = document_lengths(self.train_dataset)
+        check_lengths(lengths, self.max_tokens, overlong)
+        check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
+        return lengths
 
     # ---- set-up: (1) the model owns its placement and gradient reduction -------------------------
     def _shard_model(self) -> None:

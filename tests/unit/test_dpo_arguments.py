@@ -37,6 +37,7 @@ def test_defaults_with_max_length_none_are_accepted(tmp_path):
     (dict(use_weighting=True), "use_weighting=True"),
     (dict(ld_alpha=0.5), "ld_alpha=0.5"),
     (dict(sync_ref_model=True), "sync_ref_model=True"),
+    (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs=True"),
 ])
 def test_refusals_name_value_and_do_instead(tmp_path, kw, needle):
     with pytest.raises(NotSupported) as e:

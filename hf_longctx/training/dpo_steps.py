@@ -1,0 +1,123 @@
+"""The DPO trainer's data: preference-pair rows -> one step dict of THIS rank per optimizer step.
+
+Where it sits: between the train dataset of `LongDPOTrainer` (training/dpo_trainer.py) and its
+`training_step`, in place of `steps.py`'s document pipeline. Every rank draws the SAME global
+list of pairs per step (`StepSampler` over the pairs' token counts, DESIGN invariant 8);
+`plan_pairs` assigns whole pairs to DP ranks and micro-batches (a pair is one planning unit, so
+the chosen and rejected completions of a pair meet in one SP group); `pack_pairs` lays each
+micro-batch out as [chosen_0, rejected_0, ...] (prompt labels -100, as TRL masks them) and
+`shard_batch` takes this SP rank's tokens. The step dict has the keys of `steps.py` that
+`step_loop.run_step` reads; `num_items_in_batch` is the step's GLOBAL pair count (the DPO loss
+is a mean over pairs) and every micro-batch carries its own pair count under `PAIRS_KEY`
+(0: an empty slot of the plan, one padding token, still run so every rank joins every
+collective).
+
+Rows are TRL's tokenized preference form, `prompt_ids`, `chosen_ids`, `rejected_ids` (lists of
+token ids), which `pair_rows` makes from `prompt` / `chosen` / `rejected` id lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from hf_longctx.data.pairs import pack_pairs, plan_pairs
+from hf_longctx.data.sampler import StepSampler
+from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
+from hf_longctx.training.steps import StepStream, _Rows
+
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+ID_COLUMNS = ("prompt", "chosen", "rejected")
+PAIRS_KEY = "dpo_pairs"  # pairs of a micro-batch (not a model input)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def pair_format(example: dict[str, Any]) -> str:
+    """"tokenized" (TRL's prompt_ids/chosen_ids/rejected_ids), "ids" (prompt/chosen/rejected
+    id lists), "trl" (text or conversational prompt/chosen/rejected: TRL tokenizes it), or
+    "unknown"."""
+    if all(c in example for c in PAIR_COLUMNS):
+        return "tokenized"
+    if "chosen" in example and "rejected" in example:
+        if all(_is_ids(example.get(c, [])) for c in ID_COLUMNS):
+            return "ids"
+        if all(isinstance(example.get(c, ""), (str, list)) for c in ID_COLUMNS):
+            return "trl"
+    return "unknown"
+
+
+def pair_rows(dataset: Any) -> Any:
+    """A dataset of prompt/chosen/rejected token-id lists -> TRL's tokenized columns."""
+    if "prompt" not in dataset.column_names:
+        raise ValueError("token-id preference pairs need a 'prompt' column (an empty list for no prompt)")
+    keep = [c for c in dataset.column_names if c not in ID_COLUMNS]
+    return dataset.select_columns(list(ID_COLUMNS) + keep).rename_columns(
+        {"prompt": "prompt_ids", "chosen": "chosen_ids", "rejected": "rejected_ids"})
+
+
+def pair_lengths(dataset: Any, name: str = "train_dataset") -> tuple[list[int], list[int]]:
+    """(prompt+chosen, prompt+rejected) token counts of every pair; raises naming the first
+    pair with an empty completion (nothing to score)."""
+    import pyarrow.compute as pc
+
+    table = dataset.with_format("arrow")
+    p, c, r = (pc.list_value_length(table[col]).to_pylist() for col in PAIR_COLUMNS)
+    empty = [i for i in range(len(p)) if not c[i] or not r[i]]
+    if empty:
+        raise ValueError(f"{name}: pair {empty[0]} has an empty completion ({len(empty)} such pairs): drop them")
+    return [a + b for a, b in zip(p, c)], [a + b for a, b in zip(p, r)]
+
+
+class PairStepCollate:
+    """collate_fn: one step's pair rows -> this rank's step dict (see the module docstring)."""
+
+    def __init__(self, mesh: Any, max_tokens: int, *, cost: Any = None, strategy: str = "balanced",
+                 pad_token_id: int = 0, flops_model: Any = None) -> None:
+        self.mesh, self.max_tokens, self.cost, self.strategy = mesh, max_tokens, cost, strategy
+        self.pad_token_id, self.flops_model = pad_token_id, flops_model
+
+    def _empty(self, pairs: int) -> dict[str, Any]:
+        one = {"input_ids": torch.tensor([[self.pad_token_id]]), "labels": torch.tensor([[IGNORE_INDEX]]),
+               "position_ids": torch.tensor([[0]])}  # [1, 1]: shard_batch pads it to the layout multiples
+        return {**shard_batch(one, self.mesh, pairs, pad_token_id=self.pad_token_id), PAIRS_KEY: 0}
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        chosen = [len(x["prompt_ids"]) + len(x["chosen_ids"]) for x in rows]
+        rejected = [len(x["prompt_ids"]) + len(x["rejected_ids"]) for x in rows]
+        mesh = self.mesh
+        plan = plan_pairs(chosen, rejected, dp_size=mesh.dp, max_tokens=self.max_tokens, cost=self.cost,
+                          strategy=self.strategy, doc_multiple=mesh.doc_multiple, seq_multiple=mesh.seq_multiple)
+        micro_batches = []
+        for mb in plan[mesh.dp_rank]:
+            if not mb:
+                micro_batches.append(self._empty(len(rows)))
+                continue
+            pairs = [tuple(list(rows[plan.pieces[i].doc][c]) for c in PAIR_COLUMNS) for i in mb]
+            shard = shard_batch(pack_pairs(pairs), mesh, len(rows),
+                                pad_token_id=self.pad_token_id)
+            micro_batches.append({**shard, PAIRS_KEY: len(mb)})
+        documents = [n for pair in zip(chosen, rejected) for n in pair]
+        flops = float(self.flops_model(documents).sum()) if self.flops_model is not None else 0.0
+        stats = plan.stats(self.cost) if self.cost is not None else {}
+        return {
+            "micro_batches": micro_batches,
+            "num_items_in_batch": len(rows),  # the step's GLOBAL pairs: the DPO loss is their mean
+            "tokens": int(sum(documents)), "flops": flops, "balance": stats.get("synced_over_ideal"),
+            "layouts": None, "busy": None, "equal_calls": True,
+            "plan": plan, "lengths": tuple(c + r for c, r in zip(chosen, rejected)), "plan_stats": dict(stats),
+        }
+
+
+def pair_step_dataloader(dataset: Any, collate: PairStepCollate, *, tokens_per_step: int, seed: int, shuffle: bool,
+                         lengths: Sequence[int], endless: bool = True) -> tuple[torch.utils.data.DataLoader, StepSampler]:
+    """(DataLoader of step dicts, its StepSampler): each step takes pairs until `tokens_per_step`
+    (both documents of a pair counted) is reached; `endless` (training) runs into the next
+    epoch like the train loader of steps.py, else one pass (evaluation)."""
+    sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
+    loader = torch.utils.data.DataLoader(_Rows(dataset, list(PAIR_COLUMNS)), batch_sampler=StepStream(sampler, endless=endless),
+                                         collate_fn=collate, num_workers=0)
+    return loader, sampler
