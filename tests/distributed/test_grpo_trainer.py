@@ -1,0 +1,174 @@
+"""`LongGRPOTrainer` (training/grpo_trainer.py) on 4 gloo ranks equals the REAL single-process
+TRL `GRPOTrainer` over one optimizer step.
+
+Generation is made deterministic by overriding TRL's generation hook `_generate_single_turn`
+identically in both trainers (`FixedCompletions`): row k of the step's global generation batch
+gets `fixed_completion(prompt, k)` (1..10 tokens, most ending with EOS), k = process_index x rows
+per process + local index. Everything else is TRL's own: the dataset of text prompts and its
+RepeatSampler, tokenization, two reward functions, group advantages, metrics, SGD.
+
+Batch semantics: TRL's sampler draws `generation_batch_size = per_device_train_batch_size x
+num_processes` rows per step (each prompt repeated num_generations times) and Accelerate gives
+process i the i-th block of `per_device_train_batch_size` rows. The 4 ranks run with
+per_device_train_batch_size=3 (12 rows, 6 prompts x 2 generations, a prompt's generations
+straddle processes); the reference runs in one process with per_device_train_batch_size=12:
+the same seed gives the same 12 rows, and its batch is the union of what the 4 ranks train on
+(an SP group trains on the union of its ranks' rows). gradient_accumulation_steps=1 (TRL's
+default steps_per_generation follows it).
+
+Reference model (beta > 0): TRL builds it from the policy's `config._name_or_path`; both
+trainers point that at a second saved checkpoint (different weights), so the KL term and its
+gradient are non-zero (a reference equal to the policy gives KL = 0 and no KL gradient).
+
+Checked for loss_type grpo, dr_grpo and dapo (beta = 0) and dapo with beta = 0.04, on
+U2xR2 (one SP group of 4) and dp2xU2 (two DP groups): the step loss (1e-5 relative, plus 1e-8
+absolute: on-policy "grpo" has loss -mean(advantages) = 0 at the first step), grad_norm
+(1e-4 relative), the parameter updates of one plain-SGD step (lr 1, max_grad_norm 1: the clipped
+gradient; every parameter, 1e-4 relative) and every metric TRL logs (reward, reward_std,
+rewards/<f>/mean|std, frac_reward_zero_std, completions/*, num_tokens, entropy, kl, clip ratios,
+learning_rate, epoch; 1e-5); step_time is wall-clock and skipped. On-policy (num_iterations=1)
+the ratio is 1, so the clip ratios are 0 on both sides (clipping itself: test_grpo_step.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_models import rel, save_family
+from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
+from tests.pool import worker_mesh
+from tests.trainer_cases import trainer_env
+
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+METRIC_TOL = 1e-5
+WORLD, ROWS, GENERATIONS = 4, 3, 2  # rows per process; the reference draws WORLD x ROWS in one process
+EOS = 1
+CASES = [("grpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.0), ("dapo", 0.04)]
+SKIP = {"step_time"}
+
+
+def fixed_completion(prompt: list[int], k: int) -> list[int]:
+    g = torch.Generator().manual_seed(1000 * k + sum(prompt))
+    n = int(torch.randint(1, 11, (1,), generator=g))
+    ids = torch.randint(2, 2 + len(WORDS), (n,), generator=g).tolist()
+    return ids[:-1] + [EOS] if k % 4 else ids  # every fourth row is truncated (no EOS)
+
+
+def reward_length(completion_ids, **kwargs):
+    return [float(len(c)) for c in completion_ids]
+
+
+def reward_tokens(completion_ids, **kwargs):
+    return [(sum(c) % 11) / 11.0 for c in completion_ids]
+
+
+def make_prompts(n: int = 12, seed: int = 0):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 12, (n,), generator=g).tolist()
+    return Dataset.from_dict({"prompt": [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (k,), generator=g).tolist())
+                                         for k in lengths]})
+
+
+class FixedCompletions:
+    """TRL's generation hook replaced by fixed completions of the step's global row index."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        offset = self.accelerator.process_index * len(prompt_ids)
+        return [fixed_completion(list(p), offset + i) for i, p in enumerate(prompt_ids)], None
+
+
+def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type: str, beta: float,
+         mesh_shape: tuple[int, int] | None) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    trainer_env()
+    distributed = mesh_shape is not None
+    cfg = GRPOConfig(output_dir=out_dir, max_steps=1, per_device_train_batch_size=ROWS if distributed else WORLD * ROWS,
+                     num_generations=GENERATIONS, max_completion_length=16, temperature=0.7, epsilon=0.2,
+                     epsilon_high=0.28, loss_type=loss_type, beta=beta, optim="sgd", learning_rate=1.0,
+                     lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
+                     disable_tqdm=True, save_strategy="no", seed=0, bf16=False, gradient_checkpointing=False)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.config._name_or_path = ref_path  # TRL loads the reference from it (beta > 0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    common = dict(reward_funcs=[reward_length, reward_tokens], args=cfg, train_dataset=make_prompts(),
+                  processing_class=AutoTokenizer.from_pretrained(tok_path))
+    if distributed:
+        from hf_longctx import patch
+        from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+
+        class Trainer(FixedCompletions, LongGRPOTrainer):
+            pass
+
+        mesh = worker_mesh(*mesh_shape)
+        trainer = Trainer(model=patch(model, mesh), mesh=mesh, **common)
+    else:
+        class Trainer(FixedCompletions, GRPOTrainer):
+            pass
+
+        trainer = Trainer(model=model, **common)
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "grad_norm" in h)
+    after = {}
+    for k, p in trainer.model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2 DTensor -> the whole parameter
+        after[k] = full.detach().clone()
+    return {"log": {k: float(v) for k, v in log.items() if k not in SKIP and v is not None},
+            "updates": {k: before[k] - after[k] for k in before}}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_trainer")
+    make_tokenizer(str(root / "tok"))
+    model_path = save_family("llama", root / "policy")
+    torch.manual_seed(1)
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ref.save_pretrained(str(root / "ref"))
+    return model_path, str(root / "ref"), str(root / "tok")
+
+
+@pytest.fixture(scope="module")
+def references(paths, tmp_path_factory):
+    pytest.importorskip("trl")
+    out = tmp_path_factory.mktemp("grpo_ref")
+    return {case: _run(*paths, str(out / f"{case[0]}-{case[1]}"), *case, None) for case in CASES}
+
+
+def _sp_cases(model_path, ref_path, tok_path, out_dir, ulysses, ring):
+    return [_run(model_path, ref_path, tok_path, f"{out_dir}/{t}-{b}", t, b, (ulysses, ring)) for t, b in CASES]
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 2), (2, 1)], ids=["U2xR2", "dp2xU2"])
+def test_grpo_trainer_matches_single_process_trl(pools, paths, references, tmp_path, ulysses, ring):
+    results = pools.get(WORLD).run(_sp_cases, *paths, str(tmp_path), ulysses, ring, timeout=600)
+    for case, ref in references.items():
+        assert ref["log"]["reward_std"] > 0 and ref["log"]["grad_norm"] > 0.1, f"{case}: a vacuous reference {ref['log']}"
+        if case[1]:
+            assert ref["log"]["kl"] > 1e-4, f"{case}: the reference must differ from the policy"
+        assert max(u.abs().max().item() for u in ref["updates"].values()) > 1e-4, f"{case}: no update"
+    for rank, per_case in enumerate(results):
+        for case, got in zip(CASES, per_case):
+            ref = references[case]
+            where = f"rank {rank} U{ulysses}xR{ring} {case}"
+            assert set(got["log"]) == set(ref["log"]), f"{where}: logged keys {sorted(got['log'])} vs {sorted(ref['log'])}"
+            # on-policy "grpo" at the first step: the loss is -mean(advantages) = 0 (groups are centred), so an absolute floor
+            assert abs(got["log"]["loss"] - ref["log"]["loss"]) <= LOSS_TOL * abs(ref["log"]["loss"]) + 1e-8, \
+                f"{where}: loss {got['log']['loss']} vs {ref['log']['loss']}"
+            assert got["log"]["grad_norm"] == pytest.approx(ref["log"]["grad_norm"], rel=GRAD_TOL), where
+            for name, want in ref["log"].items():
+                assert got["log"][name] == pytest.approx(want, rel=METRIC_TOL, abs=METRIC_TOL), \
+                    f"{where}: {name} {got['log'][name]} vs {want}"
+            assert set(got["updates"]) == set(ref["updates"]), where
+            worst = max((rel(got["updates"][k], ref["updates"][k]), k) for k in ref["updates"])
+            assert worst[0] <= GRAD_TOL, f"{where}: parameter update rel err {worst}"
