@@ -15,7 +15,7 @@ and four hooks are replaced:
    groups on different rows), packs them (`grpo_loss.pack_completions`, global counts N and
    T), shards the packed row over the group (`shard_batch`) and, for beta > 0, writes the
    reference log-probabilities of that shard (`add_ref_logps`, the reference patched with
-   the same mesh).
+   the same mesh and FSDP2-sharded over DP x SP like the policy).
 3. `compute_loss` is `grpo_loss` on the shard (TRL 1.16's per-token objective with each
    loss_type's normaliser as a global per-token weight); TRL's loss metrics are logged as
    global values. `_get_per_token_logps_and_entropies` returns nothing: TRL's padded
@@ -45,6 +45,7 @@ from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_mod
 from hf_longctx.devices import to_device
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.loss import global_loss
 from hf_longctx.training import construction as build
 from hf_longctx.training.checks import check_process_group
@@ -124,12 +125,15 @@ class LongGRPOTrainer(GRPOTrainer):
         self.mesh = mesh
         super().__init__(*args, **kwargs)
         check_process_group(self.args)
-        if self.ref_model is not None:  # TRL loaded it from the policy's name; replicated, patched with the same mesh
+        if self.ref_model is not None:  # TRL loaded it from the policy's name: patched with the same mesh
             from hf_longctx.integrations.transformers import patch
 
             patch(self.ref_model, mesh)
         if mesh.world_size > 1:
             build.shard_model(self.model, mesh, bf16=self.args.bf16, param_offload=False)
+            if self.ref_model is not None:  # sharded like the policy: every rank runs its one forward per step
+                self.ref_model.requires_grad_(False)
+                fsdp_plan(self.ref_model, mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.ref_model)
             # The Trainer's path for a model that owns placement and gradient reduction: no DDP, no .to() of shards.
             self.is_distributed_loading_by_transformers = True
 
@@ -178,7 +182,9 @@ class LongGRPOTrainer(GRPOTrainer):
                                   num_sequences=n, num_tokens=tokens)
         shard = to_device(shard_completions(packed, self.mesh, pad_token_id=self._tokenizer.pad_token_id), self.args.device)
         if self.objective.beta != 0.0:
-            add_ref_logps(self.ref_model, shard, self.objective)
+            add_ref_logps(self.ref_model, shard, self.objective)  # one forward on every rank (FSDP2 all-gathers per unit)
+            if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps the root unsharded after forward (for a backward)
+                self.ref_model.reshard()
         shard[_NUM_SEQUENCES] = n
         return shard
 

@@ -118,8 +118,10 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type:
     for k, p in trainer.model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2 DTensor -> the whole parameter
         after[k] = full.detach().clone()
+    ref = getattr(trainer, "ref_model", None)
     return {"log": {k: float(v) for k, v in log.items() if k not in SKIP and v is not None},
-            "updates": {k: before[k] - after[k] for k in before}}
+            "updates": {k: before[k] - after[k] for k in before},
+            "ref_sharded": ref is not None and all(hasattr(p, "full_tensor") for p in ref.parameters())}
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +162,7 @@ def test_grpo_trainer_matches_single_process_trl(pools, paths, references, tmp_p
     for rank, per_case in enumerate(results):
         for case, got in zip(CASES, per_case):
             ref = references[case]
-            where = f"rank {rank} U{ulysses}xR{ring} {case}"
+            where = f"rank {rank} ulysses={ulysses} ring={ring} dp={WORLD // (ulysses * ring)} {case}"
             assert set(got["log"]) == set(ref["log"]), f"{where}: logged keys {sorted(got['log'])} vs {sorted(ref['log'])}"
             # on-policy "grpo" at the first step: the loss is -mean(advantages) = 0 (groups are centred), so an absolute floor
             assert abs(got["log"]["loss"] - ref["log"]["loss"]) <= LOSS_TOL * abs(ref["log"]["loss"]) + 1e-8, \
@@ -169,6 +171,97 @@ def test_grpo_trainer_matches_single_process_trl(pools, paths, references, tmp_p
             for name, want in ref["log"].items():
                 assert got["log"][name] == pytest.approx(want, rel=METRIC_TOL, abs=METRIC_TOL), \
                     f"{where}: {name} {got['log'][name]} vs {want}"
+            assert got["ref_sharded"] == bool(case[1]), f"{where}: the reference must be FSDP2-sharded (beta > 0)"
             assert set(got["updates"]) == set(ref["updates"]), where
             worst = max((rel(got["updates"][k], ref["updates"][k]), k) for k in ref["updates"])
             assert worst[0] <= GRAD_TOL, f"{where}: parameter update rel err {worst}"
+
+
+def _generate_for_real(model_path: str, tok_path: str, out_dir: str) -> dict:
+    """Two steps of LongGRPOTrainer with TRL's own sampling (no injection) on this rank."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from hf_longctx import is_patched, patch
+    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+
+    trainer_env()
+    lengths: list[list[int]] = []
+
+    class Recording(LongGRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):
+            completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+            lengths.append([len(c) for c in completion_ids])
+            return completion_ids, logprobs
+
+    cfg = GRPOConfig(output_dir=out_dir, max_steps=2, per_device_train_batch_size=2, num_generations=2,
+                     max_completion_length=12, temperature=1.0, loss_type="dapo", optim="sgd", learning_rate=0.1,
+                     logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", seed=3,
+                     bf16=False, gradient_checkpointing=False)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.generation_config.eos_token_id = list(range(1, 41))  # a third of the vocabulary stops: ragged lengths
+    mesh = worker_mesh(2, 1)
+    trainer = Recording(model=patch(model, mesh), mesh=mesh, reward_funcs=[reward_length], args=cfg,
+                        train_dataset=make_prompts(), processing_class=AutoTokenizer.from_pretrained(tok_path))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    return {"lengths": lengths, "loss": [h["loss"] for h in logs], "patched": is_patched(trainer.model),
+            "mean_length": [h["completions/mean_length"] for h in logs]}
+
+
+def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
+    """TRL's own generation path through LongGRPOTrainer on 2 ranks (Ulysses 2, FSDP2): ranks decode
+    different numbers of tokens in the same step and the step still finishes (no hang in the
+    FSDP2 all-gathers); both ranks log the same global loss and completion lengths, and the
+    model is patched again after generation."""
+    model_path, _, tok_path = paths
+    out = pools.get(2).run(_generate_for_real, model_path, tok_path, str(tmp_path), timeout=300)
+    assert all(r["patched"] for r in out) and all(len(r["loss"]) == 2 for r in out), out
+    assert out[0]["loss"] == out[1]["loss"] and out[0]["mean_length"] == out[1]["mean_length"], out
+    per_step_max = [[max(step) for step in r["lengths"]] for r in out]  # [rank][step]: tokens decoded by that rank
+    assert any(a != b for a, b in zip(*per_step_max)), f"ranks decoded the same lengths in every step: {per_step_max}"
+    assert all(1 <= n <= 12 for r in out for step in r["lengths"] for n in step), out
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
+    (dict(num_iterations=2), "num_iterations=2"),
+    (dict(loss_type="bnpo"), "loss_type='bnpo'"),
+    (dict(use_vllm=True), "use_vllm=True"),
+    (dict(mask_truncated_completions=True), "mask_truncated_completions=True"),
+    (dict(eval_strategy="steps", eval_steps=1), "evaluation"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5"),
+], ids=["grad_accum", "num_iterations", "bnpo", "vllm", "mask_truncated", "eval", "entropy_quantile"])
+def test_grpo_trainer_refusals(paths, tmp_path, kw, match):
+    """Every refused setting raises NotSupported at construction, naming the value and a "Do instead"."""
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from hf_longctx import NotSupported, init_sequence_parallel, patch
+    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+
+    model_path, _, tok_path = paths
+    cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to=[],
+                     use_cpu=True, bf16=False, gradient_checkpointing=False, **kw)
+    mesh = init_sequence_parallel()
+    with pytest.raises(NotSupported, match=match) as err:
+        LongGRPOTrainer(model=patch(AutoModelForCausalLM.from_pretrained(model_path), mesh), mesh=mesh,
+                        reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts(),
+                        processing_class=AutoTokenizer.from_pretrained(tok_path))
+    assert "Do instead" in str(err.value)
+
+
+def test_grpo_trainer_needs_patched_model(paths, tmp_path):
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig
+
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+
+    cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to=[],
+                     use_cpu=True, bf16=False, gradient_checkpointing=False)
+    with pytest.raises(ValueError, match="not patched"):
+        LongGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(paths[0]), mesh=init_sequence_parallel(),
+                        reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts())
