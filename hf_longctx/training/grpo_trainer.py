@@ -48,6 +48,8 @@ from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.loss import global_loss
 from hf_longctx.training import construction as build
+from hf_longctx.training.arguments import TRAINING_ARGUMENTS, _message
+from hf_longctx.training.checkpoint import save_consolidated
 from hf_longctx.training.checks import check_process_group
 from hf_longctx.training.grpo_generate import unpatched_for_generation
 from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
@@ -59,10 +61,23 @@ _TRAINER_PARAMETERS = ("model", "reward_funcs", "args", "train_dataset", "eval_d
 _NUM_SEQUENCES = "grpo_num_sequences"
 
 
+# TrainingArguments fields refused here for the reasons arguments.py's table gives (the rest of that table is about
+# the token-budget step DataLoader of LongContextTrainerMixin, which GRPO does not use: TRL's sampler draws rows).
+_SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
+                    "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
+                    "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
+                    "enable_jit_checkpoint")
+
+
 def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
     """One line per setting LongGRPOTrainer does not make exact (beyond `check_grpo_config`), each
     with its "do instead". `params`: GRPOTrainer.__init__'s arguments by name."""
-    out = []
+    out = [_message(name, getattr(args, name), TRAINING_ARGUMENTS[name]) for name in _SHARED_REFUSALS
+           if name in TRAINING_ARGUMENTS and hasattr(args, name) and not TRAINING_ARGUMENTS[name].ok(getattr(args, name))]
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+        out.append(f"save_strategy={args.save_strategy!r}: resumable checkpoints of the FSDP2-sharded policy, its "
+                   "optimizer and TRL's generation state are not wired; do instead: save_strategy='no' and "
+                   "trainer.save_model(dir) after train() (a consolidated from_pretrained directory)")
     if args.gradient_accumulation_steps != 1 or args.steps_per_generation != 1:
         out.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}, steps_per_generation="
                    f"{args.steps_per_generation}: TRL slices a buffered generation batch into accumulation steps; "
@@ -202,6 +217,14 @@ class LongGRPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         share = super().training_step(model, inputs, num_items_in_batch)
         return global_loss(share, self.mesh)  # the Trainer logs the mean over processes: each holds the global loss
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`save_pretrained` of the consolidated policy (a collective: call it on every rank); the
+        directory loads unpatched with `from_pretrained`."""
+        output_dir = output_dir or self.args.output_dir
+        save_consolidated(self.model, output_dir, is_main=self.args.should_save)
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return total_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)

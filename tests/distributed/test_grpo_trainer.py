@@ -205,15 +205,22 @@ def _generate_for_real(model_path: str, tok_path: str, out_dir: str) -> dict:
                         train_dataset=make_prompts(), processing_class=AutoTokenizer.from_pretrained(tok_path))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    trainer.save_model(f"{out_dir}/final")  # a collective: the consolidated policy, loadable unpatched
+    import torch.distributed as dist
+
+    dist.barrier()
+    saved = AutoModelForCausalLM.from_pretrained(f"{out_dir}/final", dtype=torch.float32)
+    trained = {k: p.full_tensor() for k, p in trainer.model.named_parameters()}
+    saved_diff = max((saved.get_parameter(k) - v).abs().max().item() for k, v in trained.items())
     return {"lengths": lengths, "loss": [h["loss"] for h in logs], "patched": is_patched(trainer.model),
-            "mean_length": [h["completions/mean_length"] for h in logs]}
+            "mean_length": [h["completions/mean_length"] for h in logs], "saved_diff": saved_diff}
 
 
 def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
     """TRL's own generation path through LongGRPOTrainer on 2 ranks (Ulysses 2, FSDP2): ranks decode
     different numbers of tokens in the same step and the step still finishes (no hang in the
-    FSDP2 all-gathers); both ranks log the same global loss and completion lengths, and the
-    model is patched again after generation."""
+    FSDP2 all-gathers); both ranks log the same global loss and completion lengths, the
+    model is patched again after generation, and `save_model` writes the trained weights."""
     model_path, _, tok_path = paths
     out = pools.get(2).run(_generate_for_real, model_path, tok_path, str(tmp_path), timeout=300)
     assert all(r["patched"] for r in out) and all(len(r["loss"]) == 2 for r in out), out
@@ -221,6 +228,7 @@ def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
     per_step_max = [[max(step) for step in r["lengths"]] for r in out]  # [rank][step]: tokens decoded by that rank
     assert any(a != b for a, b in zip(*per_step_max)), f"ranks decoded the same lengths in every step: {per_step_max}"
     assert all(1 <= n <= 12 for r in out for step in r["lengths"] for n in step), out
+    assert all(r["saved_diff"] == 0.0 for r in out), [r["saved_diff"] for r in out]  # save_model: the trained weights
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -231,7 +239,11 @@ def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
     (dict(mask_truncated_completions=True), "mask_truncated_completions=True"),
     (dict(eval_strategy="steps", eval_steps=1), "evaluation"),
     (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5"),
-], ids=["grad_accum", "num_iterations", "bnpo", "vllm", "mask_truncated", "eval", "entropy_quantile"])
+    (dict(save_strategy="steps"), "save_strategy="),
+    (dict(torch_compile=True), "torch_compile=True"),
+    (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha=5.0"),
+], ids=["grad_accum", "num_iterations", "bnpo", "vllm", "mask_truncated", "eval", "entropy_quantile", "checkpoints",
+        "compile", "neftune"])
 def test_grpo_trainer_refusals(paths, tmp_path, kw, match):
     """Every refused setting raises NotSupported at construction, naming the value and a "Do instead"."""
     pytest.importorskip("trl")
@@ -243,7 +255,7 @@ def test_grpo_trainer_refusals(paths, tmp_path, kw, match):
 
     model_path, _, tok_path = paths
     cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to=[],
-                     use_cpu=True, bf16=False, gradient_checkpointing=False, **kw)
+                     use_cpu=True, bf16=False, gradient_checkpointing=False, **{"save_strategy": "no", **kw})
     mesh = init_sequence_parallel()
     with pytest.raises(NotSupported, match=match) as err:
         LongGRPOTrainer(model=patch(AutoModelForCausalLM.from_pretrained(model_path), mesh), mesh=mesh,
@@ -261,7 +273,7 @@ def test_grpo_trainer_needs_patched_model(paths, tmp_path):
     from hf_longctx.training.grpo_trainer import LongGRPOTrainer
 
     cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to=[],
-                     use_cpu=True, bf16=False, gradient_checkpointing=False)
+                     use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no")
     with pytest.raises(ValueError, match="not patched"):
         LongGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(paths[0]), mesh=init_sequence_parallel(),
                         reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts())
