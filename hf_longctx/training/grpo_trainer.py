@@ -51,6 +51,7 @@ from hf_longctx.training import construction as build
 from hf_longctx.training.arguments import TRAINING_ARGUMENTS, _message
 from hf_longctx.training.checkpoint import save_consolidated
 from hf_longctx.training.checks import check_process_group
+from hf_longctx.training.grpo_arguments import refused_grpo_fields
 from hf_longctx.training.grpo_generate import unpatched_for_generation
 from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
@@ -125,11 +126,11 @@ class LongGRPOTrainer(GRPOTrainer):
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"LongGRPOTrainer needs args=GRPOConfig(...) (its batch sizes define the step), got "
                             f"{type(config).__name__}")
-        self.objective = GRPOObjective.from_config(config)  # check_grpo_config first: every refused field, with Do instead
-        errors = refusals(config, params)
+        errors = refused_grpo_fields(config) + refusals(config, params)  # every refused value at once
         if errors:
             raise NotSupported("LongGRPOTrainer cannot honour exactly:\n  " + "\n  ".join(errors),
                                "change the values listed above as each line says")
+        self.objective = GRPOObjective.from_config(config)
         build.check_patched(params.get("model"), mesh)
         build.check_mesh_world(mesh)
         if mesh.world_size > 1 and not trainer_takes_sharded_models():

@@ -242,8 +242,9 @@ def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
     (dict(save_strategy="steps"), "save_strategy="),
     (dict(torch_compile=True), "torch_compile=True"),
     (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha=5.0"),
+    (dict(loss_type="bnpo", num_iterations=2), r"loss_type='bnpo'(.|\n)*num_iterations=2"),  # all listed at once
 ], ids=["grad_accum", "num_iterations", "bnpo", "vllm", "mask_truncated", "eval", "entropy_quantile", "checkpoints",
-        "compile", "neftune"])
+        "compile", "neftune", "together"])
 def test_grpo_trainer_refusals(paths, tmp_path, kw, match):
     """Every refused setting raises NotSupported at construction, naming the value and a "Do instead"."""
     pytest.importorskip("trl")
