@@ -34,6 +34,7 @@ TRL's sampling fields are honoured) plus `refusals` below, all raised before any
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -56,9 +57,7 @@ from hf_longctx.training.grpo_generate import unpatched_for_generation
 from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
 
-_TRAINER_PARAMETERS = ("model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
-                       "reward_processing_classes", "callbacks", "optimizers", "quantization_config", "peft_config",
-                       "tools", "rollout_func", "environment_factory")  # GRPOTrainer.__init__'s order (TRL 1.16)
+_TRAINER_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # positional order, without self
 _NUM_SEQUENCES = "grpo_num_sequences"
 
 
