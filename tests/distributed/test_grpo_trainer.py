@@ -91,9 +91,12 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    import torch.distributed as dist
+
     trainer_env()
     distributed = mesh_shape is not None
-    cfg = GRPOConfig(output_dir=out_dir, max_steps=1, per_device_train_batch_size=ROWS if distributed else WORLD * ROWS,
+    processes = dist.get_world_size() if dist.is_initialized() else 1  # the step's WORLD x ROWS rows over them
+    cfg = GRPOConfig(output_dir=out_dir, max_steps=1, per_device_train_batch_size=WORLD * ROWS // processes,
                      num_generations=GENERATIONS, max_completion_length=16, temperature=0.7, epsilon=0.2,
                      epsilon_high=0.28, loss_type=loss_type, beta=beta, optim="sgd", learning_rate=1.0,
                      lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
@@ -219,6 +222,18 @@ def _generate_for_real(model_path: str, tok_path: str, out_dir: str) -> dict:
     saved_diff = max((saved.get_parameter(k) - v).abs().max().item() for k, v in trained.items())
     return {"lengths": lengths, "loss": [h["loss"] for h in logs], "patched": is_patched(trainer.model),
             "mean_length": [h["completions/mean_length"] for h in logs], "saved_diff": saved_diff}
+
+
+def test_grpo_trainer_one_process_matches_trl(paths, references, tmp_path):
+    """LongGRPOTrainer on a mesh of one process (no FSDP; the reference patched, not sharded)
+    equals TRL's GRPOTrainer too: the packed-row path alone, dapo with beta 0.04."""
+    case = ("dapo", 0.04)
+    got, ref = _run(*paths, str(tmp_path), *case, (1, 1)), references[case]
+    assert set(got["log"]) == set(ref["log"]) and not got["ref_sharded"]
+    for name, want in ref["log"].items():
+        assert got["log"][name] == pytest.approx(want, rel=METRIC_TOL, abs=METRIC_TOL), f"{name} {got['log'][name]} vs {want}"
+    worst = max((rel(got["updates"][k], ref["updates"][k]), k) for k in ref["updates"])
+    assert worst[0] <= GRAD_TOL, f"parameter update rel err {worst}"
 
 
 def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
