@@ -32,7 +32,8 @@ the ratio is 1, so the clip ratios are 0 on both sides (clipping itself: test_gr
 Also: TRL's real sampling through LongGRPOTrainer on 2 ranks with ragged completion lengths
 (no hang, same logs on both ranks, save_model writes the trained weights); bf16 weights within
 the project's 2x rule against the float64 single-process GRPOTrainer; every construction
-refusal raises NotSupported with a "Do instead".
+refusal raises NotSupported with a "Do instead"; and LongGRPOTrainer on a one-process mesh equals
+GRPOTrainer as well (the packed-row path without FSDP).
 """
 
 from __future__ import annotations
