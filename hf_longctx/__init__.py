@@ -53,6 +53,7 @@ __all__ = [
     "LongContextTrainerMixin",
     "LongDPOTrainer",
     "GRPOObjective",
+    "LongGRPOTrainer",
     "flex_microbatches",
     "doc_sums",
     "exit_rank",
@@ -98,6 +99,10 @@ def __getattr__(name: str):
         from hf_longctx.training import grpo, grpo_loss
 
         return getattr(grpo_loss if name == "GRPOObjective" else grpo, name)
+    if name == "LongGRPOTrainer":  # TRL's GRPOTrainer under SP (training/grpo_trainer.py): imports trl
+        from hf_longctx.training import grpo_trainer
+
+        return grpo_trainer.LongGRPOTrainer
     if name in ("exit_rank", "run_rank"):  # a launched rank's clean end (training/launch.py)
         from hf_longctx.training import launch
 

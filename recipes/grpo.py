@@ -11,7 +11,8 @@ ranks may decode different lengths, no hang), the reward below scores them, the
 group-relative advantages follow TRL's default, and the training step runs under SP with
 TRL's GRPOConfig loss (--loss-type grpo | dr_grpo | dapo, --beta for the KL to a frozen
 reference copy) exactly as one process would (training/grpo_loss.py). The printed metrics
-are global (TRL's names).
+are global (TRL's names). A script on TRL's own GRPOTrainer (its dataset, reward functions
+and logging) uses hf_longctx.LongGRPOTrainer instead (README "#### GRPO").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ packed row, so the advantages are local.
 
 Not done here (TRL's trainer does it): several micro-batches per step (the packed row is
 one micro-batch), num_iterations > 1 with old log-probabilities, evaluation, logging
-callbacks. A `LongGRPOTrainer` on TRL's `GRPOTrainer` is not provided yet.
+callbacks: `grpo_trainer.LongGRPOTrainer` is TRL's `GRPOTrainer` with this step's pieces.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@ sequence-parallel GRPO step: honoured, mapped, left to the caller's loop, or ref
 
 Where it sits: `GRPOObjective.from_config` (training/grpo_loss.py) and
 `generation_kwargs(args)` below call `check_grpo_config` first, on every rank alike and before
-any collective. The `TrainingArguments` half is `arguments.py`'s table. A field of a newer
+any collective; `LongGRPOTrainer` (grpo_trainer.py) reaches it through `from_config` and adds its
+own refusals (`grpo_trainer.refusals`: accumulation / buffered generations, evaluation, ...);
+there, the "trainer" fields below are read by TRL's GRPOTrainer itself. For `grpo_step` the
+`TrainingArguments` half is `arguments.py`'s table. A field of a newer
 TRL missing from the table is refused when it differs from its default, and
 tests/unit/test_grpo_arguments.py fails on the installed TRL until the table names it.
 

@@ -1,0 +1,233 @@
+"""`LongGRPOTrainer`: TRL's `GRPOTrainer` with its training step exact under sequence parallelism.
+
+Where it sits: a user's GRPOTrainer script plus `mesh=` (and the model `patch`ed with it). TRL
+keeps what it owns -- the dataset and its `RepeatSampler` (each process draws its own rows of
+the step's global generation batch), prompt formatting, the reward functions, the group
+advantages over the whole world, the completion/reward metrics, logging and the optimizer --
+and four hooks are replaced:
+1. `_generate_single_turn` (TRL's generation hook) runs TRL's own transformers path inside
+   `grpo_generate.unpatched_for_generation`: FSDP2 units gathered once, the SP patch off,
+   so `generate` makes no per-forward collective and ranks may decode different lengths;
+   each process generates for its own rows (the SP group's generation work is split).
+2. `_prepare_inputs` calls TRL's `_generate_and_score_completions` (generation, rewards,
+   advantages, `num_items_in_batch` = the step's global completion tokens), then
+   all-gathers the rows over the SP group (every rank of a group trains on the union, DP
+   groups on different rows), packs them (`grpo_loss.pack_completions`, global counts N and
+   T), shards the packed row over the group (`shard_batch`) and, for beta > 0, writes the
+   reference log-probabilities of that shard (`add_ref_logps`, the reference patched with
+   the same mesh and FSDP2-sharded over DP x SP like the policy).
+3. `compute_loss` is `grpo_loss` on the shard (TRL 1.16's per-token objective with each
+   loss_type's normaliser as a global per-token weight); TRL's loss metrics are logged as
+   global values. `_get_per_token_logps_and_entropies` returns nothing: TRL's padded
+   forwards for old / reference log-probabilities never run (the shard has them).
+4. `training_step` returns the step's global loss (the sum of the ranks' shares) for
+   logging; FSDP2 (`fsdp_plan`, sum reduction over DP x SP) sums the gradients, and
+   `grad_norm` is the norm of the summed gradient (`step_loop.grad_norm`).
+
+Exact against the single-process GRPOTrainer whose per_device_train_batch_size is the world's
+total (the union of every process's rows): same rows, same rewards and advantages, and the
+loss, gradients, grad_norm and TRL's metrics equal (tests/distributed/test_grpo_trainer.py).
+GRPOConfig: `check_grpo_config` (grpo_arguments.py: loss_type grpo / dr_grpo / dapo, beta,
+epsilon / epsilon_high, delta, temperature, max_completion_length, use_bias_correction_kl and
+TRL's sampling fields are honoured) plus `refusals` below, all raised before any collective.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
+from hf_longctx.devices import to_device
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.accelerate import fsdp_plan
+from hf_longctx.loss import global_loss
+from hf_longctx.training import construction as build
+from hf_longctx.training.arguments import TRAINING_ARGUMENTS, _message
+from hf_longctx.training.checkpoint import save_consolidated
+from hf_longctx.training.checks import check_process_group
+from hf_longctx.training.grpo_arguments import refused_grpo_fields
+from hf_longctx.training.grpo_generate import unpatched_for_generation
+from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
+from hf_longctx.training.step_loop import grad_norm as total_grad_norm
+
+_TRAINER_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # positional order, without self
+_NUM_SEQUENCES = "grpo_num_sequences"
+
+
+# TrainingArguments fields refused here for the reasons arguments.py's table gives (the rest of that table is about
+# the token-budget step DataLoader of LongContextTrainerMixin, which GRPO does not use: TRL's sampler draws rows).
+_SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
+                    "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
+                    "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
+                    "enable_jit_checkpoint")
+
+
+def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
+    """One line per setting LongGRPOTrainer does not make exact (beyond `check_grpo_config`), each
+    with its "do instead". `params`: GRPOTrainer.__init__'s arguments by name."""
+    out = [_message(name, getattr(args, name), TRAINING_ARGUMENTS[name]) for name in _SHARED_REFUSALS
+           if name in TRAINING_ARGUMENTS and hasattr(args, name) and not TRAINING_ARGUMENTS[name].ok(getattr(args, name))]
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+        out.append(f"save_strategy={args.save_strategy!r}: resumable checkpoints of the FSDP2-sharded policy, its "
+                   "optimizer and TRL's generation state are not wired; do instead: save_strategy='no' and "
+                   "trainer.save_model(dir) after train() (a consolidated from_pretrained directory)")
+    if args.gradient_accumulation_steps != 1 or args.steps_per_generation != 1:
+        out.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}, steps_per_generation="
+                   f"{args.steps_per_generation}: TRL slices a buffered generation batch into accumulation steps; "
+                   "LongGRPOTrainer trains one packed generation batch per optimizer step; do instead: keep both at "
+                   "1 and raise per_device_train_batch_size (the SP group packs its rows into one sharded row)")
+    if args.num_iterations != 1:
+        out.append(f"num_iterations={args.num_iterations}: the old-policy log-probabilities would come from TRL's "
+                   "buffered padded batch; do instead: num_iterations=1 (on-policy), or grpo_step / pack_completions "
+                   "with old_logps in your own loop")
+    if args.mask_truncated_completions:
+        out.append("mask_truncated_completions=True: a masked completion keeps its tokens in the input but none in "
+                   "the loss; not verified under SP; do instead: leave it False, or give truncated completions zero "
+                   "reward in a reward function")
+    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or params.get("eval_dataset") is not None:
+        out.append("evaluation (eval_strategy / eval_dataset): GRPO evaluation rollouts are not wired to the SP step; "
+                   "do instead: eval_strategy='no' and no eval_dataset; evaluate the saved model in one process")
+    for name, why in (("peft_config", "adapters and their reference-by-disabling"), ("quantization_config", "quantized "
+                      "loading by name"), ("tools", "tool-calling rollouts (tool_mask)"), ("rollout_func", "custom "
+                      "rollouts"), ("environment_factory", "environment rollouts")):
+        if params.get(name) is not None:
+            out.append(f"{name}: {why} are not wired to the SP step; do instead: leave {name}=None")
+    if isinstance(params.get("processing_class"), transformers.ProcessorMixin):
+        out.append("a multimodal processor: images are not carried through the packed SP row; do instead: a text "
+                   "model and its tokenizer")
+    return out
+
+
+class LongGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` with `mesh=` (from `init_sequence_parallel`; the model `patch(model, mesh)`ed).
+
+    `LongGRPOTrainer(model=patch(model, mesh), reward_funcs=..., args=GRPOConfig(...),
+    train_dataset=ds, processing_class=tok, mesh=mesh)`. Each process draws
+    `per_device_train_batch_size` rows of the step (TRL's sampler); the ranks of an SP group
+    train on the union of their rows, so one step equals a single-process GRPOTrainer step with
+    per_device_train_batch_size x world_size (module docstring). Refused settings: `refusals`
+    and `grpo_arguments.check_grpo_config`; both raise `NotSupported` naming every value.
+    """
+
+    def __init__(self, *args: Any, mesh: SPMesh, **kwargs: Any) -> None:
+        # Every check runs on every rank alike, before any collective.
+        if not isinstance(mesh, SPMesh):
+            raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
+        params = {**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs}
+        config = params.get("args")
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"LongGRPOTrainer needs args=GRPOConfig(...) (its batch sizes define the step), got "
+                            f"{type(config).__name__}")
+        errors = refused_grpo_fields(config) + refusals(config, params)  # every refused value at once
+        if errors:
+            raise NotSupported("LongGRPOTrainer cannot honour exactly:\n  " + "\n  ".join(errors),
+                               "change the values listed above as each line says")
+        self.objective = GRPOObjective.from_config(config)
+        build.check_patched(params.get("model"), mesh)
+        build.check_mesh_world(mesh)
+        if mesh.world_size > 1 and not trainer_takes_sharded_models():
+            raise RuntimeError(f"LongGRPOTrainer on {mesh.world_size} ranks needs transformers >= "
+                               f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded "
+                               f"before prepare); transformers {transformers.__version__} would wrap it in DDP")
+        build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=True)
+        self.mesh = mesh
+        super().__init__(*args, **kwargs)
+        check_process_group(self.args)
+        if self.ref_model is not None:  # TRL loaded it from the policy's name: patched with the same mesh
+            from hf_longctx.integrations.transformers import patch
+
+            patch(self.ref_model, mesh)
+        if mesh.world_size > 1:
+            build.shard_model(self.model, mesh, bf16=self.args.bf16, param_offload=False)
+            if self.ref_model is not None:  # sharded like the policy: every rank runs its one forward per step
+                self.ref_model.requires_grad_(False)
+                fsdp_plan(self.ref_model, mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.ref_model)
+            # The Trainer's path for a model that owns placement and gradient reduction: no DDP, no .to() of shards.
+            self.is_distributed_loading_by_transformers = True
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        if self.mesh.world_size == 1:  # several ranks: fully_shard placed the shards
+            super()._move_model_to_device(model, device)
+
+    # ---- (1) generation: TRL's own path on gathered, unpatched weights ------------------------------
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        with unpatched_for_generation(self.model):  # same calls on every rank: FSDP2 all-gathers once, in module order
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
+        # TRL calls it on its padded batch for old (num_iterations > 1, refused) and reference (beta > 0)
+        # log-probabilities; here the reference ones are computed on the SP shard (`_sp_batch`).
+        return None, None, None
+
+    # ---- (2) the step's rows -> one packed row per SP group -> this rank's shard ----------------------
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        if not self.model.training:
+            raise NotSupported("GRPO evaluation is not wired to the SP step", "eval_strategy='no'")
+        return self._sp_batch(self._generate_and_score_completions(generation_batch))
+
+    def _sp_batch(self, out: dict[str, Any]) -> dict[str, Any]:
+        """TRL's scored batch of this process (left-padded prompts [B, P], right-padded completions
+        [B, C], advantages [B], global num_items_in_batch) -> this rank's shard of its SP group's row."""
+        extra = sorted(set(out) - {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+                                   "num_items_in_batch"})
+        if extra:  # refused at construction; a guard against a newer TRL adding inputs the packed row would drop
+            raise NotSupported(f"TRL produced inputs the SP step does not carry: {extra}", "report it")
+        p_ids, p_mask = out["prompt_ids"].cpu(), out["prompt_mask"].cpu().bool()  # [B, P]
+        c_ids, c_mask = out["completion_ids"].cpu(), out["completion_mask"].cpu().bool()  # [B, C]
+        rows = [(p_ids[i][p_mask[i]].tolist(), c_ids[i][c_mask[i]].tolist(), float(out["advantages"][i]))
+                for i in range(p_ids.shape[0])]
+        counts = torch.tensor([len(rows)], dtype=torch.float64)
+        if self.mesh.world_size > 1:
+            dist.all_reduce(counts, group=self.mesh.world_mesh.get_group())  # [1]: N, every process's rows are distinct
+            if self.mesh.sp > 1:
+                table: list[Any] = [None] * self.mesh.sp
+                dist.all_gather_object(table, rows, group=self.mesh.sp_group)  # [SP] x ragged rows, in SP-rank order
+                rows = [r for part in table for r in part]
+        n, tokens = int(counts.item()), int(out["num_items_in_batch"].item())
+        if tokens < 1:  # identical on every rank (global count): all raise together
+            raise ValueError("no completion token in this step (every completion is empty); raise max_completion_length")
+        packed = pack_completions([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], self.objective,
+                                  num_sequences=n, num_tokens=tokens)
+        shard = to_device(shard_completions(packed, self.mesh, pad_token_id=self._tokenizer.pad_token_id), self.args.device)
+        if self.objective.beta != 0.0:
+            add_ref_logps(self.ref_model, shard, self.objective)  # one forward on every rank (FSDP2 all-gathers per unit)
+            if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps the root unsharded after forward (for a backward)
+                self.ref_model.reshard()
+        shard[_NUM_SEQUENCES] = n
+        return shard
+
+    # ---- (3) the loss on the shard; TRL's metrics, global ---------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("The GRPOTrainer does not support returning outputs")
+        loss, metrics = grpo_loss(model, inputs, self.objective, self.mesh, num_sequences=inputs[_NUM_SEQUENCES])
+        mode = "train" if self.model.training else "eval"
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(value)
+        return loss
+
+    # ---- (4) logging and the norm of the summed gradient ----------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        share = super().training_step(model, inputs, num_items_in_batch)
+        return global_loss(share, self.mesh)  # the Trainer logs the mean over processes: each holds the global loss
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`save_pretrained` of the consolidated policy (a collective: call it on every rank); the
+        directory loads unpatched with `from_pretrained`."""
+        output_dir = output_dir or self.args.output_dir
+        save_consolidated(self.model, output_dir, is_main=self.args.should_save)
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        return total_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        return total_grad_norm(model, float("inf"), self.state.global_step + 1) if grad_norm is None else grad_norm
