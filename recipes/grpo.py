@@ -36,7 +36,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
-from common import add_common_args, build_tiny_model, check_common_args, patch_kwargs, refuse_flags, step_lines  # noqa: E402
+from common import (  # noqa: E402
+    add_common_args, build_tiny_model, check_common_args, patch_kwargs, refuse_flags, step_lines,
+)
 
 from hf_longctx import LongGRPOTrainer, init_sequence_parallel, patch  # noqa: E402
 from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
@@ -51,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=64, help="prompts of the locally made dataset (without --dataset)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--per-device-train-batch-size", type=int, default=4,
-                   help="rows (prompt x generation) each process draws per step; x processes divisible by --num-generations")
+                   help="rows (prompt x generation) each process draws per step; times the processes: a multiple "
+                        "of --num-generations")
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=24)
     p.add_argument("--loss-type", default="dapo", help="GRPOConfig.loss_type (grpo, dr_grpo, dapo)")
@@ -88,8 +91,8 @@ def make_prompts(n: int, seed: int, vocab_words: int = 126):
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 12, (n,), generator=g).tolist()
-    return Dataset.from_dict({"prompt": [" ".join(f"w{i}" for i in torch.randint(0, vocab_words, (k,), generator=g).tolist())
-                                         for k in lengths]})
+    words = lambda k: " ".join(f"w{i}" for i in torch.randint(0, vocab_words, (k,), generator=g).tolist())  # noqa: E731
+    return Dataset.from_dict({"prompt": [words(k) for k in lengths]})
 
 
 def main(argv=None) -> None:
