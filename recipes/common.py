@@ -12,11 +12,20 @@ setting printed by `hf-longctx plan` ("as recipe flags") pastes into any of them
   --mixed-precision bf16|fp32          -> TrainingArguments(bf16=...) -> fsdp_plan(mixed_precision=...)
   --resume                             -> trainer.train(resume_from_checkpoint=True)
   --tokenizer                          -> AutoTokenizer.from_pretrained (default: --model)
+
+A recipe that does not honour one of them refuses it when set (`refuse_flags`). Also shared by
+the post-training recipes (`dpo.py`, `grpo.py`): `build_tiny_model` (their CPU demo model, built
+from a config and saved with `save_pretrained`, so it loads like a real checkpoint) and
+`step_lines` (one printed line per optimizer step with TRL's metric names, and every rank's
+logs in `OUTPUT_DIR/steps.rank<R>.jsonl`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from typing import Any
 
 from hf_longctx.config import MEMORY_PRESETS
 
@@ -70,3 +79,47 @@ def refuse_flags(p: argparse.ArgumentParser, args: argparse.Namespace, unsupport
     for name, instead in unsupported.items():
         if getattr(args, name) != p.get_default(name):
             p.error(f"--{name.replace('_', '-')} is not supported by this recipe; do instead: {instead}")
+
+
+def build_tiny_model(path: str, seed: int) -> None:
+    """A tiny Llama and its word-level tokenizer ("<pad>" 0, "<eos>" 1, words "w0".."w125"), saved to
+    `path` with `save_pretrained` (call on one rank; the others `from_pretrained` it afterwards)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(126)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def step_lines(output_dir: str, rank: int, is_main: bool) -> Any:
+    """A TrainerCallback: for every logged optimizer step, rank 0 prints `step N: name=value, ...`
+    (TRL's metric names as logged) and every rank appends the logs to
+    `output_dir/steps.rank<rank>.jsonl`, emptied when training starts (the ranks' global values agree)."""
+    from transformers import TrainerCallback
+
+    path = os.path.join(output_dir, f"steps.rank{rank}.jsonl")
+
+    class StepLines(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            os.makedirs(output_dir, exist_ok=True)
+            open(path, "w").close()  # this run's lines only
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            if not logs or "loss" not in logs:  # the end-of-training summary has train_loss, not loss
+                return
+            row = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if is_main:
+                print(f"step {row['step']}: " + ", ".join(f"{k}={v:.6g}" for k, v in row.items() if k != "step"),
+                      flush=True)
+
+    return StepLines()

@@ -1,89 +1,132 @@
-"""DPO under sequence parallelism with hf_longctx's building blocks (issue 21, item 5).
+"""DPO on long preference pairs with TRL's DPOTrainer, exact under sequence parallelism (`LongDPOTrainer`).
 
-Run (CPU, gloo, or GPUs):
-  accelerate launch --num_processes 4 recipes/dpo.py MODEL pairs.jsonl --ulysses 2 --ring 2 --steps 2
-pairs.jsonl: one {"prompt": [ids], "chosen": [ids], "rejected": [ids]} per line (token ids).
-Flow: plan_pairs (a pair is one unit) -> pack_pairs -> shard_batch -> patched policy and
-reference (a frozen copy of the initial model, TRL's default) -> completion_logps (doc_sums)
--> dpo_loss over the step's GLOBAL pairs -> sum_gradients -> AdamW. A plain loop; the same
-through TRL's DPOTrainer is hf_longctx.LongDPOTrainer (training/dpo_trainer.py).
+Run on CPU (gloo) with a tiny Llama built here and locally made pairs:
+    accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/dpo.py --ulysses 2 --ring 2 --steps 4
+    accelerate launch --multi_gpu --num_processes 2 recipes/dpo.py --ulysses 2 --steps 2
+or a real model and a pairs dataset (prompt/chosen/rejected as text, conversations or token-id lists):
+    accelerate launch --config_file accelerate_configs/gpu_1node_8.yaml recipes/dpo.py --model PATH \
+        --dataset json --data-files pairs.jsonl --ulysses 8 --tokens-per-step 262144 --max-tokens 65536 \
+        --steps 500 --mixed-precision bf16 --output-dir runs/dpo --export
+
+Where it sits: the user's path, a TRL DPOTrainer script plus `mesh=`. Without --model the
+recipe builds a tiny Llama and a word-level tokenizer from a config (`common.build_tiny_model`:
+`save_pretrained`, then every rank `from_pretrained`s it, as a real checkpoint loads); without
+--dataset it makes --pairs text pairs (the chosen completion repeats the prompt's last word,
+the rejected one is random words; TRL tokenizes them). `hf_longctx.LongDPOTrainer` then
+trains: each step's pairs fill --tokens-per-step tokens (chosen and rejected counted), a pair
+stays in one micro-batch (--max-tokens) of one SP group, the policy's and TRL's default
+reference's (the initial model, loaded again from --model) log-probabilities are per-document
+sums over the SP shards, the loss is the mean over the step's GLOBAL pairs, FSDP2 sums the
+gradients over DP x SP. Every step prints TRL's metrics (loss, grad_norm, rewards/margins,
+rewards/accuracies, logps/*, ...) as global values; every rank writes them to
+OUTPUT_DIR/steps.rank<R>.jsonl. --memory is refused (its chunked loss drops the logits DPO
+needs); --sync-each-microbatch, --param-offload, --resume (with --save-every checkpoints),
+--kv-offload (with --fpdt-chunks) go to the trainer and `patch`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
-from accelerate import PartialState
-from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
-from common import add_common_args, check_common_args, patch_kwargs, refuse_flags  # noqa: E402
-from hf_longctx import init_sequence_parallel, pack_pairs, patch, plan_pairs, shard_batch  # noqa: E402
-from hf_longctx.loss import global_loss, sum_gradients  # noqa: E402
-from hf_longctx.training.dpo_loss import LOSS_TYPES, completion_logps, dpo_loss  # noqa: E402
-from hf_longctx.training.launch import run_rank  # noqa: E402
+
+from common import (  # noqa: E402
+    add_common_args, build_tiny_model, check_common_args, patch_kwargs, refuse_flags, step_lines, trainer_kwargs,
+)
+
+from hf_longctx import LongDPOTrainer, init_sequence_parallel, patch  # noqa: E402
+from hf_longctx.training.dpo_loss import LOSS_TYPES  # noqa: E402
+from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model"), p.add_argument("pairs")
-    p.add_argument("--steps", type=int, default=1), p.add_argument("--pairs-per-step", type=int, default=4)
-    p.add_argument("--beta", type=float, default=0.1), p.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid")
-    p.add_argument("--lr", type=float, default=1e-4), p.add_argument("--max-tokens", type=int, default=4096)
-    args = check_common_args(p, add_common_args(p, mixed_precision="fp32").parse_args())
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="from_pretrained path or hub id; default: a tiny Llama built here")
+    p.add_argument("--dataset", default=None, help="datasets builder or hub id of preference pairs; default: made here")
+    p.add_argument("--data-files", nargs="*", default=None)
+    p.add_argument("--split", default="train")
+    p.add_argument("--pairs", type=int, default=32, help="pairs of the locally made dataset (without --dataset)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--tokens-per-step", type=int, default=256, help="global tokens per optimizer step (both completions)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens of one micro-batch of one SP group")
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--output-dir", default="runs/dpo")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint-N every this many steps (0: none)")
+    p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
+    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p, mixed_precision="fp32")  # fp32 on CPU: bf16 matmuls are slow there
+    args = check_common_args(p, p.parse_args(argv))
     refuse_flags(p, args, {
-        "sync_each_microbatch": "leave it off (one micro-batch per step here)",
-        "param_offload": "leave it off (the plain loop keeps the model on the device)",
-        "resume": "start a new run (this loop writes no checkpoints)",
-        "tokenizer": "pass token ids (the recipe reads no text)",
+        "memory": "leave it off (its chunked LM head drops the logits the DPO log-probs need); for K/V offload "
+                  "use --fpdt-chunks N --kv-offload",
     })
-    if args.mixed_precision != "fp32":
-        p.error("recipes/dpo.py runs fp32 only (--mixed-precision fp32)")
-    PartialState(cpu=not torch.cuda.is_available())  # the process group accelerate launch describes
-    mesh = init_sequence_parallel(args.ulysses, args.ring, args.fpdt_chunks)
-    pairs = [json.loads(line) for line in open(args.pairs) if line.strip()]
-    if len(pairs) < args.steps * args.pairs_per_step or args.pairs_per_step < mesh.dp:
-        p.error(f"{len(pairs)} pairs for --steps {args.steps} x --pairs-per-step {args.pairs_per_step} "
-                f"(needs >= dp = {mesh.dp} pairs per step): give more pairs or fewer steps")
-    model = patch(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).train(), mesh, **patch_kwargs(args))
-    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().requires_grad_(False)
-    ref = patch(ref, mesh, **patch_kwargs(args))  # TRL's default reference: the initial policy, same mesh
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    for step in range(args.steps):
-        batch = pairs[step * args.pairs_per_step : (step + 1) * args.pairs_per_step]
-        full = [(q["prompt"] + q["chosen"], q["prompt"] + q["rejected"]) for q in batch]
-        plan = plan_pairs([len(c) for c, _ in full], [len(r) for _, r in full], dp_size=mesh.dp,
-                          max_tokens=args.max_tokens, doc_multiple=mesh.doc_multiple, seq_multiple=mesh.seq_multiple)
-        metrics = torch.zeros(4, dtype=torch.float64)
-        step_loss = torch.zeros((), dtype=torch.float64)
-        opt.zero_grad(set_to_none=True)
-        for mb in plan.ranks[mesh.dp_rank]:
-            if not mb:
-                continue  # the SP group's ranks share the plan: all of them skip together
-            chosen = [batch[plan.pieces[i].doc] for i in mb]
-            shard = shard_batch(pack_pairs([(q["prompt"], q["chosen"], q["rejected"]) for q in chosen]), mesh)
-            shard.pop("labels"), shard.pop("num_items_in_batch")  # the model's token loss is not the objective
-            sums, counts = completion_logps(model(**shard).logits, shard, mesh)
-            with torch.no_grad():
-                ref_sums, _ = completion_logps(ref(**shard).logits, shard, mesh)
-            loss, m = dpo_loss(sums, ref_sums, beta=args.beta, loss_type=args.loss_type,
-                               global_pairs=len(batch), sp=mesh.sp, counts=counts)
-            loss.backward()
-            step_loss += loss.detach().double()
-            metrics += torch.stack([v.double() for v in m.values()])
-        sum_gradients(model.parameters(), mesh)
-        opt.step()
-        total = global_loss(step_loss, mesh)
-        if mesh.dp > 1:
-            dist.all_reduce(metrics, group=mesh.dp_group)  # [4] sums over every pair of the step
-        if dist.get_rank() == 0:
-            means = {k: round(v / len(batch), 6) for k, v in zip(m, metrics.tolist())}
-            print({"step": step + 1, "loss": round(total.item(), 6), **means}, flush=True)
+    if args.resume and not args.save_every:
+        p.error("--resume needs checkpoints: pass the --save-every of the run it continues")
+    return args
+
+
+def make_pairs(n: int, seed: int):
+    """`n` text pairs over the tiny tokenizer's words: the chosen completion repeats the prompt's
+    last word, the rejected one is random words; both end with <eos>."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    words = lambda k: [f"w{i}" for i in torch.randint(0, 126, (k,), generator=g).tolist()]  # noqa: E731
+    rows = []
+    for _ in range(n):
+        prompt = words(int(torch.randint(3, 9, (1,), generator=g)))
+        chosen = [prompt[-1]] * int(torch.randint(3, 12, (1,), generator=g))
+        rejected = words(int(torch.randint(3, 12, (1,), generator=g)))
+        rows.append({"prompt": " ".join(prompt), "chosen": " " + " ".join(chosen) + " <eos>",
+                     "rejected": " " + " ".join(rejected) + " <eos>"})
+    return Dataset.from_list(rows)
+
+
+def main(argv=None) -> None:
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
+    from trl import DPOConfig
+
+    args = parse_args(argv)
+    device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + the process group
+    config = DPOConfig(
+        output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="cosine",
+        max_grad_norm=1.0, logging_steps=1, save_strategy="steps" if args.save_every else "no",
+        save_steps=args.save_every or 500, seed=args.seed, bf16=args.mixed_precision == "bf16",
+        use_cpu=device.type == "cpu", report_to=[], disable_tqdm=True,
+        max_length=None, beta=args.beta, loss_type=args.loss_type,  # the cap is --max-tokens; pairs are never cut
+    )
+    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
+    if config.process_index == 0:
+        print(describe(mesh, device))
+    model_path = args.model or os.path.join(args.output_dir, "tiny-llama")
+    with config.main_process_first():  # rank 0 builds (or downloads) first, the others then load
+        if args.model is None and config.process_index == 0:
+            build_tiny_model(model_path, args.seed)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
+        if args.dataset is None:
+            pairs = make_pairs(args.pairs, args.seed)
+        else:
+            pairs = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
+    trainer = LongDPOTrainer(
+        model=patch(model, mesh, **patch_kwargs(args)), args=config, train_dataset=pairs, processing_class=tokenizer,
+        mesh=mesh, max_tokens=args.max_tokens, tokens_per_step=args.tokens_per_step,  # ref_model=None: TRL's default
+        callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
+        **trainer_kwargs(args),
+    )
+    trainer.remove_callback(PrinterCallback)  # step_lines prints each step once
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if args.export:
+        trainer.save_model(os.path.join(args.output_dir, "final"))  # consolidated: loads with from_pretrained
 
 
 if __name__ == "__main__":

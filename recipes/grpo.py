@@ -1,24 +1,34 @@
-"""GRPO (DeepSeekMath §4.1) on long completions under sequence parallelism, with TRL's loss semantics.
+"""GRPO (DeepSeekMath §4.1) on long completions with TRL's GRPOTrainer, exact under sequence parallelism.
 
-Run on CPU (gloo), a tiny random Llama, a locally made prompt set and the reward below:
-    accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/grpo.py --ulysses 2 --steps 3
-    torchrun --nproc-per-node 2 recipes/grpo.py --ulysses 2 --steps 3
-or a real model: --model PATH (its config's vocabulary bounds the made-up prompts).
+Run on CPU (gloo) with a tiny Llama built here, locally made prompts and the reward below:
+    accelerate launch --config_file accelerate_configs/cpu_4proc.yaml recipes/grpo.py --ulysses 2 --beta 0.04
+    accelerate launch --multi_gpu --num_processes 2 recipes/grpo.py --ulysses 2 --steps 2
+or a real model and a prompt dataset (a `prompt` column, text or conversational):
+    accelerate launch --config_file accelerate_configs/gpu_1node_8.yaml recipes/grpo.py --model PATH \
+        --dataset json --data-files prompts.jsonl --ulysses 8 --num-generations 8 --max-completion-length 32768 \
+        --steps 500 --mixed-precision bf16 --output-dir runs/grpo --export
 
-Each step: every DP group takes its own --prompts-per-group prompts; its SP group generates
---num-generations completions per prompt on gathered weights (training/grpo_generate.py:
-ranks may decode different lengths, no hang), the reward below scores them, the
-group-relative advantages follow TRL's default, and the training step runs under SP with
-TRL's GRPOConfig loss (--loss-type grpo | dr_grpo | dapo, --beta for the KL to a frozen
-reference copy) exactly as one process would (training/grpo_loss.py). The printed metrics
-are global (TRL's names). A script on TRL's own GRPOTrainer (its dataset, reward functions
-and logging) uses hf_longctx.LongGRPOTrainer instead (README "#### GRPO").
+Where it sits: the user's path, a TRL GRPOTrainer script plus `mesh=`. Without --model the
+recipe builds a tiny Llama and a word-level tokenizer from a config (`common.build_tiny_model`:
+`save_pretrained`, then every rank `from_pretrained`s it); without --dataset it makes
+--prompts text prompts. `hf_longctx.LongGRPOTrainer` then trains with TRL's own pieces -- its
+sampler (each process draws --per-device-train-batch-size rows of the step), generation (on
+gathered, unpatched weights: ranks may decode different lengths without a hang), the reward
+function below (`format_scores`), group advantages and logging -- and the training step under SP: the SP group
+trains on the union of its ranks' rows as one packed, sharded row, with GRPOConfig's loss
+(--loss-type grpo | dr_grpo | dapo; --beta > 0: KL to TRL's reference, the initial model
+loaded again, patched and sharded like the policy), FSDP2 summing the gradients over DP x SP.
+Every step prints TRL's metrics (loss, grad_norm, reward, reward_std, kl, entropy,
+clip_ratio/*, completions/*) as global values; every rank writes them to
+OUTPUT_DIR/steps.rank<R>.jsonl. Refused (LongGRPOTrainer does not make them exact):
+--memory (its chunked LM head drops the logits the loss needs), --sync-each-microbatch and
+--param-offload (one packed micro-batch per step, no host offload), --resume (no checkpoints:
+save_strategy "no"; --export saves the trained model).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 
@@ -26,94 +36,107 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
-from common import add_common_args, check_common_args, patch_kwargs, refuse_flags  # noqa: E402
+from common import (  # noqa: E402
+    add_common_args, build_tiny_model, check_common_args, patch_kwargs, refuse_flags, step_lines,
+)
 
-from hf_longctx import fsdp_plan, init_sequence_parallel, patch  # noqa: E402
-from hf_longctx.training.grpo import grpo_step  # noqa: E402
-from hf_longctx.training.grpo_arguments import generation_kwargs  # noqa: E402
-from hf_longctx.training.grpo_generate import hf_generate  # noqa: E402
-from hf_longctx.training.grpo_loss import GRPOObjective  # noqa: E402
+from hf_longctx import LongGRPOTrainer, init_sequence_parallel, patch  # noqa: E402
 from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
-
-EOS = 2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="from_pretrained path; default: a tiny random Llama (CPU demo)")
+    p.add_argument("--model", default=None, help="from_pretrained path or hub id; default: a tiny Llama built here")
+    p.add_argument("--dataset", default=None, help="datasets builder or hub id with a `prompt` column; default: made here")
+    p.add_argument("--data-files", nargs="*", default=None)
+    p.add_argument("--split", default="train")
+    p.add_argument("--prompts", type=int, default=64, help="prompts of the locally made dataset (without --dataset)")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--prompts-per-group", type=int, default=3, help="prompts per DP group per step")
+    p.add_argument("--per-device-train-batch-size", type=int, default=4,
+                   help="rows (prompt x generation) each process draws per step; times the processes: a multiple "
+                        "of --num-generations")
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=24)
     p.add_argument("--loss-type", default="dapo", help="GRPOConfig.loss_type (grpo, dr_grpo, dapo)")
-    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to a frozen copy of the initial model")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to TRL's reference (the initial model)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="runs/grpo")
-    add_common_args(p, mixed_precision="fp32")
+    p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
+    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p, mixed_precision="fp32")  # fp32 on CPU: bf16 matmuls are slow there
     args = check_common_args(p, p.parse_args(argv))
     refuse_flags(p, args, {
-        "sync_each_microbatch": "leave it off (one micro-batch per step here)",
-        "param_offload": "leave it off (the plain loop keeps the model on the device)",
-        "resume": "start a new run (this loop writes no checkpoints)",
-        "tokenizer": "pass token ids (the recipe reads no text)",
+        "memory": "leave it off (its chunked LM head drops the logits the GRPO loss needs); for K/V offload "
+                  "use --fpdt-chunks N --kv-offload",
+        "sync_each_microbatch": "leave it off (LongGRPOTrainer trains one packed micro-batch per step)",
+        "param_offload": "leave it off (LongGRPOTrainer keeps the FSDP2 shards on the device)",
+        "resume": "start a new run from an exported model (--export, then --model OUTPUT_DIR/final): "
+                  "LongGRPOTrainer writes no resumable checkpoints",
     })
     return args
 
 
-def reward(prompts: list[list[int]], completions: list[list[int]]) -> list[float]:
-    """A format reward written for the demo: ends with EOS (+1), and the share of even token ids."""
-    return [float(bool(c) and c[-1] == EOS) + sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in completions]
+def format_scores(completion_ids: list[list[int]], eos_token_id: int) -> list[float]:
+    """The recipe's reward: +1 for a completion that ends with EOS (it finished), plus the share
+    of its tokens with an even id (a stand-in for a format rule); one value per completion."""
+    return [float(bool(c) and c[-1] == eos_token_id) + sum(t % 2 == 0 for t in c) / max(len(c), 1)
+            for c in completion_ids]
 
 
-def load_model(args):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def make_prompts(n: int, seed: int, vocab_words: int = 126):
+    """`n` text prompts of 3..11 words of the tiny tokenizer ("w0".."w125")."""
+    from datasets import Dataset
 
-    if args.model is not None:
-        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, eos_token_id=EOS, pad_token_id=0, bos_token_id=1)
-    return AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 12, (n,), generator=g).tolist()
+    words = lambda k: " ".join(f"w{i}" for i in torch.randint(0, vocab_words, (k,), generator=g).tolist())  # noqa: E731
+    return Dataset.from_dict({"prompt": [words(k) for k in lengths]})
 
 
 def main(argv=None) -> None:
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
     args = parse_args(argv)
-    device = init_distributed()
-    # TRL's own config: every field is checked (grpo_arguments.py) before the objective is built.
-    config = GRPOConfig(output_dir=args.output_dir, loss_type=args.loss_type, beta=args.beta, temperature=args.temperature,
-                        max_completion_length=args.max_completion_length, num_generations=args.num_generations,
-                        use_cpu=device.type == "cpu", bf16=args.mixed_precision == "bf16", report_to=[], seed=args.seed)
-    objective = GRPOObjective.from_config(config)
-    sample = hf_generate(max_new_tokens=config.max_completion_length, eos_token_id=EOS, **generation_kwargs(config))
+    device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + the process group
+    config = GRPOConfig(
+        output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, max_grad_norm=1.0, logging_steps=1,
+        save_strategy="no", seed=args.seed, bf16=args.mixed_precision == "bf16", use_cpu=device.type == "cpu",
+        report_to=[], disable_tqdm=True, gradient_checkpointing=False,
+        per_device_train_batch_size=args.per_device_train_batch_size, num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length, loss_type=args.loss_type, beta=args.beta,
+        temperature=args.temperature,
+    )
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
-    if mesh.rank == 0:
+    if config.process_index == 0:
         print(describe(mesh, device))
-    base = load_model(args)
-    ref_model = patch(copy.deepcopy(base).eval(), mesh) if args.beta != 0.0 else None
-    model = patch(base, mesh, **patch_kwargs(args))
-    if mesh.world_size > 1:
-        fsdp_plan(model, mesh, mixed_precision=args.mixed_precision).apply(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(args.seed)
-    for step in range(1, args.steps + 1):
-        # The same draw on every rank; each DP group takes its own slice (its SP ranks the same one).
-        lengths = torch.randint(4, 12, (mesh.dp * args.prompts_per_group,), generator=g).tolist()
-        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-        mine = prompts[mesh.dp_rank * args.prompts_per_group:(mesh.dp_rank + 1) * args.prompts_per_group]
+    model_path = args.model or os.path.join(args.output_dir, "tiny-llama")
+    with config.main_process_first():  # rank 0 builds (or downloads) first, the others then load
+        if args.model is None and config.process_index == 0:
+            build_tiny_model(model_path, args.seed)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
+        if args.dataset is None:
+            prompts = make_prompts(args.prompts, args.seed)
+        else:
+            prompts = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
 
-        def generate(m, prompt, n, _step=step):  # sampling seeded by step and prompt: any rank draws the same
-            torch.manual_seed(args.seed * 1_000_003 + _step * 7919 + sum(prompt))
-            return sample(m, prompt, n)
+    def format_reward(completion_ids, **kwargs):  # TRL: the sampled ids of this process's completions; logs
+        return format_scores(completion_ids, tokenizer.eos_token_id)  # rewards/format_reward/mean|std
 
-        logs = grpo_step(model, optimizer, mesh, mine, reward, objective, num_generations=args.num_generations,
-                         generate=generate, ref_model=ref_model, max_grad_norm=config.max_grad_norm)
-        if mesh.rank == 0:
-            print(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in logs.items()), flush=True)
+    trainer = LongGRPOTrainer(
+        model=patch(model, mesh, **patch_kwargs(args)), mesh=mesh, reward_funcs=[format_reward], args=config,
+        train_dataset=prompts, processing_class=tokenizer,
+        callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
+    )
+    trainer.remove_callback(PrinterCallback)  # step_lines prints each step once
+    trainer.train()
+    if args.export:
+        trainer.save_model(os.path.join(args.output_dir, "final"))  # consolidated: loads with from_pretrained
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ rewards/accuracies, logps/chosen, logps/rejected, entropy, logits/chosen, logits
 mean_token_accuracy (1e-5 absolute + relative) and num_tokens.
 With TRL's default reference (ref_model=None: the initial model) the rewards are all zero at
 the first step, so two cases pass an explicit reference (another saved model) to make them
-non-trivial. Datasets: token-id prompt/chosen/rejected lists (what recipes/dpo.py reads) and,
+non-trivial. Datasets: token-id prompt/chosen/rejected lists (one form LongDPOTrainer reads) and,
 in one case, TRL's text form (tokenized by TRL itself); the reference always gets the text.
 One pair on dp2×U2 leaves a DP rank an empty plan slot (its forwards still run). Two steps
 (dp2×U2, default reference, so step 2 has non-zero rewards) equal TRL's, and resuming from the

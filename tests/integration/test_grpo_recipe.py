@@ -1,24 +1,35 @@
-"""recipes/grpo.py runs as documented on 2 CPU ranks (torchrun, gloo, Ulysses 2, FSDP2): a tiny
-random Llama, made-up prompts, the recipe's reward, real sampling, beta > 0 with a reference
-copy; it must finish both steps and print TRL's metric names."""
+"""recipes/grpo.py (on `LongGRPOTrainer`) runs as documented under `accelerate launch` on 2 CPU
+ranks (gloo, Ulysses 2, FSDP2): the tiny Llama the recipe builds and saves, its locally made
+prompts, its format reward, TRL's real sampling, beta > 0 with TRL's reference. Both steps
+finish; every logged value is finite and the SAME on both ranks (global values); step 1 has
+kl 0 (policy == reference) and a reward spread (non-zero advantages), step 2 kl > 0 (the
+update reached the policy, not the reference); rank 0 prints TRL's metric names."""
 
 from __future__ import annotations
 
-import os
-import sys
+import math
 
-import subprocess
+from tests.integration.test_dpo_recipe import launch, rank_logs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMING = {"step_time"}  # wall-clock: differs between ranks
 
 
 def test_grpo_recipe_runs(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "recipes", "grpo.py"), "--ulysses", "2", "--steps", "2", "--beta", "0.04",
-           "--loss-type", "grpo", "--output-dir", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = launch("grpo.py", "--ulysses", "2", "--steps", "2", "--beta", "0.04", "--loss-type", "grpo",
+                  "--per-device-train-batch-size", "2", "--num-generations", "2", "--max-completion-length", "16",
+                  "--output-dir", str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    for name in ("step 2:", "grad_norm=", "reward=", "kl=", "entropy=", "clip_ratio/region_mean="):
-        assert name in out, (name, out[-2000:])
+    logs = rank_logs(tmp_path)
+    assert [r["step"] for r in logs[0]] == [1, 2] and [r["step"] for r in logs[1]] == [1, 2], out[-2000:]
+    for step0, step1 in zip(*logs):
+        for k, v in step0.items():
+            assert math.isfinite(v), (k, step0)
+            if k not in TIMING:
+                assert step1[k] == v, f"step {step0['step']}: {k} is {v} on rank 0, {step1[k]} on rank 1"
+    first, second = logs[0]
+    assert first["kl"] == 0.0 and first["reward_std"] > 0 and first["grad_norm"] > 0, first
+    assert second["kl"] > 0, second
+    for name in ("step 1: loss=", "step 2: loss=", "grad_norm=", "reward=", "kl=", "entropy=", "clip_ratio/region_mean=",
+                 "rewards/format_reward/mean="):
+        assert name in proc.stdout, (name, out[-2000:])
