@@ -99,6 +99,30 @@ def build_tiny_model(path: str, seed: int) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
+def load_model_and_data(args: argparse.Namespace, config: Any, make_default: Any) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, dataset) of a post-training recipe: --model (default: the tiny Llama of
+    `build_tiny_model`, built by rank 0 under OUTPUT_DIR first) loaded with `from_pretrained` in
+    fp32 (master weights), its tokenizer (or --tokenizer), and --dataset through `load_dataset`
+    (default: `make_default(args)`, made here)."""
+    import os
+
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_path = args.model or os.path.join(args.output_dir, "tiny-llama")
+    with config.main_process_first():  # rank 0 builds (or downloads) first, the others then load
+        if args.model is None and config.process_index == 0:
+            build_tiny_model(model_path, args.seed)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if args.dataset is None:
+            data = make_default(args)
+        else:
+            data = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
+    return model, tokenizer, data
+
+
 def step_lines(output_dir: str, rank: int, is_main: bool) -> Any:
     """A TrainerCallback: for every logged optimizer step, rank 0 prints `step N: name=value, ...`
     (TRL's metric names as logged) and every rank appends the logs to

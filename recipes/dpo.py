@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_common_args, build_tiny_model, check_common_args, patch_kwargs, refuse_flags, step_lines, trainer_kwargs,
+    add_common_args, check_common_args, load_model_and_data, patch_kwargs, refuse_flags, step_lines, trainer_kwargs,
 )
 
 from hf_longctx import LongDPOTrainer, init_sequence_parallel, patch  # noqa: E402
@@ -90,8 +90,6 @@ def make_pairs(n: int, seed: int):
 
 
 def main(argv=None) -> None:
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
     from trl import DPOConfig
 
@@ -107,16 +105,7 @@ def main(argv=None) -> None:
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
         print(describe(mesh, device))
-    model_path = args.model or os.path.join(args.output_dir, "tiny-llama")
-    with config.main_process_first():  # rank 0 builds (or downloads) first, the others then load
-        if args.model is None and config.process_index == 0:
-            build_tiny_model(model_path, args.seed)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
-        if args.dataset is None:
-            pairs = make_pairs(args.pairs, args.seed)
-        else:
-            pairs = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
+    model, tokenizer, pairs = load_model_and_data(args, config, lambda a: make_pairs(a.pairs, a.seed))
     trainer = LongDPOTrainer(
         model=patch(model, mesh, **patch_kwargs(args)), args=config, train_dataset=pairs, processing_class=tokenizer,
         mesh=mesh, max_tokens=args.max_tokens, tokens_per_step=args.tokens_per_step,  # ref_model=None: TRL's default

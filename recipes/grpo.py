@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_common_args, build_tiny_model, check_common_args, patch_kwargs, refuse_flags, step_lines,
+    add_common_args, check_common_args, load_model_and_data, patch_kwargs, refuse_flags, step_lines,
 )
 
 from hf_longctx import LongGRPOTrainer, init_sequence_parallel, patch  # noqa: E402
@@ -96,8 +96,6 @@ def make_prompts(n: int, seed: int, vocab_words: int = 126):
 
 
 def main(argv=None) -> None:
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
@@ -114,16 +112,7 @@ def main(argv=None) -> None:
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
         print(describe(mesh, device))
-    model_path = args.model or os.path.join(args.output_dir, "tiny-llama")
-    with config.main_process_first():  # rank 0 builds (or downloads) first, the others then load
-        if args.model is None and config.process_index == 0:
-            build_tiny_model(model_path, args.seed)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # fp32 master weights
-        if args.dataset is None:
-            prompts = make_prompts(args.prompts, args.seed)
-        else:
-            prompts = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
+    model, tokenizer, prompts = load_model_and_data(args, config, lambda a: make_prompts(a.prompts, a.seed))
 
     def format_reward(completion_ids, **kwargs):  # TRL: the sampled ids of this process's completions; logs
         return format_scores(completion_ids, tokenizer.eos_token_id)  # rewards/format_reward/mean|std
