@@ -122,8 +122,11 @@ class LongGRPOTrainer(GRPOTrainer):
     train_dataset=ds, processing_class=tok, mesh=mesh)`. Each process draws
     `per_device_train_batch_size` rows of the step (TRL's sampler); the ranks of an SP group
     train on the union of their rows, so one step equals a single-process GRPOTrainer step with
-    per_device_train_batch_size x world_size (module docstring). Refused settings: `refusals`
-    and `grpo_arguments.check_grpo_config`; both raise `NotSupported` naming every value.
+    per_device_train_batch_size x world_size (module docstring). `max_tokens` (default None: one
+    packed micro-batch per step): tokens of one packed micro-batch of an SP group; the step's
+    rows are split into micro-batches under it with gradient accumulation, the same result
+    (`grpo_microbatches.py`). Refused settings: `refusals` and `grpo_arguments.check_grpo_config`;
+    both raise `NotSupported` naming every value.
     """
 
     def __init__(self, *args: Any, mesh: SPMesh, max_tokens: int | None = None, **kwargs: Any) -> None:
