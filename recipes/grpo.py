@@ -15,14 +15,15 @@ recipe builds a tiny Llama and a word-level tokenizer from a config (`common.bui
 sampler (each process draws --per-device-train-batch-size rows of the step), generation (on
 gathered, unpatched weights: ranks may decode different lengths without a hang), the reward
 function below (`format_scores`), group advantages and logging -- and the training step under SP: the SP group
-trains on the union of its ranks' rows as one packed, sharded row, with GRPOConfig's loss
+trains on the union of its ranks' rows as one packed, sharded row (--max-tokens N: several
+packed micro-batches of <= N tokens with gradient accumulation, the same result), with GRPOConfig's loss
 (--loss-type grpo | dr_grpo | dapo; --beta > 0: KL to TRL's reference, the initial model
 loaded again, patched and sharded like the policy), FSDP2 summing the gradients over DP x SP.
 Every step prints TRL's metrics (loss, grad_norm, reward, reward_std, kl, entropy,
 clip_ratio/*, completions/*) as global values; every rank writes them to
 OUTPUT_DIR/steps.rank<R>.jsonl. Refused (LongGRPOTrainer does not make them exact):
---memory (its chunked LM head drops the logits the loss needs), --sync-each-microbatch and
---param-offload (one packed micro-batch per step, no host offload), --resume (no checkpoints:
+--memory (its chunked LM head drops the logits the loss needs), --sync-each-microbatch (FSDP2
+reduce-scatters after every micro-batch already) and --param-offload (no host offload), --resume (no checkpoints:
 save_strategy "no"; --export saves the trained model).
 """
 
@@ -57,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "of --num-generations")
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens of one packed micro-batch of an SP group: the step's rows split into micro-batches "
+                        "with gradient accumulation (LongGRPOTrainer(max_tokens=)); default: one micro-batch per step")
     p.add_argument("--loss-type", default="dapo", help="GRPOConfig.loss_type (grpo, dr_grpo, dapo)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to TRL's reference (the initial model)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -70,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     refuse_flags(p, args, {
         "memory": "leave it off (its chunked LM head drops the logits the GRPO loss needs); for K/V offload "
                   "use --fpdt-chunks N --kv-offload",
-        "sync_each_microbatch": "leave it off (LongGRPOTrainer trains one packed micro-batch per step)",
+        "sync_each_microbatch": "leave it off (LongGRPOTrainer's FSDP2 reduce-scatters the gradients after every "
+                                "micro-batch of --max-tokens already)",
         "param_offload": "leave it off (LongGRPOTrainer keeps the FSDP2 shards on the device)",
         "resume": "start a new run from an exported model (--export, then --model OUTPUT_DIR/final): "
                   "LongGRPOTrainer writes no resumable checkpoints",
@@ -119,7 +124,7 @@ def main(argv=None) -> None:
 
     trainer = LongGRPOTrainer(
         model=patch(model, mesh, **patch_kwargs(args)), mesh=mesh, reward_funcs=[format_reward], args=config,
-        train_dataset=prompts, processing_class=tokenizer,
+        train_dataset=prompts, processing_class=tokenizer, max_tokens=args.max_tokens,
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
     )
     trainer.remove_callback(PrinterCallback)  # step_lines prints each step once

@@ -20,8 +20,12 @@ and four hooks are replaced:
    loss_type's normaliser as a global per-token weight); TRL's loss metrics are logged as
    global values. `_get_per_token_logps_and_entropies` returns nothing: TRL's padded
    forwards for old / reference log-probabilities never run (the shard has them).
-4. `training_step` returns the step's global loss (the sum of the ranks' shares) for
-   logging; FSDP2 (`fsdp_plan`, sum reduction over DP x SP) sums the gradients, and
+4. `training_step` splits the step into micro-batches when `max_tokens=` is given
+   (`grpo_microbatches.plan_rows`: the SP group's rows planned by cost under the cap, the same
+   count on every rank; each micro-batch packed with the step's GLOBAL N and T, so the
+   micro-batch losses sum to the one-batch loss), runs the Trainer's forward/backward on each
+   (gradients accumulate), merges TRL's metrics to the step's global values and returns the
+   step's global loss (the sum of the ranks' shares over micro-batches) for logging; FSDP2 (`fsdp_plan`, sum reduction over DP x SP) sums the gradients, and
    `grad_norm` is the norm of the summed gradient (`step_loop.grad_norm`).
 
 Exact against the single-process GRPOTrainer whose per_device_train_batch_size is the world's
@@ -30,11 +34,15 @@ loss, gradients, grad_norm and TRL's metrics equal (tests/distributed/test_grpo_
 GRPOConfig: `check_grpo_config` (grpo_arguments.py: loss_type grpo / dr_grpo / dapo, beta,
 epsilon / epsilon_high, delta, temperature, max_completion_length, use_bias_correction_kl and
 TRL's sampling fields are honoured) plus `refusals` below, all raised before any collective.
+TRL's gradient_accumulation_steps / steps_per_generation (slices of a buffered generation batch)
+stay refused: `max_tokens` is this trainer's gradient accumulation (one generation batch per
+optimizer step, split by tokens, not by rows).
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any
 
 import torch
@@ -55,6 +63,7 @@ from hf_longctx.training.checks import check_process_group
 from hf_longctx.training.grpo_arguments import refused_grpo_fields
 from hf_longctx.training.grpo_generate import unpatched_for_generation
 from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
+from hf_longctx.training.grpo_microbatches import merge_metrics, plan_rows, slot_tokens
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # positional order, without self
@@ -82,7 +91,8 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
         out.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}, steps_per_generation="
                    f"{args.steps_per_generation}: TRL slices a buffered generation batch into accumulation steps; "
                    "LongGRPOTrainer trains one packed generation batch per optimizer step; do instead: keep both at "
-                   "1 and raise per_device_train_batch_size (the SP group packs its rows into one sharded row)")
+                   "1, raise per_device_train_batch_size, and pass LongGRPOTrainer(max_tokens=...) to split the step into "
+                   "packed micro-batches of at most max_tokens tokens with gradient accumulation")
     if args.num_iterations != 1:
         out.append(f"num_iterations={args.num_iterations}: the old-policy log-probabilities would come from TRL's "
                    "buffered padded batch; do instead: num_iterations=1 (on-policy), or grpo_step / pack_completions "
@@ -112,20 +122,30 @@ class LongGRPOTrainer(GRPOTrainer):
     train_dataset=ds, processing_class=tok, mesh=mesh)`. Each process draws
     `per_device_train_batch_size` rows of the step (TRL's sampler); the ranks of an SP group
     train on the union of their rows, so one step equals a single-process GRPOTrainer step with
-    per_device_train_batch_size x world_size (module docstring). Refused settings: `refusals`
-    and `grpo_arguments.check_grpo_config`; both raise `NotSupported` naming every value.
+    per_device_train_batch_size x world_size (module docstring). `max_tokens` (default None: one
+    packed micro-batch per step): tokens of one packed micro-batch of an SP group; the step's
+    rows are split into micro-batches under it with gradient accumulation, the same result
+    (`grpo_microbatches.py`). Refused settings: `refusals` and `grpo_arguments.check_grpo_config`;
+    both raise `NotSupported` naming every value.
     """
 
-    def __init__(self, *args: Any, mesh: SPMesh, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, mesh: SPMesh, max_tokens: int | None = None, **kwargs: Any) -> None:
         # Every check runs on every rank alike, before any collective.
         if not isinstance(mesh, SPMesh):
             raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive int (tokens of one packed micro-batch of an SP group) or "
+                             f"None (one micro-batch per step), got {max_tokens!r}")
         params = {**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs}
         config = params.get("args")
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"LongGRPOTrainer needs args=GRPOConfig(...) (its batch sizes define the step), got "
                             f"{type(config).__name__}")
         errors = refused_grpo_fields(config) + refusals(config, params)  # every refused value at once
+        if max_tokens is not None and config.max_completion_length + 1 > max_tokens:
+            errors.append(f"max_tokens={max_tokens} < max_completion_length={config.max_completion_length} + 1 (a "
+                          "one-token prompt): a full-length completion could never fit a micro-batch; do instead: "
+                          f"max_tokens >= max_completion_length + the longest prompt")
         if errors:
             raise NotSupported("LongGRPOTrainer cannot honour exactly:\n  " + "\n  ".join(errors),
                                "change the values listed above as each line says")
@@ -138,6 +158,9 @@ class LongGRPOTrainer(GRPOTrainer):
                                f"before prepare); transformers {transformers.__version__} would wrap it in DDP")
         build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=True)
         self.mesh = mesh
+        self.max_tokens = max_tokens
+        self.last_num_microbatches = 0  # micro-batches of the last step (the same on every rank)
+        self._microbatch_metrics: list[dict[str, float]] = []
         super().__init__(*args, **kwargs)
         check_process_group(self.args)
         if self.ref_model is not None:  # TRL loaded it from the policy's name: patched with the same mesh
@@ -166,15 +189,16 @@ class LongGRPOTrainer(GRPOTrainer):
         # log-probabilities; here the reference ones are computed on the SP shard (`_sp_batch`).
         return None, None, None
 
-    # ---- (2) the step's rows -> one packed row per SP group -> this rank's shard ----------------------
-    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        if not self.model.training:
+    # ---- (2) the step's rows -> packed micro-batches of the SP group -> this rank's shards --------------
+    def _prepare_inputs(self, slot: Any) -> dict[str, Any]:
+        if not isinstance(slot, _Slot):  # training_step passes its micro-batches; nothing else reaches here
             raise NotSupported("GRPO evaluation is not wired to the SP step", "eval_strategy='no'")
-        return self._sp_batch(self._generate_and_score_completions(generation_batch))
+        return self._shard(slot)
 
-    def _sp_batch(self, out: dict[str, Any]) -> dict[str, Any]:
+    def _gather_rows(self, out: dict[str, Any]) -> tuple[list[tuple[list[int], list[int], float]], int, int]:
         """TRL's scored batch of this process (left-padded prompts [B, P], right-padded completions
-        [B, C], advantages [B], global num_items_in_batch) -> this rank's shard of its SP group's row."""
+        [B, C], advantages [B], global num_items_in_batch) -> the SP group's rows (prompt, completion,
+        advantage) in SP-rank order, and the step's global N (completions) and T (completion tokens)."""
         extra = sorted(set(out) - {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
                                    "num_items_in_batch"})
         if extra:  # refused at construction; a guard against a newer TRL adding inputs the packed row would drop
@@ -193,14 +217,20 @@ class LongGRPOTrainer(GRPOTrainer):
         n, tokens = int(counts.item()), int(out["num_items_in_batch"].item())
         if tokens < 1:  # identical on every rank (global count): all raise together
             raise ValueError("no completion token in this step (every completion is empty); raise max_completion_length")
+        return rows, n, tokens
+
+    def _shard(self, slot: "_Slot") -> dict[str, Any]:
+        """One micro-batch's rows -> one packed row (global N and T) -> this rank's shard, with the
+        reference log-probabilities for beta > 0 (a forward on every rank)."""
+        rows = slot.rows
         packed = pack_completions([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], self.objective,
-                                  num_sequences=n, num_tokens=tokens)
+                                  num_sequences=slot.n, num_tokens=slot.tokens)
         shard = to_device(shard_completions(packed, self.mesh, pad_token_id=self._tokenizer.pad_token_id), self.args.device)
         if self.objective.beta != 0.0:
             add_ref_logps(self.ref_model, shard, self.objective)  # one forward on every rank (FSDP2 all-gathers per unit)
             if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps the root unsharded after forward (for a backward)
                 self.ref_model.reshard()
-        shard[_NUM_SEQUENCES] = n
+        shard[_NUM_SEQUENCES] = slot.n
         return shard
 
     # ---- (3) the loss on the shard; TRL's metrics, global ---------------------------------------------
@@ -208,15 +238,32 @@ class LongGRPOTrainer(GRPOTrainer):
         if return_outputs:
             raise ValueError("The GRPOTrainer does not support returning outputs")
         loss, metrics = grpo_loss(model, inputs, self.objective, self.mesh, num_sequences=inputs[_NUM_SEQUENCES])
-        mode = "train" if self.model.training else "eval"
-        for name, value in metrics.items():
-            self._metrics[mode][name].append(value)
+        self._microbatch_metrics.append(metrics)  # merged over the step's micro-batches in training_step
         return loss
 
-    # ---- (4) logging and the norm of the summed gradient ----------------------------------------------
+    # ---- (4) micro-batches with gradient accumulation; logging; the norm of the summed gradient ------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        share = super().training_step(model, inputs, num_items_in_batch)
-        return global_loss(share, self.mesh)  # the Trainer logs the mean over processes: each holds the global loss
+        """Generation and scoring once, then the Trainer's forward/backward per micro-batch (the same
+        count on every rank); returns the step's global loss. Replaces GRPOTrainer.training_step's
+        bookkeeping (`_step`, `step_time`) once per optimizer step."""
+        start = time.perf_counter()
+        model.train()  # as the Trainer's training_step does first: TRL's scoring logs under "train"
+        rows, n, tokens = self._gather_rows(self._generate_and_score_completions(inputs))
+        bins = plan_rows([len(p) + len(c) for p, c, _ in rows], self.mesh, self.max_tokens)  # a collective (max_tokens)
+        weights = slot_tokens([len(c) for _, c, _ in rows], bins, self.mesh) if len(bins) > 1 else [float(tokens)]
+        self._microbatch_metrics = []
+        loss = None
+        for b in bins:  # gradients accumulate: the Trainer zeroes them only after the optimizer step
+            share = transformers.Trainer.training_step(self, model, _Slot([rows[i] for i in b], n, tokens),
+                                                       num_items_in_batch)
+            part = global_loss(share, self.mesh)  # the Trainer logs the mean over processes: each holds the global loss
+            loss = part if loss is None else loss + part
+        for name, value in merge_metrics(self._microbatch_metrics, weights).items():
+            self._metrics["train"][name].append(value)
+        self.last_num_microbatches = len(bins)
+        self._step += 1  # GRPOTrainer.training_step's bookkeeping, once per optimizer step (GA is refused: 1)
+        self._metrics["train"]["step_time"].append(time.perf_counter() - start)
+        return loss
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`save_pretrained` of the consolidated policy (a collective: call it on every rank); the
@@ -231,3 +278,11 @@ class LongGRPOTrainer(GRPOTrainer):
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
         return total_grad_norm(model, float("inf"), self.state.global_step + 1) if grad_norm is None else grad_norm
+
+
+class _Slot:
+    """One micro-batch of the step: its rows (prompt ids, completion ids, advantage) and the step's
+    global counts N and T (the loss normalisers)."""
+
+    def __init__(self, rows: list[tuple[list[int], list[int], float]], n: int, tokens: int) -> None:
+        self.rows, self.n, self.tokens = rows, n, tokens

@@ -88,7 +88,7 @@ class FixedCompletions:
 
 
 def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type: str, beta: float,
-         mesh_shape: tuple[int, int] | None) -> dict:
+         mesh_shape: tuple[int, int] | None, max_tokens: int | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -115,7 +115,7 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type:
             pass
 
         mesh = worker_mesh(*mesh_shape)
-        trainer = Trainer(model=patch(model, mesh), mesh=mesh, **common)
+        trainer = Trainer(model=patch(model, mesh), mesh=mesh, max_tokens=max_tokens, **common)
     else:
         class Trainer(FixedCompletions, GRPOTrainer):
             pass
@@ -130,6 +130,7 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type:
     ref = getattr(trainer, "ref_model", None)
     return {"log": {k: float(v) for k, v in log.items() if k not in SKIP and v is not None},
             "updates": {k: before[k] - after[k] for k in before},
+            "microbatches": getattr(trainer, "last_num_microbatches", 1),
             "ref_sharded": ref is not None and all(hasattr(p, "full_tensor") for p in ref.parameters())}
 
 
