@@ -35,6 +35,8 @@ TRL's sampling fields are honoured) plus `refusals` below, all raised before any
 from __future__ import annotations
 
 import inspect
+import os
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -53,6 +55,7 @@ from hf_longctx.training.arguments import TRAINING_ARGUMENTS, _message
 from hf_longctx.training.checkpoint import save_consolidated
 from hf_longctx.training.checks import check_process_group
 from hf_longctx.training.grpo_arguments import refused_grpo_fields
+from hf_longctx.training.grpo_checkpoint import load_grpo_state, resumable_sampler, save_grpo_state, skip_trained_epochs
 from hf_longctx.training.grpo_generate import unpatched_for_generation
 from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
@@ -66,7 +69,7 @@ _NUM_SEQUENCES = "grpo_num_sequences"
 _SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
                     "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
                     "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
-                    "enable_jit_checkpoint")
+                    "enable_jit_checkpoint", "save_only_model", "ignore_data_skip")
 
 
 def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
@@ -74,10 +77,9 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
     with its "do instead". `params`: GRPOTrainer.__init__'s arguments by name."""
     out = [_message(name, getattr(args, name), TRAINING_ARGUMENTS[name]) for name in _SHARED_REFUSALS
            if name in TRAINING_ARGUMENTS and hasattr(args, name) and not TRAINING_ARGUMENTS[name].ok(getattr(args, name))]
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
-        out.append(f"save_strategy={args.save_strategy!r}: resumable checkpoints of the FSDP2-sharded policy, its "
-                   "optimizer and TRL's generation state are not wired; do instead: save_strategy='no' and "
-                   "trainer.save_model(dir) after train() (a consolidated from_pretrained directory)")
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        out.append("save_strategy='best': it needs evaluation, which is not wired to the SP step; do instead: "
+                   "save_strategy='steps' (or 'epoch') and pick the checkpoint from the logged rewards")
     if args.gradient_accumulation_steps != 1 or args.steps_per_generation != 1:
         out.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}, steps_per_generation="
                    f"{args.steps_per_generation}: TRL slices a buffered generation batch into accumulation steps; "
@@ -138,6 +140,7 @@ class LongGRPOTrainer(GRPOTrainer):
                                f"before prepare); transformers {transformers.__version__} would wrap it in DDP")
         build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=True)
         self.mesh = mesh
+        self._step_sampler = None  # checkpoint.py's step sampler: none here (TRL's sampler, grpo_checkpoint.py)
         super().__init__(*args, **kwargs)
         check_process_group(self.args)
         if self.ref_model is not None:  # TRL loaded it from the policy's name: patched with the same mesh
@@ -218,13 +221,39 @@ class LongGRPOTrainer(GRPOTrainer):
         share = super().training_step(model, inputs, num_items_in_batch)
         return global_loss(share, self.mesh)  # the Trainer logs the mean over processes: each holds the global loss
 
+    # ---- checkpoints and resume (grpo_checkpoint.py: the sharded states of checkpoint.py) -----------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`save_pretrained` of the consolidated policy (a collective: call it on every rank); the
-        directory loads unpatched with `from_pretrained`."""
+        directory loads unpatched with `from_pretrained`. Inside a checkpoint (`_internal_call`) the
+        sharded states stand for the policy, so nothing is gathered there."""
         output_dir = output_dir or self.args.output_dir
+        if _internal_call:
+            os.makedirs(output_dir, exist_ok=True)
+            return
         save_consolidated(self.model, output_dir, is_main=self.args.should_save)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        self._repeat_sampler = resumable_sampler(super()._get_train_sampler(dataset))
+        return self._repeat_sampler
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
+        skip_trained_epochs(self, epochs_trained)
+        return epochs_trained, steps_in_epoch
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_grpo_state(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        load_grpo_state(self, checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        return None  # the weights come back with the optimizer state in `_load_optimizer_and_scheduler`
+
+    def _watchdog_paused(self) -> Any:
+        return nullcontext()
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return total_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)

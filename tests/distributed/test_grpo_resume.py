@@ -1,0 +1,126 @@
+"""Checkpoint/resume of `LongGRPOTrainer` (training/grpo_checkpoint.py) on 4 gloo ranks (U2xR2, FSDP2, fp32).
+
+Run A trains 3 steps uninterrupted with save_steps=1 (checkpoint-1, -2, -3). Run B is a fresh
+model and trainer in the same processes, `train(resume_from_checkpoint=A/checkpoint-1)`: it trains
+steps 2 and 3; run C resumes from A/checkpoint-2 and trains step 3. 12 prompts, 6 per step: an
+epoch is 2 steps, so B resumes inside epoch 0 (the Trainer skips the trained step) and C at the
+epoch boundary (TRL's sampler must draw epoch 1's order, not replay epoch 0's).
+
+What must be restored for the resumed steps to equal A's: every rank's AdamW moments (AdamW,
+lr 1e-2, linear decay: a lost moment or schedule position changes the update), the policy shards,
+TRL's sampler position (the rows), and each rank's RNG: completions are "sampled" with torch's
+global generator of the rank (`RandomCompletions`), so a lost RNG state changes the rows'
+completions, rewards, advantages and loss. beta = 0.04 with a reference that differs from the
+policy: the reference is not in the checkpoint, TRL rebuilds it from the policy's path.
+
+Asserted per rank: the resumed steps' (prompt, completion) rows equal A's for the same step
+(and differ between steps: the test is not vacuous); loss 1e-5 relative, grad_norm and every
+parameter after each resumed step 1e-4 relative (measured: bit-identical). Also: `save_model`
+still writes a consolidated directory that loads unpatched with `from_pretrained` and equals the
+trained parameters, and a checkpoint holds no consolidated model (only the sharded states).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed.test_grpo_trainer import make_prompts, paths, reward_length, reward_tokens  # noqa: F401
+from tests.distributed.test_models import rel
+from tests.distributed.test_trainer_sft import WORDS
+from tests.pool import worker_mesh
+from tests.trainer_cases import trainer_env
+
+STEPS, ROWS, GENERATIONS, EOS = 3, 3, 2, 1
+LOSS_TOL, TOL = 1e-5, 1e-4
+
+
+def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, resume: str | None, final: bool) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig
+
+    from hf_longctx import patch
+    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+
+    trainer_env()
+    rows: list[list[tuple]] = []  # per generation call: this rank's (prompt, completion) rows
+    params: dict[int, dict[str, torch.Tensor]] = {}  # global step -> every full parameter after it
+
+    class RandomCompletions(LongGRPOTrainer):
+        """TRL's generation replaced by completions drawn from this rank's global torch RNG."""
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+            out = []
+            for p in prompt_ids:
+                n = int(torch.randint(1, 9, (1,)))
+                ids = torch.randint(2, 2 + len(WORDS), (n,)).tolist()
+                out.append(ids[:-1] + [EOS] if n % 3 else ids)
+            rows.append([(tuple(p), tuple(c)) for p, c in zip(prompt_ids, out)])
+            return out, None
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # every rank: full_tensor is a collective
+            params[state.global_step] = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                                         for k, p in model.named_parameters()}
+
+    cfg = GRPOConfig(output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=ROWS,
+                     num_generations=GENERATIONS, max_completion_length=16, loss_type="dapo", beta=0.04,
+                     learning_rate=1e-2, lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=1, report_to=[],
+                     use_cpu=True, disable_tqdm=True, save_strategy="steps", save_steps=1, seed=0, bf16=False,
+                     gradient_checkpointing=False)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.config._name_or_path = ref_path  # TRL builds the (frozen) reference from it, in every run alike
+    mesh = worker_mesh(2, 2)
+    trainer = RandomCompletions(model=patch(model, mesh), mesh=mesh, reward_funcs=[reward_length, reward_tokens],
+                                args=cfg, train_dataset=make_prompts(), processing_class=AutoTokenizer.from_pretrained(tok_path),
+                                callbacks=[Snapshot()])
+    trainer.train(resume_from_checkpoint=resume)
+    logs = {h["step"]: (h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h}
+    out = {"logs": logs, "rows": rows, "params": params, "kl": [h["kl"] for h in trainer.state.log_history if "kl" in h]}
+    if final:
+        import torch.distributed as dist
+
+        trainer.save_model(os.path.join(out_dir, "final"))  # a collective
+        dist.barrier()
+        saved = AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "final"), dtype=torch.float32)
+        out["saved_diff"] = max((saved.get_parameter(k) - v).abs().max().item() for k, v in params[STEPS].items())
+        out["saved_attn"] = str(saved.config._attn_implementation)
+        out["files"] = sorted(os.listdir(os.path.join(out_dir, "checkpoint-1")))
+    return out
+
+
+def _runs(model_path: str, ref_path: str, tok_path: str, root: str) -> dict:
+    full = _run(model_path, ref_path, tok_path, f"{root}/a", None, True)
+    return {"full": full,
+            "from1": _run(model_path, ref_path, tok_path, f"{root}/b", f"{root}/a/checkpoint-1", False),
+            "from2": _run(model_path, ref_path, tok_path, f"{root}/c", f"{root}/a/checkpoint-2", False)}
+
+
+def test_grpo_resumed_steps_equal_uninterrupted(pools, paths, tmp_path):  # noqa: F811
+    results = pools.get(4).run(_runs, *paths, str(tmp_path), timeout=600)
+    for rank, res in enumerate(results):
+        full = res["full"]
+        assert sorted(full["logs"]) == [1, 2, 3] and min(full["kl"]) > 0, f"rank {rank}: {full['logs']} kl {full['kl']}"
+        assert len({tuple(r) for r in full["rows"]}) == STEPS, f"rank {rank}: steps trained identical rows"
+        for name, start in (("from1", 1), ("from2", 2)):
+            got = res[name]
+            where = f"rank {rank} resumed from checkpoint-{start}"
+            assert sorted(got["logs"]) == [1, 2, 3], f"{where}: {got['logs']}"  # 1..start from trainer_state.json
+            assert got["rows"] == full["rows"][start:], f"{where}: rows {got['rows']} vs {full['rows'][start:]}"
+            for step in range(start + 1, STEPS + 1):
+                (loss, norm), (want_loss, want_norm) = got["logs"][step], full["logs"][step]
+                assert abs(loss - want_loss) <= LOSS_TOL * abs(want_loss) + 1e-8, f"{where} step {step}: loss {loss} vs {want_loss}"
+                assert norm == pytest.approx(want_norm, rel=TOL), f"{where} step {step}: grad_norm {norm} vs {want_norm}"
+                assert set(got["params"][step]) == set(full["params"][step])
+                worst = max((rel(got["params"][step][k], v), k) for k, v in full["params"][step].items())
+                assert worst[0] <= TOL, f"{where} step {step}: parameter rel err {worst}"
+                moved = max((full["params"][step][k] - full["params"][step - 1][k]).abs().max().item()
+                            for k in full["params"][step])
+                assert moved > 1e-4, f"{where} step {step}: the step did not move the parameters ({moved})"
+    full0 = results[0]["full"]
+    assert full0["saved_diff"] == 0.0 and "hf_longctx" not in full0["saved_attn"], full0["saved_diff"]
+    files = set(full0["files"])
+    assert {"hf_longctx_dcp", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_3.pth"} <= files, files
+    assert not any(f.endswith(".safetensors") for f in files), f"a checkpoint gathered the consolidated model: {files}"
