@@ -12,7 +12,8 @@ checkpoint of LongGRPOTrainer holds:
 Not in it:
 - the reference model (beta > 0): frozen, so TRL rebuilds it at construction from the policy's
   `config._name_or_path`, exactly as the first run did; resume with the same model path
-  (a checkpoint never stores a copy of it);
+  (a checkpoint never stores a copy of it; `REFERENCE_FILE` records that path and a resume
+  whose reference comes from another one is refused before any collective);
 - TRL's generation buffer: `steps_per_generation` and `num_iterations` are 1 (refused otherwise),
   so every step generates afresh and nothing is buffered between steps;
 - the data position: TRL's `RepeatSampler` is rebuilt from `args.seed`; the Trainer skips the
@@ -23,12 +24,17 @@ Not in it:
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Iterator
 
 import torch
 from trl.trainer.utils import RepeatSampler
 
 from hf_longctx.training.checkpoint import load_step_state, save_step_state
+
+
+REFERENCE_FILE = "hf_longctx_grpo_reference.json"
 
 
 class ResumableRepeatSampler(RepeatSampler):
@@ -62,10 +68,33 @@ def skip_trained_epochs(trainer: Any, epochs_trained: int) -> None:
 
 
 def save_grpo_state(trainer: Any, output_dir: str) -> None:
-    """`_save_optimizer_and_scheduler`: every rank's policy and optimizer shards + the scheduler."""
+    """`_save_optimizer_and_scheduler`: every rank's policy and optimizer shards + the scheduler
+    (+ where the frozen reference comes from, beta > 0)."""
     save_step_state(trainer, output_dir)
+    if trainer.args.should_save:
+        with open(os.path.join(output_dir, REFERENCE_FILE), "w") as f:
+            json.dump({"reference": _reference_source(trainer)}, f)
 
 
 def load_grpo_state(trainer: Any, checkpoint: str | None) -> None:
-    """`_load_optimizer_and_scheduler`: the policy's weights, optimizer state and scheduler (a collective)."""
+    """`_load_optimizer_and_scheduler`: the policy's weights, optimizer state and scheduler (a collective),
+    after checking (every rank alike, before the collective) that the reference is the saved run's."""
+    if checkpoint is None:
+        return
+    path = os.path.join(checkpoint, REFERENCE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{checkpoint} has no {REFERENCE_FILE}: it was not written by a LongGRPOTrainer (or saving "
+                         "crashed); resume from a complete checkpoint of the same run")
+    with open(path) as f:
+        saved = json.load(f)["reference"]
+    if saved != _reference_source(trainer):
+        raise ValueError(f"{checkpoint} was trained against the reference {saved!r}, this trainer's is "
+                         f"{_reference_source(trainer)!r} (TRL loads it from the policy's config._name_or_path; it "
+                         "is not in the checkpoint); do instead: load the policy from the path the first run used")
     load_step_state(trainer, checkpoint)
+
+
+def _reference_source(trainer: Any) -> str | None:
+    """Where TRL loaded the frozen reference from (None: beta = 0, no reference)."""
+    ref = getattr(trainer, "ref_model", None)
+    return None if ref is None else str(getattr(ref.config, "_name_or_path", ""))

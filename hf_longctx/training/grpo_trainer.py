@@ -27,6 +27,11 @@ and four hooks are replaced:
 Exact against the single-process GRPOTrainer whose per_device_train_batch_size is the world's
 total (the union of every process's rows): same rows, same rewards and advantages, and the
 loss, gradients, grad_norm and TRL's metrics equal (tests/distributed/test_grpo_trainer.py).
+Checkpoints (save_strategy "steps" / "epoch", `train(resume_from_checkpoint=...)`): the sharded
+policy and optimizer state of every rank in `checkpoint.py`'s format, the scheduler, the Trainer's
+per-rank RNG and state, TRL's sampler continued in the right epoch; the frozen reference is not
+stored (TRL rebuilds it from the policy's path). A resumed step equals the uninterrupted one
+(grpo_checkpoint.py; tests/distributed/test_grpo_resume.py).
 GRPOConfig: `check_grpo_config` (grpo_arguments.py: loss_type grpo / dr_grpo / dapo, beta,
 epsilon / epsilon_high, delta, temperature, max_completion_length, use_bias_correction_kl and
 TRL's sampling fields are honoured) plus `refusals` below, all raised before any collective.
@@ -69,7 +74,7 @@ _NUM_SEQUENCES = "grpo_num_sequences"
 _SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
                     "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
                     "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
-                    "enable_jit_checkpoint", "save_only_model", "ignore_data_skip")
+                    "enable_jit_checkpoint", "save_only_model")
 
 
 def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
@@ -80,6 +85,10 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
     if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
         out.append("save_strategy='best': it needs evaluation, which is not wired to the SP step; do instead: "
                    "save_strategy='steps' (or 'epoch') and pick the checkpoint from the logged rewards")
+    if args.ignore_data_skip:
+        out.append("ignore_data_skip=True: a resumed run would train the rows of the steps already trained again "
+                   "(TRL's sampler restarts), not the rows the uninterrupted run trains; do instead: leave it False; "
+                   "to start the data over, start a new run from the saved model")
     if args.gradient_accumulation_steps != 1 or args.steps_per_generation != 1:
         out.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}, steps_per_generation="
                    f"{args.steps_per_generation}: TRL slices a buffered generation batch into accumulation steps; "

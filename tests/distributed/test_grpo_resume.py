@@ -17,7 +17,9 @@ Asserted per rank: the resumed steps' (prompt, completion) rows equal A's for th
 (and differ between steps: the test is not vacuous); loss 1e-5 relative, grad_norm and every
 parameter after each resumed step 1e-4 relative (measured: bit-identical). Also: `save_model`
 still writes a consolidated directory that loads unpatched with `from_pretrained` and equals the
-trained parameters, and a checkpoint holds no consolidated model (only the sharded states).
+trained parameters, and a checkpoint holds no consolidated model (only the sharded states); a
+resume whose reference comes from another path, or from a checkpoint LongGRPOTrainer did not
+write, is refused before any collective.
 """
 
 from __future__ import annotations
@@ -74,11 +76,12 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, resume: st
     model.config._name_or_path = ref_path  # TRL builds the (frozen) reference from it, in every run alike
     mesh = worker_mesh(2, 2)
     trainer = RandomCompletions(model=patch(model, mesh), mesh=mesh, reward_funcs=[reward_length, reward_tokens],
-                                args=cfg, train_dataset=make_prompts(), processing_class=AutoTokenizer.from_pretrained(tok_path),
-                                callbacks=[Snapshot()])
+                                args=cfg, train_dataset=make_prompts(), callbacks=[Snapshot()],
+                                processing_class=AutoTokenizer.from_pretrained(tok_path))
     trainer.train(resume_from_checkpoint=resume)
     logs = {h["step"]: (h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h}
-    out = {"logs": logs, "rows": rows, "params": params, "kl": [h["kl"] for h in trainer.state.log_history if "kl" in h]}
+    kl = [h["kl"] for h in trainer.state.log_history if "kl" in h]
+    out = {"logs": logs, "rows": rows, "params": params, "kl": kl}
     if final:
         import torch.distributed as dist
 
@@ -111,8 +114,10 @@ def test_grpo_resumed_steps_equal_uninterrupted(pools, paths, tmp_path):  # noqa
             assert got["rows"] == full["rows"][start:], f"{where}: rows {got['rows']} vs {full['rows'][start:]}"
             for step in range(start + 1, STEPS + 1):
                 (loss, norm), (want_loss, want_norm) = got["logs"][step], full["logs"][step]
-                assert abs(loss - want_loss) <= LOSS_TOL * abs(want_loss) + 1e-8, f"{where} step {step}: loss {loss} vs {want_loss}"
-                assert norm == pytest.approx(want_norm, rel=TOL), f"{where} step {step}: grad_norm {norm} vs {want_norm}"
+                assert abs(loss - want_loss) <= LOSS_TOL * abs(want_loss) + 1e-8, \
+                    f"{where} step {step}: loss {loss} vs {want_loss}"
+                assert norm == pytest.approx(want_norm, rel=TOL), \
+                    f"{where} step {step}: grad_norm {norm} vs {want_norm}"
                 assert set(got["params"][step]) == set(full["params"][step])
                 worst = max((rel(got["params"][step][k], v), k) for k, v in full["params"][step].items())
                 assert worst[0] <= TOL, f"{where} step {step}: parameter rel err {worst}"
@@ -122,5 +127,21 @@ def test_grpo_resumed_steps_equal_uninterrupted(pools, paths, tmp_path):  # noqa
     full0 = results[0]["full"]
     assert full0["saved_diff"] == 0.0 and "hf_longctx" not in full0["saved_attn"], full0["saved_diff"]
     files = set(full0["files"])
-    assert {"hf_longctx_dcp", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_3.pth"} <= files, files
+    want = {"hf_longctx_dcp", "hf_longctx_grpo_reference.json", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_3.pth"}
+    assert want <= files, files
     assert not any(f.endswith(".safetensors") for f in files), f"a checkpoint gathered the consolidated model: {files}"
+
+
+def test_grpo_resume_refuses_another_reference_or_a_foreign_checkpoint(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from hf_longctx.training.grpo_checkpoint import REFERENCE_FILE, load_grpo_state
+
+    trainer = SimpleNamespace(ref_model=SimpleNamespace(config=SimpleNamespace(_name_or_path="other/ref")))
+    (tmp_path / "checkpoint-1").mkdir()  # e.g. written by a stock GRPOTrainer
+    with pytest.raises(ValueError, match="not written by a LongGRPOTrainer"):
+        load_grpo_state(trainer, str(tmp_path / "checkpoint-1"))
+    (tmp_path / "checkpoint-1" / REFERENCE_FILE).write_text(json.dumps({"reference": "first/ref"}))
+    with pytest.raises(ValueError, match="'first/ref'.*'other/ref'(.|\\n)*do instead"):
+        load_grpo_state(trainer, str(tmp_path / "checkpoint-1"))
