@@ -19,7 +19,8 @@ parameter after each resumed step 1e-4 relative (measured: bit-identical). Also:
 still writes a consolidated directory that loads unpatched with `from_pretrained` and equals the
 trained parameters, and a checkpoint holds no consolidated model (only the sharded states); a
 resume whose reference comes from another path, or from a checkpoint LongGRPOTrainer did not
-write, is refused before any collective.
+write, is refused before any collective. The same three runs on a one-process mesh (no FSDP2), and
+save_strategy="epoch" (checkpoint-2 at the epoch's end, step 3 resumed) in one process.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ LOSS_TOL, TOL = 1e-5, 1e-4
 
 
 def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, resume: str | None, final: bool,
-         mesh_shape: tuple[int, int] = (2, 2)) -> dict:
+         mesh_shape: tuple[int, int] = (2, 2), save_strategy: str = "steps") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
@@ -74,7 +75,7 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, resume: st
     cfg = GRPOConfig(output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=4 * ROWS // processes,
                      num_generations=GENERATIONS, max_completion_length=16, loss_type="dapo", beta=0.04,
                      learning_rate=1e-2, lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=1, report_to=[],
-                     use_cpu=True, disable_tqdm=True, save_strategy="steps", save_steps=1, seed=0, bf16=False,
+                     use_cpu=True, disable_tqdm=True, save_strategy=save_strategy, save_steps=1, seed=0, bf16=False,
                      gradient_checkpointing=False)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.config._name_or_path = ref_path  # TRL builds the (frozen) reference from it, in every run alike
@@ -111,6 +112,19 @@ def test_grpo_resumed_steps_equal_uninterrupted(pools, paths, tmp_path):  # noqa
 def test_grpo_resume_one_process(paths, tmp_path):  # noqa: F811
     """The same on a one-process mesh (no FSDP2: plain tensors through the same checkpoint files)."""
     _check([_runs(*paths, str(tmp_path), (1, 1))], ranks=1)
+
+
+def test_grpo_resume_epoch_checkpoints_one_process(paths, tmp_path):  # noqa: F811
+    """save_strategy="epoch" (2 steps per epoch): checkpoint-2 at the epoch's end; resuming from it
+    trains step 3 on the uninterrupted run's rows with the same loss, grad_norm and parameters."""
+    full = _run(*paths, str(tmp_path / "a"), None, False, (1, 1), "epoch")
+    assert (tmp_path / "a" / "checkpoint-2").is_dir() and not (tmp_path / "a" / "checkpoint-1").exists()
+    got = _run(*paths, str(tmp_path / "b"), str(tmp_path / "a" / "checkpoint-2"), False, (1, 1), "epoch")
+    assert got["rows"] == full["rows"][2:] and full["rows"][2] != full["rows"][0], (got["rows"], full["rows"])
+    assert got["logs"][3][0] == pytest.approx(full["logs"][3][0], rel=LOSS_TOL, abs=1e-8), (got["logs"], full["logs"])
+    assert got["logs"][3][1] == pytest.approx(full["logs"][3][1], rel=TOL), (got["logs"], full["logs"])
+    worst = max((rel(got["params"][3][k], v), k) for k, v in full["params"][3].items())
+    assert worst[0] <= TOL, f"parameter rel err {worst}"
 
 
 def _check(results: list[dict], ranks: int) -> None:
