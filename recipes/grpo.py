@@ -23,8 +23,10 @@ Every step prints TRL's metrics (loss, grad_norm, reward, reward_std, kl, entrop
 clip_ratio/*, completions/*) as global values; every rank writes them to
 OUTPUT_DIR/steps.rank<R>.jsonl. Refused (LongGRPOTrainer does not make them exact):
 --memory (its chunked LM head drops the logits the loss needs), --sync-each-microbatch (FSDP2
-reduce-scatters after every micro-batch already) and --param-offload (no host offload), --resume (no checkpoints:
-save_strategy "no"; --export saves the trained model).
+reduce-scatters after every micro-batch already) and --param-offload (no host offload). --save-every N
+writes sharded checkpoint-N/ folders (policy and optimizer shards of every rank, scheduler, RNG; the
+frozen reference is rebuilt from --model, so resume with the same --model); --resume continues from
+the newest one exactly as the uninterrupted run would; --export saves the trained model.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--output-dir", default="runs/grpo")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint-N every this many steps (0: none)")
     p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
     p.add_argument("--seed", type=int, default=0)
@@ -77,9 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "sync_each_microbatch": "leave it off (LongGRPOTrainer's FSDP2 reduce-scatters the gradients after every "
                                 "micro-batch of --max-tokens already)",
         "param_offload": "leave it off (LongGRPOTrainer keeps the FSDP2 shards on the device)",
-        "resume": "start a new run from an exported model (--export, then --model OUTPUT_DIR/final): "
-                  "LongGRPOTrainer writes no resumable checkpoints",
     })
+    if args.resume and not args.save_every:
+        p.error("--resume needs checkpoints: pass the --save-every of the run it continues")
     return args
 
 
@@ -108,7 +111,8 @@ def main(argv=None) -> None:
     device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + the process group
     config = GRPOConfig(
         output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", seed=args.seed, bf16=args.mixed_precision == "bf16", use_cpu=device.type == "cpu",
+        save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, seed=args.seed,
+        bf16=args.mixed_precision == "bf16", use_cpu=device.type == "cpu",
         report_to=[], disable_tqdm=True, gradient_checkpointing=False,
         per_device_train_batch_size=args.per_device_train_batch_size, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, loss_type=args.loss_type, beta=args.beta,
@@ -128,7 +132,7 @@ def main(argv=None) -> None:
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
     )
     trainer.remove_callback(PrinterCallback)  # step_lines prints each step once
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     if args.export:
         trainer.save_model(os.path.join(args.output_dir, "final"))  # consolidated: loads with from_pretrained
 

@@ -25,26 +25,28 @@ SAMPLER_FILE = "hf_longctx_sampler.json"
 
 
 def save_sharded(output_dir: str, model: torch.nn.Module, optimizer: Any, sampler: Any, *, is_main: bool) -> None:
-    """Save model + optimizer shards and the sampler position into `output_dir`. A collective."""
+    """Save model + optimizer shards and the sampler position into `output_dir`. A collective.
+    `sampler=None`: no sampler file (a trainer whose data position the Trainer's own batch skip restores)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's AcceleratedOptimizer wraps the torch one
     model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensor shards under FSDP2, plain tensors in one process
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(output_dir, DCP_DIR))
-    if is_main:
+    if is_main and sampler is not None:
         with open(os.path.join(output_dir, SAMPLER_FILE), "w") as f:
             json.dump(sampler.state_dict(), f)
 
 
 def load_sharded(checkpoint: str, model: torch.nn.Module, optimizer: Any, sampler: Any) -> None:
-    """Restore what `save_sharded` wrote, with the same world size and mesh degrees. A collective."""
+    """Restore what `save_sharded` wrote, with the same world size and mesh degrees. A collective.
+    `sampler=None`: nothing to restore besides the shards (see `save_sharded`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = os.path.join(checkpoint, DCP_DIR)
     sampler_file = os.path.join(checkpoint, SAMPLER_FILE)
-    if not os.path.isdir(path) or not os.path.isfile(sampler_file):
+    if not os.path.isdir(path) or (sampler is not None and not os.path.isfile(sampler_file)):
         raise ValueError(
             f"{checkpoint} has no {DCP_DIR}/ or {SAMPLER_FILE}: it was not written by a LongContextTrainer "
             "(or saving crashed); resume from a complete checkpoint"
@@ -54,8 +56,9 @@ def load_sharded(checkpoint: str, model: torch.nn.Module, optimizer: Any, sample
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    with open(sampler_file) as f:
-        sampler.load_state_dict(json.load(f))
+    if sampler is not None:
+        with open(sampler_file) as f:
+            sampler.load_state_dict(json.load(f))
 
 
 def save_consolidated(model: torch.nn.Module, output_dir: str, *, is_main: bool, **save_kwargs: Any) -> None:

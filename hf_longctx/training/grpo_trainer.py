@@ -31,6 +31,11 @@ and four hooks are replaced:
 Exact against the single-process GRPOTrainer whose per_device_train_batch_size is the world's
 total (the union of every process's rows): same rows, same rewards and advantages, and the
 loss, gradients, grad_norm and TRL's metrics equal (tests/distributed/test_grpo_trainer.py).
+Checkpoints (save_strategy "steps" / "epoch", `train(resume_from_checkpoint=...)`): the sharded
+policy and optimizer state of every rank in `checkpoint.py`'s format, the scheduler, the Trainer's
+per-rank RNG and state, TRL's sampler continued in the right epoch; the frozen reference is not
+stored (TRL rebuilds it from the policy's path). A resumed step equals the uninterrupted one
+(grpo_checkpoint.py; tests/distributed/test_grpo_resume.py).
 GRPOConfig: `check_grpo_config` (grpo_arguments.py: loss_type grpo / dr_grpo / dapo, beta,
 epsilon / epsilon_high, delta, temperature, max_completion_length, use_bias_correction_kl and
 TRL's sampling fields are honoured) plus `refusals` below, all raised before any collective.
@@ -43,6 +48,8 @@ from __future__ import annotations
 
 import inspect
 import time
+import os
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -61,6 +68,7 @@ from hf_longctx.training.arguments import TRAINING_ARGUMENTS, _message
 from hf_longctx.training.checkpoint import save_consolidated
 from hf_longctx.training.checks import check_process_group
 from hf_longctx.training.grpo_arguments import refused_grpo_fields
+from hf_longctx.training.grpo_checkpoint import load_grpo_state, resumable_sampler, save_grpo_state, skip_trained_epochs
 from hf_longctx.training.grpo_generate import unpatched_for_generation
 from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 from hf_longctx.training.grpo_microbatches import merge_metrics, plan_rows, slot_tokens
@@ -75,7 +83,7 @@ _NUM_SEQUENCES = "grpo_num_sequences"
 _SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
                     "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
                     "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
-                    "enable_jit_checkpoint")
+                    "enable_jit_checkpoint", "save_only_model")
 
 
 def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
@@ -83,10 +91,13 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
     with its "do instead". `params`: GRPOTrainer.__init__'s arguments by name."""
     out = [_message(name, getattr(args, name), TRAINING_ARGUMENTS[name]) for name in _SHARED_REFUSALS
            if name in TRAINING_ARGUMENTS and hasattr(args, name) and not TRAINING_ARGUMENTS[name].ok(getattr(args, name))]
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
-        out.append(f"save_strategy={args.save_strategy!r}: resumable checkpoints of the FSDP2-sharded policy, its "
-                   "optimizer and TRL's generation state are not wired; do instead: save_strategy='no' and "
-                   "trainer.save_model(dir) after train() (a consolidated from_pretrained directory)")
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        out.append("save_strategy='best': it needs evaluation, which is not wired to the SP step; do instead: "
+                   "save_strategy='steps' (or 'epoch') and pick the checkpoint from the logged rewards")
+    if args.ignore_data_skip:
+        out.append("ignore_data_skip=True: a resumed run would train the rows of the steps already trained again "
+                   "(TRL's sampler restarts), not the rows the uninterrupted run trains; do instead: leave it False; "
+                   "to start the data over, start a new run from the saved model")
     if args.gradient_accumulation_steps != 1 or args.steps_per_generation != 1:
         out.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}, steps_per_generation="
                    f"{args.steps_per_generation}: TRL slices a buffered generation batch into accumulation steps; "
@@ -161,6 +172,7 @@ class LongGRPOTrainer(GRPOTrainer):
         self.max_tokens = max_tokens
         self.last_num_microbatches = 0  # micro-batches of the last step (the same on every rank)
         self._microbatch_metrics: list[dict[str, float]] = []
+        self._step_sampler = None  # checkpoint.py's step sampler: none here (TRL's sampler, grpo_checkpoint.py)
         super().__init__(*args, **kwargs)
         check_process_group(self.args)
         if self.ref_model is not None:  # TRL loaded it from the policy's name: patched with the same mesh
@@ -265,13 +277,39 @@ class LongGRPOTrainer(GRPOTrainer):
         self._metrics["train"]["step_time"].append(time.perf_counter() - start)
         return loss
 
+    # ---- checkpoints and resume (grpo_checkpoint.py: the sharded states of checkpoint.py) -----------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`save_pretrained` of the consolidated policy (a collective: call it on every rank); the
-        directory loads unpatched with `from_pretrained`."""
+        directory loads unpatched with `from_pretrained`. Inside a checkpoint (`_internal_call`) the
+        sharded states stand for the policy, so nothing is gathered there."""
         output_dir = output_dir or self.args.output_dir
+        if _internal_call:
+            os.makedirs(output_dir, exist_ok=True)
+            return
         save_consolidated(self.model, output_dir, is_main=self.args.should_save)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
+
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        self._repeat_sampler = resumable_sampler(super()._get_train_sampler(dataset))
+        return self._repeat_sampler
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
+        skip_trained_epochs(self, epochs_trained)
+        return epochs_trained, steps_in_epoch
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_grpo_state(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        load_grpo_state(self, checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        return None  # the weights come back with the optimizer state in `_load_optimizer_and_scheduler`
+
+    def _watchdog_paused(self) -> Any:
+        return nullcontext()
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return total_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)

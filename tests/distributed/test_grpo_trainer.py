@@ -261,11 +261,14 @@ def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
     (dict(mask_truncated_completions=True), "mask_truncated_completions=True"),
     (dict(eval_strategy="steps", eval_steps=1), "evaluation"),
     (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5"),
-    (dict(save_strategy="steps"), "save_strategy="),
+    (dict(save_strategy="steps", save_only_model=True), "save_only_model=True"),
+    (dict(ignore_data_skip=True), "ignore_data_skip=True"),
+    (dict(save_strategy="best", metric_for_best_model="reward"), "save_strategy='best'"),
     (dict(torch_compile=True), "torch_compile=True"),
     (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha=5.0"),
     (dict(loss_type="bnpo", num_iterations=2), r"loss_type='bnpo'(.|\n)*num_iterations=2"),  # all listed at once
-], ids=["grad_accum", "num_iterations", "bnpo", "vllm", "mask_truncated", "eval", "entropy_quantile", "checkpoints",
+], ids=["grad_accum", "num_iterations", "bnpo", "vllm", "mask_truncated", "eval", "entropy_quantile", "model_only_checkpoints",
+        "ignore_data_skip", "best_checkpoint",
         "compile", "neftune", "together"])
 def test_grpo_trainer_refusals(paths, tmp_path, kw, match):
     """Every refused setting raises NotSupported at construction, naming the value and a "Do instead"."""

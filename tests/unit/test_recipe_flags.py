@@ -24,13 +24,24 @@ def _recipes():
     return common, grpo, dpo
 
 
-@pytest.mark.parametrize("flags", [["--param-offload"], ["--sync-each-microbatch"], ["--resume"], ["--memory", "balanced"]])
+@pytest.mark.parametrize("flags", [["--param-offload"], ["--sync-each-microbatch"], ["--memory", "balanced"]])
 def test_grpo_recipe_refuses_trainer_flags(flags, capsys):
     _, grpo, _ = _recipes()
     with pytest.raises(SystemExit):
         grpo.parse_args(flags)
     assert f"{flags[0]} is not supported by this recipe; do instead:" in capsys.readouterr().err
     assert grpo.parse_args([]).param_offload is False  # the defaults parse
+
+
+def test_grpo_recipe_resume_needs_checkpoints(capsys):
+    """--resume continues from --save-every checkpoints (LongGRPOTrainer saves sharded ones); alone it
+    is an error naming both, never a run that silently starts over."""
+    _, grpo, _ = _recipes()
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--resume"])
+    assert "--resume needs checkpoints" in capsys.readouterr().err
+    args = grpo.parse_args(["--resume", "--save-every", "2"])
+    assert args.resume and args.save_every == 2
 
 
 def test_dpo_recipe_flags(capsys):

@@ -1,0 +1,100 @@
+"""What makes `LongGRPOTrainer`'s `checkpoint-N/` resume exactly: the sharded policy and optimizer
+through `checkpoint.py` (no second format) and TRL's sampler continuing in the right epoch.
+
+Where it sits: `LongGRPOTrainer`'s checkpoint hooks (`_save_optimizer_and_scheduler`,
+`_load_optimizer_and_scheduler`, `_init_training_state`, `_get_train_sampler`) call these. A
+checkpoint of LongGRPOTrainer holds:
+- every rank's FSDP2 shards of the policy AND its optimizer state (`checkpoint.save_sharded`,
+  torch distributed checkpoint) and the scheduler -- as `LongContextTrainer` writes them;
+- the Trainer's own files: `trainer_state.json` (global step, log history), per-rank
+  `rng_state_<rank>.pth` (restored before the resumed step's generation, so sampling continues
+  as it would have), rotation by `save_total_limit`.
+Not in it:
+- the reference model (beta > 0): frozen, so TRL rebuilds it at construction from the policy's
+  `config._name_or_path`, exactly as the first run did; resume with the same model path
+  (a checkpoint never stores a copy of it; `REFERENCE_FILE` records that path and a resume
+  whose reference comes from another one is refused before any collective);
+- TRL's generation buffer: `steps_per_generation` and `num_iterations` are 1 (refused otherwise),
+  so every step generates afresh and nothing is buffered between steps;
+- the data position: TRL's `RepeatSampler` is rebuilt from `args.seed`; the Trainer skips the
+  steps already trained in the resumed epoch, and `ResumableRepeatSampler` draws the permutations
+  of the epochs already trained first (TRL's sampler draws a new permutation from ONE generator
+  per epoch and has no `set_epoch`, so a plain rebuild would replay epoch 0's order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+from trl.trainer.utils import RepeatSampler
+
+from hf_longctx.training.checkpoint import load_step_state, save_step_state
+
+
+REFERENCE_FILE = "hf_longctx_grpo_reference.json"
+
+
+class ResumableRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` whose first iteration can start at epoch `epochs_done` (set on resume):
+    the generator first draws the permutations of the epochs already trained, so epoch e's order
+    equals the uninterrupted run's (its e-th `randperm` of the seeded generator)."""
+
+    epochs_done = 0
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            for _ in range(self.epochs_done):
+                torch.randperm(self.num_samples, generator=self.generator)  # the orders of the epochs trained before
+        self.epochs_done = 0  # later epochs continue from the generator as it is
+        return super().__iter__()
+
+
+def resumable_sampler(sampler: RepeatSampler) -> ResumableRepeatSampler:
+    """The same sampler (arguments and generator), resumable."""
+    sampler.__class__ = ResumableRepeatSampler
+    return sampler  # type: ignore[return-value]
+
+
+def skip_trained_epochs(trainer: Any, epochs_trained: int) -> None:
+    """After the Trainer restored its state: the train sampler starts at epoch `epochs_trained`."""
+    sampler = getattr(trainer, "_repeat_sampler", None)
+    if epochs_trained and isinstance(sampler, ResumableRepeatSampler):
+        sampler.epochs_done = epochs_trained
+    # TRL's count of training_step calls (one per optimizer step here: gradient accumulation is refused)
+    trainer._step = trainer.state.global_step
+
+
+def save_grpo_state(trainer: Any, output_dir: str) -> None:
+    """`_save_optimizer_and_scheduler`: every rank's policy and optimizer shards + the scheduler
+    (+ where the frozen reference comes from, beta > 0)."""
+    save_step_state(trainer, output_dir)
+    if trainer.args.should_save:
+        with open(os.path.join(output_dir, REFERENCE_FILE), "w") as f:
+            json.dump({"reference": _reference_source(trainer)}, f)
+
+
+def load_grpo_state(trainer: Any, checkpoint: str | None) -> None:
+    """`_load_optimizer_and_scheduler`: the policy's weights, optimizer state and scheduler (a collective),
+    after checking (every rank alike, before the collective) that the reference is the saved run's."""
+    if checkpoint is None:
+        return
+    path = os.path.join(checkpoint, REFERENCE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{checkpoint} has no {REFERENCE_FILE}: it was not written by a LongGRPOTrainer (or saving "
+                         "crashed); resume from a complete checkpoint of the same run")
+    with open(path) as f:
+        saved = json.load(f)["reference"]
+    if saved != _reference_source(trainer):
+        raise ValueError(f"{checkpoint} was trained against the reference {saved!r}, this trainer's is "
+                         f"{_reference_source(trainer)!r} (TRL loads it from the policy's config._name_or_path; it "
+                         "is not in the checkpoint); do instead: load the policy from the path the first run used")
+    load_step_state(trainer, checkpoint)
+
+
+def _reference_source(trainer: Any) -> str | None:
+    """Where TRL loaded the frozen reference from (None: beta = 0, no reference)."""
+    ref = getattr(trainer, "ref_model", None)
+    return None if ref is None else str(getattr(ref.config, "_name_or_path", ""))
