@@ -99,6 +99,25 @@ def build_tiny_model(path: str, seed: int) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
+def add_model_data_args(p: argparse.ArgumentParser, *, data: str) -> None:
+    """--model, --dataset, --data-files, --split of the post-training recipes (both optional: without
+    them `load_model_and_data` builds a tiny Llama and makes the data); `data` says what the
+    dataset holds."""
+    p.add_argument("--model", default=None, help="from_pretrained path or hub id; default: a tiny Llama built here")
+    p.add_argument("--dataset", default=None, help=f"datasets builder or hub id of {data}; default: made here")
+    p.add_argument("--data-files", nargs="*", default=None)
+    p.add_argument("--split", default="train")
+
+
+def add_run_args(p: argparse.ArgumentParser, *, output_dir: str) -> None:
+    """--output-dir, --save-every, --export, --timeout, --seed of the post-training recipes."""
+    p.add_argument("--output-dir", default=output_dir)
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint-N every this many steps (0: none)")
+    p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def load_model_and_data(args: argparse.Namespace, config: Any, make_default: Any) -> tuple[Any, Any, Any]:
     """(model, tokenizer, dataset) of a post-training recipe: --model (default: the tiny Llama of
     `build_tiny_model`, built by rank 0 under OUTPUT_DIR first) loaded with `from_pretrained` in

@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_common_args, check_common_args, load_model_and_data, patch_kwargs, refuse_flags, step_lines, trainer_kwargs,
+    add_common_args, add_model_data_args, add_run_args, check_common_args, load_model_and_data,
+    patch_kwargs, refuse_flags, step_lines, trainer_kwargs,
 )
 
 from hf_longctx import LongDPOTrainer, init_sequence_parallel, patch  # noqa: E402
@@ -45,10 +46,7 @@ from hf_longctx.training.launch import describe, init_distributed, run_rank  # n
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="from_pretrained path or hub id; default: a tiny Llama built here")
-    p.add_argument("--dataset", default=None, help="datasets builder or hub id of preference pairs; default: made here")
-    p.add_argument("--data-files", nargs="*", default=None)
-    p.add_argument("--split", default="train")
+    add_model_data_args(p, data="preference pairs")
     p.add_argument("--pairs", type=int, default=32, help="pairs of the locally made dataset (without --dataset)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--tokens-per-step", type=int, default=256, help="global tokens per optimizer step (both completions)")
@@ -56,11 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--output-dir", default="runs/dpo")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint-N every this many steps (0: none)")
-    p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
-    p.add_argument("--seed", type=int, default=0)
+    add_run_args(p, output_dir="runs/dpo")
     add_common_args(p, mixed_precision="fp32")  # fp32 on CPU: bf16 matmuls are slow there
     args = check_common_args(p, p.parse_args(argv))
     refuse_flags(p, args, {
