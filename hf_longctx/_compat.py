@@ -52,6 +52,18 @@ def has_cpu_flash_op() -> bool:
     )
 
 
+def empty_host_cache() -> None:
+    """Free the unused pinned blocks torch's caching host allocator keeps. Newer torch has
+    `torch.accelerator.empty_host_cache`; torch 2.11 (the floor) has only the CUDA
+    allocator's `torch._C._host_emptyCache` (the former raised AttributeError on an H100
+    with torch 2.11+cu130). A no-op where neither exists or no accelerator is present."""
+    if not torch.accelerator.is_available():  # both raise on a machine with no accelerator
+        return
+    fn = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if fn is not None:
+        fn()
+
+
 @functools.cache
 def cuda_capability(index: int) -> tuple[int, int]:
     """(major, minor) compute capability of CUDA device `index`."""

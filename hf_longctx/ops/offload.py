@@ -40,6 +40,7 @@ from typing import Any, ContextManager, Hashable, Iterator, Protocol, Sequence
 
 import torch
 
+from hf_longctx._compat import empty_host_cache
 from hf_longctx.ops.host_pool import HostPool
 
 Key = Hashable
@@ -112,8 +113,7 @@ def release_pinned() -> None:
     pool, then the blocks torch's caching host allocator keeps (e.g. between benchmark
     probes of different lengths); buffers still in use stay."""
     default_streams().pool.clear()
-    if torch.accelerator.is_available():  # it raises on a machine with no accelerator
-        torch.accelerator.empty_host_cache()
+    empty_host_cache()
 
 
 class ChunkStore:

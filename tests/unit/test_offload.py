@@ -354,3 +354,26 @@ def test_checkpoint_inputs_of_the_next_layer_are_prefetched():
     assert chain.last is None  # nothing of the step stays referenced after its backward
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=0)
+
+
+def test_empty_host_cache_uses_what_the_installed_torch_has(monkeypatch):
+    """torch 2.11 has no `torch.accelerator.empty_host_cache` (AttributeError on an H100 with
+    torch 2.11+cu130); the probe falls back to the CUDA allocator's `torch._C._host_emptyCache`,
+    and prefers the accelerator API where it exists."""
+    import types
+
+    from hf_longctx import _compat
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("cuda"), raising=False)
+    monkeypatch.setattr(torch, "accelerator", types.SimpleNamespace(is_available=lambda: True))  # 2.11: no empty_host_cache
+    _compat.empty_host_cache()
+    assert calls == ["cuda"]
+    monkeypatch.setattr(torch, "accelerator", types.SimpleNamespace(is_available=lambda: True,
+                                                                     empty_host_cache=lambda: calls.append("accel")))
+    _compat.empty_host_cache()
+    assert calls == ["cuda", "accel"]
+    monkeypatch.setattr(torch, "accelerator", types.SimpleNamespace(is_available=lambda: False,
+                                                                     empty_host_cache=lambda: calls.append("x")))
+    _compat.empty_host_cache()
+    assert calls == ["cuda", "accel"]
