@@ -102,7 +102,7 @@ def dtype_problems(hf) -> list[str]:
 
 def refuse_inexact(
     hf, mesh: SPMesh, options: PatchOptions, *, structural: bool = True, used_kwargs=frozenset(), ignored_kwargs=frozenset(),
-    handled: frozenset = frozenset(), ulysses_degrees: tuple = (),
+    handled: frozenset = frozenset(), ulysses_degrees: tuple = (), keep_configs: frozenset = frozenset(),
 ):
     """Raise before anything is changed if the model cannot run EXACTLY under SP.
 
@@ -111,11 +111,15 @@ def refuse_inexact(
     the attention will run at (a GroupBank's groups; default the mesh's), checked against the
     head counts the dry run saw (the configs' without it), as the fp16 weights are. `handled`: module classes that run under
     a sequence-parallel wrapper (`integrations/mixers/`); the dry run trusts them. Returns
-    the probe's report (or None)."""
+    the probe's report (or None). `keep_configs`: ids of the configs `patch()` leaves alone (a
+    vision tower's: it keeps its own attention, which need not go through the interface)."""
     from transformers import PreTrainedModel
 
     cls = type(hf).__name__
-    bypass = sorted({type(m).__name__ for m in hf.modules() if isinstance(m, PreTrainedModel) and not m._can_set_attn_implementation()})
+    bypass = sorted({
+        type(m).__name__ for m in hf.modules()
+        if isinstance(m, PreTrainedModel) and id(m.config) not in keep_configs and not m._can_set_attn_implementation()
+    })
     if bypass:
         raise NotSupported(
             f"{', '.join(bypass)} {'do' if len(bypass) > 1 else 'does'} not call attention through transformers' AttentionInterface, so its attention "
@@ -156,7 +160,8 @@ def refuse_inexact(
                 break
     if not structural:  # without the dry run, by name: every non-causal attention module refuses (the dry run
         # refuses only those a forward calls, so a multimodal model's unused vision tower does not)
-        non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False})
+        tower = {id(m) for sub in hf.modules() if isinstance(sub, PreTrainedModel) and id(sub.config) in keep_configs for m in sub.modules()}
+        non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False and id(m) not in tower})
         if non_causal:
             from hf_longctx.integrations.refusals import non_causal_message
 

@@ -69,6 +69,7 @@ class _PatchState:
     plan_cache: dict = field(default_factory=dict)
     checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
     keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
+    vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
 
 
 def _interfaces():
@@ -260,8 +261,11 @@ def patch(
             "changes the group per micro-batch; patch with an SPMesh from init_sequence_parallel",
             "patch with an SPMesh from init_sequence_parallel (one fixed SP degree)",
         )
+    from hf_longctx.integrations.vision.binding import vision_binding
+
+    vision = vision_binding(hf)  # the tower keeps its attention; its images run through the vision hook
     report = _refuse(
-        hf, mesh, options, structural=not unsafe_skip_exactness_check,
+        hf, mesh, options, structural=not unsafe_skip_exactness_check, keep_configs=vision.keep_ids,
         used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
         handled=frozenset(type(module) for _, module, _ in mixer_plan),
         ulysses_degrees=tuple(s.ulysses for s in bank.shapes) if bank is not None else (mesh.ulysses,),
@@ -271,20 +275,27 @@ def patch(
 
     state = _PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
+        vision=vision.family,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, make_attention(state))
     mask_iface.register(state.name, make_mask_function(state))
     hf.__dict__[_STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
     try:
-        hf.set_attn_implementation(state.name)
-        stale = [type(cfg).__name__ for cfg, _ in state.saved_impls if cfg._attn_implementation != state.name]
+        hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
+        stale = [
+            type(cfg).__name__ for cfg, _ in state.saved_impls
+            if id(cfg) not in vision.keep_ids and cfg._attn_implementation != state.name
+        ]
         if stale:
             raise NotSupported(
                 f"transformers did not switch {', '.join(stale)} to sequence-parallel attention; "
                 f"hf_longctx supports {SUPPORTED}",
                 NO_SP,
             )
+        vision_hook = vision.make_hook(state, hf)
+        if vision_hook is not None:  # first: it consumes the shard's vision entry before any other check
+            state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
         state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
         state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))
         state.mixers = apply_mixers(mixer_plan, mesh)

@@ -1,0 +1,129 @@
+"""Per-family adapters: a vision-language model's `VisionSpec` and its encoder call.
+
+Where it sits: `registry.py` picks the adapter for a model type; `patch()` binds it; the data
+stage gets its `VisionSpec` (`vision_spec(model)`), the vision hook (`forward.py`) its
+`encode`. Each adapter is written against the family's real transformers API, read from
+its source and pinned by a CPU contract test (tests/unit/test_vision_contracts.py):
+
+- `GridFamily` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the families sharing their
+  contract): pixels are patch rows with one (t, h, w) grid per item; an item yields
+  t·h·w / merge² tokens; `get_image_features(pixels, grid)` / `get_video_features` return
+  one [T_i, D] tensor per item in `pooler_output` (+ `deepstack_features` per level); the
+  tower's attention runs within each temporal slice (cu_seqlens), so encoding items -- and
+  a video's slices -- separately equals encoding them together; positions are the model's
+  own `get_rope_index`, called per document; the text model takes [4, B, S] positions.
+- `BatchFamily` (Gemma 3, LLaVA): one [C, H, W] image per item, a fixed token count from
+  the config; `get_image_features(pixel_values=...)` encodes each image independently.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_longctx.data.multimodal.spec import BATCH, GRID, Modality, VisionCost, VisionSpec
+
+
+def _base(hf) -> Any:
+    """The inner `*Model` holding `get_rope_index` (the ForConditionalGeneration wraps it)."""
+    for m in (hf, getattr(hf, "model", None)):
+        if m is not None and callable(getattr(m, "get_rope_index", None)):
+            return m
+    return getattr(hf, "model", hf)
+
+
+def _hidden(hf) -> int:
+    text = hf.config.get_text_config()
+    return int(text.hidden_size)
+
+
+@dataclass(frozen=True)
+class GridFamily:
+    """Qwen-VL-style adapter (see the module docstring). `frames`: a video's temporal
+    slices are encoded independently by this family's tower (contract-tested)."""
+
+    name: str
+    frames: bool = True
+
+    def spec(self, hf) -> VisionSpec:
+        cfg, vcfg = hf.config, hf.config.vision_config
+        base = _base(hf)
+        rope = inspect.signature(base.get_rope_index).parameters
+        video_keys = ("second_per_grid_ts",) if "second_per_grid_ts" in rope else ()
+        modalities = [Modality("image", int(cfg.image_token_id), "pixel_values", "image_grid_thw", (), 1)]
+        if getattr(cfg, "video_token_id", None) is not None and callable(getattr(hf, "get_video_features", None)):
+            modalities.append(Modality("video", int(cfg.video_token_id), "pixel_values_videos", "video_grid_thw", video_keys, 2))
+
+        def positions(ids: torch.Tensor, grids: dict, extras: dict) -> torch.Tensor:
+            types = torch.zeros_like(ids)
+            for m in modalities:
+                types[ids == m.token_id] = m.type_id
+            kw = dict(input_ids=ids[None], mm_token_type_ids=types[None],
+                      image_grid_thw=grids.get("image"), video_grid_thw=grids.get("video"))
+            if "second_per_grid_ts" in extras:
+                kw["second_per_grid_ts"] = extras["second_per_grid_ts"]
+            pos, _ = base.get_rope_index(**kw)  # [3, 1, L]
+            return pos[:, 0]
+
+        return VisionSpec(
+            family=self.name, modalities=tuple(modalities), layout=GRID, hidden=_hidden(hf),
+            cost=VisionCost.from_vision_config(vcfg), merge=int(vcfg.spatial_merge_size), frames_separable=self.frames,
+            positions=positions, text_row=True,
+            deepstack=len(getattr(vcfg, "deepstack_visual_indexes", None) or ()), container="list",
+        )
+
+    def encode(self, hf, modality: Modality, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """([n, D] rows of this rank's units, in unit order; DeepStack levels, each [n, D])."""
+        fn = hf.get_video_features if modality.name == "video" else hf.get_image_features
+        out = fn(inputs["pixels"], inputs["grid"])
+        rows = torch.cat(list(out.pooler_output))  # [n, D]: one [T_i, D] per unit
+        deep = [torch.cat(list(level)) for level in (getattr(out, "deepstack_features", None) or [])]
+        return rows, deep
+
+
+def _patches(vcfg) -> int:
+    return (int(vcfg.image_size) // int(vcfg.patch_size)) ** 2
+
+
+@dataclass(frozen=True)
+class BatchFamily:
+    """One image per item along dim 0, a fixed token count (Gemma 3, LLaVA)."""
+
+    name: str
+
+    def _tokens(self, hf) -> int:
+        cfg = hf.config
+        if self.name == "gemma3":
+            return int(cfg.mm_tokens_per_image)
+        # LLaVA: the vision tower's patches, its CLS token (CLIP) kept only by the "full" strategy
+        vcfg = cfg.vision_config
+        cls_token = 1 if "clip" in str(getattr(vcfg, "model_type", "")) else 0
+        drop = 1 if cfg.vision_feature_select_strategy == "default" else 0
+        return _patches(vcfg) + cls_token - drop
+
+    def spec(self, hf) -> VisionSpec:
+        cfg = hf.config
+        refused = ()
+        if self.name == "gemma3":
+            refused = ((
+                "token_type_ids",
+                "Gemma 3 attends bidirectionally inside each image when token_type_ids mark its tokens, and the "
+                "sequence-parallel attention here is causal, so the result would differ from one device; drop "
+                "'token_type_ids' from the batch (causal attention over image tokens, as transformers runs Gemma 3 "
+                "without them)",
+            ),)
+        return VisionSpec(
+            family=self.name, modalities=(Modality("image", int(cfg.image_token_id), "pixel_values"),), layout=BATCH,
+            hidden=_hidden(hf), cost=VisionCost.from_vision_config(cfg.vision_config),
+            tokens_per_item=self._tokens(hf), patches_per_item=_patches(cfg.vision_config),
+            container="tensor" if self.name == "gemma3" else "list", refused_keys=refused,
+        )
+
+    def encode(self, hf, modality: Modality, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        out = hf.get_image_features(pixel_values=inputs["pixels"])
+        feats = out.pooler_output
+        rows = feats.reshape(-1, feats.shape[-1]) if isinstance(feats, torch.Tensor) else torch.cat(list(feats))  # [n·T, D]
+        return rows, []

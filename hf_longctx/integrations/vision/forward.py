@@ -1,0 +1,110 @@
+"""The patched model's vision hook: encode this rank's share, exchange once, hand the model its rows.
+
+Where it sits: a forward pre-hook that `patch()` installs on an image-text-to-text model
+(before its other hooks), fed by the `SP_VISION_KEY` entry of `shard_multimodal`. Per
+micro-batch it
+1. runs the family's own encoder call (`families.py`: `get_image_features` /
+   `get_video_features`) on the units this rank was dealt -- the vision tower keeps its own
+   attention (bidirectional within an image, its own cu_seqlens), never ours;
+2. moves every embedding row (and DeepStack levels, as extra columns) to the rank whose
+   shard holds its placeholder, in ONE differentiable all-to-all
+   (`distributed/vision_exchange.py`); gradients return the same way;
+3. passes the rows as `mm_encoder_outputs` -- transformers' own pre-encoded path, whose
+   contract is that feature row i fills the modality's i-th placeholder of the input -- so
+   the model merges them into its local embeddings exactly where one device would.
+Every modality the micro-batch contains is passed on every rank, with zero rows where a
+shard holds none: the model then still uses the received tensor, so every rank runs the
+exchange's backward (a rank that skipped it would leave its peers waiting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from hf_longctx.data.multimodal.sharding import SP_VISION_KEY, VisionShard
+from hf_longctx.data.multimodal.spec import VisionSpec
+from hf_longctx.distributed.vision_exchange import exchange_rows
+
+
+@dataclass
+class VisionFeatures(BaseModelOutputWithPooling):
+    """`BaseModelOutputWithPooling` with the DeepStack levels the Qwen3-VL family reads."""
+
+    deepstack_features: list | None = None
+
+
+def _container(rows: torch.Tensor, spec: VisionSpec):
+    return [rows] if spec.container == "list" else rows[None]  # list of one [n, D], or [1, n, D]
+
+
+def encode_and_exchange(hf, family: Any, spec: VisionSpec, shard: VisionShard, group) -> dict[str, VisionFeatures]:
+    """`mm_encoder_outputs` of this rank for one micro-batch (see the module docstring)."""
+    emb = hf.get_input_embeddings().weight
+    width = spec.hidden * (1 + spec.deepstack)  # F: pooled rows + DeepStack levels as columns
+    parts = []
+    for m, inputs, expected in zip(spec.modalities, shard.inputs, shard.own_rows):
+        if inputs is None:
+            continue
+        device = next(hf.parameters()).device
+        inputs = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+        rows, deep = family.encode(hf, m, inputs)  # [n, D], spec.deepstack x [n, D]
+        if rows.shape[0] != expected or len(deep) != spec.deepstack:
+            raise RuntimeError(
+                f"{spec.family}: the encoder returned {rows.shape[0]} {m.name} rows and {len(deep)} DeepStack levels for "
+                f"this rank's units; the plan expects {expected} and {spec.deepstack} (the adapter's token rule disagrees "
+                "with this model's encoder)"
+            )
+        parts.append(torch.cat([rows, *deep], dim=-1).to(emb.dtype))  # [n, F]
+    if parts:
+        x = torch.cat(parts)  # [n_own, F] in unit order
+    else:  # nothing to encode here: a zero-row leaf keeps this rank in the exchange's backward
+        x = torch.zeros(0, width, dtype=emb.dtype, device=emb.device, requires_grad=torch.is_grad_enabled())
+    plan = shard.plan
+    send = x[plan.send_index.to(x.device)]  # [n_send, F] grouped by destination
+    got = exchange_rows(send, plan.send_counts, plan.recv_counts, group)  # [n_local, F] grouped by source
+    local = got[plan.recv_order.to(got.device)]  # [n_local, F] in this shard's order
+    modality = plan.local_modality.to(got.device)
+    out = {}
+    for mi, m in enumerate(spec.modalities):
+        if not shard.present[mi]:
+            continue
+        rows = local[modality == mi]  # [n_m, F]: this modality's placeholders, in local order
+        pooled = rows[:, : spec.hidden]
+        levels = [rows[:, spec.hidden * (j + 1): spec.hidden * (j + 2)] for j in range(spec.deepstack)]
+        out[m.name] = VisionFeatures(
+            pooler_output=_container(pooled, spec),
+            deepstack_features=[_container(level, spec) for level in levels] if spec.deepstack else None,
+        )
+    return out
+
+
+def make_vision_hook(state: Any, hf, family: Any, spec: VisionSpec):
+    """The pre-forward hook `patch()` registers (first) on an image-text-to-text model."""
+    from hf_longctx.data.sharding import SP_METADATA_KEY
+    from hf_longctx.integrations.attention import batch_mesh
+
+    raw = sorted(spec.input_keys - {"mm_token_type_ids"})
+
+    def hook(module, args, kwargs):
+        vision = kwargs.pop(SP_VISION_KEY, None)
+        given = [k for k in raw if kwargs.get(k) is not None]
+        if given:
+            raise ValueError(
+                f"the patched {spec.family} model got {given} directly: under sequence parallelism the images are "
+                "encoded by the rank they were dealt to and routed to the shards holding their tokens; pass the batch "
+                "through hf_longctx.shard_multimodal(batch, mesh, hf_longctx.vision_spec(model)) and call model(**shard)"
+            )
+        if vision is None:
+            return args, kwargs  # a text-only micro-batch
+        if not isinstance(vision, VisionShard) or vision.family != spec.family:
+            raise ValueError(f"'{SP_VISION_KEY}' must come from shard_multimodal with this model's vision_spec ({spec.family})")
+        info = kwargs.get(SP_METADATA_KEY)
+        mesh = batch_mesh(state, info) if info is not None else state.mesh
+        kwargs["mm_encoder_outputs"] = encode_and_exchange(hf, family, spec, vision, mesh.sp_group)
+        return args, kwargs
+
+    return hook
