@@ -48,6 +48,7 @@ def plan_microbatches(
     overlong: str = "error",
     doc_multiple: int = 1,
     seq_multiple: int = 1,
+    extra_costs: Sequence[float] | np.ndarray | None = None,
 ) -> Plan:
     """Assign every document of one step to a DP rank and a micro-batch.
 
@@ -64,7 +65,9 @@ def plan_microbatches(
     `"flexsp"` are the published baselines, for comparison (`"karmarkar_karp"`,
     `"hydraulis"` and `"flexsp"` may use more micro-batches). `seed` drives the
     randomised `"hydraulis"` dispatch only. Micro-batch costs use each piece's padded
-    length.
+    length. `extra_costs[i]`: work of document i that its token count does not show, in the
+    unit of `cost` (a vision-language document's image encoding; a split piece carries its
+    share by length).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -94,6 +97,13 @@ def plan_microbatches(
     raw = np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
     sizes = -(-raw // doc_multiple) * doc_multiple
     costs = np.asarray(cost(sizes), dtype=np.float64) if len(pieces) else np.zeros(0)
+    if extra_costs is not None:
+        extra = np.asarray(extra_costs, dtype=np.float64).ravel()
+        n_docs = len(as_lengths(lengths))
+        if extra.size != n_docs or not np.all(np.isfinite(extra)) or np.any(extra < 0):
+            raise ValueError(f"extra_costs must hold one finite non-negative cost per document ({n_docs}), got {extra.size}")
+        doc_len = np.asarray(as_lengths(lengths), dtype=np.float64)
+        costs = costs + np.array([extra[p.doc] * p.length / max(doc_len[p.doc], 1.0) for p in pieces], dtype=np.float64)
     ranks = _run_strategy(strategy, sizes, costs, cap=cap, dp_size=dp_size, seed=seed)
     return Plan(
         ranks=ranks,

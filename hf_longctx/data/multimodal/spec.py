@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from hf_longctx.data.cost import CostModel
+
 GRID = "grid"  # pixel rows of every item concatenated ([Σ patches, C·T·P·P]), one (t, h, w) grid row per item
 BATCH = "batch"  # one pixel tensor per item along dim 0 ([N, C, H, W]); every item yields the same token count
 
@@ -96,6 +98,8 @@ class VisionSpec:
     refused_keys: batch keys whose non-zero values change the model in a way SP does not
         reproduce (Gemma 3's `token_type_ids`: bidirectional attention inside images), each
         with the message that names the fix.
+    text_cost: the language model's per-document cost in the unit of `cost` (FLOPs), the
+        multimodal collator's default.
     """
 
     family: str
@@ -112,6 +116,7 @@ class VisionSpec:
     deepstack: int = 0
     container: str = "list"
     refused_keys: tuple[tuple[str, str], ...] = ()  # (batch key, why it cannot be exact) when set to non-zeros
+    text_cost: CostModel | None = None  # the language model's CostModel.from_config (FLOPs, the unit of `cost`)
 
     def __post_init__(self) -> None:
         if self.layout not in (GRID, BATCH):

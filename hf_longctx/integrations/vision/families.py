@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hf_longctx.data.cost import CostModel
 from hf_longctx.data.multimodal.spec import BATCH, GRID, Modality, VisionCost, VisionSpec
 
 
@@ -73,6 +74,7 @@ class GridFamily:
             cost=VisionCost.from_vision_config(vcfg), merge=int(vcfg.spatial_merge_size), frames_separable=self.frames,
             positions=positions, text_row=True,
             deepstack=len(getattr(vcfg, "deepstack_visual_indexes", None) or ()), container="list",
+            text_cost=CostModel.from_config(cfg),
         )
 
     def encode(self, hf, modality: Modality, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -120,6 +122,7 @@ class BatchFamily:
             hidden=_hidden(hf), cost=VisionCost.from_vision_config(cfg.vision_config),
             tokens_per_item=self._tokens(hf), patches_per_item=_patches(cfg.vision_config),
             container="tensor" if self.name == "gemma3" else "list", refused_keys=refused,
+            text_cost=CostModel.from_config(cfg),
         )
 
     def encode(self, hf, modality: Modality, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:

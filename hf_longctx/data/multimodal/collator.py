@@ -1,0 +1,164 @@
+"""The multimodal step collator: documents with their images and videos -> THIS rank's shards.
+
+Where it sits: the vision-language counterpart of `data/collator.LongContextCollator`, after
+the step sampler and before `model(**micro_batch)`. Each feature is ONE document as the
+model's processor makes it (`input_ids` with the placeholders expanded, its `pixel_values`
+/ grids / videos, optional labels); the collator
+1. checks every document's images against its placeholders (`items.read_row`) and masks
+   their labels (images carry no loss);
+2. plans the step with `plan_microbatches` (Hydraulis two-stage assignment) where each
+   document costs its language-model time T(l) (image tokens count: the token cap holds
+   them) PLUS its encoder work (a·p² + b·p per image or video slice) divided over the SP
+   group, which shares it -- so DP ranks stay balanced for image-heavy and text-heavy
+   documents alike;
+3. packs each micro-batch into one row with its documents' images kept with them, in order,
+   and hands it to `shard_multimodal`, which computes positions per document, shards
+   tokens and positions with the layout, and deals the encoder work.
+A document with images longer than the token cap is refused (an image is never cut), and
+`num_items_in_batch` is the step's global count of valid targets (DESIGN invariant 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from hf_longctx.data.collator import check_feature_options, read_documents, require_targets
+from hf_longctx.data.cost import CostModel, DEFAULT_COST
+from hf_longctx.data.multimodal.items import RowVision, read_row
+from hf_longctx.data.multimodal.sharding import shard_multimodal
+from hf_longctx.data.multimodal.spec import VisionCost, VisionSpec
+from hf_longctx.data.packing import Plan, plan_microbatches
+from hf_longctx.data.sharding import IGNORE_INDEX
+
+_SQUEEZE = ("input_ids", "attention_mask", "mm_token_type_ids")
+
+
+@dataclass(frozen=True)
+class _Doc:
+    ids: torch.Tensor  # [L]
+    labels: torch.Tensor  # [L] unshifted, -100 at placeholders
+    vision: dict  # the document's pixel / grid / per-item tensors
+    items: RowVision
+    encoder_cost: float
+
+
+def _one_document(i: int, feat: Mapping[str, Any], label_keys: Sequence[str]) -> dict:
+    """A processor's output for one document, with its per-token [1, L] rows as [L]."""
+    out = dict(feat)
+    for key in (*_SQUEEZE, *label_keys):
+        value = out.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == 1:
+            out[key] = value[0]
+        elif isinstance(value, torch.Tensor) and value.dim() == 2:
+            raise ValueError(f"feature {i}: '{key}' has shape {tuple(value.shape)}; pass ONE document per feature")
+    mask = out.pop("attention_mask", None)
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError(f"feature {i}: attention_mask has zeros; process each document alone (no padding)")
+    return out
+
+
+class MultimodalCollator:
+    """`collator(features)` -> this rank's micro-batches of a vision-language model.
+
+    `mesh`: this rank's `SPMesh`; `max_tokens`: tokens one SP group holds per micro-batch,
+    image tokens and padding included; `spec`: `hf_longctx.vision_spec(model)`. `cost` (the
+    language model's T(l)) and `vision_cost` (encoder work per image / video slice) must share
+    a unit: both default to the model's FLOPs (`spec.text_cost`, `spec.cost`); pass both to use
+    fitted times. `strategy`, `seed`, `overlong` (text-only documents only) as for
+    `LongContextCollator`; `label_key` / `loss_mask_key`: labels and a 0/1 loss mask per
+    token (unshifted), as there. Every rank calls it with the step's global list of documents.
+    """
+
+    def __init__(
+        self, mesh: Any, max_tokens: int, spec: VisionSpec, cost: CostModel | None = None,
+        vision_cost: VisionCost | None = None, *, strategy: str = "balanced", overlong: str = "error", seed: int = 0,
+        pad_token_id: int = 0, label_key: str = "labels", loss_mask_key: str | None = None,
+    ) -> None:
+        if not isinstance(spec, VisionSpec):
+            raise ValueError(f"spec must be the model's VisionSpec (hf_longctx.vision_spec(model)), got {type(spec).__name__}")
+        if (cost is None) != (vision_cost is None):
+            raise ValueError(
+                "cost and vision_cost must be given together: the two share a unit (e.g. seconds from your own profile); "
+                "pass both (vision_cost=VisionCost(a, b)), or neither (both then count the model's FLOPs)"
+            )
+        check_feature_options(pad_token_id, label_key, loss_mask_key)
+        self.mesh, self.max_tokens, self.spec = mesh, max_tokens, spec
+        self.cost = cost or spec.text_cost or DEFAULT_COST
+        self.vision_cost = vision_cost or spec.cost
+        self.strategy, self.overlong, self.seed = strategy, overlong, seed
+        self.pad_token_id, self.label_key, self.loss_mask_key = pad_token_id, label_key, loss_mask_key
+        self.last_plan: Plan | None = None
+        self.last_num_items: int | None = None
+        self._plan([], [])  # a bad planner argument fails here, not at the first step
+
+    def _documents(self, features: Sequence[Mapping[str, Any]]) -> list[_Doc]:
+        keys = sorted(self.spec.input_keys)
+        if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
+            raise ValueError(f"features must be a non-empty list of per-document mappings, got {type(features).__name__}")
+        label_keys = [k for k in (self.label_key, self.loss_mask_key) if k]
+        feats = [_one_document(i, f, label_keys) if isinstance(f, Mapping) else f for i, f in enumerate(features)]
+        texts = read_documents(feats, label_key=self.label_key, loss_mask_key=self.loss_mask_key)
+        docs = []
+        for i, (feat, (ids, labels)) in enumerate(zip(feats, texts)):
+            vision = {k: feat[k] for k in keys if feat.get(k) is not None and k != "mm_token_type_ids"}
+            try:
+                items = read_row(vision, ids, [0, len(ids)], self.spec)
+            except ValueError as e:
+                raise ValueError(f"feature {i}: {e}") from None
+            labels = labels.clone()
+            for m in self.spec.modalities:
+                labels[ids == m.token_id] = IGNORE_INDEX
+            work = sum(self.vision_cost(u.patches) for u in items.units)
+            docs.append(_Doc(ids, labels, vision, items, work))
+        cap = self.max_tokens
+        long = [(i, len(d.ids)) for i, d in enumerate(docs) if not d.items.empty and len(d.ids) > cap]
+        if long:
+            raise ValueError(
+                f"documents with images longer than the token cap max_tokens={cap}: (index, tokens) {long[:8]}; an image is "
+                "never cut, so raise max_tokens (image tokens count), downscale the images in the processor "
+                "(max_pixels), or drop these documents"
+            )
+        return docs
+
+    def _plan(self, lengths: Sequence[int], extra: Sequence[float]) -> Plan:
+        return plan_microbatches(
+            lengths, dp_size=self.mesh.dp, max_tokens=self.max_tokens, cost=self.cost, seed=self.seed,
+            strategy=self.strategy, overlong=self.overlong, doc_multiple=self.mesh.doc_multiple,
+            seq_multiple=self.mesh.seq_multiple, extra_costs=list(extra),
+        )
+
+    def plan(self, features: Sequence[Mapping[str, Any]]) -> Plan:
+        """The plan of this step (the same on every rank); `plan[mesh.dp_rank]` is ours."""
+        docs = self._documents(features)
+        return self._plan([len(d.ids) for d in docs], [d.encoder_cost / self.mesh.sp for d in docs])
+
+    def _pack(self, docs: list[_Doc], plan: Plan, piece_ids: list[int]) -> dict:
+        if not piece_ids:  # an empty slot: one padding document, so this rank joins every collective
+            return {"input_ids": torch.tensor([[self.pad_token_id]]), "labels": torch.tensor([[IGNORE_INDEX]]),
+                    "position_ids": torch.tensor([[0]])}
+        pieces = [plan.pieces[p] for p in piece_ids]
+        out = {
+            "input_ids": torch.cat([docs[p.doc].ids[p.start:p.end] for p in pieces])[None],  # [1, S]
+            "labels": torch.cat([docs[p.doc].labels[p.start:p.end] for p in pieces])[None],  # [1, S] unshifted
+            "position_ids": torch.cat([torch.arange(p.length) for p in pieces])[None],  # [1, S]
+        }
+        for key in self.spec.input_keys:  # a document with images is one whole piece: its items stay in order
+            parts = [torch.as_tensor(docs[p.doc].vision[key]) for p in pieces if key in docs[p.doc].vision]
+            if parts:
+                out[key] = torch.cat(parts)
+        return out
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        docs = self._documents(features)
+        plan = self._plan([len(d.ids) for d in docs], [d.encoder_cost / self.mesh.sp for d in docs])
+        num_items = sum(int((docs[p.doc].labels[p.start + 1:p.end] != IGNORE_INDEX).sum()) for p in plan.pieces)
+        require_targets(num_items, [len(d.ids) for d in docs])
+        out = [
+            shard_multimodal(self._pack(docs, plan, mb), self.mesh, self.spec, num_items, pad_token_id=self.pad_token_id)
+            for mb in plan[self.mesh.dp_rank]
+        ]
+        self.last_plan, self.last_num_items = plan, num_items
+        return out
