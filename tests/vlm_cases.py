@@ -1,7 +1,7 @@
 """Tiny vision-language models and packed multimodal rows for the VLM tests and benchmarks.
 
-Builders for Qwen2.5-VL, Qwen3-VL (DeepStack), Gemma 3 (sliding windows) and Qwen3.5 (Gated
-DeltaNet hybrid) from their config classes (no hub), synthetic images and short videos made
+Builders for Qwen2.5-VL, Qwen3-VL (DeepStack), Gemma 3 (sliding windows), Qwen3.5 (Gated
+DeltaNet hybrid) and LLaVA (CLIP tower) from their config classes (no hub), synthetic images and short videos made
 locally, documents as a processor makes them (placeholders expanded, wrapped in the family's
 start/end tokens), and the single-process reference: the documents run ONE AT A TIME
 through transformers' own path (the model computes its own M-RoPE positions and merges its
@@ -49,6 +49,13 @@ def vlm_config(family: str):
                                image_size=16, patch_size=4, vision_use_head=False),
             mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
         )
+    if family == "llava":  # CLIP 16x16 images, 4x4 patches: 16 tokens (the CLS token dropped, "default")
+        return tf.LlavaConfig(
+            text_config={**text, "model_type": "llama"},
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, image_size=16, patch_size=4, projection_dim=32),
+            image_token_index=IMAGE, vision_feature_layer=-1,
+        )
     raise KeyError(family)
 
 
@@ -59,7 +66,8 @@ def build(family: str, seed: int = 0):
     torch.manual_seed(seed)
     cfg = vlm_config(family)
     cls = {"qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration, "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
-           "qwen3_5": tf.Qwen3_5ForConditionalGeneration, "gemma3": tf.Gemma3ForConditionalGeneration}[family]
+           "qwen3_5": tf.Qwen3_5ForConditionalGeneration, "gemma3": tf.Gemma3ForConditionalGeneration,
+           "llava": tf.LlavaForConditionalGeneration}[family]
     model = cls(cfg).float().train()
     if family == "gemma3":  # its projection starts at zero (no gradient would reach the tower): a trained-like one
         with torch.no_grad():
@@ -73,12 +81,13 @@ PATCH_DIM = 3 * 2 * 2 * 2  # C · temporal patch · patch · patch of the Qwen t
 def document(family: str, g: torch.Generator, n_text: int, images=(), videos=()) -> dict:
     """One document as the processor makes it: text, then each image (a (t, h, w) grid for the
     Qwen families, ignored by Gemma 3: 16x16 pixels) and video wrapped in start/end tokens."""
-    grid_family = family != "gemma3"
+    grid_family = family not in ("gemma3", "llava")
+    per_image = 16 if family == "llava" else 4
     ids = [torch.randint(3, TEXT_HI, (n_text,), generator=g)]
     out: dict = {}
     pix, grids, vpix, vgrids = [], [], [], []
     for t, h, w in images:
-        n = t * h * w // 4 if grid_family else 4
+        n = t * h * w // 4 if grid_family else per_image
         ids += [torch.tensor([START]), torch.full((n,), IMAGE), torch.tensor([END]), torch.randint(3, TEXT_HI, (3,), generator=g)]
         pix.append(torch.randn(t * h * w, PATCH_DIM, generator=g) if grid_family else torch.randn(1, 3, 16, 16, generator=g))
         grids.append([t, h, w])
@@ -107,7 +116,7 @@ def mixed_documents(family: str, seed: int = 0) -> list[dict]:
     """A packed row's worth: text-only documents, several images of different sizes, and (Qwen
     families with video) a 3-slice video; one image straddles shard boundaries on every mesh."""
     g = torch.Generator().manual_seed(seed)
-    video = [(3, 4, 4)] if family != "gemma3" else []
+    video = [(3, 4, 4)] if family not in ("gemma3", "llava") else []
     return [
         document(family, g, 5, images=[(1, 4, 4)]),
         document(family, g, 9),
