@@ -130,12 +130,41 @@ def pad_id(processing_class: Any, pad_token_id: int | None) -> int:
     return 0
 
 
+def vision_collator(mesh: Any, model: Any, *, max_tokens: int, cost: Any, vision_cost: Any, strategy: str,
+                    overlong: str, seed: int, pad_token_id: int) -> Any:
+    """The `MultimodalCollator` of an image-text-to-text model patched with an exact vision
+    family (`patch_state(model).vision`), or None for a text-only model."""
+    from hf_longctx.model_walk import hf_model
+
+    family = patch_state(model).vision
+    if family is None:
+        if vision_cost is not None:
+            raise ValueError("vision_cost= is for a vision-language model patched with image support; this model has none")
+        return None
+    if isinstance(mesh, GroupBank):
+        from hf_longctx.errors import NotSupported
+
+        raise NotSupported(
+            "a vision-language model with a GroupBank (flexible SP groups): the trainer plans its images with "
+            "the fixed-degree MultimodalCollator only",
+            "pass an SPMesh from init_sequence_parallel as mesh=",
+        )
+    from hf_longctx.data.multimodal.collator import MultimodalCollator
+
+    return MultimodalCollator(mesh, max_tokens, family.spec(hf_model(model)), cost, vision_cost, strategy=strategy,
+                              overlong=overlong, seed=seed, pad_token_id=pad_token_id)
+
+
 def build_collators(
     mesh: Any, *, max_tokens: int, max_tokens_per_rank: int | None, cost: Any, flops_model: CostModel | None,
     hf_config: Any, strategy: str, overlong: str, seed: int, pad_token_id: int, unequal_calls: bool,
+    vision: Any = None,
 ) -> tuple[Any, Any]:
     """(train collator, eval collator) of the step DataLoader: a `LongContextCollator` over an
-    SPMesh, a `FlexCollator` over a GroupBank (evaluation always with equal counts)."""
+    SPMesh, a `FlexCollator` over a GroupBank (evaluation always with equal counts), or the
+    given `vision` collator (`vision_collator`) for an image-text-to-text model."""
+    if vision is not None:
+        return vision, vision
     if isinstance(mesh, GroupBank):
         if cost is None and hf_config is None:
             raise ValueError("with a GroupBank pass cost= (a GroupCost): the model has no config to estimate it from")

@@ -183,6 +183,7 @@ class StepCollate:
         # What is trained: the plan's pieces (a split document attends within its piece).
         lengths = self.collator.last_lengths if flex else [p.end - p.start for p in self.collator.last_plan.pieces]
         flops = float(self.flops_model(lengths).sum()) if self.flops_model is not None else 0.0
+        flops += getattr(self.collator, "last_encoder_flops", 0.0)  # a vision-language model's image encoding
         stats = (self.collator.stats or {}) if self.collator.cost is not None else {}
         return {
             "micro_batches": micro_batches,
@@ -220,6 +221,7 @@ def step_dataloader(
     (a worker's prefetch would advance it), and planning a step costs milliseconds.
     """
     columns = check_dataset(dataset, name)
+    columns += [c for c in getattr(collator, "columns", ()) if c in dataset.column_names and c not in columns]  # images
     lengths = document_lengths(dataset) if lengths is None else lengths
     check_lengths(lengths, collator.max_tokens, collator.overlong, name)
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)

@@ -97,7 +97,14 @@ class LongContextTrainerMixin:
     `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic; default:
     once per step, in the last backward), `param_offload` (FSDP2 CPUOffloadPolicy through
     `fsdp_plan`: sharded parameters, gradients and optimizer states in host memory, the
-    optimizer step on the CPU). Everything else is plain `TrainingArguments`.
+    optimizer step on the CPU), `vision_cost` (an image-text-to-text model: the encoder's
+    `VisionCost` in the unit of `cost`; both default to FLOPs). Everything else is plain
+    `TrainingArguments`.
+
+    An image-text-to-text model patched with image support trains on rows of processor outputs
+    (`input_ids`, `pixel_values`, grids, optional `labels`: one document each) through
+    `MultimodalCollator`; under TRL's SFTTrainer a conversational dataset with images is first
+    run through TRL's own vision collator, one example at a time (`training/vision_data.py`).
     """
 
     def __init__(
@@ -105,7 +112,7 @@ class LongContextTrainerMixin:
         cost: CostModel | GroupCost | None = None, strategy: str = "balanced", overlong: str = "error",
         pad_token_id: int | None = None, step_timeout_s: float | None = None, peak_flops: float | None = None,
         max_tokens_per_rank: int | None = None, unequal_calls: bool = False, sync_each_microbatch: bool = False,
-        param_offload: bool = False, **kwargs: Any,
+        param_offload: bool = False, vision_cost: Any = None, **kwargs: Any,
     ) -> None:
         # Every check runs on every rank alike, before any collective (construction.py).
         if not isinstance(mesh, (SPMesh, GroupBank)):
@@ -145,6 +152,14 @@ class LongContextTrainerMixin:
         super().__init__(*args, **kwargs)
         check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
+        self.vision_collator = build.vision_collator(
+            mesh, self.model, max_tokens=self.max_tokens, cost=cost, vision_cost=vision_cost, strategy=strategy,
+            overlong=overlong, seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
+        )
+        if self.vision_collator is not None:  # TRL's conversational image datasets become processor rows
+            from hf_longctx.training.vision_data import processed_datasets
+
+            processed_datasets(self)
         self._train_lengths = self._check_train_data(overlong) if self.train_dataset is not None else None
         hf_config = getattr(hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
@@ -152,7 +167,7 @@ class LongContextTrainerMixin:
             mesh, max_tokens=self.max_tokens, max_tokens_per_rank=max_tokens_per_rank, cost=cost,
             flops_model=self._flops_model, hf_config=hf_config, strategy=strategy, overlong=overlong,
             seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
-            unequal_calls=unequal_calls,
+            unequal_calls=unequal_calls, vision=self.vision_collator,
         )
         if mesh.world_size > 1:
             self._shard_model()

@@ -92,7 +92,24 @@ class MultimodalCollator:
         self.pad_token_id, self.label_key, self.loss_mask_key = pad_token_id, label_key, loss_mask_key
         self.last_plan: Plan | None = None
         self.last_num_items: int | None = None
+        self.last_encoder_flops = 0.0  # the step's encoder work (every rank's), in the unit of vision_cost
         self._plan([], [])  # a bad planner argument fails here, not at the first step
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The dataset columns this collator reads (the step DataLoader fetches these)."""
+        refused = [key for key, _ in self.spec.refused_keys]  # read only to refuse them (never dropped unseen)
+        return ("input_ids", self.label_key, *([self.loss_mask_key] if self.loss_mask_key else []),
+                *sorted(self.spec.input_keys), *refused)
+
+    @property
+    def stats(self) -> dict[str, float] | None:
+        """Balance of the last step's plan under the language-model cost (`Plan.stats`), its global
+        target count and encoder work, for logging; None before the first call."""
+        if self.last_plan is None:
+            return None
+        return {**self.last_plan.stats(self.cost), "num_items_in_batch": self.last_num_items,
+                "encoder_flops": self.last_encoder_flops}
 
     def _documents(self, features: Sequence[Mapping[str, Any]]) -> list[_Doc]:
         keys = sorted(self.spec.input_keys)
@@ -102,6 +119,10 @@ class MultimodalCollator:
         feats = [_one_document(i, f, label_keys) if isinstance(f, Mapping) else f for i, f in enumerate(features)]
         texts = read_documents(feats, label_key=self.label_key, loss_mask_key=self.loss_mask_key)
         docs = []
+        for i, feat in enumerate(feats):
+            for key, why in self.spec.refused_keys:
+                if feat.get(key) is not None and bool(torch.as_tensor(feat[key]).ne(0).any()):
+                    raise ValueError(f"feature {i}: '{key}' is set: {why}")
         for i, (feat, (ids, labels)) in enumerate(zip(feats, texts)):
             vision = {k: feat[k] for k in keys if feat.get(k) is not None and k != "mm_token_type_ids"}
             try:
@@ -156,6 +177,7 @@ class MultimodalCollator:
         plan = self._plan([len(d.ids) for d in docs], [d.encoder_cost / self.mesh.sp for d in docs])
         num_items = sum(int((docs[p.doc].labels[p.start + 1:p.end] != IGNORE_INDEX).sum()) for p in plan.pieces)
         require_targets(num_items, [len(d.ids) for d in docs])
+        self.last_encoder_flops = float(sum(d.encoder_cost for d in docs))
         out = [
             shard_multimodal(self._pack(docs, plan, mb), self.mesh, self.spec, num_items, pad_token_id=self.pad_token_id)
             for mb in plan[self.mesh.dp_rank]

@@ -52,7 +52,11 @@ class GridFamily:
     def spec(self, hf) -> VisionSpec:
         cfg, vcfg = hf.config, hf.config.vision_config
         base = _base(hf)
-        rope = inspect.signature(base.get_rope_index).parameters
+        has_rope = callable(getattr(base, "get_rope_index", None))  # M-RoPE; else 1-D positions
+        rope = inspect.signature(base.get_rope_index).parameters if has_rope else {}
+        missing = [k for k in ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw") if has_rope and k not in rope]
+        if missing:
+            raise ValueError(f"{type(base).__name__}.get_rope_index takes no {missing}: not the Qwen-VL position contract")
         video_keys = ("second_per_grid_ts",) if "second_per_grid_ts" in rope else ()
         modalities = [Modality("image", int(cfg.image_token_id), "pixel_values", "image_grid_thw", (), 1)]
         if getattr(cfg, "video_token_id", None) is not None and callable(getattr(hf, "get_video_features", None)):
@@ -69,11 +73,12 @@ class GridFamily:
             pos, _ = base.get_rope_index(**kw)  # [3, 1, L]
             return pos[:, 0]
 
+        depth = getattr(vcfg, "depth", None) or getattr(vcfg, "num_hidden_layers", None) or 0
+        levels = [i for i in (getattr(vcfg, "deepstack_visual_indexes", None) or ()) if i < depth]  # the blocks that exist
         return VisionSpec(
             family=self.name, modalities=tuple(modalities), layout=GRID, hidden=_hidden(hf),
             cost=VisionCost.from_vision_config(vcfg), merge=int(vcfg.spatial_merge_size), frames_separable=self.frames,
-            positions=positions, text_row=True,
-            deepstack=len(getattr(vcfg, "deepstack_visual_indexes", None) or ()), container="list",
+            positions=positions if has_rope else None, text_row=has_rope, deepstack=len(levels), container="list",
             text_cost=CostModel.from_config(cfg),
         )
 

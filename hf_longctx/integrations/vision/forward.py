@@ -41,8 +41,22 @@ def _container(rows: torch.Tensor, spec: VisionSpec):
     return [rows] if spec.container == "list" else rows[None]  # list of one [n, D], or [1, n, D]
 
 
-def encode_and_exchange(hf, family: Any, spec: VisionSpec, shard: VisionShard, group) -> dict[str, VisionFeatures]:
-    """`mm_encoder_outputs` of this rank for one micro-batch (see the module docstring)."""
+def encoder_parameters(hf) -> list:
+    """The parameters the encoder call uses: everything outside the language model (its decoder,
+    with the input embeddings) and the LM head -- the vision tower and the projector."""
+    lm = {id(p) for p in hf.get_decoder().parameters()}
+    head = hf.get_output_embeddings()
+    lm |= {id(p) for p in (head.parameters() if head is not None else [])}
+    return [p for p in hf.parameters() if id(p) not in lm]
+
+
+def encode_and_exchange(
+    hf, family: Any, spec: VisionSpec, shard: VisionShard, group, trainable: bool
+) -> dict[str, VisionFeatures]:
+    """`mm_encoder_outputs` of this rank for one micro-batch (see the module docstring).
+    `trainable`: the exchange carries gradients -- decided alike on every rank (grad mode and
+    whether any encoder parameter trains), never by whether this rank happened to encode
+    something, so every rank runs the exchange's backward or none does."""
     emb = hf.get_input_embeddings().weight
     width = spec.hidden * (1 + spec.deepstack)  # F: pooled rows + DeepStack levels as columns
     parts = []
@@ -61,8 +75,9 @@ def encode_and_exchange(hf, family: Any, spec: VisionSpec, shard: VisionShard, g
         parts.append(torch.cat([rows, *deep], dim=-1).to(emb.dtype))  # [n, F]
     if parts:
         x = torch.cat(parts)  # [n_own, F] in unit order
+        x = x if trainable else x.detach()
     else:  # nothing to encode here: a zero-row leaf keeps this rank in the exchange's backward
-        x = torch.zeros(0, width, dtype=emb.dtype, device=emb.device, requires_grad=torch.is_grad_enabled())
+        x = torch.zeros(0, width, dtype=emb.dtype, device=emb.device, requires_grad=trainable)
     plan = shard.plan
     send = x[plan.send_index.to(x.device)]  # [n_send, F] grouped by destination
     got = exchange_rows(send, plan.send_counts, plan.recv_counts, group)  # [n_local, F] grouped by source
@@ -104,7 +119,9 @@ def make_vision_hook(state: Any, hf, family: Any, spec: VisionSpec):
             raise ValueError(f"'{SP_VISION_KEY}' must come from shard_multimodal with this model's vision_spec ({spec.family})")
         info = kwargs.get(SP_METADATA_KEY)
         mesh = batch_mesh(state, info) if info is not None else state.mesh
-        kwargs["mm_encoder_outputs"] = encode_and_exchange(hf, family, spec, vision, mesh.sp_group)
+        # read per call: adapters (PEFT) may be added or frozen after patch()
+        trainable = torch.is_grad_enabled() and any(p.requires_grad for p in encoder_parameters(hf))
+        kwargs["mm_encoder_outputs"] = encode_and_exchange(hf, family, spec, vision, mesh.sp_group, trainable)
         return args, kwargs
 
     return hook

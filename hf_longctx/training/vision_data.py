@@ -1,0 +1,79 @@
+"""TRL's conversational image datasets -> rows of processor outputs, for the multimodal step collator.
+
+Where it sits: construction of the Trainer path (`training/trainer.py`), for an
+image-text-to-text model under TRL's `SFTTrainer` with a processor as `processing_class`.
+TRL leaves such a dataset raw (`messages` + `images`) and runs its
+`DataCollatorForVisionLanguageModeling` per batch; the step sampler here needs every
+document's token count up front (image tokens included) and the multimodal collator packs
+documents with their own images, so each example is run through TRL's SAME collator once,
+alone (chat template, processor, labels with padding -100 -- assistant-only / completion-only
+masks as TRL builds them), and kept as one row: `input_ids`, `labels`, the pixel / grid
+tensors, `length`. Nothing is truncated: TRL's `max_length` must be None here (the cap is
+the trainer's `max_tokens`), and a document with images longer than it is refused by the
+collator. The processed rows live in memory / the datasets cache like any mapped dataset;
+for very large image sets process the dataset yourself into the same columns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_PER_TOKEN = ("input_ids", "labels", "mm_token_type_ids", "token_type_ids")
+
+
+def _row(collate: Any, example: dict, keys: tuple[str, ...]) -> dict:
+    out = collate([dict(example)])  # TRL pops / rewrites keys of the example it is given
+    row: dict = {k: None for k in keys}
+    for key, value in out.items():
+        if not isinstance(value, torch.Tensor) or key == "attention_mask":
+            continue
+        if key in _PER_TOKEN:
+            if value.shape[0] != 1:
+                raise ValueError(f"the collator returned '{key}' of shape {tuple(value.shape)} for one example")
+            row[key] = value[0].tolist()
+        else:
+            row[key] = value.tolist()
+    if "attention_mask" in out and not bool(out["attention_mask"].bool().all()):
+        raise ValueError("the collator padded a single example; processor outputs must hold one document without padding")
+    row["length"] = len(row["input_ids"])
+    return row
+
+
+def process_examples(dataset: Any, collate: Any, input_keys: frozenset) -> Any:
+    """`dataset` (raw `messages` / `images` rows) mapped through `collate` one example at a time."""
+    if "input_ids" in dataset.column_names:
+        return dataset  # already processor rows
+    if getattr(collate, "max_length", None) is not None:
+        raise ValueError(
+            f"the vision collator truncates to max_length={collate.max_length}, which would cut image tokens; pass "
+            "max_length=None (the cap is the trainer's max_tokens)"
+        )
+    keys = tuple(sorted({"input_ids", "labels", *input_keys, *_PER_TOKEN}))
+    rows = dataset.map(lambda ex: _row(collate, ex, keys), remove_columns=dataset.column_names)
+    empty = [k for k in keys if all(v is None for v in rows[k])]
+    return rows.remove_columns(empty) if empty else rows
+
+
+def processed_datasets(trainer: Any) -> None:
+    """Replace the trainer's raw conversational image datasets by processor rows (in place)."""
+    collate = getattr(trainer, "data_collator", None)
+    spec = trainer.vision_collator.spec
+
+    def convert(dataset: Any) -> Any:
+        if dataset is None or "input_ids" in getattr(dataset, "column_names", ["input_ids"]):
+            return dataset
+        if not callable(getattr(collate, "torch_call", None)) or not hasattr(collate, "processor"):
+            raise ValueError(
+                f"the dataset has no 'input_ids' (columns {dataset.column_names}) and the trainer has no vision collator "
+                "to process it: use TRL's SFTTrainer with a processor as processing_class, or map the dataset through "
+                "the processor yourself (one document per row: input_ids, pixel_values, grids, labels)"
+            )
+        return process_examples(dataset, collate, spec.input_keys)
+
+    trainer.train_dataset = convert(trainer.train_dataset)
+    if isinstance(trainer.eval_dataset, dict):
+        trainer.eval_dataset = {k: convert(v) for k, v in trainer.eval_dataset.items()}
+    else:
+        trainer.eval_dataset = convert(trainer.eval_dataset)
