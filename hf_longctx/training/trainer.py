@@ -149,7 +149,12 @@ class LongContextTrainerMixin:
             )
         if training_args is not None:
             build.map_activation_checkpointing(model, training_args)
+        user_unused = getattr(training_args, "ddp_find_unused_parameters", None)
         super().__init__(*args, **kwargs)
+        if user_unused is None and getattr(self.args, "ddp_find_unused_parameters", None):
+            # TRL turns it on for a vision-language model (DDP and a tower idle on text-only batches);
+            # there is no DDP here: FSDP2 reduces unused parameters itself (integrations/unused_params.py)
+            self.args.ddp_find_unused_parameters = None
         check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
         self.vision_collator = build.vision_collator(

@@ -18,9 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TIMING = {"tokens_per_s", "peak_mem_gib"}  # wall-clock and per-rank memory: may differ between ranks
 
 
-def launch(recipe: str, *args: str) -> subprocess.CompletedProcess:
-    """`accelerate launch` of a recipe on 2 CPU ranks (what the README's CPU line does, with 2 processes)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+def launch(recipe: str, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
+    """`accelerate launch` of a recipe on `processes` CPU ranks (what the README's CPU line does)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines",
            "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
            os.path.join(ROOT, "recipes", recipe), *args]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
