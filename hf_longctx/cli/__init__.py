@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-each-microbatch", action="store_true",
                    help="memory with a gradient reduce-scatter in every micro-batch (LongContextTrainer("
                         "sync_each_microbatch=True)) instead of unsharded fp32 gradients held through the step")
+    g = p.add_argument_group("vision-language models (visual content per sample of --seq-len tokens, which count it)")
+    g.add_argument("--images", type=int, default=0, help="images per sample")
+    g.add_argument("--image-tokens", type=int, default=0, help="language-model tokens per image")
+    g.add_argument("--video-seconds", type=float, default=0.0, help="seconds of video per sample")
+    g.add_argument("--fps", type=float, default=0.0, help="video frames sampled per second")
+    g.add_argument("--frame-tokens", type=int, default=0, help="language-model tokens per temporal slice (two frames)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
     q = sub.add_parser("step-plot", help="draw trainer.last_plan (saved with trainer.last_plan.save(FILE.json))")

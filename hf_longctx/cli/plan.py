@@ -171,6 +171,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.microbatches = args.microbatches or 1
     config = load_config(args.model)
     dims = ModelDims.from_config(config)
+    from hf_longctx.planning.vision import vision_budget
+
+    try:
+        vision = vision_budget(config, images=args.images, image_tokens=args.image_tokens, video_seconds=args.video_seconds,
+                               fps=args.fps, frame_tokens=args.frame_tokens)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if vision is not None and vision.tokens > args.seq_len:
+        print(f"a sample's visual content is {vision.tokens} tokens, more than --seq-len {args.seq_len} (which counts "
+              "them): raise --seq-len or lower the image / video budget", file=sys.stderr)
+        return 2
     cluster = Cluster(
         gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
         tflops=args.tflops, mfu=args.mfu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw,
@@ -180,14 +192,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
                            optimizer=args.optimizer, unsharded_step=args.unequal_calls, grad_sync=grad_sync,
                            microbatches=args.microbatches or 1, tokens_per_step=args.tokens_per_step,
-                           param_offload=args.param_offload)
+                           param_offload=args.param_offload, vision=vision)
     feasible = [c for c in ranked if c.feasible]
     print(f"hf-longctx plan: {getattr(config, 'model_type', '?')} ({dims.params / 1e9:.2f}B params, {dims.layers} layers, "
           f"hidden {dims.hidden}, {dims.heads}/{dims.kv_heads} heads, vocab {dims.vocab}) on {args.gpus} GPUs x "
           f"{_gib(args.gpu_memory)} GiB, host {_gib(args.host_memory)} GiB per node, seq-len {args.seq_len}, "
           f"{args.dtype}, {args.optimizer}, "
           + (f"{args.microbatches} micro-batch(es) per rank and step" if args.tokens_per_step is None
-             else f"{args.tokens_per_step} tokens per step") + "\n")
+             else f"{args.tokens_per_step} tokens per step")
+          + (f"; vision tower {vision.dims.params / 1e6:.0f}M params, {vision.tokens} visual tokens per sample "
+             f"({args.images} images x {args.image_tokens}, {vision.slices} video slices x {args.frame_tokens}) charged "
+             "(planning/vision.py)" if vision is not None else "") + "\n")
     if not feasible:
         if args.show_infeasible:
             print(format_table([_row("-", c) for c in ranked]))

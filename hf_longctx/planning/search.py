@@ -270,7 +270,7 @@ def step_time(
 def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
-    tokens_per_step: int | None = None, param_offload: str = "auto",
+    tokens_per_step: int | None = None, param_offload: str = "auto", vision: Any = None,
 ) -> list[Candidate]:
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
@@ -279,7 +279,8 @@ def rank_settings(
 
     Micro-batches per rank and step: `microbatches`, or, with `tokens_per_step` (global),
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
-    (try both), "yes", "no"."""
+    (try both), "yes", "no". `vision`: a `planning/vision.VisionBudget` (images / video per
+    document of `seq_len`): the tower's memory and time are charged to every setting."""
     seq_len = tokens if seq_len is None else seq_len
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -300,6 +301,13 @@ def rank_settings(
                               unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len, microbatches=mbs, optimizer=optimizer,
                          grad_sync=grad_sync)
+        if vision is not None:
+            from hf_longctx.planning.vision import vision_cost
+
+            dt, samples = DTYPE_BYTES[dtype], tokens / seq_len
+            mem = vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)
+            secs += vision.seconds(vision_cost(config), sp=s.sp, samples=samples, rate=cluster.tflops * 1e12 * cluster.mfu,
+                                   bandwidth=cluster.bandwidth(s.sp), dt=dt)
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
         reason = ""
         if tokens % multiple:
