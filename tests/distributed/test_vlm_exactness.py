@@ -10,7 +10,9 @@ or within twice the single-process fp32 error where that is larger; bf16 within 
 single-process bf16 error). Meshes: U2×R2 (shard_multimodal), dp2×U2 (MultimodalCollator,
 two DP ranks with different documents, global normaliser), Ulysses 4 with 2 FPDT chunks;
 families Qwen2.5-VL, Qwen3-VL (DeepStack), Gemma 3 (sliding window), LLaVA, and one
-Qwen3.5 (Gated DeltaNet hybrid) row. A broken route (two received rows swapped) must fail.
+Qwen3.5 (Gated DeltaNet hybrid) row; the language model's memory options ride along
+(checkpoint="attention" on dp2×U2; memory="max" -- K/V offload, offloaded checkpointing,
+chunked MLP and LM head + loss -- with FPDT). A broken route (two received rows swapped) must fail.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from tests.pool import worker_mesh
 MAX_TOKENS = 96  # the collator's cap: 2 micro-batches per step on dp2×U2
 
 
-def _run(ulysses: int, ring: int, chunks: int, families: list, collate: bool, corrupt: bool = False) -> dict:
+def _run(ulysses: int, ring: int, chunks: int, families: list, collate: bool, corrupt: bool = False,
+         knobs: dict | None = None) -> dict:
     from hf_longctx.data.multimodal.collator import MultimodalCollator
     from hf_longctx.data.multimodal.sharding import SP_VISION_KEY, shard_multimodal
     from hf_longctx.integrations.transformers import patch
@@ -32,7 +35,7 @@ def _run(ulysses: int, ring: int, chunks: int, families: list, collate: bool, co
     from tests.vlm_cases import build, compare, mixed_documents, packed_row, references
 
     mesh = worker_mesh(ulysses, ring, chunks)
-    out = {}
+    results = {}
     for family in families:
         docs = mixed_documents(family) + (mixed_documents(family, seed=1) if collate else [])
         refs = references(family, docs)
@@ -51,21 +54,22 @@ def _run(ulysses: int, ring: int, chunks: int, families: list, collate: bool, co
                 if len(order) > 1:
                     order[[0, -1]] = order[[-1, 0]]
                 s[SP_VISION_KEY] = dataclasses.replace(vs, plan=dataclasses.replace(vs.plan, recv_order=order))
-        patch(model, mesh)
+        patch(model, mesh, **(knobs or {}))
         model.zero_grad(set_to_none=True)
         local = torch.zeros(())
         for shard in shards:
-            loss = model(**shard).loss
-            loss.backward()
-            local = local + loss.detach()
+            out = model(**shard)
+            out.loss.backward()
+            local = local + out.loss.detach()
         sum_gradients(model.parameters(), mesh)
         errs = compare(*refs, global_loss(local, mesh), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         vs = [s[SP_VISION_KEY] for s in shards if SP_VISION_KEY in s]
         errs["loads"] = [v.loads for v in vs]
         errs["local_tokens"] = sum(sum(v.local_counts) for v in vs)
         errs["micro_batches"] = len(shards)
-        out[family] = errs
-    return out
+        errs["chunked_loss"] = out.logits is None  # memory presets: the LM head + loss ran chunked
+        results[family] = errs
+    return results
 
 
 def _check(results, where: str) -> None:
@@ -77,17 +81,18 @@ def _check(results, where: str) -> None:
             assert min(e["language_max"], e["projector_max"], e["vision_max"]) > 1e-3, f"a part got no gradient: {msg}"
 
 
-CASES = [  # (ulysses, ring, fpdt chunks, families, through the collator)
-    (2, 2, 1, ["qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "qwen3_5"], False),
-    (2, 1, 1, ["qwen2_5_vl", "qwen3_vl", "gemma3"], True),  # dp 2 × Ulysses 2
-    (4, 1, 2, ["qwen2_5_vl", "qwen3_vl", "gemma3"], False),
+CASES = [  # (ulysses, ring, fpdt chunks, families, through the collator, patch() memory knobs)
+    (2, 2, 1, ["qwen2_5_vl", "qwen3_vl", "gemma3", "llava", "qwen3_5"], False, {}),
+    (2, 1, 1, ["qwen2_5_vl", "qwen3_vl", "gemma3"], True, {"checkpoint": "attention"}),  # dp 2 × Ulysses 2
+    (4, 1, 2, ["qwen2_5_vl", "qwen3_vl", "gemma3"], False, {"memory": "max"}),  # FPDT + K/V offload, checkpointing, chunks
 ]
 
 
-@pytest.mark.parametrize("ulysses,ring,chunks,families,collate", CASES)
-def test_vlm_matches_one_process(pools, ulysses, ring, chunks, families, collate):
-    results = pools.get(4).run(_run, ulysses, ring, chunks, families, collate, timeout=300)
-    _check(results, f"U{ulysses}xR{ring} chunks {chunks}{' collator' if collate else ''}")
+@pytest.mark.parametrize("ulysses,ring,chunks,families,collate,knobs", CASES)
+def test_vlm_matches_one_process(pools, ulysses, ring, chunks, families, collate, knobs):
+    results = pools.get(4).run(_run, ulysses, ring, chunks, families, collate, False, knobs, timeout=300)
+    _check(results, f"U{ulysses}xR{ring} chunks {chunks}{' collator' if collate else ''} {knobs}")
+    assert all(r[f]["chunked_loss"] == (knobs.get("memory") == "max") for r in results for f in families)
     for family in families:
         loads = [r[family]["loads"] for r in results]
         assert all(l == loads[0] for l in loads), f"{family}: ranks disagree on the deal {loads}"
