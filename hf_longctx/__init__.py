@@ -6,10 +6,14 @@ by estimated cost → `shard_batch` (through the collator) shifts labels, pads a
 this SP rank's tokens → the `patch`ed model runs `usp_attention` (or FPDT) → the loss is
 normalised by the global token count and gradients are summed over ranks.
 `LongContextTrainer` / `LongContextTrainerMixin` run it through `transformers.Trainer`
-(imported on first access: they load the Trainer).
+(imported on first access: they load the Trainer). Vision-language models: `vision_spec(model)`,
+then `shard_multimodal` / `MultimodalCollator` in place of `shard_batch` / `LongContextCollator`.
 """
 
 from hf_longctx.data.collator import LongContextCollator
+from hf_longctx.data.multimodal.collator import MultimodalCollator
+from hf_longctx.data.multimodal.sharding import shard_multimodal
+from hf_longctx.data.multimodal.spec import VisionCost, VisionSpec
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex.groups import GroupShape, group_shapes
 from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
@@ -29,6 +33,7 @@ from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, unpatch
+from hf_longctx.integrations.vision.registry import vision_spec
 from hf_longctx.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
@@ -44,11 +49,14 @@ __all__ = [
     "GroupCost",
     "GroupShape",
     "LongContextCollator",
+    "MultimodalCollator",
     "NotSupported",
     "Piece",
     "Plan",
     "SPMesh",
     "StepSampler",
+    "VisionCost",
+    "VisionSpec",
     "LongContextTrainer",
     "LongContextTrainerMixin",
     "LongDPOTrainer",
@@ -77,12 +85,14 @@ __all__ = [
     "run_flex_step",
     "run_rank",
     "shard_batch",
+    "shard_multimodal",
     "sum_gradients",
     "tokenize_dataset",
     "unpatch",
     "usp_attention",
     "verify",
     "VerificationError",
+    "vision_spec",
 ]
 
 
