@@ -35,6 +35,8 @@ import time
 
 import torch
 
+from benchmarks.zoo import _errors, merged_rows  # the zoo's criterion: loss relative, gradients against the largest
+
 MESHES = {"ulysses2": (2, 1), "ring2": (1, 2)}
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 TEXT_HI = 96  # text tokens are drawn from [3, TEXT_HI); special tokens move to [100, 128)
@@ -188,18 +190,6 @@ def reference(model, docs: list[dict], spec) -> tuple:
     return loss.detach(), {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
 
 
-def _errors(ref, loss, grads) -> tuple[float, float, str]:
-    ref_loss, ref_grads = ref
-    lerr = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30)
-    top = max(g.abs().max().item() for g in ref_grads.values() if g.numel()) or 1e-30
-    worst, name = 0.0, ""
-    for n, g in ref_grads.items():
-        e = (grads[n] - g).abs().max().item() / top if g.numel() else 0.0
-        if e > worst:
-            worst, name = e, n
-    return lerr, worst, name
-
-
 def run_type(model_type: str, root: str) -> dict:
     """One model type on this rank (a pool task: both ranks run it in lockstep)."""
     import transformers as tf
@@ -274,7 +264,7 @@ def run_type(model_type: str, root: str) -> dict:
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
             sum_gradients(model.parameters(), mesh)
-            errs = _errors(ref, global_loss(out.loss, mesh), {n: p.grad for n, p in model.named_parameters()})
+            errs = _errors(*ref, global_loss(out.loss, mesh), {n: p.grad for n, p in model.named_parameters()})
         except Exception as e:  # noqa: BLE001
             verdicts[name] = "CRASH"
             row["reason"] = _first_line(e)
@@ -363,11 +353,7 @@ def main() -> None:
     ap.add_argument("--from-json", default="", help="do not run: read rows of earlier --json runs (later ones win)")
     args = ap.parse_args()
     if args.from_json:
-        merged: dict = {}
-        for path in args.from_json.split(","):
-            with open(path) as f:
-                merged.update({r["model_type"]: r for r in json.load(f)})
-        rows = [merged[t] for t in sorted(merged)]
+        rows = merged_rows(args.from_json)
     else:
         rows = run_all([t for t in args.only.split(",") if t] or all_types(), args.timeout, log=lambda s: print(s, flush=True))
     print("summary:", {v: sum(r["verdict"] == v for r in rows) for v in ("EXACT", "REFUSED", "WRONG", "CRASH")})

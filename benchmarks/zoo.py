@@ -293,6 +293,16 @@ def markdown(rows: list[dict], command: str = "") -> str:
     return "\n".join(out)
 
 
+def merged_rows(paths: str) -> list[dict]:
+    """The rows of earlier --json runs (comma-separated files): a later file's row replaces an
+    earlier one's (a re-run after a fix), sorted by model type."""
+    merged: dict = {}
+    for path in paths.split(","):
+        with open(path) as f:
+            merged.update({r["model_type"]: r for r in json.load(f)})
+    return [merged[t] for t in sorted(merged)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
@@ -301,12 +311,8 @@ def main() -> None:
     ap.add_argument("--markdown", nargs="?", const="-", default="", help="write the README summary and per-architecture table (to stdout, or to this file)")
     ap.add_argument("--from-json", default="", help="do not run: read the rows of earlier --json runs (comma-separated; later ones win)")
     args = ap.parse_args()
-    if args.from_json:  # several files: a later file's row replaces an earlier one's (a re-run after a fix)
-        merged: dict = {}
-        for path in args.from_json.split(","):
-            with open(path) as f:
-                merged.update({r["model_type"]: r for r in json.load(f)})
-        rows = [merged[t] for t in sorted(merged)]
+    if args.from_json:
+        rows = merged_rows(args.from_json)
     else:
         types = [t for t in args.only.split(",") if t] or all_model_types()
         rows = run_zoo(types, timeout=args.timeout, log=lambda s: print(s, flush=True))

@@ -24,14 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hf_longctx.data.multimodal.spec import VisionCost
-
-
-def _int(cfg: Any, names: tuple[str, ...], default: int) -> int:
-    for n in names:
-        v = getattr(cfg, n, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return default
+from hf_longctx.data.multimodal.spec import config_int as _int
 
 
 @dataclass(frozen=True)

@@ -62,14 +62,16 @@ class VisionCost:
 
     @classmethod
     def from_vision_config(cls, config: Any) -> "VisionCost":
-        h = int(_first(config, ("hidden_size", "embed_dim", "width"), 1024))
-        depth = int(_first(config, ("depth", "num_hidden_layers", "num_layers"), 24))
-        inter = int(_first(config, ("intermediate_size", "mlp_dim"), 4 * h))
+        h = config_int(config, ("hidden_size", "embed_dim", "width"), 1024)
+        depth = config_int(config, ("depth", "num_hidden_layers", "num_layers"), 24)
+        inter = config_int(config, ("intermediate_size", "mlp_dim"), 4 * h)
         per_patch = depth * (4 * h * h + 2 * h * inter)
         return cls(a=12.0 * depth * h, b=6.0 * per_patch)
 
 
-def _first(config: Any, names: tuple[str, ...], default: int) -> Any:
+def config_int(config: Any, names: tuple[str, ...], default: int) -> int:
+    """The first positive int among `config`'s attributes `names`, else `default` (vision configs
+    name their sizes differently per family)."""
     for name in names:
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
