@@ -148,8 +148,8 @@ def processor_rows(processor, n: int, seed: int):
     rows = []
     for i in range(n):
         ex = convo[i]
-        out = processor.apply_chat_template([ex["messages"]], tokenize=True, return_dict=True, return_tensors="pt",
-                                            processor_kwargs={"images": [ex["images"]] if ex["images"] else None})
+        text = processor.apply_chat_template(ex["messages"], tokenize=False)
+        out = processor(text=[text], images=[ex["images"]] if ex["images"] else None, return_tensors="pt")
         ids = out["input_ids"][0]
         row = {"input_ids": ids.tolist(), "pixel_values": None, "image_grid_thw": None,
                "pixel_values_videos": None, "video_grid_thw": None}
