@@ -15,10 +15,12 @@ from typing import Any
 from hf_longctx._compat import checkpointing_fields
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.data.token_ids import Vocabulary
 from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.flex.collator import FlexCollator
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch_state
+from hf_longctx.model_walk import hf_model
 from hf_longctx.training.checks import check_world
 
 
@@ -130,12 +132,27 @@ def pad_id(processing_class: Any, pad_token_id: int | None) -> int:
     return 0
 
 
+def model_vocabulary(model: Any) -> Vocabulary | None:
+    """The token ids `model` accepts (its input embedding's rows, its LM head's logits), read
+    before sharding; None when the model exposes no embedding table."""
+    hf = hf_model(model)
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    rows = getattr(embed, "num_embeddings", None)
+    if not isinstance(rows, int):
+        return None
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    logits = getattr(head, "out_features", None)
+    return Vocabulary(embedding_rows=rows, logits=logits if isinstance(logits, int) else rows)
+
+
 def build_collators(
     mesh: Any, *, max_tokens: int, max_tokens_per_rank: int | None, cost: Any, flops_model: CostModel | None,
     hf_config: Any, strategy: str, overlong: str, seed: int, pad_token_id: int, unequal_calls: bool,
+    vocab: Vocabulary | None = None,
 ) -> tuple[Any, Any]:
     """(train collator, eval collator) of the step DataLoader: a `LongContextCollator` over an
-    SPMesh, a `FlexCollator` over a GroupBank (evaluation always with equal counts)."""
+    SPMesh, a `FlexCollator` over a GroupBank (evaluation always with equal counts); both check
+    every step's token ids against `vocab` before any collective."""
     if isinstance(mesh, GroupBank):
         if cost is None and hf_config is None:
             raise ValueError("with a GroupBank pass cost= (a GroupCost): the model has no config to estimate it from")
@@ -143,14 +160,14 @@ def build_collators(
         # without a communication term a bigger group would never cost more and flexibility never pays.
         cost = cost if cost is not None else GroupCost.from_config(hf_config, mesh.shapes)
         train = FlexCollator(mesh, max_tokens_per_rank, cost, overlong=overlong, pad_token_id=pad_token_id,
-                             unequal_calls=unequal_calls)
+                             unequal_calls=unequal_calls, vocab=vocab)
         # Evaluation is forward-only under per-layer FSDP all-gathers: always equal counts.
         evaluate = train if not unequal_calls else FlexCollator(
-            mesh, max_tokens_per_rank, cost, overlong=overlong, pad_token_id=pad_token_id)
+            mesh, max_tokens_per_rank, cost, overlong=overlong, pad_token_id=pad_token_id, vocab=vocab)
         return train, evaluate
     collator = LongContextCollator(
         mesh, max_tokens, cost if cost is not None else flops_model, strategy=strategy, overlong=overlong, seed=seed,
-        pad_token_id=pad_token_id,
+        pad_token_id=pad_token_id, vocab=vocab,
     )
     return collator, collator
 

@@ -72,7 +72,9 @@ from hf_longctx.training.metrics import StepWindow
 from hf_longctx.training.step_loop import flush_token_stats, model_loss, run_step
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
 from hf_longctx.training.step_record import StepRecord
-from hf_longctx.training.steps import check_dataset, check_lengths, check_step_budget, document_lengths, step_dataloader
+from hf_longctx.training.steps import (
+    check_dataset, check_dataset_token_ids, check_lengths, check_step_budget, document_lengths, step_dataloader,
+)
 from hf_longctx.training.token_metrics import TokenStats
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:]  # positional order, without self
@@ -145,14 +147,15 @@ class LongContextTrainerMixin:
         super().__init__(*args, **kwargs)
         check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
-        self._train_lengths = self._check_train_data(overlong) if self.train_dataset is not None else None
+        vocab = build.model_vocabulary(self.model)
+        self._train_lengths = self._check_train_data(overlong, vocab) if self.train_dataset is not None else None
         hf_config = getattr(hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
         self.collator, self.eval_collator = build.build_collators(
             mesh, max_tokens=self.max_tokens, max_tokens_per_rank=max_tokens_per_rank, cost=cost,
             flops_model=self._flops_model, hf_config=hf_config, strategy=strategy, overlong=overlong,
             seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
-            unequal_calls=unequal_calls,
+            unequal_calls=unequal_calls, vocab=vocab,
         )
         if mesh.world_size > 1:
             self._shard_model()
@@ -164,10 +167,12 @@ class LongContextTrainerMixin:
         self._step_sampler = None
         self._unsharded_checked = False
 
-    def _check_train_data(self, overlong: str) -> list[int]:
-        """The train dataset's document lengths, checked against the caps (a subclass with
-        other units, e.g. the preference pairs of dpo_trainer.py, overrides it)."""
+    def _check_train_data(self, overlong: str, vocab: Any = None) -> list[int]:
+        """The train dataset's document lengths, checked against the caps, and its token ids
+        against the model's vocabulary (a subclass with other units, e.g. the preference pairs
+        of dpo_trainer.py, overrides it; its collate checks the ids per step)."""
         check_dataset(self.train_dataset)
+        check_dataset_token_ids(self.train_dataset, vocab)
         lengths = document_lengths(self.train_dataset)
         check_lengths(lengths, self.max_tokens, overlong)
         check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)

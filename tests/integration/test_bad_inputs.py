@@ -219,6 +219,57 @@ def test_dataset_smaller_than_one_step_is_said(llama_path, tmp_path):
         _trainer(llama_path, tmp_path, train_dataset=ds, tokens_per_step=120)
 
 
+@pytest.mark.parametrize("bad", [10**6, 128, -5])
+def test_token_id_outside_the_embedding_is_named_at_construction(llama_path, tmp_path, bad):
+    """An id the embedding table does not hold: named (document, position, id) at construction on
+    every rank alike, not an IndexError mid-forward on the rank whose shard holds it."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [list(range(1, 9)), [5, 6, 7, bad, 8, 9]]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, "train_dataset document 1, position 3", f"token id {bad}", "embedding table of 128 rows",
+          "resize_token_embeddings")
+
+
+def test_label_outside_the_head_is_named_at_construction(llama_path, tmp_path):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 2, "labels": [[1, 2, 3, 4], [-100, 2, 300, 4]]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, "train_dataset document 1, position 2: labels holds 300", "neither -100")
+
+
+def test_token_id_checked_per_step_before_any_forward(llama_path, tmp_path):
+    """Rows the construction scan could not see (a transform applied when a row is read) are
+    checked in the step's collator, before planning, sharding or any forward."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [list(range(1, 9)), list(range(1, 7))]})
+    trainer = _trainer(llama_path, tmp_path, train_dataset=ds, args=training_args(str(tmp_path), max_steps=1))
+
+    def corrupt(batch):
+        return {"input_ids": [[*ids[:2], 999, *ids[3:]] if len(ids) == 6 else ids for ids in batch["input_ids"]]}
+
+    trainer.train_dataset = ds.with_transform(corrupt)
+    with pytest.raises(NotSupported) as info:
+        trainer.train()
+    _says(info.value, "train_dataset document 1, position 2", "token id 999")
+
+
+def test_labels_of_the_wrong_length_say_what_to_do(llama_path, tmp_path):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6, 7, 8]], "labels": [[1, 2, 3, 4], [5, 6, 7]]})
+    with pytest.raises(ValueError) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds, args=training_args(str(tmp_path), max_steps=1)).train()
+    text = str(info.value)
+    for needle in ("document 1: 'labels' has 3 entries but input_ids has 4", "one entry per input token",
+                   "drop the column"):
+        assert needle in text, text
+
+
 # -- what the trainer writes ---------------------------------------------------------------------------
 def test_saved_config_keeps_the_models_use_cache(llama_path, tmp_path):
     trainer = _trainer(llama_path, tmp_path, args=training_args(str(tmp_path), max_steps=1))
