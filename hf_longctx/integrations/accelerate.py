@@ -41,7 +41,8 @@ import torch
 
 from hf_longctx._compat import fsdp_reduces_unused_params
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations.fsdp_units import embedding_units
+from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.fsdp_units import embedding_units, plan_units, split_parameters
 from hf_longctx.integrations.unused_params import reduce_unused_params
 from hf_longctx.model_walk import decoder_layer_classes
 
@@ -126,6 +127,14 @@ class FSDPPlan:
         layers = [m for m in model.modules() if isinstance(m, self.layer_classes)]
         if not layers:
             raise ValueError(f"no module of classes {[c.__name__ for c in self.layer_classes]} in {type(model).__name__}")
+        split = split_parameters(model, plan_units(model, self.layer_classes))  # before any unit (and collective)
+        if split:
+            raise NotSupported(
+                f"cannot shard {type(model).__name__} with FSDP2:\n- " + "\n- ".join(split),
+                "train a model whose parameters are not shared between decoder layers or heads (only the input "
+                "embedding and the LM head may share their weight); or, where the whole model fits every device, "
+                "skip fsdp_plan and sum the gradients in your own loop (hf_longctx.sum_gradients(model.parameters(), mesh))",
+            )
         # No model.to(device): fully_shard moves each unit's states itself (module docstring).
         for layer in layers:
             fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kw)

@@ -29,3 +29,39 @@ def embedding_units(model: Any) -> list[list[torch.nn.Module]]:
     if len(found) == 2 and {id(p) for p in found[0].parameters()} & {id(p) for p in found[1].parameters()}:
         return [found]  # tied: one unit
     return [[m] for m in found]
+
+
+def plan_units(model: Any, layer_classes: tuple[type, ...]) -> list[list[torch.nn.Module]]:
+    """The units `FSDPPlan.apply` shards, in its order: every decoder layer, the vocabulary
+    units (`embedding_units`), then the root (which takes whatever no earlier unit holds)."""
+    layers = [[m] for m in model.modules() if isinstance(m, layer_classes)]
+    return [*layers, *embedding_units(model), [model]]
+
+
+def split_parameters(model: Any, units: list[list[torch.nn.Module]]) -> list[str]:
+    """One line per Parameter whose owning modules fall into different units (FSDP2 fails on it
+    at the first forward, 'shared with a parameter already managed by another FSDP group');
+    a unit holds what its modules contain and no earlier unit took, as `fully_shard` does."""
+    names = {id(m): n or "the model's root" for n, m in model.named_modules(remove_duplicate=False)}
+    unit_of: dict[int, int] = {}  # module -> the unit that shards it
+    for u, unit in enumerate(units):
+        for root in unit:
+            for m in root.modules():
+                unit_of.setdefault(id(m), u)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    where: dict[int, dict[int, str]] = {}  # parameter -> {unit: one of its names there}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        prefix, _, attr = name.rpartition(".")
+        owner = modules[prefix]
+        where.setdefault(id(getattr(owner, attr)), {}).setdefault(unit_of[id(owner)], name)
+    problems = []
+    for by_unit in where.values():
+        if len(by_unit) < 2:
+            continue
+        held = [f"{name} (in {' + '.join(names[id(m)] for m in units[u])})" for u, name in sorted(by_unit.items())]
+        problems.append(
+            f"{' and '.join(held)} are one Parameter in {len(held)} FSDP2 units: fully_shard keeps each parameter in "
+            "exactly one unit, so the first forward would fail ('... is shared with a parameter already managed by "
+            "another FSDP group')"
+        )
+    return problems

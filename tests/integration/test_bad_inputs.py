@@ -192,6 +192,67 @@ def test_patch_signature_reads_well():
     assert "object at" not in str(inspect.signature(patch))
 
 
+def _bert(**kw):
+    import transformers as tf
+
+    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    return tf.BertLMHeadModel(tf.BertConfig(**{**cfg, **kw}))
+
+
+def test_bert_is_refused_as_an_encoder_not_for_its_dropout():
+    with pytest.raises(NotSupported) as info:
+        patch(_bert(), _local_mesh(2))  # BERT's defaults: is_decoder=False, attention dropout 0.1
+    _says(info.value, "BertLMHeadModel is an encoder", "bidirectional", "decoder-only causal LM")
+    assert "dropout" not in str(info.value), str(info.value)
+
+
+def test_causal_bert_refused_for_its_shared_head_bias_at_patch():
+    """A causal BERT (is_decoder=True, no dropout) passes the dry run, but its LM head owns one
+    bias twice: FSDP2 would fail at the first forward; refused at patch() with that cause."""
+    model = _bert(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    with pytest.raises(NotSupported) as info:
+        patch(model, _local_mesh(2))
+    _says(info.value, "cls.predictions.decoder.bias", "cls.predictions.bias", "one Parameter in 2 FSDP2 units")
+    assert "is an encoder" not in str(info.value)
+
+
+def test_encoder_decoder_refused_by_cause_not_a_leaked_exception():
+    import transformers as tf
+
+    model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                      num_heads=4, dropout_rate=0.0))
+    with pytest.raises(NotSupported) as info:
+        patch(model, _local_mesh(2))
+    text = str(info.value)
+    _says(info.value, "T5ForConditionalGeneration is an encoder-decoder model", "cross-attends")
+    assert "Error" not in text.splitlines()[1], text  # the first cause, not a leaked AttributeError
+
+
+def _fsdp_refuses_split_parameter():
+    from transformers import AutoModelForCausalLM
+
+    from hf_longctx import fsdp_plan
+    from tests.distributed.test_models import family_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    layers = model.model.layers
+    layers[1].mlp.up_proj.weight = layers[0].mlp.up_proj.weight  # one Parameter in two decoder layers
+    try:
+        fsdp_plan(model, init_sequence_parallel(ulysses_degree=2)).apply(model)
+    except NotSupported as e:
+        return str(e), any(hasattr(m, "reshard") for m in model.modules())
+    return None, True
+
+
+def test_fsdp_plan_refuses_a_parameter_shared_between_units_before_sharding(pools):
+    for message, sharded in pools.get(2).run(_fsdp_refuses_split_parameter, timeout=120):
+        assert message is not None and not sharded, message
+        for needle in ("model.layers.0.mlp.up_proj.weight (in model.layers.0)",
+                       "model.layers.1.mlp.up_proj.weight (in model.layers.1)", "2 FSDP2 units", "Do instead"):
+            assert needle in message, message
+
+
 # -- the data ------------------------------------------------------------------------------------------
 def test_empty_dataset_is_named_empty(llama_path, tmp_path):
     from datasets import Dataset
