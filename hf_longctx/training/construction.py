@@ -10,6 +10,8 @@ parameters are `checks.py` / `arguments.py`.
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any
 
 from hf_longctx._compat import checkpointing_fields
@@ -105,20 +107,47 @@ def check_mesh_world(mesh: Any) -> None:
     check_world(mesh.world.world_size if isinstance(mesh, GroupBank) else mesh.world_size)
 
 
-def map_activation_checkpointing(model: Any, args: Any) -> None:
+def map_activation_checkpointing(model: Any, args: Any) -> Any:
+    """HF's checkpointing flags as `patch(..., checkpoint=...)`; returns the arguments the
+    Trainer gets: a copy of `args` with those flags off, the user's object left as it was (it
+    may build a second trainer). An explicit `patch(..., checkpoint=False)` wins over the flag,
+    said once; otherwise the flag keeps the mode of the model's preset, or turns on full
+    checkpointing."""
     # HF's checkpointing (TRL's SFTConfig turns it on by default) wraps the decoder layers
     # outside our attention binding; patch(checkpoint=True) recomputes them inside it.
     fields = checkpointing_fields(args)  # no `activation_checkpointing` on transformers 5.17
-    if not any(getattr(args, f) for f in fields):
-        return
+    asked = [f for f in fields if getattr(args, f)]
+    if not asked:
+        return args
     from hf_longctx.integrations.transformers import patch
 
     state = patch_state(model)
-    if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
+    if not state.options.checkpoint and "checkpoint" in state.explicit:
+        if getattr(args, "process_index", 0) == 0:
+            warnings.warn(
+                f"{type(args).__name__}({asked[0]}=True) is not applied: the model was patched with checkpoint=False "
+                f"explicitly, and patch()'s explicit setting wins; pass {asked[0]}=False to silence this, or "
+                "patch(model, mesh, checkpoint=True) (or 'attention') to recompute activations",
+                stacklevel=3,
+            )
+    elif not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
         knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
         patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
+    mapped = copy.copy(args)  # the Trainer reads (and may write) its own copy
     for f in fields:
-        setattr(args, f, False)
+        setattr(mapped, f, False)
+    return mapped
+
+
+def with_argument(args: tuple, kwargs: dict, names: tuple[str, ...], name: str, value: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) of a constructor call with parameter `name` (positional order `names`)
+    replaced by `value`, wherever the caller passed it."""
+    if name in kwargs:
+        return args, {**kwargs, name: value}
+    at = names.index(name)
+    if at < len(args):
+        return (*args[:at], value, *args[at + 1 :]), kwargs
+    return args, kwargs
 
 
 def pad_id(processing_class: Any, pad_token_id: int | None) -> int:

@@ -167,7 +167,8 @@ class LongGRPOTrainer(GRPOTrainer):
             raise RuntimeError(f"LongGRPOTrainer on {mesh.world_size} ranks needs transformers >= "
                                f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded "
                                f"before prepare); transformers {transformers.__version__} would wrap it in DDP")
-        build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=True)
+        mapped = build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=...)
+        args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)  # the user's config unchanged
         self.mesh = mesh
         self.max_tokens = max_tokens
         self.last_num_microbatches = 0  # micro-batches of the last step (the same on every rank)

@@ -166,6 +166,28 @@ def check_step_budget(
         )
 
 
+def say_truncation(lengths: Sequence[int], max_tokens: int, overlong: str, *, name: str = "train_dataset",
+                   warn: bool = True) -> None:
+    """`overlong="truncate"`: one warning (from the main process) with what is cut -- documents,
+    tokens, share -- since the cut tails are never trained."""
+    if overlong != "truncate" or not warn:
+        return
+    over = [i for i, n in enumerate(lengths) if n > max_tokens]
+    if not over:
+        return
+    import warnings
+
+    longest = max(over, key=lambda i: lengths[i])
+    cut, total = sum(lengths[i] - max_tokens for i in over), int(sum(lengths))
+    warnings.warn(
+        f"overlong='truncate': {len(over)} of {len(lengths)} document(s) of {name} exceed max_tokens={max_tokens} (the "
+        f"longest, document {longest}, has {lengths[longest]} tokens); their tails, {cut} of {total} tokens "
+        f"({100 * cut / total:.1f} %), are never trained. Pass overlong='split' to train them as separate pieces, or "
+        "raise max_tokens",
+        stacklevel=3,
+    )
+
+
 class StepStream(torch.utils.data.Sampler):
     """Batch sampler of the step DataLoader: the step sampler's index lists.
 

@@ -73,7 +73,8 @@ from hf_longctx.training.step_loop import flush_token_stats, model_loss, run_ste
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
 from hf_longctx.training.step_record import StepRecord
 from hf_longctx.training.steps import (
-    check_dataset, check_dataset_token_ids, check_lengths, check_step_budget, document_lengths, step_dataloader,
+    check_dataset, check_dataset_token_ids, check_lengths, check_step_budget, document_lengths, say_truncation,
+    step_dataloader,
 )
 from hf_longctx.training.token_metrics import TokenStats
 
@@ -91,7 +92,9 @@ class LongContextTrainerMixin:
     default: FLOPs of the model's config; with a bank a `GroupCost`, default
     `GroupCost.from_config`: FLOPs split over each size plus its communication), `strategy`
     (the fixed-degree planner's), `overlong` ("error": refuse documents above max_tokens, or
-    with a bank above the largest group's capacity; "split" / "truncate"), `pad_token_id` (default: the
+    with a bank above the largest group's capacity; "split": train their pieces as separate
+    documents; "truncate": keep their first max_tokens tokens, said once at construction with
+    the documents and tokens cut), `pad_token_id` (default: the
     processing class's pad, else EOS, else 0), `step_timeout_s` (watchdog for hung ranks),
     `peak_flops` (per device, for MFU), `unequal_calls` (with a bank: ranks run different
     numbers of micro-batches, the model unsharded for the step), `sync_each_microbatch`
@@ -142,8 +145,9 @@ class LongContextTrainerMixin:
                 f"prepare); transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade "
                 "transformers, or train on one rank / with hf_longctx.distributed.flex.step.run_flex_step."
             )
-        if training_args is not None:
-            build.map_activation_checkpointing(model, training_args)
+        if training_args is not None:  # the Trainer gets a copy: the user's object is never changed
+            mapped = build.map_activation_checkpointing(model, training_args)
+            args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)
         super().__init__(*args, **kwargs)
         check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
@@ -176,6 +180,7 @@ class LongContextTrainerMixin:
         lengths = document_lengths(self.train_dataset)
         check_lengths(lengths, self.max_tokens, overlong)
         check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
+        say_truncation(lengths, self.max_tokens, overlong, warn=self.args.process_index == 0)
         return lengths
 
     # ---- set-up: (1) the model owns its placement and gradient reduction -------------------------

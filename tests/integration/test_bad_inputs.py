@@ -147,6 +147,64 @@ def test_positional_data_collator_is_refused_too(llama_path, tmp_path):
     _says(info.value, "data_collator")
 
 
+# -- settings that would change silently --------------------------------------------------------------
+def _checkpoint_field():
+    from transformers import TrainingArguments
+
+    from hf_longctx._compat import checkpointing_fields
+
+    return checkpointing_fields(TrainingArguments)[0]  # activation_checkpointing; 5.17: gradient_checkpointing
+
+
+def test_explicit_checkpoint_false_wins_over_the_trainer_flag_and_is_said(llama_path, tmp_path):
+    from hf_longctx.integrations.transformers import patch_state
+
+    field = _checkpoint_field()
+    mesh = init_sequence_parallel()
+    model = patch(_model(llama_path), mesh, checkpoint=False)
+    with pytest.warns(UserWarning, match=rf"TrainingArguments\({field}=True\) is not applied: the model was patched "
+                                         r"with checkpoint=False explicitly"):
+        LongContextTrainer(model=model, args=training_args(str(tmp_path), **{field: True}), train_dataset=make_dataset(),
+                           mesh=mesh, max_tokens=48, tokens_per_step=120)
+    assert patch_state(model).options.checkpoint is False
+    model = patch(_model(llama_path), mesh)  # no explicit checkpoint=: the Trainer's flag turns it on
+    LongContextTrainer(model=model, args=training_args(str(tmp_path), **{field: True}), train_dataset=make_dataset(),
+                       mesh=mesh, max_tokens=48, tokens_per_step=120)
+    assert patch_state(model).options.checkpoint is True
+
+
+def test_training_arguments_are_never_rewritten(llama_path, tmp_path):
+    """The same TrainingArguments object builds a second trainer with the same settings."""
+    from hf_longctx.integrations.transformers import patch_state
+
+    field = _checkpoint_field()
+    args = training_args(str(tmp_path), **{field: True})
+    before = args.to_dict()
+    for _ in range(2):
+        mesh = init_sequence_parallel()
+        model = _model(llama_path, mesh)
+        LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                           tokens_per_step=120)
+        assert patch_state(model).options.checkpoint is True  # the second trainer too
+    assert args.to_dict() == before
+
+
+def test_truncation_is_said_once_with_the_counts(llama_path, tmp_path):
+    import warnings
+
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [list(range(1, 61)), list(range(1, 11)), list(range(1, 51))]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(llama_path, tmp_path, train_dataset=ds, max_tokens=48, tokens_per_step=120, overlong="truncate")
+    said = [str(w.message) for w in caught if "overlong='truncate'" in str(w.message)]
+    assert len(said) == 1, said
+    for needle in ("2 of 3 document(s) of train_dataset exceed max_tokens=48", "document 0, has 60 tokens",
+                   "their tails, 14 of 120 tokens (11.7 %), are never trained", "overlong='split'"):
+        assert needle in said[0], said[0]
+
+
 # -- the mesh and the process group -------------------------------------------------------------------
 def test_mesh_before_the_process_group_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun / accelerate launch set; no group in this process

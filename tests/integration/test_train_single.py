@@ -116,9 +116,11 @@ def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path)
     field = checkpointing_fields(TrainingArguments)[0]  # activation_checkpointing; 5.17: gradient_checkpointing
     args = training_args(str(tmp_path), **{field: True})
     model = _model(llama_path, mesh)
-    LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
+    trainer = LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                                 tokens_per_step=120)
     assert model.__dict__[_STATE_ATTR].options.checkpoint is True  # recomputation inside our attention binding
-    assert not any(getattr(args, f) for f in checkpointing_fields(args))  # HF's own wrapper stays off
+    assert not any(getattr(trainer.args, f) for f in checkpointing_fields(args))  # HF's own wrapper stays off
+    assert getattr(args, field) is True and trainer.args is not args  # the user's object is not rewritten
 
 
 def test_trainer_steps_equal_with_keep_attention_full_and_no_checkpoint(llama_path, tmp_path):
