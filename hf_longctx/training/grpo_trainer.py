@@ -65,7 +65,7 @@ from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.loss import global_loss
 from hf_longctx.training import construction as build
 from hf_longctx.training.arguments import TRAINING_ARGUMENTS, _message
-from hf_longctx.training.checkpoint import save_consolidated
+from hf_longctx.training.checkpoint import resolve_resume, save_consolidated
 from hf_longctx.training.checks import check_process_group
 from hf_longctx.training.grpo_arguments import refused_grpo_fields
 from hf_longctx.training.grpo_checkpoint import load_grpo_state, resumable_sampler, save_grpo_state, skip_trained_epochs
@@ -290,6 +290,10 @@ class LongGRPOTrainer(GRPOTrainer):
         save_consolidated(self.model, output_dir, is_main=self.args.should_save)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
+        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
 
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         self._repeat_sampler = resumable_sampler(super()._get_train_sampler(dataset))

@@ -64,7 +64,7 @@ from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training import construction as build
-from hf_longctx.training.checkpoint import load_step_state, save_step_state, save_trained_model
+from hf_longctx.training.checkpoint import load_step_state, resolve_resume, save_step_state, save_trained_model
 from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments
 from hf_longctx.training.evaluation import evaluate
 from hf_longctx.training.faults import WatchdogCallback
@@ -130,7 +130,7 @@ class LongContextTrainerMixin:
         self.tokens_per_step = build.positive_int("tokens_per_step", tokens_per_step)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
-            check_training_arguments(training_args)  # before anything else, on every rank alike
+            check_training_arguments(training_args, type(self).__name__)  # before anything else, on every rank alike
         # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (arguments.py).
         check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
         model = kwargs.get("model", args[0] if args else None)
@@ -149,7 +149,7 @@ class LongContextTrainerMixin:
             mapped = build.map_activation_checkpointing(model, training_args)
             args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)
         super().__init__(*args, **kwargs)
-        check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
+        check_training_arguments(self.args, type(self).__name__)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
         vocab = build.model_vocabulary(self.model)
         self._train_lengths = self._check_train_data(overlong, vocab) if self.train_dataset is not None else None
@@ -276,6 +276,10 @@ class LongContextTrainerMixin:
         return evaluate(self, dataloader, metric_key_prefix)
 
     # ---- checkpoints: (5) every rank's shards (checkpoint.py) ---------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
+        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_step_state(self, output_dir)
 

@@ -205,6 +205,26 @@ def test_truncation_is_said_once_with_the_counts(llama_path, tmp_path):
         assert needle in said[0], said[0]
 
 
+def test_dpo_batch_size_refusal_says_what_to_set(tmp_path):
+    """LongDPOTrainer sizes its step in tokens of whole pairs: the refusal and the README's DPO
+    section both say so."""
+    pytest.importorskip("trl")
+    import pathlib
+
+    from trl import DPOConfig
+
+    from hf_longctx.training.checks import check_training_arguments
+
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_length=None, use_cpu=True, report_to=[])
+    with pytest.raises(NotSupported) as info:
+        check_training_arguments(args, "LongDPOTrainer")
+    _says(info.value, "LongDPOTrainer cannot honour these DPOConfig settings", "per_device_train_batch_size=4",
+          "tokens_per_step=", "chosen + rejected tokens of whole pairs")
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    dpo = readme[readme.index("#### DPO"):readme.index("#### GRPO")]
+    assert "per_device_train_batch_size" in dpo and "tokens_per_step" in dpo
+
+
 # -- the mesh and the process group -------------------------------------------------------------------
 def test_mesh_before_the_process_group_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun / accelerate launch set; no group in this process
@@ -213,6 +233,16 @@ def test_mesh_before_the_process_group_is_refused(monkeypatch):
         with pytest.raises(NotSupported) as info:
             build()
         _says(info.value, "WORLD_SIZE=2", "init_process_group")
+
+
+def test_one_process_for_an_sp_degree_says_to_launch_more(monkeypatch):
+    """`python recipes/demo.py`, `accelerate launch` without the config, or Accelerate's MULTI_CPU
+    (one process without MPI): the fix is the launch, not the degrees."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(NotSupported) as info:
+        init_sequence_parallel(ulysses_degree=2, ring_degree=2)
+    _says(info.value, "= 4 does not divide world size 1: this process runs alone", "launch 4 processes",
+          "torchrun --nproc-per-node 4", "num_processes: 4", "MULTI_GPU with use_cpu: true", "MULTI_CPU")
 
 
 def _mesh_world_mismatch():
@@ -387,6 +417,24 @@ def test_labels_of_the_wrong_length_say_what_to_do(llama_path, tmp_path):
     for needle in ("document 1: 'labels' has 3 entries but input_ids has 4", "one entry per input token",
                    "drop the column"):
         assert needle in text, text
+
+
+def test_resume_from_a_missing_checkpoint_names_the_fix(llama_path, tmp_path):
+    trainer = _trainer(llama_path, tmp_path, args=training_args(str(tmp_path / "run"), max_steps=1))
+    with pytest.raises(NotSupported) as info:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "missing"))
+    _says(info.value, f"resume_from_checkpoint='{tmp_path / 'missing'}' does not exist", "holds no checkpoint",
+          "resume_from_checkpoint=None")
+    with pytest.raises(NotSupported) as info:
+        trainer.train(resume_from_checkpoint=True)
+    _says(info.value, f"output_dir '{tmp_path / 'run'}' holds no checkpoint-N directory", "save_strategy='steps'")
+    (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)  # a directory, but not a checkpoint
+    with pytest.raises(NotSupported) as info:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    _says(info.value, "is not a checkpoint directory (no trainer_state.json)", "holds checkpoint-3")
+    with pytest.raises(NotSupported) as info:
+        trainer.train(resume_from_checkpoint=True)  # the newest checkpoint-N, checked the same way
+    _says(info.value, "checkpoint-3' is not a checkpoint directory")
 
 
 # -- what the trainer writes ---------------------------------------------------------------------------
