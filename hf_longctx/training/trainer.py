@@ -68,6 +68,7 @@ from hf_longctx.training.checkpoint import load_step_state, resolve_resume, save
 from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments
 from hf_longctx.training.evaluation import evaluate
 from hf_longctx.training.faults import WatchdogCallback
+from hf_longctx.training.log_lines import use_number_logs
 from hf_longctx.training.metrics import StepWindow
 from hf_longctx.training.step_loop import flush_token_stats, model_loss, run_step
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
@@ -149,6 +150,7 @@ class LongContextTrainerMixin:
             mapped = build.map_activation_checkpointing(model, training_args)
             args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)
         super().__init__(*args, **kwargs)
+        use_number_logs(self)  # the progress bar / printer show numbers unquoted
         check_training_arguments(self.args, type(self).__name__)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
         vocab = build.model_vocabulary(self.model)
