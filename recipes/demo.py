@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
                 build_tokenizer(raw["text"], args.vocab, tok_path)
             tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_path)
         if main_rank:
-            build_model(len(tokenizer), model_path, args)
+            build_model(tokenizer, model_path, hidden=args.hidden, layers=args.layers, seed=args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     data = tokenize_dataset(raw, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())

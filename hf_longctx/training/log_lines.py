@@ -4,9 +4,10 @@ Where it sits: at the very end of a logged optimizer step, after `log()` has put
 global figures (loss, grad_norm, tokens_per_s, plan_balance, ...) in the dict that every
 `report_to` back end receives. transformers' `ProgressCallback` (the tqdm bar) and
 `PrinterCallback` (`disable_tqdm=True`) format each float with `f"{v:.4g}"` and print the
-dict, so every value comes out quoted (`{'loss': '6.939', ...}`) and reads as text.
-`use_number_logs(trainer)` swaps both for subclasses that print the same dict with the same
-four significant digits, unquoted; what is logged (`log_history`, `report_to`) is unchanged.
+dict, so every value comes out quoted (`{'loss': '6.939', ...}`) and reads as text, and a
+token count as `'6.338e+04'`. `use_number_logs(trainer)` swaps both for subclasses that print
+the same dict with the numbers unquoted (four significant digits, whole numbers whole); what
+is logged (`log_history`, `report_to`) is unchanged.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 
 def _number(value: float) -> str:
-    text = f"{value:.4g}"
-    return text if any(c in text for c in ".en") else f"{text}.0"  # 2560 -> "2560.0": a float stays a float
+    """4 significant digits, except a whole number (a token count, an epoch), which is shown whole."""
+    if value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"
 
 
 def format_logs(logs: dict[str, Any], max_str_len: int = 100) -> str:
-    """`{'loss': 6.939, 'grad_norm': 1.35, 'plan_layouts': '[4] [2+2]'}`: floats with 4
-    significant digits, other values as Python prints them; `total_flos` left out, as the
-    Trainer's own callbacks do."""
+    """`{'loss': 6.939, 'grad_norm': 1.35, 'step_tokens': 63382, 'plan_layouts': '[4] [2+2]'}`:
+    floats with 4 significant digits (whole ones whole), other values as Python prints them;
+    `total_flos` left out, as the Trainer's own callbacks do."""
     parts = []
     for key, value in logs.items():
         if key == "total_flos":

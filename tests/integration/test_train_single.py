@@ -159,5 +159,5 @@ def test_logged_numbers_print_as_numbers(llama_path, tmp_path, capsys):
     assert printed and "'loss': '" not in printed[0] and "'tokens_per_s': '" not in printed[0], printed
     loss = trainer.state.log_history[0]["loss"]
     assert f"'loss': {loss:.4g}" in printed[0], printed
-    assert format_logs({"a": 2560.0, "b": 3e-05, "c": 7, "d": "[4] [2+2]", "total_flos": 1.0}) == (
-        "{'a': 2560.0, 'b': 3e-05, 'c': 7, 'd': '[4] [2+2]'}")
+    assert format_logs({"a": 63382.0, "b": 3e-05, "c": 7, "d": "[4] [2+2]", "e": 3463.2, "total_flos": 1.0}) == (
+        "{'a': 63382, 'b': 3e-05, 'c': 7, 'd': '[4] [2+2]', 'e': 3463}")
