@@ -50,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--files", type=int, default=240, help="stdlib files in the corpus")
     p.add_argument("--max-file-bytes", type=int, default=12000)
-    p.add_argument("--tokens-per-step", type=int, default=6144, help="global tokens per optimizer step")
+    p.add_argument("--tokens-per-step", type=int, default=8192,
+                   help="global tokens per optimizer step (the longest default file has 6,290 tokens)")
     p.add_argument("--max-tokens", type=int, default=1536, help="tokens per micro-batch of one SP group")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=128)
@@ -79,9 +80,10 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + process group with a fault timeout
     main_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    if not main_rank:  # one copy of the progress bar and of library notices, from rank 0
-        from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # saving / loading a 0.5M-parameter model: bars that say nothing
+    if not main_rank:  # one copy of the training bar and of library notices, from rank 0
         hf_logging.set_verbosity_error()
     targs = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "checkpoints"), max_steps=args.steps, learning_rate=args.lr,
@@ -114,7 +116,7 @@ def main(argv=None) -> dict:
         if main_rank:
             build_model(tokenizer, model_path, hidden=args.hidden, layers=args.layers, seed=args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    data = tokenize_dataset(raw, tokenizer)
+    data = tokenize_dataset(raw, tokenizer, progress=main_rank)
     n_params = sum(p.numel() for p in model.parameters())
     lengths = data["length"]
     say(
