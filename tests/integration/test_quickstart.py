@@ -18,10 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _quickstart_section() -> str:
+    """README's "Quickstart" / "With `transformers.Trainer`" subsection."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    start = readme.index("## Quickstart")
-    return readme[start : readme.index("\n## ", start + 1)]
+    start = readme.index("### With `transformers.Trainer`", readme.index("## Quickstart"))
+    return readme[start : readme.index("\n### ", start + 1)]
 
 
 def readme_commands() -> list[str]:
