@@ -32,69 +32,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import sysconfig
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also under accelerate launch
 
 from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
+from tiny import HEADS, build_model, build_tokenizer, load_corpus, stdlib_files  # noqa: E402
 
 from hf_longctx import LongContextTrainer, init_group_bank, init_sequence_parallel, patch, tokenize_dataset  # noqa: E402
 from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
-
-EOS = "<|endoftext|>"
-HEADS = 4  # query heads of the demo Llama (bounds the Ulysses degree of every group)
-SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3", "turtledemo"}
-
-
-def stdlib_files(limit: int, min_bytes: int, max_bytes: int) -> list[str]:
-    """The first `limit` stdlib `.py` files (sorted walk) of min_bytes..max_bytes: every
-    rank lists the same files in the same order."""
-    root = sysconfig.get_paths()["stdlib"]
-    out = []
-    for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS)
-        for f in sorted(files):
-            p = os.path.join(d, f)
-            if f.endswith(".py") and min_bytes <= os.path.getsize(p) <= max_bytes:
-                out.append(p)
-                if len(out) == limit:
-                    return out
-    return out
-
-
-def load_corpus(files: list[str]):
-    from datasets import Dataset
-
-    texts = []
-    for p in files:
-        with open(p, encoding="utf-8", errors="replace") as f:
-            texts.append(f.read())
-    return Dataset.from_dict({"text": texts, "path": files})
-
-
-def build_tokenizer(texts: list[str], vocab_size: int, path: str):
-    """A byte-level BPE trained on the corpus (rank 0), saved, then loaded by every rank."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS], show_progress=False)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, pad_token=EOS)
-    tok.save_pretrained(path)
-
-
-def build_model(vocab_size: int, path: str, args) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=16384, tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
 
 
 def parse_args(argv=None):
@@ -102,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--files", type=int, default=240, help="stdlib files in the corpus")
     p.add_argument("--max-file-bytes", type=int, default=12000)
-    p.add_argument("--tokens-per-step", type=int, default=6144, help="global tokens per optimizer step")
+    p.add_argument("--tokens-per-step", type=int, default=8192,
+                   help="global tokens per optimizer step (the longest default file has 6,290 tokens)")
     p.add_argument("--max-tokens", type=int, default=1536, help="tokens per micro-batch of one SP group")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=128)
@@ -131,9 +80,10 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + process group with a fault timeout
     main_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    if not main_rank:  # one copy of the progress bar and of library notices, from rank 0
-        from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # saving / loading a 0.5M-parameter model: bars that say nothing
+    if not main_rank:  # one copy of the training bar and of library notices, from rank 0
         hf_logging.set_verbosity_error()
     targs = TrainingArguments(
         output_dir=os.path.join(args.output_dir, "checkpoints"), max_steps=args.steps, learning_rate=args.lr,
@@ -164,9 +114,9 @@ def main(argv=None) -> dict:
                 build_tokenizer(raw["text"], args.vocab, tok_path)
             tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_path)
         if main_rank:
-            build_model(len(tokenizer), model_path, args)
+            build_model(tokenizer, model_path, hidden=args.hidden, layers=args.layers, seed=args.seed)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    data = tokenize_dataset(raw, tokenizer)
+    data = tokenize_dataset(raw, tokenizer, progress=main_rank)
     n_params = sum(p.numel() for p in model.parameters())
     lengths = data["length"]
     say(

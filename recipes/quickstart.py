@@ -1,6 +1,7 @@
-"""The README quickstart: a plain `transformers.Trainer` script plus hf_longctx's four additions
-(marked `# hf_longctx`). Run: torchrun --nproc-per-node N recipes/quickstart.py MODEL 'docs/*.txt' OUT_DIR STEPS
-(on CPU it uses gloo; tests/integration/test_quickstart.py runs it on 2 CPU ranks)."""
+"""The README quickstart: a plain `transformers.Trainer` script plus hf_longctx's five additions
+(marked `# hf_longctx`). Run: torchrun --nproc-per-node N recipes/quickstart.py MODEL 'FILES' OUT_DIR STEPS
+(MODEL: a causal LM path or hub id with its tokenizer; FILES: text files, one document each;
+`python recipes/tiny.py runs/tiny` makes both locally; on CPU it uses gloo)."""
 import os
 import sys
 
@@ -18,9 +19,9 @@ tokenizer = AutoTokenizer.from_pretrained(model_id)
 model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
 patch(model, mesh)  # hf_longctx: attention through Ulysses/ring
 raw = load_dataset("text", data_files=data_files, sample_by="document", split="train")
-data = tokenize_dataset(raw, tokenizer)  # one row per document, nothing truncated
+data = tokenize_dataset(raw, tokenizer)  # hf_longctx: one row per document, nothing truncated
 trainer = LongContextTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                             mesh=mesh, max_tokens=32768, tokens_per_step=65536)  # hf_longctx: the new kwargs
+                             mesh=mesh, max_tokens=16384, tokens_per_step=32768)  # hf_longctx: the new kwargs
 trainer.train()
 trainer.save_model()  # a consolidated save_pretrained directory; loads without hf_longctx
 exit_rank()  # hf_longctx: leave without interpreter teardown (a gloo worker can abort it)

@@ -26,15 +26,27 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from hf_longctx.errors import NotSupported
+
 from .cost import CostModel
 from .packing import Plan, plan_microbatches
 from .sharding import IGNORE_INDEX, shard_batch
+from .token_ids import Vocabulary, check_token_ids, document_name
 
 _MESH_ATTRS = ("dp", "dp_rank", "doc_multiple", "seq_multiple", "local_indices")
 
 
-def check_feature_options(pad_token_id: Any, label_key: Any, loss_mask_key: Any) -> None:
+def check_feature_options(pad_token_id: Any, label_key: Any, loss_mask_key: Any, vocab: Any = None) -> None:
     """The feature options every collator takes (fixed-degree and flexible), checked alike."""
+    if vocab is not None and not isinstance(vocab, Vocabulary):
+        raise ValueError(f"vocab must be an hf_longctx.data.token_ids.Vocabulary or None, got {type(vocab).__name__}")
+    if vocab is not None and isinstance(pad_token_id, int) and pad_token_id >= vocab.embedding_rows:
+        raise NotSupported(
+            f"pad_token_id={pad_token_id} lies outside the model's embedding table of {vocab.embedding_rows} rows: every "
+            "padding token would fail the embedding lookup",
+            f"pass pad_token_id= an id below {vocab.embedding_rows} (the tokenizer's EOS id is the usual choice; padding "
+            "never carries loss), or resize the embeddings to the tokenizer (model.resize_token_embeddings)",
+        )
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
         raise ValueError(f"pad_token_id must be a non-negative int, got {pad_token_id!r}")
     if not isinstance(label_key, str) or not (loss_mask_key is None or isinstance(loss_mask_key, str)):
@@ -52,10 +64,13 @@ def require_targets(num_items: int, lengths: Sequence[int]) -> None:
 
 
 def read_documents(
-    features: Sequence[Mapping[str, Any]], *, label_key: str = "labels", loss_mask_key: str | None = None
+    features: Sequence[Mapping[str, Any]], *, label_key: str = "labels", loss_mask_key: str | None = None,
+    vocab: Vocabulary | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input_ids [L], unshifted labels [L]) per feature, int64, loss mask applied; the
-    feature checks every collator shares (fixed-degree and flexible)."""
+    feature checks every collator shares (fixed-degree and flexible). With `vocab` every id and
+    label is checked against the model's vocabulary (`token_ids.py`: on the host, before any
+    collective, naming the document, the position and the id)."""
     if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
         raise ValueError(
             f"features must be a non-empty list of per-document mappings, got {type(features).__name__}"
@@ -65,34 +80,42 @@ def read_documents(
     for i, feat in enumerate(features):
         if not isinstance(feat, Mapping) or "input_ids" not in feat:
             raise ValueError(f"feature {i} must be a mapping with 'input_ids', got {type(feat).__name__}")
-        ids = _vector(i, "input_ids", feat["input_ids"])
+        where = document_name(feat, i)
+        ids = _vector(where, "input_ids", feat["input_ids"])
         if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"feature {i}: input_ids must be integers, got dtype {ids.dtype}")
+            raise ValueError(f"{where}: input_ids must be integers, got dtype {ids.dtype}")
         ids = ids.long()
         labels = ids
-        if feat.get(label_key) is not None:
-            labels = _vector(i, label_key, feat[label_key], len(ids)).long()
+        given = feat.get(label_key) is not None
+        if given:
+            labels = _vector(where, label_key, feat[label_key], len(ids)).long()
+        if vocab is not None:
+            check_token_ids(ids, labels if given else None, vocab, where)
         if loss_mask_key is not None:
             if feat.get(loss_mask_key) is None:
-                raise ValueError(f"feature {i} has no '{loss_mask_key}' (loss_mask_key); keys: {sorted(feat)[:8]}")
-            mask = _vector(i, loss_mask_key, feat[loss_mask_key], len(ids))
+                raise ValueError(f"{where} has no '{loss_mask_key}' (loss_mask_key); keys: {sorted(feat)[:8]}")
+            mask = _vector(where, loss_mask_key, feat[loss_mask_key], len(ids))
             bad = ((mask != 0) & (mask != 1)).nonzero()
             if len(bad):
                 j = int(bad[0, 0])
-                raise ValueError(f"feature {i}: '{loss_mask_key}' must be 0/1, token {j} has {mask[j].item()!r}")
+                raise ValueError(f"{where}: '{loss_mask_key}' must be 0/1, token {j} has {mask[j].item()!r}")
             labels = torch.where(mask.bool(), labels, IGNORE_INDEX)
         docs.append((ids, labels))
     return docs
 
 
-def _vector(i: int, key: str, value: Any, length: int | None = None) -> torch.Tensor:
+def _vector(where: str, key: str, value: Any, length: int | None = None) -> torch.Tensor:
     t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     if t.numel() == 0 and not isinstance(value, torch.Tensor):
         t = t.long()  # [] would be float32; let the planner name the empty document
     if t.dim() != 1:
-        raise ValueError(f"feature {i}: '{key}' must be 1-D (one document per feature), got shape {tuple(t.shape)}")
+        raise ValueError(f"{where}: '{key}' must be 1-D (one document per feature), got shape {tuple(t.shape)}")
     if length is not None and len(t) != length:
-        raise ValueError(f"feature {i}: '{key}' has {len(t)} entries but input_ids has {length}")
+        raise ValueError(
+            f"{where}: '{key}' has {len(t)} entries but input_ids has {length}; '{key}' needs one entry per input "
+            "token (labels: HF's unshifted targets, -100 = no loss; a loss mask: 0/1), e.g. made in the same "
+            "dataset.map() that makes input_ids -- or drop the column (the input ids are then the targets)"
+        )
     return t
 
 
@@ -108,7 +131,10 @@ class LongContextCollator:
     Each feature is a mapping with `input_ids` (list or 1-D tensor: one document), optional
     `features[label_key]` (HF's UNSHIFTED labels, -100 = ignored; default: the input ids)
     and, when `loss_mask_key` is given, a 0/1 mask per token in the same unshifted convention
-    (0 = this token is never a target, e.g. a prompt). Other keys are ignored.
+    (0 = this token is never a target, e.g. a prompt). Other keys are ignored. `vocab`
+    (a `token_ids.Vocabulary`; the trainers pass the model's): every id and label of the step
+    is checked against it before planning, so a bad id raises on every rank alike, naming the
+    document, the position and the id, instead of failing mid-forward on one rank.
 
     Every rank must call it with the same global list (the step sampler's). All ranks get
     the same number of micro-batches; a slot the plan leaves empty (fewer documents than
@@ -129,13 +155,14 @@ class LongContextCollator:
         pad_token_id: int = 0,
         label_key: str = "labels",
         loss_mask_key: str | None = None,
+        vocab: Vocabulary | None = None,
     ) -> None:
         missing = [a for a in _MESH_ATTRS if not hasattr(mesh, a)]
         if missing:
             raise ValueError(f"mesh must be an SPMesh (init_sequence_parallel), got {type(mesh).__name__} without {missing}")
         if not 0 <= mesh.dp_rank < mesh.dp:
             raise ValueError(f"mesh.dp_rank ({mesh.dp_rank}) must lie in [0, dp={mesh.dp})")
-        check_feature_options(pad_token_id, label_key, loss_mask_key)
+        check_feature_options(pad_token_id, label_key, loss_mask_key, vocab)
         self.mesh = mesh
         self.max_tokens = max_tokens
         self.cost = cost
@@ -145,6 +172,7 @@ class LongContextCollator:
         self.pad_token_id = pad_token_id
         self.label_key = label_key
         self.loss_mask_key = loss_mask_key
+        self.vocab = vocab
         self._plan_lengths([])  # a bad planner argument fails here, not at the first step
         self.last_plan: Plan | None = None
         self.last_num_items: int | None = None
@@ -177,7 +205,7 @@ class LongContextCollator:
 
     # ---- features ------------------------------------------------------------------------
     def _documents(self, features: Sequence[Mapping[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return read_documents(features, label_key=self.label_key, loss_mask_key=self.loss_mask_key)
+        return read_documents(features, label_key=self.label_key, loss_mask_key=self.loss_mask_key, vocab=self.vocab)
 
     # ---- packing -------------------------------------------------------------------------
     def _pack(self, docs: list[tuple[torch.Tensor, torch.Tensor]], plan: Plan, piece_ids: list[int]) -> dict:

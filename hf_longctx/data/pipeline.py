@@ -13,7 +13,9 @@ must not be pre-packed into fixed blocks).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+import os
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 if TYPE_CHECKING:  # imported lazily: `import hf_longctx` must not pay for datasets
     from datasets import Dataset, IterableDataset
@@ -29,6 +31,7 @@ def tokenize_dataset(
     keep_columns: Sequence[str] = (),
     batch_size: int = 1000,
     num_proc: int | None = None,
+    progress: bool | None = None,
 ) -> Dataset | IterableDataset:
     """`ds.map(batched=True)` to rows of `input_ids` (list of ints) and `length` (int).
 
@@ -36,6 +39,8 @@ def tokenize_dataset(
     document is its own attention segment once packed). Columns other than
     `keep_columns` are removed; for an `IterableDataset` whose columns are unknown
     until read, only `text_column` can be removed. `num_proc` applies to `Dataset` only.
+    `progress`: show `datasets`' progress bar; default: only in the job's first process (the
+    launcher's `RANK` is 0 or unset), so N processes tokenizing alike print one bar, not N.
     """
     from datasets import Dataset, IterableDataset
 
@@ -78,4 +83,24 @@ def tokenize_dataset(
     kwargs: dict[str, Any] = dict(batched=True, batch_size=batch_size, remove_columns=remove)
     if isinstance(ds, Dataset) and num_proc is not None:
         kwargs["num_proc"] = num_proc
-    return ds.map(encode, **kwargs)
+    if progress is None:
+        progress = os.environ.get("RANK", "0") in ("", "0")  # torchrun / accelerate launch set it per process
+    with _progress_bars(progress):
+        return ds.map(encode, **kwargs)
+
+
+@contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """`datasets`' progress bars off inside the block when `show` is False (and they were on),
+    restored after; an HF_DATASETS_DISABLE_PROGRESS_BARS setting is left to win."""
+    from datasets import config
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if show or are_progress_bars_disabled() or config.HF_DATASETS_DISABLE_PROGRESS_BARS is not None:
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()

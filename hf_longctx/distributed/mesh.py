@@ -41,9 +41,22 @@ def check_degrees(world_size: int, ulysses: int, ring: int, fpdt_chunks: int = 1
     _check_degree("fpdt_chunks", fpdt_chunks)
     sp = ulysses * ring
     if world_size % sp:
-        raise ValueError(
-            f"ulysses({ulysses}) x ring({ring}) = {sp} does not divide world size {world_size}; "
-            f"choose degrees whose product divides {world_size}"
+        launch = (
+            f"launch {sp} processes (or a multiple of {sp}): torchrun --nproc-per-node {sp} SCRIPT, or accelerate "
+            f"launch with num_processes: {sp} in its config -- on CPU distributed_type MULTI_GPU with use_cpu: true "
+            "(as the repository's accelerate_configs/cpu_4proc.yaml), since Accelerate's MULTI_CPU starts one process "
+            "unless an MPI hostfile is given"
+        )
+        if world_size == 1:
+            raise NotSupported(
+                f"ulysses({ulysses}) x ring({ring}) = {sp} does not divide world size 1: this process runs alone (it was "
+                "started without a launcher, or by one that started a single process)",
+                f"{launch}; or, on one process, ulysses_degree=1 and ring_degree=1",
+            )
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise NotSupported(
+            f"ulysses({ulysses}) x ring({ring}) = {sp} does not divide world size {world_size}",
+            f"choose degrees whose product divides {world_size} (one of {divisors}), or {launch}",
         )
     if fpdt_chunks > 1 and ring > 1:
         raise ValueError(

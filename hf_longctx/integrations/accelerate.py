@@ -41,8 +41,10 @@ import torch
 
 from hf_longctx._compat import fsdp_reduces_unused_params
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.fsdp_units import embedding_units, plan_units, split_parameters
 from hf_longctx.integrations.unused_params import reduce_unused_params
-from hf_longctx.model_walk import decoder_layer_classes, hf_model
+from hf_longctx.model_walk import decoder_layer_classes
 
 MIXED_PRECISION = ("bf16", "fp32")
 
@@ -125,6 +127,14 @@ class FSDPPlan:
         layers = [m for m in model.modules() if isinstance(m, self.layer_classes)]
         if not layers:
             raise ValueError(f"no module of classes {[c.__name__ for c in self.layer_classes]} in {type(model).__name__}")
+        split = split_parameters(model, plan_units(model, self.layer_classes))  # before any unit (and collective)
+        if split:
+            raise NotSupported(
+                f"cannot shard {type(model).__name__} with FSDP2:\n- " + "\n- ".join(split),
+                "train a model whose parameters are not shared between decoder layers or heads (only the input "
+                "embedding and the LM head may share their weight); or, where the whole model fits every device, "
+                "skip fsdp_plan and sum the gradients in your own loop (hf_longctx.sum_gradients(model.parameters(), mesh))",
+            )
         # No model.to(device): fully_shard moves each unit's states itself (module docstring).
         for layer in layers:
             fully_shard(layer, reshard_after_forward=self.reshard_after_forward, **kw)
@@ -174,22 +184,6 @@ class FSDPPlan:
             dist.broadcast(moved, src=dist.get_global_rank(group, 0), group=group)  # [same shape] from rank 0
             if moved is not buf:
                 buf.copy_(moved)
-
-
-def embedding_units(model: Any) -> list[list[torch.nn.Module]]:
-    """The input embedding and the LM head as FSDP units: [[embed, head]] when their weights
-    are tied (one parameter must live in one unit: `fully_shard([embed, head])`, a list of
-    modules grouped for communication), else [[embed], [head]]; modules without parameters
-    of their own are skipped."""
-    hf = hf_model(model)
-    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
-    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
-    found = [m for m in (embed, head) if isinstance(m, torch.nn.Module) and any(True for _ in m.parameters())]
-    if len(found) == 2 and found[0] is found[1]:
-        found = found[:1]
-    if len(found) == 2 and {id(p) for p in found[0].parameters()} & {id(p) for p in found[1].parameters()}:
-        return [found]  # tied: one unit
-    return [[m] for m in found]
 
 
 def _plugin(layer_classes: tuple[type, ...], mixed_precision: str, param_offload: bool, reshard_after_forward: bool):

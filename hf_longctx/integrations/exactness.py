@@ -7,7 +7,9 @@ device), RoPE variants whose frequencies depend on the sequence length each rank
 (dynamic NTK, longrope), models whose attention bypasses transformers' AttentionInterface
 (their attention cannot be replaced), non-causal attention modules (those the dry run of
 `probe.py` sees called; by name when it is switched off), and loss functions
-that would shift the already shifted labels again. Each refusal says what to change.
+that would shift the already shifted labels again. Encoders, encoder-decoders and parameters
+shared between modules are refused first, by cause (`architecture.py`). Each refusal says
+what to change.
 """
 
 from __future__ import annotations
@@ -115,7 +117,16 @@ def refuse_inexact(
     vision tower's: it keeps its own attention, which need not go through the interface)."""
     from transformers import PreTrainedModel
 
+    from hf_longctx.integrations.architecture import architecture_problems
+
     cls = type(hf).__name__
+    architecture = architecture_problems(hf)  # decisive: no setting below could make these models train
+    if architecture:
+        raise NotSupported(
+            f"cannot patch {cls} for sequence-parallel training:\n- " + "\n- ".join(architecture),
+            "train a decoder-only causal LM (e.g. Llama, Qwen3, ModernBERT-decoder for a BERT-sized one); "
+            "hf_longctx.verify(model, mesh) reports which layers of an untried model are exact",
+        )
     bypass = sorted({
         type(m).__name__ for m in hf.modules()
         if isinstance(m, PreTrainedModel) and id(m.config) not in keep_configs and not m._can_set_attn_implementation()

@@ -54,6 +54,7 @@ class _PatchState:
     mesh: SPMesh
     options: PatchOptions
     bank: GroupBank | None = None  # patch(model, bank): each batch names its group (SPBatchInfo.group)
+    explicit: frozenset = frozenset()  # the knobs the last patch() call was given by name (not from a preset)
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
@@ -245,6 +246,7 @@ def patch(
     if old is not None:
         probed_alike = (old.probe is None) == bool(unsafe_skip_exactness_check)
         if old.mesh == mesh and old.bank == bank and old.options == options and probed_alike and before_install is None:
+            old.explicit = frozenset(k for k, v in knobs.items() if v is not _UNSET)
             return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
@@ -276,6 +278,7 @@ def patch(
     state = _PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
         vision=vision.family,
+        explicit=frozenset(k for k, v in knobs.items() if v is not _UNSET),
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, make_attention(state))

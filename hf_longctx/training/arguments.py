@@ -69,7 +69,9 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
     # -- the batch and the loss ---------------------------------------------------------------
     "per_device_train_batch_size": _refused(
         _is(8), "the batch is tokens_per_step global tokens per optimizer step, packed into micro-batches of max_tokens",
-        "leave it at its default (8) and set tokens_per_step / max_tokens on the trainer"),
+        "leave it at its default (8) and size the step with tokens_per_step= on the trainer (LongDPOTrainer counts the "
+        "chosen + rejected tokens of whole pairs: about pairs per step x tokens per pair) and the micro-batches with "
+        "max_tokens="),
     "per_device_eval_batch_size": _refused(
         _is(8), "evaluation is planned like training: tokens_per_step tokens per evaluation step",
         "leave it at its default (8); tokens_per_step sets the evaluation step too"),

@@ -15,9 +15,10 @@ from typing import Any
 from hf_longctx.errors import NotSupported
 from hf_longctx.training.arguments import refused_arguments, refused_parameters, refused_sft_fields
 
-def check_training_arguments(args: Any) -> None:
+def check_training_arguments(args: Any, trainer: str = "LongContextTrainer") -> None:
     """Raise one `NotSupported` listing every refused setting of `args` (the table of
-    `arguments.py`, plus TRL's SFTConfig fields), each with why and what to use instead."""
+    `arguments.py`, plus TRL's SFTConfig fields), each with why and what to use instead;
+    `trainer`: the class the message names."""
     errors = refused_arguments(args)
     if args.n_gpu > 1:
         errors.append(
@@ -27,7 +28,7 @@ def check_training_arguments(args: Any) -> None:
     errors += refused_sft_fields(args)
     if errors:
         raise NotSupported(
-            "LongContextTrainer cannot honour these TrainingArguments:\n- " + "\n- ".join(errors),
+            f"{trainer} cannot honour these {type(args).__name__} settings:\n- " + "\n- ".join(errors),
             "change the settings listed above as each line says",
         )
 

@@ -10,15 +10,19 @@ parameters are `checks.py` / `arguments.py`.
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any
 
 from hf_longctx._compat import checkpointing_fields
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.data.token_ids import Vocabulary
 from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.flex.collator import FlexCollator
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch_state
+from hf_longctx.model_walk import hf_model
 from hf_longctx.training.checks import check_world
 
 
@@ -103,20 +107,47 @@ def check_mesh_world(mesh: Any) -> None:
     check_world(mesh.world.world_size if isinstance(mesh, GroupBank) else mesh.world_size)
 
 
-def map_activation_checkpointing(model: Any, args: Any) -> None:
+def map_activation_checkpointing(model: Any, args: Any) -> Any:
+    """HF's checkpointing flags as `patch(..., checkpoint=...)`; returns the arguments the
+    Trainer gets: a copy of `args` with those flags off, the user's object left as it was (it
+    may build a second trainer). An explicit `patch(..., checkpoint=False)` wins over the flag,
+    said once; otherwise the flag keeps the mode of the model's preset, or turns on full
+    checkpointing."""
     # HF's checkpointing (TRL's SFTConfig turns it on by default) wraps the decoder layers
     # outside our attention binding; patch(checkpoint=True) recomputes them inside it.
     fields = checkpointing_fields(args)  # no `activation_checkpointing` on transformers 5.17
-    if not any(getattr(args, f) for f in fields):
-        return
+    asked = [f for f in fields if getattr(args, f)]
+    if not asked:
+        return args
     from hf_longctx.integrations.transformers import patch
 
     state = patch_state(model)
-    if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
+    if not state.options.checkpoint and "checkpoint" in state.explicit:
+        if getattr(args, "process_index", 0) == 0:
+            warnings.warn(
+                f"{type(args).__name__}({asked[0]}=True) is not applied: the model was patched with checkpoint=False "
+                f"explicitly, and patch()'s explicit setting wins; pass {asked[0]}=False to silence this, or "
+                "patch(model, mesh, checkpoint=True) (or 'attention') to recompute activations",
+                stacklevel=3,
+            )
+    elif not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
         knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
         patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
+    mapped = copy.copy(args)  # the Trainer reads (and may write) its own copy
     for f in fields:
-        setattr(args, f, False)
+        setattr(mapped, f, False)
+    return mapped
+
+
+def with_argument(args: tuple, kwargs: dict, names: tuple[str, ...], name: str, value: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) of a constructor call with parameter `name` (positional order `names`)
+    replaced by `value`, wherever the caller passed it."""
+    if name in kwargs:
+        return args, {**kwargs, name: value}
+    at = names.index(name)
+    if at < len(args):
+        return (*args[:at], value, *args[at + 1 :]), kwargs
+    return args, kwargs
 
 
 def pad_id(processing_class: Any, pad_token_id: int | None) -> int:
@@ -155,14 +186,28 @@ def vision_collator(mesh: Any, model: Any, *, max_tokens: int, cost: Any, vision
                               overlong=overlong, seed=seed, pad_token_id=pad_token_id)
 
 
+def model_vocabulary(model: Any) -> Vocabulary | None:
+    """The token ids `model` accepts (its input embedding's rows, its LM head's logits), read
+    before sharding; None when the model exposes no embedding table."""
+    hf = hf_model(model)
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    rows = getattr(embed, "num_embeddings", None)
+    if not isinstance(rows, int):
+        return None
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    logits = getattr(head, "out_features", None)
+    return Vocabulary(embedding_rows=rows, logits=logits if isinstance(logits, int) else rows)
+
+
 def build_collators(
     mesh: Any, *, max_tokens: int, max_tokens_per_rank: int | None, cost: Any, flops_model: CostModel | None,
     hf_config: Any, strategy: str, overlong: str, seed: int, pad_token_id: int, unequal_calls: bool,
-    vision: Any = None,
+    vision: Any = None, vocab: Vocabulary | None = None,
 ) -> tuple[Any, Any]:
     """(train collator, eval collator) of the step DataLoader: a `LongContextCollator` over an
     SPMesh, a `FlexCollator` over a GroupBank (evaluation always with equal counts), or the
-    given `vision` collator (`vision_collator`) for an image-text-to-text model."""
+    given `vision` collator (`vision_collator`) for an image-text-to-text model; the first two
+    check every step's token ids against `vocab` before any collective."""
     if vision is not None:
         return vision, vision
     if isinstance(mesh, GroupBank):
@@ -172,14 +217,14 @@ def build_collators(
         # without a communication term a bigger group would never cost more and flexibility never pays.
         cost = cost if cost is not None else GroupCost.from_config(hf_config, mesh.shapes)
         train = FlexCollator(mesh, max_tokens_per_rank, cost, overlong=overlong, pad_token_id=pad_token_id,
-                             unequal_calls=unequal_calls)
+                             unequal_calls=unequal_calls, vocab=vocab)
         # Evaluation is forward-only under per-layer FSDP all-gathers: always equal counts.
         evaluate = train if not unequal_calls else FlexCollator(
-            mesh, max_tokens_per_rank, cost, overlong=overlong, pad_token_id=pad_token_id)
+            mesh, max_tokens_per_rank, cost, overlong=overlong, pad_token_id=pad_token_id, vocab=vocab)
         return train, evaluate
     collator = LongContextCollator(
         mesh, max_tokens, cost if cost is not None else flops_model, strategy=strategy, overlong=overlong, seed=seed,
-        pad_token_id=pad_token_id,
+        pad_token_id=pad_token_id, vocab=vocab,
     )
     return collator, collator
 

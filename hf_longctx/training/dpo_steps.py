@@ -25,6 +25,7 @@ import torch
 from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
+from hf_longctx.data.token_ids import Vocabulary, check_token_ids, document_name
 from hf_longctx.training.steps import StepStream, _Rows
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -76,9 +77,19 @@ class PairStepCollate:
     """collate_fn: one step's pair rows -> this rank's step dict (see the module docstring)."""
 
     def __init__(self, mesh: Any, max_tokens: int, *, cost: Any = None, strategy: str = "balanced",
-                 pad_token_id: int = 0, flops_model: Any = None) -> None:
+                 pad_token_id: int = 0, flops_model: Any = None, vocab: Vocabulary | None = None) -> None:
         self.mesh, self.max_tokens, self.cost, self.strategy = mesh, max_tokens, cost, strategy
-        self.pad_token_id, self.flops_model = pad_token_id, flops_model
+        self.pad_token_id, self.flops_model, self.vocab = pad_token_id, flops_model, vocab
+
+    def _check_ids(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Every pair's two documents against the model's vocabulary, on the host, before any
+        collective (`token_ids.py`): every rank holds the step's whole list and raises alike."""
+        for i, row in enumerate(rows):
+            where = document_name(row, i)
+            prompt = list(row["prompt_ids"])
+            for side in ("chosen", "rejected"):
+                ids = torch.as_tensor(prompt + list(row[f"{side}_ids"]), dtype=torch.long)  # [L] prompt + completion
+                check_token_ids(ids, None, self.vocab, f"{where} (prompt + {side})")
 
     def _empty(self, pairs: int) -> dict[str, Any]:
         one = {"input_ids": torch.tensor([[self.pad_token_id]]), "labels": torch.tensor([[IGNORE_INDEX]]),
@@ -86,6 +97,8 @@ class PairStepCollate:
         return {**shard_batch(one, self.mesh, pairs, pad_token_id=self.pad_token_id), PAIRS_KEY: 0}
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if self.vocab is not None:
+            self._check_ids(rows)
         chosen = [len(x["prompt_ids"]) + len(x["chosen_ids"]) for x in rows]
         rejected = [len(x["prompt_ids"]) + len(x["rejected_ids"]) for x in rows]
         mesh = self.mesh
@@ -113,11 +126,13 @@ class PairStepCollate:
 
 
 def pair_step_dataloader(dataset: Any, collate: PairStepCollate, *, tokens_per_step: int, seed: int, shuffle: bool,
-                         lengths: Sequence[int], endless: bool = True) -> tuple[torch.utils.data.DataLoader, StepSampler]:
+                         lengths: Sequence[int], endless: bool = True,
+                         name: str = "train_dataset") -> tuple[torch.utils.data.DataLoader, StepSampler]:
     """(DataLoader of step dicts, its StepSampler): each step takes pairs until `tokens_per_step`
     (both documents of a pair counted) is reached; `endless` (training) runs into the next
     epoch like the train loader of steps.py, else one pass (evaluation)."""
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
-    loader = torch.utils.data.DataLoader(_Rows(dataset, list(PAIR_COLUMNS)), batch_sampler=StepStream(sampler, endless=endless),
-                                         collate_fn=collate, num_workers=0)
+    rows = _Rows(dataset, list(PAIR_COLUMNS), name, "pair")
+    loader = torch.utils.data.DataLoader(rows, batch_sampler=StepStream(sampler, endless=endless), collate_fn=collate,
+                                         num_workers=0)
     return loader, sampler

@@ -144,7 +144,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         self._token_stats = None  # TRL's token metrics come from token_metric_sums (step_loop's TokenStats unused)
         self._pair_collate = PairStepCollate(
             mesh, self.max_tokens, cost=self.collator.cost, strategy=self.collator.strategy,
-            pad_token_id=self.collator.pad_token_id, flops_model=self._flops_model)
+            pad_token_id=self.collator.pad_token_id, flops_model=self._flops_model, vocab=self.collator.vocab)
         self._dpo_sums = torch.zeros(len(METRICS) + len(TOKEN_SUMS), dtype=torch.float64, device=self.args.device)
 
     # ---- data: TRL's tokenized pairs, planned by pairs (dpo_steps.py) ----------------------------------
@@ -156,7 +156,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
         return dataset  # "tokenized" (TRL's own output form); "unknown" was refused before
 
-    def _check_train_data(self, overlong: str) -> list[int]:
+    def _check_train_data(self, overlong: str, vocab: Any = None) -> list[int]:
         return self._pair_lengths(self.train_dataset, "train_dataset")
 
     def _pair_lengths(self, dataset: Any, name: str) -> list[int]:
@@ -188,7 +188,8 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         check_pair_dataset(dataset, "eval_dataset")
         loader, _ = pair_step_dataloader(
             dataset.select_columns(list(PAIR_COLUMNS)), self._pair_collate, tokens_per_step=self.tokens_per_step,
-            seed=self.args.seed, shuffle=False, lengths=self._pair_lengths(dataset, "eval_dataset"), endless=False)
+            seed=self.args.seed, shuffle=False, lengths=self._pair_lengths(dataset, "eval_dataset"), endless=False,
+            name="eval_dataset")
         return loader
 
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,

@@ -65,13 +65,14 @@ from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.loss import global_loss
 from hf_longctx.training import construction as build
 from hf_longctx.training.arguments import TRAINING_ARGUMENTS, _message
-from hf_longctx.training.checkpoint import save_consolidated
+from hf_longctx.training.checkpoint import resolve_resume, save_consolidated
 from hf_longctx.training.checks import check_process_group
 from hf_longctx.training.grpo_arguments import refused_grpo_fields
 from hf_longctx.training.grpo_checkpoint import load_grpo_state, resumable_sampler, save_grpo_state, skip_trained_epochs
 from hf_longctx.training.grpo_generate import unpatched_for_generation
 from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 from hf_longctx.training.grpo_microbatches import merge_metrics, plan_rows, slot_tokens
+from hf_longctx.training.log_lines import use_number_logs
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # positional order, without self
@@ -167,13 +168,16 @@ class LongGRPOTrainer(GRPOTrainer):
             raise RuntimeError(f"LongGRPOTrainer on {mesh.world_size} ranks needs transformers >= "
                                f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded "
                                f"before prepare); transformers {transformers.__version__} would wrap it in DDP")
-        build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=True)
+        mapped = build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=...)
+        args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)  # the user's config unchanged
         self.mesh = mesh
         self.max_tokens = max_tokens
         self.last_num_microbatches = 0  # micro-batches of the last step (the same on every rank)
         self._microbatch_metrics: list[dict[str, float]] = []
         self._step_sampler = None  # checkpoint.py's step sampler: none here (TRL's sampler, grpo_checkpoint.py)
         super().__init__(*args, **kwargs)
+        use_number_logs(self)  # the progress bar / printer show numbers unquoted
+        self._throughput = [0, 0.0]  # trained tokens (prompt + completion, whole world), seconds: since the last log
         check_process_group(self.args)
         if self.ref_model is not None:  # TRL loaded it from the policy's name: patched with the same mesh
             from hf_longctx.integrations.transformers import patch
@@ -258,7 +262,7 @@ class LongGRPOTrainer(GRPOTrainer):
         """Generation and scoring once, then the Trainer's forward/backward per micro-batch (the same
         count on every rank); returns the step's global loss. Replaces GRPOTrainer.training_step's
         bookkeeping (`_step`, `step_time`) once per optimizer step."""
-        start = time.perf_counter()
+        start, seen = time.perf_counter(), self.state.num_input_tokens_seen
         model.train()  # as the Trainer's training_step does first: TRL's scoring logs under "train"
         rows, n, tokens = self._gather_rows(self._generate_and_score_completions(inputs))
         bins = plan_rows([len(p) + len(c) for p, c, _ in rows], self.mesh, self.max_tokens)  # a collective (max_tokens)
@@ -274,8 +278,18 @@ class LongGRPOTrainer(GRPOTrainer):
             self._metrics["train"][name].append(value)
         self.last_num_microbatches = len(bins)
         self._step += 1  # GRPOTrainer.training_step's bookkeeping, once per optimizer step (GA is refused: 1)
-        self._metrics["train"]["step_time"].append(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._metrics["train"]["step_time"].append(seconds)
+        self._throughput = [self._throughput[0] + self.state.num_input_tokens_seen - seen, self._throughput[1] + seconds]
         return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # tokens_per_s: the trained (prompt + completion) tokens of the whole world per second of the optimizer steps
+        # since the last log, generation included -- TRL counts them globally in num_input_tokens_seen.
+        if "loss" in logs and self._throughput[1] > 0:
+            logs["tokens_per_s"] = self._throughput[0] / self._throughput[1]
+            self._throughput = [0, 0.0]
+        super().log(logs, start_time)
 
     # ---- checkpoints and resume (grpo_checkpoint.py: the sharded states of checkpoint.py) -----------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -289,6 +303,10 @@ class LongGRPOTrainer(GRPOTrainer):
         save_consolidated(self.model, output_dir, is_main=self.args.should_save)
         if self.args.should_save and self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
+        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
 
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         self._repeat_sampler = resumable_sampler(super()._get_train_sampler(dataset))

@@ -35,6 +35,8 @@ import torch
 
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.sampler import StepSampler
+from hf_longctx.data.sharding import IGNORE_INDEX
+from hf_longctx.data.token_ids import DOCUMENT_KEY, Vocabulary, check_token_ids
 from hf_longctx.errors import NotSupported
 from hf_longctx.distributed.flex.collator import FlexCollator, layout_text
 
@@ -59,6 +61,20 @@ def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
             f"{name} has no 'input_ids' column (columns: {dataset.column_names}); tokenize it first, e.g. "
             "hf_longctx.tokenize_dataset(raw, tokenizer)"
         )
+    if "labels" in dataset.column_names:
+        import pyarrow.compute as pc
+
+        table = dataset.with_format("arrow")
+        ids, labels = (pc.list_value_length(table[c]) for c in ("input_ids", "labels"))
+        differ = pc.indices_nonzero(pc.not_equal(ids, labels)).to_pylist()
+        if differ:
+            i = differ[0]
+            raise ValueError(
+                f"{name} document {i}: 'labels' has {labels[i].as_py()} entries but input_ids has {ids[i].as_py()} "
+                f"({len(differ)} such row(s)); 'labels' needs one entry per input token (HF's unshifted targets, -100 = "
+                "no loss), e.g. made in the same dataset.map() that makes input_ids -- or drop the column (the input "
+                "ids are then the targets)"
+            )
     return [c for c in ("input_ids", "labels") if c in dataset.column_names]
 
 
@@ -71,6 +87,34 @@ def document_lengths(dataset: Any) -> list[int]:
     import pyarrow.compute as pc
 
     return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
+
+
+def check_dataset_token_ids(dataset: Any, vocab: Vocabulary | None, name: str = "train_dataset") -> None:
+    """Every id of the `input_ids` (and `labels`) column against the model's vocabulary, at
+    construction: one vectorised Arrow pass over the columns (no Python list per row); the first
+    offending row is then named as the per-step check (`token_ids.py`) would name it."""
+    if vocab is None:
+        return
+    import pyarrow.compute as pc
+
+    table = dataset.with_format("arrow")
+    for column, limit, ignore in (("input_ids", vocab.embedding_rows, False), ("labels", vocab.logits, True)):
+        if column not in dataset.column_names:
+            continue
+        offset = 0
+        for chunk in table[column].chunks:
+            flat = pc.list_flatten(chunk)  # [tokens of the chunk's rows]
+            bad = pc.or_(pc.less(flat, 0), pc.greater_equal(flat, limit))
+            if ignore:
+                bad = pc.and_(bad, pc.not_equal(flat, IGNORE_INDEX))
+            if pc.any(bad).as_py():
+                row = offset + pc.filter(pc.list_parent_indices(chunk), bad)[0].as_py()
+                example = dataset[row]
+                labels = example.get("labels")
+                check_token_ids(torch.as_tensor(example["input_ids"], dtype=torch.long),
+                                None if labels is None else torch.as_tensor(labels, dtype=torch.long),
+                                vocab, f"{name} document {row}")
+            offset += len(chunk)
 
 
 def check_lengths(lengths: Sequence[int], max_tokens: int, overlong: str, name: str = "train_dataset") -> None:
@@ -122,6 +166,28 @@ def check_step_budget(
         )
 
 
+def say_truncation(lengths: Sequence[int], max_tokens: int, overlong: str, *, name: str = "train_dataset",
+                   warn: bool = True) -> None:
+    """`overlong="truncate"`: one warning (from the main process) with what is cut -- documents,
+    tokens, share -- since the cut tails are never trained."""
+    if overlong != "truncate" or not warn:
+        return
+    over = [i for i, n in enumerate(lengths) if n > max_tokens]
+    if not over:
+        return
+    import warnings
+
+    longest = max(over, key=lambda i: lengths[i])
+    cut, total = sum(lengths[i] - max_tokens for i in over), int(sum(lengths))
+    warnings.warn(
+        f"overlong='truncate': {len(over)} of {len(lengths)} document(s) of {name} exceed max_tokens={max_tokens} (the "
+        f"longest, document {longest}, has {lengths[longest]} tokens); their tails, {cut} of {total} tokens "
+        f"({100 * cut / total:.1f} %), are never trained. Pass overlong='split' to train them as separate pieces, or "
+        "raise max_tokens",
+        stacklevel=3,
+    )
+
+
 class StepStream(torch.utils.data.Sampler):
     """Batch sampler of the step DataLoader: the step sampler's index lists.
 
@@ -153,18 +219,24 @@ class StepStream(torch.utils.data.Sampler):
 
 
 class _Rows(torch.utils.data.Dataset):
-    """Dataset rows as the collator's features (only the columns it reads), fetched per step."""
+    """Dataset rows as the collator's features (only the columns it reads), fetched per step;
+    each names its source row under `DOCUMENT_KEY`, so a bad row is named by its index."""
 
-    def __init__(self, dataset: Any, columns: list[str]) -> None:
+    def __init__(self, dataset: Any, columns: list[str], name: str = "dataset", unit: str = "document") -> None:
         self.dataset = dataset
         self.columns = columns
+        self.name = name
+        self.unit = unit
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         rows = self.dataset.select_columns(self.columns)[indices]  # {column: [value per document]}
-        return [dict(zip(self.columns, values)) for values in zip(*(rows[c] for c in self.columns))]
+        return [
+            {**dict(zip(self.columns, values)), DOCUMENT_KEY: f"{self.name} {self.unit} {i}"}
+            for i, values in zip(indices, zip(*(rows[c] for c in self.columns)))
+        ]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.__getitems__([index])[0]
@@ -226,7 +298,7 @@ def step_dataloader(
     check_lengths(lengths, collator.max_tokens, collator.overlong, name)
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
     loader = torch.utils.data.DataLoader(
-        _Rows(dataset, columns),
+        _Rows(dataset, columns, name),
         batch_sampler=StepStream(sampler, endless=endless),
         collate_fn=StepCollate(collator, flops_model),
         num_workers=0,

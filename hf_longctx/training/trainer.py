@@ -64,15 +64,19 @@ from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training import construction as build
-from hf_longctx.training.checkpoint import load_step_state, save_step_state, save_trained_model
+from hf_longctx.training.checkpoint import load_step_state, resolve_resume, save_step_state, save_trained_model
 from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments
 from hf_longctx.training.evaluation import evaluate
 from hf_longctx.training.faults import WatchdogCallback
+from hf_longctx.training.log_lines import use_number_logs
 from hf_longctx.training.metrics import StepWindow
 from hf_longctx.training.step_loop import flush_token_stats, model_loss, run_step
 from hf_longctx.training.step_loop import grad_norm as total_grad_norm
 from hf_longctx.training.step_record import StepRecord
-from hf_longctx.training.steps import check_dataset, check_lengths, check_step_budget, document_lengths, step_dataloader
+from hf_longctx.training.steps import (
+    check_dataset, check_dataset_token_ids, check_lengths, check_step_budget, document_lengths, say_truncation,
+    step_dataloader,
+)
 from hf_longctx.training.token_metrics import TokenStats
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:]  # positional order, without self
@@ -89,7 +93,9 @@ class LongContextTrainerMixin:
     default: FLOPs of the model's config; with a bank a `GroupCost`, default
     `GroupCost.from_config`: FLOPs split over each size plus its communication), `strategy`
     (the fixed-degree planner's), `overlong` ("error": refuse documents above max_tokens, or
-    with a bank above the largest group's capacity; "split" / "truncate"), `pad_token_id` (default: the
+    with a bank above the largest group's capacity; "split": train their pieces as separate
+    documents; "truncate": keep their first max_tokens tokens, said once at construction with
+    the documents and tokens cut), `pad_token_id` (default: the
     processing class's pad, else EOS, else 0), `step_timeout_s` (watchdog for hung ranks),
     `peak_flops` (per device, for MFU), `unequal_calls` (with a bank: ranks run different
     numbers of micro-batches, the model unsharded for the step), `sync_each_microbatch`
@@ -132,7 +138,7 @@ class LongContextTrainerMixin:
         self.tokens_per_step = build.positive_int("tokens_per_step", tokens_per_step)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
-            check_training_arguments(training_args)  # before anything else, on every rank alike
+            check_training_arguments(training_args, type(self).__name__)  # before anything else, on every rank alike
         # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (arguments.py).
         check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
         model = kwargs.get("model", args[0] if args else None)
@@ -147,15 +153,17 @@ class LongContextTrainerMixin:
                 f"prepare); transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade "
                 "transformers, or train on one rank / with hf_longctx.distributed.flex.step.run_flex_step."
             )
-        if training_args is not None:
-            build.map_activation_checkpointing(model, training_args)
+        if training_args is not None:  # the Trainer gets a copy: the user's object is never changed
+            mapped = build.map_activation_checkpointing(model, training_args)
+            args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)
         user_unused = getattr(training_args, "ddp_find_unused_parameters", None)
         super().__init__(*args, **kwargs)
+        use_number_logs(self)  # the progress bar / printer show numbers unquoted
         if user_unused is None and getattr(self.args, "ddp_find_unused_parameters", None):
             # TRL turns it on for a vision-language model (DDP and a tower idle on text-only batches);
             # there is no DDP here: FSDP2 reduces unused parameters itself (integrations/unused_params.py)
             self.args.ddp_find_unused_parameters = None
-        check_training_arguments(self.args)  # the defaults / TRL's SFTConfig conversion
+        check_training_arguments(self.args, type(self).__name__)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
         self.vision_collator = build.vision_collator(
             mesh, self.model, max_tokens=self.max_tokens, cost=cost, vision_cost=vision_cost, strategy=strategy,
@@ -165,14 +173,15 @@ class LongContextTrainerMixin:
             from hf_longctx.training.vision_data import processed_datasets
 
             processed_datasets(self)
-        self._train_lengths = self._check_train_data(overlong) if self.train_dataset is not None else None
+        vocab = build.model_vocabulary(self.model)
+        self._train_lengths = self._check_train_data(overlong, vocab) if self.train_dataset is not None else None
         hf_config = getattr(hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
         self.collator, self.eval_collator = build.build_collators(
             mesh, max_tokens=self.max_tokens, max_tokens_per_rank=max_tokens_per_rank, cost=cost,
             flops_model=self._flops_model, hf_config=hf_config, strategy=strategy, overlong=overlong,
             seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
-            unequal_calls=unequal_calls, vision=self.vision_collator,
+            unequal_calls=unequal_calls, vision=self.vision_collator, vocab=vocab,
         )
         if mesh.world_size > 1:
             self._shard_model()
@@ -184,13 +193,16 @@ class LongContextTrainerMixin:
         self._step_sampler = None
         self._unsharded_checked = False
 
-    def _check_train_data(self, overlong: str) -> list[int]:
-        """The train dataset's document lengths, checked against the caps (a subclass with
-        other units, e.g. the preference pairs of dpo_trainer.py, overrides it)."""
+    def _check_train_data(self, overlong: str, vocab: Any = None) -> list[int]:
+        """The train dataset's document lengths, checked against the caps, and its token ids
+        against the model's vocabulary (a subclass with other units, e.g. the preference pairs
+        of dpo_trainer.py, overrides it; its collate checks the ids per step)."""
         check_dataset(self.train_dataset)
+        check_dataset_token_ids(self.train_dataset, vocab)
         lengths = document_lengths(self.train_dataset)
         check_lengths(lengths, self.max_tokens, overlong)
         check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
+        say_truncation(lengths, self.max_tokens, overlong, warn=self.args.process_index == 0)
         return lengths
 
     # ---- set-up: (1) the model owns its placement and gradient reduction -------------------------
@@ -286,6 +298,10 @@ class LongContextTrainerMixin:
         return evaluate(self, dataloader, metric_key_prefix)
 
     # ---- checkpoints: (5) every rank's shards (checkpoint.py) ---------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
+        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_step_state(self, output_dir)
 

@@ -8,7 +8,7 @@ max_tokens=32 holds two or three rows, so every rank runs >= 2 micro-batches (U2
 12 rows; dp2xU2: 6 rows per group, the groups agree on the larger count). Checked for loss_type
 "grpo" and "dapo" with beta 0.04 (KL on, the reference forward per micro-batch): the step loss
 (1e-5 relative + 1e-8), grad_norm (1e-4 relative), every parameter after one plain-SGD step
-(1e-4 relative) and every metric TRL logs (1e-5; step_time skipped). Also: a prompt+completion
+(1e-4 relative) and every metric TRL logs (1e-5; step_time and tokens_per_s skipped). Also: a prompt+completion
 longer than max_tokens is refused on every rank together before any forward (no rank left in a
 collective: the ranks all-reduce afterwards), and bad max_tokens values at construction.
 """

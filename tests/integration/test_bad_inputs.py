@@ -147,6 +147,84 @@ def test_positional_data_collator_is_refused_too(llama_path, tmp_path):
     _says(info.value, "data_collator")
 
 
+# -- settings that would change silently --------------------------------------------------------------
+def _checkpoint_field():
+    from transformers import TrainingArguments
+
+    from hf_longctx._compat import checkpointing_fields
+
+    return checkpointing_fields(TrainingArguments)[0]  # activation_checkpointing; 5.17: gradient_checkpointing
+
+
+def test_explicit_checkpoint_false_wins_over_the_trainer_flag_and_is_said(llama_path, tmp_path):
+    from hf_longctx.integrations.transformers import patch_state
+
+    field = _checkpoint_field()
+    mesh = init_sequence_parallel()
+    model = patch(_model(llama_path), mesh, checkpoint=False)
+    with pytest.warns(UserWarning, match=rf"TrainingArguments\({field}=True\) is not applied: the model was patched "
+                                         r"with checkpoint=False explicitly"):
+        LongContextTrainer(model=model, args=training_args(str(tmp_path), **{field: True}), train_dataset=make_dataset(),
+                           mesh=mesh, max_tokens=48, tokens_per_step=120)
+    assert patch_state(model).options.checkpoint is False
+    model = patch(_model(llama_path), mesh)  # no explicit checkpoint=: the Trainer's flag turns it on
+    LongContextTrainer(model=model, args=training_args(str(tmp_path), **{field: True}), train_dataset=make_dataset(),
+                       mesh=mesh, max_tokens=48, tokens_per_step=120)
+    assert patch_state(model).options.checkpoint is True
+
+
+def test_training_arguments_are_never_rewritten(llama_path, tmp_path):
+    """The same TrainingArguments object builds a second trainer with the same settings."""
+    from hf_longctx.integrations.transformers import patch_state
+
+    field = _checkpoint_field()
+    args = training_args(str(tmp_path), **{field: True})
+    before = args.to_dict()
+    for _ in range(2):
+        mesh = init_sequence_parallel()
+        model = _model(llama_path, mesh)
+        LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                           tokens_per_step=120)
+        assert patch_state(model).options.checkpoint is True  # the second trainer too
+    assert args.to_dict() == before
+
+
+def test_truncation_is_said_once_with_the_counts(llama_path, tmp_path):
+    import warnings
+
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [list(range(1, 61)), list(range(1, 11)), list(range(1, 51))]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(llama_path, tmp_path, train_dataset=ds, max_tokens=48, tokens_per_step=120, overlong="truncate")
+    said = [str(w.message) for w in caught if "overlong='truncate'" in str(w.message)]
+    assert len(said) == 1, said
+    for needle in ("2 of 3 document(s) of train_dataset exceed max_tokens=48", "document 0, has 60 tokens",
+                   "their tails, 14 of 120 tokens (11.7 %), are never trained", "overlong='split'"):
+        assert needle in said[0], said[0]
+
+
+def test_dpo_batch_size_refusal_says_what_to_set(tmp_path):
+    """LongDPOTrainer sizes its step in tokens of whole pairs: the refusal and the README's DPO
+    section both say so."""
+    pytest.importorskip("trl")
+    import pathlib
+
+    from trl import DPOConfig
+
+    from hf_longctx.training.checks import check_training_arguments
+
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_length=None, use_cpu=True, report_to=[])
+    with pytest.raises(NotSupported) as info:
+        check_training_arguments(args, "LongDPOTrainer")
+    _says(info.value, "LongDPOTrainer cannot honour these DPOConfig settings", "per_device_train_batch_size=4",
+          "tokens_per_step=", "chosen + rejected tokens of whole pairs")
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    dpo = readme[readme.index("#### DPO"):readme.index("#### GRPO")]
+    assert "per_device_train_batch_size" in dpo and "tokens_per_step" in dpo
+
+
 # -- the mesh and the process group -------------------------------------------------------------------
 def test_mesh_before_the_process_group_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun / accelerate launch set; no group in this process
@@ -155,6 +233,16 @@ def test_mesh_before_the_process_group_is_refused(monkeypatch):
         with pytest.raises(NotSupported) as info:
             build()
         _says(info.value, "WORLD_SIZE=2", "init_process_group")
+
+
+def test_one_process_for_an_sp_degree_says_to_launch_more(monkeypatch):
+    """`python recipes/demo.py`, `accelerate launch` without the config, or Accelerate's MULTI_CPU
+    (one process without MPI): the fix is the launch, not the degrees."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(NotSupported) as info:
+        init_sequence_parallel(ulysses_degree=2, ring_degree=2)
+    _says(info.value, "= 4 does not divide world size 1: this process runs alone", "launch 4 processes",
+          "torchrun --nproc-per-node 4", "num_processes: 4", "MULTI_GPU with use_cpu: true", "MULTI_CPU")
 
 
 def _mesh_world_mismatch():
@@ -192,6 +280,67 @@ def test_patch_signature_reads_well():
     assert "object at" not in str(inspect.signature(patch))
 
 
+def _bert(**kw):
+    import transformers as tf
+
+    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    return tf.BertLMHeadModel(tf.BertConfig(**{**cfg, **kw}))
+
+
+def test_bert_is_refused_as_an_encoder_not_for_its_dropout():
+    with pytest.raises(NotSupported) as info:
+        patch(_bert(), _local_mesh(2))  # BERT's defaults: is_decoder=False, attention dropout 0.1
+    _says(info.value, "BertLMHeadModel is an encoder", "bidirectional", "decoder-only causal LM")
+    assert "dropout" not in str(info.value), str(info.value)
+
+
+def test_causal_bert_refused_for_its_shared_head_bias_at_patch():
+    """A causal BERT (is_decoder=True, no dropout) passes the dry run, but its LM head owns one
+    bias twice: FSDP2 would fail at the first forward; refused at patch() with that cause."""
+    model = _bert(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    with pytest.raises(NotSupported) as info:
+        patch(model, _local_mesh(2))
+    _says(info.value, "cls.predictions.decoder.bias", "cls.predictions.bias", "one Parameter in 2 FSDP2 units")
+    assert "is an encoder" not in str(info.value)
+
+
+def test_encoder_decoder_refused_by_cause_not_a_leaked_exception():
+    import transformers as tf
+
+    model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                      num_heads=4, dropout_rate=0.0))
+    with pytest.raises(NotSupported) as info:
+        patch(model, _local_mesh(2))
+    text = str(info.value)
+    _says(info.value, "T5ForConditionalGeneration is an encoder-decoder model", "cross-attends")
+    assert "Error" not in text.splitlines()[1], text  # the first cause, not a leaked AttributeError
+
+
+def _fsdp_refuses_split_parameter():
+    from transformers import AutoModelForCausalLM
+
+    from hf_longctx import fsdp_plan
+    from tests.distributed.test_models import family_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    layers = model.model.layers
+    layers[1].mlp.up_proj.weight = layers[0].mlp.up_proj.weight  # one Parameter in two decoder layers
+    try:
+        fsdp_plan(model, init_sequence_parallel(ulysses_degree=2)).apply(model)
+    except NotSupported as e:
+        return str(e), any(hasattr(m, "reshard") for m in model.modules())
+    return None, True
+
+
+def test_fsdp_plan_refuses_a_parameter_shared_between_units_before_sharding(pools):
+    for message, sharded in pools.get(2).run(_fsdp_refuses_split_parameter, timeout=120):
+        assert message is not None and not sharded, message
+        for needle in ("model.layers.0.mlp.up_proj.weight (in model.layers.0)",
+                       "model.layers.1.mlp.up_proj.weight (in model.layers.1)", "2 FSDP2 units", "Do instead"):
+            assert needle in message, message
+
+
 # -- the data ------------------------------------------------------------------------------------------
 def test_empty_dataset_is_named_empty(llama_path, tmp_path):
     from datasets import Dataset
@@ -217,6 +366,75 @@ def test_dataset_smaller_than_one_step_is_said(llama_path, tmp_path):
     ds = Dataset.from_dict({"input_ids": [list(range(1, 21)), list(range(1, 11))]})
     with pytest.warns(UserWarning, match="holds 30 tokens in 2 document"):
         _trainer(llama_path, tmp_path, train_dataset=ds, tokens_per_step=120)
+
+
+@pytest.mark.parametrize("bad", [10**6, 128, -5])
+def test_token_id_outside_the_embedding_is_named_at_construction(llama_path, tmp_path, bad):
+    """An id the embedding table does not hold: named (document, position, id) at construction on
+    every rank alike, not an IndexError mid-forward on the rank whose shard holds it."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [list(range(1, 9)), [5, 6, 7, bad, 8, 9]]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, "train_dataset document 1, position 3", f"token id {bad}", "embedding table of 128 rows",
+          "resize_token_embeddings")
+
+
+def test_label_outside_the_head_is_named_at_construction(llama_path, tmp_path):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 2, "labels": [[1, 2, 3, 4], [-100, 2, 300, 4]]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, "train_dataset document 1, position 2: labels holds 300", "neither -100")
+
+
+def test_token_id_checked_per_step_before_any_forward(llama_path, tmp_path):
+    """Rows the construction scan could not see (a transform applied when a row is read) are
+    checked in the step's collator, before planning, sharding or any forward."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [list(range(1, 9)), list(range(1, 7))]})
+    trainer = _trainer(llama_path, tmp_path, train_dataset=ds, args=training_args(str(tmp_path), max_steps=1))
+
+    def corrupt(batch):
+        return {"input_ids": [[*ids[:2], 999, *ids[3:]] if len(ids) == 6 else ids for ids in batch["input_ids"]]}
+
+    trainer.train_dataset = ds.with_transform(corrupt)
+    with pytest.raises(NotSupported) as info:
+        trainer.train()
+    _says(info.value, "train_dataset document 1, position 2", "token id 999")
+
+
+def test_labels_of_the_wrong_length_say_what_to_do(llama_path, tmp_path):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6, 7, 8]], "labels": [[1, 2, 3, 4], [5, 6, 7]]})
+    with pytest.raises(ValueError) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds, args=training_args(str(tmp_path), max_steps=1)).train()
+    text = str(info.value)
+    for needle in ("document 1: 'labels' has 3 entries but input_ids has 4", "one entry per input token",
+                   "drop the column"):
+        assert needle in text, text
+
+
+def test_resume_from_a_missing_checkpoint_names_the_fix(llama_path, tmp_path):
+    trainer = _trainer(llama_path, tmp_path, args=training_args(str(tmp_path / "run"), max_steps=1))
+    with pytest.raises(NotSupported) as info:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "missing"))
+    _says(info.value, f"resume_from_checkpoint='{tmp_path / 'missing'}' does not exist", "holds no checkpoint",
+          "resume_from_checkpoint=None")
+    with pytest.raises(NotSupported) as info:
+        trainer.train(resume_from_checkpoint=True)
+    _says(info.value, f"output_dir '{tmp_path / 'run'}' holds no checkpoint-N directory", "save_strategy='steps'")
+    (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)  # a directory, but not a checkpoint
+    with pytest.raises(NotSupported) as info:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    _says(info.value, "is not a checkpoint directory (no trainer_state.json)", "holds checkpoint-3")
+    with pytest.raises(NotSupported) as info:
+        trainer.train(resume_from_checkpoint=True)  # the newest checkpoint-N, checked the same way
+    _says(info.value, "checkpoint-3' is not a checkpoint directory")
 
 
 # -- what the trainer writes ---------------------------------------------------------------------------

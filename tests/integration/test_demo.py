@@ -43,6 +43,43 @@ def test_demo_runs_end_to_end(tmp_path):
     ckpt = tmp_path / "checkpoints" / f"checkpoint-{STEPS}"
     assert (ckpt / "hf_longctx_dcp").is_dir() and (ckpt / "hf_longctx_sampler.json").exists()
     assert os.path.exists(tmp_path / "model" / "config.json")  # saved, then loaded with from_pretrained
+    # What a newcomer reads: no special-token realignment notice (the model is built with the
+    # tokenizer's ids), no weight bars for the tiny model, one tokenizing bar (rank 0's).
+    assert "PAD/BOS/EOS" not in out and "Loading weights" not in out, out[-4000:]
+    assert len(re.findall(r"Map: +0%", out)) == 1, out[-4000:]
+
+
+def test_demo_defaults_say_nothing_about_their_own_settings(tmp_path):
+    """The default corpus fits the default step budget (no warning about the demo's own
+    tokens_per_step) and the model carries the tokenizer's special ids (the Trainer realigns
+    nothing, so it prints no notice)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers.trainer_utils import align_special_tokens
+
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    try:
+        import demo
+        import tiny
+    finally:
+        sys.path.pop(0)
+    from hf_longctx.training.steps import check_step_budget
+
+    args = demo.parse_args([])
+    texts = list(tiny.load_corpus(tiny.stdlib_files(args.files, 200, args.max_file_bytes))["text"])
+    tiny.build_tokenizer(texts, args.vocab, str(tmp_path))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    lengths = [len(ids) + 1 for ids in tokenizer(texts)["input_ids"]]  # + EOS, as tokenize_dataset adds it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_step_budget(lengths, args.tokens_per_step, args.max_tokens, "split")
+    tiny.build_model(tokenizer, str(tmp_path / "model"), hidden=16, layers=1)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    before = (model.config.eos_token_id, model.config.pad_token_id, model.generation_config.eos_token_id)
+    align_special_tokens(model, tokenizer)
+    assert (model.config.eos_token_id, model.config.pad_token_id, model.generation_config.eos_token_id) == before
+
 
 
 @pytest.mark.parametrize("unequal", [False, True], ids=["equal-calls", "unequal-calls"])

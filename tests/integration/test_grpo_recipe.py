@@ -3,7 +3,8 @@ ranks (gloo, Ulysses 2, FSDP2): the tiny Llama the recipe builds and saves, its 
 prompts, its format reward, TRL's real sampling, beta > 0 with TRL's reference. Both steps
 finish; every logged value is finite and the SAME on both ranks (global values); step 1 has
 kl 0 (policy == reference) and a reward spread (non-zero advantages), step 2 kl > 0 (the
-update reached the policy, not the reference); rank 0 prints TRL's metric names. Also with --max-tokens 40 (the step's 4 rows of up to ~28
+update reached the policy, not the reference); rank 0 prints TRL's metric names and the step's
+tokens/s. Also with --max-tokens 40 (the step's 4 rows of up to ~28
 tokens split into packed micro-batches with gradient accumulation): the same checks. With
 --save-every / --resume, a resumed step 2 logs exactly what the uninterrupted run logged."""
 
@@ -13,7 +14,7 @@ import pytest
 
 from tests.integration.test_dpo_recipe import assert_ranks_agree, launch, rank_logs
 
-TIMING = {"step_time"}  # wall-clock: differs between ranks
+TIMING = {"step_time", "tokens_per_s"}  # wall-clock: differs between ranks
 
 
 @pytest.mark.parametrize("extra", [[], ["--max-tokens", "40"]], ids=["one_microbatch", "max_tokens"])
@@ -28,8 +29,9 @@ def test_grpo_recipe_runs(tmp_path, extra):
     first, second = logs[0]
     assert first["kl"] == 0.0 and first["reward_std"] > 0 and first["grad_norm"] > 0, first
     assert second["kl"] > 0, second
+    assert first["tokens_per_s"] > 0 and second["tokens_per_s"] > 0, (first, second)
     for name in ("step 1: loss=", "step 2: loss=", "grad_norm=", "reward=", "kl=", "entropy=", "clip_ratio/region_mean=",
-                 "rewards/format_reward/mean="):
+                 "rewards/format_reward/mean=", "tokens_per_s="):
         assert name in proc.stdout, (name, out[-2000:])
 
 

@@ -1,35 +1,69 @@
-"""The README quickstart (`recipes/quickstart.py`) runs as written on 2 CPU ranks (torchrun,
-gloo, Ulysses 2, FSDP2): a tiny local Llama + word-level tokenizer and three text files; it
-must finish, log its loss, and leave a `save_pretrained` directory that loads unpatched."""
+"""The README quickstart runs as pasted: its `bash` block is parsed out of README.md and run
+line by line, unchanged, in a fresh directory (so README and test cannot drift). `recipes/` is
+linked there and `.venv/bin/activate` puts the interpreter running this test first on PATH (the
+environment `make demo` builds, whichever venv runs the suite). The tiny Llama, its tokenizer
+and the text files are made locally by `recipes/tiny.py`; then 2 CPU ranks (torchrun, gloo,
+Ulysses 2, FSDP2) train, log their loss as numbers, print no warning, and leave a
+`save_pretrained` directory that loads unpatched. The README's script block is the script.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_quickstart_script_runs(tmp_path):
-    import torch
+def _quickstart_section() -> str:
+    """README's "Quickstart" / "With `transformers.Trainer`" subsection."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    start = readme.index("### With `transformers.Trainer`", readme.index("## Quickstart"))
+    return readme[start : readme.index("\n### ", start + 1)]
+
+
+def readme_commands() -> list[str]:
+    section = _quickstart_section()
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "the README quickstart has no ```bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_script_block_is_the_script():
+    section = _quickstart_section()
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    with open(os.path.join(ROOT, "recipes", "quickstart.py")) as f:
+        script = f.read()
+    assert block == script
+    marks = script.count("# hf_longctx:")  # one per addition (the docstring names the mark without a colon)
+    words = {3: "three", 4: "four", 5: "five", 6: "six"}
+    assert f"plus {words[marks]} additions" in section and f"{words[marks]} additions" in script
+    with open(os.path.join(ROOT, "recipes", "README.md")) as f:
+        assert f"hf_longctx's {words[marks]} additions" in f.read()
+
+
+def test_quickstart_runs_as_pasted(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from tests.distributed.test_models import save_family
-    from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
-
-    model_dir = save_family("llama", tmp_path)
-    make_tokenizer(model_dir)  # the tokenizer files next to the model, as on the hub
-    g = torch.Generator().manual_seed(0)
-    for i in range(3):
-        words = [WORDS[j] for j in torch.randint(0, len(WORDS), (40 + 17 * i,), generator=g).tolist()]
-        (tmp_path / f"doc{i}.txt").write_text(" ".join(words))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "recipes", "quickstart.py"), model_dir, str(tmp_path / "doc*.txt"), str(tmp_path / "out"), "2"]
+    commands = readme_commands()
+    assert any("recipes/quickstart.py" in c for c in commands), commands
+    os.symlink(os.path.join(ROOT, "recipes"), tmp_path / "recipes")
+    activate = tmp_path / ".venv" / "bin" / "activate"
+    activate.parent.mkdir(parents=True)
+    activate.write_text(f'export PATH="{os.path.dirname(sys.executable)}:$PATH"\n')
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    script = "set -e\n" + "\n".join(commands) + "\n"
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "'loss'" in out and "'tokens_per_s'" in out, out[-2000:]
-    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert re.search(r"'loss': \d+\.\d+, 'grad_norm': \d", out), out[-2000:]  # numbers, not quoted strings
+    assert "'tokens_per_s': " in out and "'step_tokens': " in out, out[-2000:]
+    assert not re.search(r"warn|error|traceback", out, re.I), out[-4000:]  # nothing the README does not explain
+    bars = {name: len(re.findall(rf"{name}: +0%", out)) for name in ("Loading weights", "Map")}
+    assert bars == {"Loading weights": 2, "Map": 1}, (bars, out[-4000:])  # weights: per process; tokenizing: once
+    saved = tmp_path / "runs" / "quickstart"
+    reloaded = AutoModelForCausalLM.from_pretrained(str(saved))
     assert "hf_longctx" not in str(reloaded.config._attn_implementation)

@@ -116,9 +116,11 @@ def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path)
     field = checkpointing_fields(TrainingArguments)[0]  # activation_checkpointing; 5.17: gradient_checkpointing
     args = training_args(str(tmp_path), **{field: True})
     model = _model(llama_path, mesh)
-    LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
+    trainer = LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                                 tokens_per_step=120)
     assert model.__dict__[_STATE_ATTR].options.checkpoint is True  # recomputation inside our attention binding
-    assert not any(getattr(args, f) for f in checkpointing_fields(args))  # HF's own wrapper stays off
+    assert not any(getattr(trainer.args, f) for f in checkpointing_fields(args))  # HF's own wrapper stays off
+    assert getattr(args, field) is True and trainer.args is not args  # the user's object is not rewritten
 
 
 def test_trainer_steps_equal_with_keep_attention_full_and_no_checkpoint(llama_path, tmp_path):
@@ -142,3 +144,20 @@ def test_trainer_steps_equal_with_keep_attention_full_and_no_checkpoint(llama_pa
     for mode in (True, "attention"):
         for (loss, norm), (loss_ref, norm_ref) in zip(runs[mode], runs[False]):
             assert abs(loss - loss_ref) <= 1e-6 * abs(loss_ref) and abs(norm - norm_ref) <= 1e-5 * abs(norm_ref), (mode, runs)
+
+
+def test_logged_numbers_print_as_numbers(llama_path, tmp_path, capsys):
+    """The Trainer's printer (and progress bar) show each logged value as a number, not a quoted
+    string; what reaches log_history is unchanged."""
+    from hf_longctx.training.log_lines import format_logs
+
+    mesh = init_sequence_parallel()
+    trainer = LongContextTrainer(model=_model(llama_path, mesh), args=training_args(str(tmp_path), max_steps=1),
+                                 train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
+    trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if "'loss'" in line]
+    assert printed and "'loss': '" not in printed[0] and "'tokens_per_s': '" not in printed[0], printed
+    loss = trainer.state.log_history[0]["loss"]
+    assert f"'loss': {loss:.4g}" in printed[0], printed
+    assert format_logs({"a": 63382.0, "b": 3e-05, "c": 7, "d": "[4] [2+2]", "e": 3463.2, "total_flos": 1.0}) == (
+        "{'a': 63382, 'b': 3e-05, 'c': 7, 'd': '[4] [2+2]', 'e': 3463}")

@@ -66,3 +66,37 @@ def test_refuse_flags_only_refuses_set_flags(capsys):
     with pytest.raises(SystemExit):
         common.refuse_flags(p, p.parse_args(["--tokenizer", "t"]), {"tokenizer": "pass token ids"})
     assert "--tokenizer is not supported by this recipe; do instead: pass token ids" in capsys.readouterr().err
+
+
+def test_mixed_precision_follows_the_device_by_default(monkeypatch):
+    """pretrain/lora/sft default to bf16 on CUDA and fp32 on CPU (bf16 matmuls are slow there);
+    an explicit flag wins either way."""
+    import torch
+
+    common, _, _ = _recipes()
+    for cuda, want in ((False, "fp32"), (True, "bf16")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        p = common.add_common_args(argparse.ArgumentParser())
+        assert common.check_common_args(p, p.parse_args([])).mixed_precision == want
+        assert common.check_common_args(p, p.parse_args(["--mixed-precision", "fp32"])).mixed_precision == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    try:
+        import sft
+    finally:
+        sys.path.pop(0)
+    required = ["--model", "m", "--dataset", "json", "--steps", "1", "--tokens-per-step", "8", "--max-tokens", "8",
+                "--output-dir", "out"]
+    assert sft.parse_args(required).mixed_precision == "fp32"  # sft.py on a CPU machine
+
+
+def test_every_memory_preset_is_listed_where_the_flag_is_documented():
+    from hf_longctx.config import MEMORY_PRESETS
+
+    common, _, _ = _recipes()
+    flag = "--memory " + "\\|".join(MEMORY_PRESETS)  # as the markdown table escapes the bars
+    with open(os.path.join(ROOT, "recipes", "README.md")) as f:
+        assert flag in f.read()
+    assert "--memory " + "|".join(MEMORY_PRESETS) in common.__doc__
+    p = common.add_common_args(argparse.ArgumentParser())
+    assert all(preset in p.format_help() for preset in MEMORY_PRESETS if preset != "off")

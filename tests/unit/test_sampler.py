@@ -132,6 +132,25 @@ def test_tokenize_dataset(char_tokenizer):
         assert sorted(p.doc for p in plan.pieces) == list(range(len(step)))
 
 
+def test_tokenize_dataset_shows_one_progress_bar_per_job(char_tokenizer, capfd, monkeypatch):
+    """N launched processes tokenizing alike print one `datasets` bar (the first process's), and
+    the global progress-bar switch is left as it was."""
+    from datasets.utils import are_progress_bars_disabled
+
+    ds = Dataset.from_dict({"text": TEXTS})
+    for rank, shown in (("0", True), ("1", False), (None, True)):
+        if rank is None:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", rank)
+        out = tokenize_dataset(ds, char_tokenizer)
+        assert ("Map" in capfd.readouterr().err) is shown, rank
+        assert out["length"] == [len(t) + 1 for t in TEXTS] and not are_progress_bars_disabled()
+    monkeypatch.setenv("RANK", "0")
+    tokenize_dataset(ds, char_tokenizer, progress=False)
+    assert "Map" not in capfd.readouterr().err
+
+
 def test_tokenize_iterable_dataset(char_tokenizer):
     ds = IterableDataset.from_generator(lambda: ({"text": t} for t in TEXTS))
     out = tokenize_dataset(ds, char_tokenizer, batch_size=2)

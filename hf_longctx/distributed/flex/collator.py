@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hf_longctx.data.collator import check_feature_options, read_documents, require_targets
+from hf_longctx.data.token_ids import Vocabulary
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.flex.packing import plan_flexible
 from hf_longctx.data.flex.plan import FlexPlan
@@ -54,19 +55,20 @@ class FlexCollator:
     (ranks get different numbers of micro-batches; the step must run unsharded, see
     `distributed/flex/unsharded_step.py`). Features: mappings with `input_ids` and
     optional unshifted targets under `label_key` (-100 = no target) and a 0/1 loss mask
-    under `loss_mask_key`, read and checked as `LongContextCollator` does.
+    under `loss_mask_key`, read and checked as `LongContextCollator` does (with `vocab`: every
+    id and label against the model's vocabulary, before the fingerprint collective).
     """
 
     def __init__(
         self, bank: GroupBank, max_tokens_per_rank: int, cost: GroupCost | CostModel, *, overlong: str = "error",
         pad_token_id: int = 0, num_slots: int | None = None, unequal_calls: bool = False,
-        label_key: str = "labels", loss_mask_key: str | None = None,
+        label_key: str = "labels", loss_mask_key: str | None = None, vocab: Vocabulary | None = None,
     ) -> None:
         if not isinstance(bank, GroupBank):
             raise TypeError(f"bank must be a GroupBank from init_group_bank, got {type(bank).__name__}")
         if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
-        check_feature_options(pad_token_id, label_key, loss_mask_key)  # LongContextCollator's checks
+        check_feature_options(pad_token_id, label_key, loss_mask_key, vocab)  # LongContextCollator's checks
         if overlong not in OVERLONG:
             raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
         if isinstance(cost, CostModel):
@@ -89,6 +91,7 @@ class FlexCollator:
         self.pad_token_id = pad_token_id
         self.label_key = label_key
         self.loss_mask_key = loss_mask_key
+        self.vocab = vocab
         self.num_slots = num_slots
         if not isinstance(unequal_calls, bool):
             raise ValueError(f"unequal_calls must be a bool, got {unequal_calls!r}")
@@ -121,7 +124,7 @@ class FlexCollator:
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         # [(ids [L], labels [L])]: LongContextCollator's feature checks, labels and loss mask
-        docs = read_documents(features, label_key=self.label_key, loss_mask_key=self.loss_mask_key)
+        docs = read_documents(features, label_key=self.label_key, loss_mask_key=self.loss_mask_key, vocab=self.vocab)
         lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
         cap = f"the largest group: {self.bank.max_size} ranks × max_tokens_per_rank {self.max_tokens_per_rank}"
         pieces = make_pieces(lengths, self.max_tokens, self.overlong, cap)  # a split piece is its own document
