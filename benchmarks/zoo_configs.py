@@ -27,6 +27,7 @@ _SIZES = dict(
     mamba_d_state=4, ssm_state_size=4, state_size=4, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     output_router_logits=False, use_cache=False, rotary_dim=4, hidden_size_global=32, encoder_hash_byte_group_vocab=64,
     encoder_attention_heads=4, decoder_attention_heads=4,
+    vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,  # Gemma 3n / Gemma 4 per-layer embeddings (default 262144 x 256 per layer)
     # Mamba-2 heads: 4 of 16 channels (expand 2 x hidden 32 = 64), 2 groups (one per rank under Ulysses 2)
     mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
     # Qwen4-Exp's sparse-attention indexer (its default config leaves these None and cannot be built)
