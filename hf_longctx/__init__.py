@@ -98,19 +98,20 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("LongContextTrainer", "LongContextTrainerMixin"):
-        from hf_longctx.training import trainer
+        from hf_longctx.training.sft import trainer
 
         return getattr(trainer, name)
-    if name == "LongDPOTrainer":  # imports TRL (training/dpo_trainer.py)
-        from hf_longctx.training.dpo_trainer import LongDPOTrainer
+    if name == "LongDPOTrainer":  # imports TRL (training/dpo/trainer.py)
+        from hf_longctx.training.dpo.trainer import LongDPOTrainer
 
         return LongDPOTrainer
-    if name in ("GRPOObjective", "grpo_step"):  # the GRPO step (training/grpo.py), imported on first access
-        from hf_longctx.training import grpo, grpo_loss
+    if name in ("GRPOObjective", "grpo_step"):  # the GRPO step (training/grpo/step.py), imported on first access
+        from hf_longctx.training.grpo import step as grpo
+        from hf_longctx.training.grpo import loss as grpo_loss
 
         return getattr(grpo_loss if name == "GRPOObjective" else grpo, name)
-    if name == "LongGRPOTrainer":  # TRL's GRPOTrainer under SP (training/grpo_trainer.py): imports trl
-        from hf_longctx.training import grpo_trainer
+    if name == "LongGRPOTrainer":  # TRL's GRPOTrainer under SP (training/grpo/trainer.py): imports trl
+        from hf_longctx.training.grpo import trainer as grpo_trainer
 
         return grpo_trainer.LongGRPOTrainer
     if name in ("exit_rank", "run_rank"):  # a launched rank's clean end (training/launch.py)

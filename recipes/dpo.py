@@ -40,7 +40,7 @@ from common import (  # noqa: E402
 )
 
 from hf_longctx import LongDPOTrainer, init_sequence_parallel, patch  # noqa: E402
-from hf_longctx.training.dpo_loss import LOSS_TYPES  # noqa: E402
+from hf_longctx.training.dpo.loss import LOSS_TYPES  # noqa: E402
 from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
 
 

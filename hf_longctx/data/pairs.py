@@ -2,7 +2,7 @@
 
 Where it sits: before `shard_batch`. A DPO loss needs the chosen and the rejected
 completion of a pair in the same micro-batch and SP group (their per-document log-prob
-sums meet in one non-linear term, training/dpo_loss.py). `plan_pairs` is a thin layer over
+sums meet in one non-linear term, training/dpo/loss.py). `plan_pairs` is a thin layer over
 `data/packing.plan_microbatches`: each pair is ONE unit whose length is its two padded
 documents, so the planner never separates them (a pair that cannot fit raises, it is never
 split or truncated). The cost model then sees one document of length c + r where attention

@@ -8,10 +8,10 @@ cost-balanced plan → sharded micro-batches); `checks.py` the refused settings;
 the device and process group of a recipe; `dpo_trainer.py` / `dpo_steps.py` the
 `LongDPOTrainer` over TRL's `DPOTrainer` (preference pairs as the step unit). Schedules, checkpoint bookkeeping, progress bars
 and config parsing are the Trainer's. The trainer classes are imported lazily
-(`hf_longctx.training.trainer`): importing them loads `transformers.Trainer`.
+(`hf_longctx.training.sft.trainer`): importing them loads `transformers.Trainer`.
 """
 
-from hf_longctx.training.faults import RankFailure, Watchdog, comm_guard
+from hf_longctx.training.base.faults import RankFailure, Watchdog, comm_guard
 from hf_longctx.training.launch import describe, exit_rank, init_distributed, run_rank
 
 __all__ = ["RankFailure", "Watchdog", "comm_guard", "describe", "exit_rank", "init_distributed", "run_rank"]

@@ -4,7 +4,7 @@
 Where it sits: the first lines of every recipe. `torchrun` / `accelerate launch` start the
 ranks and set RANK, LOCAL_RANK, WORLD_SIZE; here each rank selects its GPU from LOCAL_RANK
 (`torch.cuda.set_device`, so NCCL and FSDP2 use the right device) and initialises the process
-group itself -- NCCL on CUDA, gloo on CPU -- with the fault timeout of `training/faults.py`
+group itself -- NCCL on CUDA, gloo on CPU -- with the fault timeout of `training/base/faults.py`
 (Accelerate passes `ddp_timeout` on GPUs only; on CPU the default is 30 minutes). Then
 `TrainingArguments` finds the group already initialised and adopts it, and
 `init_sequence_parallel` builds the dp × ring × ulysses mesh (USP paper §3) over it.

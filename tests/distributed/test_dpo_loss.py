@@ -1,4 +1,4 @@
-"""DPO on a sharded packed row of pairs (training/dpo_loss.py) vs a single-process DPO.
+"""DPO on a sharded packed row of pairs (training/dpo/loss.py) vs a single-process DPO.
 
 Reference: the unpatched tiny Llama run on EACH document alone (no packing, no SP), TRL's
 formulas by hand (sigmoid -logsigmoid(beta·delta), hinge relu(1 - beta·delta), ipo on
@@ -50,7 +50,7 @@ def _single_process(path, all_docs, dtype, loss_type, global_pairs):
     """DPO of every pair, each document alone through the unpatched model: (loss, grads)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_longctx.training.dpo_loss import dpo_loss
+    from hf_longctx.training.dpo.loss import dpo_loss
 
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if dtype != torch.float32 else dtype)
     ref = ref.to(dtype).train()  # float64: the bf16-rounded weights, exactly
@@ -75,7 +75,7 @@ def _run_bf16(ulysses, ring, path, loss_type):
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.integrations.transformers import patch
     from hf_longctx.loss import global_loss, sum_gradients
-    from hf_longctx.training.dpo_loss import completion_logps, dpo_loss
+    from hf_longctx.training.dpo.loss import completion_logps, dpo_loss
 
     mesh = worker_mesh(ulysses, ring)
     all_docs = [_pairs(100 + d) for d in range(mesh.dp)]
@@ -117,7 +117,7 @@ def _run(ulysses, ring, path, loss_type):
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.integrations.transformers import patch
     from hf_longctx.loss import global_loss, sum_gradients
-    from hf_longctx.training.dpo_loss import completion_logps, dpo_loss
+    from hf_longctx.training.dpo.loss import completion_logps, dpo_loss
 
     mesh = worker_mesh(ulysses, ring)
     all_docs = [_pairs(100 + d) for d in range(mesh.dp)]  # every DP rank's pairs (for the reference)

@@ -93,7 +93,7 @@ def test_dead_rank_stops_the_others_with_a_clear_error():
 
 
 def test_watchdog_fires_without_beats_and_not_with_them():
-    from hf_longctx.training.faults import Watchdog
+    from hf_longctx.training.base.faults import Watchdog
 
     fired = []
     with Watchdog(0.4, on_expire=fired.append) as wd:
@@ -112,7 +112,7 @@ def test_watchdog_fires_without_beats_and_not_with_them():
 def test_watchdog_pauses_while_a_checkpoint_is_written():
     """A checkpoint write is one long operation with no step to beat on: paused() keeps the
     watchdog quiet inside and restarts its clock after (the trainer wraps its saves in it)."""
-    from hf_longctx.training.faults import Watchdog
+    from hf_longctx.training.base.faults import Watchdog
 
     fired = []
     with Watchdog(0.3, on_expire=fired.append) as wd:
@@ -130,7 +130,7 @@ def test_watchdog_pauses_while_a_checkpoint_is_written():
 
 
 def test_watchdog_callback_spans_train():
-    from hf_longctx.training.faults import WatchdogCallback
+    from hf_longctx.training.base.faults import WatchdogCallback
 
     fired = []
     cb = WatchdogCallback(0.4, on_expire=fired.append)
@@ -151,7 +151,7 @@ def test_watchdog_callback_spans_train():
 def test_comm_guard_wraps_backend_errors_only():
     import pytest
 
-    from hf_longctx.training.faults import RankFailure, comm_guard
+    from hf_longctx.training.base.faults import RankFailure, comm_guard
 
     with pytest.raises(RankFailure, match="rank 0 stopped at step 3: .* within 5s .*Connection closed by peer"):
         with comm_guard(3, 5.0):

@@ -1,4 +1,4 @@
-"""GRPO step under SP with bf16 weights (training/grpo_loss.py) within the project's bf16 rule
+"""GRPO step under SP with bf16 weights (training/grpo/loss.py) within the project's bf16 rule
 (tests/distributed/test_bf16.py): per gradient tensor (tensors under SMALL entries pooled) and
 for the loss, ‖ours − truth‖ ≤ 2·‖single − truth‖ + 1e-6·‖truth‖, where truth is the unpatched
 model in float64 on the same bf16-rounded weights and single the unpatched bf16 model in one
@@ -22,7 +22,7 @@ def _bf16_step(path: str) -> dict:
 
     from hf_longctx.integrations.transformers import patch
     from hf_longctx.loss import global_loss, sum_gradients
-    from hf_longctx.training.grpo_loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
+    from hf_longctx.training.grpo.loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
 
     def fresh(dtype):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dtype).train()

@@ -1,5 +1,5 @@
 """`LongGRPOTrainer(max_tokens=...)`: one optimizer step split into several packed micro-batches
-(training/grpo_microbatches.py) equals the REAL single-process TRL `GRPOTrainer` step.
+(training/grpo/microbatches.py) equals the REAL single-process TRL `GRPOTrainer` step.
 
 Same setup as tests/distributed/test_grpo_trainer.py (its `_run`, `FixedCompletions`, the two
 reward functions, a reference checkpoint different from the policy): 4 gloo ranks, 12 rows of
@@ -72,7 +72,7 @@ def _overlong(model_path: str, tok_path: str, out_dir: str, max_tokens: int) -> 
     from trl import GRPOConfig
 
     from hf_longctx import patch
-    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 
     trainer_env()
 
@@ -120,7 +120,7 @@ def test_grpo_microbatches_bad_max_tokens_refused_at_construction(paths, tmp_pat
     from trl import GRPOConfig
 
     from hf_longctx import NotSupported, init_sequence_parallel, patch
-    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 
     cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=16,
                      report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no")

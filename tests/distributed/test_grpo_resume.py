@@ -1,4 +1,4 @@
-"""Checkpoint/resume of `LongGRPOTrainer` (training/grpo_checkpoint.py) on 4 gloo ranks (U2xR2, FSDP2, fp32).
+"""Checkpoint/resume of `LongGRPOTrainer` (training/grpo/resume.py) on 4 gloo ranks (U2xR2, FSDP2, fp32).
 
 Run A trains 3 steps uninterrupted with save_steps=1 (checkpoint-1, -2, -3). Run B is a fresh
 model and trainer in the same processes, `train(resume_from_checkpoint=A/checkpoint-1)`: it trains
@@ -46,7 +46,7 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, resume: st
     from trl import GRPOConfig
 
     from hf_longctx import patch
-    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 
     trainer_env()
     rows: list[list[tuple]] = []  # per generation call: this rank's (prompt, completion) rows
@@ -162,7 +162,7 @@ def test_grpo_resume_refuses_another_reference_or_a_foreign_checkpoint(tmp_path)
     import json
     from types import SimpleNamespace
 
-    from hf_longctx.training.grpo_checkpoint import REFERENCE_FILE, load_grpo_state
+    from hf_longctx.training.grpo.resume import REFERENCE_FILE, load_grpo_state
 
     trainer = SimpleNamespace(ref_model=SimpleNamespace(config=SimpleNamespace(_name_or_path="other/ref")))
     (tmp_path / "checkpoint-1").mkdir()  # e.g. written by a stock GRPOTrainer

@@ -1,7 +1,7 @@
 """GRPO end to end through real generation on 2 ranks (Ulysses 2, FSDP2 over both): the ranks
 generate DIFFERENT numbers of tokens in a different number of `generate` calls (3 prompts
 split 2/1; a per-prompt max_new_tokens) and the
-step finishes without a hang (training/grpo_generate.py: gathered weights outside FSDP's
+step finishes without a hang (training/grpo/generate.py: gathered weights outside FSDP's
 per-forward all-gathers). Checked: the forward counts inside generate differ across ranks;
 both ranks end up with the same completions, equal to seeded sampling with `generate` of the
 unsharded model; the model is sharded and patched again after generation (two steps run); and the
@@ -22,7 +22,7 @@ PROMPTS = [[5, 17, 42, 9], [8, 8, 31], [60, 2, 77, 14, 90, 21]]  # 3 prompts ove
 
 
 def _generate(model, prompt: list[int], n: int) -> list[list[int]]:
-    from hf_longctx.training.grpo_generate import hf_generate
+    from hf_longctx.training.grpo.generate import hf_generate
 
     torch.manual_seed(sum(prompt))  # sampling seeded by the prompt: the same samples on any rank and in the reference
     return hf_generate(max_new_tokens=2 * len(prompt), eos_token_id=EOS, do_sample=True)(model, prompt, n)
@@ -39,7 +39,7 @@ def _advantages(rewards: torch.Tensor, g: int) -> list[float]:
 
 
 def _step(model, mesh, completions, g):
-    from hf_longctx.training.grpo_loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
+    from hf_longctx.training.grpo.loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
 
     obj = GRPOObjective(loss_type="grpo", beta=0.0)
     prompts = [p for p in PROMPTS for _ in range(g)]
@@ -56,7 +56,7 @@ def _run(path: str) -> dict:
     from hf_longctx.distributed.mesh import SPMesh
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import is_patched, patch
-    from hf_longctx.training.grpo_generate import sp_rollouts
+    from hf_longctx.training.grpo.generate import sp_rollouts
 
     g = 2
     # single-process reference: world-1 mesh, same rollouts and step
@@ -111,7 +111,7 @@ def test_ragged_generation_two_ranks_no_hang(pools, tmp_path):
 def _mismatched(path: str) -> str:
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import patch
-    from hf_longctx.training.grpo_generate import sp_rollouts
+    from hf_longctx.training.grpo.generate import sp_rollouts
 
     mesh = worker_mesh(2, 1)
     model = patch(load(path), mesh)
@@ -148,8 +148,8 @@ def _grpo_steps(path: str) -> dict:
     from hf_longctx.distributed.mesh import SPMesh
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import patch
-    from hf_longctx.training.grpo import grpo_step
-    from hf_longctx.training.grpo_loss import GRPOObjective
+    from hf_longctx.training.grpo.step import grpo_step
+    from hf_longctx.training.grpo.loss import GRPOObjective
 
     obj = GRPOObjective(loss_type="dr_grpo", beta=0.04, max_completion_length=12)
     reward = lambda ps, cs: _rewards(cs).tolist()  # noqa: E731

@@ -1,4 +1,4 @@
-"""GRPO training step under SP (training/grpo_loss.py) equals a single-process GRPO step.
+"""GRPO training step under SP (training/grpo/loss.py) equals a single-process GRPO step.
 
 Generation is taken out of the comparison: fixed completions, advantages, old-policy and
 reference log-probabilities are injected (the old ones perturbed away from the current policy
@@ -120,7 +120,7 @@ def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool,
 def _sp_steps(ulysses: int, ring: int, fpdt: int, path: str) -> list[dict]:
     from hf_longctx.integrations.transformers import patch
     from hf_longctx.loss import global_loss, sum_gradients
-    from hf_longctx.training.grpo_loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
+    from hf_longctx.training.grpo.loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
 
     mesh = worker_mesh(ulysses, ring, fpdt)
     rollouts = make_rollouts()

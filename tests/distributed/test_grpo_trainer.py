@@ -1,4 +1,4 @@
-"""`LongGRPOTrainer` (training/grpo_trainer.py) on 4 gloo ranks equals the REAL single-process
+"""`LongGRPOTrainer` (training/grpo/trainer.py) on 4 gloo ranks equals the REAL single-process
 TRL `GRPOTrainer` over one optimizer step.
 
 Generation is made deterministic by overriding TRL's generation hook `_generate_single_turn`
@@ -109,7 +109,7 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type:
                   processing_class=AutoTokenizer.from_pretrained(tok_path))
     if distributed:
         from hf_longctx import patch
-        from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+        from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 
         class Trainer(FixedCompletions, LongGRPOTrainer):
             pass
@@ -193,7 +193,7 @@ def _generate_for_real(model_path: str, tok_path: str, out_dir: str) -> dict:
     from trl import GRPOConfig
 
     from hf_longctx import is_patched, patch
-    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 
     trainer_env()
     lengths: list[list[int]] = []
@@ -277,7 +277,7 @@ def test_grpo_trainer_refusals(paths, tmp_path, kw, match):
     from trl import GRPOConfig
 
     from hf_longctx import NotSupported, init_sequence_parallel, patch
-    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 
     model_path, _, tok_path = paths
     cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to=[],
@@ -296,7 +296,7 @@ def test_grpo_trainer_needs_patched_model(paths, tmp_path):
     from trl import GRPOConfig
 
     from hf_longctx import init_sequence_parallel
-    from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 
     cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to=[],
                      use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no")
@@ -332,7 +332,7 @@ def _run_dtype(model_path: str, ref_path: str, tok_path: str, out_dir: str, dtyp
                   processing_class=AutoTokenizer.from_pretrained(tok_path))
     if distributed:
         from hf_longctx import patch
-        from hf_longctx.training.grpo_trainer import LongGRPOTrainer
+        from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 
         class Trainer(GradSnapshot, FixedCompletions, LongGRPOTrainer):
             pass

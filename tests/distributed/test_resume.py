@@ -87,7 +87,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(pools, llama_path, tmp_pa
 
 
 def test_resume_refuses_a_foreign_checkpoint(tmp_path):
-    from hf_longctx.training.checkpoint import load_sharded
+    from hf_longctx.training.base.saving import load_sharded
 
     (tmp_path / "checkpoint-3").mkdir()  # e.g. written by a stock Trainer, or a crash while saving
     with pytest.raises(ValueError, match="not written by a LongContextTrainer"):

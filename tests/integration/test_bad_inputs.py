@@ -17,7 +17,7 @@ import torch
 
 from hf_longctx import LongContextTrainer, NotSupported, init_group_bank, init_sequence_parallel, patch
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.training.arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
+from hf_longctx.training.refusals.training_arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
 from tests.distributed.test_models import save_family
 from tests.trainer_cases import make_dataset, training_args
 
@@ -77,9 +77,9 @@ def test_every_training_argument_and_trainer_parameter_is_classified():
     from transformers import Trainer, TrainingArguments
 
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
-    assert fields - set(TRAINING_ARGUMENTS) == set(), "classify these new TrainingArguments fields in training/arguments.py"
+    assert fields - set(TRAINING_ARGUMENTS) == set(), "classify these new TrainingArguments fields in training/refusals/training_arguments.py"
     params = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
-    assert params - set(TRAINER_PARAMETERS) == set(), "classify these new Trainer parameters in training/arguments.py"
+    assert params - set(TRAINER_PARAMETERS) == set(), "classify these new Trainer parameters in training/refusals/training_arguments.py"
     for name, rule in {**TRAINING_ARGUMENTS, **TRAINER_PARAMETERS}.items():
         assert rule.kind in ("trainer", "ours", "mapped", "refused"), name
         assert (rule.ok is not None and bool(rule.instead)) == (rule.kind == "refused"), name
@@ -94,8 +94,8 @@ def test_refused_training_argument_at_construction(llama_path, tmp_path, name):
 
 
 def test_unclassified_training_argument_is_refused_when_set(tmp_path, monkeypatch):
-    from hf_longctx.training import arguments
-    from hf_longctx.training.checks import check_training_arguments
+    from hf_longctx.training.refusals import training_arguments as arguments
+    from hf_longctx.training.refusals.checks import check_training_arguments
 
     table = dict(arguments.TRAINING_ARGUMENTS)
     del table["eval_delay"]  # as if a newer transformers had added it
@@ -213,7 +213,7 @@ def test_dpo_batch_size_refusal_says_what_to_set(tmp_path):
 
     from trl import DPOConfig
 
-    from hf_longctx.training.checks import check_training_arguments
+    from hf_longctx.training.refusals.checks import check_training_arguments
 
     args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_length=None, use_cpu=True, report_to=[])
     with pytest.raises(NotSupported) as info:
@@ -246,7 +246,7 @@ def test_one_process_for_an_sp_degree_says_to_launch_more(monkeypatch):
 
 
 def _mesh_world_mismatch():
-    from hf_longctx.training.checks import check_world
+    from hf_longctx.training.refusals.checks import check_world
 
     try:
         check_world(1)  # a mesh of one rank (built before the group) under a world of 2
@@ -458,11 +458,11 @@ def test_every_sft_config_field_is_classified(tmp_path):
     from transformers import TrainingArguments
     from trl import SFTConfig
 
-    from hf_longctx.training.arguments import SFT_CONFIG
-    from hf_longctx.training.checks import check_training_arguments
+    from hf_longctx.training.refusals.training_arguments import SFT_CONFIG
+    from hf_longctx.training.refusals.checks import check_training_arguments
 
     extra = {f.name for f in dataclasses.fields(SFTConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
-    assert extra - set(SFT_CONFIG) == set(), "classify these new SFTConfig fields in training/arguments.py"
+    assert extra - set(SFT_CONFIG) == set(), "classify these new SFTConfig fields in training/refusals/training_arguments.py"
     ok = dict(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to=[], gradient_checkpointing=False)
     check_training_arguments(SFTConfig(**ok))  # TRL's defaults (max_length=None aside) are accepted
     for name, value in {"pad_to_multiple_of": 8, "eval_packing": True, "model_init_kwargs": {"dtype": "float32"}}.items():

@@ -64,7 +64,7 @@ def test_demo_defaults_say_nothing_about_their_own_settings(tmp_path):
         import tiny
     finally:
         sys.path.pop(0)
-    from hf_longctx.training.steps import check_step_budget
+    from hf_longctx.training.sft.data import check_step_budget
 
     args = demo.parse_args([])
     texts = list(tiny.load_corpus(tiny.stdlib_files(args.files, 200, args.max_file_bytes))["text"])

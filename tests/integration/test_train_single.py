@@ -80,7 +80,7 @@ def test_refused_training_arguments(llama_path, tmp_path, name):
 def test_refused_sequence_parallel_parallelism_config(llama_path, tmp_path):
     from accelerate import ParallelismConfig
 
-    from hf_longctx.training.checks import check_training_arguments
+    from hf_longctx.training.refusals.checks import check_training_arguments
 
     args = training_args(str(tmp_path))
     args.parallelism_config = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # the ALST path
@@ -149,7 +149,7 @@ def test_trainer_steps_equal_with_keep_attention_full_and_no_checkpoint(llama_pa
 def test_logged_numbers_print_as_numbers(llama_path, tmp_path, capsys):
     """The Trainer's printer (and progress bar) show each logged value as a number, not a quoted
     string; what reaches log_history is unchanged."""
-    from hf_longctx.training.log_lines import format_logs
+    from hf_longctx.training.base.log_lines import format_logs
 
     mesh = init_sequence_parallel()
     trainer = LongContextTrainer(model=_model(llama_path, mesh), args=training_args(str(tmp_path), max_steps=1),

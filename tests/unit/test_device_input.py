@@ -18,7 +18,7 @@ from benchmarks.hot_path import Counter, counting
 from hf_longctx.devices import to_device, upload_stacked
 from hf_longctx.data.sharding import SP_METADATA_KEY, shard_batch
 from hf_longctx.distributed.mesh import init_sequence_parallel
-from hf_longctx.training.trainer import LongContextTrainer
+from hf_longctx.training.sft.trainer import LongContextTrainer
 
 
 def _batch() -> dict:

@@ -1,4 +1,4 @@
-"""DPOConfig classification (training/dpo_arguments.py): every field classified, refusals
+"""DPOConfig classification (training/refusals/dpo.py): every field classified, refusals
 name the value and what to do instead, an unclassified field is refused when set."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from transformers import TrainingArguments
 from trl import DPOConfig
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training import dpo_arguments
-from hf_longctx.training.dpo_arguments import DPO_CONFIG, check_dpo_config, refused_dpo_fields
+from hf_longctx.training.refusals import dpo as dpo_arguments
+from hf_longctx.training.refusals.dpo import DPO_CONFIG, check_dpo_config, refused_dpo_fields
 
 
 def _config(tmp_path, **kw):

@@ -1,4 +1,4 @@
-"""GRPOConfig fields for the SP GRPO step (training/grpo_arguments.py): every field of the installed
+"""GRPOConfig fields for the SP GRPO step (training/refusals/grpo.py): every field of the installed
 TRL is classified, refusals name the value and the way forward, and the objective / sampling kwargs
 come from the config."""
 
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.grpo_arguments import GRPO_CONFIG, check_grpo_config, generation_kwargs, refused_grpo_fields
-from hf_longctx.training.grpo_loss import GRPOObjective
+from hf_longctx.training.refusals.grpo import GRPO_CONFIG, check_grpo_config, generation_kwargs, refused_grpo_fields
+from hf_longctx.training.grpo.loss import GRPOObjective
 
 
 def _config(tmp_path, **kw):

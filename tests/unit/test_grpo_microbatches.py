@@ -1,4 +1,4 @@
-"""`training/grpo_microbatches.py` without processes: the plan under the cap, the split to the
+"""`training/grpo/microbatches.py` without processes: the plan under the cap, the split to the
 world's agreed count (the MAX all-reduce stubbed), the overlong refusal and the metric merge."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_longctx.training import grpo_microbatches as gm
+from hf_longctx.training.grpo import microbatches as gm
 
 ONE = SimpleNamespace(world_size=1, sp=1, doc_multiple=1, seq_multiple=1)
 

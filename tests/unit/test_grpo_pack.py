@@ -1,4 +1,4 @@
-"""pack_completions (training/grpo_loss.py): per-completion values land at the positions whose
+"""pack_completions (training/grpo/loss.py): per-completion values land at the positions whose
 shifted label is that completion's token, through shard_batch (world-1 mesh), with the
 loss_type weights of TRL's normalisers; bad input raises naming the values."""
 
@@ -9,7 +9,7 @@ import torch
 
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.training.grpo_loss import GRPOObjective, pack_completions
+from hf_longctx.training.grpo.loss import GRPOObjective, pack_completions
 
 ONE = SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
 PROMPTS, COMPLETIONS = [[5, 6, 7], [8], [9, 10]], [[11, 12], [], [13, 14, 15]]
@@ -46,7 +46,7 @@ def test_bad_input_names_the_values():
 def test_group_advantages_match_trl_scale_rewards_group():
     from trl.trainer.utils import nanstd
 
-    from hf_longctx.training.grpo import group_advantages
+    from hf_longctx.training.grpo.step import group_advantages
 
     r = torch.tensor([1.0, 2.0, 4.0, 4.0, 0.5, 3.0, 2.0, 2.0, 2.0])
     g = r.view(-1, 3)

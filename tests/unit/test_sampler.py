@@ -190,7 +190,7 @@ def test_document_lengths_reads_arrow_and_respects_selection():
     dataset gives the lengths of exactly those rows, in that order."""
     from datasets import Dataset
 
-    from hf_longctx.training.steps import document_lengths
+    from hf_longctx.training.sft.data import document_lengths
 
     ds = Dataset.from_dict({"input_ids": [[1] * (i % 9 + 1) for i in range(50)]}).shuffle(seed=3).select(range(5, 30))
     assert document_lengths(ds) == [len(ids) for ids in ds["input_ids"]]

@@ -10,7 +10,7 @@ import pytest
 from hf_longctx.data.flex.groups import group_shapes
 from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import plan_microbatches
-from hf_longctx.training.step_record import StepRecord
+from hf_longctx.training.base.step_record import StepRecord
 
 
 def test_flex_record_groups_tokens_and_json(tmp_path):

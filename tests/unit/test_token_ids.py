@@ -107,7 +107,7 @@ def test_the_check_makes_no_device_sync():
 def test_dataset_scan_at_construction_names_the_same_row():
     from datasets import Dataset
 
-    from hf_longctx.training.steps import check_dataset_token_ids
+    from hf_longctx.training.sft.data import check_dataset_token_ids
 
     ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7], [8, 99, 100, 9]]})
     with pytest.raises(NotSupported, match=r"train_dataset document 2, position 2: input_ids holds token id 100"):
@@ -123,7 +123,7 @@ def test_dataset_scan_at_construction_names_the_same_row():
 
 
 def test_dpo_pairs_are_checked_per_step():
-    from hf_longctx.training.dpo_steps import PairStepCollate
+    from hf_longctx.training.dpo.data import PairStepCollate
 
     rows = [{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5, 6], DOCUMENT_KEY: f"train_dataset pair {i}"}
             for i in range(3)]

@@ -15,7 +15,7 @@ same global list on every rank; this collator
 
 It has the attributes the trainer's step DataLoader reads from a `LongContextCollator`
 (`max_tokens`, `overlong`, `cost`, `last_plan`, `last_num_items`, `stats`) plus
-`last_lengths` (the trained pieces' lengths), so `training/steps.py` wraps either one.
+`last_lengths` (the trained pieces' lengths), so `training/sft/data.py` wraps either one.
 Loss normalisation is global (DESIGN invariant 6): every shard carries the step's valid
 shifted-target count over all pieces of all slots and ranks.
 """

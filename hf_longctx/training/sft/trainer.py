@@ -63,21 +63,21 @@ from hf_longctx.devices import to_device
 from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import hf_model
-from hf_longctx.training import construction as build
-from hf_longctx.training.checkpoint import load_step_state, resolve_resume, save_step_state, save_trained_model
-from hf_longctx.training.checks import check_process_group, check_trainer_parameters, check_training_arguments
-from hf_longctx.training.evaluation import evaluate
-from hf_longctx.training.faults import WatchdogCallback
-from hf_longctx.training.log_lines import use_number_logs
-from hf_longctx.training.metrics import StepWindow
-from hf_longctx.training.step_loop import flush_token_stats, model_loss, run_step
-from hf_longctx.training.step_loop import grad_norm as total_grad_norm
-from hf_longctx.training.step_record import StepRecord
-from hf_longctx.training.steps import (
+from hf_longctx.training.base import construction as build
+from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
+from hf_longctx.training.refusals.checks import check_process_group, check_trainer_parameters, check_training_arguments
+from hf_longctx.training.base.evaluation import evaluate
+from hf_longctx.training.base.faults import WatchdogCallback
+from hf_longctx.training.base.log_lines import use_number_logs
+from hf_longctx.training.base.metrics import StepWindow
+from hf_longctx.training.base.step_loop import flush_token_stats, model_loss, run_step
+from hf_longctx.training.base.step_loop import grad_norm as total_grad_norm
+from hf_longctx.training.base.step_record import StepRecord
+from hf_longctx.training.sft.data import (
     check_dataset, check_dataset_token_ids, check_lengths, check_step_budget, document_lengths, say_truncation,
     step_dataloader,
 )
-from hf_longctx.training.token_metrics import TokenStats
+from hf_longctx.training.sft.token_metrics import TokenStats
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:]  # positional order, without self
 
@@ -110,7 +110,7 @@ class LongContextTrainerMixin:
     An image-text-to-text model patched with image support trains on rows of processor outputs
     (`input_ids`, `pixel_values`, grids, optional `labels`: one document each) through
     `MultimodalCollator`; under TRL's SFTTrainer a conversational dataset with images is first
-    run through TRL's own vision collator, one example at a time (`training/vision_data.py`).
+    run through TRL's own vision collator, one example at a time (`training/sft/vision_data.py`).
     """
 
     def __init__(
@@ -170,7 +170,7 @@ class LongContextTrainerMixin:
             overlong=overlong, seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
         )
         if self.vision_collator is not None:  # TRL's conversational image datasets become processor rows
-            from hf_longctx.training.vision_data import processed_datasets
+            from hf_longctx.training.sft.vision_data import processed_datasets
 
             processed_datasets(self)
         vocab = build.model_vocabulary(self.model)
@@ -334,5 +334,5 @@ class LongContextTrainer(LongContextTrainerMixin, Trainer):
     and the gradients are summed, so a step equals a single-device step on the same documents.
     The model is sharded with FSDP2 over the whole DP x SP world. Every `TrainingArguments`
     field and `Trainer` parameter is honoured, mapped or refused at construction
-    (`hf_longctx.training.arguments`). The keyword arguments: see `LongContextTrainerMixin`.
+    (`hf_longctx.training.refusals.training_arguments`). The keyword arguments: see `LongContextTrainerMixin`.
     """

@@ -1,6 +1,6 @@
 """The DPO trainer's data: preference-pair rows -> one step dict of THIS rank per optimizer step.
 
-Where it sits: between the train dataset of `LongDPOTrainer` (training/dpo_trainer.py) and its
+Where it sits: between the train dataset of `LongDPOTrainer` (training/dpo/trainer.py) and its
 `training_step`, in place of `steps.py`'s document pipeline. Every rank draws the SAME global
 list of pairs per step (`StepSampler` over the pairs' token counts, DESIGN invariant 8);
 `plan_pairs` assigns whole pairs to DP ranks and micro-batches (a pair is one planning unit, so
@@ -26,7 +26,7 @@ from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids, document_name
-from hf_longctx.training.steps import StepStream, _Rows
+from hf_longctx.training.sft.data import StepStream, _Rows
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 ID_COLUMNS = ("prompt", "chosen", "rejected")

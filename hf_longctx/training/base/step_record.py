@@ -1,6 +1,6 @@
 """What the trainer keeps of its last optimizer step: `trainer.last_plan`.
 
-Where it sits: at the end of the training data flow. `training/steps.py` plans each step
+Where it sits: at the end of the training data flow. `training/sft/data.py` plans each step
 (the cost-balanced `Plan` of `data/packing.py`, or a flexible `FlexPlan` of SP groups) and
 hands the plan and its modelled statistics to `LongContextTrainerMixin.training_step`,
 which times every micro-batch on this rank and stores one `StepRecord`. Users read it to

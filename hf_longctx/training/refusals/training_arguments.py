@@ -53,7 +53,7 @@ _EVAL_LOSS_ONLY = (
     "the evaluation returns the loss only (logits and labels are sharded over the SP group, so compute_metrics is "
     "refused); this option only concerns gathered predictions"
 )
-_STEP_DATA = "one DataLoader item is one planned optimizer step (training/steps.py), built by hf_longctx's step sampler"
+_STEP_DATA = "one DataLoader item is one planned optimizer step (training/sft/data.py), built by hf_longctx's step sampler"
 _CKPT_KWARGS = frozenset({"use_reentrant"})  # patch(checkpoint=True) is non-reentrant: the only key that is moot
 
 TRAINING_ARGUMENTS: dict[str, Rule] = {
@@ -140,7 +140,7 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
     # -- checkpoints --------------------------------------------------------------------------
     "save_strategy": _trainer(), "save_steps": _trainer(), "save_total_limit": _trainer(),
     "save_only_model": _refused(
-        _falsy, "a resumable checkpoint is the sharded model AND optimizer state of every rank (training/checkpoint.py)",
+        _falsy, "a resumable checkpoint is the sharded model AND optimizer state of every rank (training/base/saving.py)",
         "leave it False; trainer.save_model(dir) exports the consolidated model for from_pretrained"),
     "save_on_each_node": Rule("ours", "save_model writes the consolidated model on each node's main process; sharded "
                                       "checkpoints are written by every rank in any case"),

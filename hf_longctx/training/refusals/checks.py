@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.arguments import refused_arguments, refused_parameters, refused_sft_fields
+from hf_longctx.training.refusals.training_arguments import refused_arguments, refused_parameters, refused_sft_fields
 
 def check_training_arguments(args: Any, trainer: str = "LongContextTrainer") -> None:
     """Raise one `NotSupported` listing every refused setting of `args` (the table of

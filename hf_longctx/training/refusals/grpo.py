@@ -1,7 +1,7 @@
 """Every TRL `GRPOConfig` field beyond `TrainingArguments` (TRL 1.16), classified for the
 sequence-parallel GRPO step: honoured, mapped, left to the caller's loop, or refused.
 
-Where it sits: `GRPOObjective.from_config` (training/grpo_loss.py) and
+Where it sits: `GRPOObjective.from_config` (training/grpo/loss.py) and
 `generation_kwargs(args)` below call `check_grpo_config` first, on every rank alike and before
 any collective; `LongGRPOTrainer` (grpo_trainer.py) reaches it through `from_config` and adds its
 own refusals (`grpo_trainer.refusals`: accumulation / buffered generations, evaluation, ...);
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.arguments import Rule, _falsy, _is, _refused, _trainer, refused_config_fields
+from hf_longctx.training.refusals.training_arguments import Rule, _falsy, _is, _refused, _trainer, refused_config_fields
 
 
 def _ours(note: str) -> Rule:

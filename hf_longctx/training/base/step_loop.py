@@ -2,7 +2,7 @@
 the loss each rank reports, the token statistics TRL logs and the gradient norm.
 
 Where it sits: `LongContextTrainerMixin.training_step` / `compute_loss` / `_clip_grad_norm`
-(`training/trainer.py`) delegate here; the Trainer's own loop then clips, steps the optimizer
+(`training/sft/trainer.py`) delegate here; the Trainer's own loop then clips, steps the optimizer
 and the scheduler. The contract (DESIGN invariant 6): each micro-batch's loss is this rank's
 token-loss sum / the step's GLOBAL target count; gradients are summed over micro-batches
 (FSDP2 reduce-scatters once, after the last backward, unless `sync_each_microbatch`) and
@@ -20,8 +20,8 @@ import torch
 from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.flex.unsharded_step import check_unsharded_step, unsharded_step
 from hf_longctx.loss import global_loss
-from hf_longctx.training.faults import comm_guard
-from hf_longctx.training.step_record import StepRecord
+from hf_longctx.training.base.faults import comm_guard
+from hf_longctx.training.base.step_record import StepRecord
 
 
 def run_step(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 from trl.trainer.utils import RepeatSampler
 
-from hf_longctx.training.checkpoint import load_step_state, save_step_state
+from hf_longctx.training.base.saving import load_step_state, save_step_state
 
 
 REFERENCE_FILE = "hf_longctx_grpo_reference.json"

@@ -38,13 +38,13 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch, patch_state
-from hf_longctx.training.construction import check_patched
-from hf_longctx.training.dpo_arguments import check_dpo_config
-from hf_longctx.training.dpo_loss import TOKEN_SUMS, completion_logps, dpo_loss, token_metric_sums
-from hf_longctx.training.dpo_steps import (
+from hf_longctx.training.base.construction import check_patched
+from hf_longctx.training.refusals.dpo import check_dpo_config
+from hf_longctx.training.dpo.loss import TOKEN_SUMS, completion_logps, dpo_loss, token_metric_sums
+from hf_longctx.training.dpo.data import (
     PAIR_COLUMNS, PAIRS_KEY, PairStepCollate, pair_format, pair_lengths, pair_rows, pair_step_dataloader,
 )
-from hf_longctx.training.trainer import LongContextTrainerMixin
+from hf_longctx.training.sft.trainer import LongContextTrainerMixin
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
 _NOT_MODEL_INPUTS = ("labels", "num_items_in_batch", PAIRS_KEY)

@@ -117,7 +117,7 @@ SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file name
 def save_step_state(trainer: Any, output_dir: str) -> None:
     """`_save_optimizer_and_scheduler`: every rank's shards of model and optimizer + the sampler
     position; the scheduler as the Trainer saves it."""
-    from hf_longctx.training.faults import comm_guard
+    from hf_longctx.training.base.faults import comm_guard
 
     os.makedirs(output_dir, exist_ok=True)
     with comm_guard(trainer.state.global_step), trainer._watchdog_paused():

@@ -63,17 +63,17 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.loss import global_loss
-from hf_longctx.training import construction as build
-from hf_longctx.training.arguments import TRAINING_ARGUMENTS, _message
-from hf_longctx.training.checkpoint import resolve_resume, save_consolidated
-from hf_longctx.training.checks import check_process_group
-from hf_longctx.training.grpo_arguments import refused_grpo_fields
-from hf_longctx.training.grpo_checkpoint import load_grpo_state, resumable_sampler, save_grpo_state, skip_trained_epochs
-from hf_longctx.training.grpo_generate import unpatched_for_generation
-from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
-from hf_longctx.training.grpo_microbatches import merge_metrics, plan_rows, slot_tokens
-from hf_longctx.training.log_lines import use_number_logs
-from hf_longctx.training.step_loop import grad_norm as total_grad_norm
+from hf_longctx.training.base import construction as build
+from hf_longctx.training.refusals.training_arguments import TRAINING_ARGUMENTS, _message
+from hf_longctx.training.base.saving import resolve_resume, save_consolidated
+from hf_longctx.training.refusals.checks import check_process_group
+from hf_longctx.training.refusals.grpo import refused_grpo_fields
+from hf_longctx.training.grpo.resume import load_grpo_state, resumable_sampler, save_grpo_state, skip_trained_epochs
+from hf_longctx.training.grpo.generate import unpatched_for_generation
+from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
+from hf_longctx.training.grpo.microbatches import merge_metrics, plan_rows, slot_tokens
+from hf_longctx.training.base.log_lines import use_number_logs
+from hf_longctx.training.base.step_loop import grad_norm as total_grad_norm
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # positional order, without self
 _NUM_SEQUENCES = "grpo_num_sequences"

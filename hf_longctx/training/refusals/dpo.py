@@ -1,8 +1,8 @@
 """Every TRL `DPOConfig` field (TRL 1.16) classified for sequence-parallel DPO (issue 21, item 4).
 
 Where it sits: before any collective, when a DPO run is configured; the same pattern as
-`training/arguments.py` (`SFT_CONFIG`, `refused_sft_fields`). "ours": honoured by
-`training/dpo_loss.py` (per-document sums over the SP group, loss over the GLOBAL pairs);
+`training/refusals/training_arguments.py` (`SFT_CONFIG`, `refused_sft_fields`). "ours": honoured by
+`training/dpo/loss.py` (per-document sums over the SP group, loss over the GLOBAL pairs);
 "trainer": TRL's own code path, unaffected by SP; "refused": values whose semantics we do
 not reproduce exactly, each with what to do instead. A field missing from the table (newer
 TRL) is refused when it differs from its default, so no setting is dropped unseen.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.arguments import Rule, _falsy, _refused, _trainer, refused_config_fields
-from hf_longctx.training.dpo_loss import LOSS_TYPES
+from hf_longctx.training.refusals.training_arguments import Rule, _falsy, _refused, _trainer, refused_config_fields
+from hf_longctx.training.dpo.loss import LOSS_TYPES
 
 _TRL_DATA = "TRL's own dataset preparation (tokenising prompt/chosen/rejected, completion masks), which runs unchanged"
 _PACKED = "hf_longctx packs the pairs itself (chosen and rejected of a pair in the same micro-batch and SP group)"

@@ -1,7 +1,7 @@
 """Evaluation on the Trainer path: Σ token losses / Σ valid targets over the whole eval set,
 sharded and planned like training.
 
-Where it sits: `LongContextTrainerMixin.evaluation_loop` (`training/trainer.py`). The stock
+Where it sits: `LongContextTrainerMixin.evaluation_loop` (`training/sft/trainer.py`). The stock
 loop averages per-batch means (a different number when batches hold different target
 counts); here every micro-batch's loss (the step-normalised share) is scaled back to this
 rank's token-loss sum, summed over ranks with `global_loss`, and divided by the global count.
@@ -16,8 +16,8 @@ import torch
 from transformers.trainer_utils import EvalLoopOutput
 
 from hf_longctx.loss import global_loss
-from hf_longctx.training.faults import comm_guard
-from hf_longctx.training.step_loop import flush_token_stats
+from hf_longctx.training.base.faults import comm_guard
+from hf_longctx.training.base.step_loop import flush_token_stats
 
 
 def evaluate(trainer: Any, dataloader: Any, metric_key_prefix: str) -> EvalLoopOutput:

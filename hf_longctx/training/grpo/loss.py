@@ -74,7 +74,7 @@ class GRPOObjective:
     def from_config(cls, args: Any) -> "GRPOObjective":
         """From a TRL `GRPOConfig` (after its __post_init__: epsilon_high defaults to epsilon); every
         refused field raises first (`grpo_arguments.check_grpo_config`)."""
-        from hf_longctx.training.grpo_arguments import check_grpo_config
+        from hf_longctx.training.refusals.grpo import check_grpo_config
 
         check_grpo_config(args)
         eps = args.epsilon

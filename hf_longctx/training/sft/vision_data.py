@@ -1,6 +1,6 @@
 """TRL's conversational image datasets -> rows of processor outputs, for the multimodal step collator.
 
-Where it sits: construction of the Trainer path (`training/trainer.py`), for an
+Where it sits: construction of the Trainer path (`training/sft/trainer.py`), for an
 image-text-to-text model under TRL's `SFTTrainer` with a processor as `processing_class`.
 TRL leaves such a dataset raw (`messages` + `images`) and runs its
 `DataCollatorForVisionLanguageModeling` per batch; the step sampler here needs every

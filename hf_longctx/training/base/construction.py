@@ -2,7 +2,7 @@
 `Trainer.__init__`: the keyword arguments of the mixin, the patched model and its mesh, the
 collators of the step DataLoader, and the FSDP2 sharding of the model.
 
-Where it sits: construction of the Trainer path (`training/trainer.py`), before any step;
+Where it sits: construction of the Trainer path (`training/sft/trainer.py`), before any step;
 every check here runs on every rank alike and before any collective (a rank that raised
 alone would leave the others waiting). The refusals of `TrainingArguments` / `Trainer`
 parameters are `checks.py` / `arguments.py`.
@@ -23,7 +23,7 @@ from hf_longctx.distributed.flex.collator import FlexCollator
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, patch_state
 from hf_longctx.model_walk import hf_model
-from hf_longctx.training.checks import check_world
+from hf_longctx.training.refusals.checks import check_world
 
 
 def flag(name: str, value: Any) -> bool:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.loss import global_loss, sum_gradients
-from hf_longctx.training.grpo_generate import _fsdp_units, sp_rollouts
-from hf_longctx.training.grpo_loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
+from hf_longctx.training.grpo.generate import _fsdp_units, sp_rollouts
+from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:

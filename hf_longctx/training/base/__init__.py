@@ -1,0 +1,2 @@
+"""What every trainer needs under sequence parallelism: placement and sharding, checks, the
+step loop, gradient norm, saving and resuming, logs, fault handling."""

@@ -1,0 +1,2 @@
+"""GRPO under sequence parallelism: `LongGRPOTrainer` over TRL's `GRPOTrainer`, and `grpo_step` for a
+loop of your own."""
