@@ -458,11 +458,11 @@ def test_every_sft_config_field_is_classified(tmp_path):
     from transformers import TrainingArguments
     from trl import SFTConfig
 
-    from hf_longctx.training.refusals.training_arguments import SFT_CONFIG
+    from hf_longctx.training.refusals.sft import SFT_CONFIG
     from hf_longctx.training.refusals.checks import check_training_arguments
 
     extra = {f.name for f in dataclasses.fields(SFTConfig)} - {f.name for f in dataclasses.fields(TrainingArguments)}
-    assert extra - set(SFT_CONFIG) == set(), "classify these new SFTConfig fields in training/refusals/training_arguments.py"
+    assert extra - set(SFT_CONFIG) == set(), "classify these new SFTConfig fields in training/refusals/sft.py"
     ok = dict(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to=[], gradient_checkpointing=False)
     check_training_arguments(SFTConfig(**ok))  # TRL's defaults (max_length=None aside) are accepted
     for name, value in {"pad_to_multiple_of": 8, "eval_packing": True, "model_init_kwargs": {"dtype": "float32"}}.items():

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.refusals.grpo import GRPO_CONFIG, check_grpo_config, generation_kwargs, refused_grpo_fields
+from hf_longctx.training.grpo.generate import generation_kwargs
+from hf_longctx.training.refusals.grpo import GRPO_CONFIG, check_grpo_config, refused_grpo_fields
 from hf_longctx.training.grpo.loss import GRPOObjective
 
 

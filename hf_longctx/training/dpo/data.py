@@ -1,12 +1,12 @@
 """The DPO trainer's data: preference-pair rows -> one step dict of THIS rank per optimizer step.
 
 Where it sits: between the train dataset of `LongDPOTrainer` (training/dpo/trainer.py) and its
-`training_step`, in place of `steps.py`'s document pipeline. Every rank draws the SAME global
+`training_step`, in place of `sft/data.py`'s document pipeline. Every rank draws the SAME global
 list of pairs per step (`StepSampler` over the pairs' token counts, DESIGN invariant 8);
 `plan_pairs` assigns whole pairs to DP ranks and micro-batches (a pair is one planning unit, so
 the chosen and rejected completions of a pair meet in one SP group); `pack_pairs` lays each
 micro-batch out as [chosen_0, rejected_0, ...] (prompt labels -100, as TRL masks them) and
-`shard_batch` takes this SP rank's tokens. The step dict has the keys of `steps.py` that
+`shard_batch` takes this SP rank's tokens. The step dict has the keys of `sft/data.py` that
 `step_loop.run_step` reads; `num_items_in_batch` is the step's GLOBAL pair count (the DPO loss
 is a mean over pairs) and every micro-batch carries its own pair count under `PAIRS_KEY`
 (0: an empty slot of the plan, one padding token, still run so every rank joins every
@@ -26,7 +26,7 @@ from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids, document_name
-from hf_longctx.training.sft.data import StepStream, _Rows
+from hf_longctx.training.base.step_data import StepStream, _Rows
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 ID_COLUMNS = ("prompt", "chosen", "rejected")
@@ -130,7 +130,7 @@ def pair_step_dataloader(dataset: Any, collate: PairStepCollate, *, tokens_per_s
                          name: str = "train_dataset") -> tuple[torch.utils.data.DataLoader, StepSampler]:
     """(DataLoader of step dicts, its StepSampler): each step takes pairs until `tokens_per_step`
     (both documents of a pair counted) is reached; `endless` (training) runs into the next
-    epoch like the train loader of steps.py, else one pass (evaluation)."""
+    epoch like the train loader of sft/data.py, else one pass (evaluation)."""
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
     rows = _Rows(dataset, list(PAIR_COLUMNS), name, "pair")
     loader = torch.utils.data.DataLoader(rows, batch_sampler=StepStream(sampler, endless=endless), collate_fn=collate,

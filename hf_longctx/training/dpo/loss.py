@@ -1,4 +1,4 @@
-"""DPO objective on a sharded packed batch of preference pairs (issue 21, item 2; DPO paper
+"""DPO objective on a sharded packed batch of preference pairs (DPO paper
 eq. 7; TRL `DPOTrainer` formulas for "sigmoid", "hinge" and "ipo").
 
 Where it sits: after `model(**shard)` on a packed row whose documents are pairs laid out

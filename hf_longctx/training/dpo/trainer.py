@@ -1,9 +1,9 @@
-"""`LongDPOTrainer`: TRL's `DPOTrainer` made exact under sequence parallelism (issue 21, item 2).
+"""`LongDPOTrainer`: TRL's `DPOTrainer` made exact under sequence parallelism.
 
 Where it sits: on top of the whole data flow, like `LongContextTrainerMixin` (trainer.py), whose
 overrides it inherits (FSDP2 over DP x SP with sum reduction, the logged global loss, the true
 grad_norm, checkpoints). What differs from token-level training is the unit and the objective:
-- data (dpo_steps.py): a step is a global list of preference PAIRS drawn alike on every rank;
+- data (dpo/data.py): a step is a global list of preference PAIRS drawn alike on every rank;
   `plan_pairs` keeps the chosen and rejected completions of a pair in one micro-batch of one SP
   group, `pack_pairs` + `shard_batch` make the shards;
 - loss (`compute_loss`): the policy's per-document log-prob sums (`completion_logps`, i.e.
@@ -20,7 +20,7 @@ grad_norm, checkpoints). What differs from token-level training is the unit and 
   (`dpo_loss.token_metric_sums`).
 
 Refused at construction, before any collective: every DPOConfig value `check_dpo_config` refuses
-(dpo_arguments.py), PEFT / quantization (`peft_config`, `quantization_config`), a `GroupBank`
+(refusals/dpo.py), PEFT / quantization (`peft_config`, `quantization_config`), a `GroupBank`
 and datasets that are not preference pairs. Evaluation (`evaluate`) runs the same sharded
 forward under no_grad: eval_loss is the mean per-pair loss of the whole eval set and the
 eval metrics are global means over it (TRL averages per-batch means: equal when batches are).
@@ -35,11 +35,9 @@ import torch.distributed as dist
 from trl import DPOTrainer
 
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import fsdp_plan
-from hf_longctx.integrations.transformers import is_patched, patch, patch_state
-from hf_longctx.training.base.construction import check_patched
-from hf_longctx.training.refusals.dpo import check_dpo_config
+from hf_longctx.training.base.reference import default_reference, reference_on_mesh
+from hf_longctx.training.refusals.dpo import refuse_dpo, check_dpo_trainer, check_pair_dataset
 from hf_longctx.training.dpo.loss import TOKEN_SUMS, completion_logps, dpo_loss, token_metric_sums
 from hf_longctx.training.dpo.data import (
     PAIR_COLUMNS, PAIRS_KEY, PairStepCollate, pair_format, pair_lengths, pair_rows, pair_step_dataloader,
@@ -48,69 +46,6 @@ from hf_longctx.training.sft.trainer import LongContextTrainerMixin
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
 _NOT_MODEL_INPUTS = ("labels", "num_items_in_batch", PAIRS_KEY)
-
-
-def _refuse(what: str, instead: str) -> None:
-    raise NotSupported(f"LongDPOTrainer: {what}", instead)
-
-
-def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) -> None:
-    """Everything LongDPOTrainer refuses, on every rank alike, before any collective."""
-    from trl import DPOConfig
-
-    if not isinstance(args, DPOConfig):
-        _refuse(f"args must be a trl.DPOConfig, got {type(args).__name__}", "pass args=DPOConfig(..., max_length=None)")
-    check_dpo_config(args)
-    if not isinstance(mesh, SPMesh):
-        _refuse(f"mesh must be an SPMesh (init_sequence_parallel), got {type(mesh).__name__}",
-                "use a fixed-degree mesh; flexible SP groups are not wired for pairs")
-    check_patched(model, mesh)
-    knobs = patch_state(model).options
-    if getattr(knobs, "loss_chunks", None):
-        _refuse(f"patch(loss_chunks={knobs.loss_chunks}) drops the logits the DPO log-probs need",
-                "patch the policy without loss_chunks")
-    for name in ("peft_config", "quantization_config"):
-        if kwargs.get(name) is not None:
-            _refuse(f"{name} is not supported ({name}={type(kwargs[name]).__name__})",
-                    "train the full model (patch(model, mesh)); adapters are not sharded here")
-    evals = kwargs.get("eval_dataset")
-    evals = evals if isinstance(evals, dict) else {"eval_dataset": evals}
-    for name, dataset in [("train_dataset", kwargs.get("train_dataset")), *evals.items()]:
-        if dataset is not None:
-            check_pair_dataset(dataset, name)
-
-
-def check_pair_dataset(dataset: Any, name: str) -> None:
-    from datasets import Dataset
-
-    if not isinstance(dataset, Dataset) or len(dataset) == 0:
-        _refuse(f"{name} must be a non-empty datasets.Dataset, got {type(dataset).__name__}",
-                "Dataset.from_list([{'prompt': [ids], 'chosen': [ids], 'rejected': [ids]}, ...])")
-    if pair_format(dataset[0]) == "unknown" or any(k in dataset.column_names for k in ("image", "images")):
-        _refuse(f"{name} columns {dataset.column_names} are not preference pairs",
-                "give prompt/chosen/rejected token-id lists, TRL's prompt_ids/chosen_ids/rejected_ids, or "
-                "TRL's text / conversational prompt/chosen/rejected (tokenized by TRL)")
-
-
-def default_reference(model: Any, mesh: SPMesh, trust_remote_code: bool) -> Any:
-    """TRL's default reference (`ref_model=None`): the model loaded again from its path, in the
-    policy's dtype, patched with the same mesh and memory knobs (no checkpointing: no backward)."""
-    from trl.trainer.utils import create_model_from_path, get_config_model_id
-
-    ref = create_model_from_path(get_config_model_id(model.config), dtype=model.dtype, trust_remote_code=trust_remote_code)
-    return reference_on_mesh(ref, model, mesh)
-
-
-def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
-    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks), frozen."""
-    if is_patched(ref):
-        state = patch_state(ref)
-        if state.bank is not None or state.mesh != mesh:
-            raise ValueError("ref_model was patched with a different mesh than the trainer's `mesh`")
-    else:
-        options = patch_state(model).options
-        ref = patch(ref, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks)
-    return ref.eval().requires_grad_(False)
 
 
 class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
@@ -130,7 +65,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         check_dpo_trainer(model, args, mesh, kwargs)  # before any collective, on every rank alike
         for name in ("max_tokens_per_rank", "unequal_calls", "overlong"):
             if name in kwargs:
-                _refuse(f"{name} is not supported", "pairs are never split or truncated; use max_tokens with an SPMesh")
+                refuse_dpo(f"{name} is not supported", "pairs are never split or truncated; use max_tokens with an SPMesh")
         if ref_model is None:
             ref_model = default_reference(model, mesh, args.trust_remote_code)
         elif ref_model is model:
@@ -147,7 +82,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             pad_token_id=self.collator.pad_token_id, flops_model=self._flops_model, vocab=self.collator.vocab)
         self._dpo_sums = torch.zeros(len(METRICS) + len(TOKEN_SUMS), dtype=torch.float64, device=self.args.device)
 
-    # ---- data: TRL's tokenized pairs, planned by pairs (dpo_steps.py) ----------------------------------
+    # ---- data: TRL's tokenized pairs, planned by pairs (dpo/data.py) ----------------------------------
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
         kind = pair_format(next(iter(dataset)))
         if kind == "ids":
@@ -205,7 +140,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         if return_outputs:
-            _refuse("compute_loss(return_outputs=True)", "use the logged metrics")
+            refuse_dpo("compute_loss(return_outputs=True)", "use the logged metrics")
         kwargs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
         mesh, empty = self.mesh, inputs[PAIRS_KEY] == 0
         with torch.no_grad():  # every slot, empty ones too: the sharded reference all-gathers per unit

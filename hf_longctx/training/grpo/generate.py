@@ -2,7 +2,7 @@
 ranks generate different lengths, and the same completions on every rank of an SP group.
 
 Where it sits: first half of a GRPO step (DeepSeekMath §4.1: sample G completions per
-prompt), before `grpo_loss.pack_completions` / `grpo_loss`. The problem: under FSDP2 every
+prompt), before `grpo.loss.pack_completions` / `grpo_loss`. The problem: under FSDP2 every
 decoder layer all-gathers its parameters in its forward, so every rank must run the same
 number of forwards; `generate` runs one forward per new token and stops at EOS, so ranks
 with different completion lengths would wait forever in an all-gather. And a `patch`ed model
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from hf_longctx._compat import fsdp_param_groups
 from hf_longctx.integrations.transformers import patch, patch_state, unpatch
+from hf_longctx.training.refusals.grpo import check_grpo_config
 
 
 def _fsdp_units(model: torch.nn.Module) -> list:
@@ -139,3 +140,14 @@ def hf_generate(max_new_tokens: int, eos_token_id: int, pad_token_id: int = 0, *
         return rows
 
     return run
+
+
+def generation_kwargs(args: Any) -> dict[str, Any]:
+    """The sampling kwargs of `hf_generate` from a GRPOConfig (TRL's transformers path: sampling on,
+    its temperature / top_p / top_k / min_p / repetition_penalty / cache_implementation, then
+    `generation_kwargs` on top)."""
+    check_grpo_config(args)
+    out = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+               repetition_penalty=args.repetition_penalty, cache_implementation=args.cache_implementation)
+    out.update(args.generation_kwargs or {})
+    return out

@@ -12,7 +12,7 @@ token); `grpo_loss` runs the `patch`ed model on this rank's shard and returns th
 share of TRL's loss.
 
 Why no cross-rank reduction is needed in the loss (DeepSeekMath §4.1.2 eq. 3 as TRL 1.16
-implements it, `grpo_trainer.py::_compute_loss`): every term is per token (the ratio
+implements it, `grpo/trainer.py::_compute_loss`): every term is per token (the ratio
 exp(logp - old_logp), its clipping, the k3 KL estimate exp(ref - logp) - (ref - logp) - 1,
 times that ratio under `use_bias_correction_kl`)
 times a per-completion constant (the advantage), and each `loss_type`'s normalisation is
@@ -26,7 +26,7 @@ means gives exactly these global means). So the loss is Σ_tokens weight · l, e
 share is the sum over its tokens, and summing gradients over SP and DP ranks gives the
 single-process gradient (DESIGN invariant 6). TRL's "bnpo" (a per-process token mean,
 averaged over processes) depends on how completions fall on ranks and is refused
-(`grpo_arguments.py`). The logged metrics are global: token means as one SUM all-reduce
+(`refusals/grpo.py`). The logged metrics are global: token means as one SUM all-reduce
 of [Σ value, Σ mask] over the world; `clip_ratio/low_min` / `high_max` from per-completion
 sums reduced over the SP group (the completion's tokens are spread over its ranks), then
 MIN / MAX over the world.
@@ -73,7 +73,7 @@ class GRPOObjective:
     @classmethod
     def from_config(cls, args: Any) -> "GRPOObjective":
         """From a TRL `GRPOConfig` (after its __post_init__: epsilon_high defaults to epsilon); every
-        refused field raises first (`grpo_arguments.check_grpo_config`)."""
+        refused field raises first (`refusals.grpo.check_grpo_config`)."""
         from hf_longctx.training.refusals.grpo import check_grpo_config
 
         check_grpo_config(args)

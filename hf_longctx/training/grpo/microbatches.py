@@ -1,7 +1,7 @@
 """The GRPO step's rows of one SP group -> several packed micro-batches, the same count on every rank.
 
 Where it sits: `LongGRPOTrainer(max_tokens=...)` (training/grpo/trainer.py), after the SP group's
-rows of the step are all-gathered and before each micro-batch is packed (`grpo_loss.pack_completions`
+rows of the step are all-gathered and before each micro-batch is packed (`grpo.loss.pack_completions`
 with the step's GLOBAL counts N and T, so each micro-batch's loss is its share of the one-batch
 loss), sharded and trained with gradient accumulation.
 

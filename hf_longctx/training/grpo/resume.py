@@ -1,5 +1,5 @@
 """What makes `LongGRPOTrainer`'s `checkpoint-N/` resume exactly: the sharded policy and optimizer
-through `checkpoint.py` (no second format) and TRL's sampler continuing in the right epoch.
+through `base/saving.py` (no second format) and TRL's sampler continuing in the right epoch.
 
 Where it sits: `LongGRPOTrainer`'s checkpoint hooks (`_save_optimizer_and_scheduler`,
 `_load_optimizer_and_scheduler`, `_init_training_state`, `_get_train_sampler`) call these. A

@@ -2,10 +2,10 @@
 advantages, the exact SP training step, the optimizer step and TRL's metrics (global).
 
 Where it sits: the loop body of recipes/grpo.py (and of a user's own loop). It chains
-`grpo_generate.sp_rollouts` (generation on gathered weights, the same completions on every
+`grpo.generate.sp_rollouts` (generation on gathered weights, the same completions on every
 rank of an SP group, DP groups on their own prompts) -> the rewards of the caller's reward
 function -> TRL's group-relative advantages (DeepSeekMath §4.1.2, TRL's default
-`scale_rewards="group"`: (r - mean_group) / (std_group + 1e-4)) -> `grpo_loss.pack_completions`
+`scale_rewards="group"`: (r - mean_group) / (std_group + 1e-4)) -> `grpo.loss.pack_completions`
 with the step's GLOBAL completion and token counts (one all-reduce over the DP group) ->
 `shard_batch` -> the reference log-probabilities on the same shard (beta > 0) ->
 `grpo_loss` -> backward (FSDP2 reduce-scatters a SUM; a replicated model gets
@@ -15,7 +15,7 @@ packed row, so the advantages are local.
 
 Not done here (TRL's trainer does it): several micro-batches per step (the packed row is
 one micro-batch), num_iterations > 1 with old log-probabilities, evaluation, logging
-callbacks: `grpo_trainer.LongGRPOTrainer` is TRL's `GRPOTrainer` with this step's pieces.
+callbacks: `grpo.trainer.LongGRPOTrainer` is TRL's `GRPOTrainer` with this step's pieces.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ the step's global generation batch), prompt formatting, the reward functions, th
 advantages over the whole world, the completion/reward metrics, logging and the optimizer --
 and four hooks are replaced:
 1. `_generate_single_turn` (TRL's generation hook) runs TRL's own transformers path inside
-   `grpo_generate.unpatched_for_generation`: FSDP2 units gathered once, the SP patch off,
+   `grpo.generate.unpatched_for_generation`: FSDP2 units gathered once, the SP patch off,
    so `generate` makes no per-forward collective and ranks may decode different lengths;
    each process generates for its own rows (the SP group's generation work is split).
 2. `_prepare_inputs` calls TRL's `_generate_and_score_completions` (generation, rewards,
    advantages, `num_items_in_batch` = the step's global completion tokens), then
    all-gathers the rows over the SP group (every rank of a group trains on the union, DP
-   groups on different rows), packs them (`grpo_loss.pack_completions`, global counts N and
+   groups on different rows), packs them (`grpo.loss.pack_completions`, global counts N and
    T), shards the packed row over the group (`shard_batch`) and, for beta > 0, writes the
    reference log-probabilities of that shard (`add_ref_logps`, the reference patched with
    the same mesh and FSDP2-sharded over DP x SP like the policy).
@@ -21,7 +21,7 @@ and four hooks are replaced:
    global values. `_get_per_token_logps_and_entropies` returns nothing: TRL's padded
    forwards for old / reference log-probabilities never run (the shard has them).
 4. `training_step` splits the step into micro-batches when `max_tokens=` is given
-   (`grpo_microbatches.plan_rows`: the SP group's rows planned by cost under the cap, the same
+   (`grpo.microbatches.plan_rows`: the SP group's rows planned by cost under the cap, the same
    count on every rank; each micro-batch packed with the step's GLOBAL N and T, so the
    micro-batch losses sum to the one-batch loss), runs the Trainer's forward/backward on each
    (gradients accumulate), merges TRL's metrics to the step's global values and returns the
@@ -32,11 +32,11 @@ Exact against the single-process GRPOTrainer whose per_device_train_batch_size i
 total (the union of every process's rows): same rows, same rewards and advantages, and the
 loss, gradients, grad_norm and TRL's metrics equal (tests/distributed/test_grpo_trainer.py).
 Checkpoints (save_strategy "steps" / "epoch", `train(resume_from_checkpoint=...)`): the sharded
-policy and optimizer state of every rank in `checkpoint.py`'s format, the scheduler, the Trainer's
+policy and optimizer state of every rank in `base/saving.py`'s format, the scheduler, the Trainer's
 per-rank RNG and state, TRL's sampler continued in the right epoch; the frozen reference is not
 stored (TRL rebuilds it from the policy's path). A resumed step equals the uninterrupted one
-(grpo_checkpoint.py; tests/distributed/test_grpo_resume.py).
-GRPOConfig: `check_grpo_config` (grpo_arguments.py: loss_type grpo / dr_grpo / dapo, beta,
+(grpo/resume.py; tests/distributed/test_grpo_resume.py).
+GRPOConfig: `check_grpo_config` (refusals/grpo.py: loss_type grpo / dr_grpo / dapo, beta,
 epsilon / epsilon_high, delta, temperature, max_completion_length, use_bias_correction_kl and
 TRL's sampling fields are honoured) plus `refusals` below, all raised before any collective.
 TRL's gradient_accumulation_steps / steps_per_generation (slices of a buffered generation batch)
@@ -64,10 +64,9 @@ from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.loss import global_loss
 from hf_longctx.training.base import construction as build
-from hf_longctx.training.refusals.training_arguments import TRAINING_ARGUMENTS, _message
 from hf_longctx.training.base.saving import resolve_resume, save_consolidated
-from hf_longctx.training.refusals.checks import check_process_group
-from hf_longctx.training.refusals.grpo import refused_grpo_fields
+from hf_longctx.training.refusals.checks import check_mesh_world, check_patched, check_process_group
+from hf_longctx.training.refusals.grpo import refusals, refused_grpo_fields
 from hf_longctx.training.grpo.resume import load_grpo_state, resumable_sampler, save_grpo_state, skip_trained_epochs
 from hf_longctx.training.grpo.generate import unpatched_for_generation
 from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
@@ -77,54 +76,6 @@ from hf_longctx.training.base.step_loop import grad_norm as total_grad_norm
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # positional order, without self
 _NUM_SEQUENCES = "grpo_num_sequences"
-
-
-# TrainingArguments fields refused here for the reasons arguments.py's table gives (the rest of that table is about
-# the token-budget step DataLoader of LongContextTrainerMixin, which GRPO does not use: TRL's sampler draws rows).
-_SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
-                    "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
-                    "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
-                    "enable_jit_checkpoint", "save_only_model")
-
-
-def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
-    """One line per setting LongGRPOTrainer does not make exact (beyond `check_grpo_config`), each
-    with its "do instead". `params`: GRPOTrainer.__init__'s arguments by name."""
-    out = [_message(name, getattr(args, name), TRAINING_ARGUMENTS[name]) for name in _SHARED_REFUSALS
-           if name in TRAINING_ARGUMENTS and hasattr(args, name) and not TRAINING_ARGUMENTS[name].ok(getattr(args, name))]
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
-        out.append("save_strategy='best': it needs evaluation, which is not wired to the SP step; do instead: "
-                   "save_strategy='steps' (or 'epoch') and pick the checkpoint from the logged rewards")
-    if args.ignore_data_skip:
-        out.append("ignore_data_skip=True: a resumed run would train the rows of the steps already trained again "
-                   "(TRL's sampler restarts), not the rows the uninterrupted run trains; do instead: leave it False; "
-                   "to start the data over, start a new run from the saved model")
-    if args.gradient_accumulation_steps != 1 or args.steps_per_generation != 1:
-        out.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}, steps_per_generation="
-                   f"{args.steps_per_generation}: TRL slices a buffered generation batch into accumulation steps; "
-                   "LongGRPOTrainer trains one packed generation batch per optimizer step; do instead: keep both at "
-                   "1, raise per_device_train_batch_size, and pass LongGRPOTrainer(max_tokens=...) to split the step into "
-                   "packed micro-batches of at most max_tokens tokens with gradient accumulation")
-    if args.num_iterations != 1:
-        out.append(f"num_iterations={args.num_iterations}: the old-policy log-probabilities would come from TRL's "
-                   "buffered padded batch; do instead: num_iterations=1 (on-policy), or grpo_step / pack_completions "
-                   "with old_logps in your own loop")
-    if args.mask_truncated_completions:
-        out.append("mask_truncated_completions=True: a masked completion keeps its tokens in the input but none in "
-                   "the loss; not verified under SP; do instead: leave it False, or give truncated completions zero "
-                   "reward in a reward function")
-    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or params.get("eval_dataset") is not None:
-        out.append("evaluation (eval_strategy / eval_dataset): GRPO evaluation rollouts are not wired to the SP step; "
-                   "do instead: eval_strategy='no' and no eval_dataset; evaluate the saved model in one process")
-    for name, why in (("peft_config", "adapters and their reference-by-disabling"), ("quantization_config", "quantized "
-                      "loading by name"), ("tools", "tool-calling rollouts (tool_mask)"), ("rollout_func", "custom "
-                      "rollouts"), ("environment_factory", "environment rollouts")):
-        if params.get(name) is not None:
-            out.append(f"{name}: {why} are not wired to the SP step; do instead: leave {name}=None")
-    if isinstance(params.get("processing_class"), transformers.ProcessorMixin):
-        out.append("a multimodal processor: images are not carried through the packed SP row; do instead: a text "
-                   "model and its tokenizer")
-    return out
 
 
 class LongGRPOTrainer(GRPOTrainer):
@@ -137,7 +88,7 @@ class LongGRPOTrainer(GRPOTrainer):
     per_device_train_batch_size x world_size (module docstring). `max_tokens` (default None: one
     packed micro-batch per step): tokens of one packed micro-batch of an SP group; the step's
     rows are split into micro-batches under it with gradient accumulation, the same result
-    (`grpo_microbatches.py`). Refused settings: `refusals` and `grpo_arguments.check_grpo_config`;
+    (`grpo/microbatches.py`). Refused settings: `refusals` and `refusals.grpo.check_grpo_config`;
     both raise `NotSupported` naming every value.
     """
 
@@ -162,8 +113,8 @@ class LongGRPOTrainer(GRPOTrainer):
             raise NotSupported("LongGRPOTrainer cannot honour exactly:\n  " + "\n  ".join(errors),
                                "change the values listed above as each line says")
         self.objective = GRPOObjective.from_config(config)
-        build.check_patched(params.get("model"), mesh)
-        build.check_mesh_world(mesh)
+        check_patched(params.get("model"), mesh)
+        check_mesh_world(mesh)
         if mesh.world_size > 1 and not trainer_takes_sharded_models():
             raise RuntimeError(f"LongGRPOTrainer on {mesh.world_size} ranks needs transformers >= "
                                f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded "
@@ -174,7 +125,7 @@ class LongGRPOTrainer(GRPOTrainer):
         self.max_tokens = max_tokens
         self.last_num_microbatches = 0  # micro-batches of the last step (the same on every rank)
         self._microbatch_metrics: list[dict[str, float]] = []
-        self._step_sampler = None  # checkpoint.py's step sampler: none here (TRL's sampler, grpo_checkpoint.py)
+        self._step_sampler = None  # base/saving.py's step sampler: none here (TRL's sampler, grpo/resume.py)
         super().__init__(*args, **kwargs)
         use_number_logs(self)  # the progress bar / printer show numbers unquoted
         self._throughput = [0, 0.0]  # trained tokens (prompt + completion, whole world), seconds: since the last log
@@ -291,7 +242,7 @@ class LongGRPOTrainer(GRPOTrainer):
             self._throughput = [0, 0.0]
         super().log(logs, start_time)
 
-    # ---- checkpoints and resume (grpo_checkpoint.py: the sharded states of checkpoint.py) -----------
+    # ---- checkpoints and resume (grpo/resume.py: the sharded states of base/saving.py) -----------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`save_pretrained` of the consolidated policy (a collective: call it on every rank); the
         directory loads unpatched with `from_pretrained`. Inside a checkpoint (`_internal_call`) the

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.refusals.training_arguments import refused_arguments, refused_parameters, refused_sft_fields
+from hf_longctx.integrations.transformers import is_patched, patch_state
+from hf_longctx.training.refusals.sft import refused_sft_fields
+from hf_longctx.training.refusals.training_arguments import refused_arguments, refused_parameters
+
 
 def check_training_arguments(args: Any, trainer: str = "LongContextTrainer") -> None:
     """Raise one `NotSupported` listing every refused setting of `args` (the table of
-    `arguments.py`, plus TRL's SFTConfig fields), each with why and what to use instead;
+    `refusals/training_arguments.py`, plus TRL's SFTConfig fields), each with why and what to use instead;
     `trainer`: the class the message names."""
     errors = refused_arguments(args)
     if args.n_gpu > 1:
@@ -69,3 +74,76 @@ def check_world(mesh_world: int) -> None:
             "torch.distributed.init_process_group() BEFORE hf_longctx.init_sequence_parallel / init_group_bank, then "
             "patch the model with that mesh",
         )
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_options(mesh: Any, unequal_calls: Any, sync_each_microbatch: Any, param_offload: Any) -> None:
+    """The three bool keyword arguments and the combinations that cannot run."""
+    flag("unequal_calls", unequal_calls)
+    if unequal_calls and not isinstance(mesh, GroupBank):
+        raise ValueError(
+            "unequal_calls=True needs a GroupBank (flexible SP groups planned by plan_unequal); with an SPMesh "
+            "every rank runs the same number of micro-batches"
+        )
+    flag("sync_each_microbatch", sync_each_microbatch)
+    if sync_each_microbatch and unequal_calls:
+        raise ValueError("sync_each_microbatch=True cannot be combined with unequal_calls=True: with unequal counts "
+                         "every rank syncs in its own last backward")
+    flag("param_offload", param_offload)
+    if param_offload and unequal_calls:
+        raise ValueError("param_offload=True cannot be combined with unequal_calls=True: the unequal-count step "
+                         "keeps the model unsharded on the device for the whole step; use equal counts")
+
+
+def check_caps(mesh: Any, max_tokens: Any, max_tokens_per_rank: Any, cost: Any, strategy: str) -> None:
+    if isinstance(mesh, GroupBank):
+        if max_tokens is not None:
+            raise ValueError(
+                f"max_tokens={max_tokens!r} with a GroupBank: groups differ in size, so the cap is per rank; pass "
+                "max_tokens_per_rank (a group of size s packs at most s × max_tokens_per_rank tokens)"
+            )
+        positive_int("max_tokens_per_rank", max_tokens_per_rank)
+        if cost is not None and not isinstance(cost, (GroupCost, CostModel)):
+            raise ValueError(f"cost must be a GroupCost (or a CostModel split over the sizes), got {type(cost).__name__}")
+        if strategy != "balanced":
+            raise ValueError(
+                f"strategy={strategy!r} picks a fixed-degree planner; a GroupBank plans every step with "
+                "plan_flexible (use an SPMesh to run the fixed-degree strategies)"
+            )
+    else:
+        if max_tokens_per_rank is not None:
+            raise ValueError("max_tokens_per_rank is the cap of a GroupBank; with an SPMesh pass max_tokens")
+        positive_int("max_tokens", max_tokens)
+        if cost is not None and not isinstance(cost, CostModel):
+            raise ValueError(f"cost must be a CostModel with an SPMesh, got {type(cost).__name__}")
+
+
+def check_patched(model: Any, mesh: Any) -> None:
+    if model is None or isinstance(model, str):
+        raise ValueError("pass a model instance patched with hf_longctx.patch(model, mesh), not a name or None")
+    if not is_patched(model):
+        raise ValueError(
+            f"{type(model).__name__} is not patched: call hf_longctx.patch(model, mesh) before building the trainer "
+            "(the unpatched model would attend across shards and ranks wrongly)"
+        )
+    state = patch_state(model)
+    if isinstance(mesh, GroupBank):
+        if state.bank != mesh:
+            raise ValueError("the model was not patched with the trainer's GroupBank: call patch(model, bank)")
+    elif state.bank is not None or state.mesh != mesh:
+        raise ValueError("the model was patched with a different mesh than the trainer's `mesh`")
+
+
+def check_mesh_world(mesh: Any) -> None:
+    check_world(mesh.world.world_size if isinstance(mesh, GroupBank) else mesh.world_size)

@@ -1,4 +1,4 @@
-"""Every TRL `DPOConfig` field (TRL 1.16) classified for sequence-parallel DPO (issue 21, item 4).
+"""Every TRL `DPOConfig` field (TRL 1.16) classified for sequence-parallel DPO.
 
 Where it sits: before any collective, when a DPO run is configured; the same pattern as
 `training/refusals/training_arguments.py` (`SFT_CONFIG`, `refused_sft_fields`). "ours": honoured by
@@ -13,8 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.refusals.training_arguments import Rule, _falsy, _refused, _trainer, refused_config_fields
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.integrations.transformers import patch_state
+from hf_longctx.training.dpo.data import pair_format
 from hf_longctx.training.dpo.loss import LOSS_TYPES
+from hf_longctx.training.refusals.checks import check_patched
+from hf_longctx.training.refusals.rules import Rule, _falsy, _refused, _trainer, refused_config_fields
 
 _TRL_DATA = "TRL's own dataset preparation (tokenising prompt/chosen/rejected, completion masks), which runs unchanged"
 _PACKED = "hf_longctx packs the pairs itself (chosen and rejected of a pair in the same micro-batch and SP group)"
@@ -93,3 +97,45 @@ def check_dpo_config(args: Any) -> None:
     if errors:
         raise NotSupported("DPOConfig settings not honoured under sequence parallelism:\n  " + "\n  ".join(errors),
                            "change each setting as its 'do instead' says")
+
+
+def refuse_dpo(what: str, instead: str) -> None:
+    raise NotSupported(f"LongDPOTrainer: {what}", instead)
+
+
+def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) -> None:
+    """Everything LongDPOTrainer refuses, on every rank alike, before any collective."""
+    from trl import DPOConfig
+
+    if not isinstance(args, DPOConfig):
+        refuse_dpo(f"args must be a trl.DPOConfig, got {type(args).__name__}", "pass args=DPOConfig(..., max_length=None)")
+    check_dpo_config(args)
+    if not isinstance(mesh, SPMesh):
+        refuse_dpo(f"mesh must be an SPMesh (init_sequence_parallel), got {type(mesh).__name__}",
+                "use a fixed-degree mesh; flexible SP groups are not wired for pairs")
+    check_patched(model, mesh)
+    knobs = patch_state(model).options
+    if getattr(knobs, "loss_chunks", None):
+        refuse_dpo(f"patch(loss_chunks={knobs.loss_chunks}) drops the logits the DPO log-probs need",
+                "patch the policy without loss_chunks")
+    for name in ("peft_config", "quantization_config"):
+        if kwargs.get(name) is not None:
+            refuse_dpo(f"{name} is not supported ({name}={type(kwargs[name]).__name__})",
+                    "train the full model (patch(model, mesh)); adapters are not sharded here")
+    evals = kwargs.get("eval_dataset")
+    evals = evals if isinstance(evals, dict) else {"eval_dataset": evals}
+    for name, dataset in [("train_dataset", kwargs.get("train_dataset")), *evals.items()]:
+        if dataset is not None:
+            check_pair_dataset(dataset, name)
+
+
+def check_pair_dataset(dataset: Any, name: str) -> None:
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset) or len(dataset) == 0:
+        refuse_dpo(f"{name} must be a non-empty datasets.Dataset, got {type(dataset).__name__}",
+                "Dataset.from_list([{'prompt': [ids], 'chosen': [ids], 'rejected': [ids]}, ...])")
+    if pair_format(dataset[0]) == "unknown" or any(k in dataset.column_names for k in ("image", "images")):
+        refuse_dpo(f"{name} columns {dataset.column_names} are not preference pairs",
+                "give prompt/chosen/rejected token-id lists, TRL's prompt_ids/chosen_ids/rejected_ids, or "
+                "TRL's text / conversational prompt/chosen/rejected (tokenized by TRL)")

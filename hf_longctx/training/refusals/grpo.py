@@ -3,16 +3,16 @@ sequence-parallel GRPO step: honoured, mapped, left to the caller's loop, or ref
 
 Where it sits: `GRPOObjective.from_config` (training/grpo/loss.py) and
 `generation_kwargs(args)` below call `check_grpo_config` first, on every rank alike and before
-any collective; `LongGRPOTrainer` (grpo_trainer.py) reaches it through `from_config` and adds its
-own refusals (`grpo_trainer.refusals`: accumulation / buffered generations, evaluation, ...);
+any collective; `LongGRPOTrainer` (grpo/trainer.py) reaches it through `from_config` and adds its
+own refusals (`refusals.grpo.refusals`: accumulation / buffered generations, evaluation, ...);
 there, the "trainer" fields below are read by TRL's GRPOTrainer itself. For `grpo_step` the
-`TrainingArguments` half is `arguments.py`'s table. A field of a newer
+`TrainingArguments` half is `refusals/training_arguments.py`'s table. A field of a newer
 TRL missing from the table is refused when it differs from its default, and
 tests/unit/test_grpo_arguments.py fails on the installed TRL until the table names it.
 
-Kinds (arguments.py's `Rule`):
+Kinds (refusals/training_arguments.py's `Rule`):
 - "ours":    honoured by grpo_loss / grpo_generate (the note says where);
-- "mapped":  turned into the sampling kwargs of `grpo_generate.hf_generate` by `generation_kwargs`;
+- "mapped":  turned into the sampling kwargs of `grpo.generate.hf_generate` by `generation_kwargs`;
 - "trainer": read by the caller's loop (rewards, advantages, logging, the dataset); recipes/grpo.py
              shows each one honoured;
 - "refused": only the values `ok` accepts run; any other raises `NotSupported` with "Do instead".
@@ -20,10 +20,16 @@ Kinds (arguments.py's `Rule`):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import transformers
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.refusals.training_arguments import Rule, _falsy, _is, _refused, _trainer, refused_config_fields
+from hf_longctx.training.refusals.rules import Rule, _falsy, _is, refusal_message, _refused, _trainer, refused_config_fields
+from hf_longctx.training.refusals.training_arguments import TRAINING_ARGUMENTS
+
+if TYPE_CHECKING:
+    from trl import GRPOConfig
 
 
 def _ours(note: str) -> Rule:
@@ -35,7 +41,7 @@ def _mapped(note: str) -> Rule:
 
 
 _VLLM = _refused(_falsy, "vLLM generation is not wired to the sequence-parallel step (its weight sync assumes TRL's "
-                 "DDP/FSDP model, not an FSDP2 model patched for SP)", "generate with grpo_generate.sp_rollouts "
+                 "DDP/FSDP model, not an FSDP2 model patched for SP)", "generate with grpo.generate.sp_rollouts "
                  "(transformers' generate on gathered weights)")
 _VLLM_ONLY = _trainer("applies only with use_vllm, which must be False")
 _LOOP = "read by the caller's loop (recipes/grpo.py), not by the step functions"
@@ -49,7 +55,7 @@ GRPO_CONFIG: dict[str, Rule] = {
     "router_aux_loss_coef": _refused(lambda v: not v, "the MoE load-balancing loss needs output_router_logits=True, "
                                      "which patch() refuses under SP", "leave it None"),
     "disable_dropout": _trainer("dropout must already be 0 for patch()'s exactness; the caller's model config sets it"),
-    "cast_lm_head_to_fp32": _ours("log-probabilities are always computed in fp32 from the logits (grpo_loss._token_logps)"),
+    "cast_lm_head_to_fp32": _ours("log-probabilities are always computed in fp32 from the logits (grpo.loss._token_logps)"),
     "num_generations": _ours("sp_rollouts(num_generations=...): completions per prompt, generated in one SP group"),
     "num_generations_eval": _trainer(_LOOP + " (evaluation rollouts)"),
     "max_completion_length": _ours("GRPOObjective.max_completion_length (dr_grpo's normaliser) and the max_new_tokens of "
@@ -131,12 +137,49 @@ def check_grpo_config(args: Any) -> None:
                            + "\n  ".join(errors), "change the values listed above as each line says")
 
 
-def generation_kwargs(args: Any) -> dict[str, Any]:
-    """The sampling kwargs of `hf_generate` from a GRPOConfig (TRL's transformers path: sampling on,
-    its temperature / top_p / top_k / min_p / repetition_penalty / cache_implementation, then
-    `generation_kwargs` on top)."""
-    check_grpo_config(args)
-    out = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-               repetition_penalty=args.repetition_penalty, cache_implementation=args.cache_implementation)
-    out.update(args.generation_kwargs or {})
+# TrainingArguments fields refused here for the reasons refusals/training_arguments.py's table gives (the rest of that table is about
+# the token-budget step DataLoader of LongContextTrainerMixin, which GRPO does not use: TRL's sampler draws rows).
+_SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
+                    "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
+                    "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
+                    "enable_jit_checkpoint", "save_only_model")
+
+
+def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
+    """One line per setting LongGRPOTrainer does not make exact (beyond `check_grpo_config`), each
+    with its "do instead". `params`: GRPOTrainer.__init__'s arguments by name."""
+    out = [refusal_message(name, getattr(args, name), TRAINING_ARGUMENTS[name]) for name in _SHARED_REFUSALS
+           if name in TRAINING_ARGUMENTS and hasattr(args, name) and not TRAINING_ARGUMENTS[name].ok(getattr(args, name))]
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        out.append("save_strategy='best': it needs evaluation, which is not wired to the SP step; do instead: "
+                   "save_strategy='steps' (or 'epoch') and pick the checkpoint from the logged rewards")
+    if args.ignore_data_skip:
+        out.append("ignore_data_skip=True: a resumed run would train the rows of the steps already trained again "
+                   "(TRL's sampler restarts), not the rows the uninterrupted run trains; do instead: leave it False; "
+                   "to start the data over, start a new run from the saved model")
+    if args.gradient_accumulation_steps != 1 or args.steps_per_generation != 1:
+        out.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}, steps_per_generation="
+                   f"{args.steps_per_generation}: TRL slices a buffered generation batch into accumulation steps; "
+                   "LongGRPOTrainer trains one packed generation batch per optimizer step; do instead: keep both at "
+                   "1, raise per_device_train_batch_size, and pass LongGRPOTrainer(max_tokens=...) to split the step into "
+                   "packed micro-batches of at most max_tokens tokens with gradient accumulation")
+    if args.num_iterations != 1:
+        out.append(f"num_iterations={args.num_iterations}: the old-policy log-probabilities would come from TRL's "
+                   "buffered padded batch; do instead: num_iterations=1 (on-policy), or grpo_step / pack_completions "
+                   "with old_logps in your own loop")
+    if args.mask_truncated_completions:
+        out.append("mask_truncated_completions=True: a masked completion keeps its tokens in the input but none in "
+                   "the loss; not verified under SP; do instead: leave it False, or give truncated completions zero "
+                   "reward in a reward function")
+    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or params.get("eval_dataset") is not None:
+        out.append("evaluation (eval_strategy / eval_dataset): GRPO evaluation rollouts are not wired to the SP step; "
+                   "do instead: eval_strategy='no' and no eval_dataset; evaluate the saved model in one process")
+    for name, why in (("peft_config", "adapters and their reference-by-disabling"), ("quantization_config", "quantized "
+                      "loading by name"), ("tools", "tool-calling rollouts (tool_mask)"), ("rollout_func", "custom "
+                      "rollouts"), ("environment_factory", "environment rollouts")):
+        if params.get(name) is not None:
+            out.append(f"{name}: {why} are not wired to the SP step; do instead: leave {name}=None")
+    if isinstance(params.get("processing_class"), transformers.ProcessorMixin):
+        out.append("a multimodal processor: images are not carried through the packed SP row; do instead: a text "
+                   "model and its tokenizer")
     return out

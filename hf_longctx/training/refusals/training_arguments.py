@@ -1,5 +1,5 @@
-"""Every `TrainingArguments` field, every `Trainer.__init__` parameter and every TRL
-`SFTConfig` field, classified once: honoured, mapped, or refused (with what to do instead).
+"""Every `TrainingArguments` field and every `Trainer.__init__` parameter, classified once:
+honoured, mapped, or refused (with what to do instead).
 
 Where it sits: the first thing `LongContextTrainerMixin.__init__` runs (through
 `checks.check_training_arguments` / `check_trainer_parameters`), on every rank alike and
@@ -20,32 +20,9 @@ The table's kinds:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-
-@dataclass(frozen=True)
-class Rule:
-    kind: str  # "trainer" | "ours" | "mapped" | "refused"
-    note: str
-    ok: Callable[[Any], bool] | None = None  # refused: which values are accepted
-    instead: str = ""
-
-
-def _trainer(note: str = "the Trainer's own code path, not overridden") -> Rule:
-    return Rule("trainer", note)
-
-
-def _refused(ok: Callable[[Any], bool], note: str, instead: str) -> Rule:
-    return Rule("refused", note, ok, instead)
-
-
-def _falsy(v: Any) -> bool:
-    return not v
-
-
-def _is(value: Any) -> Callable[[Any], bool]:
-    return lambda v: v == value
+from hf_longctx.training.refusals.rules import Rule, _falsy, _is, refusal_message, _refused, _trainer, field_defaults
 
 
 _NO_DDP = "hf_longctx does not use DDP: fsdp_plan shards the model with FSDP2 over the whole DP x SP world"
@@ -240,56 +217,6 @@ TRAINER_PARAMETERS: dict[str, Rule] = {
 }
 
 
-# TRL's SFTConfig fields beyond TrainingArguments (TRL 1.16); LongContextTrainerMixin in front of SFTTrainer.
-_TRL_DATA = "TRL's own dataset preparation (tokenising, chat templates, masks folded into labels), which runs unchanged"
-SFT_CONFIG: dict[str, Rule] = {
-    "model_init_kwargs": _refused(
-        lambda v: not v, "they apply only when TRL loads the model from a name, and the trainer needs a patched instance",
-        "load the model yourself with those kwargs, patch it, and pass model="),
-    "trust_remote_code": _trainer("used by TRL only when it loads a model or tokenizer from a name"),
-    "router_aux_loss_coef": _trainer("TRL adds the router loss only with output_router_logits=True, which patch() refuses"),
-    "chat_template_path": _trainer(_TRL_DATA), "dataset_text_field": _trainer(_TRL_DATA),
-    "dataset_kwargs": _trainer(_TRL_DATA), "dataset_num_proc": _trainer(_TRL_DATA), "eos_token": _trainer(_TRL_DATA),
-    "pad_token": _trainer(_TRL_DATA + "; its id pads the micro-batches"),
-    "completion_only_loss": _trainer(_TRL_DATA + " (completion_mask -> labels -100 on the prompt)"),
-    "assistant_only_loss": _trainer(_TRL_DATA + " (assistant_masks -> labels -100 elsewhere)"),
-    "shuffle_dataset": _trainer("TRL shuffles the prepared dataset; the step sampler then draws it in its own seeded order"),
-    "max_length": _refused(
-        lambda v: v is None, "TRL would truncate every longer document silently",
-        "pass max_length=None (the cap is the trainer's max_tokens, and overlong= decides what happens above it)"),
-    "truncation_mode": _trainer("applies only with max_length, which must be None"),
-    "packing": _refused(_falsy, "hf_longctx's planner packs documents itself (cost-balanced, per-document attention)",
-                        "set packing=False"),
-    "packing_strategy": _trainer("applies only with packing, which must be False"),
-    "padding_free": _refused(_falsy, "hf_longctx's planner packs documents itself (cost-balanced, per-document attention)",
-                             "set padding_free=False"),
-    "eval_packing": _refused(lambda v: not v, "evaluation is planned and packed by hf_longctx like training",
-                             "leave it None / False"),
-    "pad_to_multiple_of": _refused(
-        lambda v: v is None, "micro-batches are padded by the layout (each document to the ring's multiple, the total to the "
-        "SP degree's), not by TRL's collator", "leave it None"),
-    "loss_type": _refused(_is("nll"), "only 'nll' (the model's token loss) is exact under SP", "use loss_type='nll'"),
-    "activation_offloading": _refused(
-        _falsy, "TRL's offloading wraps the forward outside the SP attention binding",
-        "use patch(model, mesh, memory='max') (checkpointing with offloaded inputs, K/V offload)"),
-}
-
-
-def field_defaults(cls: type) -> dict[str, Any]:
-    """{field: default} of a dataclass (TrainingArguments / a TRL config)."""
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
-
-
-def _message(name: str, value: Any, rule: Rule) -> str:
-    return f"{name}={value!r}: {rule.note}; do instead: {rule.instead}"
-
-
 def refused_arguments(args: Any) -> list[str]:
     """One line per refused `TrainingArguments` value (a field missing from the table is refused
     when it differs from its default: a setting of a newer transformers is never dropped unseen)."""
@@ -307,42 +234,8 @@ def refused_arguments(args: Any) -> list[str]:
                     "so it cannot say it is honoured; do instead: leave it at its default and report it"
                 )
         elif rule.kind == "refused" and not rule.ok(value):
-            errors.append(_message(f.name, value, rule))
+            errors.append(refusal_message(f.name, value, rule))
     return errors
-
-
-def refused_config_fields(args: Any, config_cls: type, table: dict[str, Rule]) -> list[str]:
-    """The refused values of the fields a TRL config class (`SFTConfig`, `GRPOConfig`, ...) adds
-    to `TrainingArguments`, by `table`; a field missing from it is refused when it differs from
-    its default (a newer TRL's field is never dropped unseen)."""
-    from transformers import TrainingArguments
-
-    base = {f.name for f in dataclasses.fields(TrainingArguments)}
-    defaults = field_defaults(config_cls)
-    label = config_cls.__name__
-    errors = []
-    for f in dataclasses.fields(config_cls):
-        if f.name in base:
-            continue
-        value, rule = getattr(args, f.name, None), table.get(f.name)
-        if rule is None:
-            if f.name in defaults and value != defaults[f.name]:
-                errors.append(f"{label}.{f.name}={value!r}: not classified by hf_longctx (newer TRL?); do instead: "
-                              "leave it at its default and report it")
-        elif rule.kind == "refused" and not rule.ok(value):
-            errors.append(f"{label}." + _message(f.name, value, rule))
-    return errors
-
-
-def refused_sft_fields(args: Any) -> list[str]:
-    """The refused values of TRL `SFTConfig`-only fields (nothing for plain TrainingArguments)."""
-    try:
-        from trl import SFTConfig
-    except ImportError:
-        return []
-    if not isinstance(args, SFTConfig):
-        return []
-    return refused_config_fields(args, SFTConfig, SFT_CONFIG)
 
 
 def refused_parameters(params: dict[str, Any]) -> list[str]:

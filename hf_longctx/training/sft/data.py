@@ -29,16 +29,17 @@ Nothing is truncated here: a document longer than `max_tokens` is the planner's 
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX
-from hf_longctx.data.token_ids import DOCUMENT_KEY, Vocabulary, check_token_ids
+from hf_longctx.data.token_ids import Vocabulary, check_token_ids
 from hf_longctx.errors import NotSupported
 from hf_longctx.distributed.flex.collator import FlexCollator, layout_text
+from hf_longctx.training.base.step_data import StepStream, _Rows
 
 
 def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
@@ -186,60 +187,6 @@ def say_truncation(lengths: Sequence[int], max_tokens: int, overlong: str, *, na
         "raise max_tokens",
         stacklevel=3,
     )
-
-
-class StepStream(torch.utils.data.Sampler):
-    """Batch sampler of the step DataLoader: the step sampler's index lists.
-
-    `endless=True` (training) continues into the next epoch instead of ending, so a Trainer
-    "epoch" (`len()` = the steps of the sampler's first epoch; epochs differ slightly since
-    steps are cut by a token budget) never drops the tail of a sampler epoch; `max_steps` ends
-    training. `endless=False` (evaluation) yields one pass.
-    """
-
-    def __init__(self, sampler: StepSampler, *, endless: bool) -> None:
-        self.sampler = sampler
-        self.endless = endless
-        self._len = len(sampler.epoch_steps(sampler.epoch))
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[list[int]]:
-        if not self.endless:
-            yield from self.sampler
-            return
-        while True:
-            empty = True
-            for indices in self.sampler:
-                empty = False
-                yield indices
-            if empty:
-                raise ValueError("the step sampler yields no step: the dataset is empty")
-
-
-class _Rows(torch.utils.data.Dataset):
-    """Dataset rows as the collator's features (only the columns it reads), fetched per step;
-    each names its source row under `DOCUMENT_KEY`, so a bad row is named by its index."""
-
-    def __init__(self, dataset: Any, columns: list[str], name: str = "dataset", unit: str = "document") -> None:
-        self.dataset = dataset
-        self.columns = columns
-        self.name = name
-        self.unit = unit
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
-        rows = self.dataset.select_columns(self.columns)[indices]  # {column: [value per document]}
-        return [
-            {**dict(zip(self.columns, values)), DOCUMENT_KEY: f"{self.name} {self.unit} {i}"}
-            for i, values in zip(indices, zip(*(rows[c] for c in self.columns)))
-        ]
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.__getitems__([index])[0]
 
 
 class StepCollate:

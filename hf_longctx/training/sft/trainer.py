@@ -3,7 +3,7 @@
 
 Where it sits: on top of the whole data flow of DESIGN.md, in place of a hand-written loop.
 Per optimizer step the Trainer's own loop calls `training_step` once with the step dict of
-`steps.py` (same global documents on every rank → cost-balanced plan → this rank's sharded
+`sft/data.py` (same global documents on every rank → cost-balanced plan → this rank's sharded
 micro-batches); it runs forward/backward on each micro-batch of the `patch`ed model (USP /
 FPDT attention) with FSDP's reduce-scatter only on the last, then the Trainer clips, steps
 the optimizer and the scheduler, logs, evaluates and checkpoints as usual.
@@ -21,14 +21,14 @@ in five places on this stack; each is one override here:
 3. it logs `nested_gather(tr_loss).mean()` -- `log` puts the step's `global_loss` there;
 4. its eval loss averages per-batch means -- `evaluation_loop` returns Σ token losses /
    Σ valid targets over the whole eval set;
-5. it saves rank 0's optimizer state only -- every rank writes its shards (`checkpoint.py`).
+5. it saves rank 0's optimizer state only -- every rank writes its shards (`base/saving.py`).
 `grad_norm` and clipping use torch's `clip_grad_norm_` on the (DTensor) gradients: the norm
 of the true, summed gradient.
 
 The mixin is the list of Trainer overrides; each points to where its logic lives:
-construction checks and builders `construction.py`, the step `step_loop.py`, evaluation
-`evaluation.py`, checkpoints `checkpoint.py`, the step DataLoader `steps.py`, argument
-refusals `checks.py` / `arguments.py`, logging windows `metrics.py`.
+construction checks and builders `base/construction.py`, the step `step_loop.py`, evaluation
+`evaluation.py`, checkpoints `base/saving.py`, the step DataLoader `sft/data.py`, argument
+refusals `refusals/checks.py` / `refusals/training_arguments.py`, logging windows `metrics.py`.
 
 Flexible SP groups (FlexSP / Hydraulis): `mesh=` a `GroupBank` (`init_group_bank`) and
 `max_tokens_per_rank=` instead of `max_tokens`. The model is `patch(model, bank)`ed, FSDP2
@@ -65,7 +65,9 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
 from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
+from hf_longctx.training.refusals import checks
 from hf_longctx.training.refusals.checks import check_process_group, check_trainer_parameters, check_training_arguments
+from hf_longctx.training.sft import collators
 from hf_longctx.training.base.evaluation import evaluate
 from hf_longctx.training.base.faults import WatchdogCallback
 from hf_longctx.training.base.log_lines import use_number_logs
@@ -120,30 +122,30 @@ class LongContextTrainerMixin:
         max_tokens_per_rank: int | None = None, unequal_calls: bool = False, sync_each_microbatch: bool = False,
         param_offload: bool = False, vision_cost: Any = None, **kwargs: Any,
     ) -> None:
-        # Every check runs on every rank alike, before any collective (construction.py).
+        # Every check runs on every rank alike, before any collective (base/construction.py).
         if not isinstance(mesh, (SPMesh, GroupBank)):
             raise TypeError(
                 "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
                 f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
             )
         self.mesh = mesh
-        build.check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
-        build.check_options(mesh, unequal_calls, sync_each_microbatch, param_offload)
+        checks.check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
+        checks.check_options(mesh, unequal_calls, sync_each_microbatch, param_offload)
         self.sync_each_microbatch = sync_each_microbatch
         self.param_offload = param_offload
         self.last_plan: StepRecord | None = None  # the last step's plan, modelled and measured times
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
         self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
-        self.max_tokens = build.largest_piece(mesh, max_tokens, max_tokens_per_rank)
-        self.tokens_per_step = build.positive_int("tokens_per_step", tokens_per_step)
+        self.max_tokens = collators.largest_piece(mesh, max_tokens, max_tokens_per_rank)
+        self.tokens_per_step = checks.positive_int("tokens_per_step", tokens_per_step)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             check_training_arguments(training_args, type(self).__name__)  # before anything else, on every rank alike
-        # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (arguments.py).
+        # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (refusals/training_arguments.py).
         check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
         model = kwargs.get("model", args[0] if args else None)
-        build.check_patched(model, mesh)
-        build.check_mesh_world(mesh)
+        checks.check_patched(model, mesh)
+        checks.check_mesh_world(mesh)
         # The Trainer writes args.use_cache into model.config; the exported model keeps the user's value.
         self._config_use_cache = getattr(getattr(hf_model(model), "config", None), "use_cache", None)
         if mesh.world_size > 1 and not trainer_takes_sharded_models():  # every rank alike, before any collective
@@ -165,7 +167,7 @@ class LongContextTrainerMixin:
             self.args.ddp_find_unused_parameters = None
         check_training_arguments(self.args, type(self).__name__)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
-        self.vision_collator = build.vision_collator(
+        self.vision_collator = collators.vision_collator(
             mesh, self.model, max_tokens=self.max_tokens, cost=cost, vision_cost=vision_cost, strategy=strategy,
             overlong=overlong, seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
         )
@@ -177,7 +179,7 @@ class LongContextTrainerMixin:
         self._train_lengths = self._check_train_data(overlong, vocab) if self.train_dataset is not None else None
         hf_config = getattr(hf_model(self.model), "config", None)
         self._flops_model = CostModel.from_config(hf_config) if hf_config is not None else None
-        self.collator, self.eval_collator = build.build_collators(
+        self.collator, self.eval_collator = collators.build_collators(
             mesh, max_tokens=self.max_tokens, max_tokens_per_rank=max_tokens_per_rank, cost=cost,
             flops_model=self._flops_model, hf_config=hf_config, strategy=strategy, overlong=overlong,
             seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
@@ -196,7 +198,7 @@ class LongContextTrainerMixin:
     def _check_train_data(self, overlong: str, vocab: Any = None) -> list[int]:
         """The train dataset's document lengths, checked against the caps, and its token ids
         against the model's vocabulary (a subclass with other units, e.g. the preference pairs
-        of dpo_trainer.py, overrides it; its collate checks the ids per step)."""
+        of dpo/trainer.py, overrides it; its collate checks the ids per step)."""
         check_dataset(self.train_dataset)
         check_dataset_token_ids(self.train_dataset, vocab)
         lengths = document_lengths(self.train_dataset)
@@ -216,7 +218,7 @@ class LongContextTrainerMixin:
         if self.mesh.world_size == 1:  # several ranks: fully_shard places the shards
             super()._move_model_to_device(model, device)
 
-    # ---- data: one DataLoader item = one optimizer step (steps.py) ---------------------------------
+    # ---- data: one DataLoader item = one optimizer step (sft/data.py) ---------------------------------
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         if self.train_dataset is None:
             raise ValueError("LongContextTrainer: training requires a train_dataset")
@@ -297,7 +299,7 @@ class LongContextTrainerMixin:
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         return evaluate(self, dataloader, metric_key_prefix)
 
-    # ---- checkpoints: (5) every rank's shards (checkpoint.py) ---------------------------------------
+    # ---- checkpoints: (5) every rank's shards (base/saving.py) ---------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
         return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)

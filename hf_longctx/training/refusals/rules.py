@@ -1,0 +1,76 @@
+"""The form of every refusal table: `Rule` (how a setting is honoured, or which values are
+refused and what to do instead), the table-driven checks over a config dataclass, and the
+message of one refused value.
+
+Where it sits: under the tables of `refusals/` (TrainingArguments, Trainer parameters, TRL's
+SFT / DPO / GRPO configs); the trainers' construction runs them on every rank alike, before
+any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str  # "trainer" | "ours" | "mapped" | "refused"
+    note: str
+    ok: Callable[[Any], bool] | None = None  # refused: which values are accepted
+    instead: str = ""
+
+
+def _trainer(note: str = "the Trainer's own code path, not overridden") -> Rule:
+    return Rule("trainer", note)
+
+
+def _refused(ok: Callable[[Any], bool], note: str, instead: str) -> Rule:
+    return Rule("refused", note, ok, instead)
+
+
+def _falsy(v: Any) -> bool:
+    return not v
+
+
+def _is(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v == value
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """{field: default} of a dataclass (TrainingArguments / a TRL config)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def refusal_message(name: str, value: Any, rule: Rule) -> str:
+    return f"{name}={value!r}: {rule.note}; do instead: {rule.instead}"
+
+
+def refused_config_fields(args: Any, config_cls: type, table: dict[str, Rule]) -> list[str]:
+    """The refused values of the fields a TRL config class (`SFTConfig`, `GRPOConfig`, ...) adds
+    to `TrainingArguments`, by `table`; a field missing from it is refused when it differs from
+    its default (a newer TRL's field is never dropped unseen)."""
+    from transformers import TrainingArguments
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    defaults = field_defaults(config_cls)
+    label = config_cls.__name__
+    errors = []
+    for f in dataclasses.fields(config_cls):
+        if f.name in base:
+            continue
+        value, rule = getattr(args, f.name, None), table.get(f.name)
+        if rule is None:
+            if f.name in defaults and value != defaults[f.name]:
+                errors.append(f"{label}.{f.name}={value!r}: not classified by hf_longctx (newer TRL?); do instead: "
+                              "leave it at its default and report it")
+        elif rule.kind == "refused" and not rule.ok(value):
+            errors.append(f"{label}." + refusal_message(f.name, value, rule))
+    return errors

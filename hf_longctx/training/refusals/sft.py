@@ -1,0 +1,60 @@
+"""TRL's `SFTConfig` fields beyond `TrainingArguments`, classified for `LongContextTrainerMixin`
+in front of TRL's `SFTTrainer`: honoured by TRL's own data preparation, or refused.
+
+Where it sits: part of `checks.check_training_arguments`, at construction, on every rank alike
+and before any collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_longctx.training.refusals.rules import Rule, _falsy, _is, _refused, _trainer, refused_config_fields
+
+
+# TRL's SFTConfig fields beyond TrainingArguments (TRL 1.16); LongContextTrainerMixin in front of SFTTrainer.
+_TRL_DATA = "TRL's own dataset preparation (tokenising, chat templates, masks folded into labels), which runs unchanged"
+
+
+SFT_CONFIG: dict[str, Rule] = {
+    "model_init_kwargs": _refused(
+        lambda v: not v, "they apply only when TRL loads the model from a name, and the trainer needs a patched instance",
+        "load the model yourself with those kwargs, patch it, and pass model="),
+    "trust_remote_code": _trainer("used by TRL only when it loads a model or tokenizer from a name"),
+    "router_aux_loss_coef": _trainer("TRL adds the router loss only with output_router_logits=True, which patch() refuses"),
+    "chat_template_path": _trainer(_TRL_DATA), "dataset_text_field": _trainer(_TRL_DATA),
+    "dataset_kwargs": _trainer(_TRL_DATA), "dataset_num_proc": _trainer(_TRL_DATA), "eos_token": _trainer(_TRL_DATA),
+    "pad_token": _trainer(_TRL_DATA + "; its id pads the micro-batches"),
+    "completion_only_loss": _trainer(_TRL_DATA + " (completion_mask -> labels -100 on the prompt)"),
+    "assistant_only_loss": _trainer(_TRL_DATA + " (assistant_masks -> labels -100 elsewhere)"),
+    "shuffle_dataset": _trainer("TRL shuffles the prepared dataset; the step sampler then draws it in its own seeded order"),
+    "max_length": _refused(
+        lambda v: v is None, "TRL would truncate every longer document silently",
+        "pass max_length=None (the cap is the trainer's max_tokens, and overlong= decides what happens above it)"),
+    "truncation_mode": _trainer("applies only with max_length, which must be None"),
+    "packing": _refused(_falsy, "hf_longctx's planner packs documents itself (cost-balanced, per-document attention)",
+                        "set packing=False"),
+    "packing_strategy": _trainer("applies only with packing, which must be False"),
+    "padding_free": _refused(_falsy, "hf_longctx's planner packs documents itself (cost-balanced, per-document attention)",
+                             "set padding_free=False"),
+    "eval_packing": _refused(lambda v: not v, "evaluation is planned and packed by hf_longctx like training",
+                             "leave it None / False"),
+    "pad_to_multiple_of": _refused(
+        lambda v: v is None, "micro-batches are padded by the layout (each document to the ring's multiple, the total to the "
+        "SP degree's), not by TRL's collator", "leave it None"),
+    "loss_type": _refused(_is("nll"), "only 'nll' (the model's token loss) is exact under SP", "use loss_type='nll'"),
+    "activation_offloading": _refused(
+        _falsy, "TRL's offloading wraps the forward outside the SP attention binding",
+        "use patch(model, mesh, memory='max') (checkpointing with offloaded inputs, K/V offload)"),
+}
+
+
+def refused_sft_fields(args: Any) -> list[str]:
+    """The refused values of TRL `SFTConfig`-only fields (nothing for plain TrainingArguments)."""
+    try:
+        from trl import SFTConfig
+    except ImportError:
+        return []
+    if not isinstance(args, SFTConfig):
+        return []
+    return refused_config_fields(args, SFTConfig, SFT_CONFIG)
