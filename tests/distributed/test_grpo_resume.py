@@ -162,12 +162,12 @@ def test_grpo_resume_refuses_another_reference_or_a_foreign_checkpoint(tmp_path)
     import json
     from types import SimpleNamespace
 
-    from hf_longctx.training.grpo.resume import REFERENCE_FILE, load_grpo_state
+    from hf_longctx.training.grpo.resume import REFERENCE_FILE, check_reference_source
 
-    trainer = SimpleNamespace(ref_model=SimpleNamespace(config=SimpleNamespace(_name_or_path="other/ref")))
+    ref_model = SimpleNamespace(config=SimpleNamespace(_name_or_path="other/ref"))
     (tmp_path / "checkpoint-1").mkdir()  # e.g. written by a stock GRPOTrainer
     with pytest.raises(ValueError, match="not written by a LongGRPOTrainer"):
-        load_grpo_state(trainer, str(tmp_path / "checkpoint-1"))
+        check_reference_source(str(tmp_path / "checkpoint-1"), ref_model)
     (tmp_path / "checkpoint-1" / REFERENCE_FILE).write_text(json.dumps({"reference": "first/ref"}))
     with pytest.raises(ValueError, match="'first/ref'.*'other/ref'(.|\\n)*do instead"):
-        load_grpo_state(trainer, str(tmp_path / "checkpoint-1"))
+        check_reference_source(str(tmp_path / "checkpoint-1"), ref_model)

@@ -30,7 +30,7 @@ def _model(path, mesh=None):
 
 def _reference_first_loss(path, ds, trainer) -> float:
     """Mean token loss of the first step's documents, unpatched model, per document, HF shift."""
-    sampler_steps = trainer._step_sampler.epoch_steps(0)
+    sampler_steps = trainer.step_sampler.epoch_steps(0)
     model = _model(path)
     total, count = 0.0, 0
     for i in sampler_steps[0].tolist():

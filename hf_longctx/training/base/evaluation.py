@@ -33,11 +33,11 @@ def evaluate(trainer: Any, dataloader: Any, metric_key_prefix: str) -> EvalLoopO
                 with trainer.accelerator.autocast():
                     loss = trainer.compute_loss(model, trainer._prepare_inputs(mb))
                 local += loss.double() * n  # undo the step normalisation: this rank's token-loss sum
-                if trainer._watchdog is not None:  # evaluation is progress too (it runs between steps)
-                    trainer._watchdog.beat(trainer.state.global_step)
+                if trainer.watchdog is not None:  # evaluation is progress too (it runs between steps)
+                    trainer.watchdog.beat(trainer.state.global_step)
             targets += n  # the same on every rank
             tokens += step["tokens"]
-        total = global_loss(local, trainer._world_mesh)  # []: Σ over all ranks
+        total = global_loss(local, trainer.world_mesh)  # []: Σ over all ranks
         flush_token_stats(trainer, "eval", None)
     metrics = {
         f"{metric_key_prefix}_loss": float(total) / max(targets, 1),

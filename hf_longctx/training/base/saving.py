@@ -114,41 +114,46 @@ def save_consolidated(model: torch.nn.Module, output_dir: str, *, is_main: bool,
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file name
 
 
-def save_step_state(trainer: Any, output_dir: str) -> None:
+def save_step_state(output_dir: str, model: torch.nn.Module, optimizer: Any, scheduler: Any, sampler: Any, *,
+                    is_main: bool, step: int, paused: Any) -> None:
     """`_save_optimizer_and_scheduler`: every rank's shards of model and optimizer + the sampler
-    position; the scheduler as the Trainer saves it."""
+    position; the scheduler as the Trainer saves it. `paused`: a context in which a watchdog
+    does not count (saving is no step)."""
     from hf_longctx.training.base.faults import comm_guard
 
     os.makedirs(output_dir, exist_ok=True)
-    with comm_guard(trainer.state.global_step), trainer._watchdog_paused():
-        save_sharded(output_dir, trainer.model, trainer.optimizer, trainer._step_sampler, is_main=trainer.args.should_save)
-    if trainer.args.should_save:
-        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+    with comm_guard(step), paused:
+        save_sharded(output_dir, model, optimizer, sampler, is_main=is_main)
+    if is_main:
+        torch.save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
 
-def load_step_state(trainer: Any, checkpoint: str | None) -> None:
+def load_step_state(checkpoint: str | None, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                    sampler: Any) -> None:
     """`_load_optimizer_and_scheduler`: the weights come back here too (one distributed-checkpoint
     read, after the optimizer exists), with the optimizer state, sampler position and scheduler."""
     if checkpoint is None:
         return
-    load_sharded(checkpoint, trainer.model, trainer.optimizer, trainer._step_sampler)
-    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+    load_sharded(checkpoint, model, optimizer, sampler)
+    scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
 
-def save_trained_model(trainer: Any, output_dir: str, config: Any) -> None:
+def save_trained_model(model: torch.nn.Module, output_dir: str, config: Any, *, use_cache: bool | None,
+                       processing_class: Any, args: Any, paused: Any) -> None:
     """`save_model`: `save_pretrained` of the consolidated model (loads unpatched with
-    `from_pretrained`), with `config.use_cache` as the user loaded it (the Trainer writes its
-    training-time value into the config), the processing class and the training arguments."""
+    `from_pretrained`), with `config.use_cache` as the user loaded it (`use_cache`; the Trainer
+    writes its training-time value into the config), the processing class and the training
+    arguments."""
     trained_value = getattr(config, "use_cache", None)
-    if config is not None and trainer._config_use_cache is not None:
-        config.use_cache = trainer._config_use_cache  # the model as loaded, not the Trainer's training-time value
+    if config is not None and use_cache is not None:
+        config.use_cache = use_cache  # the model as loaded, not the Trainer's training-time value
     try:
-        with trainer._watchdog_paused():
-            save_consolidated(trainer.model, output_dir, is_main=trainer.args.should_save)
+        with paused:
+            save_consolidated(model, output_dir, is_main=args.should_save)
     finally:
         if config is not None and trained_value is not None:
             config.use_cache = trained_value
-    if trainer.args.should_save:
-        if trainer.processing_class is not None:
-            trainer.processing_class.save_pretrained(output_dir)
-        torch.save(trainer.args, os.path.join(output_dir, "training_args.bin"))
+    if args.should_save:
+        if processing_class is not None:
+            processing_class.save_pretrained(output_dir)
+        torch.save(args, os.path.join(output_dir, "training_args.bin"))

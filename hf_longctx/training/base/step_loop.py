@@ -36,11 +36,11 @@ def run_step(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any]) -> to
     local = torch.zeros((), dtype=torch.float64, device=trainer.args.device)  # Σ this rank's micro-batch losses
     times: list[float] = []
     unsharded = fsdp and not inputs.get("equal_calls", True)
-    watchdog = trainer._watchdog
+    watchdog = trainer.watchdog
     with comm_guard(step, watchdog.timeout_s if watchdog else None), ExitStack() as stack:
         if unsharded:  # unequal counts: gather once, sync in this rank's own last backward
             if not trainer._unsharded_checked:  # the bytes it needs do not change during the run
-                check_unsharded_step(model, trainer._world_mesh.world_mesh.get_group())
+                check_unsharded_step(model, trainer.world_mesh.world_mesh.get_group())
                 trainer._unsharded_checked = True
             before_backward = stack.enter_context(unsharded_step(model, len(micro_batches)))
         for i, mb in enumerate(micro_batches):
@@ -57,7 +57,7 @@ def run_step(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any]) -> to
             times.append(time.perf_counter() - t0)
             if watchdog is not None:
                 watchdog.beat(step)
-        step_loss = global_loss(local, trainer._world_mesh)  # []: the step's global token mean, on every rank
+        step_loss = global_loss(local, trainer.world_mesh)  # []: the step's global token mean, on every rank
         every = trainer.args.torch_empty_cache_steps
         if every is not None and trainer.state.global_step % every == 0:  # as Trainer.training_step does
             from accelerate.utils import clear_device_cache

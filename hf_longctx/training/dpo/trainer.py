@@ -35,7 +35,6 @@ import torch.distributed as dist
 from trl import DPOTrainer
 
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.training.base.reference import default_reference, reference_on_mesh
 from hf_longctx.training.refusals.dpo import refuse_dpo, check_dpo_trainer, check_pair_dataset
 from hf_longctx.training.dpo.loss import TOKEN_SUMS, completion_logps, dpo_loss, token_metric_sums
@@ -66,16 +65,14 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         for name in ("max_tokens_per_rank", "unequal_calls", "overlong"):
             if name in kwargs:
                 refuse_dpo(f"{name} is not supported", "pairs are never split or truncated; use max_tokens with an SPMesh")
-        if ref_model is None:
-            ref_model = default_reference(model, mesh, args.trust_remote_code)
-        elif ref_model is model:
+        if ref_model is model:
             raise ValueError("model and ref_model must be different objects: leave ref_model=None for TRL's default copy")
+        if ref_model is None:  # TRL's default: the policy loaded again from its path
+            ref_model = default_reference(model, mesh, args.trust_remote_code)
         else:
             ref_model = reference_on_mesh(ref_model, model, mesh)
         super().__init__(model=model, ref_model=ref_model, args=args, mesh=mesh, **kwargs)
-        if mesh.world_size > 1:  # ZeRO-3 like the policy: forward-only all-gathers, no replica per rank
-            fsdp_plan(self.ref_model, mesh, mixed_precision="bf16" if self.args.bf16 else "fp32",
-                      param_offload=self.param_offload).apply(self.ref_model)
+        self._place_reference(self.ref_model)  # ZeRO-3 like the policy: forward-only all-gathers
         self._token_stats = None  # TRL's token metrics come from token_metric_sums (step_loop's TokenStats unused)
         self._pair_collate = PairStepCollate(
             mesh, self.max_tokens, cost=self.collator.cost, strategy=self.collator.strategy,
@@ -109,7 +106,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        loader, self._step_sampler = pair_step_dataloader(
+        loader, self.step_sampler = pair_step_dataloader(
             self.train_dataset.select_columns(list(PAIR_COLUMNS)), self._pair_collate,
             tokens_per_step=self.tokens_per_step, seed=seed, shuffle=True, lengths=self._train_lengths)
         return loader

@@ -4,7 +4,7 @@ through `base/saving.py` (no second format) and TRL's sampler continuing in the 
 Where it sits: `LongGRPOTrainer`'s checkpoint hooks (`_save_optimizer_and_scheduler`,
 `_load_optimizer_and_scheduler`, `_init_training_state`, `_get_train_sampler`) call these. A
 checkpoint of LongGRPOTrainer holds:
-- every rank's FSDP2 shards of the policy AND its optimizer state (`checkpoint.save_sharded`,
+- every rank's FSDP2 shards of the policy AND its optimizer state (`saving.save_sharded`,
   torch distributed checkpoint) and the scheduler -- as `LongContextTrainer` writes them;
 - the Trainer's own files: `trainer_state.json` (global step, log history), per-rank
   `rng_state_<rank>.pth` (restored before the resumed step's generation, so sampling continues
@@ -31,8 +31,6 @@ from typing import Any, Iterator
 import torch
 from trl.trainer.utils import RepeatSampler
 
-from hf_longctx.training.base.saving import load_step_state, save_step_state
-
 
 REFERENCE_FILE = "hf_longctx_grpo_reference.json"
 
@@ -58,43 +56,34 @@ def resumable_sampler(sampler: RepeatSampler) -> ResumableRepeatSampler:
     return sampler  # type: ignore[return-value]
 
 
-def skip_trained_epochs(trainer: Any, epochs_trained: int) -> None:
+def skip_trained_epochs(sampler: Any, epochs_trained: int) -> None:
     """After the Trainer restored its state: the train sampler starts at epoch `epochs_trained`."""
-    sampler = getattr(trainer, "_repeat_sampler", None)
     if epochs_trained and isinstance(sampler, ResumableRepeatSampler):
         sampler.epochs_done = epochs_trained
-    # TRL's count of training_step calls (one per optimizer step here: gradient accumulation is refused)
-    trainer._step = trainer.state.global_step
 
 
-def save_grpo_state(trainer: Any, output_dir: str) -> None:
-    """`_save_optimizer_and_scheduler`: every rank's policy and optimizer shards + the scheduler
-    (+ where the frozen reference comes from, beta > 0)."""
-    save_step_state(trainer, output_dir)
-    if trainer.args.should_save:
+def save_reference_source(output_dir: str, ref_model: Any, *, is_main: bool) -> None:
+    """Beside the policy's shards (`base/saving.py`): where the frozen reference comes from (beta > 0)."""
+    if is_main:
         with open(os.path.join(output_dir, REFERENCE_FILE), "w") as f:
-            json.dump({"reference": _reference_source(trainer)}, f)
+            json.dump({"reference": _reference_source(ref_model)}, f)
 
 
-def load_grpo_state(trainer: Any, checkpoint: str | None) -> None:
-    """`_load_optimizer_and_scheduler`: the policy's weights, optimizer state and scheduler (a collective),
-    after checking (every rank alike, before the collective) that the reference is the saved run's."""
-    if checkpoint is None:
-        return
+def check_reference_source(checkpoint: str, ref_model: Any) -> None:
+    """Before the policy's shards are read (a collective), on every rank alike: the checkpoint
+    was written by a LongGRPOTrainer whose reference came from where this one's does."""
     path = os.path.join(checkpoint, REFERENCE_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"{checkpoint} has no {REFERENCE_FILE}: it was not written by a LongGRPOTrainer (or saving "
                          "crashed); resume from a complete checkpoint of the same run")
     with open(path) as f:
         saved = json.load(f)["reference"]
-    if saved != _reference_source(trainer):
+    if saved != _reference_source(ref_model):
         raise ValueError(f"{checkpoint} was trained against the reference {saved!r}, this trainer's is "
-                         f"{_reference_source(trainer)!r} (TRL loads it from the policy's config._name_or_path; it "
+                         f"{_reference_source(ref_model)!r} (TRL loads it from the policy's config._name_or_path; it "
                          "is not in the checkpoint); do instead: load the policy from the path the first run used")
-    load_step_state(trainer, checkpoint)
 
 
-def _reference_source(trainer: Any) -> str | None:
+def _reference_source(ref: Any) -> str | None:
     """Where TRL loaded the frozen reference from (None: beta = 0, no reference)."""
-    ref = getattr(trainer, "ref_model", None)
     return None if ref is None else str(getattr(ref.config, "_name_or_path", ""))

@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import inspect
 import time
-import os
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -57,28 +55,28 @@ import torch.distributed as dist
 import transformers
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
 from hf_longctx.devices import to_device
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
-from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.loss import global_loss
 from hf_longctx.training.base import construction as build
-from hf_longctx.training.base.saving import resolve_resume, save_consolidated
-from hf_longctx.training.refusals.checks import check_mesh_world, check_patched, check_process_group
-from hf_longctx.training.refusals.grpo import refusals, refused_grpo_fields
-from hf_longctx.training.grpo.resume import load_grpo_state, resumable_sampler, save_grpo_state, skip_trained_epochs
+from hf_longctx.training.base.log_lines import use_number_logs
+from hf_longctx.training.base.reference import reference_on_mesh
+from hf_longctx.training.base.trainer import SPTrainerBase
 from hf_longctx.training.grpo.generate import unpatched_for_generation
 from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 from hf_longctx.training.grpo.microbatches import merge_metrics, plan_rows, slot_tokens
-from hf_longctx.training.base.log_lines import use_number_logs
-from hf_longctx.training.base.step_loop import grad_norm as total_grad_norm
+from hf_longctx.training.grpo.resume import (
+    check_reference_source, resumable_sampler, save_reference_source, skip_trained_epochs,
+)
+from hf_longctx.training.refusals.checks import check_process_group
+from hf_longctx.training.refusals.grpo import refusals, refused_grpo_fields
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # positional order, without self
 _NUM_SEQUENCES = "grpo_num_sequences"
 
 
-class LongGRPOTrainer(GRPOTrainer):
+class LongGRPOTrainer(SPTrainerBase, GRPOTrainer):
     """`trl.GRPOTrainer` with `mesh=` (from `init_sequence_parallel`; the model `patch(model, mesh)`ed).
 
     `LongGRPOTrainer(model=patch(model, mesh), reward_funcs=..., args=GRPOConfig(...),
@@ -113,38 +111,20 @@ class LongGRPOTrainer(GRPOTrainer):
             raise NotSupported("LongGRPOTrainer cannot honour exactly:\n  " + "\n  ".join(errors),
                                "change the values listed above as each line says")
         self.objective = GRPOObjective.from_config(config)
-        check_patched(params.get("model"), mesh)
-        check_mesh_world(mesh)
-        if mesh.world_size > 1 and not trainer_takes_sharded_models():
-            raise RuntimeError(f"LongGRPOTrainer on {mesh.world_size} ranks needs transformers >= "
-                               f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded "
-                               f"before prepare); transformers {transformers.__version__} would wrap it in DDP")
+        self._setup_mesh(params.get("model"), mesh)  # patched with mesh, process group, transformers version
         mapped = build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=...)
         args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)  # the user's config unchanged
-        self.mesh = mesh
         self.max_tokens = max_tokens
         self.last_num_microbatches = 0  # micro-batches of the last step (the same on every rank)
         self._microbatch_metrics: list[dict[str, float]] = []
-        self._step_sampler = None  # base/saving.py's step sampler: none here (TRL's sampler, grpo/resume.py)
         super().__init__(*args, **kwargs)
         use_number_logs(self)  # the progress bar / printer show numbers unquoted
         self._throughput = [0, 0.0]  # trained tokens (prompt + completion, whole world), seconds: since the last log
         check_process_group(self.args)
-        if self.ref_model is not None:  # TRL loaded it from the policy's name: patched with the same mesh
-            from hf_longctx.integrations.transformers import patch
-
-            patch(self.ref_model, mesh)
-        if mesh.world_size > 1:
-            build.shard_model(self.model, mesh, bf16=self.args.bf16, param_offload=False)
-            if self.ref_model is not None:  # sharded like the policy: every rank runs its one forward per step
-                self.ref_model.requires_grad_(False)
-                fsdp_plan(self.ref_model, mesh, mixed_precision="bf16" if self.args.bf16 else "fp32").apply(self.ref_model)
-            # The Trainer's path for a model that owns placement and gradient reduction: no DDP, no .to() of shards.
-            self.is_distributed_loading_by_transformers = True
-
-    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
-        if self.mesh.world_size == 1:  # several ranks: fully_shard placed the shards
-            super()._move_model_to_device(model, device)
+        self._place_model()
+        if self.ref_model is not None:  # TRL loaded it from the policy's name: patched like the policy, frozen
+            self.ref_model = reference_on_mesh(self.ref_model, self.model, mesh)
+            self._place_reference(self.ref_model)  # every rank runs the reference's one forward per step
 
     # ---- (1) generation: TRL's own path on gathered, unpatched weights ------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -242,49 +222,25 @@ class LongGRPOTrainer(GRPOTrainer):
             self._throughput = [0, 0.0]
         super().log(logs, start_time)
 
-    # ---- checkpoints and resume (grpo/resume.py: the sharded states of base/saving.py) -----------
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`save_pretrained` of the consolidated policy (a collective: call it on every rank); the
-        directory loads unpatched with `from_pretrained`. Inside a checkpoint (`_internal_call`) the
-        sharded states stand for the policy, so nothing is gathered there."""
-        output_dir = output_dir or self.args.output_dir
-        if _internal_call:
-            os.makedirs(output_dir, exist_ok=True)
-            return
-        save_consolidated(self.model, output_dir, is_main=self.args.should_save)
-        if self.args.should_save and self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
-        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
-
+    # ---- checkpoints and resume: the base's shards, the reference's source, TRL's sampler (grpo/resume.py) --
     def _get_train_sampler(self, dataset: Any = None) -> Any:
         self._repeat_sampler = resumable_sampler(super()._get_train_sampler(dataset))
         return self._repeat_sampler
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
-        skip_trained_epochs(self, epochs_trained)
+        skip_trained_epochs(getattr(self, "_repeat_sampler", None), epochs_trained)
+        self._step = self.state.global_step  # TRL's count of training_step calls: one per optimizer step here
         return epochs_trained, steps_in_epoch
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        save_grpo_state(self, output_dir)
+        super()._save_optimizer_and_scheduler(output_dir)
+        save_reference_source(output_dir, self.ref_model, is_main=self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        load_grpo_state(self, checkpoint)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        return None  # the weights come back with the optimizer state in `_load_optimizer_and_scheduler`
-
-    def _watchdog_paused(self) -> Any:
-        return nullcontext()
-
-    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        return total_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)
-
-    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
-        return total_grad_norm(model, float("inf"), self.state.global_step + 1) if grad_norm is None else grad_norm
+        if checkpoint is not None:  # every rank alike, before the collective read
+            check_reference_source(checkpoint, self.ref_model)
+        super()._load_optimizer_and_scheduler(checkpoint)
 
 
 class _Slot:

@@ -13,7 +13,7 @@ step's GLOBAL target count and gradients are SUMMED over micro-batches and ranks
 update equals a single-process step on the whole global batch. The stock Trainer breaks it
 in five places on this stack; each is one override here:
 1. under MULTI_CPU/MULTI_GPU Accelerate wraps the model in DDP (an average; it refuses
-   DTensors) -- the mixin applies `fsdp_plan` (FSDP2 over DP × SP, sum reduction) and marks
+   DTensors) -- `SPTrainerBase` applies `fsdp_plan` (FSDP2 over DP × SP, sum reduction) and marks
    the model as owning its placement and gradient reduction, the Trainer's path for models
    sharded at load time, so Accelerate only adds autocast;
 2. `compute_loss` multiplies by `num_processes` under `average_tokens_across_devices` --
@@ -25,10 +25,11 @@ in five places on this stack; each is one override here:
 `grad_norm` and clipping use torch's `clip_grad_norm_` on the (DTensor) gradients: the norm
 of the true, summed gradient.
 
-The mixin is the list of Trainer overrides; each points to where its logic lives:
-construction checks and builders `base/construction.py`, the step `step_loop.py`, evaluation
-`evaluation.py`, checkpoints `base/saving.py`, the step DataLoader `sft/data.py`, argument
-refusals `refusals/checks.py` / `refusals/training_arguments.py`, logging windows `metrics.py`.
+Placement, the version gate, the gradient norm and the checkpoint hooks are `SPTrainerBase`'s
+(`base/trainer.py`, shared with the DPO and GRPO trainers); the mixin adds the token step's
+overrides, each pointing to where its logic lives: the step DataLoader `sft/data.py` and its
+collators `sft/collators.py`, the step `base/step_loop.py`, evaluation `base/evaluation.py`,
+argument refusals `refusals/`, logging windows `base/metrics.py`.
 
 Flexible SP groups (FlexSP / Hydraulis): `mesh=` a `GroupBank` (`init_group_bank`) and
 `max_tokens_per_rank=` instead of `max_tokens`. The model is `patch(model, bank)`ed, FSDP2
@@ -48,23 +49,18 @@ parameter offload or when it does not fit device memory). Evaluation keeps equal
 from __future__ import annotations
 
 import inspect
-import os
-from contextlib import nullcontext
 from typing import Any
 
 import torch
-import transformers
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.devices import to_device
 from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
-from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
 from hf_longctx.training.refusals import checks
 from hf_longctx.training.refusals.checks import check_process_group, check_trainer_parameters, check_training_arguments
 from hf_longctx.training.sft import collators
@@ -73,8 +69,8 @@ from hf_longctx.training.base.faults import WatchdogCallback
 from hf_longctx.training.base.log_lines import use_number_logs
 from hf_longctx.training.base.metrics import StepWindow
 from hf_longctx.training.base.step_loop import flush_token_stats, model_loss, run_step
-from hf_longctx.training.base.step_loop import grad_norm as total_grad_norm
 from hf_longctx.training.base.step_record import StepRecord
+from hf_longctx.training.base.trainer import SPTrainerBase
 from hf_longctx.training.sft.data import (
     check_dataset, check_dataset_token_ids, check_lengths, check_step_budget, document_lengths, say_truncation,
     step_dataloader,
@@ -84,7 +80,7 @@ from hf_longctx.training.sft.token_metrics import TokenStats
 _TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:]  # positional order, without self
 
 
-class LongContextTrainerMixin:
+class LongContextTrainerMixin(SPTrainerBase):
     """Put in front of `transformers.Trainer` or any subclass: `class T(LongContextTrainerMixin, SFTTrainer)`.
 
     Extra keyword arguments: `mesh` (`init_sequence_parallel`, or a `GroupBank` from
@@ -128,14 +124,11 @@ class LongContextTrainerMixin:
                 "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
                 f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
             )
-        self.mesh = mesh
         checks.check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
         checks.check_options(mesh, unequal_calls, sync_each_microbatch, param_offload)
         self.sync_each_microbatch = sync_each_microbatch
         self.param_offload = param_offload
         self.last_plan: StepRecord | None = None  # the last step's plan, modelled and measured times
-        # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
-        self._world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
         self.max_tokens = collators.largest_piece(mesh, max_tokens, max_tokens_per_rank)
         self.tokens_per_step = checks.positive_int("tokens_per_step", tokens_per_step)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -144,17 +137,7 @@ class LongContextTrainerMixin:
         # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (refusals/training_arguments.py).
         check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
         model = kwargs.get("model", args[0] if args else None)
-        checks.check_patched(model, mesh)
-        checks.check_mesh_world(mesh)
-        # The Trainer writes args.use_cache into model.config; the exported model keeps the user's value.
-        self._config_use_cache = getattr(getattr(hf_model(model), "config", None), "use_cache", None)
-        if mesh.world_size > 1 and not trainer_takes_sharded_models():  # every rank alike, before any collective
-            raise RuntimeError(
-                f"LongContextTrainer on {mesh.world_size} ranks needs transformers >= "
-                f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded before "
-                f"prepare); transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade "
-                "transformers, or train on one rank / with hf_longctx.distributed.flex.step.run_flex_step."
-            )
+        self._setup_mesh(model, mesh)  # patched with mesh, process group, transformers version
         if training_args is not None:  # the Trainer gets a copy: the user's object is never changed
             mapped = build.map_activation_checkpointing(model, training_args)
             args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)
@@ -185,14 +168,12 @@ class LongContextTrainerMixin:
             seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
             unequal_calls=unequal_calls, vision=self.vision_collator, vocab=vocab,
         )
-        if mesh.world_size > 1:
-            self._shard_model()
+        self._place_model()
         self._window = StepWindow(world_size=mesh.world_size, device=self.args.device, peak_flops=peak_flops)
         self._token_stats = TokenStats() if hasattr(self, "_metrics") else None  # TRL's metric store
-        self._watchdog = WatchdogCallback(step_timeout_s) if step_timeout_s else None
-        if self._watchdog is not None:
-            self.add_callback(self._watchdog)
-        self._step_sampler = None
+        self.watchdog = WatchdogCallback(step_timeout_s) if step_timeout_s else None
+        if self.watchdog is not None:
+            self.add_callback(self.watchdog)
         self._unsharded_checked = False
 
     def _check_train_data(self, overlong: str, vocab: Any = None) -> list[int]:
@@ -207,23 +188,12 @@ class LongContextTrainerMixin:
         say_truncation(lengths, self.max_tokens, overlong, warn=self.args.process_index == 0)
         return lengths
 
-    # ---- set-up: (1) the model owns its placement and gradient reduction -------------------------
-    def _shard_model(self) -> None:
-        build.shard_model(self.model, self._world_mesh, bf16=self.args.bf16, param_offload=self.param_offload)
-        # The Trainer's path for a model that owns placement and gradient reduction:
-        # Accelerate prepares autocast only (no DDP, no `.to()` of DTensor shards).
-        self.is_distributed_loading_by_transformers = True
-
-    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
-        if self.mesh.world_size == 1:  # several ranks: fully_shard places the shards
-            super()._move_model_to_device(model, device)
-
     # ---- data: one DataLoader item = one optimizer step (sft/data.py) ---------------------------------
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         if self.train_dataset is None:
             raise ValueError("LongContextTrainer: training requires a train_dataset")
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        loader, self._step_sampler = step_dataloader(
+        loader, self.step_sampler = step_dataloader(
             self.train_dataset, self.collator, tokens_per_step=self.tokens_per_step, seed=seed, shuffle=True,
             endless=True, flops_model=self._flops_model, lengths=self._train_lengths,
         )
@@ -273,12 +243,6 @@ class LongContextTrainerMixin:
     def _flush_token_stats(self, mode: str, tokens: int | None) -> None:
         flush_token_stats(self, mode, tokens)
 
-    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        return total_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)
-
-    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:  # the Trainer passes grad_norm=
-        return total_grad_norm(model, float("inf"), self.state.global_step + 1) if grad_norm is None else grad_norm
-
     def floating_point_ops(self, inputs: dict[str, Any]) -> float:
         return inputs.get("flops", 0.0) / self.mesh.world_size  # the Trainer sums every rank's share
 
@@ -298,33 +262,6 @@ class LongContextTrainerMixin:
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         return evaluate(self, dataloader, metric_key_prefix)
-
-    # ---- checkpoints: (5) every rank's shards (base/saving.py) ---------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
-        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        save_step_state(self, output_dir)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        load_step_state(self, checkpoint)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        return None  # the weights come back with the optimizer state in `_load_optimizer_and_scheduler`
-
-    def _watchdog_paused(self):
-        return self._watchdog.paused() if self._watchdog is not None else nullcontext()
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`save_pretrained` of the consolidated model (loads unpatched with `from_pretrained`); inside
-        a checkpoint the sharded states stand for the model, so nothing is gathered there."""
-        output_dir = output_dir or self.args.output_dir
-        if _internal_call:
-            os.makedirs(output_dir, exist_ok=True)
-            return
-        save_trained_model(self, output_dir, getattr(hf_model(self.model), "config", None))
-
 
 class LongContextTrainer(LongContextTrainerMixin, Trainer):
     """`transformers.Trainer` with exact sequence-parallel long-context training.

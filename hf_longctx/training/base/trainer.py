@@ -1,0 +1,124 @@
+"""`SPTrainerBase`: what every trainer of this package overrides in `transformers.Trainer`, once.
+
+Where it sits: in front of the Trainer class in every trainer's bases -- `LongContextTrainerMixin`
+(and so `LongContextTrainer`, the TRL SFT composition and `LongDPOTrainer`) and
+`LongGRPOTrainer`. It holds the hooks that do not depend on the objective: the checks before
+`Trainer.__init__` (model patched with the trainer's mesh, process group, the transformers
+version that accepts a model sharded before `prepare`), the model's placement (FSDP2 over the
+whole DP x SP world, sum reduction; the frozen reference sharded alike), the norm of the summed
+gradient for clipping and logging, and the checkpoint hooks (every rank's shards, the
+consolidated model). A trainer adds only its objective: data, step, loss, metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import transformers
+
+from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
+from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.integrations.accelerate import fsdp_plan
+from hf_longctx.model_walk import hf_model
+from hf_longctx.training.base import construction as build
+from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
+from hf_longctx.training.base.step_loop import grad_norm as summed_grad_norm
+from hf_longctx.training.refusals.checks import check_mesh_world, check_patched
+
+
+class SPTrainerBase:
+    """Put first in a Trainer subclass's bases; call `_setup_mesh` before `Trainer.__init__`,
+    `_place_model` (and `_place_reference` for a frozen reference) after it.
+
+    Attributes a subclass may set: `step_sampler` (the data position a checkpoint saves; None:
+    the Trainer's own batch skip restores it), `watchdog` (a `WatchdogCallback`, paused while
+    saving), `param_offload` (FSDP2 CPU offload of the policy and the reference).
+    """
+
+    mesh: Any
+    world_mesh: Any
+    step_sampler: Any = None
+    watchdog: Any = None
+    param_offload: bool = False
+    config_use_cache: bool | None = None
+
+    # ---- construction -----------------------------------------------------------------------------
+    def _setup_mesh(self, model: Any, mesh: Any) -> None:
+        """Before `Trainer.__init__`, on every rank alike and before any collective: the model
+        patched with `mesh`, the process group's size, and a transformers that takes a model
+        sharded before `prepare` (older ones wrap it in DDP)."""
+        check_patched(model, mesh)
+        check_mesh_world(mesh)
+        if mesh.world_size > 1 and not trainer_takes_sharded_models():
+            raise RuntimeError(
+                f"{type(self).__name__} on {mesh.world_size} ranks needs transformers >= "
+                f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded before prepare); "
+                f"transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade transformers, or "
+                "train on one rank"
+            )
+        self.mesh = mesh
+        # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
+        self.world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
+        # The Trainer writes args.use_cache into model.config; the saved model keeps the user's value.
+        self.config_use_cache = getattr(getattr(hf_model(model), "config", None), "use_cache", None)
+
+    def _place_model(self) -> None:
+        """After `Trainer.__init__`: FSDP2 over DP x SP for the policy (sum reduction)."""
+        if self.mesh.world_size == 1:
+            return
+        build.shard_model(self.model, self.world_mesh, bf16=self.args.bf16, param_offload=self.param_offload)
+        # The Trainer's path for a model that owns placement and gradient reduction:
+        # Accelerate prepares autocast only (no DDP, no `.to()` of DTensor shards).
+        self.is_distributed_loading_by_transformers = True
+
+    def _place_reference(self, ref: Any) -> None:
+        """After `Trainer.__init__`: the frozen reference (`base/reference.py`, patched like the
+        policy) sharded like the policy -- forward-only all-gathers, no replica per rank."""
+        if self.mesh.world_size > 1:
+            fsdp_plan(ref, self.world_mesh, mixed_precision="bf16" if self.args.bf16 else "fp32",
+                      param_offload=self.param_offload).apply(ref)
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        if self.mesh.world_size == 1:  # several ranks: fully_shard placed the shards
+            super()._move_model_to_device(model, device)
+
+    # ---- the norm of the summed gradient ----------------------------------------------------------
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        return summed_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:  # the Trainer passes grad_norm=
+        return summed_grad_norm(model, float("inf"), self.state.global_step + 1) if grad_norm is None else grad_norm
+
+    # ---- checkpoints: every rank's shards (base/saving.py) ------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
+        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
+
+    def _watchdog_paused(self) -> Any:
+        return self.watchdog.paused() if self.watchdog is not None else nullcontext()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_step_state(output_dir, self.model, self.optimizer, self.lr_scheduler, self.step_sampler,
+                        is_main=self.args.should_save, step=self.state.global_step, paused=self._watchdog_paused())
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        load_step_state(checkpoint, self.model, self.optimizer, self.lr_scheduler, self.step_sampler)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        return None  # the weights come back with the optimizer state in `_load_optimizer_and_scheduler`
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`save_pretrained` of the consolidated model (a collective: call it on every rank; loads
+        unpatched with `from_pretrained`); inside a checkpoint the sharded states stand for the
+        model, so nothing is gathered there."""
+        output_dir = output_dir or self.args.output_dir
+        if _internal_call:
+            os.makedirs(output_dir, exist_ok=True)
+            return
+        save_trained_model(
+            self.model, output_dir, getattr(hf_model(self.model), "config", None), use_cache=self.config_use_cache,
+            processing_class=self.processing_class, args=self.args, paused=self._watchdog_paused(),
+        )
