@@ -1,12 +1,15 @@
 """The package's imports flow one way (docs/DESIGN.md "Package layout"): no import circle,
-no import from a higher floor.
+no import from a higher floor, every module named on exactly one floor, and DESIGN's rules on
+third-party imports (`data/` never imports torch.distributed, `ops/` never imports
+transformers or accelerate).
 
 Every `import` / `from ... import` statement in `hf_longctx/` counts, also those inside
 functions (a deferred import is still a dependency; it only hides a circle from Python).
 An import of a package's `__init__` by its own submodules' importers is not an edge (Python
 runs parent packages first whatever the layering). The floors below are DESIGN's, lowest
 first; a module may import its own floor or lower, and nothing on its floor that imports it
-back.
+back. A floor names modules exactly: "x" is the module x only, "x.*" the package x and every
+module under it -- a new top-level module must be placed on a floor by name.
 """
 
 from __future__ import annotations
@@ -18,18 +21,32 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "hf_longctx"
 
-# lowest first: (floor name, module prefixes on it)
+# lowest first: (floor name, modules on it: "x" is module x, "x.*" package x and everything under it)
 FLOORS = (
     ("base", ("hf_longctx.errors", "hf_longctx.config", "hf_longctx._compat", "hf_longctx.model_walk", "hf_longctx.devices")),
-    ("data", ("hf_longctx.data",)),
-    ("distributed", ("hf_longctx.distributed", "hf_longctx.loss")),
-    ("ops", ("hf_longctx.ops",)),
-    ("integrations", ("hf_longctx.integrations", "hf_longctx.planning")),
+    ("data", ("hf_longctx.data.*",)),
+    ("distributed", ("hf_longctx.distributed.*", "hf_longctx.loss")),
+    ("ops", ("hf_longctx.ops.*",)),
+    ("integrations", ("hf_longctx.integrations.*", "hf_longctx.planning.*")),
     ("verify", ("hf_longctx.verify",)),
     ("patching", ("hf_longctx.patching",)),
-    ("training", ("hf_longctx.training",)),
-    ("top", ("hf_longctx.cli", "hf_longctx")),
+    ("training", ("hf_longctx.training.*",)),
+    ("top", ("hf_longctx.cli.*", "hf_longctx")),
 )
+
+# DESIGN's third-party rules: (modules, imports they must never make, why)
+THIRD_PARTY_RULES = (
+    ("hf_longctx.data.*", ("torch.distributed",), "data/ is pure Python + torch tensors"),
+    ("hf_longctx.ops.*", ("transformers", "accelerate"), "ops/ is pure tensor code"),
+)
+
+
+def matches(module: str, entry: str) -> bool:
+    """`entry` names `module` exactly, or (`x.*`) is the package holding it."""
+    if entry.endswith(".*"):
+        package = entry[:-2]
+        return module == package or module.startswith(package + ".")
+    return module == entry
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -108,15 +125,41 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def floor_of(module: str) -> int:
-    """The floor of `module`: its longest matching prefix in FLOORS."""
-    best, level = -1, None
-    for i, (_, prefixes) in enumerate(FLOORS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
-                best, level = len(prefix), i
-    if level is None:
+    """The floor of `module`: the one floor whose entries name it."""
+    found = [i for i, (_, entries) in enumerate(FLOORS) if any(matches(module, e) for e in entries)]
+    if not found:
         raise AssertionError(f"{module} is on no floor: add it to FLOORS and to docs/DESIGN.md")
-    return level
+    if len(found) > 1:
+        raise AssertionError(f"{module} is on several floors: {[FLOORS[i][0] for i in found]}")
+    return found[0]
+
+
+def outside_names(tree: ast.AST) -> set[str]:
+    """The dotted names a parsed source imports from outside the package:
+    `import torch.distributed as dist` -> torch.distributed; `from torch import distributed`
+    -> torch and torch.distributed."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {n for n in names if n.split(".")[0] != "hf_longctx"}
+
+
+def external_imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """module -> what it imports from outside the package (anywhere in its source)."""
+    return {name: outside_names(ast.parse(path.read_text(), str(path))) for name, path in mods.items()}
+
+
+def third_party_violations(imports: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} imports {name} ({why})"
+        for entry, banned, why in THIRD_PARTY_RULES
+        for module, names in imports.items() if matches(module, entry)
+        for name in names
+        if any(name == b or name.startswith(b + ".") for b in banned)
+    )
 
 
 def upward_edges(edges: dict[str, set[str]]) -> list[str]:
@@ -141,6 +184,36 @@ def test_no_import_from_a_higher_floor():
 def test_every_module_is_on_a_floor():
     for name in modules():
         floor_of(name)
+
+
+def test_a_module_named_on_no_floor_is_caught():
+    """A new top-level module, or one in a new package, is on no floor until FLOORS names it
+    (the package's own name matches only its `__init__`)."""
+    for name in ("hf_longctx.newmodule", "hf_longctx.newpackage.part", "hf_longctx.verify.part"):
+        with pytest.raises(AssertionError, match="is on no floor"):
+            floor_of(name)
+    assert FLOORS[floor_of("hf_longctx")][0] == "top"
+    assert FLOORS[floor_of("hf_longctx.data")][0] == "data"
+
+
+def test_third_party_rules_hold():
+    bad = third_party_violations(external_imports(modules()))
+    assert not bad, "imports docs/DESIGN.md rules out:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source, module", [
+    ("import torch.distributed as dist", "hf_longctx.data.packing"),
+    ("from torch import distributed", "hf_longctx.data.flex.plan"),
+    ("from torch.distributed.tensor import DTensor", "hf_longctx.data"),
+    ("from transformers import PreTrainedModel", "hf_longctx.ops.ring"),
+    ("import accelerate", "hf_longctx.ops.backends.select"),
+])
+def test_each_third_party_rule_fails_when_broken(source, module):
+    """Each rule, broken by one import added to a real module, is reported."""
+    imports = external_imports(modules())
+    assert not third_party_violations({module: imports[module]})
+    imports[module] = imports[module] | outside_names(ast.parse(source))
+    assert [v for v in third_party_violations(imports) if v.startswith(f"{module} imports ")]
 
 
 @pytest.mark.parametrize(
