@@ -55,7 +55,7 @@ def _run(path: str, output_dir: str, flex: bool, unequal_calls: bool = False) ->
     step = trainer.training_step
 
     def counting(model, inputs, *args, **kwargs):
-        calls.append(len(inputs["micro_batches"]))
+        calls.append(len(inputs.micro_batches))
         return step(model, inputs, *args, **kwargs)
 
     trainer.training_step = counting

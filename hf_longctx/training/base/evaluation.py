@@ -10,35 +10,37 @@ rank's token-loss sum, summed over ranks with `global_loss`, and divided by the 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.trainer_utils import EvalLoopOutput
 
 from hf_longctx.loss import global_loss
 from hf_longctx.training.base.faults import comm_guard
-from hf_longctx.training.base.step_loop import flush_token_stats
 
 
-def evaluate(trainer: Any, dataloader: Any, metric_key_prefix: str) -> EvalLoopOutput:
-    model = trainer.model
+def evaluate(model: torch.nn.Module, dataloader: Any, metric_key_prefix: str, *,
+             micro_loss: Callable[[dict], torch.Tensor], autocast: Callable[[], Any], world_mesh: Any,
+             device: torch.device, step: int, watchdog: Any = None) -> EvalLoopOutput:
+    """Every `StepBatch` of `dataloader` under no_grad (`micro_loss(mb)`: a micro-batch's share of
+    its step, run under `autocast()`); the loss of the whole set on every rank. `step`: the
+    optimizer step evaluated after (a watchdog beat and a fault report name it)."""
     model.eval()
     t0 = time.perf_counter()
-    local = torch.zeros((), dtype=torch.float64, device=trainer.args.device)  # Σ this rank's token losses
+    local = torch.zeros((), dtype=torch.float64, device=device)  # Σ this rank's token losses
     targets = tokens = 0
-    with torch.no_grad(), comm_guard(trainer.state.global_step):
-        for step in dataloader:
-            n = step["num_items_in_batch"]
-            for mb in step["micro_batches"]:
-                with trainer.accelerator.autocast():
-                    loss = trainer.compute_loss(model, trainer._prepare_inputs(mb))
+    with torch.no_grad(), comm_guard(step):
+        for batch in dataloader:
+            n = batch.num_items_in_batch
+            for mb in batch.micro_batches:
+                with autocast():
+                    loss = micro_loss(mb)
                 local += loss.double() * n  # undo the step normalisation: this rank's token-loss sum
-                if trainer.watchdog is not None:  # evaluation is progress too (it runs between steps)
-                    trainer.watchdog.beat(trainer.state.global_step)
+                if watchdog is not None:  # evaluation is progress too (it runs between steps)
+                    watchdog.beat(step)
             targets += n  # the same on every rank
-            tokens += step["tokens"]
-        total = global_loss(local, trainer.world_mesh)  # []: Σ over all ranks
-        flush_token_stats(trainer, "eval", None)
+            tokens += batch.tokens
+        total = global_loss(local, world_mesh)  # []: Σ over all ranks
     metrics = {
         f"{metric_key_prefix}_loss": float(total) / max(targets, 1),
         f"{metric_key_prefix}_targets": targets,

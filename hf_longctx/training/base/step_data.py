@@ -1,6 +1,7 @@
-"""The parts of a step DataLoader that do not depend on what a step holds: the batch sampler
-that turns the step sampler's index lists into an endless stream of steps, and the dataset
-rows as collator features (each naming its source row).
+"""The parts of a step DataLoader that do not depend on what a step holds: `StepBatch` (the one
+item the DataLoader yields per optimizer step), the batch sampler that turns the step
+sampler's index lists into an endless stream of steps, and the dataset rows as collator
+features (each naming its source row).
 
 Where it sits: under the SFT and DPO step DataLoaders (`sft/data.py`, `dpo/data.py`): every
 rank draws the same global list of rows per step (`StepSampler`, DESIGN invariant 8).
@@ -8,12 +9,40 @@ rank draws the same global list of rows per step (`StepSampler`, DESIGN invarian
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.token_ids import DOCUMENT_KEY
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step of THIS rank, as the step DataLoader yields it.
+
+    `micro_batches`: this rank's sharded micro-batches (`shard_batch` dicts; the count varies
+    per step). `num_items_in_batch`: the normaliser of the WHOLE step, every rank alike (valid
+    targets; preference pairs for DPO). `tokens` / `flops`: trained tokens and estimated FLOPs
+    of the whole step. `plan`, `lengths`, `plan_stats`: the step's plan, its pieces' token
+    counts and the cost model's view of it (kept as `trainer.last_plan`). `balance`: the plan's
+    synced/ideal cost (None without a cost model); `layouts` / `busy`: a group bank's slot
+    layouts and per-rank busy max/mean; `equal_calls`: every rank runs the same number of
+    micro-batches (False only for a bank's `unequal_calls` plan).
+    """
+
+    micro_batches: list[dict[str, Any]]
+    num_items_in_batch: int
+    tokens: int
+    flops: float
+    plan: Any
+    lengths: tuple[int, ...]
+    plan_stats: dict[str, Any] = field(default_factory=dict)
+    balance: float | None = None
+    layouts: str | None = None
+    busy: float | None = None
+    equal_calls: bool = True
 
 
 class StepStream(torch.utils.data.Sampler):

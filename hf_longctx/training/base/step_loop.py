@@ -1,19 +1,20 @@
-"""One optimizer step of the Trainer path: forward/backward over the step's micro-batches,
-the loss each rank reports, the token statistics TRL logs and the gradient norm.
+"""One optimizer step of the Trainer path: forward/backward over the step's micro-batches, the
+loss each rank reports, and the gradient norm.
 
-Where it sits: `LongContextTrainerMixin.training_step` / `compute_loss` / `_clip_grad_norm`
-(`training/sft/trainer.py`) delegate here; the Trainer's own loop then clips, steps the optimizer
-and the scheduler. The contract (DESIGN invariant 6): each micro-batch's loss is this rank's
+Where it sits: `LongContextTrainerMixin.training_step` (`training/sft/trainer.py`) runs
+`StepLoop.run` with what the step needs passed in (the micro-batch loss, the backward, the
+device); the Trainer's own loop then clips (`grad_norm`), steps the optimizer and the
+scheduler. The contract (DESIGN invariant 6): each micro-batch's loss is this rank's
 token-loss sum / the step's GLOBAL target count; gradients are summed over micro-batches
-(FSDP2 reduce-scatters once, after the last backward, unless `sync_each_microbatch`) and
-over ranks; the logged loss is the step's `global_loss`.
+(FSDP2 reduce-scatters once, after the last backward, unless `sync_each_microbatch`) and over
+ranks; the logged loss is the step's `global_loss`.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -21,80 +22,79 @@ from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.flex.unsharded_step import check_unsharded_step, unsharded_step
 from hf_longctx.loss import global_loss
 from hf_longctx.training.base.faults import comm_guard
+from hf_longctx.training.base.metrics import StepWindow
+from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_record import StepRecord
 
 
-def run_step(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    """The body of `training_step`: every micro-batch of the step dict, then the step's global loss."""
-    if "micro_batches" not in inputs:
-        raise ValueError("LongContextTrainer.training_step expects the step dicts of its own train dataloader")
-    model.train()
-    trainer._window.start_step()
-    step = trainer.state.global_step + 1
-    micro_batches = inputs["micro_batches"]
-    fsdp = hasattr(model, "set_requires_gradient_sync")
-    local = torch.zeros((), dtype=torch.float64, device=trainer.args.device)  # Σ this rank's micro-batch losses
-    times: list[float] = []
-    unsharded = fsdp and not inputs.get("equal_calls", True)
-    watchdog = trainer.watchdog
-    with comm_guard(step, watchdog.timeout_s if watchdog else None), ExitStack() as stack:
-        if unsharded:  # unequal counts: gather once, sync in this rank's own last backward
-            if not trainer._unsharded_checked:  # the bytes it needs do not change during the run
-                check_unsharded_step(model, trainer.world_mesh.world_mesh.get_group())
-                trainer._unsharded_checked = True
-            before_backward = stack.enter_context(unsharded_step(model, len(micro_batches)))
-        for i, mb in enumerate(micro_batches):
-            t0 = time.perf_counter()
-            if fsdp and not unsharded:  # FSDP2: accumulate unsharded, reduce-scatter (a SUM) once, after the last micro-batch
-                model.set_requires_gradient_sync(trainer.sync_each_microbatch or i == len(micro_batches) - 1)
-            mb = trainer._prepare_inputs(mb)
-            with trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(model, mb, num_items_in_batch=mb["num_items_in_batch"])
-            if unsharded:
-                before_backward(i)
-            trainer.accelerator.backward(loss)
-            local += loss.detach().double()
-            times.append(time.perf_counter() - t0)
-            if watchdog is not None:
-                watchdog.beat(step)
-        step_loss = global_loss(local, trainer.world_mesh)  # []: the step's global token mean, on every rank
-        every = trainer.args.torch_empty_cache_steps
-        if every is not None and trainer.state.global_step % every == 0:  # as Trainer.training_step does
-            from accelerate.utils import clear_device_cache
+class StepLoop:
+    """The loop over one step's micro-batches, and what it keeps between steps: the logging
+    window, the last step's `StepRecord`, whether the unsharded step's memory was checked.
 
-            clear_device_cache()
-        flush_token_stats(trainer, "train", inputs["tokens"])
-    trainer.last_plan = StepRecord(step, inputs.get("plan"), inputs.get("lengths", ()), inputs.get("plan_stats") or {},
-                                   tuple(times))
-    trainer._window.end_step(loss=float(step_loss), tokens=inputs["tokens"], flops=inputs["flops"],
-                             balance=inputs["balance"], layouts=inputs.get("layouts"), busy=inputs.get("busy"))
-    return step_loss.to(torch.float32)
+    `world_mesh`: the whole DP x SP world (the loss all-reduce); `window`: the `StepWindow`
+    the trainer's `log` drains; `watchdog`: beaten after every micro-batch (None: none);
+    `sync_each_microbatch`: reduce-scatter in every backward instead of the last only.
+    """
+
+    def __init__(self, world_mesh: Any, window: StepWindow, watchdog: Any = None, *,
+                 sync_each_microbatch: bool = False) -> None:
+        self.world_mesh = world_mesh
+        self.window = window
+        self.watchdog = watchdog
+        self.sync_each_microbatch = sync_each_microbatch
+        self.last_record: StepRecord | None = None
+        self._unsharded_checked = False  # the bytes the unsharded step needs do not change during the run
+
+    def run(self, model: torch.nn.Module, batch: StepBatch, *, step: int, micro_loss: Callable[[dict], torch.Tensor],
+            backward: Callable[[torch.Tensor], None], device: torch.device) -> torch.Tensor:
+        """Every micro-batch of `batch` (`micro_loss(mb)`: this rank's share, `backward(loss)`),
+        then the step's global loss on every rank. `step`: the optimizer step being run (1-based)."""
+        if not isinstance(batch, StepBatch):
+            raise ValueError("LongContextTrainer.training_step expects the StepBatch items of its own train dataloader")
+        self.window.start_step()
+        micro_batches = batch.micro_batches
+        fsdp = hasattr(model, "set_requires_gradient_sync")
+        local = torch.zeros((), dtype=torch.float64, device=device)  # Σ this rank's micro-batch losses
+        times: list[float] = []
+        unsharded = fsdp and not batch.equal_calls
+        watchdog = self.watchdog
+        with comm_guard(step, watchdog.timeout_s if watchdog else None), ExitStack() as stack:
+            if unsharded:  # unequal counts: gather once, sync in this rank's own last backward
+                if not self._unsharded_checked:
+                    check_unsharded_step(model, self.world_mesh.world_mesh.get_group())
+                    self._unsharded_checked = True
+                before_backward = stack.enter_context(unsharded_step(model, len(micro_batches)))
+            for i, mb in enumerate(micro_batches):
+                t0 = time.perf_counter()
+                if fsdp and not unsharded:  # FSDP2: accumulate unsharded, reduce-scatter (a SUM) once, after the last
+                    model.set_requires_gradient_sync(self.sync_each_microbatch or i == len(micro_batches) - 1)
+                loss = micro_loss(mb)
+                if unsharded:
+                    before_backward(i)
+                backward(loss)
+                local += loss.detach().double()
+                times.append(time.perf_counter() - t0)
+                if watchdog is not None:
+                    watchdog.beat(step)
+            step_loss = global_loss(local, self.world_mesh)  # []: the step's global token mean, on every rank
+        self.last_record = StepRecord(step, batch.plan, batch.lengths, batch.plan_stats, tuple(times))
+        self.window.end_step(loss=float(step_loss), tokens=batch.tokens, flops=batch.flops, balance=batch.balance,
+                             layouts=batch.layouts, busy=batch.busy)
+        return step_loss.to(torch.float32)
 
 
-def model_loss(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool) -> Any:
+def model_loss(model: torch.nn.Module, inputs: dict[str, Any], token_stats: Any, return_outputs: bool) -> Any:
     """The body of `compute_loss`: the model's loss IS this rank's share (local sum / global
     count), with no num_processes factor. TRL's fused LM head is not used (we never pass
-    fused_lm_head=True): the model's own head and loss run, chunked when patched with loss_chunks=N."""
+    fused_lm_head=True): the model's own head and loss run, chunked when patched with
+    loss_chunks=N. `token_stats`: a `TokenStats` fed with the logits, or None."""
     if SP_METADATA_KEY not in inputs:
         raise ValueError("compute_loss needs a shard from the trainer's step dataloader (shard_batch metadata missing)")
     outputs = model(**inputs)
     loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
-    if trainer._token_stats is not None:
-        trainer._token_stats.add(outputs.get("logits") if isinstance(outputs, dict) else None, inputs["shift_labels"])
+    if token_stats is not None:
+        token_stats.add(outputs.get("logits") if isinstance(outputs, dict) else None, inputs["shift_labels"])
     return (loss, outputs) if return_outputs else loss
-
-
-def flush_token_stats(trainer: Any, mode: str, tokens: int | None) -> None:
-    """TRL's entropy / mean_token_accuracy / num_tokens metrics, as global values."""
-    if trainer._token_stats is None:
-        return
-    stats = trainer._token_stats.flush(trainer.args.device)
-    if stats is not None:
-        trainer._metrics[mode]["entropy"].append(stats[0])
-        trainer._metrics[mode]["mean_token_accuracy"].append(stats[1])
-    if mode == "train" and tokens is not None:
-        trainer._total_train_tokens += tokens  # trained tokens of the whole step, once (not per rank)
-        trainer._metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
 
 
 def grad_norm(model: torch.nn.Module, max_norm: float, step: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The DPO trainer's data: preference-pair rows -> one step dict of THIS rank per optimizer step.
+"""The DPO trainer's data: preference-pair rows -> one `StepBatch` of THIS rank per optimizer step.
 
 Where it sits: between the train dataset of `LongDPOTrainer` (training/dpo/trainer.py) and its
 `training_step`, in place of `sft/data.py`'s document pipeline. Every rank draws the SAME global
@@ -6,8 +6,8 @@ list of pairs per step (`StepSampler` over the pairs' token counts, DESIGN invar
 `plan_pairs` assigns whole pairs to DP ranks and micro-batches (a pair is one planning unit, so
 the chosen and rejected completions of a pair meet in one SP group); `pack_pairs` lays each
 micro-batch out as [chosen_0, rejected_0, ...] (prompt labels -100, as TRL masks them) and
-`shard_batch` takes this SP rank's tokens. The step dict has the keys of `sft/data.py` that
-`step_loop.run_step` reads; `num_items_in_batch` is the step's GLOBAL pair count (the DPO loss
+`shard_batch` takes this SP rank's tokens. The step is a `StepBatch` like `sft/data.py`'s;
+its `num_items_in_batch` is the step's GLOBAL pair count (the DPO loss
 is a mean over pairs) and every micro-batch carries its own pair count under `PAIRS_KEY`
 (0: an empty slot of the plan, one padding token, still run so every rank joins every
 collective).
@@ -26,7 +26,7 @@ from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids, document_name
-from hf_longctx.training.base.step_data import StepStream, _Rows
+from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 ID_COLUMNS = ("prompt", "chosen", "rejected")
@@ -74,7 +74,7 @@ def pair_lengths(dataset: Any, name: str = "train_dataset") -> tuple[list[int], 
 
 
 class PairStepCollate:
-    """collate_fn: one step's pair rows -> this rank's step dict (see the module docstring)."""
+    """collate_fn: one step's pair rows -> this rank's `StepBatch` (see the module docstring)."""
 
     def __init__(self, mesh: Any, max_tokens: int, *, cost: Any = None, strategy: str = "balanced",
                  pad_token_id: int = 0, flops_model: Any = None, vocab: Vocabulary | None = None) -> None:
@@ -96,7 +96,7 @@ class PairStepCollate:
                "position_ids": torch.tensor([[0]])}  # [1, 1]: shard_batch pads it to the layout multiples
         return {**shard_batch(one, self.mesh, pairs, pad_token_id=self.pad_token_id), PAIRS_KEY: 0}
 
-    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> StepBatch:
         if self.vocab is not None:
             self._check_ids(rows)
         chosen = [len(x["prompt_ids"]) + len(x["chosen_ids"]) for x in rows]
@@ -116,19 +116,18 @@ class PairStepCollate:
         documents = [n for pair in zip(chosen, rejected) for n in pair]
         flops = float(self.flops_model(documents).sum()) if self.flops_model is not None else 0.0
         stats = plan.stats(self.cost) if self.cost is not None else {}
-        return {
-            "micro_batches": micro_batches,
-            "num_items_in_batch": len(rows),  # the step's GLOBAL pairs: the DPO loss is their mean
-            "tokens": int(sum(documents)), "flops": flops, "balance": stats.get("synced_over_ideal"),
-            "layouts": None, "busy": None, "equal_calls": True,
-            "plan": plan, "lengths": tuple(c + r for c, r in zip(chosen, rejected)), "plan_stats": dict(stats),
-        }
+        return StepBatch(
+            micro_batches=micro_batches,
+            num_items_in_batch=len(rows),  # the step's GLOBAL pairs: the DPO loss is their mean
+            tokens=int(sum(documents)), flops=flops, balance=stats.get("synced_over_ideal"),
+            plan=plan, lengths=tuple(c + r for c, r in zip(chosen, rejected)), plan_stats=dict(stats),
+        )
 
 
 def pair_step_dataloader(dataset: Any, collate: PairStepCollate, *, tokens_per_step: int, seed: int, shuffle: bool,
                          lengths: Sequence[int], endless: bool = True,
                          name: str = "train_dataset") -> tuple[torch.utils.data.DataLoader, StepSampler]:
-    """(DataLoader of step dicts, its StepSampler): each step takes pairs until `tokens_per_step`
+    """(DataLoader of step batches, its StepSampler): each step takes pairs until `tokens_per_step`
     (both documents of a pair counted) is reached; `endless` (training) runs into the next
     epoch like the train loader of sft/data.py, else one pass (evaluation)."""
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)

@@ -160,10 +160,10 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         self._dpo_sums += torch.cat([pair_sums, token_sums])
         return loss
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         self._dpo_sums.zero_()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self._record_metrics("train", inputs["num_items_in_batch"], inputs["tokens"])
+        self._record_metrics("train", inputs.num_items_in_batch, inputs.tokens)
         return loss
 
     def _record_metrics(self, mode: str, pairs: int, tokens: int) -> None:

@@ -9,18 +9,12 @@ micro-batches and `shard_batch` this SP rank's slice (`LongContextCollator`, Hyd
 two-stage assignment / FlexSP chunking). So the DataLoader built here is never handed to
 `accelerator.prepare` (which would split the global list over ranks), its batch sampler
 yields the step sampler's index lists, and its collate function wraps the collator's
-`list[dict]` into ONE step dict:
-
-    {"micro_batches": [shard, ...],      # this rank's sharded micro-batches (count varies per step)
-     "num_items_in_batch": N,            # valid targets of the WHOLE step (all ranks): the normaliser
-     "tokens": T, "flops": F,            # trained tokens / estimated FLOPs of the whole step
-     "balance": b,                       # the plan's synced/ideal cost (None without a cost model)
-     "layouts": "[4] [2+1+1]", "busy": m,  # group bank only: each slot's group sizes, per-rank busy max/mean
-     "plan": plan, "lengths": (...), "plan_stats": {...}}  # kept by the trainer as `last_plan`
+`list[dict]` into ONE `StepBatch` (`base/step_data.py`): this rank's sharded micro-batches,
+the whole step's normaliser, tokens and FLOPs, and its plan (kept as `trainer.last_plan`).
 
 With a `GroupBank` the collator is `distributed/flex/collator.FlexCollator` (flexible SP
 groups, planned per step by `plan_flexible`): its micro-batches are this rank's slots, each
-sharded for that slot's group, and the step dict also names the slot layouts and the plan's
+sharded for that slot's group, and the step batch also names the slot layouts and the plan's
 modelled per-rank busy time max/mean (the logs show both).
 
 Nothing is truncated here: a document longer than `max_tokens` is the planner's business
@@ -39,7 +33,7 @@ from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids
 from hf_longctx.errors import NotSupported
 from hf_longctx.distributed.flex.collator import FlexCollator, layout_text
-from hf_longctx.training.base.step_data import StepStream, _Rows
+from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
 
 
 def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
@@ -190,13 +184,13 @@ def say_truncation(lengths: Sequence[int], max_tokens: int, overlong: str, *, na
 
 
 class StepCollate:
-    """collate_fn: one step's features -> one step dict (see the module docstring)."""
+    """collate_fn: one step's features -> one `StepBatch` (see the module docstring)."""
 
     def __init__(self, collator: LongContextCollator | FlexCollator, flops_model: Any = None) -> None:
         self.collator = collator
         self.flops_model = flops_model
 
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+    def __call__(self, features: list[dict[str, Any]]) -> StepBatch:
         micro_batches = self.collator(features)
         flex = isinstance(self.collator, FlexCollator)
         # What is trained: the plan's pieces (a split document attends within its piece).
@@ -204,19 +198,19 @@ class StepCollate:
         flops = float(self.flops_model(lengths).sum()) if self.flops_model is not None else 0.0
         flops += getattr(self.collator, "last_encoder_flops", 0.0)  # a vision-language model's image encoding
         stats = (self.collator.stats or {}) if self.collator.cost is not None else {}
-        return {
-            "micro_batches": micro_batches,
-            "num_items_in_batch": int(self.collator.last_num_items),
-            "tokens": int(sum(lengths)),
-            "flops": flops,
-            "balance": stats.get("synced_over_ideal"),
-            "layouts": layout_text(stats["layouts"]) if flex else None,
-            "busy": stats.get("busy_max_over_mean") if flex else None,
-            "equal_calls": not (flex and self.collator.unequal_calls),
-            "plan": self.collator.last_plan,  # the whole step's plan (trainer.last_plan)
-            "lengths": tuple(int(n) for n in lengths),
-            "plan_stats": dict(stats),  # the cost model's view of the plan (empty without one)
-        }
+        return StepBatch(
+            micro_batches=micro_batches,
+            num_items_in_batch=int(self.collator.last_num_items),
+            tokens=int(sum(lengths)),
+            flops=flops,
+            balance=stats.get("synced_over_ideal"),
+            layouts=layout_text(stats["layouts"]) if flex else None,
+            busy=stats.get("busy_max_over_mean") if flex else None,
+            equal_calls=not (flex and self.collator.unequal_calls),
+            plan=self.collator.last_plan,  # the whole step's plan (trainer.last_plan)
+            lengths=tuple(int(n) for n in lengths),
+            plan_stats=dict(stats),  # the cost model's view of the plan (empty without one)
+        )
 
 
 def step_dataloader(
@@ -232,7 +226,7 @@ def step_dataloader(
     name: str = "train_dataset",
     pin_memory: bool = False,
 ) -> tuple[torch.utils.data.DataLoader, StepSampler]:
-    """(DataLoader of step dicts, its StepSampler, whose state a checkpoint saves). `lengths`:
+    """(DataLoader of step batches, its StepSampler, whose state a checkpoint saves). `lengths`:
     the documents' token counts when already known; `pin_memory`: pin the step's tensors
     (the Trainer's dataloader_pin_memory, on a CUDA machine).
 

@@ -2,7 +2,7 @@
 `transformers.Trainer` (and any subclass, TRL's `SFTTrainer` included).
 
 Where it sits: on top of the whole data flow of DESIGN.md, in place of a hand-written loop.
-Per optimizer step the Trainer's own loop calls `training_step` once with the step dict of
+Per optimizer step the Trainer's own loop calls `training_step` once with the `StepBatch` of
 `sft/data.py` (same global documents on every rank → cost-balanced plan → this rank's sharded
 micro-batches); it runs forward/backward on each micro-batch of the `patch`ed model (USP /
 FPDT attention) with FSDP's reduce-scatter only on the last, then the Trainer clips, steps
@@ -65,10 +65,11 @@ from hf_longctx.training.refusals import checks
 from hf_longctx.training.refusals.checks import check_process_group, check_trainer_parameters, check_training_arguments
 from hf_longctx.training.sft import collators
 from hf_longctx.training.base.evaluation import evaluate
-from hf_longctx.training.base.faults import WatchdogCallback
+from hf_longctx.training.base.faults import WatchdogCallback, comm_guard
 from hf_longctx.training.base.log_lines import use_number_logs
 from hf_longctx.training.base.metrics import StepWindow
-from hf_longctx.training.base.step_loop import flush_token_stats, model_loss, run_step
+from hf_longctx.training.base.step_data import StepBatch
+from hf_longctx.training.base.step_loop import StepLoop, model_loss
 from hf_longctx.training.base.step_record import StepRecord
 from hf_longctx.training.base.trainer import SPTrainerBase
 from hf_longctx.training.sft.data import (
@@ -126,7 +127,6 @@ class LongContextTrainerMixin(SPTrainerBase):
             )
         checks.check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
         checks.check_options(mesh, unequal_calls, sync_each_microbatch, param_offload)
-        self.sync_each_microbatch = sync_each_microbatch
         self.param_offload = param_offload
         self.last_plan: StepRecord | None = None  # the last step's plan, modelled and measured times
         self.max_tokens = collators.largest_piece(mesh, max_tokens, max_tokens_per_rank)
@@ -169,12 +169,12 @@ class LongContextTrainerMixin(SPTrainerBase):
             unequal_calls=unequal_calls, vision=self.vision_collator, vocab=vocab,
         )
         self._place_model()
-        self._window = StepWindow(world_size=mesh.world_size, device=self.args.device, peak_flops=peak_flops)
         self._token_stats = TokenStats() if hasattr(self, "_metrics") else None  # TRL's metric store
         self.watchdog = WatchdogCallback(step_timeout_s) if step_timeout_s else None
         if self.watchdog is not None:
             self.add_callback(self.watchdog)
-        self._unsharded_checked = False
+        window = StepWindow(world_size=mesh.world_size, device=self.args.device, peak_flops=peak_flops)
+        self.step_loop = StepLoop(self.world_mesh, window, self.watchdog, sync_each_microbatch=sync_each_microbatch)
 
     def _check_train_data(self, overlong: str, vocab: Any = None) -> list[int]:
         """The train dataset's document lengths, checked against the caps, and its token ids
@@ -232,36 +232,69 @@ class LongContextTrainerMixin(SPTrainerBase):
         # A micro-batch's host shard to the device with pinned, non_blocking copies (Trainer's is a blocking .to())
         return to_device(data, self.args.device, pin=self.args.dataloader_pin_memory)
 
-    # ---- the step: (2) the loss as the model returns it (step_loop.py) ------------------------------
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        return run_step(self, model, inputs)
+    # ---- the step: (2) the loss as the model returns it (base/step_loop.py) --------------------------
+    def training_step(self, model: torch.nn.Module, inputs: StepBatch, num_items_in_batch: Any = None) -> torch.Tensor:
+        model.train()
+        step = self.state.global_step + 1
+        loss = self.step_loop.run(model, inputs, step=step, micro_loss=lambda mb: self._micro_loss(model, mb),
+                                  backward=self.accelerator.backward, device=self.args.device)
+        self.last_plan = self.step_loop.last_record
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:  # as Trainer.training_step does
+            from accelerate.utils import clear_device_cache
+
+            clear_device_cache()
+        with comm_guard(step):
+            self._flush_token_stats("train", inputs.tokens)
+        return loss
+
+    def _micro_loss(self, model: torch.nn.Module, micro_batch: dict[str, Any]) -> torch.Tensor:
+        micro_batch = self._prepare_inputs(micro_batch)
+        with self.compute_loss_context_manager():
+            return self.compute_loss(model, micro_batch, num_items_in_batch=micro_batch["num_items_in_batch"])
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        return model_loss(self, model, inputs, return_outputs)
+        return model_loss(model, inputs, self._token_stats, return_outputs)
 
     def _flush_token_stats(self, mode: str, tokens: int | None) -> None:
-        flush_token_stats(self, mode, tokens)
+        """TRL's entropy / mean_token_accuracy / num_tokens metrics, as global values (a collective)."""
+        if self._token_stats is None:
+            return
+        stats = self._token_stats.flush(self.args.device)
+        if stats is not None:
+            self._metrics[mode]["entropy"].append(stats[0])
+            self._metrics[mode]["mean_token_accuracy"].append(stats[1])
+        if mode == "train" and tokens is not None:
+            self._total_train_tokens += tokens  # trained tokens of the whole step, once (not per rank)
+            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
-    def floating_point_ops(self, inputs: dict[str, Any]) -> float:
-        return inputs.get("flops", 0.0) / self.mesh.world_size  # the Trainer sums every rank's share
+    def floating_point_ops(self, inputs: StepBatch) -> float:
+        return getattr(inputs, "flops", 0.0) / self.mesh.world_size  # the Trainer sums every rank's share
 
-    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+    def _track_num_input_tokens(self, inputs: StepBatch) -> None:
         if self.args.include_num_input_tokens_seen not in ("no", False):
-            self.state.num_input_tokens_seen += inputs["tokens"]  # global already: no gather
+            self.state.num_input_tokens_seen += inputs.tokens  # global already: no gather
 
     # ---- logging: (3) the logged loss is the window's global step losses (metrics.py) ---------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
-            logs.update(self._window.drain())
-        if "train_loss" in logs and self._window.run_loss is not None:
-            logs["train_loss"] = self._window.run_loss
+            logs.update(self.step_loop.window.drain())
+        if "train_loss" in logs and self.step_loop.window.run_loss is not None:
+            logs["train_loss"] = self.step_loop.window.run_loss
         super().log(logs, start_time)
 
     # ---- evaluation: (4) Σ token losses / Σ targets over the eval set (evaluation.py) ----------------
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
-        return evaluate(self, dataloader, metric_key_prefix)
+        out = evaluate(
+            self.model, dataloader, metric_key_prefix,
+            micro_loss=lambda mb: self.compute_loss(self.model, self._prepare_inputs(mb)), autocast=self.accelerator.autocast, world_mesh=self.world_mesh, device=self.args.device,
+            step=self.state.global_step, watchdog=self.watchdog,
+        )
+        with comm_guard(self.state.global_step):
+            self._flush_token_stats("eval", None)
+        return out
 
 class LongContextTrainer(LongContextTrainerMixin, Trainer):
     """`transformers.Trainer` with exact sequence-parallel long-context training.
