@@ -54,3 +54,16 @@ def test_unclassified_field_is_refused_when_set(tmp_path, monkeypatch):
     monkeypatch.delitem(dpo_arguments.DPO_CONFIG, "beta")
     assert any("beta=0.5" in e and "not classified" in e for e in refused_dpo_fields(_config(tmp_path, beta=0.5)))
     assert refused_dpo_fields(_config(tmp_path)) == []  # at its default it passes
+
+
+@pytest.mark.parametrize("name, value", [("max_tokens_per_rank", 64), ("unequal_calls", True), ("overlong", "split")])
+def test_trainer_refuses_what_pairs_cannot_do(tmp_path, name, value):
+    """LongDPOTrainer's keyword arguments that would split, truncate or regroup a pair are
+    refused with the config and mesh checks, before the model is looked at."""
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.training.refusals.dpo import check_dpo_trainer
+
+    with pytest.raises(NotSupported, match=f"LongDPOTrainer: {name} is not supported(.|\n)*use max_tokens"):
+        check_dpo_trainer(None, _config(tmp_path), init_sequence_parallel(), {name: value})
+    with pytest.raises(NotSupported, match="mesh must be an SPMesh"):
+        check_dpo_trainer(None, _config(tmp_path), "mesh", {name: value})

@@ -66,3 +66,24 @@ def test_vllm_refused_without_importing_vllm(tmp_path):
     with pytest.raises(NotSupported, match="use_vllm=True"):
         check_grpo_config(args)
     assert "vllm" not in sys.modules
+
+
+def test_trainer_checks_name_the_value_before_any_collective(tmp_path):
+    """LongGRPOTrainer's own checks (mesh, max_tokens, the config's type, every refused value
+    at once), run before TRL's __init__."""
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.training.refusals.grpo import check_grpo_trainer
+
+    mesh = init_sequence_parallel()
+    args = _config(tmp_path, max_completion_length=16)
+    assert check_grpo_trainer(mesh, None, {"args": args}) is args
+    assert check_grpo_trainer(mesh, 17, {"args": args}) is args
+    with pytest.raises(TypeError, match="mesh must be an SPMesh"):
+        check_grpo_trainer("mesh", None, {"args": args})
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match=f"max_tokens must be a positive int.*got {bad!r}"):
+            check_grpo_trainer(mesh, bad, {"args": args})
+    with pytest.raises(TypeError, match="needs args=GRPOConfig"):
+        check_grpo_trainer(mesh, None, {"args": None})
+    with pytest.raises(NotSupported, match=r"num_iterations=2(.|\n)*max_tokens=16 < max_completion_length=16 \+ 1"):
+        check_grpo_trainer(mesh, 16, {"args": _config(tmp_path, max_completion_length=16, num_iterations=2)})

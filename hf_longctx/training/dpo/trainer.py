@@ -62,9 +62,6 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
 
     def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh, **kwargs: Any) -> None:
         check_dpo_trainer(model, args, mesh, kwargs)  # before any collective, on every rank alike
-        for name in ("max_tokens_per_rank", "unequal_calls", "overlong"):
-            if name in kwargs:
-                refuse_dpo(f"{name} is not supported", "pairs are never split or truncated; use max_tokens with an SPMesh")
         if ref_model is model:
             raise ValueError("model and ref_model must be different objects: leave ref_model=None for TRL's default copy")
         if ref_model is None:  # TRL's default: the policy loaded again from its path

@@ -38,7 +38,7 @@ stored (TRL rebuilds it from the policy's path). A resumed step equals the unint
 (grpo/resume.py; tests/distributed/test_grpo_resume.py).
 GRPOConfig: `check_grpo_config` (refusals/grpo.py: loss_type grpo / dr_grpo / dapo, beta,
 epsilon / epsilon_high, delta, temperature, max_completion_length, use_bias_correction_kl and
-TRL's sampling fields are honoured) plus `refusals` below, all raised before any collective.
+TRL's sampling fields are honoured) plus `refusals.grpo.refusals`, all raised before any collective.
 TRL's gradient_accumulation_steps / steps_per_generation (slices of a buffered generation batch)
 stay refused: `max_tokens` is this trainer's gradient accumulation (one generation batch per
 optimizer step, split by tokens, not by rows).
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 from hf_longctx.devices import to_device
 from hf_longctx.distributed.mesh import SPMesh
@@ -70,7 +70,7 @@ from hf_longctx.training.grpo.resume import (
     check_reference_source, resumable_sampler, save_reference_source, skip_trained_epochs,
 )
 from hf_longctx.training.refusals.checks import check_process_group
-from hf_longctx.training.refusals.grpo import refusals, refused_grpo_fields
+from hf_longctx.training.refusals.grpo import check_grpo_trainer
 
 _TRAINER_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]  # positional order, without self
 _NUM_SEQUENCES = "grpo_num_sequences"
@@ -86,30 +86,13 @@ class LongGRPOTrainer(SPTrainerBase, GRPOTrainer):
     per_device_train_batch_size x world_size (module docstring). `max_tokens` (default None: one
     packed micro-batch per step): tokens of one packed micro-batch of an SP group; the step's
     rows are split into micro-batches under it with gradient accumulation, the same result
-    (`grpo/microbatches.py`). Refused settings: `refusals` and `refusals.grpo.check_grpo_config`;
-    both raise `NotSupported` naming every value.
+    (`grpo/microbatches.py`). Refused settings: `refusals.grpo.check_grpo_trainer` raises one
+    `NotSupported` naming every value.
     """
 
     def __init__(self, *args: Any, mesh: SPMesh, max_tokens: int | None = None, **kwargs: Any) -> None:
-        # Every check runs on every rank alike, before any collective.
-        if not isinstance(mesh, SPMesh):
-            raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive int (tokens of one packed micro-batch of an SP group) or "
-                             f"None (one micro-batch per step), got {max_tokens!r}")
         params = {**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs}
-        config = params.get("args")
-        if not isinstance(config, GRPOConfig):
-            raise TypeError(f"LongGRPOTrainer needs args=GRPOConfig(...) (its batch sizes define the step), got "
-                            f"{type(config).__name__}")
-        errors = refused_grpo_fields(config) + refusals(config, params)  # every refused value at once
-        if max_tokens is not None and config.max_completion_length + 1 > max_tokens:
-            errors.append(f"max_tokens={max_tokens} < max_completion_length={config.max_completion_length} + 1 (a "
-                          "one-token prompt): a full-length completion could never fit a micro-batch; do instead: "
-                          f"max_tokens >= max_completion_length + the longest prompt")
-        if errors:
-            raise NotSupported("LongGRPOTrainer cannot honour exactly:\n  " + "\n  ".join(errors),
-                               "change the values listed above as each line says")
+        config = check_grpo_trainer(mesh, max_tokens, params)  # every refused value at once, before any collective
         self.objective = GRPOObjective.from_config(config)
         self._setup_mesh(params.get("model"), mesh)  # patched with mesh, process group, transformers version
         mapped = build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=...)

@@ -113,6 +113,9 @@ def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) 
     if not isinstance(mesh, SPMesh):
         refuse_dpo(f"mesh must be an SPMesh (init_sequence_parallel), got {type(mesh).__name__}",
                 "use a fixed-degree mesh; flexible SP groups are not wired for pairs")
+    for name in ("max_tokens_per_rank", "unequal_calls", "overlong"):
+        if name in kwargs:
+            refuse_dpo(f"{name} is not supported", "pairs are never split or truncated; use max_tokens with an SPMesh")
     check_patched(model, mesh)
     knobs = patch_state(model).options
     if getattr(knobs, "loss_chunks", None):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import transformers
 
+from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.training.refusals.rules import Rule, _falsy, _is, refusal_message, _refused, _trainer, refused_config_fields
 from hf_longctx.training.refusals.training_arguments import TRAINING_ARGUMENTS
@@ -183,3 +184,28 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
         out.append("a multimodal processor: images are not carried through the packed SP row; do instead: a text "
                    "model and its tokenizer")
     return out
+
+
+def check_grpo_trainer(mesh: Any, max_tokens: Any, params: dict[str, Any]) -> GRPOConfig:
+    """Everything LongGRPOTrainer refuses, on every rank alike, before any collective; returns
+    its GRPOConfig. `params`: GRPOTrainer.__init__'s arguments by name."""
+    from trl import GRPOConfig
+
+    if not isinstance(mesh, SPMesh):
+        raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int (tokens of one packed micro-batch of an SP group) or "
+                         f"None (one micro-batch per step), got {max_tokens!r}")
+    config = params.get("args")
+    if not isinstance(config, GRPOConfig):
+        raise TypeError(f"LongGRPOTrainer needs args=GRPOConfig(...) (its batch sizes define the step), got "
+                        f"{type(config).__name__}")
+    errors = refused_grpo_fields(config) + refusals(config, params)
+    if max_tokens is not None and config.max_completion_length + 1 > max_tokens:
+        errors.append(f"max_tokens={max_tokens} < max_completion_length={config.max_completion_length} + 1 (a "
+                      "one-token prompt): a full-length completion could never fit a micro-batch; do instead: "
+                      f"max_tokens >= max_completion_length + the longest prompt")
+    if errors:
+        raise NotSupported("LongGRPOTrainer cannot honour exactly:\n  " + "\n  ".join(errors),
+                           "change the values listed above as each line says")
+    return config
