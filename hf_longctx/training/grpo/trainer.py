@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -226,9 +227,11 @@ class LongGRPOTrainer(SPTrainerBase, GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
 
 
+@dataclass(frozen=True)
 class _Slot:
     """One micro-batch of the step: its rows (prompt ids, completion ids, advantage) and the step's
     global counts N and T (the loss normalisers)."""
 
-    def __init__(self, rows: list[tuple[list[int], list[int], float]], n: int, tokens: int) -> None:
-        self.rows, self.n, self.tokens = rows, n, tokens
+    rows: list[tuple[list[int], list[int], float]]
+    n: int
+    tokens: int

@@ -155,9 +155,13 @@ class LongContextTrainerMixin(SPTrainerBase):
             overlong=overlong, seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
         )
         if self.vision_collator is not None:  # TRL's conversational image datasets become processor rows
-            from hf_longctx.training.sft.vision_data import processed_datasets
+            from hf_longctx.training.sft.vision_data import processed_dataset
 
-            processed_datasets(self)
+            collate, spec = getattr(self, "data_collator", None), self.vision_collator.spec
+            self.train_dataset = processed_dataset(self.train_dataset, collate, spec)
+            evals = self.eval_dataset
+            self.eval_dataset = ({k: processed_dataset(v, collate, spec) for k, v in evals.items()}
+                                 if isinstance(evals, dict) else processed_dataset(evals, collate, spec))
         vocab = build.model_vocabulary(self.model)
         self._train_lengths = self._check_train_data(overlong, vocab) if self.train_dataset is not None else None
         hf_config = getattr(hf_model(self.model), "config", None)

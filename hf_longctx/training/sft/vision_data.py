@@ -56,24 +56,15 @@ def process_examples(dataset: Any, collate: Any, input_keys: frozenset) -> Any:
     return rows.remove_columns(empty) if empty else rows
 
 
-def processed_datasets(trainer: Any) -> None:
-    """Replace the trainer's raw conversational image datasets by processor rows (in place)."""
-    collate = getattr(trainer, "data_collator", None)
-    spec = trainer.vision_collator.spec
-
-    def convert(dataset: Any) -> Any:
-        if dataset is None or "input_ids" in getattr(dataset, "column_names", ["input_ids"]):
-            return dataset
-        if not callable(getattr(collate, "torch_call", None)) or not hasattr(collate, "processor"):
-            raise ValueError(
-                f"the dataset has no 'input_ids' (columns {dataset.column_names}) and the trainer has no vision collator "
-                "to process it: use TRL's SFTTrainer with a processor as processing_class, or map the dataset through "
-                "the processor yourself (one document per row: input_ids, pixel_values, grids, labels)"
-            )
-        return process_examples(dataset, collate, spec.input_keys)
-
-    trainer.train_dataset = convert(trainer.train_dataset)
-    if isinstance(trainer.eval_dataset, dict):
-        trainer.eval_dataset = {k: convert(v) for k, v in trainer.eval_dataset.items()}
-    else:
-        trainer.eval_dataset = convert(trainer.eval_dataset)
+def processed_dataset(dataset: Any, collate: Any, spec: Any) -> Any:
+    """A raw conversational image dataset as processor rows, through TRL's vision collator
+    `collate` (one example at a time); a dataset that already has `input_ids` (or None) as is."""
+    if dataset is None or "input_ids" in getattr(dataset, "column_names", ["input_ids"]):
+        return dataset
+    if not callable(getattr(collate, "torch_call", None)) or not hasattr(collate, "processor"):
+        raise ValueError(
+            f"the dataset has no 'input_ids' (columns {dataset.column_names}) and the trainer has no vision collator "
+            "to process it: use TRL's SFTTrainer with a processor as processing_class, or map the dataset through "
+            "the processor yourself (one document per row: input_ids, pixel_values, grids, labels)"
+        )
+    return process_examples(dataset, collate, spec.input_keys)
