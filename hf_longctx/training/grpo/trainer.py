@@ -1,49 +1,17 @@
 """`LongGRPOTrainer`: TRL's `GRPOTrainer` with its training step exact under sequence parallelism.
 
 Where it sits: a user's GRPOTrainer script plus `mesh=` (and the model `patch`ed with it). TRL
-keeps what it owns -- the dataset and its `RepeatSampler` (each process draws its own rows of
-the step's global generation batch), prompt formatting, the reward functions, the group
-advantages over the whole world, the completion/reward metrics, logging and the optimizer --
-and four hooks are replaced:
-1. `_generate_single_turn` (TRL's generation hook) runs TRL's own transformers path inside
-   `grpo.generate.unpatched_for_generation`: FSDP2 units gathered once, the SP patch off,
-   so `generate` makes no per-forward collective and ranks may decode different lengths;
-   each process generates for its own rows (the SP group's generation work is split).
-2. `_prepare_inputs` calls TRL's `_generate_and_score_completions` (generation, rewards,
-   advantages, `num_items_in_batch` = the step's global completion tokens), then
-   all-gathers the rows over the SP group (every rank of a group trains on the union, DP
-   groups on different rows), packs them (`grpo.loss.pack_completions`, global counts N and
-   T), shards the packed row over the group (`shard_batch`) and, for beta > 0, writes the
-   reference log-probabilities of that shard (`add_ref_logps`, the reference patched with
-   the same mesh and FSDP2-sharded over DP x SP like the policy).
-3. `compute_loss` is `grpo_loss` on the shard (TRL 1.16's per-token objective with each
-   loss_type's normaliser as a global per-token weight); TRL's loss metrics are logged as
-   global values. `_get_per_token_logps_and_entropies` returns nothing: TRL's padded
-   forwards for old / reference log-probabilities never run (the shard has them).
-4. `training_step` splits the step into micro-batches when `max_tokens=` is given
-   (`grpo.microbatches.plan_rows`: the SP group's rows planned by cost under the cap, the same
-   count on every rank; each micro-batch packed with the step's GLOBAL N and T, so the
-   micro-batch losses sum to the one-batch loss), runs the Trainer's forward/backward on each
-   (gradients accumulate), merges TRL's metrics to the step's global values and returns the
-   step's global loss (the sum of the ranks' shares over micro-batches) for logging; FSDP2 (`fsdp_plan`, sum reduction over DP x SP) sums the gradients, and
-   `grad_norm` is the norm of the summed gradient (`step_loop.grad_norm`).
-
-Exact against the single-process GRPOTrainer whose per_device_train_batch_size is the world's
-total (the union of every process's rows): same rows, same rewards and advantages, and the
-loss, gradients, grad_norm and TRL's metrics equal (tests/distributed/test_grpo_trainer.py).
-Checkpoints (save_strategy "steps" / "epoch", `train(resume_from_checkpoint=...)`): the sharded
-policy and optimizer state of every rank in `base/saving.py`'s format, the scheduler, the Trainer's
-per-rank RNG and state, TRL's sampler continued in the right epoch; the frozen reference is not
-stored (TRL rebuilds it from the policy's path). A resumed step equals the uninterrupted one
-(grpo/resume.py; tests/distributed/test_grpo_resume.py).
-GRPOConfig: `check_grpo_config` (refusals/grpo.py: loss_type grpo / dr_grpo / dapo, beta,
-epsilon / epsilon_high, delta, temperature, max_completion_length, use_bias_correction_kl and
-TRL's sampling fields are honoured) plus `refusals.grpo.refusals`, all raised before any collective.
-TRL's gradient_accumulation_steps / steps_per_generation (slices of a buffered generation batch)
-stay refused: `max_tokens` is this trainer's gradient accumulation (one generation batch per
-optimizer step, split by tokens, not by rows).
+keeps its data path (sampler, prompts, rewards, advantages over the world, metrics, optimizer);
+`SPTrainerBase` (`base/trainer.py`) places the policy and the frozen reference and owns the
+gradient norm and checkpoints; four TRL hooks are replaced here: generation on gathered,
+unpatched weights (`grpo/generate.py`); `_prepare_inputs`, which gathers the SP group's scored
+rows, packs them with the step's global counts and shards them (`grpo/loss.py`); `compute_loss`
+= `grpo_loss`; and `training_step`, split into packed micro-batches under `max_tokens`
+(`grpo/microbatches.py`). What it guarantees: a step equals the single-process GRPOTrainer step
+on the union of every process's rows (loss, gradients, grad_norm, TRL's metrics), a resumed
+step the uninterrupted one (`grpo/resume.py`), and every refused setting raised before any
+collective (`refusals/grpo.py`). The design: DESIGN "GRPO under SP".
 """
-
 from __future__ import annotations
 
 import inspect

@@ -1,51 +1,17 @@
 """`LongContextTrainerMixin` / `LongContextTrainer`: exact sequence-parallel training through
 `transformers.Trainer` (and any subclass, TRL's `SFTTrainer` included).
 
-Where it sits: on top of the whole data flow of DESIGN.md, in place of a hand-written loop.
-Per optimizer step the Trainer's own loop calls `training_step` once with the `StepBatch` of
-`sft/data.py` (same global documents on every rank → cost-balanced plan → this rank's sharded
-micro-batches); it runs forward/backward on each micro-batch of the `patch`ed model (USP /
-FPDT attention) with FSDP's reduce-scatter only on the last, then the Trainer clips, steps
-the optimizer and the scheduler, logs, evaluates and checkpoints as usual.
-
-The contract (DESIGN invariant 6): each rank's loss is its token-loss sum divided by the
-step's GLOBAL target count and gradients are SUMMED over micro-batches and ranks, so the
-update equals a single-process step on the whole global batch. The stock Trainer breaks it
-in five places on this stack; each is one override here:
-1. under MULTI_CPU/MULTI_GPU Accelerate wraps the model in DDP (an average; it refuses
-   DTensors) -- `SPTrainerBase` applies `fsdp_plan` (FSDP2 over DP × SP, sum reduction) and marks
-   the model as owning its placement and gradient reduction, the Trainer's path for models
-   sharded at load time, so Accelerate only adds autocast;
-2. `compute_loss` multiplies by `num_processes` under `average_tokens_across_devices` --
-   ours returns the model's loss as is (no factor: gradients are summed, not averaged);
-3. it logs `nested_gather(tr_loss).mean()` -- `log` puts the step's `global_loss` there;
-4. its eval loss averages per-batch means -- `evaluation_loop` returns Σ token losses /
-   Σ valid targets over the whole eval set;
-5. it saves rank 0's optimizer state only -- every rank writes its shards (`base/saving.py`).
-`grad_norm` and clipping use torch's `clip_grad_norm_` on the (DTensor) gradients: the norm
-of the true, summed gradient.
-
-Placement, the version gate, the gradient norm and the checkpoint hooks are `SPTrainerBase`'s
-(`base/trainer.py`, shared with the DPO and GRPO trainers); the mixin adds the token step's
-overrides, each pointing to where its logic lives: the step DataLoader `sft/data.py` and its
-collators `sft/collators.py`, the step `base/step_loop.py`, evaluation `base/evaluation.py`,
-argument refusals `refusals/`, logging windows `base/metrics.py`.
-
-Flexible SP groups (FlexSP / Hydraulis): `mesh=` a `GroupBank` (`init_group_bank`) and
-`max_tokens_per_rank=` instead of `max_tokens`. The model is `patch(model, bank)`ed, FSDP2
-shards it over `bank.world`, and the step DataLoader's collator is a `FlexCollator`: each
-step's global list is planned with `plan_flexible` (a group of size s packs at most
-s × max_tokens_per_rank), every rank gets the same number of slots, the plan fingerprint is
-compared across ranks, and each slot's shard carries its group -- so `training_step` runs
-unchanged; the loss contract does not depend on the grouping. The logs add each step's
-slot layouts (`plan_layouts`) and the plan's per-rank busy max/mean. `unequal_calls=True`
-plans training steps with `plan_unequal` instead: ranks run different numbers of
-micro-batches, with the model unsharded for the step (`distributed/flex/unsharded_step.py`:
-gathered once, gradients reduce-scattered in each rank's own last backward; refused with
-parameter offload or when it does not fit device memory). Evaluation keeps equal counts
-(its forwards gather parameters per layer).
+Where it sits: on top of the whole data flow, in place of a hand-written loop. The Trainer's
+own loop calls `training_step` once per optimizer step with the `StepBatch` of `sft/data.py`
+(same global documents on every rank → cost-balanced plan → this rank's sharded micro-batches;
+with a `GroupBank`, flexible SP groups planned per step). What it guarantees (DESIGN invariant
+6): each rank's loss is its token-loss sum / the step's GLOBAL target count and gradients are
+summed over micro-batches and ranks, so a step equals a single-process step on the whole global
+batch; the logged and evaluated losses are global token means. `SPTrainerBase`
+(`base/trainer.py`) holds placement, the gradient norm and checkpoints; this mixin adds the
+token step's overrides, each pointing to its module. Where the stock Trainer breaks the
+contract and which override fixes each: DESIGN "One training path on the Trainer".
 """
-
 from __future__ import annotations
 
 import inspect
