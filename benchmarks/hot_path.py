@@ -141,6 +141,28 @@ def patched_counts(mesh, options: dict, family: str, layers: int) -> dict:
         return _counted_step(counter, model, shard)
 
 
+def saved_bytes(mesh, options: dict, family: str, layers: int) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward after one patched forward
+    on this rank (a saved view keeps its whole buffer alive, so it counts whole)."""
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.transformers import patch
+
+    model = _model(family, layers)
+    patch(model, mesh, **options)
+    model.train()
+    kept: dict = {}
+
+    def pack(t: torch.Tensor):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    counter = Counter()
+    with forced_cuda_path(counter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**shard_batch(_batch(), mesh)).loss
+    del loss
+    return sum(kept.values())
+
+
 def unpatched_counts(family: str, layers: int) -> dict:
     model = _model(family, layers)
     model.train()
@@ -171,11 +193,68 @@ def layout_costs(label: str, mesh, *, baseline: bool = True) -> dict:
     out["step_sync_sites"] = {s: n - 2 * out["sync_sites"].get(s, 0) for s, n in sites_lo.items()
                               if n - 2 * out["sync_sites"].get(s, 0)}
     out["kernel_names"] = _diff(lo["kernel_names"], hi["kernel_names"])  # per layer
+    if not options.get("memory") and not options.get("checkpoint"):  # checkpointing keeps tensors its own way
+        tokens = sum(DOCS) // mesh.sp
+        out["saved"] = (saved_bytes(mesh, options, family, 4) - saved_bytes(mesh, options, family, 2)) / 2 / tokens
     if baseline:
         base_lo, base_hi = unpatched_counts(family, 2), unpatched_counts(family, 4)
         out["unpatched"] = per_layer(base_lo, base_hi)["kernels"]
         out["unpatched_names"] = _diff(base_lo["kernel_names"], base_hi["kernel_names"])
     return out
+
+
+def _unfused_merge(out, lse, block_out, block_lse):
+    """The merge as the ring ran it before `lse.merge_`: the block widened to float32 by the
+    backend, then two weighted copies summed into a fresh result."""
+    block_out = block_out.to(torch.float32)
+    new_lse = torch.logaddexp(lse, block_lse)
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old, w_new = torch.exp(lse - ref).unsqueeze(-1), torch.exp(block_lse - ref).unsqueeze(-1)
+    return w_old * out.to(torch.float32) + w_new * block_out.to(torch.float32), new_lse
+
+
+def merge_costs(shape=(1, 8, 4096, 128)) -> dict[str, tuple[int, int]]:
+    """(full-size temporaries, full-size passes) of folding one bf16 block [B, H, S, D] into a
+    float32 accumulator: ops allocating a [B, H, S, D] tensor that is not the caller's result,
+    and [B, H, S, D] operands read or written (each a pass over the memory; an in-place one
+    counts twice). Meta tensors: shapes only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_longctx.ops import lse as lse_ops
+
+    numel = torch.Size(shape).numel()
+
+    class Passes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.allocs = self.passes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            full = [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor) and t.numel() == numel]
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+            fresh = [t for t in outs if t.numel() == numel and not func.is_view and not func._schema.is_mutable]
+            self.allocs += len(fresh)
+            written = func._schema.is_mutable and isinstance(args[0], torch.Tensor) and args[0].numel() == numel
+            self.passes += len(full) + len(fresh) + written  # an in-place operand is read and written
+            return out
+
+    def acc():
+        return torch.empty(shape, device="meta", dtype=torch.float32)
+
+    def run(fn):
+        out, block = acc(), torch.empty(shape, device="meta", dtype=torch.bfloat16)
+        lse, block_lse = (torch.empty(shape[:-1], device="meta") for _ in range(2))
+        with Passes() as p:
+            fn(out, lse, block, block_lse)
+        return p.allocs, p.passes
+
+    before = run(_unfused_merge)
+    return {
+        "before: block widened, w_old·out + w_new·block": (before[0] - 1, before[1]),  # minus the result itself
+        "merge (fresh result)": (lambda a, p: (a - 1, p))(*run(lse_ops.merge)),
+        "merge_ (in place into the accumulator)": run(lse_ops.merge_),
+    }
 
 
 def _worker(rank: int, init_file: str, world: int, results) -> None:
@@ -206,8 +285,9 @@ def _run(world: int):
 def table(rows: dict) -> list[str]:
     lines = [
         "Per decoder layer, one fwd+bwd step, rank 0, CUDA dispatch path (emulated flash-attn 2.8 kernel, stub offload streams)",
-        "| layout | kernel-like ops | unpatched | ratio | target | collectives | host→device | device→host | syncs | syncs per step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | kernel-like ops | unpatched | ratio | target | collectives | host→device | device→host | syncs | "
+        "syncs per step | saved for backward, B/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, *_, family in LAYOUTS:
         c = rows[label]
@@ -215,7 +295,8 @@ def table(rows: dict) -> list[str]:
         target = (f"≤ {TARGETS['ring' if 'R2' in label else 'ulysses']}×" if plain else "—")
         lines.append(
             f"| {label} | {c['kernels']:g} | {c['unpatched']:g} | {c['kernels'] / c['unpatched']:.2f}× | {target} | "
-            f"{c['collectives']:g} | {c['h2d']:g} | {c['d2h']:g} | {c['syncs']:g} | {c['step']['syncs']:g} |"
+            f"{c['collectives']:g} | {c['h2d']:g} | {c['d2h']:g} | {c['syncs']:g} | {c['step']['syncs']:g} | "
+            f"{'—' if c.get('saved') is None else format(c['saved'], 'g')} |"
         )
     for label, *_ in LAYOUTS:
         c = rows[label]
@@ -231,6 +312,11 @@ def main(argv: list[str]) -> None:
     the unpatched model's (where the extra ops come from)."""
     rows = dict(_run(2) + _run(4))
     print("\n".join(table(rows)))
+    print("\nOne ring step's merge of a bf16 block [1, 8, 4096, 128] into the float32 accumulator")
+    print("| merge | [B, H, S, D] temporaries | [B, H, S, D] passes |")
+    print("|---|---|---|")
+    for name, (allocs, passes) in merge_costs().items():
+        print(f"| {name} | {allocs} | {passes} |")
     if "--ops" in argv:
         for label, *_ in LAYOUTS:
             c = rows[label]

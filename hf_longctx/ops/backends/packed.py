@@ -39,7 +39,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from hf_longctx.ops.blocks import Block
-from hf_longctx.ops.lse import merge
+from hf_longctx.ops.lse import merge_
 from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
 from hf_longctx.devices import upload
 
@@ -208,33 +208,39 @@ class PackedBackend:
     name: str
     kernel: object
 
-    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype):
+    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype, widen=True):
+        """`widen=False`: one call's output comes back in the kernel's dtype when `out_dtype`
+        is wider (the kernel rounded it already; the caller merges it as it is, `lse.merge_`)."""
         b, h, sq, d = q.shape
+        acc = acc_dtype(q.dtype)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, S, H(_kv), D] views
+        calls = _calls(blocks, q, k, causal, window)
         out = lse = None
-        for c in _calls(blocks, q, k, causal, window):
+        for c in calls:
             o, l = self.kernel.forward(
                 _gather(qt, c.q_idx), _gather(kt, c.k_idx), _gather(vt, c.k_idx), c.cu_q, c.cu_k, c.max_q, c.max_k,
                 scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
-            )  # o [B·nq, H, D], l [H, B·nq]
+            )  # o [B·nq, H, D], l [B·nq] per head: [H, B·nq]
             o = o.view(b, c.nq, h, d).transpose(1, 2)  # [B, H, nq, D]
             l = l.view(h, b, c.nq).transpose(0, 1)  # [B, H, nq]
             if out is None:  # the first call: its rows start the result, the rest attend nothing yet (0, -inf)
+                dtype = acc if len(calls) > 1 else o.dtype  # several calls: the float32 accumulator of merge_
                 if c.q_idx is None:
-                    out, lse = o, l
+                    out, lse = o.to(dtype), l
                 else:
-                    out = o.new_zeros((b, h, sq, d)).index_copy_(2, c.q_idx, o)  # [B, H, Sq, D]
+                    out = o.new_zeros((b, h, sq, d), dtype=dtype).index_copy_(2, c.q_idx, o.to(dtype))  # [B, H, Sq, D]
                     lse = l.new_full((b, h, sq), NEG_INF).index_copy_(2, c.q_idx, l)  # [B, H, Sq]
                 continue
             if c.q_idx is None:
-                out, lse = merge(out, lse, o, l)
+                out, lse = merge_(out, lse, o, l)
                 continue
-            m_out, m_lse = merge(out[:, :, c.q_idx], lse[:, :, c.q_idx], o, l)  # rows of this wave, [B, H, nq, (D)]
-            out, lse = out.to(m_out.dtype), lse.to(m_lse.dtype)
-            out[:, :, c.q_idx], lse[:, :, c.q_idx] = m_out, m_lse
+            rows, rows_lse = merge_(out.index_select(2, c.q_idx), lse.index_select(2, c.q_idx), o, l)  # [B, H, nq, (D)]
+            out.index_copy_(2, c.q_idx, rows)
+            lse.index_copy_(2, c.q_idx, rows_lse)
         if out is None:  # no tile at all
-            return q.new_zeros(q.shape, dtype=out_dtype), q.new_full(q.shape[:3], NEG_INF, dtype=acc_dtype(q.dtype))
-        return out.to(out_dtype), lse.to(acc_dtype(q.dtype))
+            return q.new_zeros(q.shape, dtype=out_dtype), q.new_full(q.shape[:3], NEG_INF, dtype=acc)
+        keep = not widen and out.dtype == q.dtype and out_dtype.itemsize > out.dtype.itemsize
+        return (out if keep else out.to(out_dtype)), lse.to(acc)
 
     def backward(self, dout, q, k, v, out, lse, blocks: Sequence[Block], *, scale, causal, window, softcap, grad_dtype):
         b, h, sq, d = q.shape
