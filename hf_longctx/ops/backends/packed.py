@@ -81,7 +81,7 @@ def sequences(blocks: Sequence[Block], *, causal: bool, window: int | None) -> l
     by_piece: dict[tuple[int, int], list[Block]] = {}
     for b in blocks:
         by_piece.setdefault((b.q_lo, b.q_hi), []).append(b)
-    out = []
+    main, rest_seqs = [], []
     for piece, bs in by_piece.items():
         full = sorted((b for b in bs if b.kind == "full"), key=lambda b: b.k_start)
         diag = [b for b in bs if b.kind == "causal"]
@@ -90,8 +90,52 @@ def sequences(blocks: Sequence[Block], *, causal: bool, window: int | None) -> l
             rest, diag = rest + diag, []
         if full or diag:
             keys = tuple((b.k_lo, b.k_hi) for b in full + diag)  # global order: earlier keys, then the diagonal
-            out.append(Seq(piece, piece, keys, -1, 0 if diag else -1))
-        out.extend(_trimmed(b, dlo, dhi) for b in rest)
+            main.append(Seq(piece, piece, keys, -1, 0 if diag else -1))
+        rest_seqs.extend(_trimmed(b, dlo, dhi) for b in rest)
+    return _joined(main) + rest_seqs
+
+
+def _coalesced(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def _join(a: Seq, b: Seq) -> Seq | None:
+    """One sequence computing exactly what `a` then `b` (adjacent query rows) compute, or None.
+
+    - both unbounded over the same keys: the rows of both see those keys;
+    - a chain of diagonals: `a` attends its own positions causally (one key range, as many
+      keys as rows) and `b` attends a's keys, then its own positions causally. Bottom-right
+      causal over a's keys + b's keys then gives every row of a its keys up to itself and
+      every row of b all of a's plus its own up to itself -- a zigzag chunk pair of one
+      document at ring step 0, or consecutive FPDT chunks, as ONE sequence whose keys are
+      the local rows in order (no key gathered twice)."""
+    if a.q[1] != b.q[0]:
+        return None
+    q = (a.q[0], b.q[1])
+    if (a.left, a.right) == (b.left, b.right) == (-1, -1) and a.k == b.k:
+        return Seq(q, q, a.k, -1, -1)
+    if (a.left, a.right) == (b.left, b.right) == (-1, 0):
+        ka, kb = _coalesced(a.k), _coalesced(b.k)
+        if len(ka) == 1 and len(kb) == 1 and ka[0][1] - ka[0][0] == a.q[1] - a.q[0] and kb[0][0] == ka[0][0]:
+            if kb[0][1] - ka[0][1] == b.q[1] - b.q[0]:  # b's own keys follow a's, as many as its rows
+                return Seq(q, q, kb, -1, 0)
+    return None
+
+
+def _joined(seqs: list[Seq]) -> list[Seq]:
+    out: list[Seq] = []
+    for s in sorted(seqs, key=lambda s: s.q):
+        joined = _join(out[-1], s) if out else None
+        if joined is None:
+            out.append(s)
+        else:
+            out[-1] = joined
     return out
 
 
@@ -108,17 +152,17 @@ def _fits(s: Seq, band: tuple[int, int]) -> bool:
 
 
 def waves(seqs: Sequence[Seq]) -> list[list[Seq]]:
-    """Greedy packing: one (left, right) per wave, each query piece at most once per wave;
+    """Greedy packing: one (left, right) per wave, each query row at most once per wave;
     banded sequences open the waves, unbounded ones join any wave they fit."""
-    result: list[tuple[tuple[int, int], set, list[Seq]]] = []
+    result: list[tuple[tuple[int, int], list, list[Seq]]] = []
     for s in sorted(seqs, key=lambda s: (s.left, s.right) == (-1, -1)):  # stable: banded first
-        for band, pieces, members in result:
-            if _fits(s, band) and s.piece not in pieces:
-                pieces.add(s.piece)
+        for band, rows, members in result:
+            if _fits(s, band) and not any(lo < s.q[1] and s.q[0] < hi for lo, hi in rows):
+                rows.append(s.q)
                 members.append(s)
                 break
         else:
-            result.append(((s.left, s.right), {s.piece}, [s]))
+            result.append(((s.left, s.right), [s.q], [s]))
     return [members for _, _, members in result]
 
 
