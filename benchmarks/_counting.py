@@ -52,7 +52,7 @@ FACTORIES = {
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "_unique2", "unique_dim",
             "unique_consecutive", "equal", "nonzero_numpy", "argwhere", "nonzero_static"}
 VALUE_READS = {"tolist", "numpy"}  # no aten op of their own; `.item()`, `bool()`, `int()` dispatch _local_scalar_dense
-NOT_KERNELS = {"detach", "empty", "empty_strided", "empty_like", "lift_fresh", "lift_fresh_copy", "set_", "resize_",
+NOT_KERNELS = {"detach", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "lift_fresh_copy", "set_", "resize_",
                "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
 _DEVICE_ATTR = torch._C.TensorBase.device
 

@@ -167,7 +167,9 @@ class LocalAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         q_runs, k_runs, kw = ctx.args
-        dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, q_runs, k_runs, **kw)
+        # dout as autograd hands it: the packed backends gather it token-major (a view when
+        # it already is), the tile kernels read any strides; a .contiguous() would copy it.
+        dq, dk, dv = varlen_backward(dout, q, k, v, out, lse, q_runs, k_runs, **kw)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
