@@ -24,7 +24,10 @@ import torch
 from tests.pool import worker_mesh
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
-LAYOUTS = ([20, 12, 24, 8], [32, 32], [8, 40, 16])  # one packed row of 64 tokens each
+# One packed row of 64 tokens each, four documents: on torch 2.11 Dynamo guards on the number of
+# documents of the batch metadata (a frozen dataclass it unpacks), so a new count compiles once
+# more (up to torch._dynamo.config.cache_size_limit); torch 2.13 guards on neither.
+LAYOUTS = ([20, 12, 24, 8], [8, 24, 12, 20], [16, 16, 16, 16])
 
 
 def _batch(docs, seed):
