@@ -304,6 +304,8 @@ def table(rows: dict) -> list[str]:
             lines.append(f"  {label}: sync sites per layer {c['sync_sites']}")
         if c["step_sync_sites"]:
             lines.append(f"  {label}: sync sites per step {c['step_sync_sites']}")
+    lines.append("Syncs per step: the SP group's batch-consistency check reads its gathered table on the host on CPU; "
+                 "on CUDA it asserts on the device after the first micro-batch (torch._assert_async).")
     return lines
 
 
