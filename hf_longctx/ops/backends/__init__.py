@@ -6,7 +6,8 @@ block_* entry points every attention path calls) and the kernels themselves.
 - `capabilities.py`: the table (kernel x window, GQA, lse, softcap, dtypes, head dims,
   causal alignment) the dispatcher reads and the README shows.
 - `select.py`: probe once (cached in `_compat`), choose per call chain.
-- `packed.py`: one varlen call per wave of planned tiles (flash-attn, torch flash).
+- `packed.py`: one varlen call per wave of planned tiles (flash-attn, torch flash);
+  `sequences.py`: those waves, planned from the tiles.
 - `tiled.py`: one call per tile with boolean masks (aten CPU op, math kernel).
 - `flash_attn.py`, `torch_flash.py`, `aten_cpu.py`: adapters to each external API;
   the math kernel lives in `ops/math_kernel.py`.
