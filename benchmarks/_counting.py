@@ -23,7 +23,7 @@ host on CUDA: a value read of a device tensor (`.item()`, `bool()`, `int()` i.e.
 depends on device data (`nonzero`, `masked_select`, `unique`, `repeat_interleave` without
 `output_size`, `equal`), a copy in either direction that is not `non_blocking`, a host
 tensor (dim > 0) read by a device op (an implicit pageable copy), and a stream or event
-`synchronize()` of the stub streams.
+`synchronize()` of the stub streams (`benchmarks/_stubs.py`).
 
 The backward runs through the autograd engine with the function mode still active: a
 `TorchFunctionMode` is switched off while it handles a call, so handing it `loss.backward()`
@@ -341,90 +341,3 @@ class _Aten(TorchDispatchMode):
             if c.active:
                 c.kernel_names["copy_"] += 1
         return func(*args, **kwargs)
-
-
-class CountedKernel:
-    """A packed-kernel adapter whose calls count as one kernel each, internals hidden, outputs on the device."""
-
-    def __init__(self, kernel, counter: Counter):
-        self.kernel, self.counter = kernel, counter
-
-    def forward(self, *args, **kwargs):
-        with self.counter.opaque():
-            out = self.kernel.forward(*args, **kwargs)
-        self.counter.mark_device(out)
-        return out
-
-    def backward(self, *args, **kwargs):
-        with self.counter.opaque():
-            out = self.kernel.backward(*args, **kwargs)
-        self.counter.mark_device(out)
-        return out
-
-
-class StubStreams:
-    """`ops.offload.Streams` for the CUDA offload branch on CPU: it offloads, its pinned
-    buffers are host tensors, streams and events do nothing -- except `synchronize()`, which
-    is what it is on a GPU: a sync."""
-
-    def __init__(self, counter: Counter):
-        self.c = counter
-
-    class _Handle:
-        def __init__(self, c: Counter, what: str):
-            self.c, self.what = c, what
-
-        def wait_stream(self, other):
-            pass
-
-        def wait_event(self, event):
-            pass
-
-        def record(self, stream=None):
-            pass
-
-        def query(self):
-            return True
-
-        def synchronize(self):
-            self.c.sync(f"{self.what}.synchronize()")
-
-    def offloads(self, device) -> bool:
-        return True
-
-    def current(self, device):
-        return self._Handle(self.c, "stream")
-
-    def side(self, device, *args):
-        return self._Handle(self.c, "stream")
-
-    def on(self, stream):
-        return contextlib.nullcontext()
-
-    def event(self, *args, **kwargs):
-        return self._Handle(self.c, "event")
-
-    def pinned(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype)  # no device=: host
-
-    def recycle(self, host: torch.Tensor) -> None:
-        pass
-
-    def keep_alive(self, tensor: torch.Tensor, stream) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def stub_offload(counter: Counter):
-    """Every offload of the library (FPDT chunk stores, offloaded checkpoint inputs, kept
-    attention) takes its CUDA branch with `StubStreams`."""
-    from hf_longctx.integrations import checkpointing
-    from hf_longctx.ops import offload
-
-    stub = StubStreams(counter)
-    saved = offload.default_streams, checkpointing.default_streams
-    offload.default_streams = checkpointing.default_streams = lambda: stub
-    try:
-        yield stub
-    finally:
-        offload.default_streams, checkpointing.default_streams = saved

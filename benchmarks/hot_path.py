@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._counting import CountedKernel, Counter, stub_offload  # noqa: E402
+from benchmarks._counting import Counter  # noqa: E402
+from benchmarks._stubs import CountedKernel, stub_offload  # noqa: E402
 
 # (label, ulysses, ring, fpdt chunks, patch options, model family); world = ulysses x ring
 LAYOUTS = [

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks._counting import Counter, StubStreams
+from benchmarks._counting import Counter
+from benchmarks._stubs import StubStreams
 
 FAULTS = {
     "item": (lambda x, idx: x.sum().item(), "aten._local_scalar_dense"),
