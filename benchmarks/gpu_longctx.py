@@ -111,15 +111,20 @@ def fits(model, mesh, tokens: int) -> bool:
             torch.cuda.empty_cache()
 
 
-def probe_in_subprocess(mode: str, tokens: int, layers: int, repeat: int = 0) -> dict:
+def probe_in_subprocess(mode: str, tokens: int, layers: int, repeat: int = 0, timeout: float | None = None) -> dict:
     """Run one probe (`_probe_main`) in a fresh interpreter: {"fits": bool, "seconds": float
     (best of `repeat` timed steps after the probing one, or the probing step)}. Raises
-    RuntimeError naming the probe when the child fails for a reason other than an OOM."""
+    RuntimeError naming the probe when the child fails for a reason other than an OOM, or
+    runs past `timeout` seconds (then it is killed)."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "benchmarks.gpu_longctx", "--probe", mode, str(tokens), "--layers", str(layers),
            "--repeat", str(repeat)]
-    proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"TIMED OUT after {timeout:g} s: probe {mode} at {tokens} tokens (killed)") from None
     lines = [line[len(_RESULT):] for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"probe {mode} at {tokens} tokens exited {proc.returncode}:\n{proc.stdout[-4000:]}")

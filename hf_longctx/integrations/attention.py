@@ -89,8 +89,8 @@ def make_attention(state: Any) -> Callable:
                 "train this model without sequence parallelism (ulysses_degree=ring_degree=1)",
             )
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        if window is None:
-            window = mask_implied_window(state.mask_windows)
+        if window is None:  # a window the model applies through its masks alone (PhiMoE): from the dry run
+            window = state.mask_window if state.probe is not None else mask_implied_window(state.mask_windows)
         with keeper.keeping() if keeper is not None else nullcontext():  # saved tensors escape the checkpoint
             out = _attend(state, mesh, module, query, key, value, scaling, window, kwargs)  # [B, S_local, H, D_v]
         if keeper is not None:
@@ -98,7 +98,11 @@ def make_attention(state: Any) -> Callable:
         state.calls += 1
         return out, None
 
-    return sp_attention
+    # Under torch.compile the model's own layers (projections, RoPE, norms, MLP) are compiled
+    # and this call stays out of the graph: it runs collectives, autograd Functions with
+    # per-batch Python plans and data-dependent tiling, which Dynamo would split into many
+    # graph breaks (and retrace per batch layout) if it traced into them.
+    return torch.compiler.disable(sp_attention)
 
 
 def _attend(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
@@ -181,22 +185,39 @@ def mask_implied_window(mask_windows: list) -> int | None:
     return None
 
 
+_PADDING = (
+    "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
+    "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
+)
+
+
+def refuse_padding(attention_mask: Any, *, read: bool = True) -> None:
+    """A 2D padding mask with zeros cannot be honoured (its keys live on other ranks): refuse
+    it instead of dropping it. `read=False` (a GPU mask after the first micro-batch): the
+    check stays on the device (`torch._assert_async`, reported at the next synchronisation)
+    so the host never waits for it."""
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
+        return
+    if read or attention_mask.device.type == "cpu":
+        if not bool(attention_mask.all()):
+            raise ValueError(_PADDING)
+    else:
+        torch._assert_async(attention_mask.all(), _PADDING)
+
+
 def make_mask_function(state: Any) -> Callable:
     def sp_mask(attention_mask=None, mask_function=None, **_: Any):
-        """Registered with AttentionMaskInterface. HF calls it with LOCAL lengths; the real
-        document mask is built inside the attention, so build nothing -- only note the mask's
-        sliding window (`state.mask_windows`: PhiMoE applies its window through the mask
-        alone). A 2D padding mask with zeros cannot be honoured (its keys live on other
-        ranks): refuse instead of dropping it."""
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise ValueError(
-                "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
-                "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
-            )
+        """Registered with AttentionMaskInterface only when `patch()` skipped the dry run
+        (otherwise the mask registry lacks our name, so HF's mask creation returns None at
+        once: it would read the positions with a host sync per forward). HF calls it with
+        LOCAL lengths; the real document mask is built inside the attention, so build nothing
+        -- only note the mask's sliding window (`state.mask_windows`: PhiMoE applies its
+        window through the mask alone) and refuse a padding mask."""
+        refuse_padding(attention_mask)
         if mask_function is not None:
             from hf_longctx.integrations.probe.masks import mask_windows
 
             state.mask_windows.append(frozenset(mask_windows(mask_function)))
         return None
 
-    return sp_mask
+    return torch.compiler.disable(sp_mask)  # reads the mask function's closure: Python, not a graph

@@ -2,16 +2,19 @@
 
 Where it sits: between the user's `from_pretrained` model and `ops/usp.py` (USP paper
 §3-4) or `ops/fpdt.py` (FPDT paper §3). `patch()` registers, under a name unique to the
-call, an attention function AND a mask function with transformers' `AttentionInterface` /
-`AttentionMaskInterface`, and switches the model (every config and sub-model) to that name.
-The mesh and options are bound in the closure of the registered functions (built in
-`integrations/attention.py`) -- no module globals; `unpatch()` removes both registrations
-and restores every config exactly.
+call, an attention function with transformers' `AttentionInterface`, and switches the model
+(every config and sub-model) to that name. The mesh and options are bound in the closure of
+the registered function (built in `integrations/attention.py`) -- no module globals;
+`unpatch()` removes the registration and restores every config exactly.
 
 Design invariants enforced here:
 - HF's mask is built at the LOCAL shard length and knows nothing of the documents of other
-  ranks, so our mask function builds nothing; the attention takes the real document layout
-  from the global metadata `shard_batch` put in the batch (`SP_METADATA_KEY`, invariant 5);
+  ranks, so it is not built at all: the mask registry (`AttentionMaskInterface`) lacks our
+  name, which makes HF's mask creation return None before it scans the positions (a host
+  sync per forward); the attention takes the real document layout from the global metadata
+  `shard_batch` put in the batch (`SP_METADATA_KEY`, invariant 5); a padding mask is refused
+  in the pre-forward hook, and a window only the masks carry comes from the dry run's masks
+  (without a dry run, a mask function is registered that notes them per forward);
 - `use_cache=False` is set on every patched forward (a cache of local shards is meaningless
   and HF's cache path disables its packed-document mask) and `use_cache=True` is refused;
 - nothing is approximated: attention dropout > 0, dynamic/longrope RoPE (scaled from each
@@ -36,6 +39,7 @@ from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
+    mask_implied_window, refuse_padding,
 )
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
@@ -61,9 +65,11 @@ class _PatchState:
     probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
     mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
     calls: int = 0  # attention calls in the current forward
-    # Sliding windows of each mask the model built in the current forward (one frozenset per
-    # mask); a model whose masks ALL carry the same window but that does not pass it to the
-    # attention (PhiMoE) gets it from here -- HF's sdpa/eager paths apply it through the mask.
+    # The sliding window a model applies through its masks alone (PhiMoE: every mask carries
+    # the same window, the attention gets none; HF's sdpa/eager paths apply it through the
+    # mask), read from the dry run's masks; without a dry run (unsafe_skip_exactness_check)
+    # from the masks of each forward (`mask_windows`, one frozenset per mask built).
+    mask_window: int | None = None
     mask_windows: list = field(default_factory=list)
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
@@ -145,6 +151,7 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
             )
         if accepts_cache:
             kwargs["use_cache"] = False
+        refuse_padding(kwargs.get("attention_mask"), read=not state.checked)
         info = kwargs.get(SP_METADATA_KEY)
         if not isinstance(info, SPBatchInfo):
             raise ValueError(
@@ -166,7 +173,7 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
         state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
         return args, kwargs
 
-    return hook
+    return torch.compiler.disable(hook)  # checks and a collective per batch: never traced by torch.compile
 
 
 def _post_forward(state: _PatchState) -> Callable:
@@ -182,7 +189,7 @@ def _post_forward(state: _PatchState) -> Callable:
             state.mixers.check_calls()
         return output
 
-    return hook
+    return torch.compiler.disable(hook)
 
 
 class _Unset:
@@ -282,7 +289,14 @@ def patch(
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, make_attention(state))
-    mask_iface.register(state.name, make_mask_function(state))
+    if report is None:  # no dry run: the mask function notes each forward's windows
+        mask_iface.register(state.name, make_mask_function(state))
+    else:
+        # HF's mask creation exits at once for a name the mask registry lacks (returning None):
+        # our attention builds the real mask from global metadata anyway, and HF would first
+        # scan the positions for packed documents with a bool() of a device tensor -- a host
+        # sync per forward (`masking_utils.find_packed_sequence_indices`).
+        state.mask_window = mask_implied_window(report.mask_windows)
     hf.__dict__[_STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
     try:
         hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model

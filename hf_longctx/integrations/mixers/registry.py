@@ -120,6 +120,9 @@ def apply_mixers(found: list, mesh: SPMesh) -> MixerBinding | None:
         return None
     bind = MixerBinding(mesh)
     for _, module, adapter in found:
-        set_instance_attr(module, "forward", adapter.make(module, bind), bind.undo)
+        # Eager under torch.compile: the wrapper reads the batch's layout (Python, per batch) and
+        # runs collectives; traced, it would be retraced for every new document layout.
+        forward = torch.compiler.disable(adapter.make(module, bind))
+        set_instance_attr(module, "forward", forward, bind.undo)
         bind.modules += 1
     return bind
