@@ -4,11 +4,11 @@ memory, one layer recomputed at a time in the backward).
 Where it sits: `integrations/memory.py` turns it on for `patch(..., checkpoint=True |
 "attention")`; every decoder layer (`model_walk.decoder_layers`) runs through
 `offloaded_checkpoint`, transformers' GradientCheckpointingLayer through its own hook, others
-through an instance `forward`. The layer inputs go to pinned host memory on the one side
+through an instance `forward`. The layer inputs go to pinned host memory on the OUT side
 stream (`ops/offload.default_streams()`) during the forward; in the backward the recompute
-of each layer starts the host -> device copies of the inputs of the layer recomputed NEXT
-(`LayerChain`), so the copy overlaps a layer of compute instead of stalling the compute
-stream. With `checkpoint="attention"` each call also opens a keep-attention region
+of each layer starts the host -> device copies (IN stream) of the inputs of the layer
+recomputed NEXT (`LayerChain`), so the copy overlaps a layer of compute instead of stalling
+the compute stream, and hands its own host copies back to the pool once read. With `checkpoint="attention"` each call also opens a keep-attention region
 (`integrations/keep_attention.py`).
 """
 
@@ -24,53 +24,46 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from hf_longctx.integrations.keep_attention import AttentionKeeper
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.model_walk import decoder_layers
-from hf_longctx.ops.offload import Streams, default_streams
+from hf_longctx.ops.offload import Streams, copy_in, copy_out, default_streams
 
 
 class _Parked(NamedTuple):
     value: torch.Tensor  # pinned host copy (offloaded) or detached alias
     device: torch.device
     requires_grad: bool
-    copied: Any  # event recorded after the device -> host copy on the side stream; None: no copy
+    copied: Any  # event recorded after the device -> host copy on the OUT stream; None: no copy
 
 
 def _park(arg: Any, streams: Streams) -> Any:
     """What the recompute will read instead of a layer input: a pinned host copy where the
     device offloads (CUDA), a detached alias elsewhere.
 
-    The copy is of the DETACHED input (no autograd node), issued on the side stream after
+    The copy is of the DETACHED input (no autograd node), issued on the OUT stream after
     the kernels that produced the input, so it overlaps the layer's forward on the compute
-    stream; the input's memory is marked as in use by the side stream until the copy has
-    read it, and an event marks the copy's end for `_unpark`."""
+    stream (`ops/offload.copy_out`); an event marks the copy's end for the read back."""
     if not isinstance(arg, torch.Tensor):
         return arg
     src = arg.detach()
     if not streams.offloads(src.device):
         return _Parked(src, src.device, arg.requires_grad, None)
-    main, side = streams.current(src.device), streams.side(src.device)
-    side.wait_stream(main)  # arg is produced by kernels already queued on the compute stream
-    with streams.on(side):
-        host = streams.pinned(src)
-        host.copy_(src, non_blocking=True)  # [same shape] device -> pinned host, async on side
-        copied = streams.event()
-        copied.record(side)
-    streams.keep_alive(src, side)  # the caching allocator must not reuse arg before the copy read it
+    (host,), copied = copy_out(streams, [src])
     return _Parked(host, src.device, arg.requires_grad, copied)
 
 
 def _unpark(parked: Any, streams: Streams, fetched: tuple | None = None) -> Any:
-    """The recompute's copy of one input: the prefetched device copy (`fetched`: its tensor
-    and the event after its copy) or a copy made now."""
+    """The recompute's copy of one input: the prefetched device copy (`fetched`: the result of
+    `copy_in`) or a copy made now. The host buffer goes back to the pool right after the read
+    is queued (its next writer waits for the read's event): a layer's host copy is free for the
+    offloads of the backward as soon as its recompute has started."""
     if not isinstance(parked, _Parked):
         return parked
     host, device, requires_grad, copied = parked
-    if fetched is not None:
-        value, ready = fetched
-        streams.current(device).wait_event(ready)  # the prefetch on the side stream has landed
+    if copied is None:
+        value = host
     else:
-        if copied is not None:
-            streams.current(device).wait_event(copied)  # the host copy is complete before we read it
-        value = host.to(device, non_blocking=True)
+        (value,), ready = fetched if fetched is not None else copy_in(streams, [host], device)
+        streams.current(device).wait_event(ready)  # the copy back has landed
+        streams.recycle(host)
     # A leaf with the input's value: the recompute must record (and save) the same tensors
     # as the original forward, which needs requires_grad to match; gradients flow through
     # the ORIGINAL graph, whose saved tensors the recompute only refills.
@@ -84,25 +77,26 @@ class _Inputs:
 
     def __init__(self, args: list, parked: list, previous: "_Inputs | None") -> None:
         self.box, self.parked, self.previous = list(args), parked, previous
-        self.fetched: dict[int, tuple] = {}  # index -> (device copy, event) once prefetched
+        self.fetched: dict[int, tuple] = {}  # index -> copy_in's (device copies, event) once prefetched
+        self.recycled = False  # the host copies went back to the pool (a recompute read them)
 
     def prefetch(self, streams: Streams) -> None:
-        """Start the host -> device copies of the parked inputs on the side stream."""
+        """Start the host -> device copies of the parked inputs on the IN stream."""
         for i, p in enumerate(self.parked):
-            if not isinstance(p, _Parked) or p.copied is None or i in self.fetched:
-                continue
-            side = streams.side(p.device)
-            side.wait_event(p.copied)  # its device -> host copy has finished
-            with streams.on(side):
-                value = p.value.to(p.device, non_blocking=True)
-                ready = streams.event()
-                ready.record(side)
-            streams.keep_alive(value, streams.current(p.device))  # read on the compute stream
-            self.fetched[i] = (value, ready)
+            if isinstance(p, _Parked) and p.copied is not None and i not in self.fetched and not self.recycled:
+                self.fetched[i] = copy_in(streams, [p.value], p.device)
 
     def read(self, streams: Streams) -> list:
-        return [_unpark(a, streams, self.fetched.pop(i, None)) if isinstance(a, _Parked) else a
-                for i, a in enumerate(self.box)]
+        if self.recycled:
+            raise RuntimeError(
+                "offloaded checkpointing hands a layer's pinned host inputs back to the pool in its first backward, so "
+                "its graph cannot be run backward twice (retain_graph=True); patch without checkpointing (memory='off' "
+                "or 'balanced') for a second backward through the same graph"
+            )
+        values = [_unpark(a, streams, self.fetched.pop(i, None)) if isinstance(a, _Parked) else a
+                  for i, a in enumerate(self.box)]
+        self.recycled = any(isinstance(a, _Parked) and a.copied is not None for a in self.box)
+        return values
 
 
 class LayerChain:
