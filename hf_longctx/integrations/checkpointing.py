@@ -34,7 +34,7 @@ class _Parked(NamedTuple):
     copied: Any  # event recorded after the device -> host copy on the OUT stream; None: no copy
 
 
-def _park(arg: Any, streams: Streams) -> Any:
+def park(arg: Any, streams: Streams) -> Any:
     """What the recompute will read instead of a layer input: a pinned host copy where the
     device offloads (CUDA), a detached alias elsewhere.
 
@@ -70,12 +70,12 @@ def _unpark(parked: Any, streams: Streams, fetched: tuple | None = None) -> Any:
     return value.detach().requires_grad_(requires_grad)
 
 
-class _Inputs:
+class Inputs:
     """One checkpointed call's inputs: the live ones (original forward), then the parked ones
     (recompute); `previous` is the call before it in forward order -- the layer recomputed
     NEXT in the backward, whose parked inputs this call's recompute prefetches."""
 
-    def __init__(self, args: list, parked: list, previous: "_Inputs | None") -> None:
+    def __init__(self, args: list, parked: list, previous: "Inputs | None") -> None:
         self.box, self.parked, self.previous = list(args), parked, previous
         self.fetched: dict[int, tuple] = {}  # index -> copy_in's (device copies, event) once prefetched
         self.recycled = False  # the host copies went back to the pool (a recompute read them)
@@ -104,12 +104,12 @@ class LayerChain:
     prefetches the inputs of the layer the backward recomputes next (issue 19 item 3)."""
 
     def __init__(self) -> None:
-        self.last: _Inputs | None = None
+        self.last: Inputs | None = None
 
 
 def offloaded_checkpoint(
     function: Callable, *args: Any, streams: Streams | None = None, keeper: AttentionKeeper | None = None,
-    chain: LayerChain | None = None, first: bool = False,
+    chain: LayerChain | None = None, first: bool = False, split: Any = None,
 ) -> Any:
     """Non-reentrant activation checkpointing of `function(*args)` whose recompute reads the
     inputs from host memory (FPDT's "OC." setting).
@@ -120,7 +120,7 @@ def offloaded_checkpoint(
     save_on_cpu would copy only what the checkpoint already discards and leave the inputs on
     the device; and save_on_cpu copies on the compute stream. The reentrant checkpoint breaks
     `torch.autograd.grad` and needs inputs that require grad. Here the inputs sit in a box the
-    recompute reads: the host copies start (side stream, `_park`) before the original forward
+    recompute reads: the host copies start (OUT stream, `park`) before the original forward
     runs on the real inputs, then the box switches to the host copies. Where the device does
     not offload (CPU) the box holds detached aliases: same structure, no copy. `streams`:
     the stream operations (the process's `ops/offload.default_streams()` by default; tests
@@ -128,11 +128,13 @@ def offloaded_checkpoint(
     saved tensors and output in the original forward and are replayed in the recompute
     (`integrations/keep_attention.py`). `chain` / `first`: the model's `LayerChain` and
     whether this is the forward's first checkpointed layer; the recompute of a layer then
-    starts the host -> device copies of the inputs of the layer recomputed after it.
+    starts the host -> device copies of the inputs of the layer recomputed after it. `split`:
+    the patch's `LayerSplit`, told while the original forward runs (`discarding`) when its saved
+    tensors are all dropped (no keeper), so the attention keeps nothing for a backward.
     """
     streams = default_streams() if streams is None else streams
-    parked = [_park(a, streams) for a in args]  # copies start now and overlap the forward
-    inputs = _Inputs(list(args), parked, None if chain is None or first else chain.last)
+    parked = [park(a, streams) for a in args]  # copies start now and overlap the forward
+    inputs = Inputs(list(args), parked, None if chain is None or first else chain.last)
     if chain is not None:
         chain.last = inputs
     region = keeper.new_region() if keeper is not None else None
@@ -149,7 +151,13 @@ def offloaded_checkpoint(
             if chain is not None and chain.last is inputs:
                 chain.last = None  # nothing of this step stays referenced after its backward
         if region is None:
-            return function(*values)
+            if split is None or recompute:
+                return function(*values)
+            split.discarding = True
+            try:
+                return function(*values)
+            finally:
+                split.discarding = False
         with keeper.entered(region, recompute=recompute):
             return function(*values)
 
@@ -161,7 +169,7 @@ def offloaded_checkpoint(
 
 
 def patch_checkpointing(
-    model: nn.Module, undo: list, streams: Streams | None = None, keeper: AttentionKeeper | None = None
+    model: nn.Module, undo: list, streams: Streams | None = None, keeper: AttentionKeeper | None = None, split: Any = None
 ) -> None:
     """Checkpoint every decoder layer of `model` with `offloaded_checkpoint` (instance
     attributes; `undo` gets their restores)."""
@@ -169,7 +177,8 @@ def patch_checkpointing(
     streams = default_streams() if streams is None else streams
     chain = LayerChain()
     for index, layer in enumerate(decoder_layers(model)):
-        offload = functools.partial(offloaded_checkpoint, streams=streams, keeper=keeper, chain=chain, first=index == 0)
+        offload = functools.partial(offloaded_checkpoint, streams=streams, keeper=keeper, chain=chain, first=index == 0,
+                                    split=split)
         if hasattr(type(layer), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
             set_instance_attr(layer, "gradient_checkpointing", True, undo)
             set_instance_attr(layer, "_gradient_checkpointing_func", offload, undo)

@@ -34,7 +34,14 @@ from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
 from hf_longctx.integrations.checkpointing import patch_checkpointing
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.keep_attention import AttentionKeeper
-from hf_longctx.ops.tiling import chunked_causal_lm_loss, chunked_mlp, default_loss_chunk_size, default_mlp_chunks
+from hf_longctx.integrations.layer_split import LayerSplit
+from hf_longctx.ops.tiling import (
+    chunked_causal_lm_loss,
+    chunked_mlp,
+    default_loss_chunk_size,
+    default_mlp_chunks,
+    tokenwise_chunks,
+)
 
 def _resolve_chunks(name: str, value: Any) -> int | str | None:
     if value is None or value == "auto":
@@ -47,7 +54,7 @@ def _resolve_chunks(name: str, value: Any) -> int | str | None:
 # ---- chunked MLP --------------------------------------------------------------------------
 
 
-def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
+def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | None = None) -> None:
     mlps = [(n, mlp_attr(layer), layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
     mlps = [(n, attr, mlp) for n, attr, mlp in mlps if mlp is not None]
     if not mlps:
@@ -65,6 +72,8 @@ def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
         def chunked_forward(hidden: torch.Tensor, *args, _forward=forward, **kwargs) -> torch.Tensor:
             if args or kwargs or hidden.dim() != 3:  # not the plain token-wise call: leave it alone
                 return _forward(hidden, *args, **kwargs)
+            if split is not None and split.mode is not None:  # a row chunk of a split layer: already a chunk
+                return _forward(hidden)
             return chunked_mlp(_forward, hidden, chunks)
 
         set_instance_attr(mlp, "forward", chunked_forward, undo)
@@ -121,6 +130,51 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
     set_instance_attr(model, "forward", functools.wraps(forward)(forward_with_chunked_loss), undo)
 
 
+# ---- memory="max": row-chunked layers and final norm ------------------------------------------
+
+FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm the decoder applies after its last layer (a sibling of the layer list named as
+    in FINAL_NORMS), or None."""
+    layers = decoder_layers(model)
+    parent = next((m for m in model.modules() if any(c is layers for c in m.children())), None)
+    for name in FINAL_NORMS:
+        norm = getattr(parent, name, None)
+        if isinstance(norm, nn.Module) and not isinstance(norm, nn.ModuleList):
+            return norm
+    return None
+
+
+def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list) -> None:
+    """Every decoder layer through `split.call` (integrations/layer_split.py) while training
+    with gradients; the final norm over `chunks` row chunks (ops/tiling.tokenwise_chunks)."""
+    split.chunks = chunks
+    for index, layer in enumerate(decoder_layers(model)):
+        forward = layer.forward  # bound: class forward, or an earlier instance-level patch
+        if hasattr(type(layer), "gradient_checkpointing"):  # HF's own checkpointing would run inside the chunks
+            set_instance_attr(layer, "gradient_checkpointing", False, undo)
+
+        def split_forward(*args, _forward=forward, _layer=layer, _first=index == 0, **kwargs):
+            if not (_layer.training and torch.is_grad_enabled()):
+                return _forward(*args, **kwargs)
+            return split.call(_layer, _forward, _first, args, kwargs)
+
+        set_instance_attr(layer, "forward", split_forward, undo)
+    norm = final_norm(model)
+    if norm is None:
+        return
+    norm_forward = norm.forward
+
+    def chunked_norm(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            return norm_forward(hidden, *args, **kwargs)
+        return tokenwise_chunks(norm_forward, hidden, chunks, [p for p in norm.parameters() if p.requires_grad])
+
+    set_instance_attr(norm, "forward", chunked_norm, undo)
+
+
 # ---- entry point ---------------------------------------------------------------------------
 
 
@@ -133,6 +187,7 @@ def apply_memory_options(
     loss_chunks: int | str | None = None,
     checkpoint: bool | str = False,
     keeper: AttentionKeeper | None = None,
+    split: LayerSplit | None = None,
 ) -> Callable[[], None]:
     """Turn on the memory options on `model` in place; return an undo that restores it exactly.
 
@@ -140,13 +195,18 @@ def apply_memory_options(
     loss: about 2 x vocab / hidden chunks with a floor on the chunk length, per call), or a
     number of sequence chunks. checkpoint: False, True (recompute whole layers) or
     "attention" (recompute all but the attention, whose calls `keeper` -- the patch's
-    `AttentionKeeper` -- keeps and replays). Everything is validated before the model is touched.
+    `AttentionKeeper` -- keeps and replays). `split`: the patch's `LayerSplit` with
+    checkpoint=True; with chunked MLPs too (memory="max") every layer runs in row chunks
+    (integrations/layer_split.py) and so does the final norm. Everything is validated before
+    the model is touched.
     """
     if not isinstance(kv_offload, bool) or not (isinstance(checkpoint, bool) or checkpoint == "attention"):
         raise ValueError(f"kv_offload must be a bool and checkpoint True, False or 'attention', got "
                          f"kv_offload={kv_offload!r}, checkpoint={checkpoint!r}")
     if (checkpoint == "attention") != (keeper is not None):
         raise ValueError("checkpoint='attention' needs the patch's AttentionKeeper (keeper=), and only it")
+    if split is not None and checkpoint is not True:
+        raise ValueError("a LayerSplit (split=) goes with checkpoint=True only")
     if kv_offload and mesh.fpdt_chunks < 2:
         raise ValueError(
             f"kv_offload=True needs FPDT chunks (mesh.fpdt_chunks = {mesh.fpdt_chunks}); "
@@ -159,11 +219,13 @@ def apply_memory_options(
     undo: list[Callable[[], None]] = []
     try:
         if mlp_chunks is not None:
-            _patch_mlps(model, mlp_chunks, undo)
+            _patch_mlps(model, mlp_chunks, undo, split)
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
-        if checkpoint:
-            patch_checkpointing(model, undo, keeper=keeper)
+        if checkpoint is True and split is not None and mlp_chunks is not None:
+            _patch_split(model, split, mlp_chunks, undo)
+        elif checkpoint:
+            patch_checkpointing(model, undo, keeper=keeper, split=split)
     except BaseException:
         for restore in reversed(undo):
             restore()

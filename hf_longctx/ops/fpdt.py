@@ -324,10 +324,25 @@ def fpdt_attention(
     tiles); `patch()` does this. `save=False`: the caller discards the saved tensors (the first
     run of a checkpointed layer, which the backward recomputes): no chunk is kept for a backward.
     """
-    if mesh.ring != 1:
-        raise ValueError(f"fpdt_attention needs ring degree 1, got ring {mesh.ring} (fpdt_chunks {mesh.fpdt_chunks})")
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be a bool, got {offload!r}")
+    plan = plan_for(q, k, v, mesh, cu_seqlens=cu_seqlens, causal=causal, softmax_scale=softmax_scale, window=window,
+                    softcap=softcap, sinks=sinks, plan_cache=plan_cache)
+    k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
+    if sinks is not None:
+        sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all
+    # Nothing is kept for a backward that cannot come (no grad) or whose saved tensors a
+    # checkpoint discards and recomputes (`save=False`, the caller's knowledge).
+    save = save and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    return FPDTAttention.apply(q, k, v, plan, offload, sinks, save)
+
+
+def plan_for(q, k, v, mesh: SPMesh, *, cu_seqlens, causal, softmax_scale, window, softcap, sinks, plan_cache) -> FPDTPlan:
+    """Check the inputs (q [B, S_local, H, D], k/v [B, S_local, H_kv, D]: shapes only, meta
+    tensors do) on every rank before any collective, and return the chunk plan of this
+    micro-batch -- from `plan_cache` when the caller keeps one (every layer shares it)."""
+    if mesh.ring != 1:
+        raise ValueError(f"fpdt_attention needs ring degree 1, got ring {mesh.ring} (fpdt_chunks {mesh.fpdt_chunks})")
     u = mesh.fpdt_chunks
     if q.dim() == 4 and (q.shape[1] == 0 or q.shape[1] % u):
         raise ValueError(
@@ -338,7 +353,6 @@ def fpdt_attention(
     if cu_seqlens is None:
         cu = [0, q.shape[1] * mesh.ulysses]  # the same single-document layout in every batch row
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
     # Every layer of a micro-batch has the same boundaries: one plan per batch (pure Python).
     key = ("fpdt", tuple(cu), u, id(mesh.ulysses_group), scale, causal, window, softcap)
     plan = plan_cache.get(key) if plan_cache is not None else None
@@ -346,9 +360,4 @@ def fpdt_attention(
         plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)
         if plan_cache is not None:
             plan_cache[key] = plan
-    if sinks is not None:
-        sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all
-    # Nothing is kept for a backward that cannot come (no grad) or whose saved tensors a
-    # checkpoint discards and recomputes (`save=False`, the caller's knowledge).
-    save = save and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-    return FPDTAttention.apply(q, k, v, plan, offload, sinks, save)
+    return plan

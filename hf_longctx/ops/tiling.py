@@ -27,6 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+# Attribute set on an input gradient its maker hands over whole (a row-chunked norm's or
+# layer's): the next chunked consumer may rewrite it in place instead of copying it.
+OWNED_GRAD = "_hf_longctx_owned_grad"
+
 # The floor only guards against degenerate chunks (a 64-wide toy model with a 32K vocabulary
 # would get ~1000 chunks of a few tokens). At 256 rows the per-chunk [256, Hd] x [Hd, V] GEMM
 # is already 2·256·Hd·V FLOPs (over 1 GFLOP for Hd = 64, V = 32K), far above the per-chunk
@@ -111,6 +115,61 @@ def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int
         return torch.cat([run_chunk(p) for p in pieces], dim=1)  # [B, S, Hd]
     outs = [checkpoint(run_chunk, p, use_reentrant=False) for p in pieces]  # chunks x [B, S_c, Hd]
     return torch.cat(outs, dim=1)  # [B, S, Hd]
+
+
+class _Tokenwise(torch.autograd.Function):
+    """A token-wise module over row chunks as one autograd node: forward per chunk without a
+    graph, backward per chunk (recompute, then its gradient) into one input-gradient buffer;
+    the parameters' chunk gradients are summed in fp32 and rounded once."""
+
+    @staticmethod
+    def forward(ctx: Any, forward: Callable, chunks: int, hidden: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.forward, ctx.chunks, ctx.params = forward, chunks, params
+        ctx.autocast = {"enabled": torch.is_autocast_enabled(hidden.device.type),
+                        "dtype": torch.get_autocast_dtype(hidden.device.type)}
+        ctx.save_for_backward(hidden)
+        return torch.cat([forward(p.contiguous()) for p in torch.tensor_split(hidden, chunks, dim=1)], dim=1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        (hidden,) = ctx.saved_tensors
+        need_h, needs = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
+        params = [p for p, n in zip(ctx.params, needs) if n]
+        dh = torch.empty_like(hidden) if need_h else None  # [B, S, Hd], filled row chunk by row chunk
+        sums: list[Tensor | None] = [None] * len(params)
+        lo = 0
+        for piece in torch.tensor_split(hidden, ctx.chunks, dim=1):
+            hi = lo + piece.shape[1]
+            with torch.enable_grad(), torch.autocast(hidden.device.type, **ctx.autocast):
+                x = piece.detach().contiguous().requires_grad_(need_h)
+                y = ctx.forward(x)
+                wrt = ([x] if need_h else []) + params
+                grads = list(torch.autograd.grad(y, wrt, grad[:, lo:hi], allow_unused=True)) if wrt else []
+            if need_h:
+                dh[:, lo:hi] = grads.pop(0)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
+            lo = hi
+        it = iter(sums)
+        out = [(next(it) if n else None) for n in needs]
+        out = [None if g is None else g.to(p.dtype) for g, p in zip(out, ctx.params)]
+        if dh is not None:
+            setattr(dh, OWNED_GRAD, True)  # only the module before reads it
+        return (None, None, dh, *out)
+
+
+def tokenwise_chunks(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int, params: list) -> Tensor:
+    """`forward` (a token-wise module, e.g. the final norm: `params` are its parameters) over
+    ``hidden`` ``[B, S, Hd]`` in ``chunks`` row chunks, forward and backward: only one chunk's
+    intermediates (e.g. a norm's fp32 copies) exist at a time, the input is saved, and the
+    input gradient is one buffer written chunk by chunk (no per-chunk full-size gradients).
+    Without gradients it is the plain chunked loop."""
+    chunks = max(1, min(chunks, hidden.shape[1]))
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return torch.cat([forward(p.contiguous()) for p in torch.tensor_split(hidden, chunks, dim=1)], dim=1)
+    return _Tokenwise.apply(forward, chunks, hidden, *params)
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:

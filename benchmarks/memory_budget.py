@@ -1,0 +1,224 @@
+"""The per-token memory budget of a training step, measured: every tensor alive at the device
+peak by name, in bytes per local token, device and host, per memory mode.
+
+Where it sits: outside the library. It drives the public path (`init_sequence_parallel`,
+`patch`, `shard_batch`) of a scaled-down Llama (bf16) on `--world` gloo ranks and runs one
+forward + backward under `benchmarks/census.Census`, with the CUDA offload branches running on
+CPU through `census.EmulatedStreams` (pinned host buffers from a real pool, copies back to the
+"device" as new tensors), so the host side of every offload is counted as host. Parameters and
+their gradients (allocated before the counted step) are not counted: the figures are memory
+ABOVE the weights, as `torch.cuda.max_memory_allocated()` minus the weights on a GPU.
+
+Per mode (the `patch(memory=...)` presets and the checkpoint modes, with and without FPDT
+chunks / K/V offload) it prints the device peak per local token (bytes and hidden-size bf16
+vectors), the host bytes per token and layer, and the named tensors alive at the peak. The
+planner (`planning/memory.py`, `layer_budget`) is derived from these lists; the last columns
+put its estimate beside each measurement (tests/unit/test_memory_budget.py holds it within 5 %).
+
+Run: PYTHONPATH=. python benchmarks/memory_budget.py                  (4 ranks, 3 lengths, ~10 min)
+     PYTHONPATH=. python benchmarks/memory_budget.py --world 1 --tokens 4096 --modes max   (quick)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+from datetime import timedelta
+
+import torch
+
+SHAPES = {  # scaled-down Llamas: hidden, intermediate, layers, heads, kv heads, vocab
+    "A": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=4, vocab_size=4096),
+    "B": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=12,
+              num_key_value_heads=4, vocab_size=4096),
+}
+MODES = {  # label -> (patch options, FPDT chunks)
+    "off": (dict(memory="off"), 1),
+    "balanced": (dict(memory="balanced"), 1),
+    "high": (dict(memory="high"), 1),
+    "max": (dict(memory="max"), 1),
+    "off u=4": (dict(memory="off"), 4),
+    "high u=4 offload": (dict(memory="high"), 4),
+    "max u=4 offload": (dict(memory="max"), 4),
+    "checkpoint=True u=4 offload": (dict(checkpoint=True, kv_offload=True), 4),
+}
+
+
+def config(shape: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**SHAPES[shape], max_position_embeddings=1 << 20)
+
+
+@contextlib.contextmanager
+def kernels_in(census):
+    """Every local attention kernel call inside `census.kernel()` (its workspace counted apart)."""
+    from hf_longctx.ops import kernels
+
+    saved = kernels.varlen_forward, kernels.varlen_backward
+
+    def wrap(fn):
+        def call(*args, **kwargs):
+            with census.kernel():
+                return fn(*args, **kwargs)
+        return call
+
+    kernels.varlen_forward, kernels.varlen_backward = (wrap(f) for f in saved)
+    try:
+        yield
+    finally:
+        kernels.varlen_forward, kernels.varlen_backward = saved
+
+
+@contextlib.contextmanager
+def emulated_offload(streams):
+    """Every offload of the library on `streams` (the modules that read `default_streams`)."""
+    import importlib
+
+    modules = [importlib.import_module(f"hf_longctx.{name}") for name in
+               ("ops.offload", "integrations.checkpointing", "integrations.layer_split")
+               if importlib.util.find_spec(f"hf_longctx.{name}") is not None]
+    saved = [(m, m.default_streams) for m in modules]
+    for m, _ in saved:
+        m.default_streams = lambda: streams
+    try:
+        yield
+    finally:
+        for m, f in saved:
+            m.default_streams = f
+
+
+def measure(mesh, shape: str, mode: str, tokens: int) -> dict:
+    """One counted forward + backward on this rank: device peak, host peak, the named tensors
+    at the device peak (bytes), S_local."""
+    from transformers import LlamaForCausalLM
+
+    from benchmarks.census import Census, EmulatedStreams
+    from hf_longctx import patch, shard_batch
+
+    options, chunks = MODES[mode]
+    mesh = dataclasses.replace(mesh, fpdt_chunks=chunks)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config(shape)).to(torch.bfloat16)
+    warm = EmulatedStreams()
+    with emulated_offload(warm):
+        patch(model, mesh, **options)
+        model.train()
+        g = torch.Generator().manual_seed(1)
+        docs = [tokens // 4] * 3 + [tokens - 3 * (tokens // 4)]
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=g)
+        pos = torch.cat([torch.arange(n) for n in docs])[None]  # [1, S] four packed documents
+        shard = shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": pos}, mesh)
+        model(**shard).loss.backward()  # warm-up: lazy initialisations, gradients allocated
+    census = Census()
+    census.name_modules(model)
+    with emulated_offload(EmulatedStreams(census)), kernels_in(census), census:
+        model(**shard).loss.backward()
+    census.close()
+    s_local = shard["input_ids"].shape[1]
+    return dict(device=census.peak.device, host=census.host_peak, s_local=s_local, by_name=census.peak.by_name,
+                layers=model.config.num_hidden_layers, kernel=census.kernel_peak)
+
+
+def _worker(rank: int, init_file: str, args, results) -> None:
+    import torch.distributed as dist
+
+    from hf_longctx.distributed.mesh import init_sequence_parallel
+
+    torch.set_num_threads(1)
+    if args.world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world,
+                                timeout=timedelta(minutes=30))
+    mesh = init_sequence_parallel(args.world, 1)
+    rows = []
+    for shape in args.shapes:
+        for mode in args.modes:
+            for tokens in args.tokens:
+                r = measure(mesh, shape, mode, tokens)
+                if args.world > 1:
+                    both = [None] * args.world
+                    dist.all_gather_object(both, r)
+                    r = max(both, key=lambda x: x["device"])  # the worst rank decides
+                rows.append((shape, mode, tokens, r))
+                if rank == 0:
+                    print(f"  {shape} {mode} {tokens}: device {r['device'] / r['s_local']:.0f} B/token, "
+                          f"host {r['host'] / r['s_local'] / r['layers']:.0f} B/token/layer", flush=True)
+    if rank == 0:
+        results.put(rows)
+    if args.world > 1:
+        dist.destroy_process_group()
+
+
+def estimate(shape: str, mode: str, tokens: int, world: int) -> tuple[float, float]:
+    """The planner's (device bytes above the weights, host bytes) for the same step."""
+    from hf_longctx.planning.memory import ModelDims, step_budget
+    from hf_longctx.planning.search import preset_setting
+
+    options, chunks = MODES[mode]
+    if "memory" in options:
+        setting = preset_setting(world, 1, chunks, options["memory"])
+    else:
+        from hf_longctx.planning.memory import Setting
+
+        setting = Setting(world, 1, fpdt_chunks=chunks, kv_offload=options.get("kv_offload", False),
+                          checkpoint=options.get("checkpoint", False))
+    budget = step_budget(ModelDims.from_config(config(shape)), setting, tokens=tokens, dtype="bf16")
+    return budget.device, budget.host
+
+
+def _print(args, rows) -> None:
+    print(f"\nPer-token memory budget, one forward + backward, bf16, {args.world} gloo rank(s) (Ulysses {args.world}), "
+          "four packed documents; device = peak above the weights (Census), host = pinned host buffers at their "
+          "peak; 'vec' = hidden-size bf16 vectors per local token\n")
+    print("| shape | mode | tokens | device B/token | device vec | planner vec | error | host B/token/layer | "
+          "host vec/layer | planner host | error |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for shape, mode, tokens, r in rows:
+        h = SHAPES[shape]["hidden_size"]
+        vec = 2 * h
+        try:
+            dev_est, host_est = estimate(shape, mode, tokens, args.world)
+        except ImportError:
+            dev_est = host_est = float("nan")
+        s_l, layers = r["s_local"], r["layers"]
+        host = r["host"] / s_l / layers
+        herr = f"{host_est / r['host'] - 1:+.1%}" if r["host"] else ("0" if not host_est else "n/a")
+        print(f"| {shape} | {mode} | {tokens} | {r['device'] / s_l:.0f} | {r['device'] / s_l / vec:.2f} | "
+              f"{dev_est / s_l / vec:.2f} | {dev_est / r['device'] - 1:+.1%} | {host:.0f} | {host / vec:.2f} | "
+              f"{host_est / s_l / layers / vec:.2f} | {herr} |")
+    for shape, mode, tokens, r in rows:
+        if tokens != max(args.tokens):
+            continue
+        vec = 2 * SHAPES[shape]["hidden_size"]
+        print(f"\n{shape} {mode} at {tokens} tokens: tensors alive at the device peak (vec per local token)")
+        items = sorted(r["by_name"].items(), key=lambda kv: -kv[1])
+        for (name, host), b in items[: args.top]:
+            print(f"  {'host  ' if host else 'device'} {b / r['s_local'] / vec:6.3f}  {name}")
+
+
+def main() -> None:
+    from benchmarks._ranks import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--top", type=int, default=14, help="named tensors listed per mode")
+    args = parser.parse_args()
+    if args.world == 1:
+        import queue
+
+        q: queue.Queue = queue.Queue()
+        _worker(0, "", args, q)
+        rows = q.get()
+    else:
+        rows = run_ranks(_worker, args.world, args)
+    _print(args, rows)
+
+
+if __name__ == "__main__":
+    main()
