@@ -67,6 +67,7 @@ class LayerSplit:
         self.chain = LayerChain()  # this forward's layers in order: each backward prefetches the one before
         self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
         self.warned: set[str] = set()
+        self.runs = {"chunked": 0, "whole": 0}  # layer calls per path (tests and benchmarks read them)
 
     # ---- the attention's side ------------------------------------------------------------------
     def capturing(self) -> bool:
@@ -118,6 +119,7 @@ class LayerSplit:
         if first:
             self.chain.last = None
         why = _uncut(layer, args, kwargs)
+        self.runs["whole" if why else "chunked"] += 1
         if why:
             if why not in self.warned:
                 self.warned.add(why)
@@ -125,9 +127,9 @@ class LayerSplit:
                               f"sequence chunks ({why}); exact, with more device memory per token", stacklevel=3)
             return offloaded_checkpoint(lambda *a: forward(*a, **kwargs), *args, streams=streams, chain=self.chain,
                                         first=first, split=self)
-        h = args[0]
+        h, rest = args[0], args[1:]  # the rest: no tensors (GPT-2 passes its cache and masks, None, by position)
         params = list(dict.fromkeys(p for p in layer.parameters() if p.requires_grad))
-        run = _LayerRun(self, layer, forward, kwargs, params, streams)
+        run = _LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, params, streams)
         out = _ChunkedLayer.apply(run, h, *params)
         self.state.calls += 1  # one attention call per layer, as the probe counted
         return out
@@ -137,8 +139,10 @@ def _uncut(layer: nn.Module, args: tuple, kwargs: dict) -> str:
     """Why this layer call cannot be cut into row chunks ("" when it can)."""
     from hf_longctx.integrations.mixers.registry import class_key, sp_handled_classes
 
-    if len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
-        return "its hidden states are not its one positional [B, S, hidden] argument"
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
+        return "its first positional argument is not its [B, S, hidden] hidden states"
+    if any(isinstance(a, torch.Tensor) for a in args[1:]):
+        return "it takes more than its hidden states as positional tensors"
     for name, m in layer.named_modules():
         if isinstance(m, nn.Dropout) and m.p > 0 and m.training:
             return f"dropout {name} (p={m.p}): a chunk's recompute would draw other masks"
