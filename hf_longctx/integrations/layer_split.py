@@ -44,7 +44,7 @@ from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.integrations.checkpointing import Inputs, LayerChain, offloaded_checkpoint, park
 from hf_longctx.ops.fpdt import _from_heads, _to_heads, fpdt_backward_chunks, fpdt_forward_chunks, plan_for
 from hf_longctx.ops.offload import ChunkStore, default_streams
-from hf_longctx.ops.tiling import OWNED_GRAD
+from hf_longctx.ops.tiling import OWNED_GRAD, mlp_chunks_at
 from hf_longctx.ops.ulysses import replicate_kv
 from hf_longctx.ops.usp import local_sinks
 
@@ -66,6 +66,7 @@ class LayerSplit:
         self.discarding = False  # a checkpoint's first run (offloaded_checkpoint): saved tensors are dropped
         self.chain = LayerChain()  # this forward's layers in order: each backward prefetches the one before
         self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
+        self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows
         self.warned: set[str] = set()
         self.runs = {"chunked": 0, "whole": 0}  # layer calls per path (tests and benchmarks read them)
 
@@ -130,6 +131,7 @@ class LayerSplit:
         h, rest = args[0], args[1:]  # the rest: no tensors (GPT-2 passes its cache and masks, None, by position)
         params = list(dict.fromkeys(p for p in layer.parameters() if p.requires_grad))
         run = _LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, params, streams)
+        run.chunks = mlp_chunks_at(self.chunks, h.shape[1], self.auto)  # row chunks of the token-wise parts
         out = _ChunkedLayer.apply(run, h, *params)
         self.state.calls += 1  # one attention call per layer, as the probe counted
         return out
@@ -219,7 +221,7 @@ class _LayerRun:
             q, k, v = self._qkv_full(h, (q0, k0, v0))
             a = self.call.run(q, k, v, save=False)  # [B, S, H, D_v]
             del q, k, v
-            for lo, hi in _bounds(0, self.s, split.chunks):
+            for lo, hi in _bounds(0, self.s, self.chunks):
                 out[:, lo:hi] = self.post(lo, hi, h[:, lo:hi], a[:, lo:hi])
         self.inputs.box[:] = self.inputs.parked  # from now on only the backward reads the input
         return out
@@ -231,7 +233,7 @@ class _LayerRun:
 
         info = self.kwargs.get(SP_METADATA_KEY)
         u = batch_mesh(self.split.state, info).fpdt_chunks if info is not None else 1
-        return self.s // u if u > 1 else _bounds(0, self.s, self.split.chunks)[0][1]
+        return self.s // u if u > 1 else _bounds(0, self.s, self.chunks)[0][1]
 
     def _qkv_full(self, h: torch.Tensor, first: tuple) -> tuple:
         """q, k, v of every row ([B, S, H(_kv), D]) from pre per row chunk, without a graph."""
@@ -239,7 +241,7 @@ class _LayerRun:
         full = [torch.empty((t.shape[0], self.s, *t.shape[2:]), dtype=t.dtype, device=t.device) for t in first]
         for t, f in zip(full, first):
             t[:, :n0] = f
-        for lo, hi in _bounds(n0, self.s, self.split.chunks):
+        for lo, hi in _bounds(n0, self.s, self.chunks):
             with torch.no_grad():
                 for t, f in zip(full, self.pre(lo, hi, h[:, lo:hi])[:3]):
                     t[:, lo:hi] = f
@@ -257,7 +259,7 @@ class _LayerRun:
         plan = plan_for(*meta, mesh, cu_seqlens=kw["cu_seqlens"], causal=kw["causal"], softmax_scale=kw["softmax_scale"],
                         window=kw["window"], softcap=kw["softcap"], sinks=kw["sinks"], plan_cache=call.plan_cache)
         sinks = None if kw["sinks"] is None else local_sinks(kw["sinks"].detach(), mesh)  # [H/U]
-        pieces = max(1, math.ceil(self.split.chunks / u))  # post's row chunks per FPDT chunk
+        pieces = max(1, math.ceil(self.chunks / u))  # post's row chunks per FPDT chunk
 
         def inputs(step: int) -> tuple:
             q, k, v = first if step == 0 else self.pre(step * c, (step + 1) * c, h[:, step * c : (step + 1) * c])[:3]
@@ -363,6 +365,7 @@ class _LayerRun:
     def _fpdt_backward(self, h, dh, acc) -> None:
         store = ChunkStore(h.device, offload=self.call.offload)
         u, c = self.call.mesh.fpdt_chunks, self.s // self.call.mesh.fpdt_chunks
+        pieces = max(1, math.ceil(self.chunks / u))
         with torch.no_grad():
             first = self.pre(0, c, h[:, :c])[:3]
         plan, sinks = self._fpdt(h, first, dh=dh, store=store, acc=acc)
@@ -374,13 +377,15 @@ class _LayerRun:
                 rows.setdefault(i, {})["dq"] = g
             for r in [r for r, d in rows.items() if len(d) == 3]:
                 d = rows.pop(r)
-                self._pre_backward(r * c, (r + 1) * c, h, (d["dq"], d["dk"], d["dv"]), dh, acc, replicate=True)
+                for lo, hi in _bounds(r * c, (r + 1) * c, pieces):  # pre's row chunks inside FPDT chunk r
+                    part = tuple(d[n][:, lo - r * c : hi - r * c] for n in ("dq", "dk", "dv"))
+                    self._pre_backward(lo, hi, h, part, dh, acc, replicate=True)
 
         dsink = fpdt_backward_chunks(plan, store, first[0].dtype, emit, sinks)
         self._sink_grad(dsink, acc)
 
     def _usp_backward(self, h, dh, acc) -> None:
-        chunks = _bounds(0, self.s, self.split.chunks)
+        chunks = _bounds(0, self.s, self.chunks)
         with torch.no_grad():
             first = self.pre(*chunks[0], h[:, : chunks[0][1]])[:3]
             q, k, v = self._qkv_full(h, first)

@@ -40,6 +40,7 @@ from hf_longctx.ops.tiling import (
     chunked_mlp,
     default_loss_chunk_size,
     default_mlp_chunks,
+    mlp_chunks_at,
     tokenwise_chunks,
 )
 
@@ -54,7 +55,7 @@ def _resolve_chunks(name: str, value: Any) -> int | str | None:
 # ---- chunked MLP --------------------------------------------------------------------------
 
 
-def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | None = None) -> None:
+def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | None = None, auto: bool = False) -> None:
     mlps = [(n, mlp_attr(layer), layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
     mlps = [(n, attr, mlp) for n, attr, mlp in mlps if mlp is not None]
     if not mlps:
@@ -74,7 +75,7 @@ def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | N
                 return _forward(hidden, *args, **kwargs)
             if split is not None and split.mode is not None:  # a row chunk of a split layer: already a chunk
                 return _forward(hidden)
-            return chunked_mlp(_forward, hidden, chunks)
+            return chunked_mlp(_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto))
 
         set_instance_attr(mlp, "forward", chunked_forward, undo)
 
@@ -130,6 +131,17 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
     set_instance_attr(model, "forward", functools.wraps(forward)(forward_with_chunked_loss), undo)
 
 
+def _mlp_sizes(model: nn.Module) -> tuple:
+    """(intermediate, hidden) of the text model for the "auto" MLP chunks, (None, None) if unknown."""
+    from hf_longctx.data.model_dims import ModelDims
+
+    try:
+        dims = ModelDims.from_config(model.config)
+    except (AttributeError, ValueError, TypeError):
+        return None, None
+    return dims.intermediate, dims.hidden
+
+
 # ---- memory="max": row-chunked layers and final norm ------------------------------------------
 
 FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
@@ -147,10 +159,10 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list) -> None:
+def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, auto: bool) -> None:
     """Every decoder layer through `split.call` (integrations/layer_split.py) while training
     with gradients; the final norm over `chunks` row chunks (ops/tiling.tokenwise_chunks)."""
-    split.chunks = chunks
+    split.chunks, split.auto = chunks, auto
     for index, layer in enumerate(decoder_layers(model)):
         forward = layer.forward  # bound: class forward, or an earlier instance-level patch
         if hasattr(type(layer), "gradient_checkpointing"):  # HF's own checkpointing would run inside the chunks
@@ -170,7 +182,8 @@ def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list) -
     def chunked_norm(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
             return norm_forward(hidden, *args, **kwargs)
-        return tokenwise_chunks(norm_forward, hidden, chunks, [p for p in norm.parameters() if p.requires_grad])
+        return tokenwise_chunks(norm_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto),
+                                [p for p in norm.parameters() if p.requires_grad])
 
     set_instance_attr(norm, "forward", chunked_norm, undo)
 
@@ -214,16 +227,17 @@ def apply_memory_options(
         )
     mlp_chunks = _resolve_chunks("mlp_chunks", mlp_chunks)
     loss_chunks = _resolve_chunks("loss_chunks", loss_chunks)
-    if mlp_chunks == "auto":
-        mlp_chunks = default_mlp_chunks(mesh.fpdt_chunks)
+    auto = mlp_chunks == "auto"
+    if auto:
+        mlp_chunks = default_mlp_chunks(mesh.fpdt_chunks, *_mlp_sizes(model))
     undo: list[Callable[[], None]] = []
     try:
         if mlp_chunks is not None:
-            _patch_mlps(model, mlp_chunks, undo, split)
+            _patch_mlps(model, mlp_chunks, undo, split, auto)
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
         if checkpoint is True and split is not None and mlp_chunks is not None:
-            _patch_split(model, split, mlp_chunks, undo)
+            _patch_split(model, split, mlp_chunks, undo, auto)
         elif checkpoint:
             patch_checkpointing(model, undo, keeper=keeper, split=split)
     except BaseException:

@@ -41,17 +41,36 @@ OWNED_GRAD = "_hf_longctx_owned_grad"
 MIN_LOSS_CHUNK_TOKENS = 256
 
 
-def default_mlp_chunks(fpdt_chunks: int) -> int:
-    """Number of sequence chunks for the MLP given FPDT's attention chunk count.
+# Rows per MLP chunk the "auto" setting never goes below: a [1024, Hd] x [Hd, I] GEMM keeps a GPU
+# busy, and below it the per-chunk launch overhead shows. Read-only constant, not a flag.
+MIN_MLP_CHUNK_TOKENS = 1024
+
+
+def default_mlp_chunks(fpdt_chunks: int, intermediate: int | None = None, hidden: int | None = None) -> int:
+    """Number of sequence chunks for the MLP given FPDT's attention chunk count (and, when
+    given, the model's intermediate and hidden sizes).
 
     FPDT chunks the MLP twice as finely as attention: the MLP intermediate ``[B, S, I]`` with
     I ~ 3.5 Hd (and two or three such tensors for gated MLPs) is larger per token than the
     attention chunk's q/k/v, so halving the chunk keeps the MLP's transient peak at or below the
-    attention chunk's. Always at least 1.
+    attention chunk's. With the sizes, also at least ceil(4·I / Hd): a chunk's backward holds
+    about four I-wide tensors per token (gate, up, activation, their product), which then take
+    no more than the hidden states of the whole sequence -- without FPDT (2 chunks) they would
+    be 7 hidden-size vectors per token for a Llama. Always at least 1.
     """
     if fpdt_chunks < 1:
         raise ValueError(f"fpdt_chunks must be >= 1, got fpdt_chunks={fpdt_chunks}")
+    if intermediate and hidden:
+        return max(2 * fpdt_chunks, math.ceil(4 * intermediate / hidden))
     return 2 * fpdt_chunks
+
+
+def mlp_chunks_at(chunks: int, rows: int, auto: bool) -> int:
+    """Chunks for `rows` tokens: `chunks`, and with the "auto" setting no chunk below
+    MIN_MLP_CHUNK_TOKENS rows (a shorter sequence is one chunk)."""
+    if not auto:
+        return max(1, min(chunks, rows))
+    return max(1, min(chunks, rows // MIN_MLP_CHUNK_TOKENS))
 
 
 def default_loss_chunk_size(config: Any, seq_len: int) -> int:

@@ -82,7 +82,16 @@ def _step(model, mesh, batch, **options):
     return flat, runs
 
 
-def _exact_case(family: str, ulysses: int, ring: int, chunks: int, emulate: bool, reference: str = "off"):
+def _max(chunks: int, preset: bool) -> dict:
+    """memory="max", or its knobs with 4 MLP / row chunks (the preset's "auto" makes chunks of at
+    least 1024 rows: one chunk at this test's sizes)."""
+    if preset:
+        return {"memory": "max"}
+    return dict(checkpoint=True, mlp_chunks=4, loss_chunks="auto", kv_offload=chunks > 1)
+
+
+def _exact_case(family: str, ulysses: int, ring: int, chunks: int, emulate: bool, reference: str = "off",
+                preset: bool = False):
     mesh = worker_mesh(ulysses, ring, chunks)
     base = _model(family)
     batch = _batch(base.config.vocab_size)
@@ -94,9 +103,9 @@ def _exact_case(family: str, ulysses: int, ring: int, chunks: int, emulate: bool
             from benchmarks.memory_budget import emulated_offload
 
             with emulated_offload(EmulatedStreams()):
-                got, runs = _step(copy.deepcopy(base), mesh, batch, memory="max")
+                got, runs = _step(copy.deepcopy(base), mesh, batch, **_max(chunks, preset))
         else:
-            got, runs = _step(copy.deepcopy(base), mesh, batch, memory="max")
+            got, runs = _step(copy.deepcopy(base), mesh, batch, **_max(chunks, preset))
     sizes = [1] + [p.numel() for p in base.parameters()]
     names = ["loss"] + [n for n, _ in base.named_parameters()]
     errs = {n: rel_err(a, b) for n, a, b in zip(names, got.split(sizes), ref.split(sizes)) if b.abs().max() > 0 or n == "loss"}
@@ -105,6 +114,7 @@ def _exact_case(family: str, ulysses: int, ring: int, chunks: int, emulate: bool
 
 LAYOUTS = [  # (world, family, ulysses, ring, fpdt chunks, emulated offload copies)
     (2, "llama", 2, 1, 1, False),
+    (2, "llama", 2, 1, 2, "preset"),
     (2, "llama", 1, 2, 1, False),
     (4, "llama", 2, 2, 1, False),
     (2, "llama", 2, 1, 2, False),
@@ -119,9 +129,12 @@ LAYOUTS = [  # (world, family, ulysses, ring, fpdt chunks, emulated offload copi
 
 
 @pytest.mark.parametrize("world,family,ulysses,ring,chunks,emulate", LAYOUTS,
-                         ids=[f"{f}-u{u}r{r}c{c}{'-copies' if e else ''}" for _, f, u, r, c, e in LAYOUTS])
+                         ids=[f"{f}-u{u}r{r}c{c}{'-' + (e if isinstance(e, str) else 'copies') if e else ''}"
+                              for _, f, u, r, c, e in LAYOUTS])
 def test_max_with_row_chunked_layers_equals_no_checkpointing(pools, world, family, ulysses, ring, chunks, emulate):
-    for rank, (errs, runs, warned) in enumerate(pools.get(world).run(_exact_case, family, ulysses, ring, chunks, emulate)):
+    preset = emulate == "preset"
+    for rank, (errs, runs, warned) in enumerate(pools.get(world).run(_exact_case, family, ulysses, ring, chunks,
+                                                                     emulate is True, "off", preset)):
         assert runs == {"chunked": 2, "whole": 0} and not warned, (runs, warned)  # both layers were cut
         assert errs.pop("loss") <= LOSS_TOL, f"rank {rank}: loss"
         bad = {k: f"{e:.1e}" for k, e in errs.items() if e > GRAD_TOL}
