@@ -151,6 +151,8 @@ class Census(TorchDispatchMode):
         return out
 
     def _add(self, t: torch.Tensor, func) -> None:
+        if t.device.type == "meta":  # shapes only, no memory
+            return
         st = t.untyped_storage()
         ptr, nbytes = st.data_ptr(), st.nbytes()
         if nbytes == 0 or ptr in self.live:
