@@ -32,6 +32,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,6 +54,23 @@ class Snapshot:
     device: int = 0  # bytes alive on the device at the peak
     host: int = 0  # bytes alive on the host at the same moment
     by_name: dict = field(default_factory=dict)  # (name, host) -> bytes alive at the device peak
+
+
+def frames_phase(table: list[tuple[str, str]]) -> Callable[[], str]:
+    """A `phase_of` for `Census`: the first phase of `table` ((name, "file:function") pairs)
+    whose function is on the Python stack, innermost frames first; "other" if none."""
+    def phase() -> str:
+        names = []
+        frame = sys._getframe(2)
+        while frame is not None:
+            names.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+            frame = frame.f_back
+        for name in names:
+            for label, fn in table:
+                if name == fn:
+                    return label
+        return "other"
+    return phase
 
 
 def _caller() -> str:
@@ -83,6 +101,8 @@ class Census(TorchDispatchMode):
         self._modules: list[str] = []  # module paths whose forward is running
         self._handles: list = []
         self._kernel_depth = 0
+        self.phases: dict[str, Snapshot] = {}  # phase -> snapshot at that phase's own peak
+        self.phase_of: Callable[[], str] | None = None  # names the phase an allocation happens in
         self.kernel_now = self.kernel_peak = 0  # backend workspace of local attention kernels
 
     # ---- names ---------------------------------------------------------------------------------
@@ -166,6 +186,10 @@ class Census(TorchDispatchMode):
         self.device += nbytes
         if self.device > self.peak.device:
             self._snapshot()
+        if self.phase_of is not None:
+            phase = self.phase_of()
+            if self.device > self.phases.get(phase, Snapshot()).device:
+                self.phases[phase] = self._snap()
 
     def _free(self, ptr: int) -> None:
         rec = self.live.pop(ptr, None)
@@ -188,12 +212,15 @@ class Census(TorchDispatchMode):
         self.host += rec.nbytes
         self.host_peak = max(self.host_peak, self.host)
 
-    def _snapshot(self) -> None:
+    def _snap(self) -> Snapshot:
         by_name: dict = {}
         for rec in self.live.values():
             if not rec.kernel:
                 by_name[rec.name, rec.host] = by_name.get((rec.name, rec.host), 0) + rec.nbytes
-        self.peak = Snapshot(self.device, self.host, by_name)
+        return Snapshot(self.device, self.host, by_name)
+
+    def _snapshot(self) -> None:
+        self.peak = self._snap()
 
     def table(self, per: float, top: int = 12, host: bool = False) -> list[tuple[str, float]]:
         """The largest names alive at the device peak, bytes divided by `per` (e.g. tokens)."""

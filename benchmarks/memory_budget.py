@@ -35,6 +35,15 @@ SHAPES = {  # scaled-down Llamas: hidden, intermediate, layers, heads, kv heads,
     "B": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=12,
               num_key_value_heads=4, vocab_size=4096),
 }
+PHASES = [  # (phase, the library function on the stack), innermost first
+    ("FPDT backward loop (pre-attention backward)", "layer_split.py:_pre_backward"),
+    ("FPDT backward loop", "fpdt.py:fpdt_backward_chunks"),
+    ("layer recompute (post-attention backward)", "layer_split.py:_post_backward"),
+    ("layer recompute", "layer_split.py:run_backward"),
+    ("layer forward", "layer_split.py:run_forward"),
+    ("final norm backward", "tiling.py:backward"),
+    ("loss", "tiling.py:forward"),
+]
 MODES = {  # label -> (patch options, FPDT chunks)
     "off": (dict(memory="off"), 1),
     "balanced": (dict(memory="balanced"), 1),
@@ -96,8 +105,9 @@ def measure(mesh, shape: str, mode: str, tokens: int) -> dict:
     at the device peak (bytes), S_local."""
     from transformers import LlamaForCausalLM
 
-    from benchmarks.census import Census, EmulatedStreams
+    from benchmarks.census import Census, EmulatedStreams, frames_phase
     from hf_longctx import patch, shard_batch
+    from hf_longctx.ops.host_pool import HostPool
 
     options, chunks = MODES[mode]
     mesh = dataclasses.replace(mesh, fpdt_chunks=chunks)
@@ -115,12 +125,15 @@ def measure(mesh, shape: str, mode: str, tokens: int) -> dict:
         model(**shard).loss.backward()  # warm-up: lazy initialisations, gradients allocated
     census = Census()
     census.name_modules(model)
-    with emulated_offload(EmulatedStreams(census)), kernels_in(census), census:
+    census.phase_of = frames_phase(PHASES)
+    warm.census, warm.pool = census, HostPool(alloc=warm._alloc)  # streams bound at patch(): count their host side
+    with emulated_offload(warm), kernels_in(census), census:
         model(**shard).loss.backward()
     census.close()
     s_local = shard["input_ids"].shape[1]
     return dict(device=census.peak.device, host=census.host_peak, s_local=s_local, by_name=census.peak.by_name,
-                layers=model.config.num_hidden_layers, kernel=census.kernel_peak)
+                layers=model.config.num_hidden_layers, kernel=census.kernel_peak,
+                phases={k: (v.device, v.by_name) for k, v in census.phases.items()})
 
 
 def _worker(rank: int, init_file: str, args, results) -> None:
@@ -197,6 +210,12 @@ def _print(args, rows) -> None:
         items = sorted(r["by_name"].items(), key=lambda kv: -kv[1])
         for (name, host), b in items[: args.top]:
             print(f"  {'host  ' if host else 'device'} {b / r['s_local'] / vec:6.3f}  {name}")
+        if args.phases:
+            for phase, (dev, by_name) in sorted(r["phases"].items(), key=lambda kv: -kv[1][0]):
+                print(f"  phase {phase}: peak {dev / r['s_local'] / vec:.3f} vec")
+                for (name, host), b in sorted(by_name.items(), key=lambda kv: -kv[1])[: args.top]:
+                    if not host:
+                        print(f"      {b / r['s_local'] / vec:6.3f}  {name}")
 
 
 def main() -> None:
@@ -208,6 +227,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--top", type=int, default=14, help="named tensors listed per mode")
+    parser.add_argument("--phases", action="store_true", help="also the peak of each phase of the step, with its tensors")
     args = parser.parse_args()
     if args.world == 1:
         import queue

@@ -4,14 +4,18 @@ Where it sits: `patch()` (`integrations/transformers.py`) calls `apply_memory_op
 any memory option is set and calls the returned undo in `unpatch()`. It implements the
 part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attention:
 - every decoder layer's MLP (`mlp`, `feed_forward`, ...: `layer_mlp`) runs through
-  `ops/tiling.chunked_mlp` (2x the attention chunks by default), so only one chunk of the [tokens x intermediate] activations exists;
+  `ops/tiling.chunked_mlp` (`default_mlp_chunks`), so only one chunk of the [tokens x
+  intermediate] activations exists, and so do the layers' norms and the final norm
+  (`ops/tiling.tokenwise_chunks`: their fp32 copies one chunk at a time, only inputs saved);
 - the causal-LM head is intercepted: when labels or shift_labels are given, the loss comes
   from `ops/tiling.chunked_causal_lm_loss` on the last hidden state (Gemma2's final logit
   softcapping inside it, `num_items_in_batch` honoured) and `logits` is None; without
   labels the model behaves as before;
 - `checkpoint=True` / `"attention"`: activation checkpointing of every decoder layer with
   the inputs in pinned host memory on CUDA (`integrations/checkpointing.py`); "attention"
-  keeps the attention out of the recompute (`integrations/keep_attention.py`).
+  keeps the attention out of the recompute (`integrations/keep_attention.py`); with chunked
+  MLPs too, checkpoint=True runs every layer in row chunks (`integrations/layer_split.py`:
+  memory="max" keeps O(chunk) of a layer on the device).
 `kv_offload` is FPDT's K/V host offload; the attention binding of `patch()` passes it to
 `ops/fpdt.fpdt_attention(offload=...)`, so here it is only validated.
 
@@ -161,7 +165,7 @@ def final_norm(model: nn.Module) -> nn.Module | None:
 
 def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, auto: bool) -> None:
     """Every decoder layer through `split.call` (integrations/layer_split.py) while training
-    with gradients; the final norm over `chunks` row chunks (ops/tiling.tokenwise_chunks)."""
+    with gradients."""
     split.chunks, split.auto = chunks, auto
     for index, layer in enumerate(decoder_layers(model)):
         forward = layer.forward  # bound: class forward, or an earlier instance-level patch
@@ -174,18 +178,32 @@ def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, a
             return split.call(_layer, _forward, _first, args, kwargs)
 
         set_instance_attr(layer, "forward", split_forward, undo)
-    norm = final_norm(model)
-    if norm is None:
-        return
-    norm_forward = norm.forward
 
-    def chunked_norm(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-            return norm_forward(hidden, *args, **kwargs)
-        return tokenwise_chunks(norm_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto),
-                                [p for p in norm.parameters() if p.requires_grad])
 
-    set_instance_attr(norm, "forward", chunked_norm, undo)
+def _is_norm(module: nn.Module) -> bool:
+    """A normalisation layer (token-wise over the hidden dim): torch's, or a model's *Norm class."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or (
+        type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and not list(module.children()))
+
+
+def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: LayerSplit | None) -> None:
+    """The final norm and every decoder layer's own norms (its direct children) over `chunks`
+    row chunks (ops/tiling.tokenwise_chunks): a norm's fp32 copies exist for one chunk at a
+    time, forward and backward, and only its input is saved. Inside a row-chunked layer
+    (`split` running one) they run as they are: the rows are a chunk already."""
+    norms = [m for layer in decoder_layers(model) for m in layer.children() if _is_norm(m)]
+    last = final_norm(model)
+    for norm in norms + ([last] if last is not None else []):
+        norm_forward = norm.forward
+
+        def chunked_norm(hidden, *args, _forward=norm_forward, _norm=norm, **kwargs):
+            if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or (
+                    split is not None and split.mode is not None):
+                return _forward(hidden, *args, **kwargs)
+            return tokenwise_chunks(_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto),
+                                    [p for p in _norm.parameters() if p.requires_grad])
+
+        set_instance_attr(norm, "forward", chunked_norm, undo)
 
 
 # ---- entry point ---------------------------------------------------------------------------
@@ -234,6 +252,7 @@ def apply_memory_options(
     try:
         if mlp_chunks is not None:
             _patch_mlps(model, mlp_chunks, undo, split, auto)
+            _patch_norms(model, mlp_chunks, undo, auto, split)
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
         if checkpoint is True and split is not None and mlp_chunks is not None:

@@ -32,11 +32,11 @@ from torch.utils.checkpoint import checkpoint
 OWNED_GRAD = "_hf_longctx_owned_grad"
 
 # The floor only guards against degenerate chunks (a 64-wide toy model with a 32K vocabulary
-# would get ~1000 chunks of a few tokens). At 256 rows the per-chunk [256, Hd] x [Hd, V] GEMM
+# would get ~4000 chunks of a few tokens). At 256 rows the per-chunk [256, Hd] x [Hd, V] GEMM
 # is already 2·256·Hd·V FLOPs (over 1 GFLOP for Hd = 64, V = 32K), far above the per-chunk
 # loop overhead of tens of microseconds, and one fp32 chunk of a 128K vocabulary is 128 MiB.
-# A higher floor would override FPDT's sizing rule (one fp32 logits chunk = the bf16 hidden
-# states of the sequence) for mid-sized models and make the loss the memory peak again.
+# A higher floor would override the sizing rule (`default_loss_chunk_size`) for mid-sized
+# models and make the loss the memory peak again.
 # Read-only constant, not a flag.
 MIN_LOSS_CHUNK_TOKENS = 256
 
@@ -76,12 +76,16 @@ def mlp_chunks_at(chunks: int, rows: int, auto: bool) -> int:
 def default_loss_chunk_size(config: Any, seq_len: int) -> int:
     """Tokens per loss chunk for a call over ``seq_len`` tokens (``B * S`` of the local shard).
 
-    FPDT splits the loss into about ``2 * V / Hd`` chunks. Why that number: one fp32 logits chunk
-    then holds ``(seq_len / (2 V / Hd)) * V * 4 = seq_len * Hd * 2`` bytes, i.e. exactly the size
-    of the bf16 hidden states of the whole sequence, so the loss never becomes the memory peak.
-    A floor of :data:`MIN_LOSS_CHUNK_TOKENS` (256) tokens per chunk keeps tiny models (V / Hd
-    can be 500+ for a 64-wide toy) from degenerating into many few-token GEMMs; a sequence
-    shorter than the floor is one chunk.
+    About ``8 * V / Hd`` chunks. Why that number: a chunk's loss holds three fp32 ``[chunk, V]``
+    tensors (log-softmax output, its gradient, the logits' gradient) and one in the compute
+    dtype; at ``8 V / Hd`` chunks one fp32 chunk holds ``seq_len * Hd / 2`` bytes, a quarter of
+    the bf16 hidden states of the sequence, so the loss's transient stays under one hidden-size
+    vector per token. FPDT splits into ``2 V / Hd`` chunks (one fp32 chunk = the bf16 hidden
+    states): about 3.5 vectors per token, which would make the loss the memory peak of a step
+    whose layers keep about three (memory="max"). The GEMMs stay large (Llama-3.1-8B at 1M
+    tokens: 251 chunks of 4,178 rows). A floor of :data:`MIN_LOSS_CHUNK_TOKENS` (256) tokens per
+    chunk keeps tiny models (V / Hd can be 500+ for a 64-wide toy) from degenerating into many
+    few-token GEMMs; a sequence shorter than the floor is one chunk.
 
     ``config`` is a transformers ``PretrainedConfig`` (multimodal configs are reduced to their
     text config); it must expose ``vocab_size`` and ``hidden_size``.
@@ -95,7 +99,7 @@ def default_loss_chunk_size(config: Any, seq_len: int) -> int:
         raise ValueError(
             f"config needs vocab_size and hidden_size, got vocab_size={vocab_size}, hidden_size={hidden_size}"
         )
-    num_chunks = max(1, math.ceil(2 * vocab_size / hidden_size))
+    num_chunks = max(1, math.ceil(8 * vocab_size / hidden_size))
     chunk_size = max(math.ceil(seq_len / num_chunks), MIN_LOSS_CHUNK_TOKENS)
     return min(chunk_size, seq_len)
 
