@@ -214,11 +214,14 @@ class _LayerRun:
         self.inputs = Inputs([h], [park(h, self.streams)], None if first else split.chain.last)
         split.chain.last = self.inputs
         out = torch.empty_like(h)  # [B, S, hidden], written row chunk by row chunk
-        q0, k0, v0, self.call = self.pre(0, self._first_rows(), h[:, : self._first_rows()])
+        *qkv0, self.call = self.pre(0, self._first_rows(), h[:, : self._first_rows()])
         if self.call.mesh.fpdt_chunks > 1:
-            self._fpdt(h, (q0, k0, v0), out=out)
+            box = [tuple(qkv0)]  # handed over: the FPDT loop drops chunk 0's q, k, v once it used them
+            del qkv0
+            self._fpdt(h, box, out=out)
         else:
-            q, k, v = self._qkv_full(h, (q0, k0, v0))
+            q, k, v = self._qkv_full(h, tuple(qkv0))
+            del qkv0
             a = self.call.run(q, k, v, save=False)  # [B, S, H, D_v]
             del q, k, v
             for lo, hi in _bounds(0, self.s, self.chunks):
@@ -248,21 +251,22 @@ class _LayerRun:
         return tuple(full)
 
     # ---- FPDT: the chunk loop with the token-wise parts inside ------------------------------------
-    def _fpdt(self, h, first, out=None, dh=None, store=None, acc=None):
+    def _fpdt(self, h, box: list, out=None, dh=None, store=None, acc=None):
         """Forward (`out` given, nothing saved) or the backward's recompute (`dh` given: post's
-        backward per finished chunk, its dout put into `store`). Returns (plan, local sinks)."""
+        backward per finished chunk, its dout put into `store`); `box`: [chunk 0's (q, k, v)],
+        emptied when the loop takes them. Returns (plan, local sinks)."""
         call = self.call
         mesh, kw = call.mesh, call.kw
         u = mesh.fpdt_chunks
         c = self.s // u
-        meta = [torch.empty((t.shape[0], self.s, *t.shape[2:]), dtype=t.dtype, device="meta") for t in first]
+        meta = [torch.empty((t.shape[0], self.s, *t.shape[2:]), dtype=t.dtype, device="meta") for t in box[0]]
         plan = plan_for(*meta, mesh, cu_seqlens=kw["cu_seqlens"], causal=kw["causal"], softmax_scale=kw["softmax_scale"],
                         window=kw["window"], softcap=kw["softcap"], sinks=kw["sinks"], plan_cache=call.plan_cache)
         sinks = None if kw["sinks"] is None else local_sinks(kw["sinks"].detach(), mesh)  # [H/U]
         pieces = max(1, math.ceil(self.chunks / u))  # post's row chunks per FPDT chunk
 
         def inputs(step: int) -> tuple:
-            q, k, v = first if step == 0 else self.pre(step * c, (step + 1) * c, h[:, step * c : (step + 1) * c])[:3]
+            q, k, v = box.pop() if step == 0 else self.pre(step * c, (step + 1) * c, h[:, step * c : (step + 1) * c])[:3]
             return (q, *replicate_kv(q, k, v, mesh.ulysses))  # [B, c, H, D], [B, c, H_kv', D]
 
         def emit(i: int, o_i: torch.Tensor, lse_i: torch.Tensor) -> None:
@@ -367,8 +371,9 @@ class _LayerRun:
         u, c = self.call.mesh.fpdt_chunks, self.s // self.call.mesh.fpdt_chunks
         pieces = max(1, math.ceil(self.chunks / u))
         with torch.no_grad():
-            first = self.pre(0, c, h[:, :c])[:3]
-        plan, sinks = self._fpdt(h, first, dh=dh, store=store, acc=acc)
+            box = [self.pre(0, c, h[:, :c])[:3]]
+        dtype = box[0][0].dtype
+        plan, sinks = self._fpdt(h, box, dh=dh, store=store, acc=acc)
         rows: dict[int, dict] = {}
 
         def emit(j: int, dk_j, dv_j, dq_done: dict) -> None:
@@ -381,7 +386,7 @@ class _LayerRun:
                     part = tuple(d[n][:, lo - r * c : hi - r * c] for n in ("dq", "dk", "dv"))
                     self._pre_backward(lo, hi, h, part, dh, acc, replicate=True)
 
-        dsink = fpdt_backward_chunks(plan, store, first[0].dtype, emit, sinks)
+        dsink = fpdt_backward_chunks(plan, store, dtype, emit, sinks)
         self._sink_grad(dsink, acc)
 
     def _usp_backward(self, h, dh, acc) -> None:
@@ -389,6 +394,7 @@ class _LayerRun:
         with torch.no_grad():
             first = self.pre(*chunks[0], h[:, : chunks[0][1]])[:3]
             q, k, v = self._qkv_full(h, first)
+            del first
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         sinks = self.call.kw["sinks"]
         with torch.enable_grad():

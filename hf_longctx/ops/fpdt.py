@@ -198,13 +198,13 @@ def fpdt_backward_chunks(plan: FPDTPlan, store: ChunkStore, dtype: torch.dtype, 
             )
             if dsink is not None and j == plan.needs[i][0]:  # each query chunk once; chunks with no key have out 0
                 dsink += sink_grad(do_i, o_i, lse_i, sinks.to(acc))
-            dq_i = gq if dq_i is None else dq_i + gq
+            dq_i = gq if dq_i is None else dq_i.add_(gq)  # the fetched copy is this step's own: summed in place
             if plan.dq_done_at[i] == j:
                 final[i] = dq_i
             else:
                 store.put(("dq", i), dq_i)  # written back (to host when offloading) for later K/V chunks
             dk_j, dv_j = (gk, gv) if dk_j is None else (dk_j.add_(gk), dv_j.add_(gv))
-            del q_i, do_i, o_i, lse_i, dq_i
+            del q_i, do_i, o_i, lse_i, dq_i, gq, gk, gv  # nothing of this pair outlives it
         if dk_j is None:  # no query chunk sees this K/V chunk
             dk_j, dv_j = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k_j, v_j))
         del k_j, v_j

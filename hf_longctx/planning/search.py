@@ -165,14 +165,16 @@ class Suggestion:
         return " ".join(flags)
 
 
-def preset_setting(ulysses: int, ring: int, fpdt_chunks: int, memory: str) -> Setting:
+def preset_setting(ulysses: int, ring: int, fpdt_chunks: int, memory: str, dims: ModelDims | None = None) -> Setting:
     """The memory-model `Setting` of a mesh under a `patch(memory=...)` preset (the knobs of
-    `config.preset_knobs`; "auto" chunks are FPDT's defaults, as `integrations/memory.py` resolves them)."""
+    `config.preset_knobs`; "auto" chunks resolved as `integrations/memory.py` resolves them,
+    from the model's sizes when `dims` is given)."""
     knobs = preset_knobs(memory, fpdt_chunks)
+    sizes = (dims.intermediate, dims.hidden) if dims is not None else ()
     return Setting(
         ulysses=ulysses, ring=ring, fpdt_chunks=fpdt_chunks, kv_offload=knobs.get("kv_offload", False),
         checkpoint=knobs.get("checkpoint", False),
-        mlp_chunks=default_mlp_chunks(fpdt_chunks) if knobs.get("mlp_chunks") == "auto" else 1,
+        mlp_chunks=default_mlp_chunks(fpdt_chunks, *sizes) if knobs.get("mlp_chunks") == "auto" else 1,
         loss_chunks=0 if knobs.get("loss_chunks") == "auto" else 1,
     )
 
@@ -210,7 +212,7 @@ def enumerate_settings(
             for u in chunk_options:
                 for memory in MEMORY_PRESETS:
                     for off in PARAM_OFFLOAD[param_offload]:
-                        out.append((replace(preset_setting(ulysses, ring, u, memory), param_offload=off), memory))
+                        out.append((replace(preset_setting(ulysses, ring, u, memory, dims), param_offload=off), memory))
     return out
 
 

@@ -1,0 +1,230 @@
+"""The per-token memory budget of one training step: every tensor the step keeps or makes, by
+name, per phase, on the device and on the host (what `planning/memory.py` builds on).
+
+Where it sits: outside the training data flow, under `hf-longctx plan`. Each term below is
+a named tensor (or group of tensors of one kind) of the census that `benchmarks/memory_budget.py`
+takes of a real step (`benchmarks/census.py`: every storage alive at the device peak, by the
+code that allocated it); its bytes are written from the model's sizes, not fitted.
+tests/unit/test_memory_budget.py holds the sum within 5 % of the census at three lengths and
+two model shapes for the presets. The local attention kernel's own workspace is a term of its
+own (`kernel`: flash-attn and torch's flash ops keep an fp32 dq accumulator per call) that the
+CPU census counts apart (its CPU backend's workspace differs).
+
+Symbols, per local token (S = tokens per SP rank), dt = bytes of the compute dtype:
+v = dt·h (one hidden-size vector), qb = dt·H·D, kvb = dt·H_kv·f·D (f: KV replication over
+Ulysses), ib = dt·I, lse = 4·H (fp32 per head). Row counts: c = S/u (an FPDT chunk), r = S/n
+(a token-wise chunk: MLP, norms, a row-chunked layer's pieces; n = the MLP chunks, at least 1024
+rows with "auto"), lr (a loss chunk). Phases (the device peak is the largest):
+- forward: what a layer's forward holds beside what the step keeps;
+- loss: the chunked LM head + loss (its [lr, V] logits, the weight-gradient chunk);
+- layer backward: one layer's backward (recompute, its gradients, the next input prefetched).
+Memory presets (FPDT §3-4): "off"/"balanced" keep every layer's activations; "high" keeps the
+attention's saved tensors and the layer inputs (host when offloading); "max" keeps only the
+layer inputs (host) and runs each layer in row chunks (`integrations/layer_split.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hf_longctx.data.model_dims import ModelDims
+from hf_longctx.ops.tiling import MIN_LOSS_CHUNK_TOKENS, MIN_MLP_CHUNK_TOKENS, mlp_chunks_at
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    terms: dict  # term name -> bytes
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.terms.values()))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Device bytes above the weights per phase, host bytes at their peak, and what is held
+    across the whole step (`held`, part of every phase)."""
+
+    phases: tuple
+    host_terms: dict = field(default_factory=dict)
+    held: float = 0.0
+
+    @property
+    def device(self) -> float:
+        return max(p.total for p in self.phases)
+
+    @property
+    def binding(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def host(self) -> float:
+        return float(sum(self.host_terms.values()))
+
+    @property
+    def kernel(self) -> float:
+        """The binding phase's local-kernel workspace (counted apart by the CPU census)."""
+        return self.binding.terms.get("attention kernel workspace (fp32 dq accumulator)", 0.0)
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    dt: int
+    v: float
+    qb: float
+    kvb: float
+    ib: float
+    lse: float
+    rope: float
+    mlp_saved: float  # I-wide tensors an unchunked MLP saves (gated: gate, up, act, product)
+
+    @classmethod
+    def of(cls, dims: ModelDims, dt: int, f: int) -> "_Sizes":
+        q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
+        return cls(dt, dt * dims.hidden, dt * q, dt * kv, dt * dims.intermediate, 4 * dims.heads,
+                   2 * dt * dims.head_dim, (4 if dims.gated else 2) * dt * dims.intermediate)
+
+
+def token_chunks(dims: ModelDims, mlp_chunks: int, s_local: int) -> int:
+    """Row chunks of the token-wise parts (MLP, norms, a row-chunked layer's pieces) for a
+    setting's MLP chunks (1: none; else the "auto" count, at least MIN_MLP_CHUNK_TOKENS rows)."""
+    return 1 if mlp_chunks <= 1 else mlp_chunks_at(mlp_chunks, s_local, auto=True)
+
+
+def loss_rows(dims: ModelDims, s_local: int, loss_chunks: int) -> int:
+    """Tokens per LM-head chunk: `loss_chunks` = 0 means the default (`ops/tiling`), 1 unchunked."""
+    if loss_chunks == 0:
+        n = max(1, math.ceil(8 * dims.vocab / dims.hidden))
+        return min(s_local, max(math.ceil(s_local / n), MIN_LOSS_CHUNK_TOKENS))
+    return -(-s_local // loss_chunks)
+
+
+def _mlp_chunk(z: _Sizes, dims: ModelDims, rows: float) -> dict:
+    """One token-wise chunk's backward: the MLP recomputed (its I-wide tensors and their
+    gradients) and the norm before it (fp32 copies)."""
+    h = dims.hidden
+    return {"MLP chunk recompute (I-wide tensors and gradients)": rows * (z.mlp_saved + 2 * z.ib),
+            "norm chunk (fp32 copy, normalized, output)": rows * (4 * h + 2 * z.v)}
+
+
+def _loss(z: _Sizes, dims: ModelDims, s: float, lr: int, chunked: bool) -> dict:
+    v_, h = dims.vocab, dims.hidden
+    if not chunked:
+        return {"logits: log-softmax and two gradients (fp32)": 12 * v_ * s}
+    return {"final norm output (LM head input)": z.v * s, "gradient of the LM head input": z.v * s,
+            "loss chunk: fp32 logits, log-softmax, two gradients": 16 * lr * v_,
+            "LM-head weight gradient chunk": z.dt * v_ * h}
+
+
+def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload: bool = True) -> Budget:
+    """The budget of one forward + backward on one GPU for setting `s` (`planning/memory.Setting`)
+    and `tokens` per SP group. `offload`: the device copies offloads to pinned host memory (CUDA);
+    False: what would go to the host stays on the device."""
+    from hf_longctx.ops.ulysses import kv_replication
+    from hf_longctx.planning.memory import DTYPE_BYTES
+
+    dt = DTYPE_BYTES[dtype]
+    f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
+    z = _Sizes.of(dims, dt, f)
+    S = tokens / s.sp
+    n = token_chunks(dims, s.mlp_chunks, int(S))
+    r = S / n
+    lr = loss_rows(dims, int(S), s.loss_chunks)
+    chunked = s.mlp_chunks > 1
+    L = dims.layers
+    rope = {"rotary cos/sin": z.rope * S}
+    att_saved = 3 * z.qb + 2 * z.kvb + z.lse  # q, k, v, the kernel's out and lse, the token-layout output
+    kernel = {"attention kernel workspace (fp32 dq accumulator)": 2 * z.qb * (S / s.fpdt_chunks if s.fpdt_chunks > 1 else S)}
+    host: dict = {}
+    if s.checkpoint is True and chunked:
+        return _split_budget(dims, s, z, S, n, r, lr, L, rope, kernel, offload)
+    fpdt_host = s.fpdt_chunks > 1 and s.kv_offload and offload
+    if s.checkpoint:  # "attention": inputs and the attention's saved tensors kept (host when offloading)
+        kept = att_saved if s.fpdt_chunks <= 1 else att_saved  # FPDT: its store + the output, once
+        per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept * S}
+        if offload:
+            host = {k: L * b for k, b in per_layer.items()}
+            held = {}
+        else:
+            held = {k: L * b for k, b in per_layer.items()}
+        held |= rope | {"last layer output (final norm input)": z.v * S}
+        layer_bw = {"layer input (device copy)": z.v * S, "next layer input (prefetched)": z.v * S,
+                    "kept attention tensors (device copies)": att_saved * S if offload else 0.0,
+                    "recomputed norm outputs and attention residual": 3 * z.v * S,
+                    "gradient through the layer": z.v * S} | _mlp_chunk(z, dims, r) | kernel
+    else:
+        norms = 4 * z.v if chunked else 2 * (4 * dims.hidden + 2 * z.v) + 8  # inputs + outputs, or fp32 copies
+        att_dev = z.qb if fpdt_host else att_saved  # FPDT with offload: q, k, v, lse on the host
+        per_layer = {"norm inputs and outputs" if chunked else "norms (fp32 copies, outputs)": norms * S,
+                     "attention (q, k, v, out, lse, o_proj input)": att_dev * S,
+                     "MLP (I-wide tensors)": 0.0 if chunked else z.mlp_saved * S}
+        held = {k: L * b for k, b in per_layer.items()} | rope
+        held["last layer output (final norm input)" if chunked else "final norm (fp32 copy, output)"] = (
+            z.v * S if chunked else (4 * dims.hidden + 2 * z.v + 4) * S)
+        if fpdt_host:
+            host = {"FPDT q, k, v, lse chunks": L * (z.qb + 2 * z.kvb + z.lse) * S}
+        layer_bw = {"gradient through the layer": 2 * z.v * S} | (_mlp_chunk(z, dims, r) if chunked else {
+            "MLP gradients (I-wide)": 2 * z.ib * S}) | kernel
+    held_total = float(sum(held.values()))
+    phases = (
+        Phase("loss", held | _loss(z, dims, S, lr, s.loss_chunks != 1)),
+        Phase("layer backward", held | layer_bw),
+    )
+    return Budget(phases, host, held_total)
+
+
+def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> Budget:
+    """memory="max": row-chunked layers (`integrations/layer_split.py`)."""
+    u = s.fpdt_chunks
+    c = S / u if u > 1 else S
+    pieces = max(1, math.ceil(n / u))
+    piece = c / pieces if u > 1 else r
+    inputs_host = offload
+    host = {"layer inputs (checkpointed)": L * z.v * S} if inputs_host else {}
+    held = dict(rope)
+    if not inputs_host:
+        held["layer inputs (checkpointed)"] = L * z.v * S
+    seq = {"layer input (device copy)": z.v * S, "gradient through the layer (in place)": z.v * S,
+           "fp32 sums of the layer's parameter gradients": 4 * dims.layer_params}
+    if inputs_host and L > 1:
+        seq["next layer input (prefetched)"] = z.v * S
+    post = {"post-attention piece: MLP tensors and gradients": piece * (z.mlp_saved + 2 * z.ib),
+            "post-attention piece: norm, residual, attention output": piece * (4 * dims.hidden + 3 * z.v + z.qb)}
+    if u > 1:
+        store = {"q chunk": z.qb * S, "K/V chunks": 2 * z.kvb * S, "lse chunks": z.lse * S,
+                 "dout and out chunks": 2 * z.qb * S,
+                 "dq accumulators (fp32)": 2 * z.qb * S * (u - 1) / u}
+        if s.kv_offload and offload:
+            host |= {f"attention state of the layer in backward: {k}": b for k, b in store.items()}
+        else:
+            seq |= {f"attention state (on device): {k}": b for k, b in store.items()}
+        step = {"FPDT step: q, k, v of the chunk (token and head layout)": 2 * c * (z.qb + 2 * z.kvb),
+                "FPDT step: streamed K/V chunks (double buffer)": 2 * c * 2 * z.kvb,
+                "FPDT step: output chunk (fp32 sum, head and token layout), its gradient": c * (2 * z.qb + 3 * z.qb)}
+        loop = {"FPDT backward: K/V chunk, the next one, dK/dV sums (fp32)": c * (2 * 2 * z.kvb + 2 * 2 * z.kvb),
+                "FPDT backward: q, dout, out, lse, dq (fp32) of two query chunks": 2 * c * (3 * z.qb + z.lse + 2 * z.qb),
+                "FPDT backward: kernel gradients (fp32)": c * (2 * z.qb + 4 * z.kvb),
+                "pre-attention piece: norm, q, k, v and their gradients": piece * (4 * dims.hidden + 2 * z.v
+                                                                                     + 2 * (z.qb + 2 * z.kvb))}
+        forward = {"embedding output (held by the model's forward)": z.v * S, "layer input": z.v * S,
+                   "layer output": z.v * S} | step
+        phases = (Phase("forward", held | forward), Phase("loss", held | _split_loss(z, dims, S, lr)),
+                  Phase("layer backward: recompute and post-attention backward", held | seq | step | post),
+                  Phase("layer backward: FPDT backward loop", held | seq | loop | kernel))
+    else:
+        qkv = {"q, k, v of every row": (z.qb + 2 * z.kvb) * S,
+               "attention output and lse (kernel layout), output (token layout)": (2 * z.qb + z.lse) * S}
+        grads = {"attention output gradient": z.qb * S, "dq, dk, dv": (z.qb + 2 * z.kvb) * S}
+        forward = {"embedding output (held by the model's forward)": z.v * S, "layer input": z.v * S,
+                   "layer output": z.v * S} | qkv
+        phases = (Phase("forward", held | forward), Phase("loss", held | _split_loss(z, dims, S, lr)),
+                  Phase("layer backward: post-attention backward", held | seq | qkv | {
+                      "attention output gradient": z.qb * S} | post),
+                  Phase("layer backward: attention backward", held | seq | qkv | grads | kernel))
+    return Budget(phases, host, float(sum(held.values())))
+
+
+def _split_loss(z: _Sizes, dims: ModelDims, S: float, lr: int) -> dict:
+    return {"last layer output (final norm input)": z.v * S} | _loss(z, dims, S, lr, True)
