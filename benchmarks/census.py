@@ -97,6 +97,7 @@ class Census(TorchDispatchMode):
         self.device = self.host = 0
         self.peak = Snapshot()
         self.host_peak = 0
+        self.host_sizes: list[int] = []  # the host buffers at the host peak, bytes each
         self._labels: list[str] = []
         self._modules: list[str] = []  # module paths whose forward is running
         self._handles: list = []
@@ -150,6 +151,13 @@ class Census(TorchDispatchMode):
                         self.device += rec.nbytes
                 if self.device > self.peak.device:
                     self._snapshot()
+                self._phase_peak()
+
+    def _phase_peak(self) -> None:
+        if self.phase_of is not None:
+            phase = self.phase_of()
+            if self.device > self.phases.get(phase, Snapshot()).device:
+                self.phases[phase] = self._snap()
 
     def _name(self, func) -> str:
         if self._labels:
@@ -186,10 +194,7 @@ class Census(TorchDispatchMode):
         self.device += nbytes
         if self.device > self.peak.device:
             self._snapshot()
-        if self.phase_of is not None:
-            phase = self.phase_of()
-            if self.device > self.phases.get(phase, Snapshot()).device:
-                self.phases[phase] = self._snap()
+        self._phase_peak()
 
     def _free(self, ptr: int) -> None:
         rec = self.live.pop(ptr, None)
@@ -210,7 +215,9 @@ class Census(TorchDispatchMode):
         rec.host, rec.name = True, name
         self.device -= rec.nbytes
         self.host += rec.nbytes
-        self.host_peak = max(self.host_peak, self.host)
+        if self.host > self.host_peak:
+            self.host_peak = self.host
+            self.host_sizes = sorted(r.nbytes for r in self.live.values() if r.host)
 
     def _snap(self) -> Snapshot:
         by_name: dict = {}
@@ -249,6 +256,9 @@ class EmulatedStreams:
 
     def offloads(self, device) -> bool:
         return True
+
+    def is_host(self, tensor) -> bool:
+        return self.pool.owns(tensor)
 
     def current(self, device):
         return self._Inert()

@@ -36,11 +36,12 @@ SHAPES = {  # scaled-down Llamas: hidden, intermediate, layers, heads, kv heads,
               num_key_value_heads=4, vocab_size=4096),
 }
 PHASES = [  # (phase, the library function on the stack), innermost first
-    ("FPDT backward loop (pre-attention backward)", "layer_split.py:_pre_backward"),
-    ("FPDT backward loop", "fpdt.py:fpdt_backward_chunks"),
-    ("layer recompute (post-attention backward)", "layer_split.py:_post_backward"),
-    ("layer recompute", "layer_split.py:run_backward"),
-    ("layer forward", "layer_split.py:run_forward"),
+    ("layer backward: pre-attention backward", "layer_split.py:_pre_backward"),
+    ("layer backward: FPDT backward loop", "fpdt.py:fpdt_backward_chunks"),
+    ("layer backward: post-attention backward", "layer_split.py:_post_backward"),
+    ("layer backward: attention backward", "layer_split.py:_usp_backward"),
+    ("layer backward: recompute", "layer_split.py:run_backward"),
+    ("forward", "layer_split.py:run_forward"),
     ("final norm backward", "tiling.py:backward"),
     ("loss", "tiling.py:forward"),
 ]
@@ -118,10 +119,10 @@ def measure(mesh, shape: str, mode: str, tokens: int) -> dict:
         patch(model, mesh, **options)
         model.train()
         g = torch.Generator().manual_seed(1)
-        docs = [tokens // 4] * 3 + [tokens - 3 * (tokens // 4)]
         ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=g)
-        pos = torch.cat([torch.arange(n) for n in docs])[None]  # [1, S] four packed documents
-        shard = shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": pos}, mesh)
+        # One document: every query chunk sees every earlier K/V chunk, the worst case the planner budgets
+        # (packed documents that end at chunk boundaries skip FPDT's dq accumulators)
+        shard = shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh)
         model(**shard).loss.backward()  # warm-up: lazy initialisations, gradients allocated
     census = Census()
     census.name_modules(model)
@@ -184,7 +185,7 @@ def estimate(shape: str, mode: str, tokens: int, world: int) -> tuple[float, flo
 
 def _print(args, rows) -> None:
     print(f"\nPer-token memory budget, one forward + backward, bf16, {args.world} gloo rank(s) (Ulysses {args.world}), "
-          "four packed documents; device = peak above the weights (Census), host = pinned host buffers at their "
+          "one document; device = peak above the weights (Census), host = pinned host buffers at their "
           "peak; 'vec' = hidden-size bf16 vectors per local token\n")
     print("| shape | mode | tokens | device B/token | device vec | planner vec | error | host B/token/layer | "
           "host vec/layer | planner host | error |")

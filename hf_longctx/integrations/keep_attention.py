@@ -75,9 +75,9 @@ class Region:
         A tensor saved twice (the attention's output: saved by the attention for its backward
         and kept for the replay) is copied once."""
         streams = self.streams
-        if not streams.offloads(tensor.device):
+        if not streams.offloads(tensor.device) or streams.is_host(tensor):
             self.keeper.kept_bytes += tensor.numel() * tensor.element_size()
-            return tensor  # CPU: kept in place
+            return tensor  # CPU, or a host copy already (FPDT's offloaded chunks): kept in place
         key = _identity(tensor)
         kept = self.kept.get(key)
         if kept is not None:

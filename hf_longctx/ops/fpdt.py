@@ -215,6 +215,7 @@ def fpdt_backward_chunks(plan: FPDTPlan, store: ChunkStore, dtype: torch.dtype, 
             # a chunk with no key at all has no gradient: zeros
             dq_i = final.pop(i) if i in final else torch.zeros(do_shape or dk_j.shape, dtype=acc, device=dk_j.device)
             dq_done.append(_from_heads(dq_i, dtype))  # [B, S/u, H/U, D]
+            del dq_i  # the fp32 sum, rounded once above
             for key in (("dq", i), ("q", i), ("do", i), ("lse", i)):
                 store.pop(key)
         grads = head_to_seq([_from_heads(dk_j, dtype), _from_heads(dv_j, dtype), *dq_done], plan.group)

@@ -141,6 +141,10 @@ class HostPool:
             if write:
                 entry[1].written = event
 
+    def owns(self, host: torch.Tensor) -> bool:
+        """Is `host` a tensor this pool lent (and not yet got back)?"""
+        return self._entry(host) is not None
+
     def pending(self, host: torch.Tensor) -> Any:
         """The event after the last copy into `host` (a lent tensor), or None: what a read waits for."""
         entry = self._entry(host)

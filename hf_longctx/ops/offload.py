@@ -54,6 +54,7 @@ class Streams(Protocol):
     real one; tests pass a fake that records the calls and copies synchronously on CPU."""
 
     def offloads(self, device: torch.device) -> bool: ...  # does this device get host copies?
+    def is_host(self, tensor: torch.Tensor) -> bool: ...  # is this a host copy already (nothing to offload)?
     def current(self, device: torch.device) -> Any: ...  # the compute stream
     def side(self, device: torch.device, direction: str) -> Any: ...  # the OUT or IN copy stream of the device
     def on(self, stream: Any) -> ContextManager: ...  # make `stream` current
@@ -79,6 +80,9 @@ class CudaStreams:
 
     def offloads(self, device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_available()
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
 
     def current(self, device: torch.device) -> Any:
         return torch.cuda.current_stream(device)

@@ -29,7 +29,10 @@ import math
 from dataclasses import dataclass, field
 
 from hf_longctx.data.model_dims import ModelDims
-from hf_longctx.ops.tiling import MIN_LOSS_CHUNK_TOKENS, MIN_MLP_CHUNK_TOKENS, mlp_chunks_at
+from hf_longctx.ops.tiling import MIN_LOSS_CHUNK_TOKENS, mlp_chunks_at
+from hf_longctx.ops.ulysses import kv_replication
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -113,18 +116,17 @@ def _loss(z: _Sizes, dims: ModelDims, s: float, lr: int, chunked: bool) -> dict:
     v_, h = dims.vocab, dims.hidden
     if not chunked:
         return {"logits: log-softmax and two gradients (fp32)": 12 * v_ * s}
+    # a chunk's fp32 logits, log-softmax and its two gradients with the bf16 weight-gradient chunk,
+    # or (after the first chunk) three of them with the fp32 weight-gradient sum next to it
+    chunk = max(16 * lr * v_ + z.dt * v_ * h, 12 * lr * v_ + (4 + z.dt) * v_ * h)
     return {"final norm output (LM head input)": z.v * s, "gradient of the LM head input": z.v * s,
-            "loss chunk: fp32 logits, log-softmax, two gradients": 16 * lr * v_,
-            "LM-head weight gradient chunk": z.dt * v_ * h}
+            "loss chunk (fp32 logits, log-softmax, gradients) and LM-head weight gradients": chunk}
 
 
 def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload: bool = True) -> Budget:
     """The budget of one forward + backward on one GPU for setting `s` (`planning/memory.Setting`)
     and `tokens` per SP group. `offload`: the device copies offloads to pinned host memory (CUDA);
     False: what would go to the host stays on the device."""
-    from hf_longctx.ops.ulysses import kv_replication
-    from hf_longctx.planning.memory import DTYPE_BYTES
-
     dt = DTYPE_BYTES[dtype]
     f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
     z = _Sizes.of(dims, dt, f)
@@ -142,18 +144,39 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         return _split_budget(dims, s, z, S, n, r, lr, L, rope, kernel, offload)
     fpdt_host = s.fpdt_chunks > 1 and s.kv_offload and offload
     if s.checkpoint:  # "attention": inputs and the attention's saved tensors kept (host when offloading)
-        kept = att_saved if s.fpdt_chunks <= 1 else att_saved  # FPDT: its store + the output, once
-        per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept * S}
+        # FPDT with offload: its q, k, v, lse chunks are on the host already; the output is kept once.
+        kept_dev = z.qb if fpdt_host else att_saved
+        per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept_dev * S}
+        if fpdt_host:
+            per_layer["FPDT q, k, v, lse chunks"] = (z.qb + 2 * z.kvb + z.lse) * S
         if offload:
             host = {k: L * b for k, b in per_layer.items()}
             held = {}
         else:
             held = {k: L * b for k, b in per_layer.items()}
-        held |= rope | {"last layer output (final norm input)": z.v * S}
-        layer_bw = {"layer input (device copy)": z.v * S, "next layer input (prefetched)": z.v * S,
-                    "kept attention tensors (device copies)": att_saved * S if offload else 0.0,
-                    "recomputed norm outputs and attention residual": 3 * z.v * S,
-                    "gradient through the layer": z.v * S} | _mlp_chunk(z, dims, r) | kernel
+        held |= rope
+        seq_h = {"layer input (device copy)": z.v * S, "next layer input (prefetched)": z.v * S,
+                 "kept attention tensors (device copies)": kept_dev * S if offload else 0.0,
+                 "gradient through the layer": z.v * S}
+        mats = 3 if dims.gated else 2
+        layer_phases = {
+            "layer backward: recompute, pre-attention": seq_h | {
+                "norm output, q, k, v, rotary temporaries (whole sequence)": (z.v + 4 * z.qb + 2 * z.kvb) * S},
+            "layer backward: MLP chunk backward": seq_h | {
+                "recomputed norm outputs and attention residual": 3 * z.v * S,
+                "gradient of the MLP input (assembled from the chunks)": z.v * S,
+                "MLP chunk: I-wide tensors and gradients": r * (z.mlp_saved + 2 * z.ib),
+                "MLP chunk: weight gradients": mats * dims.hidden * dims.intermediate * z.dt},
+        }
+        if fpdt_host:
+            c = S / s.fpdt_chunks
+            layer_phases["layer backward: FPDT backward loop"] = seq_h | {
+                "recomputed norm outputs and attention residual": 3 * z.v * S,
+                "K/V chunk and the next one": 2 * c * 2 * z.kvb,
+                "query chunk: q, dout, out, lse, dq (fp32), kernel dq (fp32)": c * (5 * z.qb + z.lse + 2 * z.qb)} | kernel
+        loss = held | {"last layer output (final norm input)": z.v * S} | _loss(z, dims, S, lr, s.loss_chunks != 1)
+        phases = (Phase("loss", loss), *(Phase(name, held | terms) for name, terms in layer_phases.items()))
+        return Budget(phases, host, float(sum(held.values())))
     else:
         norms = 4 * z.v if chunked else 2 * (4 * dims.hidden + 2 * z.v) + 8  # inputs + outputs, or fp32 copies
         att_dev = z.qb if fpdt_host else att_saved  # FPDT with offload: q, k, v, lse on the host
@@ -176,53 +199,65 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
 
 
 def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> Budget:
-    """memory="max": row-chunked layers (`integrations/layer_split.py`)."""
-    u = s.fpdt_chunks
-    c = S / u if u > 1 else S
+    """memory="max": row-chunked layers (`integrations/layer_split.py`), phase by phase."""
+    u, U = s.fpdt_chunks, s.ulysses
+    h = dims.hidden
+    c = S / u if u > 1 else S  # rows of an FPDT chunk
     pieces = max(1, math.ceil(n / u))
-    piece = c / pieces if u > 1 else r
-    inputs_host = offload
-    host = {"layer inputs (checkpointed)": L * z.v * S} if inputs_host else {}
+    p = c / pieces if u > 1 else r  # rows of a pre/post-attention piece
+    mlp_fwd = 3 if dims.gated else 2  # I-wide tensors alive in a piece's forward without a graph
+    host = {"layer inputs (checkpointed)": L * z.v * S} if offload else {}
     held = dict(rope)
-    if not inputs_host:
+    if not offload:
         held["layer inputs (checkpointed)"] = L * z.v * S
     seq = {"layer input (device copy)": z.v * S, "gradient through the layer (in place)": z.v * S,
            "fp32 sums of the layer's parameter gradients": 4 * dims.layer_params}
-    if inputs_host and L > 1:
+    if offload and L > 1:
         seq["next layer input (prefetched)"] = z.v * S
-    post = {"post-attention piece: MLP tensors and gradients": piece * (z.mlp_saved + 2 * z.ib),
-            "post-attention piece: norm, residual, attention output": piece * (4 * dims.hidden + 3 * z.v + z.qb)}
+    forward = {"embedding output (held by the model's forward)": z.v * S, "layer input": z.v * S,
+               "layer output": z.v * S, "post-attention piece, forward": p * (mlp_fwd * z.ib + 2 * z.v)}
+    post = {"post-attention piece: MLP tensors and gradients, norm (fp32), residual":
+            p * (z.mlp_saved + 2 * z.ib + 8 * h + 2 * z.v)}
+    loss = Phase("loss", held | _split_loss(z, dims, S, lr))
     if u > 1:
-        store = {"q chunk": z.qb * S, "K/V chunks": 2 * z.kvb * S, "lse chunks": z.lse * S,
-                 "dout and out chunks": 2 * z.qb * S,
-                 "dq accumulators (fp32)": 2 * z.qb * S * (u - 1) / u}
+        store = {"q chunks": z.qb * S, "K/V chunks": 2 * z.kvb * S, "lse chunks": z.lse * S,
+                 "dout and out chunks": 2 * z.qb * S, "dq sums (fp32)": 2 * z.qb * S * (u - 1) / u}
         if s.kv_offload and offload:
             host |= {f"attention state of the layer in backward: {k}": b for k, b in store.items()}
         else:
             seq |= {f"attention state (on device): {k}": b for k, b in store.items()}
-        step = {"FPDT step: q, k, v of the chunk (token and head layout)": 2 * c * (z.qb + 2 * z.kvb),
-                "FPDT step: streamed K/V chunks (double buffer)": 2 * c * 2 * z.kvb,
-                "FPDT step: output chunk (fp32 sum, head and token layout), its gradient": c * (2 * z.qb + 3 * z.qb)}
-        loop = {"FPDT backward: K/V chunk, the next one, dK/dV sums (fp32)": c * (2 * 2 * z.kvb + 2 * 2 * z.kvb),
-                "FPDT backward: q, dout, out, lse, dq (fp32) of two query chunks": 2 * c * (3 * z.qb + z.lse + 2 * z.qb),
-                "FPDT backward: kernel gradients (fp32)": c * (2 * z.qb + 4 * z.kvb),
-                "pre-attention piece: norm, q, k, v and their gradients": piece * (4 * dims.hidden + 2 * z.v
-                                                                                     + 2 * (z.qb + 2 * z.kvb))}
-        forward = {"embedding output (held by the model's forward)": z.v * S, "layer input": z.v * S,
-                   "layer output": z.v * S} | step
-        phases = (Phase("forward", held | forward), Phase("loss", held | _split_loss(z, dims, S, lr)),
-                  Phase("layer backward: recompute and post-attention backward", held | seq | step | post),
-                  Phase("layer backward: FPDT backward loop", held | seq | loop | kernel))
+        out_tok = c * z.qb if U > 1 else 0.0  # the output chunk back in the token layout (a view when U = 1)
+        phases = (
+            Phase("forward", held | forward | {"FPDT chunk: q, k, v, output, lse": c * (2 * z.qb + 2 * z.kvb + z.lse)
+                                                + out_tok}),
+            loss,
+            Phase("layer backward: recompute, pre-attention of a chunk", held | seq | {
+                "pre-attention of a chunk (fp32 norm copy, q, k, v, rotary)": c * (4 * h + 3 * z.qb + 3 * z.kvb)}),
+            Phase("layer backward: recompute, attention of a chunk", held | seq | {
+                "FPDT chunk: q, k, v": c * (z.qb + 2 * z.kvb), "streamed K/V chunks (two)": 2 * c * 2 * z.kvb,
+                "output sums and chunk result (fp32), lse": c * (4 * z.qb + z.lse)} | kernel),
+            Phase("layer backward: post-attention backward", held | seq | {
+                "FPDT chunk: q, k, v, output, its gradient, lse": c * (3 * z.qb + 2 * z.kvb + z.lse) + out_tok} | post),
+            Phase("layer backward: FPDT backward loop", held | seq | {
+                "K/V chunk and the next one": 2 * c * 2 * z.kvb,
+                "query chunk: q, dout, out, lse, dq (fp32), kernel dq (fp32)": c * (5 * z.qb + z.lse + 2 * z.qb)}
+                  | kernel),
+            Phase("layer backward: pre-attention backward", held | seq | {
+                "next K/V chunk": c * 2 * z.kvb, "dq, dk, dv of the chunk's rows": c * (z.qb + 2 * z.kvb),
+                "pre-attention piece: norm (fp32) and q, k, v gradients": p * (24 * h + z.qb + 2 * z.kvb)}),
+        )
     else:
         qkv = {"q, k, v of every row": (z.qb + 2 * z.kvb) * S,
                "attention output and lse (kernel layout), output (token layout)": (2 * z.qb + z.lse) * S}
-        grads = {"attention output gradient": z.qb * S, "dq, dk, dv": (z.qb + 2 * z.kvb) * S}
-        forward = {"embedding output (held by the model's forward)": z.v * S, "layer input": z.v * S,
-                   "layer output": z.v * S} | qkv
-        phases = (Phase("forward", held | forward), Phase("loss", held | _split_loss(z, dims, S, lr)),
-                  Phase("layer backward: post-attention backward", held | seq | qkv | {
-                      "attention output gradient": z.qb * S} | post),
-                  Phase("layer backward: attention backward", held | seq | qkv | grads | kernel))
+        phases = (
+            Phase("forward", held | forward | qkv),
+            loss,
+            Phase("layer backward: post-attention backward", held | seq | qkv | {
+                "attention output gradient": z.qb * S} | post),
+            Phase("layer backward: attention backward", held | seq | qkv | {
+                "attention output gradient (token and kernel layout)": 2 * z.qb * S,
+                "dq, dk, dv": (z.qb + 2 * z.kvb) * S} | kernel),
+        )
     return Budget(phases, host, float(sum(held.values())))
 
 

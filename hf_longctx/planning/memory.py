@@ -67,8 +67,7 @@ from dataclasses import dataclass, fields
 from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.tiling import default_loss_chunk_size
 from hf_longctx.ops.ulysses import kv_replication
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from hf_longctx.planning.budget import DTYPE_BYTES, step_budget
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ def layer_activation_bytes(dims: ModelDims, dt: int, kv_factor: int) -> dict[str
 
 def estimate_memory(
     dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
-    unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
+    unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1, offload: bool = True,
 ) -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
@@ -185,8 +184,10 @@ def estimate_memory(
     # the LM head and the layer prefetched next to it; unsharded gradients: one unit's.
     vocab_unit = dims.vocab * dims.hidden
     rest = max(0, dims.root_params - vocab_unit * (1 if dims.tied else 2))
-    gathered = dt * (rest + max(2 * dims.layer_params, vocab_unit + dims.layer_params)) if world > 1 else 0.0
-    unsharded_grads = dt * (rest + max(dims.layer_params, vocab_unit)) if world > 1 else 0.0
+    # With the parameters on the host (param offload) even one GPU holds the units it runs.
+    units_on_gpu = world > 1 or s.param_offload
+    gathered = dt * (rest + max(2 * dims.layer_params, vocab_unit + dims.layer_params)) if units_on_gpu else 0.0
+    unsharded_grads = dt * (rest + max(dims.layer_params, vocab_unit)) if units_on_gpu else 0.0
     # fp32 gradients of the earlier micro-batches: unsharded until the last backward, or sharded.
     held = (4.0 * P if grad_sync == "step" else 4.0 * P / world) if world > 1 and microbatches > 1 else 0.0
     if unsharded_step and world > 1:
@@ -203,47 +204,12 @@ def estimate_memory(
     params = master + gathered
     grads = sharded_grads + unsharded_grads
 
-    per_layer = layer_activation_bytes(dims, dt, f)
-    attn_saved = per_layer["attention"]
-    if s.mlp_chunks > 1:
-        per_layer["mlp"] = 0.0  # only the chunk inputs, views of the norm output
-    if s.fpdt_chunks > 1 and s.kv_offload:
-        per_layer["attention"] = 0.0
-        host += dims.layers * s_l * attn_saved
-    full_layer = sum(per_layer.values()) * s_l
-    kept = kept_attention_bytes(dims, dt, f, s) if s.checkpoint == "attention" else 0.0  # per token and layer
-    if s.checkpoint:
-        # Saved layer inputs live on host on a GPU (offloaded checkpoint); one layer is
-        # recomputed at a time during backward. Keep-attention also parks the attention's
-        # saved tensors and output there (integrations/keep_attention.py).
-        host += dims.layers * s_l * (dt * dims.hidden + kept)
-        layers_act = 0.0  # the recomputed layer is a transient (layer phase below)
-    else:
-        layers_act = dims.layers * full_layer
-    final = s_l * (dt * dims.hidden + 16 * dims.hidden + 4) + 16 * s_l  # final norm; ids + labels
-    activations = layers_act + final
-
-    # Buffers: the larger of two transient phases. Loss phase (end of forward): the loss
-    # transients. Layer phase (backward of a layer): all-to-all outputs of one layer (or one
-    # FPDT chunk), K/V in flight, the recomputed layer (checkpointing), one recomputed MLP
-    # chunk and the activation gradients flowing through the layer.
-    h, q, kv = dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
-    layer_phase = 2 * dt * s_l * h
-    if s.ulysses > 1:
-        layer_phase += dt * s_l * (q + 2 * kv) / max(s.fpdt_chunks, 1)
-    if s.ring > 1:
-        layer_phase += 2 * dt * s_l * 2 * kv  # next K/V block in flight; dK/dV travelling in backward
-    if s.fpdt_chunks > 1 and s.kv_offload:
-        layer_phase += 2 * dt * s_l * (q + 2 * kv) / s.fpdt_chunks  # double-buffered fetched chunks
-    if s.mlp_chunks > 1:
-        layer_phase += dt * s_l * 4 * dims.intermediate / s.mlp_chunks  # one recomputed chunk
-    if s.checkpoint:
-        layer_phase += full_layer + s_l * kept  # + one layer's kept attention tensors in flight (copy / prefetch)
-    if s.loss_chunks != 1:
-        chunk = loss_chunk_tokens(dims, int(s_l), s.loss_chunks)
-        loss_phase = 3 * 4 * chunk * dims.vocab + 4 * dims.vocab * h + dt * s_l * h
-    else:
-        loss_phase = s_l * dims.vocab * (12 + (dt if dt < 4 else 0))
-    buffers = max(layer_phase, loss_phase)
+    # Activations and transients: the per-token budget of planning/budget.py (every tensor of
+    # the step by name and phase); `activations` is what the whole step holds, `buffers` the
+    # rest of the binding phase.
+    budget = step_budget(dims, s, tokens=tokens, dtype=dtype, offload=offload)
+    activations = budget.held
+    buffers = budget.device - budget.held
+    host += budget.host
     return MemoryEstimate(params, grads, optim, activations, buffers, host, held)
 

@@ -185,6 +185,9 @@ class FakeStreams:
     def offloads(self, device):
         return True
 
+    def is_host(self, tensor):
+        return False
+
     def current(self, device):
         return self._Stream(self, "main")
 
