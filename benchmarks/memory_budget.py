@@ -34,6 +34,11 @@ SHAPES = {  # scaled-down Llamas: hidden, intermediate, layers, heads, kv heads,
               num_key_value_heads=4, vocab_size=4096),
     "B": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=12,
               num_key_value_heads=4, vocab_size=4096),
+    # small ones for tests/unit/test_memory_budget.py (CPU time: the attention is quadratic)
+    "T1": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=2048),
+    "T2": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=6,
+               num_key_value_heads=2, vocab_size=2048),
 }
 PHASES = [  # (phase, the library function on the stack), innermost first
     ("layer backward: pre-attention backward", "layer_split.py:_pre_backward"),
@@ -225,7 +230,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["A", "B"], choices=list(SHAPES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--top", type=int, default=14, help="named tensors listed per mode")
     parser.add_argument("--phases", action="store_true", help="also the peak of each phase of the step, with its tensors")

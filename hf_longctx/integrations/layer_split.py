@@ -20,7 +20,8 @@ input comes back (prefetched by the layer after it), then
   backward (the attention output's gradient), the attention's backward, pre per chunk's backward.
 Sequence-long tensors on the device: the layer input, the gradient flowing through the layer
 (updated in place, row chunk by row chunk), the next layer's prefetched input; without FPDT
-also the attention's q, k, v, output and their gradients. The MLP runs twice per token
+also the attention's q, k, v, output and their gradients (the next input is then prefetched
+only after the attention's backward, so it does not sit on top of them). The MLP runs twice per token
 (forward, backward), the attention forward twice, the pre-attention part (norm, projections,
 rotary) four times -- cheap next to the MLP and attention. Parameter gradients of the chunks are
 summed in fp32 and rounded once, and returned by the autograd Function like any input's, so
@@ -292,9 +293,8 @@ class _LayerRun:
     def run_backward(self, dh_out: torch.Tensor, needs: tuple) -> tuple:
         split, streams = self.split, self.streams
         (h,) = self.inputs.read(streams)  # the parked input, back on the device (waits for its copy)
-        if self.inputs.previous is not None:  # the layer the backward reaches next: start its copy now
-            self.inputs.previous.prefetch(streams)
-            self.inputs.previous = None
+        if self.call.mesh.fpdt_chunks > 1:  # FPDT keeps O(chunk) of the attention: prefetch at once
+            self._prefetch()
         if split.chain.last is self.inputs:
             split.chain.last = None
         # The gradient flowing through the layer, rewritten in place row chunk by row chunk: the
@@ -313,6 +313,12 @@ class _LayerRun:
             return None, grads
         setattr(dh, OWNED_GRAD, True)  # only the layer below reads it: it may rewrite it in place
         return dh, grads
+
+    def _prefetch(self) -> None:
+        """Start the copy of the input of the layer the backward reaches next."""
+        if self.inputs.previous is not None:
+            self.inputs.previous.prefetch(self.streams)
+            self.inputs.previous = None
 
     def _grad(self, outputs, grad_outputs, h_rows, extra=()) -> list:
         """autograd.grad of `outputs` w.r.t. (h_rows if the layer input needs it, *extra, params)."""
@@ -405,6 +411,9 @@ class _LayerRun:
         wrt = [q, k, v] + ([sinks] if sinks is not None and sinks.requires_grad else [])
         grads = torch.autograd.grad(a, wrt, da, allow_unused=True)
         del a, da
+        # Without FPDT the attention's whole state is on the device until here: the next layer's
+        # input comes in now, under the pre-attention backward, not on top of that state.
+        self._prefetch()
         dq, dk, dv = grads[:3]
         if len(grads) > 3 and grads[3] is not None:
             i = next(i for i, p in enumerate(self.params) if p is sinks)

@@ -17,7 +17,9 @@ part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attenti
   MLPs too, checkpoint=True runs every layer in row chunks (`integrations/layer_split.py`:
   memory="max" keeps O(chunk) of a layer on the device).
 `kv_offload` is FPDT's K/V host offload; the attention binding of `patch()` passes it to
-`ops/fpdt.fpdt_attention(offload=...)`, so here it is only validated.
+`ops/fpdt.fpdt_attention(offload=...)`. With any host offload, a micro-batch whose pinned
+host memory would exceed this rank's share of the node is refused before its first layer
+(`integrations/host_budget.py`).
 
 Every change is an instance attribute (a bound forward, the HF checkpointing attributes):
 no module is wrapped, state_dict keys stay the same, and the undo restores the exact
@@ -206,6 +208,30 @@ def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: L
         set_instance_attr(norm, "forward", chunked_norm, undo)
 
 
+def _patch_host_budget(model: nn.Module, mesh: SPMesh, setting_kw: dict, undo: list) -> None:
+    """Refuse, before the first layer runs, a micro-batch whose host offloads would not fit this
+    rank's share of the node's memory (`integrations/host_budget.py`), where the device offloads."""
+    from hf_longctx.data.model_dims import ModelDims
+    from hf_longctx.integrations.host_budget import HostBudget
+    from hf_longctx.ops import offload
+    from hf_longctx.planning.memory import Setting
+
+    try:
+        dims = ModelDims.from_config(model.config)
+    except (AttributeError, ValueError, TypeError):
+        return  # a config the planner cannot read: no budget to check against
+    setting = Setting(ulysses=mesh.ulysses, ring=mesh.ring, fpdt_chunks=mesh.fpdt_chunks, **setting_kw)
+    budget = HostBudget.for_patch(dims, setting, mesh.sp)
+
+    def check(module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and offload.default_streams().offloads(hidden.device):
+            budget.check(hidden.shape[0] * hidden.shape[1])
+
+    handle = decoder_layers(model)[0].register_forward_pre_hook(check, with_kwargs=True)
+    undo.append(handle.remove)
+
+
 # ---- entry point ---------------------------------------------------------------------------
 
 
@@ -259,6 +285,9 @@ def apply_memory_options(
             _patch_split(model, split, mlp_chunks, undo, auto)
         elif checkpoint:
             patch_checkpointing(model, undo, keeper=keeper, split=split)
+        if checkpoint or kv_offload:
+            _patch_host_budget(model, mesh, dict(kv_offload=kv_offload, checkpoint=checkpoint,
+                                                 mlp_chunks=mlp_chunks or 1, loss_chunks=0 if loss_chunks else 1), undo)
     except BaseException:
         for restore in reversed(undo):
             restore()

@@ -104,6 +104,14 @@ def loss_rows(dims: ModelDims, s_local: int, loss_chunks: int) -> int:
     return -(-s_local // loss_chunks)
 
 
+def _fpdt_loop(z: _Sizes, c: float) -> dict:
+    """One step of FPDT's backward loop (K/V chunk outer, query chunks inner), chunk rows c."""
+    return {"K/V chunk and the next one": 2 * c * 2 * z.kvb,
+            "query chunks (this and the next): q, dout, out, lse, dq sum (fp32)": 2 * c * (5 * z.qb + z.lse),
+            "kernel gradients and the K/V chunk's dK/dV sums (fp32)": c * (2 * z.qb + 2 * 4 * z.kvb),
+            "finished dq of the outer chunk (fp32)": c * 2 * z.qb}
+
+
 def _mlp_chunk(z: _Sizes, dims: ModelDims, rows: float) -> dict:
     """One token-wise chunk's backward: the MLP recomputed (its I-wide tensors and their
     gradients) and the norm before it (fp32 copies)."""
@@ -137,7 +145,10 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     chunked = s.mlp_chunks > 1
     L = dims.layers
     rope = {"rotary cos/sin": z.rope * S}
-    att_saved = 3 * z.qb + 2 * z.kvb + z.lse  # q, k, v, the kernel's out and lse, the token-layout output
+    # q, k, v, the kernel's out and lse, and the token-layout output: a new tensor after the
+    # all-to-all or the ring's merge (SP > 1), the kernel's own output seen token-major on one GPU
+    out_tok = z.qb if s.sp > 1 else 0.0
+    att_saved = 2 * z.qb + 2 * z.kvb + z.lse + out_tok
     kernel = {"attention kernel workspace (fp32 dq accumulator)": 2 * z.qb * (S / s.fpdt_chunks if s.fpdt_chunks > 1 else S)}
     host: dict = {}
     if s.checkpoint is True and chunked:
@@ -145,7 +156,9 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     fpdt_host = s.fpdt_chunks > 1 and s.kv_offload and offload
     if s.checkpoint:  # "attention": inputs and the attention's saved tensors kept (host when offloading)
         # FPDT with offload: its q, k, v, lse chunks are on the host already; the output is kept once.
-        kept_dev = z.qb if fpdt_host else att_saved
+        # Otherwise the saved tensors and the token-layout output (a view of the kernel's on one GPU,
+        # copied apart then) for the replay.
+        kept_dev = z.qb if fpdt_host else 3 * z.qb + 2 * z.kvb + z.lse
         per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept_dev * S}
         if fpdt_host:
             per_layer["FPDT q, k, v, lse chunks"] = (z.qb + 2 * z.kvb + z.lse) * S
@@ -171,9 +184,11 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         if fpdt_host:
             c = S / s.fpdt_chunks
             layer_phases["layer backward: FPDT backward loop"] = seq_h | {
-                "recomputed norm outputs and attention residual": 3 * z.v * S,
-                "K/V chunk and the next one": 2 * c * 2 * z.kvb,
-                "query chunk: q, dout, out, lse, dq (fp32), kernel dq (fp32)": c * (5 * z.qb + z.lse + 2 * z.qb)} | kernel
+                "recomputed norm output (q, k, v projections' input)": z.v * S,
+                "attention output gradient": z.qb * S, "dq, dk, dv (token layout)": (z.qb + 2 * z.kvb) * S,
+            } | _fpdt_loop(z, c) | kernel
+            host["attention state of the layer in backward: dout and out chunks, dq sums (fp32)"] = (
+                2 * z.qb + 2 * z.qb * (s.fpdt_chunks - 1) / s.fpdt_chunks) * S
         loss = held | {"last layer output (final norm input)": z.v * S} | _loss(z, dims, S, lr, s.loss_chunks != 1)
         phases = (Phase("loss", loss), *(Phase(name, held | terms) for name, terms in layer_phases.items()))
         return Budget(phases, host, float(sum(held.values())))
@@ -212,8 +227,9 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
         held["layer inputs (checkpointed)"] = L * z.v * S
     seq = {"layer input (device copy)": z.v * S, "gradient through the layer (in place)": z.v * S,
            "fp32 sums of the layer's parameter gradients": 4 * dims.layer_params}
-    if offload and L > 1:
-        seq["next layer input (prefetched)"] = z.v * S
+    prefetch = {"next layer input (prefetched)": z.v * S} if offload and L > 1 else {}
+    if u > 1:  # FPDT: prefetched when the layer's backward starts; without FPDT after its attention's backward
+        seq |= prefetch
     forward = {"embedding output (held by the model's forward)": z.v * S, "layer input": z.v * S,
                "layer output": z.v * S, "post-attention piece, forward": p * (mlp_fwd * z.ib + 2 * z.v)}
     post = {"post-attention piece: MLP tensors and gradients, norm (fp32), residual":
@@ -238,17 +254,15 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
                 "output sums and chunk result (fp32), lse": c * (4 * z.qb + z.lse)} | kernel),
             Phase("layer backward: post-attention backward", held | seq | {
                 "FPDT chunk: q, k, v, output, its gradient, lse": c * (3 * z.qb + 2 * z.kvb + z.lse) + out_tok} | post),
-            Phase("layer backward: FPDT backward loop", held | seq | {
-                "K/V chunk and the next one": 2 * c * 2 * z.kvb,
-                "query chunk: q, dout, out, lse, dq (fp32), kernel dq (fp32)": c * (5 * z.qb + z.lse + 2 * z.qb)}
-                  | kernel),
+            Phase("layer backward: FPDT backward loop", held | seq | _fpdt_loop(z, c) | kernel),
             Phase("layer backward: pre-attention backward", held | seq | {
                 "next K/V chunk": c * 2 * z.kvb, "dq, dk, dv of the chunk's rows": c * (z.qb + 2 * z.kvb),
                 "pre-attention piece: norm (fp32) and q, k, v gradients": p * (24 * h + z.qb + 2 * z.kvb)}),
         )
     else:
         qkv = {"q, k, v of every row": (z.qb + 2 * z.kvb) * S,
-               "attention output and lse (kernel layout), output (token layout)": (2 * z.qb + z.lse) * S}
+               "attention output and lse (kernel layout), output (token layout)":
+                   (z.qb + z.lse + (z.qb if s.sp > 1 else 0.0)) * S}
         phases = (
             Phase("forward", held | forward | qkv),
             loss,
@@ -257,6 +271,9 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
             Phase("layer backward: attention backward", held | seq | qkv | {
                 "attention output gradient (token and kernel layout)": 2 * z.qb * S,
                 "dq, dk, dv": (z.qb + 2 * z.kvb) * S} | kernel),
+            Phase("layer backward: pre-attention backward", held | seq | prefetch | {
+                "dq, dk, dv": (z.qb + 2 * z.kvb) * S,
+                "pre-attention piece: norm (fp32) and q, k, v gradients": r * (24 * h + z.qb + 2 * z.kvb)}),
         )
     return Budget(phases, host, float(sum(held.values())))
 
