@@ -44,15 +44,13 @@ class HostBudget:
                   total: int | None = None) -> "HostBudget":
         """From the model's sizes (`data/model_dims.ModelDims`), the planner `Setting` of the patch and
         the SP group size; the node's memory and ranks from the machine unless given."""
-        from hf_longctx.ops.host_pool import SUBCLASSES
         from hf_longctx.planning.budget import step_budget
 
         ranks = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         total = node_memory() if total is None else total
 
         def need(tokens_local: int) -> float:
-            host = step_budget(dims, setting, tokens=tokens_local * sp, offload=True).host
-            return host * (1 + 1 / SUBCLASSES)  # pool size classes: at most 1/16 above each buffer
+            return step_budget(dims, setting, tokens=tokens_local * sp, offload=True).host
 
         return cls(need, total * (1 - HEADROOM) / max(1, ranks), max(1, ranks))
 

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from hf_longctx.data.model_dims import ModelDims
+from hf_longctx.ops.host_pool import size_class
 from hf_longctx.ops.tiling import MIN_LOSS_CHUNK_TOKENS, mlp_chunks_at
 from hf_longctx.ops.ulysses import kv_replication
 
@@ -104,6 +105,23 @@ def loss_rows(dims: ModelDims, s_local: int, loss_chunks: int) -> int:
     return -(-s_local // loss_chunks)
 
 
+def _pinned(count: float, nbytes: float) -> float:
+    """`count` pinned host buffers of `nbytes` each, as the pool allocates them (size classes)."""
+    return count * size_class(int(math.ceil(nbytes)))
+
+
+def _fpdt_kept_host(z: _Sizes, S: float, u: int) -> float:
+    """FPDT's offloaded chunks of one layer kept for its backward: q, k, v, lse per chunk."""
+    c = S / u
+    return _pinned(u, c * z.qb) + _pinned(2 * u, c * z.kvb) + _pinned(u, c * z.lse)
+
+
+def _fpdt_backward_host(z: _Sizes, S: float, u: int) -> float:
+    """What one layer's FPDT backward adds on the host: dout and out per chunk, dq sums (fp32)."""
+    c = S / u
+    return _pinned(2 * u, c * z.qb) + _pinned(u - 1, 2 * c * z.qb)
+
+
 def _fpdt_loop(z: _Sizes, c: float) -> dict:
     """One step of FPDT's backward loop (K/V chunk outer, query chunks inner), chunk rows c."""
     return {"K/V chunk and the next one": 2 * c * 2 * z.kvb,
@@ -124,9 +142,9 @@ def _loss(z: _Sizes, dims: ModelDims, s: float, lr: int, chunked: bool) -> dict:
     v_, h = dims.vocab, dims.hidden
     if not chunked:
         return {"logits: log-softmax and two gradients (fp32)": 12 * v_ * s}
-    # a chunk's fp32 logits, log-softmax and its two gradients with the bf16 weight-gradient chunk,
-    # or (after the first chunk) three of them with the fp32 weight-gradient sum next to it
-    chunk = max(16 * lr * v_ + z.dt * v_ * h, 12 * lr * v_ + (4 + z.dt) * v_ * h)
+    # a chunk's log-softmax and its two gradients (fp32; the fp32 logits are freed before the
+    # chunk's backward), its weight gradient (compute dtype) and the fp32 weight-gradient sum
+    chunk = 12 * lr * v_ + (4 + z.dt) * v_ * h
     return {"final norm output (LM head input)": z.v * s, "gradient of the LM head input": z.v * s,
             "loss chunk (fp32 logits, log-softmax, gradients) and LM-head weight gradients": chunk}
 
@@ -160,10 +178,12 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         # copied apart then) for the replay.
         kept_dev = z.qb if fpdt_host else 3 * z.qb + 2 * z.kvb + z.lse
         per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept_dev * S}
-        if fpdt_host:
-            per_layer["FPDT q, k, v, lse chunks"] = (z.qb + 2 * z.kvb + z.lse) * S
-        if offload:
-            host = {k: L * b for k, b in per_layer.items()}
+        if offload:  # one pinned buffer per tensor
+            kept_host = (_pinned(1, z.qb * S) if fpdt_host else
+                         _pinned(3, z.qb * S) + _pinned(2, z.kvb * S) + _pinned(1, z.lse * S))
+            host = {"layer inputs (checkpointed)": L * _pinned(1, z.v * S), "attention's saved tensors (kept)": L * kept_host}
+            if fpdt_host:
+                host["FPDT q, k, v, lse chunks"] = L * _fpdt_kept_host(z, S, s.fpdt_chunks)
             held = {}
         else:
             held = {k: L * b for k, b in per_layer.items()}
@@ -188,7 +208,7 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
                 "attention output gradient": z.qb * S, "dq, dk, dv (token layout)": (z.qb + 2 * z.kvb) * S,
             } | _fpdt_loop(z, c) | kernel
             host["attention state of the layer in backward: dout and out chunks, dq sums (fp32)"] = (
-                2 * z.qb + 2 * z.qb * (s.fpdt_chunks - 1) / s.fpdt_chunks) * S
+                _fpdt_backward_host(z, S, s.fpdt_chunks))
         loss = held | {"last layer output (final norm input)": z.v * S} | _loss(z, dims, S, lr, s.loss_chunks != 1)
         phases = (Phase("loss", loss), *(Phase(name, held | terms) for name, terms in layer_phases.items()))
         return Budget(phases, host, float(sum(held.values())))
@@ -202,7 +222,7 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         held["last layer output (final norm input)" if chunked else "final norm (fp32 copy, output)"] = (
             z.v * S if chunked else (4 * dims.hidden + 2 * z.v + 4) * S)
         if fpdt_host:
-            host = {"FPDT q, k, v, lse chunks": L * (z.qb + 2 * z.kvb + z.lse) * S}
+            host = {"FPDT q, k, v, lse chunks": L * _fpdt_kept_host(z, S, s.fpdt_chunks)}
         layer_bw = {"gradient through the layer": 2 * z.v * S} | (_mlp_chunk(z, dims, r) if chunked else {
             "MLP gradients (I-wide)": 2 * z.ib * S}) | kernel
     held_total = float(sum(held.values()))
@@ -221,7 +241,7 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
     pieces = max(1, math.ceil(n / u))
     p = c / pieces if u > 1 else r  # rows of a pre/post-attention piece
     mlp_fwd = 3 if dims.gated else 2  # I-wide tensors alive in a piece's forward without a graph
-    host = {"layer inputs (checkpointed)": L * z.v * S} if offload else {}
+    host = {"layer inputs (checkpointed)": L * _pinned(1, z.v * S)} if offload else {}
     held = dict(rope)
     if not offload:
         held["layer inputs (checkpointed)"] = L * z.v * S
@@ -239,7 +259,8 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
         store = {"q chunks": z.qb * S, "K/V chunks": 2 * z.kvb * S, "lse chunks": z.lse * S,
                  "dout and out chunks": 2 * z.qb * S, "dq sums (fp32)": 2 * z.qb * S * (u - 1) / u}
         if s.kv_offload and offload:
-            host |= {f"attention state of the layer in backward: {k}": b for k, b in store.items()}
+            host["attention state of the layer in backward (q, k, v, lse, dout, out, dq sums)"] = (
+                _fpdt_kept_host(z, S, u) + _fpdt_backward_host(z, S, u))
         else:
             seq |= {f"attention state (on device): {k}": b for k, b in store.items()}
         out_tok = c * z.qb if U > 1 else 0.0  # the output chunk back in the token layout (a view when U = 1)

@@ -168,3 +168,89 @@ def test_what_makes_a_layer_uncuttable():
     assert "dropout extra" in _uncut(layer.train(), (h,), {})
     assert _uncut(layer.eval(), (h,), {}) == ""  # no dropout outside training
     del tf
+
+
+# ---- one process: passes of the MLP, the discarded forward, the host budget ----------------------
+
+
+def _mlp_rows_per_layer_and_token(**options) -> float:
+    """Rows the MLP modules process in one step, per layer and per token of the sequence."""
+    import transformers as tf
+
+    from hf_longctx import init_sequence_parallel
+
+    model = _model("llama")
+    rows = [0]
+    original = tf.models.llama.modeling_llama.LlamaMLP.forward
+
+    def counted(self, x):
+        rows[0] += x.shape[0] * x.shape[1]
+        return original(self, x)
+
+    mesh = init_sequence_parallel(1, 1, fpdt_chunks=options.pop("fpdt", 1))
+    batch = _batch(model.config.vocab_size)
+    tf.models.llama.modeling_llama.LlamaMLP.forward = counted  # before patch(): it binds the forward it finds
+    try:
+        patch(model, mesh, **options)
+        model.train()
+        shard = shard_batch(batch, mesh)
+        rows[0] = 0  # not the dry run of patch()
+        model(**shard).loss.backward()
+    finally:
+        tf.models.llama.modeling_llama.LlamaMLP.forward = original
+    unpatch(model)
+    return rows[0] / model.config.num_hidden_layers / shard["input_ids"].shape[1]
+
+
+def test_max_runs_the_mlp_once_forward_and_once_backward():
+    """memory="max" (row-chunked layers): each token passes the MLP twice per step -- the
+    forward, and the backward's recompute of its chunk right before that chunk's gradient --
+    with and without FPDT; whole-layer checkpointing with per-chunk MLP checkpoints inside
+    (the layers that cannot be cut) passes it three times, no checkpointing once."""
+    cut = dict(checkpoint=True, mlp_chunks=4, loss_chunks="auto")
+    assert _mlp_rows_per_layer_and_token(**cut) == 2
+    assert _mlp_rows_per_layer_and_token(fpdt=2, kv_offload=True, **cut) == 2
+    assert _mlp_rows_per_layer_and_token(memory="off") == 1
+    assert _mlp_rows_per_layer_and_token(checkpoint=True) == 2  # whole layer recomputed, MLP unchunked
+
+
+def test_a_discarded_first_forward_keeps_nothing_for_the_backward(monkeypatch):
+    """Whole-layer checkpointing (checkpoint=True without row chunks) with FPDT K/V offload, the
+    CUDA branch on CPU: the first forward of each layer, whose saved tensors the checkpoint drops,
+    puts no q or lse chunk and no K/V chunk beyond what its own later steps read; the recompute
+    in the backward saves them. Gradients equal those without checkpointing."""
+    from benchmarks.census import EmulatedStreams
+    from benchmarks.memory_budget import emulated_offload
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.ops.offload import ChunkStore
+
+    puts: list = []
+    original = ChunkStore.put
+
+    def put(self, key, *tensors):
+        puts.append((torch.is_grad_enabled(), key))
+        return original(self, key, *tensors)
+
+    monkeypatch.setattr(ChunkStore, "put", put)
+    mesh = init_sequence_parallel(1, 1, fpdt_chunks=2)
+    base = _model("llama")
+    batch = _batch(base.config.vocab_size)
+    grads = {}
+    for name, opts in (("ref", dict()), ("ckpt", dict(checkpoint=True, kv_offload=True))):
+        model = copy.deepcopy(base)
+        with emulated_offload(EmulatedStreams()):
+            patch(model, mesh, **opts)
+            model.train()
+            shard = shard_batch(batch, mesh)
+            puts.clear()
+            loss = model(**shard).loss
+            forward_puts = list(puts)
+            puts.clear()
+            loss.backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+        unpatch(model)
+        if name == "ckpt":
+            assert {k[0] for _, k in forward_puts} == {"kv"} and len(forward_puts) == 2, forward_puts  # chunk 0 per layer
+            assert {("q", 0), ("q", 1), ("lse", 0), ("kv", 1)} <= {k for _, k in puts}  # the recompute saves
+    for a, b in zip(grads["ckpt"], grads["ref"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
