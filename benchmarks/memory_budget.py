@@ -109,6 +109,13 @@ def emulated_offload(streams):
 def measure(mesh, shape: str, mode: str, tokens: int) -> dict:
     """One counted forward + backward on this rank: device peak, host peak, the named tensors
     at the device peak (bytes), S_local."""
+    return measure_lengths(mesh, shape, mode, [tokens])[0]
+
+
+def measure_lengths(mesh, shape: str, mode: str, lengths: list[int], warm_up: bool = True) -> list[dict]:
+    """`measure` at several lengths with one patched model (one warm-up step, at the first length;
+    without it -- the tests, to save CPU time -- the gradients are allocated ahead instead, and the
+    first step's one-off allocations, a few KiB, are counted)."""
     from transformers import LlamaForCausalLM
 
     from benchmarks.census import Census, EmulatedStreams, frames_phase
@@ -119,27 +126,37 @@ def measure(mesh, shape: str, mode: str, tokens: int) -> dict:
     mesh = dataclasses.replace(mesh, fpdt_chunks=chunks)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config(shape)).to(torch.bfloat16)
-    warm = EmulatedStreams()
-    with emulated_offload(warm):
-        patch(model, mesh, **options)
-        model.train()
-        g = torch.Generator().manual_seed(1)
+    streams = EmulatedStreams()
+    g = torch.Generator().manual_seed(1)
+
+    def shard(tokens: int) -> dict:
         ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=g)
         # One document: every query chunk sees every earlier K/V chunk, the worst case the planner budgets
         # (packed documents that end at chunk boundaries skip FPDT's dq accumulators)
-        shard = shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh)
-        model(**shard).loss.backward()  # warm-up: lazy initialisations, gradients allocated
-    census = Census()
-    census.name_modules(model)
-    census.phase_of = frames_phase(PHASES)
-    warm.census, warm.pool = census, HostPool(alloc=warm._alloc)  # streams bound at patch(): count their host side
-    with emulated_offload(warm), kernels_in(census), census:
-        model(**shard).loss.backward()
-    census.close()
-    s_local = shard["input_ids"].shape[1]
-    return dict(device=census.peak.device, host=census.host_peak, s_local=s_local, by_name=census.peak.by_name,
-                layers=model.config.num_hidden_layers, kernel=census.kernel_peak,
-                phases={k: (v.device, v.by_name) for k, v in census.phases.items()})
+        return shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh)
+
+    with emulated_offload(streams):
+        patch(model, mesh, **options)
+        model.train()
+        if warm_up:
+            model(**shard(lengths[0])).loss.backward()  # lazy initialisations, gradients allocated
+        else:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+    out = []
+    for tokens in lengths:
+        batch = shard(tokens)
+        census = Census()
+        census.name_modules(model)
+        census.phase_of = frames_phase(PHASES)
+        streams.census, streams.pool = census, HostPool(alloc=streams._alloc)  # bound at patch(): count their host side
+        with emulated_offload(streams), kernels_in(census), census:
+            model(**batch).loss.backward()
+        census.close()
+        out.append(dict(device=census.peak.device, host=census.host_peak, s_local=batch["input_ids"].shape[1],
+                        by_name=census.peak.by_name, layers=model.config.num_hidden_layers, kernel=census.kernel_peak,
+                        phases={k: (v.device, v.by_name) for k, v in census.phases.items()}))
+    return out
 
 
 def _worker(rank: int, init_file: str, args, results) -> None:
@@ -155,8 +172,7 @@ def _worker(rank: int, init_file: str, args, results) -> None:
     rows = []
     for shape in args.shapes:
         for mode in args.modes:
-            for tokens in args.tokens:
-                r = measure(mesh, shape, mode, tokens)
+            for tokens, r in zip(args.tokens, measure_lengths(mesh, shape, mode, args.tokens)):
                 if args.world > 1:
                     both = [None] * args.world
                     dist.all_gather_object(both, r)

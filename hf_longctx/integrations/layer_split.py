@@ -187,6 +187,9 @@ def _rows(kwargs: dict, s: int, lo: int, hi: int) -> dict:
 
 
 def _bounds(lo: int, hi: int, pieces: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into at most `pieces` row ranges (none when empty)."""
+    if hi <= lo:
+        return []
     step = math.ceil((hi - lo) / max(1, pieces))
     return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 

@@ -217,7 +217,8 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         att_dev = z.qb if fpdt_host else att_saved  # FPDT with offload: q, k, v, lse on the host
         per_layer = {"norm inputs and outputs" if chunked else "norms (fp32 copies, outputs)": norms * S,
                      "attention (q, k, v, out, lse, o_proj input)": att_dev * S,
-                     "MLP (I-wide tensors)": 0.0 if chunked else z.mlp_saved * S}
+                     # one chunk (a short sequence with "auto" chunks): the MLP runs unchunked
+                     "MLP (I-wide tensors)": 0.0 if chunked and n > 1 else z.mlp_saved * S}
         held = {k: L * b for k, b in per_layer.items()} | rope
         held["last layer output (final norm input)" if chunked else "final norm (fp32 copy, output)"] = (
             z.v * S if chunked else (4 * dims.hidden + 2 * z.v + 4) * S)
@@ -287,8 +288,10 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
         phases = (
             Phase("forward", held | forward | qkv),
             loss,
+            # one piece only (a short sequence): its peak comes before any parameter-gradient sum exists
             Phase("layer backward: post-attention backward", held | seq | qkv | {
-                "attention output gradient": z.qb * S} | post),
+                "attention output gradient": z.qb * S} | post | (
+                {} if n > 1 else {"fp32 sums of the layer's parameter gradients": 0.0})),
             Phase("layer backward: attention backward", held | seq | qkv | {
                 "attention output gradient (token and kernel layout)": 2 * z.qb * S,
                 "dq, dk, dv": (z.qb + 2 * z.kvb) * S} | kernel),
