@@ -165,7 +165,8 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     rope = {"rotary cos/sin": z.rope * S}
     # q, k, v, the kernel's out and lse, and the token-layout output: a new tensor after the
     # all-to-all or the ring's merge (SP > 1), the kernel's own output seen token-major on one GPU
-    out_tok = z.qb if s.sp > 1 else 0.0
+    # FPDT saves its token-layout output only (its chunks' kernel outputs are transient).
+    out_tok = z.qb if s.sp > 1 and s.fpdt_chunks <= 1 else 0.0
     att_saved = 2 * z.qb + 2 * z.kvb + z.lse + out_tok
     kernel = {"attention kernel workspace (fp32 dq accumulator)": 2 * z.qb * (S / s.fpdt_chunks if s.fpdt_chunks > 1 else S)}
     host: dict = {}
