@@ -33,29 +33,22 @@ DOCS = [13, 29, 7, 47]
 
 
 def _model(family: str):
+    """The families of tests/distributed/test_keep_attention.py, and Qwen3 (per-head q/k norms inside
+    the attention module) and GPT-2 without dropout (Conv1D, learned positions, cache and masks
+    passed by position)."""
     import transformers as tf
 
+    from tests.distributed.test_keep_attention import _model as shared
+
     torch.manual_seed(0)
-    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
-    if family == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
-    if family == "mistral":  # sliding window smaller than the documents
-        return tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=9))
-    if family == "qwen3":  # per-head q/k norms inside the attention module
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=8))
-    if family == "gpt_oss":  # attention sinks, MoE, alternating sliding / full layers
-        return tf.GptOssForCausalLM(tf.GptOssConfig(
-            **{**common, "intermediate_size": 32}, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-            sliding_window=9, layer_types=["sliding_attention", "full_attention"]))
-    if family == "gpt2":  # Conv1D, learned positions, cache and masks passed by position
+    if family == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                                  max_position_embeddings=256, head_dim=8))
+    if family == "gpt2":
         return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=256,
                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    if family == "lfm2":  # hybrid: short-convolution mixers (not cut)
-        from benchmarks.zoo import tiny_config
-
-        return tf.AutoModelForCausalLM.from_config(tiny_config(tf.CONFIG_MAPPING["lfm2"]))
-    raise ValueError(family)
+    return shared(family)
 
 
 def _batch(vocab: int):
