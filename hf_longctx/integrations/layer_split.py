@@ -10,7 +10,7 @@ sequence at a time, split at that call:
 - post(rows, a): the layer on those rows with the attention answering `a`, the attention
   output of those rows.
 Forward (no autograd graph kept): pre per chunk, the attention, post per chunk; the layer
-input is parked on the host (`integrations/checkpointing.park`). Backward (`LayerRun`): the
+input is parked on the host (`integrations/checkpointing.park`). Backward (`integrations/layer_run.py`): the
 input comes back (prefetched by the layer after it), then
 - FPDT mesh: FPDT's chunk loop once more (`ops/fpdt.fpdt_forward_chunks`), each chunk's q/k/v
   made by pre(rows) just in time and each finished output chunk consumed at once by post(rows)
