@@ -76,7 +76,8 @@ class LayerRun:
         self.inputs = Inputs([h], [park(h, self.streams)], None if first else split.chain.last)
         split.chain.last = self.inputs
         out = torch.empty_like(h)  # [B, S, hidden], written row chunk by row chunk
-        *qkv0, self.call = self.pre(0, self._first_rows(), h[:, : self._first_rows()])
+        rows0 = self._first_rows()
+        *qkv0, self.call = self.pre(0, rows0, h[:, :rows0])
         if self.call.mesh.fpdt_chunks > 1:
             box = [tuple(qkv0)]  # handed over: the FPDT loop drops chunk 0's q, k, v once it used them
             del qkv0
@@ -153,6 +154,12 @@ class LayerRun:
     # ---- backward ----------------------------------------------------------------------------------
     def run_backward(self, dh_out: torch.Tensor, needs: tuple) -> tuple:
         split, streams = self.split, self.streams
+        now = {id(p) for p in self.layer.parameters() if p.requires_grad}
+        if now != {id(p) for p in self.params}:  # gradients are taken w.r.t. the forward's parameter tensors
+            raise RuntimeError(
+                f"memory='max': {type(self.layer).__name__}'s parameters are other tensors in the backward than in the "
+                "forward (a wrapper that swaps parameter objects, e.g. FSDP1 flat parameters); use FSDP2 (fully_shard) or "
+                "patch with checkpoint='attention'")
         (h,) = self.inputs.read(streams)  # the parked input, back on the device (waits for its copy)
         if self.call.mesh.fpdt_chunks > 1:  # FPDT keeps O(chunk) of the attention: prefetch at once
             self._prefetch()
