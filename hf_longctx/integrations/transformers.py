@@ -77,6 +77,7 @@ class _PatchState:
     checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
     keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
     vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
+    split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None
 
 
 def _interfaces():
@@ -324,9 +325,13 @@ def patch(
                 from hf_longctx.ops.offload import default_streams
 
                 state.keeper = AttentionKeeper(default_streams())
+            elif options.checkpoint:
+                from hf_longctx.integrations.layer_split import LayerSplit
+
+                state.split = LayerSplit(state)
             state.memory_undo = apply_memory_options(
                 hf, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
-                checkpoint=options.checkpoint, keeper=state.keeper,
+                checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
             )
     except BaseException:
         unpatch(model)
