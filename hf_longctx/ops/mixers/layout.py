@@ -39,6 +39,7 @@ class SequenceLayout:
     ulysses: int
     fpdt_chunks: int = 1
     _halo: dict = field(default_factory=dict, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)  # state-passing plans (ops/mixers/state_passing.py)
 
     @property
     def sp(self) -> int:
