@@ -110,6 +110,16 @@ class ChainPlan:
             plan = lay._plans["chain"] = ChainPlan._build(lay)
         return plan
 
+    def sends(self, rank: int) -> dict:
+        """What `rank` sends to OTHER ranks in the forward scan (the backward sends as much):
+        maps (A and X) in all rounds but the last, lone states (X) in the last round and the
+        shift; and the number of rounds (`ops/mixers/cost.state_traffic`'s arguments)."""
+        other = lambda step: sum(c for q, c in enumerate(step.send_counts[rank]) if q != rank)  # noqa: E731
+        rounds = self.forward.rounds
+        maps = sum(other(s) for s in rounds[:-1])
+        states = other(self.forward.shift) + (other(rounds[-1]) if rounds else 0)
+        return {"map_sends": maps, "state_sends": states, "rounds": len(rounds)}
+
     @staticmethod
     def _build(lay: SequenceLayout) -> "ChainPlan":
         ordered = sorted((r.start, p, i) for p, runs in enumerate(lay.runs) for i, r in enumerate(runs))
