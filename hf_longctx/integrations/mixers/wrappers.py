@@ -179,8 +179,9 @@ def recurrent_block(module: Any, bind: MixerBinding) -> Callable:
         y = module.act_fn(module.linear_y(input_states))  # [B, S_local, W]
         x = module.linear_x(input_states)
         x = halo_conv(x, lay, module.conv_1d.weight.squeeze(1), module.conv_1d.bias, bind.rank, bind.group).to(x.dtype)
-        idx = lay.indices[bind.rank]
-        reset = (lay.doc_start[idx] == idx).to(x.device)[None, :, None]  # [1, S_local, 1]: document starts
+        rank = bind.rank
+        starts = lay.on_device(("doc_starts", rank), x.device, lambda: lay.doc_start[lay.indices[rank]] == lay.indices[rank])
+        reset = starts[None, :, None]  # [1, S_local, 1]: document starts
         normalized, a = gates(x, reset)
         h = rglru_scan_sequence_parallel(normalized, a, lay, bind.rank, bind.group).to(x.dtype)  # [B, S_local, W]
         return module.linear_out(h * y), None

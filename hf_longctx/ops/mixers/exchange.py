@@ -70,13 +70,14 @@ def scatter_channels(x: torch.Tensor, channels: Sequence[torch.Tensor], lay: Seq
     """Sequence-sharded → channel-sharded, whole sequence in GLOBAL order.
 
     x [B, S_local, C] (this rank's shard, all channels); channels[q]: int64 channel indices
-    rank q receives (may overlap between ranks: replication). Returns
+    rank q receives (may overlap between ranks: replication), on x's device. Returns
     [B, S, C_rank] with C_rank = len(channels[rank]), rows in global token order."""
     b, s_local, _ = x.shape
-    pieces = [x.index_select(2, c.to(x.device)) for c in channels]  # [B, S_local, C_q] for each q
+    pieces = [x.index_select(2, c) for c in channels]  # [B, S_local, C_q] for each q
     recv = all_to_all_v(pieces, [(b, s_local, channels[rank].numel())] * lay.sp, group)  # [B, S_local, C_rank] per source
     full = torch.cat(recv, dim=1)  # [B, S, C_rank]: shards in rank order (positions lay.source_order)
-    return full.index_select(1, lay.to_global.to(x.device))  # [B, S, C_rank] global order
+    to_global = lay.on_device("to_global", x.device, lambda: lay.to_global)
+    return full.index_select(1, to_global)  # [B, S, C_rank] global order
 
 
 def gather_channels(y: torch.Tensor, counts: Sequence[int], lay: SequenceLayout, rank: int, group) -> torch.Tensor:
@@ -84,7 +85,8 @@ def gather_channels(y: torch.Tensor, counts: Sequence[int], lay: SequenceLayout,
     [B, S_local, Σ counts] with the channels of rank 0, then rank 1, ... (counts[q] = C_q)."""
     b, _, c = y.shape
     s_local = lay.local_length
-    src = y.index_select(1, lay.source_order.to(y.device))  # [B, S, C_rank] in rank-by-rank shard order
+    source_order = lay.on_device("source_order", y.device, lambda: lay.source_order)
+    src = y.index_select(1, source_order)  # [B, S, C_rank] in rank-by-rank shard order
     pieces = list(src.split(s_local, dim=1))  # [B, S_local, C_rank] for each destination
     recv = all_to_all_v(pieces, [(b, s_local, n) for n in counts], group)  # [B, S_local, C_q] from each q
     return torch.cat(recv, dim=2)  # [B, S_local, Σ C_q]
@@ -97,7 +99,8 @@ def halo_rows(x: torch.Tensor, lay: SequenceLayout, kernel: int, rank: int, grou
     plan = lay.halo(kernel)
     b, _, c = x.shape
     if lay.sp > 1:
-        pieces = [x.index_select(1, rows.to(x.device)) for rows in plan.send_rows[rank]]  # [B, n_{rank→q}, C]
+        send_rows = lay.on_device(("halo_send", kernel, rank), x.device, lambda: plan.send_rows[rank])
+        pieces = [x.index_select(1, rows) for rows in send_rows]  # [B, n_{rank→q}, C]
         recv = all_to_all_v(pieces, [(b, n, c) for n in plan.recv_counts[rank]], group)  # [B, n_{q→rank}, C]
     else:
         recv = []

@@ -100,7 +100,9 @@ def gdn_sequence_parallel(
     v_lo, v_hi, k_lo, k_hi = heads.ranks[rank]
     hk, hv = k_hi - k_lo, v_hi - v_lo
     x = torch.cat([mixed_qkv, beta.to(mixed_qkv.dtype), a.to(mixed_qkv.dtype)], dim=-1)  # [B, S_local, C + 2·H_v]
-    chans = [heads.channels(p, head_k_dim, head_v_dim) for p in range(lay.sp)]
+    dev = mixed_qkv.device
+    chans = lay.on_device(("gdn", heads, head_k_dim, head_v_dim), dev,
+                          lambda: [heads.channels(p, head_k_dim, head_v_dim) for p in range(lay.sp)])
     conv_dim = 2 * hk * head_k_dim + hv * head_v_dim
     # qkv [B, S, conv_dim] convolved; rest [B, S, 2·hv] (beta, a), both in global order
     qkv, rest = scatter_then_conv(x, chans, conv_dim, conv_weight, conv_bias, activation, lay, rank, group)
@@ -112,8 +114,8 @@ def gdn_sequence_parallel(
     # Value head j of this rank reads key head (v_lo + j) // r: expand q/k per value head,
     # as the core's own repeat_interleave would on the whole head set.
     r = heads.v_heads // heads.k_heads
-    kmap = torch.arange(v_lo, v_hi) // r - k_lo  # [hv]
-    q, k = q.index_select(2, kmap.to(q.device)), k.index_select(2, kmap.to(k.device))  # [B, S, hv, D_k]
+    kmap = lay.on_device(("gdn_kmap", heads, rank), dev, lambda: torch.arange(v_lo, v_hi) // r - k_lo)  # [hv]
+    q, k = q.index_select(2, kmap), k.index_select(2, kmap)  # [B, S, hv, D_k]
     g = -A_log[v_lo:v_hi].float().exp() * F.softplus(a_r.float() + dt_bias[v_lo:v_hi])  # [B, S, hv] fp32
 
     outs = []

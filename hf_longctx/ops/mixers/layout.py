@@ -16,16 +16,22 @@ the tokens of a document in GLOBAL order. This module answers, for any rank:
 
 Pure Python + torch index tensors; no process group. Same inputs give the same answer on
 every rank (DESIGN invariant 8), which is what lets every rank size its receives locally.
+The index tensors are built on the host; the mixers read them on the activations' device
+through `on_device`, which uploads each once per batch layout (pinned, non-blocking): a
+mixer layer never copies a host tensor synchronously nor indexes a device tensor with a
+host one (each would be a copy plus a stream synchronisation per layer on CUDA).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, Callable, Hashable
 
 import torch
 
 from hf_longctx.data import layout
+from hf_longctx.devices import to_device
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,6 +46,16 @@ class SequenceLayout:
     fpdt_chunks: int = 1
     _halo: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)  # state-passing plans (ops/mixers/state_passing.py)
+    _device: dict = field(default_factory=dict, repr=False)
+
+    def on_device(self, key: Hashable, device: torch.device, build: Callable[[], Any]) -> Any:
+        """`build()` -- a host index tensor, or a list / tuple of them -- on `device`, built and
+        uploaded once per (key, device) for the lifetime of this layout (one batch layout):
+        every mixer layer of the batch, forward, recomputation and backward, reuses the copy."""
+        k = (key, str(device))
+        if k not in self._device:
+            self._device[k] = to_device(build(), device)  # pinned staging on CUDA: the host never waits
+        return self._device[k]
 
     @property
     def sp(self) -> int:

@@ -87,7 +87,9 @@ def mamba2_sequence_parallel(
     h_lo, h_hi, g_lo, g_hi = heads.ranks[rank]
     hp, gp = h_hi - h_lo, g_hi - g_lo
     x = torch.cat([xbc, dt.to(xbc.dtype)], dim=-1)  # [B, S_local, conv_dim + H]
-    chans = [heads.channels(p, head_dim, state) for p in range(lay.sp)]
+    dev = xbc.device
+    chans = lay.on_device(("mamba2", heads, head_dim, state), dev,
+                          lambda: [heads.channels(p, head_dim, state) for p in range(lay.sp)])
     conv_dim = hp * head_dim + 2 * gp * state
     # xbc_r [B, S, conv_dim] convolved; dt_r [B, S, hp], both in global order
     xbc_r, dt_r = scatter_then_conv(x, chans, conv_dim, conv_weight, conv_bias, activation, lay, rank, group)
@@ -95,7 +97,9 @@ def mamba2_sequence_parallel(
     xs = xs.reshape(b, -1, hp, head_dim)  # [B, S, hp, P_h]
     # Head h of this rank reads group h // (H/G): give the scan one B/C per head (its own
     # repeat_interleave then is the identity), since a rank's heads need not split its groups evenly.
-    gmap = (torch.arange(h_lo, h_hi) // (heads.heads // heads.groups) - g_lo).to(B.device)  # [hp]
+    gmap = lay.on_device(
+        ("mamba2_gmap", heads, rank), dev, lambda: torch.arange(h_lo, h_hi) // (heads.heads // heads.groups) - g_lo
+    )  # [hp]
     B = B.reshape(b, -1, gp, state).index_select(2, gmap)  # [B, S, hp, N]
     C = C.reshape(b, -1, gp, state).index_select(2, gmap)
     A = -torch.exp(A_log[h_lo:h_hi].float())  # [hp]

@@ -28,12 +28,11 @@ from hf_longctx.ops.mixers.layout import SequenceLayout
 
 def _local_scan(x: torch.Tensor, a: torch.Tensor, starts: list[int]) -> torch.Tensor:
     """h⁰ [B, S_local, W]: the recurrence restarted from zero at every local run start."""
-    is_start = torch.zeros(x.shape[1], dtype=torch.bool)
-    is_start[starts] = True
+    is_start = set(starts)  # host-side: the loop's branch never reads a tensor
     h = torch.zeros_like(x[:, 0])
     out = []
     for t in range(x.shape[1]):  # a token loop, as transformers' own linear-mode scan
-        h = x[:, t] if is_start[t] else a[:, t] * h + x[:, t]
+        h = x[:, t] if t in is_start else a[:, t] * h + x[:, t]
         out.append(h)
     return torch.stack(out, dim=1)
 
@@ -49,7 +48,7 @@ def rglru_scan_sequence_parallel(x: torch.Tensor, a: torch.Tensor, lay: Sequence
         offsets.append(offsets[-1] + r.length)
     h0 = _local_scan(x, a, offsets[:-1])  # [B, S_local, W]
     decay = torch.cat([torch.cumprod(a[:, lo:hi], dim=1) for lo, hi in zip(offsets[:-1], offsets[1:])], dim=1)  # [B, S_local, W]
-    ends = torch.tensor([hi - 1 for hi in offsets[1:]])
+    ends = lay.on_device(("rglru_ends", rank), x.device, lambda: torch.tensor([hi - 1 for hi in offsets[1:]]))  # [n_runs]
     summary = torch.stack([decay[:, ends], h0[:, ends]], dim=0)  # [2, B, n_runs, W]: (A_end, h⁰_end) per run
     if lay.sp > 1:
         shapes = [(2, b, len(lay.runs[q]), w) for q in range(lay.sp)]
