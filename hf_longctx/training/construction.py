@@ -114,7 +114,7 @@ def map_activation_checkpointing(model: Any, args: Any) -> None:
     state = patch_state(model)
     if not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
         knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
-        patch(model, state.bank or state.mesh, **knobs, checkpoint=True)
+        patch(model, state.bank or state.mesh, **knobs, checkpoint=True, mixers=state.mixers_option)
     for f in fields:
         setattr(args, f, False)
 

@@ -27,7 +27,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hf_longctx.devices import upload
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.layout import SequenceLayout
 from hf_longctx.ops.mixers.state_passing import MATRIX, ChainPlan, incoming_states
@@ -42,37 +41,38 @@ def _run_bounds(lay: SequenceLayout, rank: int) -> list[tuple[int, int]]:
     return out
 
 
-def _augmented_state(b: int, heads: int, dk: int, dv: int, identity: bool, like: torch.Tensor) -> torch.Tensor:
-    """[B, H_v, D_k, D_v + D_k] fp32: [0 | I] (a run that receives a state) or [0 | 0]."""
-    h0 = torch.zeros(b, heads, dk, dv + dk, dtype=torch.float32, device=like.device)
+def _augmented_state(b: int, heads: int, dk: int, dv: int, identity: bool, like: torch.Tensor, acc) -> torch.Tensor:
+    """[B, H_v, D_k, D_v + D_k] in `acc`: [0 | I] (a run that receives a state) or [0 | 0]."""
+    h0 = torch.zeros(b, heads, dk, dv + dk, dtype=acc, device=like.device)
     if identity:
-        h0[..., dv:] = torch.eye(dk, dtype=torch.float32, device=like.device)
+        h0[..., dv:] = torch.eye(dk, dtype=acc, device=like.device)
     return h0
 
 
-def _cores_per_run(core, q, k, v, g, beta, bounds, starts, continues):
-    """One core call per local run (transformers' torch path). Returns (o⁰, q̃, M, S⁰) per run:
-    o⁰ [B, L, H_v, D_v] fp32, q̃ [B, L, H_v, D_k] fp32 or None, M [B, H_v, D_k, D_k], S⁰ [B, H_v, D_k, D_v]."""
+def _cores_per_run(core, q, k, v, g, beta, bounds, starts, continues, acc):
+    """One core call per local run (transformers' torch path). Returns (o⁰, q̃, M, S⁰) per run in
+    the accumulation dtype `acc` (fp32, or fp64 for fp64 inputs): o⁰ [B, L, H_v, D_v], q̃ [B, L, H_v, D_k]
+    or None, M [B, H_v, D_k, D_k], S⁰ [B, H_v, D_k, D_v] (None where not needed)."""
     b, _, hv, dv = v.shape
     dk = q.shape[-1]
     out = []
     for (lo, hi), start, cont in zip(bounds, starts, continues):
-        qs, ks, vs = q[:, lo:hi].float(), k[:, lo:hi].float(), v[:, lo:hi].float()  # fp32: outputs round once, at the end
+        qs, ks, vs = (t[:, lo:hi].to(acc) for t in (q, k, v))  # outputs then round once, at the end
         if start and not cont:  # a whole document on this rank: nothing comes in or goes out
             o, _ = core(qs, ks, vs, g=g[:, lo:hi], beta=beta[:, lo:hi], initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=True)
-            out.append((o.float(), None, None, None))
+            out.append((o.to(acc), None, None, None))
             continue
         v_aug = torch.cat([vs, vs.new_zeros(b, hi - lo, hv, dk)], dim=-1)  # [B, L, H_v, D_v + D_k]
         o, fin = core(qs, ks, v_aug, g=g[:, lo:hi], beta=beta[:, lo:hi],
-                      initial_state=_augmented_state(b, hv, dk, dv, not start, vs), output_final_state=True,
+                      initial_state=_augmented_state(b, hv, dk, dv, not start, vs, acc), output_final_state=True,
                       use_qk_l2norm_in_kernel=True)
-        o, fin = o.float(), fin.float()
+        o, fin = o.to(acc), fin.to(acc)
         out.append((o[..., :dv], None if start else o[..., dv:], fin[..., dv:], fin[..., :dv]))
     return out
 
 
-def _cores_varlen(core, q, k, v, g, beta, bounds, starts):
+def _cores_varlen(core, q, k, v, g, beta, bounds, starts, lay, rank, acc):
     """One varlen call over all local runs of all rows (flash-linear-attention's
     `chunk_gated_delta_rule(..., cu_seqlens=, initial_state=[N, H_v, D_k, V], output_final_state=True)`,
     B must be 1 there: rows are laid end to end). Same return as `_cores_per_run`."""
@@ -83,15 +83,16 @@ def _cores_varlen(core, q, k, v, g, beta, bounds, starts):
     for _ in range(b):
         for lo, hi in bounds:
             cu.append(cu[-1] + hi - lo)
-    cu_host = torch.tensor(cu, dtype=torch.long)
-    h0 = torch.stack([_augmented_state(b, hv, dk, dv, not st, v) for st in starts], dim=1)  # [B, n, H_v, D_k, D_v + D_k]
+    cu_host = torch.tensor(cu, dtype=torch.long)  # [B·n + 1]
+    cu_dev = lay.on_device(("gdn_cu_seqlens", b, rank), v.device, lambda: cu_host)
+    h0 = torch.stack([_augmented_state(b, hv, dk, dv, not st, v, acc) for st in starts], dim=1)  # [B, n, H_v, D_k, D_v + D_k]
     flat = lambda t: t.reshape(1, b * s, *t.shape[2:])  # noqa: E731  [1, B·S_local, ...]
     v_aug = torch.cat([v, v.new_zeros(b, s, hv, dk)], dim=-1)  # [B, S_local, H_v, D_v + D_k]
     o, fin = core(flat(q), flat(k), flat(v_aug), g=flat(g), beta=flat(beta), initial_state=h0.reshape(b * n, hv, dk, -1),
-                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=upload(cu_host, v.device),
+                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_dev,
                   cu_seqlens_cpu=cu_host)
-    o = o.reshape(b, s, hv, dv + dk).float()
-    fin = fin.float().reshape(b, n, hv, dk, dv + dk)
+    o = o.reshape(b, s, hv, dv + dk).to(acc)
+    fin = fin.to(acc).reshape(b, n, hv, dk, dv + dk)
     return [(o[:, lo:hi, :, :dv], None if st else o[:, lo:hi, :, dv:], fin[:, i, ..., dv:], fin[:, i, ..., :dv])
             for i, ((lo, hi), st) in enumerate(zip(bounds, starts))]
 
@@ -131,15 +132,17 @@ def gdn_state_passing(
     k = k.reshape(b, s_local, k_heads, dk)
     v = v.reshape(b, s_local, hv, dv)  # [B, S_local, H_v, D_v]
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [B, S_local, H_v] fp32, as the module computes it
+    acc = torch.promote_types(mixed_qkv.dtype, torch.float32)  # states and corrections: fp32 (fp64 for fp64 inputs)
     plan = ChainPlan.of(lay)
     bounds, starts, continues = _run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
     if varlen:
-        runs = _cores_varlen(core, q, k, v, g, beta, bounds, starts)
+        runs = _cores_varlen(core, q, k, v, g, beta, bounds, starts, lay, rank, acc)
     else:
-        kmap = torch.arange(hv) // (hv // k_heads)  # [H_v]: value head j reads key head j // (H_v/H_k)
-        qx, kx = q.index_select(2, upload(kmap, q.device)), k.index_select(2, upload(kmap, k.device))  # [B, S_local, H_v, D_k]
-        runs = _cores_per_run(core, qx, kx, v, g, beta, bounds, starts, continues)
-    zero_a, zero_b = conv.new_zeros(b, hv, dk, dk, dtype=torch.float32), conv.new_zeros(b, hv, dk, dv, dtype=torch.float32)
+        # [H_v]: value head j reads key head j // (H_v/H_k)
+        kmap = lay.on_device(("gdn_kmap", hv, k_heads), q.device, lambda: torch.arange(hv) // (hv // k_heads))
+        qx, kx = q.index_select(2, kmap), k.index_select(2, kmap)  # [B, S_local, H_v, D_k]
+        runs = _cores_per_run(core, qx, kx, v, g, beta, bounds, starts, continues, acc)
+    zero_a, zero_b = conv.new_zeros(b, hv, dk, dk, dtype=acc), conv.new_zeros(b, hv, dk, dv, dtype=acc)
     maps_a = torch.stack([zero_a if m is None else m for _, _, m, _ in runs])  # [n_runs, B, H_v, D_k, D_k]
     maps_b = torch.stack([zero_b if f is None else f for _, _, _, f in runs])  # [n_runs, B, H_v, D_k, D_v]
     x_in = incoming_states(maps_a, maps_b, lay, MATRIX, rank, group, conv.reshape(-1)[:1].sum())  # [n_runs, B, H_v, D_k, D_v]

@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hf_longctx.devices import upload
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.gdn_state import _run_bounds
 from hf_longctx.ops.mixers.layout import SequenceLayout
@@ -57,7 +56,7 @@ def mamba2_state_passing(
 
     xbc [B, S_local, H·P_h + 2·G·N] BEFORE the convolution; dt [B, S_local, H] raw (before
     dt_bias / softplus). `scan`: the module file's `mamba2_chunk_scan`. Returns
-    y [B, S_local, H·P_h] fp32 before the gated norm. Collective over `group` (halo, then
+    y [B, S_local, H·P_h] before the gated norm, in fp32 (fp64 for fp64 inputs). Collective over `group` (halo, then
     the state scan): every SP rank calls it."""
     b, s_local, _ = xbc.shape
     conv = activation(halo_conv(xbc, lay, conv_weight, conv_bias, rank, group)).to(xbc.dtype)  # [B, S_local, conv_dim]
@@ -65,26 +64,27 @@ def mamba2_state_passing(
     xs = xs.reshape(b, s_local, heads, head_dim)  # [B, S_local, H, P_h]
     bm = bm.reshape(b, s_local, groups, state)  # [B, S_local, G, N]
     cm = cm.reshape(b, s_local, groups, state)
-    delta = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_limit[0], max=dt_limit[1])  # [B, S_local, H] fp32
-    A = -torch.exp(A_log.float())  # [H]
-    gmap = upload(torch.arange(heads) // (heads // groups), xs.device)  # [H]: head h reads group h // (H/G)
+    acc = torch.promote_types(xbc.dtype, torch.float32)  # Δ, states, corrections: fp32 (fp64 for fp64 inputs)
+    delta = F.softplus(dt.to(acc) + dt_bias.to(acc)).clamp(min=dt_limit[0], max=dt_limit[1])  # [B, S_local, H]
+    A = -torch.exp(A_log.to(acc))  # [H]
+    gmap = lay.on_device(("mamba2_gmap", heads, groups), xs.device, lambda: torch.arange(heads) // (heads // groups))  # [H]
     plan = ChainPlan.of(lay)
     bounds, starts, continues = _run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
     runs = []
     for (lo, hi), cont in zip(bounds, continues):
         res = scan(xs[:, lo:hi], delta[:, lo:hi], A, bm[:, lo:hi], cm[:, lo:hi], chunk_size=chunk_size, D=D,
-                   dt_bias=None, dt_softplus=False, return_final_states=cont, state_dtype=torch.float32)
+                   dt_bias=None, dt_softplus=False, return_final_states=cont, state_dtype=acc)
         y0, fin = res if cont else (res, None)  # [B, L, H, P_h], [B, H, P_h, N]
         cum = torch.cumsum(delta[:, lo:hi] * A, dim=1)  # [B, L, H]: log of the decay from the run start to t
-        runs.append((y0.float(), fin, cum))
-    zero = conv.new_zeros(b, heads, head_dim, state, dtype=torch.float32)
+        runs.append((y0.to(acc), fin, cum))
+    zero = conv.new_zeros(b, heads, head_dim, state, dtype=acc)
     maps_a = torch.stack([cum[:, -1].exp()[..., None, None] for _, _, cum in runs])  # [n_runs, B, H, 1, 1]
-    maps_b = torch.stack([zero if f is None else f.float() for _, f, _ in runs])  # [n_runs, B, H, P_h, N]
+    maps_b = torch.stack([zero if f is None else f.to(acc) for _, f, _ in runs])  # [n_runs, B, H, P_h, N]
     h_in = incoming_states(maps_a, maps_b, lay, SCALAR, rank, group, conv.reshape(-1)[:1].sum())  # [n_runs, B, H, P_h, N]
     outs = []
     for i, ((lo, hi), start, (y0, _, cum)) in enumerate(zip(bounds, starts, runs)):
         if not start:  # y_t += exp(cumΔA_t) · C_t·h_in
-            c = cm[:, lo:hi].float().index_select(2, gmap)  # [B, L, H, N]
+            c = cm[:, lo:hi].to(acc).index_select(2, gmap)  # [B, L, H, N]
             y0 = y0 + cum.exp()[..., None] * torch.einsum("blhn,bhpn->blhp", c, h_in[i])
         outs.append(y0)
     y = torch.cat(outs, dim=1) + h_in.sum() * 0  # [B, S_local, H, P_h]; the zero term keeps the scan in every graph

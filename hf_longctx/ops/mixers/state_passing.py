@@ -206,11 +206,11 @@ class _StatePassing(torch.autograd.Function):
 def incoming_states(
     a: torch.Tensor, b: torch.Tensor, lay: SequenceLayout, kind: MapKind, rank: int, group, anchor: torch.Tensor
 ) -> torch.Tensor:
-    """a [n_runs, *A], b [n_runs, *X] in fp32: the zero-state map X ↦ A·X + B of each local run
-    of `rank` (any value where the run starts or ends its document) → [n_runs, *X] fp32: the
-    true state entering each local run. Collective over `group` (every SP rank calls it; a
+    """a [n_runs, *A], b [n_runs, *X] (fp32, or fp64): the zero-state map X ↦ A·X + B of each local run
+    of `rank` (any value where the run starts or ends its document) → [n_runs, *X]: the
+    true state entering each local run, in b's dtype. Collective over `group` (every SP rank calls it; a
     no-op without chains). `anchor`: a scalar of the layer's graph (say, one element of the
     mixer's input); the maps are tied to it so that this collective's backward runs on every
     rank before the layer's earlier collectives, even on a rank whose maps are all constant."""
-    b = b + anchor.float() * 0
+    b = b + anchor.to(b.dtype) * 0
     return _StatePassing.apply(ChainPlan.of(lay), kind, rank, group, a.contiguous(), b.contiguous())
