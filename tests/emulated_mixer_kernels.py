@@ -109,3 +109,26 @@ class MambaSSMEmulation:
         if not return_final_states:
             return out
         return out, final.to(state_dtype if state_dtype is not None else C.dtype)
+
+
+def recurrent_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                         **kwargs):
+    """The gated delta rule token by token IN THE INPUTS' DTYPE (transformers' torch paths cast
+    to fp32): the float64 reference of the exactness tests. Same signature and return as
+    `torch_chunk_gated_delta_rule`; GVA by repeating q/k per value head."""
+    if q.shape[2] != v.shape[2]:
+        q, k = (t.repeat_interleave(v.shape[2] // t.shape[2], 2) for t in (q, k))
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    b, length, h, dk = q.shape
+    q = q * dk**-0.5
+    state = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
+    outs = []
+    for t in range(length):
+        state = state * g[:, t].exp()[..., None, None]  # [B, H, D_k, D_v]
+        delta = (v[:, t] - (state * k[:, t, :, :, None]).sum(-2)) * beta[:, t, :, None]  # [B, H, D_v]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, t, :, :, None]).sum(-2))  # [B, H, D_v]
+    return torch.stack(outs, 1), (state if output_final_state else None)

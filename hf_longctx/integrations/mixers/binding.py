@@ -43,7 +43,7 @@ class MixerBinding:
         self.undo: list[Callable[[], None]] = []
         self.modules = 0  # wrapped mixer instances
         self.calls = 0  # wrapped mixer calls in the current forward
-        self.chosen: dict[str, str] = {}  # class name -> scheme of the current batch (what ran)
+        self.ran: dict[str, dict[int, str]] = {}  # class name -> {SP group size: the scheme it last ran with}
         self._info: SPBatchInfo | None = None
         self._layout: SequenceLayout | None = None
         self._batch_mesh = mesh
@@ -100,7 +100,7 @@ class MixerBinding:
             if key not in self._decisions:
                 self._decisions[key] = self._choose(dims, torch.empty((), dtype=dtype).element_size())
             mode = self._decisions[key]
-        self.chosen[name] = mode
+        self.ran.setdefault(name, {})[self._layout.sp] = mode
         return mode
 
     def _choose(self, dims, elem: int) -> str:
