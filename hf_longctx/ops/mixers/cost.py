@@ -96,7 +96,8 @@ def state_traffic(
     rows: int = 1,
 ) -> Traffic:
     """map_sends / state_sends: maps (A and X) and lone states (X: the last round, the shift)
-    one rank sends in the forward scan; halo_rows: conv rows it sends."""
+    one rank sends in the forward scan; halo_rows: conv rows it sends; rounds: of the scan,
+    -1 when no document spans two runs (then the scan issues no collective at all)."""
     scan = 4 * rows * (map_sends * (d.map_numel + d.state_numel) + state_sends * d.state_numel)
     halo = rows * halo_rows * d.conv_channels * elem_bytes
     return Traffic(2 * (scan + halo), 2 * (2 + rounds), rows * s_local * d.extra_flops())
@@ -104,9 +105,10 @@ def state_traffic(
 
 def one_document_state_traffic(d: MixerDims, ulysses: int, ring: int, s_local: float, elem_bytes: int, rows: int = 1) -> Traffic:
     """State passing for ONE document spanning the group (the planner's case): each rank holds
-    1 run (ring 1) or about 2 (zigzag), every run continues the chain and sends its map
-    each round but the last (where only X goes) and its state in the shift."""
-    runs = 1 if ring == 1 else 2
+    1 run (ring 1, or zigzag split over an even Ulysses degree: the ring rank's two chunks
+    fall to different Ulysses ranks) or 2 (zigzag, odd Ulysses); every run continues the chain,
+    sends its map each round but the last (where only X goes) and its state in the shift."""
+    runs = 2 if ring > 1 and ulysses % 2 else 1
     chain = ulysses * ring * runs
     rounds = scan_rounds(chain)
     sends = runs * max(rounds - 1, 0)

@@ -57,6 +57,11 @@ class ScanPlan:
     shift: Step  # the last B of each run to the next run of its chain
     _device: dict = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def empty(self) -> bool:
+        """No chain anywhere (every document on one run): no rank sends, so no collective runs."""
+        return not self.rounds and not any(sum(c) for c in self.shift.send_counts)
+
     def on(self, device: torch.device, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(send, target) index tensors of `rank` on `device` per step (rounds, then shift), uploaded once."""
         key = (str(device), rank)
@@ -118,7 +123,7 @@ class ChainPlan:
         rounds = self.forward.rounds
         maps = sum(other(s) for s in rounds[:-1])
         states = other(self.forward.shift) + (other(rounds[-1]) if rounds else 0)
-        return {"map_sends": maps, "state_sends": states, "rounds": len(rounds)}
+        return {"map_sends": maps, "state_sends": states, "rounds": len(rounds) if not self.forward.empty else -1}
 
     @staticmethod
     def _build(lay: SequenceLayout) -> "ChainPlan":
@@ -160,6 +165,8 @@ def _exclusive_scan(a: torch.Tensor, b: torch.Tensor, plan: ScanPlan, kind: MapK
     """a [n, *A], b [n, *X] (maps of this rank's n local runs) → [n, *X]: the state entering
     each local run (zero where its chain starts, or where it is in no chain)."""
     n, a_shape, x_shape = a.shape[0], a.shape[1:], b.shape[1:]
+    if plan.empty:  # the same answer on every rank: nobody calls the collective
+        return b.new_zeros(n, *x_shape)
     a_size, x_size = a_shape.numel(), x_shape.numel()
     steps = plan.on(b.device, rank)
     for k, (step, (send, target)) in enumerate(zip(plan.rounds, steps)):
