@@ -8,7 +8,9 @@ Table 1 (measured, CPU, gloo): one Gated DeltaNet and one Mamba-2 layer core (co
 recurrence + exchange, forward + backward through transformers' torch kernels) at SP 2
 and 4, ONE document of 32K or 128K tokens spanning the group (Ulysses layout), both
 schemes: bytes each rank SENDS to other ranks (every `all_to_all_single` intercepted, mean
-over ranks) and wall time (worst rank, best of --reps after a warm-up). Small CPU-sized
+over ranks), wall time (worst rank, best of --reps after a warm-up) and the bytes autograd
+saves for the backward per local token (worst rank; every saved tensor's storage once,
+fp32 here: the activation memory a layer adds per token, its device memory on a GPU). Small CPU-sized
 heads (below) so a 128K-token layer fits 2 shared cores; the bytes of the state scheme do
 not depend on the tokens, those of the head all-to-all grow with them.
 
@@ -89,7 +91,8 @@ def _layer(kind: str, scheme: str, ins, params, lay, rank, group):
     return mamba2_sequence_parallel(*ins, heads=Mamba2Heads.split(h, grp, lay.sp), **common)
 
 
-def _measure(sp: int, rank: int, tokens: int, kind: str, scheme: str, reps: int) -> tuple[float, float]:
+def _measure(sp: int, rank: int, tokens: int, kind: str, scheme: str, reps: int) -> tuple[float, float, float]:
+    """(bytes sent, best seconds, bytes saved for backward per local token) of one layer core."""
     from hf_longctx.ops.mixers.layout import SequenceLayout
 
     lay = SequenceLayout((0, tokens), 1, sp)  # one document over the whole group
@@ -97,19 +100,26 @@ def _measure(sp: int, rank: int, tokens: int, kind: str, scheme: str, reps: int)
     ins = [t.requires_grad_() for t in ins]
     params = [p.requires_grad_() for p in params]
 
-    def step():
-        out = _layer(kind, scheme, ins, params, lay, rank, dist.group.WORLD)
+    saved: dict[int, int] = {}  # storage -> bytes of every tensor autograd keeps for the backward
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def step(count: bool = False):
+        with torch.autograd.graph.saved_tensors_hooks(keep if count else (lambda t: t), lambda t: t):
+            out = _layer(kind, scheme, ins, params, lay, rank, dist.group.WORLD)
         torch.autograd.grad(out.float().square().mean(), ins + params)
 
     with CountSent(rank) as c:
-        step()  # warm-up (plans, uploads) and the byte count
+        step(count=True)  # warm-up (plans, uploads), the byte count and the saved activations
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return float(c.bytes), min(times)
+    return float(c.bytes), min(times), sum(saved.values()) / lay.local_length
 
 
 def _worker(rank: int, init_file: str, args, results) -> None:
@@ -182,8 +192,8 @@ def main() -> None:
     print("Table 1 (measured, CPU gloo, transformers' torch kernels): one layer core forward + backward, one document; "
           f"GDN H_v/H_k/D_k/D_v = {'/'.join(map(str, CPU_DIMS['GDN']))}, Mamba-2 H/G/N/P = "
           f"{'/'.join(map(str, CPU_DIMS['Mamba-2']))}; bytes = mean per rank, time = worst rank")
-    print("| mixer | SP | tokens | heads MiB | state MiB | heads s | state s | state / heads time |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mixer | SP | tokens | heads MiB | state MiB | heads s | state s | state / heads time | saved B/token heads | saved B/token state |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for sp in (int(s) for s in args.sizes.split(",")):
         args.sp = sp
         gathered = run_ranks(_worker, sp, args)
@@ -192,8 +202,9 @@ def main() -> None:
                 cell = {s: [g[(tokens, kind, s)] for g in gathered] for s in ("heads", "state")}
                 b = {s: sum(x[0] for x in v) / sp / mib for s, v in cell.items()}
                 t = {s: max(x[1] for x in v) for s, v in cell.items()}
+                m = {s: max(x[2] for x in v) for s, v in cell.items()}
                 print(f"| {kind} | {sp} | {tokens // 1024}K | {b['heads']:.2f} | {b['state']:.3f} | {t['heads']:.2f} | "
-                      f"{t['state']:.2f} | {t['state'] / t['heads']:.2f} |", flush=True)
+                      f"{t['state']:.2f} | {t['state'] / t['heads']:.2f} | {m['heads']:.0f} | {m['state']:.0f} |", flush=True)
     _modelled(args)
 
 
