@@ -53,6 +53,8 @@ LAYOUTS = [
     ("FPDT u=2 (U2)", 2, 1, 2, {}, "llama"),
     ("memory='max' (U2, u=2)", 2, 1, 2, {"memory": "max"}, "llama"),
     ("hybrid LFM2 (U2)", 2, 1, 1, {}, "lfm2"),
+    ("hybrid Qwen3.5 GDN state passing (U2xR2)", 2, 2, 1, {"mixers": "state"}, "qwen3_5"),
+    ("hybrid Nemotron-H Mamba-2 state passing (U2xR2)", 2, 2, 1, {"mixers": "state"}, "nemotron_h"),
 ]
 DOCS = [20, 12, 24, 8]  # one packed row of 64 tokens
 TARGETS = {"ulysses": 1.25, "ring": 1.6}  # ops per layer / unpatched (issue 19)
@@ -186,6 +188,14 @@ def model_config(family: str, layers: int):
                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
     if family == "lfm2":
         return tf.Lfm2Config(**small, layer_types=["conv", "full_attention"] * (layers // 2), conv_L_cache=3)
+    if family == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**small, head_dim=16, layer_types=["linear_attention", "full_attention"] * (layers // 2),
+                                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                    linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    if family == "nemotron_h":
+        return tf.NemotronHConfig(**{k: v for k, v in small.items() if k != "num_hidden_layers"}, head_dim=16,
+                                  layers_block_type=["mamba", "attention"] * (layers // 2), ssm_state_size=16,
+                                  mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=16)
     return tf.LlamaConfig(**small, head_dim=16)
 
 

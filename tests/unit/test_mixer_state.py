@@ -101,11 +101,12 @@ def test_varlen_gdn_call_matches_one_torch_call_per_run():
     continue and end documents; both paths give the same per-run quantities and gradients."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from hf_longctx.ops.mixers.gdn_state import _cores_per_run, _cores_varlen, _run_bounds
+    from hf_longctx.ops.mixers.gdn_state import _cores_per_run, _cores_varlen
+    from hf_longctx.ops.mixers.state_passing import run_bounds
 
     lay, rank = SequenceLayout((0, 40, 48, 64), 2, 2), 1
     plan = ChainPlan.of(lay)
-    bounds, starts, cont = _run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
+    bounds, starts, cont = run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
     assert any(starts) and not all(starts) and any(cont)
     hk, hv, dk, dv = 1, 2, 4, 3
     ins = _gdn_inputs(2, lay.local_length, hk, hv, dk, dv)
@@ -248,3 +249,26 @@ def test_state_ops_never_sync_the_host(monkeypatch):
             assert not guard.syncs, f"rank {rank}: {guard.syncs[:5]}"
             if layer:
                 assert guard.uploads == 0, f"rank {rank}: the second layer uploaded {guard.uploads} tensors"
+
+
+def test_planner_charges_the_chosen_scheme(monkeypatch):
+    import transformers as tf
+
+    from hf_longctx.planning import search
+    from hf_longctx.planning.mixers import mixer_schemes, mixer_seconds
+    from hf_longctx.planning.search import Cluster, preset_setting
+
+    cluster = Cluster(gpus=64, gpu_memory=80e9, host_memory=2e12)
+    (m,) = mixer_schemes(tf.Qwen3NextConfig(), preset_setting(8, 8, 1, "off"), cluster, 1 << 20)
+    assert m.scheme == "state" and m.heads_seconds is None and m.layers == 36  # 64 ranks > 32 value heads
+    (n,) = mixer_schemes(tf.NemotronHConfig(), preset_setting(8, 8, 1, "off"), cluster, 1 << 20)
+    assert n.scheme == "state" and n.state_seconds < n.heads_seconds
+    assert mixer_seconds(tf.LlamaConfig(), preset_setting(8, 1, 1, "off"), cluster, 1 << 15) == 0
+    assert mixer_seconds(tf.Qwen3NextConfig(), preset_setting(1, 1, 1, "off"), cluster, 1 << 15) == 0  # no SP
+    config = tf.Qwen3NextConfig(num_hidden_layers=8)
+    small = Cluster(gpus=8, gpu_memory=80e9, host_memory=2e12)
+    with_mixers = {(c.setting, c.preset): c.step_seconds for c in search.rank_settings(config, small, 1 << 16)}
+    monkeypatch.setattr(search, "mixer_seconds", lambda *a, **kw: 0.0)
+    for c in search.rank_settings(config, small, 1 << 16):
+        added = mixer_seconds(config, c.setting, small, 1 << 16)
+        assert with_mixers[(c.setting, c.preset)] == pytest.approx(c.step_seconds + added)

@@ -29,16 +29,7 @@ import torch.nn.functional as F
 
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.layout import SequenceLayout
-from hf_longctx.ops.mixers.state_passing import MATRIX, ChainPlan, incoming_states
-
-
-def _run_bounds(lay: SequenceLayout, rank: int) -> list[tuple[int, int]]:
-    """[(lo, hi)] local rows of each local run of `rank`."""
-    out, lo = [], 0
-    for r in lay.runs[rank]:
-        out.append((lo, lo + r.length))
-        lo += r.length
-    return out
+from hf_longctx.ops.mixers.state_passing import MATRIX, ChainPlan, incoming_states, run_bounds
 
 
 def _augmented_state(b: int, heads: int, dk: int, dv: int, identity: bool, like: torch.Tensor, acc) -> torch.Tensor:
@@ -134,7 +125,7 @@ def gdn_state_passing(
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [B, S_local, H_v] fp32, as the module computes it
     acc = torch.promote_types(mixed_qkv.dtype, torch.float32)  # states and corrections: fp32 (fp64 for fp64 inputs)
     plan = ChainPlan.of(lay)
-    bounds, starts, continues = _run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
+    bounds, starts, continues = run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
     if varlen:
         runs = _cores_varlen(core, q, k, v, g, beta, bounds, starts, lay, rank, acc)
     else:

@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_longctx.ops.mixers.conv import halo_conv
-from hf_longctx.ops.mixers.gdn_state import _run_bounds
 from hf_longctx.ops.mixers.layout import SequenceLayout
-from hf_longctx.ops.mixers.state_passing import SCALAR, ChainPlan, incoming_states
+from hf_longctx.ops.mixers.state_passing import SCALAR, ChainPlan, incoming_states, run_bounds
 
 
 def mamba2_state_passing(
@@ -69,7 +68,7 @@ def mamba2_state_passing(
     A = -torch.exp(A_log.to(acc))  # [H]
     gmap = lay.on_device(("mamba2_gmap", heads, groups), xs.device, lambda: torch.arange(heads) // (heads // groups))  # [H]
     plan = ChainPlan.of(lay)
-    bounds, starts, continues = _run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
+    bounds, starts, continues = run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
     runs = []
     for (lo, hi), cont in zip(bounds, continues):
         res = scan(xs[:, lo:hi], delta[:, lo:hi], A, bm[:, lo:hi], cm[:, lo:hi], chunk_size=chunk_size, D=D,

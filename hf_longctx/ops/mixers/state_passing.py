@@ -210,6 +210,15 @@ class _StatePassing(torch.autograd.Function):
         return None, None, None, None, da, lam
 
 
+def run_bounds(lay: SequenceLayout, rank: int) -> list[tuple[int, int]]:
+    """[(lo, hi)] local rows of each local run of `rank`, in local order."""
+    out, lo = [], 0
+    for r in lay.runs[rank]:
+        out.append((lo, lo + r.length))
+        lo += r.length
+    return out
+
+
 def incoming_states(
     a: torch.Tensor, b: torch.Tensor, lay: SequenceLayout, kind: MapKind, rank: int, group, anchor: torch.Tensor
 ) -> torch.Tensor:
