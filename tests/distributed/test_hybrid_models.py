@@ -211,7 +211,7 @@ def test_hybrid_under_fpdt_chunks(pools):
     _assert_exact(pools.get(2).run(_families, 2, 1, families, DOCS, 2, timeout=300), 2, 1)
 
 
-def _rows(families: list) -> dict:
+def _rows(families: list, scheme: str = "heads") -> dict:
     """B = 2 rows of one document each (right padding by attention_mask): shard_batch pads each
     row's document; the mixers run per row (batch dimension) from zero state."""
     from hf_longctx.integrations.transformers import patch
@@ -236,7 +236,8 @@ def _rows(families: list) -> dict:
             ref(input_ids=ids[i : i + 1, :n], labels=ids[i : i + 1, :n], num_items_in_batch=n_items, use_cache=False).loss.detach()
             for i, n in ((0, 12), (1, 9))
         )
-        loss, grads = sp_run(patch(build(family), mesh, mixers=heads_scheme(family)), batch, mesh)
+        mixers = scheme if heads_scheme(family) else None  # GDN / Mamba-2: the scheme asked for
+        loss, grads = sp_run(patch(build(family), mesh, mixers=mixers), batch, mesh)
         out[family] = compare(ref_loss, ref_grads, loss, grads)
     return out
 

@@ -6,8 +6,9 @@ the value heads, which the head all-to-all refuses, so `mixers="auto"` must pick
 passing), Nemotron-H (Mamba-2, 4 heads, 2 groups, scan chunks of 4, `mixers="state"`
 forced), OLMo-hybrid (GDN, 2 / 2 heads, beta in [0, 2]: transitions with negative
 eigenvalues). Meshes Ulysses 4, ring 4 (zigzag: two runs per document per rank), U2×R2,
-and a flexible-group step (GroupBank: a group of 4 = U2×R2, groups of 2 = U2) where the
-scheme is chosen per micro-batch. Packed documents [50, 3, 7, 4] (+ padding): the first
+Ulysses 4 with 2 FPDT chunks (rank-ordinal pieces), and a flexible-group step (GroupBank: a
+group of 4 = U2×R2, groups of 2 = U2, activation checkpointing: the mixers' collectives
+rerun in the backward) where the scheme is chosen per micro-batch; B = 2 rows on ring 2. Packed documents [50, 3, 7, 4] (+ padding): the first
 spans every rank on every mesh, two are shorter than the conv kernel.
 
 Tolerances, fp32: loss 1e-5 relative; gradients 1e-4 relative to each tensor's largest
@@ -93,10 +94,10 @@ def _compare(ref_loss, ref_grads, loss, grads):
     return errs
 
 
-def _families(ulysses: int, ring: int, families: list) -> dict:
+def _families(ulysses: int, ring: int, families: list, fpdt_chunks: int = 1) -> dict:
     from hf_longctx.integrations.transformers import patch, patch_state
 
-    mesh = worker_mesh(ulysses, ring)
+    mesh = worker_mesh(ulysses, ring, fpdt_chunks)
     batch = packed_batch(DOCS)
     out = {}
     for family in families:
@@ -109,13 +110,14 @@ def _families(ulysses: int, ring: int, families: list) -> dict:
     return out
 
 
-MESHES = [(4, 1), (1, 4), (2, 2)]
+MESHES = [(4, 1, 1), (1, 4, 1), (2, 2, 1), (4, 1, 2)]  # the last: FPDT's rank-ordinal chunks, 2 pieces per rank
 
 
-@pytest.mark.parametrize("ulysses,ring", MESHES, ids=[f"u{u}r{r}" for u, r in MESHES])
-def test_state_passing_matches_per_document_reference(pools, ulysses, ring):
-    results = pools.get(4).run(_families, ulysses, ring, list(MODES), timeout=300)
-    spread = {f: results[0][f]["spread"] for f in MODES}
+@pytest.mark.parametrize("ulysses,ring,fpdt", MESHES, ids=["u4", "r4", "u2r2", "u4-fpdt2"])
+def test_state_passing_matches_per_document_reference(pools, ulysses, ring, fpdt):
+    families = list(MODES) if fpdt == 1 else ["qwen3_5_text", "nemotron_h"]
+    results = pools.get(4).run(_families, ulysses, ring, families, fpdt, timeout=300)
+    spread = {f: results[0][f]["spread"] for f in families}
     for rank, per_family in enumerate(results):
         for family, errs in per_family.items():
             where = f"{family} U×R = {ulysses}×{ring} rank {rank}"
@@ -225,7 +227,7 @@ def _flex(families: list) -> dict:
     out = {}
     for family in families:
         ref_loss, ref_grads = per_document_reference(build_state(family), batch)
-        model = patch(build_state(family), bank, mixers=MODES[family])
+        model = patch(build_state(family), bank, mixers=MODES[family], checkpoint=True)  # recomputed in the backward
         model.zero_grad(set_to_none=True)
         loss = run_flex_step(model, bank, plan, docs)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -250,6 +252,15 @@ def test_flexible_group_step(pools):
         # scheme); Nemotron-H was patched with mixers="state"
         assert per_family["qwen3_5_text"]["ran"]["Qwen3_5GatedDeltaNet"][4] == "state", per_family["qwen3_5_text"]["ran"]
         assert set(per_family["nemotron_h"]["ran"]["NemotronHMamba2Mixer"].values()) == {"state"}
+
+
+def test_rows_of_one_document(pools):
+    """B = 2 rows (right padding by attention_mask), state passing: the maps carry the row dim."""
+    from tests.distributed.test_hybrid_models import _rows
+
+    for rank, per_family in enumerate(pools.get(2).run(_rows, ["qwen3_5_text", "bamba"], "state", timeout=300)):
+        for family, errs in per_family.items():
+            assert errs["loss"] <= LOSS_TOL and errs["grad"] <= GRAD_TOL and "missing_grads" not in errs, (family, rank, errs)
 
 
 def _bf16(ulysses: int, ring: int, families: list) -> dict:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.layout import SequenceLayout
-from hf_longctx.ops.mixers.state_passing import MATRIX, ChainPlan, incoming_states, run_bounds
+from hf_longctx.ops.mixers.state_passing import MATRIX, ChainPlan, exact_precision, incoming_states, run_bounds
 
 
 def _augmented_state(b: int, heads: int, dk: int, dv: int, identity: bool, like: torch.Tensor, acc) -> torch.Tensor:
@@ -138,9 +138,10 @@ def gdn_state_passing(
     maps_b = torch.stack([zero_b if f is None else f for _, _, _, f in runs])  # [n_runs, B, H_v, D_k, D_v]
     x_in = incoming_states(maps_a, maps_b, lay, MATRIX, rank, group, conv.reshape(-1)[:1].sum())  # [n_runs, B, H_v, D_k, D_v]
     outs = []
-    for i, (o0, q_tilde, _, _) in enumerate(runs):
-        if q_tilde is not None:  # o_t += S_inᵀ q̃_t
-            o0 = o0 + torch.einsum("blhk,bhkv->blhv", q_tilde, x_in[i])
-        outs.append(o0)
+    with exact_precision(conv.device):
+        for i, (o0, q_tilde, _, _) in enumerate(runs):
+            if q_tilde is not None:  # o_t += S_inᵀ q̃_t
+                o0 = o0 + torch.einsum("blhk,bhkv->blhv", q_tilde, x_in[i])
+            outs.append(o0)
     out = torch.cat(outs, dim=1) + x_in.sum() * 0  # [B, S_local, H_v, D_v]; the zero term keeps the scan in every graph
     return out.to(mixed_qkv.dtype)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.layout import SequenceLayout
-from hf_longctx.ops.mixers.state_passing import SCALAR, ChainPlan, incoming_states, run_bounds
+from hf_longctx.ops.mixers.state_passing import SCALAR, ChainPlan, exact_precision, incoming_states, run_bounds
 
 
 def mamba2_state_passing(
@@ -81,10 +81,11 @@ def mamba2_state_passing(
     maps_b = torch.stack([zero if f is None else f.to(acc) for _, f, _ in runs])  # [n_runs, B, H, P_h, N]
     h_in = incoming_states(maps_a, maps_b, lay, SCALAR, rank, group, conv.reshape(-1)[:1].sum())  # [n_runs, B, H, P_h, N]
     outs = []
-    for i, ((lo, hi), start, (y0, _, cum)) in enumerate(zip(bounds, starts, runs)):
-        if not start:  # y_t += exp(cumΔA_t) · C_t·h_in
-            c = cm[:, lo:hi].to(acc).index_select(2, gmap)  # [B, L, H, N]
-            y0 = y0 + cum.exp()[..., None] * torch.einsum("blhn,bhpn->blhp", c, h_in[i])
-        outs.append(y0)
+    with exact_precision(conv.device):
+        for i, ((lo, hi), start, (y0, _, cum)) in enumerate(zip(bounds, starts, runs)):
+            if not start:  # y_t += exp(cumΔA_t) · C_t·h_in
+                c = cm[:, lo:hi].to(acc).index_select(2, gmap)  # [B, L, H, N]
+                y0 = y0 + cum.exp()[..., None] * torch.einsum("blhn,bhpn->blhp", c, h_in[i])
+            outs.append(y0)
     y = torch.cat(outs, dim=1) + h_in.sum() * 0  # [B, S_local, H, P_h]; the zero term keeps the scan in every graph
     return y.reshape(b, s_local, heads * head_dim)

@@ -26,6 +26,7 @@ are uploaded once per layout and device; nothing reads a device value on the hos
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -188,10 +189,18 @@ def _exclusive_scan(a: torch.Tensor, b: torch.Tensor, plan: ScanPlan, kind: MapK
     return b.new_zeros(n, *x_shape).index_copy(0, target, got.reshape(-1, *x_shape))  # [n, *X]
 
 
+def exact_precision(device: torch.device):
+    """Autocast off: the maps, their compositions and the output corrections stay in their own
+    dtype (fp32), as the module's recurrence keeps its state (no-op on devices without autocast)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class _StatePassing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: ChainPlan, kind: MapKind, rank: int, group, a: torch.Tensor, b: torch.Tensor):
-        with torch.no_grad():
+        with torch.no_grad(), exact_precision(b.device):
             x_in = _exclusive_scan(a, b, plan.forward, kind, rank, group)
         ctx.save_for_backward(a, x_in)
         ctx.plan, ctx.kind, ctx.rank, ctx.group = plan, kind, rank, group
@@ -201,12 +210,11 @@ class _StatePassing(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         a, x_in = ctx.saved_tensors
         kind = ctx.kind
-        # Λ entering run j in reverse order = total gradient of the state AFTER run j (forward)
-        lam = _exclusive_scan(kind.transpose(a), grad.contiguous(), ctx.plan.reverse, kind, ctx.rank, ctx.group)
-        if kind.grad_a is not None:
-            da = kind.grad_a(lam, x_in)
-        else:
-            da = (lam * x_in).sum_to_size(a.shape)
+        with exact_precision(a.device):
+            # Λ entering run j in reverse order = total gradient of the state AFTER run j (forward)
+            lam = _exclusive_scan(kind.transpose(a), grad.to(x_in.dtype).contiguous(), ctx.plan.reverse, kind, ctx.rank,
+                                  ctx.group)
+            da = kind.grad_a(lam, x_in) if kind.grad_a is not None else (lam * x_in).sum_to_size(a.shape)
         return None, None, None, None, da, lam
 
 
