@@ -25,7 +25,7 @@ Table 3 (modelled): 1M tokens on 8 nodes × 8 GPUs (one SP group of 64 = ulysses
 head all-to-all is impossible where the group is larger than the heads (Qwen3-Next: 32 value
 heads < 64 ranks).
 
-    PYTHONPATH=. python benchmarks/mixer_schemes.py                  (about 10 minutes on 2 shared cores)
+    PYTHONPATH=. python benchmarks/mixer_schemes.py --reps 1         (about 40 minutes on 2 busy shared cores)
     PYTHONPATH=. python benchmarks/mixer_schemes.py --tokens 8192 --reps 1   (quick)
 """
 
@@ -47,8 +47,8 @@ from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks.mixers import CountSent  # noqa: E402
 
 CPU_DIMS = {  # (heads, groups, key_dim, head_dim): per-kind sizes a 2-core CPU runs at 128K tokens
-    "GDN": (4, 2, 32, 32),  # H_v, H_k, D_k, D_v
-    "Mamba-2": (4, 1, 16, 16),  # H, G, N, P_h; scan chunks of 64
+    "GDN": (2, 1, 16, 16),  # H_v, H_k, D_k, D_v
+    "Mamba-2": (2, 1, 8, 8),  # H, G, N, P_h; scan chunks of 64
 }
 
 
