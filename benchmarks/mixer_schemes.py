@@ -25,7 +25,7 @@ Table 3 (modelled): 1M tokens on 8 nodes × 8 GPUs (one SP group of 64 = ulysses
 head all-to-all is impossible where the group is larger than the heads (Qwen3-Next: 32 value
 heads < 64 ranks).
 
-    PYTHONPATH=. python benchmarks/mixer_schemes.py --reps 1         (about 40 minutes on 2 busy shared cores)
+    PYTHONPATH=. python benchmarks/mixer_schemes.py --reps 1         (about an hour on 2 busy shared cores)
     PYTHONPATH=. python benchmarks/mixer_schemes.py --tokens 8192 --reps 1   (quick)
 """
 
@@ -47,8 +47,8 @@ from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks.mixers import CountSent  # noqa: E402
 
 CPU_DIMS = {  # (heads, groups, key_dim, head_dim): per-kind sizes a 2-core CPU runs at 128K tokens
-    "GDN": (2, 1, 16, 16),  # H_v, H_k, D_k, D_v
-    "Mamba-2": (2, 1, 8, 8),  # H, G, N, P_h; scan chunks of 64
+    "GDN": (4, 2, 16, 16),  # H_v, H_k, D_k, D_v: 4 value heads, so the head all-to-all runs on SP 4 too
+    "Mamba-2": (4, 1, 8, 8),  # H, G, N, P_h; scan chunks of 64
 }
 
 
@@ -133,6 +133,8 @@ def _worker(rank: int, init_file: str, args, results) -> None:
     for tokens in args.token_list:
         for kind in CPU_DIMS:
             for scheme in ("heads", "state"):
+                if scheme == "heads" and args.sp > CPU_DIMS[kind][0]:
+                    raise SystemExit(f"--sizes {args.sp}: more ranks than the {kind} heads of CPU_DIMS")
                 rows[(tokens, kind, scheme)] = _measure(args.sp, rank, tokens, kind, scheme, args.reps)
     gathered = [None] * args.sp
     dist.all_gather_object(gathered, rows)
