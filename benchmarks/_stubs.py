@@ -43,7 +43,10 @@ class StubStreams:
     is what it is on a GPU: a sync."""
 
     def __init__(self, counter: Counter):
+        from hf_longctx.ops.host_pool import HostPool, plain_bytes
+
         self.c = counter
+        self.pool = HostPool(alloc=plain_bytes)  # the real pool's classes and reuse, unpinned memory
 
     class _Handle:
         def __init__(self, c: Counter, what: str):
@@ -79,11 +82,23 @@ class StubStreams:
     def event(self, *args, **kwargs):
         return self._Handle(self.c, "event")
 
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return self.pool.owns(tensor)
+
     def pinned(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(like.size(), like.stride(), dtype=like.dtype)  # no device=: host
+        return self.pool.take(like)[0]  # like's strides, host memory
+
+    def to_device(self, host: torch.Tensor, device) -> torch.Tensor:
+        return host.to(device, non_blocking=True, copy=True)  # as CudaStreams (a distinct tensor: the buffer is reused)
+
+    def note(self, host: torch.Tensor, event, write: bool) -> None:
+        self.pool.note(host, event, write)
+
+    def pending(self, host: torch.Tensor):
+        return self.pool.pending(host)
 
     def recycle(self, host: torch.Tensor) -> None:
-        pass
+        self.pool.give(host)
 
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:
         pass

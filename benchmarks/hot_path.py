@@ -51,6 +51,8 @@ LAYOUTS = [
     ("GDN: Qwen3.5 (U2)", 2, 1, 1, {}, "qwen3_5"),
     ("Mamba-2: Bamba (U2)", 2, 1, 1, {}, "bamba"),
     ("RG-LRU: RecurrentGemma (R2)", 1, 2, 1, {}, "recurrent_gemma"),
+    ("GDN state passing: Qwen3.5 (U2xR2)", 2, 2, 1, {"mixers": "state"}, "qwen3_5"),
+    ("Mamba-2 state passing: Nemotron-H (U2xR2)", 2, 2, 1, {"mixers": "state"}, "nemotron_h"),
 ]
 DOCS = [20, 12, 24, 8]  # one packed row of 64 tokens
 TARGETS = {"ulysses": 1.25, "ring": 1.6}  # ops per layer / unpatched, plain attention layouts
@@ -75,6 +77,10 @@ def model_config(family: str, layers: int):
     if family == "recurrent_gemma":
         return tf.RecurrentGemmaConfig(**small, lru_width=64, attention_window_size=64, conv1d_width=4,
                                        block_types=("recurrent", "attention"))
+    if family == "nemotron_h":
+        return tf.NemotronHConfig(**{k: v for k, v in small.items() if k != "num_hidden_layers"}, head_dim=16,
+                                  layers_block_type=["mamba", "attention"] * pairs, ssm_state_size=16,
+                                  mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=16)
     return tf.LlamaConfig(**small, head_dim=16)
 
 

@@ -64,6 +64,7 @@ class _PatchState:
     memory_undo: Callable[[], None] | None = None
     probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
     mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
+    mixers_option: Any = None  # patch(mixers=...) as given (re-patches pass it on)
     calls: int = 0  # attention calls in the current forward
     # The sliding window a model applies through its masks alone (PhiMoE: every mask carries
     # the same window, the attention gets none; HF's sdpa/eager paths apply it through the
@@ -213,6 +214,7 @@ def patch(
     mlp_chunks: int | str | None = _UNSET,
     loss_chunks: int | str | None = _UNSET,
     checkpoint: bool | str = _UNSET,
+    mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
 ) -> Any:
@@ -236,6 +238,13 @@ def patch(
     unsafe_skip_exactness_check: skip the dry run. UNSAFE: a model whose modules mix tokens
         outside attention (Mamba, convolutions, linear attention, indexers) then trains a
         different model than the user thinks, silently. For experts and for verify() tests.
+    mixers: how the linear recurrences of a hybrid model (Gated DeltaNet, Mamba-2, RG-LRU) cross
+        the SP group: "heads" (head all-to-all: every rank gets the whole sequence for some heads;
+        needs SP <= heads), "state" (state passing: every rank keeps all heads and its tokens; the
+        ranks exchange O(heads x d_k x d_v) state maps, independent of the sequence length), or
+        "auto" (None, the default: per micro-batch the cheaper by `ops/mixers/cost.choose`; "state"
+        wherever SP > heads); or {mixer class name: scheme}. Short convolutions always exchange
+        their K-1-row halo. `integrations/mixers/modes.py`.
     before_install: called once every check has passed and before anything is changed (the
         public `hf_longctx.patch(..., verify=True)` runs `verify()` here: `hf_longctx/patching.py`).
     """
@@ -253,7 +262,8 @@ def patch(
     old = hf.__dict__.get(_STATE_ATTR)
     if old is not None:
         probed_alike = (old.probe is None) == bool(unsafe_skip_exactness_check)
-        if old.mesh == mesh and old.bank == bank and old.options == options and probed_alike and before_install is None:
+        same = old.mesh == mesh and old.bank == bank and old.options == options and old.mixers_option == mixers
+        if same and probed_alike and before_install is None:
             old.explicit = frozenset(k for k, v in knobs.items() if v is not _UNSET)
             return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
@@ -262,15 +272,8 @@ def patch(
 
     # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
     # structural rule; refused mixer classes raise here with their reason (unless unsafe).
-    mixer_plan = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check)
-    if bank is not None and mixer_plan:
-        classes = sorted({type(module).__name__ for _, module, _ in mixer_plan})
-        raise NotSupported(
-            f"flexible SP groups (a GroupBank) are not supported for models with linear mixers ({', '.join(classes)}): "
-            "the mixers' sequence-parallel wrappers split their heads over one SP group fixed at patch(), while a bank "
-            "changes the group per micro-batch; patch with an SPMesh from init_sequence_parallel",
-            "patch with an SPMesh from init_sequence_parallel (one fixed SP degree)",
-        )
+    mixer_plan, mixer_modes = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check, option=mixers,
+                                          sizes=bank.sizes if bank is not None else None)
     from hf_longctx.integrations.vision.binding import vision_binding
 
     vision = vision_binding(hf)  # the tower keeps its attention; its images run through the vision hook
@@ -287,6 +290,7 @@ def patch(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
         vision=vision.family,
         explicit=frozenset(k for k, v in knobs.items() if v is not _UNSET),
+        mixers_option=mixers,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, make_attention(state))
@@ -316,7 +320,7 @@ def patch(
             state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
         state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
         state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))
-        state.mixers = apply_mixers(mixer_plan, mesh)
+        state.mixers = apply_mixers(mixer_plan, mesh, lambda info: batch_mesh(state, info), mixer_modes)
         if options.uses_memory_options:
             from hf_longctx.integrations.memory import apply_memory_options
 

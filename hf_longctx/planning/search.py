@@ -33,6 +33,9 @@ quadratic attention term):
   GPU (AdamW reads parameter, gradient and two moments, writes three: 28 B/param; SGD 12),
   not overlapped, spread over the step's micro-batches.
 
+- the linear recurrences of a hybrid model (`planning/mixers.py`): per layer the cheaper of
+  the head all-to-all and state passing, the rule `patch(mixers="auto")` applies;
+
 Near ties: the step-time estimates of two settings within `TIE_TOLERANCE` (7 %: the worst
 measured error of the per-size cost model, +6.8 %, README "flexible SP groups") do not
 separate them; among the settings that close to the fastest one, those that follow the USP
@@ -51,6 +54,7 @@ from hf_longctx.data.cost import CostModel
 from hf_longctx.data.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
 from hf_longctx.ops.ulysses import kv_replication
+from hf_longctx.planning.mixers import mixer_seconds
 from hf_longctx.planning.memory import (
     DTYPE_BYTES,
     MemoryEstimate,
@@ -326,7 +330,7 @@ def rank_settings(
         mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
                               unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len, microbatches=mbs, optimizer=optimizer,
-                         grad_sync=grad_sync)
+                         grad_sync=grad_sync) + mixer_seconds(config, s, cluster, tokens, dtype)
         if vision is not None:
             from hf_longctx.planning.vision import vision_cost
 
