@@ -168,7 +168,7 @@ def _worker(rank: int, init_file: str, args, results) -> None:
     if args.world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world,
                                 timeout=timedelta(minutes=30))
-    mesh = init_sequence_parallel(args.world, 1)
+    mesh = init_sequence_parallel(args.world // args.ring, args.ring)
     rows = []
     for shape in args.shapes:
         for mode in args.modes:
@@ -187,7 +187,7 @@ def _worker(rank: int, init_file: str, args, results) -> None:
         dist.destroy_process_group()
 
 
-def estimate(shape: str, mode: str, tokens: int, world: int) -> tuple[float, float]:
+def estimate(shape: str, mode: str, tokens: int, world: int, ring: int = 1) -> tuple[float, float]:
     """The planner's (device bytes above the weights, host bytes) for the same step, the local
     kernel's workspace left out as the census leaves it out."""
     from hf_longctx.planning.budget import step_budget
@@ -198,13 +198,15 @@ def estimate(shape: str, mode: str, tokens: int, world: int) -> tuple[float, flo
     if "memory" not in options:  # the planner ranks the presets only
         return float("nan"), float("nan")
     dims = ModelDims.from_config(config(shape))
-    budget = step_budget(dims, preset_setting(world, 1, chunks, options["memory"], dims), tokens=tokens, dtype="bf16")
+    setting = preset_setting(world // ring, ring, chunks, options["memory"], dims)
+    budget = step_budget(dims, setting, tokens=tokens, dtype="bf16")
     kernel = "attention kernel workspace (fp32 dq accumulator)"
     return max(p.total - p.terms.get(kernel, 0.0) for p in budget.phases), budget.host
 
 
 def _print(args, rows) -> None:
-    print(f"\nPer-token memory budget, one forward + backward, bf16, {args.world} gloo rank(s) (Ulysses {args.world}), "
+    print(f"\nPer-token memory budget, one forward + backward, bf16, {args.world} gloo rank(s) "
+          f"(Ulysses {args.world // args.ring} x ring {args.ring}), "
           "one document; device = peak above the weights (Census), host = pinned host buffers at their "
           "peak; 'vec' = hidden-size bf16 vectors per local token\n")
     print("| shape | mode | tokens | device B/token | device vec | planner vec | error | host B/token/layer | "
@@ -213,7 +215,7 @@ def _print(args, rows) -> None:
     for shape, mode, tokens, r in rows:
         h = SHAPES[shape]["hidden_size"]
         vec = 2 * h
-        dev_est, host_est = estimate(shape, mode, tokens, args.world)
+        dev_est, host_est = estimate(shape, mode, tokens, args.world, args.ring)
         s_l, layers = r["s_local"], r["layers"]
         host = r["host"] / s_l / layers
         herr = f"{host_est / r['host'] - 1:+.1%}" if r["host"] else ("0" if not host_est else "n/a")
@@ -243,6 +245,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--ring", type=int, default=1, help="ring degree (Ulysses = world / ring)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--shapes", nargs="+", default=["A", "B"], choices=list(SHAPES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))

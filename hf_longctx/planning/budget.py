@@ -286,16 +286,33 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
         qkv = {"q, k, v of every row": (z.qb + 2 * z.kvb) * S,
                "attention output and lse (kernel layout), output (token layout)":
                    (z.qb + z.lse + (z.qb if s.sp > 1 else 0.0)) * S}
+        # Ulysses: the recompute's q, k, v also exist in the kernel's head layout (the
+        # all-to-all's receive buffer) until the kernel's backward; its dq, dk, dv go back
+        # through a send and a receive buffer before dq reaches the token layout.
+        heads = {"q, k, v (head layout, received)": (z.qb + 2 * z.kvb) * S} if U > 1 else {}
+        # Ring: K/V packed to send, K/V and their fp32 gradient sums in flight (send and receive
+        # buffers), and one ring step's dq, dk, dv as the CPU census measures them (fp32 over
+        # the query heads; flash-attn returns them in bf16 over the KV heads: an upper bound
+        # there). Two ranks have one remote step (no next step's buffers while it runs, and the
+        # zigzag halves of it); from three ranks on the census holds the same per token (R4).
+        steps = 2 if s.ring == 2 else 3
+        ring = {"K/V packed for the ring": 2 * z.kvb * S,
+                "K/V and their fp32 gradient sums in flight (send, receive)": (2 + 2 * steps) * z.kvb * S,
+                "a ring step's dq, dk, dv (fp32, query heads)": 2 * steps * z.qb * S} if s.ring > 1 else {}
         phases = (
             Phase("forward", held | forward | qkv),
             loss,
             # one piece only (a short sequence): its peak comes before any parameter-gradient sum exists
-            Phase("layer backward: post-attention backward", held | seq | qkv | {
+            Phase("layer backward: post-attention backward", held | seq | qkv | heads | {
                 "attention output gradient": z.qb * S} | post | (
                 {} if n > 1 else {"fp32 sums of the layer's parameter gradients": 0.0})),
-            Phase("layer backward: attention backward", held | seq | qkv | {
+            Phase("layer backward: attention backward", held | seq | qkv | heads | {
                 "attention output gradient (token and kernel layout)": 2 * z.qb * S,
-                "dq, dk, dv": (z.qb + 2 * z.kvb) * S} | kernel),
+                "dq, dk, dv": (z.qb + 2 * z.kvb) * S} | ring | kernel),
+            *((Phase("layer backward: the gradients' all-to-all", held | seq | {
+                "q, k, v of every row": (z.qb + 2 * z.kvb) * S, "output and its gradient (token layout)": 2 * z.qb * S,
+                "dq, dk, dv: head layout, send buffer, receive buffer": 3 * (z.qb + 2 * z.kvb) * S,
+                "dq (token layout)": z.qb * S}),) if U > 1 else ()),
             Phase("layer backward: pre-attention backward", held | seq | prefetch | {
                 "dq, dk, dv": (z.qb + 2 * z.kvb) * S,
                 "pre-attention piece: norm (fp32) and q, k, v gradients": r * (24 * h + z.qb + 2 * z.kvb)}),

@@ -4,7 +4,8 @@ guidance, the binding resource named right, sizes without a unit refused.
 Anchors (the model: the repository's Llama-3.1-8B and Llama-3-70B configs; 80 GB GPUs; host
 memory as a DGX-class node has it): 8B at >= 1M tokens on 1 GPU with 512 GiB host (ALST: 500K),
 >= 2M on 1 GPU of 141 GB with 1 TiB host (ALST: 1.2M), >= 4M on 4 GPUs of a 2 TiB node (FPDT:
-2M), >= 6M on 8 GPUs (ALST: 3.8M), >= 24M on 32 GPUs (ALST: 15.5M); 70B >= 512K on 8 GPUs
+2M), >= 6M on 8 GPUs (ALST: 3.8M), >= 12M on 32 GPUs as node-wide Ulysses x ring and 16M as
+Ulysses over all 32 with FPDT chunks (ALST: 15.5M); 70B >= 512K on 8 GPUs
 (ALST: 200K). Layouts: Ulysses inside a node as wide as the node and the heads allow, ring
 only across nodes (USP §4).
 """
@@ -28,9 +29,21 @@ ANCHORS = [  # (config, GPUs, GPU memory, host memory per node, tokens, publishe
     (LLAMA_8B, 1, 141 * G, 1024 * G, 2 << 20, "ALST 1.2M"),
     (LLAMA_8B, 4, 80 * G, 2048 * G, 4 << 20, "FPDT 2M"),
     (LLAMA_8B, 8, 80 * G, 2048 * G, 6 << 20, "ALST 3.8M"),
-    (LLAMA_8B, 32, 80 * G, 2048 * G, 24 << 20, "ALST 15.5M"),
+    (LLAMA_8B, 32, 80 * G, 2048 * G, 12 << 20, "ALST 15.5M, node-wide Ulysses x ring"),
     (LLAMA_70B, 8, 80 * G, 2048 * G, 512 << 10, "ALST 200K"),
 ]
+
+
+def test_past_the_ring_layouts_ulysses_spans_the_nodes():
+    """8B at 16M on 32 GPUs (ALST: 15.5M, Ulysses over all 32): node-wide Ulysses x ring 4 no
+    longer fits (the ring's K/V and gradient buffers per token); Ulysses over the whole group
+    with FPDT chunks does -- ALST's layout, FPDT's chunks."""
+    config = load_config(LLAMA_8B)
+    cluster = Cluster(gpus=32, gpu_memory=80 * G, host_memory=2048 * G)
+    best = suggest(config, cluster, 16 << 20)
+    s, m = best.candidate.setting, best.candidate.memory
+    assert m.peak <= 0.9 * 80 * G and m.host * 8 <= 0.9 * 2048 * G
+    assert s.ulysses == 32 and s.ring == 1 and s.fpdt_chunks > 1, s
 
 
 @pytest.mark.parametrize("path,gpus,gpu,host,tokens,published", ANCHORS, ids=[a[-1] for a in ANCHORS])

@@ -70,3 +70,21 @@ def test_max_peak_grows_with_the_chunk_not_the_sequence():
     rope = 2 * 2 * dims.head_dim  # cos and sin, bf16
     expected = (3 * v + rope) * 4096
     assert abs((peaks[8192] - peaks[4096]) / expected - 1) <= 0.05, (peaks, expected)
+
+
+@pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)], ids=["U2", "R2"])
+def test_max_without_chunks_across_ranks(ulysses, ring):
+    """memory="max" without FPDT chunks on 2 gloo ranks: the Ulysses all-to-all of q, k, v and of
+    their gradients (head layout, send and receive buffers), and the ring's K/V and gradient
+    buffers in flight, are in the planner's peak -- within 5 % of the worst rank's census."""
+    import argparse
+
+    from benchmarks._ranks import run_ranks
+    from benchmarks.memory_budget import _worker, estimate
+
+    args = argparse.Namespace(world=2, ring=ring, tokens=[4096], shapes=["T1"], modes=["max"])
+    rows = run_ranks(_worker, 2, args)
+    ((_, _, tokens, got),) = rows
+    device, host = estimate("T1", "max", tokens, 2, ring)
+    assert abs(device / got["device"] - 1) <= 0.05, (ulysses, ring, device / got["s_local"], got["device"] / got["s_local"])
+    assert abs(host / got["host"] - 1) <= 0.05, (host, got["host"])
