@@ -101,7 +101,7 @@ class Inputs:
 
 class LayerChain:
     """The checkpointed calls of one forward, in order (per patched model): each recompute
-    prefetches the inputs of the layer the backward recomputes next (issue 19 item 3)."""
+    prefetches the inputs of the layer the backward recomputes next."""
 
     def __init__(self) -> None:
         self.last: Inputs | None = None

@@ -1,4 +1,4 @@
-"""The input path's host -> device copies never block the host (issue 19, item 1), on CPU.
+"""The input path's host -> device copies never block the host on CPU.
 
 Counted with the counters of benchmarks/_counting.py (what benchmarks/hot_path.py uses): a
 `.to(device)` of a host-built tensor is a host -> device copy, and a sync unless it is

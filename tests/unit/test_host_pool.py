@@ -1,4 +1,4 @@
-"""Pinned host buffers reused per size class (`ops/host_pool.py`, issue 19 item 3), on CPU.
+"""Pinned host buffers reused per size class (`ops/host_pool.py`), on CPU.
 
 The pool is driven through `ChunkStore` with the fake streams of test_offload.py and a
 plain (unpinned) allocator that counts: the FPDT loops of two layers over two training

@@ -1,5 +1,5 @@
 """Packed backward peak memory: no fp32 scratch when one kernel call covers every row
-(issue 19, item 4; `ops/backends/packed.py`).
+(`ops/backends/packed.py`).
 
 The kernel is a stub with the packed-kernel contract that allocates only its outputs
 (`torch.empty_like`), so the tracked peak is the backend's own: the flash-layout copies
