@@ -27,7 +27,7 @@ else
 $(error PYTHON_ENV must be venv (default) or system, got "$(PYTHON_ENV)")
 endif
 
-.PHONY: setup setup-system test test-floor demo bench gpu-check clean
+.PHONY: setup setup-system test test-floor test-transformers-5.17 demo bench gpu-check clean
 
 setup: $(SETUP)
 
@@ -38,9 +38,12 @@ $(TORCH_STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test,peft]"
 	touch $@
 
-# Offline: what is already installed satisfies pip without the folder; the rest comes from it.
+# What is already installed satisfies pip without any source; the rest comes from the wheel
+# folder, and from a package index when one is configured (PIP_INDEX_URL / PIP_EXTRA_INDEX_URL,
+# or index-url in pip's config: a mirror); with none, pip stays offline (--no-index).
+PIP_INDEX_SET = $(strip $(PIP_INDEX_URL)$(PIP_EXTRA_INDEX_URL)$(shell $(PY) -m pip config list 2>/dev/null | grep -i 'index-url'))
 setup-system:
-	$(PY) -m pip install -q --no-index --find-links $(WHEELS) $(SYSTEM_NEEDS)
+	$(PY) -m pip install -q $(if $(PIP_INDEX_SET),,--no-index) $(if $(wildcard $(WHEELS)),--find-links $(WHEELS)) $(SYSTEM_NEEDS)
 
 test: setup
 	$(PY) -m pytest -q --durations=15
@@ -61,6 +64,19 @@ $(FLOOR_VENV)/.installed-floor: pyproject.toml
 test-floor: $(FLOOR_VENV)/.installed-floor
 	$(FLOOR_VENV)/bin/python -m pytest -q --durations=15 $(FLOOR_TESTS)
 
+# transformers 5.17, what the GPU image carries: patch(), the patched models, the FSDP plan,
+# torch.compile and gpu-check's CPU path on it (the multi-rank Trainer needs 5.19): the floor
+# venv with transformers 5.17 and its own dependencies laid over it on PYTHONPATH.
+T517_DIR ?= .floor-transformers-5.17
+T517_TESTS ?= tests/integration/test_patch.py tests/distributed/test_models.py tests/distributed/test_fsdp.py \
+	tests/distributed/test_compile.py tests/unit/test_gpu_check.py
+$(T517_DIR)/.installed: $(FLOOR_VENV)/.installed-floor
+	$(FLOOR_VENV)/bin/python -m pip install -q --target $(T517_DIR) transformers==5.17.0
+	touch $@
+
+test-transformers-5.17: $(T517_DIR)/.installed
+	PYTHONPATH=$(CURDIR)/$(T517_DIR) $(FLOOR_VENV)/bin/python -m pytest -q $(T517_TESTS)
+
 # The main job: a small Llama trained on 4 CPU ranks (Ulysses 2 x ring 2, FSDP2 over all 4)
 # on the Python standard library's own source; DEMO_ARGS=--steps 8 for a shorter run;
 # DEMO_ARGS=--flex for flexible SP groups (sizes 1, 2, 4 chosen per micro-batch slot, FlexSP/Hydraulis).
@@ -72,12 +88,14 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/attention.py
 
-# Validate a GPU machine: CUDA-only tests + GPU benchmarks, one table. On CPU: collects the
-# CUDA tests, runs the emulated-backend tests, reports that there is no GPU, exits 0.
-# GPU_CHECK_ARGS=--max-tokens 524288 raises the longest-context bound (default 256K, ~20 min on one H100).
+# Validate a GPU machine: CUDA-only tests, patched steps under CUDA's sync debug mode "error",
+# GPU benchmarks, one table (~5 min on one H100; every subprocess bounded, a hang ends in a
+# "TIMED OUT after N s" row). On CPU: collects the CUDA tests, runs the emulated-backend tests
+# and the hot-path counts, reports that there is no GPU, exits 0.
+# GPU_CHECK_ARGS=--max-tokens 262144 raises the longest-context bound (default 32K).
 GPU_CHECK_ARGS ?=
 gpu-check: setup
 	PYTHONPATH=$(CURDIR) $(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(FLOOR_VENV) $(T517_DIR) .pytest_cache .hypothesis

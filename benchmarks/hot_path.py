@@ -1,30 +1,23 @@
-"""Hot-path costs per decoder layer on the CUDA dispatch path, counted on CPU (issue 19, item 2).
+"""Hot-path costs per decoder layer on the CUDA dispatch path, counted on CPU.
 
 Where it sits: a measurement of the whole patched step (`integrations/transformers.patch`,
-`ops/usp.py`, `ops/ring.py`, `ops/fpdt.py`, `ops/backends/packed.py`) with the local
-attention forced onto the varlen (flash-attn 2.8 API) backend of `ops/backends/select.py`,
-whose kernel is the CPU emulation of `tests/emulated_backends.py`. Nothing is timed: a
-`TorchFunctionMode` and a `TorchDispatchMode` count what a GPU would pay per layer:
+`ops/usp.py`, `ops/ring.py`, `ops/fpdt.py`, `ops/backends/packed.py`, the linear mixers of
+`ops/mixers/`, the offload of `ops/offload.py` and `integrations/checkpointing.py`) with the
+local attention forced onto the varlen (flash-attn 2.8 API) backend of
+`ops/backends/select.py`, whose kernel is the CPU emulation of `tests/emulated_backends.py`,
+and every host offload on its CUDA branch with stub streams. Nothing is timed:
+`benchmarks/_counting.py` counts what a GPU would pay -- kernel-like ops, collectives,
+host<->device copies and host SYNCS -- with every CPU-side tensor treated as host unless it
+is the device copy, the backward run by the autograd engine with the counters on.
 
-- kernel-like ops: aten ops on device tensors that are not views or allocations, plus one
-  per (emulated) attention kernel call; the kernel's own internals are not counted;
-- collectives: `c10d` ops (all-to-all, all-gather, send/recv, ...);
-- host->device copies: a `.to(device)` of a tensor built on the host from Python data
-  (`torch.tensor`, `torch.arange` ... with no `device=`), or `torch.tensor(data, device=)`;
-- syncs: what would block the host on CUDA -- `aten._local_scalar_dense` (`.item()`,
-  `int(t)`, `bool(t)`), `nonzero`, `is_nonzero`, `masked_select`, `unique`,
-  `repeat_interleave` without `output_size`, `.tolist()` / `.cpu()` / `.numpy()` of a device
-  tensor, and every host->device copy that is not `non_blocking=True`.
+Per layer = (count of a 4-layer model - count of a 2-layer model) / 2, one fwd+bwd step
+after a warm-up step, rank 0; "per step" = what the step pays outside its layers (the
+2-layer count minus two layers: sharding checks, loss, transformers' mask creation). A
+hybrid model alternates a linear-mixer layer and an attention layer, so its "per layer"
+is the mean of the two. The unpatched model (sdpa, the whole sequence on one process)
+gives the baseline ops per layer.
 
-On CPU every tensor lives on the same device, so "host" is tracked by provenance: results
-of factories called without `device=` and of ops whose tensor inputs are all host tensors
-are host tensors; their ops are host work and not counted as kernels.
-
-Per layer = (count of a 4-layer model - count of a 2-layer model) / 2, one fwd+bwd step,
-rank 0, so per-step costs (sharding, loss, the consistency check) do not count. The
-unpatched model (sdpa, the whole sequence on one process) gives the baseline ops per layer.
-
-    PYTHONPATH=. python benchmarks/hot_path.py
+    PYTHONPATH=. python benchmarks/hot_path.py [--ops]
 """
 
 from __future__ import annotations
@@ -34,16 +27,15 @@ import contextlib
 import dataclasses
 import os
 import sys
-import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._counting import Counter  # noqa: E402
+from benchmarks._stubs import CountedKernel, stub_offload  # noqa: E402
 
 # (label, ulysses, ring, fpdt chunks, patch options, model family); world = ulysses x ring
 LAYOUTS = [
@@ -51,132 +43,20 @@ LAYOUTS = [
     ("R2", 1, 2, 1, {}, "llama"),
     ("U2xR2", 2, 2, 1, {}, "llama"),
     ("FPDT u=2 (U2)", 2, 1, 2, {}, "llama"),
+    ("FPDT u=2 + KV offload (U2)", 2, 1, 2, {"kv_offload": True}, "llama"),
+    ("memory='balanced' (U2)", 2, 1, 1, {"memory": "balanced"}, "llama"),
+    ("memory='high' (U2, u=2)", 2, 1, 2, {"memory": "high"}, "llama"),
     ("memory='max' (U2, u=2)", 2, 1, 2, {"memory": "max"}, "llama"),
-    ("hybrid LFM2 (U2)", 2, 1, 1, {}, "lfm2"),
+    ("conv: LFM2 (U2)", 2, 1, 1, {}, "lfm2"),
+    ("GDN: Qwen3.5 (U2)", 2, 1, 1, {}, "qwen3_5"),
+    ("Mamba-2: Bamba (U2)", 2, 1, 1, {}, "bamba"),
+    ("RG-LRU: RecurrentGemma (R2)", 1, 2, 1, {}, "recurrent_gemma"),
+    ("GDN state passing: Qwen3.5 (U2xR2)", 2, 2, 1, {"mixers": "state"}, "qwen3_5"),
+    ("Mamba-2 state passing: Nemotron-H (U2xR2)", 2, 2, 1, {"mixers": "state"}, "nemotron_h"),
 ]
 DOCS = [20, 12, 24, 8]  # one packed row of 64 tokens
-TARGETS = {"ulysses": 1.25, "ring": 1.6}  # ops per layer / unpatched (issue 19)
-
-FACTORIES = {
-    torch.tensor, torch.as_tensor, torch.arange, torch.zeros, torch.ones, torch.full, torch.empty,
-    torch.linspace, torch.from_numpy, torch.randperm, torch.eye,
-}
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "_unique2", "unique_dim",
-            "unique_consecutive", "equal", "nonzero_numpy", "argwhere"}
-D2H_METHODS = {"tolist", "cpu", "numpy"}
-NOT_KERNELS = {"detach", "empty", "empty_strided", "empty_like", "lift_fresh", "lift_fresh_copy", "set_", "resize_",
-               "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
-
-
-class Counter:
-    """Counts per category; `opaque()` hides a call's internals (counted as one kernel)."""
-
-    def __init__(self):
-        self.counts = {"kernels": 0, "collectives": 0, "h2d": 0, "syncs": 0}
-        self.host: dict[int, weakref.ref] = {}  # id -> tensors built on the host
-        self.host_depth = 0  # > 0 while a host-only call runs
-        self.paused = 0
-        self.sync_sites: list[str] = []
-        self.kernel_names: collections.Counter = collections.Counter()  # aten name -> kernel-like calls
-
-    def is_host(self, t) -> bool:
-        ref = self.host.get(id(t)) if isinstance(t, torch.Tensor) else None
-        return ref is not None and ref() is t
-
-    def sync(self, what: str) -> None:
-        self.counts["syncs"] += 1
-        self.sync_sites.append(what)
-
-    @contextlib.contextmanager
-    def opaque(self):
-        self.counts["kernels"] += 1
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
-
-
-class _Functions(TorchFunctionMode):
-    def __init__(self, counter: Counter):
-        super().__init__()
-        self.c = counter
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        c = self.c
-        if c.paused:
-            return func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        host_in = bool(tensors) and all(c.is_host(t) for t in tensors)
-        device_given = "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])
-        if func in FACTORIES and kwargs.get("device") is not None and name in ("tensor", "as_tensor"):
-            c.counts["h2d"] += 1
-            c.sync(f"torch.{name}(data, device=)")  # a blocking copy of Python data
-            return func(*args, **kwargs)
-        if name in ("to", "cuda") and tensors and c.is_host(args[0]) and (device_given or name == "cuda"):
-            c.counts["h2d"] += 1
-            if not kwargs.get("non_blocking"):
-                c.sync("blocking host->device .to()")
-            return func(*args, **kwargs)  # a device tensor now
-        if name in D2H_METHODS and tensors and not c.is_host(args[0]):
-            c.sync(f"Tensor.{name}() of a device tensor")
-        host = (func in FACTORIES and kwargs.get("device") is None) or host_in
-        if host:
-            c.host_depth += 1
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            if host:
-                c.host_depth -= 1
-        if host:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    c.host[id(t)] = weakref.ref(t)
-        return out
-
-
-class _Aten(TorchDispatchMode):
-    def __init__(self, counter: Counter):
-        super().__init__()
-        self.c = counter
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        c = self.c
-        if not c.paused and not c.host_depth:
-            ns, name = func.namespace, func._schema.name.split("::")[-1]
-            if ns in ("c10d", "_c10d_functional"):
-                c.counts["collectives"] += 1
-            elif name in SYNC_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None
-                                      and isinstance(args[0], torch.Tensor) and len(args) < 2):
-                c.sync(f"aten.{name}")
-            elif not func.is_view and name not in NOT_KERNELS:
-                c.counts["kernels"] += 1
-                c.kernel_names[name] += 1
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def counting(counter: Counter):
-    with _Functions(counter), _Aten(counter):
-        yield
-
-
-class CountedKernel:
-    """A packed-kernel adapter whose calls count as one kernel each, internals hidden."""
-
-    def __init__(self, kernel, counter: Counter):
-        self.kernel, self.counter = kernel, counter
-
-    def forward(self, *args, **kwargs):
-        with self.counter.opaque():
-            return self.kernel.forward(*args, **kwargs)
-
-    def backward(self, *args, **kwargs):
-        with self.counter.opaque():
-            return self.kernel.backward(*args, **kwargs)
+TARGETS = {"ulysses": 1.25, "ring": 1.6}  # ops per layer / unpatched, plain attention layouts
+CATEGORIES = ("kernels", "collectives", "h2d", "d2h", "syncs")
 
 
 def model_config(family: str, layers: int):
@@ -184,8 +64,23 @@ def model_config(family: str, layers: int):
 
     small = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    pairs = layers // 2  # hybrids: (linear mixer, attention) pairs
     if family == "lfm2":
-        return tf.Lfm2Config(**small, layer_types=["conv", "full_attention"] * (layers // 2), conv_L_cache=3)
+        return tf.Lfm2Config(**small, layer_types=["conv", "full_attention"] * pairs, conv_L_cache=3)
+    if family == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**small, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                    layer_types=["linear_attention", "full_attention"] * pairs)
+    if family == "bamba":
+        return tf.BambaConfig(**small, attn_layer_indices=list(range(1, layers, 2)), mamba_n_heads=4, mamba_n_groups=2,
+                              mamba_d_head=32, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)
+    if family == "recurrent_gemma":
+        return tf.RecurrentGemmaConfig(**small, lru_width=64, attention_window_size=64, conv1d_width=4,
+                                       block_types=("recurrent", "attention"))
+    if family == "nemotron_h":
+        return tf.NemotronHConfig(**{k: v for k, v in small.items() if k != "num_hidden_layers"}, head_dim=16,
+                                  layers_block_type=["mamba", "attention"] * pairs, ssm_state_size=16,
+                                  mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=16)
     return tf.LlamaConfig(**small, head_dim=16)
 
 
@@ -205,10 +100,19 @@ def _batch() -> dict:
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
 
 
-def _step(model, kwargs, counter: Counter) -> dict:
-    with counting(counter):
-        model(**kwargs).loss.backward()
-    return dict(counter.counts, sync_sites=list(counter.sync_sites), kernel_names=collections.Counter(counter.kernel_names))
+def _on_device(counter: Counter, model, batch: dict) -> None:
+    """The model and the batch live on the device (what `to_device` / FSDP2 would have done)."""
+    counter.mark_module(model)
+    counter.mark_device([v for v in batch.values() if isinstance(v, torch.Tensor)])
+
+
+def _counted_step(counter: Counter, model, batch: dict) -> dict:
+    model(**batch).loss.backward()  # warm-up: lazy initialisations and per-batch caches out of the count
+    model.zero_grad(set_to_none=True)
+    counter.reset()
+    with counter.counting():
+        model(**batch).loss.backward()
+    return counter.snapshot()
 
 
 @contextlib.contextmanager
@@ -234,40 +138,130 @@ def patched_counts(mesh, options: dict, family: str, layers: int) -> dict:
     from hf_longctx.integrations.transformers import patch
 
     model = _model(family, layers)
+    counter = Counter()
+    with stub_offload(counter), forced_cuda_path(counter), counter.tracking():
+        counter.mark_module(model)
+        patch(model, mesh, **options)  # tracked: anything it builds is host unless put on the device
+        model.train()
+        shard = shard_batch(_batch(), mesh)
+        _on_device(counter, model, shard)
+        return _counted_step(counter, model, shard)
+
+
+def saved_bytes(mesh, options: dict, family: str, layers: int) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward after one patched forward
+    on this rank (a saved view keeps its whole buffer alive, so it counts whole)."""
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.transformers import patch
+
+    model = _model(family, layers)
     patch(model, mesh, **options)
     model.train()
-    shard = shard_batch(_batch(), mesh)
+    kept: dict = {}
+
+    def pack(t: torch.Tensor):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
     counter = Counter()
-    with forced_cuda_path(counter):
-        model(**shard).loss.backward()  # warm-up: lazy initialisations out of the count
-        model.zero_grad(set_to_none=True)
-        return _step(model, shard, counter)
+    with forced_cuda_path(counter), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**shard_batch(_batch(), mesh)).loss
+    del loss
+    return sum(kept.values())
 
 
 def unpatched_counts(family: str, layers: int) -> dict:
     model = _model(family, layers)
     model.train()
-    return _step(model, _batch(), Counter())
+    counter = Counter()
+    batch = _batch()
+    with counter.tracking():
+        _on_device(counter, model, batch)
+        return _counted_step(counter, model, batch)
 
 
 def per_layer(lo: dict, hi: dict, span: int = 2) -> dict:
-    return {k: (hi[k] - lo[k]) / span for k in ("kernels", "collectives", "h2d", "syncs")}
+    return {k: (hi[k] - lo[k]) / span for k in CATEGORIES}
 
 
-def layout_costs(label: str, mesh) -> dict:
-    """Per-layer costs of one layout on this rank; `mesh` matches the layout's degrees."""
+def _diff(lo: collections.Counter, hi: collections.Counter, span: int = 2) -> dict:
+    return {s: (hi[s] - lo[s]) / span for s in set(hi) | set(lo) if hi[s] != lo[s]}
+
+
+def layout_costs(label: str, mesh, *, baseline: bool = True) -> dict:
+    """Per-layer (and per-step) costs of one layout on this rank; `mesh` matches the layout's
+    degrees. `baseline`: also count the unpatched model (the ratio column)."""
     _, _, _, _, options, family = next(row for row in LAYOUTS if row[0] == label)
     lo, hi = (patched_counts(mesh, options, family, n) for n in (2, 4))
-    base_lo, base_hi = unpatched_counts(family, 2), unpatched_counts(family, 4)
-    base = per_layer(base_lo, base_hi)
     out = per_layer(lo, hi)
-    out["unpatched"] = base["kernels"]
-    out["unpatched_names"] = {s: (n - base_lo["kernel_names"][s]) / 2 for s, n in base_hi["kernel_names"].items()}
+    out["step"] = {k: lo[k] - 2 * out[k] for k in CATEGORIES}  # outside the layers
     sites_lo, sites_hi = collections.Counter(lo["sync_sites"]), collections.Counter(hi["sync_sites"])
-    out["sync_sites"] = {s: (n - sites_lo[s]) / 2 for s, n in sites_hi.items() if n != sites_lo[s]}  # per layer
-    names_lo, names_hi = lo["kernel_names"], hi["kernel_names"]
-    out["kernel_names"] = {s: (n - names_lo[s]) / 2 for s, n in names_hi.items() if n != names_lo[s]}  # per layer
+    out["sync_sites"] = _diff(sites_lo, sites_hi)  # per layer
+    out["step_sync_sites"] = {s: n - 2 * out["sync_sites"].get(s, 0) for s, n in sites_lo.items()
+                              if n - 2 * out["sync_sites"].get(s, 0)}
+    out["kernel_names"] = _diff(lo["kernel_names"], hi["kernel_names"])  # per layer
+    if not options.get("memory") and not options.get("checkpoint"):  # checkpointing keeps tensors its own way
+        tokens = sum(DOCS) // mesh.sp
+        out["saved"] = (saved_bytes(mesh, options, family, 4) - saved_bytes(mesh, options, family, 2)) / 2 / tokens
+    if baseline:
+        base_lo, base_hi = unpatched_counts(family, 2), unpatched_counts(family, 4)
+        out["unpatched"] = per_layer(base_lo, base_hi)["kernels"]
+        out["unpatched_names"] = _diff(base_lo["kernel_names"], base_hi["kernel_names"])
     return out
+
+
+def _unfused_merge(out, lse, block_out, block_lse):
+    """The merge as the ring ran it before `lse.merge_`: the block widened to float32 by the
+    backend, then two weighted copies summed into a fresh result."""
+    block_out = block_out.to(torch.float32)
+    new_lse = torch.logaddexp(lse, block_lse)
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old, w_new = torch.exp(lse - ref).unsqueeze(-1), torch.exp(block_lse - ref).unsqueeze(-1)
+    return w_old * out.to(torch.float32) + w_new * block_out.to(torch.float32), new_lse
+
+
+def merge_costs(shape=(1, 8, 4096, 128)) -> dict[str, tuple[int, int]]:
+    """(full-size temporaries, full-size passes) of folding one bf16 block [B, H, S, D] into a
+    float32 accumulator: ops allocating a [B, H, S, D] tensor that is not the caller's result,
+    and [B, H, S, D] operands read or written (each a pass over the memory; an in-place one
+    counts twice). Meta tensors: shapes only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_longctx.ops import lse as lse_ops
+
+    numel = torch.Size(shape).numel()
+
+    class Passes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.allocs = self.passes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            full = [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor) and t.numel() == numel]
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+            fresh = [t for t in outs if t.numel() == numel and not func.is_view and not func._schema.is_mutable]
+            self.allocs += len(fresh)
+            written = func._schema.is_mutable and isinstance(args[0], torch.Tensor) and args[0].numel() == numel
+            self.passes += len(full) + len(fresh) + written  # an in-place operand is read and written
+            return out
+
+    def acc():
+        return torch.empty(shape, device="meta", dtype=torch.float32)
+
+    def run(fn):
+        out, block = acc(), torch.empty(shape, device="meta", dtype=torch.bfloat16)
+        lse, block_lse = (torch.empty(shape[:-1], device="meta") for _ in range(2))
+        with Passes() as p:
+            fn(out, lse, block, block_lse)
+        return p.allocs, p.passes
+
+    before = run(_unfused_merge)
+    return {
+        "before: block widened, w_old·out + w_new·block": (before[0] - 1, before[1]),  # minus the result itself
+        "merge (fresh result)": (lambda a, p: (a - 1, p))(*run(lse_ops.merge)),
+        "merge_ (in place into the accumulator)": run(lse_ops.merge_),
+    }
 
 
 def _worker(rank: int, init_file: str, world: int, results) -> None:
@@ -295,20 +289,43 @@ def _run(world: int):
     return run_ranks(_worker, world, world)  # rank 0's rows
 
 
+def table(rows: dict) -> list[str]:
+    lines = [
+        "Per decoder layer, one fwd+bwd step, rank 0, CUDA dispatch path (emulated flash-attn 2.8 kernel, stub offload streams)",
+        "| layout | kernel-like ops | unpatched | ratio | target | collectives | host→device | device→host | syncs | "
+        "syncs per step | saved for backward, B/token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, *_, family in LAYOUTS:
+        c = rows[label]
+        plain = label in ("U2", "R2", "U2xR2")
+        target = (f"≤ {TARGETS['ring' if 'R2' in label else 'ulysses']}×" if plain else "—")
+        lines.append(
+            f"| {label} | {c['kernels']:g} | {c['unpatched']:g} | {c['kernels'] / c['unpatched']:.2f}× | {target} | "
+            f"{c['collectives']:g} | {c['h2d']:g} | {c['d2h']:g} | {c['syncs']:g} | {c['step']['syncs']:g} | "
+            f"{'—' if c.get('saved') is None else format(c['saved'], 'g')} |"
+        )
+    for label, *_ in LAYOUTS:
+        c = rows[label]
+        if c["sync_sites"]:
+            lines.append(f"  {label}: sync sites per layer {c['sync_sites']}")
+        if c["step_sync_sites"]:
+            lines.append(f"  {label}: sync sites per step {c['step_sync_sites']}")
+    lines.append("Syncs per step: the SP group's batch-consistency check reads its gathered table on the host on CPU; "
+                 "on CUDA it asserts on the device after the first micro-batch (torch._assert_async).")
+    return lines
+
+
 def main(argv: list[str]) -> None:
     """`--ops`: also print, per layout, the kernel-like aten ops per layer by name next to
     the unpatched model's (where the extra ops come from)."""
     rows = dict(_run(2) + _run(4))
-    print("Per decoder layer, one fwd+bwd step, rank 0, CUDA dispatch path with the emulated flash-attn 2.8 kernel")
-    print("| layout | kernel-like ops | unpatched | ratio | target | collectives | host->device copies | syncs |")
-    print("|---|---|---|---|---|---|---|---|")
-    for label, *_ in LAYOUTS:
-        c = rows[label]
-        target = TARGETS["ring"] if "R2" in label else TARGETS["ulysses"]
-        print(f"| {label} | {c['kernels']:g} | {c['unpatched']:g} | {c['kernels'] / c['unpatched']:.2f}x | "
-              f"<= {target}x | {c['collectives']:g} | {c['h2d']:g} | {c['syncs']:g} |")
-        if c["syncs"]:
-            print(f"  sync sites: {c['sync_sites']}")
+    print("\n".join(table(rows)))
+    print("\nOne ring step's merge of a bf16 block [1, 8, 4096, 128] into the float32 accumulator")
+    print("| merge | [B, H, S, D] temporaries | [B, H, S, D] passes |")
+    print("|---|---|---|")
+    for name, (allocs, passes) in merge_costs().items():
+        print(f"| {name} | {allocs} | {passes} |")
     if "--ops" in argv:
         for label, *_ in LAYOUTS:
             c = rows[label]

@@ -96,6 +96,20 @@ def flash_attn_modules():
     return getattr(flash_attn, "__version__", None), flash_attn_interface, ops
 
 
+@functools.cache
+def fla_gated_delta_rule() -> bool:
+    """flash-linear-attention's `chunk_gated_delta_rule` imports -- the condition under which
+    transformers' module-level `torch_chunk_gated_delta_rule` (its hub-kernel fallback
+    decorator) IS that kernel, which takes `cu_seqlens` (the torch fallback refuses them)."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    try:
+        importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception:  # transformers falls back to its torch path on any import failure too
+        return False
+    return True
+
+
 def torch_flash_impl() -> str | None:
     """The flash implementation torch's CUDA flash ops run: "FA4" / "FA3" when the user
     activated one (`torch.nn.attention.activate_flash_attention_impl("FA3")` -- process-wide

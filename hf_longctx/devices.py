@@ -1,4 +1,4 @@
-"""Host-built tensors onto their device without blocking the host (issue 19, item 1).
+"""Host-built tensors onto their device without blocking the host.
 
 Where it sits: the lowest floor (torch only), the one rule for every host -> device copy of
 the library. `upload` moves one host-built tensor (the packed backend's block index, once

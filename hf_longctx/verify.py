@@ -48,11 +48,12 @@ def _batch(vocab: int, sp: int):
     return docs, {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
 
 
-def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TOL) -> dict:
+def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TOL, mixers=None) -> dict:
     """Raise `VerificationError` naming the worst parameter when SP is not exact for `model`.
 
     Call it on every rank of the SP group (it runs collectives over it), on a model that is
-    not patched yet and not wrapped by FSDP (or use `patch(..., verify=True)`). Returns
+    not patched yet and not wrapped by FSDP (or use `patch(..., verify=True)`). `mixers`: the
+    `patch(mixers=...)` scheme of a hybrid model's recurrences to measure. Returns
     {"loss": relative error, "grad": worst gradient error, "worst": parameter name}.
     """
     import torch.distributed as dist
@@ -91,7 +92,7 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
             d = d[None].to(device)
             loss_ref = loss_ref + ref(input_ids=d, labels=d, use_cache=False).loss * (d.numel() - 1) / n_valid
         loss_ref.backward()
-        patch(sp_model, mesh, unsafe_skip_exactness_check=True)
+        patch(sp_model, mesh, mixers=mixers, unsafe_skip_exactness_check=True)
         loss = sp_model(**shard_batch(batch, mesh, device=device)).loss  # laid out on the host, copied once
         loss.backward()
         names = [n for n, p in ref.named_parameters() if p.requires_grad]

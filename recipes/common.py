@@ -7,6 +7,7 @@ setting printed by `hf-longctx plan` ("as recipe flags") pastes into any of them
   --ulysses / --ring / --fpdt-chunks  -> init_sequence_parallel(...)          (USP §4, FPDT §3)
   --memory off|balanced|high|max      -> patch(model, mesh, memory=...)       (FPDT §4 presets)
   --kv-offload                         -> patch(kv_offload=True)  (expert knob; not with --memory)
+  --mixers auto|heads|state            -> patch(mixers=...)  (hybrid models' linear recurrences)
   --sync-each-microbatch               -> LongContextTrainer(sync_each_microbatch=True)
   --param-offload                      -> LongContextTrainer(param_offload=True) (FSDP2 CPUOffloadPolicy)
   --mixed-precision bf16|fp32          -> TrainingArguments(bf16=...) -> fsdp_plan(mixed_precision=...)
@@ -45,6 +46,9 @@ def add_common_args(p: argparse.ArgumentParser, *, ulysses: int = 1, ring: int =
                         "attention ('high') or full offloaded checkpointing ('max'), both with K/V offload under FPDT; "
                         "default: none")
     g.add_argument("--kv-offload", action="store_true", help="FPDT: offload K/V chunks to host (not with --memory)")
+    g.add_argument("--mixers", choices=("auto", "heads", "state"), default=None,
+                   help="patch(mixers=...): how a hybrid model's linear recurrences cross the SP group (head all-to-all "
+                        "or state passing); default: per micro-batch by the cost rule")
     g.add_argument("--sync-each-microbatch", action="store_true",
                    help="reduce-scatter gradients in every micro-batch (sharded accumulation, 4 B/param less memory)")
     g.add_argument("--param-offload", action="store_true",
@@ -74,7 +78,8 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> a
 
 def patch_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of `patch(model, mesh, ...)`."""
-    return {"memory": args.memory} if args.memory is not None else ({"kv_offload": True} if args.kv_offload else {})
+    kwargs = {"memory": args.memory} if args.memory is not None else ({"kv_offload": True} if args.kv_offload else {})
+    return {**kwargs, "mixers": args.mixers} if getattr(args, "mixers", None) is not None else kwargs
 
 
 def trainer_kwargs(args: argparse.Namespace) -> dict:

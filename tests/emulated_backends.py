@@ -7,7 +7,9 @@ from the tags of Dao-AILab/flash-attention; torch 2.11 / 2.13 `aten::_flash_atte
 _backward`, checked against the installed schema by a test) and the kernel semantics the
 adapters rely on: cumulative lengths, bottom-right aligned causal and (left, right)
 windows (-1 = unbounded; causal forces right = 0), softcap, GQA, lse [H, total_q] float32
-with +inf for a row with no key, backward from the given out/lse writing dq/dk/dv.
+with +inf for a row with no key, backward from the given out/lse writing dq/dk/dv, and
+a dq that changes run to run unless the backward is deterministic (flash-attn's
+`deterministic` argument; torch's op reads `torch.use_deterministic_algorithms`).
 It also enforces the C++ checks (dtype fp16/bf16, int32 cu_seqlens, head dim % 8 and
 <= 256, contiguous last dim) so a wiring error fails on CPU. `allow_float64=True` lifts
 the dtype check so wiring tests can compare at float64 precision.
@@ -19,6 +21,7 @@ kernel; `calls` counts invocations for the dispatch tests.
 from __future__ import annotations
 
 import inspect
+import os
 import types
 
 import torch
@@ -32,6 +35,8 @@ class _Sim:
     def __init__(self, allow_float64: bool):
         self.allow_float64 = allow_float64
         self.calls = {"forward": 0, "backward": 0}
+        self.deterministic: list[bool] = []  # what each backward call was told
+        self._jitter = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # differs per run
 
     def check(self, q, k, v, cu_q, cu_k, max_q, max_k, window):
         ok = (torch.float16, torch.bfloat16) + ((torch.float64,) if self.allow_float64 else ())
@@ -98,8 +103,14 @@ class _Sim:
             lse[:, a:b] = l.masked_fill(torch.isneginf(l), float("inf")).to(lse.dtype)  # flash: +inf for an empty row
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap):
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap,
+                 deterministic=True):
+        """`deterministic=False` is the kernels' atomic dq accumulation: its order, hence the
+        last bits of dq, changes from run to run -- emulated by a random +-1 ulp on some
+        elements, so a caller that fails to ask for the ordered path is caught by a
+        run-to-run comparison."""
         self.check(q, k, v, cu_q, cu_k, max_q, max_k, (left, right))
+        self.deterministic.append(bool(deterministic))
         left, right = self.unbounded(left, right, max_k)
         if out.dtype != q.dtype or dout.dtype != q.dtype or dout.shape != q.shape or out.shape != q.shape:
             raise RuntimeError(f"out/dout must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {dout.dtype} {out.shape}")
@@ -128,6 +139,9 @@ class _Sim:
             gk[c0:c1] = torch.einsum("hqk,qhd->khd", ds, q[a:b].to(acc)).unflatten(1, (hkv, h // hkv)).sum(2) * scale
             gv[c0:c1] = torch.einsum("hqk,qhd->khd", p, do).unflatten(1, (hkv, h // hkv)).sum(2)
         dq.copy_(gq), dk.copy_(gk), dv.copy_(gv)
+        if not deterministic and dq.numel():
+            flip = torch.rand(dq.shape, generator=self._jitter) < 0.25
+            dq.copy_(torch.where(flip.to(dq.device), torch.nextafter(dq, torch.full_like(dq, float("inf"))), dq))
 
 
 def _custom_op(fn):
@@ -197,7 +211,7 @@ def flash_attn_release(version: str, *, allow_float64: bool = False, schema_with
             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, rng_state=None,
         ):
             sim.backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, causal, window_size[0], window_size[1], softcap)
+                         max_seqlen_k, softmax_scale, causal, window_size[0], window_size[1], softcap, deterministic)
             return dq, dk, dv, torch.empty(0)
 
         iface._flash_attn_varlen_forward, iface._flash_attn_varlen_backward = _flash_attn_varlen_forward, _flash_attn_varlen_backward
@@ -223,7 +237,7 @@ def flash_attn_release(version: str, *, allow_float64: bool = False, schema_with
         if set(zero_tensors) - ({"zero_tensors"} if zero else set()):
             raise TypeError(f"unexpected keyword arguments {sorted(zero_tensors)}")
         sim.backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, window_size_left, window_size_right, softcap)
+                     max_seqlen_k, softmax_scale, causal, window_size_left, window_size_right, softcap, deterministic)
         return torch.empty(0)
 
     iface._flash_attn_varlen_forward, iface._flash_attn_varlen_backward = _custom_op(fwd), _custom_op(bwd)
@@ -263,8 +277,10 @@ class TorchFlashOps:
             dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
             left = -1 if window_size_left is None else window_size_left
             right = -1 if window_size_right is None else window_size_right
+            # torch's own flash backward reads the global flag (deterministic unless warn_only)
+            ordered = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
             sim.backward(grad_out, query, key, value, out, logsumexp, dq, dk, dv, cum_seq_q, cum_seq_k, max_q, max_k,
-                         scale, is_causal, left, right, None)
+                         scale, is_causal, left, right, None, ordered)
             return dq, dk, dv
 
         self.forward = _as_installed(forward, torch.ops.aten._flash_attention_forward.default)

@@ -16,14 +16,19 @@ from typing import Any
 
 from hf_longctx.cli.plots import plot_flexible_step, plot_step
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+_UNITS = {"b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_size(text: str) -> float:
-    """'80GiB', '80 GB', '512g', '1e9' → bytes (GiB/MiB binary, GB/G decimal); a trailing
-    '/s' is allowed for bandwidths."""
+    """'80GiB', '80 GB', '512g', '1e9B' → bytes (GiB/MiB binary, GB/G decimal); a trailing
+    '/s' is allowed for bandwidths. A number without a unit is refused: '--gpu-memory 80'
+    would be 80 bytes, surely not what was meant."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)(/s)?\s*", str(text))
+    if m and not m.group(2):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit (it would be {text} bytes): write e.g. {m.group(1)}GiB (binary), {m.group(1)}GB "
+            f"(decimal), {m.group(1)}GB/s for a bandwidth, or {m.group(1)}B for bytes")
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"cannot read size {text!r}: use e.g. 80GiB, 80GB, 512G, 25GB/s")
@@ -128,10 +133,18 @@ def footer(args: argparse.Namespace) -> str:
 def _binding_advice(args: argparse.Namespace, c) -> str:
     """Which resource rules out `c` (the setting closest to fitting) and the flags that change it."""
     usable = 1 - args.headroom
-    if c.binding == "host memory":
-        return (f"HOST memory binds: {_gib(c.memory.host * min(args.gpus, args.gpus_per_node))} GiB per node needed, "
+    if c.binding in ("host memory", "GPU and host memory"):
+        host = (f"HOST memory binds: {_gib(c.memory.host * min(args.gpus, args.gpus_per_node))} GiB per node needed, "
                 f"{_gib(args.host_memory * usable)} GiB usable of --host-memory {_gib(args.host_memory)} GiB; raise "
                 "--host-memory, or offload less (--param-offload no, a lighter memory preset) with more GPU memory")
+        if c.binding == "host memory":
+            return host + " (this setting fits the GPU)"
+        return host + "; and " + _gpu_advice(args, c)
+    return _gpu_advice(args, c)
+
+
+def _gpu_advice(args: argparse.Namespace, c) -> str:
+    usable = 1 - args.headroom
     flags = ["--gpu-memory", "more --gpus"]
     if args.param_offload == "no":
         flags.append("--param-offload auto (parameters, gradients and optimizer states on host)")
@@ -207,9 +220,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.show_infeasible:
             print(format_table([_row("-", c) for c in ranked]))
             print(footer(args))
-        # The setting closest to fitting: lowest GPU peak among those whose host memory fits, else lowest host need.
-        host_ok = [c for c in ranked if c.binding != "host memory"]
-        low = min(host_ok, key=lambda c: c.memory.peak) if host_ok else min(ranked, key=lambda c: c.memory.host)
+        # The setting closest to fitting, and what binds it: among the settings that fit the GPU,
+        # the least host memory (host binds); else among those that fit the host, the lowest GPU
+        # peak (GPU binds); else the lowest GPU peak (both bind).
+        gpu_ok = [c for c in ranked if c.gpu_fits and c.binding]
+        host_ok = [c for c in ranked if c.host_fits and c.binding]
+        low = (min(gpu_ok, key=lambda c: c.memory.host) if gpu_ok else
+               min(host_ok or [c for c in ranked if c.binding] or ranked, key=lambda c: c.memory.peak))
         s = low.setting
         print(f"no setting fits: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
               f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{_binding_advice(args, low)}"
@@ -231,7 +248,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"\nrows 1-{len(tied)} are within {TIE_TOLERANCE:.0%} of the fastest estimate, less than the cost model's "
               "measured error: the estimates do not separate them; "
               + ("the first follows the USP guidance (Ulysses inside a node, ring only across nodes)"
-                 if cluster.follows_usp_guidance(feasible[0].setting) else "none of them follows the USP guidance"))
+                 if cluster.follows_usp_guidance(feasible[0].setting, dims.heads, dims.kv_heads)
+                 else "none of them follows the USP guidance"))
     print(f"\nsuggested (fastest estimate that fits; {_fit_line(args, feasible[0])}):\n{best.code()}")
     print(f"\nas recipe flags (recipes/pretrain.py, lora.py, sft.py):\n{best.recipe_flags()}")
     if args.plot:

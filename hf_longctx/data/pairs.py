@@ -1,4 +1,4 @@
-"""Preference pairs as planning units and packed rows (issue 21, item 2: DPO).
+"""Preference pairs as planning units and packed rows (DPO).
 
 Where it sits: before `shard_batch`. A DPO loss needs the chosen and the rejected
 completion of a pair in the same micro-batch and SP group (their per-document log-prob

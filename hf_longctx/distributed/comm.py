@@ -21,18 +21,22 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _split_heads(x: torch.Tensor, u: int) -> torch.Tensor:
-    """[B, S, Hx, D] → [U, B, S, Hx/U·D]: head slice u goes to Ulysses rank u."""
-    b, s, h, d = x.shape
-    x = x.reshape(b, s, u, h // u, d)  # [B, S, U, Hx/U, D]
-    return x.permute(2, 0, 1, 3, 4).reshape(u, b, s, (h // u) * d)  # [U, B, S, Hx/U·D]
-
-
 def _all_to_all(buf: torch.Tensor, group) -> torch.Tensor:
     """buf [U, ...] contiguous: slice i goes to rank i; returns [U, ...] with slice i from rank i."""
     out = torch.empty_like(buf)
     dist.all_to_all_single(out, buf, group=group)  # [U, ...] → [U(source), ...]
     return out
+
+
+def _send_buffer(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """parts[i] [U, B, S, w_i, D] (any strides: views of the caller's tensors) → the send
+    buffer [U, B, S, Σw_i·D] in one copy: each element is read once where it lies (no
+    contiguous copy of a part before the concatenation, no concatenation of a single part,
+    which needs no copy at all when its permuted layout already is contiguous)."""
+    u, b, s = parts[0].shape[:3]
+    if len(parts) == 1:
+        return parts[0].reshape(u, b, s, -1).contiguous()
+    return torch.cat(parts, dim=3).view(u, b, s, -1)  # [U, B, S, Σw, D] → [U, B, S, Σw·D]
 
 
 def seq_to_head(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
@@ -41,15 +45,16 @@ def seq_to_head(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
     Every tensor's head count must be divisible by U (the caller replicates KV heads
     first when H_kv < U). Received pieces are ordered by Ulysses rank, which is the
     order of the contiguous Ulysses pieces in the layout, so the result is the ring
-    rank's token stream.
+    rank's token stream. Inputs may have any strides (gradients as autograd hands them).
     """
     u = group_size(group)
     if u == 1:
         return list(tensors)
     b, s, _, d = tensors[0].shape
     heads = [t.shape[2] for t in tensors]
-    buf = torch.cat([_split_heads(t, u) for t in tensors], dim=-1).contiguous()  # [U, B, S_local, ΣHx/U·D]
-    recv = _all_to_all(buf, group)  # [U(source), B, S_local, ΣHx/U·D]
+    # head slice i of every tensor goes to rank i: [B, S, Hx, D] → [U, B, S, Hx/U, D] views
+    parts = [t.unflatten(2, (u, t.shape[2] // u)).permute(2, 0, 1, 3, 4) for t in tensors]
+    recv = _all_to_all(_send_buffer(parts), group)  # [U(source), B, S_local, ΣHx/U·D]
     outs = []
     for t, piece in zip(tensors, recv.split([h // u * d for h in heads], dim=-1)):
         piece = piece.reshape(u, b, s, t.shape[2] // u, d)  # [U, B, S_local, Hx/U, D]
@@ -58,18 +63,17 @@ def seq_to_head(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
 
 
 def head_to_seq(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
-    """[B, U·S_local, h, D] each → [B, S_local, U·h, D] each, in ONE all-to-all (inverse of seq_to_head)."""
+    """[B, U·S_local, h, D] each → [B, S_local, U·h, D] each, in ONE all-to-all (inverse of
+    seq_to_head). Inputs may have any strides."""
     u = group_size(group)
     if u == 1:
         return list(tensors)
     b, su, _, d = tensors[0].shape
     s = su // u
     heads = [t.shape[2] for t in tensors]
-    parts = []
-    for t in tensors:
-        x = t.reshape(b, u, s, t.shape[2], d)  # [B, U, S_local, h, D]: sequence piece i goes to rank i
-        parts.append(x.permute(1, 0, 2, 3, 4).reshape(u, b, s, t.shape[2] * d))  # [U, B, S_local, h·D]
-    recv = _all_to_all(torch.cat(parts, dim=-1).contiguous(), group)  # [U(source = head slice), B, S_local, Σh·D]
+    # sequence piece i goes to rank i: [B, U·S_local, h, D] → [U, B, S_local, h, D] views
+    parts = [t.unflatten(1, (u, s)).permute(1, 0, 2, 3, 4) for t in tensors]
+    recv = _all_to_all(_send_buffer(parts), group)  # [U(source = head slice), B, S_local, Σh·D]
     outs = []
     for h, piece in zip(heads, recv.split([h * d for h in heads], dim=-1)):
         piece = piece.reshape(u, b, s, h, d)  # [U, B, S_local, h, D]
@@ -85,7 +89,7 @@ class _SeqToHead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *head_to_seq([g.contiguous() for g in grads], ctx.group))
+        return (None, *head_to_seq(grads, ctx.group))
 
 
 class _HeadToSeq(torch.autograd.Function):
@@ -96,7 +100,7 @@ class _HeadToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *seq_to_head([g.contiguous() for g in grads], ctx.group))
+        return (None, *seq_to_head(grads, ctx.group))
 
 
 def all_to_all_seq_to_head(*tensors: torch.Tensor, group) -> tuple[torch.Tensor, ...]:

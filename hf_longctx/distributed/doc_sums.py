@@ -1,4 +1,4 @@
-"""Per-document sums of per-token quantities over a sharded packed batch (issue 21).
+"""Per-document sums of per-token quantities over a sharded packed batch.
 
 Where it sits: after `model(**shard)` on a batch made by `data/sharding.shard_batch`, before
 any SEQUENCE-level objective (DPO's log-ratio of a whole completion, GRPO's per-sequence

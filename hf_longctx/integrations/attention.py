@@ -69,6 +69,9 @@ def make_attention(state: Any) -> Callable:
         keeper = state.keeper  # checkpoint="attention": kept in the forward, replayed in the recompute
         if keeper is not None and keeper.replaying():
             return keeper.replay(query, key, value), None  # no kernel, no collective
+        split = state.split  # memory="max": a sequence-chunked layer runs its token-wise parts (layer_split.py)
+        if split is not None and split.replaying():
+            return split.replay(), None  # the attention output of the chunk the layer runs on
         info = kwargs.get(SP_METADATA_KEY)
         if not isinstance(info, SPBatchInfo):
             raise ValueError(
@@ -89,8 +92,10 @@ def make_attention(state: Any) -> Callable:
                 "train this model without sequence parallelism (ulysses_degree=ring_degree=1)",
             )
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        if window is None:
-            window = mask_implied_window(state.mask_windows)
+        if window is None:  # a window the model applies through its masks alone (PhiMoE): from the dry run
+            window = state.mask_window if state.probe is not None else mask_implied_window(state.mask_windows)
+        if split is not None and split.capturing():  # the chunk's q, k, v: the layer stops here
+            split.capture(*prepare(state, mesh, module, query, key, value, scaling, window, kwargs))
         with keeper.keeping() if keeper is not None else nullcontext():  # saved tensors escape the checkpoint
             out = _attend(state, mesh, module, query, key, value, scaling, window, kwargs)  # [B, S_local, H, D_v]
         if keeper is not None:
@@ -98,14 +103,17 @@ def make_attention(state: Any) -> Callable:
         state.calls += 1
         return out, None
 
-    return sp_attention
+    # Under torch.compile the model's own layers (projections, RoPE, norms, MLP) are compiled
+    # and this call stays out of the graph: it runs collectives, autograd Functions with
+    # per-batch Python plans and data-dependent tiling, which Dynamo would split into many
+    # graph breaks (and retrace per batch layout) if it traced into them.
+    return torch.compiler.disable(sp_attention)
 
 
-def _attend(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
-    """One sequence-parallel attention call: query [B, H, S_local, D], key/value [B, H_kv, S_local, D]
-    -> [B, S_local, H, D_v] (USP, or FPDT when the mesh has chunks)."""
+def prepare(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> tuple:
+    """q, k, v in the layout and dtype of our attention ([B, S_local, H(_kv), D], value padded to
+    the key's head dim) and the call's arguments (`AttentionCall`)."""
     info = kwargs[SP_METADATA_KEY]
-    offload = state.options.kv_offload
     softcap = kwargs.get("softcap")
     b = query.shape[0]
     if b != info.rows:
@@ -128,19 +136,39 @@ def _attend(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, w
         softcap=float(softcap) if softcap else None,
         sinks=kwargs.get("s_aux"),  # per-head attention sinks [H] (GPT-OSS & co.), None elsewhere
     )
-    # Our kernels accumulate in fp32 themselves; autocast must not re-cast their matmuls.
-    with torch.autocast(q.device.type, enabled=False):
-        if mesh.fpdt_chunks > 1:
-            from hf_longctx.ops.fpdt import fpdt_attention
+    return q, k, v, AttentionCall(mesh, kw, d_v, state.options.kv_offload, state.plan_cache)
 
-            out = fpdt_attention(q, k, v, mesh, offload=offload, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
-        else:
-            from hf_longctx.ops.usp import usp_attention
 
-            out = usp_attention(q, k, v, mesh, plan_cache=state.plan_cache, **kw)  # [B, S_local, H, D]
-    if out.shape[-1] != d_v:
-        out = out[..., :d_v].contiguous()  # [B, S_local, H, D_v]
-    return out
+class AttentionCall:
+    """The arguments of one attention call besides q, k, v, and `run` to make it."""
+
+    def __init__(self, mesh: SPMesh, kw: dict, d_v: int, offload: bool, plan_cache: dict) -> None:
+        self.mesh, self.kw, self.d_v, self.offload, self.plan_cache = mesh, kw, d_v, offload, plan_cache
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, save: bool = True) -> torch.Tensor:
+        """out [B, S_local, H, D_v] (USP, or FPDT when the mesh has chunks)."""
+        # Our kernels accumulate in fp32 themselves; autocast must not re-cast their matmuls.
+        with torch.autocast(q.device.type, enabled=False):
+            if self.mesh.fpdt_chunks > 1:
+                from hf_longctx.ops.fpdt import fpdt_attention
+
+                out = fpdt_attention(q, k, v, self.mesh, offload=self.offload, plan_cache=self.plan_cache, save=save,
+                                     **self.kw)  # [B, S_local, H, D]
+            else:
+                from hf_longctx.ops.usp import usp_attention
+
+                out = usp_attention(q, k, v, self.mesh, plan_cache=self.plan_cache, **self.kw)  # [B, S_local, H, D]
+        if out.shape[-1] != self.d_v:
+            out = out[..., : self.d_v].contiguous()  # [B, S_local, H, D_v]
+        return out
+
+
+def _attend(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
+    """One sequence-parallel attention call: query [B, H, S_local, D], key/value [B, H_kv, S_local, D]
+    -> [B, S_local, H, D_v] (USP, or FPDT when the mesh has chunks). A checkpoint's first run,
+    whose saved tensors are discarded, keeps nothing for a backward (`LayerSplit.discarding`)."""
+    q, k, v, call = prepare(state, mesh, module, query, key, value, scaling, window, kwargs)
+    return call.run(q, k, v, save=not (state.split is not None and state.split.discarding))
 
 
 def compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
@@ -181,22 +209,39 @@ def mask_implied_window(mask_windows: list) -> int | None:
     return None
 
 
+_PADDING = (
+    "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
+    "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
+)
+
+
+def refuse_padding(attention_mask: Any, *, read: bool = True) -> None:
+    """A 2D padding mask with zeros cannot be honoured (its keys live on other ranks): refuse
+    it instead of dropping it. `read=False` (a GPU mask after the first micro-batch): the
+    check stays on the device (`torch._assert_async`, reported at the next synchronisation)
+    so the host never waits for it."""
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
+        return
+    if read or attention_mask.device.type == "cpu":
+        if not bool(attention_mask.all()):
+            raise ValueError(_PADDING)
+    else:
+        torch._assert_async(attention_mask.all(), _PADDING)
+
+
 def make_mask_function(state: Any) -> Callable:
     def sp_mask(attention_mask=None, mask_function=None, **_: Any):
-        """Registered with AttentionMaskInterface. HF calls it with LOCAL lengths; the real
-        document mask is built inside the attention, so build nothing -- only note the mask's
-        sliding window (`state.mask_windows`: PhiMoE applies its window through the mask
-        alone). A 2D padding mask with zeros cannot be honoured (its keys live on other
-        ranks): refuse instead of dropping it."""
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-            raise ValueError(
-                "attention_mask with padding zeros was passed to a sequence-parallel model; pass the padded batch "
-                "through hf_longctx.shard_batch (it pads with separate documents) and drop attention_mask"
-            )
+        """Registered with AttentionMaskInterface only when `patch()` skipped the dry run
+        (otherwise the mask registry lacks our name, so HF's mask creation returns None at
+        once: it would read the positions with a host sync per forward). HF calls it with
+        LOCAL lengths; the real document mask is built inside the attention, so build nothing
+        -- only note the mask's sliding window (`state.mask_windows`: PhiMoE applies its
+        window through the mask alone) and refuse a padding mask."""
+        refuse_padding(attention_mask)
         if mask_function is not None:
             from hf_longctx.integrations.probe.masks import mask_windows
 
             state.mask_windows.append(frozenset(mask_windows(mask_function)))
         return None
 
-    return sp_mask
+    return torch.compiler.disable(sp_mask)  # reads the mask function's closure: Python, not a graph

@@ -4,11 +4,11 @@ memory, one layer recomputed at a time in the backward).
 Where it sits: `integrations/memory.py` turns it on for `patch(..., checkpoint=True |
 "attention")`; every decoder layer (`model_walk.decoder_layers`) runs through
 `offloaded_checkpoint`, transformers' GradientCheckpointingLayer through its own hook, others
-through an instance `forward`. The layer inputs go to pinned host memory on the one side
+through an instance `forward`. The layer inputs go to pinned host memory on the OUT side
 stream (`ops/offload.default_streams()`) during the forward; in the backward the recompute
-of each layer starts the host -> device copies of the inputs of the layer recomputed NEXT
-(`LayerChain`), so the copy overlaps a layer of compute instead of stalling the compute
-stream. With `checkpoint="attention"` each call also opens a keep-attention region
+of each layer starts the host -> device copies (IN stream) of the inputs of the layer
+recomputed NEXT (`LayerChain`), so the copy overlaps a layer of compute instead of stalling
+the compute stream, and hands its own host copies back to the pool once read. With `checkpoint="attention"` each call also opens a keep-attention region
 (`integrations/keep_attention.py`).
 """
 
@@ -24,98 +24,92 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from hf_longctx.integrations.keep_attention import AttentionKeeper
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.model_walk import decoder_layers
-from hf_longctx.ops.offload import Streams, default_streams
+from hf_longctx.ops.offload import Streams, copy_in, copy_out, default_streams
 
 
 class _Parked(NamedTuple):
     value: torch.Tensor  # pinned host copy (offloaded) or detached alias
     device: torch.device
     requires_grad: bool
-    copied: Any  # event recorded after the device -> host copy on the side stream; None: no copy
+    copied: Any  # event recorded after the device -> host copy on the OUT stream; None: no copy
 
 
-def _park(arg: Any, streams: Streams) -> Any:
+def park(arg: Any, streams: Streams) -> Any:
     """What the recompute will read instead of a layer input: a pinned host copy where the
     device offloads (CUDA), a detached alias elsewhere.
 
-    The copy is of the DETACHED input (no autograd node), issued on the side stream after
+    The copy is of the DETACHED input (no autograd node), issued on the OUT stream after
     the kernels that produced the input, so it overlaps the layer's forward on the compute
-    stream; the input's memory is marked as in use by the side stream until the copy has
-    read it, and an event marks the copy's end for `_unpark`."""
+    stream (`ops/offload.copy_out`); an event marks the copy's end for the read back."""
     if not isinstance(arg, torch.Tensor):
         return arg
     src = arg.detach()
     if not streams.offloads(src.device):
         return _Parked(src, src.device, arg.requires_grad, None)
-    main, side = streams.current(src.device), streams.side(src.device)
-    side.wait_stream(main)  # arg is produced by kernels already queued on the compute stream
-    with streams.on(side):
-        host = streams.pinned(src)
-        host.copy_(src, non_blocking=True)  # [same shape] device -> pinned host, async on side
-        copied = streams.event()
-        copied.record(side)
-    streams.keep_alive(src, side)  # the caching allocator must not reuse arg before the copy read it
+    (host,), copied = copy_out(streams, [src])
     return _Parked(host, src.device, arg.requires_grad, copied)
 
 
 def _unpark(parked: Any, streams: Streams, fetched: tuple | None = None) -> Any:
-    """The recompute's copy of one input: the prefetched device copy (`fetched`: its tensor
-    and the event after its copy) or a copy made now."""
+    """The recompute's copy of one input: the prefetched device copy (`fetched`: the result of
+    `copy_in`) or a copy made now. The host buffer goes back to the pool right after the read
+    is queued (its next writer waits for the read's event): a layer's host copy is free for the
+    offloads of the backward as soon as its recompute has started."""
     if not isinstance(parked, _Parked):
         return parked
     host, device, requires_grad, copied = parked
-    if fetched is not None:
-        value, ready = fetched
-        streams.current(device).wait_event(ready)  # the prefetch on the side stream has landed
+    if copied is None:
+        value = host
     else:
-        if copied is not None:
-            streams.current(device).wait_event(copied)  # the host copy is complete before we read it
-        value = host.to(device, non_blocking=True)
+        (value,), ready = fetched if fetched is not None else copy_in(streams, [host], device)
+        streams.current(device).wait_event(ready)  # the copy back has landed
+        streams.recycle(host)
     # A leaf with the input's value: the recompute must record (and save) the same tensors
     # as the original forward, which needs requires_grad to match; gradients flow through
     # the ORIGINAL graph, whose saved tensors the recompute only refills.
     return value.detach().requires_grad_(requires_grad)
 
 
-class _Inputs:
+class Inputs:
     """One checkpointed call's inputs: the live ones (original forward), then the parked ones
     (recompute); `previous` is the call before it in forward order -- the layer recomputed
     NEXT in the backward, whose parked inputs this call's recompute prefetches."""
 
-    def __init__(self, args: list, parked: list, previous: "_Inputs | None") -> None:
+    def __init__(self, args: list, parked: list, previous: "Inputs | None") -> None:
         self.box, self.parked, self.previous = list(args), parked, previous
-        self.fetched: dict[int, tuple] = {}  # index -> (device copy, event) once prefetched
+        self.fetched: dict[int, tuple] = {}  # index -> copy_in's (device copies, event) once prefetched
+        self.recycled = False  # the host copies went back to the pool (a recompute read them)
 
     def prefetch(self, streams: Streams) -> None:
-        """Start the host -> device copies of the parked inputs on the side stream."""
+        """Start the host -> device copies of the parked inputs on the IN stream."""
         for i, p in enumerate(self.parked):
-            if not isinstance(p, _Parked) or p.copied is None or i in self.fetched:
-                continue
-            side = streams.side(p.device)
-            side.wait_event(p.copied)  # its device -> host copy has finished
-            with streams.on(side):
-                value = p.value.to(p.device, non_blocking=True)
-                ready = streams.event()
-                ready.record(side)
-            streams.keep_alive(value, streams.current(p.device))  # read on the compute stream
-            self.fetched[i] = (value, ready)
+            if isinstance(p, _Parked) and p.copied is not None and i not in self.fetched and not self.recycled:
+                self.fetched[i] = copy_in(streams, [p.value], p.device)
 
     def read(self, streams: Streams) -> list:
-        return [_unpark(a, streams, self.fetched.pop(i, None)) if isinstance(a, _Parked) else a
-                for i, a in enumerate(self.box)]
+        if self.recycled:
+            raise RuntimeError(
+                "offloaded checkpointing hands a layer's pinned host inputs back to the pool in its first backward, so "
+                "its graph cannot be run backward twice (retain_graph=True); patch without checkpointing (memory='off' "
+                "or 'balanced') for a second backward through the same graph"
+            )
+        values = [_unpark(a, streams, self.fetched.pop(i, None)) if isinstance(a, _Parked) else a
+                  for i, a in enumerate(self.box)]
+        self.recycled = any(isinstance(a, _Parked) and a.copied is not None for a in self.box)
+        return values
 
 
 class LayerChain:
     """The checkpointed calls of one forward, in order (per patched model): each recompute
-    prefetches the inputs of the layer the backward recomputes next (issue 19 item 3)."""
+    prefetches the inputs of the layer the backward recomputes next."""
 
     def __init__(self) -> None:
-        self.last: _Inputs | None = None
+        self.last: Inputs | None = None
 
 
 def offloaded_checkpoint(
     function: Callable, *args: Any, streams: Streams | None = None, keeper: AttentionKeeper | None = None,
-    chain: LayerChain | None = None, first: bool = False,
+    chain: LayerChain | None = None, first: bool = False, split: Any = None,
 ) -> Any:
     """Non-reentrant activation checkpointing of `function(*args)` whose recompute reads the
     inputs from host memory (FPDT's "OC." setting).
@@ -126,7 +120,7 @@ def offloaded_checkpoint(
     save_on_cpu would copy only what the checkpoint already discards and leave the inputs on
     the device; and save_on_cpu copies on the compute stream. The reentrant checkpoint breaks
     `torch.autograd.grad` and needs inputs that require grad. Here the inputs sit in a box the
-    recompute reads: the host copies start (side stream, `_park`) before the original forward
+    recompute reads: the host copies start (OUT stream, `park`) before the original forward
     runs on the real inputs, then the box switches to the host copies. Where the device does
     not offload (CPU) the box holds detached aliases: same structure, no copy. `streams`:
     the stream operations (the process's `ops/offload.default_streams()` by default; tests
@@ -134,11 +128,13 @@ def offloaded_checkpoint(
     saved tensors and output in the original forward and are replayed in the recompute
     (`integrations/keep_attention.py`). `chain` / `first`: the model's `LayerChain` and
     whether this is the forward's first checkpointed layer; the recompute of a layer then
-    starts the host -> device copies of the inputs of the layer recomputed after it.
+    starts the host -> device copies of the inputs of the layer recomputed after it. `split`:
+    the patch's `LayerSplit`, told while the original forward runs (`discarding`) when its saved
+    tensors are all dropped (no keeper), so the attention keeps nothing for a backward.
     """
     streams = default_streams() if streams is None else streams
-    parked = [_park(a, streams) for a in args]  # copies start now and overlap the forward
-    inputs = _Inputs(list(args), parked, None if chain is None or first else chain.last)
+    parked = [park(a, streams) for a in args]  # copies start now and overlap the forward
+    inputs = Inputs(list(args), parked, None if chain is None or first else chain.last)
     if chain is not None:
         chain.last = inputs
     region = keeper.new_region() if keeper is not None else None
@@ -155,7 +151,13 @@ def offloaded_checkpoint(
             if chain is not None and chain.last is inputs:
                 chain.last = None  # nothing of this step stays referenced after its backward
         if region is None:
-            return function(*values)
+            if split is None or recompute:
+                return function(*values)
+            split.discarding = True
+            try:
+                return function(*values)
+            finally:
+                split.discarding = False
         with keeper.entered(region, recompute=recompute):
             return function(*values)
 
@@ -167,7 +169,7 @@ def offloaded_checkpoint(
 
 
 def patch_checkpointing(
-    model: nn.Module, undo: list, streams: Streams | None = None, keeper: AttentionKeeper | None = None
+    model: nn.Module, undo: list, streams: Streams | None = None, keeper: AttentionKeeper | None = None, split: Any = None
 ) -> None:
     """Checkpoint every decoder layer of `model` with `offloaded_checkpoint` (instance
     attributes; `undo` gets their restores)."""
@@ -175,7 +177,8 @@ def patch_checkpointing(
     streams = default_streams() if streams is None else streams
     chain = LayerChain()
     for index, layer in enumerate(decoder_layers(model)):
-        offload = functools.partial(offloaded_checkpoint, streams=streams, keeper=keeper, chain=chain, first=index == 0)
+        offload = functools.partial(offloaded_checkpoint, streams=streams, keeper=keeper, chain=chain, first=index == 0,
+                                    split=split)
         if hasattr(type(layer), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
             set_instance_attr(layer, "gradient_checkpointing", True, undo)
             set_instance_attr(layer, "_gradient_checkpointing_func", offload, undo)

@@ -11,14 +11,15 @@ the one part of a layer NOT worth recomputing.
 How, with torch's non-reentrant checkpoint and nothing inside HF's layer code:
 - original forward: the attention runs as usual, but under its own saved-tensor hooks, so
   the tensors its autograd nodes save (head-sharded q, k, v, out, log-sum-exp, ...) are
-  KEPT -- on the host where the device offloads (pinned copies on the one side stream),
+  KEPT -- on the host where the device offloads (pinned copies on the OUT side stream),
   in place on CPU -- instead of being dropped by the checkpoint's hooks; its output is kept
-  the same way;
+  the same way (one copy: the attention saves that same tensor for its backward);
 - recompute (the backward of the layer): norms, projections, rotary, MLP and residuals run
   again; at the attention call the kept output comes back (`_Replay`: no kernel, no
   collective) so that the ops after it save the same tensors as in the original forward;
-  the host copies of the region are prefetched on the side stream when the recompute
-  starts, and each is waited for only where it is read;
+  the host copies of the region are prefetched on the IN side stream when the recompute
+  starts, each is waited for only where it is read, and goes back to the pinned pool once
+  every saved reference to it has been read;
 - backward: gradients flow through the ORIGINAL graph; its attention nodes read the kept
   tensors. The recompute's graph is discarded (non-reentrant checkpoint), so `_Replay`
   never runs backward.
@@ -27,25 +28,32 @@ op (dropout) exactly as before. Linear mixers of hybrid models (their own collec
 recomputed like the rest of the layer.
 
 Memory held per token per layer: the attention's saved tensors (q, k, v head-sharded, out,
-lse: ~(2·H + 2·H_kv)·D values + H floats per token) plus its output (H·D), on the host
-where the device offloads; compute saved: the attention forward of the recompute and its
+lse: ~(2·H + 2·H_kv)·D values + H floats per token), on the host where the device offloads;
+FPDT saves its output in the token layout, which is the tensor replayed, so it is held once;
+Ulysses/ring save the head-layout output and the replay keeps the token-layout one (H·D more); compute saved: the attention forward of the recompute and its
 collectives (Ulysses: 4 all-to-alls per layer).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 
-from hf_longctx.ops.offload import Streams
+from hf_longctx.ops.offload import Streams, copy_in, copy_out
 
 
-class _Kept(NamedTuple):
-    host: torch.Tensor  # pinned host copy
-    device: torch.device
-    copied: Any  # event after the device -> host copy on the side stream
+class _Kept:
+    """One host copy of a kept tensor; `uses`: the saved references to it not read back yet."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
+        self.host, self.device, self.uses = host, device, 1
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes two saved tensors the same values: their memory, layout and version."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
 
 class Region:
@@ -55,7 +63,7 @@ class Region:
         self.streams = streams
         self.keeper = keeper
         self.outputs: list[Any] = []  # each attention call's output (a tensor, or _Kept on the host)
-        self.kept: list[_Kept] = []  # every host copy of this region (saved tensors and outputs)
+        self.kept: dict[tuple, _Kept] = {}  # every host copy of this region, by the identity of what it copies
         self.back: dict[int, tuple[torch.Tensor, Any]] = {}  # id(_Kept) -> (device copy, event) once prefetched
         self.cursor = 0
         self.recomputing = False
@@ -63,51 +71,50 @@ class Region:
 
     # ---- keeping (original forward) ----------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
-        """Saved-tensor hook of the attention: keep `tensor` (host copy where the device offloads)."""
+        """Saved-tensor hook of the attention: keep `tensor` (host copy where the device offloads).
+        A tensor saved twice (the attention's output: saved by the attention for its backward
+        and kept for the replay) is copied once."""
         streams = self.streams
+        if not streams.offloads(tensor.device) or streams.is_host(tensor):
+            self.keeper.kept_bytes += tensor.numel() * tensor.element_size()
+            return tensor  # CPU, or a host copy already (FPDT's offloaded chunks): kept in place
+        key = _identity(tensor)
+        kept = self.kept.get(key)
+        if kept is not None:
+            kept.uses += 1
+            return kept
         self.keeper.kept_bytes += tensor.numel() * tensor.element_size()
-        if not streams.offloads(tensor.device):
-            return tensor  # CPU: kept in place
-        src = tensor.detach()
-        main, side = streams.current(src.device), streams.side(src.device)
-        side.wait_stream(main)  # the tensor is produced by kernels queued on the compute stream
-        with streams.on(side):
-            host = streams.pinned(src)
-            host.copy_(src, non_blocking=True)  # device -> pinned host, async on the side stream
-            copied = streams.event()
-            copied.record(side)
-        streams.keep_alive(src, side)  # the allocator must not reuse the tensor before the copy read it
-        kept = _Kept(host, src.device, copied)
-        self.kept.append(kept)
+        (host,), _ = copy_out(streams, [tensor.detach()])  # OUT stream, overlapping the attention's next kernels
+        kept = self.kept[key] = _Kept(host, tensor.device)
         return kept
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Kept):
             return packed
         streams = self.streams
-        device_copy, ready = self.back.pop(id(packed), (None, None))
-        if device_copy is None:  # not prefetched (a second backward, or no recompute before it)
-            streams.current(packed.device).wait_event(packed.copied)
-            return packed.host.to(packed.device, non_blocking=True)
-        streams.current(packed.device).wait_event(ready)  # the prefetch has landed
+        if packed.uses <= 0:
+            raise RuntimeError(
+                "checkpoint='attention' hands the kept host copies back to the pool when the backward reads them, so "
+                "the graph cannot be run backward twice (retain_graph=True); use checkpoint=True or no checkpointing"
+            )
+        fetched = self.back.get(id(packed))
+        if fetched is None:  # not prefetched (no recompute before this read)
+            fetched = self.back[id(packed)] = copy_in(streams, [packed.host], packed.device)
+        (device_copy,), ready = fetched
+        streams.current(packed.device).wait_event(ready)  # the copy back has landed
+        packed.uses -= 1
+        if packed.uses == 0:  # every saved reference read: the host buffer is free for the next offload
+            self.back.pop(id(packed))
+            streams.recycle(packed.host)
         return device_copy
 
     # ---- recompute ---------------------------------------------------------------------------
     def prefetch(self) -> None:
-        """Start every host -> device copy of this region on the side stream (the recompute of
+        """Start every host -> device copy of this region on the IN stream (the recompute of
         the layer runs meanwhile on the compute stream)."""
-        streams = self.streams
-        for kept in self.kept:
-            if id(kept) in self.back:
-                continue
-            side = streams.side(kept.device)
-            side.wait_event(kept.copied)
-            with streams.on(side):
-                device_copy = kept.host.to(kept.device, non_blocking=True)
-                ready = streams.event()
-                ready.record(side)
-            streams.keep_alive(device_copy, streams.current(kept.device))
-            self.back[id(kept)] = (device_copy, ready)
+        for kept in self.kept.values():
+            if id(kept) not in self.back and kept.uses > 0:
+                self.back[id(kept)] = copy_in(self.streams, [kept.host], kept.device)
 
     def next_output(self) -> torch.Tensor:
         if self.cursor >= len(self.outputs):

@@ -4,16 +4,22 @@ Where it sits: `patch()` (`integrations/transformers.py`) calls `apply_memory_op
 any memory option is set and calls the returned undo in `unpatch()`. It implements the
 part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attention:
 - every decoder layer's MLP (`mlp`, `feed_forward`, ...: `layer_mlp`) runs through
-  `ops/tiling.chunked_mlp` (2x the attention chunks by default), so only one chunk of the [tokens x intermediate] activations exists;
+  `ops/tiling.chunked_mlp` (`default_mlp_chunks`), so only one chunk of the [tokens x
+  intermediate] activations exists, and so do the layers' norms and the final norm
+  (`ops/tiling.tokenwise_chunks`: their fp32 copies one chunk at a time, only inputs saved);
 - the causal-LM head is intercepted: when labels or shift_labels are given, the loss comes
   from `ops/tiling.chunked_causal_lm_loss` on the last hidden state (Gemma2's final logit
   softcapping inside it, `num_items_in_batch` honoured) and `logits` is None; without
   labels the model behaves as before;
 - `checkpoint=True` / `"attention"`: activation checkpointing of every decoder layer with
   the inputs in pinned host memory on CUDA (`integrations/checkpointing.py`); "attention"
-  keeps the attention out of the recompute (`integrations/keep_attention.py`).
+  keeps the attention out of the recompute (`integrations/keep_attention.py`); with chunked
+  MLPs too, checkpoint=True runs every layer in row chunks (`integrations/layer_split.py`:
+  memory="max" keeps O(chunk) of a layer on the device).
 `kv_offload` is FPDT's K/V host offload; the attention binding of `patch()` passes it to
-`ops/fpdt.fpdt_attention(offload=...)`, so here it is only validated.
+`ops/fpdt.fpdt_attention(offload=...)`. With any host offload, a micro-batch whose pinned
+host memory would exceed this rank's share of the node is refused before its first layer
+(`integrations/host_budget.py`).
 
 Every change is an instance attribute (a bound forward, the HF checkpointing attributes):
 no module is wrapped, state_dict keys stay the same, and the undo restores the exact
@@ -34,7 +40,15 @@ from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
 from hf_longctx.integrations.checkpointing import patch_checkpointing
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.keep_attention import AttentionKeeper
-from hf_longctx.ops.tiling import chunked_causal_lm_loss, chunked_mlp, default_loss_chunk_size, default_mlp_chunks
+from hf_longctx.integrations.layer_split import LayerSplit
+from hf_longctx.ops.tiling import (
+    chunked_causal_lm_loss,
+    chunked_mlp,
+    default_loss_chunk_size,
+    default_mlp_chunks,
+    mlp_chunks_at,
+    tokenwise_chunks,
+)
 
 def _resolve_chunks(name: str, value: Any) -> int | str | None:
     if value is None or value == "auto":
@@ -47,7 +61,7 @@ def _resolve_chunks(name: str, value: Any) -> int | str | None:
 # ---- chunked MLP --------------------------------------------------------------------------
 
 
-def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
+def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | None = None, auto: bool = False) -> None:
     mlps = [(n, mlp_attr(layer), layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
     mlps = [(n, attr, mlp) for n, attr, mlp in mlps if mlp is not None]
     if not mlps:
@@ -65,7 +79,9 @@ def _patch_mlps(model: nn.Module, chunks: int, undo: list) -> None:
         def chunked_forward(hidden: torch.Tensor, *args, _forward=forward, **kwargs) -> torch.Tensor:
             if args or kwargs or hidden.dim() != 3:  # not the plain token-wise call: leave it alone
                 return _forward(hidden, *args, **kwargs)
-            return chunked_mlp(_forward, hidden, chunks)
+            if split is not None and split.mode is not None:  # a row chunk of a split layer: already a chunk
+                return _forward(hidden)
+            return chunked_mlp(_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto))
 
         set_instance_attr(mlp, "forward", chunked_forward, undo)
 
@@ -121,6 +137,101 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
     set_instance_attr(model, "forward", functools.wraps(forward)(forward_with_chunked_loss), undo)
 
 
+def _mlp_sizes(model: nn.Module) -> tuple:
+    """(intermediate, hidden) of the text model for the "auto" MLP chunks, (None, None) if unknown."""
+    from hf_longctx.data.model_dims import ModelDims
+
+    try:
+        dims = ModelDims.from_config(model.config)
+    except (AttributeError, ValueError, TypeError):
+        return None, None
+    return dims.intermediate, dims.hidden
+
+
+# ---- memory="max": row-chunked layers and final norm ------------------------------------------
+
+FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm the decoder applies after its last layer (a sibling of the layer list named as
+    in FINAL_NORMS), or None."""
+    layers = decoder_layers(model)
+    parent = next((m for m in model.modules() if any(c is layers for c in m.children())), None)
+    for name in FINAL_NORMS:
+        norm = getattr(parent, name, None)
+        if isinstance(norm, nn.Module) and not isinstance(norm, nn.ModuleList):
+            return norm
+    return None
+
+
+def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, auto: bool) -> None:
+    """Every decoder layer through `split.call` (integrations/layer_split.py) while training
+    with gradients."""
+    split.chunks, split.auto = chunks, auto
+    for index, layer in enumerate(decoder_layers(model)):
+        forward = layer.forward  # bound: class forward, or an earlier instance-level patch
+        if hasattr(type(layer), "gradient_checkpointing"):  # HF's own checkpointing would run inside the chunks
+            set_instance_attr(layer, "gradient_checkpointing", False, undo)
+
+        def split_forward(*args, _forward=forward, _layer=layer, _first=index == 0, **kwargs):
+            if not (_layer.training and torch.is_grad_enabled()):
+                return _forward(*args, **kwargs)
+            return split.call(_layer, _forward, _first, args, kwargs)
+
+        set_instance_attr(layer, "forward", split_forward, undo)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalisation layer (token-wise over the hidden dim): torch's, or a model's *Norm class."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or (
+        type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and not list(module.children()))
+
+
+def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: LayerSplit | None) -> None:
+    """The final norm and every decoder layer's own norms (its direct children) over `chunks`
+    row chunks (ops/tiling.tokenwise_chunks): a norm's fp32 copies exist for one chunk at a
+    time, forward and backward, and only its input is saved. Inside a row-chunked layer
+    (`split` running one) they run as they are: the rows are a chunk already."""
+    norms = [m for layer in decoder_layers(model) for m in layer.children() if _is_norm(m)]
+    last = final_norm(model)
+    for norm in norms + ([last] if last is not None else []):
+        norm_forward = norm.forward
+
+        def chunked_norm(hidden, *args, _forward=norm_forward, _norm=norm, **kwargs):
+            if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or (
+                    split is not None and split.mode is not None):
+                return _forward(hidden, *args, **kwargs)
+            return tokenwise_chunks(_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto),
+                                    [p for p in _norm.parameters() if p.requires_grad])
+
+        set_instance_attr(norm, "forward", chunked_norm, undo)
+
+
+def _patch_host_budget(model: nn.Module, mesh: SPMesh, setting_kw: dict, undo: list) -> None:
+    """Refuse, before the first layer runs, a micro-batch whose host offloads would not fit this
+    rank's share of the node's memory (`integrations/host_budget.py`), where the device offloads."""
+    from hf_longctx.data.model_dims import ModelDims
+    from hf_longctx.integrations.host_budget import HostBudget
+    from hf_longctx.ops import offload
+    from hf_longctx.planning.memory import Setting
+
+    try:
+        dims = ModelDims.from_config(model.config)
+    except (AttributeError, ValueError, TypeError):
+        return  # a config the planner cannot read: no budget to check against
+    setting = Setting(ulysses=mesh.ulysses, ring=mesh.ring, fpdt_chunks=mesh.fpdt_chunks, **setting_kw)
+    budget = HostBudget.for_patch(dims, setting, mesh.sp)
+
+    def check(module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and offload.default_streams().offloads(hidden.device):
+            budget.check(hidden.shape[0] * hidden.shape[1])
+
+    handle = decoder_layers(model)[0].register_forward_pre_hook(check, with_kwargs=True)
+    undo.append(handle.remove)
+
+
 # ---- entry point ---------------------------------------------------------------------------
 
 
@@ -133,6 +244,7 @@ def apply_memory_options(
     loss_chunks: int | str | None = None,
     checkpoint: bool | str = False,
     keeper: AttentionKeeper | None = None,
+    split: LayerSplit | None = None,
 ) -> Callable[[], None]:
     """Turn on the memory options on `model` in place; return an undo that restores it exactly.
 
@@ -140,13 +252,18 @@ def apply_memory_options(
     loss: about 2 x vocab / hidden chunks with a floor on the chunk length, per call), or a
     number of sequence chunks. checkpoint: False, True (recompute whole layers) or
     "attention" (recompute all but the attention, whose calls `keeper` -- the patch's
-    `AttentionKeeper` -- keeps and replays). Everything is validated before the model is touched.
+    `AttentionKeeper` -- keeps and replays). `split`: the patch's `LayerSplit` with
+    checkpoint=True; with chunked MLPs too (memory="max") every layer runs in row chunks
+    (integrations/layer_split.py) and so does the final norm. Everything is validated before
+    the model is touched.
     """
     if not isinstance(kv_offload, bool) or not (isinstance(checkpoint, bool) or checkpoint == "attention"):
         raise ValueError(f"kv_offload must be a bool and checkpoint True, False or 'attention', got "
                          f"kv_offload={kv_offload!r}, checkpoint={checkpoint!r}")
     if (checkpoint == "attention") != (keeper is not None):
         raise ValueError("checkpoint='attention' needs the patch's AttentionKeeper (keeper=), and only it")
+    if split is not None and checkpoint is not True:
+        raise ValueError("a LayerSplit (split=) goes with checkpoint=True only")
     if kv_offload and mesh.fpdt_chunks < 2:
         raise ValueError(
             f"kv_offload=True needs FPDT chunks (mesh.fpdt_chunks = {mesh.fpdt_chunks}); "
@@ -154,16 +271,23 @@ def apply_memory_options(
         )
     mlp_chunks = _resolve_chunks("mlp_chunks", mlp_chunks)
     loss_chunks = _resolve_chunks("loss_chunks", loss_chunks)
-    if mlp_chunks == "auto":
-        mlp_chunks = default_mlp_chunks(mesh.fpdt_chunks)
+    auto = mlp_chunks == "auto"
+    if auto:
+        mlp_chunks = default_mlp_chunks(mesh.fpdt_chunks, *_mlp_sizes(model))
     undo: list[Callable[[], None]] = []
     try:
         if mlp_chunks is not None:
-            _patch_mlps(model, mlp_chunks, undo)
+            _patch_mlps(model, mlp_chunks, undo, split, auto)
+            _patch_norms(model, mlp_chunks, undo, auto, split)
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
-        if checkpoint:
-            patch_checkpointing(model, undo, keeper=keeper)
+        if checkpoint is True and split is not None and mlp_chunks is not None:
+            _patch_split(model, split, mlp_chunks, undo, auto)
+        elif checkpoint:
+            patch_checkpointing(model, undo, keeper=keeper, split=split)
+        if checkpoint or kv_offload:
+            _patch_host_budget(model, mesh, dict(kv_offload=kv_offload, checkpoint=checkpoint,
+                                                 mlp_chunks=mlp_chunks or 1, loss_chunks=0 if loss_chunks else 1), undo)
     except BaseException:
         for restore in reversed(undo):
             restore()

@@ -2,16 +2,19 @@
 
 Where it sits: between the user's `from_pretrained` model and `ops/usp.py` (USP paper
 §3-4) or `ops/fpdt.py` (FPDT paper §3). `patch()` registers, under a name unique to the
-call, an attention function AND a mask function with transformers' `AttentionInterface` /
-`AttentionMaskInterface`, and switches the model (every config and sub-model) to that name.
-The mesh and options are bound in the closure of the registered functions (built in
-`integrations/attention.py`) -- no module globals; `unpatch()` removes both registrations
-and restores every config exactly.
+call, an attention function with transformers' `AttentionInterface`, and switches the model
+(every config and sub-model) to that name. The mesh and options are bound in the closure of
+the registered function (built in `integrations/attention.py`) -- no module globals;
+`unpatch()` removes the registration and restores every config exactly.
 
 Design invariants enforced here:
 - HF's mask is built at the LOCAL shard length and knows nothing of the documents of other
-  ranks, so our mask function builds nothing; the attention takes the real document layout
-  from the global metadata `shard_batch` put in the batch (`SP_METADATA_KEY`, invariant 5);
+  ranks, so it is not built at all: the mask registry (`AttentionMaskInterface`) lacks our
+  name, which makes HF's mask creation return None before it scans the positions (a host
+  sync per forward); the attention takes the real document layout from the global metadata
+  `shard_batch` put in the batch (`SP_METADATA_KEY`, invariant 5); a padding mask is refused
+  in the pre-forward hook, and a window only the masks carry comes from the dry run's masks
+  (without a dry run, a mask function is registered that notes them per forward);
 - `use_cache=False` is set on every patched forward (a cache of local shards is meaningless
   and HF's cache path disables its packed-document mask) and `use_cache=True` is refused;
 - nothing is approximated: attention dropout > 0, dynamic/longrope RoPE (scaled from each
@@ -36,6 +39,7 @@ from hf_longctx.distributed.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
+    mask_implied_window, refuse_padding,
 )
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
@@ -60,10 +64,13 @@ class _PatchState:
     memory_undo: Callable[[], None] | None = None
     probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
     mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
+    mixers_option: Any = None  # patch(mixers=...) as given (re-patches pass it on)
     calls: int = 0  # attention calls in the current forward
-    # Sliding windows of each mask the model built in the current forward (one frozenset per
-    # mask); a model whose masks ALL carry the same window but that does not pass it to the
-    # attention (PhiMoE) gets it from here -- HF's sdpa/eager paths apply it through the mask.
+    # The sliding window a model applies through its masks alone (PhiMoE: every mask carries
+    # the same window, the attention gets none; HF's sdpa/eager paths apply it through the
+    # mask), read from the dry run's masks; without a dry run (unsafe_skip_exactness_check)
+    # from the masks of each forward (`mask_windows`, one frozenset per mask built).
+    mask_window: int | None = None
     mask_windows: list = field(default_factory=list)
     # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
@@ -71,6 +78,7 @@ class _PatchState:
     checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
     keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
     vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
+    split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None
 
 
 def _interfaces():
@@ -145,6 +153,7 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
             )
         if accepts_cache:
             kwargs["use_cache"] = False
+        refuse_padding(kwargs.get("attention_mask"), read=not state.checked)
         info = kwargs.get(SP_METADATA_KEY)
         if not isinstance(info, SPBatchInfo):
             raise ValueError(
@@ -166,7 +175,7 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
         state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
         return args, kwargs
 
-    return hook
+    return torch.compiler.disable(hook)  # checks and a collective per batch: never traced by torch.compile
 
 
 def _post_forward(state: _PatchState) -> Callable:
@@ -182,7 +191,7 @@ def _post_forward(state: _PatchState) -> Callable:
             state.mixers.check_calls()
         return output
 
-    return hook
+    return torch.compiler.disable(hook)
 
 
 class _Unset:
@@ -205,6 +214,7 @@ def patch(
     mlp_chunks: int | str | None = _UNSET,
     loss_chunks: int | str | None = _UNSET,
     checkpoint: bool | str = _UNSET,
+    mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
 ) -> Any:
@@ -228,6 +238,13 @@ def patch(
     unsafe_skip_exactness_check: skip the dry run. UNSAFE: a model whose modules mix tokens
         outside attention (Mamba, convolutions, linear attention, indexers) then trains a
         different model than the user thinks, silently. For experts and for verify() tests.
+    mixers: how the linear recurrences of a hybrid model (Gated DeltaNet, Mamba-2, RG-LRU) cross
+        the SP group: "heads" (head all-to-all: every rank gets the whole sequence for some heads;
+        needs SP <= heads), "state" (state passing: every rank keeps all heads and its tokens; the
+        ranks exchange O(heads x d_k x d_v) state maps, independent of the sequence length), or
+        "auto" (None, the default: per micro-batch the cheaper by `ops/mixers/cost.choose`; "state"
+        wherever SP > heads); or {mixer class name: scheme}. Short convolutions always exchange
+        their K-1-row halo. `integrations/mixers/modes.py`.
     before_install: called once every check has passed and before anything is changed (the
         public `hf_longctx.patch(..., verify=True)` runs `verify()` here: `hf_longctx/patching.py`).
     """
@@ -245,7 +262,8 @@ def patch(
     old = hf.__dict__.get(_STATE_ATTR)
     if old is not None:
         probed_alike = (old.probe is None) == bool(unsafe_skip_exactness_check)
-        if old.mesh == mesh and old.bank == bank and old.options == options and probed_alike and before_install is None:
+        same = old.mesh == mesh and old.bank == bank and old.options == options and old.mixers_option == mixers
+        if same and probed_alike and before_install is None:
             old.explicit = frozenset(k for k, v in knobs.items() if v is not _UNSET)
             return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
@@ -254,15 +272,8 @@ def patch(
 
     # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
     # structural rule; refused mixer classes raise here with their reason (unless unsafe).
-    mixer_plan = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check)
-    if bank is not None and mixer_plan:
-        classes = sorted({type(module).__name__ for _, module, _ in mixer_plan})
-        raise NotSupported(
-            f"flexible SP groups (a GroupBank) are not supported for models with linear mixers ({', '.join(classes)}): "
-            "the mixers' sequence-parallel wrappers split their heads over one SP group fixed at patch(), while a bank "
-            "changes the group per micro-batch; patch with an SPMesh from init_sequence_parallel",
-            "patch with an SPMesh from init_sequence_parallel (one fixed SP degree)",
-        )
+    mixer_plan, mixer_modes = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check, option=mixers,
+                                          sizes=bank.sizes if bank is not None else None)
     from hf_longctx.integrations.vision.binding import vision_binding
 
     vision = vision_binding(hf)  # the tower keeps its attention; its images run through the vision hook
@@ -279,10 +290,18 @@ def patch(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
         vision=vision.family,
         explicit=frozenset(k for k, v in knobs.items() if v is not _UNSET),
+        mixers_option=mixers,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, make_attention(state))
-    mask_iface.register(state.name, make_mask_function(state))
+    if report is None:  # no dry run: the mask function notes each forward's windows
+        mask_iface.register(state.name, make_mask_function(state))
+    else:
+        # HF's mask creation exits at once for a name the mask registry lacks (returning None):
+        # our attention builds the real mask from global metadata anyway, and HF would first
+        # scan the positions for packed documents with a bool() of a device tensor -- a host
+        # sync per forward (`masking_utils.find_packed_sequence_indices`).
+        state.mask_window = mask_implied_window(report.mask_windows)
     hf.__dict__[_STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
     try:
         hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
@@ -301,7 +320,7 @@ def patch(
             state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
         state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
         state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))
-        state.mixers = apply_mixers(mixer_plan, mesh)
+        state.mixers = apply_mixers(mixer_plan, mesh, lambda info: batch_mesh(state, info), mixer_modes)
         if options.uses_memory_options:
             from hf_longctx.integrations.memory import apply_memory_options
 
@@ -310,9 +329,13 @@ def patch(
                 from hf_longctx.ops.offload import default_streams
 
                 state.keeper = AttentionKeeper(default_streams())
+            elif options.checkpoint:
+                from hf_longctx.integrations.layer_split import LayerSplit
+
+                state.split = LayerSplit(state)
             state.memory_undo = apply_memory_options(
                 hf, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
-                checkpoint=options.checkpoint, keeper=state.keeper,
+                checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
             )
     except BaseException:
         unpatch(model)

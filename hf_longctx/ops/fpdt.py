@@ -31,7 +31,7 @@ Three layers: `fpdt_forward` / `fpdt_backward` loops → `FPDTAttention` Functio
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -106,51 +106,78 @@ def _attend(
     return acc_out.to(q_i.dtype), acc_lse
 
 
-def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, S_local, H, D], k/v [B, S_local, H_kv', D] (H_kv' divisible by U) → out [B, S_local, H, D],
-    contiguous whatever q's strides. `sinks`: this rank's [H/U] sink logits or None.
+def fpdt_forward_chunks(
+    inputs: Callable[[int], tuple], plan: FPDTPlan, store: ChunkStore, emit: Callable, sinks=None, save: bool = True
+) -> None:
+    """The forward loop over local row chunks. `inputs(step)` gives local chunk `step` (rows
+    [step·c, (step+1)·c)): q [B, c, H, D], k/v [B, c, H_kv', D] (H_kv' divisible by U), asked
+    for in chunk order, so a caller can produce them one chunk at a time. `emit(i, o_i, lse_i)`
+    receives each finished query chunk in the kernel layout ([B, h, S/u, D] in q's dtype, lse
+    [B, h, S/u] fp32) as soon as it is done (causal: at its own step). `sinks`: this rank's
+    [H/U] sink logits or None.
 
-    Leaves in `store`, for the backward: ("q", i) q_i, ("kv", j) (k_j, v_j) and ("o", i)
-    (out_i, lse_i), in the kernel layout [B, h, S/u, D] (lse [B, h, S/u]).
+    `save`: leave what the backward reads in `store` -- ("q", i), ("kv", j), ("lse", i) --
+    each put after the step's own K/V fetches are queued; without `save` (a forward whose
+    saved tensors are discarded) only the chunks a later step of this forward reads are put,
+    and they are popped at the end (what `FPDTAttention` saves then are `placeholder`s).
     """
-    u, c = plan.chunks, q.shape[1] // plan.chunks
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # not empty_like: q may be a strided view
+    u = plan.chunks
+    later_q = [plan.ready_at[i] > i for i in range(u)]  # q_i read again at a later step (non-causal)
+    later_kv = [any(j in plan.needs[i] and plan.ready_at[i] > j for i in range(u)) for j in range(u)]
     for step in range(u):
-        rows = slice(step * c, (step + 1) * c)
-        qh, kh, vh = seq_to_head([q[:, rows], k[:, rows], v[:, rows]], plan.group)  # [B, S/u, H/U, D], [B, S/u, H_kv'/U, D]
+        qh, kh, vh = seq_to_head(list(inputs(step)), plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D] (k, v: H_kv'/U)
         qh, kh, vh = _to_heads(qh), _to_heads(kh), _to_heads(vh)  # [B, h, S/u, D]
-        store.put(("q", step), qh)
+        if later_q[step]:
+            store.put(("q", step), qh)
         live = {step: (kh, vh)}  # only the newest K/V chunk is on the device; older ones are streamed
         for i in [i for i in range(u) if plan.ready_at[i] == step]:
             store.note("pass", ("q", i))
             q_i = qh if i == step else store.get(("q", i))[0]
             o_i, lse_i = _attend(plan, store, i, q_i, live, sinks)
             store.release(("q", i))
-            store.put(("o", i), o_i, lse_i)
-            (o_seq,) = head_to_seq([_from_heads(o_i)], plan.group)  # [B, S/u, H/U, D] -> [B, c, H, D]
-            out[:, i * c : (i + 1) * c] = o_seq
-        store.put(("kv", step), kh, vh)  # offloaded once this step's query chunks are done with it
+            (store.put if save else store.put_placeholder)(("lse", i), lse_i)
+            emit(i, o_i, lse_i)
+            del q_i, o_i, lse_i
+        if not later_q[step]:  # kept for the backward only: queued after this step's K/V fetches
+            (store.put if save else store.put_placeholder)(("q", step), qh)
+        # offloaded once this step's query chunks are done with it
+        (store.put if save or later_kv[step] else store.put_placeholder)(("kv", step), kh, vh)
         del qh, kh, vh, live
+    if not save:
+        for key in [("q", i) for i in range(u) if later_q[i]] + [("kv", j) for j in range(u) if later_kv[j]]:
+            store.discard(key)
+
+
+def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore, sinks=None, save: bool = True) -> torch.Tensor:
+    """q [B, S_local, H, D], k/v [B, S_local, H_kv', D] → out [B, S_local, H, D], contiguous
+    whatever q's strides; `fpdt_forward_chunks` over row slices of the full tensors."""
+    c = q.shape[1] // plan.chunks
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # not empty_like: q may be a strided view
+
+    def inputs(step: int) -> tuple:
+        rows = slice(step * c, (step + 1) * c)
+        return q[:, rows], k[:, rows], v[:, rows]
+
+    def emit(i: int, o_i: torch.Tensor, lse_i: torch.Tensor) -> None:
+        (o_seq,) = head_to_seq([_from_heads(o_i)], plan.group)  # [B, S/u, H/U, D] -> [B, c, H, D]
+        out[:, i * c : (i + 1) * c] = o_seq
+
+    fpdt_forward_chunks(inputs, plan, store, emit, sinks, save)
     return out
 
 
-def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape, kv_shape, sinks=None):
-    """Gradients (dq [B, S_local, H, D], dk/dv [B, S_local, H_kv', D], dsink [H/U] or None)
-    of `fpdt_forward` from the final (sink-merged) out/lse held in `store`: K/V chunks
-    outer, query chunks inner. Every chunk gradient stays in the accumulation dtype until
-    its sum is complete: one rounding per gradient."""
+def fpdt_backward_chunks(plan: FPDTPlan, store: ChunkStore, dtype: torch.dtype, emit: Callable, sinks=None):
+    """Gradients of the forward from its saved chunks and ("do", i) = (dout_i, out_i) in the
+    kernel layout (the final, sink-merged out), both already in `store`: K/V chunks outer,
+    query chunks inner. After outer step j, `emit(j, dk_j, dv_j, {i: dq_i})` receives the
+    local rows of K/V chunk j and every query chunk i no later K/V chunk touches, in the
+    token layout ([B, c, H_kv', D] / [B, c, H, D], `dtype`). Every chunk gradient stays in the
+    accumulation dtype until its sum is complete: one rounding per gradient. Returns dsink
+    ([H/U] in the accumulation dtype) or None."""
     u = plan.chunks
-    c = q_shape[1] // u
-    dtype = dout.dtype
     acc = acc_dtype(dtype)  # dq sums over K/V chunks, dk/dv over query chunks: round once
-    dq, dk, dv = dout.new_empty(q_shape), dout.new_empty(kv_shape), dout.new_empty(kv_shape)
     dsink = None if sinks is None else torch.zeros(sinks.shape, dtype=acc, device=sinks.device)
-    for i in range(u):  # dout chunk i to the head layout, stored next to the chunk's saved tensors
-        (do_i,) = seq_to_head([dout[:, i * c : (i + 1) * c]], plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D]
-        do_i = _to_heads(do_i)  # [B, h, S/u, D]
-        store.put(("do", i), do_i)
-        do_shape = do_i.shape  # dq_i's; its accumulator starts from the first K/V chunk's gradient (no zeros)
-        del do_i
+    do_shape = None  # dq_i's; its accumulator starts from the first K/V chunk's gradient (no zeros)
     for j in range(u):
         store.note("pass", ("kv", j))
         if j + 1 < u:
@@ -158,25 +185,26 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         k_j, v_j = store.get(("kv", j))
         dk_j = dv_j = None  # [B, h_kv, S/u, D] in acc; the first query chunk's gradient starts the sum (no zeros)
         # ("dq", i) exists from the second K/V chunk chunk i needs on (the first one's gradient starts it)
-        groups = [[("q", i), ("do", i), ("o", i)] + ([("dq", i)] if j != plan.needs[i][0] else []) for i in plan.users[j]]
+        groups = [[("q", i), ("do", i), ("lse", i)] + ([("dq", i)] if j != plan.needs[i][0] else []) for i in plan.users[j]]
         final: dict[int, torch.Tensor] = {}  # dq of chunks no later K/V chunk touches: kept on the device
         for (key, *_), tensors in store.stream(groups):
             i = key[1]
             q_i, do_i, o_i, lse_i = tensors[:4]
             dq_i = tensors[4] if len(tensors) > 4 else None
+            do_shape = do_i.shape
             del tensors
             gq, gk, gv = kernels.varlen_backward(
                 do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], grad_dtype=acc, blocks=plan.tiles[i][j], **plan.kw
             )
             if dsink is not None and j == plan.needs[i][0]:  # each query chunk once; chunks with no key have out 0
                 dsink += sink_grad(do_i, o_i, lse_i, sinks.to(acc))
-            dq_i = gq if dq_i is None else dq_i + gq
+            dq_i = gq if dq_i is None else dq_i.add_(gq)  # the fetched copy is this step's own: summed in place
             if plan.dq_done_at[i] == j:
                 final[i] = dq_i
             else:
                 store.put(("dq", i), dq_i)  # written back (to host when offloading) for later K/V chunks
             dk_j, dv_j = (gk, gv) if dk_j is None else (dk_j.add_(gk), dv_j.add_(gv))
-            del q_i, do_i, o_i, lse_i, dq_i
+            del q_i, do_i, o_i, lse_i, dq_i, gq, gk, gv  # nothing of this pair outlives it
         if dk_j is None:  # no query chunk sees this K/V chunk
             dk_j, dv_j = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k_j, v_j))
         del k_j, v_j
@@ -185,33 +213,62 @@ def fpdt_backward(dout: torch.Tensor, plan: FPDTPlan, store: ChunkStore, q_shape
         dq_done = []
         for i in done:
             # a chunk with no key at all has no gradient: zeros
-            dq_i = final.pop(i) if i in final else torch.zeros(do_shape, dtype=acc, device=dout.device)
+            dq_i = final.pop(i) if i in final else torch.zeros(do_shape or dk_j.shape, dtype=acc, device=dk_j.device)
             dq_done.append(_from_heads(dq_i, dtype))  # [B, S/u, H/U, D]
-            for key in (("dq", i), ("q", i), ("do", i), ("o", i)):
+            del dq_i  # the fp32 sum, rounded once above
+            for key in (("dq", i), ("q", i), ("do", i), ("lse", i)):
                 store.pop(key)
         grads = head_to_seq([_from_heads(dk_j, dtype), _from_heads(dv_j, dtype), *dq_done], plan.group)
         del dk_j, dv_j, dq_done  # each [B, S/u, h, D] -> [B, c, U·h, D]
-        dk[:, j * c : (j + 1) * c], dv[:, j * c : (j + 1) * c] = grads[0], grads[1]
-        for i, g in zip(done, grads[2:]):
+        emit(j, grads[0], grads[1], dict(zip(done, grads[2:])))
+        del grads
+    return dsink
+
+
+def put_dout(plan: FPDTPlan, store: ChunkStore, i: int, dout_i: torch.Tensor, out_i: torch.Tensor) -> None:
+    """("do", i) for the backward: local rows chunk i of dout and of the forward's output
+    [B, c, H, D], in the kernel layout after one all-to-all."""
+    do_i, o_i = seq_to_head([dout_i, out_i], plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D]
+    store.put(("do", i), _to_heads(do_i), _to_heads(o_i))  # [B, h, S/u, D]
+
+
+def fpdt_backward(dout, out, plan: FPDTPlan, store: ChunkStore, q_shape, kv_shape, sinks=None):
+    """Gradients (dq [B, S_local, H, D], dk/dv [B, S_local, H_kv', D], dsink [H/U] or None)
+    of `fpdt_forward` from its output `out` and the chunks it saved in `store`."""
+    c = q_shape[1] // plan.chunks
+    for i in range(plan.chunks):  # dout and out chunk i to the head layout, stored next to the chunk's saved tensors
+        rows = slice(i * c, (i + 1) * c)
+        put_dout(plan, store, i, dout[:, rows], out[:, rows])
+    dq, dk, dv = dout.new_empty(q_shape), dout.new_empty(kv_shape), dout.new_empty(kv_shape)
+
+    def emit(j: int, dk_j, dv_j, dq_done: dict) -> None:
+        dk[:, j * c : (j + 1) * c], dv[:, j * c : (j + 1) * c] = dk_j, dv_j
+        for i, g in dq_done.items():
             dq[:, i * c : (i + 1) * c] = g
+
+    dsink = fpdt_backward_chunks(plan, store, dout.dtype, emit, sinks)
     return dq, dk, dv, dsink
 
 
-def _saved_keys(u: int) -> list:
-    return [("q", i) for i in range(u)] + [("kv", j) for j in range(u)] + [("o", i) for i in range(u)]
+def saved_keys(u: int) -> list:
+    return [("q", i) for i in range(u)] + [("kv", j) for j in range(u)] + [("lse", i) for i in range(u)]
 
 
 class FPDTAttention(torch.autograd.Function):
-    """Everything the backward needs goes through `save_for_backward` (host copies when
-    offloading), so activation checkpointing and saved-tensor hooks see all of it."""
+    """The output and everything else the backward needs go through `save_for_backward` (host
+    copies when offloading), so activation checkpointing and saved-tensor hooks see all of it.
+    The output is saved in the token layout -- the tensor the next projection saves anyway --
+    and goes back to the head layout with dout in the backward's all-to-alls. `save=False`
+    (a forward whose saved tensors are discarded: a checkpoint's first run) saves placeholders
+    of the same shapes, so the recompute that refills them matches."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, offload, sinks):
+    def forward(ctx, q, k, v, plan, offload, sinks, save):
         store = ChunkStore(q.device, offload=offload)
-        out = fpdt_forward(q, k, v, plan, store, sinks)
-        keys = _saved_keys(plan.chunks)
-        ctx.keys, ctx.counts, ctx.written = keys, store.counts(keys), store.written(keys)  # events: see ops/offload.py
-        ctx.save_for_backward(*store.export(keys), *([] if sinks is None else [sinks]))
+        out = fpdt_forward(q, k, v, plan, store, sinks, save=save)
+        keys = saved_keys(plan.chunks)
+        ctx.keys, ctx.counts = keys, store.counts(keys)
+        ctx.save_for_backward(out, *store.export(keys), *([] if sinks is None else [sinks]))
         ctx.plan, ctx.offload, ctx.shapes = plan, offload, (q.shape, k.shape)
         ctx.has_sinks = sinks is not None
         return out
@@ -224,14 +281,13 @@ class FPDTAttention(torch.autograd.Function):
                 "so its graph cannot be run backward twice (retain_graph=True); use offload=False "
                 "(patch(..., kv_offload=False)) for a second backward through the same graph"
             )
-        saved = ctx.saved_tensors
-        sinks = saved[-1] if ctx.has_sinks else None
-        saved = saved[:-1] if ctx.has_sinks else saved
+        out, *saved = ctx.saved_tensors
+        sinks = saved.pop() if ctx.has_sinks else None
         store = ChunkStore(dout.device, offload=ctx.offload)
-        store.load(ctx.keys, ctx.counts, saved, ctx.written)
+        store.load(ctx.keys, ctx.counts, saved)
         ctx.recycled = store.copies  # the store pops (and recycles) every host copy it reads
-        dq, dk, dv, dsink = fpdt_backward(dout.contiguous(), ctx.plan, store, *ctx.shapes, sinks=sinks)
-        return dq, dk, dv, None, None, None if dsink is None else dsink.to(sinks.dtype)
+        dq, dk, dv, dsink = fpdt_backward(dout.contiguous(), out, ctx.plan, store, *ctx.shapes, sinks=sinks)
+        return dq, dk, dv, None, None, None if dsink is None else dsink.to(sinks.dtype), None
 
 
 def make_plan(mesh: SPMesh, cu: Sequence[int], *, scale: float, causal: bool, window, softcap) -> FPDTPlan:
@@ -253,6 +309,7 @@ def fpdt_attention(
     offload: bool = False,
     sinks: torch.Tensor | None = None,
     plan_cache: dict | None = None,
+    save: bool = True,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the Ulysses group, FPDT-chunked.
 
@@ -265,12 +322,28 @@ def fpdt_attention(
     denominator once, after its last K/V chunk (`ops/sinks.py`); differentiable.
     `plan_cache`: an optional dict the caller keeps per batch, so that the layers of one
     micro-batch share one chunk plan (and the device tensors backends derive from its
-    tiles); `patch()` does this.
+    tiles); `patch()` does this. `save=False`: the caller discards the saved tensors (the first
+    run of a checkpointed layer, which the backward recomputes): no chunk is kept for a backward.
     """
-    if mesh.ring != 1:
-        raise ValueError(f"fpdt_attention needs ring degree 1, got ring {mesh.ring} (fpdt_chunks {mesh.fpdt_chunks})")
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be a bool, got {offload!r}")
+    plan = plan_for(q, k, v, mesh, cu_seqlens=cu_seqlens, causal=causal, softmax_scale=softmax_scale, window=window,
+                    softcap=softcap, sinks=sinks, plan_cache=plan_cache)
+    k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
+    if sinks is not None:
+        sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all
+    # Nothing is kept for a backward that cannot come (no grad) or whose saved tensors a
+    # checkpoint discards and recomputes (`save=False`, the caller's knowledge).
+    save = save and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    return FPDTAttention.apply(q, k, v, plan, offload, sinks, save)
+
+
+def plan_for(q, k, v, mesh: SPMesh, *, cu_seqlens, causal, softmax_scale, window, softcap, sinks, plan_cache) -> FPDTPlan:
+    """Check the inputs (q [B, S_local, H, D], k/v [B, S_local, H_kv, D]: shapes only, meta
+    tensors do) on every rank before any collective, and return the chunk plan of this
+    micro-batch -- from `plan_cache` when the caller keeps one (every layer shares it)."""
+    if mesh.ring != 1:
+        raise ValueError(f"fpdt_attention needs ring degree 1, got ring {mesh.ring} (fpdt_chunks {mesh.fpdt_chunks})")
     u = mesh.fpdt_chunks
     if q.dim() == 4 and (q.shape[1] == 0 or q.shape[1] % u):
         raise ValueError(
@@ -281,7 +354,6 @@ def fpdt_attention(
     if cu_seqlens is None:
         cu = [0, q.shape[1] * mesh.ulysses]  # the same single-document layout in every batch row
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
     # Every layer of a micro-batch has the same boundaries: one plan per batch (pure Python).
     key = ("fpdt", tuple(cu), u, id(mesh.ulysses_group), scale, causal, window, softcap)
     plan = plan_cache.get(key) if plan_cache is not None else None
@@ -289,6 +361,4 @@ def fpdt_attention(
         plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)
         if plan_cache is not None:
             plan_cache[key] = plan
-    if sinks is not None:
-        sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all
-    return FPDTAttention.apply(q, k, v, plan, offload, sinks)
+    return plan

@@ -1,43 +1,79 @@
-"""Pinned host buffers reused per size class, one pool per `Streams` object (issue 19, item 3).
+"""Pinned host buffers reused per size class, one pool per `Streams` object (FPDT §3.4 host offload).
 
 Where it sits: `ops/offload.CudaStreams.pinned(like)` takes the host side of every
-device -> host copy of an offload here (FPDT chunk stores, `ops/offload.ChunkStore`), and
-the store hands a buffer back (`give`) when it forgets the chunk. Without the pool every
-copy asked torch's caching host allocator for a new block: it rounds each request up to a
-power of two and keeps every block it ever handed out until `empty_host_cache()`, so a
-run whose chunk sizes change (benchmark probes of growing length) pins ever more host
-memory, and even a steady run calls into the allocator for every chunk of every layer.
-Here a layer's buffers come back to the pool when its chunks are forgotten, and the next
-layer (and the next step) takes the same buffers again: after the first step nothing new
-is allocated. `clear()` (through `ops/offload.release_pinned()`) drops the free buffers.
+device -> host copy of an offload here (FPDT chunk stores, checkpointed layer inputs,
+keep-attention's saved tensors: `ops/offload.copy_out`); a buffer comes back when its user
+hands it over (`give`, with the event after its last read) or when the tensor lent for it
+dies. The next layer (and the next step) takes the same buffers again: after the first
+step nothing new is allocated. `clear()` (through `ops/offload.release_pinned()`) drops
+the free buffers.
 
-Size classes are powers of two of bytes -- what torch's host allocator reserves for a
-request anyway, so a class buffer wastes nothing beyond it. Free lists are kept per
-device: every copy into or out of a buffer runs on that device's one side stream, so a
-buffer handed back there is safe to reuse on the same stream without an event (stream
-order); another device's side stream would need one.
+Size classes: 16 per power of two (`size_class`): a buffer is at most 1/16 larger than the
+request (waste < 6.25 %; a request of 2^k + 1 bytes takes 2^k + 2^(k-4) bytes, not 2^(k+1)).
+The memory is allocated at exactly the class size and page-locked with `cudaHostRegister`
+(`pinned_bytes`): torch's caching host allocator (`pin_memory=True`) rounds every request up
+to a power of two, up to 2x the host memory an offload needs.
+
+Reuse without a host wait: every copy that reads or writes a lent tensor records an event,
+and `ops/offload` notes it here (`note`); a buffer keeps the event of its last copy, and
+whoever takes the buffer next makes ITS copy stream wait for that event first (`take`
+returns it); a read waits only for the last copy INTO the buffer (`pending`). A buffer is released to the OS only in `clear()`, after that event.
 
 A buffer is lent as a view `like`-shaped, with `like`'s strides when `like` is dense (a
 head-major view of a token-major chunk copies as one memcpy, no contiguous device copy
-first), contiguous otherwise.
+first), contiguous otherwise. Views derived from a lent tensor must not outlive it.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+SUBCLASSES = 16  # size classes per power of two: waste < 1 / SUBCLASSES of the request
+
 
 def size_class(nbytes: int) -> int:
-    """The smallest power of two >= nbytes (1 for an empty tensor)."""
-    return 1 << max(0, int(nbytes) - 1).bit_length()
+    """The smallest class size >= nbytes: a multiple of 2^(k-4) for requests in (2^(k-1), 2^k]
+    (16 classes per power of two), the request itself below 32 bytes (1 for an empty tensor)."""
+    n = max(1, int(nbytes))
+    step = max(1, (1 << (n - 1).bit_length()) // (2 * SUBCLASSES))
+    return -(-n // step) * step
 
 
-def pinned_bytes(nbytes: int) -> torch.Tensor:
-    """A page-locked host buffer of `nbytes` bytes (uint8) from torch's host allocator."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+class _Registered:
+    """A pageable host tensor page-locked with cudaHostRegister; unregistered when dropped."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.data = torch.empty(nbytes, dtype=torch.uint8)  # [nbytes] from the CPU allocator: exact size
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(self.data.data_ptr(), nbytes, 0))
+        if err:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err} (host memory exhausted?)")
+        self._unregister = weakref.finalize(self, cudart.cudaHostUnregister, self.data.data_ptr())
+
+
+def pinned_bytes(nbytes: int) -> Any:
+    """A page-locked host buffer of exactly `nbytes` bytes: an object whose `.data` is the
+    uint8 tensor. cudaHostRegister where this torch build has it (CUDA); else torch's pinned
+    allocator (which rounds to a power of two)."""
+    cudart = torch.cuda.cudart() if torch.cuda.is_available() else None
+    if cudart is not None and hasattr(cudart, "cudaHostRegister"):
+        return _Registered(nbytes)
+    return _Plain(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+
+
+class _Plain:
+    """A buffer without registration (torch's pinned allocator, or plain memory in tests)."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+
+def plain_bytes(nbytes: int) -> _Plain:
+    """Unpinned host bytes: the allocator tests and CPU emulations pass to `HostPool`."""
+    return _Plain(torch.empty(nbytes, dtype=torch.uint8))
 
 
 def _strides(like: torch.Tensor) -> tuple[int, ...]:
@@ -46,49 +82,104 @@ def _strides(like: torch.Tensor) -> tuple[int, ...]:
     return torch.empty_like(like, device="meta").stride()
 
 
+class _Buffer:
+    """One pool buffer: its memory, its class, and the event of the last copy that touched it."""
+
+    def __init__(self, mem: Any, device: torch.device) -> None:
+        self.mem, self.device = mem, device
+        self.last = None  # event after the last copy of any kind: the next writer waits for it
+        self.written = None  # event after the last copy INTO it: a reader waits for it
+
+    @property
+    def nbytes(self) -> int:
+        return self.mem.data.numel()
+
+
 class HostPool:
     """Free pinned buffers per (device, size class); `alloc(nbytes)` makes new ones.
 
-    `allocations` counts the buffers ever allocated (what the tests watch)."""
+    `allocations` counts the buffers ever allocated and `allocated_bytes` their bytes (what
+    the tests watch)."""
 
-    def __init__(self, alloc: Callable[[int], torch.Tensor] = pinned_bytes):
+    def __init__(self, alloc: Callable[[int], Any] = pinned_bytes):
         self._alloc = alloc
-        self._free: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
-        # id(view) -> (weak view, buffer, device) while lent; an entry goes when its view dies
-        # (a view never given back is simply freed: the pool holds no lent memory)
-        self._lent: dict[int, tuple[weakref.ref, torch.Tensor, torch.device]] = {}
+        self._free: dict[tuple[torch.device, int], list[_Buffer]] = {}
+        # id(view) -> (weak view, buffer, finalizer) while lent
+        self._lent: dict[int, tuple[weakref.ref, _Buffer, Any]] = {}
         self.allocations = 0
+        self.allocated_bytes = 0
 
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised host tensor with like's shape, dtype (and dense strides), for a
-        copy from `like` (a tensor on `like.device`)."""
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """(an uninitialised host tensor with like's shape, dtype and dense strides, for a copy
+        from `like` on `like.device`; the event the copy must wait for before writing into it,
+        or None)."""
         nbytes = like.numel() * like.element_size()
         key = (like.device, size_class(nbytes))
         free = self._free.get(key)
         if free:
             buf = free.pop()
         else:
-            buf = self._alloc(key[1])  # [class bytes] uint8
+            buf = _Buffer(self._alloc(key[1]), like.device)  # [class bytes] uint8
             self.allocations += 1
-        view = buf[:nbytes].view(like.dtype).as_strided(like.shape, _strides(like))  # like-shaped, on buf's memory
-        self._lent[id(view)] = (weakref.ref(view), buf, like.device)
-        weakref.finalize(view, self._lent.pop, id(view), None)
-        return view
+            self.allocated_bytes += key[1]
+        view = buf.mem.data[:nbytes].view(like.dtype).as_strided(like.shape, _strides(like))  # like-shaped
+        # A view that dies without `give` still brings its buffer back (with its last event).
+        fin = weakref.finalize(view, self._returned, id(view))
+        self._lent[id(view)] = (weakref.ref(view), buf, fin)
+        return view, buf.last
 
-    def give(self, host: torch.Tensor) -> None:
-        """Hand a tensor from `take` back (anything else is ignored: e.g. host tensors a
-        store `load`ed from elsewhere). The caller must not use it afterwards; copies already
-        queued on the side stream that read or write it stay ordered before its next use."""
+    def _entry(self, host: torch.Tensor) -> tuple | None:
         entry = self._lent.get(id(host))
-        if entry is None or entry[0]() is not host:
+        return entry if entry is not None and entry[0]() is host else None
+
+    def note(self, host: torch.Tensor, event: Any, write: bool) -> None:
+        """`event` is recorded after a copy that writes (`write`) or reads `host` (a lent
+        tensor; others are ignored)."""
+        entry = self._entry(host)
+        if entry is not None:
+            entry[1].last = event
+            if write:
+                entry[1].written = event
+
+    def owns(self, host: torch.Tensor) -> bool:
+        """Is `host` a tensor this pool lent (and not yet got back)?"""
+        return self._entry(host) is not None
+
+    def pending(self, host: torch.Tensor) -> Any:
+        """The event after the last copy into `host` (a lent tensor), or None: what a read waits for."""
+        entry = self._entry(host)
+        return None if entry is None else entry[1].written
+
+    def give(self, host: torch.Tensor, read: Any = None) -> None:
+        """Hand a tensor from `take` back (anything else is ignored: e.g. host tensors a store
+        `load`ed from elsewhere). `read`: the event after its last read back, if not noted
+        yet. The caller must not use it afterwards."""
+        entry = self._entry(host)
+        if entry is None:
             return
-        del self._lent[id(host)]
-        _, buf, device = entry
-        self._free.setdefault((device, buf.numel()), []).append(buf)
+        _, buf, fin = self._lent.pop(id(host))
+        fin.detach()
+        if read is not None:
+            buf.last = read
+        buf.written = None
+        self._free.setdefault((buf.device, buf.nbytes), []).append(buf)
+
+    def _returned(self, key: int) -> None:
+        entry = self._lent.pop(key, None)
+        if entry is not None:
+            buf = entry[1]
+            self._free.setdefault((buf.device, buf.nbytes), []).append(buf)
 
     def clear(self) -> None:
-        """Drop every free buffer (lent ones stay with their users)."""
+        """Release every free buffer (lent ones stay with their users), each after its last copy."""
+        for bufs in self._free.values():
+            for buf in bufs:
+                if buf.last is not None:
+                    buf.last.synchronize()
         self._free.clear()
 
     def free_bytes(self) -> int:
-        return sum(b.numel() for bufs in self._free.values() for b in bufs)
+        return sum(b.nbytes for bufs in self._free.values() for b in bufs)
+
+    def lent_bytes(self) -> int:
+        return sum(entry[1].nbytes for entry in self._lent.values())

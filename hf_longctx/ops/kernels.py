@@ -102,15 +102,18 @@ def _plan(q, k, q_runs, k_runs, causal, window, blocks=None) -> list[Block]:
 def varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
-    blocks: Sequence[Block] | None = None, out_dtype: torch.dtype | None = None, backend=None,
+    blocks: Sequence[Block] | None = None, out_dtype: torch.dtype | None = None, backend=None, widen: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the local queries (q_runs) over the local keys (k_runs) of packed
     documents: out [B, H, Sq, D] (`out_dtype`, default q's dtype), lse [B, H, Sq]; rows
     with no allowed key give out 0, lse -inf. Callers that merge this partial result with
     others (ring steps, FPDT chunks) ask for float32 so that it is rounded once, at the end
     (exact on the math kernel; the fused kernels round their own output, see
-    `ops/backends/capabilities.py`). `backend`: a backend of `ops/backends` to use instead
-    of the one `select.py` picks (tests, emulated kernels)."""
+    `ops/backends/capabilities.py`). `widen=False`: a fused kernel's output may come back
+    in its own (q's) dtype instead of a widened copy -- for callers that fold it into a
+    float32 accumulator with `ops/lse.merge_`, which reads it as it is. `backend`: a
+    backend of `ops/backends` to use instead of the one `select.py` picks (tests, emulated
+    kernels)."""
     _check(q, k, v)
     plan = _plan(q, k, q_runs, k_runs, causal, window, blocks)
     out_dtype = out_dtype or q.dtype
@@ -118,8 +121,10 @@ def varlen_forward(
         out, lse = empty_result(q)
         return out.to(out_dtype), lse
     backend = backend or backend_for(q, softcap=softcap)
-    out, lse = backend.forward(q, k, v, plan, scale=scale, causal=causal, window=window, softcap=softcap, out_dtype=out_dtype)
-    return out.to(out_dtype), lse
+    out, lse = backend.forward(
+        q, k, v, plan, scale=scale, causal=causal, window=window, softcap=softcap, out_dtype=out_dtype, widen=widen
+    )
+    return (out if not widen else out.to(out_dtype)), lse
 
 
 def varlen_backward(
@@ -162,7 +167,9 @@ class LocalAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         q_runs, k_runs, kw = ctx.args
-        dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, q_runs, k_runs, **kw)
+        # dout as autograd hands it: the packed backends gather it token-major (a view when
+        # it already is), the tile kernels read any strides; a .contiguous() would copy it.
+        dq, dk, dv = varlen_backward(dout, q, k, v, out, lse, q_runs, k_runs, **kw)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 

@@ -11,7 +11,9 @@ For a key set A with softmax-normalised output o_A and log-normaliser l_A, and a
 disjoint set B, the attention over A ∪ B is
     l = log(exp(l_A) + exp(l_B)),  o = exp(l_A - l) · o_A + exp(l_B - l) · o_B.
 lse = -inf means "no keys yet": its weight is 0, and two empty sets stay empty
-(out 0, lse -inf) instead of producing NaN. Attention sinks are this merge with a key set
+(out 0, lse -inf) instead of producing NaN. `merge_` folds a block into a caller-owned
+float32 accumulator in place (ring steps, the packed backend's waves): no [B, H, S, D]
+temporary and no widened copy of a 16-bit block; `merge` is the same into a fresh result. Attention sinks are this merge with a key set
 of output 0 and log-normaliser `sink`, applied once to the final result (`ops/sinks.py`).
 """
 
@@ -25,29 +27,51 @@ def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def merge(
-    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial attention results over disjoint key sets.
-
-    out, block_out: [B, H, S, D]; lse, block_lse: [B, H, S] (natural log).
-    Returns (out, lse) computed in float32 (float64 if any input is float64); the caller
-    casts `out` to the activation dtype once, after the last merge, so rounding happens
-    once and not per merged block.
-    """
+def _check(out, lse, block_out, block_lse) -> None:
     if out.shape != block_out.shape or lse.shape != block_lse.shape or out.shape[:-1] != lse.shape:
         raise ValueError(
             f"merge needs out/block_out [B, H, S, D] and lse/block_lse [B, H, S] of equal shapes, got "
             f"out {tuple(out.shape)}, lse {tuple(lse.shape)}, block_out {tuple(block_out.shape)}, "
             f"block_lse {tuple(block_lse.shape)}"
         )
-    acc = _acc_dtype(out, lse, block_out, block_lse)
+
+
+def merge_(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the partial result (block_out, block_lse) INTO the accumulator `out`, in place.
+
+    out [B, H, S, D]: float32 (float64) and the caller's own (it is overwritten); block_out
+    [B, H, S, D] in any floating dtype, read as it is (a bf16 kernel output needs no widened
+    copy: the arithmetic runs in out's dtype); lse, block_lse [B, H, S]. Returns (out, new
+    lse). Two passes over out and one over block_out, and no [B, H, S, D] temporary: the
+    per-row weights are [B, H, S]."""
+    _check(out, lse, block_out, block_lse)
+    if out.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"merge_ accumulates in place into a float32/float64 `out`, got {out.dtype}; use merge()")
+    acc = out.dtype
     lse, block_lse = lse.to(acc), block_lse.to(acc)
     new_lse = torch.logaddexp(lse, block_lse)  # [B, H, S]; -inf only if both are -inf
     # Where both sets are empty new_lse is -inf and exp(-inf - -inf) would be NaN; any
     # finite stand-in makes both weights exp(-inf) = 0, so out stays 0.
-    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    ref = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)
     w_old = torch.exp(lse - ref).unsqueeze(-1)  # [B, H, S, 1] broadcast along D
     w_new = torch.exp(block_lse - ref).unsqueeze(-1)  # [B, H, S, 1]
-    merged = w_old * out.to(acc) + w_new * block_out.to(acc)
-    return merged, new_lse
+    out.mul_(w_old).addcmul_(block_out, w_new)  # out = w_old·out + w_new·block_out, in place
+    return out, new_lse
+
+
+def merge(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key sets; the inputs are untouched.
+
+    out, block_out: [B, H, S, D]; lse, block_lse: [B, H, S] (natural log).
+    Returns (out, lse) computed in float32 (float64 if any input is float64); the caller
+    casts `out` to the activation dtype once, after the last merge, so rounding happens
+    once and not per merged block. The result is the one [B, H, S, D] allocation
+    (`merge_` into a copy of `out`).
+    """
+    _check(out, lse, block_out, block_lse)
+    acc = _acc_dtype(out, lse, block_out, block_lse)
+    return merge_(out.to(acc, copy=True), lse, block_out, block_lse)

@@ -9,18 +9,18 @@ on a side stream while the caller's kernels run on the compute stream, and at mo
 fetched chunks live on the device at once. A fetched device buffer is dropped as soon as
 the caller moves past it.
 
-On CUDA with `offload=True`: `put` copies to pinned host memory on the side stream (the
-device tensor is marked as used by that stream, so the caching allocator cannot hand its
-memory out before the copy ends), `prefetch` copies back on the side stream and records an
-event, `get` makes the compute stream wait for that event. Waits sit only where a buffer
-is reused: every `put` records an event after its device -> host copies, and the copy
+On CUDA with `offload=True`, two side streams per device, one per copy direction
+(`copy_out`: device -> pinned host; `copy_in`: pinned host -> device), so a prefetch never
+queues behind offloads issued before it. `put` copies out and records an event; the copy
 that reads that host copy back (`prefetch`, in this store or in the backward's store that
-`load`s it with the events from `written`) waits for it; the compute stream never waits
+`load`s the host copies) waits for it on the in-stream -- the event travels with the host
+buffer (`Streams.note` / `pending`), so it stays right when a checkpoint's recompute refilled
+the saved copies -- and records its own event, which `get` makes the compute stream wait for. The compute stream never waits
 for a device -> host copy (nothing on it reads the host copies), so the end of a layer
 does not stall on its offload. A device tensor being copied out is kept reserved for the
-side stream (`keep_alive`); a host buffer handed back to the pool (`ops/host_pool.py`) is
-only rewritten by a later copy on the same side stream, after every earlier one. Every
-stream/event operation goes through `Streams` (`CudaStreams` on a GPU), so the exact
+out-stream (`keep_alive`); a host buffer handed back to the pool (`ops/host_pool.py`)
+carries the event of its last copy, and the next copy into it waits for that event first.
+Every stream/event operation goes through `Streams` (`CudaStreams` on a GPU), so the exact
 sequence of waits and records is tested on CPU with a fake (tests/unit/test_offload.py,
 tests/unit/test_host_pool.py); what stays UNVERIFIED without a GPU is that the CUDA calls
 themselves behave as documented. Everywhere else (CPU, or offload off) the store keeps
@@ -46,38 +46,51 @@ from hf_longctx.ops.host_pool import HostPool
 Key = Hashable
 
 
+OUT, IN = "out", "in"  # copy directions: device -> host, host -> device (one side stream each)
+
+
 class Streams(Protocol):
     """The stream/event operations host offload needs (CUDA semantics). `CudaStreams` is the
     real one; tests pass a fake that records the calls and copies synchronously on CPU."""
 
     def offloads(self, device: torch.device) -> bool: ...  # does this device get host copies?
+    def is_host(self, tensor: torch.Tensor) -> bool: ...  # is this a host copy already (nothing to offload)?
     def current(self, device: torch.device) -> Any: ...  # the compute stream
-    def side(self, device: torch.device) -> Any: ...  # the copy stream (one per device)
+    def side(self, device: torch.device, direction: str) -> Any: ...  # the OUT or IN copy stream of the device
     def on(self, stream: Any) -> ContextManager: ...  # make `stream` current
     def event(self) -> Any: ...  # .record(stream); stream.wait_event(event)
-    def pinned(self, like: torch.Tensor) -> torch.Tensor: ...  # empty page-locked host tensor, like's strides
+    def pinned(self, like: torch.Tensor) -> torch.Tensor: ...  # page-locked host tensor, like's strides; the
+    # current stream (OUT) waits for the last copy of a reused buffer
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor: ...  # async copy, current stream
+    def note(self, host: torch.Tensor, event: Any, write: bool) -> None: ...  # `event` follows a copy into
+    # (`write`) or out of a `pinned` tensor
+    def pending(self, host: torch.Tensor) -> Any: ...  # the event after the last copy into a `pinned` tensor, or None
     def recycle(self, host: torch.Tensor) -> None: ...  # a `pinned` tensor its user is done with
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None: ...  # tensor.record_stream
 
 
 class CudaStreams:
     """`Streams` on CUDA: torch.cuda streams and events, pinned host memory from one
-    `HostPool` (`ops/host_pool.py`); one side stream per device, created on first use."""
+    `HostPool` (`ops/host_pool.py`); two side streams per device (one per direction),
+    created on first use."""
 
     def __init__(self) -> None:
-        self._side: dict[torch.device, Any] = {}
+        self._side: dict[tuple[torch.device, str], Any] = {}
         self.pool = HostPool()
 
     def offloads(self, device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_available()
 
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
     def current(self, device: torch.device) -> Any:
         return torch.cuda.current_stream(device)
 
-    def side(self, device: torch.device) -> Any:
-        if device not in self._side:
-            self._side[device] = torch.cuda.Stream(device)
-        return self._side[device]
+    def side(self, device: torch.device, direction: str) -> Any:
+        if (device, direction) not in self._side:
+            self._side[device, direction] = torch.cuda.Stream(device)
+        return self._side[device, direction]
 
     def on(self, stream: Any) -> ContextManager:
         return torch.cuda.stream(stream)
@@ -88,7 +101,19 @@ class CudaStreams:
     def pinned(self, like: torch.Tensor) -> torch.Tensor:
         # like's own strides (preserve_format, for a dense tensor such as FPDT's head-major
         # views of token-major chunks): the copy is one memcpy, with no contiguous device copy first
-        return self.pool.take(like)
+        host, last = self.pool.take(like)
+        if last is not None:  # a reused buffer: its previous copy (a read back on the IN stream) comes first
+            torch.cuda.current_stream(like.device).wait_event(last)
+        return host
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.to(device, non_blocking=True)
+
+    def note(self, host: torch.Tensor, event: Any, write: bool) -> None:
+        self.pool.note(host, event, write)
+
+    def pending(self, host: torch.Tensor) -> Any:
+        return self.pool.pending(host)
 
     def recycle(self, host: torch.Tensor) -> None:
         self.pool.give(host)
@@ -100,10 +125,10 @@ class CudaStreams:
 @functools.cache
 def default_streams() -> CudaStreams:
     """The process's one `CudaStreams`: every offload (FPDT chunk stores, checkpoint inputs
-    in `integrations/checkpointing.py`) shares its one side stream per device, created on first
-    use. A new `torch.cuda.Stream` per store would rotate through torch's pool of 32
-    streams and spread prefetch buffers over as many caching-allocator pools. Pinned host
-    buffers come from its one `HostPool`, reused per size class as stores hand them back;
+    in `integrations/checkpointing.py`, keep-attention) shares its two side streams per device,
+    created on first use. New `torch.cuda.Stream`s per store would rotate through torch's pool
+    of 32 streams and spread prefetch buffers over as many caching-allocator pools. Pinned host
+    buffers come from its one `HostPool`, reused per size class as users hand them back;
     `release_pinned()` drops the free ones."""
     return CudaStreams()
 
@@ -116,6 +141,57 @@ def release_pinned() -> None:
     empty_host_cache()
 
 
+def copy_out(streams: Streams, tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Device -> pinned host copies of `tensors` (same device) on the device's OUT stream,
+    after the kernels already queued on the compute stream that produce them: (host copies,
+    the event recorded after them -- whoever reads a host copy waits for it, and only they).
+    The device tensors stay reserved for the OUT stream until the copies have read them."""
+    device = tensors[0].device
+    main, out = streams.current(device), streams.side(device, OUT)
+    out.wait_stream(main)  # the tensors are produced by kernels already queued on main
+    hosts = []
+    with streams.on(out):
+        for t in tensors:
+            host = streams.pinned(t)
+            host.copy_(t.detach(), non_blocking=True)  # [same shape] device -> pinned host, async on OUT
+            streams.keep_alive(t, out)  # the allocator must not reuse t's memory before the copy read it
+            hosts.append(host)
+        written = streams.event()
+        written.record(out)
+    for host in hosts:
+        streams.note(host, written, write=True)
+    return tuple(hosts), written
+
+
+def copy_in(streams: Streams, hosts: Sequence[torch.Tensor], device: torch.device) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Pinned host -> device copies on the device's IN stream, each after the copy that filled
+    its host tensor (`Streams.pending`): (device copies, the event
+    the compute stream waits for before reading them). Nothing else is waited for: a prefetch
+    does not queue behind offloads or compute. The waits come from the host tensors
+    themselves, so they stay right when a checkpoint's recompute refilled them."""
+    inn = streams.side(device, IN)
+    waited = []
+    for h in hosts:
+        written = streams.pending(h)
+        if written is not None and all(written is not w for w in waited):
+            inn.wait_event(written)
+            waited.append(written)
+    with streams.on(inn):
+        devs = tuple(streams.to_device(h, device) for h in hosts)  # pinned -> device, async on IN
+        ready = streams.event()
+        ready.record(inn)
+    main = streams.current(device)
+    for d in devs:
+        streams.keep_alive(d, main)  # allocated on IN, read on main: free only after main's use
+    for h in hosts:
+        streams.note(h, ready, write=False)  # a reused host buffer is rewritten only after this read
+    return devs, ready
+
+
+def _placeholder(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)  # t's shape, one element of memory
+
+
 class ChunkStore:
     """Chunk tensors keyed by the caller, held on host (offload on CUDA) or in place."""
 
@@ -123,14 +199,12 @@ class ChunkStore:
         self, device: torch.device | str, *, offload: bool, trace: list | None = None, streams: Streams | None = None
     ):
         self.device = torch.device(device)
-        self._streams = default_streams() if streams is None else streams  # one side stream per device
+        self._streams = default_streams() if streams is None else streams  # two side streams per device
         # Copies only pay off (and pinned memory only exists) with a CUDA device.
         self.copies = bool(offload) and self._streams.offloads(self.device)
         self.trace = trace
         self._held: dict[Key, tuple[torch.Tensor, ...]] = {}  # host copies, or the tensors themselves
         self._ready: dict[Key, tuple[tuple[torch.Tensor, ...], object]] = {}  # fetched: (device tensors, event)
-        self._written: dict[Key, object] = {}  # key -> event recorded after its device -> host copies
-        self._side = self._streams.side(self.device) if self.copies else None
 
     def note(self, event: str, key: Key) -> None:
         """Record an event of the caller's (e.g. the start of a pass) in the trace."""
@@ -142,23 +216,11 @@ class ChunkStore:
         """Hand chunk tensors over; the caller may drop its references right after."""
         self.note("put", key)
         self._ready.pop(key, None)  # a stale device copy of an overwritten chunk (dq accumulators)
-        self._recycle(key)  # its old host copy (copies into it are ordered on the side stream)
+        self._recycle(key)  # its old host copy (the pool orders the next copy into it after the last one)
         if not self.copies:
             self._held[key] = tensors
             return
-        main = self._streams.current(self.device)
-        self._side.wait_stream(main)  # the tensors are produced by kernels already queued on main
-        hosts = []
-        with self._streams.on(self._side):
-            for t in tensors:
-                host = self._streams.pinned(t)
-                host.copy_(t.detach(), non_blocking=True)  # [same shape] device -> pinned host, async on side
-                self._streams.keep_alive(t, self._side)  # keep t's memory reserved until the copy has run
-                hosts.append(host)
-            written = self._streams.event()
-            written.record(self._side)  # whoever reads these host copies waits for this, and only they
-        self._held[key] = tuple(hosts)
-        self._written[key] = written
+        self._held[key], _ = copy_out(self._streams, tensors)
 
     # ---- fetch --------------------------------------------------------------------------
     def prefetch(self, key: Key) -> None:
@@ -171,28 +233,14 @@ class ChunkStore:
         if not self.copies:
             self._ready[key] = (self._held[key], None)
             return
-        main = self._streams.current(self.device)
-        # Waiting for main here only orders after work queued so far: the caller's compute
-        # on the previous chunk is queued after this call, so it still overlaps the copy.
-        self._side.wait_stream(main)
-        written = self._written.get(key)
-        if written is not None:  # the host copy is read here: after the copy that wrote it
-            self._side.wait_event(written)
-        with self._streams.on(self._side):
-            devs = tuple(h.to(self.device, non_blocking=True) for h in self._held[key])  # pinned -> device
-            event = self._streams.event()
-            event.record(self._side)
-        self._ready[key] = (devs, event)
+        self._ready[key] = copy_in(self._streams, self._held[key], self.device)
 
     def get(self, key: Key) -> tuple[torch.Tensor, ...]:
         """The chunk's tensors on the device, usable on the current stream."""
         self.prefetch(key)
         devs, event = self._ready[key]
         if event is not None:
-            main = self._streams.current(self.device)
-            main.wait_event(event)
-            for d in devs:
-                self._streams.keep_alive(d, main)  # allocated on side, read on main: free only after main's use
+            self._streams.current(self.device).wait_event(event)  # the copy back has landed
         return devs
 
     def release(self, key: Key) -> None:
@@ -200,13 +248,25 @@ class ChunkStore:
         if self._ready.pop(key, None) is not None:
             self.note("release", key)
 
+    def put_placeholder(self, key: Key, *tensors: torch.Tensor) -> None:
+        """Hold, instead of `tensors`, memory-free stand-ins with the metadata their held copies
+        would have (shape, dtype, device: what a checkpoint's recompute is checked against)."""
+        self.note("placeholder", key)
+        host = torch.device("cpu") if self.copies else None
+        self._held[key] = tuple(_placeholder(t, host or t.device) for t in tensors)
+
+    def discard(self, key: Key) -> None:
+        """`pop` the chunk, keeping placeholders of its held copies."""
+        held = self._held[key]
+        self.pop(key)
+        self._held[key] = tuple(_placeholder(t, t.device) for t in held)
+
     def pop(self, key: Key) -> None:
         """Forget a chunk entirely; its host buffers go back to the pool."""
         self._ready.pop(key, None)
         self._recycle(key)
 
     def _recycle(self, key: Key) -> None:
-        self._written.pop(key, None)
         held = self._held.pop(key, ())
         if self.copies:
             for host in held:
@@ -235,25 +295,18 @@ class ChunkStore:
         """Order every queued copy before later work on the compute stream (for a caller
         that reads host copies outside the store; the store itself never needs it)."""
         if self.copies:
-            self._streams.current(self.device).wait_stream(self._side)
+            self._streams.current(self.device).wait_stream(self._streams.side(self.device, OUT))
 
     def export(self, keys: Sequence[Key]) -> list[torch.Tensor]:
         """Flat list of the held tensors of `keys` (for `ctx.save_for_backward`). No wait:
-        copies into them may still be in flight; pass `written(keys)` on to `load`."""
+        copies into them may still be in flight; their first read back waits for them."""
         return [t for key in keys for t in self._held[key]]
 
-    def written(self, keys: Sequence[Key]) -> list:
-        """Per key, the event after its device -> host copies (None: no copy), for `load`."""
-        return [self._written.get(key) for key in keys]
-
-    def load(self, keys: Sequence[Key], counts: Sequence[int], tensors: Sequence[torch.Tensor], written=None) -> None:
-        """Inverse of `export`: hold `tensors` (already host copies when offloading) again;
-        `written` (from `written(keys)`): the events their first read back waits for."""
+    def load(self, keys: Sequence[Key], counts: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Inverse of `export`: hold `tensors` (already host copies when offloading) again."""
         it = iter(tensors)
-        for n, (key, count) in enumerate(zip(keys, counts)):
+        for key, count in zip(keys, counts):
             self._held[key] = tuple(next(it) for _ in range(count))
-            if written is not None and written[n] is not None:
-                self._written[key] = written[n]
 
     def counts(self, keys: Sequence[Key]) -> list[int]:
         return [len(self._held[key]) for key in keys]

@@ -72,53 +72,72 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v]).contiguous()  # [2, B, H_kv, S_ring, D]: one message per hop
 
 
-def ring_forward(q, kv, spec: RingSpec, *, scale, causal, window, softcap, sinks=None):
-    """q [B, H, S_ring, D], kv [2, B, H_kv, S_ring, D] (`_pack(k, v)`, what travels) →
-    out [B, H, S_ring, D] (float32), lse [B, H, S_ring].
+def _shares_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """q, k and v are views of one buffer (the Ulysses all-to-all's receive buffer, a fused
+    qkv projection): saving q keeps k and v alive already."""
+    base = q.untyped_storage().data_ptr()
+    return k.untyped_storage().data_ptr() == base and v.untyped_storage().data_ptr() == base
 
-    Partial results stay in float32 (float64 for float64 inputs) through every merge; the
-    caller rounds once. `sinks` [H] joins the denominator once, after the last ring step.
+
+def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sinks=None):
+    """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse
+    [B, H, S_ring], and the packed K/V this rank sent (`_pack(k, v)`, None when R = 1).
+
+    Step 0 computes on k/v as given; the packed copy exists only to travel. Partial results
+    accumulate in one float32 (float64 for float64 inputs) buffer, merged in place
+    (`lse.merge_`, reading each block's output in the kernel's dtype); the caller rounds
+    once. `sinks` [H] joins the denominator once, after the last ring step.
     """
     q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
     out = lse = None  # the first block's result starts the merge (no all-zero accumulator)
     ex = spec.exchanger(tag=0)
+    packed = kv = None
     for step in range(spec.ring):
         if step + 1 < spec.ring:
+            if kv is None:
+                kv = packed = _pack(k, v)  # [2, B, H_kv, S_ring, D]
             ex.start(kv)  # the next block is in flight while this one is computed
         k_runs, tiles = spec.plan.steps[step]  # K/V of ring rank (ring_rank - step) mod R
         if tiles:
             b_out, b_lse = kernels.varlen_forward(
-                q, kv[0], kv[1], q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles,
-                out_dtype=acc,
+                q, k, v, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles,
+                out_dtype=acc, widen=False,
             )
-            out, lse = (b_out, b_lse) if out is None else lse_ops.merge(out, lse, b_out, b_lse)
+            if out is None:
+                out, lse = b_out.to(acc), b_lse  # the accumulator: the block's own buffer, or its one widened copy
+            else:
+                out, lse = lse_ops.merge_(out, lse, b_out, b_lse)
         if step + 1 < spec.ring:
             kv = ex.wait()
+            k, v = kv[0], kv[1]
     if out is None:  # no allowed pair on this rank: out 0, lse -inf (the kernels' empty rows)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     if sinks is not None:  # once, on the complete result: per step it would count R times
         out, lse = merge_sink(out, lse, sinks)
-    return out, lse
+    return out, lse, packed
 
 
-def ring_backward(dout, q, kv, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
-    """Gradients (dq, dk, dv) of `ring_forward` from the final out/lse and the forward's own
-    packed `kv` (saved, not re-packed); dk/dv travel with their block."""
+def ring_backward(dout, q, k, v, kv, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
+    """Gradients (dq, dk, dv) of `ring_forward` from the final out/lse; `kv`: the forward's
+    packed K/V when it was saved (k, v are its halves), else None (packed here for the first
+    send). dk/dv travel with their block."""
     q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
     dq = None  # the first block's dq starts the sum
     kv_ex, dkv_ex = spec.exchanger(tag=0), spec.exchanger(tag=1)
     for step in range(spec.ring):
         if step + 1 < spec.ring:
+            if kv is None:
+                kv = _pack(k, v)  # [2, B, H_kv, S_ring, D]
             kv_ex.start(kv)
         k_runs, tiles = spec.plan.steps[step]
         # dK/dV of block (ring_rank - step) mod R accumulated by the ranks it already visited (zeros on its owner).
         dkv = dkv_ex.wait() if step > 0 else None
         if tiles:
             b_dq, b_dk, b_dv = kernels.varlen_backward(
-                dout, q, kv[0], kv[1], out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap,
+                dout, q, k, v, out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap,
                 grad_dtype=acc, blocks=tiles,
             )
             dq = b_dq if dq is None else dq.add_(b_dq)
@@ -128,11 +147,12 @@ def ring_backward(dout, q, kv, out, lse, spec: RingSpec, *, scale, causal, windo
                 dkv[0] += b_dk
                 dkv[1] += b_dv
         if dkv is None:
-            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # [2, B, H_kv, S_ring, D]
+            dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # [2, B, H_kv, S_ring, D]
         if spec.ring > 1:
             dkv_ex.start(dkv)  # on to the next rank; after R hops it is back at the owner
         if step + 1 < spec.ring:
             kv = kv_ex.wait()
+            k, v = kv[0], kv[1]
     dkv = dkv_ex.wait() if spec.ring > 1 else dkv
     if dq is None:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -140,28 +160,36 @@ def ring_backward(dout, q, kv, out, lse, spec: RingSpec, *, scale, causal, windo
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring forward/backward; with `sinks` [H] (None = no sink) also their gradient."""
+    """Ring forward/backward; with `sinks` [H] (None = no sink) also their gradient.
+
+    Saved for the backward: q, out, lse and ONE copy of K/V -- k and v themselves when they
+    share q's buffer (the Ulysses receive buffer, kept alive by q anyway), else the packed
+    K/V the forward sent (no re-pack in the backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, scale, causal, window, softcap, sinks):
-        kv = _pack(k, v)  # [2, B, H_kv, S_ring, D]: saved for the backward too (k, v themselves are not)
-        out, lse = ring_forward(q, kv, spec, scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks)
+        out, lse, packed = ring_forward(q, k, v, spec, scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks)
         out = out.to(q.dtype)  # the one rounding of the merged result
-        ctx.save_for_backward(q, kv, out, lse, sinks)
+        if packed is not None and not _shares_buffer(q, k, v):
+            ctx.save_for_backward(q, None, None, packed, out, lse, sinks)
+        else:
+            ctx.save_for_backward(q, k, v, None, out, lse, sinks)
         ctx.spec, ctx.kw = spec, dict(scale=scale, causal=causal, window=window, softcap=softcap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse, sinks = ctx.saved_tensors
+        q, k, v, kv, out, lse, sinks = ctx.saved_tensors
+        if kv is not None:
+            k, v = kv[0], kv[1]
         # dout stays as autograd hands it (usp.py's out is a head-major view of a token-major
         # tensor): the varlen backends gather it token-major without a copy; a .contiguous()
         # here would copy it head-major only for the packed backend to copy it back.
         # out/lse are the sink-merged ones: the sink is a key with v = 0, so every tile's
         # FlashAttention-2 backward stays exact given them (see ops/sinks.py).
-        dq, dk, dv = ring_backward(dout, q, kv, out, lse, ctx.spec, **ctx.kw)
+        dq, dk, dv = ring_backward(dout, q, k, v, kv, out, lse, ctx.spec, **ctx.kw)
         dsink = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
-        return dq.to(q.dtype), dk.to(kv.dtype), dv.to(kv.dtype), None, None, None, None, None, dsink
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
 
 
 def ring_attention(q, k, v, spec: RingSpec, *, scale: float, causal: bool = True, window=None, softcap=None, sinks=None):

@@ -27,38 +27,65 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+# Attribute set on an input gradient its maker hands over whole (a row-chunked norm's or
+# layer's): the next chunked consumer may rewrite it in place instead of copying it.
+OWNED_GRAD = "_hf_longctx_owned_grad"
+
 # The floor only guards against degenerate chunks (a 64-wide toy model with a 32K vocabulary
-# would get ~1000 chunks of a few tokens). At 256 rows the per-chunk [256, Hd] x [Hd, V] GEMM
+# would get ~4000 chunks of a few tokens). At 256 rows the per-chunk [256, Hd] x [Hd, V] GEMM
 # is already 2·256·Hd·V FLOPs (over 1 GFLOP for Hd = 64, V = 32K), far above the per-chunk
 # loop overhead of tens of microseconds, and one fp32 chunk of a 128K vocabulary is 128 MiB.
-# A higher floor would override FPDT's sizing rule (one fp32 logits chunk = the bf16 hidden
-# states of the sequence) for mid-sized models and make the loss the memory peak again.
+# A higher floor would override the sizing rule (`default_loss_chunk_size`) for mid-sized
+# models and make the loss the memory peak again.
 # Read-only constant, not a flag.
 MIN_LOSS_CHUNK_TOKENS = 256
 
 
-def default_mlp_chunks(fpdt_chunks: int) -> int:
-    """Number of sequence chunks for the MLP given FPDT's attention chunk count.
+# Rows per MLP chunk the "auto" setting never goes below: a [1024, Hd] x [Hd, I] GEMM keeps a GPU
+# busy, and below it the per-chunk launch overhead shows. Read-only constant, not a flag.
+MIN_MLP_CHUNK_TOKENS = 1024
+
+
+def default_mlp_chunks(fpdt_chunks: int, intermediate: int | None = None, hidden: int | None = None) -> int:
+    """Number of sequence chunks for the MLP given FPDT's attention chunk count (and, when
+    given, the model's intermediate and hidden sizes).
 
     FPDT chunks the MLP twice as finely as attention: the MLP intermediate ``[B, S, I]`` with
     I ~ 3.5 Hd (and two or three such tensors for gated MLPs) is larger per token than the
     attention chunk's q/k/v, so halving the chunk keeps the MLP's transient peak at or below the
-    attention chunk's. Always at least 1.
+    attention chunk's. With the sizes, also at least ceil(4·I / Hd): a chunk's backward holds
+    about four I-wide tensors per token (gate, up, activation, their product), which then take
+    no more than the hidden states of the whole sequence -- without FPDT (2 chunks) they would
+    be 7 hidden-size vectors per token for a Llama. Always at least 1.
     """
     if fpdt_chunks < 1:
         raise ValueError(f"fpdt_chunks must be >= 1, got fpdt_chunks={fpdt_chunks}")
+    if intermediate and hidden:
+        return max(2 * fpdt_chunks, math.ceil(4 * intermediate / hidden))
     return 2 * fpdt_chunks
+
+
+def mlp_chunks_at(chunks: int, rows: int, auto: bool) -> int:
+    """Chunks for `rows` tokens: `chunks`, and with the "auto" setting no chunk below
+    MIN_MLP_CHUNK_TOKENS rows (a shorter sequence is one chunk)."""
+    if not auto:
+        return max(1, min(chunks, rows))
+    return max(1, min(chunks, rows // MIN_MLP_CHUNK_TOKENS))
 
 
 def default_loss_chunk_size(config: Any, seq_len: int) -> int:
     """Tokens per loss chunk for a call over ``seq_len`` tokens (``B * S`` of the local shard).
 
-    FPDT splits the loss into about ``2 * V / Hd`` chunks. Why that number: one fp32 logits chunk
-    then holds ``(seq_len / (2 V / Hd)) * V * 4 = seq_len * Hd * 2`` bytes, i.e. exactly the size
-    of the bf16 hidden states of the whole sequence, so the loss never becomes the memory peak.
-    A floor of :data:`MIN_LOSS_CHUNK_TOKENS` (256) tokens per chunk keeps tiny models (V / Hd
-    can be 500+ for a 64-wide toy) from degenerating into many few-token GEMMs; a sequence
-    shorter than the floor is one chunk.
+    About ``8 * V / Hd`` chunks. Why that number: a chunk's loss holds three fp32 ``[chunk, V]``
+    tensors (log-softmax output, its gradient, the logits' gradient) and one in the compute
+    dtype; at ``8 V / Hd`` chunks one fp32 chunk holds ``seq_len * Hd / 2`` bytes, a quarter of
+    the bf16 hidden states of the sequence, so the loss's transient stays under one hidden-size
+    vector per token. FPDT splits into ``2 V / Hd`` chunks (one fp32 chunk = the bf16 hidden
+    states): about 3.5 vectors per token, which would make the loss the memory peak of a step
+    whose layers keep about three (memory="max"). The GEMMs stay large (Llama-3.1-8B at 1M
+    tokens: 251 chunks of 4,178 rows). A floor of :data:`MIN_LOSS_CHUNK_TOKENS` (256) tokens per
+    chunk keeps tiny models (V / Hd can be 500+ for a 64-wide toy) from degenerating into many
+    few-token GEMMs; a sequence shorter than the floor is one chunk.
 
     ``config`` is a transformers ``PretrainedConfig`` (multimodal configs are reduced to their
     text config); it must expose ``vocab_size`` and ``hidden_size``.
@@ -72,7 +99,7 @@ def default_loss_chunk_size(config: Any, seq_len: int) -> int:
         raise ValueError(
             f"config needs vocab_size and hidden_size, got vocab_size={vocab_size}, hidden_size={hidden_size}"
         )
-    num_chunks = max(1, math.ceil(2 * vocab_size / hidden_size))
+    num_chunks = max(1, math.ceil(8 * vocab_size / hidden_size))
     chunk_size = max(math.ceil(seq_len / num_chunks), MIN_LOSS_CHUNK_TOKENS)
     return min(chunk_size, seq_len)
 
@@ -111,6 +138,61 @@ def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int
         return torch.cat([run_chunk(p) for p in pieces], dim=1)  # [B, S, Hd]
     outs = [checkpoint(run_chunk, p, use_reentrant=False) for p in pieces]  # chunks x [B, S_c, Hd]
     return torch.cat(outs, dim=1)  # [B, S, Hd]
+
+
+class _Tokenwise(torch.autograd.Function):
+    """A token-wise module over row chunks as one autograd node: forward per chunk without a
+    graph, backward per chunk (recompute, then its gradient) into one input-gradient buffer;
+    the parameters' chunk gradients are summed in fp32 and rounded once."""
+
+    @staticmethod
+    def forward(ctx: Any, forward: Callable, chunks: int, hidden: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.forward, ctx.chunks, ctx.params = forward, chunks, params
+        ctx.autocast = {"enabled": torch.is_autocast_enabled(hidden.device.type),
+                        "dtype": torch.get_autocast_dtype(hidden.device.type)}
+        ctx.save_for_backward(hidden)
+        return torch.cat([forward(p.contiguous()) for p in torch.tensor_split(hidden, chunks, dim=1)], dim=1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        (hidden,) = ctx.saved_tensors
+        need_h, needs = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
+        params = [p for p, n in zip(ctx.params, needs) if n]
+        dh = torch.empty_like(hidden) if need_h else None  # [B, S, Hd], filled row chunk by row chunk
+        sums: list[Tensor | None] = [None] * len(params)
+        lo = 0
+        for piece in torch.tensor_split(hidden, ctx.chunks, dim=1):
+            hi = lo + piece.shape[1]
+            with torch.enable_grad(), torch.autocast(hidden.device.type, **ctx.autocast):
+                x = piece.detach().contiguous().requires_grad_(need_h)
+                y = ctx.forward(x)
+                wrt = ([x] if need_h else []) + params
+                grads = list(torch.autograd.grad(y, wrt, grad[:, lo:hi], allow_unused=True)) if wrt else []
+            if need_h:
+                dh[:, lo:hi] = grads.pop(0)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
+            lo = hi
+        it = iter(sums)
+        out = [(next(it) if n else None) for n in needs]
+        out = [None if g is None else g.to(p.dtype) for g, p in zip(out, ctx.params)]
+        if dh is not None:
+            setattr(dh, OWNED_GRAD, True)  # only the module before reads it
+        return (None, None, dh, *out)
+
+
+def tokenwise_chunks(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int, params: list) -> Tensor:
+    """`forward` (a token-wise module, e.g. the final norm: `params` are its parameters) over
+    ``hidden`` ``[B, S, Hd]`` in ``chunks`` row chunks, forward and backward: only one chunk's
+    intermediates (e.g. a norm's fp32 copies) exist at a time, the input is saved, and the
+    input gradient is one buffer written chunk by chunk (no per-chunk full-size gradients).
+    Without gradients it is the plain chunked loop."""
+    chunks = max(1, min(chunks, hidden.shape[1]))
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or any(p.requires_grad for p in params)):
+        return torch.cat([forward(p.contiguous()) for p in torch.tensor_split(hidden, chunks, dim=1)], dim=1)
+    return _Tokenwise.apply(forward, chunks, hidden, *params)
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:

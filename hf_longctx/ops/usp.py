@@ -28,7 +28,7 @@ from hf_longctx.ops.ulysses import gather_heads, kv_replication, scatter_heads
 
 def local_sinks(sinks: torch.Tensor, mesh: SPMesh) -> torch.Tensor:
     """[H] → [H/U]: the sinks of the query heads this Ulysses rank holds after the all-to-all,
-    a contiguous slice (`comm._split_heads` sends head slice u to Ulysses rank u; KV
+    a contiguous slice (`comm.seq_to_head` sends head slice u to Ulysses rank u; KV
     replication for H_kv < U never reorders query heads). The slice is differentiable:
     each rank's sink gradient lands in its own heads, and summing gradients over the SP
     group (as every parameter's) gives the whole."""

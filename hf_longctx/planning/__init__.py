@@ -1,2 +1,3 @@
 """Planning tools behind `hf-longctx plan`: the per-GPU memory model (`memory`), the
-search over parallel settings (`search`) and the per-rank load figure (`plot`)."""
+search over parallel settings (`search`), the linear recurrences' two sequence-parallel
+schemes (`mixers`) and the per-rank load figure (`plot`)."""

@@ -17,23 +17,9 @@ Assumptions (each is also printed under the plan table):
   plus the prefetched one) or the LM head plus one layer, whichever is larger, and the
   root's final norm; it holds one unit's unsharded gradient before reduce-scatter
   (embedding and LM head are units of their own, resharded after use).
-- Activations follow what autograd saves in a Llama-style layer (RMSNorm, gated MLP) with
-  this library's attention: per token and layer dt·(2h + 3·q + 2·kv·f + 4i) + 16h + 8 +
-  4·H bytes (residual stream twice; q, k, v, out and the o_proj input; 4 MLP
-  intermediates; each RMSNorm keeps 8h bytes (an fp32 product and its output), fp32 rsqrt;
-  fp32 attention LSE). f is Ulysses' KV replication. Non-gated MLPs keep 2i instead of 4i.
-- Chunked MLP keeps no intermediates (recomputed per chunk); checkpointing keeps each
-  layer's input (dt·h per token; on host when offloaded), plus one layer recomputed in
-  backward; checkpoint="attention" also keeps the attention's saved tensors (q, k, v, out,
-  LSE) on host, one layer's worth on the GPU while copied or prefetched; FPDT with offload
-  keeps q, k, v, out and LSE on host, two chunks on the GPU.
-- Loss: unchunked = 3 fp32 [S_l, V] tensors at once (log-softmax output, its gradient, the
-  logits gradient) plus the dt copies when dt < 4; the logits of the returned output are
-  assumed dropped (`loss = model(...).loss`). Chunked = 3 fp32 [chunk, V] tensors plus the
-  fp32 LM-head gradient accumulator and the hidden-state gradient it keeps.
-- Buffers = the larger transient phase: the loss (end of forward) or one layer's backward
-  (all-to-all / ring / fetched FPDT chunks, the recomputed layer when checkpointing, one
-  recomputed MLP chunk, activation gradients).
+- Activations and transients: `planning/budget.step_budget`, every tensor of the step by
+  name and phase, per local token (measured against the census of `benchmarks/memory_budget.py`
+  within 5 %); `activations` is what the whole step holds, `buffers` the rest of the binding phase.
 - Peak = params + optimizer + held + max(grads, activations + buffers): during backward,
   activations are freed while gradients appear, and the optimizer step needs grads only.
 - Gradient sync (`grad_sync`, world > 1): "step" (the trainer's and `run_flex_step`'s
@@ -45,6 +31,8 @@ Assumptions (each is also printed under the plan table):
   gradients next to the later ones' activations), at P·e bytes of traffic per rank and
   micro-batch. Measured within 4 % on 2 gloo ranks (benchmarks/memory_model_fsdp.py).
   With ONE micro-batch per step (`microbatches=1`) there are no earlier gradients: held = 0.
+- One GPU with parameter offload holds the units it runs as several GPUs do (FSDP2 copies each
+  unit's fp32 shard in, casts it, frees it after use).
 - Parameter offload (`Setting.param_offload`, FSDP2 `CPUOffloadPolicy`, what
   `fsdp_plan(param_offload=True)` / `LongContextTrainer(param_offload=True)` apply): the
   sharded fp32 parameters, their sharded fp32 gradients and the optimizer states (updated
@@ -65,10 +53,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from hf_longctx.data.model_dims import ModelDims
-from hf_longctx.ops.tiling import default_loss_chunk_size
 from hf_longctx.ops.ulysses import kv_replication
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from hf_longctx.planning.budget import DTYPE_BYTES, step_budget
 
 
 @dataclass(frozen=True)
@@ -110,41 +96,19 @@ class MemoryEstimate:
 
 
 def kept_attention_bytes(dims: ModelDims, dt: int, f: int, s: Setting) -> float:
-    """Bytes per token and layer that checkpoint="attention" keeps for the attention: what its
-    autograd nodes save (q, k, v, out and the fp32 LSE: `layer_activation_bytes`'s attention
-    term); with FPDT's K/V offload, whose chunk store already holds those on the host, only
-    the attention's output (dt·H·D) that the keeper keeps for the recompute."""
+    """Bytes per token and layer that checkpoint="attention" moves to the host and back for the
+    attention: its saved q, k, v, out, fp32 LSE and the output replayed in the recompute
+    (`planning/budget.py`); with FPDT's K/V offload, whose chunk store holds q, k, v and LSE on
+    the host already, only the output."""
+    q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
     if s.fpdt_chunks > 1 and s.kv_offload:
-        return dt * dims.heads * dims.head_dim
-    return layer_activation_bytes(dims, dt, f)["attention"]
-
-
-def loss_chunk_tokens(dims: ModelDims, tokens: int, loss_chunks: int) -> int:
-    """Tokens per LM-head chunk: `loss_chunks` = 0 means FPDT's default (`tiling`)."""
-    if loss_chunks == 0:
-
-        class _Cfg:  # the two fields default_loss_chunk_size reads
-            vocab_size, hidden_size = dims.vocab, dims.hidden
-
-        return default_loss_chunk_size(_Cfg(), tokens)
-    return -(-tokens // loss_chunks)
-
-
-def layer_activation_bytes(dims: ModelDims, dt: int, kv_factor: int) -> dict[str, float]:
-    """Bytes per local token of one decoder layer, by part (see the module docstring)."""
-    h, q, kv = dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * kv_factor
-    return {
-        "residual": dt * 2 * h,
-        "norms": 16 * h + 8,
-        "attention": dt * (2 * q + 2 * kv) + 4 * dims.heads,  # q, k, v, out (+ fp32 LSE)
-        "o_proj_in": dt * q,
-        "mlp": dt * (4 if dims.gated else 2) * dims.intermediate,
-    }
+        return dt * q
+    return dt * (3 * q + 2 * kv) + 4 * dims.heads
 
 
 def estimate_memory(
     dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
-    unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
+    unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1, offload: bool = True,
 ) -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
@@ -185,8 +149,10 @@ def estimate_memory(
     # the LM head and the layer prefetched next to it; unsharded gradients: one unit's.
     vocab_unit = dims.vocab * dims.hidden
     rest = max(0, dims.root_params - vocab_unit * (1 if dims.tied else 2))
-    gathered = dt * (rest + max(2 * dims.layer_params, vocab_unit + dims.layer_params)) if world > 1 else 0.0
-    unsharded_grads = dt * (rest + max(dims.layer_params, vocab_unit)) if world > 1 else 0.0
+    # With the parameters on the host (param offload) even one GPU holds the units it runs.
+    units_on_gpu = world > 1 or s.param_offload
+    gathered = dt * (rest + max(2 * dims.layer_params, vocab_unit + dims.layer_params)) if units_on_gpu else 0.0
+    unsharded_grads = dt * (rest + max(dims.layer_params, vocab_unit)) if units_on_gpu else 0.0
     # fp32 gradients of the earlier micro-batches: unsharded until the last backward, or sharded.
     held = (4.0 * P if grad_sync == "step" else 4.0 * P / world) if world > 1 and microbatches > 1 else 0.0
     if unsharded_step and world > 1:
@@ -203,47 +169,12 @@ def estimate_memory(
     params = master + gathered
     grads = sharded_grads + unsharded_grads
 
-    per_layer = layer_activation_bytes(dims, dt, f)
-    attn_saved = per_layer["attention"]
-    if s.mlp_chunks > 1:
-        per_layer["mlp"] = 0.0  # only the chunk inputs, views of the norm output
-    if s.fpdt_chunks > 1 and s.kv_offload:
-        per_layer["attention"] = 0.0
-        host += dims.layers * s_l * attn_saved
-    full_layer = sum(per_layer.values()) * s_l
-    kept = kept_attention_bytes(dims, dt, f, s) if s.checkpoint == "attention" else 0.0  # per token and layer
-    if s.checkpoint:
-        # Saved layer inputs live on host on a GPU (offloaded checkpoint); one layer is
-        # recomputed at a time during backward. Keep-attention also parks the attention's
-        # saved tensors and output there (integrations/keep_attention.py).
-        host += dims.layers * s_l * (dt * dims.hidden + kept)
-        layers_act = 0.0  # the recomputed layer is a transient (layer phase below)
-    else:
-        layers_act = dims.layers * full_layer
-    final = s_l * (dt * dims.hidden + 16 * dims.hidden + 4) + 16 * s_l  # final norm; ids + labels
-    activations = layers_act + final
-
-    # Buffers: the larger of two transient phases. Loss phase (end of forward): the loss
-    # transients. Layer phase (backward of a layer): all-to-all outputs of one layer (or one
-    # FPDT chunk), K/V in flight, the recomputed layer (checkpointing), one recomputed MLP
-    # chunk and the activation gradients flowing through the layer.
-    h, q, kv = dims.hidden, dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
-    layer_phase = 2 * dt * s_l * h
-    if s.ulysses > 1:
-        layer_phase += dt * s_l * (q + 2 * kv) / max(s.fpdt_chunks, 1)
-    if s.ring > 1:
-        layer_phase += 2 * dt * s_l * 2 * kv  # next K/V block in flight; dK/dV travelling in backward
-    if s.fpdt_chunks > 1 and s.kv_offload:
-        layer_phase += 2 * dt * s_l * (q + 2 * kv) / s.fpdt_chunks  # double-buffered fetched chunks
-    if s.mlp_chunks > 1:
-        layer_phase += dt * s_l * 4 * dims.intermediate / s.mlp_chunks  # one recomputed chunk
-    if s.checkpoint:
-        layer_phase += full_layer + s_l * kept  # + one layer's kept attention tensors in flight (copy / prefetch)
-    if s.loss_chunks != 1:
-        chunk = loss_chunk_tokens(dims, int(s_l), s.loss_chunks)
-        loss_phase = 3 * 4 * chunk * dims.vocab + 4 * dims.vocab * h + dt * s_l * h
-    else:
-        loss_phase = s_l * dims.vocab * (12 + (dt if dt < 4 else 0))
-    buffers = max(layer_phase, loss_phase)
+    # Activations and transients: the per-token budget of planning/budget.py (every tensor of
+    # the step by name and phase); `activations` is what the whole step holds, `buffers` the
+    # rest of the binding phase.
+    budget = step_budget(dims, s, tokens=tokens, dtype=dtype, offload=offload)
+    activations = budget.held
+    buffers = budget.device - budget.held
+    host += budget.host
     return MemoryEstimate(params, grads, optim, activations, buffers, host, held)
 

@@ -33,10 +33,14 @@ quadratic attention term):
   GPU (AdamW reads parameter, gradient and two moments, writes three: 28 B/param; SGD 12),
   not overlapped, spread over the step's micro-batches.
 
+- the linear recurrences of a hybrid model (`planning/mixers.py`): per layer the cheaper of
+  the head all-to-all and state passing, the rule `patch(mixers="auto")` applies;
+
 Near ties: the step-time estimates of two settings within `TIE_TOLERANCE` (7 %: the worst
 measured error of the per-size cost model, +6.8 %, README "flexible SP groups") do not
 separate them; among the settings that close to the fastest one, those that follow the USP
-guidance (Ulysses inside a node, ring only across nodes, USP §4) rank first.
+guidance (Ulysses inside a node as wide as the node and the heads allow, ring only across
+nodes, USP §4: `Cluster.follows_usp_guidance`) rank first.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from hf_longctx.data.cost import CostModel
 from hf_longctx.data.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
 from hf_longctx.ops.ulysses import kv_replication
+from hf_longctx.planning.mixers import mixer_seconds
 from hf_longctx.planning.memory import (
     DTYPE_BYTES,
     MemoryEstimate,
@@ -93,9 +98,28 @@ class Cluster:
         """Per-GPU bandwidth of a group of `span` consecutive ranks."""
         return self.intra_bw if span <= self.gpus_per_node else self.inter_bw
 
-    def follows_usp_guidance(self, s: Setting) -> bool:
-        """USP §4: Ulysses inside a node, ring only across nodes."""
-        return s.ulysses <= self.gpus_per_node and (s.ring == 1 or s.sp > self.gpus_per_node)
+    def usp_ulysses(self, sp: int, heads: int | None = None, kv_heads: int | None = None) -> int:
+        """The Ulysses degree the USP guidance gives an SP group of `sp` GPUs: as large as one
+        node's GPUs (and the heads: `heads` divisible by it) allow, dividing `sp`."""
+        best = 1
+        for u in range(1, min(sp, self.gpus_per_node) + 1):
+            if sp % u == 0 and (heads is None or _ulysses_ok(heads, kv_heads or heads, u)):
+                best = u
+        return best
+
+    def follows_usp_guidance(self, s: Setting, heads: int | None = None, kv_heads: int | None = None) -> bool:
+        """USP §4: Ulysses inside a node, as wide as the node (and the heads) allow; ring only
+        across nodes, so an SP group within one node is pure Ulysses and a larger one is
+        node-wide Ulysses times a ring over the nodes (every ring hop crosses nodes)."""
+        return s.ulysses == self.usp_ulysses(s.sp, heads, kv_heads) and (s.ring == 1 or s.sp > self.gpus_per_node)
+
+
+def _ulysses_ok(heads: int, kv_heads: int, u: int) -> bool:
+    try:
+        kv_replication(heads, kv_heads, u)
+    except ValueError:
+        return False
+    return True
 
 
 TIE_TOLERANCE = 0.07  # relative step-time difference the estimates cannot resolve (see the module docstring)
@@ -111,6 +135,8 @@ class Candidate:
     preset: str = "off"  # the patch(memory=...) preset of this setting
     microbatches: int = 1  # per rank and optimizer step
     tied: bool = False  # within TIE_TOLERANCE of the fastest feasible setting's throughput
+    gpu_fits: bool = True
+    host_fits: bool = True
 
     @property
     def feasible(self) -> bool:
@@ -118,8 +144,10 @@ class Candidate:
 
     @property
     def binding(self) -> str:
-        """The resource that rules this setting out: "GPU memory", "host memory", "" (fits or other)."""
-        return {"GPU": "GPU memory", "host": "host memory"}.get(self.reason.split(" ")[0], "")
+        """The resource that rules this setting out: "GPU memory", "host memory", "GPU and
+        host memory", or "" (it fits, or another reason)."""
+        return {(False, True): "GPU memory", (True, False): "host memory",
+                (False, False): "GPU and host memory"}.get((self.gpu_fits, self.host_fits), "")
 
 
 @dataclass(frozen=True)
@@ -165,14 +193,16 @@ class Suggestion:
         return " ".join(flags)
 
 
-def preset_setting(ulysses: int, ring: int, fpdt_chunks: int, memory: str) -> Setting:
+def preset_setting(ulysses: int, ring: int, fpdt_chunks: int, memory: str, dims: ModelDims | None = None) -> Setting:
     """The memory-model `Setting` of a mesh under a `patch(memory=...)` preset (the knobs of
-    `config.preset_knobs`; "auto" chunks are FPDT's defaults, as `integrations/memory.py` resolves them)."""
+    `config.preset_knobs`; "auto" chunks resolved as `integrations/memory.py` resolves them,
+    from the model's sizes when `dims` is given)."""
     knobs = preset_knobs(memory, fpdt_chunks)
+    sizes = (dims.intermediate, dims.hidden) if dims is not None else ()
     return Setting(
         ulysses=ulysses, ring=ring, fpdt_chunks=fpdt_chunks, kv_offload=knobs.get("kv_offload", False),
         checkpoint=knobs.get("checkpoint", False),
-        mlp_chunks=default_mlp_chunks(fpdt_chunks) if knobs.get("mlp_chunks") == "auto" else 1,
+        mlp_chunks=default_mlp_chunks(fpdt_chunks, *sizes) if knobs.get("mlp_chunks") == "auto" else 1,
         loss_chunks=0 if knobs.get("loss_chunks") == "auto" else 1,
     )
 
@@ -210,7 +240,7 @@ def enumerate_settings(
             for u in chunk_options:
                 for memory in MEMORY_PRESETS:
                     for off in PARAM_OFFLOAD[param_offload]:
-                        out.append((replace(preset_setting(ulysses, ring, u, memory), param_offload=off), memory))
+                        out.append((replace(preset_setting(ulysses, ring, u, memory, dims), param_offload=off), memory))
     return out
 
 
@@ -300,7 +330,7 @@ def rank_settings(
         mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
                               unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len, microbatches=mbs, optimizer=optimizer,
-                         grad_sync=grad_sync)
+                         grad_sync=grad_sync) + mixer_seconds(config, s, cluster, tokens, dtype)
         if vision is not None:
             from hf_longctx.planning.vision import vision_cost
 
@@ -309,14 +339,15 @@ def rank_settings(
             secs += vision.seconds(vision_cost(config), sp=s.sp, samples=samples, rate=cluster.tflops * 1e12 * cluster.mfu,
                                    bandwidth=cluster.bandwidth(s.sp), dt=dt)
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
-        reason = ""
+        gpu_fits, host_fits = mem.peak <= usable_gpu, mem.host * per_node <= usable_host
+        reasons = [] if gpu_fits else [f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"]
+        if not host_fits:
+            reasons.append(f"host {mem.host * per_node / 2**30:.1f} > {usable_host / 2**30:.1f} GiB")
+        reason = "; ".join(reasons)
         if tokens % multiple:
             reason = f"seq-len {tokens} is not a multiple of {multiple}"
-        elif mem.peak > usable_gpu:
-            reason = f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"
-        elif mem.host * per_node > usable_host:
-            reason = f"host {mem.host * per_node / 2**30:.1f} > {usable_host / 2**30:.1f} GiB"
-        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, preset, mbs))
+        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, preset, mbs, gpu_fits=gpu_fits,
+                             host_fits=host_fits))
     # Exact ties (FPDT chunk counts cost the same in this model): the simpler setting first.
     out.sort(key=lambda c: (not c.feasible, -c.tokens_per_second, c.memory.peak, c.setting.fpdt_chunks,
                             c.setting.param_offload))
@@ -325,7 +356,8 @@ def rank_settings(
     # Near ties: the estimates cannot separate them; the USP guidance decides (stable sort).
     floor = out[0].tokens_per_second * (1 - TIE_TOLERANCE)
     n = next((i for i, c in enumerate(out) if not c.feasible or c.tokens_per_second < floor), len(out))
-    band = sorted((replace(c, tied=n > 1) for c in out[:n]), key=lambda c: not cluster.follows_usp_guidance(c.setting))
+    band = sorted((replace(c, tied=n > 1) for c in out[:n]),
+                  key=lambda c: not cluster.follows_usp_guidance(c.setting, dims.heads, dims.kv_heads))
     return band + out[n:]
 
 

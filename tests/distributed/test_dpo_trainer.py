@@ -1,4 +1,4 @@
-"""`LongDPOTrainer` on 4 gloo ranks vs TRL's own `DPOTrainer` in one process (issue 21, item 2).
+"""`LongDPOTrainer` on 4 gloo ranks vs TRL's own `DPOTrainer` in one process.
 
 The reference is the REAL, unpatched `trl.DPOTrainer` on the same saved tiny Llama (loaded
 with `from_pretrained`), the same 8 pairs in one batch, the same `DPOConfig` (beta, loss_type,

@@ -1,4 +1,4 @@
-"""`LongDPOTrainer` in bf16 within the project's 2x rule (issue 21, "Done when": bf16 for one DPO
+"""`LongDPOTrainer` in bf16 within the project's 2x rule (bf16 for one DPO
 configuration), on 4 gloo ranks (U2xR2, sigmoid, one SGD step).
 
 The rule (tests/distributed/test_bf16.py): per gradient tensor (tensors under 128 entries pooled,

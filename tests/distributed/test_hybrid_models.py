@@ -7,7 +7,8 @@ position_ids: they would leak state across documents, and comparing with that wo
 comparing with a wrong answer. Each reference document gets `num_items_in_batch` = the
 packed batch's valid-target count, so the per-document losses add up to the packed loss.
 
-Configs are tiny and built to force every branch of the schemes: GDN key heads 2 / value
+The GDN and Mamba-2 families run the head all-to-all (`mixers="heads"`). Configs are tiny
+and built to force every branch of the schemes: GDN key heads 2 / value
 heads 4 (split by key head on 2 ranks, q/k replicated on 4), an odd head count (Qwen3-Next
 1 key / 3 value heads: uneven value split on 2 ranks), OLMo-hybrid 3 key / 6 value heads on
 4 ranks (a rank's value heads span two key heads), LFM2 short convolutions of kernel 3 and 4,
@@ -107,6 +108,13 @@ def packed_batch(docs=DOCS, seed: int = 0, vocab: int = 64) -> dict:
     return DataCollatorWithFlattening(return_position_ids=True, return_tensors="pt")(features)
 
 
+def heads_scheme(family: str) -> str | None:
+    """This file tests the head all-to-all of the GDN and Mamba-2 families (pinned: the default
+    "auto" may pass their state instead, tests/distributed/test_hybrid_state.py); the short
+    convolutions and the RG-LRU have one scheme each."""
+    return None if family.startswith(("lfm2", "recurrent_gemma")) else "heads"
+
+
 def per_document_reference(model, batch: dict):
     """Loss and gradients of the unpatched model, one document at a time, normalised by the
     valid-target count of the whole packed batch (so they sum to the packed loss)."""
@@ -138,7 +146,7 @@ def _families(ulysses: int, ring: int, families: list, docs=DOCS, fpdt_chunks: i
     out = {}
     for family in families:
         ref_loss, ref_grads = per_document_reference(build(family), batch)
-        loss, grads = sp_run(patch(build(family), mesh), batch, mesh)
+        loss, grads = sp_run(patch(build(family), mesh, mixers=heads_scheme(family)), batch, mesh)
         out[family] = compare(ref_loss, ref_grads, loss, grads)
     return out
 
@@ -182,7 +190,7 @@ def _without_wrappers(family: str) -> dict:
     mesh = worker_mesh(2, 2)
     batch = packed_batch()
     ref_loss, ref_grads = per_document_reference(build(family), batch)
-    model = patch(build(family), mesh)
+    model = patch(build(family), mesh, mixers=heads_scheme(family))
     state = model.__dict__[_STATE_ATTR]
     state.mixers.restore()
     state.mixers = None
@@ -203,7 +211,7 @@ def test_hybrid_under_fpdt_chunks(pools):
     _assert_exact(pools.get(2).run(_families, 2, 1, families, DOCS, 2, timeout=300), 2, 1)
 
 
-def _rows(families: list) -> dict:
+def _rows(families: list, scheme: str = "heads") -> dict:
     """B = 2 rows of one document each (right padding by attention_mask): shard_batch pads each
     row's document; the mixers run per row (batch dimension) from zero state."""
     from hf_longctx.integrations.transformers import patch
@@ -228,7 +236,8 @@ def _rows(families: list) -> dict:
             ref(input_ids=ids[i : i + 1, :n], labels=ids[i : i + 1, :n], num_items_in_batch=n_items, use_cache=False).loss.detach()
             for i, n in ((0, 12), (1, 9))
         )
-        loss, grads = sp_run(patch(build(family), mesh), batch, mesh)
+        mixers = scheme if heads_scheme(family) else None  # GDN / Mamba-2: the scheme asked for
+        loss, grads = sp_run(patch(build(family), mesh, mixers=mixers), batch, mesh)
         out[family] = compare(ref_loss, ref_grads, loss, grads)
     return out
 

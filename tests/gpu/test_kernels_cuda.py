@@ -60,3 +60,40 @@ def test_fast_kernel_matches_math(dtype, layout, causal, window, softcap, hkv):
         torch.testing.assert_close(lse, m_lse, rtol=1e-3, atol=1e-3)
         for name, g_, m in zip("qkv", grads, m_grads):
             assert rel_err(g_.float(), m) < 2 * TOL[dtype], (backend.name, name)
+
+
+@pytest.mark.parametrize("layout", ["packed", "zigzag"])
+def test_deterministic_backward_is_bitwise_reproducible(layout):
+    """Under torch.use_deterministic_algorithms(True) the fast kernels' backward (flash-attn told
+    `deterministic=True`, torch's op reading the flag) gives the same bits twice."""
+    backends = _fast_backends()
+    if not backends:
+        pytest.skip("no fast kernel for this case here")
+    s, h, d = 2048, 8, 128
+    q_runs, k_runs = _layouts(s)[layout]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(1, h, len(runs_to_indices(q_runs)), d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 2, len(runs_to_indices(k_runs)), d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    kw = dict(scale=d**-0.5, causal=True, window=None, softcap=None)
+    torch.use_deterministic_algorithms(True)
+    try:
+        for backend in backends:
+            out, lse = kernels.varlen_forward(q, k, v, q_runs, k_runs, backend=backend, **kw)
+            first, second = (kernels.varlen_backward(do, q, k, v, out, lse, q_runs, k_runs, backend=backend, **kw)
+                             for _ in range(2))
+            assert all(torch.equal(a, b) for a, b in zip(first, second)), backend.name
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_in_place_merge_reads_a_bf16_block_on_cuda():
+    from hf_longctx.ops.lse import merge, merge_
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    acc = torch.randn(1, 8, 4096, 128, device="cuda", generator=g)
+    block = torch.randn(1, 8, 4096, 128, device="cuda", generator=g).to(torch.bfloat16)
+    lse, block_lse = (torch.randn(1, 8, 4096, device="cuda", generator=g) for _ in range(2))
+    ref, ref_lse = merge(acc, lse, block.float(), block_lse)
+    out, new_lse = merge_(acc.clone(), lse, block, block_lse)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(new_lse, ref_lse)

@@ -65,8 +65,38 @@ def test_run_table_says_what_was_bounded():
     def probe(mode, tokens, layers, repeat=0):
         return {"fits": tokens <= limits[mode], "seconds": 2.0}
 
-    rows = dict(gpu_longctx.run(layers=2, max_tokens=1 << 18, probe=probe))
-    assert rows["longest trainable context, sdpa+ckpt"] == "32768 tokens"
-    assert rows["longest trainable context, ours"].startswith("262144 tokens (the --max-tokens bound")
-    assert "lower bound" in rows["context ratio ours / sdpa+ckpt (goal >= 16x)"]
-    assert rows["tokens/s at 128K, ours"] == f"{131072 / 2.0:.0f}"
+    rows = dict(gpu_longctx.run(layers=2, max_tokens=1 << 16, probe=probe, longest_search=lambda budget: []))
+    assert rows["longest trainable context, sdpa + HF checkpointing (2 layers)"] == "32768 tokens"
+    assert rows["tokens/s at 32K, memory='max' (2 layers)"] == f"{32768 / 2.0:.0f}"
+    limits["sdpa+ckpt"] = 10**9
+    rows = dict(gpu_longctx.run(layers=2, max_tokens=1 << 16, probe=probe, longest_search=lambda budget: []))
+    assert rows["longest trainable context, sdpa + HF checkpointing (2 layers)"].startswith("65536 tokens (the --max-tokens")
+
+
+def test_longest_search_starts_at_the_planners_length_and_stays_in_budget():
+    """`benchmarks/gpu_longest.py` with a fake GPU of 78 GiB free and 128 GiB of host: the first
+    probe is the planner's length; it fits, so the search goes up until it does not; a probe that
+    runs out of time ends it with that said."""
+    from benchmarks import gpu_longest
+
+    G = 2**30
+    planned, u, _ = gpu_longest.planned(78 * G, 128 * G, 2, 1 << 26)
+    assert planned >= 2 << 20 and planned % gpu_longest.QUANTUM == 0 and u in (2, 4, 8, 16, 32, 64)
+    asked = []
+
+    def child(args, timeout, limit=int(planned * 1.2)):
+        if args[0] == "query":
+            return {"free": 78 * G, "host": 128 * G}
+        asked.append(int(args[1]))
+        return {"fits": int(args[1]) <= limit, "seconds": 1.0, "peak": 70 * G}
+
+    rows = dict(gpu_longest.longest_rows(150, child=child))
+    assert asked[0] == planned and max(asked) > planned
+    measured = rows[f"measured longest context, memory='max' (FPDT {u} chunks)"]
+    assert measured.startswith("fits at ") and ", not at " in measured
+
+    def slow(args, timeout):
+        return {"free": 78 * G, "host": 128 * G} if args[0] == "query" else None
+
+    rows = dict(gpu_longest.longest_rows(150, child=slow))
+    assert "stopped by the 150 s budget" in rows[f"measured longest context, memory='max' (FPDT {u} chunks)"]

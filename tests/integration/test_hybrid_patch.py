@@ -57,16 +57,21 @@ def test_mamba1_hybrid_is_refused_with_the_reason():
 @pytest.mark.parametrize(
     "family,ulysses,ring,pattern",
     [
-        ("qwen3_next", 2, 2, r"Qwen3NextGatedDeltaNet.*3 value heads \(1 key heads\).* 4 ranks"),
-        ("falcon_h1", 4, 1, r"FalconH1Mixer.*3 heads cannot be split over an SP group of 4"),
+        ("qwen3_next", 2, 2, r"Qwen3NextGatedDeltaNet: mixers='heads' splits its 3 value heads .* 4 ranks .*mixers='state'"),
+        ("falcon_h1", 4, 1, r"FalconH1Mixer: mixers='heads' splits its 3 heads .* 4 ranks .*at most 3 ranks"),
     ],
 )
-def test_head_counts_the_layout_cannot_serve_are_refused_naming_the_numbers(family, ulysses, ring, pattern):
+def test_head_counts_the_head_all_to_all_cannot_serve(family, ulysses, ring, pattern):
+    """mixers='heads' on a group larger than the heads is refused naming the numbers, before
+    anything changes; the default ('auto') passes the state there instead."""
     model = build(family)
     with pytest.raises(ValueError, match=pattern):
-        patch(model, _mesh(ulysses, ring))
+        patch(model, _mesh(ulysses, ring), mixers="heads")
     assert not is_patched(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
+    patch(model, _mesh(ulysses, ring))
+    assert is_patched(model)
+    unpatch(model)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "bamba", "recurrent_gemma"])
@@ -84,12 +89,13 @@ def test_unpatch_restores_the_mixers(family):
         assert torch.isfinite(out).all()
 
 
-def test_group_bank_with_linear_mixers_is_refused():
-    """The mixer wrappers split heads over the SP group fixed at patch(); a bank changes the
-    group per micro-batch, so the combination is refused before anything changes."""
+def test_group_bank_with_linear_mixers_patches_and_unpatches():
+    """Each micro-batch of a bank runs its mixers on its own group (`MixerBinding.resolve`);
+    tests/distributed/test_hybrid_state.py runs a flexible step."""
     from hf_longctx import init_group_bank
 
     model = build("lfm2")
-    with pytest.raises(ValueError, match="GroupBank.*Lfm2ShortConv.*init_sequence_parallel"):
-        patch(model, init_group_bank(heads=model.config.num_attention_heads))
-    assert not is_patched(model)
+    patch(model, init_group_bank(heads=model.config.num_attention_heads))
+    assert is_patched(model)
+    unpatch(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())

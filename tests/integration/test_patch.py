@@ -1,6 +1,7 @@
 """patch() / unpatch() mechanics in one process (world-1 mesh), with real from_pretrained models.
 
-Covers: both registrations under a unique name per call and their removal; every config
+Covers: the attention registration under a unique name per call (no mask registration: HF
+never scans the positions for packed documents, a host sync) and its removal; every config
 restored exactly; idempotence; PEFT before and after get_peft_model; eval forward; generate()
 after unpatch (identical tokens to a never-patched model); and every refusal of the issue
 (attention dropout, dynamic/longrope RoPE, models off the attention interface) raising at
@@ -58,7 +59,9 @@ def test_patch_registers_switches_and_unpatch_restores_exactly(llama_path, mesh)
     assert patch(model, mesh) is model and is_patched(model)
     name = model.config._attn_implementation
     assert name.startswith("hf_longctx") and name in AttentionInterface._global_mapping
-    assert name in AttentionMaskInterface._global_mapping  # without it HF silently drops masks
+    # no mask entry: HF's mask creation returns None before scanning positions (a host sync);
+    # a padding mask is refused by the pre-forward hook instead (test_padding_mask_is_refused)
+    assert name not in AttentionMaskInterface._global_mapping
     assert model.model.config._attn_implementation == name
     unpatch(model)
     assert not is_patched(model)
@@ -253,3 +256,33 @@ def test_layers_of_one_forward_share_one_ring_plan(llama_path, mesh, monkeypatch
     model(**shard_batch(packed_batch(), mesh))  # the next batch plans again (the cache is per batch)
     assert len(calls) == 2
     unpatch(model)
+
+
+def test_padding_mask_is_refused(llama_path, mesh):
+    model = patch(load(llama_path).train(), mesh)
+    batch = shard_batch(packed_batch(vocab=model.config.vocab_size), mesh)
+    ones = torch.ones_like(batch["input_ids"])
+    model(**batch, attention_mask=ones)  # all ones: nothing dropped, accepted
+    ones[0, -1] = 0
+    with pytest.raises(ValueError, match="attention_mask with padding zeros"):
+        model(**batch, attention_mask=ones)
+
+
+@pytest.mark.parametrize("unsafe", [False, True])
+def test_patched_forward_never_scans_positions_for_packed_documents(llama_path, mesh, monkeypatch, unsafe):
+    """transformers' `find_packed_sequence_indices` ends in bool() of a device tensor: a host
+    sync per forward. A patched model's forward never calls it (without the dry run, the mask
+    function that notes each forward's windows is registered, and HF does call it: the control)."""
+    import transformers.masking_utils as mu
+
+    calls = []
+    real = mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = load(llama_path).train()
+    batch = shard_batch(packed_batch(vocab=model.config.vocab_size), mesh)
+    model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    assert calls, "the unpatched model scans the positions (the control)"
+    patch(model, mesh, unsafe_skip_exactness_check=unsafe)  # its dry run builds masks of its own: not counted
+    calls.clear()
+    model(**batch).loss.backward()
+    assert bool(calls) == unsafe

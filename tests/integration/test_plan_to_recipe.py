@@ -1,5 +1,5 @@
 """`hf-longctx plan`'s suggestion is applicable: its "as recipe flags" line pastes into
-`recipes/pretrain.py` and trains (issue 18 item 5, at a small scale on CPU).
+`recipes/pretrain.py` and trains (at a small scale on CPU).
 
 The plan is made for the tiny test Llama on 2 "GPUs" with 600 KiB each, so that only FPDT
 chunks with K/V offload and checkpointing (preset "high": keep-attention, the faster of the two

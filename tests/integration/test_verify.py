@@ -66,7 +66,7 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
         if fault == "drop_sinks":
             itf.make_attention = dropping_sinks
         if fault == "no_wrappers":
-            mixers.plan_mixers = lambda *a, **kw: []
+            mixers.plan_mixers = lambda *a, **kw: ([], {})
         key = f"{t}:{fault}"
         try:
             res = verify(model, worker_mesh(1, 2))

@@ -1,4 +1,4 @@
-"""Pinned host buffers reused per size class (`ops/host_pool.py`, issue 19 item 3), on CPU.
+"""Pinned host buffers reused per size class (`ops/host_pool.py`), on CPU.
 
 The pool is driven through `ChunkStore` with the fake streams of test_offload.py and a
 plain (unpinned) allocator that counts: the FPDT loops of two layers over two training
@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from hf_longctx.ops.fpdt import FPDTPlan, _saved_keys, fpdt_backward, fpdt_forward
-from hf_longctx.ops.host_pool import HostPool, size_class
+from hf_longctx.ops.fpdt import FPDTPlan, fpdt_backward, fpdt_forward, saved_keys
+from hf_longctx.ops.host_pool import HostPool, plain_bytes, size_class
 from hf_longctx.ops.offload import ChunkStore
 from tests.unit.test_offload import FakeStreams
 
@@ -25,31 +25,59 @@ class PooledFakeStreams(FakeStreams):
 
     def __init__(self):
         super().__init__()
-        self.pool = HostPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+        self.pool = HostPool(alloc=plain_bytes)
 
     def pinned(self, like):
         self.log.append(("pinned", tuple(like.shape)))
-        return self.pool.take(like)
+        host, last = self.pool.take(like)
+        if last is not None:
+            self.log.append(("wait_event", "out", last.name))
+        return host
+
+    def note(self, host, event, write):
+        self.pool.note(host, event, write)
+
+    def pending(self, host):
+        return self.pool.pending(host)
 
     def recycle(self, host):
         super().recycle(host)
         self.pool.give(host)
 
 
-def test_size_class_and_take_keeps_dense_strides():
-    assert [size_class(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
-    pool = HostPool(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+def test_size_classes_waste_less_than_a_sixteenth():
+    """16 classes per power of two: a class is at most 1/16 above its request (not 2x)."""
+    assert [size_class(n) for n in (0, 1, 2, 3, 17, 31, 32, 33)] == [1, 1, 2, 3, 17, 31, 32, 34]
+    assert size_class(1024) == 1024 and size_class(1025) == 1088  # 2^10 + 2^6, not 2048
+    for n in list(range(1, 5000)) + [3 * 2**20 + 1, 10**9 + 7, 2**33 + 1]:
+        c = size_class(n)
+        assert n <= c < n * (1 + 1 / 16) + 1, (n, c)
+        assert size_class(c) == c  # a class is its own class: buffers of one class are interchangeable
+    classes = {size_class(n) for n in range(2**20 + 1, 2**21 + 1)}
+    assert len(classes) == 16  # sixteen classes per power of two
+
+
+def test_take_keeps_dense_strides_and_waits_for_the_last_copy():
+    pool = HostPool(alloc=plain_bytes)
     like = torch.randn(1, 6, 4, 8).transpose(1, 2)  # [B, h, S/u, D] view of a token-major chunk
-    host = pool.take(like)
+    host, last = pool.take(like)
+    assert last is None and pool.allocated_bytes == size_class(like.numel() * 4)
     assert host.shape == like.shape and host.stride() == like.stride() and host.dtype == like.dtype
     host.copy_(like)
     assert torch.equal(host, like)
+    pool.note(host, "write-event", write=True)
+    pool.note(host, "read-event", write=False)  # the last copy of this buffer (a read back on the IN stream)
+    assert pool.pending(host) == "write-event"  # a reader waits for the write only
     pool.give(host)
     pool.give(host)  # a second hand-back is ignored (never two users of one buffer)
-    assert pool.free_bytes() == size_class(like.numel() * 4)
-    a, b = pool.take(like), pool.take(like)  # one reused, one new
+    assert pool.free_bytes() == size_class(like.numel() * 4) and pool.lent_bytes() == 0
+    a, last_a = pool.take(like)  # the reused buffer: its next writer must wait for the read
+    b, last_b = pool.take(like)  # a new one
+    assert (last_a, last_b) == ("read-event", None)
     assert pool.allocations == 2 and a.data_ptr() != b.data_ptr()
     pool.give(torch.empty(3))  # not from the pool: ignored
+    del b  # a lent tensor that dies without give() brings its buffer back
+    assert pool.free_bytes() == size_class(like.numel() * 4)
     pool.clear()
     assert pool.free_bytes() == 0
 
@@ -57,17 +85,17 @@ def test_size_class_and_take_keeps_dense_strides():
 def _two_layer_step(plan, streams, q, k, v, dout):
     """Forward of layers 0, 1 then backward of 1, 0 (the FPDT loops, world size 1), the
     forward store's host copies handed to a new backward store as `FPDTAttention` does."""
-    keys, saved = _saved_keys(plan.chunks), []
+    keys, saved = saved_keys(plan.chunks), []
     outs = []
     for layer in range(2):
         store = ChunkStore("cpu", offload=True, streams=streams)
         outs.append(fpdt_forward(q[layer], k[layer], v[layer], plan, store))
-        saved.append((store.counts(keys), store.export(keys), store.written(keys)))
+        saved.append((store.counts(keys), store.export(keys)))
     grads = []
     for layer in (1, 0):
         store = ChunkStore("cpu", offload=True, streams=streams)
         store.load(keys, *saved[layer])
-        grads.append(fpdt_backward(dout[layer], plan, store, q[layer].shape, k[layer].shape)[:3])
+        grads.append(fpdt_backward(dout[layer], outs[layer], plan, store, q[layer].shape, k[layer].shape)[:3])
     return outs, grads
 
 
@@ -92,43 +120,41 @@ def test_second_step_allocates_no_pinned_buffer(chunks):
 
 
 def test_fpdt_offload_waits_only_where_a_host_copy_is_read():
-    """Issue 19 item 3: no compute-stream wait for device -> host copies at the end of a layer
-    (the old `finish()` in `export`); each read of a host copy (a prefetch on the side stream)
-    waits for exactly the event of the put that wrote it, and no other event."""
+    """Two copy directions, one stream each: no compute-stream wait for device -> host copies
+    (the end of a layer does not stall on its offload); each read of a host copy (a prefetch
+    on the IN stream) waits for exactly the event of the put that wrote it and for nothing
+    else -- in particular not for offloads or compute queued before it; a reused pool buffer
+    is written (OUT stream) only after the event of its last read."""
     chunks, s, h, d = 4, 32, 2, 4
     kw = dict(scale=1 / math.sqrt(d), causal=True, window=None, softcap=None)
     plan = FPDTPlan([0, 5, s], chunks, group=None, causal=True, window=None, kw=kw)
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = ([torch.randn(1, s, h, d, generator=g) for _ in range(2)] for _ in range(4))
     fake = PooledFakeStreams()
-    trace: list = []
-    orig_put, orig_prefetch = ChunkStore.put, ChunkStore.prefetch
-
-    def put(self, key, *tensors):  # tag each put with the event it records
-        orig_put(self, key, *tensors)
-        trace.append(("put", key, self._written[key].name))
+    reads: list = []
+    orig_prefetch = ChunkStore.prefetch
 
     def prefetch(self, key):
-        if key not in self._ready:
-            trace.append(("read", key, self._written[key].name, len(fake.log)))
+        if key not in self._ready:  # the event of the put that wrote this chunk, and where the read starts
+            reads.append((key, fake.pending(self._held[key][0]).name, len(fake.log)))
         orig_prefetch(self, key)
 
-    ChunkStore.put, ChunkStore.prefetch = put, prefetch
+    ChunkStore.prefetch = prefetch
     try:
-        _two_layer_step(plan, fake, q, k, v, dout)
+        for _ in range(2):  # the second step reuses every buffer
+            _two_layer_step(plan, fake, q, k, v, dout)
     finally:
-        ChunkStore.put, ChunkStore.prefetch = orig_put, orig_prefetch
-    assert ("wait_stream", "main", "side") not in fake.log  # the compute stream never waits for an offload
-    reads = [e for e in trace if e[0] == "read"]
+        ChunkStore.prefetch = orig_prefetch
+    recorded = {stream: {e[1] for e in fake.log if e[0] == "record" and e[2] == stream} for stream in ("out", "in")}
     assert reads
-    for _, key, event, at in reads:
-        # the read's own waits: the side stream after main (ordering), then the put's event
-        assert fake.log[at : at + 2] == [("wait_stream", "side", "main"), ("wait_event", "side", event)], (key, event)
-    side_waits = [e for e in fake.log if e[:2] == ("wait_event", "side")]
-    assert len(side_waits) == len(reads)  # no wait anywhere else
+    for key, event, at in reads:
+        assert event in recorded["out"] and fake.log[at] == ("wait_event", "in", event), (key, event)
+    in_waits = [e for e in fake.log if e[1] == "in" and e[0] in ("wait_event", "wait_stream")]
+    assert len(in_waits) == len(reads)  # a prefetch waits for nothing else (no wait_stream on main or OUT)
     main_waits = {e[2] for e in fake.log if e[:2] == ("wait_event", "main")}
-    put_events = {e[2] for e in trace if e[0] == "put"}
-    assert not main_waits & put_events  # the compute stream waits only for copies back to the device
+    assert main_waits <= recorded["in"] and not any(e[:2] == ("wait_stream", "main") for e in fake.log)
+    reuse_waits = [e[2] for e in fake.log if e[:2] == ("wait_event", "out")]
+    assert reuse_waits and set(reuse_waits) <= recorded["in"]  # a reused buffer: after its last read
 
 
 def test_fpdt_attention_with_pooled_offload_matches_and_refuses_a_second_backward(monkeypatch):
@@ -146,7 +172,7 @@ def test_fpdt_attention_with_pooled_offload_matches_and_refuses_a_second_backwar
 
     def grads(offload_on: bool, retain: bool = False):
         q, k, v = (t.clone().requires_grad_() for t in base)
-        out = FPDTAttention.apply(q, k, v, plan, offload_on, None)
+        out = FPDTAttention.apply(q, k, v, plan, offload_on, None, True)
         out.square().sum().backward(retain_graph=retain)
         return out, [t.grad for t in (q, k, v)]
 

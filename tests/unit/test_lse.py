@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_longctx.ops.lse import merge
+from hf_longctx.ops.lse import merge, merge_
 
 # float64 inputs keep the merge in float64: the only error left is a few roundings of
 # exp/log, so 1e-12 is ~1e4 ulps of headroom yet fails on any wrong weight.
@@ -90,3 +90,30 @@ def test_shape_mismatch_raises():
     o = torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="block_out"):
         merge(o, torch.zeros(1, 2, 3), torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5))
+
+
+def test_merge_in_place_equals_merge_and_reads_a_bf16_block_as_is():
+    """`merge_` folds a block into the caller's float32 accumulator in place; a bf16 block is
+    read as it is (bf16 -> float32 is exact, so the result equals merging its widened copy)."""
+    g = torch.Generator().manual_seed(3)
+    acc = torch.randn(2, 3, 5, 4, generator=g)
+    block = torch.randn(2, 3, 5, 4, generator=g).to(torch.bfloat16)
+    lse, block_lse = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+    lse[0, 0, 0] = block_lse[0, 0, 1] = float("-inf")
+    ref_out, ref_lse = merge(acc, lse, block.float(), block_lse)
+    same = acc.clone()
+    out, new_lse = merge_(same, lse, block, block_lse)
+    assert out is same  # the accumulator itself
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(new_lse, ref_lse)
+    with pytest.raises(ValueError, match="float32/float64"):
+        merge_(block.clone(), lse, block, block_lse)
+
+
+def test_merge_has_no_full_size_temporaries():
+    from benchmarks.hot_path import merge_costs
+
+    costs = merge_costs((1, 2, 64, 8))
+    before = costs["before: block widened, w_old·out + w_new·block"]
+    assert costs["merge_ (in place into the accumulator)"] == (0, 5) and before == (3, 9)
+    assert costs["merge (fresh result)"][0] == 0

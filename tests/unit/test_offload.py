@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from hf_longctx.ops.fpdt import FPDTPlan, fpdt_backward, fpdt_forward
+from hf_longctx.ops.fpdt import FPDTPlan, fpdt_backward, fpdt_forward, saved_keys
 from hf_longctx.ops.offload import ChunkStore
 
 
@@ -96,17 +96,22 @@ def test_fpdt_loops_schedule(chunks):
 
     trace: list = []
     store = ChunkStore("cpu", offload=True, trace=trace)
-    fpdt_forward(q, k, v, plan, store)
+    out = fpdt_forward(q, k, v, plan, store)
     # Forward: query chunk i streams the stored K/V chunks 0..i-1, each once, double-buffered.
     kv_fetches = [e for e in trace if e[0] == "fetch" and e[1][0] == "kv"]
     assert len(kv_fetches) == sum(len(n) - 1 for n in plan.needs)
     assert plan.needs == [list(range(i + 1)) for i in range(chunks)]
     for i in range(chunks):
-        _check_pass(_segment(trace, ("q", i)), [(("kv", j),) for j in range(i)])
+        seg = _segment(trace, ("q", i))
+        _check_pass(seg, [(("kv", j),) for j in range(i)])
+        # q_i is kept for the backward only: its put comes after this step's K/V fetches and attention
+        fetches = [n for n, e in enumerate(seg) if e[0] == "fetch"]
+        assert seg.index(("put", ("q", i))) > max(fetches, default=0) and ("end", (("kv", i - 1),)) in seg[
+            : seg.index(("put", ("q", i)))] if i else ("put", ("q", i)) in seg
 
     trace.clear()
     dout = torch.randn(1, s, h, d, generator=g)
-    fpdt_backward(dout, plan, store, q.shape, k.shape)
+    fpdt_backward(dout, out, plan, store, q.shape, k.shape)
     for i in range(chunks):  # the dq accumulator is first stored with chunk i's first gradient: no zeros put
         assert ("put", ("dq", i)) not in trace[: trace.index(("pass", ("kv", plan.needs[i][0])))]
     # Backward: every K/V chunk fetched exactly once (K/V outer); per outer chunk j each
@@ -115,11 +120,35 @@ def test_fpdt_loops_schedule(chunks):
         assert trace.count(("fetch", ("kv", j))) == 1
         seg = _segment(trace, ("kv", j))
         # the dq accumulator of chunk i exists only after the first K/V chunk it needs (no zeros round-trip)
-        groups = [(("q", i), ("do", i), ("o", i)) + ((("dq", i),) if j != plan.needs[i][0] else ()) for i in plan.users[j]]
+        groups = [(("q", i), ("do", i), ("lse", i)) + ((("dq", i),) if j != plan.needs[i][0] else ()) for i in plan.users[j]]
         assert plan.users[j] == list(range(j, chunks))
         _check_pass(seg, groups)
         if j + 1 < chunks:  # the next outer K/V chunk is requested before this inner loop starts
             assert seg.index(("fetch", ("kv", j + 1))) < seg.index(("begin", groups[0]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fpdt_forward_without_save_keeps_nothing_for_a_backward(causal):
+    """A forward whose saved tensors are discarded (a checkpoint's first run): no q or lse is
+    put, only the K/V chunks a later step reads (non-causal: q chunks too), all popped at the
+    end; what remains are memory-free placeholders with the shapes a saving forward holds, and
+    the output is the same."""
+    chunks, s, h, d = 4, 32, 2, 4
+    kw = dict(scale=1 / math.sqrt(d), causal=causal, window=None, softcap=None)
+    plan = FPDTPlan([0, 5, s], chunks, group=None, causal=causal, window=None, kw=kw)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, s, h, d, generator=g) for _ in range(3))
+    keys = saved_keys(chunks)
+    saving, discarding = ChunkStore("cpu", offload=True), ChunkStore("cpu", offload=True, trace=[])
+    ref = fpdt_forward(q, k, v, plan, saving)
+    out = fpdt_forward(q, k, v, plan, discarding, save=False)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    puts = {e[1] for e in discarding.trace if e[0] == "put"}
+    later = range(chunks - 1)  # the last step's chunks are live: nothing later reads them back
+    assert puts == {("kv", j) for j in later} | (set() if causal else {("q", i) for i in later})
+    assert {e[1] for e in discarding.trace if e[0] == "placeholder"} >= {("lse", i) for i in range(chunks)}
+    for a, b in zip(discarding.export(keys), saving.export(keys)):
+        assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) and a.untyped_storage().nbytes() <= 4
 
 
 # ---- the stream/event logic, on CPU through a fake `Streams` -------------------------------
@@ -127,12 +156,14 @@ def test_fpdt_loops_schedule(chunks):
 
 class FakeStreams:
     """`ops.offload.Streams` on CPU: named streams and events that log every operation in
-    program order; copies run synchronously. What it checks is the ORDER of waits, records
-    and copies the CUDA path issues, not CUDA's behaviour."""
+    program order; copies run synchronously, and a copy back to the "device" is a real copy
+    (a new tensor), so host and device copies are distinct as on a GPU. What it checks is the
+    ORDER of waits, records and copies the CUDA path issues, not CUDA's behaviour."""
 
     def __init__(self):
         self.log: list[tuple] = []
         self.events = 0
+        self.last: dict[int, object] = {}  # id(host) -> event after the last copy into it
 
     class _Stream:
         def __init__(self, owner, name):
@@ -154,11 +185,14 @@ class FakeStreams:
     def offloads(self, device):
         return True
 
+    def is_host(self, tensor):
+        return False
+
     def current(self, device):
         return self._Stream(self, "main")
 
-    def side(self, device):
-        return self._Stream(self, "side")
+    def side(self, device, direction):
+        return self._Stream(self, direction)
 
     def on(self, stream):
         import contextlib
@@ -181,6 +215,16 @@ class FakeStreams:
         self.log.append(("pinned", tuple(like.shape)))
         return torch.empty(like.shape, dtype=like.dtype)
 
+    def to_device(self, host, device):
+        return host.clone()
+
+    def note(self, host, event, write):
+        if write:
+            self.last[id(host)] = event
+
+    def pending(self, host):
+        return self.last.get(id(host))
+
     def keep_alive(self, tensor, stream):
         self.log.append(("keep_alive", tuple(tensor.shape), stream.name))
 
@@ -194,23 +238,23 @@ def test_store_stream_protocol_with_fake_streams():
     assert store.copies
     t = torch.randn(3, 2)
     store.put("a", t)
-    # put: the side stream waits for the producer, copies inside the side stream, keeps t alive
+    # put: the OUT stream waits for the producer, copies inside the OUT stream, keeps t alive
     # for it, and records the event that readers of the host copy will wait for
-    assert fake.log == [("wait_stream", "side", "main"), ("enter", "side"), ("pinned", (3, 2)),
-                        ("keep_alive", (3, 2), "side"), ("record", "e1", "side"), ("exit", "side")]
+    assert fake.log == [("wait_stream", "out", "main"), ("enter", "out"), ("pinned", (3, 2)),
+                        ("keep_alive", (3, 2), "out"), ("record", "e1", "out"), ("exit", "out")]
     assert store._held["a"][0] is not t and torch.equal(store._held["a"][0], t)
     fake.log.clear()
-    saved, written = store.export(["a"]), store.written(["a"])
+    saved = store.export(["a"])
     # the forward -> backward hand-off: no wait at all (the compute stream never reads the host copy)
-    assert fake.log == [] and saved[0] is store._held["a"][0] and written[0].name == "e1"
+    assert fake.log == [] and saved[0] is store._held["a"][0]
     back_store = ChunkStore("cpu", offload=True, streams=fake)
-    back_store.load(["a"], [1], saved, written)
+    back_store.load(["a"], [1], saved)
     (back,) = back_store.get("a")
-    # the read of the host copy (on the side stream) waits for the copy that wrote it; main waits for the read
-    assert fake.log == [("wait_stream", "side", "main"), ("wait_event", "side", "e1"), ("enter", "side"),
-                        ("record", "e2", "side"), ("exit", "side"), ("wait_event", "main", "e2"),
-                        ("keep_alive", (3, 2), "main")]
-    assert torch.equal(back, t)
+    # the read of the host copy (on the IN stream) waits for the copy that wrote it -- the event
+    # travels with the host tensor -- and for nothing else; main waits for the read
+    assert fake.log == [("wait_event", "in", "e1"), ("enter", "in"), ("record", "e2", "in"), ("exit", "in"),
+                        ("keep_alive", (3, 2), "main"), ("wait_event", "main", "e2")]
+    assert torch.equal(back, t) and back is not saved[0]
 
 
 def test_offloaded_checkpoint_stream_protocol_and_gradients():
@@ -225,13 +269,15 @@ def test_offloaded_checkpoint_stream_protocol_and_gradients():
     fake = FakeStreams()
     h = x * 2
     out = offloaded_checkpoint(layer, h, streams=fake)
-    # forward: one detached copy on the side stream, issued BEFORE the layer runs, and an event after it
-    assert fake.log == [("wait_stream", "side", "main"), ("enter", "side"), ("pinned", (5, 4)),
-                        ("record", "e1", "side"), ("exit", "side"), ("keep_alive", (5, 4), "side")]
+    # forward: one detached copy on the OUT stream, issued BEFORE the layer runs, and an event after it
+    assert fake.log == [("wait_stream", "out", "main"), ("enter", "out"), ("pinned", (5, 4)),
+                        ("keep_alive", (5, 4), "out"), ("record", "e1", "out"), ("exit", "out")]
     fake.log.clear()
     grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
-    # backward: the compute stream waits for the copy's event before the recompute reads the host copy
-    assert fake.log == [("wait_event", "main", "e1")]
+    # backward: the read back (IN stream) waits for the copy's event, main waits for the read,
+    # and the host buffer goes back to the pool right after
+    assert fake.log == [("wait_event", "in", "e1"), ("enter", "in"), ("record", "e2", "in"), ("exit", "in"),
+                        ("keep_alive", (5, 4), "main"), ("wait_event", "main", "e2"), ("recycle", (5, 4))]
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
 
@@ -308,28 +354,29 @@ def test_keep_attention_region_stream_protocol_and_gradients():
     fake = FakeStreams()
     keeper = AttentionKeeper(fake)
     out = offloaded_checkpoint(make_layer(keeper), x * 2, streams=fake, keeper=keeper)
-    forward_log, kept = list(fake.log), fake.log.count(("enter", "side")) - 1  # minus the layer input's copy
-    assert len(calls) == 2 and kept >= 3, (calls, forward_log)  # saved tensors of matmul/softmax/matmul + output
+    forward_log, kept = list(fake.log), fake.log.count(("enter", "out")) - 1  # minus the layer input's copy
+    # distinct saved tensors of matmul/softmax/matmul + the output (a tensor saved twice is copied once)
+    assert len(calls) == 2 and kept >= 3, (calls, forward_log)
     fake.log.clear()
     grads = torch.autograd.grad(out.square().sum(), params)
     assert len(calls) == 2 and keeper.replayed == 1  # the recompute replayed the attention: it ran once
     backward_log = fake.log
     assert not any(e[0] == "pinned" for e in backward_log)  # nothing new is pinned in the backward
-    prefetch = [e for e in backward_log if e == ("enter", "side")]
-    assert len(prefetch) == kept  # every kept tensor prefetched once, at the start of the recompute
-    first_main_wait = next(i for i, e in enumerate(backward_log) if e[:2] == ("wait_event", "main")
-                           and e[2] not in ("e1",))  # e1: the layer input's own copy
-    assert backward_log.index(("enter", "side")) < first_main_wait  # prefetches issued before any read
-    ready = {e[1] for e in backward_log if e[0] == "record" and e[2] == "side"}
-    reads = [e[2] for e in backward_log if e[:2] == ("wait_event", "main") and e[2] != "e1"]
-    assert reads and set(reads) <= ready and len(reads) == len(set(reads)) == kept  # each read waits for its own copy
+    in_records = [e[1] for e in backward_log if e[0] == "record" and e[2] == "in"]
+    input_ready, kept_ready = in_records[0], set(in_records[1:])  # the layer input's read back, then the region's
+    assert len(kept_ready) == kept  # every kept tensor prefetched once, at the start of the recompute
+    reads = [e[2] for e in backward_log if e[:2] == ("wait_event", "main") and e[2] != input_ready]
+    assert set(reads) == kept_ready  # each read waits for its own copy, and only for it
+    last_prefetch = max(i for i, e in enumerate(backward_log) if e == ("enter", "in"))
+    assert last_prefetch < backward_log.index(("wait_event", "main", reads[0]))  # prefetches issued before any read
+    assert sum(e[0] == "recycle" for e in backward_log) == kept + 1  # every host copy back to the pool once read
     for g, r in zip(grads, ref):  # x's gradient sums its two paths in another order: one fp32 rounding (~1e-7)
         torch.testing.assert_close(g, r, rtol=1e-6, atol=0)
 
 
 def test_checkpoint_inputs_of_the_next_layer_are_prefetched():
     """Two checkpointed layers on one LayerChain (fake streams): the backward recomputes layer
-    1 first, and its recompute starts the side-stream copy of layer 0's input; layer 0's
+    1 first, and its recompute starts the IN-stream copy of layer 0's input; layer 0's
     recompute then waits for that prefetch (not for a copy issued on the compute stream).
     Layer 1's own input has no prefetch (nothing runs before the first recompute). Gradients
     equal a plain backward."""
@@ -347,10 +394,13 @@ def test_checkpoint_inputs_of_the_next_layer_are_prefetched():
     fake.log.clear()
     grads = torch.autograd.grad(out.square().sum(), params)
     log = fake.log
-    # layer 1's recompute: reads its own input (waits e2), prefetches layer 0's (side waits e1, copy, record e3)
-    assert log[:5] == [("wait_event", "main", "e2"), ("wait_event", "side", "e1"), ("enter", "side"),
-                       ("record", "e3", "side"), ("exit", "side")], log
-    assert ("wait_event", "main", "e3") in log and ("wait_event", "main", "e1") not in log, log  # layer 0 reads the prefetch
+    # layer 1's recompute: reads its own input back (IN waits e2, record e3; main waits e3), then
+    # prefetches layer 0's (IN waits e1, copy, record e4)
+    assert log[:10] == [("wait_event", "in", "e2"), ("enter", "in"), ("record", "e3", "in"), ("exit", "in"),
+                        ("keep_alive", (3, 4), "main"), ("wait_event", "main", "e3"), ("recycle", (3, 4)),
+                        ("wait_event", "in", "e1"), ("enter", "in"), ("record", "e4", "in")], log
+    # layer 0 reads the prefetch: no second copy of its input
+    assert ("wait_event", "main", "e4") in log and log.count(("enter", "in")) == 2, log
     assert chain.last is None  # nothing of the step stays referenced after its backward
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=0)

@@ -1,5 +1,5 @@
 """Packed backward peak memory: no fp32 scratch when one kernel call covers every row
-(issue 19, item 4; `ops/backends/packed.py`).
+(`ops/backends/packed.py`).
 
 The kernel is a stub with the packed-kernel contract that allocates only its outputs
 (`torch.empty_like`), so the tracked peak is the backend's own: the flash-layout copies
@@ -41,3 +41,34 @@ def test_one_call_backward_has_no_fp32_scratch():
     one = q.numel() * q.element_size()
     # 8 q-sized tensors + lse and cu_seqlens; the fp32 scratch would add 6 (and its cast 3).
     assert peak <= 9 * one, f"peak {peak / one:.2f}x q's bytes: fp32 scratch is back"
+
+
+def _calls(cu, ring, ring_rank, step, causal=True, window=None):
+    from hf_longctx.ops.backends.packed import _plan_calls
+    from hf_longctx.ops.ring import ring_plan
+
+    plan = ring_plan(cu, ring, ring_rank, causal=causal, window=window)
+    k_runs, tiles = plan.steps[step]
+    q = torch.zeros(1, 4, sum(r.length for r in plan.q_runs), 16)
+    k = torch.zeros(1, 2, sum(r.length for r in k_runs), 16)
+    return _plan_calls(tiles, q, k, causal, window), k.shape[2]
+
+
+def test_ring_steps_take_the_one_call_path_and_gather_no_key_twice():
+    """Zigzag ring over packed documents (cu = [0, 20, 32, 56, 64], R = 2): every rank's own
+    step is ONE causal call over its stream as it lies (chunk r then chunk 2R-1-r of each
+    document is causal in local order), so no row is gathered and the backward returns the
+    kernel's gradients as they are (no float32 index_add); the other steps gather each key
+    row at most once (the queries that see the same keys share one sequence)."""
+    cu = [0, 20, 32, 56, 64]
+    for ring in (2, 4):
+        for rank in range(ring):
+            calls, _ = _calls(cu if ring == 2 else [0, 40, 64, 112, 128], ring, rank, 0)
+            assert len(calls) == 1 and calls[0].q_idx is None and calls[0].k_idx is None and calls[0].causal, (ring, rank)
+            for step in range(1, ring):
+                calls, sk = _calls(cu if ring == 2 else [0, 40, 64, 112, 128], ring, rank, step)
+                for c in calls:
+                    if c.k_idx is not None:
+                        assert len(set(c.k_idx.tolist())) == len(c.k_idx) <= sk, (ring, rank, step)
+                    if c.q_idx is not None:
+                        assert len(set(c.q_idx.tolist())) == len(c.q_idx), (ring, rank, step)

@@ -1,4 +1,4 @@
-"""`hf-longctx plan` gives an answer that is right and applicable (issue 18 item 5): micro-batches
+"""`hf-longctx plan` gives an answer that is right and applicable: micro-batches
 per step decide whether earlier fp32 gradients are held, parameter offload (FSDP2
 CPUOffloadPolicy) moves the fp32 shards and optimizer states to host memory, the binding
 resource and the flag that changes it are named, `--show-infeasible` prints the table even
@@ -59,7 +59,7 @@ def test_param_offload_moves_shards_and_optimizer_to_host():
 
 
 def test_llama_8b_1m_tokens_on_8_gpus_suggests_a_setting(capsys):
-    """The done-when command of issue 18 item 5: a suggestion, as code and as recipe flags."""
+    """The planner command of the README: a suggestion, as code and as recipe flags."""
     assert main(DONE_WHEN + ["--top", "3"]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)

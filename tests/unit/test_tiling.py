@@ -43,6 +43,7 @@ from hf_longctx.ops.tiling import (
     chunked_mlp,
     default_loss_chunk_size,
     default_mlp_chunks,
+    mlp_chunks_at,
 )
 
 torch.set_num_threads(1)
@@ -348,15 +349,19 @@ def test_chunked_loss_rejects_bad_args() -> None:
 
 def test_defaults() -> None:
     assert default_mlp_chunks(1) == 2 and default_mlp_chunks(4) == 8
+    assert default_mlp_chunks(1, 14336, 4096) == 14 and default_mlp_chunks(64, 14336, 4096) == 128  # >= ceil(4 I / Hd)
+    assert mlp_chunks_at(14, 1 << 20, auto=True) == 14 and mlp_chunks_at(14, 4096, auto=True) == 4  # rows >= 1024
+    assert mlp_chunks_at(14, 100, auto=True) == 1 and mlp_chunks_at(14, 100, auto=False) == 14
     with pytest.raises(ValueError, match="fpdt_chunks=0"):
         default_mlp_chunks(0)
 
-    big = LlamaConfig(vocab_size=128256, hidden_size=4096)  # 2 V / Hd -> 63 chunks
-    assert default_loss_chunk_size(big, 131072) == 2081  # ceil(131072 / 63)
-    tiny = LlamaConfig(vocab_size=1000, hidden_size=32)  # 63 chunks would be ~80 tokens
+    big = LlamaConfig(vocab_size=128256, hidden_size=4096)  # 8 V / Hd -> 251 chunks
+    assert default_loss_chunk_size(big, 1 << 20) == 4178  # ceil(1048576 / 251)
+    assert default_loss_chunk_size(big, 131072) == 523  # ceil(131072 / 251)
+    tiny = LlamaConfig(vocab_size=1000, hidden_size=32)  # 250 chunks would be ~20 tokens
     assert default_loss_chunk_size(tiny, 5000) == MIN_LOSS_CHUNK_TOKENS
     assert default_loss_chunk_size(tiny, 200) == 200  # shorter than the floor: one chunk
     gpt2 = GPT2Config(vocab_size=50257, n_embd=768)  # hidden_size via attribute_map
-    assert default_loss_chunk_size(gpt2, 300000) == 2291  # ceil(300000 / 131)
+    assert default_loss_chunk_size(gpt2, 300000) == 573  # ceil(300000 / 524)
     with pytest.raises(ValueError, match="seq_len=0"):
         default_loss_chunk_size(big, 0)

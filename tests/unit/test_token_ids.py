@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.hot_path import Counter, counting
+from benchmarks._counting import Counter
 from hf_longctx import NotSupported
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.token_ids import DOCUMENT_KEY, Vocabulary
@@ -88,17 +88,18 @@ def test_pad_token_outside_the_table_is_refused_at_construction():
 def test_the_check_makes_no_device_sync():
     counter = Counter()
     collator = LongContextCollator(_mesh(), 64, vocab=VOCAB)
-    with counting(counter):
+    with counter.counting():
         feats = _features(bad_doc=0, pos=0, value=1)  # host rows, as the step DataLoader hands them over
         collator(feats)
     assert counter.counts["syncs"] == 0, counter.sync_sites
-    # The counter can see the fault: with features that are device tensors to it (made before
-    # counting), the same call with the check reads them on the host and is counted.
+    # The counter can see the fault: with features that are device tensors to it (marked as
+    # on the device), the same call with the check reads them on the host and is counted.
     device_rows = [{"input_ids": torch.tensor(f["input_ids"])} for f in _features(bad_doc=0, pos=0, value=1)]
     syncs = {}
     for vocab in (None, VOCAB):
         counter = Counter()
-        with counting(counter):
+        counter.mark_device([row["input_ids"] for row in device_rows])
+        with counter.counting():
             LongContextCollator(_mesh(), 64, vocab=vocab)(device_rows)
         syncs[vocab] = counter.counts["syncs"]
     assert syncs[VOCAB] > syncs[None], syncs

@@ -10,7 +10,9 @@ arbitrary kwargs to every mixer, so the wrappers read the batch metadata from th
 
 Each wrapper (`wrappers.py`) reuses the module's own projections, norms and parameters and
 replaces only the sequence-mixing core by a scheme of `ops/mixers/` that is exact for packed
-documents under any SP layout (zigzag ring × Ulysses, FPDT rank-ordinal chunks), taking
+documents under any SP layout (zigzag ring × Ulysses, FPDT rank-ordinal chunks) -- for GDN
+and Mamba-2 the head all-to-all or state passing, per `patch(mixers=...)` and the cost rule
+(`modes.py`, `dispatch.py`), on the batch's own group (a GroupBank's) --, taking
 document boundaries and the token permutation from OUR metadata, never from transformers'
 kwargs (transformers' own torch paths ignore `cu_seqlens` and leak state across documents).
 

@@ -3,8 +3,8 @@
 Where it sits: `registry.REGISTRY` maps each transformers class to one of these (`make`
 builds the instance's new forward around a `MixerBinding`; `check` raises ValueError for a
 layout it cannot serve). Each reuses the module's own projections, norms and parameters and
-replaces only the token-mixing core by `ops/mixers/` (halo convolution, GDN / Mamba-2 head
-all-to-all, RG-LRU state passing).
+replaces only the token-mixing core by `ops/mixers/` (halo convolution; GDN / Mamba-2 head
+all-to-all or state passing, per `dispatch.py`; RG-LRU state passing).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import torch
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.mixers.binding import MixerBinding
+from hf_longctx.integrations.mixers.dispatch import gdn_core, mamba2_core
 from hf_longctx.ops.mixers.conv import halo_conv
-from hf_longctx.ops.mixers.gdn import GDNHeads, gdn_sequence_parallel
-from hf_longctx.ops.mixers.mamba2 import Mamba2Heads, mamba2_sequence_parallel
 from hf_longctx.ops.mixers.rglru import rglru_scan_sequence_parallel
 
 
@@ -50,13 +49,8 @@ def short_conv(module: Any, bind: MixerBinding) -> Callable:
 # ---- Gated DeltaNet: Qwen3-Next, Qwen3.5 (+MoE), OLMo-hybrid ---------------------------------
 
 
-def gdn_heads(module: Any, mesh: SPMesh) -> GDNHeads:
-    return GDNHeads.split(module.num_k_heads, module.num_v_heads, mesh.sp)
-
-
 def check_gdn(module: Any, mesh: SPMesh) -> None:
-    gdn_heads(module, mesh)
-    check_depthwise(module.conv1d, type(module).__name__)
+    check_depthwise(module.conv1d, type(module).__name__)  # head bounds: modes.resolve_modes (mixers='heads' only)
 
 
 def gdn(project: Callable, finish: Callable) -> Callable:
@@ -67,16 +61,12 @@ def gdn(project: Callable, finish: Callable) -> Callable:
         from transformers.activations import ACT2FN
 
         core = importlib.import_module(type(module).__module__).torch_chunk_gated_delta_rule
-        heads, act = gdn_heads(module, bind.mesh), ACT2FN[module.activation]
+        act = ACT2FN[module.activation]
 
         def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
             lay = bind.layout(module, hidden_states)
             mixed_qkv, beta, a, gate = project(module, hidden_states)
-            out = gdn_sequence_parallel(
-                mixed_qkv, beta, a, conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias,
-                activation=act, A_log=module.A_log, dt_bias=module.dt_bias, head_k_dim=module.head_k_dim,
-                head_v_dim=module.head_v_dim, heads=heads, core=core, lay=lay, rank=bind.rank, group=bind.group,
-            )  # [B, S_local, H_v, D_v]
+            out = gdn_core(module, bind, lay, mixed_qkv, beta, a, act, core)  # [B, S_local, H_v, D_v]
             return finish(module, out, gate)
 
         return forward
@@ -116,7 +106,8 @@ def norm_out(norm: str, proj: str) -> Callable:
 
 
 def check_mamba2(module: Any, mesh: SPMesh) -> None:
-    Mamba2Heads.split(module.num_heads, module.n_groups, mesh.sp)
+    if module.n_groups < 1 or module.num_heads % module.n_groups:
+        raise ValueError(f"Mamba-2 needs its heads ({module.num_heads}) to be a multiple of n_groups ({module.n_groups})")
     check_depthwise(module.conv1d, type(module).__name__)
     inner = module.num_heads * module.head_dim
     if module.intermediate_size != inner:
@@ -127,7 +118,7 @@ def mamba2(module: Any, bind: MixerBinding) -> Callable:
     from transformers.activations import ACT2FN
 
     scan = importlib.import_module(type(module).__module__).mamba2_chunk_scan
-    heads, act = Mamba2Heads.split(module.num_heads, module.n_groups, bind.mesh.sp), ACT2FN[module.activation]
+    act = ACT2FN[module.activation]
     falcon = hasattr(module, "ssm_in_multiplier")  # Falcon-H1: µP multipliers around in_proj, optional norm
 
     def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
@@ -138,12 +129,7 @@ def mamba2(module: Any, bind: MixerBinding) -> Callable:
         else:
             projected = module.in_proj(hidden_states)  # [B, S_local, I + conv_dim + H]
         gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
-        y = mamba2_sequence_parallel(
-            xbc, dt, conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias, activation=act,
-            A_log=module.A_log, D=module.D, dt_bias=module.dt_bias, dt_limit=tuple(module.time_step_limit),
-            head_dim=module.head_dim, state=module.ssm_state_size, chunk_size=module.chunk_size, heads=heads, scan=scan,
-            lay=lay, rank=bind.rank, group=bind.group,
-        )  # [B, S_local, I] fp32
+        y = mamba2_core(module, bind, lay, xbc, dt, act, scan)  # [B, S_local, I] fp32
         if falcon and not module.mamba_rms_norm:
             y = y * torch.nn.functional.silu(gate)
         else:

@@ -17,6 +17,8 @@ Release differences (read from the tags in Dao-AILab/flash-attention):
   registered op SCHEMA, never by `inspect.signature`; `window_size_left` /
   `window_size_right`; the forward returns (out, softmax_lse, S_dmask, rng_state), the
   backward returns softmax_d. v2.7.4+ adds `zero_tensors=False` (not passed).
+- every 2.6+ release: the backward takes `deterministic` (ordered dq accumulation), passed
+  on from `torch.use_deterministic_algorithms`;
 - every 2.6+ release: varlen lse is [H, total_q] float32 (v2.5 padded it to
   [B, H, max_seqlen_q]); a row with no key gets lse = +inf; causal and windows are
   bottom-right aligned; softcap 0.0 means none; GQA native (dk/dv come back with H_kv).
@@ -67,6 +69,14 @@ def detect(version: str | None, interface, ops) -> tuple[FlashAttnAPI | None, st
     return FlashAttnAPI(release, fwd, bwd, window_tuple=release < (2, 7)), None
 
 
+def deterministic() -> bool:
+    """flash-attn's backward accumulates dq with atomic adds unless told `deterministic=True`
+    (a slower, ordered reduction); asked for whenever `torch.use_deterministic_algorithms(True)`
+    is on (also with `warn_only`, where torch's own flash backward stays non-deterministic: this
+    kernel has the ordered path, so it is taken)."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
 def _window(api: FlashAttnAPI, left: int, right: int) -> dict:
     if api.window_tuple:
         return {"window_size": (left, right)}
@@ -92,6 +102,6 @@ class FlashAttnKernel:
         self.api.varlen_backward(
             dout, q, k, v, out, safe_lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
             causal=causal, **_window(self.api, left, right), softcap=softcap or 0.0, alibi_slopes=None,
-            deterministic=False, rng_state=None,
+            deterministic=deterministic(), rng_state=None,
         )  # writes dq, dk, dv in place in every release
         return dq, dk, dv

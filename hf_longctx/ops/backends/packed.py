@@ -5,24 +5,12 @@ Where it sits: the backends whose kernel takes many documents in one call -- fla
 hands it the blocks of `ops/blocks.py`; this module turns them into variable-length
 sequences (cu_seqlens), calls the kernel once per wave, and scatters the results back.
 
-From blocks to sequences. Those kernels take no mask; their causal flag and window
-(left, right) are aligned to the BOTTOM-RIGHT of each sequence (row r of nq sees column
-c of nk iff r + nk - nq - left <= c <= r + nk - nq + right, -1 = unbounded), while our
-rule is on global positions (i sees j iff i - j in [dlo, dhi]: causal [0, window-1],
-bidirectional [-(window-1), window-1]). With shift = q_end - k_end of a tile (global
-ends), the band is exactly left = dhi - shift, right = shift - dlo, once the tile is
-trimmed to the rows that see a key and the keys some row sees (then both are >= 0).
-A query piece's "full" tiles and its one diagonal "causal" tile merge into ONE sequence:
-its keys gathered in global order are [all earlier keys..., the piece's own positions],
-which is bottom-right causal (-1, 0) exactly (or unbounded (-1, -1) with no diagonal).
-So a packed micro-batch (one causal tile per document), a zigzag ring step and an FPDT
-chunk pair each become one kernel call; windowed or partial tiles add calls grouped by
-their (left, right).
+From blocks to sequences and waves: `sequences.py` (bottom-right bands; a packed
+micro-batch, a zigzag ring step and an FPDT chunk pair each become one kernel call).
 
-Waves: one call takes one (left, right), and a query row may appear in one sequence of a
-call (so results scatter without a merge); sequences are packed greedily into waves,
-waves merge with `ops/lse.merge`; the first wave's rows start the result (no merge with an
-empty accumulator). The backward reuses the waves; when one call covers every row (a
+Waves (one kernel call each) merge with `ops/lse.merge_` into a float32 accumulator; the
+first wave's rows start the result (no merge with an empty accumulator). The backward
+reuses the waves; when one call covers every row (a
 packed micro-batch) it returns the kernel's gradients as they are, otherwise it sums them
 in float32 (several calls add into one row), starting from the first call's gradient
 where that call covers all rows of the tensor, and rounds once.
@@ -34,92 +22,15 @@ lse [H, B·n] from the kernel -> [B, H, n].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
+from hf_longctx.ops.backends.sequences import sequences, waves
 from hf_longctx.ops.blocks import Block
-from hf_longctx.ops.lse import merge
+from hf_longctx.ops.lse import merge_
 from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
 from hf_longctx.devices import upload
-
-
-class Seq(NamedTuple):
-    """One varlen sequence: local query rows `q`, local key ranges `k` (gathered in this
-    order), the bottom-right band (left, right), and the query piece it came from."""
-
-    piece: tuple[int, int]
-    q: tuple[int, int]
-    k: tuple[tuple[int, int], ...]
-    left: int
-    right: int
-
-
-def _band(causal: bool, window: int | None) -> tuple[float, float]:
-    """Allowed i - j: [dlo, dhi]."""
-    inf = float("inf")
-    if causal:
-        return 0, inf if window is None else window - 1
-    return (-inf, inf) if window is None else (-(window - 1), window - 1)
-
-
-def _trimmed(b: Block, dlo: float, dhi: float) -> Seq:
-    """A masked tile as one sequence: rows that see a key, keys that some row sees, the band."""
-    q0, q1 = b.q_start, b.q_start + b.q_hi - b.q_lo  # global [q0, q1)
-    k0, k1 = b.k_start, b.k_start + b.k_hi - b.k_lo
-    q0, q1 = int(max(q0, k0 + dlo)), int(min(q1, k1 - 1 + dhi + 1))  # rows i with a j in [i-dhi, i-dlo]
-    k0, k1 = int(max(k0, q0 - dhi)), int(min(k1, q1 - 1 - dlo + 1))
-    shift = q1 - k1
-    left = -1 if dhi == float("inf") else int(dhi - shift)
-    right = -1 if dlo == -float("inf") else int(shift - dlo)
-    lq, lk = b.q_lo + q0 - b.q_start, b.k_lo + k0 - b.k_start
-    return Seq((b.q_lo, b.q_hi), (lq, lq + q1 - q0), ((lk, lk + k1 - k0),), left, right)
-
-
-def sequences(blocks: Sequence[Block], *, causal: bool, window: int | None) -> list[Seq]:
-    dlo, dhi = _band(causal, window)
-    by_piece: dict[tuple[int, int], list[Block]] = {}
-    for b in blocks:
-        by_piece.setdefault((b.q_lo, b.q_hi), []).append(b)
-    out = []
-    for piece, bs in by_piece.items():
-        full = sorted((b for b in bs if b.kind == "full"), key=lambda b: b.k_start)
-        diag = [b for b in bs if b.kind == "causal"]
-        rest = [b for b in bs if b.kind == "masked"]
-        if diag and any(b.k_start >= diag[0].q_start for b in full):  # not "earlier keys + diagonal": keep apart
-            rest, diag = rest + diag, []
-        if full or diag:
-            keys = tuple((b.k_lo, b.k_hi) for b in full + diag)  # global order: earlier keys, then the diagonal
-            out.append(Seq(piece, piece, keys, -1, 0 if diag else -1))
-        out.extend(_trimmed(b, dlo, dhi) for b in rest)
-    return out
-
-
-def _fits(s: Seq, band: tuple[int, int]) -> bool:
-    """Sequence `s` computes exactly its own band under `band`: the same band, or an
-    unbounded one (every pair allowed) whose rows all see every key under `band` too
-    (bottom-right: right >= nq - 1 and left >= nk - 1) -- e.g. a 1-token zigzag chunk."""
-    if band == (s.left, s.right):
-        return True
-    if (s.left, s.right) != (-1, -1):
-        return False
-    nq, nk = s.q[1] - s.q[0], sum(hi - lo for lo, hi in s.k)
-    return (band[1] == -1 or band[1] >= nq - 1) and (band[0] == -1 or band[0] >= nk - 1)
-
-
-def waves(seqs: Sequence[Seq]) -> list[list[Seq]]:
-    """Greedy packing: one (left, right) per wave, each query piece at most once per wave;
-    banded sequences open the waves, unbounded ones join any wave they fit."""
-    result: list[tuple[tuple[int, int], set, list[Seq]]] = []
-    for s in sorted(seqs, key=lambda s: (s.left, s.right) == (-1, -1)):  # stable: banded first
-        for band, pieces, members in result:
-            if _fits(s, band) and s.piece not in pieces:
-                pieces.add(s.piece)
-                members.append(s)
-                break
-        else:
-            result.append(((s.left, s.right), {s.piece}, [s]))
-    return [members for _, _, members in result]
 
 
 def _index(ranges: Sequence[tuple[int, int]], total: int, device) -> torch.Tensor | None:
@@ -208,33 +119,39 @@ class PackedBackend:
     name: str
     kernel: object
 
-    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype):
+    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype, widen=True):
+        """`widen=False`: one call's output comes back in the kernel's dtype when `out_dtype`
+        is wider (the kernel rounded it already; the caller merges it as it is, `lse.merge_`)."""
         b, h, sq, d = q.shape
+        acc = acc_dtype(q.dtype)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, S, H(_kv), D] views
+        calls = _calls(blocks, q, k, causal, window)
         out = lse = None
-        for c in _calls(blocks, q, k, causal, window):
+        for c in calls:
             o, l = self.kernel.forward(
                 _gather(qt, c.q_idx), _gather(kt, c.k_idx), _gather(vt, c.k_idx), c.cu_q, c.cu_k, c.max_q, c.max_k,
                 scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
-            )  # o [B·nq, H, D], l [H, B·nq]
+            )  # o [B·nq, H, D], l [B·nq] per head: [H, B·nq]
             o = o.view(b, c.nq, h, d).transpose(1, 2)  # [B, H, nq, D]
             l = l.view(h, b, c.nq).transpose(0, 1)  # [B, H, nq]
             if out is None:  # the first call: its rows start the result, the rest attend nothing yet (0, -inf)
+                dtype = acc if len(calls) > 1 else o.dtype  # several calls: the float32 accumulator of merge_
                 if c.q_idx is None:
-                    out, lse = o, l
+                    out, lse = o.to(dtype), l
                 else:
-                    out = o.new_zeros((b, h, sq, d)).index_copy_(2, c.q_idx, o)  # [B, H, Sq, D]
+                    out = o.new_zeros((b, h, sq, d), dtype=dtype).index_copy_(2, c.q_idx, o.to(dtype))  # [B, H, Sq, D]
                     lse = l.new_full((b, h, sq), NEG_INF).index_copy_(2, c.q_idx, l)  # [B, H, Sq]
                 continue
             if c.q_idx is None:
-                out, lse = merge(out, lse, o, l)
+                out, lse = merge_(out, lse, o, l)
                 continue
-            m_out, m_lse = merge(out[:, :, c.q_idx], lse[:, :, c.q_idx], o, l)  # rows of this wave, [B, H, nq, (D)]
-            out, lse = out.to(m_out.dtype), lse.to(m_lse.dtype)
-            out[:, :, c.q_idx], lse[:, :, c.q_idx] = m_out, m_lse
+            rows, rows_lse = merge_(out.index_select(2, c.q_idx), lse.index_select(2, c.q_idx), o, l)  # [B, H, nq, (D)]
+            out.index_copy_(2, c.q_idx, rows)
+            lse.index_copy_(2, c.q_idx, rows_lse)
         if out is None:  # no tile at all
-            return q.new_zeros(q.shape, dtype=out_dtype), q.new_full(q.shape[:3], NEG_INF, dtype=acc_dtype(q.dtype))
-        return out.to(out_dtype), lse.to(acc_dtype(q.dtype))
+            return q.new_zeros(q.shape, dtype=out_dtype), q.new_full(q.shape[:3], NEG_INF, dtype=acc)
+        keep = not widen and out.dtype == q.dtype and out_dtype.itemsize > out.dtype.itemsize
+        return (out if keep else out.to(out_dtype)), lse.to(acc)
 
     def backward(self, dout, q, k, v, out, lse, blocks: Sequence[Block], *, scale, causal, window, softcap, grad_dtype):
         b, h, sq, d = q.shape

@@ -67,7 +67,8 @@ class TiledBackend:
     tile_backward: Callable
     expand_gqa: bool
 
-    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype):
+    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype, widen=True):
+        """`widen` is for the fused kernels (`packed.py`); tiles are computed in `out_dtype`."""
         masks = _masks(blocks, causal, window, q.device)
         fwd = dict(scale=scale, softcap=softcap)
         if len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2]):  # one tile: tensors as they are

@@ -45,6 +45,7 @@ class SequenceLayout:
     ulysses: int
     fpdt_chunks: int = 1
     _halo: dict = field(default_factory=dict, repr=False)
+    _plans: dict = field(default_factory=dict, repr=False)  # state-passing plans (ops/mixers/state_passing.py)
     _device: dict = field(default_factory=dict, repr=False)
 
     def on_device(self, key: Hashable, device: torch.device, build: Callable[[], Any]) -> Any:

@@ -24,12 +24,13 @@ def default_reference(model: Any, mesh: SPMesh, trust_remote_code: bool) -> Any:
 
 
 def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
-    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks), frozen."""
+    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks / mixers), frozen."""
     if is_patched(ref):
         state = patch_state(ref)
         if state.bank is not None or state.mesh != mesh:
             raise ValueError("ref_model was patched with a different mesh than the trainer's `mesh`")
     else:
-        options = patch_state(model).options
-        ref = patch(ref, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks)
+        policy = patch_state(model)
+        options = policy.options
+        ref = patch(ref, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, mixers=policy.mixers_option)
     return ref.eval().requires_grad_(False)

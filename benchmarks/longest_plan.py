@@ -1,0 +1,78 @@
+"""The longest context `hf-longctx plan` finds per cluster, beside the published figures.
+
+Where it sits: outside the library; drives `planning/search.rank_settings` (the planner's
+memory model, `planning/budget.py`) for the repository's Llama-3.1-8B and Llama-3-70B configs,
+bf16, AdamW, one micro-batch per step, 10 % of GPU and host memory kept free. For each
+cluster it doubles the length (multiples of 8K tokens per GPU) until no setting fits, then
+bisects; the row is the longest length with a feasible setting and that setting (the
+planner's first choice there). "binds" names the resource closest to its limit. These are
+estimates of the model, not measurements; `make gpu-check` puts a GPU's measured maximum
+beside the planner's figure for the same shape.
+
+Run: PYTHONPATH=. python benchmarks/longest_plan.py        (about a minute)
+"""
+
+from __future__ import annotations
+
+from hf_longctx.cli.plan import load_config
+from hf_longctx.planning.search import Cluster, rank_settings
+
+G = 2**30
+MODELS = {"8B": "tests/data/llama-3.1-8b-config.json", "70B": "tests/data/llama-3-70b-config.json"}
+CLUSTERS = [  # (GPUs, GPU GB, host GiB per node, {model: published figure})
+    (1, 80, 512, {"8B": "ALST: 500K"}),
+    (1, 141, 1024, {"8B": "ALST: 1.2M (one H200)"}),
+    (4, 80, 2048, {"8B": "FPDT: 2M"}),
+    (8, 80, 2048, {"8B": "ALST: 3.8M", "70B": "ALST: 200K"}),
+    (32, 80, 2048, {"8B": "ALST: 15.5M"}),
+    (64, 80, 2048, {}),
+]
+
+
+def _best(cfg, cluster: Cluster, tokens: int):
+    feasible = [c for c in rank_settings(cfg, cluster, tokens) if c.feasible]
+    return feasible[0] if feasible else None
+
+
+def longest(cfg, cluster: Cluster, quantum: int):
+    """(longest feasible length, its first-choice candidate); lengths are multiples of `quantum`."""
+    lo, hi, best = 0, 1 << 5, None
+    while (found := _best(cfg, cluster, hi * quantum)) is not None:
+        lo, best, hi = hi, found, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        found = _best(cfg, cluster, mid * quantum)
+        if found is not None:
+            lo, best = mid, found
+        else:
+            hi = mid
+    return lo * quantum, best
+
+
+def main() -> None:
+    print("| model | GPUs, host memory per node | planner's longest | its setting | peak GiB/GPU | host GiB/GPU "
+          "| binds | published |")
+    print("|---|---|---:|---|---:|---:|---|---|")
+    for name, path in MODELS.items():
+        cfg = load_config(path)
+        for gpus, gpu, host, published in CLUSTERS:
+            if name == "70B" and gpus < 8:
+                continue
+            cluster = Cluster(gpus=gpus, gpu_memory=gpu * G, host_memory=host * G)
+            tokens, best = longest(cfg, cluster, 8192 * gpus)
+            where = f"| {name} | {gpus} x {gpu} GB, {host} GiB host/node"
+            if best is None:
+                print(f"{where} | none | | | | | {published.get(name, '—')} |")
+                continue
+            s, per_node = best.setting, min(gpus, 8)
+            gpu_use = best.memory.peak / cluster.gpu_memory
+            host_use = best.memory.host * per_node / cluster.host_memory
+            print(f"{where} | {tokens / 2**20:.2f}M "
+                  f"| U{s.ulysses} x R{s.ring}, FPDT {s.fpdt_chunks}, {best.preset}"
+                  f"{', param offload' if s.param_offload else ''} | {best.memory.peak / G:.1f} "
+                  f"| {best.memory.host / G:.0f} | {'GPU' if gpu_use > host_use else 'host'} "
+                  f"| {published.get(name, '—')} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

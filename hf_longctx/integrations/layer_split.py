@@ -1,0 +1,163 @@
+"""Sequence-chunked decoder layers: memory="max" in O(chunk) working memory (FPDT §3.3-3.5, "OC.").
+
+Where it sits: `integrations/memory.py` routes every decoder layer of a model patched with
+checkpoint=True and chunked MLPs (the "max" preset) through `LayerSplit.call`; the attention
+function (`integrations/attention.py`) asks the patch's `LayerSplit` what to do at each call.
+A decoder layer is token-wise except for its attention call, so it runs on one chunk of the
+sequence at a time, split at that call:
+- pre(rows): the layer on those rows until its attention call, which hands over the
+  chunk's q, k, v and stops the layer (`AtAttention`);
+- post(rows, a): the layer on those rows with the attention answering `a`, the attention
+  output of those rows.
+Forward (no autograd graph kept): pre per chunk, the attention, post per chunk; the layer
+input is parked on the host (`integrations/checkpointing.park`). Backward (`integrations/layer_run.py`): the
+input comes back (prefetched by the layer after it), then
+- FPDT mesh: FPDT's chunk loop once more (`ops/fpdt.fpdt_forward_chunks`), each chunk's q/k/v
+  made by pre(rows) just in time and each finished output chunk consumed at once by post(rows)
+  and its backward, whose attention-output gradient goes to the chunk store as that chunk's
+  dout; then FPDT's backward loop, whose finished rows of dq/dk/dv feed pre(rows)'s backward;
+- otherwise: pre per chunk (q, k, v), the attention with autograd, post per chunk and its
+  backward (the attention output's gradient), the attention's backward, pre per chunk's backward.
+Sequence-long tensors on the device: the layer input, the gradient flowing through the layer
+(updated in place, row chunk by row chunk), the next layer's prefetched input; without FPDT
+also the attention's q, k, v, output and their gradients (the next input is then prefetched
+only after the attention's backward, so it does not sit on top of them). The MLP runs twice per token
+(forward, backward), the attention forward twice, the pre-attention part (norm, projections,
+rotary) four times -- cheap next to the MLP and attention. Parameter gradients of the chunks are
+summed in fp32 and rounded once, and returned by the autograd Function like any input's, so
+`torch.autograd.grad` and FSDP's hooks see them.
+
+A layer runs the plain offloaded checkpoint instead (`checkpointing.offloaded_checkpoint`, with a
+warning naming why) when it cannot be cut: dropout in training, a linear mixer, or per-token
+arguments it does not know how to cut.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from hf_longctx.integrations.checkpointing import LayerChain, offloaded_checkpoint
+from hf_longctx.integrations.layer_run import ChunkedLayer, LayerRun, cut_dim
+from hf_longctx.ops.offload import default_streams
+from hf_longctx.ops.tiling import mlp_chunks_at
+
+
+class AtAttention(BaseException):
+    """Raised by the attention in a pre-attention run: the layer stops at its attention call
+    (a BaseException, so no `except Exception` in model code swallows it)."""
+
+
+class LayerSplit:
+    """Per patch: the mode the attention function runs in, and the layers' entry point."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state  # the patch binding (its attention-call counter)
+        self.mode: str | None = None  # None | "capture" | "replay"
+        self.captured: tuple | None = None
+        self.output: torch.Tensor | None = None
+        self.replays = 0
+        self.discarding = False  # a checkpoint's first run (offloaded_checkpoint): saved tensors are dropped
+        self.chain = LayerChain()  # this forward's layers in order: each backward prefetches the one before
+        self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
+        self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows
+        self.warned: set[str] = set()
+        self.runs = {"chunked": 0, "whole": 0}  # layer calls per path (tests and benchmarks read them)
+
+    # ---- the attention's side ------------------------------------------------------------------
+    def capturing(self) -> bool:
+        return self.mode == "capture"
+
+    def replaying(self) -> bool:
+        return self.mode == "replay"
+
+    def capture(self, q, k, v, call) -> None:
+        self.captured = (q, k, v, call)
+        raise AtAttention
+
+    def replay(self) -> torch.Tensor:
+        self.replays += 1
+        if self.replays > 1:
+            raise RuntimeError("memory='max': a decoder layer called its attention twice; patch with checkpoint='attention'")
+        return self.output
+
+    # ---- running a layer on rows ---------------------------------------------------------------
+    def pre(self, forward: Callable, h: torch.Tensor, kwargs: dict) -> tuple:
+        """(q, k, v, AttentionCall) of the layer on the rows `h`, stopping at its attention call."""
+        self.mode, self.captured = "capture", None
+        try:
+            forward(h, **kwargs)
+        except AtAttention:
+            pass
+        finally:
+            self.mode = None
+        if self.captured is None:
+            raise RuntimeError("memory='max': a decoder layer returned without calling its attention")
+        captured, self.captured = self.captured, None
+        return captured
+
+    def post(self, forward: Callable, h: torch.Tensor, kwargs: dict, a: torch.Tensor) -> torch.Tensor:
+        """The layer's output on the rows `h` with attention output `a` ([B, rows, H, D_v])."""
+        self.mode, self.output, self.replays = "replay", a, 0
+        try:
+            out = forward(h, **kwargs)
+        finally:
+            self.mode, self.output = None, None
+        if self.replays != 1:
+            raise RuntimeError("memory='max': a decoder layer returned without calling its attention")
+        return out[0] if isinstance(out, tuple) else out
+
+    # ---- entry point -----------------------------------------------------------------------------
+    def call(self, layer: nn.Module, forward: Callable, first: bool, args: tuple, kwargs: dict) -> Any:
+        """The patched forward of a decoder layer: chunked when it can be cut, else offloaded checkpoint."""
+        streams = default_streams()
+        if first:
+            self.chain.last = None
+        why = _uncut(layer, args, kwargs)
+        self.runs["whole" if why else "chunked"] += 1
+        if why:
+            if why not in self.warned:
+                self.warned.add(why)
+                warnings.warn(f"memory='max': {type(layer).__name__} runs whole-layer offloaded checkpointing, not "
+                              f"sequence chunks ({why}); exact, with more device memory per token", stacklevel=3)
+            return offloaded_checkpoint(lambda *a: forward(*a, **kwargs), *args, streams=streams, chain=self.chain,
+                                        first=first, split=self)
+        h, rest = args[0], args[1:]  # the rest: no tensors (GPT-2 passes its cache and masks, None, by position)
+        params = list(dict.fromkeys(p for p in layer.parameters() if p.requires_grad))
+        run = LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, params, streams)
+        run.chunks = mlp_chunks_at(self.chunks, h.shape[1], self.auto)  # row chunks of the token-wise parts
+        out = ChunkedLayer.apply(run, h, *params)
+        self.state.calls += 1  # one attention call per layer, as the probe counted
+        return out
+
+
+def _uncut(layer: nn.Module, args: tuple, kwargs: dict) -> str:
+    """Why this layer call cannot be cut into row chunks ("" when it can)."""
+    from hf_longctx.integrations.mixers.registry import class_key, sp_handled_classes
+
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
+        return "its first positional argument is not its [B, S, hidden] hidden states"
+    if any(isinstance(a, torch.Tensor) for a in args[1:]):
+        return "it takes more than its hidden states as positional tensors"
+    for name, m in layer.named_modules():
+        if isinstance(m, nn.Dropout) and m.p > 0 and m.training:
+            return f"dropout {name} (p={m.p}): a chunk's recompute would draw other masks"
+    mixers = sp_handled_classes()
+    if any(class_key(type(m)) in mixers for m in layer.modules()):
+        return "it holds a linear mixer, which needs the whole sequence"
+    s = args[0].shape[1]
+    for name, value in kwargs.items():
+        tensors = [value] if isinstance(value, torch.Tensor) else [
+            t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (tuple, list)) else []
+        if not tensors:
+            continue
+        if any(t.requires_grad for t in tensors):
+            return f"its argument {name} requires grad"
+        if cut_dim(name, tensors, s) is None:
+            return f"its argument {name} of shape {[tuple(t.shape) for t in tensors]} is not known to be per token"
+    return ""
+
+

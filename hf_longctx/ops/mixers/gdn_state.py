@@ -1,0 +1,147 @@
+"""Gated DeltaNet under sequence parallelism by state passing: every rank keeps every head.
+
+Where it sits: called by the GDN wrappers of `integrations/mixers/` (Qwen3-Next, Qwen3.5 /
+Qwen3.5-MoE, OLMo-hybrid) in place of the head all-to-all of `ops/mixers/gdn.py`, between
+the module's own projections and its gated norm + output projection (all on the shard).
+
+The delta rule S_t = e^{g_t}(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ q_t is
+affine in the state (Yang et al. 2025, "Gated Delta Networks", §2; the WY form of its
+chunked kernel): over a run, S_end = M·S_in + S⁰_end and o_t = o⁰_t + S_inᵀ·(M_tᵀ q_t),
+with M_t the product of the per-token transitions (d_k × d_k per value head). State
+columns evolve independently, so ONE core call per run over the value columns [v | 0]
+from the initial state [0 | I] (d_v + d_k columns) returns all four: the zero-state output
+o⁰ and the propagated queries q̃_t = M_tᵀ q_t (output columns), the zero-state final state
+S⁰ and the transition M (final-state columns); runs that start a document take [0 | 0]
+(their M is never applied). After the scan (`state_passing.py`) each run's output is
+corrected exactly: o_t = o⁰_t + q̃_tᵀ S_in -- a [L, d_k] × [d_k, d_v] product, no second
+pass over the run. The short convolution in front takes its K−1 previous rows as a halo
+(`conv.halo_conv`, zigzag pieces included). The core is transformers' module-level
+`torch_chunk_gated_delta_rule` (FLA's `chunk_gated_delta_rule` when flash-linear-attention
+is installed: then one varlen call over all runs; else one call per run).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hf_longctx.ops.mixers.conv import halo_conv
+from hf_longctx.ops.mixers.layout import SequenceLayout
+from hf_longctx.ops.mixers.state_passing import MATRIX, ChainPlan, exact_precision, incoming_states, run_bounds
+
+
+def _augmented_state(b: int, heads: int, dk: int, dv: int, identity: bool, like: torch.Tensor, acc) -> torch.Tensor:
+    """[B, H_v, D_k, D_v + D_k] in `acc`: [0 | I] (a run that receives a state) or [0 | 0]."""
+    h0 = torch.zeros(b, heads, dk, dv + dk, dtype=acc, device=like.device)
+    if identity:
+        h0[..., dv:] = torch.eye(dk, dtype=acc, device=like.device)
+    return h0
+
+
+def _cores_per_run(core, q, k, v, g, beta, bounds, starts, continues, acc):
+    """One core call per local run (transformers' torch path). Returns (o⁰, q̃, M, S⁰) per run in
+    the accumulation dtype `acc` (fp32, or fp64 for fp64 inputs): o⁰ [B, L, H_v, D_v], q̃ [B, L, H_v, D_k]
+    or None, M [B, H_v, D_k, D_k], S⁰ [B, H_v, D_k, D_v] (None where not needed)."""
+    b, _, hv, dv = v.shape
+    dk = q.shape[-1]
+    out = []
+    for (lo, hi), start, cont in zip(bounds, starts, continues):
+        qs, ks, vs = (t[:, lo:hi].to(acc) for t in (q, k, v))  # outputs then round once, at the end
+        if start and not cont:  # a whole document on this rank: nothing comes in or goes out
+            o, _ = core(qs, ks, vs, g=g[:, lo:hi], beta=beta[:, lo:hi], initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=True)
+            out.append((o.to(acc), None, None, None))
+            continue
+        v_aug = torch.cat([vs, vs.new_zeros(b, hi - lo, hv, dk)], dim=-1)  # [B, L, H_v, D_v + D_k]
+        o, fin = core(qs, ks, v_aug, g=g[:, lo:hi], beta=beta[:, lo:hi],
+                      initial_state=_augmented_state(b, hv, dk, dv, not start, vs, acc), output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+        o, fin = o.to(acc), fin.to(acc)
+        out.append((o[..., :dv], None if start else o[..., dv:], fin[..., dv:], fin[..., :dv]))
+    return out
+
+
+def _cores_varlen(core, q, k, v, g, beta, bounds, starts, lay, rank, acc):
+    """One varlen call over all local runs of all rows (flash-linear-attention's
+    `chunk_gated_delta_rule(..., cu_seqlens=, initial_state=[N, H_v, D_k, V], output_final_state=True)`,
+    B must be 1 there: rows are laid end to end). Same return as `_cores_per_run`."""
+    b, s, hv, dv = v.shape
+    dk = q.shape[-1]
+    n = len(bounds)
+    cu = [0]
+    for _ in range(b):
+        for lo, hi in bounds:
+            cu.append(cu[-1] + hi - lo)
+    cu_host = torch.tensor(cu, dtype=torch.long)  # [B·n + 1]
+    cu_dev = lay.on_device(("gdn_cu_seqlens", b, rank), v.device, lambda: cu_host)
+    h0 = torch.stack([_augmented_state(b, hv, dk, dv, not st, v, acc) for st in starts], dim=1)  # [B, n, H_v, D_k, D_v + D_k]
+    flat = lambda t: t.reshape(1, b * s, *t.shape[2:])  # noqa: E731  [1, B·S_local, ...]
+    v_aug = torch.cat([v, v.new_zeros(b, s, hv, dk)], dim=-1)  # [B, S_local, H_v, D_v + D_k]
+    o, fin = core(flat(q), flat(k), flat(v_aug), g=flat(g), beta=flat(beta), initial_state=h0.reshape(b * n, hv, dk, -1),
+                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_dev,
+                  cu_seqlens_cpu=cu_host)
+    o = o.reshape(b, s, hv, dv + dk).to(acc)
+    fin = fin.to(acc).reshape(b, n, hv, dk, dv + dk)
+    return [(o[:, lo:hi, :, :dv], None if st else o[:, lo:hi, :, dv:], fin[:, i, ..., dv:], fin[:, i, ..., :dv])
+            for i, ((lo, hi), st) in enumerate(zip(bounds, starts))]
+
+
+def gdn_state_passing(
+    mixed_qkv: torch.Tensor,
+    beta: torch.Tensor,
+    a: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    core: Callable,
+    varlen: bool,
+    lay: SequenceLayout,
+    rank: int,
+    group,
+) -> torch.Tensor:
+    """The sequence-mixing core of a Gated DeltaNet layer on this rank's shard, all heads.
+
+    mixed_qkv [B, S_local, 2·H_k·D_k + H_v·D_v] BEFORE the convolution; beta, a [B, S_local, H_v]
+    (beta already sigmoid-ed, a the raw projection). `core`: the module file's
+    `torch_chunk_gated_delta_rule`; `varlen`: it is flash-linear-attention's kernel (one call
+    with `cu_seqlens`). Returns core_out [B, S_local, H_v, D_v] in mixed_qkv's dtype.
+    Collective over `group` (halo, then the state scan): every SP rank calls it."""
+    b, s_local, _ = mixed_qkv.shape
+    hv = beta.shape[-1]
+    dk, dv = head_k_dim, head_v_dim
+    conv = activation(halo_conv(mixed_qkv, lay, conv_weight, conv_bias, rank, group)).to(mixed_qkv.dtype)  # [B, S_local, C]
+    q, k, v = conv.split([k_heads * dk, k_heads * dk, hv * dv], dim=-1)
+    q = q.reshape(b, s_local, k_heads, dk)  # [B, S_local, H_k, D_k]
+    k = k.reshape(b, s_local, k_heads, dk)
+    v = v.reshape(b, s_local, hv, dv)  # [B, S_local, H_v, D_v]
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [B, S_local, H_v] fp32, as the module computes it
+    acc = torch.promote_types(mixed_qkv.dtype, torch.float32)  # states and corrections: fp32 (fp64 for fp64 inputs)
+    plan = ChainPlan.of(lay)
+    bounds, starts, continues = run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
+    if varlen:
+        runs = _cores_varlen(core, q, k, v, g, beta, bounds, starts, lay, rank, acc)
+    else:
+        # [H_v]: value head j reads key head j // (H_v/H_k)
+        kmap = lay.on_device(("gdn_kmap", hv, k_heads), q.device, lambda: torch.arange(hv) // (hv // k_heads))
+        qx, kx = q.index_select(2, kmap), k.index_select(2, kmap)  # [B, S_local, H_v, D_k]
+        runs = _cores_per_run(core, qx, kx, v, g, beta, bounds, starts, continues, acc)
+    zero_a, zero_b = conv.new_zeros(b, hv, dk, dk, dtype=acc), conv.new_zeros(b, hv, dk, dv, dtype=acc)
+    maps_a = torch.stack([zero_a if m is None else m for _, _, m, _ in runs])  # [n_runs, B, H_v, D_k, D_k]
+    maps_b = torch.stack([zero_b if f is None else f for _, _, _, f in runs])  # [n_runs, B, H_v, D_k, D_v]
+    x_in = incoming_states(maps_a, maps_b, lay, MATRIX, rank, group, conv.reshape(-1)[:1].sum())  # [n_runs, B, H_v, D_k, D_v]
+    outs = []
+    with exact_precision(conv.device):
+        for i, (o0, q_tilde, _, _) in enumerate(runs):
+            if q_tilde is not None:  # o_t += S_inᵀ q̃_t
+                o0 = o0 + torch.einsum("blhk,bhkv->blhv", q_tilde, x_in[i])
+            outs.append(o0)
+    out = torch.cat(outs, dim=1) + x_in.sum() * 0  # [B, S_local, H_v, D_v]; the zero term keeps the scan in every graph
+    return out.to(mixed_qkv.dtype)

@@ -1,0 +1,59 @@
+"""The linear recurrences of a hybrid model in the planner's step-time model: both schemes, the cheaper charged.
+
+Where it sits: `planning/search.rank_settings` adds `mixer_seconds` to every setting's
+step time (`hf-longctx plan`, `suggest()`); `mixer_schemes` is the per-mixer breakdown.
+The formulas and the rule are `ops/mixers/cost.py`'s, the ones `patch(mixers="auto")`
+applies per micro-batch, evaluated for the planner's micro-batch: ONE document of
+`tokens` spanning the SP group (its worst case for state passing: every run continues a
+chain). Per layer: the head all-to-all (sequence bytes, 4 collectives) against state
+passing (halo + scan maps, 2 + 2·rounds collectives, plus GDN's extra state columns),
+over the SP group's link (`Cluster.bandwidth(sp)`: intra-node when the group fits a node)
+at `Cluster.latency` per collective and the cluster's FLOP rate; a recomputed forward
+(checkpoint=True) sends the forward half again. Not overlapped with compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hf_longctx.ops.mixers.cost import Links, MixerDims, choose, head_traffic, mixers_of_config, one_document_state_traffic
+from hf_longctx.planning.memory import DTYPE_BYTES, Setting
+
+
+@dataclass(frozen=True)
+class MixerScheme:
+    dims: MixerDims
+    layers: int
+    scheme: str  # "heads" | "state": what patch(mixers="auto") runs for this micro-batch
+    heads_seconds: float | None  # per layer; None where the head all-to-all cannot split the heads
+    state_seconds: float  # per layer
+
+    @property
+    def seconds(self) -> float:
+        """All layers of this mixer, with the chosen scheme."""
+        per_layer = self.state_seconds if self.scheme == "state" else self.heads_seconds
+        return self.layers * per_layer
+
+
+def mixer_schemes(config: Any, s: Setting, cluster: Any, tokens: int, dtype: str = "bf16") -> list[MixerScheme]:
+    """Per linear recurrence of `config` (none for a plain transformer): both schemes' seconds
+    per layer for a micro-batch of `tokens` on setting `s`, and the one the rule picks."""
+    elem = DTYPE_BYTES[dtype]
+    links = Links(cluster.bandwidth(s.sp), cluster.latency, cluster.tflops * 1e12 * cluster.mfu)
+    passes = 1.5 if s.checkpoint is True else 1.0  # a recomputed forward sends the forward half again
+    s_local = tokens / s.sp
+    out = []
+    for dims, layers in mixers_of_config(config):
+        heads = head_traffic(dims, s.sp, s_local, elem)
+        state = one_document_state_traffic(dims, s.ulysses, s.ring, s_local, elem)
+        secs = lambda t: passes * t.seconds(links.bandwidth, links.latency, links.flops_per_s)  # noqa: E731
+        scheme = choose(dims, s.sp, heads, state, links) if s.sp > 1 else "heads"
+        out.append(MixerScheme(dims, layers, scheme, None if s.sp > dims.heads else secs(heads) if s.sp > 1 else 0.0,
+                               secs(state) if s.sp > 1 else 0.0))
+    return out
+
+
+def mixer_seconds(config: Any, s: Setting, cluster: Any, tokens: int, dtype: str = "bf16") -> float:
+    """Seconds the linear recurrences add to one micro-batch (the chosen scheme of each)."""
+    return sum(m.seconds for m in mixer_schemes(config, s, cluster, tokens, dtype))

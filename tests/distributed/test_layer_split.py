@@ -1,0 +1,249 @@
+"""memory="max" with row-chunked layers (integrations/layer_split.py): exact, on every layout.
+
+One training step with memory="max" (every decoder layer run in row chunks split at its
+attention call, FPDT streaming its chunks through them) gives the loss and EVERY gradient of
+the same step with memory="off" (nothing chunked, no checkpointing): Ulysses, ring, U×R,
+FPDT with and without K/V offload, a sliding window, attention sinks with an MoE, GPT-2's
+Conv1D layers, Qwen3's per-head q/k norms, and FPDT's CUDA offload branch run on CPU with
+emulated streams (pinned pool buffers, real copies). Tolerances (fp32): loss 1e-6 relative,
+gradients 1e-5 relative (max|a-b| / max|b| per parameter): both run the same kernels on the
+same inputs; only the order of fp32 sums differs (row chunks of the parameter gradients,
+loss chunks), ~1e-7, while a lost chunk, a wrong row offset or a dropped residual moves a
+gradient by >= 1e-2. Layers that cannot be cut (a linear mixer, dropout outside the MLP,
+arguments not known to be per token) run whole-layer offloaded checkpointing with a warning,
+and stay exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_longctx.data.sharding import shard_batch
+from hf_longctx.integrations.transformers import patch, patch_state, unpatch
+from tests.pool import worker_mesh
+from tests.reference import rel_err
+
+LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
+DOCS = [13, 29, 7, 47]
+
+
+def _model(family: str):
+    """The families of tests/distributed/test_keep_attention.py, and Qwen3 (per-head q/k norms inside
+    the attention module) and GPT-2 without dropout (Conv1D, learned positions, cache and masks
+    passed by position)."""
+    import transformers as tf
+
+    from tests.distributed.test_keep_attention import _model as shared
+
+    torch.manual_seed(0)
+    if family == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                                  max_position_embeddings=256, head_dim=8))
+    if family == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=256,
+                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return shared(family)
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, sum(DOCS)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in DOCS])[None]  # [1, S] per-document positions
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
+
+
+def _step(model, mesh, batch, **options):
+    patch(model, mesh, **options)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)  # dropout masks: the same draws in every mode
+    loss = model(**shard_batch(batch, mesh)).loss
+    loss.backward()
+    flat = torch.cat([loss.detach().reshape(1)] + [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()]).float()
+    if mesh.sp > 1:
+        dist.all_reduce(flat, group=mesh.sp_group)  # losses and gradients SUM over the SP group
+    state = patch_state(model)
+    runs = dict(state.split.runs) if state.split is not None else {}
+    unpatch(model)
+    return flat, runs
+
+
+def _max(chunks: int, preset: bool) -> dict:
+    """memory="max", or its knobs with 4 MLP / row chunks (the preset's "auto" makes chunks of at
+    least 1024 rows: one chunk at this test's sizes)."""
+    if preset:
+        return {"memory": "max"}
+    return dict(checkpoint=True, mlp_chunks=4, loss_chunks="auto", kv_offload=chunks > 1)
+
+
+def _exact_case(family: str, ulysses: int, ring: int, chunks: int, emulate: bool, reference: str = "off",
+                preset: bool = False):
+    mesh = worker_mesh(ulysses, ring, chunks)
+    base = _model(family)
+    batch = _batch(base.config.vocab_size)
+    ref, _ = _step(copy.deepcopy(base), mesh, batch, **({"memory": "off"} if reference == "off" else {"checkpoint": True}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if emulate:  # FPDT's and the checkpoint's CUDA offload branches, on CPU with real copies
+            from benchmarks.census import EmulatedStreams
+            from benchmarks.memory_budget import emulated_offload
+
+            with emulated_offload(EmulatedStreams()):
+                got, runs = _step(copy.deepcopy(base), mesh, batch, **_max(chunks, preset))
+        else:
+            got, runs = _step(copy.deepcopy(base), mesh, batch, **_max(chunks, preset))
+    sizes = [1] + [p.numel() for p in base.parameters()]
+    names = ["loss"] + [n for n, _ in base.named_parameters()]
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, got.split(sizes), ref.split(sizes)) if b.abs().max() > 0 or n == "loss"}
+    return errs, runs, [str(w.message) for w in caught if "memory='max'" in str(w.message)]
+
+
+LAYOUTS = [  # (world, family, ulysses, ring, fpdt chunks, emulated offload copies)
+    (2, "llama", 2, 1, 1, False),
+    (2, "llama", 2, 1, 2, "preset"),
+    (2, "llama", 1, 2, 1, False),
+    (4, "llama", 2, 2, 1, False),
+    (2, "llama", 2, 1, 2, False),
+    (2, "llama", 2, 1, 2, True),
+    (4, "llama", 4, 1, 2, False),
+    (2, "mistral", 2, 1, 2, False),
+    (2, "qwen3", 2, 1, 2, False),
+    (2, "gpt_oss", 2, 1, 2, False),
+    (2, "gpt_oss", 2, 1, 1, False),
+    (2, "gpt2", 2, 1, 4, False),
+]
+
+
+@pytest.mark.parametrize("world,family,ulysses,ring,chunks,emulate", LAYOUTS,
+                         ids=[f"{f}-u{u}r{r}c{c}{'-' + (e if isinstance(e, str) else 'copies') if e else ''}"
+                              for _, f, u, r, c, e in LAYOUTS])
+def test_max_with_row_chunked_layers_equals_no_checkpointing(pools, world, family, ulysses, ring, chunks, emulate):
+    preset = emulate == "preset"
+    for rank, (errs, runs, warned) in enumerate(pools.get(world).run(_exact_case, family, ulysses, ring, chunks,
+                                                                     emulate is True, "off", preset)):
+        assert runs == {"chunked": 2, "whole": 0} and not warned, (runs, warned)  # both layers were cut
+        assert errs.pop("loss") <= LOSS_TOL, f"rank {rank}: loss"
+        bad = {k: f"{e:.1e}" for k, e in errs.items() if e > GRAD_TOL}
+        assert not bad, f"rank {rank} {family}: gradient rel errs above {GRAD_TOL}: {bad}"
+
+
+def test_a_hybrid_layer_runs_whole_and_says_why(pools):
+    """A linear mixer needs the whole sequence: its layers run whole-layer offloaded
+    checkpointing, a warning names the reason, and the step equals checkpoint=True's."""
+    for errs, runs, warned in pools.get(2).run(_exact_case, "lfm2", 2, 1, 1, False, "checkpoint"):
+        assert runs["whole"] >= 1 and warned and "mixer" in warned[0], (runs, warned)
+        assert errs.pop("loss") <= LOSS_TOL
+        assert max(errs.values()) <= GRAD_TOL, errs
+
+
+def test_what_makes_a_layer_uncuttable():
+    """The reasons `_uncut` gives (a layer call that cannot run in row chunks)."""
+    import transformers as tf
+
+    from hf_longctx.integrations.layer_split import _uncut
+
+    layer = _model("llama").model.layers[0]
+    h = torch.randn(1, 8, 32)
+    cos = sin = torch.randn(1, 8, 8)
+    assert _uncut(layer, (h,), {"position_embeddings": (cos, sin), "position_ids": torch.arange(8)[None],
+                                "attention_mask": None, "use_cache": False}) == ""
+    assert "per token" in _uncut(layer, (h,), {"token_type_ids": torch.zeros(1, 8)})
+    assert "requires grad" in _uncut(layer, (h,), {"position_embeddings": (cos.requires_grad_(), sin)})
+    assert "positional" in _uncut(layer, (h, torch.zeros(1, 8)), {})
+    layer.extra = torch.nn.Dropout(0.1)
+    assert "dropout extra" in _uncut(layer.train(), (h,), {})
+    assert _uncut(layer.eval(), (h,), {}) == ""  # no dropout outside training
+    del tf
+
+
+# ---- one process: passes of the MLP, the discarded forward, the host budget ----------------------
+
+
+def _mlp_rows_per_layer_and_token(**options) -> float:
+    """Rows the MLP modules process in one step, per layer and per token of the sequence."""
+    import transformers as tf
+
+    from hf_longctx import init_sequence_parallel
+
+    model = _model("llama")
+    rows = [0]
+    original = tf.models.llama.modeling_llama.LlamaMLP.forward
+
+    def counted(self, x):
+        rows[0] += x.shape[0] * x.shape[1]
+        return original(self, x)
+
+    mesh = init_sequence_parallel(1, 1, fpdt_chunks=options.pop("fpdt", 1))
+    batch = _batch(model.config.vocab_size)
+    tf.models.llama.modeling_llama.LlamaMLP.forward = counted  # before patch(): it binds the forward it finds
+    try:
+        patch(model, mesh, **options)
+        model.train()
+        shard = shard_batch(batch, mesh)
+        rows[0] = 0  # not the dry run of patch()
+        model(**shard).loss.backward()
+    finally:
+        tf.models.llama.modeling_llama.LlamaMLP.forward = original
+    unpatch(model)
+    return rows[0] / model.config.num_hidden_layers / shard["input_ids"].shape[1]
+
+
+def test_max_runs_the_mlp_once_forward_and_once_backward():
+    """memory="max" (row-chunked layers): each token passes the MLP twice per step -- the
+    forward, and the backward's recompute of its chunk right before that chunk's gradient --
+    with and without FPDT; whole-layer checkpointing with per-chunk MLP checkpoints inside
+    (the layers that cannot be cut) passes it three times, no checkpointing once."""
+    cut = dict(checkpoint=True, mlp_chunks=4, loss_chunks="auto")
+    assert _mlp_rows_per_layer_and_token(**cut) == 2
+    assert _mlp_rows_per_layer_and_token(fpdt=2, kv_offload=True, **cut) == 2
+    assert _mlp_rows_per_layer_and_token(memory="off") == 1
+    assert _mlp_rows_per_layer_and_token(checkpoint=True) == 2  # whole layer recomputed, MLP unchunked
+
+
+def test_a_discarded_first_forward_keeps_nothing_for_the_backward(monkeypatch):
+    """Whole-layer checkpointing (checkpoint=True without row chunks) with FPDT K/V offload, the
+    CUDA branch on CPU: the first forward of each layer, whose saved tensors the checkpoint drops,
+    puts no q or lse chunk and no K/V chunk beyond what its own later steps read; the recompute
+    in the backward saves them. Gradients equal those without checkpointing."""
+    from benchmarks.census import EmulatedStreams
+    from benchmarks.memory_budget import emulated_offload
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.ops.offload import ChunkStore
+
+    puts: list = []
+    original = ChunkStore.put
+
+    def put(self, key, *tensors):
+        puts.append((torch.is_grad_enabled(), key))
+        return original(self, key, *tensors)
+
+    monkeypatch.setattr(ChunkStore, "put", put)
+    mesh = init_sequence_parallel(1, 1, fpdt_chunks=2)
+    base = _model("llama")
+    batch = _batch(base.config.vocab_size)
+    grads = {}
+    for name, opts in (("ref", dict()), ("ckpt", dict(checkpoint=True, kv_offload=True))):
+        model = copy.deepcopy(base)
+        with emulated_offload(EmulatedStreams()):
+            patch(model, mesh, **opts)
+            model.train()
+            shard = shard_batch(batch, mesh)
+            puts.clear()
+            loss = model(**shard).loss
+            forward_puts = list(puts)
+            puts.clear()
+            loss.backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+        unpatch(model)
+        if name == "ckpt":
+            assert {k[0] for _, k in forward_puts} == {"kv"} and len(forward_puts) == 2, forward_puts  # chunk 0 per layer
+            assert {("q", 0), ("q", 1), ("lse", 0), ("kv", 1)} <= {k for _, k in puts}  # the recompute saves
+    for a, b in zip(grads["ckpt"], grads["ref"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

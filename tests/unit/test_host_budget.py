@@ -1,0 +1,62 @@
+"""The host-memory check of offloading presets (`integrations/host_budget.py`): a micro-batch
+whose pinned host memory would not fit this rank's share of the node is refused before any
+offload, with both figures named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.census import EmulatedStreams
+from benchmarks.memory_budget import emulated_offload
+from hf_longctx.integrations import host_budget
+from hf_longctx.integrations.host_budget import HEADROOM, HostBudget
+from hf_longctx.planning.budget import step_budget
+from hf_longctx.planning.memory import ModelDims, Setting
+
+G = 2**30
+
+
+def _llama_8b():
+    from hf_longctx.cli.plan import load_config
+
+    return ModelDims.from_config(load_config("tests/data/llama-3.1-8b-config.json"))
+
+
+def test_the_need_is_the_planners_host_budget_and_the_share_is_per_rank():
+    """8B, Ulysses 8 with FPDT and memory="max" on a 2 TiB node with 8 ranks: 768K tokens per rank
+    fit (the layer inputs, 192 GiB), 1.5M do not -- refused with both figures."""
+    dims, s = _llama_8b(), Setting(8, 1, fpdt_chunks=4, kv_offload=True, checkpoint=True, mlp_chunks=14, loss_chunks=0)
+    budget = HostBudget.for_patch(dims, s, sp=8, ranks_per_node=8, total=2048 * G)
+    assert budget.capacity == pytest.approx(2048 * G * (1 - HEADROOM) / 8)
+    need = budget.need(768 << 10)
+    assert need == step_budget(dims, s, tokens=8 * (768 << 10)).host  # pool size classes included
+    budget.check(768 << 10)
+    with pytest.raises(ValueError, match=r"pins [0-9.]+ GiB of host memory per rank .* 8 rank\(s\) per node share 1843.2 GiB"):
+        budget.check(3 << 19)
+
+
+def test_patch_refuses_before_anything_is_offloaded(monkeypatch):
+    """memory="max" with FPDT's offload on emulated CUDA streams, the node's memory set to 4 MiB:
+    the first layer's pre-hook refuses the micro-batch; no pinned buffer was allocated."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_longctx import init_sequence_parallel, patch, shard_batch
+
+    monkeypatch.setattr(host_budget, "node_memory", lambda: 4 << 20)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                         max_position_embeddings=1 << 16))
+    mesh = init_sequence_parallel(1, 1, fpdt_chunks=2)
+    streams = EmulatedStreams()
+    ids = torch.randint(0, 128, (1, 1 << 14))
+    with emulated_offload(streams):
+        patch(model, mesh, memory="max")
+        model.train()
+        with pytest.raises(ValueError, match="host memory"):
+            model(**shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh))
+        assert streams.pool.allocations == 0
+        small = ids[:, :256]  # 256 tokens fit
+        model(**shard_batch({"input_ids": small, "labels": small.clone()}, mesh)).loss.backward()
+        assert streams.pool.allocations > 0
