@@ -135,8 +135,23 @@ def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh:
         raise ValueError(why.format(table.tolist()))
 
 
+def _takes_use_cache(hf) -> bool:
+    """Whether `use_cache=False` can be passed to `hf`'s forward: a parameter of its own, or its
+    **kwargs reach an inner model that takes it (image-text-to-text wrappers: the language model
+    otherwise defaults to `config.use_cache` and fills a DynamicCache in training)."""
+    from transformers import PreTrainedModel
+
+    params = inspect.signature(hf.forward).parameters
+    if "use_cache" in params:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    return any("use_cache" in inspect.signature(m.forward).parameters
+               for m in hf.modules() if m is not hf and isinstance(m, PreTrainedModel))
+
+
 def _pre_forward(state: _PatchState, hf) -> Callable:
-    accepts_cache = "use_cache" in inspect.signature(hf.forward).parameters
+    accepts_cache = _takes_use_cache(hf)
 
     def hook(module, args, kwargs):
         if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:

@@ -139,3 +139,24 @@ def test_patch_keeps_the_tower_attention_and_refuses_raw_pixels():
         model(input_ids=doc["input_ids"][None], pixel_values=doc["pixel_values"], image_grid_thw=doc["image_grid_thw"])
     unpatch(model)
     assert {type(c).__name__: c._attn_implementation for c in (model.config, model.config.text_config, model.config.vision_config)} == before
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
+def test_use_cache_false_reaches_the_language_model(family):
+    """The wrappers take `use_cache` only through **kwargs, and their language model defaults it
+    to `config.use_cache`: `_takes_use_cache` says the patched forward's use_cache=False can be
+    passed, and passed it keeps every decoder layer cache-free (a cache would hold every
+    layer's K/V in training and grow with each row chunk of memory='max'); the default builds one."""
+    from hf_longctx.integrations.transformers import _takes_use_cache
+    from tests.vlm_cases import build
+
+    model = build(family)
+    assert _takes_use_cache(model)
+    seen = []
+    layer = next(m for n, m in model.named_modules() if n.endswith("language_model.layers.0"))
+    layer.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs.get("cache", kwargs.get("past_key_values"))), with_kwargs=True)
+    ids = torch.randint(3, 100, (1, 12))
+    model(input_ids=ids, use_cache=False)
+    model(input_ids=ids)  # the config default, unpatched: the language model builds a cache
+    assert seen[0] is None and seen[1] is not None, seen
