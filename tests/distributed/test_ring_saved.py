@@ -16,12 +16,12 @@ from tests.pool import worker_mesh
 
 
 def _ring_node(out: torch.Tensor):
-    todo, seen = [out.grad_fn], set()
+    todo, seen = [out.grad_fn], {}  # id -> node: kept alive, so no id of a freed node wrapper is reused
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if "RingAttention" in type(node).__name__:
             return node
         todo += [n for n, _ in node.next_functions]
