@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 from benchmarks._counting import Counter
+from benchmarks.census import EmulatedStreams
 
 
 class CountedKernel:
@@ -37,16 +38,15 @@ class CountedKernel:
         return out
 
 
-class StubStreams:
-    """`ops.offload.Streams` for the CUDA offload branch on CPU: it offloads, its pinned
-    buffers are host tensors, streams and events do nothing -- except `synchronize()`, which
+class StubStreams(EmulatedStreams):
+    """`ops.offload.Streams` for the CUDA offload branch on CPU: `census.EmulatedStreams` (the
+    real host pool's classes and reuse in plain memory) whose copies back are `.to(device)` calls
+    the counter sees, and whose streams and events do nothing -- except `synchronize()`, which
     is what it is on a GPU: a sync."""
 
     def __init__(self, counter: Counter):
-        from hf_longctx.ops.host_pool import HostPool, plain_bytes
-
+        super().__init__()
         self.c = counter
-        self.pool = HostPool(alloc=plain_bytes)  # the real pool's classes and reuse, unpinned memory
 
     class _Handle:
         def __init__(self, c: Counter, what: str):
@@ -67,41 +67,17 @@ class StubStreams:
         def synchronize(self):
             self.c.sync(f"{self.what}.synchronize()")
 
-    def offloads(self, device) -> bool:
-        return True
-
     def current(self, device):
         return self._Handle(self.c, "stream")
 
     def side(self, device, *args):
         return self._Handle(self.c, "stream")
 
-    def on(self, stream):
-        return contextlib.nullcontext()
-
     def event(self, *args, **kwargs):
         return self._Handle(self.c, "event")
 
-    def is_host(self, tensor: torch.Tensor) -> bool:
-        return self.pool.owns(tensor)
-
-    def pinned(self, like: torch.Tensor) -> torch.Tensor:
-        return self.pool.take(like)[0]  # like's strides, host memory
-
     def to_device(self, host: torch.Tensor, device) -> torch.Tensor:
         return host.to(device, non_blocking=True, copy=True)  # as CudaStreams (a distinct tensor: the buffer is reused)
-
-    def note(self, host: torch.Tensor, event, write: bool) -> None:
-        self.pool.note(host, event, write)
-
-    def pending(self, host: torch.Tensor):
-        return self.pool.pending(host)
-
-    def recycle(self, host: torch.Tensor) -> None:
-        self.pool.give(host)
-
-    def keep_alive(self, tensor: torch.Tensor, stream) -> None:
-        pass
 
 
 @contextlib.contextmanager
