@@ -293,8 +293,9 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
         # Ring: K/V packed to send, K/V and their fp32 gradient sums in flight (send and receive
         # buffers), and one ring step's dq, dk, dv as the CPU census measures them (fp32 over
         # the query heads; flash-attn returns them in bf16 over the KV heads: an upper bound
-        # there). Two ranks have one remote step (no next step's buffers while it runs, and the
-        # zigzag halves of it); from three ranks on the census holds the same per token (R4).
+        # there). Per token as the census measures them at R = 2 (one remote step: no next
+        # block in flight while it runs) and R = 4; larger rings are budgeted as R = 4 (each
+        # step holds the same buffers), not measured.
         steps = 2 if s.ring == 2 else 3
         ring = {"K/V packed for the ring": 2 * z.kvb * S,
                 "K/V and their fp32 gradient sums in flight (send, receive)": (2 + 2 * steps) * z.kvb * S,
