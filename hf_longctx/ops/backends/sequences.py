@@ -29,6 +29,8 @@ call (so results scatter without a merge); sequences are packed greedily into wa
 
 from __future__ import annotations
 
+import bisect
+
 from typing import NamedTuple, Sequence
 
 from hf_longctx.ops.blocks import Block
@@ -147,8 +149,11 @@ def waves(seqs: Sequence[Seq]) -> list[list[Seq]]:
     result: list[tuple[tuple[int, int], list, list[Seq]]] = []
     for s in sorted(seqs, key=lambda s: (s.left, s.right) == (-1, -1)):  # stable: banded first
         for band, rows, members in result:
-            if _fits(s, band) and not any(lo < s.q[1] and s.q[0] < hi for lo, hi in rows):
-                rows.append(s.q)
+            # rows: the wave's query ranges, disjoint and sorted, so their ends are sorted too:
+            # s.q overlaps one iff the last range starting before s.q's end ends after its start
+            i = bisect.bisect_left(rows, (s.q[1],))
+            if _fits(s, band) and not (i and rows[i - 1][1] > s.q[0]):
+                rows.insert(i, tuple(s.q))
                 members.append(s)
                 break
         else:
