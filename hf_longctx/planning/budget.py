@@ -173,14 +173,16 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     if s.checkpoint is True and chunked:
         return _split_budget(dims, s, z, S, n, r, lr, L, rope, kernel, offload)
     fpdt_host = s.fpdt_chunks > 1 and s.kv_offload and offload
-    if s.checkpoint:  # "attention": inputs and the attention's saved tensors kept (host when offloading)
+    if s.checkpoint:  # inputs kept (host when offloading); "attention": its saved tensors too
         # FPDT with offload: its q, k, v, lse chunks are on the host already; the output is kept once.
         # Otherwise the saved tensors and the token-layout output (a view of the kernel's on one GPU,
-        # copied apart then) for the replay.
-        kept_dev = z.qb if fpdt_host else 3 * z.qb + 2 * z.kvb + z.lse
+        # copied apart then) for the replay. checkpoint=True without MLP chunks (whole-layer
+        # offloaded checkpointing) keeps the layer inputs only.
+        keeps = s.checkpoint == "attention"
+        kept_dev = 0.0 if not keeps else z.qb if fpdt_host else 3 * z.qb + 2 * z.kvb + z.lse
         per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept_dev * S}
         if offload:  # one pinned buffer per tensor
-            kept_host = (_pinned(1, z.qb * S) if fpdt_host else
+            kept_host = (0.0 if not keeps else _pinned(1, z.qb * S) if fpdt_host else
                          _pinned(3, z.qb * S) + _pinned(2, z.kvb * S) + _pinned(1, z.lse * S))
             host = {"layer inputs (checkpointed)": L * _pinned(1, z.v * S), "attention's saved tensors (kept)": L * kept_host}
             if fpdt_host:

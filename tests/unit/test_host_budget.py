@@ -60,3 +60,16 @@ def test_patch_refuses_before_anything_is_offloaded(monkeypatch):
         small = ids[:, :256]  # 256 tokens fit
         model(**shard_batch({"input_ids": small, "labels": small.clone()}, mesh)).loss.backward()
         assert streams.pool.allocations > 0
+
+
+def test_whole_layer_checkpointing_pins_the_layer_inputs_only():
+    """checkpoint=True without MLP chunks (whole-layer offloaded checkpointing) keeps each layer's
+    input on the host and nothing of its attention; checkpoint="attention" adds the kept q, k, v,
+    out, lse. 8B, one GPU, 256K tokens: 32 layers x 8 KiB x 256K = 64 GiB of inputs."""
+    from hf_longctx.ops.host_pool import size_class
+
+    dims, tokens = _llama_8b(), 256 << 10
+    whole = step_budget(dims, Setting(1, 1, checkpoint=True), tokens=tokens).host
+    assert whole == dims.layers * size_class(2 * dims.hidden * tokens) == 64 * G
+    keep = step_budget(dims, Setting(1, 1, checkpoint="attention"), tokens=tokens).host
+    assert keep > 3 * whole  # q, out and the token-layout output are hidden-sized each, k, v, lse besides
