@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from benchmarks._counting import Counter
-from benchmarks.census import EmulatedStreams
+from benchmarks.census import EmulatedStreams, emulated_offload
 
 
 class CountedKernel:
@@ -83,14 +83,7 @@ class StubStreams(EmulatedStreams):
 @contextlib.contextmanager
 def stub_offload(counter: Counter):
     """Every offload of the library (FPDT chunk stores, offloaded checkpoint inputs, kept
-    attention) takes its CUDA branch with `StubStreams`."""
-    from hf_longctx.integrations import checkpointing
-    from hf_longctx.ops import offload
-
+    attention, row-chunked layers) takes its CUDA branch with `StubStreams`."""
     stub = StubStreams(counter)
-    saved = offload.default_streams, checkpointing.default_streams
-    offload.default_streams = checkpointing.default_streams = lambda: stub
-    try:
+    with emulated_offload(stub):
         yield stub
-    finally:
-        offload.default_streams, checkpointing.default_streams = saved

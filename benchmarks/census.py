@@ -291,3 +291,20 @@ class EmulatedStreams:
         self.pool.give(host)
 
     def keep_alive(self, tensor, stream) -> None: ...
+
+
+@contextlib.contextmanager
+def emulated_offload(streams):
+    """Every offload of the library on `streams`: the modules that read `default_streams` (FPDT
+    chunk stores, offloaded checkpoint inputs, kept attention, row-chunked layers)."""
+    from hf_longctx.integrations import checkpointing, layer_split
+    from hf_longctx.ops import offload
+
+    saved = [(m, m.default_streams) for m in (offload, checkpointing, layer_split)]
+    for m, _ in saved:
+        m.default_streams = lambda: streams
+    try:
+        yield
+    finally:
+        for m, f in saved:
+            m.default_streams = f

@@ -88,24 +88,6 @@ def kernels_in(census):
         kernels.varlen_forward, kernels.varlen_backward = saved
 
 
-@contextlib.contextmanager
-def emulated_offload(streams):
-    """Every offload of the library on `streams` (the modules that read `default_streams`)."""
-    import importlib
-
-    modules = [importlib.import_module(f"hf_longctx.{name}") for name in
-               ("ops.offload", "integrations.checkpointing", "integrations.layer_split")
-               if importlib.util.find_spec(f"hf_longctx.{name}") is not None]
-    saved = [(m, m.default_streams) for m in modules]
-    for m, _ in saved:
-        m.default_streams = lambda: streams
-    try:
-        yield
-    finally:
-        for m, f in saved:
-            m.default_streams = f
-
-
 def measure(mesh, shape: str, mode: str, tokens: int) -> dict:
     """One counted forward + backward on this rank: device peak, host peak, the named tensors
     at the device peak (bytes), S_local."""
@@ -118,7 +100,7 @@ def measure_lengths(mesh, shape: str, mode: str, lengths: list[int], warm_up: bo
     first step's one-off allocations, a few KiB, are counted)."""
     from transformers import LlamaForCausalLM
 
-    from benchmarks.census import Census, EmulatedStreams, frames_phase
+    from benchmarks.census import Census, EmulatedStreams, emulated_offload, frames_phase
     from hf_longctx import patch, shard_batch
     from hf_longctx.ops.host_pool import HostPool
 

@@ -93,7 +93,7 @@ def _exact_case(family: str, ulysses: int, ring: int, chunks: int, emulate: bool
         warnings.simplefilter("always")
         if emulate:  # FPDT's and the checkpoint's CUDA offload branches, on CPU with real copies
             from benchmarks.census import EmulatedStreams
-            from benchmarks.memory_budget import emulated_offload
+            from benchmarks.census import emulated_offload
 
             with emulated_offload(EmulatedStreams()):
                 got, runs = _step(copy.deepcopy(base), mesh, batch, **_max(chunks, preset))
@@ -213,7 +213,7 @@ def test_a_discarded_first_forward_keeps_nothing_for_the_backward(monkeypatch):
     puts no q or lse chunk and no K/V chunk beyond what its own later steps read; the recompute
     in the backward saves them. Gradients equal those without checkpointing."""
     from benchmarks.census import EmulatedStreams
-    from benchmarks.memory_budget import emulated_offload
+    from benchmarks.census import emulated_offload
     from hf_longctx import init_sequence_parallel
     from hf_longctx.ops.offload import ChunkStore
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.census import EmulatedStreams
-from benchmarks.memory_budget import emulated_offload
+from benchmarks.census import emulated_offload
 from hf_longctx.integrations import host_budget
 from hf_longctx.integrations.host_budget import HEADROOM, HostBudget
 from hf_longctx.planning.budget import step_budget
