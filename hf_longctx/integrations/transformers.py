@@ -152,6 +152,8 @@ def _takes_use_cache(hf) -> bool:
 
 def _pre_forward(state: _PatchState, hf) -> Callable:
     accepts_cache = _takes_use_cache(hf)
+    names = list(inspect.signature(hf.forward).parameters)
+    mask_at = names.index("attention_mask") if "attention_mask" in names else None  # passed by position too
 
     def hook(module, args, kwargs):
         if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
@@ -168,7 +170,10 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
             )
         if accepts_cache:
             kwargs["use_cache"] = False
-        refuse_padding(kwargs.get("attention_mask"), read=not state.checked)
+        mask = kwargs.get("attention_mask")
+        if mask is None and mask_at is not None and len(args) > mask_at:
+            mask = args[mask_at]
+        refuse_padding(mask, read=not state.checked)
         info = kwargs.get(SP_METADATA_KEY)
         if not isinstance(info, SPBatchInfo):
             raise ValueError(

@@ -266,6 +266,9 @@ def test_padding_mask_is_refused(llama_path, mesh):
     ones[0, -1] = 0
     with pytest.raises(ValueError, match="attention_mask with padding zeros"):
         model(**batch, attention_mask=ones)
+    ids = batch.pop("input_ids")
+    with pytest.raises(ValueError, match="attention_mask with padding zeros"):  # by position, as forward(ids, mask)
+        model(ids, ones, **batch)
 
 
 @pytest.mark.parametrize("unsafe", [False, True])
