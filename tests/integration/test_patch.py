@@ -289,3 +289,19 @@ def test_patched_forward_never_scans_positions_for_packed_documents(llama_path, 
     calls.clear()
     model(**batch).loss.backward()
     assert bool(calls) == unsafe
+
+
+def test_gradient_checkpointing_flag_keeps_an_unsafe_patch_unsafe(llama_path, mesh, tmp_path):
+    """TrainingArguments(gradient_checkpointing=True) re-patches with checkpoint=True; a model the
+    user patched with unsafe_skip_exactness_check=True is re-patched the same way (no dry run
+    it was patched to skip)."""
+    from transformers import TrainingArguments
+
+    from hf_longctx.integrations.transformers import patch_state
+    from hf_longctx.training.base.construction import map_activation_checkpointing
+
+    model = patch(load(llama_path).train(), mesh, unsafe_skip_exactness_check=True)
+    map_activation_checkpointing(model, TrainingArguments(str(tmp_path), gradient_checkpointing=True, report_to=[]))
+    state = patch_state(model)
+    assert state.options.checkpoint is True and state.probe is None
+    unpatch(model)
