@@ -87,3 +87,18 @@ def test_trainer_checks_name_the_value_before_any_collective(tmp_path):
         check_grpo_trainer(mesh, None, {"args": None})
     with pytest.raises(NotSupported, match=r"num_iterations=2(.|\n)*max_tokens=16 < max_completion_length=16 \+ 1"):
         check_grpo_trainer(mesh, 16, {"args": _config(tmp_path, max_completion_length=16, num_iterations=2)})
+
+
+def test_a_prebuilt_optimizer_is_refused(tmp_path):
+    """optimizers=(opt, sched) would step the tensors fsdp_plan replaces: refused as for the SFT
+    trainer, with the way forward; (None, None), TRL's default, passes."""
+    import torch
+
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.training.refusals.grpo import check_grpo_trainer
+
+    mesh, args = init_sequence_parallel(), _config(tmp_path, max_completion_length=16)
+    assert check_grpo_trainer(mesh, None, {"args": args, "optimizers": (None, None)}) is args
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(NotSupported, match=r"optimizers(.|\n)*optimizer_cls_and_kwargs"):
+        check_grpo_trainer(mesh, None, {"args": args, "optimizers": (opt, None)})

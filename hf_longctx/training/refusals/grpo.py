@@ -27,7 +27,7 @@ import transformers
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.training.refusals.rules import Rule, _falsy, _is, refusal_message, _refused, _trainer, refused_config_fields
-from hf_longctx.training.refusals.training_arguments import TRAINING_ARGUMENTS
+from hf_longctx.training.refusals.training_arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
 
 if TYPE_CHECKING:
     from trl import GRPOConfig
@@ -180,6 +180,9 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
                       "rollouts"), ("environment_factory", "environment rollouts")):
         if params.get(name) is not None:
             out.append(f"{name}: {why} are not wired to the SP step; do instead: leave {name}=None")
+    optimizers = TRAINER_PARAMETERS["optimizers"]  # the policy is sharded after construction, as for SFT
+    if "optimizers" in params and not optimizers.ok(params["optimizers"]):
+        out.append(refusal_message("optimizers", params["optimizers"], optimizers))
     if isinstance(params.get("processing_class"), transformers.ProcessorMixin):
         out.append("a multimodal processor: images are not carried through the packed SP row; do instead: a text "
                    "model and its tokenizer")
