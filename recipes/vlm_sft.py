@@ -61,7 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a collective may block before all ranks stop")
     p.add_argument("--seed", type=int, default=0)
     add_common_args(p, ulysses=2, ring=2, mixed_precision="fp32")
-    return check_common_args(p, p.parse_args(argv))
+    args = check_common_args(p, p.parse_args(argv))
+    if args.tokenizer is not None and args.model is None:
+        p.error("--tokenizer names the processor of --model; without --model the recipe builds its own model "
+                "and processor; do instead: pass --model PATH (--tokenizer PATH for a processor saved apart)")
+    return args
 
 
 def image_processor_class():
@@ -187,7 +191,8 @@ def main(argv=None) -> None:
     if args.model:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        processor, model = AutoProcessor.from_pretrained(args.model), AutoModelForImageTextToText.from_pretrained(args.model)
+        processor = AutoProcessor.from_pretrained(args.tokenizer or args.model)
+        model = AutoModelForImageTextToText.from_pretrained(args.model)
     else:  # every rank builds the same tiny model from the same seed
         processor = build_processor()
         model = build_model(processor, args.seed)
@@ -212,7 +217,7 @@ def main(argv=None) -> None:
         trainer = LongContextTrainer(**kw)
     trainer.add_callback(step_lines(args.output_dir, config.process_index, config.process_index == 0))
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     seconds = time.perf_counter() - start
     if config.process_index == 0:
         tokens = trainer.state.num_input_tokens_seen  # global: every rank's documents, image tokens included

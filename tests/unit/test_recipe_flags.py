@@ -100,3 +100,18 @@ def test_every_memory_preset_is_listed_where_the_flag_is_documented():
     assert "--memory " + "|".join(MEMORY_PRESETS) in common.__doc__
     p = common.add_common_args(argparse.ArgumentParser())
     assert all(preset in p.format_help() for preset in MEMORY_PRESETS if preset != "off")
+
+
+def test_vlm_recipe_tokenizer_needs_a_model(capsys):
+    """recipes/vlm_sft.py honours --tokenizer as the processor of --model and --resume; --tokenizer
+    without --model (the recipe builds its own model and processor) is an error, not ignored."""
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    try:
+        import vlm_sft
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit):
+        vlm_sft.parse_args(["--tokenizer", "some/processor"])
+    assert "--tokenizer names the processor of --model" in capsys.readouterr().err
+    args = vlm_sft.parse_args(["--model", "m", "--tokenizer", "p", "--resume"])
+    assert args.tokenizer == "p" and args.resume
