@@ -61,9 +61,6 @@ class StubStreams(EmulatedStreams):
         def record(self, stream=None):
             pass
 
-        def query(self):
-            return True
-
         def synchronize(self):
             self.c.sync(f"{self.what}.synchronize()")
 

@@ -97,7 +97,6 @@ class Census(TorchDispatchMode):
         self.device = self.host = 0
         self.peak = Snapshot()
         self.host_peak = 0
-        self.host_sizes: list[int] = []  # the host buffers at the host peak, bytes each
         self._labels: list[str] = []
         self._modules: list[str] = []  # module paths whose forward is running
         self._handles: list = []
@@ -217,7 +216,6 @@ class Census(TorchDispatchMode):
         self.host += rec.nbytes
         if self.host > self.host_peak:
             self.host_peak = self.host
-            self.host_sizes = sorted(r.nbytes for r in self.live.values() if r.host)
 
     def _snap(self) -> Snapshot:
         by_name: dict = {}
@@ -229,10 +227,6 @@ class Census(TorchDispatchMode):
     def _snapshot(self) -> None:
         self.peak = self._snap()
 
-    def table(self, per: float, top: int = 12, host: bool = False) -> list[tuple[str, float]]:
-        """The largest names alive at the device peak, bytes divided by `per` (e.g. tokens)."""
-        rows = sorted(((name, b / per) for (name, h), b in self.peak.by_name.items() if h == host), key=lambda r: -r[1])
-        return rows[:top]
 
 
 class EmulatedStreams:

@@ -37,7 +37,6 @@ class MixerBinding:
     GroupBank); `modes` maps a recurrence's class name to "auto" | "heads" | "state"."""
 
     def __init__(self, mesh: SPMesh, resolve: Callable[[SPBatchInfo], SPMesh] | None = None, modes: dict | None = None):
-        self.mesh = mesh
         self.resolve = resolve or (lambda info: mesh)
         self.modes = modes or {}
         self.undo: list[Callable[[], None]] = []

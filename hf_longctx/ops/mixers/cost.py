@@ -43,9 +43,9 @@ class MixerDims:
 
     @property
     def conv_channels(self) -> int:
-        if self.kind == "gdn":
-            return 2 * self.groups * self.key_dim + self.heads * self.head_dim
-        return self.heads * self.head_dim + 2 * self.groups * self.key_dim
+        """Channels of the short convolution: q and k (GDN) or B and C (Mamba-2) per group, and the
+        value / x heads -- one formula for both kinds."""
+        return 2 * self.groups * self.key_dim + self.heads * self.head_dim
 
     @property
     def map_numel(self) -> int:
