@@ -41,12 +41,12 @@ SHAPES = {  # scaled-down Llamas: hidden, intermediate, layers, heads, kv heads,
                num_key_value_heads=2, vocab_size=2048),
 }
 PHASES = [  # (phase, the library function on the stack), innermost first
-    ("layer backward: pre-attention backward", "layer_split.py:_pre_backward"),
+    ("layer backward: pre-attention backward", "layer_run.py:_pre_backward"),
     ("layer backward: FPDT backward loop", "fpdt.py:fpdt_backward_chunks"),
-    ("layer backward: post-attention backward", "layer_split.py:_post_backward"),
-    ("layer backward: attention backward", "layer_split.py:_usp_backward"),
-    ("layer backward: recompute", "layer_split.py:run_backward"),
-    ("forward", "layer_split.py:run_forward"),
+    ("layer backward: post-attention backward", "layer_run.py:_post_backward"),
+    ("layer backward: attention backward", "layer_run.py:_usp_backward"),
+    ("layer backward: recompute", "layer_run.py:run_backward"),
+    ("forward", "layer_run.py:run_forward"),
     ("final norm backward", "tiling.py:backward"),
     ("loss", "tiling.py:forward"),
 ]
