@@ -168,16 +168,17 @@ def _modelled(args) -> None:
                 heads = "n/a (SP > heads)" if sp > d.heads else f"{head_traffic(d, sp, tokens / sp, 2).bytes / mib:.1f}"
                 cells += [heads, f"{one_document_state_traffic(d, u, r, tokens / sp, 2).bytes / mib:.2f}"]
             print(f"| {label} | {sp} | " + " | ".join(cells) + " |")
+    links = Links.of_group(64, 8)
     print("\nTable 3 (modelled): 1M tokens on 8 x 8 GPUs (SP 64 = ulysses 8 x ring 8, 16K tokens per GPU), GroupCost "
-          "constants (40 GB/s across nodes, 30 us per collective, 494 TFLOP/s), seconds per layer (forward + backward)")
+          f"constants ({links.bandwidth / 1e9:g} GB/s across nodes, {links.latency * 1e6:g} us per collective, "
+          f"{links.flops_per_s / 1e12:g} TFLOP/s), seconds per layer (forward + backward)")
     print("| mixer | head all-to-all ms | state passing ms (comm + extra compute) | state MiB / rank | auto picks |")
     print("|---|---|---|---|---|")
-    links = Links.of_group(64, 8)
     for label, d in _real_dims().items():
         heads = head_traffic(d, 64, 16384, 2)
         state = one_document_state_traffic(d, 8, 8, 16384, 2)
         sec = lambda t: t.seconds(links.bandwidth, links.latency, links.flops_per_s) * 1e3  # noqa: E731
-        h = "n/a (SP 64 > 32 heads)" if 64 > d.heads else f"{sec(heads):.2f}"
+        h = f"n/a (SP 64 > {d.heads} heads)" if 64 > d.heads else f"{sec(heads):.2f}"
         comm = state.bytes / links.bandwidth * 1e3 + state.calls * links.latency * 1e3
         print(f"| {label} | {h} | {sec(state):.2f} ({comm:.2f} + {state.flops / links.flops_per_s * 1e3:.2f}) | "
               f"{state.bytes / mib:.1f} | {choose(d, 64, heads, state, links)} |")
