@@ -17,7 +17,8 @@ Steps: (1) a probe reports the GPU's free memory and the node's; (2) the planner
 a backward without an optimizer) gives the longest length whose estimated peak fits the free
 memory and whose host offloads fit the node (the runtime check of `integrations/host_budget.py`),
 and the FPDT chunks for it; (3) a probe at that length, then a bisection (down when it does not
-fit, up when it does) while the budget lasts. Rows: the measured bracket, the planner's length,
+fit -- on the GPU, or on the host by the runtime check of `HostMemoryExceeded` -- up when it does)
+while the budget lasts. Rows: the measured bracket, the planner's length,
 their ratio.
 
 Run: python -m benchmarks.gpu_longest [--budget 150] [--layers 2]
@@ -95,7 +96,7 @@ def _child(args: list[str], timeout: float) -> dict | None:
 def _probe_main(what: str, tokens: int, fpdt: int, layers: int) -> None:
     from benchmarks.gpu_longctx import is_cuda_oom, step
     from hf_longctx import init_sequence_parallel, patch
-    from hf_longctx.integrations.host_budget import node_memory
+    from hf_longctx.integrations.host_budget import HostMemoryExceeded, node_memory
 
     if what == "query":
         free, _ = torch.cuda.mem_get_info()
@@ -112,6 +113,8 @@ def _probe_main(what: str, tokens: int, fpdt: int, layers: int) -> None:
     try:
         seconds = step(model, mesh, tokens)
         result = {"fits": True, "seconds": seconds, "peak": torch.cuda.max_memory_allocated()}
+    except HostMemoryExceeded:  # the runtime host check refused it before any offload
+        result = {"fits": False, "seconds": None, "peak": None, "host": True}
     except Exception as exc:  # noqa: BLE001 -- anything but an OOM fails the probe
         if not is_cuda_oom(exc):
             raise
@@ -131,7 +134,7 @@ def longest_rows(budget_s: float = BUDGET_S, layers: int = 2, cap: int = 1 << 26
     rows = [(f"planner's longest context, memory='max' ({shape})",
              f"{tokens} tokens (FPDT {u} chunks, estimated peak {peak / 2**30:.1f} GiB of {info['free'] / 2**30:.1f} "
              f"GiB free)")]
-    lo, hi, timed_out, last = 0, None, False, None
+    lo, hi, timed_out, last, host_bound = 0, None, False, None, False
     probe_at = tokens
     while probe_at >= QUANTUM and (hi is None or hi - lo > QUANTUM):
         got = child(["max", str(probe_at), str(u), str(layers)], left())
@@ -142,11 +145,12 @@ def longest_rows(budget_s: float = BUDGET_S, layers: int = 2, cap: int = 1 << 26
             lo, last = probe_at, got
             probe_at = (probe_at + hi) // 2 // QUANTUM * QUANTUM if hi else probe_at + max(QUANTUM, probe_at // 4 // QUANTUM * QUANTUM)
         else:
-            hi = probe_at
+            hi, host_bound = probe_at, bool(got.get("host"))
             probe_at = (lo + hi) // 2 // QUANTUM * QUANTUM
         if probe_at <= lo or (hi is not None and probe_at >= hi):
             break
-    bracket = f"fits at {lo}" + (f", not at {hi}" if hi else ", longer not tried")
+    bracket = f"fits at {lo}" + (f", not at {hi}" + (" (host memory: the runtime check refuses it)" if host_bound
+                                                      else "") if hi else ", longer not tried")
     why = f"; stopped by the {budget_s:.0f} s budget" if timed_out else ""
     measured = f"{bracket} tokens{why}" + (f" ({last['seconds']:.1f} s per step, peak "
                                           f"{last['peak'] / 2**30:.1f} GiB)" if last else "")

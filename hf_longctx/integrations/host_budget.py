@@ -8,7 +8,7 @@ host per rank with the planner's per-token budget (`planning/budget.step_budget`
 inputs, the kept attention state or one layer's FPDT chunks, each pool buffer rounded up to
 its size class, at most 1/16 more) and compares it with this rank's share of the node's
 memory: total physical memory x (1 - HEADROOM) / ranks on the node (LOCAL_WORLD_SIZE, set by
-torchrun and accelerate). Over it: a ValueError naming both figures and what lowers the need,
+torchrun and accelerate). Over it: a HostMemoryExceeded (a ValueError) naming both figures and what lowers the need,
 raised before any offload -- instead of the kernel's OOM killer ending the job mid-step (the
 failure mode of FPDT offload at 1M+ tokens with 8 ranks per node). Every rank of an SP group
 holds the same number of tokens (DESIGN invariant 3), so the ranks of a group decide alike.
@@ -29,6 +29,10 @@ def node_memory() -> int:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+class HostMemoryExceeded(ValueError):
+    """A micro-batch whose host offloads would not fit this rank's share of the node's memory."""
 
 
 @dataclass
@@ -60,7 +64,7 @@ class HostBudget:
         need = self.need(tokens_local)
         if need > self.capacity:
             gib = 2**30
-            raise ValueError(
+            raise HostMemoryExceeded(
                 f"this micro-batch pins {need / gib:.1f} GiB of host memory per rank ({tokens_local} tokens per rank: "
                 f"checkpointed layer inputs and offloaded attention state), but {self.ranks_per_node} rank(s) per node "
                 f"share {self.capacity * self.ranks_per_node / gib:.1f} GiB usable host memory ({self.capacity / gib:.1f} "

@@ -75,8 +75,9 @@ def test_run_table_says_what_was_bounded():
 
 def test_longest_search_starts_at_the_planners_length_and_stays_in_budget():
     """`benchmarks/gpu_longest.py` with a fake GPU of 78 GiB free and 128 GiB of host: the first
-    probe is the planner's length; it fits, so the search goes up until it does not; a probe that
-    runs out of time ends it with that said."""
+    probe is the planner's length; it fits, so the search goes up until it does not (on the GPU,
+    or refused by the runtime host check, said as such); a probe that runs out of time ends it
+    with that said."""
     from benchmarks import gpu_longest
 
     G = 2**30
@@ -93,7 +94,17 @@ def test_longest_search_starts_at_the_planners_length_and_stays_in_budget():
     rows = dict(gpu_longest.longest_rows(150, child=child))
     assert asked[0] == planned and max(asked) > planned
     measured = rows[f"measured longest context, memory='max' (FPDT {u} chunks)"]
-    assert measured.startswith("fits at ") and ", not at " in measured
+    assert measured.startswith("fits at ") and ", not at " in measured and "host memory" not in measured
+
+    def host_refuses(args, timeout):  # the runtime host check refuses anything past the planner's length
+        if args[0] == "query":
+            return {"free": 78 * G, "host": 128 * G}
+        fits = int(args[1]) <= planned
+        return {"fits": fits, "seconds": 1.0, "peak": 70 * G} if fits else {"fits": False, "host": True}
+
+    measured = dict(gpu_longest.longest_rows(150, child=host_refuses))[
+        f"measured longest context, memory='max' (FPDT {u} chunks)"]
+    assert measured.startswith(f"fits at {planned}, not at ") and "(host memory: the runtime check refuses it)" in measured
 
     def slow(args, timeout):
         return {"free": 78 * G, "host": 128 * G} if args[0] == "query" else None
