@@ -69,7 +69,8 @@ def main() -> None:
             host_use = best.memory.host * per_node / cluster.host_memory
             print(f"{where} | {tokens / 2**20:.2f}M "
                   f"| U{s.ulysses} x R{s.ring}, FPDT {s.fpdt_chunks}, {best.preset}"
-                  f"{', param offload' if s.param_offload else ''} | {best.memory.peak / G:.1f} "
+                  f"{', param offload' if s.param_offload else ''}"
+                  f"{f', inputs_on_device={s.inputs_on_device}' if s.inputs_on_device else ''} | {best.memory.peak / G:.1f} "
                   f"| {best.memory.host / G:.0f} | {'GPU' if gpu_use > host_use else 'host'} "
                   f"| {published.get(name, '—')} |", flush=True)
 

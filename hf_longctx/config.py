@@ -58,6 +58,8 @@ class PatchOptions:
         its collectives, whose saved tensors are kept (on the host where the device offloads;
         `integrations/keep_attention.py`).
     memory: the preset these knobs came from (None: set one by one, or nothing).
+    inputs_on_device: the last N decoder layers keep their checkpointed inputs on the device
+        (not a knob of the presets: it goes with any preset or knobs that checkpoint).
     """
 
     kv_offload: bool = False
@@ -65,9 +67,10 @@ class PatchOptions:
     loss_chunks: int | str | None = None
     checkpoint: bool | str = False
     memory: str | None = None
+    inputs_on_device: int = 0
 
     @classmethod
-    def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int) -> "PatchOptions":
+    def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int, inputs_on_device: int = 0) -> "PatchOptions":
         """Options from `patch()`'s arguments: `knobs` holds only the knobs the caller passed
         explicitly. A preset and an explicit knob together are refused: the preset would
         silently override the knob or the knob the preset."""
@@ -75,13 +78,13 @@ class PatchOptions:
         if unknown:
             raise TypeError(f"unknown patch() options {unknown}; the memory knobs are {KNOBS}")
         if memory is None:
-            return cls(**knobs)
+            return cls(**knobs, inputs_on_device=inputs_on_device)
         if knobs:
             raise ValueError(
                 f"patch(memory={memory!r}) together with explicit {sorted(knobs)} is ambiguous; pass either a preset "
                 f"(memory in {MEMORY_PRESETS}) or the individual knobs"
             )
-        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory)
+        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory, inputs_on_device=inputs_on_device)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_offload, bool):
@@ -95,6 +98,14 @@ class PatchOptions:
             raise ValueError(f"memory must be one of {MEMORY_PRESETS}, got {self.memory!r}")
         _check_chunks("mlp_chunks", self.mlp_chunks)
         _check_chunks("loss_chunks", self.loss_chunks)
+        n = self.inputs_on_device
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"inputs_on_device must be an int >= 0 (decoder layers), got {n!r}")
+        if n and not self.checkpoint:
+            raise ValueError(
+                f"inputs_on_device={n} keeps checkpointed layer inputs on the device, but checkpointing is off "
+                f"(memory={self.memory!r}, checkpoint={self.checkpoint!r}): use memory='high' or 'max' with it, or drop it"
+            )
 
     @property
     def uses_memory_options(self) -> bool:

@@ -7,6 +7,7 @@ setting printed by `hf-longctx plan` ("as recipe flags") pastes into any of them
   --ulysses / --ring / --fpdt-chunks  -> init_sequence_parallel(...)          (USP §4, FPDT §3)
   --memory off|balanced|high|max      -> patch(model, mesh, memory=...)       (FPDT §4 presets)
   --kv-offload                         -> patch(kv_offload=True)  (expert knob; not with --memory)
+  --inputs-on-device N                 -> patch(inputs_on_device=N)  (with --memory high/max)
   --mixers auto|heads|state            -> patch(mixers=...)  (hybrid models' linear recurrences)
   --sync-each-microbatch               -> LongContextTrainer(sync_each_microbatch=True)
   --param-offload                      -> LongContextTrainer(param_offload=True) (FSDP2 CPUOffloadPolicy)
@@ -46,6 +47,9 @@ def add_common_args(p: argparse.ArgumentParser, *, ulysses: int = 1, ring: int =
                         "attention ('high') or full offloaded checkpointing ('max'), both with K/V offload under FPDT; "
                         "default: none")
     g.add_argument("--kv-offload", action="store_true", help="FPDT: offload K/V chunks to host (not with --memory)")
+    g.add_argument("--inputs-on-device", type=int, default=0,
+                   help="patch(inputs_on_device=N): the last N decoder layers keep their checkpointed inputs on the GPU "
+                        "(with --memory high/max; `hf-longctx plan` suggests N where host memory binds)")
     g.add_argument("--mixers", choices=("auto", "heads", "state"), default=None,
                    help="patch(mixers=...): how a hybrid model's linear recurrences cross the SP group (head all-to-all "
                         "or state passing); default: per micro-batch by the cost rule")
@@ -70,6 +74,11 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> a
     for name in ("ulysses", "ring", "fpdt_chunks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.inputs_on_device < 0:
+        p.error(f"--inputs-on-device must be >= 0, got {args.inputs_on_device}")
+    if args.inputs_on_device and args.memory not in ("high", "max"):
+        p.error(f"--inputs-on-device {args.inputs_on_device} keeps checkpointed layer inputs on the GPU: it needs "
+                f"--memory high or max (got --memory {args.memory})")
     if args.memory is not None and args.kv_offload:
         p.error(f"--memory {args.memory} and --kv-offload together: the preset sets K/V offload ('max' with "
                 "--fpdt-chunks > 1 offloads); pass one of them")
@@ -79,6 +88,8 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> a
 def patch_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of `patch(model, mesh, ...)`."""
     kwargs = {"memory": args.memory} if args.memory is not None else ({"kv_offload": True} if args.kv_offload else {})
+    if getattr(args, "inputs_on_device", 0):
+        kwargs["inputs_on_device"] = args.inputs_on_device
     return {**kwargs, "mixers": args.mixers} if getattr(args, "mixers", None) is not None else kwargs
 
 

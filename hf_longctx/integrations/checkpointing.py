@@ -8,7 +8,9 @@ through an instance `forward`. The layer inputs go to pinned host memory on the 
 stream (`ops/offload.default_streams()`) during the forward; in the backward the recompute
 of each layer starts the host -> device copies (IN stream) of the inputs of the layer
 recomputed NEXT (`LayerChain`), so the copy overlaps a layer of compute instead of stalling
-the compute stream, and hands its own host copies back to the pool once read. With `checkpoint="attention"` each call also opens a keep-attention region
+the compute stream, and hands its own host copies back to the pool once read. The last
+`inputs_on_device` layers (`patch(..., inputs_on_device=N)`) keep their inputs on the device:
+GPU memory the preset leaves free holds what host memory cannot. With `checkpoint="attention"` each call also opens a keep-attention region
 (`integrations/keep_attention.py`).
 """
 
@@ -34,9 +36,10 @@ class _Parked(NamedTuple):
     copied: Any  # event recorded after the device -> host copy on the OUT stream; None: no copy
 
 
-def park(arg: Any, streams: Streams) -> Any:
+def park(arg: Any, streams: Streams, keep: bool = False) -> Any:
     """What the recompute will read instead of a layer input: a pinned host copy where the
-    device offloads (CUDA), a detached alias elsewhere.
+    device offloads (CUDA), a detached alias elsewhere or with `keep` (a layer whose input
+    stays on the device: `patch(..., inputs_on_device=N)`).
 
     The copy is of the DETACHED input (no autograd node), issued on the OUT stream after
     the kernels that produced the input, so it overlaps the layer's forward on the compute
@@ -44,7 +47,7 @@ def park(arg: Any, streams: Streams) -> Any:
     if not isinstance(arg, torch.Tensor):
         return arg
     src = arg.detach()
-    if not streams.offloads(src.device):
+    if keep or not streams.offloads(src.device):
         return _Parked(src, src.device, arg.requires_grad, None)
     (host,), copied = copy_out(streams, [src])
     return _Parked(host, src.device, arg.requires_grad, copied)
@@ -109,7 +112,7 @@ class LayerChain:
 
 def offloaded_checkpoint(
     function: Callable, *args: Any, streams: Streams | None = None, keeper: AttentionKeeper | None = None,
-    chain: LayerChain | None = None, first: bool = False, split: Any = None,
+    chain: LayerChain | None = None, first: bool = False, split: Any = None, keep: bool = False,
 ) -> Any:
     """Non-reentrant activation checkpointing of `function(*args)` whose recompute reads the
     inputs from host memory (FPDT's "OC." setting).
@@ -130,10 +133,11 @@ def offloaded_checkpoint(
     whether this is the forward's first checkpointed layer; the recompute of a layer then
     starts the host -> device copies of the inputs of the layer recomputed after it. `split`:
     the patch's `LayerSplit`, told while the original forward runs (`discarding`) when its saved
-    tensors are all dropped (no keeper), so the attention keeps nothing for a backward.
+    tensors are all dropped (no keeper), so the attention keeps nothing for a backward. `keep`:
+    the inputs stay on the device (`park`).
     """
     streams = default_streams() if streams is None else streams
-    parked = [park(a, streams) for a in args]  # copies start now and overlap the forward
+    parked = [park(a, streams, keep) for a in args]  # copies start now and overlap the forward
     inputs = Inputs(list(args), parked, None if chain is None or first else chain.last)
     if chain is not None:
         chain.last = inputs
@@ -169,16 +173,19 @@ def offloaded_checkpoint(
 
 
 def patch_checkpointing(
-    model: nn.Module, undo: list, streams: Streams | None = None, keeper: AttentionKeeper | None = None, split: Any = None
+    model: nn.Module, undo: list, streams: Streams | None = None, keeper: AttentionKeeper | None = None, split: Any = None,
+    inputs_on_device: int = 0,
 ) -> None:
     """Checkpoint every decoder layer of `model` with `offloaded_checkpoint` (instance
-    attributes; `undo` gets their restores)."""
+    attributes; `undo` gets their restores). The last `inputs_on_device` layers keep their
+    inputs on the device."""
     # One side stream per device for the whole model, not one per layer call.
     streams = default_streams() if streams is None else streams
     chain = LayerChain()
-    for index, layer in enumerate(decoder_layers(model)):
+    layers = decoder_layers(model)
+    for index, layer in enumerate(layers):
         offload = functools.partial(offloaded_checkpoint, streams=streams, keeper=keeper, chain=chain, first=index == 0,
-                                    split=split)
+                                    split=split, keep=index >= len(layers) - inputs_on_device)
         if hasattr(type(layer), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
             set_instance_attr(layer, "gradient_checkpointing", True, undo)
             set_instance_attr(layer, "_gradient_checkpointing_func", offload, undo)

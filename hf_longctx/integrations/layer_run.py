@@ -55,9 +55,9 @@ def _bounds(lo: int, hi: int, pieces: int) -> list[tuple[int, int]]:
 class LayerRun:
     """One call of one decoder layer: its forward, then its backward (see the module docstring)."""
 
-    def __init__(self, split: LayerSplit, layer, forward, kwargs, params, streams) -> None:
+    def __init__(self, split: LayerSplit, layer, forward, kwargs, params, streams, keep: bool = False) -> None:
         self.split, self.layer, self.forward, self.kwargs, self.params = split, layer, forward, kwargs, params
-        self.streams = streams
+        self.streams, self.keep = streams, keep  # keep: the input stays on the device (not parked on the host)
         self.call = None  # the attention's arguments, from the first pre-attention run
 
     def pre(self, lo: int, hi: int, h: torch.Tensor) -> tuple:
@@ -73,7 +73,7 @@ class LayerRun:
         self.device_type = h.device.type
         self.autocast = dict(enabled=torch.is_autocast_enabled(self.device_type),
                              dtype=torch.get_autocast_dtype(self.device_type))
-        self.inputs = Inputs([h], [park(h, self.streams)], None if first else split.chain.last)
+        self.inputs = Inputs([h], [park(h, self.streams, self.keep)], None if first else split.chain.last)
         split.chain.last = self.inputs
         out = torch.empty_like(h)  # [B, S, hidden], written row chunk by row chunk
         rows0 = self._first_rows()

@@ -111,8 +111,9 @@ class LayerSplit:
         return out[0] if isinstance(out, tuple) else out
 
     # ---- entry point -----------------------------------------------------------------------------
-    def call(self, layer: nn.Module, forward: Callable, first: bool, args: tuple, kwargs: dict) -> Any:
-        """The patched forward of a decoder layer: chunked when it can be cut, else offloaded checkpoint."""
+    def call(self, layer: nn.Module, forward: Callable, first: bool, args: tuple, kwargs: dict, keep: bool = False) -> Any:
+        """The patched forward of a decoder layer: chunked when it can be cut, else offloaded
+        checkpoint. `keep`: its input stays on the device (`checkpointing.park`)."""
         streams = default_streams()
         if first:
             self.chain.last = None
@@ -124,10 +125,10 @@ class LayerSplit:
                 warnings.warn(f"memory='max': {type(layer).__name__} runs whole-layer offloaded checkpointing, not "
                               f"sequence chunks ({why}); exact, with more device memory per token", stacklevel=3)
             return offloaded_checkpoint(lambda *a: forward(*a, **kwargs), *args, streams=streams, chain=self.chain,
-                                        first=first, split=self)
+                                        first=first, split=self, keep=keep)
         h, rest = args[0], args[1:]  # the rest: no tensors (GPT-2 passes its cache and masks, None, by position)
         params = list(dict.fromkeys(p for p in layer.parameters() if p.requires_grad))
-        run = LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, params, streams)
+        run = LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, params, streams, keep)
         run.chunks = mlp_chunks_at(self.chunks, h.shape[1], self.auto)  # row chunks of the token-wise parts
         out = ChunkedLayer.apply(run, h, *params)
         self.state.calls += 1  # one attention call per layer, as the probe counted

@@ -165,19 +165,21 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, auto: bool) -> None:
+def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, auto: bool, inputs_on_device: int) -> None:
     """Every decoder layer through `split.call` (integrations/layer_split.py) while training
-    with gradients."""
+    with gradients; the last `inputs_on_device` keep their inputs on the device."""
     split.chunks, split.auto = chunks, auto
-    for index, layer in enumerate(decoder_layers(model)):
+    layers = decoder_layers(model)
+    for index, layer in enumerate(layers):
         forward = layer.forward  # bound: class forward, or an earlier instance-level patch
         if hasattr(type(layer), "gradient_checkpointing"):  # HF's own checkpointing would run inside the chunks
             set_instance_attr(layer, "gradient_checkpointing", False, undo)
 
-        def split_forward(*args, _forward=forward, _layer=layer, _first=index == 0, **kwargs):
+        def split_forward(*args, _forward=forward, _layer=layer, _first=index == 0,
+                          _keep=index >= len(layers) - inputs_on_device, **kwargs):
             if not (_layer.training and torch.is_grad_enabled()):
                 return _forward(*args, **kwargs)
-            return split.call(_layer, _forward, _first, args, kwargs)
+            return split.call(_layer, _forward, _first, args, kwargs, _keep)
 
         set_instance_attr(layer, "forward", split_forward, undo)
 
@@ -245,6 +247,7 @@ def apply_memory_options(
     checkpoint: bool | str = False,
     keeper: AttentionKeeper | None = None,
     split: LayerSplit | None = None,
+    inputs_on_device: int = 0,
 ) -> Callable[[], None]:
     """Turn on the memory options on `model` in place; return an undo that restores it exactly.
 
@@ -254,8 +257,10 @@ def apply_memory_options(
     "attention" (recompute all but the attention, whose calls `keeper` -- the patch's
     `AttentionKeeper` -- keeps and replays). `split`: the patch's `LayerSplit` with
     checkpoint=True; with chunked MLPs too (memory="max") every layer runs in row chunks
-    (integrations/layer_split.py) and so does the final norm. Everything is validated before
-    the model is touched.
+    (integrations/layer_split.py) and so does the final norm. `inputs_on_device`: the last N
+    decoder layers keep their checkpointed inputs on the device instead of the host (needs
+    checkpointing; at most the number of decoder layers). Everything is validated before the
+    model is touched.
     """
     if not isinstance(kv_offload, bool) or not (isinstance(checkpoint, bool) or checkpoint == "attention"):
         raise ValueError(f"kv_offload must be a bool and checkpoint True, False or 'attention', got "
@@ -269,6 +274,13 @@ def apply_memory_options(
             f"kv_offload=True needs FPDT chunks (mesh.fpdt_chunks = {mesh.fpdt_chunks}); "
             "build the mesh with init_sequence_parallel(..., fpdt_chunks=u) with u > 1"
         )
+    layers = len(decoder_layers(model))
+    if isinstance(inputs_on_device, bool) or not isinstance(inputs_on_device, int) or not 0 <= inputs_on_device <= layers:
+        raise ValueError(f"inputs_on_device must be an int from 0 to the model's {layers} decoder layers, got "
+                         f"{inputs_on_device!r}")
+    if inputs_on_device and not checkpoint:
+        raise ValueError(f"inputs_on_device={inputs_on_device} keeps checkpointed layer inputs on the device, but "
+                         "checkpointing is off: use memory='high' or 'max' (or checkpoint=...) with it, or drop it")
     mlp_chunks = _resolve_chunks("mlp_chunks", mlp_chunks)
     loss_chunks = _resolve_chunks("loss_chunks", loss_chunks)
     auto = mlp_chunks == "auto"
@@ -282,12 +294,13 @@ def apply_memory_options(
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
         if checkpoint is True and split is not None and mlp_chunks is not None:
-            _patch_split(model, split, mlp_chunks, undo, auto)
+            _patch_split(model, split, mlp_chunks, undo, auto, inputs_on_device)
         elif checkpoint:
-            patch_checkpointing(model, undo, keeper=keeper, split=split)
+            patch_checkpointing(model, undo, keeper=keeper, split=split, inputs_on_device=inputs_on_device)
         if checkpoint or kv_offload:
             _patch_host_budget(model, mesh, dict(kv_offload=kv_offload, checkpoint=checkpoint,
-                                                 mlp_chunks=mlp_chunks or 1, loss_chunks=0 if loss_chunks else 1), undo)
+                                                 mlp_chunks=mlp_chunks or 1, loss_chunks=0 if loss_chunks else 1,
+                                                 inputs_on_device=inputs_on_device), undo)
     except BaseException:
         for restore in reversed(undo):
             restore()

@@ -234,6 +234,7 @@ def patch(
     mlp_chunks: int | str | None = _UNSET,
     loss_chunks: int | str | None = _UNSET,
     checkpoint: bool | str = _UNSET,
+    inputs_on_device: int = 0,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
@@ -244,6 +245,10 @@ def patch(
     checkpointing with offloaded inputs, plus K/V offload when the mesh has FPDT chunks);
     `hf-longctx plan` suggests one. The four knobs (default off) are for experts; a preset
     and a knob together are an error.
+    `inputs_on_device`: with checkpointing (memory="high" / "max"), the last N decoder layers
+    keep their inputs on the GPU instead of pinned host memory -- each layer's input is
+    hidden x 2 bytes per token of the rank (bf16): GPU memory the preset leaves free holds
+    what the host cannot; `hf-longctx plan` suggests N where host memory binds. Default 0.
 
     Call it on every rank. Afterwards call the model with `shard_batch(batch, mesh)`; each
     rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
@@ -277,7 +282,8 @@ def patch(
             f"got {type(mesh).__name__}"
         )
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not _UNSET}, mesh.fpdt_chunks)
+    options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not _UNSET}, mesh.fpdt_chunks,
+                                   inputs_on_device)
     hf = hf_model(model)
     old = hf.__dict__.get(_STATE_ATTR)
     if old is not None:
@@ -356,6 +362,7 @@ def patch(
             state.memory_undo = apply_memory_options(
                 hf, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
                 checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
+                inputs_on_device=options.inputs_on_device,
             )
     except BaseException:
         unpatch(model)

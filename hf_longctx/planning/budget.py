@@ -162,6 +162,7 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     lr = loss_rows(dims, int(S), s.loss_chunks)
     chunked = s.mlp_chunks > 1
     L = dims.layers
+    k = min(L, s.inputs_on_device)  # the last k layers' checkpointed inputs stay on the device
     rope = {"rotary cos/sin": z.rope * S}
     # q, k, v, the kernel's out and lse, and the token-layout output: a new tensor after the
     # all-to-all or the ring's merge (SP > 1), the kernel's own output seen token-major on one GPU
@@ -184,10 +185,11 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         if offload:  # one pinned buffer per tensor
             kept_host = (0.0 if not keeps else _pinned(1, z.qb * S) if fpdt_host else
                          _pinned(3, z.qb * S) + _pinned(2, z.kvb * S) + _pinned(1, z.lse * S))
-            host = {"layer inputs (checkpointed)": L * _pinned(1, z.v * S), "attention's saved tensors (kept)": L * kept_host}
+            host = {"layer inputs (checkpointed)": (L - k) * _pinned(1, z.v * S),
+                    "attention's saved tensors (kept)": L * kept_host}
             if fpdt_host:
                 host["FPDT q, k, v, lse chunks"] = L * _fpdt_kept_host(z, S, s.fpdt_chunks)
-            held = {}
+            held = {"layer inputs kept on the device (inputs_on_device)": k * z.v * S}
         else:
             held = {k: L * b for k, b in per_layer.items()}
         held |= rope
@@ -245,10 +247,13 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
     pieces = max(1, math.ceil(n / u))
     p = c / pieces if u > 1 else r  # rows of a pre/post-attention piece
     mlp_fwd = 3 if dims.gated else 2  # I-wide tensors alive in a piece's forward without a graph
-    host = {"layer inputs (checkpointed)": L * _pinned(1, z.v * S)} if offload else {}
+    k = min(L, s.inputs_on_device)  # the last k layers' checkpointed inputs stay on the device
+    host = {"layer inputs (checkpointed)": (L - k) * _pinned(1, z.v * S)} if offload else {}
     held = dict(rope)
     if not offload:
         held["layer inputs (checkpointed)"] = L * z.v * S
+    elif k:
+        held["layer inputs kept on the device (inputs_on_device)"] = k * z.v * S
     seq = {"layer input (device copy)": z.v * S, "gradient through the layer (in place)": z.v * S,
            "fp32 sums of the layer's parameter gradients": 4 * dims.layer_params}
     prefetch = {"next layer input (prefetched)": z.v * S} if offload and L > 1 else {}

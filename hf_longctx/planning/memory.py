@@ -69,6 +69,7 @@ class Setting:
     mlp_chunks: int = 1
     loss_chunks: int = 1
     param_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads, optimizer states on host
+    inputs_on_device: int = 0  # decoder layers whose checkpointed inputs stay on the device (the last ones)
 
     @property
     def sp(self) -> int:

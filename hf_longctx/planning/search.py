@@ -174,7 +174,9 @@ class Suggestion:
 
     def code(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.init_kwargs.items())
-        out = f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r})"
+        kept = self.candidate.setting.inputs_on_device
+        out = (f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r}"
+               + (f", inputs_on_device={kept})" if kept else ")"))
         if self.trainer_kwargs:
             kw = ", ".join(f"{k}={v}" for k, v in self.trainer_kwargs.items())
             out += f"\ntrainer = hf_longctx.LongContextTrainer(model=model, args=args, mesh=mesh, {kw}, ...)"
@@ -185,6 +187,8 @@ class Suggestion:
         k, t = self.init_kwargs, self.trainer_kwargs or {}
         flags = [f"--ulysses {k['ulysses_degree']}", f"--ring {k['ring_degree']}", f"--fpdt-chunks {k['fpdt_chunks']}",
                  f"--memory {self.memory}"]
+        if self.candidate.setting.inputs_on_device:
+            flags.append(f"--inputs-on-device {self.candidate.setting.inputs_on_device}")
         if "max_tokens" in t:
             flags += [f"--max-tokens {t['max_tokens']}", f"--tokens-per-step {t['tokens_per_step']}"]
         flags += [f"--mixed-precision {self.mixed_precision}"]
@@ -287,7 +291,8 @@ def step_time(
         offload += dims.layers * dt * s_l * (3 * q + 2 * kv) * (1 + s.fpdt_chunks) / cluster.pcie_bw
     if s.checkpoint:
         kept = kept_attention_bytes(dims, dt, f, s) if s.checkpoint == "attention" else 0.0
-        offload += dims.layers * 2 * s_l * (dt * dims.hidden + kept) / cluster.pcie_bw  # to host and back
+        inputs = (dims.layers - min(dims.layers, s.inputs_on_device)) * dt * dims.hidden  # the rest stay on the GPU
+        offload += 2 * s_l * (inputs + dims.layers * kept) / cluster.pcie_bw  # to host and back
     cpu_step = 0.0
     if s.param_offload:
         shard = 4 * dims.params / world  # fp32 bytes of this GPU's shard
@@ -295,6 +300,25 @@ def step_time(
         offload += (2 + syncs) * shard / cluster.pcie_bw
         cpu_step = (28 if optimizer == "adamw" else 12) / 4 * shard / cluster.cpu_optim_bw / microbatches
     return cpu_step + compute + a2a + max(0.0, ring - attn_compute) + max(0.0, fsdp - compute) + max(0.0, offload - compute)
+
+
+def inputs_on_device(s: Setting, mem: Any, memory: Any, layers: int, gpu: float, host: float) -> tuple:
+    """(setting, estimate) with the fewest last layers keeping their checkpointed inputs on the
+    GPU (`patch(..., inputs_on_device=N)`) that brings the host bytes per GPU within `host`
+    while the GPU peak stays within `gpu`; `s` and `mem` unchanged when no N does.
+    `memory(setting)` estimates one setting; host falls and the GPU peak rises with N (bisection)."""
+    lo, hi = 1, layers
+    if memory(replace(s, inputs_on_device=hi)).host > host:
+        return s, mem
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if memory(replace(s, inputs_on_device=mid)).host <= host:
+            hi = mid
+        else:
+            lo = mid + 1
+    kept = replace(s, inputs_on_device=lo)
+    est = memory(kept)
+    return (kept, est) if est.peak <= gpu else (s, mem)
 
 
 def rank_settings(
@@ -305,7 +329,8 @@ def rank_settings(
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
     cluster throughput (tokens/s), then lowest peak memory, then fewest FPDT chunks; near
-    ties (within TIE_TOLERANCE of the fastest feasible) following the USP guidance first.
+    ties (within TIE_TOLERANCE of the fastest feasible) following the USP guidance first, then
+    those that keep no layer input on the GPU (`inputs_on_device`).
 
     Micro-batches per rank and step: `microbatches`, or, with `tokens_per_step` (global),
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
@@ -327,8 +352,14 @@ def rank_settings(
     for s, preset in enumerate_settings(dims, cluster.gpus, tokens, param_offload=param_offload):
         dp = cluster.gpus // s.sp
         mbs = microbatches if tokens_per_step is None else math.ceil(tokens_per_step / (dp * tokens))
-        mem = estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
-                              unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
+
+        def memory(s: Setting):
+            return estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
+                                   unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
+
+        mem = memory(s)
+        if s.checkpoint and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
+            s, mem = inputs_on_device(s, mem, memory, dims.layers, usable_gpu, usable_host / per_node)
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len, microbatches=mbs, optimizer=optimizer,
                          grad_sync=grad_sync) + mixer_seconds(config, s, cluster, tokens, dtype)
         if vision is not None:
@@ -356,8 +387,10 @@ def rank_settings(
     # Near ties: the estimates cannot separate them; the USP guidance decides (stable sort).
     floor = out[0].tokens_per_second * (1 - TIE_TOLERANCE)
     n = next((i for i, c in enumerate(out) if not c.feasible or c.tokens_per_second < floor), len(out))
+    # Then the settings that keep no layer input on the GPU (host memory to spare).
     band = sorted((replace(c, tied=n > 1) for c in out[:n]),
-                  key=lambda c: not cluster.follows_usp_guidance(c.setting, dims.heads, dims.kv_heads))
+                  key=lambda c: (not cluster.follows_usp_guidance(c.setting, dims.heads, dims.kv_heads),
+                                 c.setting.inputs_on_device > 0))
     return band + out[n:]
 
 

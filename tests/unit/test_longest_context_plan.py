@@ -4,8 +4,9 @@ guidance, the binding resource named right, sizes without a unit refused.
 Anchors (the model: the repository's Llama-3.1-8B and Llama-3-70B configs; 80 GB GPUs; host
 memory as a DGX-class node has it): 8B at >= 1M tokens on 1 GPU with 512 GiB host (ALST: 500K),
 >= 2M on 1 GPU of 141 GB with 1 TiB host (ALST: 1.2M), >= 4M on 4 GPUs of a 2 TiB node (FPDT:
-2M), >= 6M on 8 GPUs (ALST: 3.8M), >= 12M on 32 GPUs as node-wide Ulysses x ring and 16M as
-Ulysses over all 32 with FPDT chunks (ALST: 15.5M); 70B >= 512K on 8 GPUs
+2M), >= 6M on 8 GPUs (ALST: 3.8M), >= 12M on 32 GPUs as node-wide Ulysses x ring, 16M as
+Ulysses over all 32 with FPDT chunks and 24M with some layer inputs kept on the GPUs (ALST:
+15.5M); 70B >= 512K on 8 GPUs
 (ALST: 200K). Layouts: Ulysses inside a node as wide as the node and the heads allow, ring
 only across nodes (USP §4).
 """
@@ -44,6 +45,29 @@ def test_past_the_ring_layouts_ulysses_spans_the_nodes():
     s, m = best.candidate.setting, best.candidate.memory
     assert m.peak <= 0.9 * 80 * G and m.host * 8 <= 0.9 * 2048 * G
     assert s.ulysses == 32 and s.ring == 1 and s.fpdt_chunks > 1, s
+
+
+def test_24m_on_32_gpus_keeps_some_layer_inputs_on_the_gpu():
+    """8B at 24M on 32 GPUs (ALST: 15.5M): with every layer input on the host, 8 ranks of 750K
+    tokens need more than a 2 TiB node's usable host memory; the GPUs have room, so the planner
+    keeps the inputs of the fewest last layers there (patch(..., inputs_on_device=N)) -- one
+    fewer does not fit the host -- and says so in the code it prints."""
+    from dataclasses import replace
+
+    from hf_longctx.planning.memory import ModelDims, estimate_memory
+
+    config = load_config(LLAMA_8B)
+    cluster = Cluster(gpus=32, gpu_memory=80 * G, host_memory=2048 * G)
+    tokens = 24 << 20
+    best = suggest(config, cluster, tokens)
+    s, m = best.candidate.setting, best.candidate.memory
+    assert s.ulysses == 32 and s.ring == 1 and s.fpdt_chunks > 1 and s.inputs_on_device > 0, s
+    assert m.peak <= 0.9 * 80 * G and m.host * 8 <= 0.9 * 2048 * G
+    fewer = estimate_memory(ModelDims.from_config(config), replace(s, inputs_on_device=s.inputs_on_device - 1),
+                            world=32, tokens=tokens)
+    assert fewer.host * 8 > 0.9 * 2048 * G
+    assert f"memory='max', inputs_on_device={s.inputs_on_device})" in best.code()
+    assert f"--inputs-on-device {s.inputs_on_device}" in best.recipe_flags()
 
 
 @pytest.mark.parametrize("path,gpus,gpu,host,tokens,published", ANCHORS, ids=[a[-1] for a in ANCHORS])

@@ -115,3 +115,18 @@ def test_vlm_recipe_tokenizer_needs_a_model(capsys):
     assert "--tokenizer names the processor of --model" in capsys.readouterr().err
     args = vlm_sft.parse_args(["--model", "m", "--tokenizer", "p", "--resume"])
     assert args.tokenizer == "p" and args.resume
+
+
+def test_inputs_on_device_goes_to_patch_with_a_checkpointing_preset_only(capsys):
+    common, _, _ = _recipes()
+    p = common.add_common_args(argparse.ArgumentParser())
+    args = common.check_common_args(p, p.parse_args(["--memory", "max", "--inputs-on-device", "3"]))
+    assert common.patch_kwargs(args) == {"memory": "max", "inputs_on_device": 3}
+    assert common.patch_kwargs(common.check_common_args(p, p.parse_args(["--memory", "max"]))) == {"memory": "max"}
+    for flags in (["--inputs-on-device", "2"], ["--memory", "balanced", "--inputs-on-device", "2"],
+                  ["--memory", "max", "--inputs-on-device", "-1"]):
+        with pytest.raises(SystemExit):
+            common.check_common_args(p, p.parse_args(flags))
+    err = capsys.readouterr().err
+    assert "--inputs-on-device 2 keeps checkpointed layer inputs on the GPU: it needs --memory high or max" in err
+    assert "--inputs-on-device must be >= 0, got -1" in err
