@@ -137,7 +137,7 @@ def run(mode: str, repeats: int) -> dict:
         loss.backward()
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    from hf_longctx.loss import global_loss
+    from hf_longctx.distributed.loss import global_loss
 
     return {"work": vs.loads[me], "sent_rows": sent_rows, "sent_bytes": sent_rows * width * 4 * 2,  # fp32, fwd + bwd
             "step": statistics.median(times[1:]), "tokens": int(shard["input_ids"].shape[1]),

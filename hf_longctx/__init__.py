@@ -34,7 +34,7 @@ from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.transformers import is_patched, unpatch
 from hf_longctx.integrations.vision.registry import vision_spec
-from hf_longctx.loss import global_loss, sum_gradients
+from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
 from hf_longctx.patching import patch

@@ -32,7 +32,7 @@ def gather_sequence(local: torch.Tensor, shard: Mapping[str, Any], mesh) -> torc
             f"local tensor of shape {tuple(local.shape)} does not match the shard: expected B = {info.rows} and "
             f"S_local = {info.padded_length} / sp({mesh.sp}) = {info.padded_length // mesh.sp}"
         )
-    from hf_longctx.loss import collective_device
+    from hf_longctx.distributed.loss import collective_device
 
     device = local.device
     local = local.detach().contiguous()

@@ -109,7 +109,7 @@ def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh:
     cu_hash = 0
     for i, c in enumerate(info.cu_seqlens):
         cu_hash = (cu_hash * 1_000_003 + c * (i + 1)) % 2_147_483_647
-    from hf_longctx.loss import collective_device
+    from hf_longctx.distributed.loss import collective_device
     from hf_longctx.devices import upload
 
     # The batch's device when it is a GPU one; else the group's (NCCL refuses CPU tensors).

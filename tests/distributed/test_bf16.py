@@ -148,7 +148,7 @@ def _sp_step(path: str, regime: str, mesh, memory: str | None = None) -> tuple:
     from hf_longctx.distributed.gather import gather_sequence
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
 
     model = patch(_fresh(path, torch.bfloat16 if regime == "bf16" else torch.float32), mesh, memory=memory)
     if regime == "fsdp":

@@ -213,7 +213,7 @@ def test_collectives_take_the_nccl_device(monkeypatch):
     unless its tensor already lives on an accelerator; under gloo on CPU."""
     import torch.distributed as dist
 
-    from hf_longctx.loss import collective_device
+    from hf_longctx.distributed.loss import collective_device
 
     group = object()
     monkeypatch.setattr(dist, "get_backend", lambda g=None: "nccl")

@@ -31,7 +31,7 @@ def _run(ulysses: int, ring: int, chunks: int, families: list, collate: bool, co
     from hf_longctx.data.multimodal.sharding import SP_VISION_KEY, shard_multimodal
     from hf_longctx.integrations.transformers import patch
     from hf_longctx.integrations.vision.registry import vision_spec
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
     from tests.vlm_cases import build, compare, mixed_documents, packed_row, references
 
     mesh = worker_mesh(ulysses, ring, chunks)
@@ -117,7 +117,7 @@ def _bf16(ulysses: int, ring: int, family: str) -> dict:
     from hf_longctx.data.multimodal.sharding import shard_multimodal
     from hf_longctx.integrations.transformers import patch
     from hf_longctx.integrations.vision.registry import vision_spec
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
     from tests.vlm_cases import build, double, mixed_documents, packed_row, reference
 
     mesh = worker_mesh(ulysses, ring)

@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "hf_longctx"
 FLOORS = (
     ("base", ("hf_longctx.errors", "hf_longctx.config", "hf_longctx._compat", "hf_longctx.model_walk", "hf_longctx.devices")),
     ("data", ("hf_longctx.data.*",)),
-    ("distributed", ("hf_longctx.distributed.*", "hf_longctx.loss")),
+    ("distributed", ("hf_longctx.distributed.*",)),
     ("ops", ("hf_longctx.ops.*",)),
     ("integrations", ("hf_longctx.integrations.*", "hf_longctx.planning.*")),
     ("verify", ("hf_longctx.verify",)),

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hf_longctx.data.flex.groups import GroupShape, group_shapes
 from hf_longctx.distributed.mesh import SPMesh, process_group_world
-from hf_longctx.loss import collective_device
+from hf_longctx.distributed.loss import collective_device
 
 
 @dataclass(frozen=True)

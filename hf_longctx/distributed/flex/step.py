@@ -34,7 +34,7 @@ import torch.distributed as dist
 from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.distributed.flex.bank import GroupBank
-from hf_longctx.loss import collective_device, global_loss
+from hf_longctx.distributed.loss import collective_device, global_loss
 from hf_longctx.distributed.flex.unsharded_step import check_unsharded_step, unsharded_step
 
 
@@ -163,7 +163,7 @@ def run_flex_step(
                 loss.backward()
                 local += loss.detach().double()
     if not fsdp and bank.world_size > 1:
-        from hf_longctx.loss import sum_gradients
+        from hf_longctx.distributed.loss import sum_gradients
 
         sum_gradients([p for p in model.parameters() if p.requires_grad], bank.world)
     return global_loss(local, bank.world).float()  # []: shares of every rank and slot sum to the mean

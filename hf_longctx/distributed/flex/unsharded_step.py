@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx._compat import fsdp_param_groups
-from hf_longctx.loss import collective_device
+from hf_longctx.distributed.loss import collective_device
 
 
 def fsdp_units(model: torch.nn.Module) -> list:
