@@ -11,7 +11,7 @@ from typing import Any
 
 def plot_step(args: argparse.Namespace, config: Any, best) -> str:
     from hf_longctx.data.cost import CostModel
-    from hf_longctx.data.layout import doc_multiple, seq_multiple
+    from hf_longctx.layout import doc_multiple, seq_multiple
     from hf_longctx.data.packing import plan_microbatches
     from hf_longctx.planning import plot
 

@@ -51,7 +51,7 @@ from typing import Any
 
 from hf_longctx.config import MEMORY_PRESETS, preset_knobs
 from hf_longctx.data.cost import CostModel
-from hf_longctx.data.layout import seq_multiple
+from hf_longctx.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
 from hf_longctx.ops.ulysses import kv_replication
 from hf_longctx.planning.mixers import mixer_seconds

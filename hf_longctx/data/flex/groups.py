@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_longctx.data import layout
+from hf_longctx import layout
 
 
 def _pow2(name: str, value) -> int:
