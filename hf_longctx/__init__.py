@@ -15,7 +15,7 @@ from hf_longctx.data.multimodal.collator import MultimodalCollator
 from hf_longctx.data.multimodal.sharding import shard_multimodal
 from hf_longctx.data.multimodal.spec import VisionCost, VisionSpec
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex.groups import GroupShape, group_shapes
+from hf_longctx.sp_groups import GroupShape, group_shapes
 from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
 from hf_longctx.data.flex.unequal import plan_unequal
 from hf_longctx.data.flex.plan import FlexGroup, FlexPlan

@@ -37,7 +37,7 @@ def plot_flexible_step(args: argparse.Namespace, config: Any, best) -> str:
     """The flexible plan of one sampled step at the best setting's tokens per rank, drawn
     per rank with each slot's group sizes; compared with that setting's fixed degree."""
     from hf_longctx.data.cost import GroupCost
-    from hf_longctx.data.flex.groups import group_shapes
+    from hf_longctx.sp_groups import group_shapes
     from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
     from hf_longctx.data.flex.unequal import plan_unequal
     from hf_longctx.data.model_dims import ModelDims

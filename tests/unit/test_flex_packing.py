@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex.groups import group_shapes, ulysses_split
+from hf_longctx.sp_groups import group_shapes, ulysses_split
 from hf_longctx.data.flex.packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
 
 BASE = CostModel(a=1.0, b=4096.0)
@@ -173,7 +173,7 @@ def test_sizes_as_ints_num_slots_and_one_ranks_per_node_default(monkeypatch):
     is refused); `group_shapes` and `init_group_bank` share one `ranks_per_node` default."""
     from transformers import LlamaConfig
 
-    from hf_longctx.data.flex import groups as flex_groups
+    from hf_longctx import sp_groups as flex_groups
 
     shapes = group_shapes(4, heads=4)
     cost = _cost(shapes)

@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "hf_longctx"
 # lowest first: (floor name, modules on it: "x" is module x, "x.*" package x and everything under it)
 FLOORS = (
     ("base", ("hf_longctx.errors", "hf_longctx.config", "hf_longctx._compat", "hf_longctx.model_walk", "hf_longctx.devices")),
-    ("layout", ("hf_longctx.layout",)),
+    ("layout", ("hf_longctx.layout", "hf_longctx.sp_groups")),
     ("data", ("hf_longctx.data.*",)),
     ("distributed", ("hf_longctx.distributed.*",)),
     ("ops", ("hf_longctx.ops.*",)),

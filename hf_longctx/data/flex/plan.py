@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hf_longctx.data.cost import GroupCost
-from hf_longctx.data.flex.groups import GroupShape
+from hf_longctx.sp_groups import GroupShape
 
 _FP_MOD = 2_147_483_647
 

@@ -40,7 +40,7 @@ from typing import Sequence
 import numpy as np
 
 from hf_longctx.data.cost import GroupCost
-from hf_longctx.data.flex.groups import GroupShape
+from hf_longctx.sp_groups import GroupShape
 from hf_longctx.data.flex.packing import prepare
 from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.pieces import check_int
