@@ -27,8 +27,8 @@ from hf_longctx.data.sampler import StepSampler, group_stream
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.distributed.doc_sums import doc_sums
 from hf_longctx.distributed.gather import gather_sequence
-from hf_longctx.distributed.flex.step import flex_microbatches, run_flex_step
-from hf_longctx.distributed.flex.bank import GroupBank, init_group_bank
+from hf_longctx.flex.step import flex_microbatches, run_flex_step
+from hf_longctx.flex.bank import GroupBank, init_group_bank
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan

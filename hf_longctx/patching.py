@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations import transformers as _integration
 from hf_longctx.verify import verify as _verify

@@ -107,7 +107,7 @@ def footer(args: argparse.Namespace) -> str:
         "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
         *([f"- --unequal-calls: every rank holds the whole model in {args.dtype} for the step (in params) next to the "
            "held fp32 unsharded gradients, as ranks run different numbers of micro-batches "
-           "(distributed/flex/unsharded_step.py);"]
+           "(flex/unsharded_step.py);"]
           if args.unequal_calls else []),
         "- held fp32 gradients sit next to every micro-batch's activations: peak = params + optim + held + "
         "max(grads - held, activ + buffers);",

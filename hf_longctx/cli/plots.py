@@ -41,7 +41,7 @@ def plot_flexible_step(args: argparse.Namespace, config: Any, best) -> str:
     from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
     from hf_longctx.data.flex.unequal import plan_unequal
     from hf_longctx.data.model_dims import ModelDims
-    from hf_longctx.distributed.flex.collator import layout_text
+    from hf_longctx.flex.collator import layout_text
     from hf_longctx.planning import plot
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

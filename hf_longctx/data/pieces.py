@@ -2,7 +2,7 @@
 micro-batch's cap refused, truncated or split into pieces (`overlong`).
 
 Where it sits: first step of `packing.plan_microbatches` and of the flexible planners
-(`data/flex/`, `distributed/flex/collator.py`): every planner reads lengths and makes
+(`data/flex/`, `flex/collator.py`): every planner reads lengths and makes
 pieces by this one rule.
 """
 

@@ -35,7 +35,7 @@ import torch
 
 from hf_longctx.config import CHECKPOINT_ATTENTION, PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,

@@ -215,7 +215,7 @@ SLOTS = [  # slot -> groups (size, index, documents); document 0 spans the group
 
 def _flex(families: list) -> dict:
     from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
-    from hf_longctx.distributed.flex.step import run_flex_step
+    from hf_longctx.flex.step import run_flex_step
     from hf_longctx.integrations.transformers import patch, patch_state
 
     bank = worker_bank(heads=4, ranks_per_node=2)  # size 4 = U2×R2, size 2 = U2

@@ -234,7 +234,7 @@ def _flex_run(path: str, fsdp: bool, world: int) -> dict:
     from transformers import DataCollatorWithFlattening
 
     from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
-    from hf_longctx.distributed.flex.step import flex_microbatches, run_flex_step
+    from hf_longctx.flex.step import flex_microbatches, run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import patch
     from tests.pool import worker_bank

@@ -201,7 +201,7 @@ def test_sizes_as_ints_num_slots_and_one_ranks_per_node_default(monkeypatch):
     assert [(s.ulysses, s.ring) for s in group_shapes(4, heads=4)] == [(1, 1), (2, 1), (2, 2)]
     import inspect
 
-    from hf_longctx.distributed.flex.bank import init_group_bank
+    from hf_longctx.flex.bank import init_group_bank
 
     assert inspect.signature(init_group_bank).parameters["ranks_per_node"].default is None
     assert inspect.signature(group_shapes).parameters["ranks_per_node"].default is None

@@ -27,6 +27,7 @@ FLOORS = (
     ("layout", ("hf_longctx.layout", "hf_longctx.sp_groups")),
     ("data", ("hf_longctx.data.*",)),
     ("distributed", ("hf_longctx.distributed.*",)),
+    ("flex", ("hf_longctx.flex.*",)),
     ("ops", ("hf_longctx.ops.*",)),
     ("integrations", ("hf_longctx.integrations.*", "hf_longctx.planning.*")),
     ("verify", ("hf_longctx.verify",)),

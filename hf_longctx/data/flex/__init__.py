@@ -5,5 +5,5 @@ of several sizes per step, with equal or unequal micro-batch counts per rank.
 the packing of documents into slots of the group shapes a world can hold
 (`hf_longctx/sp_groups.py`); `unequal.py` the variant where ranks run different micro-batch counts. Pure Python
 and torch tensors like the rest of `data/`; the runtime that executes a plan is
-`distributed/flex/`.
+`flex/`.
 """

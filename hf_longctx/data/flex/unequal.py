@@ -4,9 +4,9 @@ free, and no slot waits for its slowest group.
 
 Where it sits: beside `data/flex/packing.plan_flexible` (same inputs, same `FlexPlan`
 output with `equal_calls=False`), on every rank from the same document list, before
-`distributed/flex/step.py` lays each group's micro-batch out. Pure NumPy, no process group.
+`flex/step.py` lays each group's micro-batch out. Pure NumPy, no process group.
 It is only usable where the step runs with parameters unsharded for its whole length
-(`distributed/flex/unsharded_step.py`): FSDP2's per-layer all-gathers and reduce-scatters are
+(`flex/unsharded_step.py`): FSDP2's per-layer all-gathers and reduce-scatters are
 what force equal call counts, and with parameters gathered once per step and gradients
 synced in each rank's last backward, only the SP groups' own collectives remain.
 

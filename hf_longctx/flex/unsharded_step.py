@@ -1,7 +1,7 @@
 """A training step with parameters unsharded from its first forward to its last backward, so
 ranks may run different numbers of micro-batches (the unequal-count mode of flexible SP).
 
-Where it sits: around the micro-batch loop of `distributed/flex/step.run_flex_step` and of
+Where it sits: around the micro-batch loop of `flex/step.run_flex_step` and of
 `LongContextTrainer.training_step`, when the step's `FlexPlan` has `equal_calls=False`
 (`data/flex/unequal.plan_unequal`). Hydraulis §5 (heterogeneous propagation): with FSDP2
 resharding per layer, every forward and backward of every micro-batch issues all-gathers
@@ -23,7 +23,7 @@ exists for parameters that fit on the device), and, on CUDA, a step whose unshar
 parameters and gradients do not fit the free device memory of some rank (one all-reduce so
 that every rank raises together).
 
-A model without FSDP (gradients summed with `loss.sum_gradients` after the loop) needs
+A model without FSDP (gradients summed with `distributed/loss.sum_gradients` after the loop) needs
 nothing here: its only world collective is after the last micro-batch on every rank.
 """
 

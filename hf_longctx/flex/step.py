@@ -13,14 +13,14 @@ propagation from optimisation): every micro-batch's loss is its token-loss sum d
 the step's GLOBAL valid-label count `num_items_in_batch`, so the losses of all ranks and
 slots sum to the single-device mean loss, and gradients are SUMMED over the whole world:
 by FSDP2's reduce-scatter over the bank's world mesh (sync on the last slot only), or by
-`loss.sum_gradients` over the world without FSDP.
+`distributed/loss.sum_gradients` over the world without FSDP.
 
 Liveness: with equal calls every slot tiles the world (`FlexPlan.validate`), so every rank
 runs exactly `plan.num_slots` forward/backward calls; a plan that breaks this, or that
 differs between ranks (a cheap fingerprint all-reduce), is refused before the first
 forward. With unequal calls (`plan_unequal`) ranks run different numbers of micro-batches
 in the plan's one global order, and an FSDP2 model runs the step unsharded
-(`distributed/flex/unsharded_step.py`): its only world collectives are the all-gathers at the
+(`flex/unsharded_step.py`): its only world collectives are the all-gathers at the
 start and the reduce-scatters of each rank's own last backward.
 """
 
@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.loss import collective_device, global_loss
-from hf_longctx.distributed.flex.unsharded_step import check_unsharded_step, unsharded_step
+from hf_longctx.flex.unsharded_step import check_unsharded_step, unsharded_step
 
 
 def check_plan(plan: FlexPlan, bank: GroupBank) -> None:

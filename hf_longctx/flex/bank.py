@@ -3,7 +3,7 @@
 Where it sits: replaces the single `SPMesh` of `init_sequence_parallel` when a step may use
 SP groups of different sizes (FlexSP §3, Hydraulis §4 "heterogeneous propagation"). Built
 once on every rank, in the same order (group creation is collective), then passed to
-`patch()` and to the flexible step driver (`distributed/flex/step.py`). For every size s
+`patch()` and to the flexible step driver (`flex/step.py`). For every size s
 this rank belongs to exactly one aligned group, ranks [g·s, (g+1)·s) with g = rank // s,
 so the bank holds one `SPMesh` per size: dp = world / s, dp_rank = g, and the Ulysses ×
 ring split of `sp_groups.ulysses_split`. Everything that takes an `SPMesh`
