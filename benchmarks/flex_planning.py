@@ -1,4 +1,4 @@
-"""Benchmark of flexible SP groups (data/flex/packing.py) against the best fixed SP degree:
+"""Benchmark of flexible SP groups (flex/packing.py) against the best fixed SP degree:
 one table.
 
 Where it sits: outside the training data flow; it draws steps with `StepSampler` exactly as
@@ -40,8 +40,8 @@ import numpy as np
 from benchmarks.packing import distributions
 from hf_longctx.data.cost import GroupCost
 from hf_longctx.sp_groups import group_shapes
-from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
-from hf_longctx.data.flex.unequal import plan_unequal
+from hf_longctx.flex.packing import plan_fixed, plan_flexible
+from hf_longctx.flex.unequal import plan_unequal
 from hf_longctx.data.sampler import StepSampler
 
 CAP = 32768  # tokens per rank per micro-batch

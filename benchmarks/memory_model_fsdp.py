@@ -51,7 +51,7 @@ def _plan(bank, tokens: int, microbatches: int, equal: bool):
     """Every slot: the bank's groups of its largest size, each with four documents of
     tokens/4; group i runs `microbatches` (+ i with unequal counts, so every group's last
     micro-batch is its own)."""
-    from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+    from hf_longctx.flex.plan import FlexGroup, FlexPlan
 
     size = bank.max_size
     groups = bank.world_size // size

@@ -16,9 +16,9 @@ from hf_longctx.data.multimodal.sharding import shard_multimodal
 from hf_longctx.data.multimodal.spec import VisionCost, VisionSpec
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.sp_groups import GroupShape, group_shapes
-from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
-from hf_longctx.data.flex.unequal import plan_unequal
-from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.flex.packing import plan_fixed, plan_flexible
+from hf_longctx.flex.unequal import plan_unequal
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import plan_microbatches
 from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.plan import Piece, Plan

@@ -2,7 +2,7 @@
 
 Where it sits: pure arithmetic on the floor of `hf_longctx/layout.py` (whose padding
 multiples it applies per shape), shared by the group bank (`flex/bank.py`,
-which builds one process group per shape), the flexible planner (`data/flex/packing.py`,
+which builds one process group per shape), the flexible planner (`flex/packing.py`,
 which must know each shape's padding multiples and capacity without any process group),
 the per-size cost model (`data/cost.GroupCost.from_config`) and the mixers' binding.
 FlexSP §3 / Hydraulis §4: SP groups of different power-of-two sizes, aligned so that a

@@ -38,8 +38,8 @@ def plot_flexible_step(args: argparse.Namespace, config: Any, best) -> str:
     per rank with each slot's group sizes; compared with that setting's fixed degree."""
     from hf_longctx.data.cost import GroupCost
     from hf_longctx.sp_groups import group_shapes
-    from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
-    from hf_longctx.data.flex.unequal import plan_unequal
+    from hf_longctx.flex.packing import plan_fixed, plan_flexible
+    from hf_longctx.flex.unequal import plan_unequal
     from hf_longctx.data.model_dims import ModelDims
     from hf_longctx.flex.collator import layout_text
     from hf_longctx.planning import plot

@@ -29,9 +29,9 @@ import numpy as np
 from hf_longctx.data.collator import check_feature_options, read_documents, require_targets
 from hf_longctx.data.token_ids import Vocabulary
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex.packing import plan_flexible
-from hf_longctx.data.flex.plan import FlexPlan
-from hf_longctx.data.flex.unequal import plan_unequal
+from hf_longctx.flex.packing import plan_flexible
+from hf_longctx.flex.plan import FlexPlan
+from hf_longctx.flex.unequal import plan_unequal
 from hf_longctx.data.pieces import OVERLONG, make_pieces
 from hf_longctx.flex.step import flex_microbatches, valid_labels
 from hf_longctx.flex.bank import GroupBank

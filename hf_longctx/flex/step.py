@@ -1,6 +1,6 @@
 """The flexible step driver: run one planned step, slot by slot, each on its own SP group.
 
-Where it sits: between the flexible planner (`data/flex/packing.py`, a `FlexPlan` computed
+Where it sits: between the flexible planner (`flex/packing.py`, a `FlexPlan` computed
 on every rank from the step's document list) and the model patched with a `GroupBank`
 (`patch(model, bank)`). For each slot this rank looks up its group (size, index), packs the
 group's documents into one row, lays it out for that group with `shard_batch(batch,
@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
+from hf_longctx.flex.packing import FlexGroup, FlexPlan
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.loss import collective_device, global_loss

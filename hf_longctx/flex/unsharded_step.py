@@ -3,7 +3,7 @@ ranks may run different numbers of micro-batches (the unequal-count mode of flex
 
 Where it sits: around the micro-batch loop of `flex/step.run_flex_step` and of
 `LongContextTrainer.training_step`, when the step's `FlexPlan` has `equal_calls=False`
-(`data/flex/unequal.plan_unequal`). Hydraulis §5 (heterogeneous propagation): with FSDP2
+(`flex/unequal.plan_unequal`). Hydraulis §5 (heterogeneous propagation): with FSDP2
 resharding per layer, every forward and backward of every micro-batch issues all-gathers
 and reduce-scatters over the whole world, so all ranks must run the same number of them.
 Here every FSDP2 unit is all-gathered ONCE at the step's start (`FSDPModule.unshard`, the

@@ -1,4 +1,4 @@
-"""The flexible planner (data/flex/packing.py), group shapes and per-size costs: properties
+"""The flexible planner (flex/packing.py), group shapes and per-size costs: properties
 checked with hypothesis, plus the refusals and the fixed-degree wrapper."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.sp_groups import group_shapes, ulysses_split
-from hf_longctx.data.flex.packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
+from hf_longctx.flex.packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
 
 BASE = CostModel(a=1.0, b=4096.0)
 

@@ -205,7 +205,7 @@ def test_third_party_rules_hold():
 
 @pytest.mark.parametrize("source, module", [
     ("import torch.distributed as dist", "hf_longctx.data.packing"),
-    ("from torch import distributed", "hf_longctx.data.flex.plan"),
+    ("from torch import distributed", "hf_longctx.data.plan"),
     ("from torch.distributed.tensor import DTensor", "hf_longctx.data"),
     ("from transformers import PreTrainedModel", "hf_longctx.ops.ring"),
     ("import accelerate", "hf_longctx.ops.backends.select"),

@@ -43,7 +43,7 @@ import numpy as np
 
 from hf_longctx.data.cost import GroupCost
 from hf_longctx.sp_groups import GroupShape
-from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import plan_microbatches
 from hf_longctx.data.pieces import as_lengths, check_int
 
