@@ -76,7 +76,7 @@ def _measure(bank, tokens: int, microbatches: int, mode: str, config) -> int:
     from hf_longctx.flex.step import flex_microbatches, run_flex_step
     from hf_longctx.flex.unsharded_step import unsharded_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     torch.manual_seed(0)
     model = patch(LlamaForCausalLM(config), bank)

@@ -112,7 +112,7 @@ def run(mode: str, repeats: int) -> dict:
     import torch.distributed as dist
 
     from hf_longctx.data.multimodal.sharding import SP_VISION_KEY, shard_multimodal
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.integrations.vision.registry import vision_spec
     from tests.pool import worker_mesh
 

@@ -32,7 +32,7 @@ from hf_longctx.flex.bank import GroupBank, init_group_bank
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
-from hf_longctx.integrations.transformers import is_patched, unpatch
+from hf_longctx.integrations.model_patch import is_patched, unpatch
 from hf_longctx.integrations.vision.registry import vision_spec
 from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention

@@ -59,7 +59,7 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
     import torch.distributed as dist
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import is_patched, patch, unpatch
+    from hf_longctx.integrations.model_patch import is_patched, patch, unpatch
 
     hf = hf_model(model)
     if is_patched(hf):

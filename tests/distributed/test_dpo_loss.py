@@ -73,7 +73,7 @@ def _run_bf16(ulysses, ring, path, loss_type):
     from transformers import AutoModelForCausalLM
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.distributed.loss import global_loss, sum_gradients
     from hf_longctx.training.dpo.loss import completion_logps, dpo_loss
 
@@ -115,7 +115,7 @@ def _run(ulysses, ring, path, loss_type):
     from transformers import AutoModelForCausalLM
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.distributed.loss import global_loss, sum_gradients
     from hf_longctx.training.dpo.loss import completion_logps, dpo_loss
 

@@ -75,7 +75,7 @@ def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, che
                sync_each_microbatch: bool = False, mixed_precision: str | None = "fp32") -> dict:
     from hf_longctx.flex.step import run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     ref_loss, ref_grads = _reference(path)
     bank = worker_bank(heads=4, ranks_per_node=ranks_per_node, fpdt_chunks=fpdt_chunks)
@@ -202,7 +202,7 @@ def _unsharded_refusals(path: str) -> dict:
     from hf_longctx.flex.step import run_flex_step
     from hf_longctx.flex.unsharded_step import unsharded_bytes, check_unsharded_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     bank = worker_bank(heads=4, ranks_per_node=4)
     out = {}
@@ -244,7 +244,7 @@ def _bf16_unsharded_vs_default(path: str) -> dict:
     from hf_longctx.flex.packing import FlexPlan
     from hf_longctx.flex.step import run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     bank = worker_bank(heads=4, ranks_per_node=2, fpdt_chunks=2)
     out = []

@@ -121,7 +121,7 @@ def compare(ref_loss, ref_grads, loss, grads) -> dict:
 
 
 def _families_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch()
@@ -169,7 +169,7 @@ def _lora(model):
 
 def _peft_and_sgd(path: str) -> dict:
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.distributed.loss import sum_gradients
 
     mesh = worker_mesh(2, 2)

@@ -89,7 +89,7 @@ def _unused_here(model) -> list[str]:
 
 def _sum_gradients_path(path: str, ulysses: int) -> dict:
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.distributed.loss import global_loss, sum_gradients
 
     mesh = worker_mesh(ulysses, 1)
@@ -109,7 +109,7 @@ def _sum_gradients_path(path: str, ulysses: int) -> dict:
 def _fsdp_path(path: str, ulysses: int) -> dict:
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.distributed.loss import global_loss
 
     mesh = worker_mesh(ulysses, 1)
@@ -236,7 +236,7 @@ def _flex_run(path: str, fsdp: bool, world: int) -> dict:
     from hf_longctx.flex.packing import FlexGroup, FlexPlan
     from hf_longctx.flex.step import flex_microbatches, run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from tests.pool import worker_bank
 
     high, low = _split_documents(1, 8)[0][:8], _split_documents(1, 8)[0][8:]

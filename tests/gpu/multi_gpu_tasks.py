@@ -135,7 +135,7 @@ def fsdp_step(path: str, degrees: tuple[int, int, int], truth: tuple, single: tu
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.gather import gather_sequence
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.distributed.loss import global_loss
 
     mesh = worker_mesh(*degrees)
