@@ -17,7 +17,7 @@ that a rank's last micro-batch is also the last of all its group's members, so t
 collectives and the reduce-scatters are issued in one order by all of them.
 
 The cost is memory: the unsharded parameters (param dtype) and gradients (reduce dtype, fp32)
-of the whole model are held for the whole step (`planning/memory.estimate_memory(...,
+of the whole model are held for the whole step (`planning/estimate.estimate_memory(...,
 unsharded_step=True)`). Refused, before any collective: parameter CPU offload (the mode
 exists for parameters that fit on the device), and, on CUDA, a step whose unsharded
 parameters and gradients do not fit the free device memory of some rank (one all-reduce so
