@@ -3,7 +3,7 @@ mix, and the fitted per-size cost model checked against fresh measurements. Two 
 
 Where it sits: outside the training data flow; it runs what a training step runs --
 `init_group_bank`, a tiny Llama `patch`ed with the bank, `plan_flexible` / `plan_fixed`,
-`distributed/flex/step.flex_microbatches` (shards laid out per slot group), forward + backward per slot.
+`flex/step.flex_microbatches` (shards laid out per slot group), forward + backward per slot.
 Gradients are not synchronised (identical work for every plan; the step comparison is about
 propagation, Hydraulis §4), and the optimizer is not run.
 
@@ -146,7 +146,7 @@ def _mix(world: int, cap: int, n_short: int, seed: int) -> list[int]:
 
 def _worker(rank: int, init_file: str, args: argparse.Namespace, results) -> None:
     from hf_longctx import GroupCost, init_group_bank, patch, plan_fixed, plan_flexible, plan_unequal
-    from hf_longctx.distributed.flex.step import flex_microbatches
+    from hf_longctx.flex.step import flex_microbatches
 
     torch.set_num_threads(1)
     world = args.world

@@ -1,4 +1,4 @@
-"""Benchmark of flexible SP groups (data/flex/packing.py) against the best fixed SP degree:
+"""Benchmark of flexible SP groups (flex/packing.py) against the best fixed SP degree:
 one table.
 
 Where it sits: outside the training data flow; it draws steps with `StepSampler` exactly as
@@ -15,7 +15,7 @@ intermediate 11008, vocab 32000) on H100-class GPUs, in seconds, with these FIXE
 - ring: per rank and per global token (R−1)·(1/s)·2·d_kv·(2e + 4)·layers bytes (K/V hops in
   forward and backward at e bytes plus fp32 dK/dV hops) at 40 GB/s across nodes, not
   overlapped with compute (conservative for the groups that need a ring);
-- the Ulysses × ring split of every size: `data/flex/groups.ulysses_split` (32 heads, 8 per node).
+- the Ulysses × ring split of every size: `sp_groups.ulysses_split` (32 heads, 8 per node).
 Steps hold 0.9 × ranks × slots × 32K tokens. "ideal" = Σ_doc min_s s·T_s(doc) / ranks (no
 plan can beat it); "fixed" = the best over feasible sizes s of the default fixed-degree
 planner (`plan_microbatches`, dp = ranks/s, cap s·32K); "fixed bound" = the best over s of
@@ -39,9 +39,9 @@ import numpy as np
 
 from benchmarks.packing import distributions
 from hf_longctx.data.cost import GroupCost
-from hf_longctx.data.flex.groups import group_shapes
-from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
-from hf_longctx.data.flex.unequal import plan_unequal
+from hf_longctx.sp_groups import group_shapes
+from hf_longctx.flex.packing import plan_fixed, plan_flexible
+from hf_longctx.flex.unequal import plan_unequal
 from hf_longctx.data.sampler import StepSampler
 
 CAP = 32768  # tokens per rank per micro-batch

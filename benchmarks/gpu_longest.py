@@ -57,7 +57,7 @@ def planned(free: float, host: float, layers: int, cap: int) -> tuple[int, int, 
     with `free` device bytes and `host` bytes of node memory."""
     from hf_longctx.integrations.host_budget import HEADROOM
     from hf_longctx.planning.budget import step_budget
-    from hf_longctx.planning.memory import ModelDims
+    from hf_longctx.planning.estimate import ModelDims
     from hf_longctx.planning.search import preset_setting
 
     dims = ModelDims.from_config(probe_config(layers))

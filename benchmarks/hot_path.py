@@ -1,6 +1,6 @@
 """Hot-path costs per decoder layer on the CUDA dispatch path, counted on CPU.
 
-Where it sits: a measurement of the whole patched step (`integrations/transformers.patch`,
+Where it sits: a measurement of the whole patched step (`integrations/model_patch.patch`,
 `ops/usp.py`, `ops/ring.py`, `ops/fpdt.py`, `ops/backends/packed.py`, the linear mixers of
 `ops/mixers/`, the offload of `ops/offload.py` and `integrations/checkpointing.py`) with the
 local attention forced onto the varlen (flash-attn 2.8 API) backend of
@@ -135,7 +135,7 @@ def forced_cuda_path(counter: Counter):
 def patched_counts(mesh, options: dict, family: str, layers: int) -> dict:
     """One fwd+bwd step of the patched model on this rank (collective: every rank calls it)."""
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     model = _model(family, layers)
     counter = Counter()
@@ -152,7 +152,7 @@ def saved_bytes(mesh, options: dict, family: str, layers: int) -> int:
     """Bytes of the distinct storages autograd keeps for the backward after one patched forward
     on this rank (a saved view keeps its whole buffer alive, so it counts whole)."""
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     model = _model(family, layers)
     patch(model, mesh, **options)

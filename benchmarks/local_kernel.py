@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from hf_longctx.data.layout import Run
+from hf_longctx.layout import Run
 from hf_longctx.ops.kernels import varlen_backward, varlen_forward
 
 FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

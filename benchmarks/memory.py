@@ -77,7 +77,7 @@ def _measure(base_mesh, opts: dict, tokens: int, loss_chunk_tokens: int) -> tupl
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.ops.tiling import default_loss_chunk_size, default_mlp_chunks
 
     mesh = dataclasses.replace(base_mesh, fpdt_chunks=FPDT_CHUNKS if opts.get("fpdt") else 1)

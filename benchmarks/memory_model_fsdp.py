@@ -12,9 +12,9 @@ all-to-all buffers, or the ring's with `--ranks-per-node 1`), each micro-batch h
 FSDP's gradient reduce-scatter in the last backward only (the default: the fp32 unsharded
 gradients are held through the step) or in every backward (`sync_each_microbatch=True`).
 Unequal counts: group i runs `--microbatches` + i micro-batches (a valid `plan_unequal`-style
-plan: every group's last micro-batch is its own), with `distributed/flex/unsharded_step.py`
+plan: every group's last micro-batch is its own), with `flex/unsharded_step.py`
 holding the gathered parameters and the fp32 unsharded gradients through the step. The
-memory model's unsharded-step terms (planning/memory.py docstring) are what the second row
+memory model's unsharded-step terms (planning/estimate.py docstring) are what the second row
 checks. Peaks are MemTracker's (tensor storage on this CPU), after a warm-up step, worst
 rank.
 
@@ -51,7 +51,7 @@ def _plan(bank, tokens: int, microbatches: int, equal: bool):
     """Every slot: the bank's groups of its largest size, each with four documents of
     tokens/4; group i runs `microbatches` (+ i with unequal counts, so every group's last
     micro-batch is its own)."""
-    from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+    from hf_longctx.flex.plan import FlexGroup, FlexPlan
 
     size = bank.max_size
     groups = bank.world_size // size
@@ -73,10 +73,10 @@ def _measure(bank, tokens: int, microbatches: int, mode: str, config) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import LlamaForCausalLM
 
-    from hf_longctx.distributed.flex.step import flex_microbatches, run_flex_step
-    from hf_longctx.distributed.flex.unsharded_step import unsharded_step
+    from hf_longctx.flex.step import flex_microbatches, run_flex_step
+    from hf_longctx.flex.unsharded_step import unsharded_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     torch.manual_seed(0)
     model = patch(LlamaForCausalLM(config), bank)
@@ -115,7 +115,7 @@ def _measure(bank, tokens: int, microbatches: int, mode: str, config) -> int:
 
 
 def _worker(rank: int, init_file: str, args, results) -> None:
-    from hf_longctx.distributed.flex.bank import init_group_bank
+    from hf_longctx.flex.bank import init_group_bank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world,
@@ -135,7 +135,7 @@ def _worker(rank: int, init_file: str, args, results) -> None:
 
 
 def main() -> None:
-    from hf_longctx.planning.memory import ModelDims, Setting, estimate_memory
+    from hf_longctx.planning.estimate import ModelDims, Setting, estimate_memory
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)

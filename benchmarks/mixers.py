@@ -194,7 +194,7 @@ def _step(all_attention: bool, tokens: int) -> tuple:
 
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.mesh import init_sequence_parallel
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = init_sequence_parallel(WORLD, 1)
     torch.manual_seed(0)

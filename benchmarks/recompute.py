@@ -100,7 +100,7 @@ def _batch(docs: list[int], vocab: int) -> dict:
 def _kept_bytes(model) -> int:
     """Bytes the keep-attention mode holds for the attention at the end of one forward (its
     saved tensors and outputs, all layers), from the keeper's running count."""
-    from hf_longctx.integrations.transformers import patch_state
+    from hf_longctx.integrations.model_patch import patch_state
 
     keeper = patch_state(model).keeper
     return keeper.kept_bytes if keeper is not None else 0
@@ -110,7 +110,7 @@ def _count_step(mesh, mode, layers: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.ops import kernels
 
     model = patch(_llama(layers, 64, 256), mesh, checkpoint=mode)
@@ -118,7 +118,7 @@ def _count_step(mesh, mode, layers: int) -> dict:
     shard = shard_batch(_batch(DOCS_SMALL, 256), mesh)
     model(**shard).loss.backward()  # warm-up (lazy initialisations out of the counts)
     model.zero_grad(set_to_none=True)
-    from hf_longctx.integrations.transformers import patch_state
+    from hf_longctx.integrations.model_patch import patch_state
 
     if patch_state(model).keeper is not None:
         patch_state(model).keeper.kept_bytes = 0  # count one step
@@ -145,7 +145,7 @@ def _attention_flops(mesh, layers: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.ops import kernels
 
     model = patch(_llama(layers, 64, 256), mesh)
@@ -219,7 +219,7 @@ def _time_worker(rank: int, init_file: str, args, results) -> None:
                             timeout=timedelta(minutes=60))
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.mesh import init_sequence_parallel
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = init_sequence_parallel(4, 1)
     base = _llama(2, 256, 8192)

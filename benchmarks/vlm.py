@@ -112,7 +112,7 @@ def run(mode: str, repeats: int) -> dict:
     import torch.distributed as dist
 
     from hf_longctx.data.multimodal.sharding import SP_VISION_KEY, shard_multimodal
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.integrations.vision.registry import vision_spec
     from tests.pool import worker_mesh
 
@@ -137,7 +137,7 @@ def run(mode: str, repeats: int) -> dict:
         loss.backward()
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    from hf_longctx.loss import global_loss
+    from hf_longctx.distributed.loss import global_loss
 
     return {"work": vs.loads[me], "sent_rows": sent_rows, "sent_bytes": sent_rows * width * 4 * 2,  # fp32, fwd + bwd
             "step": statistics.median(times[1:]), "tokens": int(shard["input_ids"].shape[1]),

@@ -15,10 +15,10 @@ from hf_longctx.data.multimodal.collator import MultimodalCollator
 from hf_longctx.data.multimodal.sharding import shard_multimodal
 from hf_longctx.data.multimodal.spec import VisionCost, VisionSpec
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex.groups import GroupShape, group_shapes
-from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
-from hf_longctx.data.flex.unequal import plan_unequal
-from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.sp_groups import GroupShape, group_shapes
+from hf_longctx.flex.packing import plan_fixed, plan_flexible
+from hf_longctx.flex.unequal import plan_unequal
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import plan_microbatches
 from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.plan import Piece, Plan
@@ -27,14 +27,14 @@ from hf_longctx.data.sampler import StepSampler, group_stream
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.distributed.doc_sums import doc_sums
 from hf_longctx.distributed.gather import gather_sequence
-from hf_longctx.distributed.flex.step import flex_microbatches, run_flex_step
-from hf_longctx.distributed.flex.bank import GroupBank, init_group_bank
+from hf_longctx.flex.step import flex_microbatches, run_flex_step
+from hf_longctx.flex.bank import GroupBank, init_group_bank
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
-from hf_longctx.integrations.transformers import is_patched, unpatch
+from hf_longctx.integrations.model_patch import is_patched, unpatch
 from hf_longctx.integrations.vision.registry import vision_spec
-from hf_longctx.loss import global_loss, sum_gradients
+from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
 from hf_longctx.patching import patch

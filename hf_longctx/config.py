@@ -1,6 +1,6 @@
 """Typed, validated options of `hf_longctx.patch()`.
 
-Where it sits: `integrations/transformers.py` builds one `PatchOptions` per `patch()` call
+Where it sits: `integrations/model_patch.py` builds one `PatchOptions` per `patch()` call
 before touching the model, so a bad option raises here -- on every rank alike, before any
 collective -- and the same object is stored with the patch so that a second `patch()` with
 equal options is a no-op (idempotence). The memory options belong to FPDT (FPDT paper §4:

@@ -1,4 +1,4 @@
-"""The public `hf_longctx.patch()`: `integrations/transformers.patch` plus the optional
+"""The public `hf_longctx.patch()`: `integrations/model_patch.patch` plus the optional
 `verify()` backstop.
 
 Where it sits: one floor above `verify.py`, which itself sits above `integrations/` (it
@@ -12,14 +12,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations import transformers as _integration
+from hf_longctx.integrations import model_patch as _integration
 from hf_longctx.verify import verify as _verify
 
 
 def patch(model: Any, mesh: SPMesh | GroupBank, *, verify: bool = False, **options: Any) -> Any:
-    """`hf_longctx.integrations.transformers.patch(model, mesh, **options)` -- every option
+    """`hf_longctx.integrations.model_patch.patch(model, mesh, **options)` -- every option
     (`memory`, the four knobs, `unsafe_skip_exactness_check`) is documented there and shown
     by `help()` -- plus:
 

@@ -59,7 +59,7 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
     import torch.distributed as dist
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import is_patched, patch, unpatch
+    from hf_longctx.integrations.model_patch import is_patched, patch, unpatch
 
     hf = hf_model(model)
     if is_patched(hf):
@@ -68,7 +68,7 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
         raise ValueError("verify() needs the model before FSDP wraps it (its parameters are DTensors); call it before fully_shard")
     meta = any(p.is_meta for p in hf.parameters())
     if mesh.sp > 1:  # rank 0 may hold real weights while the others are on meta: every rank must agree first
-        from hf_longctx.loss import collective_device
+        from hf_longctx.distributed.loss import collective_device
 
         flag = torch.tensor([int(meta)], device=collective_device(mesh.sp_group))  # [1]
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.sp_group)  # [1]: 1 if any rank is on meta

@@ -48,7 +48,7 @@ def worker_mesh(ulysses: int, ring: int, fpdt_chunks: int = 1):
 
 def worker_bank(heads: int, ranks_per_node: int, fpdt_chunks: int = 1, min_size: int = 1):
     """The group bank for these settings in the current worker (created once, then cached)."""
-    from hf_longctx.distributed.flex.bank import init_group_bank
+    from hf_longctx.flex.bank import init_group_bank
 
     key = (heads, ranks_per_node, fpdt_chunks, min_size)
     if key not in WorkerState.banks:

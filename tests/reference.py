@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from hf_longctx.data.layout import Run
+from hf_longctx.layout import Run
 
 
 def _doc_ids(cu_seqlens: Sequence[int] | torch.Tensor | None, b: int, s: int, device) -> torch.Tensor:

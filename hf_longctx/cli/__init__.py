@@ -5,7 +5,7 @@ last lines print the suggestion as code (`planning.search.suggest` returns the s
 Where it sits: outside the training data flow, before a job is launched. It reads the
 model config (a config.json, a directory holding one, or a name already in the local
 Hugging Face cache -- never the network), ranks every setting with `planning/search.py`
-(memory from `planning/memory.py`: FPDT §3-4 memory analysis, USP §4 memory and
+(memory from `planning/estimate.py`: FPDT §3-4 memory analysis, USP §4 memory and
 communication) and prints one table, best first. `--plot FILE.png` draws the per-rank load
 of one sampled step planned with `plan_microbatches` for the best setting
 (`planning/plot.py`); with `--flex` the step is planned with flexible SP groups instead

@@ -2,7 +2,7 @@
 binding limit and the suggestion as code and as recipe flags.
 
 Where it sits: behind the `plan` subcommand of `hf_longctx/cli/__init__.py`; the ranking is
-`planning/search.py` (memory model `planning/memory.py`), the optional figure `cli/plots.py`.
+`planning/search.py` (memory model `planning/estimate.py`), the optional figure `cli/plots.py`.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def format_table(rows: list[list[str]]) -> str:
 def footer(args: argparse.Namespace) -> str:
     from hf_longctx.planning.search import TIE_TOLERANCE
     return "\n".join([
-        "Assumptions (hf_longctx/planning/memory.py and search.py docstrings):",
+        "Assumptions (hf_longctx/planning/estimate.py and search.py docstrings):",
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
         "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered units (2 layers, or LM head + 1 layer) and "
         "one unit's unsharded grads in the compute dtype; "
@@ -111,7 +111,7 @@ def footer(args: argparse.Namespace) -> str:
         "(patch(..., inputs_on_device=N));",
         *([f"- --unequal-calls: every rank holds the whole model in {args.dtype} for the step (in params) next to the "
            "held fp32 unsharded gradients, as ranks run different numbers of micro-batches "
-           "(distributed/flex/unsharded_step.py);"]
+           "(flex/unsharded_step.py);"]
           if args.unequal_calls else []),
         "- held fp32 gradients sit next to every micro-batch's activations: peak = params + optim + held + "
         "max(grads - held, activ + buffers);",
@@ -172,7 +172,7 @@ def _fit_line(args: argparse.Namespace, c) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hf_longctx.planning.memory import ModelDims
+    from hf_longctx.planning.estimate import ModelDims
     from hf_longctx.planning.search import TIE_TOLERANCE, Cluster, Suggestion, rank_settings
 
     if args.unequal_calls and args.sync_each_microbatch:

@@ -11,7 +11,7 @@ from typing import Any
 
 def plot_step(args: argparse.Namespace, config: Any, best) -> str:
     from hf_longctx.data.cost import CostModel
-    from hf_longctx.data.layout import doc_multiple, seq_multiple
+    from hf_longctx.layout import doc_multiple, seq_multiple
     from hf_longctx.data.packing import plan_microbatches
     from hf_longctx.planning import plot
 
@@ -37,11 +37,11 @@ def plot_flexible_step(args: argparse.Namespace, config: Any, best) -> str:
     """The flexible plan of one sampled step at the best setting's tokens per rank, drawn
     per rank with each slot's group sizes; compared with that setting's fixed degree."""
     from hf_longctx.data.cost import GroupCost
-    from hf_longctx.data.flex.groups import group_shapes
-    from hf_longctx.data.flex.packing import plan_fixed, plan_flexible
-    from hf_longctx.data.flex.unequal import plan_unequal
+    from hf_longctx.sp_groups import group_shapes
+    from hf_longctx.flex.packing import plan_fixed, plan_flexible
+    from hf_longctx.flex.unequal import plan_unequal
     from hf_longctx.data.model_dims import ModelDims
-    from hf_longctx.distributed.flex.collator import layout_text
+    from hf_longctx.flex.collator import layout_text
     from hf_longctx.planning import plot
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

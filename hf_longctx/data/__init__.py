@@ -5,7 +5,8 @@ records their lengths; `sampler.py` draws the same global list of documents for 
 step on every rank; `cost.py` estimates each document's time T(l) = a·l² + b·l + c
 (Hydraulis, FlexSP appendix); `packing.py` assigns documents to DP ranks and
 micro-batches under a token cap, balancing the step time when ranks synchronise at
-every micro-batch; `layout.py` and `sharding.py` then lay one micro-batch out over the
-SP group. Everything here is pure Python/NumPy/torch tensors and never touches
-torch.distributed: every rank computes the same result from the same inputs.
+every micro-batch; `sharding.py` then lays one micro-batch out over the SP group with
+the token permutation of `hf_longctx/layout.py` (the floor below). Everything here is
+pure Python/NumPy/torch tensors and never touches torch.distributed: every rank
+computes the same result from the same inputs.
 """

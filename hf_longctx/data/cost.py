@@ -208,7 +208,7 @@ class GroupCost:
     ) -> "GroupCost":
         """Seconds per document for every group shape (`bank.shapes`, or group sizes as ints:
         each split as `group_shapes` splits it, over `ranks_per_node`, default
-        `data/flex/groups.default_ranks_per_node(largest size)`): the model's training
+        `sp_groups.default_ranks_per_node(largest size)`): the model's training
         FLOPs (`CostModel.from_config`) at `flops_per_s` per rank, split over the group, plus
         the traffic a group of s = U·R ranks adds per token of a document, unoverlapped:
         Ulysses all-to-all of q, k, v and the output (2(U−1)/U of (2·h_q + 2·h_kv)·E bytes per
@@ -219,7 +219,7 @@ class GroupCost:
         between sizes matter to the planner; on other hardware fit one (`GroupCost.fit`)."""
         d = ModelDims.from_config(config)
         if any(isinstance(sh, int) and not isinstance(sh, bool) for sh in shapes):
-            from hf_longctx.data.flex.groups import GroupShape, default_ranks_per_node, ulysses_split
+            from hf_longctx.sp_groups import GroupShape, default_ranks_per_node, ulysses_split
 
             sizes = [sh if isinstance(sh, int) else sh.size for sh in shapes]
             rpn = default_ranks_per_node(max(sizes)) if ranks_per_node is None else ranks_per_node

@@ -2,8 +2,8 @@
 micro-batch's cap refused, truncated or split into pieces (`overlong`).
 
 Where it sits: first step of `packing.plan_microbatches` and of the flexible planners
-(`data/flex/`, `distributed/flex/collator.py`): every planner reads lengths and makes
-pieces by this one rule.
+(`flex/packing.py`, `flex/unequal.py`, `flex/collator.py`): every planner reads lengths
+and makes pieces by this one rule.
 """
 
 from __future__ import annotations

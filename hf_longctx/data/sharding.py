@@ -14,7 +14,7 @@ the data half of DESIGN invariants 1-6:
 6. `num_items_in_batch` is the valid-label count of the whole batch (or the step's global
    count passed by the collator), identical on every rank.
 The shard carries ONE attention-metadata entry (`SP_METADATA_KEY`): the global document
-boundaries that the attention of `integrations/transformers.py` builds its mask from --
+boundaries that the attention of `integrations/model_patch.py` builds its mask from --
 never from HF's mask, which HF builds at the local shard length.
 
 Pure tensor code, no process group; the inverse for evaluation outputs, which needs an

@@ -97,7 +97,7 @@ def doc_sums(values: torch.Tensor, shard: Mapping[str, Any], mesh, mask: torch.T
     local = v.new_zeros(b, d + 1).index_add(1, doc, v)[:, :d]  # [B, D]: this rank's part, padding bin dropped
     if mesh.sp_group is None or mesh.sp == 1:
         return local
-    from hf_longctx.loss import collective_device
+    from hf_longctx.distributed.loss import collective_device
 
     device = local.device
     out = _SumOverGroup.apply(local.to(collective_device(mesh.sp_group, local)), mesh.sp_group)

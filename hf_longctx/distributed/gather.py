@@ -3,7 +3,7 @@
 Where it sits: after `model(**shard)` in evaluation, when a caller needs the logits or
 hidden states of the whole sequence in the order of the user's original batch. It
 all-gathers the shards over the SP group and undoes the permutation of
-`data/layout.py` (zigzag over the ring, contiguous over Ulysses, rank-ordinal for FPDT,
+`hf_longctx/layout.py` (zigzag over the ring, contiguous over Ulysses, rank-ordinal for FPDT,
 USP Algorithms 1-2 / FPDT Figure 6), then drops the padding `shard_batch` added.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from hf_longctx.data import layout
+from hf_longctx import layout
 from hf_longctx.data.sharding import SP_METADATA_KEY
 
 
@@ -32,7 +32,7 @@ def gather_sequence(local: torch.Tensor, shard: Mapping[str, Any], mesh) -> torc
             f"local tensor of shape {tuple(local.shape)} does not match the shard: expected B = {info.rows} and "
             f"S_local = {info.padded_length} / sp({mesh.sp}) = {info.padded_length // mesh.sp}"
         )
-    from hf_longctx.loss import collective_device
+    from hf_longctx.distributed.loss import collective_device
 
     device = local.device
     local = local.detach().contiguous()

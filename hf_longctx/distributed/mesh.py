@@ -4,7 +4,8 @@ Where it sits: built once per job by `hf_longctx.init_sequence_parallel`, then p
 `patch()`, `shard_batch()`, the collator and `usp_attention()` -- never stored in a module
 global. It owns the process groups (USP paper §3: Ulysses innermost because it carries the
 heaviest all-to-all traffic and belongs on the fastest links, ring next, data parallel
-outermost) and answers layout questions by calling the pure functions of `data/layout.py`.
+outermost) and answers layout questions by calling the pure functions of
+`hf_longctx/layout.py`.
 
 Global rank = dp_rank · (R·U) + ring_rank · U + ulysses_rank.
 Works without torch.distributed (one process, every degree 1): the groups are then None
@@ -20,7 +21,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx.data import layout
+from hf_longctx import layout
 from hf_longctx.errors import NotSupported
 
 

@@ -1,6 +1,6 @@
 """What cannot run exactly under sequence parallelism, refused at `patch()` time.
 
-Where it sits: the first thing `integrations/transformers.py`'s `patch()` calls, before it
+Where it sits: the first thing `integrations/model_patch.py`'s `patch()` calls, before it
 changes anything. DESIGN invariant 7 (outputs and gradients equal the single-device
 ones) rules out: attention dropout (the shards would draw different masks than one
 device), RoPE variants whose frequencies depend on the sequence length each rank sees

@@ -1,6 +1,6 @@
 """Memory options of a patched HF causal LM: chunked MLP, chunked LM head + loss, offloaded checkpointing.
 
-Where it sits: `patch()` (`integrations/transformers.py`) calls `apply_memory_options` when
+Where it sits: `patch()` (`integrations/model_patch.py`) calls `apply_memory_options` when
 any memory option is set and calls the returned undo in `unpatch()`. It implements the
 part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attention:
 - every decoder layer's MLP (`mlp`, `feed_forward`, ...: `layer_mlp`) runs through
@@ -216,7 +216,7 @@ def _patch_host_budget(model: nn.Module, mesh: SPMesh, setting_kw: dict, undo: l
     from hf_longctx.data.model_dims import ModelDims
     from hf_longctx.integrations.host_budget import HostBudget
     from hf_longctx.ops import offload
-    from hf_longctx.planning.memory import Setting
+    from hf_longctx.planning.estimate import Setting
 
     try:
         dims = ModelDims.from_config(model.config)

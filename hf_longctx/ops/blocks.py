@@ -1,7 +1,7 @@
 """Block planning: which (query run × key run) tiles of a local attention are computed.
 
 Where it sits: `ops/kernels.py` turns the runs of the local query and key tokens (from
-`data/layout.py`) into tiles with `plan_blocks`, then calls one kernel per tile and
+`hf_longctx/layout.py`) into tiles with `plan_blocks`, then calls one kernel per tile and
 merges the results with `ops/lse.py`. Ring attention and FPDT call the kernels once per
 key block they hold, so this plan decides, for every rank, which score elements are
 computed: skipping the tiles no query may see is what makes the zigzag layout of the
@@ -23,7 +23,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hf_longctx.data.layout import Run
+from hf_longctx.layout import Run
 
 
 class Block(NamedTuple):

@@ -2,7 +2,7 @@
 
 Where it sits: with `mesh.fpdt_chunks = u > 1` the attention registered with HF calls
 `fpdt_attention` instead of `usp_attention` (ring degree is 1). Rank j of the Ulysses
-group holds the rank-ordinal layout of `data/layout.local_runs(..., fpdt_chunks=u)`:
+group holds the rank-ordinal layout of `layout.local_runs(..., fpdt_chunks=u)`:
 local chunk i (rows [i·c, (i+1)·c), c = S_local/u) is global piece i·U + j, so one
 all-to-all of local chunk i gathers the contiguous global segment i
 (`layout.fpdt_chunk_range`) for H/U heads (FPDT Figure 6).
@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from hf_longctx.data.layout import Run, fpdt_chunk_range, runs_of_range
+from hf_longctx.layout import Run, fpdt_chunk_range, runs_of_range
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.ops import blocks, kernels

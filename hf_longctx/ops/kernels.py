@@ -2,8 +2,8 @@
 
 Where it sits: the innermost step of every attention path. Ring attention
 (`ops/ring.py`), Ulysses (`ops/ulysses.py`), USP and FPDT (`ops/fpdt.py`) hand this
-module the local queries and one block of keys, described by `data/layout.py` runs; it
-plans tiles with `ops/blocks.py`, picks ONE backend per call with
+module the local queries and one block of keys, described by runs of
+`hf_longctx/layout.py`; it plans tiles with `ops/blocks.py`, picks ONE backend per call with
 `ops/backends/select.py` and hands it the whole plan: on CUDA a varlen kernel
 (flash-attn 2.x or torch's flash ops) runs the planned tiles as a few cumulative-length
 calls (`ops/backends/packed.py`); on CPU the aten flash op runs one call per tile
@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from hf_longctx.data.layout import Run
+from hf_longctx.layout import Run
 from hf_longctx.ops.backends import backend_for
 from hf_longctx.ops.blocks import Block, Tiles, plan_blocks
 from hf_longctx.ops.math_kernel import NEG_INF as _NEG_INF

@@ -2,7 +2,7 @@
 
 Where it sits: `ops/usp.py` calls it after the Ulysses all-to-all, with every rank holding
 its ring rank's whole token stream `[B, H/U, S_ring, D]` (the zigzag chunks r and 2R-1-r
-of every document, `data/layout.ring_stream`). K/V blocks travel around the ring; each
+of every document, `layout.ring_stream`). K/V blocks travel around the ring; each
 rank attends its queries to the block it holds with `ops/kernels.varlen_forward` and folds
 the partial result in with the one log-sum-exp merge of `ops/lse.py`. Because the block
 plan is computed from global document boundaries, packed documents never see each other
@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from hf_longctx.data.layout import Run, ring_stream
+from hf_longctx.layout import Run, ring_stream
 from hf_longctx.distributed.comm import RingExchanger
 from hf_longctx.ops import blocks, kernels, lse as lse_ops
 from hf_longctx.ops.sinks import check_sinks, merge_sink, sink_grad

@@ -1,6 +1,6 @@
 """Unified sequence parallelism: Ulysses × zigzag ring on the 2D SP mesh (USP paper §3-4).
 
-Where it sits: the attention that `integrations/transformers.py` registers with HF calls
+Where it sits: the attention that `integrations/model_patch.py` registers with HF calls
 `usp_attention` with the rows of q/k/v this rank holds (`SPMesh.local_indices`). Steps:
 1. Ulysses all-to-all: [B, S_local, H, D] → the ring rank's stream [B, S_ring, H/U, D];
 2. zigzag ring attention over the ring group on that stream, packed documents exact;

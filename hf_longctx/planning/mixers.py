@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_longctx.ops.mixers.cost import Links, MixerDims, choose, head_traffic, mixers_of_config, one_document_state_traffic
-from hf_longctx.planning.memory import DTYPE_BYTES, Setting
+from hf_longctx.planning.estimate import DTYPE_BYTES, Setting
 
 
 @dataclass(frozen=True)

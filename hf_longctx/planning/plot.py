@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex.plan import FlexPlan
+from hf_longctx.flex.plan import FlexPlan
 from hf_longctx.data.plan import Plan
 
 

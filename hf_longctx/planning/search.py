@@ -3,7 +3,7 @@
 Where it sits: behind `hf-longctx plan` (`cli/plan.py`) and `suggest()`, its Python twin. For a
 model config and a cluster it lists every mesh the library can run, each with the three
 memory presets of `patch(memory=...)` ("off", "balanced", "high", "max": `config.preset_knobs`),
-estimates per-GPU memory with `planning/memory.py` and step time as below, and returns
+estimates per-GPU memory with `planning/estimate.py` and step time as below, and returns
 them best first: feasible ones (they fit GPU and host memory) ordered by cluster
 throughput. `suggest()` returns the first: the `init_sequence_parallel` arguments and the
 preset to pass to `patch()`.
@@ -51,11 +51,11 @@ from typing import Any
 
 from hf_longctx.config import MEMORY_PRESETS, preset_knobs
 from hf_longctx.data.cost import CostModel
-from hf_longctx.data.layout import seq_multiple
+from hf_longctx.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
 from hf_longctx.ops.ulysses import kv_replication
 from hf_longctx.planning.mixers import mixer_seconds
-from hf_longctx.planning.memory import (
+from hf_longctx.planning.estimate import (
     DTYPE_BYTES,
     MemoryEstimate,
     ModelDims,

@@ -22,7 +22,7 @@ from typing import NoReturn
 
 import torch
 
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 
 

@@ -147,8 +147,8 @@ def _sp_step(path: str, regime: str, mesh, memory: str | None = None) -> tuple:
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.gather import gather_sequence
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
 
     model = patch(_fresh(path, torch.bfloat16 if regime == "bf16" else torch.float32), mesh, memory=memory)
     if regime == "fsdp":
@@ -268,7 +268,7 @@ def fsdp_adamw(path: str, refs: dict, use_accelerate: bool) -> dict:
 
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = worker_mesh(2, 1)  # dp 2 x ulysses 2 on 4 ranks: FSDP over all 4
     accelerator = None

@@ -68,8 +68,8 @@ def reference(path: str, feats: list[dict]):
 
 def _collator_step(ulysses: int, ring: int, path: str, steps: dict) -> dict:
     from hf_longctx.data.collator import LongContextCollator
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
 
     mesh = worker_mesh(ulysses, ring)
     model = patch(load(path), mesh)

@@ -1,7 +1,7 @@
 """`torch.compile` of a patched model: the layers compile around our attention, exactly.
 
 The registered attention function, the mask function and the model-level hooks are behind
-`torch.compiler.disable` (`integrations/attention.py`, `integrations/transformers.py`): they
+`torch.compiler.disable` (`integrations/attention.py`, `integrations/model_patch.py`): they
 run collectives and per-batch Python plans. Dynamo compiles the rest of every layer
 (projections, RoPE, norms, MLP) and calls the attention eagerly in between, so a new
 document layout of the same length reuses the graphs (no retrace per batch). Compared on 2
@@ -43,7 +43,7 @@ def _compiled_vs_eager(family: str, ulysses: int, ring: int, options: dict) -> d
 
     from benchmarks.hot_path import _model
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = worker_mesh(ulysses, ring, 2 if options.get("memory") == "max" else 1)
     torch._dynamo.reset()

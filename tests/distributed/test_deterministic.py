@@ -42,7 +42,7 @@ def _two_runs(label: str, kernel: str, deterministic: bool) -> tuple[bool, list[
     """(gradients bit-identical across the two runs, what the kernel was told per backward call)."""
     from benchmarks.hot_path import _batch, _model
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     _, ulysses, ring, chunks, options, family = next(row for row in LAYOUTS if row[0] == label)
     mesh = worker_mesh(ulysses, ring, chunks)

@@ -73,8 +73,8 @@ def _run_bf16(ulysses, ring, path, loss_type):
     from transformers import AutoModelForCausalLM
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
     from hf_longctx.training.dpo.loss import completion_logps, dpo_loss
 
     mesh = worker_mesh(ulysses, ring)
@@ -115,8 +115,8 @@ def _run(ulysses, ring, path, loss_type):
     from transformers import AutoModelForCausalLM
 
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
     from hf_longctx.training.dpo.loss import completion_logps, dpo_loss
 
     mesh = worker_mesh(ulysses, ring)

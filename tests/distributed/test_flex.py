@@ -1,7 +1,7 @@
 """Flexible SP groups on 4 gloo ranks: a step whose slots use different group layouts equals
 the single-process step.
 
-The step (`distributed/flex/step.run_flex_step`) runs four slots with the layouts
+The step (`flex/step.run_flex_step`) runs four slots with the layouts
 1×[4]; 2×[2]; 1×[2] + 2×[1]; 4×[1] -- changing from slot to slot, one group left empty
 (it runs a padding document) -- on a model patched with a `GroupBank`; each micro-batch's
 attention takes its group from the batch. The reference: the unpatched model in one process
@@ -54,7 +54,7 @@ def _documents(seed: int = 5):
 
 
 def _plan(bank, equal_calls: bool = True):
-    from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
+    from hf_longctx.flex.packing import FlexGroup, FlexPlan
 
     slots = tuple(tuple(FlexGroup(s, i, d) for s, i, d in slot) for slot in (SLOTS if equal_calls else SLOTS_UNEQUAL))
     return FlexPlan(slots=slots, lengths=tuple(LENGTHS), world_size=4, max_tokens_per_rank=32, shapes=bank.shapes,
@@ -73,9 +73,9 @@ def _reference(path: str):
 
 def _flex_step(path: str, ranks_per_node: int, fpdt_chunks: int, fsdp: bool, checkpoint: bool, equal_calls: bool,
                sync_each_microbatch: bool = False, mixed_precision: str | None = "fp32") -> dict:
-    from hf_longctx.distributed.flex.step import run_flex_step
+    from hf_longctx.flex.step import run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     ref_loss, ref_grads = _reference(path)
     bank = worker_bank(heads=4, ranks_per_node=ranks_per_node, fpdt_chunks=fpdt_chunks)
@@ -172,8 +172,8 @@ def _disagreeing_plans() -> str:
     the same clear error from the fingerprint check, before any forward."""
     import torch.distributed as dist
 
-    from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
-    from hf_longctx.distributed.flex.step import flex_microbatches
+    from hf_longctx.flex.packing import FlexGroup, FlexPlan
+    from hf_longctx.flex.step import flex_microbatches
 
     bank = worker_bank(heads=4, ranks_per_node=4)
     a, b = (0, 1), (2, 3)
@@ -199,10 +199,10 @@ def _unsharded_refusals(path: str) -> dict:
     one rank's free device memory (rank 2 reports 0 bytes free; CPU has no device limit)."""
     import torch.distributed as dist
 
-    from hf_longctx.distributed.flex.step import run_flex_step
-    from hf_longctx.distributed.flex.unsharded_step import unsharded_bytes, check_unsharded_step
+    from hf_longctx.flex.step import run_flex_step
+    from hf_longctx.flex.unsharded_step import unsharded_bytes, check_unsharded_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     bank = worker_bank(heads=4, ranks_per_node=4)
     out = {}
@@ -241,10 +241,10 @@ def _bf16_unsharded_vs_default(path: str) -> dict:
     accumulate the unsharded gradients in fp32 in the same order and reduce-scatter once, so
     they must be bitwise equal on CPU (and the gradients must not be zero). The default path
     itself is checked against the float64 truth in test_bf16.py."""
-    from hf_longctx.data.flex.packing import FlexPlan
-    from hf_longctx.distributed.flex.step import run_flex_step
+    from hf_longctx.flex.packing import FlexPlan
+    from hf_longctx.flex.step import run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     bank = worker_bank(heads=4, ranks_per_node=2, fpdt_chunks=2)
     out = []

@@ -66,7 +66,7 @@ def _fsdp_step(path: str, mixed_precision: str, broadcast: bool = False, **memor
 
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = worker_mesh(2, 1)  # ulysses 2 × ring 1 → dp 2
     ref = _reference_update(path)
@@ -213,7 +213,7 @@ def test_collectives_take_the_nccl_device(monkeypatch):
     unless its tensor already lives on an accelerator; under gloo on CPU."""
     import torch.distributed as dist
 
-    from hf_longctx.loss import collective_device
+    from hf_longctx.distributed.loss import collective_device
 
     group = object()
     monkeypatch.setattr(dist, "get_backend", lambda g=None: "nccl")

@@ -20,8 +20,8 @@ CASE = ("dapo", 0.04, True, True, None)
 def _bf16_step(path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
     from hf_longctx.training.grpo.loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
 
     def fresh(dtype):

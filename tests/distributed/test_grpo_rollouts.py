@@ -55,7 +55,7 @@ def _run(path: str) -> dict:
 
     from hf_longctx.distributed.mesh import SPMesh
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import is_patched, patch
+    from hf_longctx.integrations.model_patch import is_patched, patch
     from hf_longctx.training.grpo.generate import sp_rollouts
 
     g = 2
@@ -110,7 +110,7 @@ def test_ragged_generation_two_ranks_no_hang(pools, tmp_path):
 
 def _mismatched(path: str) -> str:
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.training.grpo.generate import sp_rollouts
 
     mesh = worker_mesh(2, 1)
@@ -147,7 +147,7 @@ class _Capture:
 def _grpo_steps(path: str) -> dict:
     from hf_longctx.distributed.mesh import SPMesh
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.training.grpo.step import grpo_step
     from hf_longctx.training.grpo.loss import GRPOObjective
 

@@ -118,8 +118,8 @@ def reference_step(model, rollouts, loss_type: str, beta: float, with_old: bool,
 
 
 def _sp_steps(ulysses: int, ring: int, fpdt: int, path: str) -> list[dict]:
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
     from hf_longctx.training.grpo.loss import GRPOObjective, grpo_loss, pack_completions, shard_completions
 
     mesh = worker_mesh(ulysses, ring, fpdt)

@@ -139,7 +139,7 @@ def sp_run(model, batch, mesh):
 
 
 def _families(ulysses: int, ring: int, families: list, docs=DOCS, fpdt_chunks: int = 1) -> dict:
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = worker_mesh(ulysses, ring, fpdt_chunks=fpdt_chunks)
     batch = packed_batch(docs)
@@ -185,7 +185,7 @@ def test_rglru_exchange_backward_runs_on_every_rank(pools):
 def _without_wrappers(family: str) -> dict:
     """The same patched model with the mixer wrappers taken off: its mixers then run on each
     shard as if it were the whole sequence. The test must see the difference."""
-    from hf_longctx.integrations.transformers import _STATE_ATTR, patch
+    from hf_longctx.integrations.model_patch import _STATE_ATTR, patch
 
     mesh = worker_mesh(2, 2)
     batch = packed_batch()
@@ -214,7 +214,7 @@ def test_hybrid_under_fpdt_chunks(pools):
 def _rows(families: list, scheme: str = "heads") -> dict:
     """B = 2 rows of one document each (right padding by attention_mask): shard_batch pads each
     row's document; the mixers run per row (batch dimension) from zero state."""
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = worker_mesh(1, 2)
     g = torch.Generator().manual_seed(5)

@@ -95,7 +95,7 @@ def _compare(ref_loss, ref_grads, loss, grads):
 
 
 def _families(ulysses: int, ring: int, families: list, fpdt_chunks: int = 1) -> dict:
-    from hf_longctx.integrations.transformers import patch, patch_state
+    from hf_longctx.integrations.model_patch import patch, patch_state
 
     mesh = worker_mesh(ulysses, ring, fpdt_chunks)
     batch = packed_batch(DOCS)
@@ -127,7 +127,7 @@ def test_state_passing_matches_per_document_reference(pools, ulysses, ring, fpdt
 
 def _float64(ulysses: int, ring: int) -> dict:
     """Qwen3.5 in float64 with a float64 recurrent delta rule in place of the chunked torch core."""
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from tests.emulated_mixer_kernels import recurrent_delta_rule
 
     mesh = worker_mesh(ulysses, ring)
@@ -167,7 +167,7 @@ def _wiring(ulysses: int, ring: int) -> dict:
     """The GPU kernels' wiring on CPU: the modules' kernel entry points replaced by emulations of
     FLA's and mamba_ssm's signatures, as transformers' hub decorator would resolve them."""
     from hf_longctx.integrations.mixers import dispatch
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from tests.emulated_mixer_kernels import FLAEmulation, MambaSSMEmulation
 
     mesh = worker_mesh(ulysses, ring)
@@ -214,9 +214,9 @@ SLOTS = [  # slot -> groups (size, index, documents); document 0 spans the group
 
 
 def _flex(families: list) -> dict:
-    from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
-    from hf_longctx.distributed.flex.step import run_flex_step
-    from hf_longctx.integrations.transformers import patch, patch_state
+    from hf_longctx.flex.packing import FlexGroup, FlexPlan
+    from hf_longctx.flex.step import run_flex_step
+    from hf_longctx.integrations.model_patch import patch, patch_state
 
     bank = worker_bank(heads=4, ranks_per_node=2)  # size 4 = U2×R2, size 2 = U2
     plan = FlexPlan(slots=tuple(tuple(FlexGroup(*g) for g in slot) for slot in SLOTS), lengths=tuple(LENGTHS), world_size=4,
@@ -264,7 +264,7 @@ def test_rows_of_one_document(pools):
 
 
 def _bf16(ulysses: int, ring: int, families: list) -> dict:
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from tests.distributed.test_bf16 import criterion, pooled_small
 
     mesh = worker_mesh(ulysses, ring)

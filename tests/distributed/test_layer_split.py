@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.data.sharding import shard_batch
-from hf_longctx.integrations.transformers import patch, patch_state, unpatch
+from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
 from tests.pool import worker_mesh
 from tests.reference import rel_err
 

@@ -26,7 +26,7 @@ from hf_longctx import init_sequence_parallel
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.integrations.memory import apply_memory_options
 from hf_longctx.model_walk import decoder_layers
-from hf_longctx.integrations.transformers import patch, unpatch
+from hf_longctx.integrations.model_patch import patch, unpatch
 from tests.pool import worker_mesh
 from tests.reference import rel_err
 
@@ -171,7 +171,7 @@ def test_bad_options_raise_before_touching_the_model():
 
 def test_memory_presets_turn_on_exactly_their_knobs():
     from hf_longctx.config import PatchOptions
-    from hf_longctx.integrations.transformers import _STATE_ATTR
+    from hf_longctx.integrations.model_patch import _STATE_ATTR
 
     model = _model("llama")
     plain = init_sequence_parallel(1, 1, 1)

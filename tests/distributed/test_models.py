@@ -102,7 +102,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def sp_loss_and_grads(model, batch: dict, mesh):
     """Patched forward/backward on this rank's shard; loss and gradients SUMMED over the world."""
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
 
     model.zero_grad(set_to_none=True)
     out = model(**shard_batch(batch, mesh))
@@ -121,7 +121,7 @@ def compare(ref_loss, ref_grads, loss, grads) -> dict:
 
 
 def _families_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch()
@@ -169,8 +169,8 @@ def _lora(model):
 
 def _peft_and_sgd(path: str) -> dict:
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import sum_gradients
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import sum_gradients
 
     mesh = worker_mesh(2, 2)
     batch = packed_batch(seed=3)

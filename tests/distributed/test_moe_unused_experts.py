@@ -89,8 +89,8 @@ def _unused_here(model) -> list[str]:
 
 def _sum_gradients_path(path: str, ulysses: int) -> dict:
     from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
 
     mesh = worker_mesh(ulysses, 1)
     batch = moe_batch(mesh.sp)
@@ -109,8 +109,8 @@ def _sum_gradients_path(path: str, ulysses: int) -> dict:
 def _fsdp_path(path: str, ulysses: int) -> dict:
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss
 
     mesh = worker_mesh(ulysses, 1)
     batch = moe_batch(mesh.sp)
@@ -176,7 +176,7 @@ def test_sum_gradients_parameter_without_grad_anywhere_stays_none(pools):
 def _unused_everywhere():
     import torch.distributed as dist
 
-    from hf_longctx.loss import sum_gradients
+    from hf_longctx.distributed.loss import sum_gradients
 
     mesh = worker_mesh(2, 1)
     used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
@@ -233,10 +233,10 @@ def test_moe_trainer_step_with_unused_experts_on_a_rank(pools, moe_path, tmp_pat
 def _flex_run(path: str, fsdp: bool, world: int) -> dict:
     from transformers import DataCollatorWithFlattening
 
-    from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
-    from hf_longctx.distributed.flex.step import flex_microbatches, run_flex_step
+    from hf_longctx.flex.packing import FlexGroup, FlexPlan
+    from hf_longctx.flex.step import flex_microbatches, run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from tests.pool import worker_bank
 
     high, low = _split_documents(1, 8)[0][:8], _split_documents(1, 8)[0][8:]

@@ -156,7 +156,7 @@ def documents(batch: dict) -> list[torch.Tensor]:
 def models_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
     """Per family: loss/gradient errors of the patched model on this mesh against the
     per-document reference, plus the sink parameters' (also test_contiguous.py's check)."""
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from tests.distributed.test_models import compare, load, packed_batch, sp_loss_and_grads
 
     mesh = worker_mesh(ulysses, ring)

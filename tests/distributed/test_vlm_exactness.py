@@ -29,9 +29,9 @@ def _run(ulysses: int, ring: int, chunks: int, families: list, collate: bool, co
          knobs: dict | None = None) -> dict:
     from hf_longctx.data.multimodal.collator import MultimodalCollator
     from hf_longctx.data.multimodal.sharding import SP_VISION_KEY, shard_multimodal
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.integrations.vision.registry import vision_spec
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
     from tests.vlm_cases import build, compare, mixed_documents, packed_row, references
 
     mesh = worker_mesh(ulysses, ring, chunks)
@@ -115,9 +115,9 @@ def test_a_broken_route_is_caught(pools):
 def _bf16(ulysses: int, ring: int, family: str) -> dict:
     """Autocast bf16 over fp32 weights (Trainer bf16=True): SP, one process, and float64 truth."""
     from hf_longctx.data.multimodal.sharding import shard_multimodal
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.integrations.vision.registry import vision_spec
-    from hf_longctx.loss import global_loss, sum_gradients
+    from hf_longctx.distributed.loss import global_loss, sum_gradients
     from tests.vlm_cases import build, double, mixed_documents, packed_row, reference
 
     mesh = worker_mesh(ulysses, ring)

@@ -53,7 +53,7 @@ def check_signatures() -> None:
     from hf_longctx import LongContextTrainer, fsdp_plan, patch
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.gather import gather_sequence
-    from hf_longctx.loss import global_loss
+    from hf_longctx.distributed.loss import global_loss
     from hf_longctx.ops.fpdt import fpdt_attention
     from hf_longctx.ops.usp import usp_attention
 
@@ -135,8 +135,8 @@ def fsdp_step(path: str, degrees: tuple[int, int, int], truth: tuple, single: tu
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.gather import gather_sequence
     from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.transformers import patch
-    from hf_longctx.loss import global_loss
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.distributed.loss import global_loss
 
     mesh = worker_mesh(*degrees)
     dev = device()

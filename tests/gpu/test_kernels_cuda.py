@@ -8,7 +8,7 @@ eps, while a wrong mask or alignment changes whole rows (O(1))."""
 import pytest
 import torch
 
-from hf_longctx.data.layout import ring_stream, runs_to_indices
+from hf_longctx.layout import ring_stream, runs_to_indices
 from hf_longctx.ops import kernels
 from hf_longctx.ops.backends import select
 from hf_longctx.ops.backends.packed import PackedBackend

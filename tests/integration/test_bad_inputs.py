@@ -157,7 +157,7 @@ def _checkpoint_field():
 
 
 def test_explicit_checkpoint_false_wins_over_the_trainer_flag_and_is_said(llama_path, tmp_path):
-    from hf_longctx.integrations.transformers import patch_state
+    from hf_longctx.integrations.model_patch import patch_state
 
     field = _checkpoint_field()
     mesh = init_sequence_parallel()
@@ -175,7 +175,7 @@ def test_explicit_checkpoint_false_wins_over_the_trainer_flag_and_is_said(llama_
 
 def test_training_arguments_are_never_rewritten(llama_path, tmp_path):
     """The same TrainingArguments object builds a second trainer with the same settings."""
-    from hf_longctx.integrations.transformers import patch_state
+    from hf_longctx.integrations.model_patch import patch_state
 
     field = _checkpoint_field()
     args = training_args(str(tmp_path), **{field: True})

@@ -15,8 +15,8 @@ from transformers.modeling_utils import AttentionInterface
 
 from benchmarks.zoo import tiny_config
 from hf_longctx.distributed.mesh import init_sequence_parallel
-from hf_longctx.integrations.transformers import USED_ATTENTION_KWARGS, is_patched, unpatch
-from hf_longctx.integrations.transformers import patch as _patch
+from hf_longctx.integrations.model_patch import USED_ATTENTION_KWARGS, is_patched, unpatch
+from hf_longctx.integrations.model_patch import patch as _patch
 
 
 def build(model_type: str, **overrides):
@@ -126,7 +126,7 @@ def test_unsafe_keyword_skips_the_rule(mesh, patch):
 def test_a_module_class_handled_by_an_sp_wrapper_is_trusted(mesh, patch):
     from hf_longctx.config import PatchOptions
     from hf_longctx.integrations.exactness import refuse_inexact
-    from hf_longctx.integrations.transformers import IGNORED_ATTENTION_KWARGS
+    from hf_longctx.integrations.model_patch import IGNORED_ATTENTION_KWARGS
 
     model = build("jamba")
     mixer = type(model.model.layers[0].mamba)
@@ -187,7 +187,7 @@ def test_the_dry_run_costs_four_forwards():
     model = LlamaForCausalLM(cfg)
     forwards = []
     handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    from hf_longctx.integrations.transformers import IGNORED_ATTENTION_KWARGS
+    from hf_longctx.integrations.model_patch import IGNORED_ATTENTION_KWARGS
 
     report = probe_model(model, "sp_batch", USED_ATTENTION_KWARGS, IGNORED_ATTENTION_KWARGS)
     handle.remove()

@@ -22,7 +22,7 @@ from hf_longctx.data.sharding import shard_batch
 from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.mesh import init_sequence_parallel
 from hf_longctx.errors import NotSupported
-from hf_longctx.integrations.transformers import is_patched, patch, unpatch
+from hf_longctx.integrations.model_patch import is_patched, patch, unpatch
 from tests.distributed.test_models import family_config, packed_batch, rel
 
 TOL = 1e-5
@@ -297,7 +297,7 @@ def test_gradient_checkpointing_flag_keeps_an_unsafe_patch_unsafe(llama_path, me
     it was patched to skip)."""
     from transformers import TrainingArguments
 
-    from hf_longctx.integrations.transformers import patch_state
+    from hf_longctx.integrations.model_patch import patch_state
     from hf_longctx.training.base.construction import map_activation_checkpointing
 
     model = patch(load(llama_path).train(), mesh, unsafe_skip_exactness_check=True)

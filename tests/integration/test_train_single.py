@@ -110,7 +110,7 @@ def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path)
     from transformers import TrainingArguments
 
     from hf_longctx._compat import checkpointing_fields
-    from hf_longctx.integrations.transformers import _STATE_ATTR
+    from hf_longctx.integrations.model_patch import _STATE_ATTR
 
     mesh = init_sequence_parallel()
     field = checkpointing_fields(TrainingArguments)[0]  # activation_checkpointing; 5.17: gradient_checkpointing
@@ -127,7 +127,7 @@ def test_trainer_steps_equal_with_keep_attention_full_and_no_checkpoint(llama_pa
     """Three optimizer steps of LongContextTrainer with the model patched checkpoint=False,
     True and "attention": the logged loss and grad_norm of every step are equal (fp32: the
     same kernels on the same inputs, only autograd's summation order may differ, ~1e-7)."""
-    from hf_longctx.integrations.transformers import patch_state
+    from hf_longctx.integrations.model_patch import patch_state
     from tests.trainer_cases import history
 
     mesh = init_sequence_parallel()

@@ -41,7 +41,7 @@ def _verify_all(cases: list[tuple[str, str | None]]) -> dict:
     import transformers as tf
 
     import hf_longctx.integrations.mixers.registry as mixers
-    import hf_longctx.integrations.transformers as itf
+    import hf_longctx.integrations.model_patch as itf
     from benchmarks.zoo import tiny_config
     from hf_longctx import VerificationError, verify
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_longctx.data.layout import ring_stream, runs_to_indices
+from hf_longctx.layout import ring_stream, runs_to_indices
 from hf_longctx.ops import kernels
 from hf_longctx.ops.backends import CAPABILITIES, markdown_table, select
 from hf_longctx.ops.backends import flash_attn as fa_adapter

@@ -11,7 +11,7 @@ import pytest
 
 from hf_longctx.cli import main
 from hf_longctx.cli.plan import HEADER, parse_size
-from hf_longctx.planning.memory import ModelDims, Setting, estimate_memory
+from hf_longctx.planning.estimate import ModelDims, Setting, estimate_memory
 
 # Llama-style, 8 query / 2 KV heads: ulysses 16 cannot split the 8 heads.
 CONFIG = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,

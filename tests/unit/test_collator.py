@@ -206,7 +206,7 @@ def test_flex_collator_shares_the_feature_checks():
     the same errors for float ids, 2-D features and label/ids length mismatches."""
     from hf_longctx import init_group_bank
     from hf_longctx.data.cost import CostModel
-    from hf_longctx.distributed.flex.collator import FlexCollator
+    from hf_longctx.flex.collator import FlexCollator
 
     flex = FlexCollator(init_group_bank(heads=4), 64, CostModel(a=1.0, b=1.0))
     with pytest.raises(ValueError, match="input_ids must be integers"):
@@ -225,7 +225,7 @@ def test_flex_collator_shares_the_option_checks_and_keys():
     `loss_mask_key` now reach the flexible path too."""
     from hf_longctx import init_group_bank
     from hf_longctx.data.cost import CostModel
-    from hf_longctx.distributed.flex.collator import FlexCollator
+    from hf_longctx.flex.collator import FlexCollator
 
     bank, cost = init_group_bank(heads=4), CostModel(a=1.0, b=1.0)
     with pytest.raises(ValueError, match="pad_token_id must be a non-negative int, got -1"):

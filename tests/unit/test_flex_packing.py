@@ -1,4 +1,4 @@
-"""The flexible planner (data/flex/packing.py), group shapes and per-size costs: properties
+"""The flexible planner (flex/packing.py), group shapes and per-size costs: properties
 checked with hypothesis, plus the refusals and the fixed-degree wrapper."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex.groups import group_shapes, ulysses_split
-from hf_longctx.data.flex.packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
+from hf_longctx.sp_groups import group_shapes, ulysses_split
+from hf_longctx.flex.packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
 
 BASE = CostModel(a=1.0, b=4096.0)
 
@@ -173,7 +173,7 @@ def test_sizes_as_ints_num_slots_and_one_ranks_per_node_default(monkeypatch):
     is refused); `group_shapes` and `init_group_bank` share one `ranks_per_node` default."""
     from transformers import LlamaConfig
 
-    from hf_longctx.data.flex import groups as flex_groups
+    from hf_longctx import sp_groups as flex_groups
 
     shapes = group_shapes(4, heads=4)
     cost = _cost(shapes)
@@ -201,7 +201,7 @@ def test_sizes_as_ints_num_slots_and_one_ranks_per_node_default(monkeypatch):
     assert [(s.ulysses, s.ring) for s in group_shapes(4, heads=4)] == [(1, 1), (2, 1), (2, 2)]
     import inspect
 
-    from hf_longctx.distributed.flex.bank import init_group_bank
+    from hf_longctx.flex.bank import init_group_bank
 
     assert inspect.signature(init_group_bank).parameters["ranks_per_node"].default is None
     assert inspect.signature(group_shapes).parameters["ranks_per_node"].default is None

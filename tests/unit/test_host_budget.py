@@ -12,7 +12,7 @@ from benchmarks.census import emulated_offload
 from hf_longctx.integrations import host_budget
 from hf_longctx.integrations.host_budget import HEADROOM, HostBudget
 from hf_longctx.planning.budget import step_budget
-from hf_longctx.planning.memory import ModelDims, Setting
+from hf_longctx.planning.estimate import ModelDims, Setting
 
 G = 2**30
 

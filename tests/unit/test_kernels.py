@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_longctx.data.layout import Run, ring_stream, runs_to_indices
+from hf_longctx.layout import Run, ring_stream, runs_to_indices
 from hf_longctx.ops import math_kernel
 from hf_longctx.ops.blocks import block_mask, plan_blocks, score_count
 from hf_longctx.ops.kernels import block_backward, block_forward, local_attention, varlen_backward, varlen_forward

@@ -18,7 +18,7 @@ import torch
 from benchmarks.memory_budget import MODES, config, estimate, measure_lengths
 from hf_longctx.distributed.mesh import init_sequence_parallel
 from hf_longctx.planning.budget import step_budget
-from hf_longctx.planning.memory import ModelDims
+from hf_longctx.planning.estimate import ModelDims
 from hf_longctx.planning.search import preset_setting
 
 LENGTHS = (1024, 2048, 4096)

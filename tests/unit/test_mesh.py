@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_longctx import init_sequence_parallel
-from hf_longctx.data import layout
+from hf_longctx import layout
 from hf_longctx.distributed.mesh import check_degrees
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from hf_longctx.data.flex.groups import group_shapes
-from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.sp_groups import group_shapes
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import plan_microbatches
 from hf_longctx.training.base.step_record import StepRecord
 

@@ -73,7 +73,7 @@ def test_without_a_document_name_the_feature_is_named():
 def test_flex_collator_checks_too():
     from hf_longctx import init_group_bank
     from hf_longctx.data.cost import CostModel
-    from hf_longctx.distributed.flex.collator import FlexCollator
+    from hf_longctx.flex.collator import FlexCollator
 
     flex = FlexCollator(init_group_bank(heads=4), 64, CostModel(a=1.0, b=1.0), vocab=VOCAB)
     with pytest.raises(NotSupported, match=r"document 43, position 1: input_ids holds token id 250"):

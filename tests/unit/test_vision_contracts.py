@@ -126,7 +126,7 @@ def test_zero_row_modality_keeps_the_graph(family):
 
 def test_patch_keeps_the_tower_attention_and_refuses_raw_pixels():
     from hf_longctx import init_sequence_parallel
-    from hf_longctx.integrations.transformers import patch, unpatch
+    from hf_longctx.integrations.model_patch import patch, unpatch
 
     model = build("qwen2_5_vl")
     before = {type(c).__name__: c._attn_implementation for c in (model.config, model.config.text_config, model.config.vision_config)}
@@ -147,7 +147,7 @@ def test_use_cache_false_reaches_the_language_model(family):
     to `config.use_cache`: `_takes_use_cache` says the patched forward's use_cache=False can be
     passed, and passed it keeps every decoder layer cache-free (a cache would hold every
     layer's K/V in training and grow with each row chunk of memory='max'); the default builds one."""
-    from hf_longctx.integrations.transformers import _takes_use_cache
+    from hf_longctx.integrations.model_patch import _takes_use_cache
     from tests.vlm_cases import build
 
     model = build(family)

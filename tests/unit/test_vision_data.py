@@ -36,7 +36,7 @@ class _Mesh:
     """The layout attributes of an SPMesh, for one rank, without process groups."""
 
     def __init__(self, ulysses, ring, fpdt_chunks=1, rank=0, dp=1, dp_rank=0):
-        from hf_longctx.data import layout
+        from hf_longctx import layout
 
         self.ulysses, self.ring, self.fpdt_chunks, self.dp, self.dp_rank = ulysses, ring, fpdt_chunks, dp, dp_rank
         self.sp = ulysses * ring

@@ -1,8 +1,8 @@
 """Who encodes which image, and where its embeddings go: the vision plan of one SP rank.
 
 Where it sits: `shard_multimodal` calls `deal` and `exchange_plan` after the token layout
-is fixed (`data/layout.py`: zigzag over the ring, contiguous over Ulysses, rank-ordinal FPDT
-chunks) and before any collective; the patched model's vision hook
+is fixed (`hf_longctx/layout.py`: zigzag over the ring, contiguous over Ulysses,
+rank-ordinal FPDT chunks) and before any collective; the patched model's vision hook
 (`integrations/vision/forward.py`) encodes this rank's units and runs ONE all-to-all of
 embedding rows (`distributed/vision_exchange.py`) with the counts and orders computed here.
 
@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from hf_longctx.data import layout
+from hf_longctx import layout
 
 
 def deal(costs: Sequence[float], ranks: int) -> list[int]:

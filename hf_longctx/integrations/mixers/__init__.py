@@ -1,6 +1,6 @@
 """The linear mixers of hybrid models under sequence parallelism: class → adapter registry.
 
-Where it sits: `patch()` (`integrations/transformers.py`) calls `registry.plan_mixers` before
+Where it sits: `patch()` (`integrations/model_patch.py`) calls `registry.plan_mixers` before
 it changes anything (refusals name the numbers), `registry.apply_mixers` to replace the
 forward of every supported mixer INSTANCE (an instance attribute, as `integrations/memory.py`
 does; `unpatch()` restores it), and, from its model-level pre-forward hook,

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_longctx.data.flex.groups import default_ranks_per_node
+from hf_longctx.sp_groups import default_ranks_per_node
 from hf_longctx.data.sharding import SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.mixers.modes import mixer_dims

@@ -1,6 +1,6 @@
 """What `patch()` does differently for an image-text-to-text model.
 
-Where it sits: `integrations/transformers.patch` asks `vision_binding(hf)` once, before it
+Where it sits: `integrations/model_patch.patch` asks `vision_binding(hf)` once, before it
 changes anything. For a text-only model every answer is the old one (one implementation
 name for every config, no hook). For a model with a vision tower:
 - `implementation(name)`: transformers' per-sub-config form of `set_attn_implementation`

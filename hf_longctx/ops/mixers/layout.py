@@ -3,7 +3,7 @@
 Where it sits: built once per batch (cached by the mixer wrappers of
 `integrations/mixers/`) from the GLOBAL document boundaries of `SPBatchInfo.cu_seqlens`
 and the mesh degrees, by calling the same pure layout functions as `shard_batch`
-(`data/layout.py`: zigzag over the ring, contiguous over Ulysses, rank-ordinal chunks for
+(`hf_longctx/layout.py`: zigzag over the ring, contiguous over Ulysses, rank-ordinal chunks for
 FPDT). A linear mixer (convolution, Gated DeltaNet, Mamba-2) needs what attention does not:
 the tokens of a document in GLOBAL order. This module answers, for any rank:
 - which global positions every SP rank holds (`indices[p]`, local order),
@@ -30,7 +30,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from hf_longctx.data import layout
+from hf_longctx import layout
 from hf_longctx.devices import to_device
 
 

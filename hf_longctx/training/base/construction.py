@@ -15,7 +15,7 @@ from typing import Any
 from hf_longctx._compat import checkpointing_fields
 from hf_longctx.data.token_ids import Vocabulary
 from hf_longctx.integrations.accelerate import fsdp_plan
-from hf_longctx.integrations.transformers import patch_state
+from hf_longctx.integrations.model_patch import patch_state
 from hf_longctx.model_walk import hf_model
 
 
@@ -31,7 +31,7 @@ def map_activation_checkpointing(model: Any, args: Any) -> Any:
     asked = [f for f in fields if getattr(args, f)]
     if not asked:
         return args
-    from hf_longctx.integrations.transformers import patch
+    from hf_longctx.integrations.model_patch import patch
 
     state = patch_state(model)
     if not state.options.checkpoint and "checkpoint" in state.explicit:

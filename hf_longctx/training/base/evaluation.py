@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from transformers.trainer_utils import EvalLoopOutput
 
-from hf_longctx.loss import global_loss
+from hf_longctx.distributed.loss import global_loss
 from hf_longctx.training.base.faults import comm_guard
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations.transformers import is_patched, patch, patch_state
+from hf_longctx.integrations.model_patch import is_patched, patch, patch_state
 
 
 def default_reference(model: Any, mesh: SPMesh, trust_remote_code: bool) -> Any:

@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 
 from hf_longctx.data.sharding import SP_METADATA_KEY
-from hf_longctx.distributed.flex.unsharded_step import check_unsharded_step, unsharded_step
-from hf_longctx.loss import global_loss
+from hf_longctx.flex.unsharded_step import check_unsharded_step, unsharded_step
+from hf_longctx.distributed.loss import global_loss
 from hf_longctx.training.base.faults import comm_guard
 from hf_longctx.training.base.metrics import StepWindow
 from hf_longctx.training.base.step_data import StepBatch

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx._compat import fsdp_param_groups
-from hf_longctx.integrations.transformers import patch, patch_state, unpatch
+from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
 from hf_longctx.training.refusals.grpo import check_grpo_config
 
 

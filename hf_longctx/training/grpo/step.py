@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx.loss import global_loss, sum_gradients
+from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.training.grpo.generate import _fsdp_units, sp_rollouts
 from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 

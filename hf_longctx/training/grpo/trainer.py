@@ -27,7 +27,7 @@ from trl import GRPOTrainer
 from hf_longctx.devices import to_device
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
-from hf_longctx.loss import global_loss
+from hf_longctx.distributed.loss import global_loss
 from hf_longctx.training.base import construction as build
 from hf_longctx.training.base.log_lines import use_number_logs
 from hf_longctx.training.base.reference import reference_on_mesh

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.errors import NotSupported
-from hf_longctx.integrations.transformers import is_patched, patch_state
+from hf_longctx.integrations.model_patch import is_patched, patch_state
 from hf_longctx.training.refusals.sft import refused_sft_fields
 from hf_longctx.training.refusals.training_arguments import refused_arguments, refused_parameters
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from hf_longctx.errors import NotSupported
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations.transformers import patch_state
+from hf_longctx.integrations.model_patch import patch_state
 from hf_longctx.training.dpo.data import pair_format
 from hf_longctx.training.dpo.loss import LOSS_TYPES
 from hf_longctx.training.refusals.checks import check_patched

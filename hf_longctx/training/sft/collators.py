@@ -13,9 +13,9 @@ from typing import Any
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.token_ids import Vocabulary
-from hf_longctx.distributed.flex.bank import GroupBank
-from hf_longctx.distributed.flex.collator import FlexCollator
-from hf_longctx.integrations.transformers import patch_state
+from hf_longctx.flex.bank import GroupBank
+from hf_longctx.flex.collator import FlexCollator
+from hf_longctx.integrations.model_patch import patch_state
 
 
 def largest_piece(mesh: Any, max_tokens: int | None, max_tokens_per_rank: int | None) -> int:

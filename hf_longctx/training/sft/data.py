@@ -12,7 +12,7 @@ yields the step sampler's index lists, and its collate function wraps the collat
 `list[dict]` into ONE `StepBatch` (`base/step_data.py`): this rank's sharded micro-batches,
 the whole step's normaliser, tokens and FLOPs, and its plan (kept as `trainer.last_plan`).
 
-With a `GroupBank` the collator is `distributed/flex/collator.FlexCollator` (flexible SP
+With a `GroupBank` the collator is `flex/collator.FlexCollator` (flexible SP
 groups, planned per step by `plan_flexible`): its micro-batches are this rank's slots, each
 sharded for that slot's group, and the step batch also names the slot layouts and the plan's
 modelled per-rank busy time max/mean (the logs show both).
@@ -32,7 +32,7 @@ from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids
 from hf_longctx.errors import NotSupported
-from hf_longctx.distributed.flex.collator import FlexCollator, layout_text
+from hf_longctx.flex.collator import FlexCollator, layout_text
 from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
 
 

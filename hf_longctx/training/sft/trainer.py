@@ -23,7 +23,7 @@ from transformers.trainer_utils import EvalLoopOutput
 
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.devices import to_device
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build

@@ -1,6 +1,6 @@
 """The flexible step driver: run one planned step, slot by slot, each on its own SP group.
 
-Where it sits: between the flexible planner (`data/flex/packing.py`, a `FlexPlan` computed
+Where it sits: between the flexible planner (`flex/packing.py`, a `FlexPlan` computed
 on every rank from the step's document list) and the model patched with a `GroupBank`
 (`patch(model, bank)`). For each slot this rank looks up its group (size, index), packs the
 group's documents into one row, lays it out for that group with `shard_batch(batch,
@@ -13,14 +13,14 @@ propagation from optimisation): every micro-batch's loss is its token-loss sum d
 the step's GLOBAL valid-label count `num_items_in_batch`, so the losses of all ranks and
 slots sum to the single-device mean loss, and gradients are SUMMED over the whole world:
 by FSDP2's reduce-scatter over the bank's world mesh (sync on the last slot only), or by
-`loss.sum_gradients` over the world without FSDP.
+`distributed/loss.sum_gradients` over the world without FSDP.
 
 Liveness: with equal calls every slot tiles the world (`FlexPlan.validate`), so every rank
 runs exactly `plan.num_slots` forward/backward calls; a plan that breaks this, or that
 differs between ranks (a cheap fingerprint all-reduce), is refused before the first
 forward. With unequal calls (`plan_unequal`) ranks run different numbers of micro-batches
 in the plan's one global order, and an FSDP2 model runs the step unsharded
-(`distributed/flex/unsharded_step.py`): its only world collectives are the all-gathers at the
+(`flex/unsharded_step.py`): its only world collectives are the all-gathers at the
 start and the reduce-scatters of each rank's own last backward.
 """
 
@@ -31,11 +31,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx.data.flex.packing import FlexGroup, FlexPlan
+from hf_longctx.flex.packing import FlexGroup, FlexPlan
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
-from hf_longctx.distributed.flex.bank import GroupBank
-from hf_longctx.loss import collective_device, global_loss
-from hf_longctx.distributed.flex.unsharded_step import check_unsharded_step, unsharded_step
+from hf_longctx.flex.bank import GroupBank
+from hf_longctx.distributed.loss import collective_device, global_loss
+from hf_longctx.flex.unsharded_step import check_unsharded_step, unsharded_step
 
 
 def check_plan(plan: FlexPlan, bank: GroupBank) -> None:
@@ -132,7 +132,7 @@ def run_flex_step(
     `bank.world` (`fsdp_plan(model, bank.world).apply(model)`). `sync_each_microbatch`:
     with FSDP2 and equal counts, reduce-scatter in every backward (gradients accumulate
     sharded; more traffic) instead of only in the last (the default, which holds the fp32
-    unsharded gradients through the step: `planning/memory.py`)."""
+    unsharded gradients through the step: `planning/estimate.py`)."""
     from torch.distributed.fsdp import FSDPModule
 
     if sync_each_microbatch and not plan.equal_calls:
@@ -163,7 +163,7 @@ def run_flex_step(
                 loss.backward()
                 local += loss.detach().double()
     if not fsdp and bank.world_size > 1:
-        from hf_longctx.loss import sum_gradients
+        from hf_longctx.distributed.loss import sum_gradients
 
         sum_gradients([p for p in model.parameters() if p.requires_grad], bank.world)
     return global_loss(local, bank.world).float()  # []: shares of every rank and slot sum to the mean

@@ -35,7 +35,7 @@ import torch
 
 from hf_longctx.config import CHECKPOINT_ATTENTION, PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
@@ -109,7 +109,7 @@ def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh:
     cu_hash = 0
     for i, c in enumerate(info.cu_seqlens):
         cu_hash = (cu_hash * 1_000_003 + c * (i + 1)) % 2_147_483_647
-    from hf_longctx.loss import collective_device
+    from hf_longctx.distributed.loss import collective_device
     from hf_longctx.devices import upload
 
     # The batch's device when it is a GPU one; else the group's (NCCL refuses CPU tensors).

@@ -8,7 +8,7 @@ same global list on every rank; this collator
    the rule of `pieces.make_pieces`; "error" refuses them) into pieces,
 2. plans the step with `plan_flexible` (per-size `GroupCost`; a group of size s packs at
    most s × `max_tokens_per_rank` padded tokens) -- deterministic, no collective,
-3. hands the plan to `distributed/flex/step.flex_microbatches`, which checks it (every slot tiles the
+3. hands the plan to `flex/step.flex_microbatches`, which checks it (every slot tiles the
    world, so every rank runs the same number of forward/backward calls), compares its
    fingerprint across ranks (ONE all-reduce of two integers: the only collective here)
    and `shard_batch`es each slot's group row for `bank.mesh(size)`.
@@ -29,12 +29,12 @@ import numpy as np
 from hf_longctx.data.collator import check_feature_options, read_documents, require_targets
 from hf_longctx.data.token_ids import Vocabulary
 from hf_longctx.data.cost import CostModel, GroupCost
-from hf_longctx.data.flex.packing import plan_flexible
-from hf_longctx.data.flex.plan import FlexPlan
-from hf_longctx.data.flex.unequal import plan_unequal
+from hf_longctx.flex.packing import plan_flexible
+from hf_longctx.flex.plan import FlexPlan
+from hf_longctx.flex.unequal import plan_unequal
 from hf_longctx.data.pieces import OVERLONG, make_pieces
-from hf_longctx.distributed.flex.step import flex_microbatches, valid_labels
-from hf_longctx.distributed.flex.bank import GroupBank
+from hf_longctx.flex.step import flex_microbatches, valid_labels
+from hf_longctx.flex.bank import GroupBank
 
 
 def layout_text(layouts: Sequence[Sequence[int]]) -> str:
@@ -53,7 +53,7 @@ class FlexCollator:
     communication term; fit one with `GroupCost.fit` to include it). `num_slots`: slots to
     aim for (default: the fewest the tokens need). `unequal_calls`: plan with `plan_unequal`
     (ranks get different numbers of micro-batches; the step must run unsharded, see
-    `distributed/flex/unsharded_step.py`). Features: mappings with `input_ids` and
+    `flex/unsharded_step.py`). Features: mappings with `input_ids` and
     optional unshifted targets under `label_key` (-100 = no target) and a 0/1 loss mask
     under `loss_mask_key`, read and checked as `LongContextCollator` does (with `vocab`: every
     id and label against the model's vocabulary, before the fingerprint collective).

@@ -1,8 +1,10 @@
 """The shapes of the SP groups a flexible step may use: size, Ulysses × ring split, padding.
 
-Where it sits: pure arithmetic shared by the group bank (`distributed/flex/bank.py`, which
-builds one process group per shape) and the flexible planner (`data/flex/packing.py`,
-which must know each shape's padding multiples and capacity without any process group).
+Where it sits: pure arithmetic on the floor of `hf_longctx/layout.py` (whose padding
+multiples it applies per shape), shared by the group bank (`flex/bank.py`,
+which builds one process group per shape), the flexible planner (`flex/packing.py`,
+which must know each shape's padding multiples and capacity without any process group),
+the per-size cost model (`data/cost.GroupCost.from_config`) and the mixers' binding.
 FlexSP §3 / Hydraulis §4: SP groups of different power-of-two sizes, aligned so that a
 group of size s covers ranks [g·s, (g+1)·s) ("buddy" layout: any multiset of sizes that
 sums to the world tiles it when the groups are laid out largest first).
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_longctx.data import layout
+from hf_longctx import layout
 
 
 def _pow2(name: str, value) -> int:

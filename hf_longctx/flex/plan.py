@@ -1,16 +1,16 @@
 """The flexible step plan: per micro-batch slot, the SP groups tiling the world and their
 documents; its checks, fingerprint and modelled cost.
 
-Where it sits: produced by `data/flex/packing.py` (`plan_flexible`, `plan_fixed`) on every
-rank from the same document list, consumed by `distributed/flex/step.py`, which lays each
+Where it sits: produced by `flex/packing.py` (`plan_flexible`, `plan_fixed`) on every
+rank from the same document list, consumed by `flex/step.py`, which lays each
 group's micro-batch out for that group. Pure Python/NumPy, no process group. `validate()`
 is the liveness guard of FlexSP/Hydraulis-style heterogeneous groups under FSDP2; it runs
 when a plan is built, before any collective:
 - equal calls (default, FSDP2 resharding per layer): every slot covers every rank exactly
   once, so every rank runs the same number of forward/backward calls and FSDP's per-layer
   all-gathers and reduce-scatters pair up;
-- unequal calls (`equal_calls=False`, `data/flex/unequal.py`, Hydraulis §5's heterogeneous
-  propagation with parameters unsharded for the step, `distributed/flex/unsharded_step.py`): a
+- unequal calls (`equal_calls=False`, `flex/unequal.py`, Hydraulis §5's heterogeneous
+  propagation with parameters unsharded for the step, `flex/unsharded_step.py`): a
   slot's groups are disjoint but may leave ranks idle; each rank runs the groups that hold
   it in slot order. The slot order is one total order of all micro-batches that every rank
   follows, so a group's collectives never wait on a member blocked elsewhere (the first
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hf_longctx.data.cost import GroupCost
-from hf_longctx.data.flex.groups import GroupShape
+from hf_longctx.sp_groups import GroupShape
 
 _FP_MOD = 2_147_483_647
 

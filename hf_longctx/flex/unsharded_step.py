@@ -1,9 +1,9 @@
 """A training step with parameters unsharded from its first forward to its last backward, so
 ranks may run different numbers of micro-batches (the unequal-count mode of flexible SP).
 
-Where it sits: around the micro-batch loop of `distributed/flex/step.run_flex_step` and of
+Where it sits: around the micro-batch loop of `flex/step.run_flex_step` and of
 `LongContextTrainer.training_step`, when the step's `FlexPlan` has `equal_calls=False`
-(`data/flex/unequal.plan_unequal`). Hydraulis §5 (heterogeneous propagation): with FSDP2
+(`flex/unequal.plan_unequal`). Hydraulis §5 (heterogeneous propagation): with FSDP2
 resharding per layer, every forward and backward of every micro-batch issues all-gathers
 and reduce-scatters over the whole world, so all ranks must run the same number of them.
 Here every FSDP2 unit is all-gathered ONCE at the step's start (`FSDPModule.unshard`, the
@@ -17,13 +17,13 @@ that a rank's last micro-batch is also the last of all its group's members, so t
 collectives and the reduce-scatters are issued in one order by all of them.
 
 The cost is memory: the unsharded parameters (param dtype) and gradients (reduce dtype, fp32)
-of the whole model are held for the whole step (`planning/memory.estimate_memory(...,
+of the whole model are held for the whole step (`planning/estimate.estimate_memory(...,
 unsharded_step=True)`). Refused, before any collective: parameter CPU offload (the mode
 exists for parameters that fit on the device), and, on CUDA, a step whose unsharded
 parameters and gradients do not fit the free device memory of some rank (one all-reduce so
 that every rank raises together).
 
-A model without FSDP (gradients summed with `loss.sum_gradients` after the loop) needs
+A model without FSDP (gradients summed with `distributed/loss.sum_gradients` after the loop) needs
 nothing here: its only world collective is after the last micro-batch on every rank.
 """
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx._compat import fsdp_param_groups
-from hf_longctx.loss import collective_device
+from hf_longctx.distributed.loss import collective_device
 
 
 def fsdp_units(model: torch.nn.Module) -> list:

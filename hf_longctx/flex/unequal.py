@@ -2,11 +2,11 @@
 its share of the step needs, groups of different sizes start as soon as their members are
 free, and no slot waits for its slowest group.
 
-Where it sits: beside `data/flex/packing.plan_flexible` (same inputs, same `FlexPlan`
+Where it sits: beside `flex/packing.plan_flexible` (same inputs, same `FlexPlan`
 output with `equal_calls=False`), on every rank from the same document list, before
-`distributed/flex/step.py` lays each group's micro-batch out. Pure NumPy, no process group.
+`flex/step.py` lays each group's micro-batch out. Pure NumPy, no process group.
 It is only usable where the step runs with parameters unsharded for its whole length
-(`distributed/flex/unsharded_step.py`): FSDP2's per-layer all-gathers and reduce-scatters are
+(`flex/unsharded_step.py`): FSDP2's per-layer all-gathers and reduce-scatters are
 what force equal call counts, and with parameters gathered once per step and gradients
 synced in each rank's last backward, only the SP groups' own collectives remain.
 
@@ -40,9 +40,9 @@ from typing import Sequence
 import numpy as np
 
 from hf_longctx.data.cost import GroupCost
-from hf_longctx.data.flex.groups import GroupShape
-from hf_longctx.data.flex.packing import prepare
-from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.sp_groups import GroupShape
+from hf_longctx.flex.packing import prepare
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.pieces import check_int
 
 PROMOTE_FACTORS = (1.0, 0.5, math.inf)  # τ tried, × the ideal per-rank load (inf: no promotion)

@@ -1,10 +1,11 @@
 """The token permutation of one sequence-parallel rank, as a pure function.
 
-Where it sits: `data/sharding.py` gathers every per-token tensor of a packed batch with
-the indices computed here (through `SPMesh.local_indices`), and the attention ops in
-`ops/` use the same runs to know which global positions each block of keys and queries
-holds. Nothing here touches a process group: the same inputs give the same layout on
-every rank (DESIGN invariant 8).
+Where it sits: on the floor below `data/`, importing only torch, so that every floor
+above may read it. `data/sharding.py` gathers every per-token tensor of a packed batch
+with the indices computed here (through `SPMesh.local_indices`, which calls these
+functions), and the attention ops in `ops/` use the same runs to know which global
+positions each block of keys and queries holds. Nothing here touches a process group: the
+same inputs give the same layout on every rank (DESIGN invariant 8).
 
 Layouts:
 - zigzag over the ring (USP paper, Algorithm 2): every document is cut into 2R equal

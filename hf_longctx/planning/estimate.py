@@ -41,7 +41,7 @@ Assumptions (each is also printed under the plan table):
   one unit's unsharded gradient before its reduce-scatter, and the held gradients above
   (unsharded gradients accumulate on the GPU until the reduce-scatter; sharded ones, with
   "microbatch" sync, accumulate on host).
-- Unequal micro-batch counts (`unsharded_step=True`, `distributed/flex/unsharded_step.py`, grad
+- Unequal micro-batch counts (`unsharded_step=True`, `flex/unsharded_step.py`, grad
   sync "step" by construction): the whole model is gathered once per step in the compute
   dtype (params: the master shards plus dt·P instead of the two gathered units), the fp32
   gradients are held as above; one unit's gradient in the compute dtype is the transient

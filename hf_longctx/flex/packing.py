@@ -3,7 +3,7 @@ different sizes, and the documents of each group.
 
 Where it sits: where `data/packing.py` sits for a fixed SP degree -- after the step sampler
 drew the same document list on every rank, before `shard_batch` lays each group's
-micro-batch out over that group (`distributed/flex/step.py` drives it). Pure NumPy, no
+micro-batch out over that group (`flex/step.py` drives it). Pure NumPy, no
 process group: every rank computes the same plan from the same list (DESIGN invariant 8);
 `FlexPlan.fingerprint()` is what the step driver compares across ranks.
 
@@ -42,8 +42,8 @@ from typing import Sequence
 import numpy as np
 
 from hf_longctx.data.cost import GroupCost
-from hf_longctx.data.flex.groups import GroupShape
-from hf_longctx.data.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.sp_groups import GroupShape
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.packing import plan_microbatches
 from hf_longctx.data.pieces import as_lengths, check_int
 

@@ -3,10 +3,10 @@
 Where it sits: replaces the single `SPMesh` of `init_sequence_parallel` when a step may use
 SP groups of different sizes (FlexSP §3, Hydraulis §4 "heterogeneous propagation"). Built
 once on every rank, in the same order (group creation is collective), then passed to
-`patch()` and to the flexible step driver (`distributed/flex/step.py`). For every size s
+`patch()` and to the flexible step driver (`flex/step.py`). For every size s
 this rank belongs to exactly one aligned group, ranks [g·s, (g+1)·s) with g = rank // s,
 so the bank holds one `SPMesh` per size: dp = world / s, dp_rank = g, and the Ulysses ×
-ring split of `data/flex/groups.ulysses_split`. Everything that takes an `SPMesh`
+ring split of `sp_groups.ulysses_split`. Everything that takes an `SPMesh`
 (`shard_batch`, `usp_attention`, `fpdt_attention`) therefore works per group unchanged.
 
 Optimisation is NOT grouped: every mesh of the bank carries the same 1-D world mesh, so
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_longctx.data.flex.groups import GroupShape, group_shapes
+from hf_longctx.sp_groups import GroupShape, group_shapes
 from hf_longctx.distributed.mesh import SPMesh, process_group_world
-from hf_longctx.loss import collective_device
+from hf_longctx.distributed.loss import collective_device
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def init_group_bank(
     `heads`: the model's query-head count (bounds the Ulysses degree of every group).
     `min_size` / `max_size`: the smallest and largest SP group a step may use (powers of
     two; max defaults to the world). `ranks_per_node`: GPUs per node (default: the local
-    CUDA device count, or the world on CPU: `data/flex/groups.default_ranks_per_node`, as in
+    CUDA device count, or the world on CPU: `sp_groups.default_ranks_per_node`, as in
     `group_shapes`) -- Ulysses stays within a node, the ring spans nodes. `fpdt_chunks` applies to the groups with ring 1 and size > 1.
     """
     initialised, world = process_group_world("init_group_bank")
