@@ -20,7 +20,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.integrations import checkpointing
 from hf_longctx.ops.host_pool import size_class
 from hf_longctx.planning.budget import step_budget
-from hf_longctx.planning.memory import ModelDims, Setting
+from hf_longctx.planning.estimate import ModelDims, Setting
 
 LAYERS, HIDDEN, TOKENS = 4, 64, 256
 

@@ -54,7 +54,7 @@ def test_24m_on_32_gpus_keeps_some_layer_inputs_on_the_gpu():
     fewer does not fit the host -- and says so in the code it prints."""
     from dataclasses import replace
 
-    from hf_longctx.planning.memory import ModelDims, estimate_memory
+    from hf_longctx.planning.estimate import ModelDims, estimate_memory
 
     config = load_config(LLAMA_8B)
     cluster = Cluster(gpus=32, gpu_memory=80 * G, host_memory=2048 * G)
