@@ -30,7 +30,7 @@ def patch(model: Any, mesh: SPMesh | GroupBank, *, verify: bool = False, **optio
     """
     if "before_install" in options:
         raise TypeError("patch() got an unexpected keyword argument 'before_install'")
-    measured = mesh.patch_mesh if isinstance(mesh, GroupBank) else mesh
+    measured = getattr(mesh, "patch_mesh", mesh)  # SPMesh and GroupBank; anything else is refused below
     check = (lambda: _verify(model, measured, mixers=options.get("mixers"))) if verify else None
     return _integration.patch(model, mesh, before_install=check, **options)
 

@@ -107,6 +107,17 @@ class SPMesh:
         u = self.ulysses_rank if ulysses_rank is None else ulysses_rank
         return self.dp_rank * self.sp + (ring_rank % self.ring) * self.ulysses + u
 
+    # ---- one interface with flex/bank.GroupBank: a mesh is a bank of one group size ------
+    @property
+    def world(self) -> "SPMesh":
+        """The mesh for world-wide work (FSDP, the loss all-reduce): this one (DP x SP = the world)."""
+        return self
+
+    @property
+    def patch_mesh(self) -> "SPMesh":
+        """The mesh `patch()` validates options against: this one."""
+        return self
+
     # ---- layout ------------------------------------------------------------------------
     @property
     def doc_multiple(self) -> int:

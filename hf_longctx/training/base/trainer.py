@@ -20,7 +20,6 @@ import torch
 import transformers
 
 from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
-from hf_longctx.flex.bank import GroupBank
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
@@ -61,7 +60,7 @@ class SPTrainerBase:
             )
         self.mesh = mesh
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
-        self.world_mesh = mesh.world if isinstance(mesh, GroupBank) else mesh
+        self.world_mesh = mesh.world
         # The Trainer writes args.use_cache into model.config; the saved model keeps the user's value.
         self.config_use_cache = getattr(getattr(hf_model(model), "config", None), "use_cache", None)
 

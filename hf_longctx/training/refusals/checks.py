@@ -146,4 +146,4 @@ def check_patched(model: Any, mesh: Any) -> None:
 
 
 def check_mesh_world(mesh: Any) -> None:
-    check_world(mesh.world.world_size if isinstance(mesh, GroupBank) else mesh.world_size)
+    check_world(mesh.world.world_size)
