@@ -1,7 +1,7 @@
 """The classification of every image-text-to-text model of the installed transformers, measured.
 
 Where it sits: outside the library; it drives the public path (`patch`, `vision_spec`,
-`shard_multimodal`, `global_loss`, `sum_gradients`) on 2 gloo ranks (tests/pool.py) for every
+`shard_multimodal`, `global_loss`, `sum_gradients`) on 2 gloo ranks (tests/helpers/pool.py) for every
 model type of `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, and prints the table the README
 and `integrations/vision/classification.py` carry:
 
@@ -197,7 +197,7 @@ def run_type(model_type: str, root: str) -> dict:
 
     from hf_longctx import global_loss, patch, sum_gradients, unpatch
     from hf_longctx.data.multimodal.sharding import shard_multimodal
-    from tests.pool import worker_mesh
+    from tests.helpers.pool import worker_mesh
 
     tf.utils.logging.set_verbosity_error()
     row = {"model_type": model_type, "class": NAMES[model_type], "verdict": "CRASH", "errors": {}}
@@ -298,7 +298,7 @@ def all_types() -> list[str]:
 
 
 def run_all(types: list[str], timeout: float = 240.0, log=print) -> list[dict]:
-    from tests.pool import GlooPool
+    from tests.helpers.pool import GlooPool
 
     pool = GlooPool(2)
     rows = []

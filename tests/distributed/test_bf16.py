@@ -29,7 +29,7 @@ import copy
 import pytest
 import torch
 
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 DOCS = [7, 23, 5, 14, 11, 9]  # DP rank d of dp takes DOCS[d::dp]
 CORE = ["llama", "gpt2", "gemma2"]  # GQA + rotary; learned positions + Conv1D; windows + both softcaps

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from benchmarks.hot_path import LAYOUTS
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 
 @contextlib.contextmanager

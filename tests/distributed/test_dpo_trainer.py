@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 from tests.trainer_cases import trainer_env
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",

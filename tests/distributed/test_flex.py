@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.distributed.test_models import load, rel, save_family
-from tests.pool import worker_bank
+from tests.helpers.pool import worker_bank
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hf_longctx import init_sequence_parallel
 from hf_longctx.ops.fpdt import fpdt_attention
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 from tests.attention_cases import case_errors
 
 FP32_TOL = 2e-5

@@ -22,7 +22,7 @@ from tests.distributed.test_grpo_trainer import (  # noqa: F401  (paths: the sha
     FixedCompletions, GRAD_TOL, LOSS_TOL, METRIC_TOL, WORLD, _run, make_prompts, paths, reward_length, reward_tokens,
 )
 from tests.distributed.test_models import rel
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 from tests.trainer_cases import trainer_env
 
 MAX_TOKENS = 32

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.distributed.test_models import load, rel, save_family
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.distributed.test_models import compare
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4

@@ -35,7 +35,7 @@ import torch
 
 from tests.distributed.test_hybrid_models import build, hybrid_config, packed_batch, per_document_reference, sp_run
 from tests.distributed.test_models import compare, rel
-from tests.pool import worker_bank, worker_mesh
+from tests.helpers.pool import worker_bank, worker_mesh
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4

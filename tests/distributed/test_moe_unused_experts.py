@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.distributed.test_models import compare
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -237,7 +237,7 @@ def _flex_run(path: str, fsdp: bool, world: int) -> dict:
     from hf_longctx.distributed.flex.step import flex_microbatches, run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.transformers import patch
-    from tests.pool import worker_bank
+    from tests.helpers.pool import worker_bank
 
     high, low = _split_documents(1, 8)[0][:8], _split_documents(1, 8)[0][8:]
     docs = [high] * (world // 2) + [low] * (world // 2)  # rank r runs docs[r]: the first half ids >= 64, the rest < 64

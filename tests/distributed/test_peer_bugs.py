@@ -26,7 +26,7 @@ from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.integrations.transformers import patch, unpatch
 from hf_longctx.loss import global_loss, sum_gradients
 from tests.distributed.test_models import load, packed_batch, reference, rel, save_family
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 TOL = 1e-5
 BUG = 1e-3

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed.test_models import save_family
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 from tests.trainer_cases import history, make_dataset, training_args
 
 STEPS, STOP = 5, 2

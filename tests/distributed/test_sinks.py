@@ -19,7 +19,7 @@ import torch
 
 from hf_longctx import init_sequence_parallel
 from tests.distributed import test_fpdt, test_usp
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 from tests.reference import rel_err
 
 FP32_TOL = 2e-5

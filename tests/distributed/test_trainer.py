@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.distributed.test_models import save_family
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 from tests.trainer_cases import assert_steps_close, history, make_dataset, training_args
 
 TOL = 1e-5

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 MAX_TOKENS = 96  # the collator's cap: 2 micro-batches per step on dp2×U2
 

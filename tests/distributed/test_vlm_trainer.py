@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 from tests.trainer_cases import assert_steps_close, trainer_env
 
 TOL = 1e-5

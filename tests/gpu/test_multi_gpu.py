@@ -1,6 +1,6 @@
 """Multi-GPU (NCCL) equivalence: the CPU distributed tests' cases and criteria on real GPUs.
 
-One process per GPU (`pools.get(n, backend="nccl")`: tests/pool.py, rank r on cuda:r);
+One process per GPU (`pools.get(n, backend="nccl")`: tests/helpers/pool.py, rank r on cuda:r);
 marked `multi_gpu`, skipped below 2 visible GPUs (tests/gpu/conftest.py), the 4-GPU cases
 below 4. Every check is the CPU test's own, with the same tolerances and the same reasons:
 1. USP and FPDT attention forward + dq/dk/dv (tests/distributed/test_usp.py, test_fpdt.py,
