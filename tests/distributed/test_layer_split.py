@@ -26,7 +26,7 @@ import torch.distributed as dist
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.integrations.transformers import patch, patch_state, unpatch
 from tests.helpers.pool import worker_mesh
-from tests.reference import rel_err
+from tests.helpers.reference import rel_err
 
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 DOCS = [13, 29, 7, 47]

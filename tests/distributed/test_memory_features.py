@@ -28,7 +28,7 @@ from hf_longctx.integrations.memory import apply_memory_options
 from hf_longctx.model_walk import decoder_layers
 from hf_longctx.integrations.transformers import patch, unpatch
 from tests.helpers.pool import worker_mesh
-from tests.reference import rel_err
+from tests.helpers.reference import rel_err
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 DOCS = [13, 29, 7, 31]  # uneven packed documents; shard_batch pads to the layout multiple

@@ -1,6 +1,6 @@
 """Attention sinks (HF's `s_aux`) under USP, ring, Ulysses and FPDT vs a float64 single-process reference.
 
-The reference (`tests/reference.reference_attention(..., sinks=)`) is HF's eager GPT-OSS
+The reference (`tests/helpers/reference.reference_attention(..., sinks=)`) is HF's eager GPT-OSS
 rule: one extra logit column per head, softmaxed with the scores and dropped. Checked:
 forward output, dq/dk/dv and the sink gradient (summed over the SP group, as every
 parameter gradient is), for U×R in (1,1), (2,1), (1,2), (2,2), (4,1), (1,4), FPDT u = 2
@@ -20,7 +20,7 @@ import torch
 from hf_longctx import init_sequence_parallel
 from tests.distributed import test_fpdt, test_usp
 from tests.helpers.pool import worker_mesh
-from tests.reference import rel_err
+from tests.helpers.reference import rel_err
 
 FP32_TOL = 2e-5
 

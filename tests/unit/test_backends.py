@@ -23,7 +23,7 @@ from hf_longctx.ops.backends import flash_attn as fa_adapter
 from hf_longctx.ops.backends.packed import PackedBackend
 from hf_longctx.ops.backends.tiled import TiledBackend
 from tests.emulated_backends import TorchFlashOps, cuda_env, flash_attn_release
-from tests.reference import make_runs, random_runs, reference_attention, rel_err
+from tests.helpers.reference import make_runs, random_runs, reference_attention, rel_err
 
 F64 = 1e-10
 D = 8
