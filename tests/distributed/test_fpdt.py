@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hf_longctx import init_sequence_parallel
 from hf_longctx.ops.fpdt import fpdt_attention
 from tests.helpers.pool import worker_mesh
-from tests.attention_cases import case_errors
+from tests.helpers.attention_cases import case_errors
 
 FP32_TOL = 2e-5
 
@@ -148,7 +148,7 @@ ROUNDING_TOL = 0.01
 
 
 def _rounding(ulysses: int, chunks: int):
-    from tests.attention_cases import rounding_mismatch
+    from tests.helpers.attention_cases import rounding_mismatch
 
     return rounding_mismatch(worker_mesh(ulysses, 1, chunks), fpdt_attention, [0, 100, 256])
 
@@ -160,7 +160,7 @@ def _check_rounding(results, what):
 
 
 def test_bf16_rounds_once_world1():
-    from tests.attention_cases import rounding_mismatch
+    from tests.helpers.attention_cases import rounding_mismatch
 
     _check_rounding([rounding_mismatch(init_sequence_parallel(1, 1, 4), fpdt_attention, [0, 100, 256])], "fpdt u=4")
 

@@ -20,7 +20,7 @@ from hf_longctx import init_sequence_parallel
 from hf_longctx.ops.ring import ring_work
 from hf_longctx.ops.usp import usp_attention
 from tests.helpers.pool import worker_mesh
-from tests.attention_cases import case_errors
+from tests.helpers.attention_cases import case_errors
 
 FP32_TOL = 2e-5
 
@@ -161,7 +161,7 @@ ROUNDING_TOL = 0.01
 
 
 def _rounding(ulysses: int, ring: int):
-    from tests.attention_cases import rounding_mismatch
+    from tests.helpers.attention_cases import rounding_mismatch
 
     return rounding_mismatch(worker_mesh(ulysses, ring), usp_attention, [0, 100, 256])
 

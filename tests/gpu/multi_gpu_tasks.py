@@ -2,7 +2,7 @@
 
 Where it sits: test harness only. Each function runs inside a worker of the NCCL pool
 (`tests/helpers/pool.py`, `backend="nccl"`: rank r on cuda:r) and reuses the CPU tests' builders
-(`tests/attention_cases.case_errors`, the bf16 step helpers of tests/distributed/test_bf16.py,
+(`tests/helpers/attention_cases.case_errors`, the bf16 step helpers of tests/distributed/test_bf16.py,
 `tests/trainer_cases.py`) with only the device changed: the problem and its float64 truth
 are built on the host exactly as on CPU, the library under test only ever sees CUDA tensors.
 """
@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from tests.attention_cases import case_errors
+from tests.helpers.attention_cases import case_errors
 from tests.distributed import test_bf16, test_fpdt, test_usp
 from tests.helpers.pool import worker_mesh
 
