@@ -128,7 +128,7 @@ def test_state_passing_matches_per_document_reference(pools, ulysses, ring, fpdt
 def _float64(ulysses: int, ring: int) -> dict:
     """Qwen3.5 in float64 with a float64 recurrent delta rule in place of the chunked torch core."""
     from hf_longctx.integrations.transformers import patch
-    from tests.emulated_mixer_kernels import recurrent_delta_rule
+    from tests.helpers.emulated_mixer_kernels import recurrent_delta_rule
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch(DOCS)
@@ -168,7 +168,7 @@ def _wiring(ulysses: int, ring: int) -> dict:
     FLA's and mamba_ssm's signatures, as transformers' hub decorator would resolve them."""
     from hf_longctx.integrations.mixers import dispatch
     from hf_longctx.integrations.transformers import patch
-    from tests.emulated_mixer_kernels import FLAEmulation, MambaSSMEmulation
+    from tests.helpers.emulated_mixer_kernels import FLAEmulation, MambaSSMEmulation
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch(DOCS)
