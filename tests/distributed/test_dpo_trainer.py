@@ -27,7 +27,7 @@ import torch
 
 from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
 from tests.helpers.pool import worker_mesh
-from tests.trainer_cases import trainer_env
+from tests.helpers.trainer_cases import trainer_env
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected", "num_tokens", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")

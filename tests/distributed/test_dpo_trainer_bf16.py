@@ -34,7 +34,7 @@ import torch
 from tests.distributed.test_bf16 import criterion, pooled_small
 from tests.distributed.test_dpo_trainer import BETA, _grab_callback, _id_pairs, _text_pairs, paths  # noqa: F401
 from tests.helpers.pool import worker_mesh
-from tests.trainer_cases import trainer_env
+from tests.helpers.trainer_cases import trainer_env
 
 
 def _config(output_dir: str, loss_type: str, *, bf16: bool):

@@ -23,7 +23,7 @@ from tests.distributed.test_grpo_trainer import (  # noqa: F401  (paths: the sha
 )
 from tests.distributed.test_models import rel
 from tests.helpers.pool import worker_mesh
-from tests.trainer_cases import trainer_env
+from tests.helpers.trainer_cases import trainer_env
 
 MAX_TOKENS = 32
 CASES = [("grpo", 0.04), ("dapo", 0.04)]

@@ -44,7 +44,7 @@ import torch
 from tests.distributed.test_models import rel, save_family
 from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
 from tests.helpers.pool import worker_mesh
-from tests.trainer_cases import trainer_env
+from tests.helpers.trainer_cases import trainer_env
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4

@@ -198,7 +198,7 @@ def _trainer_run(path: str, ulysses: int | None, output_dir: str) -> dict:
     from datasets import Dataset
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
-    from tests.trainer_cases import history, training_args
+    from tests.helpers.trainer_cases import history, training_args
 
     args = training_args(output_dir, max_steps=2)  # first: it adopts the process group
     mesh = worker_mesh(ulysses, 1) if ulysses else init_sequence_parallel()
@@ -219,7 +219,7 @@ def _trainer_run(path: str, ulysses: int | None, output_dir: str) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_trainer_step_with_unused_experts_on_a_rank(pools, moe_path, tmp_path, world):
-    from tests.trainer_cases import assert_steps_close
+    from tests.helpers.trainer_cases import assert_steps_close
 
     ref = _trainer_run(moe_path, None, str(tmp_path / "ref"))
     out = pools.get(world).run(_trainer_run, moe_path, world, str(tmp_path / "sp"), timeout=300)

@@ -23,7 +23,7 @@ import torch
 
 from tests.distributed.test_models import save_family
 from tests.helpers.pool import worker_mesh
-from tests.trainer_cases import history, make_dataset, training_args
+from tests.helpers.trainer_cases import history, make_dataset, training_args
 
 STEPS, STOP = 5, 2
 

@@ -22,7 +22,7 @@ import torch
 
 from tests.distributed.test_models import save_family
 from tests.helpers.pool import worker_mesh
-from tests.trainer_cases import assert_steps_close, history, make_dataset, training_args
+from tests.helpers.trainer_cases import assert_steps_close, history, make_dataset, training_args
 
 TOL = 1e-5
 # bf16 steps vs the single-process bf16 trainer: one bf16 rounding step (2^-8 relative) on the

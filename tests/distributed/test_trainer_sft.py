@@ -17,7 +17,7 @@ import torch
 
 from tests.distributed.test_models import save_family
 from tests.helpers.pool import worker_mesh
-from tests.trainer_cases import assert_steps_close, trainer_env
+from tests.helpers.trainer_cases import assert_steps_close, trainer_env
 
 TOL = 1e-5
 WORDS = [f"w{i}" for i in range(120)]

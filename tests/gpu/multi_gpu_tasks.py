@@ -3,7 +3,7 @@
 Where it sits: test harness only. Each function runs inside a worker of the NCCL pool
 (`tests/helpers/pool.py`, `backend="nccl"`: rank r on cuda:r) and reuses the CPU tests' builders
 (`tests/helpers/attention_cases.case_errors`, the bf16 step helpers of tests/distributed/test_bf16.py,
-`tests/trainer_cases.py`) with only the device changed: the problem and its float64 truth
+`tests/helpers/trainer_cases.py`) with only the device changed: the problem and its float64 truth
 are built on the host exactly as on CPU, the library under test only ever sees CUDA tensors.
 """
 
@@ -163,7 +163,7 @@ def trainer_run(path: str, degrees: tuple[int, int, int] | None, output_dir: str
     from transformers import AutoModelForCausalLM
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
-    from tests.trainer_cases import history, make_dataset, training_args
+    from tests.helpers.trainer_cases import history, make_dataset, training_args
 
     args = training_args(output_dir, bf16=True, use_cpu=not torch.cuda.is_available(), max_steps=steps)  # first: it adopts the group
     mesh = worker_mesh(*degrees) if degrees else init_sequence_parallel()

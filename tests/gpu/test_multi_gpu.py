@@ -36,7 +36,7 @@ import torch
 
 from tests.distributed import test_bf16, test_fpdt, test_sinks, test_trainer, test_usp
 from tests.gpu import multi_gpu_tasks as tasks
-from tests.trainer_cases import assert_steps_close
+from tests.helpers.trainer_cases import assert_steps_close
 
 tasks.check_signatures()  # at collection: a CPU machine fails here on a call the GPU run would refuse
 pytestmark = pytest.mark.multi_gpu

@@ -19,7 +19,7 @@ from hf_longctx import LongContextTrainer, NotSupported, init_group_bank, init_s
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.refusals.training_arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
 from tests.distributed.test_models import save_family
-from tests.trainer_cases import make_dataset, training_args
+from tests.helpers.trainer_cases import make_dataset, training_args
 
 
 @pytest.fixture(scope="module")
