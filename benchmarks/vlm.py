@@ -35,7 +35,7 @@ VIDEO = (4, 16, 16)
 def model_and_row():
     import transformers as tf
 
-    from tests.vlm_cases import END, IMAGE, START, TEXT_HI, VIDEO as VIDEO_ID, VOCAB
+    from tests.helpers.vlm_cases import END, IMAGE, START, TEXT_HI, VIDEO as VIDEO_ID, VOCAB
 
     cfg = tf.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -5,7 +5,7 @@ Where it sits: outside the library; it drives the public path (`patch`, `vision_
 model type of `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, and prints the table the README
 and `integrations/vision/classification.py` carry:
 
-1. build it tiny (`tests/vlm_cases.vlm_config` for the families the tests use, else
+1. build it tiny (`tests/helpers/vlm_cases.vlm_config` for the families the tests use, else
    `benchmarks/zoo_configs.tiny_config` with its image/video token ids moved into the tiny
    vocabulary);
 2. the structural causes first: an encoder-decoder, cross-attention to image states, no
@@ -51,7 +51,7 @@ def _first_line(e: BaseException) -> str:
 def tiny(model_type: str):
     import transformers as tf
 
-    from tests.vlm_cases import vlm_config
+    from tests.helpers.vlm_cases import vlm_config
 
     try:
         return vlm_config(model_type)
