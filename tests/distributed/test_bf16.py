@@ -180,7 +180,7 @@ def run_cases(cases: list, refs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def bf16_models(tmp_path_factory):
-    from tests.distributed.test_models import save_family
+    from tests.helpers.families import save_family
 
     root = tmp_path_factory.mktemp("bf16")
     paths = {f: save_family(f, root) for f in CORE + OTHERS}

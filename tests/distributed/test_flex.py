@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import load, rel, save_family
+from tests.helpers.families import load, rel, save_family
 from tests.helpers.pool import worker_bank
 
 LOSS_TOL = 1e-5

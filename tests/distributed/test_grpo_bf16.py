@@ -11,7 +11,7 @@ import torch
 
 from tests.distributed.test_bf16 import criterion, pooled_small
 from tests.distributed.test_grpo_step import EPS_HIGH, EPS_LOW, MAX_LEN, TEMPERATURE, injected, make_rollouts, reference_step
-from tests.distributed.test_models import save_family
+from tests.helpers.families import save_family
 from tests.helpers.pool import worker_mesh
 
 CASE = ("dapo", 0.04, True, True, None)

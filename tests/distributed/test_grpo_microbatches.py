@@ -21,7 +21,7 @@ import torch
 from tests.distributed.test_grpo_trainer import (  # noqa: F401  (paths: the shared checkpoints fixture)
     FixedCompletions, GRAD_TOL, LOSS_TOL, METRIC_TOL, WORLD, _run, make_prompts, paths, reward_length, reward_tokens,
 )
-from tests.distributed.test_models import rel
+from tests.helpers.families import rel
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import trainer_env
 

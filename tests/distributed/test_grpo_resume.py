@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from tests.distributed.test_grpo_trainer import make_prompts, paths, reward_length, reward_tokens  # noqa: F401
-from tests.distributed.test_models import rel
+from tests.helpers.families import rel
 from tests.distributed.test_trainer_sft import WORDS
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import trainer_env

@@ -41,7 +41,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import rel, save_family
+from tests.helpers.families import rel, save_family
 from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import trainer_env

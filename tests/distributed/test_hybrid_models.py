@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import compare
+from tests.helpers.families import compare
 from tests.helpers.pool import worker_mesh
 
 LOSS_TOL = 1e-5
@@ -132,7 +132,7 @@ def per_document_reference(model, batch: dict):
 
 
 def sp_run(model, batch, mesh):
-    from tests.distributed.test_models import sp_loss_and_grads
+    from tests.helpers.families import sp_loss_and_grads
 
     loss, _, grads = sp_loss_and_grads(model, batch, mesh)
     return loss, grads

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from tests.distributed.test_hybrid_models import build, hybrid_config, packed_batch, per_document_reference, sp_run
-from tests.distributed.test_models import compare, rel
+from tests.helpers.families import compare, rel
 from tests.helpers.pool import worker_bank, worker_mesh
 
 LOSS_TOL = 1e-5

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import compare
+from tests.helpers.families import compare
 from tests.helpers.pool import worker_mesh
 
 LOSS_TOL = 1e-5

@@ -157,7 +157,7 @@ def models_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
     """Per family: loss/gradient errors of the patched model on this mesh against the
     per-document reference, plus the sink parameters' (also test_contiguous.py's check)."""
     from hf_longctx.integrations.transformers import patch
-    from tests.distributed.test_models import compare, load, packed_batch, sp_loss_and_grads
+    from tests.helpers.families import compare, load, packed_batch, sp_loss_and_grads
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch()

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed.test_models import save_family
+from tests.helpers.families import save_family
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import assert_steps_close, history, make_dataset, training_args
 

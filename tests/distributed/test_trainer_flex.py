@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import save_family
+from tests.helpers.families import save_family
 from tests.helpers.pool import worker_bank
 from tests.helpers.trainer_cases import assert_steps_close, history, make_dataset, training_args
 

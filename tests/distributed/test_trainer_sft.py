@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import save_family
+from tests.helpers.families import save_family
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import assert_steps_close, trainer_env
 

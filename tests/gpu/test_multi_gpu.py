@@ -110,7 +110,7 @@ def test_fpdt_u2_sinks(pools):
 @pytest.fixture(scope="module")
 def model_refs(tmp_path_factory):
     """Saved Llama/GPT-2, and per family (g64 on the host in float64, g₁ on one GPU in bf16)."""
-    from tests.distributed.test_models import save_family
+    from tests.helpers.families import save_family
 
     root = tmp_path_factory.mktemp("multi_gpu_models")
     paths = {f: save_family(f, root) for f in ("llama", "gpt2")}
@@ -149,7 +149,7 @@ def test_trainer_bf16_two_gpus(pools, model_refs, tmp_path, degrees):
 @pytest.mark.parametrize("equal_calls", [True, False], ids=["equal-calls", "unequal-calls"])
 def test_flex_step_four_gpus(pools, tmp_path, equal_calls):
     from tests.distributed import test_flex
-    from tests.distributed.test_models import save_family
+    from tests.helpers.families import save_family
 
     path = save_family("llama", tmp_path)
     results = pools.get(4, NCCL).run(test_flex._flex_step, path, 2, 2, True, True, equal_calls, timeout=300)

@@ -23,7 +23,7 @@ from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.mesh import init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.transformers import is_patched, patch, unpatch
-from tests.distributed.test_models import family_config, packed_batch, rel
+from tests.helpers.families import family_config, packed_batch, rel
 
 TOL = 1e-5
 

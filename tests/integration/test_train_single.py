@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
-from tests.distributed.test_models import save_family
+from tests.helpers.families import save_family
 from tests.helpers.trainer_cases import make_dataset, training_args
 
 
