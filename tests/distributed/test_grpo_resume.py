@@ -32,7 +32,7 @@ import torch
 
 from tests.distributed.test_grpo_trainer import make_prompts, paths, reward_length, reward_tokens  # noqa: F401
 from tests.helpers.families import rel
-from tests.distributed.test_trainer_sft import WORDS
+from tests.helpers.word_tokenizer import WORDS
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import trainer_env
 

@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from tests.helpers.families import rel, save_family
-from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
+from tests.helpers.word_tokenizer import WORDS, make_tokenizer
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import trainer_env
 

@@ -35,7 +35,7 @@ def test_suggested_recipe_flags_train_on_2_gloo_ranks(tmp_path, capsys):
     import torch
 
     from tests.helpers.families import save_family
-    from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
+    from tests.helpers.word_tokenizer import WORDS, make_tokenizer
 
     model_dir = save_family("llama", tmp_path)
     make_tokenizer(model_dir)
