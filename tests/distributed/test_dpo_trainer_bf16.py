@@ -31,7 +31,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_bf16 import criterion, pooled_small
+from tests.helpers.bf16_rule import criterion, pooled_small
 from tests.distributed.test_dpo_trainer import BETA, _grab_callback, _id_pairs, _text_pairs, paths  # noqa: F401
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import trainer_env

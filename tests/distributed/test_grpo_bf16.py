@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.test_bf16 import criterion, pooled_small
+from tests.helpers.bf16_rule import criterion, pooled_small
 from tests.distributed.test_grpo_step import EPS_HIGH, EPS_LOW, MAX_LEN, TEMPERATURE, injected, make_rollouts, reference_step
 from tests.helpers.families import save_family
 from tests.helpers.pool import worker_mesh

@@ -368,7 +368,7 @@ def test_grpo_trainer_bf16_within_twice_single_process_error(pools, bf16_paths, 
     GRPOTrainer in float64 on the same bf16-representable weights and single the same trainer in bf16;
     the step loss by the same rule (measured: gradient error ratios 0.96-1.15, loss error 6e-7 vs
     the single-process bf16's 2e-6)."""
-    from tests.distributed.test_bf16 import criterion, pooled_small
+    from tests.helpers.bf16_rule import criterion, pooled_small
 
     truth = _run_dtype(*bf16_paths, str(tmp_path / "f64"), torch.float64, None)
     single = _run_dtype(*bf16_paths, str(tmp_path / "bf16"), torch.bfloat16, None)

@@ -265,7 +265,7 @@ def test_rows_of_one_document(pools):
 
 def _bf16(ulysses: int, ring: int, families: list) -> dict:
     from hf_longctx.integrations.transformers import patch
-    from tests.distributed.test_bf16 import criterion, pooled_small
+    from tests.helpers.bf16_rule import criterion, pooled_small
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch(DOCS)

@@ -2,7 +2,7 @@
 
 Where it sits: test harness only. Each function runs inside a worker of the NCCL pool
 (`tests/helpers/pool.py`, `backend="nccl"`: rank r on cuda:r) and reuses the CPU tests' builders
-(`tests/helpers/attention_cases.case_errors`, the bf16 step helpers of tests/distributed/test_bf16.py,
+(`tests/helpers/attention_cases.case_errors`, the bf16 step helpers of tests/helpers/bf16_rule.py,
 `tests/helpers/trainer_cases.py`) with only the device changed: the problem and its float64 truth
 are built on the host exactly as on CPU, the library under test only ever sees CUDA tensors.
 """
@@ -14,7 +14,8 @@ import functools
 import torch
 
 from tests.helpers.attention_cases import case_errors
-from tests.distributed import test_bf16, test_fpdt, test_usp
+from tests.distributed import test_fpdt, test_usp
+from tests.helpers import bf16_rule
 from tests.helpers.pool import worker_mesh
 
 
@@ -68,7 +69,7 @@ def check_signatures() -> None:
         (global_loss, (x, x), dict(dp_reduce="none")),
         (LongContextTrainer.__init__, (x,), dict(model=x, args=x, train_dataset=x, mesh=x, max_tokens=x, tokens_per_step=x)),
         (case_errors, (x, x, x), dict(attention=x, cu=x, rows=x, head_dim=x, variants=x)),
-        (test_bf16.excess, (x, x, x, x, x), {}),
+        (bf16_rule.excess, (x, x, x, x, x), {}),
     ]
     for fn, args, kwargs in calls:
         try:
@@ -120,18 +121,18 @@ def fpdt_cases(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]) ->
 def single_gpu(path: str, dtype: torch.dtype) -> tuple:
     """g₁ of test_bf16: the unpatched model in one process, here on one GPU (weights in `dtype`,
     no autocast), all documents; per-token losses and gradients as float64 on the host."""
-    model = test_bf16._fresh(path, dtype).to(device())
-    batch = test_bf16._flat(test_bf16._docs())
+    model = bf16_rule._fresh(path, dtype).to(device())
+    batch = bf16_rule._flat(bf16_rule._docs())
     out = model(**to_device(batch, device()), use_cache=False)
     out.loss.backward()
     grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters()}
-    return test_bf16.token_losses(out.logits.detach(), batch["labels"].to(device())).cpu(), grads
+    return bf16_rule.token_losses(out.logits.detach(), batch["labels"].to(device())).cpu(), grads
 
 
 def fsdp_step(path: str, degrees: tuple[int, int, int], truth: tuple, single: tuple) -> dict:
     """One training step of the patched model, loaded on the host, sharded by
     `fsdp_plan(mixed_precision="bf16").apply` (which places the shards on this GPU), the
-    batch moved to the GPU; `test_bf16.excess` of its tokens, loss and gradients."""
+    batch moved to the GPU; `bf16_rule.excess` of its tokens, loss and gradients."""
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.gather import gather_sequence
     from hf_longctx.integrations.accelerate import fsdp_plan
@@ -140,17 +141,17 @@ def fsdp_step(path: str, degrees: tuple[int, int, int], truth: tuple, single: tu
 
     mesh = worker_mesh(*degrees)
     dev = device()
-    model = patch(test_bf16._fresh(path, torch.float32), mesh)  # on the host
+    model = patch(bf16_rule._fresh(path, torch.float32), mesh)  # on the host
     fsdp_plan(model, mesh, mixed_precision="bf16").apply(model)
-    batch = test_bf16._flat(test_bf16._docs()[mesh.dp_rank :: mesh.dp])
-    shard = to_device(shard_batch(batch, mesh, num_items_in_batch=test_bf16._targets()), dev)
+    batch = bf16_rule._flat(bf16_rule._docs()[mesh.dp_rank :: mesh.dp])
+    shard = to_device(shard_batch(batch, mesh, num_items_in_batch=bf16_rule._targets()), dev)
     out = model(**shard)
     out.loss.backward()
     logits = gather_sequence(out.logits, shard, mesh)
-    tokens = test_bf16.token_losses(logits, batch["labels"].to(dev)).cpu()
+    tokens = bf16_rule.token_losses(logits, batch["labels"].to(dev)).cpu()
     grads = {n: p.grad.full_tensor().double().cpu() for n, p in model.named_parameters()}
     loss = global_loss(out.loss, mesh, dp_reduce="none").cpu()
-    return test_bf16.excess(truth, single, (tokens, loss, grads), mesh.dp_rank, mesh.dp)
+    return bf16_rule.excess(truth, single, (tokens, loss, grads), mesh.dp_rank, mesh.dp)
 
 
 # ---- LongContextTrainer, bf16 ------------------------------------------------------------------

@@ -12,7 +12,7 @@ below 4. Every check is the CPU test's own, with the same tolerances and the sam
    FPDT u = 2 with offload off and on (real pinned host copies on side streams).
 2. A patched tiny Llama (GQA) and GPT-2 from `from_pretrained`, loaded on the host and sharded
    by `fsdp_plan(mixed_precision="bf16").apply`, the batch on the GPU: per tensor
-   ‖g − g64‖ ≤ 2·‖g₁ − g64‖ + 1e-6·‖g64‖ (test_bf16.excess, small tensors pooled), g64 the
+   ‖g − g64‖ ≤ 2·‖g₁ − g64‖ + 1e-6·‖g64‖ (tests/helpers/bf16_rule.excess, small tensors pooled), g64 the
    float64 model on the host, g₁ the unpatched bf16 model on one GPU.
 3. `LongContextTrainer` with bf16=True, 2 steps on 2 GPUs vs the same trainer on one GPU:
    logged loss and grad_norm within test_trainer's BF16_TOL (one bf16 rounding step, 2^-8).
@@ -34,7 +34,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import test_bf16, test_fpdt, test_sinks, test_trainer, test_usp
+from tests.distributed import test_fpdt, test_sinks, test_trainer, test_usp
+from tests.helpers import bf16_rule
 from tests.gpu import multi_gpu_tasks as tasks
 from tests.helpers.trainer_cases import assert_steps_close
 
@@ -114,7 +115,7 @@ def model_refs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("multi_gpu_models")
     paths = {f: save_family(f, root) for f in ("llama", "gpt2")}
-    refs = {f: (test_bf16._single(test_bf16._fresh(p, torch.float32).double(), False), tasks.single_gpu(p, torch.bfloat16))
+    refs = {f: (bf16_rule._single(bf16_rule._fresh(p, torch.float32).double(), False), tasks.single_gpu(p, torch.bfloat16))
             for f, p in paths.items()}
     return paths, refs
 
@@ -127,7 +128,7 @@ def model_refs(tmp_path_factory):
 def test_fsdp_bf16_step(pools, model_refs, family, world, degrees):
     paths, refs = model_refs
     results = pools.get(world, NCCL).run(tasks.fsdp_step, paths[family], degrees, *refs[family], timeout=300)
-    test_bf16._check([{(family, "fsdp", degrees): r} for r in results])
+    bf16_rule._check([{(family, "fsdp", degrees): r} for r in results])
 
 
 # ---- 3. LongContextTrainer bf16 ------------------------------------------------------------
