@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from tests.helpers.bf16_rule import criterion, pooled_small
-from tests.distributed.test_dpo_trainer import BETA, _grab_callback, _id_pairs, _text_pairs, paths  # noqa: F401
+from tests.helpers.dpo_cases import BETA, _grab_callback, _id_pairs, _text_pairs, paths  # noqa: F401  (paths: a fixture)
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import trainer_env
 
