@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_grpo_trainer import (  # noqa: F401  (paths: the shared checkpoints fixture)
+from tests.helpers.grpo_cases import (  # noqa: F401  (paths: the shared checkpoints fixture)
     FixedCompletions, GRAD_TOL, LOSS_TOL, METRIC_TOL, WORLD, _run, make_prompts, paths, reward_length, reward_tokens,
 )
 from tests.helpers.families import rel

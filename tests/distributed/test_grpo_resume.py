@@ -30,7 +30,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed.test_grpo_trainer import make_prompts, paths, reward_length, reward_tokens  # noqa: F401
+from tests.helpers.grpo_cases import make_prompts, paths, reward_length, reward_tokens  # noqa: F401
 from tests.helpers.families import rel
 from tests.helpers.word_tokenizer import WORDS
 from tests.helpers.pool import worker_mesh
