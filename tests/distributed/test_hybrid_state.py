@@ -33,7 +33,7 @@ import importlib
 import pytest
 import torch
 
-from tests.distributed.test_hybrid_models import build, hybrid_config, packed_batch, per_document_reference, sp_run
+from tests.helpers.hybrid_models import build, hybrid_config, packed_batch, per_document_reference, sp_run
 from tests.helpers.families import compare, rel
 from tests.helpers.pool import worker_bank, worker_mesh
 
@@ -256,7 +256,7 @@ def test_flexible_group_step(pools):
 
 def test_rows_of_one_document(pools):
     """B = 2 rows (right padding by attention_mask), state passing: the maps carry the row dim."""
-    from tests.distributed.test_hybrid_models import _rows
+    from tests.helpers.hybrid_models import _rows
 
     for rank, per_family in enumerate(pools.get(2).run(_rows, ["qwen3_5_text", "bamba"], "state", timeout=300)):
         for family, errs in per_family.items():

@@ -203,7 +203,7 @@ def test_patch_mixers_option_refusals():
 def test_patch_refuses_heads_beyond_the_head_count_before_any_change():
     from hf_longctx.errors import NotSupported
     from hf_longctx.integrations.mixers.registry import plan_mixers
-    from tests.distributed.test_hybrid_models import build
+    from tests.helpers.hybrid_models import build
 
     model = build("qwen3_5_text")  # 4 value heads
     mesh = types.SimpleNamespace(sp=8)
