@@ -33,12 +33,12 @@ DOCS = [13, 29, 7, 47]
 
 
 def _model(family: str):
-    """The families of tests/distributed/test_keep_attention.py, and Qwen3 (per-head q/k norms inside
+    """The families of tests/helpers/recompute_models.py, and Qwen3 (per-head q/k norms inside
     the attention module) and GPT-2 without dropout (Conv1D, learned positions, cache and masks
     passed by position)."""
     import transformers as tf
 
-    from tests.distributed.test_keep_attention import _model as shared
+    from tests.helpers.recompute_models import _model as shared
 
     torch.manual_seed(0)
     if family == "qwen3":
