@@ -14,9 +14,10 @@ import functools
 import torch
 
 from tests.helpers.attention_cases import case_errors
-from tests.distributed import test_fpdt, test_usp
 from tests.helpers import bf16_rule
+from tests.helpers.fpdt_cases import _boundaries
 from tests.helpers.pool import worker_mesh
+from tests.helpers.usp_cases import _lengths
 
 
 def device() -> torch.device:
@@ -79,7 +80,7 @@ def check_signatures() -> None:
 
 
 def usp_cases(ulysses: int, ring: int, dtype_name: str, cases: list[dict]) -> list[dict]:
-    """test_usp's packing (uneven documents, multiples of doc_multiple) and shapes, on the GPU."""
+    """tests/helpers/usp_cases.py's packing (uneven documents, multiples of doc_multiple) and shapes, on the GPU."""
     from hf_longctx.ops.usp import usp_attention
 
     mesh = worker_mesh(ulysses, ring)
@@ -88,7 +89,7 @@ def usp_cases(ulysses: int, ring: int, dtype_name: str, cases: list[dict]) -> li
     for case in cases:
         cu = None
         if case.get("packed", True):
-            lengths = test_usp._lengths(mesh, case.get("seed", 0) + 1000 * mesh.dp_rank, case.get("docs", 4))
+            lengths = _lengths(mesh, case.get("seed", 0) + 1000 * mesh.dp_rank, case.get("docs", 4))
             cu = [0]
             for n in lengths:
                 cu.append(cu[-1] + n)
@@ -98,7 +99,7 @@ def usp_cases(ulysses: int, ring: int, dtype_name: str, cases: list[dict]) -> li
 
 
 def fpdt_cases(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]) -> list[dict]:
-    """test_fpdt's documents (straddling chunks), offload off and on ("off_": real pinned host
+    """tests/helpers/fpdt_cases.py's documents (straddling chunks), offload off and on ("off_": real pinned host
     copies on side streams here, the same numbers through the same schedule)."""
     from hf_longctx.ops.fpdt import fpdt_attention
 
@@ -107,7 +108,7 @@ def fpdt_cases(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]) ->
     out = []
     for case in cases:
         seed = case.get("seed", 0) + 1000 * mesh.dp_rank
-        cu = test_fpdt._boundaries(mesh, seed, case.get("docs", 4)) if case.get("packed", True) else None
+        cu = _boundaries(mesh, seed, case.get("docs", 4)) if case.get("packed", True) else None
         out.append(case_errors(
             mesh, case, getattr(torch, dtype_name), attention=attention, cu=cu, rows=(2, 2 * mesh.seq_multiple),
             head_dim=8, variants={"": dict(offload=False), "off_": dict(offload=True)},

@@ -34,8 +34,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import test_fpdt, test_sinks, test_trainer, test_usp
-from tests.helpers import bf16_rule
+from tests.distributed import test_trainer
+from tests.helpers import bf16_rule, fpdt_cases, sink_cases, usp_cases
 from tests.gpu import multi_gpu_tasks as tasks
 from tests.helpers.trainer_cases import assert_steps_close
 
@@ -69,40 +69,40 @@ def _check_bf16(results, cases, tags=("",)):
 
 @pytest.mark.parametrize("world,ulysses,ring", GPU_LAYOUTS)
 def test_usp_fp32(pools, world, ulysses, ring):
-    res = pools.get(world, NCCL).run(tasks.usp_cases, ulysses, ring, "float32", test_usp.CASES)
-    _check_fp32(res, test_usp.CASES, test_usp.FP32_TOL)
+    res = pools.get(world, NCCL).run(tasks.usp_cases, ulysses, ring, "float32", usp_cases.CASES)
+    _check_fp32(res, usp_cases.CASES, usp_cases.FP32_TOL)
 
 
 @pytest.mark.parametrize("world,ulysses,ring", GPU_LAYOUTS)
 def test_usp_bf16(pools, world, ulysses, ring):
     # every fp32 case (window, softcap, GQA, unpacked) in bf16: the cases the fast kernels take
-    res = pools.get(world, NCCL).run(tasks.usp_cases, ulysses, ring, "bfloat16", test_usp.CASES)
-    _check_bf16(res, test_usp.CASES)
+    res = pools.get(world, NCCL).run(tasks.usp_cases, ulysses, ring, "bfloat16", usp_cases.CASES)
+    _check_bf16(res, usp_cases.CASES)
 
 
 @pytest.mark.parametrize("world,ulysses,ring", GPU_LAYOUTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_usp_sinks(pools, world, ulysses, ring, dtype):
-    res = pools.get(world, MIXED).run(tasks.usp_cases, ulysses, ring, dtype, test_sinks.CASES)
+    res = pools.get(world, MIXED).run(tasks.usp_cases, ulysses, ring, dtype, sink_cases.CASES)
     if dtype == "float32":
-        _check_fp32(res, test_sinks.CASES, test_sinks.FP32_TOL)
+        _check_fp32(res, sink_cases.CASES, sink_cases.FP32_TOL)
     else:
-        _check_bf16(res, test_sinks.CASES)
+        _check_bf16(res, sink_cases.CASES)
 
 
 @pytest.mark.parametrize("world,ulysses", [(2, 2), pytest.param(4, 4, marks=needs4)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fpdt_u2_offload(pools, world, ulysses, dtype):
-    res = pools.get(world, NCCL).run(tasks.fpdt_cases, ulysses, 2, dtype, test_fpdt.CASES)
+    res = pools.get(world, NCCL).run(tasks.fpdt_cases, ulysses, 2, dtype, fpdt_cases.CASES)
     if dtype == "float32":
-        _check_fp32(res, test_fpdt.CASES, test_fpdt.FP32_TOL)
+        _check_fp32(res, fpdt_cases.CASES, fpdt_cases.FP32_TOL)
     else:
-        _check_bf16(res, test_fpdt.CASES, tags=("", "off_"))
+        _check_bf16(res, fpdt_cases.CASES, tags=("", "off_"))
 
 
 def test_fpdt_u2_sinks(pools):
-    res = pools.get(2, MIXED).run(tasks.fpdt_cases, 2, 2, "float32", test_sinks.CASES)
-    _check_fp32(res, test_sinks.CASES, test_sinks.FP32_TOL)
+    res = pools.get(2, MIXED).run(tasks.fpdt_cases, 2, 2, "float32", sink_cases.CASES)
+    _check_fp32(res, sink_cases.CASES, sink_cases.FP32_TOL)
 
 
 # ---- 2. patched models under FSDP2 bf16 ------------------------------------------------------
