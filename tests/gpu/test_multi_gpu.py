@@ -16,7 +16,7 @@ below 4. Every check is the CPU test's own, with the same tolerances and the sam
    float64 model on the host, g₁ the unpatched bf16 model on one GPU.
 3. `LongContextTrainer` with bf16=True, 2 steps on 2 GPUs vs the same trainer on one GPU:
    logged loss and grad_norm within test_trainer's BF16_TOL (one bf16 rounding step, 2^-8).
-4. Flexible SP groups on 4 GPUs (tests/distributed/test_flex.py's step, fp32, FSDP2 over
+4. Flexible SP groups on 4 GPUs (tests/helpers/flex_step.py, test_flex.py's step, fp32, FSDP2 over
    the world, FPDT chunks in the ring-1 groups, checkpointing): equal counts (layouts
    [4]; [2,2]; [2,1,1]; [1,1,1,1]) and unequal counts (5/3/4/4 micro-batches per rank, the
    model unsharded for the step: the NCCL ordering of the world reduce-scatters against
@@ -149,9 +149,9 @@ def test_trainer_bf16_two_gpus(pools, model_refs, tmp_path, degrees):
 @needs4
 @pytest.mark.parametrize("equal_calls", [True, False], ids=["equal-calls", "unequal-calls"])
 def test_flex_step_four_gpus(pools, tmp_path, equal_calls):
-    from tests.distributed import test_flex
+    from tests.helpers import flex_step
     from tests.helpers.families import save_family
 
     path = save_family("llama", tmp_path)
-    results = pools.get(4, NCCL).run(test_flex._flex_step, path, 2, 2, True, True, equal_calls, timeout=300)
-    test_flex.check_results(results, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], equal_calls)
+    results = pools.get(4, NCCL).run(flex_step._flex_step, path, 2, 2, True, True, equal_calls, timeout=300)
+    flex_step.check_results(results, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], equal_calls)
