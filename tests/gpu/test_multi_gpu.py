@@ -15,7 +15,7 @@ below 4. Every check is the CPU test's own, with the same tolerances and the sam
    ‖g − g64‖ ≤ 2·‖g₁ − g64‖ + 1e-6·‖g64‖ (tests/helpers/bf16_rule.excess, small tensors pooled), g64 the
    float64 model on the host, g₁ the unpatched bf16 model on one GPU.
 3. `LongContextTrainer` with bf16=True, 2 steps on 2 GPUs vs the same trainer on one GPU:
-   logged loss and grad_norm within test_trainer's BF16_TOL (one bf16 rounding step, 2^-8).
+   logged loss and grad_norm within BF16_TOL of tests/helpers/trainer_cases.py (one bf16 rounding step, 2^-8).
 4. Flexible SP groups on 4 GPUs (tests/helpers/flex_step.py, test_flex.py's step, fp32, FSDP2 over
    the world, FPDT chunks in the ring-1 groups, checkpointing): equal counts (layouts
    [4]; [2,2]; [2,1,1]; [1,1,1,1]) and unequal counts (5/3/4/4 micro-batches per rank, the
@@ -34,10 +34,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import test_trainer
 from tests.helpers import bf16_rule, fpdt_cases, sink_cases, usp_cases
 from tests.gpu import multi_gpu_tasks as tasks
-from tests.helpers.trainer_cases import assert_steps_close
+from tests.helpers.trainer_cases import BF16_TOL, assert_steps_close
 
 tasks.check_signatures()  # at collection: a CPU machine fails here on a call the GPU run would refuse
 pytestmark = pytest.mark.multi_gpu
@@ -140,7 +139,7 @@ def test_trainer_bf16_two_gpus(pools, model_refs, tmp_path, degrees):
     ref = tasks.trainer_run(path, None, str(tmp_path / "ref"), 2)  # one GPU, pytest's own process
     out = pools.get(2, NCCL).run(tasks.trainer_run, path, degrees, str(tmp_path / "sp"), 2, timeout=600)
     for rank, steps in enumerate(out):
-        assert_steps_close(steps, ref, test_trainer.BF16_TOL, f"bf16 trainer {degrees} rank {rank}")
+        assert_steps_close(steps, ref, BF16_TOL, f"bf16 trainer {degrees} rank {rank}")
 
 
 # ---- 4. flexible SP groups ------------------------------------------------------------------
