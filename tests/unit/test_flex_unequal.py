@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hf_longctx.data.flex.groups import group_shapes
 from hf_longctx.data.flex.packing import FlexGroup, FlexPlan, plan_flexible
 from hf_longctx.data.flex.unequal import plan_unequal
-from tests.unit.test_flex_packing import _cost
+from tests.helpers.flex_costs import _cost
 
 
 
