@@ -222,7 +222,7 @@ def test_state_ops_never_sync_the_host(monkeypatch):
     from hf_longctx.ops.mixers import exchange
     from hf_longctx.ops.mixers.gdn_state import gdn_state_passing
     from hf_longctx.ops.mixers.mamba2_state import mamba2_state_passing
-    from tests.unit.test_mixer_no_sync import DEV, HostDeviceGuard, fake_all_to_all_v
+    from tests.helpers.sync_guard import DEV, HostDeviceGuard, fake_all_to_all_v
 
     def fake_exchange(pieces, recv_shapes, group):
         return [torch.zeros(s, dtype=pieces[0].dtype, device=pieces[0].device) for s in recv_shapes]
