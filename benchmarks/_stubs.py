@@ -2,7 +2,7 @@
 
 Where it sits: next to `benchmarks/_counting.py` (the counter), used by
 `benchmarks/hot_path.py`. `CountedKernel` wraps an emulated packed kernel
-(`tests/emulated_backends.py`) so that each call counts as one kernel, its internals hidden,
+(`tests/helpers/emulated_backends.py`) so that each call counts as one kernel, its internals hidden,
 its outputs on the device. `StubStreams` is `ops.offload.Streams` for the CUDA offload branch
 on CPU -- it offloads, its pinned buffers are host tensors, streams and events do nothing
 except `synchronize()`, which is a sync as on a GPU -- and `stub_offload` hands it to every

@@ -4,7 +4,7 @@ Where it sits: a measurement of the whole patched step (`integrations/model_patc
 `ops/usp.py`, `ops/ring.py`, `ops/fpdt.py`, `ops/backends/packed.py`, the linear mixers of
 `ops/mixers/`, the offload of `ops/offload.py` and `integrations/checkpointing.py`) with the
 local attention forced onto the varlen (flash-attn 2.8 API) backend of
-`ops/backends/select.py`, whose kernel is the CPU emulation of `tests/emulated_backends.py`,
+`ops/backends/select.py`, whose kernel is the CPU emulation of `tests/helpers/emulated_backends.py`,
 and every host offload on its CUDA branch with stub streams. Nothing is timed:
 `benchmarks/_counting.py` counts what a GPU would pay -- kernel-like ops, collectives,
 host<->device copies and host SYNCS -- with every CPU-side tensor treated as host unless it
@@ -120,7 +120,7 @@ def forced_cuda_path(counter: Counter):
     """Local attention on the packed flash-attn 2.8 backend with the emulated kernel."""
     from hf_longctx.ops import kernels
     from hf_longctx.ops.backends.packed import PackedBackend
-    from tests.emulated_backends import cuda_env
+    from tests.helpers.emulated_backends import cuda_env
 
     env, _ = cuda_env(flash="2.8.3", torch_ops=False)
     backend = PackedBackend("flash_attn", CountedKernel(env.flash_attn, counter))

@@ -1,6 +1,6 @@
 """Vision work split over the SP group vs the vision tower replicated on every rank, side by side.
 
-Where it sits: outside the library; 4 gloo ranks (tests/pool.py), U2×R2, a Qwen2.5-VL-style
+Where it sits: outside the library; 4 gloo ranks (tests/helpers/pool.py), U2×R2, a Qwen2.5-VL-style
 model built from a config (no hub) whose tower is heavy enough to matter, one packed row of
 text-only documents, images of several sizes and a video. Two ways to run the same row:
 
@@ -35,7 +35,7 @@ VIDEO = (4, 16, 16)
 def model_and_row():
     import transformers as tf
 
-    from tests.vlm_cases import END, IMAGE, START, TEXT_HI, VIDEO as VIDEO_ID, VOCAB
+    from tests.helpers.vlm_cases import END, IMAGE, START, TEXT_HI, VIDEO as VIDEO_ID, VOCAB
 
     cfg = tf.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -114,7 +114,7 @@ def run(mode: str, repeats: int) -> dict:
     from hf_longctx.data.multimodal.sharding import SP_VISION_KEY, shard_multimodal
     from hf_longctx.integrations.model_patch import patch
     from hf_longctx.integrations.vision.registry import vision_spec
-    from tests.pool import worker_mesh
+    from tests.helpers.pool import worker_mesh
 
     torch.set_num_threads(1)
     mesh = worker_mesh(2, 2)
@@ -145,7 +145,7 @@ def run(mode: str, repeats: int) -> dict:
 
 
 def main() -> None:
-    from tests.pool import GlooPool
+    from tests.helpers.pool import GlooPool
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)

@@ -1,11 +1,11 @@
 """The classification of every image-text-to-text model of the installed transformers, measured.
 
 Where it sits: outside the library; it drives the public path (`patch`, `vision_spec`,
-`shard_multimodal`, `global_loss`, `sum_gradients`) on 2 gloo ranks (tests/pool.py) for every
+`shard_multimodal`, `global_loss`, `sum_gradients`) on 2 gloo ranks (tests/helpers/pool.py) for every
 model type of `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, and prints the table the README
 and `integrations/vision/classification.py` carry:
 
-1. build it tiny (`tests/vlm_cases.vlm_config` for the families the tests use, else
+1. build it tiny (`tests/helpers/vlm_cases.vlm_config` for the families the tests use, else
    `benchmarks/zoo_configs.tiny_config` with its image/video token ids moved into the tiny
    vocabulary);
 2. the structural causes first: an encoder-decoder, cross-attention to image states, no
@@ -51,7 +51,7 @@ def _first_line(e: BaseException) -> str:
 def tiny(model_type: str):
     import transformers as tf
 
-    from tests.vlm_cases import vlm_config
+    from tests.helpers.vlm_cases import vlm_config
 
     try:
         return vlm_config(model_type)
@@ -197,7 +197,7 @@ def run_type(model_type: str, root: str) -> dict:
 
     from hf_longctx import global_loss, patch, sum_gradients, unpatch
     from hf_longctx.data.multimodal.sharding import shard_multimodal
-    from tests.pool import worker_mesh
+    from tests.helpers.pool import worker_mesh
 
     tf.utils.logging.set_verbosity_error()
     row = {"model_type": model_type, "class": NAMES[model_type], "verdict": "CRASH", "errors": {}}
@@ -298,7 +298,7 @@ def all_types() -> list[str]:
 
 
 def run_all(types: list[str], timeout: float = 240.0, log=print) -> list[dict]:
-    from tests.pool import GlooPool
+    from tests.helpers.pool import GlooPool
 
     pool = GlooPool(2)
     rows = []

@@ -2,7 +2,7 @@
 
 Where it sits: outside the library; it drives the public path (`AutoModelForCausalLM`,
 `patch`, `shard_batch`, `global_loss`, `sum_gradients`) on 2 gloo ranks (the persistent
-pool of tests/pool.py) exactly as a new user would, for every model type registered for
+pool of tests/helpers/pool.py) exactly as a new user would, for every model type registered for
 `AutoModelForCausalLM`:
 
 1. build it tiny from its own config class (hidden 32, 4 layers, 4 heads / 2 KV heads, 4
@@ -108,7 +108,7 @@ def run_arch(model_type: str, root: str, meshes: dict) -> dict:
 
     from hf_longctx import global_loss, patch, shard_batch, sum_gradients, unpatch
     from hf_longctx.integrations.attention import mask_implied_window
-    from tests.pool import worker_mesh
+    from tests.helpers.pool import worker_mesh
 
     tf.utils.logging.disable_progress_bar()
     tf.utils.logging.set_verbosity_error()
@@ -217,7 +217,7 @@ def all_model_types() -> list[str]:
 
 
 def run_zoo(types: list[str], timeout: float = 240.0, pool=None, log=print) -> list[dict]:
-    from tests.pool import GlooPool
+    from tests.helpers.pool import GlooPool
 
     own = pool is None
     pool = pool or GlooPool(2)

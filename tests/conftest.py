@@ -1,8 +1,8 @@
-"""Shared fixtures: the persistent gloo pools of tests/pool.py."""
+"""Shared fixtures: the persistent gloo pools of tests/helpers/pool.py."""
 
 import pytest
 
-from tests.pool import PoolRegistry
+from tests.helpers.pool import PoolRegistry
 
 
 @pytest.fixture(scope="session")

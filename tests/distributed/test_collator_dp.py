@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4

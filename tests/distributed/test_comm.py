@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.distributed import comm
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 
 def _mesh_facts(ulysses, ring):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 # One packed row of 64 tokens each, four documents: on torch 2.11 Dynamo guards on the number of

@@ -19,8 +19,8 @@ import torch
 from hf_longctx import init_sequence_parallel
 from hf_longctx.ops.fpdt import fpdt_attention
 from hf_longctx.ops.usp import usp_attention
-from tests.distributed.test_sinks import models_on_mesh
-from tests.pool import worker_mesh
+from tests.helpers.sink_models import models_on_mesh
+from tests.helpers.pool import worker_mesh
 
 
 def _layouts(mesh, fpdt: bool) -> dict:

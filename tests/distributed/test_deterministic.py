@@ -4,7 +4,7 @@ run to run on every layout, and the kernels are told.
 Each layout of `benchmarks/hot_path.py` (Ulysses, ring, U x R, FPDT, the memory presets,
 every linear-mixer kind) runs one patched bf16 step twice from the same weights, with the
 local attention on the packed CUDA backend whose kernel is the emulation of
-`tests/emulated_backends.py` (flash-attn 2.8's real signature, or torch's flash ops). The
+`tests/helpers/emulated_backends.py` (flash-attn 2.8's real signature, or torch's flash ops). The
 emulated backward is what the real ones are: run-to-run different in dq unless it is
 deterministic (flash-attn's `deterministic` argument; torch's op reads the global flag).
 So the comparison fails if any path forgets to ask -- the control below shows that it
@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from benchmarks.hot_path import LAYOUTS
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 
 @contextlib.contextmanager
 def _emulated(kernel: str):
     from hf_longctx.ops import kernels
     from hf_longctx.ops.backends.packed import PackedBackend
-    from tests.emulated_backends import cuda_env
+    from tests.helpers.emulated_backends import cuda_env
 
     env, sims = cuda_env(flash="2.8.3", torch_ops=True)
     backend = PackedBackend(kernel, env.flash_attn if kernel == "flash_attn" else env.torch_flash)

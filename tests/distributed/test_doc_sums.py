@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.distributed.doc_sums import doc_sums
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 VOCAB = 50
 

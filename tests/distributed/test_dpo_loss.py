@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 PROMPT, BETA = 3, 0.5
 

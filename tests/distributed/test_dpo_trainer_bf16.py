@@ -31,10 +31,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_bf16 import criterion, pooled_small
-from tests.distributed.test_dpo_trainer import BETA, _grab_callback, _id_pairs, _text_pairs, paths  # noqa: F401
-from tests.pool import worker_mesh
-from tests.trainer_cases import trainer_env
+from tests.helpers.bf16_rule import criterion, pooled_small
+from tests.helpers.dpo_cases import BETA, _grab_callback, _id_pairs, _text_pairs, paths  # noqa: F401  (paths: a fixture)
+from tests.helpers.pool import worker_mesh
+from tests.helpers.trainer_cases import trainer_env
 
 
 def _config(output_dir: str, loss_type: str, *, bf16: bool):

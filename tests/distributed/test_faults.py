@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
-    from tests.trainer_cases import make_dataset, training_args
+    from tests.helpers.trainer_cases import make_dataset, training_args
 
     torch.set_num_threads(1)
     # The job's own process group, with the fault timeout (what training.init_distributed does

@@ -18,45 +18,8 @@ import torch.distributed as dist
 
 from hf_longctx import init_sequence_parallel
 from hf_longctx.ops.fpdt import fpdt_attention
-from tests.pool import worker_mesh
-from tests.attention_cases import case_errors
-
-FP32_TOL = 2e-5
-
-
-def _boundaries(mesh, seed: int, docs: int) -> list[int]:
-    """Uneven documents (up to one seq_multiple long each, so they straddle chunks) plus padding."""
-    g = torch.Generator().manual_seed(seed)
-    sm = mesh.seq_multiple  # u·U: one token per piece at the smallest
-    lengths = [int(n) for n in torch.randint(1, max(2, 2 * sm), (docs,), generator=g)]
-    pad = (-sum(lengths)) % sm
-    cu = [0]
-    for n in lengths + ([pad] if pad else []):
-        cu.append(cu[-1] + n)
-    return cu
-
-
-def _case(mesh, case: dict, dtype: torch.dtype):
-    """Offload off and on (error names prefixed "off_"): same numbers through the same schedule."""
-    seed = case.get("seed", 0) + 1000 * mesh.dp_rank
-    cu = _boundaries(mesh, seed, case.get("docs", 4)) if case.get("packed", True) else None
-    return case_errors(
-        mesh, case, dtype, attention=fpdt_attention, cu=cu, rows=(2, 2 * mesh.seq_multiple), head_dim=8,
-        variants={"": dict(offload=False), "off_": dict(offload=True)},
-    )
-
-
-CASES = [
-    dict(heads=8, kv_heads=8),
-    dict(heads=8, kv_heads=4, docs=5, seed=1),
-    dict(heads=8, kv_heads=1, seed=2),  # MQA: one KV head, replicated for U > 1
-    dict(heads=8, kv_heads=2, seed=3),  # H_kv < U for U = 4
-    dict(heads=4, kv_heads=2, causal=False, seed=4),  # every query chunk needs every K/V chunk
-    dict(heads=4, kv_heads=2, window=5, seed=5),  # early K/V chunks skipped
-    dict(heads=4, kv_heads=4, window=3, causal=False, seed=6),
-    dict(heads=4, kv_heads=2, softcap=2.0, seed=7),
-    dict(heads=4, kv_heads=4, packed=False, seed=8),  # B = 2 rows, one document each
-]
+from tests.helpers.pool import worker_mesh
+from tests.helpers.fpdt_cases import CASES, FP32_TOL, _case
 
 
 def _run_cases(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]):
@@ -148,7 +111,7 @@ ROUNDING_TOL = 0.01
 
 
 def _rounding(ulysses: int, chunks: int):
-    from tests.attention_cases import rounding_mismatch
+    from tests.helpers.attention_cases import rounding_mismatch
 
     return rounding_mismatch(worker_mesh(ulysses, 1, chunks), fpdt_attention, [0, 100, 256])
 
@@ -160,7 +123,7 @@ def _check_rounding(results, what):
 
 
 def test_bf16_rounds_once_world1():
-    from tests.attention_cases import rounding_mismatch
+    from tests.helpers.attention_cases import rounding_mismatch
 
     _check_rounding([rounding_mismatch(init_sequence_parallel(1, 1, 4), fpdt_attention, [0, 100, 256])], "fpdt u=4")
 

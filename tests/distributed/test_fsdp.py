@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import load, rel, save_family
-from tests.pool import worker_mesh
+from tests.helpers.families import load, rel, save_family
+from tests.helpers.pool import worker_mesh
 
 UPDATE_TOL = 1e-4
 LR = 0.5
@@ -134,7 +134,7 @@ def tied_paths(tmp_path_factory):
     """GPT-2 (tied by default) and a Llama with tie_word_embeddings=True (the demo's)."""
     import transformers as tf
 
-    from tests.distributed.test_models import family_config
+    from tests.helpers.families import family_config
 
     root = tmp_path_factory.mktemp("tied")
     paths = {}

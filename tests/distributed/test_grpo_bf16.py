@@ -2,17 +2,17 @@
 (tests/distributed/test_bf16.py): per gradient tensor (tensors under SMALL entries pooled) and
 for the loss, ‖ours − truth‖ ≤ 2·‖single − truth‖ + 1e-6·‖truth‖, where truth is the unpatched
 model in float64 on the same bf16-rounded weights and single the unpatched bf16 model in one
-process, both with TRL's formulas (test_grpo_step.reference_step). One configuration: U2×R2,
+process, both with TRL's formulas (tests/helpers/grpo_reference.py). One configuration: U2×R2,
 loss_type "dapo", beta 0.04, injected old log-probabilities (clipping active)."""
 
 from __future__ import annotations
 
 import torch
 
-from tests.distributed.test_bf16 import criterion, pooled_small
-from tests.distributed.test_grpo_step import EPS_HIGH, EPS_LOW, MAX_LEN, TEMPERATURE, injected, make_rollouts, reference_step
-from tests.distributed.test_models import save_family
-from tests.pool import worker_mesh
+from tests.helpers.bf16_rule import criterion, pooled_small
+from tests.helpers.grpo_reference import EPS_HIGH, EPS_LOW, MAX_LEN, TEMPERATURE, injected, make_rollouts, reference_step
+from tests.helpers.families import save_family
+from tests.helpers.pool import worker_mesh
 
 CASE = ("dapo", 0.04, True, True, None)
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_grpo_trainer import (  # noqa: F401  (paths: the shared checkpoints fixture)
+from tests.helpers.grpo_cases import (  # noqa: F401  (paths: the shared checkpoints fixture)
     FixedCompletions, GRAD_TOL, LOSS_TOL, METRIC_TOL, WORLD, _run, make_prompts, paths, reward_length, reward_tokens,
 )
-from tests.distributed.test_models import rel
-from tests.pool import worker_mesh
-from tests.trainer_cases import trainer_env
+from tests.helpers.families import rel
+from tests.helpers.pool import worker_mesh
+from tests.helpers.trainer_cases import trainer_env
 
 MAX_TOKENS = 32
 CASES = [("grpo", 0.04), ("dapo", 0.04)]

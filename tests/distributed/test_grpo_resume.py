@@ -30,11 +30,11 @@ import os
 import pytest
 import torch
 
-from tests.distributed.test_grpo_trainer import make_prompts, paths, reward_length, reward_tokens  # noqa: F401
-from tests.distributed.test_models import rel
-from tests.distributed.test_trainer_sft import WORDS
-from tests.pool import worker_mesh
-from tests.trainer_cases import trainer_env
+from tests.helpers.grpo_cases import make_prompts, paths, reward_length, reward_tokens  # noqa: F401
+from tests.helpers.families import rel
+from tests.helpers.word_tokenizer import WORDS
+from tests.helpers.pool import worker_mesh
+from tests.helpers.trainer_cases import trainer_env
 
 STEPS, ROWS, GENERATIONS, EOS = 3, 3, 2, 1
 LOSS_TOL, TOL = 1e-5, 1e-4

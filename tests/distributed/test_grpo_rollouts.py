@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.test_models import load, rel, save_family
-from tests.pool import worker_mesh
+from tests.helpers.families import load, rel, save_family
+from tests.helpers.pool import worker_mesh
 
 LR = 0.5
 EOS = 3

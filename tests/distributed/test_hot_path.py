@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from benchmarks.hot_path import LAYOUTS, layout_costs
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 
 def _costs(label: str, ulysses: int, ring: int, chunks: int, fault: str | None = None) -> dict:

@@ -33,9 +33,9 @@ import importlib
 import pytest
 import torch
 
-from tests.distributed.test_hybrid_models import build, hybrid_config, packed_batch, per_document_reference, sp_run
-from tests.distributed.test_models import compare, rel
-from tests.pool import worker_bank, worker_mesh
+from tests.helpers.hybrid_models import build, hybrid_config, packed_batch, per_document_reference, sp_run
+from tests.helpers.families import compare, rel
+from tests.helpers.pool import worker_bank, worker_mesh
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -128,7 +128,7 @@ def test_state_passing_matches_per_document_reference(pools, ulysses, ring, fpdt
 def _float64(ulysses: int, ring: int) -> dict:
     """Qwen3.5 in float64 with a float64 recurrent delta rule in place of the chunked torch core."""
     from hf_longctx.integrations.model_patch import patch
-    from tests.emulated_mixer_kernels import recurrent_delta_rule
+    from tests.helpers.emulated_mixer_kernels import recurrent_delta_rule
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch(DOCS)
@@ -168,7 +168,7 @@ def _wiring(ulysses: int, ring: int) -> dict:
     FLA's and mamba_ssm's signatures, as transformers' hub decorator would resolve them."""
     from hf_longctx.integrations.mixers import dispatch
     from hf_longctx.integrations.model_patch import patch
-    from tests.emulated_mixer_kernels import FLAEmulation, MambaSSMEmulation
+    from tests.helpers.emulated_mixer_kernels import FLAEmulation, MambaSSMEmulation
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch(DOCS)
@@ -256,7 +256,7 @@ def test_flexible_group_step(pools):
 
 def test_rows_of_one_document(pools):
     """B = 2 rows (right padding by attention_mask), state passing: the maps carry the row dim."""
-    from tests.distributed.test_hybrid_models import _rows
+    from tests.helpers.hybrid_models import _rows
 
     for rank, per_family in enumerate(pools.get(2).run(_rows, ["qwen3_5_text", "bamba"], "state", timeout=300)):
         for family, errs in per_family.items():
@@ -265,7 +265,7 @@ def test_rows_of_one_document(pools):
 
 def _bf16(ulysses: int, ring: int, families: list) -> dict:
     from hf_longctx.integrations.model_patch import patch
-    from tests.distributed.test_bf16 import criterion, pooled_small
+    from tests.helpers.bf16_rule import criterion, pooled_small
 
     mesh = worker_mesh(ulysses, ring)
     batch = packed_batch(DOCS)

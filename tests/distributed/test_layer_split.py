@@ -25,20 +25,20 @@ import torch.distributed as dist
 
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
-from tests.pool import worker_mesh
-from tests.reference import rel_err
+from tests.helpers.pool import worker_mesh
+from tests.helpers.reference import rel_err
 
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 DOCS = [13, 29, 7, 47]
 
 
 def _model(family: str):
-    """The families of tests/distributed/test_keep_attention.py, and Qwen3 (per-head q/k norms inside
+    """The families of tests/helpers/recompute_models.py, and Qwen3 (per-head q/k norms inside
     the attention module) and GPT-2 without dropout (Conv1D, learned positions, cache and masks
     passed by position)."""
     import transformers as tf
 
-    from tests.distributed.test_keep_attention import _model as shared
+    from tests.helpers.recompute_models import _model as shared
 
     torch.manual_seed(0)
     if family == "qwen3":

@@ -27,8 +27,8 @@ from hf_longctx.data.sharding import shard_batch
 from hf_longctx.integrations.memory import apply_memory_options
 from hf_longctx.model_walk import decoder_layers
 from hf_longctx.integrations.model_patch import patch, unpatch
-from tests.pool import worker_mesh
-from tests.reference import rel_err
+from tests.helpers.pool import worker_mesh
+from tests.helpers.reference import rel_err
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 DOCS = [13, 29, 7, 31]  # uneven packed documents; shard_batch pads to the layout multiple

@@ -26,8 +26,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import compare
-from tests.pool import worker_mesh
+from tests.helpers.families import compare
+from tests.helpers.pool import worker_mesh
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -198,7 +198,7 @@ def _trainer_run(path: str, ulysses: int | None, output_dir: str) -> dict:
     from datasets import Dataset
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
-    from tests.trainer_cases import history, training_args
+    from tests.helpers.trainer_cases import history, training_args
 
     args = training_args(output_dir, max_steps=2)  # first: it adopts the process group
     mesh = worker_mesh(ulysses, 1) if ulysses else init_sequence_parallel()
@@ -219,7 +219,7 @@ def _trainer_run(path: str, ulysses: int | None, output_dir: str) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_trainer_step_with_unused_experts_on_a_rank(pools, moe_path, tmp_path, world):
-    from tests.trainer_cases import assert_steps_close
+    from tests.helpers.trainer_cases import assert_steps_close
 
     ref = _trainer_run(moe_path, None, str(tmp_path / "ref"))
     out = pools.get(world).run(_trainer_run, moe_path, world, str(tmp_path / "sp"), timeout=300)
@@ -237,7 +237,7 @@ def _flex_run(path: str, fsdp: bool, world: int) -> dict:
     from hf_longctx.flex.step import flex_microbatches, run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.model_patch import patch
-    from tests.pool import worker_bank
+    from tests.helpers.pool import worker_bank
 
     high, low = _split_documents(1, 8)[0][:8], _split_documents(1, 8)[0][8:]
     docs = [high] * (world // 2) + [low] * (world // 2)  # rank r runs docs[r]: the first half ids >= 64, the rest < 64

@@ -25,8 +25,8 @@ from hf_longctx.data.sharding import SP_METADATA_KEY, shard_batch
 from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.integrations.model_patch import patch, unpatch
 from hf_longctx.distributed.loss import global_loss, sum_gradients
-from tests.distributed.test_models import load, packed_batch, reference, rel, save_family
-from tests.pool import worker_mesh
+from tests.helpers.families import load, packed_batch, reference, rel, save_family
+from tests.helpers.pool import worker_mesh
 
 TOL = 1e-5
 BUG = 1e-3

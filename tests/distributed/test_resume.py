@@ -21,9 +21,9 @@ import os
 import pytest
 import torch
 
-from tests.distributed.test_models import save_family
-from tests.pool import worker_mesh
-from tests.trainer_cases import history, make_dataset, training_args
+from tests.helpers.families import save_family
+from tests.helpers.pool import worker_mesh
+from tests.helpers.trainer_cases import history, make_dataset, training_args
 
 STEPS, STOP = 5, 2
 

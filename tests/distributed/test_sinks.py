@@ -1,6 +1,6 @@
 """Attention sinks (HF's `s_aux`) under USP, ring, Ulysses and FPDT vs a float64 single-process reference.
 
-The reference (`tests/reference.reference_attention(..., sinks=)`) is HF's eager GPT-OSS
+The reference (`tests/helpers/reference.reference_attention(..., sinks=)`) is HF's eager GPT-OSS
 rule: one extra logit column per head, softmaxed with the scores and dropped. Checked:
 forward output, dq/dk/dv and the sink gradient (summed over the SP group, as every
 parameter gradient is), for U×R in (1,1), (2,1), (1,2), (2,2), (4,1), (1,4), FPDT u = 2
@@ -18,28 +18,20 @@ import pytest
 import torch
 
 from hf_longctx import init_sequence_parallel
-from tests.distributed import test_fpdt, test_usp
-from tests.pool import worker_mesh
-from tests.reference import rel_err
-
-FP32_TOL = 2e-5
-
-CASES = [
-    dict(heads=8, kv_heads=8, sinks=True, seed=21),
-    dict(heads=8, kv_heads=2, docs=5, sinks=True, seed=22),  # GQA; H_kv < U for U = 4 (KV replication)
-    dict(heads=4, kv_heads=2, window=5, sinks=True, seed=23),  # sliding window crossing shards
-    dict(heads=4, kv_heads=4, packed=False, sinks=True, seed=24),  # B = 2 rows, one document each
-]
+from tests.helpers import fpdt_cases, usp_cases
+from tests.helpers.pool import worker_mesh
+from tests.helpers.sink_cases import CASES, FP32_TOL
+from tests.helpers.sink_models import models_on_mesh
 
 
 def _usp(ulysses: int, ring: int, dtype_name: str, cases: list[dict]):
     mesh = worker_mesh(ulysses, ring)
-    return [test_usp._case(mesh, c, getattr(torch, dtype_name)) for c in cases]
+    return [usp_cases._case(mesh, c, getattr(torch, dtype_name)) for c in cases]
 
 
 def _fpdt(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]):
     mesh = worker_mesh(ulysses, 1, chunks)
-    return [test_fpdt._case(mesh, c, getattr(torch, dtype_name)) for c in cases]
+    return [fpdt_cases._case(mesh, c, getattr(torch, dtype_name)) for c in cases]
 
 
 def _check_fp32(results, layout):
@@ -52,7 +44,7 @@ def _check_fp32(results, layout):
 
 def test_world1_fp32():
     mesh = init_sequence_parallel()
-    _check_fp32([[test_usp._case(mesh, c, torch.float32) for c in CASES]], "(1,1)")
+    _check_fp32([[usp_cases._case(mesh, c, torch.float32) for c in CASES]], "(1,1)")
 
 
 @pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
@@ -129,53 +121,6 @@ def _save_sink_family(family: str, root) -> str:
     path = f"{root}/{family}"
     model.save_pretrained(path)
     return path
-
-
-def per_document_reference(model, docs: list[torch.Tensor]):
-    """Loss and gradients of the unpatched model run on each document ALONE, normalised by
-    the packed batch's target count: what a packed batch means. Not `model(**packed)`:
-    GPT-OSS, JetMoE and AFMoE (transformers 5.23) build their masks without position_ids,
-    so their unpatched forward on a packed row lets documents attend to each other."""
-    model.zero_grad(set_to_none=True)
-    n_items = sum(len(d) - 1 for d in docs)  # targets of the packed row: every token but each document's last
-    loss = 0.0
-    for d in docs:
-        out = model(input_ids=d[None], labels=d[None], num_items_in_batch=n_items, use_cache=False)
-        out.loss.backward()
-        loss += out.loss.detach()
-    return loss, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def documents(batch: dict) -> list[torch.Tensor]:
-    """The documents of a packed row, split where position_ids restart at 0."""
-    ids, pos = batch["input_ids"][0], batch["position_ids"][0]
-    starts = (pos == 0).nonzero().flatten().tolist() + [len(ids)]
-    return [ids[a:b] for a, b in zip(starts[:-1], starts[1:])]
-
-
-def models_on_mesh(ulysses: int, ring: int, paths: dict) -> dict:
-    """Per family: loss/gradient errors of the patched model on this mesh against the
-    per-document reference, plus the sink parameters' (also test_contiguous.py's check)."""
-    from hf_longctx.integrations.model_patch import patch
-    from tests.distributed.test_models import compare, load, packed_batch, sp_loss_and_grads
-
-    mesh = worker_mesh(ulysses, ring)
-    batch = packed_batch()
-    out = {}
-    for family, path in paths.items():
-        ref_loss, ref_grads = per_document_reference(load(path), documents(batch))
-        loss, _, grads = sp_loss_and_grads(patch(load(path), mesh), batch, mesh)
-        missing = sorted(set(ref_grads) ^ set(grads))
-        if missing:  # e.g. sinks ignored: they get no gradient at all
-            out[family] = {"missing_grads": missing}
-            continue
-        errs = compare(ref_loss, ref_grads, loss, grads)
-        sinks = [n for n in ref_grads if n.endswith("sinks")]
-        errs["sink_params"] = float(len(sinks))
-        errs["min_sink_grad"] = min(grads[n].abs().max().item() for n in sinks) if sinks else 0.0
-        errs["sink_grad"] = max(rel_err(grads[n], ref_grads[n]) for n in sinks) if sinks else 1.0
-        out[family] = errs
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import save_family
-from tests.pool import worker_bank
-from tests.trainer_cases import assert_steps_close, history, make_dataset, training_args
+from tests.helpers.families import save_family
+from tests.helpers.pool import worker_bank
+from tests.helpers.trainer_cases import assert_steps_close, history, make_dataset, training_args
 
 TOL = 1e-5
 PER_RANK = 12

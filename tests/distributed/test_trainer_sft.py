@@ -1,9 +1,9 @@
 """TRL `SFTTrainer` through `LongContextTrainerMixin`: completion-only loss on 2 ranks
 (Ulysses 2, FSDP2) equals the same trainer in one process.
 
-The dataset is prompt–completion text; TRL tokenizes it with a word-level tokenizer built
-here and turns its `completion_mask` into `labels` (-100 on the prompt), which the step
-collator reads. Checked: the labels really mask the prompt; the logged loss, `grad_norm`,
+The dataset is prompt–completion text; TRL tokenizes it with the word-level tokenizer of
+tests/helpers/word_tokenizer.py and turns its `completion_mask` into `labels` (-100 on the
+prompt), which the step collator reads. Checked: the labels really mask the prompt; the logged loss, `grad_norm`,
 `mean_token_accuracy` and `entropy` of every step equal the single-process run within 1e-5
 (fp32; see test_trainer.py), and the per-step loss is NOT the full-sequence loss (the
 completion-only masking changed it). `SFTConfig.max_length` other than None and packing are
@@ -15,22 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_models import save_family
-from tests.pool import worker_mesh
-from tests.trainer_cases import assert_steps_close, trainer_env
+from tests.helpers.families import save_family
+from tests.helpers.pool import worker_mesh
+from tests.helpers.trainer_cases import assert_steps_close, trainer_env
+from tests.helpers.word_tokenizer import WORDS, make_tokenizer
 
 TOL = 1e-5
-WORDS = [f"w{i}" for i in range(120)]
-
-
-def make_tokenizer(path: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
 
 
 def make_sft_dataset(n: int = 16, seed: int = 0):

@@ -19,45 +19,8 @@ import torch.distributed as dist
 from hf_longctx import init_sequence_parallel
 from hf_longctx.ops.ring import ring_work
 from hf_longctx.ops.usp import usp_attention
-from tests.pool import worker_mesh
-from tests.attention_cases import case_errors
-
-FP32_TOL = 2e-5
-
-
-def _lengths(mesh, seed: int, docs: int) -> list[int]:
-    """Uneven document lengths (multiples of doc_multiple) plus the trailing padding document."""
-    g = torch.Generator().manual_seed(seed)
-    dm = mesh.doc_multiple
-    lengths = [int(n) * dm for n in torch.randint(1, 9, (docs,), generator=g)]
-    pad = (-sum(lengths)) % mesh.seq_multiple
-    return lengths + ([pad] if pad else [])
-
-
-def _case(mesh, case: dict, dtype: torch.dtype):
-    """Packed documents (multiples of doc_multiple), or B = 2 rows of one document each."""
-    if case.get("packed", True):
-        lengths = _lengths(mesh, case.get("seed", 0) + 1000 * mesh.dp_rank, case.get("docs", 4))
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
-    else:
-        cu = None
-    rows = (2, 8 * mesh.sp * max(mesh.doc_multiple, 2))
-    return case_errors(mesh, case, dtype, attention=usp_attention, cu=cu, rows=rows, head_dim=16)
-
-
-CASES = [
-    dict(heads=8, kv_heads=8),
-    dict(heads=8, kv_heads=4, docs=5, seed=1),
-    dict(heads=8, kv_heads=1, seed=2),  # MQA: one KV head, replicated for U > 1
-    dict(heads=8, kv_heads=2, seed=3),  # H_kv < U for U = 4
-    dict(heads=4, kv_heads=2, causal=False, seed=4),
-    dict(heads=4, kv_heads=2, window=5, seed=5),
-    dict(heads=4, kv_heads=4, window=3, causal=False, seed=6),
-    dict(heads=4, kv_heads=2, softcap=2.0, seed=7),
-    dict(heads=4, kv_heads=4, packed=False, seed=8),  # B = 2 rows, one document each
-]
+from tests.helpers.pool import worker_mesh
+from tests.helpers.usp_cases import CASES, FP32_TOL, _case
 
 
 def _run_cases(ulysses: int, ring: int, dtype_name: str, cases: list[dict]):
@@ -161,7 +124,7 @@ ROUNDING_TOL = 0.01
 
 
 def _rounding(ulysses: int, ring: int):
-    from tests.attention_cases import rounding_mismatch
+    from tests.helpers.attention_cases import rounding_mismatch
 
     return rounding_mismatch(worker_mesh(ulysses, ring), usp_attention, [0, 100, 256])
 

@@ -4,7 +4,7 @@ Rows mix text-only documents, several images of different sizes and (Qwen famili
 3-slice video; images straddle shard boundaries on every mesh; the vision work is dealt by
 encoder cost, so some ranks encode nothing and some hold no image token. The reference is
 the documents ONE AT A TIME through transformers' own path (its own M-RoPE, its own image
-merge), fp32 and float64 (`tests/vlm_cases.compare`: fp32 loss within 1e-5 and every
+merge), fp32 and float64 (`tests/helpers/vlm_cases.compare`: fp32 loss within 1e-5 and every
 gradient -- language model, projector, vision tower -- within 1e-4 of the float64 truth,
 or within twice the single-process fp32 error where that is larger; bf16 within twice the
 single-process bf16 error). Meshes: U2×R2 (shard_multimodal), dp2×U2 (MultimodalCollator,
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 MAX_TOKENS = 96  # the collator's cap: 2 micro-batches per step on dp2×U2
 
@@ -32,7 +32,7 @@ def _run(ulysses: int, ring: int, chunks: int, families: list, collate: bool, co
     from hf_longctx.integrations.model_patch import patch
     from hf_longctx.integrations.vision.registry import vision_spec
     from hf_longctx.distributed.loss import global_loss, sum_gradients
-    from tests.vlm_cases import build, compare, mixed_documents, packed_row, references
+    from tests.helpers.vlm_cases import build, compare, mixed_documents, packed_row, references
 
     mesh = worker_mesh(ulysses, ring, chunks)
     results = {}
@@ -118,7 +118,7 @@ def _bf16(ulysses: int, ring: int, family: str) -> dict:
     from hf_longctx.integrations.model_patch import patch
     from hf_longctx.integrations.vision.registry import vision_spec
     from hf_longctx.distributed.loss import global_loss, sum_gradients
-    from tests.vlm_cases import build, double, mixed_documents, packed_row, reference
+    from tests.helpers.vlm_cases import build, double, mixed_documents, packed_row, reference
 
     mesh = worker_mesh(ulysses, ring)
     docs = mixed_documents(family)

@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from tests.pool import worker_mesh
-from tests.trainer_cases import assert_steps_close, trainer_env
+from tests.helpers.pool import worker_mesh
+from tests.helpers.trainer_cases import assert_steps_close, trainer_env
 
 TOL = 1e-5
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")

@@ -1,9 +1,9 @@
 """Per-rank tasks of tests/gpu/test_multi_gpu.py: the CPU tests' cases, run on this rank's GPU.
 
 Where it sits: test harness only. Each function runs inside a worker of the NCCL pool
-(`tests/pool.py`, `backend="nccl"`: rank r on cuda:r) and reuses the CPU tests' builders
-(`tests/attention_cases.case_errors`, the bf16 step helpers of tests/distributed/test_bf16.py,
-`tests/trainer_cases.py`) with only the device changed: the problem and its float64 truth
+(`tests/helpers/pool.py`, `backend="nccl"`: rank r on cuda:r) and reuses the CPU tests' builders
+(`tests/helpers/attention_cases.case_errors`, the bf16 step helpers of tests/helpers/bf16_rule.py,
+`tests/helpers/trainer_cases.py`) with only the device changed: the problem and its float64 truth
 are built on the host exactly as on CPU, the library under test only ever sees CUDA tensors.
 """
 
@@ -13,9 +13,11 @@ import functools
 
 import torch
 
-from tests.attention_cases import case_errors
-from tests.distributed import test_bf16, test_fpdt, test_usp
-from tests.pool import worker_mesh
+from tests.helpers.attention_cases import case_errors
+from tests.helpers import bf16_rule
+from tests.helpers.fpdt_cases import _boundaries
+from tests.helpers.pool import worker_mesh
+from tests.helpers.usp_cases import _lengths
 
 
 def device() -> torch.device:
@@ -68,7 +70,7 @@ def check_signatures() -> None:
         (global_loss, (x, x), dict(dp_reduce="none")),
         (LongContextTrainer.__init__, (x,), dict(model=x, args=x, train_dataset=x, mesh=x, max_tokens=x, tokens_per_step=x)),
         (case_errors, (x, x, x), dict(attention=x, cu=x, rows=x, head_dim=x, variants=x)),
-        (test_bf16.excess, (x, x, x, x, x), {}),
+        (bf16_rule.excess, (x, x, x, x, x), {}),
     ]
     for fn, args, kwargs in calls:
         try:
@@ -78,7 +80,7 @@ def check_signatures() -> None:
 
 
 def usp_cases(ulysses: int, ring: int, dtype_name: str, cases: list[dict]) -> list[dict]:
-    """test_usp's packing (uneven documents, multiples of doc_multiple) and shapes, on the GPU."""
+    """tests/helpers/usp_cases.py's packing (uneven documents, multiples of doc_multiple) and shapes, on the GPU."""
     from hf_longctx.ops.usp import usp_attention
 
     mesh = worker_mesh(ulysses, ring)
@@ -87,7 +89,7 @@ def usp_cases(ulysses: int, ring: int, dtype_name: str, cases: list[dict]) -> li
     for case in cases:
         cu = None
         if case.get("packed", True):
-            lengths = test_usp._lengths(mesh, case.get("seed", 0) + 1000 * mesh.dp_rank, case.get("docs", 4))
+            lengths = _lengths(mesh, case.get("seed", 0) + 1000 * mesh.dp_rank, case.get("docs", 4))
             cu = [0]
             for n in lengths:
                 cu.append(cu[-1] + n)
@@ -97,7 +99,7 @@ def usp_cases(ulysses: int, ring: int, dtype_name: str, cases: list[dict]) -> li
 
 
 def fpdt_cases(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]) -> list[dict]:
-    """test_fpdt's documents (straddling chunks), offload off and on ("off_": real pinned host
+    """tests/helpers/fpdt_cases.py's documents (straddling chunks), offload off and on ("off_": real pinned host
     copies on side streams here, the same numbers through the same schedule)."""
     from hf_longctx.ops.fpdt import fpdt_attention
 
@@ -106,7 +108,7 @@ def fpdt_cases(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]) ->
     out = []
     for case in cases:
         seed = case.get("seed", 0) + 1000 * mesh.dp_rank
-        cu = test_fpdt._boundaries(mesh, seed, case.get("docs", 4)) if case.get("packed", True) else None
+        cu = _boundaries(mesh, seed, case.get("docs", 4)) if case.get("packed", True) else None
         out.append(case_errors(
             mesh, case, getattr(torch, dtype_name), attention=attention, cu=cu, rows=(2, 2 * mesh.seq_multiple),
             head_dim=8, variants={"": dict(offload=False), "off_": dict(offload=True)},
@@ -120,18 +122,18 @@ def fpdt_cases(ulysses: int, chunks: int, dtype_name: str, cases: list[dict]) ->
 def single_gpu(path: str, dtype: torch.dtype) -> tuple:
     """g₁ of test_bf16: the unpatched model in one process, here on one GPU (weights in `dtype`,
     no autocast), all documents; per-token losses and gradients as float64 on the host."""
-    model = test_bf16._fresh(path, dtype).to(device())
-    batch = test_bf16._flat(test_bf16._docs())
+    model = bf16_rule._fresh(path, dtype).to(device())
+    batch = bf16_rule._flat(bf16_rule._docs())
     out = model(**to_device(batch, device()), use_cache=False)
     out.loss.backward()
     grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters()}
-    return test_bf16.token_losses(out.logits.detach(), batch["labels"].to(device())).cpu(), grads
+    return bf16_rule.token_losses(out.logits.detach(), batch["labels"].to(device())).cpu(), grads
 
 
 def fsdp_step(path: str, degrees: tuple[int, int, int], truth: tuple, single: tuple) -> dict:
     """One training step of the patched model, loaded on the host, sharded by
     `fsdp_plan(mixed_precision="bf16").apply` (which places the shards on this GPU), the
-    batch moved to the GPU; `test_bf16.excess` of its tokens, loss and gradients."""
+    batch moved to the GPU; `bf16_rule.excess` of its tokens, loss and gradients."""
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.distributed.gather import gather_sequence
     from hf_longctx.integrations.accelerate import fsdp_plan
@@ -140,17 +142,17 @@ def fsdp_step(path: str, degrees: tuple[int, int, int], truth: tuple, single: tu
 
     mesh = worker_mesh(*degrees)
     dev = device()
-    model = patch(test_bf16._fresh(path, torch.float32), mesh)  # on the host
+    model = patch(bf16_rule._fresh(path, torch.float32), mesh)  # on the host
     fsdp_plan(model, mesh, mixed_precision="bf16").apply(model)
-    batch = test_bf16._flat(test_bf16._docs()[mesh.dp_rank :: mesh.dp])
-    shard = to_device(shard_batch(batch, mesh, num_items_in_batch=test_bf16._targets()), dev)
+    batch = bf16_rule._flat(bf16_rule._docs()[mesh.dp_rank :: mesh.dp])
+    shard = to_device(shard_batch(batch, mesh, num_items_in_batch=bf16_rule._targets()), dev)
     out = model(**shard)
     out.loss.backward()
     logits = gather_sequence(out.logits, shard, mesh)
-    tokens = test_bf16.token_losses(logits, batch["labels"].to(dev)).cpu()
+    tokens = bf16_rule.token_losses(logits, batch["labels"].to(dev)).cpu()
     grads = {n: p.grad.full_tensor().double().cpu() for n, p in model.named_parameters()}
     loss = global_loss(out.loss, mesh, dp_reduce="none").cpu()
-    return test_bf16.excess(truth, single, (tokens, loss, grads), mesh.dp_rank, mesh.dp)
+    return bf16_rule.excess(truth, single, (tokens, loss, grads), mesh.dp_rank, mesh.dp)
 
 
 # ---- LongContextTrainer, bf16 ------------------------------------------------------------------
@@ -163,7 +165,7 @@ def trainer_run(path: str, degrees: tuple[int, int, int] | None, output_dir: str
     from transformers import AutoModelForCausalLM
 
     from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
-    from tests.trainer_cases import history, make_dataset, training_args
+    from tests.helpers.trainer_cases import history, make_dataset, training_args
 
     args = training_args(output_dir, bf16=True, use_cpu=not torch.cuda.is_available(), max_steps=steps)  # first: it adopts the group
     mesh = worker_mesh(*degrees) if degrees else init_sequence_parallel()

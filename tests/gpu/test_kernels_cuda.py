@@ -12,7 +12,7 @@ from hf_longctx.layout import ring_stream, runs_to_indices
 from hf_longctx.ops import kernels
 from hf_longctx.ops.backends import select
 from hf_longctx.ops.backends.packed import PackedBackend
-from tests.reference import make_runs, rel_err
+from tests.helpers.reference import make_runs, rel_err
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 

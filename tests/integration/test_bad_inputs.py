@@ -18,8 +18,8 @@ import torch
 from hf_longctx import LongContextTrainer, NotSupported, init_group_bank, init_sequence_parallel, patch
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.refusals.training_arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
-from tests.distributed.test_models import save_family
-from tests.trainer_cases import make_dataset, training_args
+from tests.helpers.families import save_family
+from tests.helpers.trainer_cases import make_dataset, training_args
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +320,7 @@ def _fsdp_refuses_split_parameter():
     from transformers import AutoModelForCausalLM
 
     from hf_longctx import fsdp_plan
-    from tests.distributed.test_models import family_config
+    from tests.helpers.families import family_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config("llama"))

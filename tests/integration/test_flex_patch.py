@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed.test_models import packed_batch, rel
+from tests.helpers.families import packed_batch, rel
 
 
 @pytest.fixture(scope="module")

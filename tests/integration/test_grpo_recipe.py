@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_dpo_recipe import assert_ranks_agree, launch, rank_logs
+from tests.helpers.recipe_launch import assert_ranks_agree, launch, rank_logs
 
 TIMING = {"step_time", "tokens_per_s"}  # wall-clock: differs between ranks
 

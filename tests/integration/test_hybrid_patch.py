@@ -12,7 +12,7 @@ import torch
 from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.integrations.mixers.registry import refused_classes, sp_handled_classes
 from hf_longctx.integrations.model_patch import is_patched, patch, unpatch
-from tests.distributed.test_hybrid_models import build, packed_batch
+from tests.helpers.hybrid_models import build, packed_batch
 
 
 def _mesh(ulysses: int, ring: int) -> SPMesh:

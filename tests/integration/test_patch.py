@@ -23,7 +23,8 @@ from hf_longctx.distributed.gather import gather_sequence
 from hf_longctx.distributed.mesh import init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.model_patch import is_patched, patch, unpatch
-from tests.distributed.test_models import family_config, packed_batch, rel
+from tests.helpers.families import family_config, packed_batch, rel
+from tests.helpers.transformers_release import on_attention_interface
 
 TOL = 1e-5
 
@@ -183,15 +184,6 @@ def test_length_dependent_rope_refused(tmp_path, mesh, rope):
     config.max_position_embeddings = 128
     model = load(saved(tmp_path, config))
     assert_refused(model, mesh, ValueError, f"rope_type '{rope}'", "static RoPE")
-
-
-def on_attention_interface(module_path: str) -> bool:
-    """Whether this transformers release routes the family's attention through
-    AttentionInterface (GPT-J and CodeGen moved onto it in transformers 5.24)."""
-    import importlib
-    import inspect
-
-    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(importlib.import_module(module_path))
 
 
 OFF_INTERFACE = {

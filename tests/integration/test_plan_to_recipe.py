@@ -34,8 +34,8 @@ def _suggested_flags(config: str, capsys) -> list[str]:
 def test_suggested_recipe_flags_train_on_2_gloo_ranks(tmp_path, capsys):
     import torch
 
-    from tests.distributed.test_models import save_family
-    from tests.distributed.test_trainer_sft import WORDS, make_tokenizer
+    from tests.helpers.families import save_family
+    from tests.helpers.word_tokenizer import WORDS, make_tokenizer
 
     model_dir = save_family("llama", tmp_path)
     make_tokenizer(model_dir)
@@ -68,7 +68,7 @@ def test_the_same_flags_parse_in_every_recipe(tmp_path, capsys):
         import sft
     finally:
         sys.path.pop(0)
-    from tests.distributed.test_models import save_family
+    from tests.helpers.families import save_family
 
     flags = _suggested_flags(os.path.join(save_family("llama", tmp_path), "config.json"), capsys)
     common = {"ulysses": 2, "ring": 1, "fpdt_chunks": 2, "memory": "high", "param_offload": True,

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hf_longctx import LongContextTrainer, init_sequence_parallel, patch
-from tests.distributed.test_models import save_family
-from tests.trainer_cases import make_dataset, training_args
+from tests.helpers.families import save_family
+from tests.helpers.trainer_cases import make_dataset, training_args
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_trainer_steps_equal_with_keep_attention_full_and_no_checkpoint(llama_pa
     True and "attention": the logged loss and grad_norm of every step are equal (fp32: the
     same kernels on the same inputs, only autograd's summation order may differ, ~1e-7)."""
     from hf_longctx.integrations.model_patch import patch_state
-    from tests.trainer_cases import history
+    from tests.helpers.trainer_cases import history
 
     mesh = init_sequence_parallel()
     runs = {}

@@ -19,7 +19,7 @@ below a tenth of them.
 from __future__ import annotations
 
 from hf_longctx.verify import GRAD_TOL, LOSS_TOL
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 # model type -> how the wrong class is produced (None: the model as built)
 WRONG = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from tests.integration.test_dpo_recipe import launch, rank_logs
+from tests.helpers.recipe_launch import launch, rank_logs
 
 TIMING = {"tokens_per_s", "train_runtime", "train_tokens_per_second", "peak_mem_gib"}
 

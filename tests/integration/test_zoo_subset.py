@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.zoo import overall, run_zoo
-from tests.integration.test_patch import on_attention_interface
+from tests.helpers.transformers_release import on_attention_interface
 
 EXPECTED = {
     "mistral": ("EXACT", ""),

@@ -1,4 +1,4 @@
-"""ops/backends against CPU emulations of each external kernel API (tests/emulated_backends.py).
+"""ops/backends against CPU emulations of each external kernel API (tests/helpers/emulated_backends.py).
 
 What fails here: a wrong argument name or order, a wrong window / causal alignment
 conversion, a wrong lse layout, a lost GQA or softcap, a tile sent to the math kernel
@@ -22,8 +22,8 @@ from hf_longctx.ops.backends import CAPABILITIES, markdown_table, select
 from hf_longctx.ops.backends import flash_attn as fa_adapter
 from hf_longctx.ops.backends.packed import PackedBackend
 from hf_longctx.ops.backends.tiled import TiledBackend
-from tests.emulated_backends import TorchFlashOps, cuda_env, flash_attn_release
-from tests.reference import make_runs, random_runs, reference_attention, rel_err
+from tests.helpers.emulated_backends import TorchFlashOps, cuda_env, flash_attn_release
+from tests.helpers.reference import make_runs, random_runs, reference_attention, rel_err
 
 F64 = 1e-10
 D = 8

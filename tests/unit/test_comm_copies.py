@@ -70,7 +70,7 @@ def test_copies_around_the_all_to_all(local_exchange):
 
 def test_local_attention_backward_hands_dout_over_as_is(monkeypatch):
     from hf_longctx.ops import kernels
-    from tests.reference import make_runs
+    from tests.helpers.reference import make_runs
 
     seen = []
     real = kernels.varlen_backward

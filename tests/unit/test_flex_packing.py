@@ -1,4 +1,4 @@
-"""The flexible planner (flex/packing.py), group shapes and per-size costs: properties
+"""The flexible planner (data/flex/packing.py), group shapes and per-size costs: properties
 checked with hypothesis, plus the refusals and the fixed-degree wrapper."""
 
 from __future__ import annotations
@@ -11,14 +11,7 @@ from hypothesis import strategies as st
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.sp_groups import group_shapes, ulysses_split
 from hf_longctx.flex.packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
-
-BASE = CostModel(a=1.0, b=4096.0)
-
-
-def _cost(shapes, comm=64.0, overhead=0.0):
-    """BASE split over each size plus `comm` per token for groups > 1, `overhead` per micro-batch."""
-    c = GroupCost.analytic(BASE, [s.size for s in shapes], comm_per_token={s.size: comm * (s.size > 1) for s in shapes})
-    return GroupCost(c.models, tuple((s.size, overhead) for s in shapes))
+from tests.helpers.flex_costs import _cost
 
 
 def _check_properties(plan: FlexPlan, lengths, world, cap):

@@ -1,4 +1,4 @@
-"""The unequal-count flexible planner (flex/unequal.py) and FlexPlan's rules for it:
+"""The unequal-count flexible planner (data/flex/unequal.py) and FlexPlan's rules for it:
 properties checked with hypothesis, Graham's list-scheduling bound, the refusals."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hf_longctx.sp_groups import group_shapes
 from hf_longctx.flex.packing import FlexGroup, FlexPlan, plan_flexible
 from hf_longctx.flex.unequal import plan_unequal
-from tests.unit.test_flex_packing import _cost
+from tests.helpers.flex_costs import _cost
 
 
 

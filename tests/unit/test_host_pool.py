@@ -17,7 +17,7 @@ import torch
 from hf_longctx.ops.fpdt import FPDTPlan, fpdt_backward, fpdt_forward, saved_keys
 from hf_longctx.ops.host_pool import HostPool, plain_bytes, size_class
 from hf_longctx.ops.offload import ChunkStore
-from tests.unit.test_offload import FakeStreams
+from tests.helpers.stub_streams import FakeStreams
 
 
 class PooledFakeStreams(FakeStreams):

@@ -1,4 +1,4 @@
-"""ops/blocks + ops/kernels against the dense single-process reference (tests/reference.py).
+"""ops/blocks + ops/kernels against the dense single-process reference (tests/helpers/reference.py).
 
 float64 runs every kernel (aten CPU op and math kernel) so comparisons are exact up to
 reassociation; float32 and bf16 check the aten op at the precision actually trained with.
@@ -17,7 +17,7 @@ from hf_longctx.ops.blocks import block_mask, plan_blocks, score_count
 from hf_longctx.ops.kernels import block_backward, block_forward, local_attention, varlen_backward, varlen_forward
 from hf_longctx.ops.math_kernel import math_backward, math_forward
 from hf_longctx.ops.lse import merge
-from tests.reference import make_runs, random_runs, reference_attention, reference_mask, rel_err
+from tests.helpers.reference import make_runs, random_runs, reference_attention, reference_mask, rel_err
 
 # float64: products of O(1) numbers summed over <= 40 keys; reassociation between the
 # blockwise kernels and dense math leaves ~1e-15 relative; 1e-10 cannot hide a wrong term.

@@ -7,7 +7,7 @@ the cost rule and `patch(mixers=)`'s refusals.
   for matrix maps (the delta rule) and scalar maps (Mamba-2);
 - the plan of real layouts: every document's runs in global order, ⌈log2⌉ rounds, the
   flags of which runs start and continue a document;
-- the varlen GDN path against flash-linear-attention's exact signature (`tests/emulated_mixer_kernels.py`):
+- the varlen GDN path against flash-linear-attention's exact signature (`tests/helpers/emulated_mixer_kernels.py`):
   ONE call over all runs of a rank of a zigzag layout gives the same o⁰, q̃, M, S⁰ and
   gradients as one transformers torch call per run;
 - the cost rule on real model sizes, and the refusals of `patch(mixers=...)` naming the class and the fix;
@@ -28,7 +28,7 @@ from hf_longctx.ops.mixers import state_passing
 from hf_longctx.ops.mixers.cost import Links, MixerDims, choose, head_traffic, mixers_of_config, one_document_state_traffic
 from hf_longctx.ops.mixers.layout import SequenceLayout
 from hf_longctx.ops.mixers.state_passing import MATRIX, SCALAR, ChainPlan, _StatePassing, build_scan
-from tests.emulated_mixer_kernels import FLAEmulation
+from tests.helpers.emulated_mixer_kernels import FLAEmulation
 
 
 def _chain_plan(chains):
@@ -203,7 +203,7 @@ def test_patch_mixers_option_refusals():
 def test_patch_refuses_heads_beyond_the_head_count_before_any_change():
     from hf_longctx.errors import NotSupported
     from hf_longctx.integrations.mixers.registry import plan_mixers
-    from tests.distributed.test_hybrid_models import build
+    from tests.helpers.hybrid_models import build
 
     model = build("qwen3_5_text")  # 4 value heads
     mesh = types.SimpleNamespace(sp=8)
@@ -222,7 +222,7 @@ def test_state_ops_never_sync_the_host(monkeypatch):
     from hf_longctx.ops.mixers import exchange
     from hf_longctx.ops.mixers.gdn_state import gdn_state_passing
     from hf_longctx.ops.mixers.mamba2_state import mamba2_state_passing
-    from tests.unit.test_mixer_no_sync import DEV, HostDeviceGuard, fake_all_to_all_v
+    from tests.helpers.sync_guard import DEV, HostDeviceGuard, fake_all_to_all_v
 
     def fake_exchange(pieces, recv_shapes, group):
         return [torch.zeros(s, dtype=pieces[0].dtype, device=pieces[0].device) for s in recv_shapes]

@@ -17,6 +17,7 @@ import torch
 
 from hf_longctx.ops.fpdt import FPDTPlan, fpdt_backward, fpdt_forward, saved_keys
 from hf_longctx.ops.offload import ChunkStore
+from tests.helpers.stub_streams import FakeStreams
 
 
 def _index(trace, event):
@@ -151,85 +152,7 @@ def test_fpdt_forward_without_save_keeps_nothing_for_a_backward(causal):
         assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) and a.untyped_storage().nbytes() <= 4
 
 
-# ---- the stream/event logic, on CPU through a fake `Streams` -------------------------------
-
-
-class FakeStreams:
-    """`ops.offload.Streams` on CPU: named streams and events that log every operation in
-    program order; copies run synchronously, and a copy back to the "device" is a real copy
-    (a new tensor), so host and device copies are distinct as on a GPU. What it checks is the
-    ORDER of waits, records and copies the CUDA path issues, not CUDA's behaviour."""
-
-    def __init__(self):
-        self.log: list[tuple] = []
-        self.events = 0
-        self.last: dict[int, object] = {}  # id(host) -> event after the last copy into it
-
-    class _Stream:
-        def __init__(self, owner, name):
-            self.owner, self.name = owner, name
-
-        def wait_stream(self, other):
-            self.owner.log.append(("wait_stream", self.name, other.name))
-
-        def wait_event(self, event):
-            self.owner.log.append(("wait_event", self.name, event.name))
-
-    class _Event:
-        def __init__(self, owner, name):
-            self.owner, self.name = owner, name
-
-        def record(self, stream):
-            self.owner.log.append(("record", self.name, stream.name))
-
-    def offloads(self, device):
-        return True
-
-    def is_host(self, tensor):
-        return False
-
-    def current(self, device):
-        return self._Stream(self, "main")
-
-    def side(self, device, direction):
-        return self._Stream(self, direction)
-
-    def on(self, stream):
-        import contextlib
-
-        log = self.log
-
-        @contextlib.contextmanager
-        def ctx():
-            log.append(("enter", stream.name))
-            yield
-            log.append(("exit", stream.name))
-
-        return ctx()
-
-    def event(self):
-        self.events += 1
-        return self._Event(self, f"e{self.events}")
-
-    def pinned(self, like):
-        self.log.append(("pinned", tuple(like.shape)))
-        return torch.empty(like.shape, dtype=like.dtype)
-
-    def to_device(self, host, device):
-        return host.clone()
-
-    def note(self, host, event, write):
-        if write:
-            self.last[id(host)] = event
-
-    def pending(self, host):
-        return self.last.get(id(host))
-
-    def keep_alive(self, tensor, stream):
-        self.log.append(("keep_alive", tuple(tensor.shape), stream.name))
-
-    def recycle(self, host):
-        self.log.append(("recycle", tuple(host.shape)))
+# ---- the stream/event logic, on CPU through FakeStreams (tests/helpers/stub_streams.py) -----
 
 
 def test_store_stream_protocol_with_fake_streams():

@@ -14,7 +14,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from hf_longctx.ops import kernels
 from hf_longctx.ops.backends.packed import PackedBackend
-from tests.reference import make_runs
+from tests.helpers.reference import make_runs
 
 
 class _StubKernel:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vlm_cases import FAMILIES, build, mixed_documents, packed_row
+from tests.helpers.vlm_cases import FAMILIES, build, mixed_documents, packed_row
 
 ALL = (*FAMILIES, "llava")
 
@@ -148,7 +148,7 @@ def test_use_cache_false_reaches_the_language_model(family):
     passed, and passed it keeps every decoder layer cache-free (a cache would hold every
     layer's K/V in training and grow with each row chunk of memory='max'); the default builds one."""
     from hf_longctx.integrations.model_patch import _takes_use_cache
-    from tests.vlm_cases import build
+    from tests.helpers.vlm_cases import build
 
     model = build(family)
     assert _takes_use_cache(model)

@@ -23,7 +23,7 @@ import torch
 from hf_longctx.data.multimodal.items import read_row
 from hf_longctx.data.multimodal.routing import deal, exchange_plan, rank_indices
 from hf_longctx.data.multimodal.spec import GRID, Modality, VisionCost, VisionSpec
-from tests.vlm_cases import IMAGE, VIDEO, build, document, mixed_documents, packed_row
+from tests.helpers.vlm_cases import IMAGE, VIDEO, build, document, mixed_documents, packed_row
 
 SPEC = VisionSpec(
     family="toy", layout=GRID, hidden=8, cost=VisionCost(a=1.0, b=10.0), merge=2, frames_separable=True,

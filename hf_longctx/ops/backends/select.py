@@ -5,7 +5,7 @@ varlen_forward / varlen_backward (never per tile). `probe_env` reads the cached 
 of `hf_longctx/_compat.py` (flash-attn release and API, torch's CUDA flash ops, the GPU's
 compute capability, torch's FA3/FA4 switch) into a frozen `KernelEnv`; `select_backend`
 is a pure function of that environment and the call's dtype, head dim and softcap, so
-tests hand it emulated environments (`tests/emulated_backends.py`).
+tests hand it emulated environments (`tests/helpers/emulated_backends.py`).
 
 Preference on CUDA: torch's flash ops when torch runs FA3/FA4 (faster than FA2 on
 Hopper/Blackwell) -> flash-attn 2.x (the only one with softcap) -> torch's built-in FA2

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.pool import worker_mesh
+from tests.helpers.pool import worker_mesh
 
 
 def _ring_node(out: torch.Tensor):

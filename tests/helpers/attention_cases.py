@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tests.reference import make_runs, reference_attention, rel_err
+from tests.helpers.reference import make_runs, reference_attention, rel_err
 
 
 def case_errors(

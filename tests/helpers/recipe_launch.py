@@ -1,0 +1,44 @@
+"""Running a recipe the way the README does: `accelerate launch` on CPU ranks, then its logs.
+
+`launch(recipe, *args, processes=2)` runs recipes/<recipe> under `accelerate launch`
+(gloo, no mixed precision, no dynamo) with the repository on PYTHONPATH and returns the
+finished process; `rank_logs(out_dir)` reads the per-rank step logs the recipes write
+(OUTPUT_DIR/steps.rank<R>.jsonl); `assert_ranks_agree` checks that every rank logged the
+same steps with finite values, equal on every rank except the given timing keys (the
+logged values are global). ROOT is the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def launch(recipe: str, *args: str, processes: int = 2) -> subprocess.CompletedProcess:
+    """`accelerate launch` of a recipe on `processes` CPU ranks (what the README's CPU line does)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+           os.path.join(ROOT, "recipes", recipe), *args]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def rank_logs(out_dir, ranks: int = 2) -> list[list[dict]]:
+    """[rank][step]: the logs every rank wrote to OUTPUT_DIR/steps.rank<R>.jsonl."""
+    return [[json.loads(line) for line in open(os.path.join(out_dir, f"steps.rank{r}.jsonl"))] for r in range(ranks)]
+
+
+def assert_ranks_agree(logs: list[list[dict]], steps: list[int], timing: set[str]) -> None:
+    """Both ranks logged `steps`, every value finite, and equal on both ranks except the `timing` keys
+    (the logged values are global: a rank that trained on its own data or its own count differs)."""
+    assert [r["step"] for r in logs[0]] == steps and [r["step"] for r in logs[1]] == steps, logs
+    for step0, step1 in zip(*logs):
+        for k, v in step0.items():
+            assert math.isfinite(v), (k, step0)
+            if k not in timing:
+                assert step1[k] == v, f"step {step0['step']}: {k} is {v} on rank 0, {step1[k]} on rank 1"
