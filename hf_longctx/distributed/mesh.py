@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from hf_longctx import layout
 from hf_longctx.errors import NotSupported
+from hf_longctx.sp_groups import GroupShape
 
 
 def _check_degree(name: str, value: Any) -> int:
@@ -108,6 +109,40 @@ class SPMesh:
         return self.dp_rank * self.sp + (ring_rank % self.ring) * self.ulysses + u
 
     # ---- one interface with flex/bank.GroupBank: a mesh is a bank of one group size ------
+    # What `patch()`, `batch_mesh`, the mixers and the trainer ask a bank, answered for the
+    # one group size `sp`, so that every caller treats a mesh and a bank alike.
+    @property
+    def shapes(self) -> tuple[GroupShape, ...]:
+        """The one group shape of this mesh: size sp, its Ulysses x ring split, its FPDT chunks."""
+        return (GroupShape(size=self.sp, ulysses=self.ulysses, ring=self.ring, fpdt_chunks=self.fpdt_chunks),)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return (self.sp,)
+
+    @property
+    def min_size(self) -> int:
+        return self.sp
+
+    @property
+    def max_size(self) -> int:
+        return self.sp
+
+    def shape(self, size: int) -> GroupShape:
+        if size != self.sp:
+            raise ValueError(f"the mesh has no group of size {size}; its SP group has {self.sp} rank(s)")
+        return self.shapes[0]
+
+    def mesh(self, size: int) -> "SPMesh":
+        """This rank's SP group of `size` ranks: this mesh (raises for any other size)."""
+        self.shape(size)
+        return self
+
+    def group_index(self, size: int) -> int:
+        """Index g of this rank's group of `size`: it covers ranks [g·size, (g+1)·size)."""
+        self.shape(size)
+        return self.dp_rank
+
     @property
     def world(self) -> "SPMesh":
         """The mesh for world-wide work (FSDP, the loss all-reduce): this one (DP x SP = the world)."""

@@ -90,3 +90,29 @@ def test_local_indices_cover_every_token_once(args):
     inverse[perm] = torch.arange(len(perm))
     x = torch.arange(cu[-1]) * 7
     torch.testing.assert_close(x[perm][inverse], x)  # the inverse restores the global order
+
+
+@pytest.mark.parametrize("dp,ring,ulysses,fpdt,rank", [(1, 1, 1, 1, 0), (2, 2, 2, 1, 5), (4, 1, 2, 2, 7), (2, 4, 1, 1, 6)])
+def test_a_mesh_answers_as_a_bank_of_its_one_size(dp, ring, ulysses, fpdt, rank):
+    """Every question a caller asks a GroupBank, asked of an SPMesh, gets the answer of a
+    bank holding that mesh as its only group (built by hand: no process group needed)."""
+    from hf_longctx.distributed.mesh import SPMesh
+    from hf_longctx.flex.bank import GroupBank
+
+    sp = ring * ulysses
+    mesh = SPMesh(dp=dp, ring=ring, ulysses=ulysses, fpdt_chunks=fpdt, dp_rank=rank // sp,
+                  ring_rank=(rank % sp) // ulysses, ulysses_rank=rank % ulysses)
+    assert mesh.rank == rank
+    bank = GroupBank(world_size=mesh.world_size, rank=rank, shapes=mesh.shapes, meshes=(mesh,))
+    assert mesh.sizes == bank.sizes == (sp,)
+    assert (mesh.min_size, mesh.max_size) == (bank.min_size, bank.max_size) == (sp, sp)
+    assert mesh.shape(sp) == bank.shape(sp)
+    assert (mesh.shape(sp).ulysses, mesh.shape(sp).ring, mesh.shape(sp).fpdt_chunks) == (ulysses, ring, fpdt)
+    assert (mesh.shape(sp).doc_multiple, mesh.shape(sp).seq_multiple) == (mesh.doc_multiple, mesh.seq_multiple)
+    assert mesh.mesh(sp) is bank.mesh(sp) is mesh
+    assert mesh.group_index(sp) == bank.group_index(sp) == rank // sp
+    assert mesh.world is bank.world is mesh and mesh.patch_mesh is bank.patch_mesh is mesh
+    for other in (2 * sp, sp + 1):
+        for ask in (mesh.shape, mesh.mesh, mesh.group_index, bank.mesh):
+            with pytest.raises(ValueError, match=f"no group of size {other}"):
+                ask(other)
