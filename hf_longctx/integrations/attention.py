@@ -39,25 +39,25 @@ IGNORED_ATTENTION_KWARGS = frozenset({
 
 
 def batch_mesh(state: Any, info: SPBatchInfo) -> SPMesh:
-    """The SP group this batch was laid out for. With a group bank it comes from the batch
-    (`SPBatchInfo.group`), so every layer -- and activation-checkpoint recomputation, which
-    replays the same kwargs -- runs on the group the planner chose for this micro-batch."""
+    """The SP group this batch was laid out for, from the batch (`SPBatchInfo.group`) in what
+    `patch()` was given (a mesh is a bank of its one size), so every layer -- and activation-
+    checkpoint recomputation, which replays the same kwargs -- runs on the group the planner
+    chose for this micro-batch."""
     if info.group is None:
         return state.mesh
     size, index = info.group
-    if state.bank is None:
-        if size != state.mesh.sp or index != state.mesh.dp_rank:
-            raise ValueError(
-                f"the batch was sharded for SP group (size {size}, index {index}) but the model was patched with a mesh "
-                f"whose group is (size {state.mesh.sp}, index {state.mesh.dp_rank}); shard with the patch() mesh, or patch "
-                "with a GroupBank"
-            )
-        return state.mesh
-    mesh = state.bank.mesh(size)  # raises naming the bank's sizes if it has none of this size
+    bank = state.bank
+    if size not in bank.sizes:
+        raise ValueError(
+            f"the batch was sharded for SP group (size {size}, index {index}) but the mesh (or bank) the model was "
+            f"patched with has no group of size {size} (its sizes: {list(bank.sizes)}); shard with the patch() mesh, "
+            "or with bank.mesh(size) of the patch() GroupBank"
+        )
+    mesh = bank.mesh(size)
     if mesh.dp_rank != index:
         raise ValueError(
-            f"rank {state.bank.rank} got a batch for group {index} of size {size}, which covers ranks "
-            f"[{index * size}, {(index + 1) * size}); its own group of that size is {mesh.dp_rank}"
+            f"the batch was sharded for SP group (size {size}, index {index}), which covers ranks "
+            f"[{index * size}, {(index + 1) * size}); rank {bank.rank}'s own group of that size is {mesh.dp_rank}"
         )
     return mesh
 

@@ -57,7 +57,9 @@ class _PatchState:
     name: str
     mesh: SPMesh
     options: PatchOptions
-    bank: GroupBank | None = None  # patch(model, bank): each batch names its group (SPBatchInfo.group)
+    # What patch() was given: a GroupBank, or an SPMesh (a bank of its one group size); each
+    # batch names its group in it (SPBatchInfo.group). `mesh` is its patch_mesh.
+    bank: SPMesh | GroupBank
     explicit: frozenset = frozenset()  # the knobs the last patch() call was given by name (not from a preset)
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
@@ -273,14 +275,12 @@ def patch(
     before_install: called once every check has passed and before anything is changed (the
         public `hf_longctx.patch(..., verify=True)` runs `verify()` here: `hf_longctx/patching.py`).
     """
-    bank = mesh if isinstance(mesh, GroupBank) else None
-    if bank is not None:
-        mesh = bank.patch_mesh
-    if not isinstance(mesh, SPMesh):
+    if not isinstance(mesh, (SPMesh, GroupBank)):
         raise TypeError(
             f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from init_group_bank, "
             f"got {type(mesh).__name__}"
         )
+    bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
     options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not _UNSET}, mesh.fpdt_chunks,
                                    inputs_on_device)
@@ -299,7 +299,7 @@ def patch(
     # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
     # structural rule; refused mixer classes raise here with their reason (unless unsafe).
     mixer_plan, mixer_modes = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check, option=mixers,
-                                          sizes=bank.sizes if bank is not None else None)
+                                          sizes=bank.sizes)
     from hf_longctx.integrations.vision.binding import vision_binding
 
     vision = vision_binding(hf)  # the tower keeps its attention; its images run through the vision hook
@@ -307,7 +307,7 @@ def patch(
         hf, mesh, options, structural=not unsafe_skip_exactness_check, keep_configs=vision.keep_ids,
         used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
         handled=frozenset(type(module) for _, module, _ in mixer_plan),
-        ulysses_degrees=tuple(s.ulysses for s in bank.shapes) if bank is not None else (mesh.ulysses,),
+        ulysses_degrees=tuple(s.ulysses for s in bank.shapes),
     )
     if before_install is not None:
         before_install()

@@ -27,7 +27,7 @@ def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
     """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks / mixers), frozen."""
     if is_patched(ref):
         state = patch_state(ref)
-        if state.bank is not None or state.mesh != mesh:
+        if state.bank != mesh:
             raise ValueError("ref_model was patched with a different mesh than the trainer's `mesh`")
     else:
         policy = patch_state(model)

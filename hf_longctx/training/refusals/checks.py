@@ -138,11 +138,11 @@ def check_patched(model: Any, mesh: Any) -> None:
             "(the unpatched model would attend across shards and ranks wrongly)"
         )
     state = patch_state(model)
-    if isinstance(mesh, GroupBank):
-        if state.bank != mesh:
-            raise ValueError("the model was not patched with the trainer's GroupBank: call patch(model, bank)")
-    elif state.bank is not None or state.mesh != mesh:
-        raise ValueError("the model was patched with a different mesh than the trainer's `mesh`")
+    if state.bank != mesh:  # what patch() was given: the same SPMesh, or the same GroupBank
+        raise ValueError(
+            "the model was patched with a different mesh than the trainer's `mesh`: call patch(model, mesh) with the "
+            "trainer's SPMesh or GroupBank"
+        )
 
 
 def check_mesh_world(mesh: Any) -> None:
