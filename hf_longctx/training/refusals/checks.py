@@ -88,14 +88,9 @@ def positive_int(name: str, value: Any) -> int:
     return value
 
 
-def check_options(mesh: Any, unequal_calls: Any, sync_each_microbatch: Any, param_offload: Any) -> None:
+def check_options(unequal_calls: Any, sync_each_microbatch: Any, param_offload: Any) -> None:
     """The three bool keyword arguments and the combinations that cannot run."""
-    flag("unequal_calls", unequal_calls)
-    if unequal_calls and not isinstance(mesh, GroupBank):
-        raise ValueError(
-            "unequal_calls=True needs a GroupBank (flexible SP groups planned by plan_unequal); with an SPMesh "
-            "every rank runs the same number of micro-batches"
-        )
+    flag("unequal_calls", unequal_calls)  # needs a GroupBank: check_mesh_arguments
     flag("sync_each_microbatch", sync_each_microbatch)
     if sync_each_microbatch and unequal_calls:
         raise ValueError("sync_each_microbatch=True cannot be combined with unequal_calls=True: with unequal counts "
@@ -106,7 +101,13 @@ def check_options(mesh: Any, unequal_calls: Any, sync_each_microbatch: Any, para
                          "keeps the model unsharded on the device for the whole step; use equal counts")
 
 
-def check_caps(mesh: Any, max_tokens: Any, max_tokens_per_rank: Any, cost: Any, strategy: str) -> None:
+def check_mesh_arguments(mesh: Any, max_tokens: Any, max_tokens_per_rank: Any, cost: Any, strategy: str,
+                         unequal_calls: Any) -> int:
+    """The arguments whose meaning depends on the trainer's mesh (the caps, the cost model, the
+    planner), checked; returns the longest document one micro-batch holds (what `overlong`
+    compares against). A GroupBank's cap is per rank (its groups differ in size): the largest
+    group's capacity, whole documents; an SPMesh's is `max_tokens` per SP group. `unequal_calls`
+    needs a bank, a fixed-degree `strategy` a mesh."""
     if isinstance(mesh, GroupBank):
         if max_tokens is not None:
             raise ValueError(
@@ -121,12 +122,20 @@ def check_caps(mesh: Any, max_tokens: Any, max_tokens_per_rank: Any, cost: Any, 
                 f"strategy={strategy!r} picks a fixed-degree planner; a GroupBank plans every step with "
                 "plan_flexible (use an SPMesh to run the fixed-degree strategies)"
             )
+        shape = mesh.shape(mesh.max_size)
+        return shape.capacity(max_tokens_per_rank) // shape.doc_multiple * shape.doc_multiple
     else:
         if max_tokens_per_rank is not None:
             raise ValueError("max_tokens_per_rank is the cap of a GroupBank; with an SPMesh pass max_tokens")
         positive_int("max_tokens", max_tokens)
         if cost is not None and not isinstance(cost, CostModel):
             raise ValueError(f"cost must be a CostModel with an SPMesh, got {type(cost).__name__}")
+        if flag("unequal_calls", unequal_calls):
+            raise ValueError(
+                "unequal_calls=True needs a GroupBank (flexible SP groups planned by plan_unequal); with an SPMesh "
+                "every rank runs the same number of micro-batches"
+            )
+        return max_tokens
 
 
 def check_patched(model: Any, mesh: Any) -> None:

@@ -1,6 +1,6 @@
 """The collators of `LongContextTrainerMixin`'s step DataLoader: a `LongContextCollator` over an
 SPMesh, a `FlexCollator` over a GroupBank, or a `MultimodalCollator` for an image-text-to-text
-model; and the longest document one micro-batch holds.
+model.
 
 Where it sits: construction of the SFT trainer, after `Trainer.__init__` and before the model
 is sharded; every rank builds the same collators from the same arguments.
@@ -16,14 +16,6 @@ from hf_longctx.data.token_ids import Vocabulary
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.flex.collator import FlexCollator
 from hf_longctx.integrations.model_patch import patch_state
-
-
-def largest_piece(mesh: Any, max_tokens: int | None, max_tokens_per_rank: int | None) -> int:
-    """The longest document one micro-batch holds (what `overlong` compares against)."""
-    if not isinstance(mesh, GroupBank):
-        return max_tokens
-    shape = mesh.shape(mesh.max_size)
-    return shape.capacity(max_tokens_per_rank) // shape.doc_multiple * shape.doc_multiple
 
 
 def vision_collator(mesh: Any, model: Any, *, max_tokens: int, cost: Any, vision_cost: Any, strategy: str,

@@ -91,11 +91,10 @@ class LongContextTrainerMixin(SPTrainerBase):
                 "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
                 f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
             )
-        checks.check_caps(mesh, max_tokens, max_tokens_per_rank, cost, strategy)
-        checks.check_options(mesh, unequal_calls, sync_each_microbatch, param_offload)
+        self.max_tokens = checks.check_mesh_arguments(mesh, max_tokens, max_tokens_per_rank, cost, strategy, unequal_calls)
+        checks.check_options(unequal_calls, sync_each_microbatch, param_offload)
         self.param_offload = param_offload
         self.last_plan: StepRecord | None = None  # the last step's plan, modelled and measured times
-        self.max_tokens = collators.largest_piece(mesh, max_tokens, max_tokens_per_rank)
         self.tokens_per_step = checks.positive_int("tokens_per_step", tokens_per_step)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
