@@ -49,3 +49,22 @@ def test_mesh_patch_refuses_a_batch_for_another_group(model_cls):
     bad = dict(shard, sp_batch=dataclasses.replace(shard["sp_batch"], group=(4, 1)))
     with pytest.raises(ValueError, match=r"sharded for SP group \(size 4, index 1\)"):
         model(**bad)
+
+
+@pytest.mark.parametrize("kind", ["mesh", "bank"])
+def test_a_batch_for_another_group_of_the_same_size_is_refused(model_cls, kind):
+    """The patch() mesh and a bank resolve a batch's group alike: a group of a size they hold
+    but another index (the ranks [1, 2), not this rank's) is refused naming both groups."""
+    from hf_longctx import init_group_bank, init_sequence_parallel, patch, shard_batch, unpatch
+    from hf_longctx.integrations.model_patch import patch_state
+
+    model = model_cls()
+    given = init_sequence_parallel() if kind == "mesh" else init_group_bank(heads=4)
+    patch(model, given)
+    assert patch_state(model).bank is given and patch_state(model).mesh is given.patch_mesh
+    shard = shard_batch(packed_batch(), given.mesh(1))
+    bad = dict(shard, sp_batch=dataclasses.replace(shard["sp_batch"], group=(1, 1)))
+    with pytest.raises(ValueError, match=r"sharded for SP group \(size 1, index 1\), which covers ranks \[1, 2\); "
+                                         r"rank 0's own group of that size is 0"):
+        model(**bad)
+    unpatch(model)
