@@ -216,6 +216,16 @@ def _post_forward(state: _PatchState) -> Callable:
     return torch.compiler.disable(hook)
 
 
+def check_mesh(mesh: Any) -> None:
+    """The type check of the entry points that take either (`patch()`, the trainer): an SPMesh
+    or a GroupBank; past it they ask both the same questions."""
+    if not isinstance(mesh, (SPMesh, GroupBank)):
+        raise TypeError(
+            "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
+            f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
+        )
+
+
 class _Unset:
     """A knob the caller did not pass (memory= and a knob together is an error); `help(patch)`
     shows it as `unset` rather than an object address."""
@@ -275,11 +285,7 @@ def patch(
     before_install: called once every check has passed and before anything is changed (the
         public `hf_longctx.patch(..., verify=True)` runs `verify()` here: `hf_longctx/patching.py`).
     """
-    if not isinstance(mesh, (SPMesh, GroupBank)):
-        raise TypeError(
-            f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from init_group_bank, "
-            f"got {type(mesh).__name__}"
-        )
+    check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
     options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not _UNSET}, mesh.fpdt_chunks,

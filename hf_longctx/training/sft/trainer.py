@@ -25,6 +25,7 @@ from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.devices import to_device
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.integrations.model_patch import check_mesh
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
 from hf_longctx.training.refusals import checks
@@ -86,11 +87,7 @@ class LongContextTrainerMixin(SPTrainerBase):
         param_offload: bool = False, vision_cost: Any = None, **kwargs: Any,
     ) -> None:
         # Every check runs on every rank alike, before any collective (base/construction.py).
-        if not isinstance(mesh, (SPMesh, GroupBank)):
-            raise TypeError(
-                "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
-                f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
-            )
+        check_mesh(mesh)
         self.max_tokens = checks.check_mesh_arguments(mesh, max_tokens, max_tokens_per_rank, cost, strategy, unequal_calls)
         checks.check_options(unequal_calls, sync_each_microbatch, param_offload)
         self.param_offload = param_offload
