@@ -319,8 +319,9 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
                 "dq, dk, dv": (z.qb + 2 * z.kvb) * S} | ring | kernel),
             *((Phase("layer backward: the gradients' all-to-all", held | seq | {
                 "q, k, v of every row": (z.qb + 2 * z.kvb) * S, "output and its gradient (token layout)": 2 * z.qb * S,
-                "dq, dk, dv: head layout, send buffer, receive buffer": 3 * (z.qb + 2 * z.kvb) * S,
-                "dq (token layout)": z.qb * S}),) if U > 1 else ()),
+                # the head-layout gradients (held by the engine) with the send and receive buffers,
+                # then with the receive buffer and the token-layout copies (the send buffer freed)
+                "dq, dk, dv: head layout, send buffer, receive buffer": 3 * (z.qb + 2 * z.kvb) * S}),) if U > 1 else ()),
             Phase("layer backward: pre-attention backward", held | seq | prefetch | {
                 "dq, dk, dv": (z.qb + 2 * z.kvb) * S,
                 "pre-attention piece: norm (fp32) and q, k, v gradients": r * (24 * h + z.qb + 2 * z.kvb)}),

@@ -40,6 +40,8 @@ FLOORS = (
 THIRD_PARTY_RULES = (
     ("hf_longctx.data.*", ("torch.distributed",), "data/ is pure Python + torch tensors"),
     ("hf_longctx.ops.*", ("transformers", "accelerate"), "ops/ is pure tensor code"),
+    *((m, ("torch.distributed", "transformers", "accelerate"), "the layout floor is index arithmetic on torch tensors")
+      for m in ("hf_longctx.layout", "hf_longctx.sp_groups")),
 )
 
 
@@ -209,6 +211,8 @@ def test_third_party_rules_hold():
     ("from torch.distributed.tensor import DTensor", "hf_longctx.data"),
     ("from transformers import PreTrainedModel", "hf_longctx.ops.ring"),
     ("import accelerate", "hf_longctx.ops.backends.select"),
+    ("import torch.distributed as dist", "hf_longctx.layout"),
+    ("from transformers import PretrainedConfig", "hf_longctx.sp_groups"),
 ])
 def test_each_third_party_rule_fails_when_broken(source, module):
     """Each rule, broken by one import added to a real module, is reported."""
