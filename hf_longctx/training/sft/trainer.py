@@ -205,6 +205,8 @@ class LongContextTrainerMixin(SPTrainerBase):
     # ---- the step: (2) the loss as the model returns it (base/step_loop.py) --------------------------
     def training_step(self, model: torch.nn.Module, inputs: StepBatch, num_items_in_batch: Any = None) -> torch.Tensor:
         model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # as Trainer.training_step: a schedule-free optimizer's
+            self.optimizer.train()  # train mode, after evaluation_loop switched it to eval mode
         step = self.state.global_step + 1
         loss = self.step_loop.run(model, inputs, step=step, micro_loss=lambda mb: self._micro_loss(model, mb),
                                   backward=self.accelerator.backward, device=self.args.device)
@@ -257,6 +259,8 @@ class LongContextTrainerMixin(SPTrainerBase):
     # ---- evaluation: (4) Σ token losses / Σ targets over the eval set (evaluation.py) ----------------
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        if callable(getattr(self.optimizer, "eval", None)):  # as Trainer.evaluation_loop: a schedule-free
+            self.optimizer.eval()  # optimizer's evaluation weights (the training step switches back)
         out = evaluate(
             self.model, dataloader, metric_key_prefix,
             micro_loss=lambda mb: self.compute_loss(self.model, self._prepare_inputs(mb)), autocast=self.accelerator.autocast, world_mesh=self.world_mesh, device=self.args.device,
