@@ -197,3 +197,23 @@ def test_schedule_free_optimizer_is_back_in_train_mode_after_evaluation(llama_pa
     trainer.train()
     modes = trainer.optimizer.optimizer.modes if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer.modes
     assert modes[:3] == ["train", "eval", "train"], modes  # step 1, evaluation, step 2
+
+
+def test_lomo_gets_the_learning_rate_in_the_backward(llama_path, tmp_path):
+    """optim="lomo" / "adalomo" update inside the backward: the training step passes the current
+    learning rate to `accelerator.backward`, as Trainer.training_step does (recorded here; the
+    optimizer is plain SGD, lomo_optim is not needed)."""
+    mesh = init_sequence_parallel()
+    args = training_args(str(tmp_path), max_steps=1, optim="lomo", learning_rate=0.25, lr_scheduler_type="constant",
+                         warmup_steps=0)
+    trainer = LongContextTrainer(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(), mesh=mesh,
+                                 max_tokens=48, tokens_per_step=120, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.25}))
+    seen = []
+
+    def backward(loss, **kwargs):
+        seen.append(kwargs)
+        loss.backward()
+
+    trainer.accelerator.backward = backward
+    trainer.train()
+    assert seen and all(kw == {"learning_rate": 0.25} for kw in seen), seen

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
+from transformers.training_args import OptimizerNames
 
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.devices import to_device
@@ -209,7 +210,7 @@ class LongContextTrainerMixin(SPTrainerBase):
             self.optimizer.train()  # train mode, after evaluation_loop switched it to eval mode
         step = self.state.global_step + 1
         loss = self.step_loop.run(model, inputs, step=step, micro_loss=lambda mb: self._micro_loss(model, mb),
-                                  backward=self.accelerator.backward, device=self.args.device)
+                                  backward=self._backward, device=self.args.device)
         self.last_plan = self.step_loop.last_record
         every = self.args.torch_empty_cache_steps
         if every is not None and self.state.global_step % every == 0:  # as Trainer.training_step does
@@ -219,6 +220,11 @@ class LongContextTrainerMixin(SPTrainerBase):
         with comm_guard(step):
             self._flush_token_stats("train", inputs.tokens)
         return loss
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        # As Trainer.training_step: LOMO / AdaLomo update the parameters inside the backward, at the current rate.
+        lomo = self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO)
+        self.accelerator.backward(loss, **({"learning_rate": self._get_learning_rate()} if lomo else {}))
 
     def _micro_loss(self, model: torch.nn.Module, micro_batch: dict[str, Any]) -> torch.Tensor:
         micro_batch = self._prepare_inputs(micro_batch)
