@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
-from transformers.training_args import OptimizerNames
 
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.devices import to_device
@@ -103,11 +102,8 @@ class LongContextTrainerMixin(SPTrainerBase):
             check_training_arguments(training_args, type(self).__name__)  # before anything else, on every rank alike
         # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (refusals/training_arguments.py).
         check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
-        model = kwargs.get("model", args[0] if args else None)
-        self._setup_mesh(model, mesh)  # patched with mesh, process group, transformers version
-        if training_args is not None:  # the Trainer gets a copy: the user's object is never changed
-            mapped = build.map_activation_checkpointing(model, training_args)
-            args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)
+        # Patched with mesh, process group, transformers version; the Trainer gets a copy of the arguments.
+        args, kwargs = self._setup_mesh(mesh, args, kwargs, _TRAINER_PARAMETERS)
         user_unused = getattr(training_args, "ddp_find_unused_parameters", None)
         super().__init__(*args, **kwargs)
         use_number_logs(self)  # the progress bar / printer show numbers unquoted
@@ -205,31 +201,10 @@ class LongContextTrainerMixin(SPTrainerBase):
 
     # ---- the step: (2) the loss as the model returns it (base/step_loop.py) --------------------------
     def training_step(self, model: torch.nn.Module, inputs: StepBatch, num_items_in_batch: Any = None) -> torch.Tensor:
-        model.train()
-        if callable(getattr(self.optimizer, "train", None)):  # as Trainer.training_step: a schedule-free optimizer's
-            self.optimizer.train()  # train mode, after evaluation_loop switched it to eval mode
-        step = self.state.global_step + 1
-        loss = self.step_loop.run(model, inputs, step=step, micro_loss=lambda mb: self._micro_loss(model, mb),
-                                  backward=self._backward, device=self.args.device)
-        self.last_plan = self.step_loop.last_record
-        every = self.args.torch_empty_cache_steps
-        if every is not None and self.state.global_step % every == 0:  # as Trainer.training_step does
-            from accelerate.utils import clear_device_cache
-
-            clear_device_cache()
-        with comm_guard(step):
+        loss = self._run_step(model, inputs)
+        with comm_guard(self.state.global_step + 1):
             self._flush_token_stats("train", inputs.tokens)
         return loss
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        # As Trainer.training_step: LOMO / AdaLomo update the parameters inside the backward, at the current rate.
-        lomo = self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO)
-        self.accelerator.backward(loss, **({"learning_rate": self._get_learning_rate()} if lomo else {}))
-
-    def _micro_loss(self, model: torch.nn.Module, micro_batch: dict[str, Any]) -> torch.Tensor:
-        micro_batch = self._prepare_inputs(micro_batch)
-        with self.compute_loss_context_manager():
-            return self.compute_loss(model, micro_batch, num_items_in_batch=micro_batch["num_items_in_batch"])
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
