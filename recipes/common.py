@@ -20,7 +20,7 @@ A recipe that does not honour one of them refuses it when set (`refuse_flags`). 
 the post-training recipes (`dpo.py`, `grpo.py`): `build_tiny_model` (their CPU demo model, built
 from a config and saved with `save_pretrained`, so it loads like a real checkpoint) and
 `step_lines` (one printed line per optimizer step with TRL's metric names, and every rank's
-logs in `OUTPUT_DIR/steps.rank<R>.jsonl`).
+logs in `OUTPUT_DIR/steps.rank<R>.jsonl`), `recipe_mesh` and `train_and_export`.
 """
 
 from __future__ import annotations
@@ -165,6 +165,29 @@ def load_model_and_data(args: argparse.Namespace, config: Any, make_default: Any
         else:
             data = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
     return model, tokenizer, data
+
+
+def recipe_mesh(args: argparse.Namespace, config: Any, device: Any) -> Any:
+    """The SPMesh of --ulysses / --ring / --fpdt-chunks; rank 0 prints what it runs on."""
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.training.launch import describe
+
+    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
+    if config.process_index == 0:
+        print(describe(mesh, device))
+    return mesh
+
+
+def train_and_export(trainer: Any, args: argparse.Namespace) -> None:
+    """`trainer.train()` (from the newest checkpoint-N with --resume); with --export, the consolidated
+    model in OUTPUT_DIR/final (loads with `from_pretrained`). The printer callback goes: `step_lines`
+    prints each step once."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if args.export:
+        trainer.save_model(os.path.join(args.output_dir, "final"))  # a collective: every rank calls it
 
 
 def step_lines(output_dir: str, rank: int, is_main: bool) -> Any:

@@ -36,12 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling mo
 
 from common import (  # noqa: E402
     add_common_args, add_model_data_args, add_run_args, check_common_args, load_model_and_data,
-    patch_kwargs, refuse_flags, step_lines, trainer_kwargs,
+    patch_kwargs, recipe_mesh, refuse_flags, step_lines, train_and_export, trainer_kwargs,
 )
 
-from hf_longctx import LongDPOTrainer, init_sequence_parallel, patch  # noqa: E402
+from hf_longctx import LongDPOTrainer, patch  # noqa: E402
 from hf_longctx.training.dpo.loss import LOSS_TYPES  # noqa: E402
-from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
+from hf_longctx.training.launch import init_distributed, run_rank  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,7 +84,6 @@ def make_pairs(n: int, seed: int):
 
 
 def main(argv=None) -> None:
-    from transformers.trainer_callback import PrinterCallback
     from trl import DPOConfig
 
     args = parse_args(argv)
@@ -96,9 +95,7 @@ def main(argv=None) -> None:
         use_cpu=device.type == "cpu", report_to=[], disable_tqdm=True,
         max_length=None, beta=args.beta, loss_type=args.loss_type,  # the cap is --max-tokens; pairs are never cut
     )
-    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
-    if config.process_index == 0:
-        print(describe(mesh, device))
+    mesh = recipe_mesh(args, config, device)
     model, tokenizer, pairs = load_model_and_data(args, config, lambda a: make_pairs(a.pairs, a.seed))
     trainer = LongDPOTrainer(
         model=patch(model, mesh, **patch_kwargs(args)), args=config, train_dataset=pairs, processing_class=tokenizer,
@@ -106,10 +103,7 @@ def main(argv=None) -> None:
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
         **trainer_kwargs(args),
     )
-    trainer.remove_callback(PrinterCallback)  # step_lines prints each step once
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
-    if args.export:
-        trainer.save_model(os.path.join(args.output_dir, "final"))  # consolidated: loads with from_pretrained
+    train_and_export(trainer, args)
 
 
 if __name__ == "__main__":

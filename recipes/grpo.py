@@ -41,11 +41,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling mo
 
 from common import (  # noqa: E402
     add_common_args, add_model_data_args, add_run_args, check_common_args, load_model_and_data,
-    patch_kwargs, refuse_flags, step_lines,
+    patch_kwargs, recipe_mesh, refuse_flags, step_lines, train_and_export,
 )
 
-from hf_longctx import LongGRPOTrainer, init_sequence_parallel, patch  # noqa: E402
-from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
+from hf_longctx import LongGRPOTrainer, patch  # noqa: E402
+from hf_longctx.training.launch import init_distributed, run_rank  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,7 +98,6 @@ def make_prompts(n: int, seed: int, vocab_words: int = 126):
 
 
 def main(argv=None) -> None:
-    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
     args = parse_args(argv)
@@ -112,9 +111,7 @@ def main(argv=None) -> None:
         max_completion_length=args.max_completion_length, loss_type=args.loss_type, beta=args.beta,
         temperature=args.temperature,
     )
-    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
-    if config.process_index == 0:
-        print(describe(mesh, device))
+    mesh = recipe_mesh(args, config, device)
     model, tokenizer, prompts = load_model_and_data(args, config, lambda a: make_prompts(a.prompts, a.seed))
 
     def format_reward(completion_ids, **kwargs):  # TRL: the sampled ids of this process's completions; logs
@@ -125,10 +122,7 @@ def main(argv=None) -> None:
         train_dataset=prompts, processing_class=tokenizer, max_tokens=args.max_tokens,
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
     )
-    trainer.remove_callback(PrinterCallback)  # step_lines prints each step once
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
-    if args.export:
-        trainer.save_model(os.path.join(args.output_dir, "final"))  # consolidated: loads with from_pretrained
+    train_and_export(trainer, args)
 
 
 if __name__ == "__main__":
