@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_common_args, add_model_data_args, add_run_args, check_common_args, load_model_and_data,
-    patch_kwargs, recipe_mesh, refuse_flags, step_lines, train_and_export, trainer_kwargs,
+    add_model_data_args, load_model_and_data, parse_post_training_args,
+    patch_kwargs, recipe_mesh, step_lines, train_and_export, trainer_kwargs,
 )
 
 from hf_longctx import LongDPOTrainer, patch  # noqa: E402
@@ -54,16 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid")
     p.add_argument("--lr", type=float, default=1e-3)
-    add_run_args(p, output_dir="runs/dpo")
-    add_common_args(p, mixed_precision="fp32")  # fp32 on CPU: bf16 matmuls are slow there
-    args = check_common_args(p, p.parse_args(argv))
-    refuse_flags(p, args, {
+    return parse_post_training_args(p, argv, output_dir="runs/dpo", refused={
         "memory": "leave it off (its chunked LM head drops the logits the DPO log-probs need); for K/V offload "
                   "use --fpdt-chunks N --kv-offload",
     })
-    if args.resume and not args.save_every:
-        p.error("--resume needs checkpoints: pass the --save-every of the run it continues")
-    return args
 
 
 def make_pairs(n: int, seed: int):

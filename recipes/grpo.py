@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_common_args, add_model_data_args, add_run_args, check_common_args, load_model_and_data,
-    patch_kwargs, recipe_mesh, refuse_flags, step_lines, train_and_export,
+    add_model_data_args, load_model_and_data, parse_post_training_args,
+    patch_kwargs, recipe_mesh, step_lines, train_and_export,
 )
 
 from hf_longctx import LongGRPOTrainer, patch  # noqa: E402
@@ -65,19 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to TRL's reference (the initial model)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-3)
-    add_run_args(p, output_dir="runs/grpo")
-    add_common_args(p, mixed_precision="fp32")  # fp32 on CPU: bf16 matmuls are slow there
-    args = check_common_args(p, p.parse_args(argv))
-    refuse_flags(p, args, {
+    return parse_post_training_args(p, argv, output_dir="runs/grpo", refused={
         "memory": "leave it off (its chunked LM head drops the logits the GRPO loss needs); for K/V offload "
                   "use --fpdt-chunks N --kv-offload",
         "sync_each_microbatch": "leave it off (LongGRPOTrainer's FSDP2 reduce-scatters the gradients after every "
                                 "micro-batch of --max-tokens already)",
         "param_offload": "leave it off (LongGRPOTrainer keeps the FSDP2 shards on the device)",
     })
-    if args.resume and not args.save_every:
-        p.error("--resume needs checkpoints: pass the --save-every of the run it continues")
-    return args
 
 
 def format_scores(completion_ids: list[list[int]], eos_token_id: int) -> list[float]:
