@@ -18,9 +18,10 @@ setting printed by `hf-longctx plan` ("as recipe flags") pastes into any of them
 
 A recipe that does not honour one of them refuses it when set (`refuse_flags`). Also shared by
 the post-training recipes (`dpo.py`, `grpo.py`): `build_tiny_model` (their CPU demo model, built
-from a config and saved with `save_pretrained`, so it loads like a real checkpoint) and
+from a config and saved with `save_pretrained`, so it loads like a real checkpoint),
 `step_lines` (one printed line per optimizer step with TRL's metric names, and every rank's
-logs in `OUTPUT_DIR/steps.rank<R>.jsonl`).
+logs in `OUTPUT_DIR/steps.rank<R>.jsonl`), `parse_post_training_args`, `recipe_mesh` and
+`train_and_export`.
 """
 
 from __future__ import annotations
@@ -134,13 +135,22 @@ def add_model_data_args(p: argparse.ArgumentParser, *, data: str) -> None:
     p.add_argument("--split", default="train")
 
 
-def add_run_args(p: argparse.ArgumentParser, *, output_dir: str) -> None:
-    """--output-dir, --save-every, --export, --timeout, --seed of the post-training recipes."""
+def parse_post_training_args(p: argparse.ArgumentParser, argv: Any, *, output_dir: str,
+                             refused: dict[str, str]) -> argparse.Namespace:
+    """The arguments of a post-training recipe (`dpo.py`, `grpo.py`): its own options in `p`, plus
+    --output-dir, --save-every, --export, --timeout, --seed and the shared options (fp32 by
+    default: bf16 matmuls are slow on CPU), checked; `refused`: {flag: what to do instead}."""
     p.add_argument("--output-dir", default=output_dir)
     p.add_argument("--save-every", type=int, default=0, help="checkpoint-N every this many steps (0: none)")
     p.add_argument("--export", action="store_true", help="at the end, save_pretrained the full model to output-dir/final")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a collective may block before all ranks stop")
     p.add_argument("--seed", type=int, default=0)
+    add_common_args(p, mixed_precision="fp32")
+    args = check_common_args(p, p.parse_args(argv))
+    refuse_flags(p, args, refused)
+    if args.resume and not args.save_every:
+        p.error("--resume needs checkpoints: pass the --save-every of the run it continues")
+    return args
 
 
 def load_model_and_data(args: argparse.Namespace, config: Any, make_default: Any) -> tuple[Any, Any, Any]:
@@ -165,6 +175,29 @@ def load_model_and_data(args: argparse.Namespace, config: Any, make_default: Any
         else:
             data = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
     return model, tokenizer, data
+
+
+def recipe_mesh(args: argparse.Namespace, config: Any, device: Any) -> Any:
+    """The SPMesh of --ulysses / --ring / --fpdt-chunks; rank 0 prints what it runs on."""
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.training.launch import describe
+
+    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
+    if config.process_index == 0:
+        print(describe(mesh, device))
+    return mesh
+
+
+def train_and_export(trainer: Any, args: argparse.Namespace) -> None:
+    """`trainer.train()` (from the newest checkpoint-N with --resume); with --export, the consolidated
+    model in OUTPUT_DIR/final (loads with `from_pretrained`). The printer callback goes: `step_lines`
+    prints each step once."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if args.export:
+        trainer.save_model(os.path.join(args.output_dir, "final"))  # a collective: every rank calls it
 
 
 def step_lines(output_dir: str, rank: int, is_main: bool) -> Any:

@@ -35,13 +35,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_common_args, add_model_data_args, add_run_args, check_common_args, load_model_and_data,
-    patch_kwargs, refuse_flags, step_lines, trainer_kwargs,
+    add_model_data_args, load_model_and_data, parse_post_training_args,
+    patch_kwargs, recipe_mesh, step_lines, train_and_export, trainer_kwargs,
 )
 
-from hf_longctx import LongDPOTrainer, init_sequence_parallel, patch  # noqa: E402
+from hf_longctx import LongDPOTrainer, patch  # noqa: E402
 from hf_longctx.training.dpo.loss import LOSS_TYPES  # noqa: E402
-from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
+from hf_longctx.training.launch import init_distributed, run_rank  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,16 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid")
     p.add_argument("--lr", type=float, default=1e-3)
-    add_run_args(p, output_dir="runs/dpo")
-    add_common_args(p, mixed_precision="fp32")  # fp32 on CPU: bf16 matmuls are slow there
-    args = check_common_args(p, p.parse_args(argv))
-    refuse_flags(p, args, {
+    return parse_post_training_args(p, argv, output_dir="runs/dpo", refused={
         "memory": "leave it off (its chunked LM head drops the logits the DPO log-probs need); for K/V offload "
                   "use --fpdt-chunks N --kv-offload",
     })
-    if args.resume and not args.save_every:
-        p.error("--resume needs checkpoints: pass the --save-every of the run it continues")
-    return args
 
 
 def make_pairs(n: int, seed: int):
@@ -84,7 +78,6 @@ def make_pairs(n: int, seed: int):
 
 
 def main(argv=None) -> None:
-    from transformers.trainer_callback import PrinterCallback
     from trl import DPOConfig
 
     args = parse_args(argv)
@@ -96,9 +89,7 @@ def main(argv=None) -> None:
         use_cpu=device.type == "cpu", report_to=[], disable_tqdm=True,
         max_length=None, beta=args.beta, loss_type=args.loss_type,  # the cap is --max-tokens; pairs are never cut
     )
-    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
-    if config.process_index == 0:
-        print(describe(mesh, device))
+    mesh = recipe_mesh(args, config, device)
     model, tokenizer, pairs = load_model_and_data(args, config, lambda a: make_pairs(a.pairs, a.seed))
     trainer = LongDPOTrainer(
         model=patch(model, mesh, **patch_kwargs(args)), args=config, train_dataset=pairs, processing_class=tokenizer,
@@ -106,10 +97,7 @@ def main(argv=None) -> None:
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
         **trainer_kwargs(args),
     )
-    trainer.remove_callback(PrinterCallback)  # step_lines prints each step once
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
-    if args.export:
-        trainer.save_model(os.path.join(args.output_dir, "final"))  # consolidated: loads with from_pretrained
+    train_and_export(trainer, args)
 
 
 if __name__ == "__main__":

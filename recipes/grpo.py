@@ -40,12 +40,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_common_args, add_model_data_args, add_run_args, check_common_args, load_model_and_data,
-    patch_kwargs, refuse_flags, step_lines,
+    add_model_data_args, load_model_and_data, parse_post_training_args,
+    patch_kwargs, recipe_mesh, step_lines, train_and_export,
 )
 
-from hf_longctx import LongGRPOTrainer, init_sequence_parallel, patch  # noqa: E402
-from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
+from hf_longctx import LongGRPOTrainer, patch  # noqa: E402
+from hf_longctx.training.launch import init_distributed, run_rank  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,19 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to TRL's reference (the initial model)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-3)
-    add_run_args(p, output_dir="runs/grpo")
-    add_common_args(p, mixed_precision="fp32")  # fp32 on CPU: bf16 matmuls are slow there
-    args = check_common_args(p, p.parse_args(argv))
-    refuse_flags(p, args, {
+    return parse_post_training_args(p, argv, output_dir="runs/grpo", refused={
         "memory": "leave it off (its chunked LM head drops the logits the GRPO loss needs); for K/V offload "
                   "use --fpdt-chunks N --kv-offload",
         "sync_each_microbatch": "leave it off (LongGRPOTrainer's FSDP2 reduce-scatters the gradients after every "
                                 "micro-batch of --max-tokens already)",
         "param_offload": "leave it off (LongGRPOTrainer keeps the FSDP2 shards on the device)",
     })
-    if args.resume and not args.save_every:
-        p.error("--resume needs checkpoints: pass the --save-every of the run it continues")
-    return args
 
 
 def format_scores(completion_ids: list[list[int]], eos_token_id: int) -> list[float]:
@@ -98,7 +92,6 @@ def make_prompts(n: int, seed: int, vocab_words: int = 126):
 
 
 def main(argv=None) -> None:
-    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
     args = parse_args(argv)
@@ -112,9 +105,7 @@ def main(argv=None) -> None:
         max_completion_length=args.max_completion_length, loss_type=args.loss_type, beta=args.beta,
         temperature=args.temperature,
     )
-    mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
-    if config.process_index == 0:
-        print(describe(mesh, device))
+    mesh = recipe_mesh(args, config, device)
     model, tokenizer, prompts = load_model_and_data(args, config, lambda a: make_prompts(a.prompts, a.seed))
 
     def format_reward(completion_ids, **kwargs):  # TRL: the sampled ids of this process's completions; logs
@@ -125,10 +116,7 @@ def main(argv=None) -> None:
         train_dataset=prompts, processing_class=tokenizer, max_tokens=args.max_tokens,
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
     )
-    trainer.remove_callback(PrinterCallback)  # step_lines prints each step once
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
-    if args.export:
-        trainer.save_model(os.path.join(args.output_dir, "final"))  # consolidated: loads with from_pretrained
+    train_and_export(trainer, args)
 
 
 if __name__ == "__main__":

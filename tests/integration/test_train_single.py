@@ -161,3 +161,59 @@ def test_logged_numbers_print_as_numbers(llama_path, tmp_path, capsys):
     assert f"'loss': {loss:.4g}" in printed[0], printed
     assert format_logs({"a": 63382.0, "b": 3e-05, "c": 7, "d": "[4] [2+2]", "e": 3463.2, "total_flos": 1.0}) == (
         "{'a': 63382, 'b': 3e-05, 'c': 7, 'd': '[4] [2+2]', 'e': 3463}")
+
+
+class _ModeSGD(torch.optim.SGD):
+    """SGD with a schedule-free optimizer's train/eval modes: `step` only in train mode (as
+    schedulefree's optimizers raise), and `Trainer.evaluate` switches it to eval mode."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.modes: list[str] = []
+        self.training = True
+
+    def train(self):
+        self.modes.append("train")
+        self.training = True
+
+    def eval(self):
+        self.modes.append("eval")
+        self.training = False
+
+    def step(self, closure=None):
+        if not self.training:
+            raise RuntimeError("optimizer.step() in eval mode: the training step did not call optimizer.train()")
+        return super().step(closure)
+
+
+def test_schedule_free_optimizer_is_back_in_train_mode_after_evaluation(llama_path, tmp_path):
+    """An optimizer with train/eval modes is switched as the Trainer's own loops switch it:
+    evaluation between two steps puts it in eval mode, the next training step back in train mode."""
+    mesh = init_sequence_parallel()
+    args = training_args(str(tmp_path), max_steps=2, eval_strategy="steps", eval_steps=1)
+    trainer = LongContextTrainer(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(),
+                                 eval_dataset=make_dataset(6, seed=1), mesh=mesh, max_tokens=48, tokens_per_step=120,
+                                 optimizer_cls_and_kwargs=(_ModeSGD, {"lr": 1e-3}))
+    trainer.train()
+    modes = trainer.optimizer.optimizer.modes if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer.modes
+    assert modes[:3] == ["train", "eval", "train"], modes  # step 1, evaluation, step 2
+
+
+def test_lomo_gets_the_learning_rate_in_the_backward(llama_path, tmp_path):
+    """optim="lomo" / "adalomo" update inside the backward: the training step passes the current
+    learning rate to `accelerator.backward`, as Trainer.training_step does (recorded here; the
+    optimizer is plain SGD, lomo_optim is not needed)."""
+    mesh = init_sequence_parallel()
+    args = training_args(str(tmp_path), max_steps=1, optim="lomo", learning_rate=0.25, lr_scheduler_type="constant",
+                         warmup_steps=0)
+    trainer = LongContextTrainer(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(), mesh=mesh,
+                                 max_tokens=48, tokens_per_step=120, optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.25}))
+    seen = []
+
+    def backward(loss, **kwargs):
+        seen.append(kwargs)
+        loss.backward()
+
+    trainer.accelerator.backward = backward
+    trainer.train()
+    assert seen and all(kw == {"learning_rate": 0.25} for kw in seen), seen

@@ -1,9 +1,9 @@
 """One optimizer step of the Trainer path: forward/backward over the step's micro-batches, the
 loss each rank reports, and the gradient norm.
 
-Where it sits: `LongContextTrainerMixin.training_step` (`training/sft/trainer.py`) runs
-`StepLoop.run` with what the step needs passed in (the micro-batch loss, the backward, the
-device); the Trainer's own loop then clips (`grad_norm`), steps the optimizer and the
+Where it sits: every trainer's `training_step` runs `StepLoop.run` through
+`SPTrainerBase._run_step` (`base/trainer.py`) with what the step needs passed in (the
+micro-batch loss, the backward, the device); the Trainer's own loop then clips (`grad_norm`), steps the optimizer and the
 scheduler. The contract (DESIGN invariant 6): each micro-batch's loss is this rank's
 token-loss sum / the step's GLOBAL target count; gradients are summed over micro-batches
 (FSDP2 reduce-scatters once, after the last backward, unless `sync_each_microbatch`) and over
@@ -32,11 +32,11 @@ class StepLoop:
     window, the last step's `StepRecord`, whether the unsharded step's memory was checked.
 
     `world_mesh`: the whole DP x SP world (the loss all-reduce); `window`: the `StepWindow`
-    the trainer's `log` drains; `watchdog`: beaten after every micro-batch (None: none);
+    the trainer's `log` drains (None: the trainer logs its own figures); `watchdog`: beaten after every micro-batch (None: none);
     `sync_each_microbatch`: reduce-scatter in every backward instead of the last only.
     """
 
-    def __init__(self, world_mesh: Any, window: StepWindow, watchdog: Any = None, *,
+    def __init__(self, world_mesh: Any, window: StepWindow | None, watchdog: Any = None, *,
                  sync_each_microbatch: bool = False) -> None:
         self.world_mesh = world_mesh
         self.window = window
@@ -51,7 +51,8 @@ class StepLoop:
         then the step's global loss on every rank. `step`: the optimizer step being run (1-based)."""
         if not isinstance(batch, StepBatch):
             raise ValueError("LongContextTrainer.training_step expects the StepBatch items of its own train dataloader")
-        self.window.start_step()
+        if self.window is not None:
+            self.window.start_step()
         micro_batches = batch.micro_batches
         fsdp = hasattr(model, "set_requires_gradient_sync")
         local = torch.zeros((), dtype=torch.float64, device=device)  # Σ this rank's micro-batch losses
@@ -78,8 +79,9 @@ class StepLoop:
                     watchdog.beat(step)
             step_loss = global_loss(local, self.world_mesh)  # []: the step's global token mean, on every rank
         self.last_record = StepRecord(step, batch.plan, batch.lengths, batch.plan_stats, tuple(times))
-        self.window.end_step(loss=float(step_loss), tokens=batch.tokens, flops=batch.flops, balance=batch.balance,
-                             layouts=batch.layouts, busy=batch.busy)
+        if self.window is not None:
+            self.window.end_step(loss=float(step_loss), tokens=batch.tokens, flops=batch.flops, balance=batch.balance,
+                                 layouts=batch.layouts, busy=batch.busy)
         return step_loss.to(torch.float32)
 
 

@@ -6,8 +6,9 @@ Where it sits: in front of the Trainer class in every trainer's bases -- `LongCo
 `Trainer.__init__` (model patched with the trainer's mesh, process group, the transformers
 version that accepts a model sharded before `prepare`), the model's placement (FSDP2 over the
 whole DP x SP world, sum reduction; the frozen reference sharded alike), the norm of the summed
-gradient for clipping and logging, and the checkpoint hooks (every rank's shards, the
-consolidated model). A trainer adds only its objective: data, step, loss, metrics.
+gradient for clipping and logging, the step (`_run_step`: the step's micro-batches through
+`base/step_loop.py`) and the checkpoint hooks (every rank's shards, the consolidated model). A
+trainer adds only its objective: data, micro-batches, loss, metrics.
 """
 
 from __future__ import annotations
@@ -18,19 +19,24 @@ from typing import Any
 
 import torch
 import transformers
+from transformers.training_args import OptimizerNames
 
 from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
 from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
+from hf_longctx.training.base.step_data import StepBatch
+from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.step_loop import grad_norm as summed_grad_norm
+from hf_longctx.training.base.step_record import StepRecord
 from hf_longctx.training.refusals.checks import check_mesh_world, check_patched
 
 
 class SPTrainerBase:
     """Put first in a Trainer subclass's bases; call `_setup_mesh` before `Trainer.__init__`,
-    `_place_model` (and `_place_reference` for a frozen reference) after it.
+    `_place_model` (and `_place_reference` for a frozen reference) after it, and set `step_loop`
+    (a `StepLoop`); `training_step` builds the step's `StepBatch` and calls `_run_step`.
 
     Attributes a subclass may set: `step_sampler` (the data position a checkpoint saves; None:
     the Trainer's own batch skip restores it), `watchdog` (a `WatchdogCallback`, paused while
@@ -43,12 +49,18 @@ class SPTrainerBase:
     watchdog: Any = None
     param_offload: bool = False
     config_use_cache: bool | None = None
+    step_loop: StepLoop
+    last_plan: StepRecord | None = None
 
     # ---- construction -----------------------------------------------------------------------------
-    def _setup_mesh(self, model: Any, mesh: Any) -> None:
-        """Before `Trainer.__init__`, on every rank alike and before any collective: the model
-        patched with `mesh`, the process group's size, and a transformers that takes a model
-        sharded before `prepare` (older ones wrap it in DDP)."""
+    def _setup_mesh(self, mesh: Any, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
+        """Before `Trainer.__init__` (whose parameters, in positional order, are `names`), on every
+        rank alike and before any collective: the model patched with `mesh`, the process group's
+        size, and a transformers that takes a model sharded before `prepare` (older ones wrap it in
+        DDP). Returns the constructor's (args, kwargs) with the training arguments replaced by a
+        copy whose HF checkpointing flags became `patch(checkpoint=...)` (the user's unchanged)."""
+        params = {**dict(zip(names, args)), **kwargs}
+        model, training_args = params.get("model"), params.get("args")
         check_patched(model, mesh)
         check_mesh_world(mesh)
         if mesh.world_size > 1 and not trainer_takes_sharded_models():
@@ -63,6 +75,10 @@ class SPTrainerBase:
         self.world_mesh = mesh.world
         # The Trainer writes args.use_cache into model.config; the saved model keeps the user's value.
         self.config_use_cache = getattr(getattr(hf_model(model), "config", None), "use_cache", None)
+        if training_args is None:
+            return args, kwargs
+        mapped = build.map_activation_checkpointing(model, training_args)
+        return build.with_argument(args, kwargs, names, "args", mapped)
 
     def _place_model(self) -> None:
         """After `Trainer.__init__`: FSDP2 over DP x SP for the policy (sum reduction)."""
@@ -83,6 +99,37 @@ class SPTrainerBase:
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
         if self.mesh.world_size == 1:  # several ranks: fully_shard placed the shards
             super()._move_model_to_device(model, device)
+
+    # ---- the step: the micro-batches of one optimizer step (base/step_loop.py) ---------------------
+    def _run_step(self, model: torch.nn.Module, batch: StepBatch) -> torch.Tensor:
+        """Forward and backward of every micro-batch of `batch` (`_micro_loss`), as
+        `Trainer.training_step` does for one; the step's global loss, identical on every rank.
+        Keeps the step's `StepRecord` as `last_plan`."""
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # a schedule-free optimizer's train mode, after
+            self.optimizer.train()  # an evaluation switched it to eval mode
+        loss = self.step_loop.run(model, batch, step=self.state.global_step + 1,
+                                  micro_loss=lambda mb: self._micro_loss(model, mb),
+                                  backward=self._backward, device=self.args.device)
+        self.last_plan = self.step_loop.last_record
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:  # as Trainer.training_step does
+            from accelerate.utils import clear_device_cache
+
+            clear_device_cache()
+        return loss
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        # As Trainer.training_step: LOMO / AdaLomo update the parameters inside the backward, at the current rate.
+        lomo = self.args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO)
+        self.accelerator.backward(loss, **({"learning_rate": self._get_learning_rate()} if lomo else {}))
+
+    def _micro_loss(self, model: torch.nn.Module, micro_batch: Any) -> torch.Tensor:
+        """This rank's share of the step's loss on one micro-batch: `_prepare_inputs` (to the
+        device; a subclass may shard there), then `compute_loss`."""
+        inputs = self._prepare_inputs(micro_batch)
+        with self.compute_loss_context_manager():
+            return self.compute_loss(model, inputs, num_items_in_batch=inputs.get("num_items_in_batch"))
 
     # ---- the norm of the summed gradient ----------------------------------------------------------
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:

@@ -7,10 +7,11 @@ gradient norm and checkpoints; four TRL hooks are replaced here: generation on g
 unpatched weights (`grpo/generate.py`); `_prepare_inputs`, which gathers the SP group's scored
 rows, packs them with the step's global counts and shards them (`grpo/loss.py`); `compute_loss`
 = `grpo_loss`; and `training_step`, split into packed micro-batches under `max_tokens`
-(`grpo/microbatches.py`). What it guarantees: a step equals the single-process GRPOTrainer step
-on the union of every process's rows (loss, gradients, grad_norm, TRL's metrics), a resumed
-step the uninterrupted one (`grpo/resume.py`), and every refused setting raised before any
-collective (`refusals/grpo.py`). The design: DESIGN "GRPO under SP".
+(`grpo/microbatches.py`) that the shared step loop runs (`base/step_loop.py`). What it
+guarantees: a step equals the single-process GRPOTrainer step on the union of every process's
+rows (loss, gradients, grad_norm, TRL's metrics), a resumed step the uninterrupted one
+(`grpo/resume.py`), and every refused setting raised before any collective
+(`refusals/grpo.py`). The design: DESIGN "GRPO under SP".
 """
 from __future__ import annotations
 
@@ -21,16 +22,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import transformers
 from trl import GRPOTrainer
 
 from hf_longctx.devices import to_device
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
-from hf_longctx.distributed.loss import global_loss
-from hf_longctx.training.base import construction as build
 from hf_longctx.training.base.log_lines import use_number_logs
 from hf_longctx.training.base.reference import reference_on_mesh
+from hf_longctx.training.base.step_data import StepBatch
+from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.trainer import SPTrainerBase
 from hf_longctx.training.grpo.generate import unpatched_for_generation
 from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
@@ -63,17 +63,17 @@ class LongGRPOTrainer(SPTrainerBase, GRPOTrainer):
         params = {**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs}
         config = check_grpo_trainer(mesh, max_tokens, params)  # every refused value at once, before any collective
         self.objective = GRPOObjective.from_config(config)
-        self._setup_mesh(params.get("model"), mesh)  # patched with mesh, process group, transformers version
-        mapped = build.map_activation_checkpointing(params["model"], config)  # HF checkpointing -> patch(checkpoint=...)
-        args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)  # the user's config unchanged
+        # Patched with mesh, process group, transformers version; TRL gets a copy of the config.
+        args, kwargs = self._setup_mesh(mesh, args, kwargs, _TRAINER_PARAMETERS)
         self.max_tokens = max_tokens
-        self.last_num_microbatches = 0  # micro-batches of the last step (the same on every rank)
         self._microbatch_metrics: list[dict[str, float]] = []
         super().__init__(*args, **kwargs)
         use_number_logs(self)  # the progress bar / printer show numbers unquoted
         self._throughput = [0, 0.0]  # trained tokens (prompt + completion, whole world), seconds: since the last log
         check_process_group(self.args)
         self._place_model()
+        # TRL logs the step's figures (no StepWindow); every micro-batch's backward reduce-scatters its gradients.
+        self.step_loop = StepLoop(self.world_mesh, None, sync_each_microbatch=True)
         if self.ref_model is not None:  # TRL loaded it from the policy's name: patched like the policy, frozen
             self.ref_model = reference_on_mesh(self.ref_model, self.model, mesh)
             self._place_reference(self.ref_model)  # every rank runs the reference's one forward per step
@@ -90,7 +90,7 @@ class LongGRPOTrainer(SPTrainerBase, GRPOTrainer):
 
     # ---- (2) the step's rows -> packed micro-batches of the SP group -> this rank's shards --------------
     def _prepare_inputs(self, slot: Any) -> dict[str, Any]:
-        if not isinstance(slot, _Slot):  # training_step passes its micro-batches; nothing else reaches here
+        if not isinstance(slot, _Slot):  # the step loop passes the step's micro-batches; nothing else reaches here
             raise NotSupported("GRPO evaluation is not wired to the SP step", "eval_strategy='no'")
         return self._shard(slot)
 
@@ -142,29 +142,33 @@ class LongGRPOTrainer(SPTrainerBase, GRPOTrainer):
 
     # ---- (4) micro-batches with gradient accumulation; logging; the norm of the summed gradient ------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Generation and scoring once, then the Trainer's forward/backward per micro-batch (the same
-        count on every rank); returns the step's global loss. Replaces GRPOTrainer.training_step's
+        """Generation and scoring once, then the step's packed micro-batches (the same count on every
+        rank) through the shared step loop (`_run_step`); returns the step's global loss (the Trainer
+        logs the mean over processes: each holds the global loss). Replaces GRPOTrainer.training_step's
         bookkeeping (`_step`, `step_time`) once per optimizer step."""
         start, seen = time.perf_counter(), self.state.num_input_tokens_seen
         model.train()  # as the Trainer's training_step does first: TRL's scoring logs under "train"
         rows, n, tokens = self._gather_rows(self._generate_and_score_completions(inputs))
-        bins = plan_rows([len(p) + len(c) for p, c, _ in rows], self.mesh, self.max_tokens)  # a collective (max_tokens)
+        lengths = [len(p) + len(c) for p, c, _ in rows]
+        bins = plan_rows(lengths, self.mesh, self.max_tokens)  # a collective (max_tokens)
         weights = slot_tokens([len(c) for _, c, _ in rows], bins, self.mesh) if len(bins) > 1 else [float(tokens)]
         self._microbatch_metrics = []
-        loss = None
-        for b in bins:  # gradients accumulate: the Trainer zeroes them only after the optimizer step
-            share = transformers.Trainer.training_step(self, model, _Slot([rows[i] for i in b], n, tokens),
-                                                       num_items_in_batch)
-            part = global_loss(share, self.mesh)  # the Trainer logs the mean over processes: each holds the global loss
-            loss = part if loss is None else loss + part
+        batch = StepBatch(micro_batches=[_Slot([rows[i] for i in b], n, tokens) for b in bins], num_items_in_batch=tokens,
+                          tokens=self.state.num_input_tokens_seen - seen,  # TRL counts the step's tokens globally
+                          flops=0.0, plan=None, lengths=tuple(lengths))
+        loss = self._run_step(model, batch)  # gradients accumulate: the Trainer zeroes them after the optimizer step
         for name, value in merge_metrics(self._microbatch_metrics, weights).items():
             self._metrics["train"][name].append(value)
-        self.last_num_microbatches = len(bins)
         self._step += 1  # GRPOTrainer.training_step's bookkeeping, once per optimizer step (GA is refused: 1)
         seconds = time.perf_counter() - start
         self._metrics["train"]["step_time"].append(seconds)
-        self._throughput = [self._throughput[0] + self.state.num_input_tokens_seen - seen, self._throughput[1] + seconds]
+        self._throughput = [self._throughput[0] + batch.tokens, self._throughput[1] + seconds]
         return loss
+
+    @property
+    def last_num_microbatches(self) -> int:
+        """Micro-batches of the last step (the same on every rank); 0 before the first."""
+        return len(self.last_plan.microbatch_s) if self.last_plan is not None else 0
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # tokens_per_s: the trained (prompt + completion) tokens of the whole world per second of the optimizer steps

@@ -18,7 +18,7 @@ from hf_longctx.integrations.model_patch import patch_state
 from hf_longctx.training.dpo.data import pair_format
 from hf_longctx.training.dpo.loss import LOSS_TYPES
 from hf_longctx.training.refusals.checks import check_patched
-from hf_longctx.training.refusals.rules import Rule, _falsy, _refused, _trainer, refused_config_fields
+from hf_longctx.training.refusals.rules import Rule, _falsy, _refused, _trainer, refused_trl_fields
 
 _TRL_DATA = "TRL's own dataset preparation (tokenising prompt/chosen/rejected, completion masks), which runs unchanged"
 _PACKED = "hf_longctx packs the pairs itself (chosen and rejected of a pair in the same micro-batch and SP group)"
@@ -82,13 +82,7 @@ DPO_CONFIG: dict[str, Rule] = {
 
 def refused_dpo_fields(args: Any) -> list[str]:
     """One line per refused value of a TRL `DPOConfig`-only field (nothing for other args)."""
-    try:
-        from trl import DPOConfig
-    except ImportError:
-        return []
-    if not isinstance(args, DPOConfig):
-        return []
-    return refused_config_fields(args, DPOConfig, DPO_CONFIG)
+    return refused_trl_fields(args, "DPOConfig", DPO_CONFIG)
 
 
 def check_dpo_config(args: Any) -> None:

@@ -74,3 +74,14 @@ def refused_config_fields(args: Any, config_cls: type, table: dict[str, Rule]) -
         elif rule.kind == "refused" and not rule.ok(value):
             errors.append(f"{label}." + refusal_message(f.name, value, rule))
     return errors
+
+
+def refused_trl_fields(args: Any, config_name: str, table: dict[str, Rule]) -> list[str]:
+    """`refused_config_fields` of `args` when it is TRL's `config_name` (e.g. "SFTConfig"); nothing
+    for any other arguments, or without TRL installed."""
+    try:
+        import trl
+    except ImportError:
+        return []
+    config_cls = getattr(trl, config_name)
+    return refused_config_fields(args, config_cls, table) if isinstance(args, config_cls) else []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_longctx.training.refusals.rules import Rule, _falsy, _is, _refused, _trainer, refused_config_fields
+from hf_longctx.training.refusals.rules import Rule, _falsy, _is, _refused, _trainer, refused_trl_fields
 
 
 # TRL's SFTConfig fields beyond TrainingArguments (TRL 1.16); LongContextTrainerMixin in front of SFTTrainer.
@@ -51,10 +51,4 @@ SFT_CONFIG: dict[str, Rule] = {
 
 def refused_sft_fields(args: Any) -> list[str]:
     """The refused values of TRL `SFTConfig`-only fields (nothing for plain TrainingArguments)."""
-    try:
-        from trl import SFTConfig
-    except ImportError:
-        return []
-    if not isinstance(args, SFTConfig):
-        return []
-    return refused_config_fields(args, SFTConfig, SFT_CONFIG)
+    return refused_trl_fields(args, "SFTConfig", SFT_CONFIG)

@@ -98,11 +98,8 @@ class LongContextTrainerMixin(SPTrainerBase):
             check_training_arguments(training_args, type(self).__name__)  # before anything else, on every rank alike
         # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (refusals/training_arguments.py).
         check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
-        model = kwargs.get("model", args[0] if args else None)
-        self._setup_mesh(model, mesh)  # patched with mesh, process group, transformers version
-        if training_args is not None:  # the Trainer gets a copy: the user's object is never changed
-            mapped = build.map_activation_checkpointing(model, training_args)
-            args, kwargs = build.with_argument(args, kwargs, _TRAINER_PARAMETERS, "args", mapped)
+        # Patched with mesh, process group, transformers version; the Trainer gets a copy of the arguments.
+        args, kwargs = self._setup_mesh(mesh, args, kwargs, _TRAINER_PARAMETERS)
         user_unused = getattr(training_args, "ddp_find_unused_parameters", None)
         super().__init__(*args, **kwargs)
         use_number_logs(self)  # the progress bar / printer show numbers unquoted
@@ -200,24 +197,10 @@ class LongContextTrainerMixin(SPTrainerBase):
 
     # ---- the step: (2) the loss as the model returns it (base/step_loop.py) --------------------------
     def training_step(self, model: torch.nn.Module, inputs: StepBatch, num_items_in_batch: Any = None) -> torch.Tensor:
-        model.train()
-        step = self.state.global_step + 1
-        loss = self.step_loop.run(model, inputs, step=step, micro_loss=lambda mb: self._micro_loss(model, mb),
-                                  backward=self.accelerator.backward, device=self.args.device)
-        self.last_plan = self.step_loop.last_record
-        every = self.args.torch_empty_cache_steps
-        if every is not None and self.state.global_step % every == 0:  # as Trainer.training_step does
-            from accelerate.utils import clear_device_cache
-
-            clear_device_cache()
-        with comm_guard(step):
+        loss = self._run_step(model, inputs)
+        with comm_guard(self.state.global_step + 1):
             self._flush_token_stats("train", inputs.tokens)
         return loss
-
-    def _micro_loss(self, model: torch.nn.Module, micro_batch: dict[str, Any]) -> torch.Tensor:
-        micro_batch = self._prepare_inputs(micro_batch)
-        with self.compute_loss_context_manager():
-            return self.compute_loss(model, micro_batch, num_items_in_batch=micro_batch["num_items_in_batch"])
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -253,6 +236,8 @@ class LongContextTrainerMixin(SPTrainerBase):
     # ---- evaluation: (4) Σ token losses / Σ targets over the eval set (evaluation.py) ----------------
     def evaluation_loop(self, dataloader: Any, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        if callable(getattr(self.optimizer, "eval", None)):  # as Trainer.evaluation_loop: a schedule-free
+            self.optimizer.eval()  # optimizer's evaluation weights (the training step switches back)
         out = evaluate(
             self.model, dataloader, metric_key_prefix,
             micro_loss=lambda mb: self.compute_loss(self.model, self._prepare_inputs(mb)), autocast=self.accelerator.autocast, world_mesh=self.world_mesh, device=self.args.device,
