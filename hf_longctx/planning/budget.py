@@ -7,8 +7,8 @@ from the model's sizes (not fitted); tests/unit/test_memory_budget.py holds the 
 5 % of the census for the presets. Phases: forward, loss, a layer's backward; the device
 peak is the largest. Presets (FPDT §3-4): "off"/"balanced" keep every layer's activations,
 "high" the attention's saved tensors and layer inputs, "max" only the layer inputs (host)
-with row-chunked layers. Symbols (v, qb, kvb, ib, lse; c, r, lr) are defined at `step_budget`.
-The kernel's own workspace (`kernel`) is a term apart. Method: docs/DESIGN.md "The per-token memory budget"."""
+with row-chunked layers. The kernel's own workspace (`kernel`) is a term apart.
+Symbols (`_Sizes`: v, qb, kvb, ib, lse) and method: docs/DESIGN.md "The per-token memory budget"."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ attention stand-in; a module whose output changes at another position (one token
 perturbed), or on a suffix that starts mid-document, mixes tokens or depends on the shard;
 unknown attention inputs, a dropped `sp_batch` and unsupported mask pieces refuse. Leaks are
 blamed at the innermost module and spliced back, so one pass finds every source; `handled`
-classes are trusted. Nothing of the model is changed. Runs, cost: docs/DESIGN.md."""
+classes are trusted. Nothing of the model is changed. Runs and cost: docs/DESIGN.md
+"Decisions and why"."""
 
 from __future__ import annotations
 
