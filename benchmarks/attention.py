@@ -31,9 +31,9 @@ a runner failing on any rank is dropped on all ranks, never left half-way throug
 collective. A runner that fails on one rank INSIDE a collective leaves the others
 blocked in it; the parent then stops every rank after `--timeout` seconds without
 progress and prints each rank's phase and the notes (never a silent hang).
-(The old hang: yunchang's TORCH_FLASH raised inside the ring after its isend/irecv were
-posted; the retry with the next backend then waited forever on that ring group. Backends
-are now probed on yunchang's bare kernels, with no communication.)
+(Backends are probed on yunchang's bare kernels, with no communication: its TORCH_FLASH
+can raise inside the ring after its isend/irecv are posted, and a retry with the next
+backend would then wait forever on that ring group.)
 DeepSpeed JIT-builds an op and may abort at interpreter exit, so all ranks run in child
 processes and the parent only reads their results. `--watchdog N` dumps every rank's
 stack every N seconds; 'max err' is the largest |out - single-process causal attention|.

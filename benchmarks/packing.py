@@ -7,7 +7,7 @@ benchmarks/data (see its README). It measures the objective of the Hydraulis two
 assignment / FlexSP appendix setting: with FSDP every rank waits for the slowest at
 every micro-batch, so a step lasts Σ over slots of the slowest rank's cost.
 
-Setup (the issue's): steps of 0.9 × ranks × micro-batches × 32K tokens, documents
+Setup: steps of 0.9 × ranks × micro-batches × 32K tokens, documents
 clipped to 32K, T(l) = l² + 16384·l; at 8 and at 4 micro-batches per step, and one
 scale row set at 64 ranks × 16M tokens. Columns are means over steps (max in
 parentheses). "lower bound" is a provable floor for each step: on synced/ideal, the

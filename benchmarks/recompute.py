@@ -15,7 +15,7 @@ on CPU). Per layer = (4-layer - 2-layer) / 2, rank 0. The FLOP target: keep-atte
 2 % of "no checkpoint + recompute of the non-attention parts" = none + (full - none -
 attention forward FLOPs).
 
-Part 2, `--time` (the issue's done-when): 4 gloo ranks, Ulysses 4, one packed row of 32K
+Part 2, `--time` (the targets' timing): 4 gloo ranks, Ulysses 4, one packed row of 32K
 tokens (documents of 14K, 8K, 5K, 3K, 2K tokens + padding) through a tiny Llama (hidden 256,
 8 heads / 4 KV heads, 2 layers, vocab 8K) with chunked MLP and loss, one full training step
 (forward, backward, AdamW step) per mode, `--repeats` rounds with the three modes
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> None:
     from benchmarks._ranks import run_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--time", action="store_true", help="the 32K-token timing of the issue instead of the counts")
+    parser.add_argument("--time", action="store_true", help="the 32K-token timing instead of the counts")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.time:

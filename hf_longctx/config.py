@@ -1,17 +1,12 @@
 """Typed, validated options of `hf_longctx.patch()`.
 
 Where it sits: `integrations/model_patch.py` builds one `PatchOptions` per `patch()` call
-before touching the model, so a bad option raises here -- on every rank alike, before any
-collective -- and the same object is stored with the patch so that a second `patch()` with
-equal options is a no-op (idempotence). The memory options belong to FPDT (FPDT paper §4:
-KV offload to host, chunked MLP and loss, activation checkpointing); they are forwarded to
-`integrations/memory.py` unchanged.
-
-Memory presets (`patch(model, mesh, memory=...)`): named bundles of those knobs, so a user
-need not know that the logits dominate. FPDT chunks stay a property of the mesh; "max"
-turns K/V offload on exactly when the mesh has them. `hf-longctx plan` chooses among the
-same presets (`planning/search.py`).
-"""
+before touching the model, so a bad option raises here, on every rank alike, before any
+collective; the object is stored with the patch, so a second `patch()` with equal options
+is a no-op. The memory options are FPDT's (§4: KV offload, chunked MLP and loss,
+checkpointing), forwarded to `integrations/memory.py` unchanged. Memory presets
+(`memory="off" | "balanced" | "high" | "max"`) name bundles of those knobs; FPDT chunks
+stay a property of the mesh; `hf-longctx plan` chooses among the same presets."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Host-built tensors onto their device without blocking the host.
 
-Where it sits: the lowest floor (torch only), the one rule for every host -> device copy of
-the library. `upload` moves one host-built tensor (the packed backend's block index, once
-per micro-batch; `patch()`'s consistency signature); `upload_stacked` moves a shard's
-per-token tensors with one copy per dtype (`data/sharding.shard_batch`); `to_device` moves
-the step dataloader's host shards (`LongContextTrainer._prepare_input`), where
-transformers' own `Trainer._prepare_input` does a blocking `.to(device)` that makes the host
-wait for the GPU queue before every micro-batch.
-
-On CUDA, `pin_memory()` stages the tensor in torch's caching host allocator, which keeps
-the block until the copy reading it has run (it records an event for it), so dropping the
-host tensor right after is safe. Anywhere else (CPU, or `pin=False`) the copy is the plain
-`.to(device, non_blocking=True)`, a no-op when the tensor is already there.
-"""
+Where it sits: the lowest floor (torch only), the one rule for every host -> device copy:
+`upload` (one tensor: the packed backend's block index, `patch()`'s signature),
+`upload_stacked` (a shard's per-token tensors, one copy per dtype) and `to_device` (the
+step DataLoader's host shards, where `Trainer._prepare_input` would block on `.to(device)`).
+Guarantee: on CUDA the tensor is staged with `pin_memory()` (torch's caching host allocator
+keeps it until the copy has run, so dropping it at once is safe) and copied non-blocking;
+elsewhere the copy is `.to(device, non_blocking=True)`, a no-op when already there."""
 
 from __future__ import annotations
 

@@ -1,26 +1,14 @@
 """The token permutation of one sequence-parallel rank, as a pure function.
 
-Where it sits: on the floor below `data/`, importing only torch, so that every floor
-above may read it. `data/sharding.py` gathers every per-token tensor of a packed batch
-with the indices computed here (through `SPMesh.local_indices`, which calls these
-functions), and the attention ops in `ops/` use the same runs to know which global
-positions each block of keys and queries holds. Nothing here touches a process group: the
-same inputs give the same layout on every rank (DESIGN invariant 8).
-
-Layouts:
-- zigzag over the ring (USP paper, Algorithm 2): every document is cut into 2R equal
-  chunks and ring rank r holds chunk r followed by chunk 2R-1-r, so every rank gets an
-  equal share of the causal score matrix;
-- contiguous over Ulysses (USP paper, Algorithm 1): the ring rank's stream of tokens is
-  cut into U equal consecutive pieces and Ulysses rank u holds piece u, so the Ulysses
-  all-to-all concatenates the pieces back into the ring rank's stream;
-- rank-ordinal chunks for FPDT (FPDT paper, Figure 6): the packed sequence is cut into
-  u·U equal pieces and Ulysses rank j holds pieces j, U+j, 2U+j, ..., so the i-th chunk
-  all-to-all gathers the contiguous global segment i and causality holds chunk by chunk.
-
-A layout is described as a list of `Run`s: consecutive local tokens that are
-consecutive global positions of one document.
-"""
+Where it sits: below `data/`, importing only torch. `data/sharding.py` gathers every
+per-token tensor with these indices (through `SPMesh.local_indices`), and `ops/` uses the
+same runs to know which global positions each block holds. No process group: the same
+inputs give the same layout on every rank (invariant 8). Layouts: zigzag over the ring (USP
+Algorithm 2: document in 2R chunks, ring rank r holds r and 2R-1-r, equal causal work);
+contiguous over Ulysses (Algorithm 1: the all-to-all rebuilds the ring rank's stream);
+rank-ordinal FPDT chunks (Figure 6: Ulysses rank j holds pieces j, U+j, ..., so chunk i's
+all-to-all gathers global segment i). A layout is a list of `Run`s: consecutive local
+tokens that are consecutive global positions of one document."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Walking a Hugging Face model: the one place that says which modules are what.
 
-Where it sits: the lowest floor (beside `errors`, `config`, `_compat`; it imports only torch
-and, lazily, transformers). Everything that needs to find parts of a user's model asks here:
-`patch()` and the structural rule (`integrations/probe/dry_run.py`, `exactness.py`), the memory
-features (`integrations/memory.py`: which layers to checkpoint, which MLPs to chunk), the
-FSDP2 plan (`integrations/accelerate.py`: one unit per decoder layer) and `verify()` (its
-reduced copy keeps one decoder layer per kind). One rule, so these can no longer disagree
-on the same model (before, three rules picked three different lists on e.g. GOT-OCR2,
-whose vision tower has as many blocks as its text decoder).
-
-- `hf_model`: the PreTrainedModel behind a PEFT wrapper.
-- `configs`: every config whose attention implementation a switch may touch.
-- `decoder_layers` / `layer_mlp` / `mlp_attr`: the decoder layer list and each layer's
-  token-wise MLP; `decoder_layer_classes`: their classes (the FSDP2 plan's units).
-- `layer_kind`, `SkippedLayer`, `reduced_copy`: one decoder layer per kind (verify, the
-  meta-device dry run).
-"""
+Where it sits: the lowest floor (torch and, lazily, transformers). `patch()` and the
+structural rule, the memory features, the FSDP2 plan and `verify()` all find a model's
+parts here, so they agree on every model (e.g. GOT-OCR2, whose vision tower has as many
+blocks as its text decoder). `hf_model`: the PreTrainedModel behind PEFT; `configs`: every
+config an attention switch may touch; `decoder_layers` / `layer_mlp` / `mlp_attr`: the
+decoder layers and their token-wise MLPs; `decoder_layer_classes`: the FSDP2 units;
+`layer_kind`, `SkippedLayer`, `reduced_copy`: one decoder layer per kind."""
 
 from __future__ import annotations
 

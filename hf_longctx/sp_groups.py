@@ -1,20 +1,12 @@
 """The shapes of the SP groups a flexible step may use: size, Ulysses × ring split, padding.
 
-Where it sits: pure arithmetic on the floor of `hf_longctx/layout.py` (whose padding
-multiples it applies per shape), shared by the group bank (`flex/bank.py`,
-which builds one process group per shape), the flexible planner (`flex/packing.py`,
-which must know each shape's padding multiples and capacity without any process group),
-the per-size cost model (`data/cost.GroupCost.from_config`) and the mixers' binding.
-FlexSP §3 / Hydraulis §4: SP groups of different power-of-two sizes, aligned so that a
-group of size s covers ranks [g·s, (g+1)·s) ("buddy" layout: any multiset of sizes that
-sums to the world tiles it when the groups are laid out largest first).
-
-The split of a group of size s: Ulysses U = the largest power of two dividing the
-query-head count, s and the ranks of one node (the all-to-all carries the heaviest
-traffic and must stay on the fastest links; fewer KV heads than U are handled by KV
-replication in `ops/ulysses.py`); ring R = s / U takes the rest. FPDT chunks only in
-groups with ring 1 (FPDT chunks the Ulysses all-to-all; `distributed/mesh.check_degrees`).
-"""
+Where it sits: pure arithmetic beside `hf_longctx/layout.py`, shared by the group bank,
+the flexible planner (capacities without a process group), `data/cost.GroupCost` and the
+mixers' binding. FlexSP §3 / Hydraulis §4: power-of-two sizes, aligned ("buddy" layout:
+any multiset of sizes summing to the world tiles it, largest first).
+Split of a group of size s: Ulysses U = the largest power of two dividing the query heads,
+s and the ranks of a node (the heaviest traffic on the fastest links; KV replication in
+`ops/ulysses.py`), ring R = s / U; FPDT chunks only with ring 1."""
 
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
 """`verify(model, mesh)`: measure, for THIS model, that sequence parallelism is exact.
 
-Where it sits: beside `patch()` (which calls it with `verify=True`), after the structural
-rule of `integrations/probe/dry_run.py`, as its numerical backstop for families nobody has tried
-(DESIGN invariant 7). It compares the patched model with the unpatched one on a small
-synthetic packed batch across the SP group -- loss and every parameter gradient -- in fp32,
-on a reduced copy of the model: embeddings, final norm, head and the FIRST decoder layer of
-each distinct layer kind (class, submodule structure, attention type); every other decoder
-layer is replaced in the copy by an identity, in eval mode (no dropout or sampled routing).
-So it is cheap and independent of the training dtype, and the model itself is never touched: its parameters, gradients, training
-mode, RNG state and attention implementation are as before.
-
-Reference: the unpatched copy on each document ALONE (the truth of a packed batch), the
-same on every rank. SP: a second copy patched with the structural rule OFF (so what is
-measured is the arithmetic, not the rule), loss and gradients summed over the SP group.
-Tolerances (fp32): loss 1e-5 relative, each gradient within 1e-4 of the largest reference
-gradient -- the summation-order noise of a few layers is ~1e-6; a dropped sink, a mixer on
-shards, a lost bias or mask are 1e-3 and more.
-
-Cost, with P_v = parameters of embeddings + head + one layer per distinct layer kind and
-T = 16 x SP tokens: memory 2 x P_v x (4 B weights + 4 B gradients); compute about
-2 x 6 x P_v x T FLOPs (two forward+backward passes) plus one all-reduce of P_v fp32 values
-over the SP group. For a 7B Llama (P_v ~ 0.5B: 2 x 131M embedding/head + one 200M layer)
-on SP 8: ~8 GB of host or device memory and ~0.8 TFLOP.
-"""
+Where it sits: beside `patch()` (`verify=True`), the numerical backstop of the structural
+rule for untried families (invariant 7). On a reduced copy (one decoder layer per kind, the
+rest identities, eval mode) it compares, in fp32, the unpatched copy on each document alone
+with a patched copy (structural rule off) on a packed batch across the SP group: loss
+within 1e-5 relative, every gradient within 1e-4 of the largest reference gradient. The
+model itself is never touched (parameters, gradients, mode, RNG, attention implementation).
+Cost: 2 × P_v × 8 B and ~12 × P_v × T FLOPs (P_v: embeddings, head, one layer per kind;
+T = 16 × SP tokens): ~8 GB and ~0.8 TFLOP for a 7B Llama on SP 8."""
 
 from __future__ import annotations
 

@@ -1,27 +1,15 @@
-"""The `hf-longctx` command. `plan`: which (ulysses, ring, fpdt chunks) mesh and which
-`patch(memory=...)` preset to train a model at a sequence length on a given cluster; the
-last lines print the suggestion as code (`planning.search.suggest` returns the same).
+"""The `hf-longctx` command: `plan` (which mesh and `patch(memory=...)` preset to train a
+model at a sequence length on a given cluster) and `step-plot` (a recorded step's figure).
 
 Where it sits: outside the training data flow, before a job is launched. It reads the
-model config (a config.json, a directory holding one, or a name already in the local
-Hugging Face cache -- never the network), ranks every setting with `planning/search.py`
-(memory from `planning/estimate.py`: FPDT §3-4 memory analysis, USP §4 memory and
-communication) and prints one table, best first. `--plot FILE.png` draws the per-rank load
-of one sampled step planned with `plan_microbatches` for the best setting
-(`planning/plot.py`); with `--flex` the step is planned with flexible SP groups instead
-(`plan_flexible`, groups of every power-of-two size, FlexSP / Hydraulis): the figure shows
-each slot's group layout and every rank's load, and the output names the layouts, the
-per-rank busy max/mean and the modelled step against the best setting's fixed degree.
-
-Usage:
+model config (a config.json, a directory, or a name already in the local Hugging Face
+cache -- never the network), ranks every setting with `planning/search.py` and prints one
+table, best first, ending with the suggestion as code (`suggest()` returns the same).
+`--plot FILE.png` draws one sampled step's per-rank load (`--flex`: flexible SP groups).
   hf-longctx plan --model PATH_OR_NAME --gpus 64 --gpu-memory 80GiB --host-memory 1TiB \\
-      --seq-len 131072 [--dtype bf16] [--micro-batch-tokens N] [--top 10] [--show-infeasible] \\
-      [--plot load.png [--lengths-file lengths.txt.gz] [--flex]]
+      --seq-len 131072 [--dtype bf16] [--micro-batch-tokens N] [--top 10] [--plot F [--flex]]
   hf-longctx step-plot RECORD.json --out OUT.png
-
-Files: this one holds the parser and `step-plot`; `plan.py` the `plan` subcommand and its
-table; `plots.py` its `--plot` figures.
-"""
+This file: the parser and `step-plot`; `plan.py` the `plan` table; `plots.py` the figures."""
 
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """The step collator: one step's global list of documents -> THIS rank's sharded micro-batches.
 
 Where it sits: after the step sampler (`data/sampler.py`) has drawn the same global list
-of documents on every rank, and before `model(**micro_batch)`. It chains the two data
-stages and adds no token layout of its own:
-1. `plan_microbatches` (`data/packing.py`) assigns the documents to DP ranks and
-   micro-batches by estimated cost -- the Hydraulis two-stage assignment (dispatch by
-   time T(l), then pack under the token cap) and the FlexSP appendix's micro-batch
-   chunking; every rank computes the same plan (DESIGN invariant 8) and keeps its own row;
-2. each micro-batch is packed exactly as `transformers.DataCollatorWithFlattening(
-   return_position_ids=True)` packs it and handed to `shard_batch` (`data/sharding.py`),
-   which shifts labels per document, pads, and gathers this SP rank's tokens (zigzag /
-   contiguous / FPDT rank-ordinal) -- so every layout `shard_batch` knows applies unchanged.
-
-Loss normalisation is global (DESIGN invariant 6): every micro-batch carries
-`num_items_in_batch` = the valid shifted targets of the WHOLE step (all pieces of all DP
-ranks), counted locally from the global list. Each rank's loss is then its share of the
-global mean, micro-batch losses and ranks add up (`sum_gradients`, `global_loss`), and
-gradients equal those of the mean loss over the global batch however unequal the token
-counts of ranks and micro-batches of a cost-balanced plan are.
-"""
+on every rank, before `model(**micro_batch)`. It chains the two data stages and adds no
+layout of its own: `plan_microbatches` (`data/packing.py`; Hydraulis two-stage assignment,
+FlexSP micro-batch chunking) assigns documents to DP ranks and micro-batches, the same
+plan on every rank (invariant 8); each micro-batch is packed as
+`DataCollatorWithFlattening(return_position_ids=True)` packs it and handed to `shard_batch`.
+Guarantee (invariant 6): every micro-batch carries `num_items_in_batch` = the valid shifted
+targets of the WHOLE step, counted locally, so gradients equal those of the global mean
+loss however unequal the token counts of ranks and micro-batches are."""
 
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Per-document cost model T(l) = a·l² + b·l + c.
 
-Where it sits: the first stage of the data flow after the sampler. `data/packing.py`
-asks this model how long each document takes, so that data-parallel ranks and
-micro-batches can be balanced by time rather than by token count; memory stays linear
-in tokens and is capped separately by the planner.
-
-Which paper sections: the quadratic-plus-linear execution-time estimate of Hydraulis
-(its two-stage assignment dispatches documents by T(l) = a·l² + b·l + c) and the FlexSP
-appendix (a profiled cost model, fitted by least squares, within ~5 % of measured time).
-`CostModel.from_config` gives an analytic default in FLOPs: a dense transformer's matmul
-work is linear in tokens (≈ 6·N per token for forward plus backward), while causal
-attention's score and value products grow with l²·layers·hidden.
-"""
+Where it sits: the first stage after the sampler: `data/packing.py` asks it how long each
+document takes, so DP ranks and micro-batches are balanced by time rather than by tokens;
+memory stays linear in tokens and is capped separately by the planner. `GroupCost` gives
+one such model per SP-group size (with a per-document and per-micro-batch term).
+Papers: Hydraulis' quadratic-plus-linear execution-time estimate; the FlexSP appendix's
+profiled model fitted by least squares (within ~5 % of measured time).
+`CostModel.from_config` is the analytic default in FLOPs (≈ 6·N per token for the
+matmuls, plus causal attention's l²·layers·hidden)."""
 
 from __future__ import annotations
 

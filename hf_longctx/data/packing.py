@@ -1,25 +1,14 @@
 """Workload-balanced micro-batch planner: documents → DP rank → micro-batches.
 
-Where it sits: after the step sampler (`data/sampler.py`) has drawn the same global
-list of documents on every rank and before `data/sharding.py` lays each micro-batch
-out over the SP group. Pure NumPy, no communication: every rank computes the same plan
-from the same inputs (DESIGN invariant 8).
-
-Which paper sections: the two-stage assignment of Hydraulis (dispatch documents across
-data-parallel ranks by estimated time T(l), then pack micro-batches under a memory cap;
-its randomised greedy dispatch is `strategy="hydraulis"`), the FlexSP appendix (sort,
-then a dynamic programme that cuts the batch into consecutive micro-batches minimising
-the largest token sum; `strategy="flexsp"`), token first-fit-decreasing as used by
-Megatron/NeMo packing (`"ffd"`) and multi-way Karmarkar-Karp differencing
-(`"karmarkar_karp"`); those four live in `packing_baselines.py`. The default
-`"balanced"` is this library's own: `balanced.py`. The plan structure is `plan.py`; lengths
-and the overlong rule are `pieces.py`.
-
-The objective: with FSDP every rank waits for the slowest one at every micro-batch, so a
-step lasts Σ over micro-batch slots of the slowest rank's cost, against the ideal
-total cost / dp_size. Memory is the token cap: every micro-batch, padding included,
-holds at most `max_tokens` tokens.
-"""
+Where it sits: after the step sampler has drawn the same global list on every rank, before
+`data/sharding.py` lays each micro-batch out over the SP group. Pure NumPy, no
+communication: every rank computes the same plan (invariant 8).
+Objective: the step lasts Σ over micro-batch slots of the slowest rank's cost (FSDP waits
+at every micro-batch), against total cost / dp_size; every micro-batch, padding included,
+holds at most `max_tokens` tokens. Strategies: `"balanced"` (default, `balanced.py`);
+Hydraulis' two-stage assignment, the FlexSP appendix's chunking, token FFD and
+Karmarkar-Karp (`packing_baselines.py`). The plan is `plan.py`; lengths and the overlong
+rule are `pieces.py`."""
 
 from __future__ import annotations
 

@@ -2,25 +2,13 @@
 share with the default one.
 
 Where it sits: called only by `data/packing.py` (`plan_microbatches(strategy=...)`), after
-documents have become pieces with padded sizes and costs T(size) and before the plan goes
-to the collator. Pure NumPy, deterministic (the Hydraulis dispatch is seeded), so every
-rank computes the same plan (DESIGN invariant 8).
-
-Which paper sections:
-- `"ffd"`: token first-fit-decreasing as Megatron/NeMo packing does it, bins dealt to ranks
-  round-robin -- the memory-only baseline;
-- `"karmarkar_karp"`: multi-way largest differencing on cost across ranks, then token-FFD
-  micro-batches per rank;
-- `"hydraulis"`: Hydraulis two-stage assignment -- stage 1 a randomised greedy dispatch of
-  documents to ranks by estimated time, stage 2 packing each rank's micro-batches under the
-  memory cap;
-- `"flexsp"`: FlexSP appendix -- sort by length, cut into consecutive micro-batch steps by a
-  dynamic programme minimising the largest token sum, spread each step over the ranks.
-
-The default `"balanced"` strategy stays in `packing.py`; it reuses the shared steps here
-(token FFD bin count, filling empty bins, dealing slots to ranks), which is why the
-dependency runs packing.py -> packing_baselines.py and never back.
-"""
+documents have become pieces with padded sizes and costs. Pure NumPy, deterministic (the
+Hydraulis dispatch is seeded): the same plan on every rank (invariant 8).
+`"ffd"`: token first-fit-decreasing (Megatron/NeMo packing), bins dealt round-robin;
+`"karmarkar_karp"`: multi-way differencing on cost, then token-FFD per rank; `"hydraulis"`:
+randomised greedy dispatch by time, then packing under the cap; `"flexsp"`: sort, cut
+into consecutive steps by a DP minimising the largest token sum. `"balanced"` reuses the
+shared bin steps here, so imports run packing.py -> packing_baselines.py, never back."""
 
 from __future__ import annotations
 

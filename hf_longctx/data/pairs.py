@@ -1,16 +1,12 @@
 """Preference pairs as planning units and packed rows (DPO).
 
-Where it sits: before `shard_batch`. A DPO loss needs the chosen and the rejected
-completion of a pair in the same micro-batch and SP group (their per-document log-prob
-sums meet in one non-linear term, training/dpo/loss.py). `plan_pairs` is a thin layer over
-`data/packing.plan_microbatches`: each pair is ONE unit whose length is its two padded
-documents, so the planner never separates them (a pair that cannot fit raises, it is never
-split or truncated). The cost model then sees one document of length c + r where attention
-actually costs c² + r²: a conservative (over-)estimate for balancing. `pack_pairs` lays the
-pairs of one micro-batch out as [chosen_0, rejected_0, chosen_1, ...] (prompt + completion
-each, prompt labels -100, as TRL masks them), in the format of
-`DataCollatorWithFlattening(return_position_ids=True)`.
-"""
+Where it sits: before `shard_batch`. A DPO loss needs a pair's chosen and rejected
+completions in the same micro-batch and SP group (training/dpo/loss.py). `plan_pairs` is a
+thin layer over `plan_microbatches` with each pair ONE unit of its two padded documents,
+so a pair is never separated (one that cannot fit raises; never split or truncated); its
+cost c + r over-estimates attention's c² + r², a conservative balance. `pack_pairs` lays a
+micro-batch out as [chosen_0, rejected_0, chosen_1, ...] (prompt labels -100, as TRL masks
+them) in the format of `DataCollatorWithFlattening(return_position_ids=True)`."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Step sampler: the global list of documents of every training step.
 
-Where it sits: between the tokenized dataset (`data/pipeline.py`, which adds a
-`length` column) and the micro-batch planner (`data/packing.py`). Every rank — all DP
-ranks and all SP ranks — builds the same sampler from the same lengths and seed, so it
-draws the same global list for every step without communication (DESIGN invariant 8);
-the planner then gives different DP ranks different documents, and every rank of an SP
-group the same ones.
-
-Which paper section: the per-step global batch that Hydraulis' two-stage assignment and
-FlexSP's planner take as input (a token budget per step rather than a document count,
-since documents vary by orders of magnitude in length).
-"""
+Where it sits: between the tokenized dataset (`data/pipeline.py`, which adds a `length`
+column) and the micro-batch planner (`data/packing.py`). Every rank builds the same sampler
+from the same lengths and seed, so it draws the same global list for every step without
+communication (invariant 8); the planner then gives DP ranks different documents and an SP
+group's ranks the same ones. The step is a token budget, not a document count (Hydraulis'
+and FlexSP's per-step global batch): documents vary by orders of magnitude in length."""
 
 from __future__ import annotations
 

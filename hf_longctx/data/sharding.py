@@ -1,25 +1,14 @@
 """One packed batch -> the shard of one sequence-parallel rank, and back.
 
-Where it sits: between the collator (or the user's own loop) and `model(**shard)`. It is
-the data half of DESIGN invariants 1-6:
-1. labels are shifted on the FULL packed sequence, per document, before sharding (the last
-   token of every document gets -100), so no target is lost at a shard boundary;
-2. one permutation (`SPMesh.local_indices`: zigzag over the ring, contiguous over Ulysses,
-   rank-ordinal chunks for FPDT -- USP paper Algorithms 1-2, FPDT Figure 6) gathers every
-   per-token tensor;
-4. position_ids stay global per-document positions, so RoPE and learned positions are right;
-5. every document is padded at its END to `mesh.doc_multiple` (causal attention: no real
-   token sees those pads) and the total to `mesh.seq_multiple` with a trailing padding
-   document; padding carries label -100;
-6. `num_items_in_batch` is the valid-label count of the whole batch (or the step's global
-   count passed by the collator), identical on every rank.
-The shard carries ONE attention-metadata entry (`SP_METADATA_KEY`): the global document
-boundaries that the attention of `integrations/model_patch.py` builds its mask from --
-never from HF's mask, which HF builds at the local shard length.
-
-Pure tensor code, no process group; the inverse for evaluation outputs, which needs an
-all-gather over the SP group, is `distributed/gather.py`.
-"""
+Where it sits: between the collator (or the user's loop) and `model(**shard)`; the data
+half of DESIGN invariants 1-6: labels shifted per document on the FULL sequence before
+sharding; one permutation (`SPMesh.local_indices`: zigzag over the ring, contiguous over
+Ulysses, rank-ordinal FPDT chunks; USP Algorithms 1-2, FPDT Figure 6) gathers every
+per-token tensor; positions stay global per document; documents padded at their end to
+`mesh.doc_multiple` and the total to `mesh.seq_multiple` (padding: its own document, label
+-100); `num_items_in_batch` identical on every rank. The shard carries ONE metadata entry
+(`SP_METADATA_KEY`): the global document boundaries the patched attention builds its mask
+from. Pure tensor code; the inverse (an all-gather) is `distributed/gather.py`."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Token ids against the model's vocabulary, checked on the host before any collective.
 
-Where it sits: in the collators' feature reading (`data/collator.read_documents`, shared by the
-fixed-degree and flexible collators) and in the DPO pair collate, after the step sampler has
-drawn the step's global list of documents and before planning, sharding or any forward. Every
-rank reads the same global list, so every rank finds the same bad id and raises the same error
-together (DESIGN invariant 8). Unchecked, an id outside the embedding table raises an
-`IndexError` (CPU) or a device-side assert (CUDA) mid-forward on the one rank whose shard holds
-it, while its peers wait in a collective and then report a dead rank.
-
-The features are host tensors (`datasets` rows turned into tensors in the step DataLoader), so
-the check is a host comparison per document: no device synchronisation on any step.
-"""
+Where it sits: in the collators' feature reading (`data/collator.read_documents`, shared by
+the fixed-degree and flexible collators) and in the DPO pair collate, after the step sampler
+and before planning, sharding or any forward. Every rank reads the same global list, so
+every rank finds the same bad id and raises the same error together (invariant 8), instead
+of one rank failing mid-forward (IndexError, device-side assert) while its peers hang in a
+collective. A host comparison per document: no device synchronisation on any step."""
 
 from __future__ import annotations
 

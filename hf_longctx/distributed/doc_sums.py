@@ -1,22 +1,14 @@
 """Per-document sums of per-token quantities over a sharded packed batch.
 
-Where it sits: after `model(**shard)` on a batch made by `data/sharding.shard_batch`, before
-any SEQUENCE-level objective (DPO's log-ratio of a whole completion, GRPO's per-sequence
-mean, a per-document KL). Token-level losses need no such step (each rank sums its own
-tokens, loss.py); a sequence-level objective is a non-linear function of per-document
-sums, and under sequence parallelism (USP Algorithms 1-2, FPDT Figure 6) the tokens of one
-document are spread over the SP ranks. `doc_sums` maps every local token to its document
-through the batch's global boundaries (`SPBatchInfo.cu_seqlens`) and this rank's token
-permutation (`mesh.local_indices`), sums locally in fp32 and all-reduces over the SP group.
-
-The result is identical on every SP rank and equals the unsharded per-document sums. It is
-differentiable: backward all-reduces the incoming gradient over the SP group, i.e. it is the
-adjoint of a true sum over ranks, so each shard receives d(objective)/d(its tokens) for the
-objective SUMMED over the SP ranks. The project convention (loss.py) is that the step loss
-is the sum of the rank losses and gradients are summed over ranks; a sequence-level
-objective `f(sums)` that every SP rank computes therefore enters each rank's loss as
-`f(sums) / sp` (or on one rank only); both give the single-process gradient.
-"""
+Where it sits: after `model(**shard)` on a batch from `data/sharding.shard_batch`, before a
+SEQUENCE-level objective (DPO's completion log-ratio, GRPO's per-sequence mean, a
+per-document KL), whose documents are spread over the SP ranks. `doc_sums` maps every local
+token to its document through the global boundaries and this rank's permutation, sums in
+fp32 and all-reduces over the SP group.
+Guarantees: the result is identical on every SP rank and equals the unsharded sums; the
+backward all-reduces the incoming gradient (the adjoint of a sum over ranks), so an
+objective `f(sums)` that every SP rank computes enters each rank's loss as `f(sums) / sp`
+(or on one rank only), and both give the single-process gradient (loss.py's convention)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Loss and gradient reduction over the sequence-parallel world (DESIGN invariant 6).
 
-Where it sits: after `model(**shard)`. Each rank's `loss` is already
-(sum of ITS token losses) / num_items_in_batch, with num_items_in_batch the valid-target
-count of the whole step (all DP ranks, all micro-batches; `shard_batch` / the collator put
-it in the shard). Therefore:
-- the step's loss is the SUM of every rank's loss over every micro-batch -- never a mean;
-- backward on the local loss gives each rank its share of the gradient, and the
-  single-device gradient is the SUM of the shares over all ranks (SP and DP). Averaging
-  (DDP's default) divides it by the world size; all-reducing the loss inside the graph
-  multiplies it by the SP degree. Neither happens here: `global_loss` is detached and
-  `sum_gradients` sums. The FSDP plan sets its reduction to a sum for the same reason.
-"""
+Where it sits: after `model(**shard)`. Each rank's loss is already (sum of ITS token
+losses) / num_items_in_batch, the valid-target count of the whole step. Therefore the
+step's loss is the SUM of every rank's loss over every micro-batch (`global_loss`,
+detached), and the single-device gradient is the SUM of the ranks' shares
+(`sum_gradients`). Averaging (DDP's default) would divide it by the world size;
+all-reducing the loss inside the graph would multiply it by the SP degree. The FSDP plan
+sets its reduction to a sum for the same reason."""
 
 from __future__ import annotations
 

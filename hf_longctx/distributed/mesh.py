@@ -1,16 +1,12 @@
 """The frozen sequence-parallel mesh: dp × ring × ulysses.
 
 Where it sits: built once per job by `hf_longctx.init_sequence_parallel`, then passed to
-`patch()`, `shard_batch()`, the collator and `usp_attention()` -- never stored in a module
-global. It owns the process groups (USP paper §3: Ulysses innermost because it carries the
-heaviest all-to-all traffic and belongs on the fastest links, ring next, data parallel
-outermost) and answers layout questions by calling the pure functions of
-`hf_longctx/layout.py`.
-
+`patch()`, `shard_batch()`, the collator and `usp_attention()` -- never a module global. It
+owns the process groups (USP §3: Ulysses innermost, on the fastest links; ring next; DP
+outermost) and answers layout questions with the pure functions of `hf_longctx/layout.py`.
 Global rank = dp_rank · (R·U) + ring_rank · U + ulysses_rank.
-Works without torch.distributed (one process, every degree 1): the groups are then None
-and every collective in `distributed/comm.py` is the identity.
-"""
+Without torch.distributed (one process, every degree 1) the groups are None and every
+collective in `distributed/comm.py` is the identity."""
 
 from __future__ import annotations
 

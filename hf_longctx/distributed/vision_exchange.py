@@ -1,18 +1,12 @@
 """The one exchange of visual embeddings per micro-batch, differentiable both ways.
 
-Where it sits: called by the patched model's vision hook (`integrations/vision/forward.py`)
-after each SP rank has encoded its share of the micro-batch's images and video slices
-(`data/multimodal/routing.py` dealt them by encoder cost). Rows travel from the rank that
-encoded them to the rank whose token shard holds their placeholders, in ONE uneven
-`all_to_all_single` (DeepStack levels ride along as extra columns); the backward is the
-same exchange with the counts swapped, so the gradient of every embedding row returns to
-the rank that encoded it and the vision tower and projector train exactly as on one device.
-
-A rank that sends or receives nothing still joins (zero rows), and its received tensor is
-always used by the model (the model scatters a zero-row tensor), so autograd runs this
-exchange's backward on every rank: a skipped backward collective would hang its peers.
-With group None (one process) it is the identity.
-"""
+Where it sits: called by the vision hook (`integrations/vision/forward.py`) after each SP
+rank has encoded its share of the images and video slices (`data/multimodal/routing.py`).
+Rows travel from the encoding rank to the rank whose shard holds their placeholders in ONE
+uneven `all_to_all_single` (DeepStack levels as extra columns); the backward is the same
+exchange with the counts swapped, so the tower and projector train exactly as on one device.
+Guarantee: a rank with nothing to send or receive still joins (zero rows) and its received
+tensor is always used, so every rank runs the backward collective; group None is the identity."""
 
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """The group bank: one aligned SP group of every power-of-two size, built once at init.
 
 Where it sits: replaces the single `SPMesh` of `init_sequence_parallel` when a step may use
-SP groups of different sizes (FlexSP §3, Hydraulis §4 "heterogeneous propagation"). Built
-once on every rank, in the same order (group creation is collective), then passed to
-`patch()` and to the flexible step driver (`flex/step.py`). For every size s
-this rank belongs to exactly one aligned group, ranks [g·s, (g+1)·s) with g = rank // s,
-so the bank holds one `SPMesh` per size: dp = world / s, dp_rank = g, and the Ulysses ×
-ring split of `sp_groups.ulysses_split`. Everything that takes an `SPMesh`
-(`shard_batch`, `usp_attention`, `fpdt_attention`) therefore works per group unchanged.
-
-Optimisation is NOT grouped: every mesh of the bank carries the same 1-D world mesh, so
-FSDP2 shards parameters over the whole world and gradients are summed over the world
-whatever the grouping of a micro-batch (DESIGN invariant 6; Hydraulis separates
-optimisation from propagation the same way).
-"""
+SP groups of different sizes (FlexSP §3, Hydraulis §4); built on every rank in the same
+order (group creation is collective), then passed to `patch()` and `flex/step.py`. For
+every size s this rank is in exactly one aligned group, ranks [g·s, (g+1)·s), g = rank // s:
+one `SPMesh` per size, so everything that takes an `SPMesh` works per group unchanged.
+Guarantee: optimisation is NOT grouped: every mesh carries the same world mesh, so FSDP2
+shards over the world and gradients are summed over the world (invariant 6)."""
 
 from __future__ import annotations
 

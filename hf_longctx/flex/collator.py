@@ -1,24 +1,13 @@
 """The flexible step collator: one step's global list of documents -> THIS rank's shards,
 one per micro-batch slot, each laid out for the SP group of that slot.
 
-Where it sits: the `LongContextCollator` of a `GroupBank` (FlexSP §4 / Hydraulis §4-5:
-SP groups of different sizes in every slot, chosen per step). The step sampler drew the
-same global list on every rank; this collator
-1. cuts documents longer than the largest group holds (`overlong="split" | "truncate"`,
-   the rule of `pieces.make_pieces`; "error" refuses them) into pieces,
-2. plans the step with `plan_flexible` (per-size `GroupCost`; a group of size s packs at
-   most s × `max_tokens_per_rank` padded tokens) -- deterministic, no collective,
-3. hands the plan to `flex/step.flex_microbatches`, which checks it (every slot tiles the
-   world, so every rank runs the same number of forward/backward calls), compares its
-   fingerprint across ranks (ONE all-reduce of two integers: the only collective here)
-   and `shard_batch`es each slot's group row for `bank.mesh(size)`.
-
-It has the attributes the trainer's step DataLoader reads from a `LongContextCollator`
-(`max_tokens`, `overlong`, `cost`, `last_plan`, `last_num_items`, `stats`) plus
-`last_lengths` (the trained pieces' lengths), so `training/sft/data.py` wraps either one.
-Loss normalisation is global (DESIGN invariant 6): every shard carries the step's valid
-shifted-target count over all pieces of all slots and ranks.
-"""
+Where it sits: the `LongContextCollator` of a `GroupBank` (FlexSP §4, Hydraulis §4-5). It
+cuts documents longer than the largest group holds (`overlong`, the rule of
+`pieces.make_pieces`), plans with `plan_flexible` (no collective), and hands the plan to
+`flex/step.flex_microbatches` (plan check, ONE fingerprint all-reduce, `shard_batch` per
+slot on `bank.mesh(size)`). It has the attributes the trainer's step DataLoader reads from
+a `LongContextCollator` plus `last_lengths`, so `training/sft/data.py` wraps either one.
+Guarantee (invariant 6): every shard carries the step's global valid-target count."""
 
 from __future__ import annotations
 

@@ -1,38 +1,14 @@
 """Flexible planner: per micro-batch slot, a partition of the world into SP groups of
 different sizes, and the documents of each group.
 
-Where it sits: where `data/packing.py` sits for a fixed SP degree -- after the step sampler
-drew the same document list on every rank, before `shard_batch` lays each group's
-micro-batch out over that group (`flex/step.py` drives it). Pure NumPy, no
-process group: every rank computes the same plan from the same list (DESIGN invariant 8);
-`FlexPlan.fingerprint()` is what the step driver compares across ranks.
-
-Which paper sections: FlexSP §4 (heterogeneity-adaptive SP: each sequence goes to a group
-whose size fits its length, groups change every step) and Hydraulis §4-5 (heterogeneous
-propagation, a dynamic group per micro-batch, cost T_s = attention/s + linear/s +
-communication). The planner here is a greedy construction with projected costs rather than
-FlexSP's MILP, so it runs in milliseconds:
-
-1. every document needs a group of at least its smallest size that holds it
-   (Σ padded tokens ≤ s × `max_tokens_per_rank`); a document whose own time T_s(l) exceeds
-   a target slot length τ is promoted to the next size (a lone long document otherwise
-   holds its slot while memory-bound short-document ranks cannot fill it);
-2. wide documents first, costliest first: each joins a group with room or opens a group of
-   its width in the slot where it raises that slot's projected maximum least (heavy work
-   lines up in the same slot);
-3. the free ranks of every slot become groups of the smallest size; then the remaining
-   documents, costliest first, go where they lie furthest below their slot's maximum
-   (the rule of `balanced.cost_fill`, with a group judged by its projected full cost);
-4. τ is tried at a few multiples of the ideal slot length; the plan with the smallest
-   modelled step Σ_slot max_group T wins (deterministic: no wall-clock bound).
-
-Every slot covers every rank exactly once, so every rank runs the same number of
-forward/backward calls (FSDP2's per-layer collectives hang otherwise). Groups are
-aligned: in each slot they are laid out largest first, so a group of size s starts at a
-multiple of s (buddy layout; only the multiset of sizes matters). The fixed-degree
-strategies of `packing.py` (the FlexSP DP chunking, the Hydraulis two-stage assignment)
-stay available through `plan_fixed`.
-"""
+Where it sits: where `data/packing.py` sits for a fixed SP degree (FlexSP §4, Hydraulis
+§4-5): after the step sampler, before `flex/step.py` shards each group's micro-batch. Pure
+NumPy: every rank computes the same plan (invariant 8), compared by `FlexPlan.fingerprint()`.
+A greedy construction with projected costs instead of FlexSP's MILP, so it runs in
+milliseconds (steps: docs/DESIGN.md "Planning a step").
+Guarantees: every slot covers every rank exactly once (equal forward/backward counts, as
+FSDP2's per-layer collectives need); groups are aligned (a group of size s starts at a
+multiple of s). `plan_fixed` gives the fixed-degree strategies as a FlexPlan."""
 
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """The flexible step plan: per micro-batch slot, the SP groups tiling the world and their
 documents; its checks, fingerprint and modelled cost.
 
-Where it sits: produced by `flex/packing.py` (`plan_flexible`, `plan_fixed`) on every
-rank from the same document list, consumed by `flex/step.py`, which lays each
-group's micro-batch out for that group. Pure Python/NumPy, no process group. `validate()`
-is the liveness guard of FlexSP/Hydraulis-style heterogeneous groups under FSDP2; it runs
-when a plan is built, before any collective:
-- equal calls (default, FSDP2 resharding per layer): every slot covers every rank exactly
-  once, so every rank runs the same number of forward/backward calls and FSDP's per-layer
-  all-gathers and reduce-scatters pair up;
-- unequal calls (`equal_calls=False`, `flex/unequal.py`, Hydraulis §5's heterogeneous
-  propagation with parameters unsharded for the step, `flex/unsharded_step.py`): a
-  slot's groups are disjoint but may leave ranks idle; each rank runs the groups that hold
-  it in slot order. The slot order is one total order of all micro-batches that every rank
-  follows, so a group's collectives never wait on a member blocked elsewhere (the first
-  unfinished micro-batch in that order always has all its members ready). Each rank's last
-  micro-batch must be the last of every member of its group ("closing"): the gradient
-  reduce-scatter over the world runs inside that backward, interleaved with the group's own
-  collectives, so all members must issue both in the same order.
-"""
+Where it sits: produced by `flex/packing.py` / `flex/unequal.py` on every rank from the
+same document list, consumed by `flex/step.py`. Pure Python/NumPy. `validate()` is the
+liveness guard under FSDP2, run when a plan is built, before any collective: with equal
+calls every slot covers every rank exactly once; with unequal calls
+(`flex/unsharded_step.py`) every rank follows the slot order as one total order, and each
+rank's last micro-batch is the last of every member of its group ("closing").
+Why these two rules prevent deadlock: docs/DESIGN.md "Decisions and why"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
 """The flexible step driver: run one planned step, slot by slot, each on its own SP group.
 
-Where it sits: between the flexible planner (`flex/packing.py`, a `FlexPlan` computed
-on every rank from the step's document list) and the model patched with a `GroupBank`
-(`patch(model, bank)`). For each slot this rank looks up its group (size, index), packs the
-group's documents into one row, lays it out for that group with `shard_batch(batch,
-bank.mesh(size))` (which writes the group into `SPBatchInfo.group`, so the attention and
-any recomputation run on it), and runs forward + backward. A Trainer integration calls
-`run_flex_step` (or `flex_microbatches` for its own loop) per optimizer step.
-
-Loss contract (DESIGN invariant 6, unchanged by grouping -- Hydraulis separates
-propagation from optimisation): every micro-batch's loss is its token-loss sum divided by
-the step's GLOBAL valid-label count `num_items_in_batch`, so the losses of all ranks and
-slots sum to the single-device mean loss, and gradients are SUMMED over the whole world:
-by FSDP2's reduce-scatter over the bank's world mesh (sync on the last slot only), or by
-`distributed/loss.sum_gradients` over the world without FSDP.
-
-Liveness: with equal calls every slot tiles the world (`FlexPlan.validate`), so every rank
-runs exactly `plan.num_slots` forward/backward calls; a plan that breaks this, or that
-differs between ranks (a cheap fingerprint all-reduce), is refused before the first
-forward. With unequal calls (`plan_unequal`) ranks run different numbers of micro-batches
-in the plan's one global order, and an FSDP2 model runs the step unsharded
-(`flex/unsharded_step.py`): its only world collectives are the all-gathers at the
-start and the reduce-scatters of each rank's own last backward.
-"""
+Where it sits: between the flexible planner (a `FlexPlan`) and the model patched with a
+`GroupBank`. For each slot it shards the group's documents with `shard_batch(batch,
+bank.mesh(size))` (the group travels in `SPBatchInfo.group`, so attention and recompute
+run on it) and runs forward + backward; `run_flex_step` / `flex_microbatches` per step.
+Guarantees: losses are divided by the step's GLOBAL valid-label count and gradients SUMMED
+over the world (invariant 6, unchanged by grouping); a plan that breaks `validate` or
+differs between ranks (one fingerprint all-reduce) is refused before the first forward;
+with unequal calls an FSDP2 model runs the step unsharded (`flex/unsharded_step.py`)."""
 
 from __future__ import annotations
 

@@ -1,36 +1,13 @@
 """Flexible planner with unequal micro-batch counts: each rank runs as many micro-batches as
-its share of the step needs, groups of different sizes start as soon as their members are
-free, and no slot waits for its slowest group.
+its share of the step needs, and no slot waits for its slowest group.
 
-Where it sits: beside `flex/packing.plan_flexible` (same inputs, same `FlexPlan`
-output with `equal_calls=False`), on every rank from the same document list, before
-`flex/step.py` lays each group's micro-batch out. Pure NumPy, no process group.
-It is only usable where the step runs with parameters unsharded for its whole length
-(`flex/unsharded_step.py`): FSDP2's per-layer all-gathers and reduce-scatters are
-what force equal call counts, and with parameters gathered once per step and gradients
-synced in each rank's last backward, only the SP groups' own collectives remain.
-
-Which paper section: Hydraulis §5 (heterogeneous propagation decoupled from the
-optimizer's layout: each device runs its own sequence of micro-batches on dynamic groups)
-and FlexSP §4's per-sequence group choice. The construction is list scheduling (Graham's
-LPT) on the "rank timelines" of the world:
-
-1. every document takes the smallest group size that holds it, promoted while its own time
-   T_s(l) on that size exceeds τ = f × (Σ_doc min_s s·T_s / world), the per-rank share of
-   the ideal (a document longer than τ would set the step on its own);
-2. wide documents (size > the smallest), costliest first: each extends the open last
-   micro-batch of an aligned group if it has room and is still last on all its members, or
-   opens one on the aligned group whose members are free earliest -- whichever ends first;
-3. the rest, costliest first, the same way on the groups of the smallest size (LPT on the
-   ranks' timelines), or earlier, in an idle stretch a wide micro-batch left on ranks that
-   were free before all its members were (backfilling: a micro-batch of the smallest size
-   has no collective, so it can run in any gap of its ranks);
-4. the micro-batches in order of start time are the one total order every rank follows
-   (runs of disjoint ones form a slot); a rank whose last micro-batch is not the last of all
-   its group's members gets an empty closing micro-batch of its own (`FlexPlan` explains
-   why); f is tried at a few values and the shortest modelled makespan wins
-   (deterministic).
-"""
+Where it sits: beside `flex/packing.plan_flexible` (same inputs, a `FlexPlan` with
+`equal_calls=False`), before `flex/step.py`. Pure NumPy, the same on every rank. Usable
+only where parameters stay unsharded for the step (`flex/unsharded_step.py`): FSDP2's
+per-layer collectives are what force equal call counts.
+Papers: Hydraulis §5 (heterogeneous propagation), FlexSP §4's per-sequence group choice;
+list scheduling (Graham's LPT) on the ranks' timelines, with backfilling and closing
+micro-batches (steps: docs/DESIGN.md "Planning a step"). Deterministic."""
 
 from __future__ import annotations
 

@@ -1,31 +1,14 @@
 """A training step with parameters unsharded from its first forward to its last backward, so
 ranks may run different numbers of micro-batches (the unequal-count mode of flexible SP).
 
-Where it sits: around the micro-batch loop of `flex/step.run_flex_step` and of
-`LongContextTrainer.training_step`, when the step's `FlexPlan` has `equal_calls=False`
-(`flex/unequal.plan_unequal`). Hydraulis §5 (heterogeneous propagation): with FSDP2
-resharding per layer, every forward and backward of every micro-batch issues all-gathers
-and reduce-scatters over the whole world, so all ranks must run the same number of them.
-Here every FSDP2 unit is all-gathered ONCE at the step's start (`FSDPModule.unshard`, the
-same calls in the same order on every rank), stays unsharded through every forward and
-backward (`set_reshard_after_forward(False)`, `set_reshard_after_backward(False)`),
-accumulates its unsharded gradient without communication (`set_requires_gradient_sync(False)`),
-and reduce-scatters (a SUM, FSDP's sum reduction of `fsdp_plan`) in each rank's own last
-backward, after which it reshards. That reduce-scatter runs once per unit on every rank, in
-the same layer order, whatever the rank's micro-batch count; `FlexPlan.validate` guarantees
-that a rank's last micro-batch is also the last of all its group's members, so the group's
-collectives and the reduce-scatters are issued in one order by all of them.
-
-The cost is memory: the unsharded parameters (param dtype) and gradients (reduce dtype, fp32)
-of the whole model are held for the whole step (`planning/estimate.estimate_memory(...,
-unsharded_step=True)`). Refused, before any collective: parameter CPU offload (the mode
-exists for parameters that fit on the device), and, on CUDA, a step whose unsharded
-parameters and gradients do not fit the free device memory of some rank (one all-reduce so
-that every rank raises together).
-
-A model without FSDP (gradients summed with `distributed/loss.sum_gradients` after the loop) needs
-nothing here: its only world collective is after the last micro-batch on every rank.
-"""
+Where it sits: around the micro-batch loop of `flex/step.run_flex_step` and of the
+trainer's step when the `FlexPlan` has `equal_calls=False` (Hydraulis §5). Every FSDP2 unit
+is all-gathered ONCE at the start (same calls, same order on every rank), stays unsharded,
+accumulates its gradient without communication, and reduce-scatters (SUM) in each rank's
+own last backward; `FlexPlan.validate` makes that order agree with the groups' collectives.
+Cost: the unsharded parameters and fp32 gradients for the whole step (`planning/estimate`).
+Refused before any collective: parameter CPU offload, and on CUDA a step that does not fit
+some rank's free device memory. A model without FSDP needs nothing here."""
 
 from __future__ import annotations
 

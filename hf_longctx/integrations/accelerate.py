@@ -1,36 +1,14 @@
 """The FSDP2 plan: ZeRO-3 over the whole DP × SP world (USP paper "Tip 3", FPDT §3.2).
 
-Where it sits: after `from_pretrained` and `patch()`, before the optimizer is built. Under
-USP every rank of an SP group holds the SAME parameters, so parameters, gradients and
-optimizer states can be sharded over the whole dp·ring·ulysses world, not only over DP.
-Accelerate 1.x cannot describe this: its `ParallelismConfig` has no third-party SP
-dimension (its `sp` is DeepSpeed's) and its FSDP path needs CUDA (on CPU it silently wraps
-in DDP). So `fsdp_plan()` decides everything itself and returns
-
-- `plugin`: an Accelerate `FullyShardedDataParallelPlugin` describing the same settings
-  (FSDP2, the decoder-layer classes to wrap, reshard after forward, bf16 params with fp32
-  reduction, optional parameter offload, NO activation checkpointing: `patch(checkpoint=...)`
-  owns that), for users who hand the model to `Accelerator.prepare` on CUDA -- they must
-  call `plan.sum_reduction(model)` afterwards;
-- `device_mesh`: `SPMesh.world_mesh`, the 1-D mesh over every rank;
-- `gradient_reduction = "sum"`: DESIGN invariant 6 -- every rank's loss is already divided
-  by the step's GLOBAL token count, so FSDP must SUM the gradient shares; its default
-  average would divide the gradient by the world size;
-- `apply(model)`: torch `fully_shard` on every decoder layer, on the input embedding and
-  the LM head (ONE unit when their weights are tied), then on the root, with the sum
-  reduction set on every FSDP unit. This is the path the training loop uses everywhere
-  (gloo on CPU, NCCL on CUDA).
-
-Memory at load (torch 2.13 `fully_shard`, `_fsdp_init._move_states_to_device`): each call
-moves only the parameters and buffers of the unit it creates to the mesh's device
-(`torch.cuda.current_device()` for a CUDA mesh) and shards them right away, so calling it
-unit by unit on a model still on CPU holds at most one unsharded unit on the GPU at a time;
-`apply` therefore never moves the model itself (a `model.to("cuda")` first would put the
-whole unsharded model on every GPU). Embedding and LM head as units of their own, resharded
-after use: the root unit would otherwise keep them unsharded from its forward through the
-whole backward (a vocabulary-sized [V, Hd] matrix, twice when untied, is the largest
-parameter of most models).
-"""
+Where it sits: after `from_pretrained` and `patch()`, before the optimizer is built. Every
+rank of an SP group holds the SAME parameters, so parameters, gradients and optimizer
+states shard over the whole world, which Accelerate's `ParallelismConfig` cannot describe.
+`fsdp_plan()` returns `apply(model)` (torch `fully_shard` per decoder layer, on the
+embedding and LM head -- one unit when tied -- then the root; the path every loop uses),
+`device_mesh` (the 1-D world mesh), an equivalent Accelerate `plugin` (then call
+`plan.sum_reduction(model)`), and `gradient_reduction = "sum"` (invariant 6).
+Guarantees: gradients are SUMMED, never averaged; `apply` never moves the whole model, so at
+most one unsharded unit is on the device at load. Why: docs/DESIGN.md "Decisions and why"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Encoders and encoder-decoders, refused at `patch()` by their cause, before the dry run.
 
 Where it sits: the first check of `exactness.refuse_inexact`, before anything is changed and
-before the dry run (`probe/dry_run.py`) would run the model on shards and fail somewhere inside
-it with a message about a symptom. Decided from the model alone:
-- an encoder-decoder (`config.is_encoder_decoder`, e.g. T5, BART): the encoder attends both
-  ways over its whole input and the decoder cross-attends to every encoder token -- no causal
-  document mask over sequence shards expresses either;
-- an encoder (a masked-LM family such as BERT or RoBERTa) loaded with `is_decoder=False`: its
-  self-attention is bidirectional, every token sees later ones;
-- the same families loaded as a decoder (`is_decoder=True`) whose LM head owns its bias twice
-  (`cls.predictions.decoder.bias` IS `cls.predictions.bias`): FSDP2, which shards every model
-  the library trains, keeps a parameter in one unit and would fail at the first forward, after
-  the collectives have started (`fsdp_units.split_parameters`; `FSDPPlan.apply` refuses any
-  other model with such a parameter too, before sharding).
-"""
+before the dry run (`probe/dry_run.py`) would fail inside the model with a symptom. Decided
+from the model alone: an encoder-decoder (T5, BART: bidirectional encoder, cross-attention
+to every encoder token); an encoder such as BERT loaded with `is_decoder=False`
+(bidirectional self-attention); the same families as decoders whose LM head owns its bias
+twice (`cls.predictions.decoder.bias` IS `cls.predictions.bias`), which FSDP2 cannot place
+in one unit (`fsdp_units.split_parameters`) and would fail after the collectives started."""
 
 from __future__ import annotations
 

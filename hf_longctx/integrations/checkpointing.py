@@ -2,17 +2,13 @@
 memory, one layer recomputed at a time in the backward).
 
 Where it sits: `integrations/memory.py` turns it on for `patch(..., checkpoint=True |
-"attention")`; every decoder layer (`model_walk.decoder_layers`) runs through
-`offloaded_checkpoint`, transformers' GradientCheckpointingLayer through its own hook, others
-through an instance `forward`. The layer inputs go to pinned host memory on the OUT side
-stream (`ops/offload.default_streams()`) during the forward; in the backward the recompute
-of each layer starts the host -> device copies (IN stream) of the inputs of the layer
-recomputed NEXT (`LayerChain`), so the copy overlaps a layer of compute instead of stalling
-the compute stream, and hands its own host copies back to the pool once read. The last
-`inputs_on_device` layers (`patch(..., inputs_on_device=N)`) keep their inputs on the device:
-GPU memory the preset leaves free holds what host memory cannot. With `checkpoint="attention"` each call also opens a keep-attention region
-(`integrations/keep_attention.py`).
-"""
+"attention")`; every decoder layer runs through `offloaded_checkpoint` (transformers'
+GradientCheckpointingLayer through its own hook, others through an instance `forward`).
+Guarantees: layer inputs go to pinned host memory on the OUT side stream during the forward;
+each recompute starts the copies of the NEXT layer's inputs (`LayerChain`), so the copy
+overlaps a layer of compute; host buffers return to the pool once read. The last
+`inputs_on_device=N` layers keep their inputs on the device. With "attention" each call
+also opens a keep-attention region (`integrations/keep_attention.py`)."""
 
 from __future__ import annotations
 

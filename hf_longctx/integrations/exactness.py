@@ -1,16 +1,12 @@
 """What cannot run exactly under sequence parallelism, refused at `patch()` time.
 
-Where it sits: the first thing `integrations/model_patch.py`'s `patch()` calls, before it
-changes anything. DESIGN invariant 7 (outputs and gradients equal the single-device
-ones) rules out: attention dropout (the shards would draw different masks than one
-device), RoPE variants whose frequencies depend on the sequence length each rank sees
-(dynamic NTK, longrope), models whose attention bypasses transformers' AttentionInterface
-(their attention cannot be replaced), non-causal attention modules (those the dry run of
-`probe.py` sees called; by name when it is switched off), and loss functions
-that would shift the already shifted labels again. Encoders, encoder-decoders and parameters
-shared between modules are refused first, by cause (`architecture.py`). Each refusal says
-what to change.
-"""
+Where it sits: the first thing `patch()` calls, before it changes anything. Invariant 7
+(outputs and gradients equal the single-device ones) rules out: attention dropout,
+RoPE variants scaled by each rank's local length (dynamic NTK, longrope), attention that
+bypasses transformers' AttentionInterface, non-causal attention modules (those the dry run
+sees called; by name when it is off), and losses that would shift the already shifted
+labels again. Encoders, encoder-decoders and parameters shared between modules are refused
+first, by cause (`architecture.py`). Each refusal says what to change."""
 
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """The host-memory check of offloading memory options: refuse a micro-batch before it fills the host.
 
-Where it sits: `integrations/memory.py` installs it (a forward pre-hook on the first decoder
-layer) when the patch offloads to pinned host memory -- checkpointed layer inputs
-(checkpoint=True / "attention") or FPDT's K/V offload -- on a device that offloads (CUDA).
-Before the first layer of each forward runs, it computes what the micro-batch will pin on the
-host per rank with the planner's per-token budget (`planning/budget.step_budget`: the layer
-inputs, the kept attention state or one layer's FPDT chunks, each pool buffer rounded up to
-its size class, at most 1/16 more) and compares it with this rank's share of the node's
-memory: total physical memory x (1 - HEADROOM) / ranks on the node (LOCAL_WORLD_SIZE, set by
-torchrun and accelerate). Over it: a HostMemoryExceeded (a ValueError) naming both figures and what lowers the need,
-raised before any offload -- instead of the kernel's OOM killer ending the job mid-step (the
-failure mode of FPDT offload at 1M+ tokens with 8 ranks per node). Every rank of an SP group
-holds the same number of tokens (DESIGN invariant 3), so the ranks of a group decide alike.
-"""
+Where it sits: `integrations/memory.py` installs it (a pre-hook on the first decoder layer)
+when the patch offloads to pinned host memory (checkpointed inputs or FPDT's K/V) on CUDA.
+Before each forward it computes the micro-batch's pinned bytes per rank with the planner's
+budget (`planning/budget.step_budget`, pool size classes included) and compares them with
+this rank's share of the node: physical memory × (1 - HEADROOM) / LOCAL_WORLD_SIZE.
+Guarantee: over it, a HostMemoryExceeded (ValueError) naming both figures and the fix,
+raised before any offload instead of the OOM killer ending the job mid-step; the ranks of an
+SP group hold equal tokens (invariant 3), so they decide alike."""
 
 from __future__ import annotations
 

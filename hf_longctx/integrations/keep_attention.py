@@ -1,38 +1,14 @@
 """Checkpointing that keeps attention: `patch(..., checkpoint="attention")`.
 
-Where it sits: between the checkpoint wrapper of `integrations/checkpointing.py` (one `Region` per
-checkpointed decoder-layer call, opened for its original forward and again for its
-recompute) and the attention function of `integrations/attention.py` (which asks the
-patch's `AttentionKeeper` what to do at each call). FPDT §4 / torchtitan's op-level
-selective checkpointing: at long context the core attention is most of a layer's FLOPs and
-owns all of its collectives (Ulysses all-to-alls, ring P2P, the FPDT chunk loop), so it is
-the one part of a layer NOT worth recomputing.
-
-How, with torch's non-reentrant checkpoint and nothing inside HF's layer code:
-- original forward: the attention runs as usual, but under its own saved-tensor hooks, so
-  the tensors its autograd nodes save (head-sharded q, k, v, out, log-sum-exp, ...) are
-  KEPT -- on the host where the device offloads (pinned copies on the OUT side stream),
-  in place on CPU -- instead of being dropped by the checkpoint's hooks; its output is kept
-  the same way (one copy: the attention saves that same tensor for its backward);
-- recompute (the backward of the layer): norms, projections, rotary, MLP and residuals run
-  again; at the attention call the kept output comes back (`_Replay`: no kernel, no
-  collective) so that the ops after it save the same tensors as in the original forward;
-  the host copies of the region are prefetched on the IN side stream when the recompute
-  starts, each is waited for only where it is read, and goes back to the pinned pool once
-  every saved reference to it has been read;
-- backward: gradients flow through the ORIGINAL graph; its attention nodes read the kept
-  tensors. The recompute's graph is discarded (non-reentrant checkpoint), so `_Replay`
-  never runs backward.
-The attention consumes no RNG, so the RNG state the checkpoint replays reaches every other
-op (dropout) exactly as before. Linear mixers of hybrid models (their own collectives) are
-recomputed like the rest of the layer.
-
-Memory held per token per layer: the attention's saved tensors (q, k, v head-sharded, out,
-lse: ~(2·H + 2·H_kv)·D values + H floats per token), on the host where the device offloads;
-FPDT saves its output in the token layout, which is the tensor replayed, so it is held once;
-Ulysses/ring save the head-layout output and the replay keeps the token-layout one (H·D more); compute saved: the attention forward of the recompute and its
-collectives (Ulysses: 4 all-to-alls per layer).
-"""
+Where it sits: between the checkpoint wrapper of `integrations/checkpointing.py` (one
+`Region` per checkpointed layer call, opened for the forward and again for its recompute)
+and the attention function of `integrations/attention.py`, which asks the patch's
+`AttentionKeeper` what to do at each call. FPDT §4 / torchtitan's selective checkpointing:
+the core attention is most of a long-context layer's FLOPs and owns all its collectives, so
+it is the one part NOT recomputed. Its saved tensors and output are kept (on the host where
+the device offloads); the recompute replays the kept output (`_Replay`: no kernel, no
+collective) and the backward runs through the ORIGINAL graph. Exact: the RNG stream other
+ops replay is unchanged. Mechanism and bytes: docs/DESIGN.md "Decisions and why"."""
 
 from __future__ import annotations
 

@@ -1,36 +1,15 @@
 """Sequence-chunked decoder layers: memory="max" in O(chunk) working memory (FPDT §3.3-3.5, "OC.").
 
-Where it sits: `integrations/memory.py` routes every decoder layer of a model patched with
-checkpoint=True and chunked MLPs (the "max" preset) through `LayerSplit.call`; the attention
-function (`integrations/attention.py`) asks the patch's `LayerSplit` what to do at each call.
-A decoder layer is token-wise except for its attention call, so it runs on one chunk of the
-sequence at a time, split at that call:
-- pre(rows): the layer on those rows until its attention call, which hands over the
-  chunk's q, k, v and stops the layer (`AtAttention`);
-- post(rows, a): the layer on those rows with the attention answering `a`, the attention
-  output of those rows.
-Forward (no autograd graph kept): pre per chunk, the attention, post per chunk; the layer
-input is parked on the host (`integrations/checkpointing.park`). Backward (`integrations/layer_run.py`): the
-input comes back (prefetched by the layer after it), then
-- FPDT mesh: FPDT's chunk loop once more (`ops/fpdt.fpdt_forward_chunks`), each chunk's q/k/v
-  made by pre(rows) just in time and each finished output chunk consumed at once by post(rows)
-  and its backward, whose attention-output gradient goes to the chunk store as that chunk's
-  dout; then FPDT's backward loop, whose finished rows of dq/dk/dv feed pre(rows)'s backward;
-- otherwise: pre per chunk (q, k, v), the attention with autograd, post per chunk and its
-  backward (the attention output's gradient), the attention's backward, pre per chunk's backward.
-Sequence-long tensors on the device: the layer input, the gradient flowing through the layer
-(updated in place, row chunk by row chunk), the next layer's prefetched input; without FPDT
-also the attention's q, k, v, output and their gradients (the next input is then prefetched
-only after the attention's backward, so it does not sit on top of them). The MLP runs twice per token
-(forward, backward), the attention forward twice, the pre-attention part (norm, projections,
-rotary) four times -- cheap next to the MLP and attention. Parameter gradients of the chunks are
-summed in fp32 and rounded once, and returned by the autograd Function like any input's, so
-`torch.autograd.grad` and FSDP's hooks see them.
-
-A layer runs the plain offloaded checkpoint instead (`checkpointing.offloaded_checkpoint`, with a
-warning naming why) when it cannot be cut: dropout in training, a linear mixer, or per-token
-arguments it does not know how to cut.
-"""
+Where it sits: `integrations/memory.py` routes every decoder layer of the "max" preset
+through `LayerSplit.call`; the attention function asks the patch's `LayerSplit` what to do
+at each call. A layer is token-wise except for its attention call, so it runs on row
+chunks split there: pre(rows) stops at the attention with the chunk's q, k, v
+(`AtAttention`), post(rows, a) runs with the attention answering `a`. The backward is
+`integrations/layer_run.py`. Guarantees: on the device only the layer input, the gradient
+through the layer, the next layer's prefetched input and O(chunk); parameter gradients
+summed in fp32 and returned like any input's (FSDP2's hooks see them). A layer that cannot
+be cut (dropout, a linear mixer, unknown per-token arguments) runs the plain offloaded
+checkpoint with a warning. Schedule: docs/DESIGN.md "The per-token memory budget"."""
 
 from __future__ import annotations
 

@@ -1,30 +1,14 @@
 """Memory options of a patched HF causal LM: chunked MLP, chunked LM head + loss, offloaded checkpointing.
 
-Where it sits: `patch()` (`integrations/model_patch.py`) calls `apply_memory_options` when
-any memory option is set and calls the returned undo in `unpatch()`. It implements the
-part of FPDT (FPDT paper §3.5 and its "OC." setting) that lives outside attention:
-- every decoder layer's MLP (`mlp`, `feed_forward`, ...: `layer_mlp`) runs through
-  `ops/tiling.chunked_mlp` (`default_mlp_chunks`), so only one chunk of the [tokens x
-  intermediate] activations exists, and so do the layers' norms and the final norm
-  (`ops/tiling.tokenwise_chunks`: their fp32 copies one chunk at a time, only inputs saved);
-- the causal-LM head is intercepted: when labels or shift_labels are given, the loss comes
-  from `ops/tiling.chunked_causal_lm_loss` on the last hidden state (Gemma2's final logit
-  softcapping inside it, `num_items_in_batch` honoured) and `logits` is None; without
-  labels the model behaves as before;
-- `checkpoint=True` / `"attention"`: activation checkpointing of every decoder layer with
-  the inputs in pinned host memory on CUDA (`integrations/checkpointing.py`); "attention"
-  keeps the attention out of the recompute (`integrations/keep_attention.py`); with chunked
-  MLPs too, checkpoint=True runs every layer in row chunks (`integrations/layer_split.py`:
-  memory="max" keeps O(chunk) of a layer on the device).
-`kv_offload` is FPDT's K/V host offload; the attention binding of `patch()` passes it to
-`ops/fpdt.fpdt_attention(offload=...)`. With any host offload, a micro-batch whose pinned
-host memory would exceed this rank's share of the node is refused before its first layer
-(`integrations/host_budget.py`).
-
-Every change is an instance attribute (a bound forward, the HF checkpointing attributes):
-no module is wrapped, state_dict keys stay the same, and the undo restores the exact
-previous instance attributes.
-"""
+Where it sits: `patch()` calls `apply_memory_options` when any memory option is set, and
+the returned undo in `unpatch()`. The part of FPDT (§3.5, "OC.") outside attention: every
+decoder layer's MLP, norms and the final norm run in token chunks (`ops/tiling.py`); with
+labels the loss comes from `chunked_causal_lm_loss` on the last hidden state (softcap and
+`num_items_in_batch` honoured) and `logits` is None; `checkpoint=True | "attention"` turns
+on `checkpointing.py` / `keep_attention.py`, and with chunked MLPs `layer_split.py`;
+`kv_offload` goes to `fpdt_attention(offload=...)`; host offload installs `host_budget.py`.
+Guarantee: every change is an instance attribute, so no module is wrapped, state_dict keys
+stay the same, and the undo restores the exact previous attributes."""
 
 from __future__ import annotations
 

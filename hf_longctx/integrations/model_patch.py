@@ -1,28 +1,15 @@
 """`patch()` / `unpatch()`: route a Hugging Face causal LM's attention through USP / FPDT.
 
-Where it sits: between the user's `from_pretrained` model and `ops/usp.py` (USP paper
-§3-4) or `ops/fpdt.py` (FPDT paper §3). `patch()` registers, under a name unique to the
-call, an attention function with transformers' `AttentionInterface`, and switches the model
-(every config and sub-model) to that name. The mesh and options are bound in the closure of
-the registered function (built in `integrations/attention.py`) -- no module globals;
-`unpatch()` removes the registration and restores every config exactly.
-
-Design invariants enforced here:
-- HF's mask is built at the LOCAL shard length and knows nothing of the documents of other
-  ranks, so it is not built at all: the mask registry (`AttentionMaskInterface`) lacks our
-  name, which makes HF's mask creation return None before it scans the positions (a host
-  sync per forward); the attention takes the real document layout from the global metadata
-  `shard_batch` put in the batch (`SP_METADATA_KEY`, invariant 5); a padding mask is refused
-  in the pre-forward hook, and a window only the masks carry comes from the dry run's masks
-  (without a dry run, a mask function is registered that notes them per forward);
-- `use_cache=False` is set on every patched forward (a cache of local shards is meaningless
-  and HF's cache path disables its packed-document mask) and `use_cache=True` is refused;
-- nothing is approximated: attention dropout > 0, dynamic/longrope RoPE (scaled from each
-  rank's local max position), non-causal attention, models whose attention bypasses the
-  interface (GPT-J, GPT-Neo, Falcon in transformers 5.x) are refused at `patch()` time with
-  the setting to change; at run time every forward checks that every attention layer really
-  went through our function and that the SP group was fed the same batch (invariant 3).
-"""
+Where it sits: between the user's `from_pretrained` model and `ops/usp.py` (USP §3-4) or
+`ops/fpdt.py` (FPDT §3). `patch()` registers an attention function under a name unique to
+the call with transformers' `AttentionInterface` and switches every config to it; mesh and
+options live in its closure (`integrations/attention.py`), no module globals; `unpatch()`
+removes the registration and restores every config exactly.
+Guarantees: HF's local-length mask is never built (the attention reads the global metadata
+`SP_METADATA_KEY`); `use_cache=True` is refused; nothing approximated runs (refusals at
+`patch()` name the setting to change); every forward checks that every attention layer went
+through our function and that the SP group was fed the same batch (invariant 3). Why not
+`AttentionMaskInterface`: docs/DESIGN.md "Integration facts about the pinned libraries"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Zero gradients for the parameters a rank did not use, for torch without FSDP2's switch.
 
 Where it sits: `FSDPPlan.sum_reduction` (integrations/accelerate.py), on torch < 2.13 only
-(`_compat.fsdp_reduces_unused_params()` is False on the 2.11 floor). An MoE expert that
-got no token of this rank's shard has no gradient here but one on its peers; FSDP2's
-post-backward reduce-scatters only the parameters that have a gradient, so the ranks'
-collectives would disagree. torch 2.13's `set_reduce_scatter_unused_params(True)` adds
-zeros for them; here a forward hook on each FSDP unit attaches an identity autograd
-function to the unit's output whose backward hands every parameter the unit manages a zero
-gradient, so every rank reduce-scatters every parameter.
-
-Cost against torch's switch: one zero-filled gradient per managed parameter per backward,
-added into the real one where the parameter was used (one memset + one add per parameter
-per unit; no extra communication, no parameter read). The difference: a parameter that NO
-rank used gets a zero gradient (torch 2.13 leaves it None), so an optimizer with weight
-decay or momentum still steps it.
-"""
+(`_compat.fsdp_reduces_unused_params()`). An MoE expert that got no token of this rank's
+shard has no gradient here but one on its peers, and FSDP2 reduce-scatters only parameters
+with a gradient, so the ranks' collectives would disagree. A forward hook on each FSDP unit
+attaches an identity autograd function whose backward gives every managed parameter a zero
+gradient: every rank reduce-scatters every parameter (one memset + one add per parameter,
+no communication). Unlike torch 2.13's `set_reduce_scatter_unused_params(True)`, a
+parameter NO rank used gets a zero gradient (not None), so weight decay still steps it."""
 
 from __future__ import annotations
 

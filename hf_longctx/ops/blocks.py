@@ -1,21 +1,13 @@
 """Block planning: which (query run × key run) tiles of a local attention are computed.
 
-Where it sits: `ops/kernels.py` turns the runs of the local query and key tokens (from
-`hf_longctx/layout.py`) into tiles with `plan_blocks`, then calls one kernel per tile and
-merges the results with `ops/lse.py`. Ring attention and FPDT call the kernels once per
-key block they hold, so this plan decides, for every rank, which score elements are
-computed: skipping the tiles no query may see is what makes the zigzag layout of the
-USP paper (Algorithm 2) and FPDT's causal chunk schedule (FPDT §3.3) pay off.
-
-Rule, with i a query's GLOBAL position and j a key's: i may attend j iff same document
-AND (not causal or j <= i) AND (window is None or (causal and i - j < window) or
-(not causal and |i - j| < window)), as in transformers' sliding window.
-
-Kinds: "full" (every pair allowed: no mask), "causal" (identical global ranges and only
-the causal rule bites: the kernel's own causal flag, square so top-left alignment is
-exact), "masked" (anything else: an explicit boolean mask from `block_mask`).
-Pure Python over runs; only `block_mask` builds a tensor.
-"""
+Where it sits: `ops/kernels.py` turns the runs of the local query and key tokens
+(`hf_longctx/layout.py`) into tiles with `plan_blocks`; ring attention and FPDT call it once
+per key block, so skipping tiles no query may see is what makes the zigzag layout (USP
+Algorithm 2) and FPDT's causal chunk schedule (§3.3) pay off.
+Rule (i, j global positions): i attends j iff same document AND (not causal or j <= i) AND
+(no window, or |i - j| < window on the allowed side), as in transformers' sliding window.
+Kinds: "full" (no mask), "causal" (square, identical global ranges: the kernel's own flag
+is exact), "masked" (an explicit boolean mask from `block_mask`). Pure Python over runs."""
 
 from __future__ import annotations
 

@@ -1,32 +1,14 @@
 """FPDT: chunked Ulysses attention with online softmax over chunks and host offload (FPDT paper §3.3-3.4).
 
-Where it sits: with `mesh.fpdt_chunks = u > 1` the attention registered with HF calls
-`fpdt_attention` instead of `usp_attention` (ring degree is 1). Rank j of the Ulysses
-group holds the rank-ordinal layout of `layout.local_runs(..., fpdt_chunks=u)`:
-local chunk i (rows [i·c, (i+1)·c), c = S_local/u) is global piece i·U + j, so one
-all-to-all of local chunk i gathers the contiguous global segment i
-(`layout.fpdt_chunk_range`) for H/U heads (FPDT Figure 6).
-
-Forward (FPDT §3.3): for chunk i = 0..u-1: all-to-all of q_i, k_i, v_i; the attention of
-q_i over the K/V chunks it may see (for causal, 0..i; `blocks.plan_blocks` skips chunks
-with no allowed pair, packed documents included) folded with the one LSE merge
-(`ops/lse.py`); out_i goes back with the inverse all-to-all. Finished K/V chunks wait in
-a `ChunkStore` (`ops/offload.py`): pinned host memory on CUDA with `offload=True`, fetched
-back double-buffered for each later query chunk. Without causality (or with a window that
-reaches forward) a query chunk may need later K/V chunks: it is computed as soon as the
-last one it needs has been exchanged, which for causal masks is its own step.
-
-Attention sinks (`ops/sinks.py`): a query chunk's sink logit joins its denominator once,
-after its last K/V chunk; the backward runs from that sink-merged out/lse.
-
-Backward (FPDT §3.4): nested loops from the final out/lse, K/V outer and Q inner. For K/V
-chunk j, every query chunk i that saw it is streamed in (q_i, dout_i, out_i, lse_i and the
-dq_i accumulator); dk_j/dv_j are complete after the inner loop and travel back with one
-all-to-all, together with every dq_i that no later K/V chunk touches.
-
-Three layers: `fpdt_forward` / `fpdt_backward` loops → `FPDTAttention` Function →
-`fpdt_attention` functional wrapper (same inputs and checks as `usp_attention`).
-"""
+Where it sits: with `mesh.fpdt_chunks = u > 1` (ring degree 1) the registered attention
+calls `fpdt_attention` instead of `usp_attention`. Local chunk i of Ulysses rank j is global
+piece i·U + j (`layout.local_runs(..., fpdt_chunks=u)`), so one all-to-all per chunk
+gathers the contiguous global segment i for H/U heads (FPDT Figure 6).
+Forward: per query chunk, attention over the K/V chunks it may see (`blocks.plan_blocks`),
+folded with `ops/lse.py`; finished K/V wait in a `ChunkStore` (`ops/offload.py`). Backward
+(§3.4): K/V outer, Q inner, from the final (sink-merged, `ops/sinks.py`) out/lse.
+Exact: outputs and gradients equal single-device attention, packed documents included.
+Three layers: `fpdt_forward` / `fpdt_backward` → `FPDTAttention` → `fpdt_attention`."""
 
 from __future__ import annotations
 

@@ -2,27 +2,13 @@
 
 Where it sits: `ops/offload.CudaStreams.pinned(like)` takes the host side of every
 device -> host copy of an offload here (FPDT chunk stores, checkpointed layer inputs,
-keep-attention's saved tensors: `ops/offload.copy_out`); a buffer comes back when its user
-hands it over (`give`, with the event after its last read) or when the tensor lent for it
-dies. The next layer (and the next step) takes the same buffers again: after the first
-step nothing new is allocated. `clear()` (through `ops/offload.release_pinned()`) drops
-the free buffers.
-
-Size classes: 16 per power of two (`size_class`): a buffer is at most 1/16 larger than the
-request (waste < 6.25 %; a request of 2^k + 1 bytes takes 2^k + 2^(k-4) bytes, not 2^(k+1)).
-The memory is allocated at exactly the class size and page-locked with `cudaHostRegister`
-(`pinned_bytes`): torch's caching host allocator (`pin_memory=True`) rounds every request up
-to a power of two, up to 2x the host memory an offload needs.
-
-Reuse without a host wait: every copy that reads or writes a lent tensor records an event,
-and `ops/offload` notes it here (`note`); a buffer keeps the event of its last copy, and
-whoever takes the buffer next makes ITS copy stream wait for that event first (`take`
-returns it); a read waits only for the last copy INTO the buffer (`pending`). A buffer is released to the OS only in `clear()`, after that event.
-
-A buffer is lent as a view `like`-shaped, with `like`'s strides when `like` is dense (a
-head-major view of a token-major chunk copies as one memcpy, no contiguous device copy
-first), contiguous otherwise. Views derived from a lent tensor must not outlive it.
-"""
+keep-attention's saved tensors); a buffer comes back when its user hands it over (`give`)
+or when the tensor lent for it dies; `clear()` drops the free buffers.
+Guarantees: after the first step nothing new is allocated; a buffer is at most 1/16 larger
+than the request (16 size classes per power of two, page-locked at exactly that size with
+`cudaHostRegister`); its next writer waits on the device for the event of its last copy,
+never on the host. A lent view keeps `like`'s strides when `like` is dense.
+Why not `pin_memory=True`: docs/DESIGN.md "Devices and kernels"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
 """Local attention that returns (out, lse), per tile and over packed runs.
 
-Where it sits: the innermost step of every attention path. Ring attention
-(`ops/ring.py`), Ulysses (`ops/ulysses.py`), USP and FPDT (`ops/fpdt.py`) hand this
-module the local queries and one block of keys, described by runs of
-`hf_longctx/layout.py`; it plans tiles with `ops/blocks.py`, picks ONE backend per call with
-`ops/backends/select.py` and hands it the whole plan: on CUDA a varlen kernel
-(flash-attn 2.x or torch's flash ops) runs the planned tiles as a few cumulative-length
-calls (`ops/backends/packed.py`); on CPU the aten flash op runs one call per tile
-(`ops/backends/tiled.py`); the math kernel (`ops/math_kernel.py`) is the last resort.
-The backward takes the FINAL (merged over all key blocks) out and lse, as in
-FlashAttention-2 (Dao 2023, Algorithm 2): P = exp(s - lse_final),
-dS = P ⊙ (dP - rowsum(dout ⊙ out_final)); a caller holding keys in pieces (ring, FPDT
-chunks) calls the backward once per piece and sums the gradients.
-
+Where it sits: the innermost step of every attention path (ring, Ulysses, USP, FPDT):
+given local queries and one block of keys as runs of `hf_longctx/layout.py`, it plans
+tiles (`ops/blocks.py`), picks ONE backend per call (`ops/backends/select.py`) and hands it
+the whole plan. The backward takes the FINAL (merged over all key blocks) out and lse
+(FlashAttention-2, Algorithm 2), so a caller holding keys in pieces sums per-piece gradients.
 Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D], out [B, H, Sq, D] (`out_dtype`, default
-q's dtype), lse [B, H, Sq] float32 (float64 for float64 inputs, so float64 references
-stay exact).
-"""
+q's dtype), lse [B, H, Sq] float32 (float64 for float64 inputs, so references stay exact)."""
 
 from __future__ import annotations
 

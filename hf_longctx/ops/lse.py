@@ -1,21 +1,14 @@
 """The one log-sum-exp merge of partial attention results.
 
-Where it sits: every algorithm that splits the keys of an attention into disjoint sets
-(ring attention over ring ranks, FPDT over sequence chunks, `ops/kernels.py` over key
-runs of a packed batch) computes a partial (out, lse) per key set and folds it into an
-accumulator here. This is the online softmax of FlashAttention (Dao et al. 2022, §3.1)
-applied across devices as in ring attention (Liu et al. 2023, §3) and the USP paper's
-Algorithm 2; FPDT §3.3 uses the same rule across chunks.
-
-For a key set A with softmax-normalised output o_A and log-normaliser l_A, and a
-disjoint set B, the attention over A ∪ B is
+Where it sits: every algorithm that splits an attention's keys into disjoint sets (ring
+ranks, FPDT chunks, key runs of a packed batch) folds each partial (out, lse) in here: the
+online softmax of FlashAttention (§3.1) across devices, as in Ring Attention (§3), USP
+Algorithm 2 and FPDT §3.3:
     l = log(exp(l_A) + exp(l_B)),  o = exp(l_A - l) · o_A + exp(l_B - l) · o_B.
-lse = -inf means "no keys yet": its weight is 0, and two empty sets stay empty
-(out 0, lse -inf) instead of producing NaN. `merge_` folds a block into a caller-owned
-float32 accumulator in place (ring steps, the packed backend's waves): no [B, H, S, D]
-temporary and no widened copy of a 16-bit block; `merge` is the same into a fresh result. Attention sinks are this merge with a key set
-of output 0 and log-normaliser `sink`, applied once to the final result (`ops/sinks.py`).
-"""
+Guarantees: lse = -inf means "no keys yet" (weight 0; two empty sets stay out 0, lse -inf,
+never NaN); `merge_` folds in place into a caller-owned float32 accumulator with no
+[B, H, S, D] temporary; `merge` returns a fresh result. Sinks are this merge with a key set
+of output 0 (`ops/sinks.py`)."""
 
 from __future__ import annotations
 

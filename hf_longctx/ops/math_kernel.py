@@ -1,20 +1,13 @@
 """The blockwise math kernel: exact attention of one tile with its log-sum-exp, in pure torch.
 
-Where it sits: the last-resort backend of `ops/backends/` (and the reference the fused
-kernels are tested against). A tile comes here when no fused op can run it -- logit
-softcapping on CPU (Gemma2: score = c·tanh(s/c), which the aten CPU flash op lacks),
-float64 references, CUDA dtypes / head dims / architectures no fused kernel takes.
-
-Tiling as in FlashAttention (Dao 2022, §3.1): the score matrix is visited in chunks of
-query rows × key columns sized by BYTES (`chunk_shape`), so memory stays bounded at any
-length; K/V are cast to the accumulation dtype one key chunk at a time (no fp32 copy of
-the whole K/V per call). Across key chunks the forward keeps a running log-sum-exp and
-rescales its partial output (online softmax). The backward follows FlashAttention-2
-(Dao 2023, Algorithm 2) from the FINAL out/lse, so ring and FPDT callers can sum tiles.
-
-Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]; GQA by broadcasting [B, H_kv, G, ...]
-views, never copying K/V. Accumulation in float32 (float64 for float64 inputs).
-"""
+Where it sits: the last-resort backend of `ops/backends/` and the reference the fused
+kernels are tested against: softcap on CPU (Gemma2), float64 references, and CUDA dtypes,
+head dims or architectures no fused kernel takes.
+Guarantees: memory bounded at any length (query × key chunks sized by BYTES, online softmax
+across key chunks, FlashAttention §3.1); K/V cast one key chunk at a time; GQA through
+broadcast [B, H_kv, G, ...] views, never copies; the backward runs from the FINAL out/lse
+(FlashAttention-2, Algorithm 2). Accumulation in float32 (float64 for float64 inputs).
+Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]."""
 
 from __future__ import annotations
 

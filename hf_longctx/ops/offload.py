@@ -1,37 +1,14 @@
 """Host offload of FPDT chunk tensors with double-buffered prefetch (FPDT paper §3.4).
 
-Where it sits: `ops/fpdt.py` runs attention one sequence chunk at a time. Every chunk it
-has finished with (K/V, and for the backward q, out, lse and the dq accumulator) goes into
-a `ChunkStore`; when a later step needs chunk j again it asks the store, which copies it
-back. `stream(keys)` walks a list of chunks with double buffering: the copy of chunk n+1
-is started before chunk n is handed to the caller, so on CUDA the host-to-device copy runs
-on a side stream while the caller's kernels run on the compute stream, and at most two
-fetched chunks live on the device at once. A fetched device buffer is dropped as soon as
-the caller moves past it.
-
-On CUDA with `offload=True`, two side streams per device, one per copy direction
-(`copy_out`: device -> pinned host; `copy_in`: pinned host -> device), so a prefetch never
-queues behind offloads issued before it. `put` copies out and records an event; the copy
-that reads that host copy back (`prefetch`, in this store or in the backward's store that
-`load`s the host copies) waits for it on the in-stream -- the event travels with the host
-buffer (`Streams.note` / `pending`), so it stays right when a checkpoint's recompute refilled
-the saved copies -- and records its own event, which `get` makes the compute stream wait for. The compute stream never waits
-for a device -> host copy (nothing on it reads the host copies), so the end of a layer
-does not stall on its offload. A device tensor being copied out is kept reserved for the
-out-stream (`keep_alive`); a host buffer handed back to the pool (`ops/host_pool.py`)
-carries the event of its last copy, and the next copy into it waits for that event first.
-Every stream/event operation goes through `Streams` (`CudaStreams` on a GPU), so the exact
-sequence of waits and records is tested on CPU with a fake (tests/unit/test_offload.py,
-tests/unit/test_host_pool.py); what stays UNVERIFIED without a GPU is that the CUDA calls
-themselves behave as documented. Everywhere else (CPU, or offload off) the store keeps
-references and runs the same schedule without copies, so the schedule itself is tested on
-CPU through `trace`.
-
-`trace`, when given, receives ("put" | "fetch" | "release", key) and ("begin" | "end",
-group) events in program order, plus the caller's own `note`s; `stream` records "begin" when it hands a group of chunks
-to the caller and "end" when the caller asks for the next one, i.e. when the caller's
-compute on it is done.
-"""
+Where it sits: `ops/fpdt.py` puts every chunk it has finished with (K/V; for the backward
+q, out, lse and the dq accumulator) into a `ChunkStore` and gets it back when a later step
+needs it; `stream(keys)` starts the copy of chunk n+1 before handing chunk n to the caller.
+Guarantees: at most two fetched chunks live on the device; on CUDA with `offload=True` the
+copies run on two side streams (device -> pinned host, host -> device), the compute stream
+waits only for the copy it reads and never for an offload. Every stream/event operation
+goes through `Streams`, so the exact schedule is tested on CPU with a fake; elsewhere the
+store keeps references and runs the same schedule without copies (`trace` records it).
+The stream and event rules: docs/DESIGN.md "The per-token memory budget"."""
 
 from __future__ import annotations
 

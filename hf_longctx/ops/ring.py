@@ -1,25 +1,13 @@
 """Zigzag ring attention over packed documents (USP paper, Algorithm 2; Ring Attention).
 
-Where it sits: `ops/usp.py` calls it after the Ulysses all-to-all, with every rank holding
-its ring rank's whole token stream `[B, H/U, S_ring, D]` (the zigzag chunks r and 2R-1-r
-of every document, `layout.ring_stream`). K/V blocks travel around the ring; each
-rank attends its queries to the block it holds with `ops/kernels.varlen_forward` and folds
-the partial result in with the one log-sum-exp merge of `ops/lse.py`. Because the block
-plan is computed from global document boundaries, packed documents never see each other
-and blocks with no allowed (query, key) pair are skipped: with the zigzag layout every
-rank computes the same number of causal scores.
-
-Attention sinks (`ops/sinks.py`): the per-head sink logit joins the denominator once,
-merged into the final (out, lse) after the last ring step, never per step; the backward
-runs from that sink-merged pair and adds the sink's gradient.
-
-Backward (same schedule, flash-attention style): each rank recomputes its blocks from the
-final out/lse, keeps dq locally, and the dK/dV accumulator of each block travels with it
-around the ring, arriving at its owner after R hops.
-
-Three layers: `ring_forward` / `ring_backward` loops → `RingAttention` Function →
-`ring_attention` functional wrapper.
-"""
+Where it sits: `ops/usp.py` calls it after the Ulysses all-to-all, every rank holding its
+ring rank's stream `[B, H/U, S_ring, D]` (zigzag chunks r and 2R-1-r of every document).
+K/V blocks travel around the ring; each partial result folds in with `ops/lse.py`.
+Guarantees: blocks planned from global document boundaries, so packed documents never see
+each other and every rank computes the same number of causal scores; sinks merge once,
+after the last step (`ops/sinks.py`). Backward: recompute from the final out/lse, dq kept
+locally, each block's dK/dV accumulator travels with it back to its owner after R hops.
+Three layers: `ring_forward` / `ring_backward` → `RingAttention` → `ring_attention`."""
 
 from __future__ import annotations
 

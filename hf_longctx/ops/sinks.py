@@ -1,26 +1,13 @@
 """Attention sinks: a learned per-head logit that joins the softmax denominator once.
 
-Where it sits: next to the one log-sum-exp merge of `ops/lse.py`. GPT-OSS, Flint,
-Granite-SWA, MiMo-V2-Flash and others pass a per-head parameter `s_aux` ([H]) to the
-attention function; HF's eager attention appends it to every query row's logits as one
-extra key with value zero and drops that column after the softmax:
-    p_j = exp(s_j - L),  L = log(Σ_j exp(s_j) + exp(sink_h)),  o = Σ_j p_j v_j.
-That is the attention over the real keys (o_A, l_A) merged with a virtual key set of
-log-normaliser `sink_h` and output 0 (the merge of `ops/lse.py` with o_B = 0):
-    L = logaddexp(l_A, sink_h),  o = exp(l_A - L) · o_A.
-It must happen ONCE per query row, after every real key has been merged (ring steps,
-FPDT chunks, tiles): merged per piece, the sink would enter the denominator once per
-piece. Ring attention (`ops/ring.py`) and FPDT (`ops/fpdt.py`) call `merge_sink` on the
-final (out, lse) of their forward, then save that sink-merged pair for the backward.
-
-Backward (FlashAttention-2, Dao 2023, Algorithm 2): the sink is a key with v = 0, so the
-per-tile formulas for dq/dk/dv stay exact given the FINAL out and lse (P = exp(s - L)
-with the sink-merged L, and D = rowsum(dO ∘ O) with the sink-merged O). The sink's own
-gradient: ∂o/∂sink = -p_sink · o with p_sink = exp(sink - L), hence
-    dsink_h = -Σ_{batch, rows} exp(sink_h - L) · rowsum(dO ∘ O)      (`sink_grad`).
-
-Layout: out [B, h, S, D], lse [B, h, S], sinks [h] (the heads this rank computes).
-"""
+Where it sits: next to `ops/lse.py`. Models such as GPT-OSS pass a per-head `s_aux` [H];
+HF's eager attention adds it as one extra key with value zero. That is the merge of the
+real keys' (o_A, l_A) with a key set of output 0: L = logaddexp(l_A, sink_h),
+o = exp(l_A - L) · o_A. Ring attention and FPDT call `merge_sink` ONCE on the final
+(out, lse) and save that pair for the backward, whose per-tile formulas then stay exact
+(FlashAttention-2, Algorithm 2); `sink_grad` gives
+    dsink_h = -Σ_{batch, rows} exp(sink_h - L) · rowsum(dO ∘ O).
+Layout: out [B, h, S, D], lse [B, h, S], sinks [h] (the heads this rank computes)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """Sequence tiling of the token-wise tail of a transformer: chunked MLP and chunked LM head + loss.
 
-Where this sits in the data flow: inside ``model(**shard)`` every decoder layer's MLP is routed
-through :func:`chunked_mlp`, and the causal-LM loss on the local shard (pre-shifted labels, global
-``num_items_in_batch``, see DESIGN.md invariant 6) is computed by :func:`chunked_causal_lm_loss`
-straight from the final hidden states instead of from a full ``[B, S, V]`` logits tensor.
-
-Paper: FPDT (Fully Pipelined Distributed Transformer, 2024), the "chunked FFN" and "chunked
-loss" part of its pipeline. Attention is already chunked by FPDT; past that point the largest
-activations of a long-context step are the MLP intermediates (``[B, S, I]``, I ~ 3.5 Hd, several
-of them) and the logits (``[B, S, V]`` in fp32, V ~ 30 Hd). Both are token-wise, so cutting the
-sequence into chunks and recomputing each chunk in backward gives bitwise the same math per token
-while only one chunk of those tensors is alive at a time.
-
-Not supported: dropout inside the MLP. A recomputed chunk would need the exact RNG stream of its
-first run, and the chunk order differs from the unchunked one anyway; callers (the integration
-that patches MLP modules) must refuse configs whose MLP dropout is > 0.
-"""
+Where it sits: inside ``model(**shard)`` every decoder layer's MLP is routed through
+:func:`chunked_mlp`, and the causal-LM loss on the local shard (pre-shifted labels, global
+``num_items_in_batch``, DESIGN invariant 6) is computed by :func:`chunked_causal_lm_loss`
+from the final hidden states, never from a full ``[B, S, V]`` logits tensor.
+FPDT's chunked FFN and chunked loss: both are token-wise, so chunks recomputed in backward
+give the same math per token with one chunk of ``[B, S, I]`` / ``[B, S, V]`` alive at a time.
+Not supported: dropout inside the MLP (a recomputed chunk would need its first run's RNG
+stream); the integration that patches MLPs refuses it."""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Ulysses head/sequence all-to-all with GQA (DeepSpeed-Ulysses §3; USP paper Algorithm 1).
 
-Where it sits: first and last step of `ops/usp.py` (and of every FPDT chunk). Each rank of
-a Ulysses group of U holds a contiguous piece of its ring rank's token stream with all H
-heads; one all-to-all gives every rank the whole stream for H/U heads, attention runs
-on that, and the inverse all-to-all brings the output back to the sequence layout.
-
-GQA/MQA: query head h reads KV head h // (H / H_kv). When a Ulysses rank's H/U query heads
-span whole KV groups the KV heads split evenly (H_kv % U == 0); when they sit inside one
-group (H_kv < U) each KV head is replicated only as far as needed, U / H_kv times in the
-simplest case, and autograd sums the replicas' gradients back. Any other combination
-would need query heads of one rank to read KV heads of another, so it is refused.
-"""
+Where it sits: first and last step of `ops/usp.py` (and of every FPDT chunk). One
+all-to-all gives every rank of a Ulysses group of U the ring rank's whole stream for H/U
+heads; the inverse brings the output back to the sequence layout.
+GQA/MQA (query head h reads KV head h // (H / H_kv)): KV heads split evenly when
+H_kv % U == 0; when H_kv < U each is replicated only as far as needed and autograd sums
+the replicas' gradients. Any other combination would make a rank read another's KV heads:
+refused."""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """Unified sequence parallelism: Ulysses × zigzag ring on the 2D SP mesh (USP paper §3-4).
 
-Where it sits: the attention that `integrations/model_patch.py` registers with HF calls
-`usp_attention` with the rows of q/k/v this rank holds (`SPMesh.local_indices`). Steps:
-1. Ulysses all-to-all: [B, S_local, H, D] → the ring rank's stream [B, S_ring, H/U, D];
-2. zigzag ring attention over the ring group on that stream, packed documents exact;
-3. inverse all-to-all back to [B, S_local, H, D].
-With U = 1 step 1/3 are skipped, with R = 1 step 2 is the local kernel (or, with attention
-sinks, the ring Function with one step: the sink merge lives there, `ops/sinks.py`).
-
-Everything that could make ranks disagree (shapes, heads, boundaries) is checked on
-every rank from information all ranks share BEFORE the first collective, so bad input
-raises the same ValueError everywhere instead of hanging.
-"""
+Where it sits: the attention `integrations/model_patch.py` registers calls `usp_attention`
+with the rows this rank holds (`SPMesh.local_indices`): Ulysses all-to-all
+[B, S_local, H, D] → [B, S_ring, H/U, D]; zigzag ring attention over the ring group; the
+inverse all-to-all. U = 1 skips the all-to-alls; R = 1 runs the local kernel (with sinks,
+the one-step ring Function, where the sink merge lives).
+Guarantee: shapes, heads and boundaries are checked on every rank from shared information
+BEFORE the first collective, so bad input raises the same ValueError everywhere."""
 
 from __future__ import annotations
 

@@ -1,27 +1,14 @@
 """The per-token memory budget of one training step: every tensor the step keeps or makes, by
 name, per phase, on the device and on the host (what `planning/estimate.py` builds on).
 
-Where it sits: outside the training data flow, under `hf-longctx plan`. Each term below is
-a named tensor (or group of tensors of one kind) of the census that `benchmarks/memory_budget.py`
-takes of a real step (`benchmarks/census.py`: every storage alive at the device peak, by the
-code that allocated it); its bytes are written from the model's sizes, not fitted.
-tests/unit/test_memory_budget.py holds the sum within 5 % of the census at three lengths and
-two model shapes for the presets. The local attention kernel's own workspace is a term of its
-own (`kernel`: flash-attn and torch's flash ops keep an fp32 dq accumulator per call) that the
-CPU census counts apart (its CPU backend's workspace differs).
-
-Symbols, per local token (S = tokens per SP rank), dt = bytes of the compute dtype:
-v = dt·h (one hidden-size vector), qb = dt·H·D, kvb = dt·H_kv·f·D (f: KV replication over
-Ulysses), ib = dt·I, lse = 4·H (fp32 per head). Row counts: c = S/u (an FPDT chunk), r = S/n
-(a token-wise chunk: MLP, norms, a row-chunked layer's pieces; n = the MLP chunks, at least 1024
-rows with "auto"), lr (a loss chunk). Phases (the device peak is the largest):
-- forward: what a layer's forward holds beside what the step keeps;
-- loss: the chunked LM head + loss (its [lr, V] logits, the weight-gradient chunk);
-- layer backward: one layer's backward (recompute, its gradients, the next input prefetched).
-Memory presets (FPDT §3-4): "off"/"balanced" keep every layer's activations; "high" keeps the
-attention's saved tensors and the layer inputs (host when offloading); "max" keeps only the
-layer inputs (host) and runs each layer in row chunks (`integrations/layer_split.py`).
-"""
+Where it sits: outside the training data flow, under `hf-longctx plan`. Each term is a named
+tensor of the census `benchmarks/memory_budget.py` takes of a real step, its bytes written
+from the model's sizes (not fitted); tests/unit/test_memory_budget.py holds the sum within
+5 % of the census for the presets. Phases: forward, loss, a layer's backward; the device
+peak is the largest. Presets (FPDT §3-4): "off"/"balanced" keep every layer's activations,
+"high" the attention's saved tensors and layer inputs, "max" only the layer inputs (host)
+with row-chunked layers. The kernel's own workspace (`kernel`) is a term apart.
+Symbols (`_Sizes`: v, qb, kvb, ib, lse) and method: docs/DESIGN.md "The per-token memory budget"."""
 
 from __future__ import annotations
 

@@ -1,52 +1,14 @@
 """Per-GPU memory model of one training step (what `hf-longctx plan` ranks settings by).
 
 Where it sits: outside the training data flow. `planning/search.py` calls `estimate_memory`
-for every (ulysses, ring, fpdt chunks, offload, checkpointing) setting; the validation in
+for every (ulysses, ring, fpdt chunks, offload, checkpointing) setting;
 `benchmarks/memory_model.py` compares it with peaks measured by MemTracker.
-
-Which paper sections: the memory analysis of FPDT (§3-4: activations linear in the local
-tokens, K/V chunks and saved layer inputs moved to host memory, chunked FFN and loss) and
-USP §4 (Ulysses keeps per-rank activations at S/sp tokens; all-to-all and ring buffers;
-ZeRO-3 over the whole DP×SP world, "Tip 3").
-
-Every term is bytes per GPU; `dt` is the compute dtype's size, S_l = tokens per SP rank.
-Assumptions (each is also printed under the plan table):
-- ZeRO-3 over all `world` GPUs: fp32 params, fp32 grads and AdamW's two fp32 moments are
-  sharded (16 B/param/world); for bf16 the sharded fp32 params are the master weights.
-  With world > 1 FSDP gathers, in the compute dtype, two decoder layers (the running one
-  plus the prefetched one) or the LM head plus one layer, whichever is larger, and the
-  root's final norm; it holds one unit's unsharded gradient before reduce-scatter
-  (embedding and LM head are units of their own, resharded after use).
-- Activations and transients: `planning/budget.step_budget`, every tensor of the step by
-  name and phase, per local token (measured against the census of `benchmarks/memory_budget.py`
-  within 5 %); `activations` is what the whole step holds, `buffers` the rest of the binding phase.
-- Peak = params + optimizer + held + max(grads, activations + buffers): during backward,
-  activations are freed while gradients appear, and the optimizer step needs grads only.
-- Gradient sync (`grad_sync`, world > 1): "step" (the trainer's and `run_flex_step`'s
-  default, Accelerate's `sync_each_batch=False`): FSDP2 reduce-scatters only in the step's
-  last backward, so every earlier micro-batch leaves its UNSHARDED gradients accumulated in
-  fp32 (FSDP's reduce dtype) until then: held = 4·P next to the later micro-batches'
-  activations. "microbatch" (`sync_each_microbatch=True`): a reduce-scatter in every backward,
-  gradients accumulate sharded: held = 4·P / world (the earlier micro-batches' sharded
-  gradients next to the later ones' activations), at P·e bytes of traffic per rank and
-  micro-batch. Measured within 4 % on 2 gloo ranks (benchmarks/memory_model_fsdp.py).
-  With ONE micro-batch per step (`microbatches=1`) there are no earlier gradients: held = 0.
-- One GPU with parameter offload holds the units it runs as several GPUs do (FSDP2 copies each
-  unit's fp32 shard in, casts it, frees it after use).
-- Parameter offload (`Setting.param_offload`, FSDP2 `CPUOffloadPolicy`, what
-  `fsdp_plan(param_offload=True)` / `LongContextTrainer(param_offload=True)` apply): the
-  sharded fp32 parameters, their sharded fp32 gradients and the optimizer states (updated
-  by the optimizer on the CPU) live in host memory -- (4 + 4 + 8)·P / world bytes per GPU,
-  charged to the host; the GPU keeps what FSDP gathers (the two units in the compute dtype),
-  one unit's unsharded gradient before its reduce-scatter, and the held gradients above
-  (unsharded gradients accumulate on the GPU until the reduce-scatter; sharded ones, with
-  "microbatch" sync, accumulate on host).
-- Unequal micro-batch counts (`unsharded_step=True`, `flex/unsharded_step.py`, grad
-  sync "step" by construction): the whole model is gathered once per step in the compute
-  dtype (params: the master shards plus dt·P instead of the two gathered units), the fp32
-  gradients are held as above; one unit's gradient in the compute dtype is the transient
-  before it is added. Only with world > 1 (one GPU gathers nothing).
-"""
+Papers: FPDT §3-4 (activations linear in local tokens, K/V chunks and layer inputs on the
+host, chunked FFN and loss) and USP §4 (ZeRO-3 over DP×SP, "Tip 3").
+Every term is bytes per GPU; peak = params + optimizer + held + max(grads, activations +
+buffers), activations from `planning/budget.step_budget`. The assumptions (ZeRO-3 terms,
+gradient sync, parameter offload, unsharded steps) are printed under the plan table and
+listed in docs/DESIGN.md "The planner's models"."""
 
 from __future__ import annotations
 

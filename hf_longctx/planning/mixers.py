@@ -1,16 +1,11 @@
 """The linear recurrences of a hybrid model in the planner's step-time model: both schemes, the cheaper charged.
 
 Where it sits: `planning/search.rank_settings` adds `mixer_seconds` to every setting's
-step time (`hf-longctx plan`, `suggest()`); `mixer_schemes` is the per-mixer breakdown.
-The formulas and the rule are `ops/mixers/cost.py`'s, the ones `patch(mixers="auto")`
-applies per micro-batch, evaluated for the planner's micro-batch: ONE document of
-`tokens` spanning the SP group (its worst case for state passing: every run continues a
-chain). Per layer: the head all-to-all (sequence bytes, 4 collectives) against state
-passing (halo + scan maps, 2 + 2·rounds collectives, plus GDN's extra state columns),
-over the SP group's link (`Cluster.bandwidth(sp)`: intra-node when the group fits a node)
-at `Cluster.latency` per collective and the cluster's FLOP rate; a recomputed forward
-(checkpoint=True) sends the forward half again. Not overlapped with compute.
-"""
+step time; `mixer_schemes` is the per-mixer breakdown. The formulas and the rule are
+`ops/mixers/cost.py`'s (what `patch(mixers="auto")` applies), evaluated for ONE document
+of `tokens` spanning the SP group (state passing's worst case), over the group's link
+(`Cluster.bandwidth(sp)`) at `Cluster.latency` per collective and the cluster's FLOP rate;
+a recomputed forward sends the forward half again. Not overlapped with compute."""
 
 from __future__ import annotations
 

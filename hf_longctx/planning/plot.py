@@ -1,19 +1,12 @@
 """The `--plot` figure of `hf-longctx plan`: per-rank load of one sampled step.
 
 Where it sits: after `planning/search.py` has chosen the best setting. One step's documents
-are sampled (from a lengths file, or a seeded synthetic long-tailed sample), planned with
-`data/packing.plan_microbatches` for that setting's DP degree and micro-batch token cap,
-and drawn as one stacked bar per DP rank: each segment is one micro-batch slot's cost
-(`CostModel.from_config` FLOPs). Hydraulis / FlexSP balance: with FSDP every rank waits
-for the slowest at each slot, so equal bars and equal segments are the goal.
-
-With `--flex` (`draw_flex_load`) the step is planned with `plan_flexible` on groups of
-every power-of-two size instead (FlexSP / Hydraulis): one bar per rank, one segment per
-micro-batch slot labelled with the size of the rank's group in that slot, so each slot's
-group layout and every rank's load are visible.
-
-matplotlib is optional (the `bench` extra) and imported only when a figure is drawn.
-"""
+(from a lengths file, or a seeded long-tailed sample) are planned with `plan_microbatches`
+for that setting and drawn as one stacked bar per DP rank, one segment per micro-batch
+slot's cost (`CostModel.from_config`): with FSDP every rank waits for the slowest at each
+slot, so equal bars and segments are the goal (Hydraulis / FlexSP). `--flex`
+(`draw_flex_load`) plans with `plan_flexible` and labels each segment with the rank's
+group size. matplotlib (the `bench` extra) is imported only when a figure is drawn."""
 
 from __future__ import annotations
 

@@ -1,47 +1,14 @@
 """Enumerate and rank (ulysses, ring, fpdt chunks) x memory preset settings; suggest one.
 
-Where it sits: behind `hf-longctx plan` (`cli/plan.py`) and `suggest()`, its Python twin. For a
-model config and a cluster it lists every mesh the library can run, each with the three
-memory presets of `patch(memory=...)` ("off", "balanced", "high", "max": `config.preset_knobs`),
-estimates per-GPU memory with `planning/estimate.py` and step time as below, and returns
-them best first: feasible ones (they fit GPU and host memory) ordered by cluster
-throughput. `suggest()` returns the first: the `init_sequence_parallel` arguments and the
-preset to pass to `patch()`.
-
-Which paper sections: USP §4 (all-to-all and ring communication volume per layer; ring
-P2P overlaps the attention compute), FPDT §3-4 (chunked attention, host offload traffic
-hidden by double buffering, recompute of checkpointed layers and chunked MLPs).
-
-Step-time assumptions (also printed under the table), for one micro-batch of `tokens`
-tokens per SP group, treated as ONE document of that length (the worst case for the
-quadratic attention term):
-- compute = CostModel.from_config FLOPs (a·T² + b·T, forward + backward) / sp, plus one
-  extra forward (1/3 of it) with checkpointing (without its attention term, a·T², with
-  checkpoint="attention") and one extra MLP forward with chunked MLP, at `mfu` × `tflops`
-  per GPU;
-- Ulysses all-to-all (q, k, v out, attention output back; again in backward; once more
-  when a checkpointed layer is recomputed) is exposed, over the intra-node bandwidth when
-  the Ulysses group fits in a node, else the inter-node one, plus a fixed latency per
-  all-to-all call (4 per layer and pass, per FPDT chunk);
-- ring K/V P2P (forward R-1 blocks, backward R-1 K/V + R-1 dK/dV blocks) overlaps the
-  attention compute; only the excess counts;
-- FSDP (all-gather params twice, reduce-scatter grads once, in the compute dtype) and host
-  offload traffic (PCIe) overlap the whole compute; only the excess counts;
-- parameter offload (FSDP2 CPUOffloadPolicy): the fp32 shards cross PCIe before each of the
-  two all-gathers, the gradient shards once per reduce-scatter (overlapped like the other
-  offload traffic), and the optimizer step runs on the CPU at `cpu_optim_bw` bytes/s per
-  GPU (AdamW reads parameter, gradient and two moments, writes three: 28 B/param; SGD 12),
-  not overlapped, spread over the step's micro-batches.
-
-- the linear recurrences of a hybrid model (`planning/mixers.py`): per layer the cheaper of
-  the head all-to-all and state passing, the rule `patch(mixers="auto")` applies;
-
-Near ties: the step-time estimates of two settings within `TIE_TOLERANCE` (7 %: the worst
-measured error of the per-size cost model, +6.8 %, README "flexible SP groups") do not
-separate them; among the settings that close to the fastest one, those that follow the USP
-guidance (Ulysses inside a node as wide as the node and the heads allow, ring only across
-nodes, USP §4: `Cluster.follows_usp_guidance`) rank first.
-"""
+Where it sits: behind `hf-longctx plan` (`cli/plan.py`) and `suggest()`, its Python twin.
+For a model config and a cluster it lists every mesh the library can run with each preset
+of `patch(memory=...)`, estimates per-GPU memory (`planning/estimate.py`) and step time,
+and returns feasible settings (fitting GPU and host memory) best first by throughput;
+`suggest()` returns the first as `init_sequence_parallel` arguments and a preset.
+Papers: USP §4 (all-to-all and ring volume; ring P2P overlaps attention), FPDT §3-4.
+The step-time assumptions are printed under the table and listed in docs/DESIGN.md "The
+planner's models"; settings within `TIE_TOLERANCE` (7 %, the cost model's worst measured
+error) rank by the USP guidance (`Cluster.follows_usp_guidance`)."""
 
 from __future__ import annotations
 

@@ -2,20 +2,12 @@
 
 Where it sits: `hf-longctx plan --images N --image-tokens T` (or `--video-seconds S --fps F
 --frame-tokens T`) builds a `VisionBudget`; `planning/search.rank_settings` charges every
-setting with `VisionBudget.charge` (memory) and `.seconds` (step time). The terms follow what
-the code does (`integrations/vision/`):
-- the tower and projector are parameters like the language model's (ZeRO-3: fp32 master,
-  gradients and AdamW moments sharded over the world) but live in FSDP's root unit, so they
-  are gathered whole for the micro-batch and their unsharded gradients exist at once
-  (`integrations/accelerate.py`: decoder layers and vocabulary matrices are the only units);
-- each rank encodes at most 1/sp of the micro-batch's encoder work plus one unit (the LPT
-  deal of `data/multimodal/routing.py`); its activations are those of `depth` bidirectional
-  blocks over those patches (q, k, v, attention output, the MLP's inputs, norms);
-- the embedding exchange moves each image token's row (plus DeepStack levels) once forward
-  and once backward: receive and send buffers of the rank's image tokens, and their time at
-  the SP group's bandwidth; the encoder's FLOPs (`VisionCost`) split over the group.
-The image tokens themselves are part of the sequence (the micro-batch's tokens count them).
-"""
+setting with `.charge` (memory) and `.seconds` (step time). The terms follow the code
+(`integrations/vision/`): tower and projector are ZeRO-3 parameters in FSDP's root unit
+(gathered whole, unsharded gradients at once); each rank encodes at most 1/sp of the work
+plus one unit (the LPT deal), with `depth` bidirectional blocks of activations; the
+embedding exchange's buffers and time at the group's bandwidth. Image tokens are part of
+the sequence (the micro-batch's tokens count them)."""
 
 from __future__ import annotations
 

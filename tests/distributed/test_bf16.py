@@ -8,7 +8,7 @@ Regimes (each on its own):
 - "bf16": weights loaded in bf16 (`from_pretrained(dtype=torch.bfloat16)`), no autocast;
   gradients summed by `sum_gradients`.
 
-Criterion (from the issue), per gradient tensor and for the loss:
+Criterion, per gradient tensor and for the loss:
     ‖g − g64‖ ≤ 2·‖g₁ − g64‖ + 1e-6·‖g64‖
 g64: the unpatched model in float64 on the same weights (fp32 master weights for
 "autocast"/"fsdp", the bf16-rounded ones for "bf16") -- the truth. g₁: the unpatched model in

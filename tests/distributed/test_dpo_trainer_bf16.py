@@ -15,7 +15,7 @@ bf16 (DPOConfig(bf16=False): the computation is bf16 on CPU). Two regimes of our
   test_bf16.py's "fsdp" regime). TRL's own bf16=True (autocast over fp32 weights, which keeps
   the embedding table and norm weights in fp32) is printed for the record, not asserted:
   measured 1.8x on the gradients, 2.8x on the loss with an explicit reference.
-Reference: "default" (TRL's: the initial model; the issue's configuration) -- the policy equals
+Reference: "default" (TRL's: the initial model; the usual configuration) -- the policy equals
 the reference at step 1, so the loss is ln 2 in every run and the sigmoid's slope is 1/2
 whatever the log-prob sums are, which then never enter the gradient; "explicit" (another saved
 model) makes the margins non-zero, so the precision of the log-prob sums shows in the loss and
@@ -113,7 +113,7 @@ def test_dpo_trainer_bf16_within_twice_single_process_error(pools, paths, bf16_p
                                                             reference):
     """U2xR2, sigmoid, one step: loss and every gradient tensor within 2x the single-process bf16
     error of the real DPOTrainer (module docstring). "default": TRL's default reference (the
-    issue's configuration; loss ln 2). "explicit": another saved model as reference, so the
+    usual configuration; loss ln 2). "explicit": another saved model as reference, so the
     log-prob sums enter the loss and sigmoid'(beta x margin): the precision of the sums shows."""
     pytest.importorskip("trl")
     policy, ref, tok = bf16_paths if regime == "bf16_weights" else paths

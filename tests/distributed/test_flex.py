@@ -57,7 +57,7 @@ def test_mixed_layouts_equal_single_process(pools, paths, family, ranks_per_node
 def test_hand_written_loop_on_fp32_model_computes_in_fp32(pools, paths):
     """`fsdp_plan(model, bank.world)` without mixed_precision on an fp32 model: every linear
     layer computes in fp32 and the step equals the fp32 single-process step at fp32
-    tolerances (the old default, a silent bf16 cast, computes the linear layers in bf16 and
+    tolerances (a silent bf16 cast instead computes the linear layers in bf16 and
     misses the loss: 1.6e-5 relative on this tiny model, above the 1e-5 fp32 tolerance)."""
     results = pools.get(4).run(_flex_step, paths["llama"], 2, 2, True, True, True, False, None, timeout=300)
     check_results(results, [(1, 1, 1, 1), (2, 2, 1, 2), (4, 2, 2, 1)], True)

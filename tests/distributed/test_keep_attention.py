@@ -4,13 +4,13 @@ not recomputed.
 Exactness: on every layout (Ulysses, ring, U×R with zigzag, FPDT chunks with and without K/V
 offload, flexible groups), with sliding windows, attention sinks, a hybrid's linear mixers
 and dropout, one training step with checkpoint="attention" gives the loss and EVERY gradient
-of the same step with checkpoint=True and with no checkpointing. Tolerances (fp32, the
-issue's): loss 1e-6 relative, gradients 1e-5 relative (max|a-b| / max|b| per parameter). The
+of the same step with checkpoint=True and with no checkpointing. Tolerances (fp32): loss 1e-6
+relative, gradients 1e-5 relative (max|a-b| / max|b| per parameter). The
 three modes run the same kernels on the same inputs; only the order in which autograd sums
 the same terms may differ, ~1e-7 in fp32, while a replayed output of the wrong call, a lost
 saved tensor or a dropout mask drawn twice moves a gradient by >= 1e-2.
 
-Counts (the unit check of the issue): per step and layer, the attention kernel's forward
+Counts: per step and layer, the attention kernel's forward
 runs once with keep-attention (twice with checkpoint=True) and the attention's collectives
 run as often as without checkpointing (Ulysses 2, q/k/v in one all-to-all: 2 forward + 2
 backward = 4; checkpoint=True: 6). Checked to fail: with the keeper's replay disabled (every recompute
@@ -157,7 +157,7 @@ def test_keep_attention_runs_the_attention_and_its_collectives_once(pools):
         kernels_none, coll_none = per_layer["False"]
         kernels_full, coll_full = per_layer["True"]
         # Ulysses 2 with q, k, v in ONE all-to-all: forward 2 (q/k/v in, out back), backward 2; full recompute
-        # repeats the forward's 2 (the issue's "8 vs 12" counts q, k, v and out as four all-to-alls)
+        # repeats the forward's 2 ("8 vs 12" when q, k, v and out count as four all-to-alls)
         assert coll_none == 4 and coll_full == 6, per_layer
         assert kernels_full == 2 * kernels_none, per_layer  # full recompute runs the forward kernel twice
         if replay:

@@ -4,7 +4,7 @@ checkpointing) on a patched tiny Llama and GPT-2: loss and gradients vs a single
 The reference is independent of hf_longctx: the unpatched model in float64 with HF's eager
 attention, run on every document separately (positions from 0), token losses summed and
 divided by the number of valid targets. The SP ranks' losses and SUMMED gradients must equal
-it (DESIGN invariant 6). Tolerances (from the issue): loss rel err <= 1e-5 -- the fp32 model
+it (DESIGN invariant 6). Tolerances: loss rel err <= 1e-5 -- the fp32 model
 over ~100 tokens and 2 layers rounds at ~1e-7 relative, while a dropped chunk, a wrong label
 shift or a wrong divisor moves the loss by >= 1e-2; gradients max|a-b|/max|b| <= 1e-4 per
 parameter -- summed over ranks and chunks in fp32, ~1e-6 expected.

@@ -1,6 +1,6 @@
 """Patched HF models under SP vs the same model unpatched in one process: loss and gradients.
 
-For every family of the integration issue (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2 with
+For every core family (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2 with
 softcaps and sliding windows, GPT-2, GPT-NeoX with partial rotary, GPTBigCode with MQA) and
 the meshes (ulysses, ring) = (2, 2), (4, 1), (1, 4) on 4 gloo ranks: the SP group's summed
 loss and summed parameter gradients equal the single-process model's on the same packed

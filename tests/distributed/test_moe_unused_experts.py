@@ -1,11 +1,11 @@
-"""MoE models whose router sends no token of one rank's shard to some expert (issue: MoE never
-desynchronises the ranks).
+"""MoE models whose router sends no token of one rank's shard to some expert: MoE never
+desynchronises the ranks.
 
 Under SP every rank runs the MoE block on its own tokens only, so an expert may receive tokens
-on one rank and none on another: there its parameters have `grad is None`. Before the fix,
-`sum_gradients` skipped them on that rank only (the ranks' all-reduce buckets differed: gloo
-"Received data size doesn't match expected size ... collective mismatch", a hang or a wrong sum
-under NCCL), and FSDP2 left them out of that rank's reduce-scatter.
+on one rank and none on another: there its parameters have `grad is None`. Skipping them on that rank only would make the
+ranks' all-reduce buckets differ (gloo "Received data size doesn't match expected size ...
+collective mismatch", a hang or a wrong sum under NCCL), and FSDP2 would leave them out of
+that rank's reduce-scatter.
 
 The routing is FORCED, not hoped for: a tiny LongCat-Flash (routed experts + identity "zero"
 experts, experts fused in two parameters) whose embedding puts ±5 in hidden dimension 0 (+ for

@@ -21,7 +21,7 @@ from tests.helpers.pool import worker_bank
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
 LENGTHS = [23, 9, 17, 6, 11, 5, 14, 7, 3, 19, 8, 4]
-# slot -> groups (size, index, documents): the four layouts, one group empty.
+# slot -> groups (size, index, documents): four layouts, one group empty.
 SLOTS = [
     [(4, 0, (0, 1))],
     [(2, 0, (2,)), (2, 1, (3, 4))],

@@ -1,11 +1,11 @@
 """The memory options find the decoder layers and their MLPs on every family, in one process.
 
-`integrations/memory.decoder_layers` / `layer_mlp` used to look only for an `mlp`
-attribute, so `mlp_chunks` and `checkpoint` failed on the families that name it
-`feed_forward` (Bamba, Jamba, Granite-4, Falcon-H1, LFM2) with "found no list of decoder
-layers". Here the options are applied to such a model, and the loss and every gradient must
-equal the model without them (same process, same input: chunking the token-wise MLP and
-recomputing a layer change nothing beyond fp32 summation order).
+The families that name their MLP `feed_forward` (Bamba, Jamba, Granite-4, Falcon-H1,
+LFM2) must get `mlp_chunks` and `checkpoint` like those that name it `mlp`
+(`model_walk.decoder_layers` / `layer_mlp`). Here the options are applied to such a model,
+and the loss and every gradient must equal the model without them (same process, same
+input: chunking the token-wise MLP and recomputing a layer change nothing beyond fp32
+summation order).
 """
 
 from __future__ import annotations

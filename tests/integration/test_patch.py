@@ -3,7 +3,7 @@
 Covers: the attention registration under a unique name per call (no mask registration: HF
 never scans the positions for packed documents, a host sync) and its removal; every config
 restored exactly; idempotence; PEFT before and after get_peft_model; eval forward; generate()
-after unpatch (identical tokens to a never-patched model); and every refusal of the issue
+after unpatch (identical tokens to a never-patched model); and every refusal
 (attention dropout, dynamic/longrope RoPE, models off the attention interface) raising at
 patch() time with the field to change, without touching the model. With one rank USP is the
 local kernel, so the patched logits equal HF's: fp32, 2 layers, rel 1e-5 (summation order of

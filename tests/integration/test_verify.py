@@ -3,7 +3,7 @@ passes on the exact families of the CI subset, on 2 gloo ranks (ring 2), with no
 effect on the model.
 
 verify() patches its copy with unsafe_skip_exactness_check=True, so what is tested is the
-numerical comparison alone. The wrong classes of the zoo issue, each made to happen:
+numerical comparison alone. The wrong classes the model zoo shows, each made to happen:
 - a Mamba mixer run on shards (Jamba: Mamba-1 has no wrapper and unsafe leaves it as is);
 - a linear mixer run on shards: Qwen3-Next (Gated DeltaNet) and LFM2 (short convolution)
   with the SP mixer wrappers switched off (`plan_mixers` returns nothing);

@@ -85,7 +85,7 @@ def _shard(model, tokens: int, mesh):
 
 def test_estimate_within_10_percent_of_measured_peak():
     """MemTracker peak of one fp32 AdamW step (one process, chunked loss + MLP) against the
-    estimate; 10 % is the issue's target, the benchmark shows 1-4 % at larger sizes."""
+    estimate; 10 % is the target, the benchmark shows 1-4 % at larger sizes."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from hf_longctx import init_sequence_parallel, patch

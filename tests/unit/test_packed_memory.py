@@ -5,7 +5,7 @@ The kernel is a stub with the packed-kernel contract that allocates only its out
 (`torch.empty_like`), so the tracked peak is the backend's own: the flash-layout copies
 of dout/q/k/v/out it hands the kernel (5 tensors of q's size here, H = H_kv) and the
 kernel's three gradients -- 8 q-sized bf16 tensors. fp32 dq/dk/dv accumulators add 6
-more (3 x 2 bytes per bf16 byte) and the final cast 3 more: the old code peaked near 17.
+more (3 x 2 bytes per bf16 byte) and the final cast 3 more: an implementation that kept them all would peak near 17.
 MemTracker (torch.distributed._tools.mem_tracker) counts every tensor allocation on CPU.
 """
 

@@ -35,8 +35,8 @@ def small(tmp_path):
 
 
 def test_one_microbatch_holds_no_gradients():
-    """Llama-3.1-8B, 1M tokens on 8 GPUs: one micro-batch per step holds nothing (the old model
-    charged 4 B/param = 29.9 GiB regardless); two hold the unsharded fp32 gradients."""
+    """Llama-3.1-8B, 1M tokens on 8 GPUs: one micro-batch per step holds nothing (charging
+    4 B/param regardless would add 29.9 GiB); two hold the unsharded fp32 gradients."""
     dims = ModelDims.from_config(load_config(LLAMA_8B))
     s = Setting(ulysses=8, ring=1, checkpoint=True, mlp_chunks=2, loss_chunks=0)
     one = estimate_memory(dims, s, world=8, tokens=1 << 20, microbatches=1)

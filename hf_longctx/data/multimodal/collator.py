@@ -1,22 +1,14 @@
 """The multimodal step collator: documents with their images and videos -> THIS rank's shards.
 
-Where it sits: the vision-language counterpart of `data/collator.LongContextCollator`, after
-the step sampler and before `model(**micro_batch)`. Each feature is ONE document as the
-model's processor makes it (`input_ids` with the placeholders expanded, its `pixel_values`
-/ grids / videos, optional labels); the collator
-1. checks every document's images against its placeholders (`items.read_row`) and masks
-   their labels (images carry no loss);
-2. plans the step with `plan_microbatches` (Hydraulis two-stage assignment) where each
-   document costs its language-model time T(l) (image tokens count: the token cap holds
-   them) PLUS its encoder work (a·p² + b·p per image or video slice) divided over the SP
-   group, which shares it -- so DP ranks stay balanced for image-heavy and text-heavy
-   documents alike;
-3. packs each micro-batch into one row with its documents' images kept with them, in order,
-   and hands it to `shard_multimodal`, which computes positions per document, shards
-   tokens and positions with the layout, and deals the encoder work.
-A document with images longer than the token cap is refused (an image is never cut), and
-`num_items_in_batch` is the step's global count of valid targets (DESIGN invariant 6).
-"""
+Where it sits: the vision-language counterpart of `data/collator.LongContextCollator`,
+after the step sampler and before `model(**micro_batch)`. Each feature is ONE document as
+the model's processor makes it. It checks every document's images against its
+placeholders (`items.read_row`), masks their labels, plans the step with
+`plan_microbatches` where a document costs its language-model time T(l) plus its encoder
+work (a·p² + b·p per image or video slice) shared by the SP group, packs each micro-batch
+with its images in order and hands it to `shard_multimodal`.
+Guarantees: an image is never cut (a document with images over the token cap is refused);
+`num_items_in_batch` is the step's global count of valid targets (invariant 6)."""
 
 from __future__ import annotations
 

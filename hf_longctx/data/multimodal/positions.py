@@ -1,16 +1,12 @@
 """Multimodal position ids of a packed row, per document, before sharding.
 
 Where it sits: `shard_multimodal` calls `row_positions` on the whole packed row; the result
-is gathered with the same token permutation as `input_ids` (zigzag, Ulysses × ring, FPDT
-chunks, flexible groups), so every shard carries the positions the single-device model
-computes. M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the families that share their
-`get_rope_index`) gives every vision token a (temporal, height, width) triple and text tokens
-the same value thrice, continuing after each image by its largest extent -- a rule that
-needs the whole document, which no shard holds. The model's own rule
-(`VisionSpec.positions`) runs once per document, each from 0, so a packed row equals its
-documents run one by one; a text-only document gets 0..L-1 in all three rows (what the rule
-gives it).
-"""
+is gathered with the same token permutation as `input_ids` (any layout, flexible groups
+included). M-RoPE (Qwen2-VL ... Qwen3.5, the families sharing their `get_rope_index`) needs
+the whole document, which no shard holds, so the model's own rule (`VisionSpec.positions`)
+runs once per document, each from 0.
+Guarantee: every shard carries the positions the single-device model computes for its
+documents run one by one; a text-only document gets 0..L-1 in all three rows."""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """Who encodes which image, and where its embeddings go: the vision plan of one SP rank.
 
 Where it sits: `shard_multimodal` calls `deal` and `exchange_plan` after the token layout
-is fixed (`hf_longctx/layout.py`: zigzag over the ring, contiguous over Ulysses,
-rank-ordinal FPDT chunks) and before any collective; the patched model's vision hook
-(`integrations/vision/forward.py`) encodes this rank's units and runs ONE all-to-all of
-embedding rows (`distributed/vision_exchange.py`) with the counts and orders computed here.
-
-- `deal`: encode units (images, video slices) go to the P ranks of the SP group by
-  longest-processing-time-first on their encoder cost (a·p² + b·p): every rank's work is at
-  most the mean plus one unit (Graham's bound for LPT), so no rank encodes the whole
-  micro-batch and the largest image bounds the imbalance. Ties break by unit and rank index,
-  so every rank computes the same deal.
-- `exchange_plan`: every placeholder token lives on exactly one rank (the layout); the
-  owner of its unit sends that row there. The plan gives this rank's send order (grouped by
-  destination, each group in the destination's local order), the counts both ways, and the
-  permutation that puts the received rows in this rank's local placeholder order -- the
-  order in which the model's `masked_scatter` fills them.
-"""
+is fixed and before any collective; the vision hook (`integrations/vision/forward.py`)
+encodes this rank's units and runs ONE all-to-all of embedding rows
+(`distributed/vision_exchange.py`) with the counts and orders computed here.
+`deal`: encode units go to the SP ranks longest-processing-time-first on a·p² + b·p, so
+every rank's work is at most the mean plus one unit (Graham's bound); ties break by index,
+so every rank computes the same deal. `exchange_plan`: the send order, counts both ways,
+and the permutation into this rank's local placeholder order (the model's `masked_scatter`)."""
 
 from __future__ import annotations
 

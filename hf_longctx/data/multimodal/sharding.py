@@ -1,18 +1,13 @@
 """One packed multimodal row -> the shard of one SP rank: tokens, positions and its vision work.
 
 Where it sits: the multimodal counterpart of `data/sharding.shard_batch`, between the
-processor / the multimodal collator and `model(**shard)`. The text half IS `shard_batch`
-(labels shifted per document before sharding, documents padded, one permutation per rank);
-this module adds, before any collective:
-1. the visual items of the row, checked against the placeholder tokens (`items.read_row`);
-2. labels -100 on every placeholder token (images carry no loss);
-3. multimodal positions computed per document on the whole row (`positions.row_positions`)
-   and gathered with the tokens' permutation, so an image may straddle any shard boundary;
-4. the vision plan (`routing`): which encode units THIS rank encodes (only their pixels are
-   kept) and the counts and orders of the one embedding exchange, under `SP_VISION_KEY`.
-The patched model's vision hook (`integrations/vision/forward.py`) consumes that entry.
-A [B, S] processor batch (one document per row, right padding) is packed into one row first.
-"""
+processor / multimodal collator and `model(**shard)`. The text half IS `shard_batch`; this
+module adds, before any collective: the row's visual items checked against the placeholders
+(`items.read_row`); labels -100 on every placeholder; positions computed per document on
+the whole row and gathered with the tokens' permutation (an image may straddle a shard
+boundary); and the vision plan (`routing`) under `SP_VISION_KEY`, which the vision hook
+(`integrations/vision/forward.py`) consumes. A [B, S] processor batch (one document per
+row, right padding) is packed into one row first."""
 
 from __future__ import annotations
 

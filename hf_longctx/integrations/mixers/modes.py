@@ -1,19 +1,13 @@
 """Which sequence-parallel scheme each linear recurrence runs: `patch(mixers=...)` and the cost rule.
 
-Where it sits: `registry.plan_mixers` calls `resolve_modes` at `patch()` (before anything
-changes: every refusal names the class, its numbers and the fix); the wrappers call
-`MixerBinding.scheme` per call, which applies `ops/mixers/cost.choose` once per micro-batch
-and mixer shape (the same answer on every rank: it reads only the batch's global layout).
-
-Schemes of the recurrences (short convolutions always exchange their K−1-row halo):
-- "heads": the head all-to-all over the whole SP group (`ops/mixers/gdn.py`, `mamba2.py`);
-  needs at least one head per rank;
-- "state": state passing (`ops/mixers/gdn_state.py`, `mamba2_state.py`, RG-LRU's
-  `rglru.py`): no head bound, traffic independent of the sequence length;
-- "auto" (default): per micro-batch, the cheaper by `cost.choose`; "state" where the group
-  is larger than the heads. RG-LRU has only "state".
-`mixers=` is one of these for every recurrence, or {class name: scheme}.
-"""
+Where it sits: `registry.plan_mixers` calls `resolve_modes` at `patch()` (every refusal
+names the class, its numbers and the fix); the wrappers call `MixerBinding.scheme`, which
+applies `ops/mixers/cost.choose` once per micro-batch and mixer shape from the batch's
+global layout, so every rank gets the same answer. Schemes: "heads" (the head all-to-all;
+at least one head per rank), "state" (state passing; no head bound), "auto" (default: the
+cheaper, "state" where the group exceeds the heads); RG-LRU has only "state". `mixers=` is
+one scheme for every recurrence, or {class name: scheme}. Short convolutions always
+exchange their K−1-row halo."""
 
 from __future__ import annotations
 

@@ -1,38 +1,15 @@
 """The structural exactness rule (the dry run): prove, per model, that only our attention mixes tokens.
 
 Where it sits: called by `exactness.refuse_inexact` inside `patch()`, before anything is
-changed and before any collective. DESIGN invariant 7 (outputs and gradients equal the
-single-device ones) holds iff (a) every module that mixes information across tokens does
-it through the attention function we register, and (b) everything that attention function
-receives (masks, biases, sinks, windows) is something it applies. Sequence parallelism
-hands each rank a shard; a Mamba mixer, a causal convolution, a gated-delta recurrence or a
-sparse indexer run on that shard silently computes something else. Instead of a list of
-known-bad names (deny by default) we dry-run the model once, locally, on a tiny packed probe:
-
-- attention is replaced by a PER-TOKEN stand-in (a token attends only to itself: out =
-  v * sigmoid(q.k), GQA expanded), so the model becomes a per-token function;
-- run A: two documents; run B: the same with one token changed -- every module output (by
-  forward hooks) must be unchanged at every other position, else that module mixes tokens;
-- run C: a suffix of the probe alone (a "shard" that starts mid-document, with its global
-  position_ids) -- every module output must equal run A's at the same tokens, else the
-  module depends on the local shard's shape or index (e.g. terms built from `arange(S)`);
-- the stand-in records every keyword it receives and whether its module is causal: a
-  non-causal attention that the text path calls refuses (a vision tower that a text-only
-  forward never calls does not); an unknown tensor (a relative-position
-  bias, a materialised mask) or a missing `sp_batch` (a layer that drops **kwargs) refuses;
-- the mask function HF composes for each mask is walked: only causal, packed-document,
-  all-ones padding and sliding-window pieces (with a window the attention also receives)
-  are allowed; anything else (chunked, blockwise, bidirectional, custom) refuses.
-
-A module that leaks is blamed at the innermost module whose output first differs (forward
-hooks fire innermost-first); its output is then spliced back to the clean values so that
-one pass finds every independent source. Module classes in `handled` (the linear mixers
-that `integrations/mixers/` wraps for SP) are trusted: their outputs are spliced without
-blame. Cost: four no-grad forwards over ~12 tokens (runs A, B, C; run A also computes the
-loss of the shift_labels check, which needs one more forward) plus the per-module outputs of
-run A kept in memory (~12 x hidden floats per module call). No parameter, gradient, RNG,
-training mode or attention implementation is changed when it returns.
-"""
+changed and before any collective. Invariant 7 holds iff every module that mixes tokens does
+it through our attention function, and everything that function receives is something it
+applies. Deny by default: the model is run locally on a tiny packed probe with a PER-TOKEN
+attention stand-in; a module whose output changes at another position (one token
+perturbed), or on a suffix that starts mid-document, mixes tokens or depends on the shard;
+unknown attention inputs, a dropped `sp_batch` and unsupported mask pieces refuse. Leaks are
+blamed at the innermost module and spliced back, so one pass finds every source; `handled`
+classes are trusted. Nothing of the model is changed. Runs and cost: docs/DESIGN.md
+"Decisions and why"."""
 
 from __future__ import annotations
 

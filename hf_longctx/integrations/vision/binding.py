@@ -1,16 +1,12 @@
 """What `patch()` does differently for an image-text-to-text model.
 
 Where it sits: `integrations/model_patch.patch` asks `vision_binding(hf)` once, before it
-changes anything. For a text-only model every answer is the old one (one implementation
-name for every config, no hook). For a model with a vision tower:
-- `implementation(name)`: transformers' per-sub-config form of `set_attn_implementation`
-  ({"": name, "text_config": name}): the language model gets sequence-parallel attention,
-  the vision (and any other non-text) tower keeps its own -- bidirectional within an image,
-  with its own cu_seqlens -- and `keep_ids` names those configs for the checks;
-- `hook`: the vision hook of `forward.py` for an EXACT family; for a refused or
-  unclassified one a guard that refuses pixel inputs naming the cause (text-only batches of
-  such a model still train: its language model is patched as usual).
-"""
+changes anything. A text-only model gets one implementation name for every config and no
+hook. A model with a vision tower gets `implementation(name)` ({"": name, "text_config":
+name}: the language model runs sequence-parallel attention, every non-text tower keeps its
+own, and `keep_ids` names those configs for the checks) and `hook`: the vision hook of
+`forward.py` for an EXACT family, or a guard that refuses pixel inputs naming the cause
+(text-only batches of such a model still train)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Per-family adapters: a vision-language model's `VisionSpec` and its encoder call.
 
-Where it sits: `registry.py` picks the adapter for a model type; `patch()` binds it; the data
-stage gets its `VisionSpec` (`vision_spec(model)`), the vision hook (`forward.py`) its
-`encode`. Each adapter is written against the family's real transformers API, read from
-its source and pinned by a CPU contract test (tests/unit/test_vision_contracts.py):
-
-- `GridFamily` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the families sharing their
-  contract): pixels are patch rows with one (t, h, w) grid per item; an item yields
-  t·h·w / merge² tokens; `get_image_features(pixels, grid)` / `get_video_features` return
-  one [T_i, D] tensor per item in `pooler_output` (+ `deepstack_features` per level); the
-  tower's attention runs within each temporal slice (cu_seqlens), so encoding items -- and
-  a video's slices -- separately equals encoding them together; positions are the model's
-  own `get_rope_index`, called per document; the text model takes [4, B, S] positions.
-- `BatchFamily` (Gemma 3, LLaVA): one [C, H, W] image per item, a fixed token count from
-  the config; `get_image_features(pixel_values=...)` encodes each image independently.
-"""
+Where it sits: `registry.py` picks the adapter for a model type; the data stage gets its
+`VisionSpec`, the vision hook (`forward.py`) its `encode`. Each adapter follows the family's
+transformers API, pinned by a CPU contract test (tests/unit/test_vision_contracts.py).
+`GridFamily` (Qwen2-VL ... Qwen3.5): patch rows with a (t, h, w) grid per item, t·h·w / merge²
+tokens, per-item [T_i, D] features (+ DeepStack levels); the tower attends within a temporal
+slice, so encoding items and slices apart equals encoding them together; positions from the
+model's `get_rope_index` per document. `BatchFamily` (Gemma 3, LLaVA): one [C, H, W] image
+per item, a fixed token count, each image encoded independently."""
 
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """The patched model's vision hook: encode this rank's share, exchange once, hand the model its rows.
 
-Where it sits: a forward pre-hook that `patch()` installs on an image-text-to-text model
-(before its other hooks), fed by the `SP_VISION_KEY` entry of `shard_multimodal`. Per
-micro-batch it
-1. runs the family's own encoder call (`families.py`: `get_image_features` /
-   `get_video_features`) on the units this rank was dealt -- the vision tower keeps its own
-   attention (bidirectional within an image, its own cu_seqlens), never ours;
-2. moves every embedding row (and DeepStack levels, as extra columns) to the rank whose
-   shard holds its placeholder, in ONE differentiable all-to-all
-   (`distributed/vision_exchange.py`); gradients return the same way;
-3. passes the rows as `mm_encoder_outputs` -- transformers' own pre-encoded path, whose
-   contract is that feature row i fills the modality's i-th placeholder of the input -- so
-   the model merges them into its local embeddings exactly where one device would.
-Every modality the micro-batch contains is passed on every rank, with zero rows where a
-shard holds none: the model then still uses the received tensor, so every rank runs the
-exchange's backward (a rank that skipped it would leave its peers waiting).
-"""
+Where it sits: a forward pre-hook `patch()` installs on an image-text-to-text model, fed by
+the `SP_VISION_KEY` entry of `shard_multimodal`. Per micro-batch it runs the family's own
+encoder (`families.py`) on the units this rank was dealt (the tower keeps its own
+attention), moves every embedding row to the rank holding its placeholder in ONE
+differentiable all-to-all (`distributed/vision_exchange.py`), and passes the rows as
+`mm_encoder_outputs` (row i fills the modality's i-th placeholder), so the model merges them
+exactly where one device would. Every modality is passed on every rank, zero rows included,
+so every rank runs the exchange's backward."""
 
 from __future__ import annotations
 

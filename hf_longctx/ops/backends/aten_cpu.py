@@ -1,17 +1,13 @@
 """The aten CPU flash op pair as a per-tile kernel: what CPU training runs.
 
-Where it sits: the tile kernel of the "aten_cpu" backend (`ops/backends/tiled.py`
-drives it tile by tile). Calls `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`
-and its `_backward` (schema, torch 2.13: `(query, key, value, dropout_p=0., is_causal=False,
-*, attn_mask=None, scale=None) -> (output, logsumexp)`). Facts it relies on: masks must be
-additive and of q's dtype (a bool mask errors in forward and is misread in backward); the
-causal flag is top-left aligned, so only square diagonal tiles use it; a fully masked row
-returns lse = 0 (fixed to -inf here); a row with lse = -inf makes its backward NaN, so
--inf is passed as +inf, which zeroes P. GQA is not native: K/V heads are expanded.
-
-Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]; out in q's dtype (fp32 for callers that merge),
-lse [B, H, Sq] float32.
-"""
+Where it sits: the tile kernel of the "aten_cpu" backend (`tiled.py` drives it tile by
+tile); calls `torch.ops.aten._scaled_dot_product_flash_attention_for_cpu` and its
+`_backward` (torch 2.13 schema). It corrects the op's conventions: masks are passed
+additive in q's dtype, the causal flag only on square diagonal tiles (top-left aligned),
+a fully masked row's lse 0 becomes -inf (and -inf is passed back as +inf, which zeroes P),
+K/V heads are expanded for GQA.
+Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]; out in q's dtype (fp32 for callers that
+merge), lse [B, H, Sq] float32."""
 
 from __future__ import annotations
 

@@ -2,17 +2,12 @@
 
 Where it sits: `ops/backends/select.py` walks the fast kernels in preference order and
 takes the first one whose row here accepts the call (device, dtype, head dim, softcap,
-GPU architecture); a refusal is reported with its reason, once. The same table is in
-the README; `tests/unit/test_backends.py` checks the dispatch against it.
-
-Facts (read from the sources: flash-attn v2.6.0-v2.8.3 `csrc/flash_attn/flash_api.cpp`
-and `flash_attn_interface.py`; torch 2.13 `aten::_flash_attention_forward` schema and
-`torch/nn/attention/{varlen,_fa3,_fa4}.py`): both CUDA flash kernels need sm80+, fp16
-or bf16, head dim <= 256 and a multiple of 8; they take sliding windows as
-(left, right) bottom-right aligned, GQA natively, cumulative lengths (one call for many
-documents), return lse as [H, total_q] float32 (+inf for a row with no key), take no
-arbitrary mask, and round their output to the input dtype. Only flash-attn has softcap.
-"""
+GPU architecture); a refusal is reported with its reason, once. The README shows the same
+table; `tests/unit/test_backends.py` checks the dispatch against it.
+Facts (flash-attn v2.6.0-v2.8.3 sources, torch 2.13 schemas): both CUDA flash kernels need
+sm80+, fp16/bf16, head dim <= 256 and a multiple of 8; take bottom-right (left, right)
+windows, GQA and cumulative lengths; return lse [H, total_q] float32; take no arbitrary
+mask and round their output to the input dtype. Only flash-attn has softcap."""
 
 from __future__ import annotations
 

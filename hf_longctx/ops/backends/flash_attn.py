@@ -2,27 +2,13 @@
 
 Where it sits: the "flash_attn" backend, driven by `packed.py`; `select.py` picks it on
 CUDA when `detect` accepts the installed release. Calls the private varlen pair of
-`flash_attn.flash_attn_interface` (what `flash_attn_varlen_func` calls), because we need
-the backward from the FINAL merged out/lse (FlashAttention-2, Dao 2023, Algorithm 2),
-which the autograd function does not expose.
-
-Release differences (read from the tags in Dao-AILab/flash-attention):
-- v2.6.x: plain functions; `window_size=(left, right)` as one tuple; v2.6.0 and
-  v2.6.0.post1 have no defaults in the forward (`block_table` is required, there is no
-  `leftpad_k` / `seqused_k`), so every argument up to `block_table` is passed by name; the forward returns
-  (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state); the backward writes
-  dq/dk/dv in place and returns (dq, dk, dv, softmax_d).
-- v2.7.0+: torch custom ops (`torch.ops.flash_attn._flash_attn_varlen_forward`), whose
-  Python signature is `(*args, **kwargs)` -- so releases are told apart by version and the
-  registered op SCHEMA, never by `inspect.signature`; `window_size_left` /
-  `window_size_right`; the forward returns (out, softmax_lse, S_dmask, rng_state), the
-  backward returns softmax_d. v2.7.4+ adds `zero_tensors=False` (not passed).
-- every 2.6+ release: the backward takes `deterministic` (ordered dq accumulation), passed
-  on from `torch.use_deterministic_algorithms`;
-- every 2.6+ release: varlen lse is [H, total_q] float32 (v2.5 padded it to
-  [B, H, max_seqlen_q]); a row with no key gets lse = +inf; causal and windows are
-  bottom-right aligned; softcap 0.0 means none; GQA native (dk/dv come back with H_kv).
-"""
+`flash_attn.flash_attn_interface` (what `flash_attn_varlen_func` calls), because the
+backward must start from the FINAL merged out/lse (FlashAttention-2, Algorithm 2).
+Releases are told apart by version and the registered op schema, never by
+`inspect.signature`; each release's argument names and return tuples are emulated with
+their exact signatures in `tests/helpers/emulated_backends.py`.
+Conventions: lse [H, total_q] float32 (+inf for a row with no key), bottom-right causal
+and windows, softcap 0.0 = none, GQA native. Release table: docs/DESIGN.md "Devices and kernels"."""
 
 from __future__ import annotations
 

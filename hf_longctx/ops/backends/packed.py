@@ -1,23 +1,13 @@
 """Packed (varlen) driver: the planned tiles of a call become a few cumulative-length calls.
 
 Where it sits: the backends whose kernel takes many documents in one call -- flash-attn
-2.x (`flash_attn.py`) and torch's own CUDA flash kernels (`torch_flash.py`). `ops/kernels.py`
-hands it the blocks of `ops/blocks.py`; this module turns them into variable-length
-sequences (cu_seqlens), calls the kernel once per wave, and scatters the results back.
-
-From blocks to sequences and waves: `sequences.py` (bottom-right bands; a packed
-micro-batch, a zigzag ring step and an FPDT chunk pair each become one kernel call).
-
-Waves (one kernel call each) merge with `ops/lse.merge_` into a float32 accumulator; the
-first wave's rows start the result (no merge with an empty accumulator). The backward
-reuses the waves; when one call covers every row (a
-packed micro-batch) it returns the kernel's gradients as they are, otherwise it sums them
-in float32 (several calls add into one row), starting from the first call's gradient
-where that call covers all rows of the tensor, and rounds once.
-
-Layout: q [B, H, Sq, D] -> gathered [B·n, H, D] (flash layout, batch rows concatenated);
-lse [H, B·n] from the kernel -> [B, H, n].
-"""
+2.x (`flash_attn.py`) and torch's CUDA flash kernels (`torch_flash.py`). `ops/kernels.py`
+hands it the blocks of `ops/blocks.py`; it plans sequences and waves (`sequences.py`),
+calls the kernel once per wave and scatters the results back.
+Guarantees: waves merge with `ops/lse.merge_` into one float32 accumulator and round
+once; the backward reuses the waves and returns the kernel's gradients untouched when one
+call covers every row, else sums them in float32.
+Layout: q [B, H, Sq, D] -> gathered [B·n, H, D]; lse [H, B·n] from the kernel -> [B, H, n]."""
 
 from __future__ import annotations
 

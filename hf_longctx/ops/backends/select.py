@@ -1,17 +1,12 @@
 """Which local attention backend runs a call: probed once per process, chosen per call chain.
 
 Where it sits: `ops/kernels.py` calls `backend_for(q, softcap=...)` once per
-varlen_forward / varlen_backward (never per tile). `probe_env` reads the cached probes
-of `hf_longctx/_compat.py` (flash-attn release and API, torch's CUDA flash ops, the GPU's
-compute capability, torch's FA3/FA4 switch) into a frozen `KernelEnv`; `select_backend`
-is a pure function of that environment and the call's dtype, head dim and softcap, so
-tests hand it emulated environments (`tests/helpers/emulated_backends.py`).
-
-Preference on CUDA: torch's flash ops when torch runs FA3/FA4 (faster than FA2 on
-Hopper/Blackwell) -> flash-attn 2.x (the only one with softcap) -> torch's built-in FA2
--> the math kernel, with ONE warning naming why each fast kernel refused. On CPU: the
-aten CPU flash op, or the math kernel for softcap (Gemma2) -- by design, no warning.
-"""
+varlen_forward / varlen_backward (never per tile). `probe_env` reads the cached probes of
+`_compat.py` into a frozen `KernelEnv`; `select_backend` is a pure function of that
+environment and the call's dtype, head dim and softcap, so tests hand it emulated ones.
+Preference on CUDA: torch's flash ops under FA3/FA4 -> flash-attn 2.x (softcap) -> torch's
+FA2 -> the math kernel, with ONE warning naming why each fast kernel refused. On CPU: the
+aten CPU flash op, or the math kernel for softcap, without a warning."""
 
 from __future__ import annotations
 

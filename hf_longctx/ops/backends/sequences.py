@@ -1,31 +1,13 @@
 """From planned tiles to the variable-length sequences and waves of the packed kernels.
 
 Where it sits: the planning half of `packed.py` (the "flash_attn" and "torch_flash"
-backends): `sequences` turns the blocks of `ops/blocks.py` into varlen sequences with their
-bottom-right band, `waves` groups them into kernel calls. Pure Python over index ranges;
-no tensor is touched here.
-
-The packed kernels take no mask; their causal flag and window (left, right) are aligned to the BOTTOM-RIGHT of each sequence (row r of nq sees column
-c of nk iff r + nk - nq - left <= c <= r + nk - nq + right, -1 = unbounded), while our
-rule is on global positions (i sees j iff i - j in [dlo, dhi]: causal [0, window-1],
-bidirectional [-(window-1), window-1]). With shift = q_end - k_end of a tile (global
-ends), the band is exactly left = dhi - shift, right = shift - dlo, once the tile is
-trimmed to the rows that see a key and the keys some row sees (then both are >= 0).
-A query piece's "full" tiles and its one diagonal "causal" tile merge into ONE sequence:
-its keys gathered in global order are [all earlier keys..., the piece's own positions],
-which is bottom-right causal (-1, 0) exactly (or unbounded (-1, -1) with no diagonal).
-So a packed micro-batch (one causal tile per document), a zigzag ring step and an FPDT
-chunk pair each become one kernel call; windowed or partial tiles add calls grouped by
-their (left, right).
-
-Query pieces that share keys become one sequence where that is exact (`_join`): a chain of
-diagonals of one document -- at a rank's own ring step, chunk r then chunk 2R-1-r of a zigzag
-stream -- is ONE causal sequence over the local rows as they lie (no key gathered at all),
-and pieces that attend the same keys without a band share them (no key gathered twice).
-
-Waves: one call takes one (left, right), and a query row may appear in one sequence of a
-call (so results scatter without a merge); sequences are packed greedily into waves.
-"""
+backends): `sequences` turns the blocks of `ops/blocks.py` into varlen sequences with
+their bottom-right band (left, right), `waves` groups them into kernel calls. Pure Python
+over index ranges; no tensor is touched.
+Guarantees: each sequence's band reproduces our global-position rule exactly; a packed
+micro-batch, a zigzag ring step and an FPDT chunk pair each become one kernel call; within
+a wave a query row appears at most once, so results scatter without a merge.
+The band conversion and the joining rule: docs/DESIGN.md "Devices and kernels"."""
 
 from __future__ import annotations
 

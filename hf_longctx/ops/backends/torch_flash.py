@@ -1,22 +1,13 @@
 """torch's own CUDA flash kernels with cumulative lengths, behind the packed-kernel contract.
 
 Where it sits: the "torch_flash" backend, driven by `packed.py`; `select.py` picks it on
-CUDA when flash-attn is absent (or when torch runs FA3/FA4: a user who called
-`torch.nn.attention.activate_flash_attention_impl("FA3")` re-routed these very aten ops;
-`_compat.torch_flash_impl` reads that choice and never makes it). The ops `torch.nn.attention.varlen.varlen_attn` is built on, called
-directly because we need the backward from the FINAL merged out/lse:
-
-  aten::_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
-      dropout_p, is_causal, return_debug_mask, *, scale=None, window_size_left=None,
-      window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
-      num_splits=None) -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask)
-  aten::_flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q,
-      cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
-      window_size_left=None, window_size_right=None) -> (dq, dk, dv)
-
-(torch 2.13 schemas.) Varlen lse is [H, total_q] float32; causal and windows are
-bottom-right (the vendored flash-attn 2 kernels); no softcap; GQA native.
-"""
+CUDA when flash-attn is absent, or when the user switched torch to FA3/FA4
+(`torch.nn.attention.activate_flash_attention_impl`; `_compat.torch_flash_impl` reads
+that choice, never makes it). Calls `aten::_flash_attention_forward` / `_backward` (the
+ops `torch.nn.attention.varlen.varlen_attn` is built on; torch 2.13 schemas, emulated in
+`tests/helpers/emulated_backends.py`) directly, because the backward must start from the
+FINAL merged out/lse. Conventions: lse [H, total_q] float32; causal and windows
+bottom-right; no softcap; GQA native."""
 
 from __future__ import annotations
 

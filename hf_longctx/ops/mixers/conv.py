@@ -2,20 +2,12 @@
 
 Where it sits: the token mixer of LFM2 / LFM2-MoE / LFM3 `ShortConv` (through
 `integrations/mixers/`), and the convolution in front of the Gated DeltaNet and Mamba-2
-cores (`ops/mixers/gdn.py`, run there on the whole sequence after the head exchange).
-
-A causal depthwise convolution of K taps reads, for token t, the inputs t-K+1 .. t of the
-SAME document (documents start fresh: the taps before a document start read zeros, as
-`F.conv1d(x, padding=K-1)[..., :L]` on that document alone). Under SP a rank holds zigzag
-chunks of documents, so the K-1 previous inputs may live on other ranks -- possibly
-several, since a chunk may be shorter than K-1. `halo_conv` fetches exactly those rows by
-global index (`SequenceLayout.halo`, one all-to-all of at most (K-1) rows per local run),
-then every local run, preceded by its K-1 previous rows (halo, own, or zeros at a document
-start), is laid end to end and ONE unpadded depthwise `F.conv1d` -- the op transformers'
-`causal_conv1d_fn` runs -- computes every output; autograd keeps one copy of its input.
-
-Pure tensor code; never imports transformers.
-"""
+cores. Guarantee: token t reads inputs t-K+1 .. t of the SAME document only, zeros before
+a document start, as `F.conv1d(x, padding=K-1)[..., :L]` on that document alone.
+`halo_conv` fetches the K-1 previous rows by global index (`SequenceLayout.halo`, one
+all-to-all; a chunk shorter than K-1 may need several ranks), lays every local run after
+its previous rows and runs ONE unpadded depthwise `F.conv1d` (the op of transformers'
+`causal_conv1d_fn`). Pure tensor code; never imports transformers."""
 
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """What each sequence-parallel scheme of a linear mixer costs per layer, and the rule that picks one.
 
 Where it sits: `integrations/mixers/modes.py` applies `choose` per mixer and micro-batch
-(`patch(mixers="auto")`), `planning/mixers.py` charges the chosen scheme in the step-time
-model of `hf-longctx plan`, and `benchmarks/mixers.py` prints both schemes' figures. Pure
-Python; one place for the formulas, so the three cannot disagree.
-
-Per layer and rank, forward + backward (the backward sends the gradients of what the
-forward sent), b = bytes per element of the model dtype, P = SP degree, S_l = tokens per rank:
-- head all-to-all (`ops/mixers/gdn.py`, `mamba2.py`): 2 · S_l·(P−1)/P · channels · b, with
-  channels = the conv input (q/k replicated to max(H_k, P) key heads; Mamba-2 B/C to
-  max(G, P) groups) + per-head gates + the output coming back; 2 collectives each way;
-- state passing (`ops/mixers/gdn_state.py`, `mamba2_state.py`): the conv halo (≤ K−1 rows
-  of the conv input per run that continues a document) + the scan, fp32 maps
-  (|A| + |X| per run and round, |X| for the shift): GDN |A| = H_v·D_k², |X| = H_v·D_k·D_v;
-  Mamba-2 |A| = H, |X| = H·P_h·N -- independent of S_l; 1 + rounds + 1 collectives each way.
-  GDN also computes D_k extra state columns (the transition and the propagated queries):
-  `extra_flops` per token.
-The rule: the scheme with the smaller bytes / bandwidth + collectives · latency + extra
-FLOPs / FLOP rate; state passing whenever heads < P (the head all-to-all cannot split them).
-"""
+(`patch(mixers="auto")`), `planning/mixers.py` charges the chosen scheme in the step time
+of `hf-longctx plan`, `benchmarks/mixers.py` prints both: one place for the formulas, so
+the three cannot disagree. Pure Python.
+Per layer and rank, forward + backward: the head all-to-all moves 2 · S_l·(P−1)/P ·
+channels · b bytes; state passing moves the conv halo plus fp32 maps independent of S_l
+(GDN also computes D_k extra state columns). The rule: the smaller bytes / bandwidth +
+collectives · latency + extra FLOPs / rate; state passing whenever heads < P."""
 
 from __future__ import annotations
 

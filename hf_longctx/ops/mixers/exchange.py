@@ -1,18 +1,13 @@
 """Differentiable uneven all-to-all for the linear mixers: head scatter/gather and halos.
 
-Where it sits: the collectives of `ops/mixers/{conv,gdn}.py`. Attention's Ulysses
-all-to-all (`distributed/comm.py`) splits heads evenly over the Ulysses group only; a
-linear mixer is exchanged over the WHOLE SP group (ring × Ulysses: a recurrence needs
-every token of a document, and a zigzag ring shard does not have them), with head counts
-that need not divide the group (uneven splits, "Ulysses for mixers"), and a halo exchange
-moves a few rows per rank. All three are one primitive: every rank sends one tensor of
-its own shape to every rank (`all_to_all_single` with split sizes on a flat buffer).
-
-Backward of an all-to-all is the all-to-all of the gradients with sources and
-destinations swapped, so gradients of replicated sends (q/k of one key head sent to
-several ranks, a halo row sent to two neighbours) are summed back by autograd.
-With group None (one process) every function is a local copy.
-"""
+Where it sits: the collectives of `ops/mixers/{conv,gdn}.py`. Unlike attention's Ulysses
+all-to-all (`distributed/comm.py`, even heads over the Ulysses group), a mixer is exchanged
+over the WHOLE SP group (a recurrence needs every token of a document) with head counts
+that need not divide it, and halos move a few rows per rank: all are one primitive,
+`all_to_all_single` with split sizes on a flat buffer.
+Guarantees: the backward is the swapped all-to-all of the gradients, so replicated sends
+(q/k of one key head, a halo row for two neighbours) have their gradients summed; with
+group None every function is a local copy."""
 
 from __future__ import annotations
 

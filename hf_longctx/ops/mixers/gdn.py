@@ -1,25 +1,14 @@
 """Gated DeltaNet under sequence parallelism: head-parallel all-to-all over the SP group.
 
-Where it sits: called by the GDN wrappers of `integrations/mixers/` (Qwen3-Next,
-Qwen3.5 / Qwen3.5-MoE, OLMo-hybrid) between the module's own input projections and its
-own gated norm + output projection, which stay on the sequence shard.
-
-Scheme ("Ulysses for mixers"; DeepSpeed-Ulysses §3 applied to a recurrence): GDN heads are
-independent and the depthwise convolution in front of the core is per channel, so one
-all-to-all over the WHOLE SP group (ring × Ulysses) gives every rank the whole packed
-sequence, in global order, for a subset of heads:
-- P ≤ H_k: key heads split over the P ranks (unevenly if P ∤ H_k), each with its H_v/H_k
-  value heads;
-- P > H_k: value heads split over the ranks (unevenly if P ∤ H_v) and each rank receives
-  the q/k channels of the key heads its value heads read (q/k replicated); refused when
-  H_v < P (a rank would get no head).
-The convolution runs AFTER the exchange, per document on the whole sequence: the channels
-must cross anyway (pre-conv instead of post-conv, the same bytes), no halo message is
-needed, and the convolution work is split by channel. The core then runs per document
-from zero state with the GLOBAL boundaries; the output comes back with the inverse
-all-to-all. beta travels (computed on the shard in the model dtype, as the module does);
-g is computed after the exchange from the raw `a` projection in fp32, as the module does.
-"""
+Where it sits: called by the GDN wrappers of `integrations/mixers/` (Qwen3-Next, Qwen3.5 /
+Qwen3.5-MoE, OLMo-hybrid) between the module's own input projections and its gated norm +
+output projection, which stay on the sequence shard.
+"Ulysses for mixers" (DeepSpeed-Ulysses §3 applied to a recurrence): one all-to-all over
+the WHOLE SP group gives every rank the whole packed sequence for a subset of heads (key
+heads split when P ≤ H_k; else value heads, q/k replicated; refused when H_v < P). The
+convolution and the core then run per document from zero state with the GLOBAL boundaries;
+the inverse all-to-all brings the output back. beta and g are computed as the module does.
+Why the convolution runs after the exchange: docs/DESIGN.md "Decisions and why"."""
 
 from __future__ import annotations
 

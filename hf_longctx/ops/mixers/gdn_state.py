@@ -1,24 +1,13 @@
 """Gated DeltaNet under sequence parallelism by state passing: every rank keeps every head.
 
-Where it sits: called by the GDN wrappers of `integrations/mixers/` (Qwen3-Next, Qwen3.5 /
-Qwen3.5-MoE, OLMo-hybrid) in place of the head all-to-all of `ops/mixers/gdn.py`, between
-the module's own projections and its gated norm + output projection (all on the shard).
-
-The delta rule S_t = e^{g_t}(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, o_t = S_tᵀ q_t is
-affine in the state (Yang et al. 2025, "Gated Delta Networks", §2; the WY form of its
-chunked kernel): over a run, S_end = M·S_in + S⁰_end and o_t = o⁰_t + S_inᵀ·(M_tᵀ q_t),
-with M_t the product of the per-token transitions (d_k × d_k per value head). State
-columns evolve independently, so ONE core call per run over the value columns [v | 0]
-from the initial state [0 | I] (d_v + d_k columns) returns all four: the zero-state output
-o⁰ and the propagated queries q̃_t = M_tᵀ q_t (output columns), the zero-state final state
-S⁰ and the transition M (final-state columns); runs that start a document take [0 | 0]
-(their M is never applied). After the scan (`state_passing.py`) each run's output is
-corrected exactly: o_t = o⁰_t + q̃_tᵀ S_in -- a [L, d_k] × [d_k, d_v] product, no second
-pass over the run. The short convolution in front takes its K−1 previous rows as a halo
-(`conv.halo_conv`, zigzag pieces included). The core is transformers' module-level
-`torch_chunk_gated_delta_rule` (FLA's `chunk_gated_delta_rule` when flash-linear-attention
-is installed: then one varlen call over all runs; else one call per run).
-"""
+Where it sits: called by the GDN wrappers of `integrations/mixers/` in place of the head
+all-to-all of `gdn.py`, between the module's projections and its gated norm (all on the shard).
+The delta rule is affine in the state (Gated Delta Networks §2): over a run,
+S_end = M·S_in + S⁰_end and o_t = o⁰_t + S_inᵀ·(M_tᵀ q_t). ONE core call per run over the
+value columns [v | 0] from [0 | I] returns o⁰, q̃_t = M_tᵀ q_t, S⁰ and M; after the scan
+(`state_passing.py`) o_t = o⁰_t + q̃_tᵀ S_in corrects each run exactly. The convolution
+takes a halo (`conv.halo_conv`). The core is transformers' `torch_chunk_gated_delta_rule`,
+or FLA's `chunk_gated_delta_rule` (one varlen call) when installed."""
 
 from __future__ import annotations
 

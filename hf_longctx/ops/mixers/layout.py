@@ -1,26 +1,14 @@
 """Where every token of a packed batch lives across the SP group, for the linear mixers.
 
-Where it sits: built once per batch (cached by the mixer wrappers of
-`integrations/mixers/`) from the GLOBAL document boundaries of `SPBatchInfo.cu_seqlens`
-and the mesh degrees, by calling the same pure layout functions as `shard_batch`
-(`hf_longctx/layout.py`: zigzag over the ring, contiguous over Ulysses, rank-ordinal chunks for
-FPDT). A linear mixer (convolution, Gated DeltaNet, Mamba-2) needs what attention does not:
-the tokens of a document in GLOBAL order. This module answers, for any rank:
-- which global positions every SP rank holds (`indices[p]`, local order),
-- the permutation that turns the concatenation of all ranks' shards into global order,
-- the start of the document of every global position (a convolution or a recurrence
-  never reads across it: documents start from zero state),
-- for a short convolution of kernel K, which of the K-1 previous positions of the same
-  document each rank must fetch and from whom (the halo), by GLOBAL index: a zigzag chunk
-  may be shorter than K-1, so the halo may come from several ranks, or from itself.
-
-Pure Python + torch index tensors; no process group. Same inputs give the same answer on
-every rank (DESIGN invariant 8), which is what lets every rank size its receives locally.
-The index tensors are built on the host; the mixers read them on the activations' device
-through `on_device`, which uploads each once per batch layout (pinned, non-blocking): a
-mixer layer never copies a host tensor synchronously nor indexes a device tensor with a
-host one (each would be a copy plus a stream synchronisation per layer on CUDA).
-"""
+Where it sits: built once per batch (cached by `integrations/mixers/`) from the GLOBAL
+document boundaries and the mesh degrees with the same pure functions as `shard_batch`
+(`hf_longctx/layout.py`). It answers, for any rank: the global positions each SP rank holds,
+the permutation from concatenated shards to global order, each position's document start,
+and a convolution's halo (which of the K-1 previous positions of the same document to
+fetch, and from whom).
+Guarantees: pure Python + index tensors, the same on every rank (invariant 8), so receives
+are sized locally; index tensors reach the device once per layout through `on_device`
+(pinned, non-blocking): no synchronous host copy inside a mixer layer."""
 
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """Mamba-2 (SSD) under sequence parallelism: head-parallel all-to-all with group replication.
 
-Where it sits: called by the Mamba-2 wrappers of `integrations/mixers/` (Bamba,
-Granite-4 hybrid, Falcon-H1, Nemotron-H, Zamba2) between the module's own input projection
-and its own gated RMSNorm + output projection, which stay on the sequence shard. The
-fused conv+scan+norm+out path (`mamba_split_conv1d_scan_combined`) is bypassed.
-
-Scheme (Mamba-2 paper §7 "tensor parallelism" for heads, applied along the sequence as a
-Ulysses-style all-to-all over the WHOLE SP group): SSD heads are independent given their
-B/C, and the depthwise convolution is per channel, so one all-to-all gives every rank the
-whole packed sequence in global order for a contiguous (possibly uneven) range of heads,
-plus the B/C channels of the groups those heads read. When n_groups < P a group's B/C go
-to every rank whose heads read it (replicated to about P / n_groups ranks); autograd sums
-the replicas' gradients back through the inverse all-to-all. The convolution runs after
-the exchange, per document, on the whole sequence (no halo); the scan runs per document
-from zero state; the output (fp32, as the scan returns it) comes back by the inverse
-all-to-all and the gated RMSNorm (whose groups span heads) runs on the shard after it.
-"""
+Where it sits: called by the Mamba-2 wrappers of `integrations/mixers/` (Bamba, Granite-4
+hybrid, Falcon-H1, Nemotron-H, Zamba2) between the module's input projection and its gated
+RMSNorm + output projection, which stay on the shard (the fused conv+scan+norm+out path
+is bypassed). Mamba-2 §7 head parallelism, applied along the sequence: one all-to-all over
+the WHOLE SP group gives every rank the whole sequence for a contiguous (possibly uneven)
+range of heads plus the B/C of their groups (replicated when n_groups < P; autograd sums
+the replicas' gradients). Convolution and scan run per document from zero state; the fp32
+output returns by the inverse all-to-all before the gated RMSNorm."""
 
 from __future__ import annotations
 

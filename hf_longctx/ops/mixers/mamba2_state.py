@@ -1,22 +1,12 @@
 """Mamba-2 (SSD) under sequence parallelism by state passing: every rank keeps every head.
 
-Where it sits: called by the Mamba-2 wrappers of `integrations/mixers/` (Bamba, Granite-4
-hybrid, Falcon-H1, Nemotron-H, Zamba2) in place of the head all-to-all of
-`ops/mixers/mamba2.py`, between the module's own input projection and its gated RMSNorm +
-output projection (all on the shard).
-
-SSD's recurrence h_t = exp(Δ_t A) h_{t−1} + Δ_t x_t B_tᵀ, y_t = h_t C_t + D x_t has a SCALAR
-decay per head (Mamba-2 paper §3-§4, "state passing" of its chunked algorithm §6): over a
-run, h_t = h⁰_t + exp(ΣΔA up to t)·h_in. Each run is scanned from zero state by the
-module's own chunked scan (`mamba2_chunk_scan`: transformers' torch path, or mamba_ssm's
-`mamba_chunk_scan_combined`, the same signature), which returns its output y⁰ and its final
-state h⁰_end [B, H, P, N]; the run's map is (exp(ΣΔA) per head, h⁰_end). After the scan
-over runs (`state_passing.py`) the output is corrected exactly:
-y_t = y⁰_t + exp(cumΔA_t) · (C_t · h_in) -- one einsum per run, cheaper than a second scan.
-Δ = clamp(softplus(dt + dt_bias)) is computed once here in fp32 and given to the scan
-as is (dt_bias=None, dt_softplus=False), so the scan and the correction use the same Δ.
-The short convolution in front takes its K−1 previous rows as a halo (`conv.halo_conv`).
-"""
+Where it sits: called by the Mamba-2 wrappers of `integrations/mixers/` in place of the
+head all-to-all of `mamba2.py` (all on the shard). SSD has a SCALAR decay per head (Mamba-2
+§3-§6): over a run, h_t = h⁰_t + exp(ΣΔA up to t)·h_in. Each run is scanned from zero state
+by the module's own chunked scan (`mamba2_chunk_scan`), giving y⁰ and h⁰_end [B, H, P, N];
+after `state_passing.py`, y_t = y⁰_t + exp(cumΔA_t)·(C_t·h_in) corrects it exactly (one
+einsum). Δ = clamp(softplus(dt + dt_bias)) is computed once in fp32 and passed to the scan
+as is, so scan and correction use the same Δ. The convolution takes a halo (`conv.halo_conv`)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """The RG-LRU linear recurrence (RecurrentGemma / Griffin) under sequence parallelism: state passing.
 
 Where it sits: called by the RecurrentGemma wrapper of `integrations/mixers/` after the
-module's own projections, its halo convolution (`ops/mixers/conv.py`) and its per-token
-gates (all local to the shard); the output goes back into the module's own gating and
-output projection.
-
-The recurrence h_t = a_t ⊙ h_{t-1} + x_t is diagonal and affine in its incoming state
-(Griffin paper §2.4; the same observation as "state passing" in Mamba-2 §8 / Megatron's
-context parallelism for SSMs). Each rank cuts its shard into runs (consecutive global
-positions of one document: zigzag chunks, Ulysses pieces) and computes, per run, from zero
-state: the local outputs h⁰_t and the cumulative decay A_t = Π a over the run so far. The
-true output is h_t = h⁰_t + A_t ⊙ h_in(run), where h_in is the true state at the position
-before the run (zero at a document start, where a = 0 anyway). One all-gather of two
-[B, W] summaries per run (A at the run's end, h⁰ at the run's end: fixed size, independent
-of the run length), then every rank walks the runs in GLOBAL order -- an exclusive prefix
-over the affine maps -- and corrects its own runs. No state is kept on the module.
-Accumulation in fp32, as transformers' `_rnn_scan` does.
-"""
+module's projections, halo convolution and per-token gates (all on the shard); the output
+returns to the module's gating and output projection.
+h_t = a_t ⊙ h_{t-1} + x_t is diagonal and affine in its incoming state (Griffin §2.4): each
+run is computed from zero state (h⁰_t, cumulative decay A_t), one all-gather of two [B, W]
+summaries per run, then every rank walks the runs in GLOBAL order and corrects its own:
+h_t = h⁰_t + A_t ⊙ h_in (zero at a document start). Exact; no state kept on the module;
+fp32 accumulation, as transformers' `_rnn_scan`."""
 
 from __future__ import annotations
 

@@ -1,28 +1,14 @@
 """State passing between the pieces of a document spread over an SP group: one segmented scan.
 
-Where it sits: between a linear mixer's per-piece core (`ops/mixers/gdn_state.py`,
-`ops/mixers/mamba2_state.py`) and its output correction. Every rank has run each of its
-runs (consecutive global positions of one document: zigzag chunks, Ulysses pieces, FPDT
-pieces; `SequenceLayout.runs`) from ZERO state and summarised what the run does to a
-state: the affine map X ↦ A·X + B (B: the run's final state from zero; A: how the run
-transforms an incoming state -- a d_k × d_k matrix per head for the delta rule, a scalar
-decay per head for Mamba-2). The true state entering a run is the composition of the maps
-of the document's earlier runs, applied to zero (a document starts from zero state; no
-state crosses a document boundary).
-
-The collective: a segmented Hillis–Steele scan over each document's chain of runs in
-GLOBAL order (the chain order is not rank order under the zigzag), ⌈log2 L⌉ rounds for a
-chain of L runs, each one `all_to_all_single` in which a run's partial composition goes to
-the owner of the run 2^k places later, then one shift of the final B's to the next run's
-owner. Bytes per rank: (rounds + 1) maps per local run, against (P − 1) per local run for
-an all-gather (docs/DESIGN.md "State passing" has the numbers for P up to 64).
-
-Gradients: one autograd Function. Its backward is the same scan run in REVERSE chain order
-over the transposed maps (the adjoint recurrence Λ_j = G_j + A_jᵀ Λ_{j+1}), so every rank
-issues the same collectives in the same order whatever its graph looks like. The plan is
-pure Python from the layout, the same on every rank (DESIGN invariant 8); its index tensors
-are uploaded once per layout and device; nothing reads a device value on the host.
-"""
+Where it sits: between a linear mixer's per-piece core (`gdn_state.py`, `mamba2_state.py`)
+and its output correction. Each rank has summarised each of its runs (`SequenceLayout.runs`)
+as the affine map X ↦ A·X + B of the state entering it; this module composes the maps of
+each document's earlier runs in GLOBAL order (a Hillis–Steele scan, ⌈log2 L⌉ rounds of
+`all_to_all_single`, then one shift) and hands every run its true incoming state.
+Guarantees: no state crosses a document boundary; one autograd Function whose backward is
+the same scan in reverse order over the transposed maps, so every rank issues the same
+collectives; the plan is pure Python from the layout, equal on every rank (invariant 8).
+Bytes and the adjoint: docs/DESIGN.md "State passing for linear recurrences"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Faults: a dead or hung rank becomes a clear error on every other rank, within a timeout.
 
-Under FSDP + USP every rank joins
-every collective of every micro-batch, so one dead rank leaves the others blocked in an
-all-gather, all-to-all or ring exchange. Three layers stop them:
-1. the process-group timeout (`training/launch.init_distributed(timeout_s=...)`, or
-   `init_process_group(timeout=...)`): gloo raises from a blocked collective once it passes;
-   a peer that died usually makes gloo raise at once ("Connection closed by peer");
-2. `comm_guard`: turns that backend error into `RankFailure`, naming this rank, the step
-   and the timeout, instead of a bare gloo/NCCL traceback;
-3. `Watchdog` (optional): a thread that ends the process with a clear message if a step
-   makes no progress for `timeout_s`, for hangs no backend reports (e.g. NCCL without
-   async error handling, or a rank stuck outside any collective). `WatchdogCallback` runs it
-   for the span of `Trainer.train()`; the trainer beats it after every micro-batch.
-Where it sits now: around `LongContextTrainerMixin.training_step`, its gradient-norm
-collective, evaluation and checkpoint saving.
-"""
+Where it sits: around `LongContextTrainerMixin.training_step`, its gradient-norm collective,
+evaluation and checkpoint saving. Under FSDP + USP every rank joins every collective, so one
+dead rank blocks the others. Three layers stop them: the process-group timeout
+(`training/launch.init_distributed(timeout_s=...)`), past which gloo raises from a blocked
+collective; `comm_guard`, which turns that backend error into `RankFailure` naming this
+rank, the step and the timeout; and the optional `Watchdog` thread (run by
+`WatchdogCallback` for `Trainer.train()`, beaten after every micro-batch), which ends the
+process with a clear message when a step makes no progress for `timeout_s`."""
 
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """What the trainers add to the Trainer's logs: the exact step loss, tokens/s, plan balance,
-estimated MFU and peak memory; with a group bank, each step's slot layouts and the plan's
-per-rank busy time max/mean.
+estimated MFU and peak memory; with a group bank, slot layouts and per-rank busy max/mean.
 
-Where it sits: fed once per optimizer step by `LongContextTrainerMixin.training_step` with
-figures every rank already agrees on (the step's global loss from `global_loss`, its
-trained tokens and FLOPs from `CostModel.from_config`, the plan's `synced_over_ideal` --
-the Hydraulis / FlexSP balance objective), drained by the mixin's `log()` override, so the
-figures reach `log_history`, the progress bar / printer callback and every `report_to`
-back end like the Trainer's own.
-
-Why the loss is ours: the stock Trainer logs `nested_gather(tr_loss).mean()`, a mean over
-ranks; here every rank's step loss is already the step's global token mean, so the logged
-loss is the mean of those step losses over the logging window, summed in float64.
-MFU = FLOPs / (seconds · world size · peak FLOP/s of one device), FLOPs being the model's
-matmul and attention work (6·N per token plus causal attention, PaLM's definition); it is
-only logged where a peak is known (datasheet bf16 peaks of common GPUs, or `peak_flops`).
-"""
+Where it sits: fed once per optimizer step by the trainer's step with figures every rank
+already agrees on (the global loss, the step's tokens and FLOPs, the plan's
+`synced_over_ideal`), drained by the `log()` override into `log_history`, the progress bar
+and every `report_to` back end. Guarantees: the logged loss is the mean of the global step
+losses over the logging window, summed in float64 (never the Trainer's mean over ranks);
+MFU = FLOPs / (seconds · world · peak FLOP/s), FLOPs as PaLM defines them (6·N per token
+plus causal attention), logged only where a peak is known."""
 
 from __future__ import annotations
 

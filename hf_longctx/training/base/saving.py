@@ -1,16 +1,12 @@
 """What `checkpoint-N/` adds for exact resume: every rank's FSDP2 shards of model AND optimizer
 (torch distributed checkpoint) and the step sampler's position.
 
-Where it sits: called from `LongContextTrainerMixin._save_optimizer_and_scheduler` /
-`_load_optimizer_and_scheduler`, i.e. inside the Trainer's own checkpoint bookkeeping
-(`checkpoint-N/` naming, `trainer_state.json`, scheduler, per-rank RNG files, rotation,
-`resume_from_checkpoint=True` lookup all stay the Trainer's). What the stock Trainer gets
-wrong on this stack: with no Accelerate FSDP plugin it `torch.save`s the optimizer state
-of rank 0 only -- under ZeRO-3 over DP x SP (USP "Tip 3") every rank holds a different
-shard, so the other ranks' moments would be lost. Here each rank writes its own shards with
-`torch.distributed.checkpoint` (no rank gathers the full model) and reads them back with
-this run's sharding; the sampler state (identical on every rank) is one JSON file.
-"""
+Where it sits: called from the trainers' `_save_optimizer_and_scheduler` /
+`_load_optimizer_and_scheduler`, inside the Trainer's own checkpoint bookkeeping (naming,
+`trainer_state.json`, scheduler, RNG files, rotation stay the Trainer's). Guarantee: each
+rank writes and reads its own shards (no rank gathers the full model; the stock Trainer
+would save rank 0's optimizer state only, losing the other shards' moments under ZeRO-3);
+the sampler state, identical on every rank, is one JSON file."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """The DPO trainer's data: preference-pair rows -> one `StepBatch` of THIS rank per optimizer step.
 
-Where it sits: between the train dataset of `LongDPOTrainer` (training/dpo/trainer.py) and its
-`training_step`, in place of `sft/data.py`'s document pipeline. Every rank draws the SAME global
-list of pairs per step (`StepSampler` over the pairs' token counts, DESIGN invariant 8);
-`plan_pairs` assigns whole pairs to DP ranks and micro-batches (a pair is one planning unit, so
-the chosen and rejected completions of a pair meet in one SP group); `pack_pairs` lays each
-micro-batch out as [chosen_0, rejected_0, ...] (prompt labels -100, as TRL masks them) and
-`shard_batch` takes this SP rank's tokens. The step is a `StepBatch` like `sft/data.py`'s;
-its `num_items_in_batch` is the step's GLOBAL pair count (the DPO loss
-is a mean over pairs) and every micro-batch carries its own pair count under `PAIRS_KEY`
-(0: an empty slot of the plan, one padding token, still run so every rank joins every
-collective).
-
-Rows are TRL's tokenized preference form, `prompt_ids`, `chosen_ids`, `rejected_ids` (lists of
-token ids), which `pair_rows` makes from `prompt` / `chosen` / `rejected` id lists.
-"""
+Where it sits: between `LongDPOTrainer`'s train dataset and its `training_step`, in place of
+`sft/data.py`'s document pipeline. Every rank draws the SAME global list of pairs per step
+(invariant 8); `plan_pairs` assigns whole pairs to DP ranks and micro-batches, `pack_pairs`
+lays them out and `shard_batch` takes this SP rank's tokens. Guarantees: the step's
+`num_items_in_batch` is its GLOBAL pair count; each micro-batch carries its pair count under
+`PAIRS_KEY` (0: an empty slot, one padding token, still run so every rank joins every
+collective). Rows are TRL's tokenized form (`prompt_ids`, `chosen_ids`, `rejected_ids`),
+which `pair_rows` makes from `prompt` / `chosen` / `rejected` id lists."""
 
 from __future__ import annotations
 

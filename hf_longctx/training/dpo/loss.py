@@ -1,17 +1,12 @@
-"""DPO objective on a sharded packed batch of preference pairs (DPO paper
-eq. 7; TRL `DPOTrainer` formulas for "sigmoid", "hinge" and "ipo").
+"""DPO objective on a sharded packed batch of preference pairs (DPO paper eq. 7; TRL
+`DPOTrainer` formulas for "sigmoid", "hinge" and "ipo").
 
-Where it sits: after `model(**shard)` on a packed row whose documents are pairs laid out
-as [chosen_0, rejected_0, chosen_1, rejected_1, ...] (prompt tokens labelled -100, so only
-completion targets count, as in TRL). `completion_logps` turns this rank's logits into
-per-document sums of target log-probs with `distributed/doc_sums.py` (reduced over the SP
-group, identical on every SP rank); `dpo_loss` turns policy and reference sums into this
-rank's SHARE of the step loss: the per-pair losses summed, divided by the GLOBAL number of
-pairs of the step and by the SP degree (every SP rank computes the same pairs; loss.py sums
-the shares and the gradients over ranks). The logged rewards/margins/accuracies are
-returned as SUMS over this SP group's pairs so that the caller can all-reduce them over DP
-and divide by the global pair count (TRL logs the mean over the gathered pairs).
-"""
+Where it sits: after `model(**shard)` on a row of pairs [chosen_0, rejected_0, ...] (prompt
+labels -100). `completion_logps` gives per-document sums of target log-probs
+(`distributed/doc_sums.py`, identical on every SP rank); `dpo_loss` turns policy and
+reference sums into this rank's SHARE of the step loss: Σ per-pair losses / (GLOBAL pairs ×
+sp), so the shares summed over ranks are TRL's mean. Rewards, margins and accuracies come
+back as SUMS over this group's pairs, for the caller to all-reduce over DP."""
 
 from __future__ import annotations
 

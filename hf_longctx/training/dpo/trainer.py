@@ -1,30 +1,14 @@
 """`LongDPOTrainer`: TRL's `DPOTrainer` made exact under sequence parallelism.
 
-Where it sits: on top of the whole data flow, like `LongContextTrainerMixin` (trainer.py), whose
-overrides it inherits (FSDP2 over DP x SP with sum reduction, the logged global loss, the true
-grad_norm, checkpoints). What differs from token-level training is the unit and the objective:
-- data (dpo/data.py): a step is a global list of preference PAIRS drawn alike on every rank;
-  `plan_pairs` keeps the chosen and rejected completions of a pair in one micro-batch of one SP
-  group, `pack_pairs` + `shard_batch` make the shards;
-- loss (`compute_loss`): the policy's per-document log-prob sums (`completion_logps`, i.e.
-  `distributed/doc_sums.py`, reduced over the SP group), the reference's on the same shard under
-  no_grad (TRL's default reference: the initial model loaded again from its path; or the user's
-  `ref_model`; patched with the same mesh, FSDP2-sharded over DP x SP like the policy), then
-  `dpo_loss`: Σ per-pair losses / (GLOBAL pairs of the step x sp) -- so the sum over ranks and
-  micro-batches is TRL's per-batch mean over all the step's pairs, and the summed gradients
-  are its gradients;
-- metrics (`training_step`): TRL's rewards/chosen, rewards/rejected, rewards/accuracies,
-  rewards/margins, logps/chosen, logps/rejected as GLOBAL means (sums all-reduced over DP, /
-  global pairs; SP ranks hold the same sums), num_tokens, and TRL's token metrics entropy,
-  logits/chosen, logits/rejected, mean_token_accuracy as global token means
-  (`dpo_loss.token_metric_sums`).
-
-Refused at construction, before any collective: every DPOConfig value `check_dpo_config` refuses
-(refusals/dpo.py), PEFT / quantization (`peft_config`, `quantization_config`), a `GroupBank`
-and datasets that are not preference pairs. Evaluation (`evaluate`) runs the same sharded
-forward under no_grad: eval_loss is the mean per-pair loss of the whole eval set and the
-eval metrics are global means over it (TRL averages per-batch means: equal when batches are).
-"""
+Where it sits: on top of the whole data flow; inherits `LongContextTrainerMixin`'s overrides
+(FSDP2 with sum reduction, the global loss, the true grad_norm, checkpoints) and replaces the
+unit and the objective: steps of preference PAIRS (`dpo/data.py`), `compute_loss` from the
+policy's and the reference's per-document log-prob sums on the same shard (`dpo/loss.py`).
+Guarantees: a step's loss and gradients are TRL's per-batch mean over all the step's pairs;
+TRL's metrics are GLOBAL means (token metrics as global token means); evaluation's
+eval_loss is the mean per-pair loss of the whole eval set. Refused before any collective:
+what `check_dpo_config` refuses, PEFT / quantization, a `GroupBank`, non-pair datasets.
+The design: docs/DESIGN.md "DPO under SP"."""
 
 from __future__ import annotations
 

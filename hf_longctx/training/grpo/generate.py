@@ -1,27 +1,14 @@
-"""GRPO rollouts on a sequence-parallel, FSDP2-sharded model: generation without a hang when
-ranks generate different lengths, and the same completions on every rank of an SP group.
+"""GRPO rollouts on a sequence-parallel, FSDP2-sharded model: no hang when ranks generate
+different lengths, and the same completions on every rank of an SP group.
 
-Where it sits: first half of a GRPO step (DeepSeekMath §4.1: sample G completions per
-prompt), before `grpo.loss.pack_completions` / `grpo_loss`. The problem: under FSDP2 every
-decoder layer all-gathers its parameters in its forward, so every rank must run the same
-number of forwards; `generate` runs one forward per new token and stops at EOS, so ranks
-with different completion lengths would wait forever in an all-gather. And a `patch`ed model
-refuses `generate` (its attention is the SP one, it has no KV cache).
-
-The design (`unpatched_for_generation`): generate with gathered weights outside FSDP's
-per-forward collectives --
-1. every FSDP2 unit is all-gathered ONCE (`FSDPModule.unshard`, the same calls in the same
-   order on every rank) and kept unsharded (`set_reshard_after_forward(False)`), so the
-   forwards inside `generate` make no collective and each rank decodes as long as it needs;
-2. the SP patch is taken off (`unpatch`) so TRL's / transformers' own generation path runs
-   (KV cache, sampling, stopping), and put back with the same options afterwards;
-3. afterwards every unit is resharded and its reshard-after-forward setting restored.
-Memory: the whole unsharded model on every rank during generation (like a vLLM colocate
-engine); the training step is sharded again. `sp_rollouts` then splits the SP group's
-prompts over its ranks (each rank generates ≈ 1/SP of them) and all-gathers the token
-lists over the SP group, so every rank of the group trains on the same completions and DP
-groups on their own prompts. vLLM is never imported here.
-"""
+Where it sits: first half of a GRPO step (DeepSeekMath §4.1: G completions per prompt),
+before `grpo.loss.pack_completions`. `unpatched_for_generation` all-gathers every FSDP2 unit
+ONCE (same calls, same order on every rank) and keeps it unsharded, takes the SP patch off so
+transformers' own generation runs (KV cache, sampling, stopping), then re-patches with the
+same options and reshards: the forwards inside `generate` make no collective, so each rank
+decodes as long as it needs. `sp_rollouts` splits the SP group's prompts over its ranks and
+all-gathers the completions, so the group trains on the same completions. Memory: the whole
+unsharded model during generation. vLLM is never imported. Why: DESIGN "GRPO under SP"."""
 
 from __future__ import annotations
 

@@ -1,36 +1,15 @@
 """The GRPO training step under sequence parallelism: TRL's per-token objective on a packed,
 sharded batch of prompt+completion documents, exact against the single-process step.
 
-Where it sits: after generation and scoring (TRL's `_generate_and_score_completions`: the
-completions, their advantages, optionally the old-policy and reference log-probabilities),
-in place of TRL's `GRPOTrainer._compute_loss`. `pack_completions` lays the completions of
-one SP group out as ONE packed row (one document per prompt+completion, as
-`DataCollatorWithFlattening` makes it) with every per-completion quantity written at the
-position that PREDICTS each completion token (target-aligned, so that `shard_batch`'s
-per-document label shift and token permutation carry it to the rank that scores that
-token); `grpo_loss` runs the `patch`ed model on this rank's shard and returns this rank's
-share of TRL's loss.
-
-Why no cross-rank reduction is needed in the loss (DeepSeekMath §4.1.2 eq. 3 as TRL 1.16
-implements it, `grpo/trainer.py::_compute_loss`): every term is per token (the ratio
-exp(logp - old_logp), its clipping, the k3 KL estimate exp(ref - logp) - (ref - logp) - 1,
-times that ratio under `use_bias_correction_kl`)
-times a per-completion constant (the advantage), and each `loss_type`'s normalisation is
-a per-token weight known from the UNSHARDED lengths before any forward:
-  "grpo"    (1 / N) Σ_i (1 / |o_i|) Σ_t l_it   -> weight 1 / (N · |o_i|)
-  "dr_grpo" Σ_it l_it / (N · max_completion_length) -> weight 1 / (N · L_max)
-  "dapo"    Σ_it l_it / T                       -> weight 1 / T
-with N the global number of completions and T the global number of completion tokens of
-the optimizer step (over all DP groups: TRL's DDP average over processes of per-process
-means gives exactly these global means). So the loss is Σ_tokens weight · l, each rank's
-share is the sum over its tokens, and summing gradients over SP and DP ranks gives the
-single-process gradient (DESIGN invariant 6). TRL's "bnpo" (a per-process token mean,
-averaged over processes) depends on how completions fall on ranks and is refused
-(`refusals/grpo.py`). The logged metrics are global: token means as one SUM all-reduce
-of [Σ value, Σ mask] over the world; `clip_ratio/low_min` / `high_max` from per-completion
-sums reduced over the SP group (the completion's tokens are spread over its ranks), then
-MIN / MAX over the world.
-"""
+Where it sits: after generation and scoring (completions, advantages, optionally old-policy
+and reference log-probabilities), in place of TRL's `GRPOTrainer._compute_loss`.
+`pack_completions` lays an SP group's completions out as ONE packed row with every
+per-completion quantity at the position that PREDICTS each completion token, so
+`shard_batch` carries it to the rank that scores the token; `grpo_loss` returns this rank's
+share of TRL's loss (DeepSeekMath §4.1.2 eq. 3 as TRL 1.16 implements it). Guarantees: each
+`loss_type`'s normaliser is a per-token weight from the unsharded lengths, so no cross-rank
+reduction is needed and summed gradients equal the single-process ones; metrics are global.
+Weights and metric reductions: docs/DESIGN.md "GRPO under SP"."""
 
 from __future__ import annotations
 

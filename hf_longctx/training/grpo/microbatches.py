@@ -1,24 +1,14 @@
 """The GRPO step's rows of one SP group -> several packed micro-batches, the same count on every rank.
 
-Where it sits: `LongGRPOTrainer(max_tokens=...)` (training/grpo/trainer.py), after the SP group's
-rows of the step are all-gathered and before each micro-batch is packed (`grpo.loss.pack_completions`
-with the step's GLOBAL counts N and T, so each micro-batch's loss is its share of the one-batch
-loss), sharded and trained with gradient accumulation.
-
-`plan_rows` plans the rows by cost under `max_tokens` (`data/packing.plan_microbatches` with one
-DP rank: the SP group's rows only; `max_tokens` = tokens of one packed micro-batch of the SP group,
-padding to the mesh's doc / seq multiples included), then agrees over the world with ONE MAX
-all-reduce of [micro-batches, longest padded row]: every rank learns the largest count K and
-whether any group holds a row that cannot fit, so all ranks raise the same error together
-(naming the row's length and the cap) before any forward, and no rank waits in a collective the
-others skip. A group that planned fewer than K micro-batches splits its largest ones (every group
-holds at least K rows: K <= the rows of the group that planned it, and every group has as many
-rows), so every slot holds at least one row and runs a real forward.
-
-`merge_metrics` turns the per-micro-batch global metrics of `grpo_loss` into the step's: token
-means weighted by the micro-batch's global completion-token count (`slot_tokens`, one SUM
-all-reduce), the clip-ratio extremes as nanmin / nanmax (each completion lies in one micro-batch).
-"""
+Where it sits: `LongGRPOTrainer(max_tokens=...)`, after the SP group's rows are all-gathered
+and before each micro-batch is packed with the step's GLOBAL counts N and T (so each
+micro-batch's loss is its share of the one-batch loss). `plan_rows` plans by cost under
+`max_tokens` (`plan_microbatches`, one DP rank), then agrees over the world with ONE MAX
+all-reduce of [micro-batches, longest padded row]: every rank raises the same error for a
+row that cannot fit, and a group that planned fewer than the largest count splits its
+largest micro-batches, so every slot runs a real forward. `merge_metrics` weights token
+means by each micro-batch's global completion tokens and takes nanmin / nanmax of the clip
+ratios."""
 
 from __future__ import annotations
 

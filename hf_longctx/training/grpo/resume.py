@@ -1,26 +1,14 @@
 """What makes `LongGRPOTrainer`'s `checkpoint-N/` resume exactly: the sharded policy and optimizer
 through `base/saving.py` (no second format) and TRL's sampler continuing in the right epoch.
 
-Where it sits: `LongGRPOTrainer`'s checkpoint hooks (`_save_optimizer_and_scheduler`,
-`_load_optimizer_and_scheduler`, `_init_training_state`, `_get_train_sampler`) call these. A
-checkpoint of LongGRPOTrainer holds:
-- every rank's FSDP2 shards of the policy AND its optimizer state (`saving.save_sharded`,
-  torch distributed checkpoint) and the scheduler -- as `LongContextTrainer` writes them;
-- the Trainer's own files: `trainer_state.json` (global step, log history), per-rank
-  `rng_state_<rank>.pth` (restored before the resumed step's generation, so sampling continues
-  as it would have), rotation by `save_total_limit`.
-Not in it:
-- the reference model (beta > 0): frozen, so TRL rebuilds it at construction from the policy's
-  `config._name_or_path`, exactly as the first run did; resume with the same model path
-  (a checkpoint never stores a copy of it; `REFERENCE_FILE` records that path and a resume
-  whose reference comes from another one is refused before any collective);
-- TRL's generation buffer: `steps_per_generation` and `num_iterations` are 1 (refused otherwise),
-  so every step generates afresh and nothing is buffered between steps;
-- the data position: TRL's `RepeatSampler` is rebuilt from `args.seed`; the Trainer skips the
-  steps already trained in the resumed epoch, and `ResumableRepeatSampler` draws the permutations
-  of the epochs already trained first (TRL's sampler draws a new permutation from ONE generator
-  per epoch and has no `set_epoch`, so a plain rebuild would replay epoch 0's order).
-"""
+Where it sits: called by `LongGRPOTrainer`'s checkpoint hooks (`_save_optimizer_and_scheduler`,
+`_load_optimizer_and_scheduler`, `_init_training_state`, `_get_train_sampler`). A checkpoint
+holds every rank's FSDP2 shards of policy and optimizer, the scheduler and the Trainer's own
+files (state, per-rank RNG restored before the resumed step's generation). Not in it: the
+frozen reference (rebuilt from the policy's path; `REFERENCE_FILE` records it and a resume
+against another is refused), and no generation buffer (both knobs are 1).
+`ResumableRepeatSampler` draws the trained epochs' permutations first, because TRL's
+`RepeatSampler` has one generator and no `set_epoch`."""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """One GRPO optimizer step under sequence parallelism, end to end: rollouts, rewards and
 advantages, the exact SP training step, the optimizer step and TRL's metrics (global).
 
-Where it sits: the loop body of recipes/grpo.py (and of a user's own loop). It chains
-`grpo.generate.sp_rollouts` (generation on gathered weights, the same completions on every
-rank of an SP group, DP groups on their own prompts) -> the rewards of the caller's reward
-function -> TRL's group-relative advantages (DeepSeekMath §4.1.2, TRL's default
-`scale_rewards="group"`: (r - mean_group) / (std_group + 1e-4)) -> `grpo.loss.pack_completions`
-with the step's GLOBAL completion and token counts (one all-reduce over the DP group) ->
-`shard_batch` -> the reference log-probabilities on the same shard (beta > 0) ->
-`grpo_loss` -> backward (FSDP2 reduce-scatters a SUM; a replicated model gets
-`sum_gradients`) -> clip -> optimizer step.
-The prompts of one SP group stay together: all G completions of a prompt are in the same
-packed row, so the advantages are local.
-
-Not done here (TRL's trainer does it): several micro-batches per step (the packed row is
-one micro-batch), num_iterations > 1 with old log-probabilities, evaluation, logging
-callbacks: `grpo.trainer.LongGRPOTrainer` is TRL's `GRPOTrainer` with this step's pieces.
-"""
+Where it sits: the loop body of recipes/grpo.py (and of a user's own loop): `sp_rollouts` ->
+the caller's rewards -> TRL's group-relative advantages (DeepSeekMath §4.1.2,
+`scale_rewards="group"`) -> `pack_completions` with the step's GLOBAL counts (one
+all-reduce over DP) -> `shard_batch` -> reference log-probs on the same shard (beta > 0) ->
+`grpo_loss` -> backward (gradients SUMMED) -> clip -> optimizer step. All G completions of
+a prompt share one packed row, so the advantages are local. One micro-batch per step, no
+old log-probabilities, no evaluation or callbacks: `LongGRPOTrainer` adds those through TRL."""
 
 from __future__ import annotations
 

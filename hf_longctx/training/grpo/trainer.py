@@ -1,18 +1,14 @@
 """`LongGRPOTrainer`: TRL's `GRPOTrainer` with its training step exact under sequence parallelism.
 
-Where it sits: a user's GRPOTrainer script plus `mesh=` (and the model `patch`ed with it). TRL
-keeps its data path (sampler, prompts, rewards, advantages over the world, metrics, optimizer);
-`SPTrainerBase` (`base/trainer.py`) places the policy and the frozen reference and owns the
-gradient norm and checkpoints; four TRL hooks are replaced here: generation on gathered,
-unpatched weights (`grpo/generate.py`); `_prepare_inputs`, which gathers the SP group's scored
-rows, packs them with the step's global counts and shards them (`grpo/loss.py`); `compute_loss`
-= `grpo_loss`; and `training_step`, split into packed micro-batches under `max_tokens`
-(`grpo/microbatches.py`) that the shared step loop runs (`base/step_loop.py`). What it
-guarantees: a step equals the single-process GRPOTrainer step on the union of every process's
-rows (loss, gradients, grad_norm, TRL's metrics), a resumed step the uninterrupted one
-(`grpo/resume.py`), and every refused setting raised before any collective
-(`refusals/grpo.py`). The design: DESIGN "GRPO under SP".
-"""
+Where it sits: a user's GRPOTrainer script plus `mesh=` (the model `patch`ed with it). TRL
+keeps its data path; `SPTrainerBase` places the policy and frozen reference and owns the
+gradient norm and checkpoints; four hooks are replaced here: generation on gathered,
+unpatched weights (`grpo/generate.py`), `_prepare_inputs` (gather, pack, shard:
+`grpo/loss.py`), `compute_loss` = `grpo_loss`, and `training_step` (micro-batches under
+`max_tokens`, run by the shared step loop `base/step_loop.py`). Guarantees: a step equals the
+single-process GRPOTrainer step on the union of every process's rows (loss, gradients,
+grad_norm, metrics), a resumed step the uninterrupted one, and every refused setting raises
+before any collective. Design: DESIGN "GRPO under SP"."""
 from __future__ import annotations
 
 import inspect

@@ -1,22 +1,14 @@
 """Every TRL `GRPOConfig` field beyond `TrainingArguments` (TRL 1.16), classified for the
 sequence-parallel GRPO step: honoured, mapped, left to the caller's loop, or refused.
 
-Where it sits: `GRPOObjective.from_config` (training/grpo/loss.py) and
-`generation_kwargs(args)` below call `check_grpo_config` first, on every rank alike and before
-any collective; `LongGRPOTrainer` (grpo/trainer.py) reaches it through `from_config` and adds its
-own refusals (`refusals.grpo.refusals`: accumulation / buffered generations, evaluation, ...);
-there, the "trainer" fields below are read by TRL's GRPOTrainer itself. For `grpo_step` the
-`TrainingArguments` half is `refusals/training_arguments.py`'s table. A field of a newer
-TRL missing from the table is refused when it differs from its default, and
-tests/unit/test_grpo_arguments.py fails on the installed TRL until the table names it.
-
-Kinds (refusals/training_arguments.py's `Rule`):
-- "ours":    honoured by grpo_loss / grpo_generate (the note says where);
-- "mapped":  turned into the sampling kwargs of `grpo.generate.hf_generate` by `generation_kwargs`;
-- "trainer": read by the caller's loop (rewards, advantages, logging, the dataset); recipes/grpo.py
-             shows each one honoured;
-- "refused": only the values `ok` accepts run; any other raises `NotSupported` with "Do instead".
-"""
+Where it sits: `GRPOObjective.from_config` and `generation_kwargs(args)` call
+`check_grpo_config` first, on every rank alike and before any collective; `LongGRPOTrainer`
+adds its own refusals (`refusals`). Kinds (`rules.Rule`): "ours" (honoured by grpo_loss /
+grpo_generate), "mapped" (into the sampling kwargs of `hf_generate`), "trainer" (read by
+TRL's trainer or the caller's loop; recipes/grpo.py honours each), "refused" (only the
+values `ok` accepts run; else `NotSupported` with "Do instead"). A field of a newer TRL
+missing from the table is refused when it differs from its default, and
+tests/unit/test_grpo_arguments.py fails until the table names it."""
 
 from __future__ import annotations
 

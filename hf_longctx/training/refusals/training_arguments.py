@@ -1,21 +1,14 @@
 """Every `TrainingArguments` field and every `Trainer.__init__` parameter, classified once:
 honoured, mapped, or refused (with what to do instead).
 
-Where it sits: the first thing `LongContextTrainerMixin.__init__` runs (through
-`checks.check_training_arguments` / `check_trainer_parameters`), on every rank alike and
-before any collective, so a setting the exact-loss contract (DESIGN invariant 6) cannot
-keep is one clear `NotSupported` on every rank instead of a hang, a wrong gradient, or a
-setting silently dropped. A field of a newer transformers that is missing from the table
-is refused when it differs from its default (`unclassified`), and a test fails on the
-installed version until the table names it -- a new field never passes unseen.
-
-The table's kinds:
-- "trainer":  honoured by `transformers.Trainer`'s own code, which the mixin does not override;
-- "ours":     honoured by the mixin's own code (the note says where);
-- "mapped":   translated into hf_longctx's equivalent (the note says into what);
-- "refused":  only the values `ok` accepts run (normally the default); any other value is
-              refused with the note (why) and `instead` (what to do).
-"""
+Where it sits: the first thing the trainers run (`checks.check_training_arguments` /
+`check_trainer_parameters`), on every rank alike and before any collective, so a setting
+the exact-loss contract (invariant 6) cannot keep is one clear `NotSupported` on every rank,
+never a hang, a wrong gradient or a silently dropped setting. Kinds: "trainer" (the
+Trainer's own code), "ours" (the mixin's code), "mapped" (translated into hf_longctx's
+equivalent), "refused" (only the values `ok` accepts; the note says why, `instead` what to
+do). A field of a newer transformers missing from the table is refused when it differs
+from its default (`unclassified`), and a test fails until the table names it."""
 
 from __future__ import annotations
 

@@ -1,25 +1,14 @@
 """The trainers' data: one DataLoader item = one optimizer step of THIS rank.
 
-Where it sits: between a `datasets.Dataset` (`input_ids`, optional `labels`) and
-`LongContextTrainerMixin.training_step`. A `transformers.Trainer` expects one batch per
-`next(dataloader)` and shards the dataset over processes with Accelerate; our data flow
-(DESIGN.md) needs the opposite -- every rank draws the SAME global list of documents per
-step (`StepSampler`, DESIGN invariant 8), the cost-balanced plan picks this DP rank's
-micro-batches and `shard_batch` this SP rank's slice (`LongContextCollator`, Hydraulis
-two-stage assignment / FlexSP chunking). So the DataLoader built here is never handed to
-`accelerator.prepare` (which would split the global list over ranks), its batch sampler
-yields the step sampler's index lists, and its collate function wraps the collator's
-`list[dict]` into ONE `StepBatch` (`base/step_data.py`): this rank's sharded micro-batches,
-the whole step's normaliser, tokens and FLOPs, and its plan (kept as `trainer.last_plan`).
-
-With a `GroupBank` the collator is `flex/collator.FlexCollator` (flexible SP
-groups, planned per step by `plan_flexible`): its micro-batches are this rank's slots, each
-sharded for that slot's group, and the step batch also names the slot layouts and the plan's
-modelled per-rank busy time max/mean (the logs show both).
-
-Nothing is truncated here: a document longer than `max_tokens` is the planner's business
-(`overlong="error" | "split" | "truncate"`), checked up front by `check_lengths`.
-"""
+Where it sits: between a `datasets.Dataset` (`input_ids`, optional `labels`) and the
+trainer's `training_step`. Every rank draws the SAME global list of documents per step
+(`StepSampler`, invariant 8); the collator plans this DP rank's micro-batches and shards this
+SP rank's slice. So the DataLoader is never handed to `accelerator.prepare` (which would
+split the list over ranks); its batch sampler yields the step sampler's index lists and its
+collate returns ONE `StepBatch` (`base/step_data.py`): the sharded micro-batches, the step's
+normaliser, tokens, FLOPs and plan. With a `GroupBank` the collator is `FlexCollator` (one
+shard per slot). Nothing is truncated here: overlong documents are the planner's business
+(`overlong=`), checked up front by `check_lengths`."""
 
 from __future__ import annotations
 

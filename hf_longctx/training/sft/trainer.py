@@ -1,17 +1,13 @@
 """`LongContextTrainerMixin` / `LongContextTrainer`: exact sequence-parallel training through
 `transformers.Trainer` (and any subclass, TRL's `SFTTrainer` included).
 
-Where it sits: on top of the whole data flow, in place of a hand-written loop. The Trainer's
-own loop calls `training_step` once per optimizer step with the `StepBatch` of `sft/data.py`
-(same global documents on every rank → cost-balanced plan → this rank's sharded micro-batches;
-with a `GroupBank`, flexible SP groups planned per step). What it guarantees (DESIGN invariant
-6): each rank's loss is its token-loss sum / the step's GLOBAL target count and gradients are
-summed over micro-batches and ranks, so a step equals a single-process step on the whole global
-batch; the logged and evaluated losses are global token means. `SPTrainerBase`
-(`base/trainer.py`) holds placement, the gradient norm and checkpoints; this mixin adds the
-token step's overrides, each pointing to its module. Where the stock Trainer breaks the
-contract and which override fixes each: DESIGN "One training path on the Trainer".
-"""
+Where it sits: on top of the whole data flow, in place of a hand-written loop: the Trainer
+calls `training_step` once per optimizer step with the `StepBatch` of `sft/data.py`.
+Guarantee (invariant 6): each rank's loss is its token-loss sum / the step's GLOBAL target
+count and gradients are summed, so a step equals a single-process step on the global batch;
+logged and evaluated losses are global token means. `SPTrainerBase` holds placement, the
+gradient norm and checkpoints; this mixin adds the token step's overrides. Which stock
+behaviour each override replaces: DESIGN "One training path on the Trainer"."""
 from __future__ import annotations
 
 import inspect

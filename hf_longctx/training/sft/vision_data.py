@@ -1,18 +1,13 @@
 """TRL's conversational image datasets -> rows of processor outputs, for the multimodal step collator.
 
-Where it sits: construction of the Trainer path (`training/sft/trainer.py`), for an
-image-text-to-text model under TRL's `SFTTrainer` with a processor as `processing_class`.
-TRL leaves such a dataset raw (`messages` + `images`) and runs its
-`DataCollatorForVisionLanguageModeling` per batch; the step sampler here needs every
-document's token count up front (image tokens included) and the multimodal collator packs
-documents with their own images, so each example is run through TRL's SAME collator once,
-alone (chat template, processor, labels with padding -100 -- assistant-only / completion-only
-masks as TRL builds them), and kept as one row: `input_ids`, `labels`, the pixel / grid
-tensors, `length`. Nothing is truncated: TRL's `max_length` must be None here (the cap is
-the trainer's `max_tokens`), and a document with images longer than it is refused by the
-collator. The processed rows live in memory / the datasets cache like any mapped dataset;
-for very large image sets process the dataset yourself into the same columns.
-"""
+Where it sits: construction of the Trainer path, for an image-text-to-text model under TRL's
+`SFTTrainer` with a processor. The step sampler needs every document's token count up front
+and the multimodal collator packs documents with their own images, so each example runs once,
+alone, through TRL's SAME `DataCollatorForVisionLanguageModeling` (chat template, processor,
+assistant-only / completion-only labels as TRL builds them) and is kept as one row:
+`input_ids`, `labels`, pixel / grid tensors, `length`. Nothing is truncated: TRL's
+`max_length` must be None (the cap is `max_tokens`; longer documents with images are refused
+by the collator). For very large image sets, process the dataset into these columns yourself."""
 
 from __future__ import annotations
 
