@@ -114,7 +114,8 @@ def balanced(sizes, costs, cap, dp_size, seed):
 def improve(bins, sizes, costs, cap, dp_size, max_changes=None, work=20_000_000):
     """Local search on Σ of slot maxima: relieve each slot's costliest bin by moving
     one of its pieces to another bin, or swapping it with a cheaper piece, wherever that
-    lowers the sum (slots re-formed by cost after every change).
+    lowers the sum (slots re-formed by cost after every change). A move never takes a bin's
+    last piece, so no bin filled by `fill_empty` ends empty.
 
     Bounded by `max_changes` and by `work` (candidate pairs evaluated), never by wall
     time, so every rank stops at the same point.
@@ -151,7 +152,8 @@ def improve(bins, sizes, costs, cap, dp_size, max_changes=None, work=20_000_000)
             delta = np.where(same, np.maximum(np.maximum(tau - cx, tau2), load + cx) - tau, relief + raise_k)
             delta[(tok + sx > cap) | (all_bins == b)] = np.inf
             i, k = np.unravel_index(int(np.argmin(delta)), delta.shape)
-            if delta[i, k] < best[0]:
+            # A move never empties a bin: an empty micro-batch only when pieces < bins.
+            if len(xs) > 1 and delta[i, k] < best[0]:
                 best = (delta[i, k], (int(xs[i]), None, k))
             # Swaps: piece x with a cheaper piece y of another bin.
             ky = bin_of
