@@ -183,7 +183,6 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         seq_h = {"layer input (device copy)": z.v * S, "next layer input (prefetched)": z.v * S,
                  "kept attention tensors (device copies)": kept_dev * S if offload else 0.0,
                  "gradient through the layer": z.v * S}
-        mats = 3 if dims.gated else 2
         layer_phases = {
             "layer backward: recompute, pre-attention": seq_h | {
                 "norm output, q, k, v, rotary temporaries (whole sequence)": (z.v + 4 * z.qb + 2 * z.kvb) * S},
@@ -191,7 +190,9 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
                 "recomputed norm outputs and attention residual": 3 * z.v * S,
                 "gradient of the MLP input (assembled from the chunks)": z.v * S,
                 "MLP chunk: I-wide tensors and gradients": r * (z.mlp_saved + 2 * z.ib),
-                "MLP chunk: weight gradients": mats * dims.hidden * dims.intermediate * z.dt},
+                # at the I-wide peak (the gradients of the up/gate outputs being formed) only the
+                # down projection's weight gradient exists; the others come as those are consumed
+                "MLP chunk: weight gradient (down projection)": dims.hidden * dims.intermediate * z.dt},
         }
         if fpdt_host:
             c = S / s.fpdt_chunks
