@@ -49,6 +49,12 @@ def park(arg: Any, streams: Streams, keep: bool = False) -> Any:
     return _Parked(host, src.device, arg.requires_grad, copied)
 
 
+def keeps_input(index: int, layers: int, inputs_on_device: int) -> bool:
+    """Whether decoder layer `index` of `layers` keeps its input on the device: the last
+    `inputs_on_device` do (`patch(..., inputs_on_device=N)`)."""
+    return index >= layers - inputs_on_device
+
+
 def _unpark(parked: Any, streams: Streams, fetched: tuple | None = None) -> Any:
     """The recompute's copy of one input: the prefetched device copy (`fetched`: the result of
     `copy_in`) or a copy made now. The host buffer goes back to the pool right after the read
@@ -181,7 +187,7 @@ def patch_checkpointing(
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
         offload = functools.partial(offloaded_checkpoint, streams=streams, keeper=keeper, chain=chain, first=index == 0,
-                                    split=split, keep=index >= len(layers) - inputs_on_device)
+                                    split=split, keep=keeps_input(index, len(layers), inputs_on_device))
         if hasattr(type(layer), "gradient_checkpointing"):  # transformers' GradientCheckpointingLayer
             set_instance_attr(layer, "gradient_checkpointing", True, undo)
             set_instance_attr(layer, "_gradient_checkpointing_func", offload, undo)

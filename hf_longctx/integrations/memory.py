@@ -21,7 +21,7 @@ from torch import nn
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
-from hf_longctx.integrations.checkpointing import patch_checkpointing
+from hf_longctx.integrations.checkpointing import keeps_input, patch_checkpointing
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.keep_attention import AttentionKeeper
 from hf_longctx.integrations.layer_split import LayerSplit
@@ -160,7 +160,7 @@ def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, a
             set_instance_attr(layer, "gradient_checkpointing", False, undo)
 
         def split_forward(*args, _forward=forward, _layer=layer, _first=index == 0,
-                          _keep=index >= len(layers) - inputs_on_device, **kwargs):
+                          _keep=keeps_input(index, len(layers), inputs_on_device), **kwargs):
             if not (_layer.training and torch.is_grad_enabled()):
                 return _forward(*args, **kwargs)
             return split.call(_layer, _forward, _first, args, kwargs, _keep)
@@ -262,9 +262,6 @@ def apply_memory_options(
     if isinstance(inputs_on_device, bool) or not isinstance(inputs_on_device, int) or not 0 <= inputs_on_device <= layers:
         raise ValueError(f"inputs_on_device must be an int from 0 to the model's {layers} decoder layers, got "
                          f"{inputs_on_device!r}")
-    if inputs_on_device and not checkpoint:
-        raise ValueError(f"inputs_on_device={inputs_on_device} keeps checkpointed layer inputs on the device, but "
-                         "checkpointing is off: use memory='high' or 'max' (or checkpoint=...) with it, or drop it")
     mlp_chunks = _resolve_chunks("mlp_chunks", mlp_chunks)
     loss_chunks = _resolve_chunks("loss_chunks", loss_chunks)
     auto = mlp_chunks == "auto"

@@ -10,6 +10,8 @@ would offload; the count is taken at `copy_out`, where every parked input starts
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -20,7 +22,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.integrations import checkpointing
 from hf_longctx.ops.host_pool import size_class
 from hf_longctx.planning.budget import step_budget
-from hf_longctx.planning.estimate import ModelDims, Setting
+from hf_longctx.planning.estimate import ModelDims
 
 LAYERS, HIDDEN, TOKENS = 4, 64, 256
 
@@ -97,8 +99,7 @@ def test_the_budget_moves_the_kept_inputs_from_host_to_device(memory):
     dims = ModelDims.from_config(load_config("tests/data/llama-3.1-8b-config.json"))
     s = preset_setting(8, 1, 8, memory, dims)
     tokens, kept = 1 << 20, 5
-    base, moved = step_budget(dims, s, tokens=tokens), step_budget(dims, Setting(**{**s.__dict__, "inputs_on_device": kept}),
-                                                                   tokens=tokens)
+    base, moved = step_budget(dims, s, tokens=tokens), step_budget(dims, replace(s, inputs_on_device=kept), tokens=tokens)
     per_layer = 2 * dims.hidden * tokens / 8
     assert base.host - moved.host == kept * size_class(int(per_layer))
     for a, b in zip(base.phases, moved.phases):
