@@ -275,17 +275,17 @@ def inputs_on_device(s: Setting, mem: Any, memory: Any, layers: int, gpu: float,
     while the GPU peak stays within `gpu`; `s` and `mem` unchanged when no N does.
     `memory(setting)` estimates one setting; host falls and the GPU peak rises with N (bisection)."""
     lo, hi = 1, layers
-    if memory(replace(s, inputs_on_device=hi)).host > host:
+    best = memory(replace(s, inputs_on_device=hi))  # the estimate at `hi`, which fits the host
+    if best.host > host:
         return s, mem
     while lo < hi:
         mid = (lo + hi) // 2
-        if memory(replace(s, inputs_on_device=mid)).host <= host:
-            hi = mid
+        est = memory(replace(s, inputs_on_device=mid))
+        if est.host <= host:
+            hi, best = mid, est
         else:
             lo = mid + 1
-    kept = replace(s, inputs_on_device=lo)
-    est = memory(kept)
-    return (kept, est) if est.peak <= gpu else (s, mem)
+    return (replace(s, inputs_on_device=hi), best) if best.peak <= gpu else (s, mem)
 
 
 def rank_settings(
