@@ -13,7 +13,7 @@ host); the window keeps the attention's work linear in the length, so a step at 
 tokens takes tens of seconds rather than hours.
 
 Steps: (1) a probe reports the GPU's free memory and the node's; (2) the planner
-(`planning/budget.step_budget`, plus the bf16 weights and gradients: the step is a forward and
+(`capacity/budget.step_budget`, plus the bf16 weights and gradients: the step is a forward and
 a backward without an optimizer) gives the longest length whose estimated peak fits the free
 memory and whose host offloads fit the node (the runtime check of `integrations/host_budget.py`),
 and the FPDT chunks for it; (3) a probe at that length, then a bisection (down when it does not
@@ -56,9 +56,9 @@ def planned(free: float, host: float, layers: int, cap: int) -> tuple[int, int, 
     """(tokens, FPDT chunks, estimated peak bytes) of the planner's longest length on one GPU
     with `free` device bytes and `host` bytes of node memory."""
     from hf_longctx.integrations.host_budget import HEADROOM
-    from hf_longctx.planning.budget import step_budget
-    from hf_longctx.planning.estimate import ModelDims
-    from hf_longctx.planning.search import preset_setting
+    from hf_longctx.capacity.budget import step_budget
+    from hf_longctx.capacity.estimate import ModelDims
+    from hf_longctx.capacity.search import preset_setting
 
     dims = ModelDims.from_config(probe_config(layers))
     weights = 4 * dims.params  # bf16 parameters and their bf16 gradients

@@ -1,7 +1,7 @@
 """The longest context `hf-longctx plan` finds per cluster, beside the published figures.
 
-Where it sits: outside the library; drives `planning/search.rank_settings` (the planner's
-memory model, `planning/budget.py`) for the repository's Llama-3.1-8B and Llama-3-70B configs,
+Where it sits: outside the library; drives `capacity/search.rank_settings` (the planner's
+memory model, `capacity/budget.py`) for the repository's Llama-3.1-8B and Llama-3-70B configs,
 bf16, AdamW, one micro-batch per step, 10 % of GPU and host memory kept free. For each
 cluster it doubles the length (multiples of 8K tokens per GPU) until no setting fits, then
 bisects; the row is the longest length with a feasible setting and that setting (the
@@ -14,8 +14,8 @@ Run: PYTHONPATH=. python benchmarks/longest_plan.py        (about a minute)
 
 from __future__ import annotations
 
-from hf_longctx.cli.plan import load_config
-from hf_longctx.planning.search import Cluster, rank_settings
+from hf_longctx.cli.capacity import load_config
+from hf_longctx.capacity.search import Cluster, rank_settings
 
 G = 2**30
 MODELS = {"8B": "tests/data/llama-3.1-8b-config.json", "70B": "tests/data/llama-3-70b-config.json"}

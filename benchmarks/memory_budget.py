@@ -12,7 +12,7 @@ ABOVE the weights, as `torch.cuda.max_memory_allocated()` minus the weights on a
 Per mode (the `patch(memory=...)` presets and the checkpoint modes, with and without FPDT
 chunks / K/V offload) it prints the device peak per local token (bytes and hidden-size bf16
 vectors), the host bytes per token and layer, and the named tensors alive at the peak. The
-planner (`planning/estimate.py`, `layer_budget`) is derived from these lists; the last columns
+planner (`capacity/estimate.py`, `layer_budget`) is derived from these lists; the last columns
 put its estimate beside each measurement (tests/unit/test_memory_budget.py holds it within 5 %).
 
 Run: PYTHONPATH=. python benchmarks/memory_budget.py                  (4 ranks, 3 lengths, ~10 min)
@@ -172,9 +172,9 @@ def _worker(rank: int, init_file: str, args, results) -> None:
 def estimate(shape: str, mode: str, tokens: int, world: int, ring: int = 1) -> tuple[float, float]:
     """The planner's (device bytes above the weights, host bytes) for the same step, the local
     kernel's workspace left out as the census leaves it out."""
-    from hf_longctx.planning.budget import step_budget
-    from hf_longctx.planning.estimate import ModelDims
-    from hf_longctx.planning.search import preset_setting
+    from hf_longctx.capacity.budget import step_budget
+    from hf_longctx.capacity.estimate import ModelDims
+    from hf_longctx.capacity.search import preset_setting
 
     options, chunks = MODES[mode]
     if "memory" not in options:  # the planner ranks the presets only

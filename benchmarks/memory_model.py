@@ -1,4 +1,4 @@
-"""Validate the planner's memory model (`hf_longctx.planning.estimate`) against measured peaks.
+"""Validate the planner's memory model (`hf_longctx.capacity.estimate`) against measured peaks.
 
 Where it sits: outside the library. For a tiny Llama on CPU, ONE process (mesh degree 1,
 world 1, fp32, AdamW), it runs one training step (forward, backward, AdamW step) per
@@ -87,7 +87,7 @@ def measure(options: dict, tokens: int, device: str, dtype: torch.dtype) -> int:
 
 
 def estimate(setting_fields: dict, tokens: int, dtype: str, *, host_is_device: bool) -> float:
-    from hf_longctx.planning.estimate import ModelDims, Setting, estimate_memory
+    from hf_longctx.capacity.estimate import ModelDims, Setting, estimate_memory
 
     est = estimate_memory(
         ModelDims.from_config(tiny_config()), Setting(ulysses=1, ring=1, **setting_fields),

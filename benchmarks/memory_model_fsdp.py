@@ -14,7 +14,7 @@ gradients are held through the step) or in every backward (`sync_each_microbatch
 Unequal counts: group i runs `--microbatches` + i micro-batches (a valid `plan_unequal`-style
 plan: every group's last micro-batch is its own), with `flex/unsharded_step.py`
 holding the gathered parameters and the fp32 unsharded gradients through the step. The
-memory model's unsharded-step terms (planning/estimate.py docstring) are what the second row
+memory model's unsharded-step terms (capacity/estimate.py docstring) are what the second row
 checks. Peaks are MemTracker's (tensor storage on this CPU), after a warm-up step, worst
 rank.
 
@@ -135,7 +135,7 @@ def _worker(rank: int, init_file: str, args, results) -> None:
 
 
 def main() -> None:
-    from hf_longctx.planning.estimate import ModelDims, Setting, estimate_memory
+    from hf_longctx.capacity.estimate import ModelDims, Setting, estimate_memory
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)

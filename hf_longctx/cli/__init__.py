@@ -3,7 +3,7 @@ model at a sequence length on a given cluster) and `step-plot` (a recorded step'
 
 Where it sits: outside the training data flow, before a job is launched. It reads the
 model config (a config.json, a directory, or a name already in the local Hugging Face
-cache -- never the network), ranks every setting with `planning/search.py` and prints one
+cache -- never the network), ranks every setting with `capacity/search.py` and prints one
 table, best first, ending with the suggestion as code (`suggest()` returns the same).
 `--plot FILE.png` draws one sampled step's per-rank load (`--flex`: flexible SP groups).
   hf-longctx plan --model PATH_OR_NAME --gpus 64 --gpu-memory 80GiB --host-memory 1TiB \\
@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from hf_longctx.cli.plan import cmd_plan, parse_size
+from hf_longctx.cli.capacity import cmd_plan, parse_size
 
 
 def cmd_step_plot(args: argparse.Namespace) -> int:
-    from hf_longctx.planning import plot
+    from hf_longctx.cli import load_plot as plot
 
     try:
         record = json.loads(Path(args.record).read_text())

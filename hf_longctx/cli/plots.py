@@ -1,5 +1,5 @@
 """`hf-longctx plan --plot FILE.png`: one sampled step planned for the suggested setting and
-drawn per rank (`planning/plot.py`); with `--flex` planned with flexible SP groups and
+drawn per rank (`cli/load_plot.py`); with `--flex` planned with flexible SP groups and
 compared with the suggestion's fixed degree.
 """
 
@@ -13,7 +13,7 @@ def plot_step(args: argparse.Namespace, config: Any, best) -> str:
     from hf_longctx.data.cost import CostModel
     from hf_longctx.layout import doc_multiple, seq_multiple
     from hf_longctx.data.packing import plan_microbatches
-    from hf_longctx.planning import plot
+    from hf_longctx.cli import load_plot as plot
 
     s = best.setting
     cap = args.micro_batch_tokens
@@ -42,7 +42,7 @@ def plot_flexible_step(args: argparse.Namespace, config: Any, best) -> str:
     from hf_longctx.flex.unequal import plan_unequal
     from hf_longctx.data.model_dims import ModelDims
     from hf_longctx.flex.collator import layout_text
-    from hf_longctx.planning import plot
+    from hf_longctx.cli import load_plot as plot
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     s, world = best.setting, args.gpus

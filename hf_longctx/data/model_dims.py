@@ -1,7 +1,7 @@
 """Model sizes read from a transformers config: the one parser of config fields.
 
 Where it sits: `data/cost.py` builds the planner's cost model T(l) = a·l² + b·l from it
-(Hydraulis / FlexSP cost models), and `planning/estimate.py` the per-GPU memory estimate of
+(Hydraulis / FlexSP cost models), and `capacity/estimate.py` the per-GPU memory estimate of
 `hf-longctx plan` (FPDT §4, USP §4 memory analysis). Keeping one parser means the two
 cannot disagree on, say, how many experts a token passes through.
 """

@@ -2,7 +2,7 @@
 each micro-batch.
 
 Where it sits: `packing.plan_microbatches` builds it (the same on every rank);
-`data/collator.py` packs each micro-batch of `plan[mesh.dp_rank]`; `planning/plot.py` and the
+`data/collator.py` packs each micro-batch of `plan[mesh.dp_rank]`; `cli/load_plot.py` and the
 Trainer's `last_plan` report it. `Plan.stats` gives its balance under a cost model.
 """
 

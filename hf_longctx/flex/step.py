@@ -117,7 +117,7 @@ def run_flex_step(
     `bank.world` (`fsdp_plan(model, bank.world).apply(model)`). `sync_each_microbatch`:
     with FSDP2 and equal counts, reduce-scatter in every backward (gradients accumulate
     sharded; more traffic) instead of only in the last (the default, which holds the fp32
-    unsharded gradients through the step: `planning/estimate.py`)."""
+    unsharded gradients through the step: `capacity/estimate.py`)."""
     from torch.distributed.fsdp import FSDPModule
 
     if sync_each_microbatch and not plan.equal_calls:

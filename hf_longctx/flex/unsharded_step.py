@@ -6,7 +6,7 @@ trainer's step when the `FlexPlan` has `equal_calls=False` (Hydraulis §5). Ever
 is all-gathered ONCE at the start (same calls, same order on every rank), stays unsharded,
 accumulates its gradient without communication, and reduce-scatters (SUM) in each rank's
 own last backward; `FlexPlan.validate` makes that order agree with the groups' collectives.
-Cost: the unsharded parameters and fp32 gradients for the whole step (`planning/estimate`).
+Cost: the unsharded parameters and fp32 gradients for the whole step (`capacity/estimate`).
 Refused before any collective: parameter CPU offload, and on CUDA a step that does not fit
 some rank's free device memory. A model without FSDP needs nothing here."""
 

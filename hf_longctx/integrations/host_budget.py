@@ -3,7 +3,7 @@
 Where it sits: `integrations/memory.py` installs it (a pre-hook on the first decoder layer)
 when the patch offloads to pinned host memory (checkpointed inputs or FPDT's K/V) on CUDA.
 Before each forward it computes the micro-batch's pinned bytes per rank with the planner's
-budget (`planning/budget.step_budget`, pool size classes included) and compares them with
+budget (`capacity/budget.step_budget`, pool size classes included) and compares them with
 this rank's share of the node: physical memory × (1 - HEADROOM) / LOCAL_WORLD_SIZE.
 Guarantee: over it, a HostMemoryExceeded (ValueError) naming both figures and the fix,
 raised before any offload instead of the OOM killer ending the job mid-step; the ranks of an
@@ -43,7 +43,7 @@ class HostBudget:
                   total: int | None = None) -> "HostBudget":
         """From the model's sizes (`data/model_dims.ModelDims`), the planner `Setting` of the patch and
         the SP group size; the node's memory and ranks from the machine unless given."""
-        from hf_longctx.planning.budget import step_budget
+        from hf_longctx.capacity.budget import step_budget
 
         ranks = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         total = node_memory() if total is None else total

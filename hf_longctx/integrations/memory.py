@@ -200,7 +200,7 @@ def _patch_host_budget(model: nn.Module, mesh: SPMesh, setting_kw: dict, undo: l
     from hf_longctx.data.model_dims import ModelDims
     from hf_longctx.integrations.host_budget import HostBudget
     from hf_longctx.ops import offload
-    from hf_longctx.planning.estimate import Setting
+    from hf_longctx.capacity.estimate import Setting
 
     try:
         dims = ModelDims.from_config(model.config)

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from hf_longctx.cli import main
-from hf_longctx.cli.plan import HEADER, parse_size
-from hf_longctx.planning.estimate import ModelDims, Setting, estimate_memory
+from hf_longctx.cli.capacity import HEADER, parse_size
+from hf_longctx.capacity.estimate import ModelDims, Setting, estimate_memory
 
 # Llama-style, 8 query / 2 KV heads: ulysses 16 cannot split the 8 heads.
 CONFIG = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
@@ -131,7 +131,7 @@ def test_suggestion_is_the_top_row_and_fits_where_the_memory_model_says(config_p
     fits the GPU, and with the GPU just below that peak the plan no longer suggests it."""
     from transformers import LlamaConfig
 
-    from hf_longctx.planning.search import Cluster, preset_setting, suggest
+    from hf_longctx.capacity.search import Cluster, preset_setting, suggest
 
     assert main([*BASE, "--model", str(config_path), "--top", "1"]) == 0
     out = capsys.readouterr().out
@@ -159,7 +159,7 @@ def test_suggestion_is_the_top_row_and_fits_where_the_memory_model_says(config_p
 
 def test_presets_in_the_plan_are_the_patch_presets():
     from hf_longctx.config import preset_knobs
-    from hf_longctx.planning.search import preset_setting
+    from hf_longctx.capacity.search import preset_setting
 
     for u in (1, 4):
         off, balanced, top = (preset_setting(2, 1, u, m) for m in ("off", "balanced", "max"))

@@ -11,14 +11,14 @@ from benchmarks.census import EmulatedStreams
 from benchmarks.census import emulated_offload
 from hf_longctx.integrations import host_budget
 from hf_longctx.integrations.host_budget import HEADROOM, HostBudget
-from hf_longctx.planning.budget import step_budget
-from hf_longctx.planning.estimate import ModelDims, Setting
+from hf_longctx.capacity.budget import step_budget
+from hf_longctx.capacity.estimate import ModelDims, Setting
 
 G = 2**30
 
 
 def _llama_8b():
-    from hf_longctx.cli.plan import load_config
+    from hf_longctx.cli.capacity import load_config
 
     return ModelDims.from_config(load_config("tests/data/llama-3.1-8b-config.json"))
 

@@ -29,7 +29,7 @@ FLOORS = (
     ("distributed", ("hf_longctx.distributed.*",)),
     ("flex", ("hf_longctx.flex.*",)),
     ("ops", ("hf_longctx.ops.*",)),
-    ("integrations", ("hf_longctx.integrations.*", "hf_longctx.planning.*")),
+    ("integrations", ("hf_longctx.integrations.*", "hf_longctx.capacity.*")),
     ("verify", ("hf_longctx.verify",)),
     ("patching", ("hf_longctx.patching",)),
     ("training", ("hf_longctx.training.*",)),

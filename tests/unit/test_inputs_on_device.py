@@ -21,8 +21,8 @@ from hf_longctx import init_sequence_parallel, patch, shard_batch, unpatch
 from hf_longctx.config import PatchOptions
 from hf_longctx.integrations import checkpointing
 from hf_longctx.ops.host_pool import size_class
-from hf_longctx.planning.budget import step_budget
-from hf_longctx.planning.estimate import ModelDims
+from hf_longctx.capacity.budget import step_budget
+from hf_longctx.capacity.estimate import ModelDims
 
 LAYERS, HIDDEN, TOKENS = 4, 64, 256
 
@@ -93,8 +93,8 @@ def test_refused_where_it_cannot_be_honoured():
 def test_the_budget_moves_the_kept_inputs_from_host_to_device(memory):
     """8B, Ulysses 8 with FPDT 8, 1M tokens: each kept layer takes one pinned input buffer off the
     host and puts hidden x 2 bytes per token of the rank on the device, at every phase."""
-    from hf_longctx.cli.plan import load_config
-    from hf_longctx.planning.search import preset_setting
+    from hf_longctx.cli.capacity import load_config
+    from hf_longctx.capacity.search import preset_setting
 
     dims = ModelDims.from_config(load_config("tests/data/llama-3.1-8b-config.json"))
     s = preset_setting(8, 1, 8, memory, dims)

@@ -19,8 +19,8 @@ import os
 import pytest
 
 from hf_longctx.cli import main
-from hf_longctx.cli.plan import load_config, parse_size
-from hf_longctx.planning.search import Cluster, Setting, suggest
+from hf_longctx.cli.capacity import load_config, parse_size
+from hf_longctx.capacity.search import Cluster, Setting, suggest
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 LLAMA_8B, LLAMA_70B = os.path.join(DATA, "llama-3.1-8b-config.json"), os.path.join(DATA, "llama-3-70b-config.json")
@@ -54,7 +54,7 @@ def test_24m_on_32_gpus_keeps_some_layer_inputs_on_the_gpu():
     fewer does not fit the host -- and says so in the code it prints."""
     from dataclasses import replace
 
-    from hf_longctx.planning.estimate import ModelDims, estimate_memory
+    from hf_longctx.capacity.estimate import ModelDims, estimate_memory
 
     config = load_config(LLAMA_8B)
     cluster = Cluster(gpus=32, gpu_memory=80 * G, host_memory=2048 * G)

@@ -3,7 +3,7 @@ device peak of memory="max" growing with the chunk, not the sequence.
 
 The census (`benchmarks/census.py`) records every storage a forward + backward allocates, by
 name, with the CUDA offload branches running on CPU through emulated streams (host copies are
-host memory, copies back new device tensors). The planner (`planning/budget.step_budget`) writes
+host memory, copies back new device tensors). The planner (`capacity/budget.step_budget`) writes
 each of those tensors from the model's sizes; here its device peak and its host bytes must be
 within 5 % of the census at three lengths and two model shapes (one process, bf16, one
 document: the worst case the planner budgets). The local attention kernel's workspace is
@@ -17,9 +17,9 @@ import torch
 
 from benchmarks.memory_budget import MODES, config, estimate, measure_lengths
 from hf_longctx.distributed.mesh import init_sequence_parallel
-from hf_longctx.planning.budget import step_budget
-from hf_longctx.planning.estimate import ModelDims
-from hf_longctx.planning.search import preset_setting
+from hf_longctx.capacity.budget import step_budget
+from hf_longctx.capacity.estimate import ModelDims
+from hf_longctx.capacity.search import preset_setting
 
 LENGTHS = (1024, 2048, 4096)
 

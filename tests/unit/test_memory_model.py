@@ -1,4 +1,4 @@
-"""The planner's memory model (`hf_longctx.planning.estimate`) against hand computations,
+"""The planner's memory model (`hf_longctx.capacity.estimate`) against hand computations,
 against what autograd really saves, and against one measured peak."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from hf_longctx.planning.estimate import ModelDims, Setting, estimate_memory
+from hf_longctx.capacity.estimate import ModelDims, Setting, estimate_memory
 
 
 def _llama(**kw) -> LlamaConfig:

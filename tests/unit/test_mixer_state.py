@@ -254,9 +254,9 @@ def test_state_ops_never_sync_the_host(monkeypatch):
 def test_planner_charges_the_chosen_scheme(monkeypatch):
     import transformers as tf
 
-    from hf_longctx.planning import search
-    from hf_longctx.planning.mixers import mixer_schemes, mixer_seconds
-    from hf_longctx.planning.search import Cluster, preset_setting
+    from hf_longctx.capacity import search
+    from hf_longctx.capacity.mixers import mixer_schemes, mixer_seconds
+    from hf_longctx.capacity.search import Cluster, preset_setting
 
     cluster = Cluster(gpus=64, gpu_memory=80e9, host_memory=2e12)
     (m,) = mixer_schemes(tf.Qwen3NextConfig(), preset_setting(8, 8, 1, "off"), cluster, 1 << 20)

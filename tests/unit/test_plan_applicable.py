@@ -12,8 +12,8 @@ import os
 import pytest
 
 from hf_longctx.cli import main
-from hf_longctx.cli.plan import HEADER, load_config
-from hf_longctx.planning.estimate import ModelDims, Setting, estimate_memory
+from hf_longctx.cli.capacity import HEADER, load_config
+from hf_longctx.capacity.estimate import ModelDims, Setting, estimate_memory
 
 LLAMA_8B = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "llama-3.1-8b-config.json")
 DONE_WHEN = ["plan", "--model", LLAMA_8B, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "512GiB",

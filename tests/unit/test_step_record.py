@@ -51,7 +51,7 @@ def test_fixed_degree_plot_labels_legend_and_dp1_note(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
     from hf_longctx.data.cost import CostModel
-    from hf_longctx.planning import plot
+    from hf_longctx.cli import load_plot as plot
 
     figs = []
     monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))

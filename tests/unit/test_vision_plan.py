@@ -1,5 +1,5 @@
 """`hf-longctx plan` with a vision budget: the tower's parameters, its share of the images and the
-embedding exchange are charged to every setting (planning/vision.py), and bad budgets are refused."""
+embedding exchange are charged to every setting (capacity/vision.py), and bad budgets are refused."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def vl_config(tmp_path_factory):
 
 
 def test_budget_charges_memory_and_time(vl_config):
-    from hf_longctx.planning.search import Cluster, rank_settings
-    from hf_longctx.planning.vision import vision_budget
+    from hf_longctx.capacity.search import Cluster, rank_settings
+    from hf_longctx.capacity.vision import vision_budget
 
     cfg, _ = vl_config
     cluster = Cluster(gpus=8, gpu_memory=80 * 2**30, host_memory=2**40, gpus_per_node=8, tflops=989.0, mfu=0.4,

@@ -1,7 +1,7 @@
 """What each sequence-parallel scheme of a linear mixer costs per layer, and the rule that picks one.
 
 Where it sits: `integrations/mixers/modes.py` applies `choose` per mixer and micro-batch
-(`patch(mixers="auto")`), `planning/mixers.py` charges the chosen scheme in the step time
+(`patch(mixers="auto")`), `capacity/mixers.py` charges the chosen scheme in the step time
 of `hf-longctx plan`, `benchmarks/mixers.py` prints both: one place for the formulas, so
 the three cannot disagree. Pure Python.
 Per layer and rank, forward + backward: the head all-to-all moves 2 · S_l·(P−1)/P ·

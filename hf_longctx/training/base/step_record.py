@@ -5,7 +5,7 @@ Where it sits: at the end of the training data flow. `training/sft/data.py` plan
 hands the plan and its modelled statistics to `LongContextTrainerMixin.training_step`,
 which times every micro-batch on this rank and stores one `StepRecord`. Users read it to
 see which groups and documents the step ran and how the cost model's times compare with
-the measured ones (Hydraulis / FlexSP balance); `planning/plot.py` draws it.
+the measured ones (Hydraulis / FlexSP balance); `cli/load_plot.py` draws it.
 """
 
 from __future__ import annotations

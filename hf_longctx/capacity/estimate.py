@@ -1,12 +1,12 @@
 """Per-GPU memory model of one training step (what `hf-longctx plan` ranks settings by).
 
-Where it sits: outside the training data flow. `planning/search.py` calls `estimate_memory`
+Where it sits: outside the training data flow. `capacity/search.py` calls `estimate_memory`
 for every (ulysses, ring, fpdt chunks, offload, checkpointing) setting;
 `benchmarks/memory_model.py` compares it with peaks measured by MemTracker.
 Papers: FPDT §3-4 (activations linear in local tokens, K/V chunks and layer inputs on the
 host, chunked FFN and loss) and USP §4 (ZeRO-3 over DP×SP, "Tip 3").
 Every term is bytes per GPU; peak = params + optimizer + held + max(grads, activations +
-buffers), activations from `planning/budget.step_budget`. The assumptions (ZeRO-3 terms,
+buffers), activations from `capacity/budget.step_budget`. The assumptions (ZeRO-3 terms,
 gradient sync, parameter offload, unsharded steps) are printed under the plan table and
 listed in docs/DESIGN.md "The planner's models"."""
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.ulysses import kv_replication
-from hf_longctx.planning.budget import DTYPE_BYTES, step_budget
+from hf_longctx.capacity.budget import DTYPE_BYTES, step_budget
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class MemoryEstimate:
 def kept_attention_bytes(dims: ModelDims, dt: int, f: int, s: Setting) -> float:
     """Bytes per token and layer that checkpoint="attention" moves to the host and back for the
     attention: its saved q, k, v, out, fp32 LSE and the output replayed in the recompute
-    (`planning/budget.py`); with FPDT's K/V offload, whose chunk store holds q, k, v and LSE on
+    (`capacity/budget.py`); with FPDT's K/V offload, whose chunk store holds q, k, v and LSE on
     the host already, only the output."""
     q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
     if s.fpdt_chunks > 1 and s.kv_offload:
@@ -132,7 +132,7 @@ def estimate_memory(
     params = master + gathered
     grads = sharded_grads + unsharded_grads
 
-    # Activations and transients: the per-token budget of planning/budget.py (every tensor of
+    # Activations and transients: the per-token budget of capacity/budget.py (every tensor of
     # the step by name and phase); `activations` is what the whole step holds, `buffers` the
     # rest of the binding phase.
     budget = step_budget(dims, s, tokens=tokens, dtype=dtype, offload=offload)

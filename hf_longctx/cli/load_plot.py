@@ -1,6 +1,6 @@
 """The `--plot` figure of `hf-longctx plan`: per-rank load of one sampled step.
 
-Where it sits: after `planning/search.py` has chosen the best setting. One step's documents
+Where it sits: after `capacity/search.py` has chosen the best setting. One step's documents
 (from a lengths file, or a seeded long-tailed sample) are planned with `plan_microbatches`
 for that setting and drawn as one stacked bar per DP rank, one segment per micro-batch
 slot's cost (`CostModel.from_config`): with FSDP every rank waits for the slowest at each

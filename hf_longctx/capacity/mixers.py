@@ -1,6 +1,6 @@
 """The linear recurrences of a hybrid model in the planner's step-time model: both schemes, the cheaper charged.
 
-Where it sits: `planning/search.rank_settings` adds `mixer_seconds` to every setting's
+Where it sits: `capacity/search.rank_settings` adds `mixer_seconds` to every setting's
 step time; `mixer_schemes` is the per-mixer breakdown. The formulas and the rule are
 `ops/mixers/cost.py`'s (what `patch(mixers="auto")` applies), evaluated for ONE document
 of `tokens` spanning the SP group (state passing's worst case), over the group's link
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_longctx.ops.mixers.cost import Links, MixerDims, choose, head_traffic, mixers_of_config, one_document_state_traffic
-from hf_longctx.planning.estimate import DTYPE_BYTES, Setting
+from hf_longctx.capacity.estimate import DTYPE_BYTES, Setting
 
 
 @dataclass(frozen=True)

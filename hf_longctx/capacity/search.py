@@ -1,8 +1,8 @@
 """Enumerate and rank (ulysses, ring, fpdt chunks) x memory preset settings; suggest one.
 
-Where it sits: behind `hf-longctx plan` (`cli/plan.py`) and `suggest()`, its Python twin.
+Where it sits: behind `hf-longctx plan` (`cli/capacity.py`) and `suggest()`, its Python twin.
 For a model config and a cluster it lists every mesh the library can run with each preset
-of `patch(memory=...)`, estimates per-GPU memory (`planning/estimate.py`) and step time,
+of `patch(memory=...)`, estimates per-GPU memory (`capacity/estimate.py`) and step time,
 and returns feasible settings (fitting GPU and host memory) best first by throughput;
 `suggest()` returns the first as `init_sequence_parallel` arguments and a preset.
 Papers: USP §4 (all-to-all and ring volume; ring P2P overlaps attention), FPDT §3-4.
@@ -21,8 +21,8 @@ from hf_longctx.data.cost import CostModel
 from hf_longctx.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
 from hf_longctx.ops.ulysses import kv_replication
-from hf_longctx.planning.mixers import mixer_seconds
-from hf_longctx.planning.estimate import (
+from hf_longctx.capacity.mixers import mixer_seconds
+from hf_longctx.capacity.estimate import (
     DTYPE_BYTES,
     MemoryEstimate,
     ModelDims,
@@ -301,7 +301,7 @@ def rank_settings(
 
     Micro-batches per rank and step: `microbatches`, or, with `tokens_per_step` (global),
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
-    (try both), "yes", "no". `vision`: a `planning/vision.VisionBudget` (images / video per
+    (try both), "yes", "no". `vision`: a `capacity/vision.VisionBudget` (images / video per
     document of `seq_len`): the tower's memory and time are charged to every setting."""
     seq_len = tokens if seq_len is None else seq_len
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -330,7 +330,7 @@ def rank_settings(
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len, microbatches=mbs, optimizer=optimizer,
                          grad_sync=grad_sync) + mixer_seconds(config, s, cluster, tokens, dtype)
         if vision is not None:
-            from hf_longctx.planning.vision import vision_cost
+            from hf_longctx.capacity.vision import vision_cost
 
             dt, samples = DTYPE_BYTES[dtype], tokens / seq_len
             mem = vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)

@@ -1,5 +1,5 @@
 """The per-token memory budget of one training step: every tensor the step keeps or makes, by
-name, per phase, on the device and on the host (what `planning/estimate.py` builds on).
+name, per phase, on the device and on the host (what `capacity/estimate.py` builds on).
 
 Where it sits: outside the training data flow, under `hf-longctx plan`. Each term is a named
 tensor of the census `benchmarks/memory_budget.py` takes of a real step, its bytes written
@@ -137,7 +137,7 @@ def _loss(z: _Sizes, dims: ModelDims, s: float, lr: int, chunked: bool) -> dict:
 
 
 def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload: bool = True) -> Budget:
-    """The budget of one forward + backward on one GPU for setting `s` (`planning/estimate.Setting`)
+    """The budget of one forward + backward on one GPU for setting `s` (`capacity/estimate.Setting`)
     and `tokens` per SP group. `offload`: the device copies offloads to pinned host memory (CUDA);
     False: what would go to the host stays on the device."""
     dt = DTYPE_BYTES[dtype]

@@ -1,7 +1,7 @@
 """What a vision tower adds to a plan: its parameters, its share of the images, the embedding exchange.
 
 Where it sits: `hf-longctx plan --images N --image-tokens T` (or `--video-seconds S --fps F
---frame-tokens T`) builds a `VisionBudget`; `planning/search.rank_settings` charges every
+--frame-tokens T`) builds a `VisionBudget`; `capacity/search.rank_settings` charges every
 setting with `.charge` (memory) and `.seconds` (step time). The terms follow the code
 (`integrations/vision/`): tower and projector are ZeRO-3 parameters in FSDP's root unit
 (gathered whole, unsharded gradients at once); each rank encodes at most 1/sp of the work

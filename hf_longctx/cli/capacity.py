@@ -2,7 +2,7 @@
 binding limit and the suggestion as code and as recipe flags.
 
 Where it sits: behind the `plan` subcommand of `hf_longctx/cli/__init__.py`; the ranking is
-`planning/search.py` (memory model `planning/estimate.py`), the optional figure `cli/plots.py`.
+`capacity/search.py` (memory model `capacity/estimate.py`), the optional figure `cli/plots.py`.
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ def format_table(rows: list[list[str]]) -> str:
 
 
 def footer(args: argparse.Namespace) -> str:
-    from hf_longctx.planning.search import TIE_TOLERANCE
+    from hf_longctx.capacity.search import TIE_TOLERANCE
     return "\n".join([
-        "Assumptions (hf_longctx/planning/estimate.py and search.py docstrings):",
+        "Assumptions (hf_longctx/capacity/estimate.py and search.py docstrings):",
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
         "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered units (2 layers, or LM head + 1 layer) and "
         "one unit's unsharded grads in the compute dtype; "
@@ -172,8 +172,8 @@ def _fit_line(args: argparse.Namespace, c) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hf_longctx.planning.estimate import ModelDims
-    from hf_longctx.planning.search import TIE_TOLERANCE, Cluster, Suggestion, rank_settings
+    from hf_longctx.capacity.estimate import ModelDims
+    from hf_longctx.capacity.search import TIE_TOLERANCE, Cluster, Suggestion, rank_settings
 
     if args.unequal_calls and args.sync_each_microbatch:
         print("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
@@ -188,7 +188,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.microbatches = args.microbatches or 1
     config = load_config(args.model)
     dims = ModelDims.from_config(config)
-    from hf_longctx.planning.vision import vision_budget
+    from hf_longctx.capacity.vision import vision_budget
 
     try:
         vision = vision_budget(config, images=args.images, image_tokens=args.image_tokens, video_seconds=args.video_seconds,
@@ -219,7 +219,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
              else f"{args.tokens_per_step} tokens per step")
           + (f"; vision tower {vision.dims.params / 1e6:.0f}M params, {vision.tokens} visual tokens per sample "
              f"({args.images} images x {args.image_tokens}, {vision.slices} video slices x {args.frame_tokens}) charged "
-             "(planning/vision.py)" if vision is not None else "") + "\n")
+             "(capacity/vision.py)" if vision is not None else "") + "\n")
     if not feasible:
         if args.show_infeasible:
             print(format_table([_row("-", c) for c in ranked]))
@@ -245,7 +245,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\n{len(feasible)} of {len(ranked)} settings fit; showing the best {len(shown)}"
           + ("" if args.show_infeasible else f"; {len(ranked) - len(feasible)} infeasible not shown (--show-infeasible)"))
     print(footer(args))
-    # what hf_longctx.planning.search.suggest() returns
+    # what hf_longctx.capacity.search.suggest() returns
     best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype)
     tied = [c for c in feasible if c.tied]
     if tied:
