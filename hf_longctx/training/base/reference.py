@@ -3,7 +3,10 @@ TRL's default reference loaded again from the policy's path, or the user's, patc
 policy.
 
 Where it sits: construction of the trainers that score a reference; the reference then runs
-on the same shard as the policy under no_grad.
+on the same shard as the policy under no_grad. One setup for both: `reference_on_mesh` here,
+then `SPTrainerBase._place_reference`. Only its moment differs, as TRL dictates: DPOTrainer
+takes a `ref_model` argument (patched before `DPOTrainer.__init__`), GRPOTrainer loads its own
+inside `__init__` (patched right after it).
 """
 
 from __future__ import annotations

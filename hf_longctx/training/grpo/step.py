@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.distributed.loss import global_loss, sum_gradients
+from hf_longctx.training.base.step_loop import grad_norm
 from hf_longctx.training.grpo.generate import _fsdp_units, sp_rollouts
 from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 
@@ -42,11 +43,13 @@ def grpo_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, prompts: Sequence[Sequence[int]],
     reward_fn: Callable[[list[list[int]], list[list[int]]], Sequence[float]], objective: GRPOObjective, *,
     num_generations: int, generate: Callable, ref_model: torch.nn.Module | None = None,
-    max_grad_norm: float | None = 1.0, pad_token_id: int = 0,
+    max_grad_norm: float | None = 1.0, pad_token_id: int = 0, step: int = 0,
 ) -> dict[str, Any]:
     """One optimizer step on this DP group's `prompts` (the same list on every rank of its SP
     group). `reward_fn(prompts, completions)` -> one reward per completion. Returns the global
-    loss, grad_norm, the reward mean, the completion length mean and TRL's loss metrics."""
+    loss, grad_norm, the reward mean, the completion length mean and TRL's loss metrics. The
+    gradient norm and clipping are the Trainer path's (`base/step_loop.grad_norm`): a failed
+    collective in them raises `RankFailure` naming `step`."""
     if objective.beta != 0.0 and ref_model is None:
         raise ValueError(f"beta={objective.beta} needs ref_model= (patched with the same mesh)")
     completions = sp_rollouts(model, prompts, mesh, num_generations=num_generations, generate=generate)
@@ -68,9 +71,7 @@ def grpo_step(
     loss.backward()
     if mesh.world_size > 1 and not _fsdp_units(model):  # FSDP2 reduce-scatters a sum itself; a replicated model needs it
         sum_gradients(model.parameters(), mesh)
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor grads: the norm of the summed gradient
+    norm = grad_norm(model, max_grad_norm if max_grad_norm is not None else float("inf"), step)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": float(global_loss(loss, mesh)), "grad_norm": float(norm), "reward": r_sum / n,
