@@ -13,8 +13,8 @@ device peak.
 GPU peaks (torch.cuda.max_memory_allocated, bf16) are measured with `--device cuda` when a
 GPU is available; without one the table says so.
 
-Run: /work/venv/bin/python benchmarks/memory_model.py                 (about 1-2 minutes, 2 cores)
-     /work/venv/bin/python benchmarks/memory_model.py --tokens 2048 4096
+Run: PYTHONPATH=. python benchmarks/memory_model.py                 (a few minutes, 2 cores)
+     PYTHONPATH=. python benchmarks/memory_model.py --tokens 2048 8192
 """
 
 from __future__ import annotations

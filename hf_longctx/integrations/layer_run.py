@@ -75,6 +75,9 @@ class LayerRun:
                              dtype=torch.get_autocast_dtype(self.device_type))
         self.inputs = Inputs([h], [park(h, self.streams, self.keep)], None if first else split.chain.last)
         split.chain.last = self.inputs
+        # Row views of h taken here (grad off) would still claim requires_grad without a grad_fn,
+        # which autograd hooks on a sub-module's inputs (torch's ModTracker) cannot follow.
+        h = h.detach()
         out = torch.empty_like(h)  # [B, S, hidden], written row chunk by row chunk
         rows0 = self._first_rows()
         *qkv0, self.call = self.pre(0, rows0, h[:, :rows0])
