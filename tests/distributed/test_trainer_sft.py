@@ -35,7 +35,9 @@ def make_sft_dataset(n: int = 16, seed: int = 0):
     return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [c for _, c in rows]})
 
 
-def _run(model_path: str, tok_path: str, output_dir: str, distributed: bool, **sft: object) -> dict:
+def _run(model_path: str, tok_path: str, output_dir: str, distributed: bool, peft: str | None = None, **sft: object) -> dict:
+    """One short SFT run; `peft`: None, "before" (get_peft_model, then patch) or "config"
+    (patch, then SFTTrainer(peft_config=...))."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
@@ -51,9 +53,18 @@ def _run(model_path: str, tok_path: str, output_dir: str, distributed: bool, **s
                use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0, bf16=False, **{"max_length": None, **sft})
     args = SFTConfig(**cfg)
     mesh = worker_mesh(2, 1) if distributed else init_sequence_parallel()
-    model = patch(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), mesh)
+    model, extra = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), {}
+    if peft is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM")
+        torch.manual_seed(0)  # LoRA's A is drawn at random: from the same state in both paths
+        model, extra = (get_peft_model(model, lora), {}) if peft == "before" else (model, {"peft_config": lora})
+    model = patch(model, mesh)
+    if peft == "config":
+        torch.manual_seed(0)  # TRL wraps the model first thing in SFTTrainer.__init__
     trainer = LongSFT(model=model, args=args, train_dataset=make_sft_dataset(), processing_class=AutoTokenizer.from_pretrained(tok_path),
-                      mesh=mesh, max_tokens=64, tokens_per_step=160)
+                      mesh=mesh, max_tokens=64, tokens_per_step=160, **extra)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     first = trainer.train_dataset[0]
@@ -88,3 +99,17 @@ def test_sft_refusals(paths, tmp_path, kw, match):
     model_path, tok_path = paths
     with pytest.raises(ValueError, match=match):
         _run(model_path, tok_path, str(tmp_path), False, **kw)
+
+
+def test_sft_peft_config_equals_wrapping_before_patch(pools, paths, tmp_path):
+    """SFTTrainer(peft_config=...) wraps the patched model: on 2 ranks the same steps as a
+    LoRA model wrapped before patch() in one process (LoRA's B starts at zero, so the first
+    gradients exist only for B: a wrapper that trained the base model would differ)."""
+    pytest.importorskip("peft")
+    model_path, tok_path = paths
+    ref = _run(model_path, tok_path, str(tmp_path / "ref"), False, peft="before")
+    full = _run(model_path, tok_path, str(tmp_path / "full"), False)
+    out = pools.get(2).run(_run, model_path, tok_path, str(tmp_path / "sp"), True, peft="config", timeout=600)
+    assert abs(full["steps"][1][0] - ref["steps"][1][0]) > 1e-4  # LoRA really trains something else
+    for rank, res in enumerate(out):
+        assert_steps_close(res["steps"], ref["steps"], TOL, f"peft_config rank {rank}")

@@ -49,6 +49,17 @@ SFT_CONFIG: dict[str, Rule] = {
 }
 
 
+# TRL's SFTTrainer.__init__ parameters beyond Trainer.__init__'s.
+SFT_TRAINER_PARAMETERS: dict[str, Rule] = {
+    "formatting_func": _trainer(_TRL_DATA),
+    "peft_config": _trainer("TRL wraps the patched model with get_peft_model before the trainer shards it: the same "
+                            "as wrapping it before patch()"),
+    "quantization_config": _refused(
+        lambda v: v is None, "TRL applies it only when it loads the model from a name and ignores it for a model "
+                             "instance, and the trainer needs a patched instance", "drop it"),
+}
+
+
 def refused_sft_fields(args: Any) -> list[str]:
     """The refused values of TRL `SFTConfig`-only fields (nothing for plain TrainingArguments)."""
     return refused_trl_fields(args, "SFTConfig", SFT_CONFIG)

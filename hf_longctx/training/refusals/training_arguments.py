@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from hf_longctx.training.refusals.rules import Rule, _falsy, _is, refusal_message, _refused, _trainer, field_defaults
+from hf_longctx.training.refusals.sft import SFT_TRAINER_PARAMETERS
 
 
 _NO_DDP = "hf_longctx does not use DDP: fsdp_plan shards the model with FSDP2 over the whole DP x SP world"
@@ -232,10 +233,11 @@ def refused_arguments(args: Any) -> list[str]:
 
 
 def refused_parameters(params: dict[str, Any]) -> list[str]:
-    """One line per refused `Trainer.__init__` parameter among `params` (name -> value)."""
+    """One line per refused `Trainer.__init__` (or TRL `SFTTrainer.__init__`) parameter among
+    `params` (name -> value)."""
     errors = []
     for name, value in params.items():
-        rule = TRAINER_PARAMETERS.get(name)
+        rule = TRAINER_PARAMETERS.get(name) or SFT_TRAINER_PARAMETERS.get(name)
         if rule is not None and rule.kind == "refused" and not rule.ok(value):
             shown = f"<{type(value).__name__}>" if callable(value) or not isinstance(value, (int, float, str, type(None))) else repr(value)
             errors.append(f"{name} is not supported ({name}={shown}): {rule.note}; do instead: {rule.instead}")
