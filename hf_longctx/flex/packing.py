@@ -20,7 +20,7 @@ import numpy as np
 from hf_longctx.data.cost import GroupCost
 from hf_longctx.sp_groups import GroupShape
 from hf_longctx.flex.plan import FlexGroup, FlexPlan
-from hf_longctx.flex.placement import _construct
+from hf_longctx.flex.placement import construct
 from hf_longctx.data.packing import plan_microbatches
 from hf_longctx.data.pieces import as_lengths, check_int
 
@@ -123,7 +123,7 @@ def plan_flexible(
         if key in tried:  # another target gave the same widths, hence the same plan
             continue
         tried.add(key)
-        gs, gm, load, docs = _construct(width.tolist(), order, padded, caps, costs, rho, sizes, world, m, ovh)
+        gs, gm, load, docs = construct(width.tolist(), order, padded, caps, costs, rho, sizes, world, m, ovh)
         step = sum(float(load[gm == j].max()) for j in range(int(gm.max()) + 1))
         if best is None or step < best[0] - 1e-12 * max(step, 1.0):
             best = (step, gs, gm, load, docs)

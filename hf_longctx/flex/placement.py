@@ -1,6 +1,6 @@
 """Steps 2-3 of the flexible planner for one choice of widths: documents into SP groups, groups into micro-batch slots.
 
-Where it sits: `plan_flexible` (`flex/packing.py`) calls `_construct` once per target slot
+Where it sits: `plan_flexible` (`flex/packing.py`) calls `construct` once per target slot
 length τ, after `prepare` has checked the documents and built the cost tables, and keeps
 the cheapest result (docs/DESIGN.md "Planning a step"; FlexSP §4, Hydraulis §4-5).
 Pure NumPy, deterministic: the same groups on every rank from the same inputs.
@@ -14,12 +14,25 @@ import math
 import numpy as np
 
 
-def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, ovh):
-    """Steps 2-3 of the module docstring for one choice of widths (shape index per doc).
+def construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, ovh):
+    """Steps 2-3 of docs/DESIGN.md "Planning a step" for one choice of widths (shape index per doc).
 
     Groups are parallel arrays; a group's projected cost is its load plus its free room
     filled at the cheapest per-token cost of its shape (groups nearly always end full).
-    `ovh[k]`: the per-micro-batch constant of shape k, a group's load from the start."""
+    `ovh[k]`: the per-micro-batch constant of shape k, a group's load from the start.
+    Returns the groups' shape indices [G], slots [G], loads [G] and documents."""
+    wide = [d for d in order if width[d] > 0]
+    narrow = [d for d in order if width[d] == 0]
+    groups, slot_max = _place_wide(wide, width, padded, caps, costs, rho, sizes, world, num_slots, ovh)
+    return _place_narrow(narrow, groups, slot_max, padded, caps, costs, rho, sizes, world, ovh)
+
+
+def _place_wide(wide, width, padded, caps, costs, rho, sizes, world, num_slots, ovh):
+    """Step 2, then the free ranks: each wide document, costliest first, joins a group of its
+    width or wider that has room, or opens one of its width, where its slot's projected maximum
+    stays lowest (a new slot when no slot has the ranks free); then every slot's free ranks
+    become groups of the smallest size. Returns the groups as parallel lists (shape index, slot, load,
+    padded tokens, documents) and each slot's projected maximum."""
     g_shape, g_slot, g_load, g_tok, g_docs = [], [], [], [], []
     free = [world] * num_slots
     slot_max = [float(rho[0] * caps[0] + ovh[0])] * num_slots  # a slot of empty smallest groups, projected full
@@ -47,8 +60,6 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, 
         m = g_slot[g]
         slot_max[m] = max(slot_max[m], proj(k, g_load[g], g_tok[g]))
 
-    wide = [d for d in order if width[d] > 0]
-    narrow = [d for d in order if width[d] == 0]
     for d in wide:  # step 2
         w = width[d]
         best, choice = -math.inf, None
@@ -71,6 +82,15 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, 
     for m in range(len(free)):  # step 3: free ranks become groups of the smallest size
         while free[m]:
             open_group(0, m)
+    return (g_shape, g_slot, g_load, g_tok, g_docs), slot_max
+
+
+def _place_narrow(narrow, groups, slot_max, padded, caps, costs, rho, sizes, world, ovh):
+    """Step 3, the rest of the documents: each, costliest first, goes to the group with room
+    that stays furthest below its slot's projected maximum (a wider group only while it stays
+    below it), a new slot of smallest groups when no group has room. `groups`, `slot_max`:
+    `_place_wide`'s. Returns the groups' shape indices [G], slots [G], loads [G] and documents."""
+    g_shape, g_slot, g_load, g_tok, g_docs = groups
     gs = np.array(g_shape, dtype=np.int64)
     gm = np.array(g_slot, dtype=np.int64)
     load = np.array(g_load, dtype=np.float64)
@@ -100,15 +120,9 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, 
             key = np.where(room, over, -np.inf)
             g = int(np.argmax(key))
         if key[g] == -np.inf:  # no group has room: a new slot of smallest groups
-            m = len(smax)
-            n_new = world // sizes[0]
-            gs = np.concatenate([gs, np.zeros(n_new, dtype=np.int64)])
-            gm = np.concatenate([gm, np.full(n_new, m)])
-            load, tok = np.concatenate([load, np.full(n_new, ovh[0])]), np.concatenate([tok, np.zeros(n_new, dtype=np.int64)])
+            gs, gm, load, tok, smax = _open_smallest_slot(gs, gm, load, tok, smax, g_docs, caps, rho, sizes, world, ovh)
             cap_g, rho_g = caps[gs], np.where(gs == 0, rho[gs], 0.0)
             wide_g = gs > 0
-            smax = np.append(smax, rho[0] * caps[0] + ovh[0])
-            g_docs += [[] for _ in range(n_new)]
             continue
         if costs_t[d, 0] >= small:  # one document: scalar updates (most of the planner's time)
             k = int(gs[g])
@@ -130,3 +144,15 @@ def _construct(width, order, padded, caps, costs, rho, sizes, world, num_slots, 
         np.maximum.at(smax, gm[top], load[top] + rho_g[top] * (cap_g[top] - tok[top]))
         i += len(top)
     return gs, gm, load, g_docs
+
+
+def _open_smallest_slot(gs, gm, load, tok, smax, g_docs, caps, rho, sizes, world, ovh):
+    """One more slot of world / sizes[0] empty groups of the smallest size: the group arrays
+    [G] grown by them (`g_docs` in place), the slot's projected maximum that of a full one."""
+    m = len(smax)
+    n_new = world // sizes[0]
+    gs = np.concatenate([gs, np.zeros(n_new, dtype=np.int64)])
+    gm = np.concatenate([gm, np.full(n_new, m)])
+    load, tok = np.concatenate([load, np.full(n_new, ovh[0])]), np.concatenate([tok, np.zeros(n_new, dtype=np.int64)])
+    g_docs += [[] for _ in range(n_new)]
+    return gs, gm, load, tok, np.append(smax, rho[0] * caps[0] + ovh[0])
