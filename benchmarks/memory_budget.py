@@ -48,7 +48,8 @@ PHASES = [  # (phase, the library function on the stack), innermost first
     ("layer backward: recompute", "layer_run.py:run_backward"),
     ("forward", "layer_run.py:run_forward"),
     ("final norm backward", "tiling.py:backward"),
-    ("loss", "tiling.py:forward"),
+    ("loss", "chunked_loss.py:forward"),
+    ("loss", "tiling.py:forward"),  # a chunked norm's forward (ops/tiling._Tokenwise.forward)
 ]
 MODES = {  # label -> (patch options, FPDT chunks)
     "off": (dict(memory="off"), 1),

@@ -152,27 +152,10 @@ def _fingerprint(input_ids: torch.Tensor, cu: list[int]) -> int:
     return value
 
 
-def shard_batch(
-    batch: Mapping[str, Any], mesh, num_items_in_batch: int | torch.Tensor | None = None, *, pad_token_id: int = 0,
-    device: torch.device | str | None = None,
-) -> dict[str, Any]:
-    """The shard of THIS SP rank: exactly the kwargs of `model(**shard)`.
-
-    `batch`: a packed row as `DataCollatorWithFlattening(return_position_ids=True)` makes it
-    (`input_ids`, HF-unshifted `labels`, `position_ids` restarting per document; B = 1), or a
-    plain [B, S] batch with one document per row (optional right-padding `attention_mask`).
-    Other [B, S] tensors (loss weights, token_type_ids) are padded with 0 and sharded too.
-
-    Returns `input_ids`, `position_ids` [B, S_local]; with labels also `labels` and
-    `shift_labels` (both the pre-shifted targets) and `num_items_in_batch` (default: valid
-    targets of this batch); and `SP_METADATA_KEY` -> `SPBatchInfo`. Same on every rank except
-    the per-token tensors. Raises ValueError (before any collective) on unusable input.
-
-    `device`: where the shard goes (default: the batch's device). The layout runs on the
-    host; pass the batch as it comes from the data pipeline (host tensors) with
-    `device=...`, so that the only copy is the shard's, one pinned non-blocking copy per
-    dtype: a batch already on the GPU is first copied back to the host (a blocking copy).
-    """
+def _host_inputs(batch: Mapping[str, Any], device) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.device]:
+    """The batch's `input_ids` [B, S] and its other per-token [B, S] tensors, on the host, and
+    the device the shard goes to (default: the batch's). Raises ValueError on a batch that is
+    no mapping with [B, S] `input_ids`, an empty one, or an entry that is no per-token tensor."""
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise ValueError(f"batch must be a mapping with 'input_ids', got {type(batch).__name__} with keys {list(batch)[:8] if isinstance(batch, Mapping) else '-'}")
     input_ids = _as_tensor("input_ids", batch["input_ids"])
@@ -195,17 +178,17 @@ def shard_batch(
                 "drop it from the batch or pass it to the model yourself"
             )
         per_token[key] = t.cpu()
-    if num_items_in_batch is None:
-        num_items_in_batch = batch.get("num_items_in_batch")
-    labels = per_token.pop("labels", None)
-    position_ids = per_token.pop("position_ids", None)
-    cu = _boundaries(batch, position_ids, b, s)
-    if position_ids is None:
-        position_ids = torch.arange(s, dtype=torch.long).expand(b, s)
-    if batch.get("attention_mask") is not None:
-        _check_padding(_as_tensor("attention_mask", batch["attention_mask"]).cpu(), labels)
+    return input_ids, per_token, device
 
-    padded_cu, src, pad_pos = _pad_plan(cu, position_ids.long(), mesh.doc_multiple, mesh.seq_multiple, b)
+
+def _padded_row(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, per_token: dict[str, torch.Tensor],
+    labels: torch.Tensor | None, cu: list[int], mesh, pad_token_id: int,
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """The padded global boundaries and every per-token tensor on the padded row [B, S_pad]:
+    `input_ids` (pads: `pad_token_id`), `position_ids` (pads continue their document's), the
+    other per-token tensors (pads: 0) and, with labels, `shift_labels` (pads: -100)."""
+    padded_cu, src, pad_pos = _pad_plan(cu, position_ids.long(), mesh.doc_multiple, mesh.seq_multiple, input_ids.shape[0])
     keep = src >= 0
     src_idx = src.clamp_min(0)
 
@@ -219,16 +202,60 @@ def shard_batch(
         full[key] = place(t, 0)
     if labels is not None:
         full["shift_labels"] = place(_shift(labels.long(), cu), IGNORE_INDEX)
-        count = int((full["shift_labels"] != IGNORE_INDEX).sum())
-        if num_items_in_batch is None:
-            num_items_in_batch = count
-        n = int(num_items_in_batch)
-        if n < 1 or n != num_items_in_batch:
-            raise ValueError(
-                f"num_items_in_batch must be a positive int (valid targets of the step), got {num_items_in_batch!r}"
-                + ("; this batch has no valid label after shifting -- every label is -100" if count == 0 else "")
-            )
-        num_items_in_batch = n
+    return padded_cu, full
+
+
+def _num_items(shift_labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> int:
+    """`num_items_in_batch` as a positive int; None: the valid targets of `shift_labels`.
+    Raises ValueError naming the value (and a batch whose every label is -100)."""
+    count = int((shift_labels != IGNORE_INDEX).sum())
+    if num_items_in_batch is None:
+        num_items_in_batch = count
+    n = int(num_items_in_batch)
+    if n < 1 or n != num_items_in_batch:
+        raise ValueError(
+            f"num_items_in_batch must be a positive int (valid targets of the step), got {num_items_in_batch!r}"
+            + ("; this batch has no valid label after shifting -- every label is -100" if count == 0 else "")
+        )
+    return n
+
+
+def shard_batch(
+    batch: Mapping[str, Any], mesh, num_items_in_batch: int | torch.Tensor | None = None, *, pad_token_id: int = 0,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """The shard of THIS SP rank: exactly the kwargs of `model(**shard)`.
+
+    `batch`: a packed row as `DataCollatorWithFlattening(return_position_ids=True)` makes it
+    (`input_ids`, HF-unshifted `labels`, `position_ids` restarting per document; B = 1), or a
+    plain [B, S] batch with one document per row (optional right-padding `attention_mask`).
+    Other [B, S] tensors (loss weights, token_type_ids) are padded with 0 and sharded too.
+
+    Returns `input_ids`, `position_ids` [B, S_local]; with labels also `labels` and
+    `shift_labels` (both the pre-shifted targets) and `num_items_in_batch` (default: valid
+    targets of this batch); and `SP_METADATA_KEY` -> `SPBatchInfo`. Same on every rank except
+    the per-token tensors. Raises ValueError (before any collective) on unusable input.
+
+    `device`: where the shard goes (default: the batch's device). The layout runs on the
+    host; pass the batch as it comes from the data pipeline (host tensors) with
+    `device=...`, so that the only copy is the shard's, one pinned non-blocking copy per
+    dtype: a batch already on the GPU is first copied back to the host (a blocking copy).
+    """
+    input_ids, per_token, device = _host_inputs(batch, device)
+    b, s = input_ids.shape
+    if num_items_in_batch is None:
+        num_items_in_batch = batch.get("num_items_in_batch")
+    labels = per_token.pop("labels", None)
+    position_ids = per_token.pop("position_ids", None)
+    cu = _boundaries(batch, position_ids, b, s)
+    if position_ids is None:
+        position_ids = torch.arange(s, dtype=torch.long).expand(b, s)
+    if batch.get("attention_mask") is not None:
+        _check_padding(_as_tensor("attention_mask", batch["attention_mask"]).cpu(), labels)
+
+    padded_cu, full = _padded_row(input_ids, position_ids, per_token, labels, cu, mesh, pad_token_id)
+    if labels is not None:
+        num_items_in_batch = _num_items(full["shift_labels"], num_items_in_batch)
     elif num_items_in_batch is not None:
         raise ValueError(f"num_items_in_batch={num_items_in_batch!r} given but the batch has no 'labels'")
 

@@ -25,8 +25,8 @@ from hf_longctx.integrations.checkpointing import keeps_input, patch_checkpointi
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.keep_attention import AttentionKeeper
 from hf_longctx.integrations.layer_split import LayerSplit
+from hf_longctx.ops.chunked_loss import chunked_causal_lm_loss
 from hf_longctx.ops.tiling import (
-    chunked_causal_lm_loss,
     chunked_mlp,
     default_loss_chunk_size,
     default_mlp_chunks,

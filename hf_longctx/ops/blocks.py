@@ -75,7 +75,7 @@ def _classify(q0: int, nq: int, k0: int, nk: int, causal: bool, window: int | No
 
 class Tiles(list):
     """The tiles of one planned (q runs x k runs) pair, kept by a plan for the whole micro-batch
-    (`ops/ring.RingPlan`, `ops/fpdt.FPDTPlan`), with a `memo` where a backend keeps what it
+    (`ops/ring.RingPlan`, `ops/fpdt_schedule.FPDTPlan`), with a `memo` where a backend keeps what it
     derives from them once (`ops/backends/packed.py`: the device index tensors and
     cumulative lengths), so that no layer rebuilds or re-uploads them. A list: compares
     equal to the plain list of the same blocks."""

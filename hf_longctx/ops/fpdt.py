@@ -4,7 +4,7 @@ Where it sits: with `mesh.fpdt_chunks = u > 1` (ring degree 1) the registered at
 calls `fpdt_attention` instead of `usp_attention`. Local chunk i of Ulysses rank j is global
 piece i·U + j (`layout.local_runs(..., fpdt_chunks=u)`), so one all-to-all per chunk
 gathers the contiguous global segment i for H/U heads (FPDT Figure 6).
-Forward: per query chunk, attention over the K/V chunks it may see (`blocks.plan_blocks`),
+Forward: per query chunk, attention over the K/V chunks it may see (`ops/fpdt_schedule.py`),
 folded with `ops/lse.py`; finished K/V wait in a `ChunkStore` (`ops/offload.py`). Backward
 (§3.4): K/V outer, Q inner, from the final (sink-merged, `ops/sinks.py`) out/lse.
 Exact: outputs and gradients equal single-device attention, packed documents included.
@@ -12,43 +12,20 @@ Three layers: `fpdt_forward` / `fpdt_backward` → `FPDTAttention` → `fpdt_att
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Sequence
 
 import torch
 
-from hf_longctx.layout import Run, fpdt_chunk_range, runs_of_range
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.ops import blocks, kernels
+from hf_longctx.ops import kernels
+from hf_longctx.ops.fpdt_schedule import FPDTPlan, plan_for
 from hf_longctx.ops.lse import merge
 from hf_longctx.ops.offload import ChunkStore
 from hf_longctx.ops.ulysses import replicate_kv
 from hf_longctx.ops.math_kernel import acc_dtype
 from hf_longctx.ops.sinks import merge_sink, sink_grad
-from hf_longctx.ops.usp import check_inputs, local_sinks
-
-
-class FPDTPlan:
-    """The chunk schedule, identical on every rank: the runs of every global segment and,
-    per query chunk, the K/V chunks holding an allowed pair."""
-
-    def __init__(self, cu: Sequence[int], chunks: int, *, group, causal: bool, window: int | None, kw: dict):
-        self.group, self.chunks, self.kw = group, chunks, kw
-        total = cu[-1]
-        self.runs: list[list[Run]] = [runs_of_range(cu, *fpdt_chunk_range(total, chunks, i)) for i in range(chunks)]
-        # tiles[i][j]: the (query chunk i, K/V chunk j) tiles, planned once per micro-batch
-        self.tiles: list[list[blocks.Tiles]] = [
-            [blocks.Tiles(blocks.plan_blocks(self.runs[i], self.runs[j], causal=causal, window=window)) for j in range(chunks)]
-            for i in range(chunks)
-        ]
-        self.needs: list[list[int]] = [[j for j in range(chunks) if self.tiles[i][j]] for i in range(chunks)]
-        # A query chunk is computed at the step its last needed K/V chunk arrives (its own
-        # step at the latest, so its q need not be stored for causal masks).
-        self.ready_at = [max(need + [i]) for i, need in enumerate(self.needs)]
-        # Backward: dq_i is complete after the outer step of the last K/V chunk it needs.
-        self.dq_done_at = [max(need) if need else 0 for need in self.needs]
-        self.users = [[i for i in range(chunks) if j in self.needs[i]] for j in range(chunks)]
+from hf_longctx.ops.usp import local_sinks
 
 
 def _to_heads(x: torch.Tensor) -> torch.Tensor:
@@ -272,10 +249,6 @@ class FPDTAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None if dsink is None else dsink.to(sinks.dtype), None
 
 
-def make_plan(mesh: SPMesh, cu: Sequence[int], *, scale: float, causal: bool, window, softcap) -> FPDTPlan:
-    kw = dict(scale=scale, causal=causal, window=window, softcap=softcap)
-    return FPDTPlan(cu, mesh.fpdt_chunks, group=mesh.ulysses_group, causal=causal, window=window, kw=kw)
-
 
 def fpdt_attention(
     q: torch.Tensor,
@@ -318,29 +291,3 @@ def fpdt_attention(
     # checkpoint discards and recomputes (`save=False`, the caller's knowledge).
     save = save and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     return FPDTAttention.apply(q, k, v, plan, offload, sinks, save)
-
-
-def plan_for(q, k, v, mesh: SPMesh, *, cu_seqlens, causal, softmax_scale, window, softcap, sinks, plan_cache) -> FPDTPlan:
-    """Check the inputs (q [B, S_local, H, D], k/v [B, S_local, H_kv, D]: shapes only, meta
-    tensors do) on every rank before any collective, and return the chunk plan of this
-    micro-batch -- from `plan_cache` when the caller keeps one (every layer shares it)."""
-    if mesh.ring != 1:
-        raise ValueError(f"fpdt_attention needs ring degree 1, got ring {mesh.ring} (fpdt_chunks {mesh.fpdt_chunks})")
-    u = mesh.fpdt_chunks
-    if q.dim() == 4 and (q.shape[1] == 0 or q.shape[1] % u):
-        raise ValueError(
-            f"S_local ({q.shape[1]}) must be a positive multiple of fpdt_chunks ({u}): every rank cuts its "
-            f"tokens into {u} equal chunks (packed length = S_local x ulysses({mesh.ulysses}))"
-        )
-    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks)
-    if cu_seqlens is None:
-        cu = [0, q.shape[1] * mesh.ulysses]  # the same single-document layout in every batch row
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    # Every layer of a micro-batch has the same boundaries: one plan per batch (pure Python).
-    key = ("fpdt", tuple(cu), u, id(mesh.ulysses_group), scale, causal, window, softcap)
-    plan = plan_cache.get(key) if plan_cache is not None else None
-    if plan is None:
-        plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)
-        if plan_cache is not None:
-            plan_cache[key] = plan
-    return plan

@@ -1,11 +1,11 @@
-"""Sequence tiling of the token-wise tail of a transformer: chunked MLP and chunked LM head + loss.
+"""Sequence tiling of the token-wise tail of a transformer: the chunk counts, the chunked MLP and norms.
 
 Where it sits: inside ``model(**shard)`` every decoder layer's MLP is routed through
-:func:`chunked_mlp`, and the causal-LM loss on the local shard (pre-shifted labels, global
-``num_items_in_batch``, DESIGN invariant 6) is computed by :func:`chunked_causal_lm_loss`
-from the final hidden states, never from a full ``[B, S, V]`` logits tensor.
-FPDT's chunked FFN and chunked loss: both are token-wise, so chunks recomputed in backward
-give the same math per token with one chunk of ``[B, S, I]`` / ``[B, S, V]`` alive at a time.
+:func:`chunked_mlp`, and its norms and the final norm through :func:`tokenwise_chunks`; the
+sizing rules here (:func:`default_mlp_chunks`, :func:`default_loss_chunk_size`) set the MLP's
+chunks and the loss's chunk size (the loss itself: ``ops/chunked_loss.py``), and ``capacity/``
+reads them too. FPDT's chunked FFN (§3.5): token-wise, so chunks recomputed in backward give
+the same math per token with one chunk of ``[B, S, I]`` alive at a time.
 Not supported: dropout inside the MLP (a recomputed chunk would need its first run's RNG
 stream); the integration that patches MLPs refuses it."""
 
@@ -15,7 +15,6 @@ import math
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -185,147 +184,3 @@ def tokenwise_chunks(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks
     if not torch.is_grad_enabled() or not (hidden.requires_grad or any(p.requires_grad for p in params)):
         return torch.cat([forward(p.contiguous()) for p in torch.tensor_split(hidden, chunks, dim=1)], dim=1)
     return _Tokenwise.apply(forward, chunks, hidden, *params)
-
-
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
-    """Logits of one chunk exactly as the HF model computes them: lm_head in the hidden dtype,
-    Gemma2's softcap in that dtype too, then the upcast ForCausalLMLoss applies."""
-    logits = F.linear(h, weight, bias)  # [n, V]
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits.float()
-
-
-class _ChunkedLMHeadLoss(torch.autograd.Function):
-    """Loss and all gradients computed chunk by chunk in forward.
-
-    Gradients are produced in forward (one LM-head GEMM fewer than recomputing in backward, and
-    the LM-head weight is not needed again in backward, which suits FSDP resharding). Each chunk's
-    gradient is taken by autograd over the same ops the unchunked model runs, so softcap,
-    autocast and dtype rounding match the reference per token. What is saved for backward is
-    hidden-sized (grad of hidden) and weight-sized (grad of weight), never logits-sized.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        labels: Tensor,
-        denominator: Tensor | float | None,
-        chunk_size: int,
-        softcap: float | None,
-        ignore_index: int,
-    ) -> Tensor:
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_any = need_h or need_w or bool(need_b and bias is not None)
-        n_tokens = hidden.shape[0]
-        if denominator is None:
-            # ForCausalLMLoss's "mean" reduction divides by the number of non-ignored labels
-            # (0 valid labels gives nan there too).
-            denominator = (labels != ignore_index).sum().to(torch.float32)
-        elif torch.is_tensor(denominator):
-            denominator = denominator.to(hidden.device)
-
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None  # [B*S, Hd]
-        # Accumulating per-chunk weight grads in a low-precision dtype would add one rounding per
-        # chunk; an fp32 accumulator keeps the sum as accurate as the single unchunked GEMM.
-        grad_w: Tensor | None = None
-        grad_b: Tensor | None = None
-        w_leaf = weight.detach().requires_grad_(need_w)
-        b_leaf = bias.detach().requires_grad_(bool(need_b)) if bias is not None else None
-        for start in range(0, n_tokens, chunk_size):
-            end = min(start + chunk_size, n_tokens)
-            h_leaf = hidden[start:end].detach().requires_grad_(need_h)  # [n, Hd]
-            with torch.enable_grad():
-                logits = _chunk_logits(h_leaf, w_leaf, b_leaf, softcap)  # [n, V] fp32
-                ce_sum = F.cross_entropy(logits, labels[start:end], ignore_index=ignore_index, reduction="sum")
-                del logits  # the autograd graph keeps what it needs; drop our reference early
-                if not need_any:
-                    loss_sum += ce_sum.detach()
-                    continue
-                inputs = [t for t, need in ((h_leaf, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need]
-                grads = list(torch.autograd.grad(ce_sum / denominator, inputs))
-            loss_sum += ce_sum.detach()
-            if need_h:
-                grad_h[start:end] = grads.pop(0)
-            if need_w:
-                g = grads.pop(0)
-                grad_w = g.float() if grad_w is None else grad_w.add_(g)
-            if need_b and bias is not None:
-                g = grads.pop(0)
-                grad_b = g.float() if grad_b is None else grad_b.add_(g)
-        loss = loss_sum / denominator
-        ctx.weight_dtype = weight.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        return loss
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        # The gradients were taken for d(loss) = 1; the loss is linear in its scale, so the
-        # upstream gradient (1 in plain training) just multiplies them.
-        out_h = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
-        out_w = None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype)
-        out_b = None if grad_b is None else (grad_b * grad_out).to(ctx.bias_dtype)
-        return out_h, out_w, out_b, None, None, None, None, None
-
-
-def chunked_causal_lm_loss(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None = None,
-    *,
-    shift_labels: Tensor,
-    num_items_in_batch: int | Tensor | None = None,
-    chunk_size: int,
-    final_logit_softcapping: float | None = None,
-    ignore_index: int = -100,
-) -> Tensor:
-    """Causal-LM loss from final hidden states without materialising full logits.
-
-    Same numerics as ``transformers.loss.loss_utils.ForCausalLMLoss(logits, labels=None,
-    vocab_size=V, num_items_in_batch=..., shift_labels=...)`` applied to
-    ``logits = lm_head(hidden)`` (softcapped as Gemma2 does when ``final_logit_softcapping``
-    is set): sum of token cross-entropies / ``num_items_in_batch``, or the mean over
-    non-ignored tokens when it is None.
-
-    Shapes: ``hidden`` ``[B, S, Hd]``, ``weight`` ``[V, Hd]`` (may be tied to the input
-    embedding), ``bias`` ``[V]``, ``shift_labels`` ``[B, S]`` already shifted (the label at
-    position t is the target of position t; ``ignore_index`` is skipped). ``chunk_size`` counts
-    tokens of the flattened ``B * S``; at most one chunk of ``[chunk_size, V]`` logits exists at
-    any time, in forward and in backward. Gradients for hidden, weight and bias are exact up to
-    summation order. Not twice differentiable.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got chunk_size={chunk_size}")
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, S, Hd], got shape={tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, Hd] with Hd={hidden.shape[-1]}, got weight shape={tuple(weight.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must be [V] with V={weight.shape[0]}, got bias shape={tuple(bias.shape)}")
-    if tuple(shift_labels.shape) != tuple(hidden.shape[:2]):
-        raise ValueError(
-            f"shift_labels shape={tuple(shift_labels.shape)} must equal hidden [B, S]={tuple(hidden.shape[:2])}"
-        )
-    if final_logit_softcapping is not None and final_logit_softcapping <= 0:
-        raise ValueError(f"final_logit_softcapping must be > 0 or None, got {final_logit_softcapping}")
-    hidden_2d = hidden.reshape(-1, hidden.shape[-1])  # [B, S, Hd] -> [B*S, Hd]
-    labels_1d = shift_labels.reshape(-1).to(hidden.device)  # [B, S] -> [B*S]
-    return _ChunkedLMHeadLoss.apply(
-        hidden_2d,
-        weight,
-        bias,
-        labels_1d,
-        num_items_in_batch,
-        chunk_size,
-        final_logit_softcapping,
-        ignore_index,
-    )

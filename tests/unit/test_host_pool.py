@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from hf_longctx.ops.fpdt import FPDTPlan, fpdt_backward, fpdt_forward, saved_keys
+from hf_longctx.ops.fpdt import fpdt_backward, fpdt_forward, saved_keys
+from hf_longctx.ops.fpdt_schedule import FPDTPlan
 from hf_longctx.ops.host_pool import HostPool, plain_bytes, size_class
 from hf_longctx.ops.offload import ChunkStore
 from tests.helpers.stub_streams import FakeStreams

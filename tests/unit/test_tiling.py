@@ -1,4 +1,4 @@
-"""Tests for hf_longctx.ops.tiling: chunked MLP and chunked LM head + cross-entropy (FPDT).
+"""Tests for hf_longctx.ops.tiling and ops.chunked_loss: chunked MLP and chunked LM head + cross-entropy (FPDT).
 
 Every numeric test compares forward AND backward with the unchunked reference (the HF MLP module
 itself; transformers' ForCausalLMLoss on full logits). The memory tests watch every tensor storage
@@ -37,9 +37,9 @@ from transformers.models.phi3.modeling_phi3 import Phi3MLP
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
+from hf_longctx.ops.chunked_loss import chunked_causal_lm_loss
 from hf_longctx.ops.tiling import (
     MIN_LOSS_CHUNK_TOKENS,
-    chunked_causal_lm_loss,
     chunked_mlp,
     default_loss_chunk_size,
     default_mlp_chunks,
