@@ -13,61 +13,24 @@ through our function and that the SP group was fed the same batch (invariant 3).
 
 from __future__ import annotations
 
-import inspect
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from hf_longctx.config import CHECKPOINT_ATTENTION, PatchOptions
-from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
-    mask_implied_window, refuse_padding,
+    mask_implied_window,
 )
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
+from hf_longctx.integrations.forward_hooks import _post_forward, _pre_forward
+from hf_longctx.integrations.patch_args import _UNSET, check_mesh
+from hf_longctx.integrations.patch_state import _STATE_ATTR, _PatchState
 from hf_longctx.model_walk import configs as _configs
 from hf_longctx.model_walk import hf_model
-
-_STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
-
-
-@dataclass
-class _PatchState:
-    """Everything one `patch()` call changed, so that `unpatch()` can undo exactly that."""
-
-    name: str
-    mesh: SPMesh
-    options: PatchOptions
-    # What patch() was given: a GroupBank, or an SPMesh (a bank of its one group size); each
-    # batch names its group in it (SPBatchInfo.group). `mesh` is its patch_mesh.
-    bank: SPMesh | GroupBank
-    explicit: frozenset = frozenset()  # the knobs the last patch() call was given by name (not from a preset)
-    saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
-    hooks: list = field(default_factory=list)
-    memory_undo: Callable[[], None] | None = None
-    probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
-    mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
-    mixers_option: Any = None  # patch(mixers=...) as given (re-patches pass it on)
-    calls: int = 0  # attention calls in the current forward
-    # The sliding window a model applies through its masks alone (PhiMoE: every mask carries
-    # the same window, the attention gets none; HF's sdpa/eager paths apply it through the
-    # mask), read from the dry run's masks; without a dry run (unsafe_skip_exactness_check)
-    # from the masks of each forward (`mask_windows`, one frozenset per mask built).
-    mask_window: int | None = None
-    mask_windows: list = field(default_factory=list)
-    # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
-    # every layer of a micro-batch shares one plan instead of re-planning per layer.
-    plan_cache: dict = field(default_factory=dict)
-    checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
-    keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
-    vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
-    split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None
 
 
 def _interfaces():
@@ -84,144 +47,6 @@ def _interfaces():
                 "hf_longctx supports transformers >=5.23,<6"
             )
     return AttentionInterface, AttentionMaskInterface
-
-
-def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh: SPMesh, *, first: bool) -> None:
-    """All SP ranks must hold shards of the SAME batch (invariant 3). One tiny all_gather per
-    micro-batch; every rank sees the same gathered rows, so all raise together (no hang).
-    `first` (the first micro-batch of this patch) or a CPU table: the table is read on the
-    host and the error names every rank's values. Later micro-batches on a GPU never block
-    the host: the comparison stays on the device and `torch._assert_async` raises from there
-    (a device-side assert, reported at the next synchronisation)."""
-    import torch.distributed as dist
-
-    cu_hash = 0
-    for i, c in enumerate(info.cu_seqlens):
-        cu_hash = (cu_hash * 1_000_003 + c * (i + 1)) % 2_147_483_647
-    from hf_longctx.distributed.loss import collective_device
-    from hf_longctx.devices import upload
-
-    # The batch's device when it is a GPU one; else the group's (NCCL refuses CPU tensors).
-    device = collective_device(mesh.sp_group, device)
-    on_device = isinstance(num_items, torch.Tensor) and num_items.device.type != "cpu"  # int() would sync
-    n = -1 if num_items is None or on_device else int(num_items)
-    sig = upload(torch.tensor([info.fingerprint, cu_hash, n, s_local, info.rows], dtype=torch.long), device)  # [5]
-    if on_device:
-        sig[2] = num_items.to(device=device, dtype=torch.long).reshape(())  # a device copy, no host read
-    rows = [torch.empty_like(sig) for _ in range(mesh.sp)]
-    dist.all_gather(rows, sig, group=mesh.sp_group)  # [SP] x [5]
-    table = torch.stack(rows)  # [SP, 5]
-    why = (
-        "the ranks of one SP group hold shards of DIFFERENT batches (per-rank [fingerprint, boundaries, "
-        "num_items_in_batch, S_local, B] = {}); every rank of an SP group must call shard_batch on the same batch -- "
-        "seed the sampler by DP rank, not by global rank"
-    )
-    if not first and table.device.type != "cpu":  # on CPU reading the table costs no device sync
-        torch._assert_async((table == table[0]).all(), why.format("not read, to keep the host free"))
-        return
-    table = table.cpu()
-    if not bool((table == table[0]).all()):
-        raise ValueError(why.format(table.tolist()))
-
-
-def _takes_use_cache(hf) -> bool:
-    """Whether `use_cache=False` can be passed to `hf`'s forward: a parameter of its own, or its
-    **kwargs reach an inner model that takes it (image-text-to-text wrappers: the language model
-    otherwise defaults to `config.use_cache` and fills a DynamicCache in training)."""
-    from transformers import PreTrainedModel
-
-    params = inspect.signature(hf.forward).parameters
-    if "use_cache" in params:
-        return True
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return False
-    return any("use_cache" in inspect.signature(m.forward).parameters
-               for m in hf.modules() if m is not hf and isinstance(m, PreTrainedModel))
-
-
-def _pre_forward(state: _PatchState, hf) -> Callable:
-    accepts_cache = _takes_use_cache(hf)
-    names = list(inspect.signature(hf.forward).parameters)
-    mask_at = names.index("attention_mask") if "attention_mask" in names else None  # passed by position too
-
-    def hook(module, args, kwargs):
-        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
-            raise ValueError(
-                "a sequence-parallel forward cannot use a KV cache (use_cache=True / past_key_values); pass "
-                "use_cache=False, and call hf_longctx.unpatch(model) before generate()"
-            )
-        if kwargs.get("output_attentions"):
-            raise ValueError("output_attentions=True is not supported under sequence parallelism")
-        if kwargs.get("output_router_logits"):
-            raise ValueError(
-                "output_router_logits=True under sequence parallelism: the MoE load-balancing loss would be computed per "
-                "shard and differ from the single-device one; pass output_router_logits=False"
-            )
-        if accepts_cache:
-            kwargs["use_cache"] = False
-        mask = kwargs.get("attention_mask")
-        if mask is None and mask_at is not None and len(args) > mask_at:
-            mask = args[mask_at]
-        refuse_padding(mask, read=not state.checked)
-        info = kwargs.get(SP_METADATA_KEY)
-        if not isinstance(info, SPBatchInfo):
-            raise ValueError(
-                f"the patched model needs the '{SP_METADATA_KEY}' entry of hf_longctx.shard_batch(batch, mesh): call "
-                "model(**shard_batch(batch, mesh)); for plain single-device use call hf_longctx.unpatch(model) first"
-            )
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ref = ids if ids is not None else kwargs.get("inputs_embeds")
-        if ref is None:
-            raise ValueError("the patched model needs input_ids or inputs_embeds")
-        mesh = batch_mesh(state, info)  # the batch's own group (a GroupBank patch), else the patch-time mesh
-        if mesh.sp > 1:
-            _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, mesh, first=not state.checked)
-            state.checked = True
-        state.calls = 0
-        state.mask_windows.clear()  # filled by the mask function as the model builds this forward's masks
-        if state.mixers is not None:
-            state.mixers.begin(info)  # the linear-mixer wrappers read the batch layout from here
-        state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
-        return args, kwargs
-
-    return torch.compiler.disable(hook)  # checks and a collective per batch: never traced by torch.compile
-
-
-def _post_forward(state: _PatchState) -> Callable:
-    def hook(module, args, kwargs, output):
-        if state.probe is not None and state.calls != state.probe.attention_calls:
-            raise RuntimeError(
-                f"this forward made {state.calls} sequence-parallel attention calls, but the dry run at patch() made "
-                f"{state.probe.attention_calls}: the model takes a different path at run time than on the probe (inputs it "
-                "was not probed with, e.g. inputs_embeds or extra modalities), and exactness was only proven for that "
-                "path; call the patched model with input_ids/labels from shard_batch only"
-            )
-        if state.mixers is not None:
-            state.mixers.check_calls()
-        return output
-
-    return torch.compiler.disable(hook)
-
-
-def check_mesh(mesh: Any) -> None:
-    """The type check of the entry points that take either (`patch()`, the trainer): an SPMesh
-    or a GroupBank; past it they ask both the same questions."""
-    if not isinstance(mesh, (SPMesh, GroupBank)):
-        raise TypeError(
-            "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
-            f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
-        )
-
-
-class _Unset:
-    """A knob the caller did not pass (memory= and a knob together is an error); `help(patch)`
-    shows it as `unset` rather than an object address."""
-
-    def __repr__(self) -> str:
-        return "unset"
-
-
-_UNSET: Any = _Unset()
 
 
 def patch(

@@ -147,7 +147,7 @@ def test_use_cache_false_reaches_the_language_model(family):
     to `config.use_cache`: `_takes_use_cache` says the patched forward's use_cache=False can be
     passed, and passed it keeps every decoder layer cache-free (a cache would hold every
     layer's K/V in training and grow with each row chunk of memory='max'); the default builds one."""
-    from hf_longctx.integrations.model_patch import _takes_use_cache
+    from hf_longctx.integrations.forward_hooks import _takes_use_cache
     from tests.helpers.vlm_cases import build
 
     model = build(family)
