@@ -19,7 +19,7 @@ import torch
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import batch_mesh, refuse_padding
-from hf_longctx.integrations.patch_state import _PatchState
+from hf_longctx.integrations.patch_state import PatchState
 
 
 def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh: SPMesh, *, first: bool) -> None:
@@ -60,7 +60,7 @@ def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh:
         raise ValueError(why.format(table.tolist()))
 
 
-def _takes_use_cache(hf) -> bool:
+def takes_use_cache(hf) -> bool:
     """Whether `use_cache=False` can be passed to `hf`'s forward: a parameter of its own, or its
     **kwargs reach an inner model that takes it (image-text-to-text wrappers: the language model
     otherwise defaults to `config.use_cache` and fills a DynamicCache in training)."""
@@ -75,8 +75,8 @@ def _takes_use_cache(hf) -> bool:
                for m in hf.modules() if m is not hf and isinstance(m, PreTrainedModel))
 
 
-def _pre_forward(state: _PatchState, hf) -> Callable:
-    accepts_cache = _takes_use_cache(hf)
+def pre_forward_hook(state: PatchState, hf) -> Callable:
+    accepts_cache = takes_use_cache(hf)
     names = list(inspect.signature(hf.forward).parameters)
     mask_at = names.index("attention_mask") if "attention_mask" in names else None  # passed by position too
 
@@ -123,7 +123,7 @@ def _pre_forward(state: _PatchState, hf) -> Callable:
     return torch.compiler.disable(hook)  # checks and a collective per batch: never traced by torch.compile
 
 
-def _post_forward(state: _PatchState) -> Callable:
+def post_forward_hook(state: PatchState) -> Callable:
     def hook(module, args, kwargs, output):
         if state.probe is not None and state.calls != state.probe.attention_calls:
             raise RuntimeError(

@@ -26,9 +26,9 @@ from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs table
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
-from hf_longctx.integrations.forward_hooks import _post_forward, _pre_forward
-from hf_longctx.integrations.patch_args import _UNSET, check_mesh
-from hf_longctx.integrations.patch_state import _STATE_ATTR, _PatchState
+from hf_longctx.integrations.forward_hooks import post_forward_hook, pre_forward_hook
+from hf_longctx.integrations.patch_args import UNSET, check_mesh
+from hf_longctx.integrations.patch_state import STATE_ATTR, PatchState
 from hf_longctx.model_walk import configs as _configs
 from hf_longctx.model_walk import hf_model
 
@@ -54,10 +54,10 @@ def patch(
     mesh: SPMesh | GroupBank,
     *,
     memory: str | None = None,
-    kv_offload: bool = _UNSET,
-    mlp_chunks: int | str | None = _UNSET,
-    loss_chunks: int | str | None = _UNSET,
-    checkpoint: bool | str = _UNSET,
+    kv_offload: bool = UNSET,
+    mlp_chunks: int | str | None = UNSET,
+    loss_chunks: int | str | None = UNSET,
+    checkpoint: bool | str = UNSET,
     inputs_on_device: int = 0,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
@@ -100,15 +100,15 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not _UNSET}, mesh.fpdt_chunks,
+    options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not UNSET}, mesh.fpdt_chunks,
                                    inputs_on_device)
     hf = hf_model(model)
-    old = hf.__dict__.get(_STATE_ATTR)
+    old = hf.__dict__.get(STATE_ATTR)
     if old is not None:
         probed_alike = (old.probe is None) == bool(unsafe_skip_exactness_check)
         same = old.mesh == mesh and old.bank == bank and old.options == options and old.mixers_option == mixers
         if same and probed_alike and before_install is None:
-            old.explicit = frozenset(k for k, v in knobs.items() if v is not _UNSET)
+            old.explicit = frozenset(k for k, v in knobs.items() if v is not UNSET)
             return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
@@ -130,10 +130,10 @@ def patch(
     if before_install is not None:
         before_install()
 
-    state = _PatchState(
+    state = PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
         vision=vision.family,
-        explicit=frozenset(k for k, v in knobs.items() if v is not _UNSET),
+        explicit=frozenset(k for k, v in knobs.items() if v is not UNSET),
         mixers_option=mixers,
     )
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
@@ -146,7 +146,7 @@ def patch(
         # scan the positions for packed documents with a bool() of a device tensor -- a host
         # sync per forward (`masking_utils.find_packed_sequence_indices`).
         state.mask_window = mask_implied_window(report.mask_windows)
-    hf.__dict__[_STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
+    hf.__dict__[STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
     try:
         hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
         stale = [
@@ -162,8 +162,8 @@ def patch(
         vision_hook = vision.make_hook(state, hf)
         if vision_hook is not None:  # first: it consumes the shard's vision entry before any other check
             state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
-        state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
-        state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))
+        state.hooks.append(hf.register_forward_pre_hook(pre_forward_hook(state, hf), with_kwargs=True))
+        state.hooks.append(hf.register_forward_hook(post_forward_hook(state), with_kwargs=True))
         state.mixers = apply_mixers(mixer_plan, mesh, lambda info: batch_mesh(state, info), mixer_modes)
         if options.uses_memory_options:
             from hf_longctx.integrations.memory import apply_memory_options
@@ -192,7 +192,7 @@ def unpatch(model: Any) -> Any:
     """Undo `patch()` exactly: memory options, hooks, every config's attention implementation,
     and both registrations. A no-op on a model that is not patched. Returns the model."""
     hf = hf_model(model)
-    state = hf.__dict__.pop(_STATE_ATTR, None)
+    state = hf.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return model
     if state.memory_undo is not None:
@@ -210,11 +210,11 @@ def unpatch(model: Any) -> Any:
 
 
 def patch_state(model: Any) -> Any:
-    """The patch of `model` (its mesh, bank, options and dry-run report: `_PatchState`), or
+    """The patch of `model` (its mesh, bank, options and dry-run report: `PatchState`), or
     None when it is not patched. Read-only for callers."""
-    return hf_model(model).__dict__.get(_STATE_ATTR)
+    return hf_model(model).__dict__.get(STATE_ATTR)
 
 
 def is_patched(model: Any) -> bool:
     """True while `model` is patched."""
-    return _STATE_ATTR in hf_model(model).__dict__
+    return STATE_ATTR in hf_model(model).__dict__

@@ -2,7 +2,7 @@
 
 Where it sits: at the entry of `integrations/model_patch.patch` and of the trainer. Guarantees:
 the mesh argument is an `SPMesh` or a `GroupBank` (otherwise a `TypeError` naming both
-constructors); a memory knob the caller did not pass (`_UNSET`) is told apart from one passed
+constructors); a memory knob the caller did not pass (`UNSET`) is told apart from one passed
 with its default value, so `PatchOptions.resolve` (`config.py`) refuses a preset and a knob
 together."""
 
@@ -32,4 +32,4 @@ class _Unset:
         return "unset"
 
 
-_UNSET: Any = _Unset()
+UNSET: Any = _Unset()

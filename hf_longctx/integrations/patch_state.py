@@ -1,7 +1,7 @@
 """What one `patch()` call installed on a model, kept on the model itself.
 
-Where it sits: `integrations/model_patch.patch` builds one `_PatchState` per call and keeps it
-as a plain instance attribute of the HF model (`_STATE_ATTR`: not a submodule, not in the
+Where it sits: `integrations/model_patch.patch` builds one `PatchState` per call and keeps it
+as a plain instance attribute of the HF model (`STATE_ATTR`: not a submodule, not in the
 state_dict); the registered attention (`attention.py`), the forward hooks
 (`forward_hooks.py`) and the memory options read and update it per batch. Guarantees: it
 holds every change `patch()` made (registration name, each config's former attention
@@ -17,11 +17,11 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.flex.bank import GroupBank
 
-_STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
+STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
 
 
 @dataclass
-class _PatchState:
+class PatchState:
     """Everything one `patch()` call changed, so that `unpatch()` can undo exactly that."""
 
     name: str
