@@ -27,7 +27,7 @@ from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
 from hf_longctx.integrations.forward_hooks import post_forward_hook, pre_forward_hook
-from hf_longctx.integrations.patch_args import UNSET, check_mesh
+from hf_longctx.integrations.patch_args import UNSET, check_mesh, resolve_options
 from hf_longctx.integrations.patch_state import STATE_ATTR, PatchState
 from hf_longctx.model_walk import configs as _configs
 from hf_longctx.model_walk import hf_model
@@ -100,92 +100,126 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not UNSET}, mesh.fpdt_chunks,
-                                   inputs_on_device)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device)
     hf = hf_model(model)
     old = hf.__dict__.get(STATE_ATTR)
     if old is not None:
-        probed_alike = (old.probe is None) == bool(unsafe_skip_exactness_check)
-        same = old.mesh == mesh and old.bank == bank and old.options == options and old.mixers_option == mixers
-        if same and probed_alike and before_install is None:
-            old.explicit = frozenset(k for k, v in knobs.items() if v is not UNSET)
+        if _same_patch(old, mesh, bank, options, mixers, unsafe_skip_exactness_check) and before_install is None:
+            old.explicit = explicit
             return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
-    from hf_longctx.integrations.mixers.registry import apply_mixers, plan_mixers
-
-    # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
-    # structural rule; refused mixer classes raise here with their reason (unless unsafe).
-    mixer_plan, mixer_modes = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check, option=mixers,
-                                          sizes=bank.sizes)
-    from hf_longctx.integrations.vision.binding import vision_binding
-
-    vision = vision_binding(hf)  # the tower keeps its attention; its images run through the vision hook
-    report = _refuse(
-        hf, mesh, options, structural=not unsafe_skip_exactness_check, keep_configs=vision.keep_ids,
-        used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
-        handled=frozenset(type(module) for _, module, _ in mixer_plan),
-        ulysses_degrees=tuple(s.ulysses for s in bank.shapes),
-    )
+    mixer_plan, mixer_modes, vision, report = _check_model(hf, mesh, bank, options, mixers, unsafe_skip_exactness_check)
     if before_install is not None:
         before_install()
 
     state = PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
         vision=vision.family,
-        explicit=frozenset(k for k, v in knobs.items() if v is not UNSET),
+        explicit=explicit,
         mixers_option=mixers,
     )
+    _register(state, hf, attention_iface, mask_iface)
+    try:
+        _install(state, hf, vision, mixer_plan, mixer_modes)
+    except BaseException:
+        unpatch(model)
+        raise
+    return model
+
+
+def _same_patch(old: PatchState, mesh: SPMesh, bank: SPMesh | GroupBank, options: PatchOptions, mixers, unsafe) -> bool:
+    """Whether the patch `old` is the one this call asks for: the same mesh, bank, options and
+    mixer option, with the dry run run (or skipped) alike."""
+    probed_alike = (old.probe is None) == bool(unsafe)
+    same = old.mesh == mesh and old.bank == bank and old.options == options and old.mixers_option == mixers
+    return same and probed_alike
+
+
+def _check_model(hf, mesh: SPMesh, bank: SPMesh | GroupBank, options: PatchOptions, mixers, unsafe: bool):
+    """Every check of the model, before anything is changed: the linear mixers' plan, the
+    vision binding, and `exactness.refuse_inexact` (the dry run unless `unsafe`). Returns
+    (mixer plan, mixer modes, vision binding, dry-run report or None)."""
+    from hf_longctx.integrations.mixers.registry import plan_mixers
+
+    # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
+    # structural rule; refused mixer classes raise here with their reason (unless unsafe).
+    mixer_plan, mixer_modes = plan_mixers(hf, mesh, skip_refused=unsafe, option=mixers, sizes=bank.sizes)
+    from hf_longctx.integrations.vision.binding import vision_binding
+
+    vision = vision_binding(hf)  # the tower keeps its attention; its images run through the vision hook
+    report = _refuse(
+        hf, mesh, options, structural=not unsafe, keep_configs=vision.keep_ids,
+        used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
+        handled=frozenset(type(module) for _, module, _ in mixer_plan),
+        ulysses_degrees=tuple(s.ulysses for s in bank.shapes),
+    )
+    return mixer_plan, mixer_modes, vision, report
+
+
+def _register(state: PatchState, hf, attention_iface, mask_iface) -> None:
+    """Register the attention under `state.name` (and, without a dry run, the mask function),
+    note every config's attention implementation for `unpatch()`, and keep `state` on the model."""
     state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
     attention_iface.register(state.name, make_attention(state))
-    if report is None:  # no dry run: the mask function notes each forward's windows
+    if state.probe is None:  # no dry run: the mask function notes each forward's windows
         mask_iface.register(state.name, make_mask_function(state))
     else:
         # HF's mask creation exits at once for a name the mask registry lacks (returning None):
         # our attention builds the real mask from global metadata anyway, and HF would first
         # scan the positions for packed documents with a bool() of a device tensor -- a host
         # sync per forward (`masking_utils.find_packed_sequence_indices`).
-        state.mask_window = mask_implied_window(report.mask_windows)
+        state.mask_window = mask_implied_window(state.probe.mask_windows)
     hf.__dict__[STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
-    try:
-        hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
-        stale = [
-            type(cfg).__name__ for cfg, _ in state.saved_impls
-            if id(cfg) not in vision.keep_ids and cfg._attn_implementation != state.name
-        ]
-        if stale:
-            raise NotSupported(
-                f"transformers did not switch {', '.join(stale)} to sequence-parallel attention; "
-                f"hf_longctx supports {SUPPORTED}",
-                NO_SP,
-            )
-        vision_hook = vision.make_hook(state, hf)
-        if vision_hook is not None:  # first: it consumes the shard's vision entry before any other check
-            state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
-        state.hooks.append(hf.register_forward_pre_hook(pre_forward_hook(state, hf), with_kwargs=True))
-        state.hooks.append(hf.register_forward_hook(post_forward_hook(state), with_kwargs=True))
-        state.mixers = apply_mixers(mixer_plan, mesh, lambda info: batch_mesh(state, info), mixer_modes)
-        if options.uses_memory_options:
-            from hf_longctx.integrations.memory import apply_memory_options
 
-            if options.checkpoint == CHECKPOINT_ATTENTION:
-                from hf_longctx.integrations.keep_attention import AttentionKeeper
-                from hf_longctx.ops.offload import default_streams
 
-                state.keeper = AttentionKeeper(default_streams())
-            elif options.checkpoint:
-                from hf_longctx.integrations.layer_split import LayerSplit
+def _install(state: PatchState, hf, vision, mixer_plan, mixer_modes) -> None:
+    """Switch every config (but a vision tower's) to the registered attention, add the forward
+    hooks, wrap the linear mixers and apply the memory options. The caller unpatches when this
+    raises (`NotSupported` when transformers left a config on its former attention)."""
+    from hf_longctx.integrations.mixers.registry import apply_mixers
 
-                state.split = LayerSplit(state)
-            state.memory_undo = apply_memory_options(
-                hf, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
-                checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
-                inputs_on_device=options.inputs_on_device,
-            )
-    except BaseException:
-        unpatch(model)
-        raise
-    return model
+    hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
+    stale = [
+        type(cfg).__name__ for cfg, _ in state.saved_impls
+        if id(cfg) not in vision.keep_ids and cfg._attn_implementation != state.name
+    ]
+    if stale:
+        raise NotSupported(
+            f"transformers did not switch {', '.join(stale)} to sequence-parallel attention; "
+            f"hf_longctx supports {SUPPORTED}",
+            NO_SP,
+        )
+    vision_hook = vision.make_hook(state, hf)
+    if vision_hook is not None:  # first: it consumes the shard's vision entry before any other check
+        state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
+    state.hooks.append(hf.register_forward_pre_hook(pre_forward_hook(state, hf), with_kwargs=True))
+    state.hooks.append(hf.register_forward_hook(post_forward_hook(state), with_kwargs=True))
+    state.mixers = apply_mixers(mixer_plan, state.mesh, lambda info: batch_mesh(state, info), mixer_modes)
+    if state.options.uses_memory_options:
+        _apply_memory_options(state, hf)
+
+
+def _apply_memory_options(state: PatchState, hf) -> None:
+    """The memory options (`memory.py`), with what checkpointing binds per patch: an
+    `AttentionKeeper` for checkpoint="attention", a `LayerSplit` for checkpoint=True."""
+    from hf_longctx.integrations.memory import apply_memory_options
+
+    options = state.options
+    if options.checkpoint == CHECKPOINT_ATTENTION:
+        from hf_longctx.integrations.keep_attention import AttentionKeeper
+        from hf_longctx.ops.offload import default_streams
+
+        state.keeper = AttentionKeeper(default_streams())
+    elif options.checkpoint:
+        from hf_longctx.integrations.layer_split import LayerSplit
+
+        state.split = LayerSplit(state)
+    state.memory_undo = apply_memory_options(
+        hf, state.mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
+        checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
+        inputs_on_device=options.inputs_on_device,
+    )
 
 
 def unpatch(model: Any) -> Any:

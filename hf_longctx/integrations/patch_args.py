@@ -1,15 +1,16 @@
-"""The arguments `patch()` takes, checked before anything reads the model.
+"""The arguments `patch()` takes, checked and resolved before anything reads the model.
 
-Where it sits: at the entry of `integrations/model_patch.patch` and of the trainer. Guarantees:
-the mesh argument is an `SPMesh` or a `GroupBank` (otherwise a `TypeError` naming both
-constructors); a memory knob the caller did not pass (`UNSET`) is told apart from one passed
-with its default value, so `PatchOptions.resolve` (`config.py`) refuses a preset and a knob
-together."""
+Where it sits: at the entry of `integrations/model_patch.patch` (and, for the mesh, of the
+trainer). Guarantees: the mesh argument is an `SPMesh` or a `GroupBank` (otherwise a
+`TypeError` naming both constructors); a memory knob the caller did not pass (`UNSET`) is told
+apart from one passed with its default value, so `PatchOptions.resolve` (`config.py`) refuses
+a preset and a knob together."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from hf_longctx.config import PatchOptions
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.flex.bank import GroupBank
 
@@ -33,3 +34,10 @@ class _Unset:
 
 
 UNSET: Any = _Unset()
+
+
+def resolve_options(memory: str | None, knobs: dict, mesh: SPMesh, inputs_on_device: int) -> tuple[PatchOptions, frozenset]:
+    """`patch()`'s options from the preset and the knobs the caller passed (those not `UNSET`),
+    and the names of those knobs."""
+    given = {k: v for k, v in knobs.items() if v is not UNSET}
+    return PatchOptions.resolve(memory, given, mesh.fpdt_chunks, inputs_on_device), frozenset(given)
