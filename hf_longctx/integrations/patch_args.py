@@ -36,7 +36,9 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
-def resolve_options(memory: str | None, knobs: dict, mesh: SPMesh, inputs_on_device: int) -> tuple[PatchOptions, frozenset]:
+def resolve_options(
+    memory: str | None, knobs: dict, mesh: SPMesh, inputs_on_device: int
+) -> tuple[PatchOptions, frozenset]:
     """`patch()`'s options from the preset and the knobs the caller passed (those not `UNSET`),
     and the names of those knobs."""
     given = {k: v for k, v in knobs.items() if v is not UNSET}

@@ -95,7 +95,9 @@ def _probe_batch(hf, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     return ids, pos, perturbed, a
 
 
-def _stand_in(report: ProbeReport, tracer, calls: list, metadata_key: str, marker, used_kwargs, ignored_kwargs):
+def _stand_in(
+    report: ProbeReport, tracer: RunTracer, calls: list, metadata_key: str, marker, used_kwargs, ignored_kwargs
+):
     """The attention the dry run registers: per-token (`inputs.per_token`); in runs A, B and C
     it appends its module to `calls` and notes on `report` what the call received."""
 
@@ -126,7 +128,9 @@ def _stand_in(report: ProbeReport, tracer, calls: list, metadata_key: str, marke
     return stand_in
 
 
-def _run_forwards(hf, tracer, calls: list, report: ProbeReport, ids, pos, perturbed, a: int, kw: dict) -> None:
+def _run_forwards(
+    hf, tracer: RunTracer, calls: list, report: ProbeReport, ids, pos, perturbed, a: int, kw: dict
+) -> None:
     """The loss check's extra forward, then runs A (the probe), B (one token perturbed) and C
     (the suffix [a:S] alone), without gradients; run A counts the attention calls and checks
     that the loss reads `shift_labels`."""
@@ -153,7 +157,7 @@ def _run_forwards(hf, tracer, calls: list, report: ProbeReport, ids, pos, pertur
                     report.problems.append(loss_problem)
 
 
-def _failure_problems(tracer, e: Exception) -> list[str]:
+def _failure_problems(tracer: RunTracer, e: Exception) -> list[str]:
     """The refusal of a dry run that raised, blamed on the module it raised in."""
     where = tracer.where()
     problems = []

@@ -21,7 +21,8 @@ class RunTracer:
     the n-th call of each module, the stack of modules entered, run A's tensors."""
 
     def __init__(self, hf, report: ProbeReport, s: int, a: int, handled: frozenset):
-        self.hf, self.report, self.s, self.a, self.handled = hf, report, s, a, handled  # S: probe length, a: shard start
+        self.hf, self.report, self.handled = hf, report, handled
+        self.s, self.a = s, a  # the probe length S and the shard start a
         self.names = {id(m): n or type(m).__name__ for n, m in hf.named_modules()}
         self.outputs: dict = {}  # (module name, call idx) -> run A's outputs [tensor with a sequence dim, or None]
         self.inputs: dict = {}  # the same for the inputs (args and kwargs)
@@ -37,12 +38,14 @@ class RunTracer:
         return self.stack[-1] if self.stack else self.hf
 
     def attach(self) -> None:
+        """Hook every submodule (not the model itself): a pre-hook on its inputs, a hook on its outputs."""
         for m in self.hf.modules():
             if m is not self.hf:
                 self.handles.append(m.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
                 self.handles.append(m.register_forward_hook(self.hook))
 
     def detach(self) -> None:
+        """Remove every hook `attach()` added."""
         for h_ in self.handles:
             h_.remove()
 
@@ -72,6 +75,7 @@ class RunTracer:
         return changed, new
 
     def blame(self, module, mname: str, run: str) -> None:
+        """Note `module` (named `mname`) as a leak (run B) or a shard dependence (run C)."""
         if any(type(m) in self.handled for m in [module, *self.stack]):
             return  # inside an SP wrapper: it owns the exchange of its mixer's state
         target = (self.report.leaks if run == "B" else self.report.shape_deps).setdefault(type(module).__name__, [])
@@ -94,9 +98,11 @@ class RunTracer:
         return new if changed else None
 
     def pre_hook(self, module, args, kwargs):
+        """Enter `module`; inputs that changed already are its parent's doing: blame it, splice back."""
         parent = self.where()
         self.stack.append(module)
-        new = self.visit(self.inputs, self.in_counts, self.names.get(id(module), type(module).__name__), flatten((args, kwargs), []))
+        mname = self.names.get(id(module), type(module).__name__)
+        new = self.visit(self.inputs, self.in_counts, mname, flatten((args, kwargs), []))
         if new is None:
             return None
         # the inputs already differ: the PARENT's own code (not a submodule) mixed tokens
@@ -104,6 +110,7 @@ class RunTracer:
         return rebuild((args, kwargs), iter(new))
 
     def hook(self, module, args, output):
+        """Leave `module`; outputs that changed are its own doing: blame it, splice back."""
         self.stack.pop()
         mname = self.names.get(id(module), type(module).__name__)
         new = self.visit(self.outputs, self.counts, mname, flatten(output, []))
