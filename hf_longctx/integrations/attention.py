@@ -5,8 +5,9 @@ and k/v `[B, H_kv, S, D]` after RoPE (GQA not expanded); it reads the batch's gl
 document layout and SP group from `SP_METADATA_KEY` (never from HF's mask, which HF builds
 at the LOCAL shard length), brings q/k/v to one compute dtype, and calls `ops/usp.py`
 (USP paper §3-4) or `ops/fpdt.py` (FPDT paper §3), returning `[B, S, H, D]`. The
-registration, hooks and undo live in `integrations/model_patch.py`; `state` is that
-module's per-`patch()` binding (mesh, options, group bank, plan cache, call counter).
+registration and undo live in `integrations/model_patch.py`, the forward hooks in
+`forward_hooks.py`; `state` is the per-`patch()` binding of `patch_state.py` (mesh, options,
+group bank, plan cache, call counter).
 """
 
 from __future__ import annotations

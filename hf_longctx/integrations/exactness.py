@@ -105,24 +105,64 @@ def refuse_inexact(
     """Raise before anything is changed if the model cannot run EXACTLY under SP.
 
     `structural=False` (patch's unsafe_skip_exactness_check) skips the dry run of
-    `probe.py`; the config rules below always apply. `ulysses_degrees`: every Ulysses degree
+    `probe/dry_run.py`; the config rules below always apply. `ulysses_degrees`: every Ulysses degree
     the attention will run at (a GroupBank's groups; default the mesh's), checked against the
     head counts the dry run saw (the configs' without it), as the fp16 weights are. `handled`: module classes that run under
     a sequence-parallel wrapper (`integrations/mixers/`); the dry run trusts them. Returns
     the probe's report (or None). `keep_configs`: ids of the configs `patch()` leaves alone (a
     vision tower's: it keeps its own attention, which need not go through the interface)."""
-    from transformers import PreTrainedModel
+    cls = type(hf).__name__
+    _refuse_architecture(hf, cls)  # decisive: no setting below could make these models train
+    _refuse_bypass(hf, keep_configs)
+    layers = attention_modules(hf)  # by name: only to check their dropout / causality fields below
+    problems = _config_problems(hf)
+    if not any("dropout" in p for p in problems):
+        problems += _module_dropout_problems(layers)
+    if not structural:  # without the dry run, by name: every non-causal attention module refuses (the dry run
+        # refuses only those a forward calls, so a multimodal model's unused vision tower does not)
+        problems += _non_causal_by_name(hf, layers, keep_configs)
+    problems += _loss_function_problems(hf, cls)
+    try:
+        options.check_mesh(mesh.fpdt_chunks)
+    except ValueError as e:
+        problems.append(str(e))
+    problems += _router_logits_problems(hf)
+    problems += dtype_problems(hf)
+    report = None
+    if structural and not problems:
+        from hf_longctx.integrations.probe.dry_run import probe_model
+        from hf_longctx.integrations.refusals import describe
 
+        report = probe_model(hf, SP_METADATA_KEY, frozenset(used_kwargs), frozenset(ignored_kwargs), handled=handled)
+        problems.extend(describe(report))
+    degrees = tuple(ulysses_degrees) or (mesh.ulysses,)
+    if not problems and any(u > 1 for u in degrees):
+        problems += head_problems(report.heads if report is not None else _config_heads(hf), degrees)
+    if problems:
+        raise NotSupported(
+            f"cannot patch {cls} for exact sequence parallelism:\n- " + "\n- ".join(problems),
+            "where a line above names a setting, reload or re-patch with it changed; otherwise " + NO_SP,
+        )
+    return report
+
+
+def _refuse_architecture(hf, cls: str) -> None:
+    """Encoders, encoder-decoders and shared parameters (`architecture.py`): refused by cause."""
     from hf_longctx.integrations.architecture import architecture_problems
 
-    cls = type(hf).__name__
-    architecture = architecture_problems(hf)  # decisive: no setting below could make these models train
+    architecture = architecture_problems(hf)
     if architecture:
         raise NotSupported(
             f"cannot patch {cls} for sequence-parallel training:\n- " + "\n- ".join(architecture),
             "train a decoder-only causal LM (e.g. Llama, Qwen3, ModernBERT-decoder for a BERT-sized one); "
             "hf_longctx.verify(model, mesh) reports which layers of an untried model are exact",
         )
+
+
+def _refuse_bypass(hf, keep_configs: frozenset) -> None:
+    """Models (but a kept vision tower) whose attention does not go through AttentionInterface."""
+    from transformers import PreTrainedModel
+
     bypass = sorted({
         type(m).__name__ for m in hf.modules()
         if isinstance(m, PreTrainedModel) and id(m.config) not in keep_configs and not m._can_set_attn_implementation()
@@ -134,7 +174,10 @@ def refuse_inexact(
             f"'{hf.config._attn_implementation}'). hf_longctx supports {SUPPORTED}.",
             NO_SP,
         )
-    layers = attention_modules(hf)  # by name: only to check their dropout / causality fields below
+
+
+def _config_problems(hf) -> list[str]:
+    """Per config, in order: attention dropout fields, a RoPE scaled by the local length, output_attentions."""
     problems = []
     for cfg in configs(hf):
         for name in _DROPOUT_FIELDS:
@@ -154,61 +197,58 @@ def refuse_inexact(
             )
         if getattr(cfg, "output_attentions", False):
             problems.append(f"{type(cfg).__name__}.output_attentions = True: sequence-parallel attention returns no weights; set it to False")
-    if not any("dropout" in p for p in problems):
-        for m in layers:
-            p = getattr(m, "attention_dropout", None)
-            drop = getattr(m, "attn_dropout", None)
-            p = drop.p if isinstance(drop, torch.nn.Dropout) else p
-            if isinstance(p, (int, float)) and p > 0:
-                problems.append(
-                    f"{type(m).__name__} was built with attention dropout {p} although the config now says 0: "
-                    "reload the model with the attention-dropout field set to 0.0 in from_pretrained(...)"
-                )
-                break
-    if not structural:  # without the dry run, by name: every non-causal attention module refuses (the dry run
-        # refuses only those a forward calls, so a multimodal model's unused vision tower does not)
-        tower = {id(m) for sub in hf.modules() if isinstance(sub, PreTrainedModel) and id(sub.config) in keep_configs for m in sub.modules()}
-        non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False and id(m) not in tower})
-        if non_causal:
-            from hf_longctx.integrations.refusals import non_causal_message
+    return problems
 
-            problems.append(non_causal_message(non_causal))
+
+def _module_dropout_problems(layers: list) -> list[str]:
+    """The first attention module built with dropout although its config now says 0 (at most one line)."""
+    for m in layers:
+        p = getattr(m, "attention_dropout", None)
+        drop = getattr(m, "attn_dropout", None)
+        p = drop.p if isinstance(drop, torch.nn.Dropout) else p
+        if isinstance(p, (int, float)) and p > 0:
+            return [
+                f"{type(m).__name__} was built with attention dropout {p} although the config now says 0: "
+                "reload the model with the attention-dropout field set to 0.0 in from_pretrained(...)"
+            ]
+    return []
+
+
+def _non_causal_by_name(hf, layers: list, keep_configs: frozenset) -> list[str]:
+    """Without the dry run: every non-causal attention module outside a kept vision tower."""
+    from transformers import PreTrainedModel
+
+    tower = {id(m) for sub in hf.modules() if isinstance(sub, PreTrainedModel) and id(sub.config) in keep_configs for m in sub.modules()}
+    non_causal = sorted({type(m).__name__ for m in layers if getattr(m, "is_causal", True) is False and id(m) not in tower})
+    if not non_causal:
+        return []
+    from hf_longctx.integrations.refusals import non_causal_message
+
+    return [non_causal_message(non_causal)]
+
+
+def _loss_function_problems(hf, cls: str) -> list[str]:
+    """A loss function that would shift `shard_batch`'s already shifted labels again."""
     try:
         params = inspect.signature(hf.loss_function).parameters
     except (TypeError, ValueError, AttributeError):
         params = {}
-    if "shift_labels" not in params:
-        problems.append(
-            f"{cls}.loss_function does not take shift_labels, so it would shift the already shifted labels of "
-            "shard_batch again; use transformers' ForCausalLMLoss (config.loss_type = None)"
-        )
-    try:
-        options.check_mesh(mesh.fpdt_chunks)
-    except ValueError as e:
-        problems.append(str(e))
+    if "shift_labels" in params:
+        return []
+    return [
+        f"{cls}.loss_function does not take shift_labels, so it would shift the already shifted labels of "
+        "shard_batch again; use transformers' ForCausalLMLoss (config.loss_type = None)"
+    ]
+
+
+def _router_logits_problems(hf) -> list[str]:
+    """The first config that asks for the MoE load-balancing loss (at most one line)."""
     for cfg in configs(hf):
         if getattr(cfg, "output_router_logits", False):
-            problems.append(
+            return [
                 f"{type(cfg).__name__}.output_router_logits = True: the MoE load-balancing loss would be computed from each "
                 "rank's shard (its per-expert token fractions and router probabilities are means over the shard, and their "
                 "product is not additive over ranks), so the summed loss would differ from the single-device one; load the "
                 "model with output_router_logits=False (TRL: model_init_kwargs={'output_router_logits': False})"
-            )
-            break
-    problems += dtype_problems(hf)
-    report = None
-    if structural and not problems:
-        from hf_longctx.integrations.probe.dry_run import probe_model
-        from hf_longctx.integrations.refusals import describe
-
-        report = probe_model(hf, SP_METADATA_KEY, frozenset(used_kwargs), frozenset(ignored_kwargs), handled=handled)
-        problems.extend(describe(report))
-    degrees = tuple(ulysses_degrees) or (mesh.ulysses,)
-    if not problems and any(u > 1 for u in degrees):
-        problems += head_problems(report.heads if report is not None else _config_heads(hf), degrees)
-    if problems:
-        raise NotSupported(
-            f"cannot patch {cls} for exact sequence parallelism:\n- " + "\n- ".join(problems),
-            "where a line above names a setting, reload or re-patch with it changed; otherwise " + NO_SP,
-        )
-    return report
+            ]
+    return []

@@ -13,61 +13,24 @@ through our function and that the SP group was fed the same batch (invariant 3).
 
 from __future__ import annotations
 
-import inspect
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from hf_longctx.config import CHECKPOINT_ATTENTION, PatchOptions
-from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
     IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
-    mask_implied_window, refuse_padding,
+    mask_implied_window,
 )
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
+from hf_longctx.integrations.forward_hooks import post_forward_hook, pre_forward_hook
+from hf_longctx.integrations.patch_args import UNSET, check_mesh, resolve_options
+from hf_longctx.integrations.patch_state import STATE_ATTR, PatchState
 from hf_longctx.model_walk import configs as _configs
 from hf_longctx.model_walk import hf_model
-
-_STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
-
-
-@dataclass
-class _PatchState:
-    """Everything one `patch()` call changed, so that `unpatch()` can undo exactly that."""
-
-    name: str
-    mesh: SPMesh
-    options: PatchOptions
-    # What patch() was given: a GroupBank, or an SPMesh (a bank of its one group size); each
-    # batch names its group in it (SPBatchInfo.group). `mesh` is its patch_mesh.
-    bank: SPMesh | GroupBank
-    explicit: frozenset = frozenset()  # the knobs the last patch() call was given by name (not from a preset)
-    saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
-    hooks: list = field(default_factory=list)
-    memory_undo: Callable[[], None] | None = None
-    probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
-    mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
-    mixers_option: Any = None  # patch(mixers=...) as given (re-patches pass it on)
-    calls: int = 0  # attention calls in the current forward
-    # The sliding window a model applies through its masks alone (PhiMoE: every mask carries
-    # the same window, the attention gets none; HF's sdpa/eager paths apply it through the
-    # mask), read from the dry run's masks; without a dry run (unsafe_skip_exactness_check)
-    # from the masks of each forward (`mask_windows`, one frozenset per mask built).
-    mask_window: int | None = None
-    mask_windows: list = field(default_factory=list)
-    # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
-    # every layer of a micro-batch shares one plan instead of re-planning per layer.
-    plan_cache: dict = field(default_factory=dict)
-    checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
-    keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
-    vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
-    split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None
 
 
 def _interfaces():
@@ -86,153 +49,15 @@ def _interfaces():
     return AttentionInterface, AttentionMaskInterface
 
 
-def _consistency_check(info: SPBatchInfo, num_items, s_local: int, device, mesh: SPMesh, *, first: bool) -> None:
-    """All SP ranks must hold shards of the SAME batch (invariant 3). One tiny all_gather per
-    micro-batch; every rank sees the same gathered rows, so all raise together (no hang).
-    `first` (the first micro-batch of this patch) or a CPU table: the table is read on the
-    host and the error names every rank's values. Later micro-batches on a GPU never block
-    the host: the comparison stays on the device and `torch._assert_async` raises from there
-    (a device-side assert, reported at the next synchronisation)."""
-    import torch.distributed as dist
-
-    cu_hash = 0
-    for i, c in enumerate(info.cu_seqlens):
-        cu_hash = (cu_hash * 1_000_003 + c * (i + 1)) % 2_147_483_647
-    from hf_longctx.distributed.loss import collective_device
-    from hf_longctx.devices import upload
-
-    # The batch's device when it is a GPU one; else the group's (NCCL refuses CPU tensors).
-    device = collective_device(mesh.sp_group, device)
-    on_device = isinstance(num_items, torch.Tensor) and num_items.device.type != "cpu"  # int() would sync
-    n = -1 if num_items is None or on_device else int(num_items)
-    sig = upload(torch.tensor([info.fingerprint, cu_hash, n, s_local, info.rows], dtype=torch.long), device)  # [5]
-    if on_device:
-        sig[2] = num_items.to(device=device, dtype=torch.long).reshape(())  # a device copy, no host read
-    rows = [torch.empty_like(sig) for _ in range(mesh.sp)]
-    dist.all_gather(rows, sig, group=mesh.sp_group)  # [SP] x [5]
-    table = torch.stack(rows)  # [SP, 5]
-    why = (
-        "the ranks of one SP group hold shards of DIFFERENT batches (per-rank [fingerprint, boundaries, "
-        "num_items_in_batch, S_local, B] = {}); every rank of an SP group must call shard_batch on the same batch -- "
-        "seed the sampler by DP rank, not by global rank"
-    )
-    if not first and table.device.type != "cpu":  # on CPU reading the table costs no device sync
-        torch._assert_async((table == table[0]).all(), why.format("not read, to keep the host free"))
-        return
-    table = table.cpu()
-    if not bool((table == table[0]).all()):
-        raise ValueError(why.format(table.tolist()))
-
-
-def _takes_use_cache(hf) -> bool:
-    """Whether `use_cache=False` can be passed to `hf`'s forward: a parameter of its own, or its
-    **kwargs reach an inner model that takes it (image-text-to-text wrappers: the language model
-    otherwise defaults to `config.use_cache` and fills a DynamicCache in training)."""
-    from transformers import PreTrainedModel
-
-    params = inspect.signature(hf.forward).parameters
-    if "use_cache" in params:
-        return True
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return False
-    return any("use_cache" in inspect.signature(m.forward).parameters
-               for m in hf.modules() if m is not hf and isinstance(m, PreTrainedModel))
-
-
-def _pre_forward(state: _PatchState, hf) -> Callable:
-    accepts_cache = _takes_use_cache(hf)
-    names = list(inspect.signature(hf.forward).parameters)
-    mask_at = names.index("attention_mask") if "attention_mask" in names else None  # passed by position too
-
-    def hook(module, args, kwargs):
-        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
-            raise ValueError(
-                "a sequence-parallel forward cannot use a KV cache (use_cache=True / past_key_values); pass "
-                "use_cache=False, and call hf_longctx.unpatch(model) before generate()"
-            )
-        if kwargs.get("output_attentions"):
-            raise ValueError("output_attentions=True is not supported under sequence parallelism")
-        if kwargs.get("output_router_logits"):
-            raise ValueError(
-                "output_router_logits=True under sequence parallelism: the MoE load-balancing loss would be computed per "
-                "shard and differ from the single-device one; pass output_router_logits=False"
-            )
-        if accepts_cache:
-            kwargs["use_cache"] = False
-        mask = kwargs.get("attention_mask")
-        if mask is None and mask_at is not None and len(args) > mask_at:
-            mask = args[mask_at]
-        refuse_padding(mask, read=not state.checked)
-        info = kwargs.get(SP_METADATA_KEY)
-        if not isinstance(info, SPBatchInfo):
-            raise ValueError(
-                f"the patched model needs the '{SP_METADATA_KEY}' entry of hf_longctx.shard_batch(batch, mesh): call "
-                "model(**shard_batch(batch, mesh)); for plain single-device use call hf_longctx.unpatch(model) first"
-            )
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        ref = ids if ids is not None else kwargs.get("inputs_embeds")
-        if ref is None:
-            raise ValueError("the patched model needs input_ids or inputs_embeds")
-        mesh = batch_mesh(state, info)  # the batch's own group (a GroupBank patch), else the patch-time mesh
-        if mesh.sp > 1:
-            _consistency_check(info, kwargs.get("num_items_in_batch"), ref.shape[1], ref.device, mesh, first=not state.checked)
-            state.checked = True
-        state.calls = 0
-        state.mask_windows.clear()  # filled by the mask function as the model builds this forward's masks
-        if state.mixers is not None:
-            state.mixers.begin(info)  # the linear-mixer wrappers read the batch layout from here
-        state.plan_cache.clear()  # bounds it to one batch; entries are keyed, so a recompute is only a miss
-        return args, kwargs
-
-    return torch.compiler.disable(hook)  # checks and a collective per batch: never traced by torch.compile
-
-
-def _post_forward(state: _PatchState) -> Callable:
-    def hook(module, args, kwargs, output):
-        if state.probe is not None and state.calls != state.probe.attention_calls:
-            raise RuntimeError(
-                f"this forward made {state.calls} sequence-parallel attention calls, but the dry run at patch() made "
-                f"{state.probe.attention_calls}: the model takes a different path at run time than on the probe (inputs it "
-                "was not probed with, e.g. inputs_embeds or extra modalities), and exactness was only proven for that "
-                "path; call the patched model with input_ids/labels from shard_batch only"
-            )
-        if state.mixers is not None:
-            state.mixers.check_calls()
-        return output
-
-    return torch.compiler.disable(hook)
-
-
-def check_mesh(mesh: Any) -> None:
-    """The type check of the entry points that take either (`patch()`, the trainer): an SPMesh
-    or a GroupBank; past it they ask both the same questions."""
-    if not isinstance(mesh, (SPMesh, GroupBank)):
-        raise TypeError(
-            "mesh must be an SPMesh from hf_longctx.init_sequence_parallel or a GroupBank from "
-            f"hf_longctx.init_group_bank, got {type(mesh).__name__}"
-        )
-
-
-class _Unset:
-    """A knob the caller did not pass (memory= and a knob together is an error); `help(patch)`
-    shows it as `unset` rather than an object address."""
-
-    def __repr__(self) -> str:
-        return "unset"
-
-
-_UNSET: Any = _Unset()
-
-
 def patch(
     model: Any,
     mesh: SPMesh | GroupBank,
     *,
     memory: str | None = None,
-    kv_offload: bool = _UNSET,
-    mlp_chunks: int | str | None = _UNSET,
-    loss_chunks: int | str | None = _UNSET,
-    checkpoint: bool | str = _UNSET,
+    kv_offload: bool = UNSET,
+    mlp_chunks: int | str | None = UNSET,
+    loss_chunks: int | str | None = UNSET,
+    checkpoint: bool | str = UNSET,
     inputs_on_device: int = 0,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
@@ -275,99 +100,133 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options = PatchOptions.resolve(memory, {k: v for k, v in knobs.items() if v is not _UNSET}, mesh.fpdt_chunks,
-                                   inputs_on_device)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device)
     hf = hf_model(model)
-    old = hf.__dict__.get(_STATE_ATTR)
+    old = hf.__dict__.get(STATE_ATTR)
     if old is not None:
-        probed_alike = (old.probe is None) == bool(unsafe_skip_exactness_check)
-        same = old.mesh == mesh and old.bank == bank and old.options == options and old.mixers_option == mixers
-        if same and probed_alike and before_install is None:
-            old.explicit = frozenset(k for k, v in knobs.items() if v is not _UNSET)
+        if _same_patch(old, mesh, bank, options, mixers, unsafe_skip_exactness_check) and before_install is None:
+            old.explicit = explicit
             return model  # the same patch; a re-patch with the exactness check back on runs it
         unpatch(model)
     attention_iface, mask_iface = _interfaces()
-    from hf_longctx.integrations.mixers.registry import apply_mixers, plan_mixers
-
-    # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
-    # structural rule; refused mixer classes raise here with their reason (unless unsafe).
-    mixer_plan, mixer_modes = plan_mixers(hf, mesh, skip_refused=unsafe_skip_exactness_check, option=mixers,
-                                          sizes=bank.sizes)
-    from hf_longctx.integrations.vision.binding import vision_binding
-
-    vision = vision_binding(hf)  # the tower keeps its attention; its images run through the vision hook
-    report = _refuse(
-        hf, mesh, options, structural=not unsafe_skip_exactness_check, keep_configs=vision.keep_ids,
-        used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
-        handled=frozenset(type(module) for _, module, _ in mixer_plan),
-        ulysses_degrees=tuple(s.ulysses for s in bank.shapes),
-    )
+    mixer_plan, mixer_modes, vision, report = _check_model(hf, mesh, bank, options, mixers, unsafe_skip_exactness_check)
     if before_install is not None:
         before_install()
 
-    state = _PatchState(
+    state = PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
         vision=vision.family,
-        explicit=frozenset(k for k, v in knobs.items() if v is not _UNSET),
+        explicit=explicit,
         mixers_option=mixers,
     )
-    state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
-    attention_iface.register(state.name, make_attention(state))
-    if report is None:  # no dry run: the mask function notes each forward's windows
-        mask_iface.register(state.name, make_mask_function(state))
-    else:
-        # HF's mask creation exits at once for a name the mask registry lacks (returning None):
-        # our attention builds the real mask from global metadata anyway, and HF would first
-        # scan the positions for packed documents with a bool() of a device tensor -- a host
-        # sync per forward (`masking_utils.find_packed_sequence_indices`).
-        state.mask_window = mask_implied_window(report.mask_windows)
-    hf.__dict__[_STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
+    _register(state, hf, attention_iface, mask_iface)
     try:
-        hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
-        stale = [
-            type(cfg).__name__ for cfg, _ in state.saved_impls
-            if id(cfg) not in vision.keep_ids and cfg._attn_implementation != state.name
-        ]
-        if stale:
-            raise NotSupported(
-                f"transformers did not switch {', '.join(stale)} to sequence-parallel attention; "
-                f"hf_longctx supports {SUPPORTED}",
-                NO_SP,
-            )
-        vision_hook = vision.make_hook(state, hf)
-        if vision_hook is not None:  # first: it consumes the shard's vision entry before any other check
-            state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
-        state.hooks.append(hf.register_forward_pre_hook(_pre_forward(state, hf), with_kwargs=True))
-        state.hooks.append(hf.register_forward_hook(_post_forward(state), with_kwargs=True))
-        state.mixers = apply_mixers(mixer_plan, mesh, lambda info: batch_mesh(state, info), mixer_modes)
-        if options.uses_memory_options:
-            from hf_longctx.integrations.memory import apply_memory_options
-
-            if options.checkpoint == CHECKPOINT_ATTENTION:
-                from hf_longctx.integrations.keep_attention import AttentionKeeper
-                from hf_longctx.ops.offload import default_streams
-
-                state.keeper = AttentionKeeper(default_streams())
-            elif options.checkpoint:
-                from hf_longctx.integrations.layer_split import LayerSplit
-
-                state.split = LayerSplit(state)
-            state.memory_undo = apply_memory_options(
-                hf, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
-                checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
-                inputs_on_device=options.inputs_on_device,
-            )
+        _install(state, hf, vision, mixer_plan, mixer_modes)
     except BaseException:
         unpatch(model)
         raise
     return model
 
 
+def _same_patch(old: PatchState, mesh: SPMesh, bank: SPMesh | GroupBank, options: PatchOptions, mixers, unsafe) -> bool:
+    """Whether the patch `old` is the one this call asks for: the same mesh, bank, options and
+    mixer option, with the dry run run (or skipped) alike."""
+    probed_alike = (old.probe is None) == bool(unsafe)
+    same = old.mesh == mesh and old.bank == bank and old.options == options and old.mixers_option == mixers
+    return same and probed_alike
+
+
+def _check_model(hf, mesh: SPMesh, bank: SPMesh | GroupBank, options: PatchOptions, mixers, unsafe: bool):
+    """Every check of the model, before anything is changed: the linear mixers' plan, the
+    vision binding, and `exactness.refuse_inexact` (the dry run unless `unsafe`). Returns
+    (mixer plan, mixer modes, vision binding, dry-run report or None)."""
+    from hf_longctx.integrations.mixers.registry import plan_mixers
+
+    # Linear mixers with a sequence-parallel wrapper (integrations/mixers/) are trusted by the
+    # structural rule; refused mixer classes raise here with their reason (unless unsafe).
+    mixer_plan, mixer_modes = plan_mixers(hf, mesh, skip_refused=unsafe, option=mixers, sizes=bank.sizes)
+    from hf_longctx.integrations.vision.binding import vision_binding
+
+    vision = vision_binding(hf)  # the tower keeps its attention; its images run through the vision hook
+    report = _refuse(
+        hf, mesh, options, structural=not unsafe, keep_configs=vision.keep_ids,
+        used_kwargs=USED_ATTENTION_KWARGS, ignored_kwargs=IGNORED_ATTENTION_KWARGS,
+        handled=frozenset(type(module) for _, module, _ in mixer_plan),
+        ulysses_degrees=tuple(s.ulysses for s in bank.shapes),
+    )
+    return mixer_plan, mixer_modes, vision, report
+
+
+def _register(state: PatchState, hf, attention_iface, mask_iface) -> None:
+    """Register the attention under `state.name` (and, without a dry run, the mask function),
+    note every config's attention implementation for `unpatch()`, and keep `state` on the model."""
+    state.saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in _configs(hf)]
+    attention_iface.register(state.name, make_attention(state))
+    if state.probe is None:  # no dry run: the mask function notes each forward's windows
+        mask_iface.register(state.name, make_mask_function(state))
+    else:
+        # HF's mask creation exits at once for a name the mask registry lacks (returning None):
+        # our attention builds the real mask from global metadata anyway, and HF would first
+        # scan the positions for packed documents with a bool() of a device tensor -- a host
+        # sync per forward (`masking_utils.find_packed_sequence_indices`).
+        state.mask_window = mask_implied_window(state.probe.mask_windows)
+    hf.__dict__[STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
+
+
+def _install(state: PatchState, hf, vision, mixer_plan, mixer_modes) -> None:
+    """Switch every config (but a vision tower's) to the registered attention, add the forward
+    hooks, wrap the linear mixers and apply the memory options. The caller unpatches when this
+    raises (`NotSupported` when transformers left a config on its former attention)."""
+    from hf_longctx.integrations.mixers.registry import apply_mixers
+
+    hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
+    stale = [
+        type(cfg).__name__ for cfg, _ in state.saved_impls
+        if id(cfg) not in vision.keep_ids and cfg._attn_implementation != state.name
+    ]
+    if stale:
+        raise NotSupported(
+            f"transformers did not switch {', '.join(stale)} to sequence-parallel attention; "
+            f"hf_longctx supports {SUPPORTED}",
+            NO_SP,
+        )
+    vision_hook = vision.make_hook(state, hf)
+    if vision_hook is not None:  # first: it consumes the shard's vision entry before any other check
+        state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
+    state.hooks.append(hf.register_forward_pre_hook(pre_forward_hook(state, hf), with_kwargs=True))
+    state.hooks.append(hf.register_forward_hook(post_forward_hook(state), with_kwargs=True))
+    state.mixers = apply_mixers(mixer_plan, state.mesh, lambda info: batch_mesh(state, info), mixer_modes)
+    if state.options.uses_memory_options:
+        _apply_memory_options(state, hf)
+
+
+def _apply_memory_options(state: PatchState, hf) -> None:
+    """The memory options (`memory.py`), with what checkpointing binds per patch: an
+    `AttentionKeeper` for checkpoint="attention", a `LayerSplit` for checkpoint=True."""
+    from hf_longctx.integrations.memory import apply_memory_options
+
+    options = state.options
+    if options.checkpoint == CHECKPOINT_ATTENTION:
+        from hf_longctx.integrations.keep_attention import AttentionKeeper
+        from hf_longctx.ops.offload import default_streams
+
+        state.keeper = AttentionKeeper(default_streams())
+    elif options.checkpoint:
+        from hf_longctx.integrations.layer_split import LayerSplit
+
+        state.split = LayerSplit(state)
+    state.memory_undo = apply_memory_options(
+        hf, state.mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
+        checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
+        inputs_on_device=options.inputs_on_device,
+    )
+
+
 def unpatch(model: Any) -> Any:
     """Undo `patch()` exactly: memory options, hooks, every config's attention implementation,
     and both registrations. A no-op on a model that is not patched. Returns the model."""
     hf = hf_model(model)
-    state = hf.__dict__.pop(_STATE_ATTR, None)
+    state = hf.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return model
     if state.memory_undo is not None:
@@ -385,11 +244,11 @@ def unpatch(model: Any) -> Any:
 
 
 def patch_state(model: Any) -> Any:
-    """The patch of `model` (its mesh, bank, options and dry-run report: `_PatchState`), or
+    """The patch of `model` (its mesh, bank, options and dry-run report: `PatchState`), or
     None when it is not patched. Read-only for callers."""
-    return hf_model(model).__dict__.get(_STATE_ATTR)
+    return hf_model(model).__dict__.get(STATE_ATTR)
 
 
 def is_patched(model: Any) -> bool:
     """True while `model` is patched."""
-    return _STATE_ATTR in hf_model(model).__dict__
+    return STATE_ATTR in hf_model(model).__dict__

@@ -80,13 +80,14 @@ def test_rglru_exchange_backward_runs_on_every_rank(pools):
 def _without_wrappers(family: str) -> dict:
     """The same patched model with the mixer wrappers taken off: its mixers then run on each
     shard as if it were the whole sequence. The test must see the difference."""
-    from hf_longctx.integrations.model_patch import _STATE_ATTR, patch
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.integrations.patch_state import STATE_ATTR
 
     mesh = worker_mesh(2, 2)
     batch = packed_batch()
     ref_loss, ref_grads = per_document_reference(build(family), batch)
     model = patch(build(family), mesh, mixers=heads_scheme(family))
-    state = model.__dict__[_STATE_ATTR]
+    state = model.__dict__[STATE_ATTR]
     state.mixers.restore()
     state.mixers = None
     loss, grads = sp_run(model, batch, mesh)

@@ -171,7 +171,7 @@ def test_bad_options_raise_before_touching_the_model():
 
 def test_memory_presets_turn_on_exactly_their_knobs():
     from hf_longctx.config import PatchOptions
-    from hf_longctx.integrations.model_patch import _STATE_ATTR
+    from hf_longctx.integrations.patch_state import STATE_ATTR
 
     model = _model("llama")
     plain = init_sequence_parallel(1, 1, 1)
@@ -182,7 +182,7 @@ def test_memory_presets_turn_on_exactly_their_knobs():
     }
     for memory, (mlp, loss, ckpt) in expected.items():
         patch(model, plain, memory=memory)
-        options = model.__dict__[_STATE_ATTR].options
+        options = model.__dict__[STATE_ATTR].options
         assert (options.memory, options.kv_offload) == (memory, False)
         ckpt_on = bool(layer.__dict__.get("gradient_checkpointing")) or "forward" in layer.__dict__
         assert ("forward" in layer.mlp.__dict__, "forward" in model.__dict__, ckpt_on) == (mlp, loss, ckpt), memory
@@ -198,4 +198,4 @@ def test_memory_presets_turn_on_exactly_their_knobs():
         patch(model, plain, memory="max", kv_offload=False)  # even a knob equal to its default
     with pytest.raises(ValueError, match="memory must be one of"):
         patch(model, plain, memory="low")
-    assert "forward" not in model.__dict__ and _STATE_ATTR not in model.__dict__
+    assert "forward" not in model.__dict__ and STATE_ATTR not in model.__dict__

@@ -110,7 +110,7 @@ def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path)
     from transformers import TrainingArguments
 
     from hf_longctx._compat import checkpointing_fields
-    from hf_longctx.integrations.model_patch import _STATE_ATTR
+    from hf_longctx.integrations.patch_state import STATE_ATTR
 
     mesh = init_sequence_parallel()
     field = checkpointing_fields(TrainingArguments)[0]  # activation_checkpointing; 5.17: gradient_checkpointing
@@ -118,7 +118,7 @@ def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path)
     model = _model(llama_path, mesh)
     trainer = LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
                                  tokens_per_step=120)
-    assert model.__dict__[_STATE_ATTR].options.checkpoint is True  # recomputation inside our attention binding
+    assert model.__dict__[STATE_ATTR].options.checkpoint is True  # recomputation inside our attention binding
     assert not any(getattr(trainer.args, f) for f in checkpointing_fields(args))  # HF's own wrapper stays off
     assert getattr(args, field) is True and trainer.args is not args  # the user's object is not rewritten
 

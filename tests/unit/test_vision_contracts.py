@@ -144,14 +144,14 @@ def test_patch_keeps_the_tower_attention_and_refuses_raw_pixels():
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_use_cache_false_reaches_the_language_model(family):
     """The wrappers take `use_cache` only through **kwargs, and their language model defaults it
-    to `config.use_cache`: `_takes_use_cache` says the patched forward's use_cache=False can be
+    to `config.use_cache`: `takes_use_cache` says the patched forward's use_cache=False can be
     passed, and passed it keeps every decoder layer cache-free (a cache would hold every
     layer's K/V in training and grow with each row chunk of memory='max'); the default builds one."""
-    from hf_longctx.integrations.model_patch import _takes_use_cache
+    from hf_longctx.integrations.forward_hooks import takes_use_cache
     from tests.helpers.vlm_cases import build
 
     model = build(family)
-    assert _takes_use_cache(model)
+    assert takes_use_cache(model)
     seen = []
     layer = next(m for n, m in model.named_modules() if n.endswith("language_model.layers.0"))
     layer.register_forward_pre_hook(

@@ -7,8 +7,8 @@ applies. Deny by default: the model is run locally on a tiny packed probe with a
 attention stand-in; a module whose output changes at another position (one token
 perturbed), or on a suffix that starts mid-document, mixes tokens or depends on the shard;
 unknown attention inputs, a dropped `sp_batch` and unsupported mask pieces refuse. Leaks are
-blamed at the innermost module and spliced back, so one pass finds every source; `handled`
-classes are trusted. Nothing of the model is changed. Runs and cost: docs/DESIGN.md
+blamed at the innermost module and spliced back (`tracing.py`), so one pass finds every
+source; `handled` classes are trusted. Nothing of the model is changed. Runs and cost: docs/DESIGN.md
 "Decisions and why"."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import uuid
 
 import torch
 
-from hf_longctx.integrations.probe.compare import differs, flatten, rebuild, seq_view
 from hf_longctx.integrations.probe.inputs import (
     loss_ignores_shift_labels,
     no_shift_labels,
@@ -27,6 +26,7 @@ from hf_longctx.integrations.probe.inputs import (
 )
 from hf_longctx.integrations.probe.masks import mask_pieces
 from hf_longctx.integrations.probe.report import ProbeReport
+from hf_longctx.integrations.probe.tracing import RunTracer
 from hf_longctx.model_walk import SkippedLayer, configs, decoder_layers, layer_kind, reduced_copy
 
 
@@ -37,7 +37,6 @@ def probe_model(
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-
     report = ProbeReport()
     p0 = next(hf.parameters(), None)
     if p0 is None:
@@ -45,22 +44,66 @@ def probe_model(
         return report
     if p0.device.type == "meta":
         return _probe_meta(hf, metadata_key, used_kwargs, ignored_kwargs, handled)
-    names = {id(m): n or type(m).__name__ for n, m in hf.named_modules()}
+    ids, pos, perturbed, a = _probe_batch(hf, p0.device)
+    tracer = RunTracer(hf, report, ids.shape[1], a, handled)
+    marker = object()
+    calls: list[torch.nn.Module] = []  # the attention module of every call of the current run
+    mask_fns: list = []
+    stand_in = _stand_in(report, tracer, calls, metadata_key, marker, used_kwargs, ignored_kwargs)
+
+    def mask_fn(mask_function=None, attention_mask=None, **_):
+        mask_fns.append(mask_function)
+        return None  # as the real patch: the attention builds the document mask itself
+
+    name = f"hf_longctx_probe_{uuid.uuid4().hex[:12]}"
+    saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in configs(hf)]
+    modes = [(m, m.training) for m in hf.modules()]
+    AttentionInterface.register(name, stand_in)
+    AttentionMaskInterface.register(name, mask_fn)
+    rng = torch.get_rng_state()
+    try:
+        hf.set_attn_implementation(name)
+        hf.eval()
+        tracer.attach()
+        _run_forwards(hf, tracer, calls, report, ids, pos, perturbed, a, {metadata_key: marker, "use_cache": False})
+    except Exception as e:  # noqa: BLE001 -- every failure of the dry run is a refusal with its cause
+        report.problems.extend(_failure_problems(tracer, e))
+    finally:
+        tracer.detach()
+        for cfg, original in saved_impls:
+            cfg._attn_implementation_internal = original
+        for m, mode in modes:
+            m.training = mode
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
+        torch.set_rng_state(rng)
+    _read_masks(report, mask_fns)
+    return report
+
+
+def _probe_batch(hf, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(ids, position ids, ids with token 1 perturbed, shard start a): two packed documents
+    of the probe lengths, drawn from a local generator (the global RNG is untouched)."""
     l0, l1, a = probe_lengths(hf)
     s = l0 + l1
     vocab = hf.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(1234)  # a local generator: the global RNG is untouched
-    ids = torch.randint(min(4, vocab - 1), vocab, (1, s), generator=gen).to(p0.device)
-    pos = torch.cat([torch.arange(l0), torch.arange(l1)]).unsqueeze(0).to(p0.device)  # [1, S]
+    ids = torch.randint(min(4, vocab - 1), vocab, (1, s), generator=gen).to(device)
+    pos = torch.cat([torch.arange(l0), torch.arange(l1)]).unsqueeze(0).to(device)  # [1, S]
     perturbed = ids.clone()
     perturbed[0, 1] = (ids[0, 1] + 1 + vocab // 2) % vocab if vocab > 2 else 1 - ids[0, 1]
-    marker = object()
-    calls: list[torch.nn.Module] = []  # the attention module of every call of the current run
-    mask_fns: list = []
+    return ids, pos, perturbed, a
+
+
+def _stand_in(
+    report: ProbeReport, tracer: RunTracer, calls: list, metadata_key: str, marker, used_kwargs, ignored_kwargs
+):
+    """The attention the dry run registers: per-token (`inputs.per_token`); in runs A, B and C
+    it appends its module to `calls` and notes on `report` what the call received."""
 
     def stand_in(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         cls = type(module).__name__
-        if state["run"] == "loss":  # the loss check below: nothing to record
+        if tracer.run == "loss":  # the loss check below: nothing to record
             return per_token(query, key, value, scaling)
         calls.append(module)
         if kwargs.get(metadata_key) is not marker:
@@ -82,139 +125,59 @@ def probe_model(
             report.problems.append(problem)
         return per_token(query, key, value, scaling)
 
-    def mask_fn(mask_function=None, attention_mask=None, **_):
-        mask_fns.append(mask_function)
-        return None  # as the real patch: the attention builds the document mask itself
+    return stand_in
 
-    name = f"hf_longctx_probe_{uuid.uuid4().hex[:12]}"
-    saved_impls = [(cfg, getattr(cfg, "_attn_implementation_internal", None)) for cfg in configs(hf)]
-    modes = [(m, m.training) for m in hf.modules()]
-    AttentionInterface.register(name, stand_in)
-    AttentionMaskInterface.register(name, mask_fn)
-    runs: dict = {}  # (module name, call idx) -> run A's outputs [tensor with a sequence dim, or None]
-    inputs: dict = {}  # the same for the inputs (args and kwargs)
-    state = {"run": "A", "counts": {}, "in_counts": {}, "stack": []}
-    handles = []
 
-    def splice(flat_now: list, ref: list, run: str):
-        """(changed, spliced tensors): compare with run A's tensors at the same call; put
-        back run A's values wherever a token other than the perturbed one changed."""
-        new, changed = [], False
-        for t, r in zip(flat_now, ref):
-            if r is None or not isinstance(t, torch.Tensor):
-                new.append(t)
-                continue
-            dim = seq_view(r, s)
-            if run == "B":
-                shape = [1] * r.dim()
-                shape[dim] = s
-                other = (torch.arange(s, device=r.device) != 1).view(shape)  # broadcast over non-sequence dims
-                if t.shape == r.shape and t.dtype == r.dtype and differs(torch.where(other, t, r), r):
-                    changed, t = True, torch.where(other, r, t)
-            else:  # run C: the shard [a:S] alone must reproduce run A at those tokens
-                want = r.narrow(dim, a, s - a)
-                # A tensor whose shape does not line up is not a sequence-aligned tensor (e.g. the
-                # tokens an MoE loop gathered for one expert, whose count changes between runs).
-                if t.shape == want.shape and t.dtype == want.dtype and differs(t, want):
-                    changed, t = True, want.clone()
-            new.append(t)
-        return changed, new
+def _run_forwards(
+    hf, tracer: RunTracer, calls: list, report: ProbeReport, ids, pos, perturbed, a: int, kw: dict
+) -> None:
+    """The loss check's extra forward, then runs A (the probe), B (one token perturbed) and C
+    (the suffix [a:S] alone), without gradients; run A counts the attention calls and checks
+    that the loss reads `shift_labels`."""
+    targets, other = shift_label_pair(hf, ids)
+    with torch.no_grad():
+        tracer.run = "loss"  # the one extra forward: the loss under the second shift_labels
+        try:
+            other_loss = hf(input_ids=ids, position_ids=pos, labels=ids, shift_labels=other, **kw).loss
+            loss_kw = {"labels": ids, "shift_labels": targets}  # run A computes the first loss
+        except TypeError as e:
+            if "shift_labels" not in str(e):
+                raise  # another failure of the dry run: refused below with its own cause
+            report.problems.append(no_shift_labels(hf, e))
+            other_loss, loss_kw = None, {}
+        for run, (x, p) in {"A": (ids, pos), "B": (perturbed, pos), "C": (ids[:, a:], pos[:, a:])}.items():
+            tracer.start(run)
+            calls.clear()
+            out = hf(input_ids=x, position_ids=p, **kw, **(loss_kw if run == "A" else {}))
+            if run == "A":
+                report.attention_calls = len(calls)
+                report.called = list(calls)
+                loss_problem = loss_ignores_shift_labels(hf, out.loss, other_loss) if loss_kw else None
+                if loss_problem:
+                    report.problems.append(loss_problem)
 
-    def blame(module, mname: str, run: str) -> None:
-        if any(type(m) in handled for m in [module, *state["stack"]]):
-            return  # inside an SP wrapper: it owns the exchange of its mixer's state
-        target = (report.leaks if run == "B" else report.shape_deps).setdefault(type(module).__name__, [])
-        if mname not in target:
-            target.append(mname)
 
-    def visit(store: dict, counter: str, mname: str, flat: list) -> list | None:
-        """Run A: record this call's sequence-aligned tensors in `store`. Runs B / C: the
-        call's tensors with run A's values spliced back where they changed, or None."""
-        key = (mname, state[counter].get(mname, 0))  # the n-th call of this module in the run
-        state[counter][mname] = key[1] + 1
-        run = state["run"]
-        if run == "A":
-            store[key] = [t.detach().clone() if seq_view(t, s) is not None else None for t in flat]
-            return None
-        ref = store.get(key)
-        if ref is None or len(ref) != len(flat):
-            return None
-        changed, new = splice(flat, ref, run)
-        return new if changed else None
-
-    def pre_hook(module, args, kwargs):
-        parent = state["stack"][-1] if state["stack"] else hf
-        state["stack"].append(module)
-        new = visit(inputs, "in_counts", names.get(id(module), type(module).__name__), flatten((args, kwargs), []))
-        if new is None:
-            return None
-        # the inputs already differ: the PARENT's own code (not a submodule) mixed tokens
-        blame(parent, names.get(id(parent), type(parent).__name__), state["run"])
-        return rebuild((args, kwargs), iter(new))
-
-    def hook(module, args, output):
-        state["stack"].pop()
-        mname = names.get(id(module), type(module).__name__)
-        new = visit(runs, "counts", mname, flatten(output, []))
-        if new is None:
-            return None
-        blame(module, mname, state["run"])
-        return rebuild(output, iter(new))
-
-    rng = torch.get_rng_state()
-    try:
-        hf.set_attn_implementation(name)
-        hf.eval()
-        for m in hf.modules():
-            if m is not hf:
-                handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
-                handles.append(m.register_forward_hook(hook))
-        kw = {metadata_key: marker, "use_cache": False}
-        targets, other = shift_label_pair(hf, ids)
-        with torch.no_grad():
-            state["run"] = "loss"  # the one extra forward: the loss under the second shift_labels
-            try:
-                other_loss = hf(input_ids=ids, position_ids=pos, labels=ids, shift_labels=other, **kw).loss
-                loss_kw = {"labels": ids, "shift_labels": targets}  # run A computes the first loss
-            except TypeError as e:
-                if "shift_labels" not in str(e):
-                    raise  # another failure of the dry run: refused below with its own cause
-                report.problems.append(no_shift_labels(hf, e))
-                other_loss, loss_kw = None, {}
-            for run, (x, p) in {"A": (ids, pos), "B": (perturbed, pos), "C": (ids[:, a:], pos[:, a:])}.items():
-                state.update(run=run, counts={}, in_counts={}, stack=[])
-                calls.clear()
-                out = hf(input_ids=x, position_ids=p, **kw, **(loss_kw if run == "A" else {}))
-                if run == "A":
-                    report.attention_calls = len(calls)
-                    report.called = list(calls)
-                    loss_problem = loss_ignores_shift_labels(hf, out.loss, other_loss) if loss_kw else None
-                    if loss_problem:
-                        report.problems.append(loss_problem)
-    except Exception as e:  # noqa: BLE001 -- every failure of the dry run is a refusal with its cause
-        where = state["stack"][-1] if state["stack"] else hf
-        indexers = sorted({type(m).__name__ for m in where.modules() if "indexer" in type(m).__name__.lower()})
-        if indexers:  # a name only enriches the message: the failure itself is the refusal
-            report.problems.append(
-                f"{', '.join(indexers)} in {type(where).__name__} is a sparse-attention indexer: it selects a global "
-                "top-k of keys per query from the attention mask, which cannot be made exact on local shards"
-            )
-        report.problems.append(
-            f"the dry run with sequence-parallel attention failed in {type(where).__name__} "
-            f"({names.get(id(where), '?')}) with {type(e).__name__}: {str(e)[:300]} -- under SP the attention mask is "
-            "left to our attention (the documents live on other ranks), so a module that reads the mask or runs "
-            "outside the attention interface cannot be exact"
+def _failure_problems(tracer: RunTracer, e: Exception) -> list[str]:
+    """The refusal of a dry run that raised, blamed on the module it raised in."""
+    where = tracer.where()
+    problems = []
+    indexers = sorted({type(m).__name__ for m in where.modules() if "indexer" in type(m).__name__.lower()})
+    if indexers:  # a name only enriches the message: the failure itself is the refusal
+        problems.append(
+            f"{', '.join(indexers)} in {type(where).__name__} is a sparse-attention indexer: it selects a global "
+            "top-k of keys per query from the attention mask, which cannot be made exact on local shards"
         )
-    finally:
-        for h_ in handles:
-            h_.remove()
-        for cfg, original in saved_impls:
-            cfg._attn_implementation_internal = original
-        for m, mode in modes:
-            m.training = mode
-        AttentionInterface._global_mapping.pop(name, None)
-        AttentionMaskInterface._global_mapping.pop(name, None)
-        torch.set_rng_state(rng)
+    problems.append(
+        f"the dry run with sequence-parallel attention failed in {type(where).__name__} "
+        f"({tracer.names.get(id(where), '?')}) with {type(e).__name__}: {str(e)[:300]} -- under SP the attention mask is "
+        "left to our attention (the documents live on other ranks), so a module that reads the mask or runs "
+        "outside the attention interface cannot be exact"
+    )
+    return problems
+
+
+def _read_masks(report: ProbeReport, mask_fns: list) -> None:
+    """The windows and the unsupported pieces of every mask function the runs built."""
     bad: set = set()
     for f in mask_fns:
         if f is not None:
@@ -223,7 +186,6 @@ def probe_model(
             report.windows_mask |= windows
             report.mask_windows.append(frozenset(windows))
     report.mask_parts = bad
-    return report
 
 
 def _probe_meta(hf, metadata_key: str, used_kwargs: frozenset, ignored_kwargs: frozenset, handled: frozenset) -> ProbeReport:

@@ -21,7 +21,7 @@ from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.devices import to_device
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations.model_patch import check_mesh
+from hf_longctx.integrations.patch_args import check_mesh
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
 from hf_longctx.training.refusals import checks

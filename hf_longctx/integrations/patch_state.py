@@ -1,0 +1,53 @@
+"""What one `patch()` call installed on a model, kept on the model itself.
+
+Where it sits: `integrations/model_patch.patch` builds one `PatchState` per call and keeps it
+as a plain instance attribute of the HF model (`STATE_ATTR`: not a submodule, not in the
+state_dict); the registered attention (`attention.py`), the forward hooks
+(`forward_hooks.py`) and the memory options read and update it per batch. Guarantees: it
+holds every change `patch()` made (registration name, each config's former attention
+implementation, hooks, the memory options' undo, the mixer wrappers), so `unpatch()` restores
+exactly those; no module globals: all a patch binds lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hf_longctx.config import PatchOptions
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.flex.bank import GroupBank
+
+STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
+
+
+@dataclass
+class PatchState:
+    """Everything one `patch()` call changed, so that `unpatch()` can undo exactly that."""
+
+    name: str
+    mesh: SPMesh
+    options: PatchOptions
+    # What patch() was given: a GroupBank, or an SPMesh (a bank of its one group size); each
+    # batch names its group in it (SPBatchInfo.group). `mesh` is its patch_mesh.
+    bank: SPMesh | GroupBank
+    explicit: frozenset = frozenset()  # the knobs the last patch() call was given by name (not from a preset)
+    saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
+    hooks: list = field(default_factory=list)
+    memory_undo: Callable[[], None] | None = None
+    probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
+    mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
+    mixers_option: Any = None  # patch(mixers=...) as given (re-patches pass it on)
+    calls: int = 0  # attention calls in the current forward
+    # The sliding window a model applies through its masks alone (PhiMoE: every mask carries
+    # the same window, the attention gets none; HF's sdpa/eager paths apply it through the
+    # mask), read from the dry run's masks; without a dry run (unsafe_skip_exactness_check)
+    # from the masks of each forward (`mask_windows`, one frozenset per mask built).
+    mask_window: int | None = None
+    mask_windows: list = field(default_factory=list)
+    # Ring plans of the current batch, keyed by boundaries (so a stale entry is never wrong):
+    # every layer of a micro-batch shares one plan instead of re-planning per layer.
+    plan_cache: dict = field(default_factory=dict)
+    checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
+    keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
+    vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
+    split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None
