@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx.flex.packing import FlexGroup, FlexPlan
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.loss import collective_device, global_loss

@@ -16,7 +16,8 @@ import torch
 
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.integrations.checkpointing import Inputs, park
-from hf_longctx.ops.fpdt import _from_heads, _to_heads, fpdt_backward_chunks, fpdt_forward_chunks, plan_for
+from hf_longctx.ops.fpdt import _from_heads, _to_heads, fpdt_backward_chunks, fpdt_forward_chunks
+from hf_longctx.ops.fpdt_schedule import plan_for
 from hf_longctx.ops.offload import ChunkStore
 from hf_longctx.ops.tiling import OWNED_GRAD
 from hf_longctx.ops.ulysses import replicate_kv

@@ -70,7 +70,7 @@ def _disagreeing_plans() -> str:
     the same clear error from the fingerprint check, before any forward."""
     import torch.distributed as dist
 
-    from hf_longctx.flex.packing import FlexGroup, FlexPlan
+    from hf_longctx.flex.plan import FlexGroup, FlexPlan
     from hf_longctx.flex.step import flex_microbatches
 
     bank = worker_bank(heads=4, ranks_per_node=4)
@@ -139,7 +139,7 @@ def _bf16_unsharded_vs_default(path: str) -> dict:
     accumulate the unsharded gradients in fp32 in the same order and reduce-scatter once, so
     they must be bitwise equal on CPU (and the gradients must not be zero). The default path
     itself is checked against the float64 truth in test_bf16.py."""
-    from hf_longctx.flex.packing import FlexPlan
+    from hf_longctx.flex.plan import FlexPlan
     from hf_longctx.flex.step import run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.model_patch import patch

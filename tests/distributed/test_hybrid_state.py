@@ -214,7 +214,7 @@ SLOTS = [  # slot -> groups (size, index, documents); document 0 spans the group
 
 
 def _flex(families: list) -> dict:
-    from hf_longctx.flex.packing import FlexGroup, FlexPlan
+    from hf_longctx.flex.plan import FlexGroup, FlexPlan
     from hf_longctx.flex.step import run_flex_step
     from hf_longctx.integrations.model_patch import patch, patch_state
 

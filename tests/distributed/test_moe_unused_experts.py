@@ -233,7 +233,7 @@ def test_moe_trainer_step_with_unused_experts_on_a_rank(pools, moe_path, tmp_pat
 def _flex_run(path: str, fsdp: bool, world: int) -> dict:
     from transformers import DataCollatorWithFlattening
 
-    from hf_longctx.flex.packing import FlexGroup, FlexPlan
+    from hf_longctx.flex.plan import FlexGroup, FlexPlan
     from hf_longctx.flex.step import flex_microbatches, run_flex_step
     from hf_longctx.integrations.accelerate import fsdp_plan
     from hf_longctx.integrations.model_patch import patch

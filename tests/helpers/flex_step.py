@@ -47,7 +47,7 @@ def _documents(seed: int = 5):
 
 
 def _plan(bank, equal_calls: bool = True):
-    from hf_longctx.flex.packing import FlexGroup, FlexPlan
+    from hf_longctx.flex.plan import FlexGroup, FlexPlan
 
     slots = tuple(tuple(FlexGroup(s, i, d) for s, i, d in slot) for slot in (SLOTS if equal_calls else SLOTS_UNEQUAL))
     return FlexPlan(slots=slots, lengths=tuple(LENGTHS), world_size=4, max_tokens_per_rank=32, shapes=bank.shapes,

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.sp_groups import group_shapes, ulysses_split
-from hf_longctx.flex.packing import FlexGroup, FlexPlan, plan_fixed, plan_flexible
+from hf_longctx.flex.packing import plan_fixed, plan_flexible
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from tests.helpers.flex_costs import _cost
 
 

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_longctx.sp_groups import group_shapes
-from hf_longctx.flex.packing import FlexGroup, FlexPlan, plan_flexible
+from hf_longctx.flex.packing import plan_flexible
+from hf_longctx.flex.plan import FlexGroup, FlexPlan
 from hf_longctx.flex.unequal import plan_unequal
 from tests.helpers.flex_costs import _cost
 
