@@ -473,7 +473,7 @@ def test_every_sft_config_field_is_classified(tmp_path):
     assert params - set(SFT_TRAINER_PARAMETERS) == set(), "classify these new SFTTrainer parameters in training/refusals/sft.py"
     assert refused_parameters({"quantization_config": None, "peft_config": object(), "formatting_func": str}) == []
     (line,) = refused_parameters({"quantization_config": {"load_in_4bit": True}})
-    assert line.startswith("quantization_config is not supported (quantization_config=<dict>)") and "drop it" in line
+    assert line.startswith("quantization_config is not supported (quantization_config={'load_in_4bit': True})") and "drop it" in line
     ok = dict(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to=[], gradient_checkpointing=False)
     check_training_arguments(SFTConfig(**ok))  # TRL's defaults (max_length=None aside) are accepted
     for name, value in {"pad_to_multiple_of": 8, "eval_packing": True, "model_init_kwargs": {"dtype": "float32"}}.items():

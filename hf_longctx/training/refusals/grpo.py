@@ -174,7 +174,7 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
             out.append(f"{name}: {why} are not wired to the SP step; do instead: leave {name}=None")
     optimizers = TRAINER_PARAMETERS["optimizers"]  # the policy is sharded after construction, as for SFT
     if "optimizers" in params and not optimizers.ok(params["optimizers"]):
-        out.append(refusal_message("optimizers", params["optimizers"], optimizers))
+        out.append(refusal_message("optimizers", params["optimizers"], optimizers, parameter=True))
     if isinstance(params.get("processing_class"), transformers.ProcessorMixin):
         out.append("a multimodal processor: images are not carried through the packed SP row; do instead: a text "
                    "model and its tokenizer")

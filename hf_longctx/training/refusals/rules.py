@@ -49,8 +49,20 @@ def field_defaults(cls: type) -> dict[str, Any]:
     return out
 
 
-def refusal_message(name: str, value: Any, rule: Rule) -> str:
-    return f"{name}={value!r}: {rule.note}; do instead: {rule.instead}"
+def shown(value: Any) -> str:
+    """A value as a refusal shows it: its repr, or `<Type>` for an object whose repr would bury
+    the message (a model) or says nothing (a function, an optimizer instance)."""
+    text = repr(value)
+    if isinstance(value, (bool, int, float, str, type(None))) or (len(text) <= 300 and " at 0x" not in text):
+        return text
+    return f"<{type(value).__name__}>"
+
+
+def refusal_message(name: str, value: Any, rule: Rule, *, parameter: bool = False) -> str:
+    """The one form of a refusal line: the name and value, why, and what to do instead; a
+    constructor `parameter` reads "name is not supported (name=value): ..."."""
+    head = f"{name} is not supported ({name}={shown(value)})" if parameter else f"{name}={shown(value)}"
+    return f"{head}: {rule.note}; do instead: {rule.instead}"
 
 
 def refused_config_fields(args: Any, config_cls: type, table: dict[str, Rule]) -> list[str]:

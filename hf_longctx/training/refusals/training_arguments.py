@@ -239,6 +239,5 @@ def refused_parameters(params: dict[str, Any]) -> list[str]:
     for name, value in params.items():
         rule = TRAINER_PARAMETERS.get(name) or SFT_TRAINER_PARAMETERS.get(name)
         if rule is not None and rule.kind == "refused" and not rule.ok(value):
-            shown = f"<{type(value).__name__}>" if callable(value) or not isinstance(value, (int, float, str, type(None))) else repr(value)
-            errors.append(f"{name} is not supported ({name}={shown}): {rule.note}; do instead: {rule.instead}")
+            errors.append(refusal_message(name, value, rule, parameter=True))
     return errors
