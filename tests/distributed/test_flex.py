@@ -1,7 +1,7 @@
 """Flexible SP groups on 4 gloo ranks: a step whose slots use different group layouts equals
 the single-process step.
 
-The step (`distributed/flex/step.run_flex_step`) runs four slots with the layouts
+The step (`flex/step.run_flex_step`) runs four slots with the layouts
 1×[4]; 2×[2]; 1×[2] + 2×[1]; 4×[1] -- changing from slot to slot, one group left empty
 (it runs a padding document) -- on a model patched with a `GroupBank`; each micro-batch's
 attention takes its group from the batch. The reference: the unpatched model in one process

@@ -1,4 +1,4 @@
-"""The flexible planner (data/flex/packing.py), group shapes and per-size costs: properties
+"""The flexible planner (flex/packing.py), group shapes and per-size costs: properties
 checked with hypothesis, plus the refusals and the fixed-degree wrapper."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The unequal-count flexible planner (data/flex/unequal.py) and FlexPlan's rules for it:
+"""The unequal-count flexible planner (flex/unequal.py) and FlexPlan's rules for it:
 properties checked with hypothesis, Graham's list-scheduling bound, the refusals."""
 
 from __future__ import annotations
