@@ -9,25 +9,25 @@ peak is the largest. Presets (FPDT §3-4): "off"/"balanced" keep every layer's a
 "high" the attention's saved tensors and layer inputs (here), "max" only the layer inputs
 with row-chunked layers (`capacity/layer_split_budget.py`). The kernel's own workspace
 (`kernel`) is a term apart. Shared terms: `capacity/budget_terms.py`.
-Symbols (`_Sizes`: v, qb, kvb, ib, lse) and method: docs/DESIGN.md "The per-token memory budget"."""
+Symbols (`Sizes`: v, qb, kvb, ib, lse) and method: docs/DESIGN.md "The per-token memory budget"."""
 
 from __future__ import annotations
 
 from hf_longctx.capacity.budget_terms import (
-    DTYPE_BYTES,
     Budget,
+    DTYPE_BYTES,
     Phase,
-    _fpdt_backward_host,
-    _fpdt_kept_host,
-    _fpdt_loop,
-    _loss,
-    _mlp_chunk,
-    _pinned,
-    _Sizes,
+    Sizes,
+    fpdt_backward_host,
+    fpdt_kept_host,
+    fpdt_loop,
     loss_rows,
+    loss_terms,
+    mlp_chunk,
+    pinned,
     token_chunks,
 )
-from hf_longctx.capacity.layer_split_budget import _split_budget
+from hf_longctx.capacity.layer_split_budget import split_budget
 from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.ulysses import kv_replication
 
@@ -38,7 +38,7 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     False: what would go to the host stays on the device."""
     dt = DTYPE_BYTES[dtype]
     f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
-    z = _Sizes.of(dims, dt, f)
+    z = Sizes.of(dims, dt, f)
     S = tokens / s.sp
     n = token_chunks(dims, s.mlp_chunks, int(S))
     r = S / n
@@ -55,7 +55,7 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     kernel = {"attention kernel workspace (fp32 dq accumulator)": 2 * z.qb * (S / s.fpdt_chunks if s.fpdt_chunks > 1 else S)}
     host: dict = {}
     if s.checkpoint is True and chunked:
-        return _split_budget(dims, s, z, S, n, r, lr, L, rope, kernel, offload)
+        return split_budget(dims, s, z, S, n, r, lr, L, rope, kernel, offload)
     fpdt_host = s.fpdt_chunks > 1 and s.kv_offload and offload
     if s.checkpoint:  # inputs kept (host when offloading); "attention": its saved tensors too
         # FPDT with offload: its q, k, v, lse chunks are on the host already; the output is kept once.
@@ -66,12 +66,12 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         kept_dev = 0.0 if not keeps else z.qb if fpdt_host else 3 * z.qb + 2 * z.kvb + z.lse
         per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept_dev * S}
         if offload:  # one pinned buffer per tensor
-            kept_host = (0.0 if not keeps else _pinned(1, z.qb * S) if fpdt_host else
-                         _pinned(3, z.qb * S) + _pinned(2, z.kvb * S) + _pinned(1, z.lse * S))
-            host = {"layer inputs (checkpointed)": (L - k) * _pinned(1, z.v * S),
+            kept_host = (0.0 if not keeps else pinned(1, z.qb * S) if fpdt_host else
+                         pinned(3, z.qb * S) + pinned(2, z.kvb * S) + pinned(1, z.lse * S))
+            host = {"layer inputs (checkpointed)": (L - k) * pinned(1, z.v * S),
                     "attention's saved tensors (kept)": L * kept_host}
             if fpdt_host:
-                host["FPDT q, k, v, lse chunks"] = L * _fpdt_kept_host(z, S, s.fpdt_chunks)
+                host["FPDT q, k, v, lse chunks"] = L * fpdt_kept_host(z, S, s.fpdt_chunks)
             held = {"layer inputs kept on the device (inputs_on_device)": k * z.v * S}
         else:
             held = {k: L * b for k, b in per_layer.items()}
@@ -95,10 +95,10 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
             layer_phases["layer backward: FPDT backward loop"] = seq_h | {
                 "recomputed norm output (q, k, v projections' input)": z.v * S,
                 "attention output gradient": z.qb * S, "dq, dk, dv (token layout)": (z.qb + 2 * z.kvb) * S,
-            } | _fpdt_loop(z, c) | kernel
+            } | fpdt_loop(z, c) | kernel
             host["attention state of the layer in backward: dout and out chunks, dq sums (fp32)"] = (
-                _fpdt_backward_host(z, S, s.fpdt_chunks))
-        loss = held | {"last layer output (final norm input)": z.v * S} | _loss(z, dims, S, lr, s.loss_chunks != 1)
+                fpdt_backward_host(z, S, s.fpdt_chunks))
+        loss = held | {"last layer output (final norm input)": z.v * S} | loss_terms(z, dims, S, lr, s.loss_chunks != 1)
         phases = (Phase("loss", loss), *(Phase(name, held | terms) for name, terms in layer_phases.items()))
         return Budget(phases, host, float(sum(held.values())))
     else:
@@ -112,12 +112,12 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         held["last layer output (final norm input)" if chunked else "final norm (fp32 copy, output)"] = (
             z.v * S if chunked else (4 * dims.hidden + 2 * z.v + 4) * S)
         if fpdt_host:
-            host = {"FPDT q, k, v, lse chunks": L * _fpdt_kept_host(z, S, s.fpdt_chunks)}
-        layer_bw = {"gradient through the layer": 2 * z.v * S} | (_mlp_chunk(z, dims, r) if chunked else {
+            host = {"FPDT q, k, v, lse chunks": L * fpdt_kept_host(z, S, s.fpdt_chunks)}
+        layer_bw = {"gradient through the layer": 2 * z.v * S} | (mlp_chunk(z, dims, r) if chunked else {
             "MLP gradients (I-wide)": 2 * z.ib * S}) | kernel
     held_total = float(sum(held.values()))
     phases = (
-        Phase("loss", held | _loss(z, dims, S, lr, s.loss_chunks != 1)),
+        Phase("loss", held | loss_terms(z, dims, S, lr, s.loss_chunks != 1)),
         Phase("layer backward", held | layer_bw),
     )
     return Budget(phases, host, held_total)

@@ -1,5 +1,5 @@
 """The pieces of the per-token memory budget: a phase (`Phase`: named tensors, their bytes), a
-step's budget (`Budget`), the per-token sizes of the model's tensors (`_Sizes`), the rows of
+step's budget (`Budget`), the per-token sizes of the model's tensors (`Sizes`), the rows of
 chunked parts, pinned host buffers as the pool allocates them, and the terms every preset
 shares (FPDT's chunks on the host and its backward loop, an MLP chunk's backward, the loss).
 
@@ -58,7 +58,7 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class Sizes:
     dt: int
     v: float
     qb: float
@@ -69,7 +69,7 @@ class _Sizes:
     mlp_saved: float  # I-wide tensors an unchunked MLP saves (gated: gate, up, act, product)
 
     @classmethod
-    def of(cls, dims: ModelDims, dt: int, f: int) -> "_Sizes":
+    def of(cls, dims: ModelDims, dt: int, f: int) -> "Sizes":
         q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
         return cls(dt, dt * dims.hidden, dt * q, dt * kv, dt * dims.intermediate, 4 * dims.heads,
                    2 * dt * dims.head_dim, (4 if dims.gated else 2) * dt * dims.intermediate)
@@ -89,24 +89,24 @@ def loss_rows(dims: ModelDims, s_local: int, loss_chunks: int) -> int:
     return -(-s_local // loss_chunks)
 
 
-def _pinned(count: float, nbytes: float) -> float:
+def pinned(count: float, nbytes: float) -> float:
     """`count` pinned host buffers of `nbytes` each, as the pool allocates them (size classes)."""
     return count * size_class(int(math.ceil(nbytes)))
 
 
-def _fpdt_kept_host(z: _Sizes, S: float, u: int) -> float:
+def fpdt_kept_host(z: Sizes, S: float, u: int) -> float:
     """FPDT's offloaded chunks of one layer kept for its backward: q, k, v, lse per chunk."""
     c = S / u
-    return _pinned(u, c * z.qb) + _pinned(2 * u, c * z.kvb) + _pinned(u, c * z.lse)
+    return pinned(u, c * z.qb) + pinned(2 * u, c * z.kvb) + pinned(u, c * z.lse)
 
 
-def _fpdt_backward_host(z: _Sizes, S: float, u: int) -> float:
+def fpdt_backward_host(z: Sizes, S: float, u: int) -> float:
     """What one layer's FPDT backward adds on the host: dout and out per chunk, dq sums (fp32)."""
     c = S / u
-    return _pinned(2 * u, c * z.qb) + _pinned(u - 1, 2 * c * z.qb)
+    return pinned(2 * u, c * z.qb) + pinned(u - 1, 2 * c * z.qb)
 
 
-def _fpdt_loop(z: _Sizes, c: float) -> dict:
+def fpdt_loop(z: Sizes, c: float) -> dict:
     """One step of FPDT's backward loop (K/V chunk outer, query chunks inner), chunk rows c."""
     return {"K/V chunk and the next one": 2 * c * 2 * z.kvb,
             "query chunks (this and the next): q, dout, out, lse, dq sum (fp32)": 2 * c * (5 * z.qb + z.lse),
@@ -114,7 +114,7 @@ def _fpdt_loop(z: _Sizes, c: float) -> dict:
             "finished dq of the outer chunk (fp32)": c * 2 * z.qb}
 
 
-def _mlp_chunk(z: _Sizes, dims: ModelDims, rows: float) -> dict:
+def mlp_chunk(z: Sizes, dims: ModelDims, rows: float) -> dict:
     """One token-wise chunk's backward: the MLP recomputed (its I-wide tensors and their
     gradients) and the norm before it (fp32 copies)."""
     h = dims.hidden
@@ -122,7 +122,7 @@ def _mlp_chunk(z: _Sizes, dims: ModelDims, rows: float) -> dict:
             "norm chunk (fp32 copy, normalized, output)": rows * (4 * h + 2 * z.v)}
 
 
-def _loss(z: _Sizes, dims: ModelDims, s: float, lr: int, chunked: bool) -> dict:
+def loss_terms(z: Sizes, dims: ModelDims, s: float, lr: int, chunked: bool) -> dict:
     v_, h = dims.vocab, dims.hidden
     if not chunked:
         return {"logits: log-softmax and two gradients (fp32)": 12 * v_ * s}

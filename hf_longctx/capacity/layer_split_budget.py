@@ -15,17 +15,17 @@ import math
 from hf_longctx.capacity.budget_terms import (
     Budget,
     Phase,
-    _fpdt_backward_host,
-    _fpdt_kept_host,
-    _fpdt_loop,
-    _loss,
-    _pinned,
-    _Sizes,
+    Sizes,
+    fpdt_backward_host,
+    fpdt_kept_host,
+    fpdt_loop,
+    loss_terms,
+    pinned,
 )
 from hf_longctx.data.model_dims import ModelDims
 
 
-def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> Budget:
+def split_budget(dims, s, z: Sizes, S, n, r, lr, L, rope, kernel, offload) -> Budget:
     """memory="max": row-chunked layers (`integrations/layer_split.py`), phase by phase."""
     u, U = s.fpdt_chunks, s.ulysses
     h = dims.hidden
@@ -34,7 +34,7 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
     p = c / pieces if u > 1 else r  # rows of a pre/post-attention piece
     mlp_fwd = 3 if dims.gated else 2  # I-wide tensors alive in a piece's forward without a graph
     k = min(L, s.inputs_on_device)  # the last k layers' checkpointed inputs stay on the device
-    host = {"layer inputs (checkpointed)": (L - k) * _pinned(1, z.v * S)} if offload else {}
+    host = {"layer inputs (checkpointed)": (L - k) * pinned(1, z.v * S)} if offload else {}
     held = dict(rope)
     if not offload:
         held["layer inputs (checkpointed)"] = L * z.v * S
@@ -55,7 +55,7 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
                  "dout and out chunks": 2 * z.qb * S, "dq sums (fp32)": 2 * z.qb * S * (u - 1) / u}
         if s.kv_offload and offload:
             host["attention state of the layer in backward (q, k, v, lse, dout, out, dq sums)"] = (
-                _fpdt_kept_host(z, S, u) + _fpdt_backward_host(z, S, u))
+                fpdt_kept_host(z, S, u) + fpdt_backward_host(z, S, u))
         else:
             seq |= {f"attention state (on device): {k}": b for k, b in store.items()}
         out_tok = c * z.qb if U > 1 else 0.0  # the output chunk back in the token layout (a view when U = 1)
@@ -70,7 +70,7 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
                 "output sums and chunk result (fp32), lse": c * (4 * z.qb + z.lse)} | kernel),
             Phase("layer backward: post-attention backward", held | seq | {
                 "FPDT chunk: q, k, v, output, its gradient, lse": c * (3 * z.qb + 2 * z.kvb + z.lse) + out_tok} | post),
-            Phase("layer backward: FPDT backward loop", held | seq | _fpdt_loop(z, c) | kernel),
+            Phase("layer backward: FPDT backward loop", held | seq | fpdt_loop(z, c) | kernel),
             Phase("layer backward: pre-attention backward", held | seq | {
                 "next K/V chunk": c * 2 * z.kvb, "dq, dk, dv of the chunk's rows": c * (z.qb + 2 * z.kvb),
                 "pre-attention piece: norm (fp32) and q, k, v gradients": p * (24 * h + z.qb + 2 * z.kvb)}),
@@ -115,5 +115,5 @@ def _split_budget(dims, s, z: _Sizes, S, n, r, lr, L, rope, kernel, offload) -> 
     return Budget(phases, host, float(sum(held.values())))
 
 
-def _split_loss(z: _Sizes, dims: ModelDims, S: float, lr: int) -> dict:
-    return {"last layer output (final norm input)": z.v * S} | _loss(z, dims, S, lr, True)
+def _split_loss(z: Sizes, dims: ModelDims, S: float, lr: int) -> dict:
+    return {"last layer output (final norm input)": z.v * S} | loss_terms(z, dims, S, lr, True)
