@@ -43,82 +43,95 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     n = token_chunks(dims, s.mlp_chunks, int(S))
     r = S / n
     lr = loss_rows(dims, int(S), s.loss_chunks)
-    chunked = s.mlp_chunks > 1
     L = dims.layers
-    k = min(L, s.inputs_on_device)  # the last k layers' checkpointed inputs stay on the device
     rope = {"rotary cos/sin": z.rope * S}
+    kernel = {"attention kernel workspace (fp32 dq accumulator)": 2 * z.qb * (S / s.fpdt_chunks if s.fpdt_chunks > 1 else S)}
+    if s.checkpoint is True and s.mlp_chunks > 1:
+        build = split_budget
+    else:
+        build = _checkpointed_budget if s.checkpoint else _whole_layers_budget
+    return build(dims, s, z, S, n, r, lr, L, rope, kernel, offload)
+
+
+def _checkpointed_budget(dims, s, z: Sizes, S, n, r, lr, L, rope, kernel, offload) -> Budget:
+    """checkpoint="attention" (the layer inputs and the attention's saved tensors kept) or
+    checkpoint=True with the MLP unchunked (whole-layer offloaded checkpointing: the layer inputs
+    only): what the step keeps (host when offloading), the loss, and one layer's backward."""
+    k = min(L, s.inputs_on_device)  # the last k layers' checkpointed inputs stay on the device
+    host: dict = {}
+    fpdt_host = s.fpdt_chunks > 1 and s.kv_offload and offload
+    # FPDT with offload: its q, k, v, lse chunks are on the host already; the output is kept once.
+    # Otherwise the saved tensors and the token-layout output (a view of the kernel's on one GPU,
+    # copied apart then) for the replay. checkpoint=True without MLP chunks (whole-layer
+    # offloaded checkpointing) keeps the layer inputs only.
+    keeps = s.checkpoint == "attention"
+    kept_dev = 0.0 if not keeps else z.qb if fpdt_host else 3 * z.qb + 2 * z.kvb + z.lse
+    per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept_dev * S}
+    if offload:  # one pinned buffer per tensor
+        kept_host = (0.0 if not keeps else pinned(1, z.qb * S) if fpdt_host else
+                     pinned(3, z.qb * S) + pinned(2, z.kvb * S) + pinned(1, z.lse * S))
+        host = {"layer inputs (checkpointed)": (L - k) * pinned(1, z.v * S),
+                "attention's saved tensors (kept)": L * kept_host}
+        if fpdt_host:
+            host["FPDT q, k, v, lse chunks"] = L * fpdt_kept_host(z, S, s.fpdt_chunks)
+        held = {"layer inputs kept on the device (inputs_on_device)": k * z.v * S}
+    else:
+        held = {k: L * b for k, b in per_layer.items()}
+    held |= rope
+    seq_h = {"layer input (device copy)": z.v * S, "next layer input (prefetched)": z.v * S,
+             "kept attention tensors (device copies)": kept_dev * S if offload else 0.0,
+             "gradient through the layer": z.v * S}
+    layer_phases = {
+        "layer backward: recompute, pre-attention": seq_h | {
+            "norm output, q, k, v, rotary temporaries (whole sequence)": (z.v + 4 * z.qb + 2 * z.kvb) * S},
+        "layer backward: MLP chunk backward": seq_h | {
+            "recomputed norm outputs and attention residual": 3 * z.v * S,
+            "gradient of the MLP input (assembled from the chunks)": z.v * S,
+            "MLP chunk: I-wide tensors and gradients": r * (z.mlp_saved + 2 * z.ib),
+            # at the I-wide peak (the gradients of the up/gate outputs being formed) only the
+            # down projection's weight gradient exists; the others come as those are consumed
+            "MLP chunk: weight gradient (down projection)": dims.hidden * dims.intermediate * z.dt},
+    }
+    if fpdt_host:
+        c = S / s.fpdt_chunks
+        layer_phases["layer backward: FPDT backward loop"] = seq_h | {
+            "recomputed norm output (q, k, v projections' input)": z.v * S,
+            "attention output gradient": z.qb * S, "dq, dk, dv (token layout)": (z.qb + 2 * z.kvb) * S,
+        } | fpdt_loop(z, c) | kernel
+        host["attention state of the layer in backward: dout and out chunks, dq sums (fp32)"] = (
+            fpdt_backward_host(z, S, s.fpdt_chunks))
+    loss = held | {"last layer output (final norm input)": z.v * S} | loss_terms(z, dims, S, lr, s.loss_chunks != 1)
+    phases = (Phase("loss", loss), *(Phase(name, held | terms) for name, terms in layer_phases.items()))
+    return Budget(phases, host, float(sum(held.values())))
+
+
+def _whole_layers_budget(dims, s, z: Sizes, S, n, r, lr, L, rope, kernel, offload) -> Budget:
+    """No checkpointing ("off", "balanced"): every layer's activations kept on the device (FPDT's
+    q, k, v, lse chunks on the host with K/V offload), the loss, and one layer's backward."""
+    chunked = s.mlp_chunks > 1
+    host: dict = {}
+    fpdt_host = s.fpdt_chunks > 1 and s.kv_offload and offload
     # q, k, v, the kernel's out and lse, and the token-layout output: a new tensor after the
     # all-to-all or the ring's merge (SP > 1), the kernel's own output seen token-major on one GPU
     # FPDT saves its token-layout output only (its chunks' kernel outputs are transient).
     out_tok = z.qb if s.sp > 1 and s.fpdt_chunks <= 1 else 0.0
     att_saved = 2 * z.qb + 2 * z.kvb + z.lse + out_tok
-    kernel = {"attention kernel workspace (fp32 dq accumulator)": 2 * z.qb * (S / s.fpdt_chunks if s.fpdt_chunks > 1 else S)}
-    host: dict = {}
-    if s.checkpoint is True and chunked:
-        return split_budget(dims, s, z, S, n, r, lr, L, rope, kernel, offload)
-    fpdt_host = s.fpdt_chunks > 1 and s.kv_offload and offload
-    if s.checkpoint:  # inputs kept (host when offloading); "attention": its saved tensors too
-        # FPDT with offload: its q, k, v, lse chunks are on the host already; the output is kept once.
-        # Otherwise the saved tensors and the token-layout output (a view of the kernel's on one GPU,
-        # copied apart then) for the replay. checkpoint=True without MLP chunks (whole-layer
-        # offloaded checkpointing) keeps the layer inputs only.
-        keeps = s.checkpoint == "attention"
-        kept_dev = 0.0 if not keeps else z.qb if fpdt_host else 3 * z.qb + 2 * z.kvb + z.lse
-        per_layer = {"layer input (checkpointed)": z.v * S, "attention's saved tensors (kept)": kept_dev * S}
-        if offload:  # one pinned buffer per tensor
-            kept_host = (0.0 if not keeps else pinned(1, z.qb * S) if fpdt_host else
-                         pinned(3, z.qb * S) + pinned(2, z.kvb * S) + pinned(1, z.lse * S))
-            host = {"layer inputs (checkpointed)": (L - k) * pinned(1, z.v * S),
-                    "attention's saved tensors (kept)": L * kept_host}
-            if fpdt_host:
-                host["FPDT q, k, v, lse chunks"] = L * fpdt_kept_host(z, S, s.fpdt_chunks)
-            held = {"layer inputs kept on the device (inputs_on_device)": k * z.v * S}
-        else:
-            held = {k: L * b for k, b in per_layer.items()}
-        held |= rope
-        seq_h = {"layer input (device copy)": z.v * S, "next layer input (prefetched)": z.v * S,
-                 "kept attention tensors (device copies)": kept_dev * S if offload else 0.0,
-                 "gradient through the layer": z.v * S}
-        layer_phases = {
-            "layer backward: recompute, pre-attention": seq_h | {
-                "norm output, q, k, v, rotary temporaries (whole sequence)": (z.v + 4 * z.qb + 2 * z.kvb) * S},
-            "layer backward: MLP chunk backward": seq_h | {
-                "recomputed norm outputs and attention residual": 3 * z.v * S,
-                "gradient of the MLP input (assembled from the chunks)": z.v * S,
-                "MLP chunk: I-wide tensors and gradients": r * (z.mlp_saved + 2 * z.ib),
-                # at the I-wide peak (the gradients of the up/gate outputs being formed) only the
-                # down projection's weight gradient exists; the others come as those are consumed
-                "MLP chunk: weight gradient (down projection)": dims.hidden * dims.intermediate * z.dt},
-        }
-        if fpdt_host:
-            c = S / s.fpdt_chunks
-            layer_phases["layer backward: FPDT backward loop"] = seq_h | {
-                "recomputed norm output (q, k, v projections' input)": z.v * S,
-                "attention output gradient": z.qb * S, "dq, dk, dv (token layout)": (z.qb + 2 * z.kvb) * S,
-            } | fpdt_loop(z, c) | kernel
-            host["attention state of the layer in backward: dout and out chunks, dq sums (fp32)"] = (
-                fpdt_backward_host(z, S, s.fpdt_chunks))
-        loss = held | {"last layer output (final norm input)": z.v * S} | loss_terms(z, dims, S, lr, s.loss_chunks != 1)
-        phases = (Phase("loss", loss), *(Phase(name, held | terms) for name, terms in layer_phases.items()))
-        return Budget(phases, host, float(sum(held.values())))
-    else:
-        norms = 4 * z.v if chunked else 2 * (4 * dims.hidden + 2 * z.v) + 8  # inputs + outputs, or fp32 copies
-        att_dev = z.qb if fpdt_host else att_saved  # FPDT with offload: q, k, v, lse on the host
-        per_layer = {"norm inputs and outputs" if chunked else "norms (fp32 copies, outputs)": norms * S,
-                     "attention (q, k, v, out, lse, o_proj input)": att_dev * S,
-                     # one chunk (a short sequence with "auto" chunks): the MLP runs unchunked
-                     "MLP (I-wide tensors)": 0.0 if chunked and n > 1 else z.mlp_saved * S}
-        held = {k: L * b for k, b in per_layer.items()} | rope
-        held["last layer output (final norm input)" if chunked else "final norm (fp32 copy, output)"] = (
-            z.v * S if chunked else (4 * dims.hidden + 2 * z.v + 4) * S)
-        if fpdt_host:
-            host = {"FPDT q, k, v, lse chunks": L * fpdt_kept_host(z, S, s.fpdt_chunks)}
-        layer_bw = {"gradient through the layer": 2 * z.v * S} | (mlp_chunk(z, dims, r) if chunked else {
-            "MLP gradients (I-wide)": 2 * z.ib * S}) | kernel
+    norms = 4 * z.v if chunked else 2 * (4 * dims.hidden + 2 * z.v) + 8  # inputs + outputs, or fp32 copies
+    att_dev = z.qb if fpdt_host else att_saved  # FPDT with offload: q, k, v, lse on the host
+    per_layer = {"norm inputs and outputs" if chunked else "norms (fp32 copies, outputs)": norms * S,
+                 "attention (q, k, v, out, lse, o_proj input)": att_dev * S,
+                 # one chunk (a short sequence with "auto" chunks): the MLP runs unchunked
+                 "MLP (I-wide tensors)": 0.0 if chunked and n > 1 else z.mlp_saved * S}
+    held = {k: L * b for k, b in per_layer.items()} | rope
+    held["last layer output (final norm input)" if chunked else "final norm (fp32 copy, output)"] = (
+        z.v * S if chunked else (4 * dims.hidden + 2 * z.v + 4) * S)
+    if fpdt_host:
+        host = {"FPDT q, k, v, lse chunks": L * fpdt_kept_host(z, S, s.fpdt_chunks)}
+    layer_bw = {"gradient through the layer": 2 * z.v * S} | (mlp_chunk(z, dims, r) if chunked else {
+        "MLP gradients (I-wide)": 2 * z.ib * S}) | kernel
     held_total = float(sum(held.values()))
     phases = (
         Phase("loss", held | loss_terms(z, dims, S, lr, s.loss_chunks != 1)),
         Phase("layer backward", held | layer_bw),
     )
     return Budget(phases, host, held_total)
-
