@@ -1,14 +1,14 @@
 """Enumerate and rank (ulysses, ring, fpdt chunks) x memory preset settings; suggest one.
 
 Where it sits: behind `hf-longctx plan` (`cli/capacity.py`) and `suggest()`, its Python twin.
-For a model config and a cluster it lists every mesh the library can run with each preset
-of `patch(memory=...)`, estimates per-GPU memory (`capacity/estimate.py`) and step time,
-and returns feasible settings (fitting GPU and host memory) best first by throughput;
-`suggest()` returns the first as `init_sequence_parallel` arguments and a preset.
-Papers: USP §4 (all-to-all and ring volume; ring P2P overlaps attention), FPDT §3-4.
-The step-time assumptions are printed under the table and listed in docs/DESIGN.md "The
-planner's models"; settings within `TIE_TOLERANCE` (7 %, the cost model's worst measured
-error) rank by the USP guidance (`Cluster.follows_usp_guidance`)."""
+For a model config and a `Cluster` (`capacity/cluster.py`) it lists every mesh the library
+can run with each preset of `patch(memory=...)`, estimates per-GPU memory
+(`capacity/estimate.py`) and step time (`capacity/step_time.py`: its assumptions are printed
+under the table and listed in docs/DESIGN.md "The planner's models"), and returns the settings
+best first: feasible (fitting GPU and host memory), then by throughput; settings within
+`TIE_TOLERANCE` (7 %, the cost model's worst measured error) rank by the USP guidance
+(`Cluster.follows_usp_guidance`). `suggest()` returns the first as `init_sequence_parallel`
+arguments and a preset. Papers: USP §4, FPDT §3-4."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from hf_longctx.data.cost import CostModel
 from hf_longctx.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
 from hf_longctx.ops.ulysses import kv_replication
+from hf_longctx.capacity.cluster import Cluster
 from hf_longctx.capacity.mixers import mixer_seconds
 from hf_longctx.capacity.estimate import (
     DTYPE_BYTES,
@@ -28,65 +29,8 @@ from hf_longctx.capacity.estimate import (
     ModelDims,
     Setting,
     estimate_memory,
-    kept_attention_bytes,
 )
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The hardware and the throughput assumptions (see the module docstring)."""
-
-    gpus: int
-    gpu_memory: float  # bytes per GPU
-    host_memory: float  # bytes per node
-    gpus_per_node: int = 8
-    tflops: float = 989.0  # dense bf16 peak per GPU (H100 SXM)
-    mfu: float = 0.4
-    intra_bw: float = 150e9  # bytes/s per GPU within a node (NVLink, all-to-all effective)
-    inter_bw: float = 25e9  # bytes/s per GPU across nodes (e.g. 200 Gb/s NIC per GPU)
-    pcie_bw: float = 25e9  # bytes/s per GPU host <-> device
-    headroom: float = 0.1  # fraction of GPU / host memory kept free (context, fragmentation, model error)
-    latency: float = 30e-6  # seconds per all-to-all call (what makes many FPDT chunks cost something)
-    cpu_optim_bw: float = 10e9  # bytes/s per GPU of host memory traffic in a CPU optimizer step (param offload)
-
-    def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_node"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("gpu_memory", "host_memory", "tflops", "intra_bw", "inter_bw", "pcie_bw", "cpu_optim_bw"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
-        if not 0 <= self.headroom < 1:
-            raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
-
-    def bandwidth(self, span: int) -> float:
-        """Per-GPU bandwidth of a group of `span` consecutive ranks."""
-        return self.intra_bw if span <= self.gpus_per_node else self.inter_bw
-
-    def usp_ulysses(self, sp: int, heads: int | None = None, kv_heads: int | None = None) -> int:
-        """The Ulysses degree the USP guidance gives an SP group of `sp` GPUs: as large as one
-        node's GPUs (and the heads: `heads` divisible by it) allow, dividing `sp`."""
-        best = 1
-        for u in range(1, min(sp, self.gpus_per_node) + 1):
-            if sp % u == 0 and (heads is None or _ulysses_ok(heads, kv_heads or heads, u)):
-                best = u
-        return best
-
-    def follows_usp_guidance(self, s: Setting, heads: int | None = None, kv_heads: int | None = None) -> bool:
-        """USP §4: Ulysses inside a node, as wide as the node (and the heads) allow; ring only
-        across nodes, so an SP group within one node is pure Ulysses and a larger one is
-        node-wide Ulysses times a ring over the nodes (every ring hop crosses nodes)."""
-        return s.ulysses == self.usp_ulysses(s.sp, heads, kv_heads) and (s.ring == 1 or s.sp > self.gpus_per_node)
-
-
-def _ulysses_ok(heads: int, kv_heads: int, u: int) -> bool:
-    try:
-        kv_replication(heads, kv_heads, u)
-    except ValueError:
-        return False
-    return True
+from hf_longctx.capacity.step_time import step_time
 
 
 TIE_TOLERANCE = 0.07  # relative step-time difference the estimates cannot resolve (see the module docstring)
@@ -214,59 +158,6 @@ def enumerate_settings(
                         out.append((replace(preset_setting(ulysses, ring, u, memory, dims), param_offload=off), memory))
     return out
 
-
-def step_time(
-    dims: ModelDims, cost: CostModel, s: Setting, cluster: Cluster, tokens: int, dtype: str, seq_len: int | None = None,
-    *, microbatches: int = 1, optimizer: str = "adamw", grad_sync: str = "step",
-) -> float:
-    """Seconds of one micro-batch of `tokens` tokens made of documents of `seq_len`
-    (default: one document of `tokens`), with its share of the step's CPU optimizer step
-    when parameters are offloaded; see the module docstring for every term."""
-    dt = DTYPE_BYTES[dtype]
-    world = cluster.gpus
-    rate = cluster.tflops * 1e12 * cluster.mfu
-    seq_len = tokens if seq_len is None else seq_len
-    docs, rest = divmod(tokens, seq_len)
-    total = docs * cost(seq_len) + (cost(rest) if rest else 0.0)
-    attn_compute = cost.a * (docs * seq_len**2 + rest**2) / s.sp / rate
-    # Recompute: one more forward (1/3 of forward + backward); keep-attention skips its
-    # attention part (the quadratic term of the cost model, `attn_flops`).
-    attn_flops = cost.a * (docs * seq_len**2 + rest**2)
-    extra = total / 3 if s.checkpoint is True else (total - attn_flops) / 3 if s.checkpoint else 0.0
-    if s.mlp_chunks > 1:
-        extra += 2 * (3 if dims.gated else 2) * dims.hidden * dims.intermediate * dims.layers * tokens
-    compute = (total + extra) / s.sp / rate
-
-    f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
-    q, kv = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim * f
-    s_l = tokens / s.sp
-    passes = 3 if s.checkpoint is True else 2  # forward, backward (+ recomputed forward; not with keep-attention)
-    a2a = 0.0
-    if s.ulysses > 1:
-        volume = dims.layers * passes * dt * s_l * (2 * q + 2 * kv) * (s.ulysses - 1) / s.ulysses
-        calls = dims.layers * passes * 4 * s.fpdt_chunks  # q, k, v, out per chunk
-        a2a = volume / cluster.bandwidth(s.ulysses) + calls * cluster.latency
-    ring = 0.0
-    if s.ring > 1:
-        block = dt * (tokens / s.ring) * 2 * kv / s.ulysses
-        ring = dims.layers * (passes + 1) * (s.ring - 1) * block / cluster.bandwidth(s.sp)
-    fsdp = 3 * dt * dims.params * (world - 1) / world / cluster.bandwidth(world) if world > 1 else 0.0
-    offload = 0.0
-    if s.kv_offload:
-        # Every finished chunk goes to host once and comes back for the later query chunks
-        # (causal: (u-1)/2 times on average) in forward and again in backward.
-        offload += dims.layers * dt * s_l * (3 * q + 2 * kv) * (1 + s.fpdt_chunks) / cluster.pcie_bw
-    if s.checkpoint:
-        kept = kept_attention_bytes(dims, dt, f, s) if s.checkpoint == "attention" else 0.0
-        inputs = (dims.layers - min(dims.layers, s.inputs_on_device)) * dt * dims.hidden  # the rest stay on the GPU
-        offload += 2 * s_l * (inputs + dims.layers * kept) / cluster.pcie_bw  # to host and back
-    cpu_step = 0.0
-    if s.param_offload:
-        shard = 4 * dims.params / world  # fp32 bytes of this GPU's shard
-        syncs = 1.0 if grad_sync == "microbatch" else 1.0 / microbatches  # gradient shards to host
-        offload += (2 + syncs) * shard / cluster.pcie_bw
-        cpu_step = (28 if optimizer == "adamw" else 12) / 4 * shard / cluster.cpu_optim_bw / microbatches
-    return cpu_step + compute + a2a + max(0.0, ring - attn_compute) + max(0.0, fsdp - compute) + max(0.0, offload - compute)
 
 
 def inputs_on_device(s: Setting, mem: Any, memory: Any, layers: int, gpu: float, host: float) -> tuple:

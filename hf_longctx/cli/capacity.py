@@ -172,33 +172,21 @@ def _fit_line(args: argparse.Namespace, c) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """`hf-longctx plan`: rank every setting and print the table, the assumptions and the
+    suggestion (exit 0), or the closest setting and what binds it when nothing fits (exit 1);
+    contradictory flags and a visual budget longer than --seq-len are refused (exit 2)."""
     from hf_longctx.capacity.estimate import ModelDims
-    from hf_longctx.capacity.search import TIE_TOLERANCE, Cluster, Suggestion, rank_settings
+    from hf_longctx.capacity.search import Cluster, rank_settings
 
-    if args.unequal_calls and args.sync_each_microbatch:
-        print("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
-              "--sync-each-microbatch", file=sys.stderr)
+    refusal = _resolve_flags(args)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
         return 2
-    args.micro_batch_tokens = args.micro_batch_tokens or args.seq_len
-    if args.tokens_per_step is not None and args.microbatches is not None:
-        print("give --microbatches or --tokens-per-step, not both (the second derives the first per setting)",
-              file=sys.stderr)
-        return 2
-    if args.tokens_per_step is None:
-        args.microbatches = args.microbatches or 1
     config = load_config(args.model)
     dims = ModelDims.from_config(config)
-    from hf_longctx.capacity.vision import vision_budget
-
-    try:
-        vision = vision_budget(config, images=args.images, image_tokens=args.image_tokens, video_seconds=args.video_seconds,
-                               fps=args.fps, frame_tokens=args.frame_tokens)
-    except ValueError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    if vision is not None and vision.tokens > args.seq_len:
-        print(f"a sample's visual content is {vision.tokens} tokens, more than --seq-len {args.seq_len} (which counts "
-              "them): raise --seq-len or lower the image / video budget", file=sys.stderr)
+    vision, refusal = _vision(args, config)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
         return 2
     cluster = Cluster(
         gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
@@ -211,32 +199,79 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            microbatches=args.microbatches or 1, tokens_per_step=args.tokens_per_step,
                            param_offload=args.param_offload, vision=vision)
     feasible = [c for c in ranked if c.feasible]
-    print(f"hf-longctx plan: {getattr(config, 'model_type', '?')} ({dims.params / 1e9:.2f}B params, {dims.layers} layers, "
-          f"hidden {dims.hidden}, {dims.heads}/{dims.kv_heads} heads, vocab {dims.vocab}) on {args.gpus} GPUs x "
-          f"{_gib(args.gpu_memory)} GiB, host {_gib(args.host_memory)} GiB per node, seq-len {args.seq_len}, "
-          f"{args.dtype}, {args.optimizer}, "
-          + (f"{args.microbatches} micro-batch(es) per rank and step" if args.tokens_per_step is None
-             else f"{args.tokens_per_step} tokens per step")
-          + (f"; vision tower {vision.dims.params / 1e6:.0f}M params, {vision.tokens} visual tokens per sample "
-             f"({args.images} images x {args.image_tokens}, {vision.slices} video slices x {args.frame_tokens}) charged "
-             "(capacity/vision.py)" if vision is not None else "") + "\n")
+    print(_heading(args, config, dims, vision) + "\n")
     if not feasible:
-        if args.show_infeasible:
-            print(format_table([_row("-", c) for c in ranked]))
-            print(footer(args))
-        # The setting closest to fitting, and what binds it: among the settings that fit the GPU,
-        # the least host memory (host binds); else among those that fit the host, the lowest GPU
-        # peak (GPU binds); else the lowest GPU peak (both bind).
-        gpu_ok = [c for c in ranked if c.gpu_fits and c.binding]
-        host_ok = [c for c in ranked if c.host_fits and c.binding]
-        low = (min(gpu_ok, key=lambda c: c.memory.host) if gpu_ok else
-               min(host_ok or [c for c in ranked if c.binding] or ranked, key=lambda c: c.memory.peak))
-        s = low.setting
-        print(f"no setting fits: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
-              f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{_binding_advice(args, low)}"
-              + ("" if args.show_infeasible else "\n(--show-infeasible lists every setting with why it does not fit)"),
-              file=sys.stderr)
-        return 1
+        return _print_closest(args, ranked)
+    _print_table(args, ranked, feasible)
+    _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
+    return 0
+
+
+def _resolve_flags(args: argparse.Namespace) -> str | None:
+    """Why the flags contradict each other, or None; fills the derived defaults in `args`
+    (micro-batch tokens: --seq-len; micro-batches: 1 unless --tokens-per-step derives them)."""
+    if args.unequal_calls and args.sync_each_microbatch:
+        return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
+                "--sync-each-microbatch")
+    args.micro_batch_tokens = args.micro_batch_tokens or args.seq_len
+    if args.tokens_per_step is not None and args.microbatches is not None:
+        return "give --microbatches or --tokens-per-step, not both (the second derives the first per setting)"
+    if args.tokens_per_step is None:
+        args.microbatches = args.microbatches or 1
+    return None
+
+
+def _vision(args: argparse.Namespace, config: Any) -> tuple[Any, str | None]:
+    """(the vision tower's budget from the image / video flags or None, why it is refused or None)."""
+    from hf_longctx.capacity.vision import vision_budget
+
+    try:
+        vision = vision_budget(config, images=args.images, image_tokens=args.image_tokens, video_seconds=args.video_seconds,
+                               fps=args.fps, frame_tokens=args.frame_tokens)
+    except ValueError as e:
+        return None, str(e)
+    if vision is not None and vision.tokens > args.seq_len:
+        return vision, (f"a sample's visual content is {vision.tokens} tokens, more than --seq-len {args.seq_len} "
+                        "(which counts them): raise --seq-len or lower the image / video budget")
+    return vision, None
+
+
+def _heading(args: argparse.Namespace, config: Any, dims: Any, vision: Any) -> str:
+    """The first line: the model's sizes, the cluster, the step, and the vision budget charged."""
+    return (f"hf-longctx plan: {getattr(config, 'model_type', '?')} ({dims.params / 1e9:.2f}B params, {dims.layers} layers, "
+            f"hidden {dims.hidden}, {dims.heads}/{dims.kv_heads} heads, vocab {dims.vocab}) on {args.gpus} GPUs x "
+            f"{_gib(args.gpu_memory)} GiB, host {_gib(args.host_memory)} GiB per node, seq-len {args.seq_len}, "
+            f"{args.dtype}, {args.optimizer}, "
+            + (f"{args.microbatches} micro-batch(es) per rank and step" if args.tokens_per_step is None
+               else f"{args.tokens_per_step} tokens per step")
+            + (f"; vision tower {vision.dims.params / 1e6:.0f}M params, {vision.tokens} visual tokens per sample "
+               f"({args.images} images x {args.image_tokens}, {vision.slices} video slices x {args.frame_tokens}) charged "
+               "(capacity/vision.py)" if vision is not None else ""))
+
+
+def _print_closest(args: argparse.Namespace, ranked: list) -> int:
+    """Nothing fits: every setting with --show-infeasible, then the setting closest to fitting and
+    what binds it (stderr); exit status 1."""
+    if args.show_infeasible:
+        print(format_table([_row("-", c) for c in ranked]))
+        print(footer(args))
+    # The setting closest to fitting, and what binds it: among the settings that fit the GPU,
+    # the least host memory (host binds); else among those that fit the host, the lowest GPU
+    # peak (GPU binds); else the lowest GPU peak (both bind).
+    gpu_ok = [c for c in ranked if c.gpu_fits and c.binding]
+    host_ok = [c for c in ranked if c.host_fits and c.binding]
+    low = (min(gpu_ok, key=lambda c: c.memory.host) if gpu_ok else
+           min(host_ok or [c for c in ranked if c.binding] or ranked, key=lambda c: c.memory.peak))
+    s = low.setting
+    print(f"no setting fits: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
+          f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{_binding_advice(args, low)}"
+          + ("" if args.show_infeasible else "\n(--show-infeasible lists every setting with why it does not fit)"),
+          file=sys.stderr)
+    return 1
+
+
+def _print_table(args: argparse.Namespace, ranked: list, feasible: list) -> None:
+    """The best --top settings that fit (with --show-infeasible every other), the count, the assumptions."""
     shown = feasible[: args.top]
     rows = [_row(i + 1, c) for i, c in enumerate(shown)]
     if args.show_infeasible:
@@ -245,7 +280,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\n{len(feasible)} of {len(ranked)} settings fit; showing the best {len(shown)}"
           + ("" if args.show_infeasible else f"; {len(ranked) - len(feasible)} infeasible not shown (--show-infeasible)"))
     print(footer(args))
-    # what hf_longctx.capacity.search.suggest() returns
+
+
+def _print_suggestion(args: argparse.Namespace, config: Any, cluster: Any, dims: Any, feasible: list,
+                      grad_sync: str) -> None:
+    """The first feasible setting (what `capacity/search.suggest()` returns) as code and as recipe
+    flags, whether the estimates tell it from the next rows, and the --plot figure."""
+    from hf_longctx.capacity.search import TIE_TOLERANCE, Suggestion
+
     best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype)
     tied = [c for c in feasible if c.tied]
     if tied:
@@ -258,4 +300,3 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"\nas recipe flags (recipes/pretrain.py, lora.py, sft.py):\n{best.recipe_flags()}")
     if args.plot:
         print((plot_flexible_step if args.flex else plot_step)(args, config, feasible[0]))
-    return 0
