@@ -174,6 +174,7 @@ def estimate(shape: str, mode: str, tokens: int, world: int, ring: int = 1) -> t
     """The planner's (device bytes above the weights, host bytes) for the same step, the local
     kernel's workspace left out as the census leaves it out."""
     from hf_longctx.capacity.budget import step_budget
+    from hf_longctx.capacity.budget_terms import KERNEL_TERM
     from hf_longctx.capacity.estimate import ModelDims
     from hf_longctx.capacity.search import preset_setting
 
@@ -183,8 +184,7 @@ def estimate(shape: str, mode: str, tokens: int, world: int, ring: int = 1) -> t
     dims = ModelDims.from_config(config(shape))
     setting = preset_setting(world // ring, ring, chunks, options["memory"], dims)
     budget = step_budget(dims, setting, tokens=tokens, dtype="bf16")
-    kernel = "attention kernel workspace (fp32 dq accumulator)"
-    return max(p.total - p.terms.get(kernel, 0.0) for p in budget.phases), budget.host
+    return max(p.total - p.terms.get(KERNEL_TERM, 0.0) for p in budget.phases), budget.host
 
 
 def _print(args, rows) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from hf_longctx.capacity.budget_terms import (
     Budget,
     DTYPE_BYTES,
+    KERNEL_TERM,
     Phase,
     Sizes,
     fpdt_backward_host,
@@ -45,7 +46,10 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     lr = loss_rows(dims, int(S), s.loss_chunks)
     L = dims.layers
     rope = {"rotary cos/sin": z.rope * S}
-    kernel = {"attention kernel workspace (fp32 dq accumulator)": 2 * z.qb * (S / s.fpdt_chunks if s.fpdt_chunks > 1 else S)}
+    # flash-attn 2's varlen backward: dq accumulated in fp32 and softmax_d (fp32 per head); with
+    # GQA (fewer K/V heads than query heads on the rank) dK/dV over the query heads, summed after
+    kernel = {KERNEL_TERM: (4 * dims.heads * (dims.head_dim + 1) + (2 * z.qb if z.kvb < z.qb else 0.0))
+              * (S / s.fpdt_chunks if s.fpdt_chunks > 1 else S)}
     if s.checkpoint is True and s.mlp_chunks > 1:
         build = split_budget
     else:
@@ -78,7 +82,9 @@ def _checkpointed_budget(dims, s, z: Sizes, S, n, r, lr, L, rope, kernel, offloa
     else:
         held = {k: L * b for k, b in per_layer.items()}
     held |= rope
-    seq_h = {"layer input (device copy)": z.v * S, "next layer input (prefetched)": z.v * S,
+    # without offload the input is read in place: no device copy, nothing prefetched
+    seq_h = {"layer input (device copy)": z.v * S if offload else 0.0,
+             "next layer input (prefetched)": z.v * S if offload else 0.0,
              "kept attention tensors (device copies)": kept_dev * S if offload else 0.0,
              "gradient through the layer": z.v * S}
     layer_phases = {

@@ -18,6 +18,7 @@ from hf_longctx.ops.host_pool import size_class
 from hf_longctx.ops.tiling import MIN_LOSS_CHUNK_TOKENS, mlp_chunks_at
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+KERNEL_TERM = "attention kernel workspace (flash-attn 2 backward: fp32 dq accumulator, GQA dK/dV over the query heads)"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Budget:
     @property
     def kernel(self) -> float:
         """The binding phase's local-kernel workspace (counted apart by the CPU census)."""
-        return self.binding.terms.get("attention kernel workspace (fp32 dq accumulator)", 0.0)
+        return self.binding.terms.get(KERNEL_TERM, 0.0)
 
 
 @dataclass(frozen=True)

@@ -6,17 +6,18 @@ for every (ulysses, ring, fpdt chunks, offload, checkpointing) setting;
 Papers: FPDT §3-4 (activations linear in local tokens, K/V chunks and layer inputs on the
 host, chunked FFN and loss) and USP §4 (ZeRO-3 over DP×SP, "Tip 3").
 Every term is bytes per GPU; peak = params + optimizer + held + max(grads, activations +
-buffers), activations from `capacity/budget.step_budget`. The assumptions (ZeRO-3 terms,
+buffers + backward_grads), activations from `capacity/budget.step_budget`. The assumptions (ZeRO-3 terms,
 gradient sync, parameter offload, unsharded steps) are printed under the plan table and
 listed in docs/DESIGN.md "The planner's models"."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.ulysses import kv_replication
-from hf_longctx.capacity.budget import DTYPE_BYTES, step_budget
+from hf_longctx.capacity.budget import step_budget
+from hf_longctx.capacity.budget_terms import DTYPE_BYTES, KERNEL_TERM, Phase
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,12 @@ class MemoryEstimate:
     buffers: float
     host: float
     held: float = 0.0  # fp32 gradients of the step's earlier micro-batches, next to the later ones' activations
+    backward_grads: float = 0.0  # gradients already made (LM head, later layers) when the binding layer backward runs
 
     @property
     def peak(self) -> float:
-        return self.params + self.optimizer + self.held + max(self.grads, self.activations + self.buffers)
+        return self.params + self.optimizer + self.held + max(
+            self.grads, self.activations + self.buffers + self.backward_grads)
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"peak": self.peak}
@@ -72,6 +75,7 @@ def kept_attention_bytes(dims: ModelDims, dt: int, f: int, s: Setting) -> float:
 def estimate_memory(
     dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
     unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1, offload: bool = True,
+    kernel_workspace: float | None = None,
 ) -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
@@ -79,7 +83,9 @@ def estimate_memory(
     unequal-count mode of flexible SP groups (parameters and gradients unsharded for the
     whole step). `grad_sync`: "step" (reduce-scatter in the step's last backward; unsharded
     fp32 gradients held until then) or "microbatch" (every backward). `microbatches`: per rank
-    and optimizer step (1: no earlier gradients are held). Raises ValueError when
+    and optimizer step (1: no earlier gradients are held). `kernel_workspace`: bytes one local
+    attention kernel call allocates beyond its outputs, where the backend is not flash-attn 2
+    (e.g. the CPU kernel's, measured). Raises ValueError when
     the setting cannot run (degrees that do not divide, heads not divisible).
     """
     if dtype not in DTYPE_BYTES:
@@ -136,8 +142,33 @@ def estimate_memory(
     # the step by name and phase); `activations` is what the whole step holds, `buffers` the
     # rest of the binding phase.
     budget = step_budget(dims, s, tokens=tokens, dtype=dtype, offload=offload)
+    if kernel_workspace is not None:
+        budget = _with_kernel_workspace(budget, kernel_workspace)
+    made = 0.0 if held or s.param_offload else _grads_before_layer_backward(
+        dims, s, budget, world=world, tokens=tokens, dtype=dtype, offload=offload, head=vocab_unit + rest)
+    device, binding = max((p.total + made * p.name.startswith("layer backward"), p.name) for p in budget.phases)
+    backward_grads = made if binding.startswith("layer backward") else 0.0
     activations = budget.held
-    buffers = budget.device - budget.held
+    buffers = device - backward_grads - budget.held
     host += budget.host
-    return MemoryEstimate(params, grads, optim, activations, buffers, host, held)
+    return MemoryEstimate(params, grads, optim, activations, buffers, host, held, backward_grads)
 
+
+
+def _grads_before_layer_backward(dims: ModelDims, s: Setting, budget, *, world: int, tokens: int, dtype: str,
+                                 offload: bool, head: float) -> float:
+    """fp32 gradient bytes (sharded over `world`) already made when a layer's backward runs:
+    the LM head's and final norm's (`head` parameters), and the later layers' less the
+    activations their backward freed. Linear in the layer index, so the first or the last
+    layer of the backward is the worst."""
+    freed = 0.0
+    if dims.layers > 1:
+        fewer = step_budget(replace(dims, layers=dims.layers - 1), s, tokens=tokens, dtype=dtype, offload=offload)
+        freed = budget.held - fewer.held  # one layer's held activations
+    return 4 * head / world + (dims.layers - 1) * max(0.0, 4 * dims.layer_params / world - freed)
+
+
+def _with_kernel_workspace(budget, workspace: float):
+    """`budget` with the local attention kernel's workspace replaced by `workspace` bytes."""
+    return replace(budget, phases=tuple(Phase(p.name, p.terms | {KERNEL_TERM: workspace}) if KERNEL_TERM in p.terms
+                                        else p for p in budget.phases))

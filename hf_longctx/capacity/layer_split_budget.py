@@ -34,7 +34,7 @@ def split_budget(dims, s, z: Sizes, S, n, r, lr, L, rope, kernel, offload) -> Bu
     pieces = max(1, math.ceil(n / u))
     p = c / pieces if u > 1 else r  # rows of a pre/post-attention piece
     host, held = _kept_inputs(s, z, S, L, rope, offload)
-    seq = {"layer input (device copy)": z.v * S, "gradient through the layer (in place)": z.v * S,
+    seq = {"layer input (device copy)": z.v * S if offload else 0.0, "gradient through the layer (in place)": z.v * S,
            "fp32 sums of the layer's parameter gradients": 4 * dims.layer_params}
     prefetch = {"next layer input (prefetched)": z.v * S} if offload and L > 1 else {}
     forward, post = _piece_terms(dims, z, S, p)

@@ -71,7 +71,7 @@ def _row(rank: int | str, c) -> list[str]:
     s, m = c.setting, c.memory
     return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
             {True: "full", "attention": "keep attn"}.get(s.checkpoint, "no"), "yes" if s.mlp_chunks > 1 else "no", str(s.inputs_on_device), "yes" if s.param_offload else "no",
-            str(c.microbatches), _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers), _gib(m.peak),
+            str(c.microbatches), _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers + m.backward_grads), _gib(m.peak),
             _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
             "yes" if c.feasible else f"no: {c.reason}"]
 
@@ -105,7 +105,8 @@ def footer(args: argparse.Namespace) -> str:
            "unsharded gradients (4 B/param) are held through the step (in grads; --sync-each-microbatch shards them);"),
         "- activ = what autograd keeps for a Llama-style layer at S/sp tokens per GPU (checkpointing: layer inputs, "
         "on host; FPDT+offload: q/k/v/out on host); buffers = the larger transient of the loss and of one layer's "
-        "backward (all-to-all, ring, recompute); peak = params + optim + max(grads, activ + buffers);",
+        "backward (all-to-all, ring, recompute) and the gradients made before that layer's backward; "
+        "peak = params + optim + max(grads, activ + buffers);",
         "- inputs on GPU = N: where host memory binds and the GPU has room, the fewest last decoder layers whose "
         "checkpointed inputs stay on the GPU (in activ, not in host) that make the host fit "
         "(patch(..., inputs_on_device=N));",

@@ -111,6 +111,7 @@ def test_estimate_within_10_percent_of_measured_peak(checkpoint):
     with tracker:
         step()
     peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    # on CPU the checkpointed inputs are read in place (offload=False): nothing goes to a host
     est = estimate_memory(ModelDims.from_config(config), Setting(1, 1, mlp_chunks=4, loss_chunks=0, checkpoint=checkpoint), world=1,
-                          tokens=2048, dtype="fp32").peak
+                          tokens=2048, dtype="fp32", offload=False).peak
     assert abs(est / peak - 1) < 0.10, (est, peak)
