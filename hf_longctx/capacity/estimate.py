@@ -6,9 +6,9 @@ for every (ulysses, ring, fpdt chunks, offload, checkpointing) setting;
 Papers: FPDT §3-4 (activations linear in local tokens, K/V chunks and layer inputs on the
 host, chunked FFN and loss) and USP §4 (ZeRO-3 over DP×SP, "Tip 3").
 Every term is bytes per GPU; peak = params + optimizer + held + max(grads, activations +
-buffers + backward_grads), activations from `capacity/budget.step_budget`. The assumptions (ZeRO-3 terms,
-gradient sync, parameter offload, unsharded steps) are printed under the plan table and
-listed in docs/DESIGN.md "The planner's models"."""
+buffers + backward_grads), activations from `capacity/budget.step_budget`. The assumptions
+(ZeRO-3 terms, gradient sync, parameter offload, unsharded steps) are printed under the plan
+table and listed in docs/DESIGN.md "The planner's models"."""
 
 from __future__ import annotations
 
@@ -152,7 +152,6 @@ def estimate_memory(
     buffers = device - backward_grads - budget.held
     host += budget.host
     return MemoryEstimate(params, grads, optim, activations, buffers, host, held, backward_grads)
-
 
 
 def _grads_before_layer_backward(dims: ModelDims, s: Setting, budget, *, world: int, tokens: int, dtype: str,

@@ -35,6 +35,7 @@ from hf_longctx.capacity.step_time import step_time
 
 TIE_TOLERANCE = 0.07  # relative step-time difference the estimates cannot resolve (see the module docstring)
 
+
 @dataclass(frozen=True)
 class Candidate:
     setting: Setting
@@ -157,7 +158,6 @@ def enumerate_settings(
                     for off in PARAM_OFFLOAD[param_offload]:
                         out.append((replace(preset_setting(ulysses, ring, u, memory, dims), param_offload=off), memory))
     return out
-
 
 
 def inputs_on_device(s: Setting, mem: Any, memory: Any, layers: int, gpu: float, host: float) -> tuple:
