@@ -120,6 +120,18 @@ def torch_flash_impl() -> str | None:
     return current() if current is not None else None
 
 
+@functools.cache
+def gemm_accumulates_in_fp32(device_type: str, operand: torch.dtype, acc: torch.dtype) -> bool:
+    """A GEMM of fp16/bf16 operands can add into an fp32 tensor as its output (cuBLAS's fp32 C
+    with beta 1): torch's CUDA `baddbmm.dtype_out` (`out_dtype=float32`), whose kernel scales
+    and adds into `out` itself (checked on an H200 with torch 2.11, the floor: in place, 2.7e-6
+    from float64 for bf16 operands, beta 0 ignores NaN in `out`). Not `addmm.dtype_out`: torch's
+    source asks `self` in the operands' dtype there and copies it into `out` first (2.11 took an
+    fp32 `self`). CPU has neither kernel (NotImplementedError on the CPU backend, torch 2.13)."""
+    return (device_type == "cuda" and acc == torch.float32 and operand in (torch.float16, torch.bfloat16)
+            and hasattr(torch.ops.aten.baddbmm, "dtype_out"))
+
+
 def fsdp_reduces_unused_params() -> bool:
     """torch's FSDP2 can put parameters without a gradient into its reduce-scatter as
     zeros (`FSDPModule.set_reduce_scatter_unused_params`): present in torch 2.13, absent in

@@ -18,6 +18,7 @@ from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.integrations.checkpointing import Inputs, park
 from hf_longctx.ops.fpdt import _from_heads, _to_heads, fpdt_backward_chunks, fpdt_forward_chunks
 from hf_longctx.ops.fpdt_schedule import plan_for
+from hf_longctx.ops.grad_sums import GradSums
 from hf_longctx.ops.offload import ChunkStore
 from hf_longctx.ops.tiling import OWNED_GRAD
 from hf_longctx.ops.ulysses import replicate_kv
@@ -173,14 +174,14 @@ class LayerRun:
         # incoming buffer itself when a chunked layer (or chunked norm) above made it for us alone.
         dh = dh_out if getattr(dh_out, OWNED_GRAD, False) and dh_out.dtype == h.dtype else dh_out.to(
             h.dtype, memory_format=torch.contiguous_format, copy=True)
-        acc: dict[int, torch.Tensor] = {}  # param index -> fp32 gradient sum
+        acc = GradSums(self.params, needs)  # one fp32 sum per parameter; the projections GEMM into it
         self.needs_params = needs
-        with torch.autocast(self.device_type, **self.autocast):
+        with torch.autocast(self.device_type, **self.autocast), split.slot.bound(acc):
             if self.call.mesh.fpdt_chunks > 1:
                 self._fpdt_backward(h, dh, acc)
             else:
                 self._usp_backward(h, dh, acc)
-        grads = [None if i not in acc else acc[i].to(p.dtype) for i, p in enumerate(self.params)]
+        grads = acc.grads()
         if not self.needs_h:
             return None, grads
         setattr(dh, OWNED_GRAD, True)  # only the layer below reads it: it may rewrite it in place
@@ -200,12 +201,13 @@ class LayerRun:
             return [None] * len(wrt)
         return list(torch.autograd.grad([o for o, _ in live], wrt, [g for _, g in live], allow_unused=True))
 
-    def _collect(self, grads: list, acc: dict) -> None:
-        """Add the parameter gradients of one chunk (the tail of `grads`) into the fp32 sums."""
+    def _collect(self, grads: list, acc: GradSums) -> None:
+        """Add the parameter gradients of one chunk (the tail of `grads`) into the fp32 sums
+        (None for the projections' weights: their GEMMs wrote into the sums already)."""
         idx = [i for i, n in enumerate(self.needs_params) if n]
         for i, g in zip(idx, grads[len(grads) - len(idx):]):
             if g is not None:
-                acc[i] = g.float() if i not in acc else acc[i].add_(g)
+                acc.add(i, g)
 
     def _post_backward(self, lo: int, hi: int, h, a_rows, dh, acc) -> torch.Tensor:
         """post(rows) and its backward: dh[rows] becomes the gradient at the attention's residual
@@ -234,7 +236,7 @@ class LayerRun:
             grads.pop(0)
         self._collect(grads, acc)
 
-    def _sink_grad(self, dsink: torch.Tensor | None, acc: dict) -> None:
+    def _sink_grad(self, dsink: torch.Tensor | None, acc: GradSums) -> None:
         sinks = self.call.kw["sinks"]
         if dsink is None or not sinks.requires_grad:
             return
@@ -242,7 +244,7 @@ class LayerRun:
             local = local_sinks(sinks, self.call.mesh)  # [H/U], a differentiable slice of the parameter
             (g,) = torch.autograd.grad(local, [sinks], dsink.to(local.dtype))
         for i in [i for i, p in enumerate(self.params) if p is sinks]:
-            acc[i] = g.float() if i not in acc else acc[i].add_(g)
+            acc.add(i, g)
 
     def _fpdt_backward(self, h, dh, acc) -> None:
         store = ChunkStore(h.device, offload=self.call.offload)
@@ -288,8 +290,7 @@ class LayerRun:
         self._prefetch()
         dq, dk, dv = grads[:3]
         if len(grads) > 3 and grads[3] is not None:
-            i = next(i for i, p in enumerate(self.params) if p is sinks)
-            acc[i] = grads[3].float() if i not in acc else acc[i].add_(grads[3])
+            acc.add(next(i for i, p in enumerate(self.params) if p is sinks), grads[3])
         for lo, hi in chunks:
             self._pre_backward(lo, hi, h, (dq[:, lo:hi], dk[:, lo:hi], dv[:, lo:hi]), dh, acc, replicate=False)
 

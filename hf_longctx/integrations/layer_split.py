@@ -21,6 +21,7 @@ from torch import nn
 
 from hf_longctx.integrations.checkpointing import LayerChain, offloaded_checkpoint
 from hf_longctx.integrations.layer_run import ChunkedLayer, LayerRun, cut_dim
+from hf_longctx.ops.grad_sums import SumsSlot
 from hf_longctx.ops.offload import default_streams
 from hf_longctx.ops.tiling import mlp_chunks_at
 
@@ -41,6 +42,7 @@ class LayerSplit:
         self.replays = 0
         self.discarding = False  # a checkpoint's first run (offloaded_checkpoint): saved tensors are dropped
         self.chain = LayerChain()  # this forward's layers in order: each backward prefetches the one before
+        self.slot = SumsSlot()  # the layer backward's gradient sums, where the projections write (ops/grad_sums.py)
         self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
         self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows
         self.warned: set[str] = set()

@@ -26,6 +26,7 @@ from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.keep_attention import AttentionKeeper
 from hf_longctx.integrations.layer_split import LayerSplit
 from hf_longctx.ops.chunked_loss import chunked_causal_lm_loss
+from hf_longctx.ops.grad_sums import SumsSlot, routed_linear
 from hf_longctx.ops.tiling import (
     chunked_mlp,
     default_loss_chunk_size,
@@ -45,7 +46,7 @@ def _resolve_chunks(name: str, value: Any) -> int | str | None:
 # ---- chunked MLP --------------------------------------------------------------------------
 
 
-def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | None = None, auto: bool = False) -> None:
+def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | None, auto: bool, slot: SumsSlot) -> None:
     mlps = [(n, mlp_attr(layer), layer_mlp(layer)) for n, layer in enumerate(decoder_layers(model))]
     mlps = [(n, attr, mlp) for n, attr, mlp in mlps if mlp is not None]
     if not mlps:
@@ -60,14 +61,27 @@ def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | N
     for _, _, mlp in mlps:
         forward = mlp.forward  # bound: class forward, or an earlier instance-level patch
 
-        def chunked_forward(hidden: torch.Tensor, *args, _forward=forward, **kwargs) -> torch.Tensor:
+        def chunked_forward(hidden: torch.Tensor, *args, _forward=forward, _mlp=mlp, **kwargs) -> torch.Tensor:
             if args or kwargs or hidden.dim() != 3:  # not the plain token-wise call: leave it alone
                 return _forward(hidden, *args, **kwargs)
             if split is not None and split.mode is not None:  # a row chunk of a split layer: already a chunk
                 return _forward(hidden)
-            return chunked_mlp(_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto))
+            return chunked_mlp(_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto),
+                               [p for p in _mlp.parameters() if p.requires_grad], slot)
 
         set_instance_attr(mlp, "forward", chunked_forward, undo)
+
+
+def _patch_linears(model: nn.Module, slot: SumsSlot, undo: list) -> None:
+    """Every plain `nn.Linear` of the decoder layers (its class forward, not one patched by
+    someone else) through `ops/grad_sums.routed_linear`: inside a row-chunked backward its
+    weight gradient goes into the bound fp32 sum with one GEMM per chunk. Other projections
+    (GPT-2's Conv1D, quantised or wrapped linears) keep their own forward and are summed from
+    their chunk gradients."""
+    for layer in decoder_layers(model):
+        for m in layer.modules():
+            if type(m).forward is nn.Linear.forward and "forward" not in m.__dict__:
+                set_instance_attr(m, "forward", routed_linear(m, slot), undo)
 
 
 # ---- chunked LM head + loss ---------------------------------------------------------------
@@ -174,7 +188,8 @@ def _is_norm(module: nn.Module) -> bool:
         type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and not list(module.children()))
 
 
-def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: LayerSplit | None) -> None:
+def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: LayerSplit | None,
+                 slot: SumsSlot) -> None:
     """The final norm and every decoder layer's own norms (its direct children) over `chunks`
     row chunks (ops/tiling.tokenwise_chunks): a norm's fp32 copies exist for one chunk at a
     time, forward and backward, and only its input is saved. Inside a row-chunked layer
@@ -189,7 +204,7 @@ def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: L
                     split is not None and split.mode is not None):
                 return _forward(hidden, *args, **kwargs)
             return tokenwise_chunks(_forward, hidden, mlp_chunks_at(chunks, hidden.shape[1], auto),
-                                    [p for p in _norm.parameters() if p.requires_grad])
+                                    [p for p in _norm.parameters() if p.requires_grad], slot)
 
         set_instance_attr(norm, "forward", chunked_norm, undo)
 
@@ -270,8 +285,10 @@ def apply_memory_options(
     undo: list[Callable[[], None]] = []
     try:
         if mlp_chunks is not None:
-            _patch_mlps(model, mlp_chunks, undo, split, auto)
-            _patch_norms(model, mlp_chunks, undo, auto, split)
+            slot = split.slot if split is not None else SumsSlot()
+            _patch_linears(model, slot, undo)
+            _patch_mlps(model, mlp_chunks, undo, split, auto, slot)
+            _patch_norms(model, mlp_chunks, undo, auto, split, slot)
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
         if checkpoint is True and split is not None and mlp_chunks is not None:

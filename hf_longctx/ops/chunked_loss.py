@@ -17,11 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hf_longctx.ops.grad_sums import GradSums, sink_linear
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None,
+                  sums: GradSums | None = None) -> Tensor:
     """Logits of one chunk exactly as the HF model computes them: lm_head in the hidden dtype,
-    Gemma2's softcap in that dtype too, then the upcast ForCausalLMLoss applies."""
-    logits = F.linear(h, weight, bias)  # [n, V]
+    Gemma2's softcap in that dtype too, then the upcast ForCausalLMLoss applies. With `sums`
+    the weight gradient of the chunk goes into its fp32 sum (one GEMM, `ops/grad_sums.py`)."""
+    logits = F.linear(h, weight, bias) if sums is None else sink_linear(h, weight, bias, sums, 0)  # [n, V]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits.float()
@@ -62,8 +66,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [B*S, Hd]
         # Accumulating per-chunk weight grads in a low-precision dtype would add one rounding per
-        # chunk; an fp32 accumulator keeps the sum as accurate as the single unchunked GEMM.
-        grad_w: Tensor | None = None
+        # chunk; an fp32 sum, which each chunk's weight-gradient GEMM writes into, keeps the sum
+        # as accurate as the single unchunked GEMM without a weight-sized gradient per chunk.
+        sums = GradSums([weight]) if need_w else None
         grad_b: Tensor | None = None
         w_leaf = weight.detach().requires_grad_(need_w)
         b_leaf = bias.detach().requires_grad_(bool(need_b)) if bias is not None else None
@@ -71,24 +76,24 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             end = min(start + chunk_size, n_tokens)
             h_leaf = hidden[start:end].detach().requires_grad_(need_h)  # [n, Hd]
             with torch.enable_grad():
-                logits = _chunk_logits(h_leaf, w_leaf, b_leaf, softcap)  # [n, V] fp32
+                logits = _chunk_logits(h_leaf, w_leaf, b_leaf, softcap, sums)  # [n, V] fp32
                 ce_sum = F.cross_entropy(logits, labels[start:end], ignore_index=ignore_index, reduction="sum")
                 del logits  # the autograd graph keeps what it needs; drop our reference early
                 if not need_any:
                     loss_sum += ce_sum.detach()
                     continue
                 inputs = [t for t, need in ((h_leaf, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need]
-                grads = list(torch.autograd.grad(ce_sum / denominator, inputs))
+                grads = list(torch.autograd.grad(ce_sum / denominator, inputs, allow_unused=True))
             loss_sum += ce_sum.detach()
             if need_h:
                 grad_h[start:end] = grads.pop(0)
             if need_w:
-                g = grads.pop(0)
-                grad_w = g.float() if grad_w is None else grad_w.add_(g)
+                grads.pop(0)  # None: the sink wrote the weight gradient into `sums`
             if need_b and bias is not None:
                 g = grads.pop(0)
                 grad_b = g.float() if grad_b is None else grad_b.add_(g)
         loss = loss_sum / denominator
+        grad_w = sums.grads(rounded=False)[0] if sums is not None else None  # fp32 until scaled in backward
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(grad_h, grad_w, grad_b)

@@ -12,11 +12,14 @@ stream); the integration that patches MLPs refuses it."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from hf_longctx.ops.grad_sums import GradSums, SumsSlot
 
 # Attribute set on an input gradient its maker hands over whole (a row-chunked norm's or
 # layer's): the next chunked consumer may rewrite it in place instead of copying it.
@@ -95,18 +98,21 @@ def default_loss_chunk_size(config: Any, seq_len: int) -> int:
     return min(chunk_size, seq_len)
 
 
-def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int) -> Tensor:
+def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int, params: list | None = None,
+                slot: SumsSlot | None = None) -> Tensor:
     """Apply a token-wise MLP ``forward`` to ``hidden`` ``[B, S, Hd]`` in ``chunks`` sequence chunks.
 
     ``forward`` is the MLP module's original bound forward (gate/up/down, fused gate_up, fc/proj
-    or Conv1D c_fc/c_proj all work: only token-wise behaviour is assumed). Each chunk runs under
-    non-reentrant activation checkpointing, so forward keeps only the chunk's input (a view of
-    ``hidden``) and backward recomputes one chunk at a time: autograd walks the chunks in reverse
-    creation order and frees each chunk's recomputed intermediates before starting the next.
-    Non-reentrant checkpointing (rather than a hand-written Function that calls ``.backward``
-    internally) keeps ``torch.autograd.grad`` and FSDP2's gradient hooks working on the MLP's
-    parameters. Uneven splits are fine (chunk lengths differ by at most one token); more chunks
-    than tokens collapse to one token per chunk. Dropout is not supported (see module docstring).
+    or Conv1D c_fc/c_proj all work: only token-wise behaviour is assumed). Forward keeps only
+    ``hidden``; backward recomputes one chunk at a time right before its gradient
+    (:func:`tokenwise_chunks`), so one chunk's intermediates are alive at a time. The parameters
+    (``params``, else those of the module ``forward`` is bound to) get their gradients returned
+    from that one node, so ``torch.autograd.grad`` and FSDP2's gradient hooks see them; with the
+    patch's ``slot`` the MLP's projections add their chunk weight gradients into one fp32 sum per
+    weight in place (``ops/grad_sums.py``). A ``forward`` with no module behind it runs under
+    non-reentrant activation checkpointing per chunk. Uneven splits are fine (chunk lengths differ
+    by at most one token); more chunks than tokens collapse to one token per chunk. Dropout is not
+    supported (see module docstring).
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got chunks={chunks}")
@@ -116,6 +122,11 @@ def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int
     chunks = min(chunks, seq_len)
     if chunks <= 1:
         return forward(hidden)
+    owner = getattr(forward, "__self__", None)
+    if params is None and isinstance(owner, torch.nn.Module):
+        params = [p for p in owner.parameters() if p.requires_grad]
+    if params is not None:
+        return tokenwise_chunks(forward, hidden, chunks, params, slot)
 
     def run_chunk(piece: Tensor) -> Tensor:
         # A sequence slice of a B > 1 batch is strided; GPT-2's Conv1D calls .view() on its
@@ -134,11 +145,13 @@ def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int
 class _Tokenwise(torch.autograd.Function):
     """A token-wise module over row chunks as one autograd node: forward per chunk without a
     graph, backward per chunk (recompute, then its gradient) into one input-gradient buffer;
-    the parameters' chunk gradients are summed in fp32 and rounded once."""
+    the parameters' chunk gradients go into one fp32 sum each (`ops/grad_sums.GradSums`, bound
+    to `slot` so the module's projections write their weight gradients into it), rounded once."""
 
     @staticmethod
-    def forward(ctx: Any, forward: Callable, chunks: int, hidden: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.forward, ctx.chunks, ctx.params = forward, chunks, params
+    def forward(ctx: Any, forward: Callable, chunks: int, slot: SumsSlot | None, hidden: Tensor,  # type: ignore[override]
+                *params: Tensor) -> Tensor:
+        ctx.forward, ctx.chunks, ctx.slot, ctx.params = forward, chunks, slot, params
         ctx.autocast = {"enabled": torch.is_autocast_enabled(hidden.device.type),
                         "dtype": torch.get_autocast_dtype(hidden.device.type)}
         ctx.save_for_backward(hidden)
@@ -148,39 +161,40 @@ class _Tokenwise(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
         (hidden,) = ctx.saved_tensors
-        need_h, needs = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
+        need_h, needs = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
+        sums = GradSums(ctx.params, needs)
         params = [p for p, n in zip(ctx.params, needs) if n]
+        idx = [i for i, n in enumerate(needs) if n]
         dh = torch.empty_like(hidden) if need_h else None  # [B, S, Hd], filled row chunk by row chunk
-        sums: list[Tensor | None] = [None] * len(params)
         lo = 0
-        for piece in torch.tensor_split(hidden, ctx.chunks, dim=1):
-            hi = lo + piece.shape[1]
-            with torch.enable_grad(), torch.autocast(hidden.device.type, **ctx.autocast):
-                x = piece.detach().contiguous().requires_grad_(need_h)
-                y = ctx.forward(x)
-                wrt = ([x] if need_h else []) + params
-                grads = list(torch.autograd.grad(y, wrt, grad[:, lo:hi], allow_unused=True)) if wrt else []
-            if need_h:
-                dh[:, lo:hi] = grads.pop(0)
-            for i, g in enumerate(grads):
-                if g is not None:
-                    sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
-            lo = hi
-        it = iter(sums)
-        out = [(next(it) if n else None) for n in needs]
-        out = [None if g is None else g.to(p.dtype) for g, p in zip(out, ctx.params)]
+        with ctx.slot.bound(sums) if ctx.slot is not None else nullcontext():
+            for piece in torch.tensor_split(hidden, ctx.chunks, dim=1):
+                hi = lo + piece.shape[1]
+                with torch.enable_grad(), torch.autocast(hidden.device.type, **ctx.autocast):
+                    x = piece.detach().contiguous().requires_grad_(need_h)
+                    y = ctx.forward(x)
+                    wrt = ([x] if need_h else []) + params
+                    grads = list(torch.autograd.grad(y, wrt, grad[:, lo:hi], allow_unused=True)) if wrt else []
+                if need_h:
+                    dh[:, lo:hi] = grads.pop(0)
+                for i, g in zip(idx, grads):
+                    if g is not None:
+                        sums.add(i, g)
+                lo = hi
         if dh is not None:
             setattr(dh, OWNED_GRAD, True)  # only the module before reads it
-        return (None, None, dh, *out)
+        return (None, None, None, dh, *sums.grads())
 
 
-def tokenwise_chunks(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int, params: list) -> Tensor:
+def tokenwise_chunks(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int, params: list,
+                     slot: SumsSlot | None = None) -> Tensor:
     """`forward` (a token-wise module, e.g. the final norm: `params` are its parameters) over
     ``hidden`` ``[B, S, Hd]`` in ``chunks`` row chunks, forward and backward: only one chunk's
     intermediates (e.g. a norm's fp32 copies) exist at a time, the input is saved, and the
     input gradient is one buffer written chunk by chunk (no per-chunk full-size gradients).
-    Without gradients it is the plain chunked loop."""
+    `slot`: the patch's `SumsSlot`, bound to the backward's gradient sums (the module's
+    projections write into them). Without gradients it is the plain chunked loop."""
     chunks = max(1, min(chunks, hidden.shape[1]))
     if not torch.is_grad_enabled() or not (hidden.requires_grad or any(p.requires_grad for p in params)):
         return torch.cat([forward(p.contiguous()) for p in torch.tensor_split(hidden, chunks, dim=1)], dim=1)
-    return _Tokenwise.apply(forward, chunks, hidden, *params)
+    return _Tokenwise.apply(forward, chunks, slot, hidden, *params)
