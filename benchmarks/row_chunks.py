@@ -1,4 +1,4 @@
-"""What the row-chunked paths run per step as the row chunks grow: parameter-gradient traffic.
+"""What the row-chunked paths run per step as the row chunks grow: parameter-gradient traffic, projection GEMMs.
 
 Where it sits: a measurement of `ops/grad_sums.py` inside the chunked paths of `patch()` --
 memory="max"'s row-chunked layers (`integrations/layer_run.py`), the chunked MLP and norms
@@ -14,6 +14,14 @@ Rows: a tiny Llama (hidden 32, 2 and 4 decoder layers, vocab 56, 90 tokens, one 
 memory="max" knobs (checkpoint=True, mlp_chunks=u, loss_chunks=u) and memory="balanced" knobs
 (mlp_chunks=u, loss_chunks=u) at u = 2 and 8 row chunks. Per layer = (4-layer - 2-layer) / 2,
 per step = the 2-layer step.
+
+Projection GEMMs (`projection_gemms`): under memory="max" knobs, per step, the forward GEMMs
+of decoder layer 0's q_proj (aten GEMMs that read its weight and write its output features,
+seen by a TorchDispatchMode) and the calls of the q_proj module (forward pre-hook), one
+process, after a warm-up step; the backward's GEMMs (input and weight gradients) are other
+ops and not counted. Per row chunk the layer runs pre (forward), post (forward), and in the
+backward pre (recompute of q, k, v), post and pre with gradients: post's projections feed only
+the replayed attention, so they return placeholders (`LayerSplit.projection`).
 
     PYTHONPATH=. python benchmarks/row_chunks.py
 """
@@ -96,6 +104,46 @@ def step_traffic(mode: str, chunks: int, layers: int) -> dict:
     return traffic.counts
 
 
+class ForwardGemms(TorchDispatchMode):
+    """GEMMs that read `weight` (or a view of it) and write its output features: the forward
+    GEMMs of the projection (the input-gradient GEMM writes the input features instead)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr, self.out_features, self.n = weight.untyped_storage().data_ptr(), weight.shape[0], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name.split("::")[-1] in ("mm", "addmm", "bmm", "baddbmm", "linear") and any(
+                isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.ptr for t in args) \
+                and out.shape[-1] == self.out_features:
+            self.n += 1
+        return out
+
+
+def projection_gemms(chunks: int) -> tuple[int, int]:
+    """(q_proj forward GEMMs, q_proj module calls) of decoder layer 0 in one step of memory="max"
+    knobs with `chunks` row chunks (one process, after a warm-up step)."""
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.model_patch import patch, unpatch
+
+    model = tiny_llama(2)
+    mesh = init_sequence_parallel(1, 1)
+    patch(model, mesh, checkpoint=True, mlp_chunks=chunks, loss_chunks="auto")
+    model.train()
+    ids = torch.randint(0, 56, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+    shard = shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(TOKENS)[None]}, mesh)
+    model(**shard).loss.backward()
+    q_proj, calls = model.model.layers[0].self_attn.q_proj, [0]
+    handle = q_proj.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    with ForwardGemms(q_proj.weight) as gemms:
+        model(**shard).loss.backward()
+    handle.remove()
+    unpatch(model)
+    return gemms.n, calls[0]
+
+
 def rows() -> list[tuple]:
     out = []
     for mode in MODES:
@@ -114,6 +162,12 @@ def main() -> None:
         print(f"| {mode} | {u} | {layer['fresh']:g} | {layer['fresh_bytes']:g} | {layer['adds']:g} | "
               f"{layer['add_bytes']:g} | {step['fresh']} | {step['fresh_bytes']} | {step['adds']} | {step['add_bytes']} | "
               f"{layer['vector_fresh']:g} / {layer['vector_adds']:g} |")
+    print("\nq_proj of one decoder layer, one fwd+bwd step, memory='max' knobs (checkpoint=True, mlp_chunks=u)")
+    print("| row chunks u | forward GEMMs (reading its weight) | module calls | 3u |")
+    print("|---|---|---|---|")
+    for u in (2, 8):
+        gemms, calls = projection_gemms(u)
+        print(f"| {u} | {gemms} | {calls} | {3 * u} |")
 
 
 if __name__ == "__main__":

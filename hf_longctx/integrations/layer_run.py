@@ -65,8 +65,8 @@ class LayerRun:
     def pre(self, lo: int, hi: int, h: torch.Tensor) -> tuple:
         return self.split.pre(self.forward, h, _rows(self.kwargs, self.s, lo, hi))
 
-    def post(self, lo: int, hi: int, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        return self.split.post(self.forward, h, _rows(self.kwargs, self.s, lo, hi), a)
+    def post(self, lo: int, hi: int, h: torch.Tensor, a: torch.Tensor, recorded: list | None = None) -> torch.Tensor:
+        return self.split.post(self.forward, h, _rows(self.kwargs, self.s, lo, hi), a, self.layer, recorded)
 
     # ---- forward ---------------------------------------------------------------------------------
     def run_forward(self, h: torch.Tensor, first: bool) -> torch.Tensor:
@@ -112,7 +112,7 @@ class LayerRun:
         full = [torch.empty((t.shape[0], self.s, *t.shape[2:]), dtype=t.dtype, device=t.device) for t in first]
         for t, f in zip(full, first):
             t[:, :n0] = f
-        for lo, hi in _bounds(n0, self.s, self.chunks):
+        for lo, hi in [(lo, hi) for lo, hi in _bounds(0, self.s, self.chunks) if lo >= n0]:  # the layer's row chunks
             with torch.no_grad():
                 for t, f in zip(full, self.pre(lo, hi, h[:, lo:hi])[:3]):
                     t[:, lo:hi] = f
@@ -212,14 +212,17 @@ class LayerRun:
     def _post_backward(self, lo: int, hi: int, h, a_rows, dh, acc) -> torch.Tensor:
         """post(rows) and its backward: dh[rows] becomes the gradient at the attention's residual
         (in place), the parameter gradients join `acc`; returns the attention output's gradient."""
+        recorded = None if id(self.layer) in self.split.skippable else []  # learn which projections post skips
         with torch.enable_grad():
             h_rows = h[:, lo:hi].detach().requires_grad_(self.needs_h)
             a = a_rows.detach().requires_grad_()
-            out = self.post(lo, hi, h_rows, a)
-            grads = self._grad([out], [dh[:, lo:hi]], h_rows, extra=[a])
+            out = self.post(lo, hi, h_rows, a, recorded)
+            grads = self._grad([out], [dh[:, lo:hi]], h_rows, extra=[a] + [t for _, t in recorded or ()])
         if self.needs_h:
             dh[:, lo:hi] = grads.pop(0)
         da = grads.pop(0)
+        if recorded is not None:
+            self.split.learn(self.layer, recorded, [grads.pop(0) for _ in recorded])
         self._collect(grads, acc)
         return torch.zeros_like(a_rows) if da is None else da
 

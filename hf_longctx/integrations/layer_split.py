@@ -43,6 +43,9 @@ class LayerSplit:
         self.discarding = False  # a checkpoint's first run (offloaded_checkpoint): saved tensors are dropped
         self.chain = LayerChain()  # this forward's layers in order: each backward prefetches the one before
         self.slot = SumsSlot()  # the layer backward's gradient sums, where the projections write (ops/grad_sums.py)
+        self.skippable: dict[int, frozenset] = {}  # id(layer) -> its projections `post` need not run
+        self.skip: frozenset = frozenset()  # those of the layer in `post` now
+        self.recorded: list | None = None  # post's projection outputs, while a layer's are being learnt
         self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
         self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows
         self.warned: set[str] = set()
@@ -80,16 +83,45 @@ class LayerSplit:
         captured, self.captured = self.captured, None
         return captured
 
-    def post(self, forward: Callable, h: torch.Tensor, kwargs: dict, a: torch.Tensor) -> torch.Tensor:
-        """The layer's output on the rows `h` with attention output `a` ([B, rows, H, D_v])."""
+    def post(self, forward: Callable, h: torch.Tensor, kwargs: dict, a: torch.Tensor, layer: nn.Module | None = None,
+             recorded: list | None = None) -> torch.Tensor:
+        """The layer's output on the rows `h` with attention output `a` ([B, rows, H, D_v]). The
+        projections before the attention call that `skippable` names for `layer` are not run
+        (`projection`); `recorded`: a list that gets (id(module), output) of the others."""
         self.mode, self.output, self.replays = "replay", a, 0
+        self.skip, self.recorded = self.skippable.get(id(layer), frozenset()), recorded
         try:
             out = forward(h, **kwargs)
         finally:
-            self.mode, self.output = None, None
+            self.mode, self.output, self.skip, self.recorded = None, None, frozenset(), None
         if self.replays != 1:
             raise RuntimeError("memory='max': a decoder layer returned without calling its attention")
         return out[0] if isinstance(out, tuple) else out
+
+    def projection(self, module: nn.Linear, forward: Callable) -> Callable:
+        """A forward for the projection `module` of a decoder layer: in `post`, before the
+        attention call, a projection whose output `learn` found without a gradient path to
+        the layer's output (the replayed attention ignores q, k, v) returns an uninitialised
+        tensor of its output's shape instead of running its GEMM; its values reach nothing."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if self.mode != "replay" or self.replays:
+                return forward(x)
+            if id(module) in self.skip:
+                device = x.device.type
+                dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+                return x.new_empty((*x.shape[:-1], module.out_features), dtype=dtype)  # [..., out]
+            out = forward(x)
+            if self.recorded is not None and out.requires_grad:
+                self.recorded.append((id(module), out))
+            return out
+
+        return run
+
+    def learn(self, layer: nn.Module, recorded: list, grads: list) -> None:
+        """From one `post` run with gradients: the projections (`recorded`) whose outputs got
+        no gradient (`grads` None) are skipped in the layer's later `post` runs."""
+        needed = {i for (i, _), g in zip(recorded, grads) if g is not None}
+        self.skippable[id(layer)] = frozenset(i for i, _ in recorded if i not in needed)
 
     # ---- entry point -----------------------------------------------------------------------------
     def call(self, layer: nn.Module, forward: Callable, first: bool, args: tuple, kwargs: dict, keep: bool = False) -> Any:

@@ -72,16 +72,18 @@ def _patch_mlps(model: nn.Module, chunks: int, undo: list, split: LayerSplit | N
         set_instance_attr(mlp, "forward", chunked_forward, undo)
 
 
-def _patch_linears(model: nn.Module, slot: SumsSlot, undo: list) -> None:
+def _patch_linears(model: nn.Module, slot: SumsSlot, undo: list, split: LayerSplit | None) -> None:
     """Every plain `nn.Linear` of the decoder layers (its class forward, not one patched by
     someone else) through `ops/grad_sums.routed_linear`: inside a row-chunked backward its
-    weight gradient goes into the bound fp32 sum with one GEMM per chunk. Other projections
-    (GPT-2's Conv1D, quantised or wrapped linears) keep their own forward and are summed from
-    their chunk gradients."""
+    weight gradient goes into the bound fp32 sum with one GEMM per chunk; with `split` also
+    through `LayerSplit.projection` (row-chunked layers skip the projections their replayed
+    attention ignores). Other projections (GPT-2's Conv1D, quantised or wrapped linears) keep
+    their own forward and are summed from their chunk gradients."""
     for layer in decoder_layers(model):
         for m in layer.modules():
             if type(m).forward is nn.Linear.forward and "forward" not in m.__dict__:
-                set_instance_attr(m, "forward", routed_linear(m, slot), undo)
+                forward = routed_linear(m, slot)
+                set_instance_attr(m, "forward", forward if split is None else split.projection(m, forward), undo)
 
 
 # ---- chunked LM head + loss ---------------------------------------------------------------
@@ -286,7 +288,7 @@ def apply_memory_options(
     try:
         if mlp_chunks is not None:
             slot = split.slot if split is not None else SumsSlot()
-            _patch_linears(model, slot, undo)
+            _patch_linears(model, slot, undo, split if checkpoint is True else None)
             _patch_mlps(model, mlp_chunks, undo, split, auto, slot)
             _patch_norms(model, mlp_chunks, undo, auto, split, slot)
         if loss_chunks is not None:

@@ -1,0 +1,73 @@
+"""memory="max": a projection runs once per row chunk in the forward and once in the recompute.
+
+`LayerSplit.post` reruns a decoder layer on a row chunk with the attention replayed; the
+projections before the attention call feed only the attention there, so after one backward
+has shown (no gradient path to the layer's output) which ones, `post` gives them placeholders.
+Counted (benchmarks/row_chunks.projection_gemms: aten GEMMs reading q_proj's weight and writing
+its output features) in a step after a warm-up: 3u per step for u row chunks (forward pre,
+backward recompute, backward pre with gradients), while the module is still called 5u times.
+Without the placeholders (fault: `projection` always runs the GEMM) it is 5u. A gated
+attention (Qwen3.5: q_proj also makes the output gate) keeps its q_proj in `post`, and two
+steps stay exact against memory="off" (fp32: gradients 1e-5 relative, as test_layer_split).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from benchmarks.row_chunks import projection_gemms
+from tests.helpers.reference import rel_err
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("u", [2, 8])
+def test_q_proj_runs_three_times_per_chunk(u):
+    gemms, calls = projection_gemms(u)
+    assert gemms == 3 * u, (gemms, calls)
+    assert calls == 5 * u  # the module is still called; post's calls return placeholders
+
+
+def _qwen35():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+        vocab_size=56, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layer_types=["full_attention", "full_attention"], pad_token_id=0))
+
+
+def _two_steps(model, **options):
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
+
+    mesh = init_sequence_parallel(1, 1)
+    patch(model, mesh, **options)
+    model.train()
+    ids = torch.randint(0, 56, (1, 90), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(50), torch.arange(40)])[None]  # two documents
+    shard = shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": pos}, mesh)
+    for _ in range(2):  # the second step's post runs use what the first backward learnt
+        model.zero_grad(set_to_none=True)
+        loss = model(**shard).loss
+        loss.backward()
+    split = patch_state(model).split
+    learnt = dict(split.skippable) if split is not None else {}
+    unpatch(model)
+    return [loss.detach()] + [p.grad for p in model.parameters()], learnt, model
+
+
+def test_a_gated_attention_keeps_its_query_projection_and_stays_exact():
+    base = _qwen35()
+    ref, _, _ = _two_steps(copy.deepcopy(base), memory="off")
+    got, learnt, model = _two_steps(copy.deepcopy(base), checkpoint=True, mlp_chunks=4, loss_chunks="auto")
+    attn = model.model.layers[0].self_attn
+    skipped = learnt[id(model.model.layers[0])]
+    assert id(attn.q_proj) not in skipped and {id(attn.k_proj), id(attn.v_proj)} <= skipped, skipped
+    assert rel_err(got[0], ref[0]) <= 1e-6
+    bad = {i: rel_err(a, b) for i, (a, b) in enumerate(zip(got[1:], ref[1:])) if rel_err(a, b) > 1e-5}
+    assert not bad, bad
