@@ -16,6 +16,7 @@ import torch
 
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.integrations.checkpointing import Inputs, park
+from hf_longctx.integrations.layer_rows import _bounds, _rows
 from hf_longctx.ops.fpdt import _from_heads, _to_heads, fpdt_backward_chunks, fpdt_forward_chunks
 from hf_longctx.ops.fpdt_schedule import plan_for
 from hf_longctx.ops.grad_sums import GradSums
@@ -23,35 +24,6 @@ from hf_longctx.ops.offload import ChunkStore
 from hf_longctx.ops.tiling import OWNED_GRAD
 from hf_longctx.ops.ulysses import replicate_kv
 from hf_longctx.ops.usp import local_sinks
-
-
-def cut_dim(name: str, tensors: list, s: int) -> int | None:
-    """The dim along which the per-token argument `name` is cut (None: not known)."""
-    if name.startswith("position_embeddings") and all(t.dim() >= 2 and t.shape[-2] == s for t in tensors):
-        return -2  # (cos, sin) [..., S, D]
-    if name in ("position_ids", "cache_position") and all(t.shape[-1] == s for t in tensors):
-        return -1  # [..., S]
-    return None
-
-
-def _rows(kwargs: dict, s: int, lo: int, hi: int) -> dict:
-    """kwargs with every per-token tensor cut to rows [lo, hi)."""
-    out = {}
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            value = value.narrow(cut_dim(name, [value], s) % value.dim(), lo, hi - lo)
-        elif isinstance(value, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in value):
-            value = type(value)(t.narrow(cut_dim(name, [t], s) % t.dim(), lo, hi - lo) for t in value)
-        out[name] = value
-    return out
-
-
-def _bounds(lo: int, hi: int, pieces: int) -> list[tuple[int, int]]:
-    """[lo, hi) cut into at most `pieces` row ranges (none when empty)."""
-    if hi <= lo:
-        return []
-    step = math.ceil((hi - lo) / max(1, pieces))
-    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
 class LayerRun:

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from hf_longctx.integrations.checkpointing import LayerChain, offloaded_checkpoint
-from hf_longctx.integrations.layer_run import ChunkedLayer, LayerRun, cut_dim
+from hf_longctx.integrations.layer_rows import cut_dim
+from hf_longctx.integrations.layer_run import ChunkedLayer, LayerRun
 from hf_longctx.ops.grad_sums import SumsSlot
 from hf_longctx.ops.offload import default_streams
 from hf_longctx.ops.tiling import mlp_chunks_at
