@@ -117,19 +117,31 @@ def _counted_step(counter: Counter, model, batch: dict) -> dict:
 
 @contextlib.contextmanager
 def forced_cuda_path(counter: Counter):
-    """Local attention on the packed flash-attn 2.8 backend with the emulated kernel."""
-    from hf_longctx.ops import kernels
+    """Local attention on the packed flash-attn 2.8 backend with the emulated kernel; a
+    weight-gradient GEMM of bf16 operands into its fp32 sum counted as the one kernel CUDA runs
+    (`ops/grad_sums.accumulate_mm_`: CPU widens the operands, CUDA's GEMM takes the sum as C)."""
+    from hf_longctx.ops import grad_sums, kernels
     from hf_longctx.ops.backends.packed import PackedBackend
     from tests.helpers.emulated_backends import cuda_env
 
     env, _ = cuda_env(flash="2.8.3", torch_ops=False)
     backend = PackedBackend("flash_attn", CountedKernel(env.flash_attn, counter))
-    old = kernels.backend_for
+    old, old_gemm = kernels.backend_for, grad_sums.accumulate_mm_
+
+    def one_gemm(acc, a, b, fresh=False):
+        if a.dtype == acc.dtype:
+            return old_gemm(acc, a, b, fresh)
+        with counter.opaque():
+            old_gemm(acc, a, b, fresh)
+        if counter.active:
+            counter.kernel_names["baddbmm"] += 1
+
     kernels.backend_for = lambda q, *, softcap, mask=False: backend
+    grad_sums.accumulate_mm_ = one_gemm
     try:
         yield
     finally:
-        kernels.backend_for = old
+        kernels.backend_for, grad_sums.accumulate_mm_ = old, old_gemm
 
 
 def patched_counts(mesh, options: dict, family: str, layers: int) -> dict:

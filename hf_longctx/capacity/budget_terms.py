@@ -128,8 +128,9 @@ def loss_terms(z: Sizes, dims: ModelDims, s: float, lr: int, chunked: bool) -> d
     if not chunked:
         return {"logits: log-softmax and two gradients (fp32)": 12 * v_ * s}
     # a chunk's log-softmax and its two gradients (fp32; the fp32 logits are freed before the
-    # chunk's backward), its weight gradient (compute dtype) and the fp32 weight-gradient sum
-    chunk = 12 * lr * v_ + (4 + z.dt) * v_ * h
+    # chunk's backward) and the fp32 weight-gradient sum its weight-gradient GEMM writes into
+    # (ops/grad_sums.py: no weight-sized gradient per chunk)
+    chunk = 12 * lr * v_ + 4 * v_ * h
     return {"final norm output (LM head input)": z.v * s, "gradient of the LM head input": z.v * s,
             "loss chunk (fp32 logits, log-softmax, gradients) and LM-head weight gradients": chunk}
 

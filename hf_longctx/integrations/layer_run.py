@@ -118,8 +118,8 @@ class LayerRun:
                 return
             da = torch.zeros_like(o_seq) if call.d_v < o_seq.shape[-1] else torch.empty_like(o_seq)  # [B, c, H, D]
             for lo, hi in _bounds(i * c, (i + 1) * c, pieces):
-                da[:, lo - i * c : hi - i * c, ..., : call.d_v] = self._post_backward(
-                    lo, hi, h, a[:, lo - i * c : hi - i * c], dh, acc)
+                self._post_backward(lo, hi, h, a[:, lo - i * c : hi - i * c], dh, acc,
+                                    da[:, lo - i * c : hi - i * c, ..., : call.d_v])
             (do_i,) = seq_to_head([da], plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D]
             store.put(("do", i), _to_heads(do_i), o_i)  # o_i: the sink-merged output, kernel layout
 
@@ -181,22 +181,28 @@ class LayerRun:
             if g is not None:
                 acc.add(i, g)
 
-    def _post_backward(self, lo: int, hi: int, h, a_rows, dh, acc) -> torch.Tensor:
+    def _post_backward(self, lo: int, hi: int, h, a_rows, dh, acc, da_rows, learn: bool | None = None) -> None:
         """post(rows) and its backward: dh[rows] becomes the gradient at the attention's residual
-        (in place), the parameter gradients join `acc`; returns the attention output's gradient."""
-        recorded = None if id(self.layer) in self.split.skippable else []  # learn which projections post skips
+        (in place), the parameter gradients join `acc`, the attention output's gradient goes
+        into `da_rows`. `learn`: also find the projections post may skip (`LayerSplit.learn`)."""
+        if learn is None and id(self.layer) not in self.split.skippable and hi - lo > 1:
+            # learnt on the last row, after the others: its one-row graph is all the edges keep alive
+            self._post_backward(lo, hi - 1, h, a_rows[:, :-1], dh, acc, da_rows[:, :-1], learn=False)
+            return self._post_backward(hi - 1, hi, h, a_rows[:, -1:], dh, acc, da_rows[:, -1:], learn=True)
+        learn = id(self.layer) not in self.split.skippable if learn is None else learn
+        recorded = [] if learn else None
         with torch.enable_grad():
             h_rows = h[:, lo:hi].detach().requires_grad_(self.needs_h)
             a = a_rows.detach().requires_grad_()
             out = self.post(lo, hi, h_rows, a, recorded)
-            grads = self._grad([out], [dh[:, lo:hi]], h_rows, extra=[a] + [t for _, t in recorded or ()])
+            grads = self._grad([out], [dh[:, lo:hi]], h_rows, extra=[a] + [e for _, e in recorded or ()])
         if self.needs_h:
             dh[:, lo:hi] = grads.pop(0)
         da = grads.pop(0)
-        if recorded is not None:
+        if learn:
             self.split.learn(self.layer, recorded, [grads.pop(0) for _ in recorded])
         self._collect(grads, acc)
-        return torch.zeros_like(a_rows) if da is None else da
+        da_rows.zero_() if da is None else da_rows.copy_(da)
 
     def _pre_backward(self, lo: int, hi: int, h, dqkv: tuple, dh, acc, replicate: bool) -> None:
         with torch.enable_grad():
@@ -256,7 +262,7 @@ class LayerRun:
             a = self.call.run(q, k, v)  # [B, S, H, D_v], with its autograd graph
         da = torch.empty_like(a)
         for lo, hi in chunks:
-            da[:, lo:hi] = self._post_backward(lo, hi, h, a[:, lo:hi], dh, acc)
+            self._post_backward(lo, hi, h, a[:, lo:hi], dh, acc, da[:, lo:hi])
         wrt = [q, k, v] + ([sinks] if sinks is not None and sinks.requires_grad else [])
         grads = torch.autograd.grad(a, wrt, da, allow_unused=True)
         del a, da

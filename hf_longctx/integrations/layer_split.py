@@ -46,7 +46,7 @@ class LayerSplit:
         self.slot = SumsSlot()  # the layer backward's gradient sums, where the projections write (ops/grad_sums.py)
         self.skippable: dict[int, frozenset] = {}  # id(layer) -> its projections `post` need not run
         self.skip: frozenset = frozenset()  # those of the layer in `post` now
-        self.recorded: list | None = None  # post's projection outputs, while a layer's are being learnt
+        self.recorded: list | None = None  # (module id, output gradient edge) of post's projections, while learning
         self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
         self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows
         self.warned: set[str] = set()
@@ -88,7 +88,8 @@ class LayerSplit:
              recorded: list | None = None) -> torch.Tensor:
         """The layer's output on the rows `h` with attention output `a` ([B, rows, H, D_v]). The
         projections before the attention call that `skippable` names for `layer` are not run
-        (`projection`); `recorded`: a list that gets (id(module), output) of the others."""
+        (`projection`); `recorded`: a list that gets (id(module), the output's gradient edge) of
+        the others."""
         self.mode, self.output, self.replays = "replay", a, 0
         self.skip, self.recorded = self.skippable.get(id(layer), frozenset()), recorded
         try:
@@ -112,8 +113,8 @@ class LayerSplit:
                 dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
                 return x.new_empty((*x.shape[:-1], module.out_features), dtype=dtype)  # [..., out]
             out = forward(x)
-            if self.recorded is not None and out.requires_grad:
-                self.recorded.append((id(module), out))
+            if self.recorded is not None and out.requires_grad:  # its edge, not the tensor: nothing kept alive
+                self.recorded.append((id(module), torch.autograd.graph.get_gradient_edge(out)))
             return out
 
         return run

@@ -29,7 +29,8 @@ def accumulate_mm_(acc: Tensor, a: Tensor, b: Tensor, fresh: bool = False) -> No
     Same dtype: one `addmm_`. Low-precision operands into an fp32 sum: on CUDA one tensor-core
     GEMM with the fp32 sum as its C (torch's `baddbmm(..., out_dtype=float32, out=acc)`, which
     scales and adds into `out` itself); elsewhere (CPU has no `out_dtype` kernel) the operands
-    are widened -- chunk-sized copies, never a parameter-sized one."""
+    are widened K-block by K-block, the widened copies together at most a quarter of the sum's
+    elements -- never a parameter-sized temporary."""
     beta = 0 if fresh else 1
     if a.dtype == acc.dtype and b.dtype == acc.dtype:
         acc.addmm_(a, b, beta=beta)
@@ -38,7 +39,14 @@ def accumulate_mm_(acc: Tensor, a: Tensor, b: Tensor, fresh: bool = False) -> No
         out = acc.unsqueeze(0)  # [1, M, N]: a view of the sum
         torch.baddbmm(out, a.unsqueeze(0), b.unsqueeze(0), beta=beta, out_dtype=acc.dtype, out=out)
         return
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
+    step = max(1, acc.numel() // (4 * (a.shape[0] + b.shape[1])))  # rows of K per block
+    for lo in range(0, a.shape[1], step):
+        acc.addmm_(a[:, lo : lo + step].to(acc.dtype), b[lo : lo + step].to(acc.dtype), beta=beta if lo == 0 else 1)
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The sum's dtype: float64 for float64 parameters (exact references), else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class GradSums:
@@ -55,14 +63,14 @@ class GradSums:
         if i in self.sums:
             return self.sums[i], False
         p = self.params[i]
-        acc = torch.empty(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+        acc = torch.empty(p.shape, dtype=_sum_dtype(p.dtype), device=p.device)
         self.sums[i] = acc
         return acc, True
 
     def add(self, i: int, grad: Tensor) -> None:
         """Add one chunk's gradient of parameter `i` (a parameter no projection sink covers)."""
         if i not in self.sums:
-            self.sums[i] = grad.to(torch.promote_types(self.params[i].dtype, torch.float32), copy=True)
+            self.sums[i] = grad.to(_sum_dtype(self.params[i].dtype), copy=True)
         else:
             self.sums[i].add_(grad)
 

@@ -155,7 +155,10 @@ class _Tokenwise(torch.autograd.Function):
         ctx.autocast = {"enabled": torch.is_autocast_enabled(hidden.device.type),
                         "dtype": torch.get_autocast_dtype(hidden.device.type)}
         ctx.save_for_backward(hidden)
-        return torch.cat([forward(p.contiguous()) for p in torch.tensor_split(hidden, chunks, dim=1)], dim=1)
+        # Detached: a row view taken here (grad off) of a tensor that requires grad would claim
+        # requires_grad without a grad_fn, which hooks on a sub-module's inputs (ModTracker) cannot follow.
+        pieces = torch.tensor_split(hidden.detach(), chunks, dim=1)  # chunks x [B, S_c, Hd]
+        return torch.cat([forward(p.contiguous()) for p in pieces], dim=1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -96,7 +96,7 @@ def test_estimate_within_10_percent_of_measured_peak(checkpoint):
     config = _llama(hidden_size=128, intermediate_size=352, num_attention_heads=4, vocab_size=2048)
     model = LlamaForCausalLM(config)
     mesh = init_sequence_parallel(1, 1)
-    patch(model, mesh, loss_chunks="auto", mlp_chunks=4, checkpoint=checkpoint)
+    patch(model, mesh, loss_chunks="auto", mlp_chunks="auto", checkpoint=checkpoint)  # the chunks the planner models
     opt = torch.optim.AdamW(model.parameters())
     shard = _shard(model, 2048, mesh)
 
