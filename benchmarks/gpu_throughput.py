@@ -12,11 +12,15 @@ model FLOPs / (step seconds x `--peak-tflops`), model FLOPs = 6 (N_layers + N_he
 is not counted; a tied head counts once). `--shape 1b` uses Llama-3.2-1B's widths (16
 layers by default), the shape of the README's earlier H100 record.
 
+A preset may carry patch() keywords: `max+keep` is memory="max" with keep_attention=True (the
+attention's output and LSE kept on the host, no attention recompute); `--knobs JSON` adds
+patch() keywords to every row (e.g. '{"inputs_on_device": 1}').
+
 `--profile PRESET:TOKENS` also runs one step under torch.profiler and prints CUDA time per
 kernel class (GEMM, attention, elementwise/reduction, copies, other) and the top kernels:
 the measured counterpart of the step-time model's breakdown (benchmarks/step_model.py).
 
-Run: python benchmarks/gpu_throughput.py [--tokens 32768 131072] [--presets off balanced high max]
+Run: python benchmarks/gpu_throughput.py [--tokens 32768 131072] [--presets off balanced high max max+keep]
      [--layers 2] [--shape 8b|1b] [--repeat 2] [--profile max:32768] [--json OUT.json]
 """
 
@@ -60,7 +64,10 @@ def model_flops(cfg, tokens: int) -> float:
     return 6 * (L * per_layer + head) * tokens + 6 * L * q * tokens * tokens
 
 
-def _build(shape: str, layers: int, preset: str):
+PRESET_KWARGS = {"max+keep": ("max", {"keep_attention": True})}  # a row name -> (memory preset, more patch() keywords)
+
+
+def _build(shape: str, layers: int, preset: str, knobs: dict | None = None):
     from transformers import LlamaForCausalLM
 
     from hf_longctx import init_sequence_parallel, patch
@@ -71,7 +78,8 @@ def _build(shape: str, layers: int, preset: str):
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(dtype=torch.bfloat16)
     mesh = init_sequence_parallel()
-    return patch(model, mesh, memory=preset), mesh
+    memory, extra = PRESET_KWARGS.get(preset, (preset, {}))
+    return patch(model, mesh, memory=memory, **extra, **(knobs or {})), mesh
 
 
 def _step(model, mesh, tokens: int) -> float:
@@ -122,11 +130,11 @@ def _profile(model, mesh, tokens: int) -> dict:
     return {"classes": classes, "top": [(n[:110], s, c) for n, (s, c) in top]}
 
 
-def _row_main(shape: str, layers: int, preset: str, tokens: int, repeat: int, profile: bool) -> None:
+def _row_main(shape: str, layers: int, preset: str, tokens: int, repeat: int, profile: bool, knobs: dict) -> None:
     torch.cuda.reset_peak_memory_stats()
     row = {"shape": shape, "layers": layers, "preset": preset, "tokens": tokens}
     try:
-        model, mesh = _build(shape, layers, preset)
+        model, mesh = _build(shape, layers, preset, knobs)
         _step(model, mesh, tokens)
         seconds = min(_step(model, mesh, tokens) for _ in range(repeat))
         row.update(fits=True, seconds=seconds, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
@@ -137,11 +145,12 @@ def _row_main(shape: str, layers: int, preset: str, tokens: int, repeat: int, pr
     print(_RESULT + json.dumps(row), flush=True)
 
 
-def run_row(shape: str, layers: int, preset: str, tokens: int, repeat: int, profile: bool, timeout: float) -> dict:
+def run_row(shape: str, layers: int, preset: str, tokens: int, repeat: int, profile: bool, timeout: float,
+            knobs: str = "{}") -> dict:
     root = Path(os.environ.get("HF_LONGCTX_ROOT", Path(__file__).resolve().parents[1]))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--row", shape, str(layers), preset, str(tokens),
-           "--repeat", str(repeat)] + (["--profile-row"] if profile else [])
+           "--repeat", str(repeat), "--knobs", knobs] + (["--profile-row"] if profile else [])
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=timeout)
@@ -184,6 +193,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per configuration")
     parser.add_argument("--profile", default=None, metavar="PRESET:TOKENS")
     parser.add_argument("--json", default=None, help="also write every row here")
+    parser.add_argument("--knobs", default="{}", help="JSON of more patch() keywords for every row")
     parser.add_argument("--row", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--profile-row", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -191,18 +201,18 @@ def main() -> None:
         raise SystemExit("no CUDA device: nothing to measure")
     if args.row:
         shape, layers, preset, tokens = args.row
-        _row_main(shape, int(layers), preset, int(tokens), args.repeat, args.profile_row)
+        _row_main(shape, int(layers), preset, int(tokens), args.repeat, args.profile_row, json.loads(args.knobs))
         return
     layers = args.layers or SHAPES[args.shape][-1]
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  shape {args.shape}  layers {layers}")
     rows = []
     for tokens in args.tokens:
         for preset in args.presets:
-            rows.append(run_row(args.shape, layers, preset, tokens, args.repeat, False, args.timeout))
+            rows.append(run_row(args.shape, layers, preset, tokens, args.repeat, False, args.timeout, args.knobs))
             print_row(rows[-1], args.peak_tflops)
     if args.profile:
         preset, tokens = args.profile.split(":")
-        rows.append(run_row(args.shape, layers, preset, int(tokens), 1, True, args.timeout))
+        rows.append(run_row(args.shape, layers, preset, int(tokens), 1, True, args.timeout, args.knobs))
         print_row(rows[-1], args.peak_tflops)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -47,6 +47,7 @@ LAYOUTS = [
     ("memory='balanced' (U2)", 2, 1, 1, {"memory": "balanced"}, "llama"),
     ("memory='high' (U2, u=2)", 2, 1, 2, {"memory": "high"}, "llama"),
     ("memory='max' (U2, u=2)", 2, 1, 2, {"memory": "max"}, "llama"),
+    ("memory='max' + keep_attention (U2, u=2)", 2, 1, 2, {"memory": "max", "keep_attention": True}, "llama"),
     ("conv: LFM2 (U2)", 2, 1, 1, {}, "lfm2"),
     ("GDN: Qwen3.5 (U2)", 2, 1, 1, {}, "qwen3_5"),
     ("Mamba-2: Bamba (U2)", 2, 1, 1, {}, "bamba"),

@@ -55,6 +55,10 @@ class PatchOptions:
     memory: the preset these knobs came from (None: set one by one, or nothing).
     inputs_on_device: the last N decoder layers keep their checkpointed inputs on the device
         (not a knob of the presets: it goes with any preset or knobs that checkpoint).
+    keep_attention: row-chunked layers (memory="max", or checkpoint=True with mlp_chunks) keep
+        each attention call's output and log-sum-exp (on the host where the device offloads) so
+        the backward does not run the attention's forward again (not a knob of the presets: it
+        goes with memory="max" like inputs_on_device; `integrations/layer_run.py`).
     """
 
     kv_offload: bool = False
@@ -63,9 +67,11 @@ class PatchOptions:
     checkpoint: bool | str = False
     memory: str | None = None
     inputs_on_device: int = 0
+    keep_attention: bool = False
 
     @classmethod
-    def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int, inputs_on_device: int = 0) -> "PatchOptions":
+    def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int, inputs_on_device: int = 0,
+                keep_attention: bool = False) -> "PatchOptions":
         """Options from `patch()`'s arguments: `knobs` holds only the knobs the caller passed
         explicitly. A preset and an explicit knob together are refused: the preset would
         silently override the knob or the knob the preset."""
@@ -73,13 +79,14 @@ class PatchOptions:
         if unknown:
             raise TypeError(f"unknown patch() options {unknown}; the memory knobs are {KNOBS}")
         if memory is None:
-            return cls(**knobs, inputs_on_device=inputs_on_device)
+            return cls(**knobs, inputs_on_device=inputs_on_device, keep_attention=keep_attention)
         if knobs:
             raise ValueError(
                 f"patch(memory={memory!r}) together with explicit {sorted(knobs)} is ambiguous; pass either a preset "
                 f"(memory in {MEMORY_PRESETS}) or the individual knobs"
             )
-        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory, inputs_on_device=inputs_on_device)
+        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory, inputs_on_device=inputs_on_device,
+                   keep_attention=keep_attention)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_offload, bool):
@@ -100,6 +107,19 @@ class PatchOptions:
             raise ValueError(
                 f"inputs_on_device={n} keeps checkpointed layer inputs on the device, but checkpointing is off "
                 f"(memory={self.memory!r}, checkpoint={self.checkpoint!r}): use memory='high' or 'max' with it, or drop it"
+            )
+
+        self._check_keep_attention()
+
+    def _check_keep_attention(self) -> None:
+        if not isinstance(self.keep_attention, bool):
+            raise ValueError(f"keep_attention must be True or False, got {self.keep_attention!r}")
+        if self.keep_attention and not (self.checkpoint is True and self.mlp_chunks is not None):
+            raise ValueError(
+                f"keep_attention=True keeps the attention's output and log-sum-exp of row-chunked layers "
+                f"(memory='max', or checkpoint=True with mlp_chunks), but memory={self.memory!r}, "
+                f"checkpoint={self.checkpoint!r}, mlp_chunks={self.mlp_chunks!r}: use memory='max' with it "
+                f"(memory='high' / checkpoint='attention' keeps the attention's saved tensors already)"
             )
 
     @property

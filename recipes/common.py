@@ -8,6 +8,7 @@ setting printed by `hf-longctx plan` ("as recipe flags") pastes into any of them
   --memory off|balanced|high|max      -> patch(model, mesh, memory=...)       (FPDT §4 presets)
   --kv-offload                         -> patch(kv_offload=True)  (expert knob; not with --memory)
   --inputs-on-device N                 -> patch(inputs_on_device=N)  (with --memory high/max)
+  --keep-attention                     -> patch(keep_attention=True)  (with --memory max)
   --mixers auto|heads|state            -> patch(mixers=...)  (hybrid models' linear recurrences)
   --sync-each-microbatch               -> LongContextTrainer(sync_each_microbatch=True)
   --param-offload                      -> LongContextTrainer(param_offload=True) (FSDP2 CPUOffloadPolicy)
@@ -51,6 +52,9 @@ def add_common_args(p: argparse.ArgumentParser, *, ulysses: int = 1, ring: int =
     g.add_argument("--inputs-on-device", type=int, default=0,
                    help="patch(inputs_on_device=N): the last N decoder layers keep their checkpointed inputs on the GPU "
                         "(with --memory high/max; `hf-longctx plan` suggests N where host memory binds)")
+    g.add_argument("--keep-attention", action="store_true",
+                   help="patch(keep_attention=True): with --memory max, keep each layer's attention output and LSE on "
+                        "the host so the backward does not run the attention again (`hf-longctx plan` says when)")
     g.add_argument("--mixers", choices=("auto", "heads", "state"), default=None,
                    help="patch(mixers=...): how a hybrid model's linear recurrences cross the SP group (head all-to-all "
                         "or state passing); default: per micro-batch by the cost rule")
@@ -80,6 +84,9 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> a
     if args.inputs_on_device and args.memory not in ("high", "max"):
         p.error(f"--inputs-on-device {args.inputs_on_device} keeps checkpointed layer inputs on the GPU: it needs "
                 f"--memory high or max (got --memory {args.memory})")
+    if getattr(args, "keep_attention", False) and args.memory != "max":
+        p.error(f"--keep-attention keeps the attention of memory='max''s row-chunked layers: it needs --memory max "
+                f"(got --memory {args.memory}; 'high' keeps the attention's saved tensors already)")
     if args.memory is not None and args.kv_offload:
         p.error(f"--memory {args.memory} and --kv-offload together: the preset sets K/V offload ('max' with "
                 "--fpdt-chunks > 1 offloads); pass one of them")
@@ -91,6 +98,8 @@ def patch_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {"memory": args.memory} if args.memory is not None else ({"kv_offload": True} if args.kv_offload else {})
     if getattr(args, "inputs_on_device", 0):
         kwargs["inputs_on_device"] = args.inputs_on_device
+    if getattr(args, "keep_attention", False):
+        kwargs["keep_attention"] = True
     return {**kwargs, "mixers": args.mixers} if getattr(args, "mixers", None) is not None else kwargs
 
 

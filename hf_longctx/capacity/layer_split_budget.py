@@ -37,6 +37,8 @@ def split_budget(dims, s, z: Sizes, S, n, r, lr, L, rope, kernel, offload) -> Bu
     seq = {"layer input (device copy)": z.v * S if offload else 0.0, "gradient through the layer (in place)": z.v * S,
            "fp32 sums of the layer's parameter gradients": 4 * dims.layer_params}
     prefetch = {"next layer input (prefetched)": z.v * S} if offload and L > 1 else {}
+    if s.keep_attention:
+        _keep_attention(z, S, L, u, offload, host, held, seq, prefetch)
     forward, post = _piece_terms(dims, z, S, p)
     if u > 1:  # FPDT: prefetched when the layer's backward starts; without FPDT after its attention's backward
         on_device, on_host = _fpdt_state(s, z, S, u, offload)
@@ -62,6 +64,22 @@ def _kept_inputs(s, z: Sizes, S, L, rope, offload) -> tuple[dict, dict]:
     elif k:
         held["layer inputs kept on the device (inputs_on_device)"] = k * z.v * S
     return host, held
+
+
+def _keep_attention(z: Sizes, S, L, u, offload, host, held, seq, prefetch) -> None:
+    """keep_attention: every layer's attention output (kernel layout) and fp32 LSE, pinned on
+    the host when offloading (per FPDT chunk with FPDT) else on the device; the layer in backward
+    reads its own back (without FPDT in place of the recomputed output the phases count already)
+    and the next one's comes in with that layer's input."""
+    kept = (z.qb + z.lse) * S
+    if not offload:
+        held["attention output and lse kept (keep_attention)"] = L * kept
+        return
+    host["attention output and lse kept (keep_attention)"] = L * pinned(u, z.qb * S / u) + L * pinned(u, z.lse * S / u)
+    if u > 1:  # FPDT: the chunks' copies through the layer's backward (without FPDT they replace the recompute's)
+        seq["kept attention output and lse (device copy)"] = kept
+    if prefetch:
+        prefetch["next layer's kept attention output and lse (prefetched)"] = kept
 
 
 def _piece_terms(dims, z: Sizes, S, p) -> tuple[dict, dict]:

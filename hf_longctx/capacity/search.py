@@ -87,8 +87,9 @@ class Suggestion:
     def code(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.init_kwargs.items())
         kept = self.candidate.setting.inputs_on_device
+        keep = ", keep_attention=True" if self.candidate.setting.keep_attention else ""
         out = (f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r}"
-               + (f", inputs_on_device={kept})" if kept else ")"))
+               + keep + (f", inputs_on_device={kept})" if kept else ")"))
         if self.trainer_kwargs:
             kw = ", ".join(f"{k}={v}" for k, v in self.trainer_kwargs.items())
             out += f"\ntrainer = hf_longctx.LongContextTrainer(model=model, args=args, mesh=mesh, {kw}, ...)"
@@ -101,6 +102,8 @@ class Suggestion:
                  f"--memory {self.memory}"]
         if self.candidate.setting.inputs_on_device:
             flags.append(f"--inputs-on-device {self.candidate.setting.inputs_on_device}")
+        if self.candidate.setting.keep_attention:
+            flags.append("--keep-attention")
         if "max_tokens" in t:
             flags += [f"--max-tokens {t['max_tokens']}", f"--tokens-per-step {t['tokens_per_step']}"]
         flags += [f"--mixed-precision {self.mixed_precision}"]
@@ -135,8 +138,9 @@ def enumerate_settings(
 ) -> list[tuple[Setting, str]]:
     """Every (setting, preset) the library accepts: ulysses × ring dividing `gpus` with
     Ulysses-divisible heads; FPDT chunks (powers of two) only with ring 1; each mesh with
-    the four memory presets (K/V offload comes with "high"/"max" exactly when FPDT is on), and
-    with parameter offload off and/or on (`param_offload`: "no", "yes", "auto" = both)."""
+    the four memory presets (K/V offload comes with "high"/"max" exactly when FPDT is on; "max"
+    also with keep_attention), and with parameter offload off and/or on (`param_offload`: "no",
+    "yes", "auto" = both)."""
     if param_offload not in PARAM_OFFLOAD:
         raise ValueError(f"param_offload must be one of {sorted(PARAM_OFFLOAD)}, got {param_offload!r}")
     out = []
@@ -156,7 +160,8 @@ def enumerate_settings(
             for u in chunk_options:
                 for memory in MEMORY_PRESETS:
                     for off in PARAM_OFFLOAD[param_offload]:
-                        out.append((replace(preset_setting(ulysses, ring, u, memory, dims), param_offload=off), memory))
+                        s = replace(preset_setting(ulysses, ring, u, memory, dims), param_offload=off)
+                        out += [(s, memory)] + ([(replace(s, keep_attention=True), memory)] if memory == "max" else [])
     return out
 
 
@@ -216,7 +221,7 @@ def rank_settings(
                                    unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
 
         mem = memory(s)
-        if s.checkpoint and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
+        if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
             s, mem = inputs_on_device(s, mem, memory, dims.layers, usable_gpu, usable_host / per_node)
         secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len, microbatches=mbs, optimizer=optimizer,
                          grad_sync=grad_sync) + mixer_seconds(config, s, cluster, tokens, dtype)

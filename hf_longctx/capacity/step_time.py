@@ -17,6 +17,13 @@ from hf_longctx.capacity.cluster import Cluster
 from hf_longctx.capacity.estimate import DTYPE_BYTES, ModelDims, Setting, kept_attention_bytes
 
 
+def keep_attention_bytes(dims: ModelDims, dt: int, keep: bool) -> float:
+    """Bytes per token and layer keep_attention moves to the host and back: the attention's
+    output and fp32 LSE (0 without it). With it the backward skips the attention's forward
+    (its FLOPs and ring passes), the Ulysses all-to-alls still run three times."""
+    return dt * dims.heads * dims.head_dim + 4 * dims.heads if keep else 0.0
+
+
 def step_time(
     dims: ModelDims, cost: CostModel, s: Setting, cluster: Cluster, tokens: int, dtype: str, seq_len: int | None = None,
     *, microbatches: int = 1, optimizer: str = "adamw", grad_sync: str = "step",
@@ -34,7 +41,8 @@ def step_time(
     # Recompute: one more forward (1/3 of forward + backward); keep-attention skips its
     # attention part (the quadratic term of the cost model, `attn_flops`).
     attn_flops = cost.a * (docs * seq_len**2 + rest**2)
-    extra = total / 3 if s.checkpoint is True else (total - attn_flops) / 3 if s.checkpoint else 0.0
+    keep = s.checkpoint is True and s.keep_attention  # row-chunked layers replay the kept output and LSE
+    extra = total / 3 if s.checkpoint is True and not keep else (total - attn_flops) / 3 if s.checkpoint else 0.0
     if s.mlp_chunks > 1:
         extra += 2 * (3 if dims.gated else 2) * dims.hidden * dims.intermediate * dims.layers * tokens
     compute = (total + extra) / s.sp / rate
@@ -51,7 +59,7 @@ def step_time(
     ring = 0.0
     if s.ring > 1:
         block = dt * (tokens / s.ring) * 2 * kv / s.ulysses
-        ring = dims.layers * (passes + 1) * (s.ring - 1) * block / cluster.bandwidth(s.sp)
+        ring = dims.layers * (passes + 1 - keep) * (s.ring - 1) * block / cluster.bandwidth(s.sp)
     fsdp = 3 * dt * dims.params * (world - 1) / world / cluster.bandwidth(world) if world > 1 else 0.0
     offload = 0.0
     if s.kv_offload:
@@ -59,7 +67,7 @@ def step_time(
         # (causal: (u-1)/2 times on average) in forward and again in backward.
         offload += dims.layers * dt * s_l * (3 * q + 2 * kv) * (1 + s.fpdt_chunks) / cluster.pcie_bw
     if s.checkpoint:
-        kept = kept_attention_bytes(dims, dt, f, s) if s.checkpoint == "attention" else 0.0
+        kept = kept_attention_bytes(dims, dt, f, s) if s.checkpoint == "attention" else keep_attention_bytes(dims, dt, keep)
         inputs = (dims.layers - min(dims.layers, s.inputs_on_device)) * dt * dims.hidden  # the rest stay on the GPU
         offload += 2 * s_l * (inputs + dims.layers * kept) / cluster.pcie_bw  # to host and back
     cpu_step = 0.0

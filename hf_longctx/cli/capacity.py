@@ -70,7 +70,7 @@ def _gib(x: float) -> str:
 def _row(rank: int | str, c) -> list[str]:
     s, m = c.setting, c.memory
     return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
-            {True: "full", "attention": "keep attn"}.get(s.checkpoint, "no"), "yes" if s.mlp_chunks > 1 else "no", str(s.inputs_on_device), "yes" if s.param_offload else "no",
+            ("full, keep attn out" if s.keep_attention else "full") if s.checkpoint is True else {"attention": "keep attn"}.get(s.checkpoint, "no"), "yes" if s.mlp_chunks > 1 else "no", str(s.inputs_on_device), "yes" if s.param_offload else "no",
             str(c.microbatches), _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers + m.backward_grads), _gib(m.peak),
             _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
             "yes" if c.feasible else f"no: {c.reason}"]
@@ -109,7 +109,8 @@ def footer(args: argparse.Namespace) -> str:
         "peak = params + optim + max(grads, activ + buffers);",
         "- inputs on GPU = N: where host memory binds and the GPU has room, the fewest last decoder layers whose "
         "checkpointed inputs stay on the GPU (in activ, not in host) that make the host fit "
-        "(patch(..., inputs_on_device=N));",
+        "(patch(..., inputs_on_device=N)); ckpt 'full, keep attn out' = memory='max' with keep_attention=True: each "
+        "layer's attention output and LSE kept on the host (in host), no attention recompute in the backward;",
         *([f"- --unequal-calls: every rank holds the whole model in {args.dtype} for the step (in params) next to the "
            "held fp32 unsharded gradients, as ranks run different numbers of micro-batches "
            "(flex/unsharded_step.py);"]

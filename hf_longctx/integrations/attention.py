@@ -163,6 +163,22 @@ class AttentionCall:
             out = out[..., : self.d_v].contiguous()  # [B, S_local, H, D_v]
         return out
 
+    def run_kept(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """USP without a graph: (out [B, S_local, H, D_v], the ring's merged out and lse to keep)."""
+        from hf_longctx.ops.usp import usp_forward_kept
+
+        with torch.autocast(q.device.type, enabled=False):
+            out, ring_out, lse = usp_forward_kept(q, k, v, self.mesh, plan_cache=self.plan_cache, **self.kw)
+        return (out if out.shape[-1] == self.d_v else out[..., : self.d_v].contiguous()), ring_out, lse
+
+    def replay(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring_out: torch.Tensor, lse: torch.Tensor):
+        """`run` with its ring replaced by what `run_kept` kept: differentiable, no attention kernel."""
+        from hf_longctx.ops.usp import usp_replay
+
+        with torch.autocast(q.device.type, enabled=False):
+            out = usp_replay(q, k, v, self.mesh, ring_out, lse, plan_cache=self.plan_cache, **self.kw)
+        return out if out.shape[-1] == self.d_v else out[..., : self.d_v].contiguous()
+
 
 def _attend(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
     """One sequence-parallel attention call: query [B, H, S_local, D], key/value [B, H_kv, S_local, D]

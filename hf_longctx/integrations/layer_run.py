@@ -4,8 +4,10 @@ Where it sits: `integrations/layer_split.LayerSplit.call` builds a `LayerRun` pe
 call and applies `ChunkedLayer` (one autograd node: inputs (hidden states, *parameters)); the
 run cuts the call's per-token arguments to row chunks (`rows`) and drives the pre-attention and
 post-attention runs of `LayerSplit` and FPDT's chunk loops (`ops/fpdt.fpdt_forward_chunks`,
-`fpdt_backward_chunks`) in the order the module docstring of `layer_split.py` describes. FPDT
-§3.3-3.5.
+`fpdt_backward_chunks`) in the order the module docstring of `layer_split.py` describes. With
+`patch(keep_attention=True)` the forward parks the attention's merged output and LSE with the
+layer input and the backward replays them (`AttentionCall.replay`, `ops/fpdt.fpdt_replay_chunks`)
+instead of running the attention's forward again. FPDT §3.3-3.5.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.integrations.checkpointing import Inputs, park
 from hf_longctx.integrations.layer_rows import _bounds, _rows
-from hf_longctx.ops.fpdt import _from_heads, _to_heads, fpdt_backward_chunks, fpdt_forward_chunks
+from hf_longctx.ops.fpdt import _from_heads, _to_heads, fpdt_backward_chunks, fpdt_forward_chunks, fpdt_replay_chunks
 from hf_longctx.ops.fpdt_schedule import plan_for
 from hf_longctx.ops.grad_sums import GradSums
 from hf_longctx.ops.offload import ChunkStore
@@ -33,6 +35,7 @@ class LayerRun:
         self.split, self.layer, self.forward, self.kwargs, self.params = split, layer, forward, kwargs, params
         self.streams, self.keep = streams, keep  # keep: the input stays on the device (not parked on the host)
         self.call = None  # the attention's arguments, from the first pre-attention run
+        self.kept_chunks: list[int] = []  # keep_attention with FPDT: the kept (o_i, lse_i) in this order of i
 
     def pre(self, lo: int, hi: int, h: torch.Tensor) -> tuple:
         return self.split.pre(self.forward, h, _rows(self.kwargs, self.s, lo, hi))
@@ -62,12 +65,22 @@ class LayerRun:
         else:
             q, k, v = self._qkv_full(h, tuple(qkv0))
             del qkv0
-            a = self.call.run(q, k, v, save=False)  # [B, S, H, D_v]
+            if split.keep_attention:  # the ring's merged out and lse wait for the backward with the input
+                a, *kept = self.call.run_kept(q, k, v)  # [B, S, H, D_v]; [1, H/U, S_ring, D], [1, H/U, S_ring]
+                self._keep(kept)
+            else:
+                a = self.call.run(q, k, v, save=False)  # [B, S, H, D_v]
             del q, k, v
             for lo, hi in _bounds(0, self.s, self.chunks):
                 out[:, lo:hi] = self.post(lo, hi, h[:, lo:hi], a[:, lo:hi])
         self.inputs.box[:] = self.inputs.parked  # from now on only the backward reads the input
         return out
+
+    def _keep(self, tensors: list) -> None:
+        """Park `tensors` with the layer input (host copies where the device offloads): the
+        backward reads them with it, and the layer after prefetches them with it."""
+        self.inputs.box.extend(tensors)
+        self.inputs.parked.extend(park(t, self.streams) for t in tensors)
 
     def _first_rows(self) -> int:
         """Rows of the first chunk: an FPDT chunk when the batch's mesh has chunks, else a layer chunk."""
@@ -91,10 +104,11 @@ class LayerRun:
         return tuple(full)
 
     # ---- FPDT: the chunk loop with the token-wise parts inside ------------------------------------
-    def _fpdt(self, h, box: list, out=None, dh=None, store=None, acc=None):
-        """Forward (`out` given, nothing saved) or the backward's recompute (`dh` given: post's
-        backward per finished chunk, its dout put into `store`); `box`: [chunk 0's (q, k, v)],
-        emptied when the loop takes them. Returns (plan, local sinks)."""
+    def _fpdt(self, h, box: list, out=None, dh=None, store=None, acc=None, kept=None):
+        """Forward (`out` given, nothing saved but the chunks' (o_i, lse_i) with keep_attention)
+        or the backward's recompute (`dh` given: post's backward per finished chunk, its dout put
+        into `store`; with `kept`, the forward's (o_i, lse_i) instead of the attention kernels);
+        `box`: [chunk 0's (q, k, v)], emptied when the loop takes them. Returns (plan, sinks)."""
         call = self.call
         mesh, kw = call.mesh, call.kw
         u = mesh.fpdt_chunks
@@ -113,6 +127,9 @@ class LayerRun:
             (o_seq,) = head_to_seq([_from_heads(o_i)], plan.group)  # [B, S/u, H/U, D] -> [B, c, H, D]
             a = o_seq[..., : call.d_v]
             if out is not None:
+                if self.split.keep_attention:
+                    self._keep([o_i, lse_i])  # [B, h, S/u, D], [B, h, S/u]
+                    self.kept_chunks.append(i)  # the order the loop finished the query chunks in
                 for lo, hi in _bounds(i * c, (i + 1) * c, pieces):
                     out[:, lo:hi] = self.post(lo, hi, h[:, lo:hi], a[:, lo - i * c : hi - i * c])
                 return
@@ -124,8 +141,12 @@ class LayerRun:
             store.put(("do", i), _to_heads(do_i), o_i)  # o_i: the sink-merged output, kernel layout
 
         with torch.no_grad():
-            fpdt_forward_chunks(inputs, plan, store or ChunkStore(h.device, offload=call.offload), emit, sinks,
-                                save=out is None)
+            if kept:
+                at = {i: 2 * n for n, i in enumerate(self.kept_chunks)}
+                fpdt_replay_chunks(inputs, plan, store, lambda i: kept[at[i] : at[i] + 2], emit)
+            else:
+                fpdt_forward_chunks(inputs, plan, store or ChunkStore(h.device, offload=call.offload), emit, sinks,
+                                    save=out is None)
         return plan, sinks
 
     # ---- backward ----------------------------------------------------------------------------------
@@ -137,7 +158,7 @@ class LayerRun:
                 f"memory='max': {type(self.layer).__name__}'s parameters are other tensors in the backward than in the "
                 "forward (a wrapper that swaps parameter objects, e.g. FSDP1 flat parameters); use FSDP2 (fully_shard) or "
                 "patch with checkpoint='attention'")
-        (h,) = self.inputs.read(streams)  # the parked input, back on the device (waits for its copy)
+        h, *kept = self.inputs.read(streams)  # the parked input (and kept attention), back on the device
         if self.call.mesh.fpdt_chunks > 1:  # FPDT keeps O(chunk) of the attention: prefetch at once
             self._prefetch()
         if split.chain.last is self.inputs:
@@ -150,9 +171,9 @@ class LayerRun:
         self.needs_params = needs
         with torch.autocast(self.device_type, **self.autocast), split.slot.bound(acc):
             if self.call.mesh.fpdt_chunks > 1:
-                self._fpdt_backward(h, dh, acc)
+                self._fpdt_backward(h, dh, acc, kept)
             else:
-                self._usp_backward(h, dh, acc)
+                self._usp_backward(h, dh, acc, kept)
         grads = acc.grads()
         if not self.needs_h:
             return None, grads
@@ -227,14 +248,14 @@ class LayerRun:
         for i in [i for i, p in enumerate(self.params) if p is sinks]:
             acc.add(i, g)
 
-    def _fpdt_backward(self, h, dh, acc) -> None:
+    def _fpdt_backward(self, h, dh, acc, kept: list) -> None:
         store = ChunkStore(h.device, offload=self.call.offload)
         u, c = self.call.mesh.fpdt_chunks, self.s // self.call.mesh.fpdt_chunks
         pieces = max(1, math.ceil(self.chunks / u))
         with torch.no_grad():
             box = [self.pre(0, c, h[:, :c])[:3]]
         dtype = box[0][0].dtype
-        plan, sinks = self._fpdt(h, box, dh=dh, store=store, acc=acc)
+        plan, sinks = self._fpdt(h, box, dh=dh, store=store, acc=acc, kept=kept)
         rows: dict[int, dict] = {}
 
         def emit(j: int, dk_j, dv_j, dq_done: dict) -> None:
@@ -250,7 +271,7 @@ class LayerRun:
         dsink = fpdt_backward_chunks(plan, store, dtype, emit, sinks)
         self._sink_grad(dsink, acc)
 
-    def _usp_backward(self, h, dh, acc) -> None:
+    def _usp_backward(self, h, dh, acc, kept: list) -> None:
         chunks = _bounds(0, self.s, self.chunks)
         with torch.no_grad():
             first = self.pre(*chunks[0], h[:, : chunks[0][1]])[:3]
@@ -258,8 +279,9 @@ class LayerRun:
             del first
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         sinks = self.call.kw["sinks"]
-        with torch.enable_grad():
-            a = self.call.run(q, k, v)  # [B, S, H, D_v], with its autograd graph
+        with torch.enable_grad():  # [B, S, H, D_v], with its autograd graph; kept: no attention kernel again
+            a = self.call.replay(q, k, v, *kept) if kept else self.call.run(q, k, v)
+        kept.clear()  # the replay's graph holds them until the attention's backward; no longer
         da = torch.empty_like(a)
         for lo, hi in chunks:
             self._post_backward(lo, hi, h, a[:, lo:hi], dh, acc, da[:, lo:hi])

@@ -249,6 +249,7 @@ def apply_memory_options(
     keeper: AttentionKeeper | None = None,
     split: LayerSplit | None = None,
     inputs_on_device: int = 0,
+    keep_attention: bool = False,
 ) -> Callable[[], None]:
     """Turn on the memory options on `model` in place; return an undo that restores it exactly.
 
@@ -260,8 +261,9 @@ def apply_memory_options(
     checkpoint=True; with chunked MLPs too (memory="max") every layer runs in row chunks
     (integrations/layer_split.py) and so does the final norm. `inputs_on_device`: the last N
     decoder layers keep their checkpointed inputs on the device instead of the host (needs
-    checkpointing; at most the number of decoder layers). Everything is validated before the
-    model is touched.
+    checkpointing; at most the number of decoder layers). `keep_attention`: the row-chunked
+    layers keep their attention's output and LSE for the backward (needs `split` and chunked
+    MLPs). Everything is validated before the model is touched.
     """
     if not isinstance(kv_offload, bool) or not (isinstance(checkpoint, bool) or checkpoint == "attention"):
         raise ValueError(f"kv_offload must be a bool and checkpoint True, False or 'attention', got "
@@ -270,6 +272,8 @@ def apply_memory_options(
         raise ValueError("checkpoint='attention' needs the patch's AttentionKeeper (keeper=), and only it")
     if split is not None and checkpoint is not True:
         raise ValueError("a LayerSplit (split=) goes with checkpoint=True only")
+    if keep_attention and (split is None or mlp_chunks is None):
+        raise ValueError("keep_attention=True needs row-chunked layers: checkpoint=True, a LayerSplit and mlp_chunks")
     if kv_offload and mesh.fpdt_chunks < 2:
         raise ValueError(
             f"kv_offload=True needs FPDT chunks (mesh.fpdt_chunks = {mesh.fpdt_chunks}); "
@@ -294,13 +298,14 @@ def apply_memory_options(
         if loss_chunks is not None:
             _patch_loss(model, loss_chunks, undo)
         if checkpoint is True and split is not None and mlp_chunks is not None:
+            split.keep_attention = keep_attention
             _patch_split(model, split, mlp_chunks, undo, auto, inputs_on_device)
         elif checkpoint:
             patch_checkpointing(model, undo, keeper=keeper, split=split, inputs_on_device=inputs_on_device)
         if checkpoint or kv_offload:
             _patch_host_budget(model, mesh, dict(kv_offload=kv_offload, checkpoint=checkpoint,
                                                  mlp_chunks=mlp_chunks or 1, loss_chunks=0 if loss_chunks else 1,
-                                                 inputs_on_device=inputs_on_device), undo)
+                                                 inputs_on_device=inputs_on_device, keep_attention=keep_attention), undo)
     except BaseException:
         for restore in reversed(undo):
             restore()

@@ -59,6 +59,7 @@ def patch(
     loss_chunks: int | str | None = UNSET,
     checkpoint: bool | str = UNSET,
     inputs_on_device: int = 0,
+    keep_attention: bool = False,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
@@ -73,6 +74,8 @@ def patch(
     keep their inputs on the GPU instead of pinned host memory -- each layer's input is
     hidden x 2 bytes per token of the rank (bf16): GPU memory the preset leaves free holds
     what the host cannot; `hf-longctx plan` suggests N where host memory binds. Default 0.
+    `keep_attention`: with memory="max", layers keep the attention's output and LSE (host memory,
+    about a layer input per token) for their backward; `hf-longctx plan` says where it pays.
 
     Call it on every rank. Afterwards call the model with `shard_batch(batch, mesh)`; each
     rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
@@ -100,7 +103,7 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention)
     hf = hf_model(model)
     old = hf.__dict__.get(STATE_ATTR)
     if old is not None:
@@ -218,7 +221,7 @@ def _apply_memory_options(state: PatchState, hf) -> None:
     state.memory_undo = apply_memory_options(
         hf, state.mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
         checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
-        inputs_on_device=options.inputs_on_device,
+        inputs_on_device=options.inputs_on_device, keep_attention=options.keep_attention,
     )
 
 

@@ -8,7 +8,8 @@ Forward: per query chunk, attention over the K/V chunks it may see (`ops/fpdt_sc
 folded with `ops/lse.py`; finished K/V wait in a `ChunkStore` (`ops/offload.py`). Backward
 (§3.4): K/V outer, Q inner, from the final (sink-merged, `ops/sinks.py`) out/lse.
 Exact: outputs and gradients equal single-device attention, packed documents included.
-Three layers: `fpdt_forward` / `fpdt_backward` → `FPDTAttention` → `fpdt_attention`."""
+Three layers: `fpdt_forward` / `fpdt_backward` → `FPDTAttention` → `fpdt_attention`;
+`fpdt_replay_chunks`: the forward loop's bookkeeping with kept outputs (keep-attention)."""
 
 from __future__ import annotations
 
@@ -105,6 +106,23 @@ def fpdt_forward_chunks(
     if not save:
         for key in [("q", i) for i in range(u) if later_q[i]] + [("kv", j) for j in range(u) if later_kv[j]]:
             store.discard(key)
+
+
+def fpdt_replay_chunks(inputs: Callable[[int], tuple], plan: FPDTPlan, store: ChunkStore, kept: Callable, emit: Callable) -> None:
+    """The forward loop without its kernels, for a backward whose outputs were kept: every
+    local chunk's q, k, v (`inputs(step)`, recomputed) through its all-to-all into `store`
+    (("q", i), ("kv", j)), and each query chunk's kept result `kept(i)` = (o_i, lse_i) (what the
+    forward's `emit` got) as ("lse", i) and to `emit(i, o_i, lse_i)`, in the forward's order."""
+    for step in range(plan.chunks):
+        qh, kh, vh = seq_to_head(list(inputs(step)), plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D] (k, v: H_kv'/U)
+        store.put(("q", step), _to_heads(qh))  # [B, h, S/u, D]
+        store.put(("kv", step), _to_heads(kh), _to_heads(vh))
+        del qh, kh, vh
+        for i in [i for i in range(plan.chunks) if plan.ready_at[i] == step]:
+            o_i, lse_i = kept(i)
+            store.put(("lse", i), lse_i)
+            emit(i, o_i, lse_i)
+            del o_i, lse_i
 
 
 def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore, sinks=None, save: bool = True) -> torch.Tensor:

@@ -7,7 +7,8 @@ Guarantees: blocks planned from global document boundaries, so packed documents 
 each other and every rank computes the same number of causal scores; sinks merge once,
 after the last step (`ops/sinks.py`). Backward: recompute from the final out/lse, dq kept
 locally, each block's dK/dV accumulator travels with it back to its owner after R hops.
-Three layers: `ring_forward` / `ring_backward` → `RingAttention` → `ring_attention`."""
+Three layers: `ring_forward` / `ring_backward` → `RingAttention` → `ring_attention`;
+`RingReplay`: the Function with the forward's result given (keep-attention)."""
 
 from __future__ import annotations
 
@@ -178,6 +179,22 @@ class RingAttention(torch.autograd.Function):
         dq, dk, dv = ring_backward(dout, q, k, v, kv, out, lse, ctx.spec, **ctx.kw)
         dsink = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsink
+
+
+class RingReplay(RingAttention):
+    """`RingAttention` whose forward result is given: `out` / `lse` [B, H, S_ring(, D)] kept from
+    a forward on the same q, k, v (`ring_forward`; out in q's dtype). Nothing is computed and no
+    K/V travels; the backward is RingAttention's (keep-attention of row-chunked layers)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, scale, causal, window, softcap, sinks, out, lse):  # type: ignore[override]
+        ctx.save_for_backward(q, k, v, None, out, lse, sinks)
+        ctx.spec, ctx.kw = spec, dict(scale=scale, causal=causal, window=window, softcap=softcap)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        return (*RingAttention.backward(ctx, dout), None, None)
 
 
 def ring_attention(q, k, v, spec: RingSpec, *, scale: float, causal: bool = True, window=None, softcap=None, sinks=None):

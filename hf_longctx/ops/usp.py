@@ -6,7 +6,10 @@ with the rows this rank holds (`SPMesh.local_indices`): Ulysses all-to-all
 inverse all-to-all. U = 1 skips the all-to-alls; R = 1 runs the local kernel (with sinks,
 the one-step ring Function, where the sink merge lives).
 Guarantee: shapes, heads and boundaries are checked on every rank from shared information
-BEFORE the first collective, so bad input raises the same ValueError everywhere."""
+BEFORE the first collective, so bad input raises the same ValueError everywhere.
+`usp_forward_kept` / `usp_replay`: the same call split for keep-attention of row-chunked
+layers -- a forward that also returns the ring's merged out/lse, and a differentiable rerun
+that replaces the ring by them (no attention kernel)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Sequence
 import torch
 
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.ops.ring import RingSpec, ring_attention, ring_plan
+from hf_longctx.ops.ring import RingReplay, RingSpec, ring_attention, ring_forward, ring_plan
 from hf_longctx.ops.sinks import check_sinks
 from hf_longctx.ops.ulysses import gather_heads, kv_replication, scatter_heads
 
@@ -88,6 +91,34 @@ def usp_attention(
     differentiable. The output is contiguous, like HF's own attention functions (models
     `.view()` it).
     """
+    qf, kf, vf, spec, kw, sinks, shape = _to_ring(q, k, v, mesh, cu_seqlens, causal, softmax_scale, window, softcap,
+                                                   plan_cache, sinks)
+    return _from_ring(ring_attention(qf, kf, vf, spec, sinks=sinks, **kw), shape, mesh)
+
+
+def usp_forward_kept(q, k, v, mesh: SPMesh, **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`usp_attention`'s output without a graph, and the ring's merged result it came from: out
+    [1, H/U, B·S_ring, D] (q's dtype) and lse [1, H/U, B·S_ring] (fp32), what `usp_replay` takes
+    (keep-attention of row-chunked layers). `options`: usp_attention's keywords."""
+    qf, kf, vf, spec, kw, sinks, shape = _to_ring(q, k, v, mesh, **options)
+    out, lse, _ = ring_forward(qf, kf, vf, spec, sinks=sinks, **kw)
+    out = out.to(qf.dtype)  # the one rounding of the merged result, as RingAttention
+    return _from_ring(out, shape, mesh), out, lse
+
+
+def usp_replay(q, k, v, mesh: SPMesh, out: torch.Tensor, lse: torch.Tensor, **options) -> torch.Tensor:
+    """`usp_attention` differentiable in q, k, v (and the sinks) whose ring is replaced by its
+    kept result (`usp_forward_kept`'s out, lse): the Ulysses all-to-alls run, no attention
+    kernel and no ring step; the backward is the ring's (`ops/ring.RingReplay`)."""
+    qf, kf, vf, spec, kw, sinks, shape = _to_ring(q, k, v, mesh, **options)
+    o = RingReplay.apply(qf, kf, vf, spec, kw["scale"], kw["causal"], kw["window"], kw["softcap"], sinks, out, lse)
+    return _from_ring(o, shape, mesh)
+
+
+def _to_ring(q, k, v, mesh: SPMesh, cu_seqlens=None, causal=True, softmax_scale=None, window=None, softcap=None,
+             plan_cache=None, sinks=None) -> tuple:
+    """Checks, Ulysses all-to-all and the ring's spec: (qf, kf, vf [1, h, B·S_ring, D], spec,
+    kernel keywords, local sinks [H/U] or None, (B, S_ring))."""
     if mesh.fpdt_chunks > 1:
         raise ValueError(f"mesh has fpdt_chunks={mesh.fpdt_chunks}: use hf_longctx.ops.fpdt.fpdt_attention")
     cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks)
@@ -117,7 +148,12 @@ def usp_attention(
         prev_rank=mesh.global_rank(ring_rank=mesh.ring_rank - 1),
         plan=plan,
     )
-    out = ring_attention(qf, kf, vf, spec, scale=scale, causal=causal, window=window, softcap=softcap, sinks=sinks)
+    return qf, kf, vf, spec, dict(scale=scale, causal=causal, window=window, softcap=softcap), sinks, (b, s_ring)
+
+
+def _from_ring(out: torch.Tensor, shape: tuple, mesh: SPMesh) -> torch.Tensor:
+    """The ring's [1, h, B·S_ring, D] back to the rank's rows [B, S_local, H, D], contiguous."""
+    b, s_ring = shape
     out = out.transpose(1, 2).reshape(b, s_ring, out.shape[1], out.shape[3])  # [B, S_ring, H/U, D]
     if mesh.ulysses > 1:
         out = gather_heads(out, mesh.ulysses_group)  # [B, S_local, H, D]
