@@ -29,20 +29,20 @@ def test_dpo_recipe_runs(tmp_path):
         assert name in proc.stdout, (name, out[-2000:])
 
 
-def test_readme_dpo_building_block_loop():
-    """The DPO guide's building-block loop (docs/guides/dpo.md) ("The same blocks in a loop of your own") runs as
-    written on a one-process mesh: with the reference a copy of the policy the loss is ln 2 (the
+def test_dpo_guide_building_block_loop():
+    """The DPO guide's building-block loop (docs/guides/dpo.md, "The same blocks in a loop of your
+    own") runs as written on a one-process mesh: with the reference a copy of the policy the loss is ln 2 (the
     per-pair sigmoid loss at zero margin, summed over micro-batches), and the step changes the policy."""
     import copy
-    import re
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_longctx import init_sequence_parallel, patch
+    from tests.helpers.doc_blocks import blocks_run_by
 
-    text = open(os.path.join(ROOT, "docs", "guides", "dpo.md")).read()
-    block = re.search(r"The same blocks in a loop of your own.*?```python\n(.*?)```", text, re.S).group(1)
+    (block,) = blocks_run_by("docs/guides/dpo.md", "tests/integration/test_dpo_recipe.py::test_dpo_guide_building_block_loop")
+    block = block.text
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2)

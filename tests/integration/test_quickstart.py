@@ -14,31 +14,36 @@ import re
 import subprocess
 import sys
 
+from tests.helpers.doc_blocks import blocks_run_by
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+PAGE = "docs/getting-started.md"
+HERE = "tests/integration/test_quickstart.py::"
+
+
 def _quickstart_section() -> str:
-    """docs/getting-started.md's "Quickstart" / "With `transformers.Trainer`" subsection."""
-    with open(os.path.join(ROOT, "docs", "getting-started.md")) as f:
+    """The page's "Quickstart" / "With `transformers.Trainer`" subsection."""
+    with open(os.path.join(ROOT, PAGE)) as f:
         page = f.read()
     start = page.index("### With `transformers.Trainer`", page.index("## Quickstart"))
-    end = page.find("\n### ", start + 1)
+    end = page.find("\n## ", start + 1)
     return page[start : end if end >= 0 else len(page)]
 
 
 def readme_commands() -> list[str]:
-    section = _quickstart_section()
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "the quickstart in docs/getting-started.md has no ```bash block"
-    return [line for line in block.group(1).splitlines() if line.strip()]
+    (block,) = blocks_run_by(PAGE, HERE + "test_quickstart_runs_as_pasted")
+    assert block.lang == "bash", block
+    return [line for line in block.text.splitlines() if line.strip()]
 
 
-def test_readme_script_block_is_the_script():
+def test_page_script_block_is_the_script():
+    (block,) = blocks_run_by(PAGE, HERE + "test_page_script_block_is_the_script")
     section = _quickstart_section()
-    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     with open(os.path.join(ROOT, "recipes", "quickstart.py")) as f:
         script = f.read()
-    assert block == script
+    assert block.text == script
     marks = script.count("# hf_longctx:")  # one per addition (the docstring names the mark without a colon)
     words = {3: "three", 4: "four", 5: "five", 6: "six"}
     assert f"plus {words[marks]} additions" in section and f"{words[marks]} additions" in script
