@@ -85,18 +85,22 @@ class SPMesh:
     # ---- degrees and ranks -------------------------------------------------------------
     @property
     def sp(self) -> int:
+        """The SP degree: ranks per SP group (ring x ulysses)."""
         return self.ring * self.ulysses
 
     @property
     def sp_rank(self) -> int:
+        """This rank's place in its SP group (ring rank x ulysses + ulysses rank)."""
         return self.ring_rank * self.ulysses + self.ulysses_rank
 
     @property
     def world_size(self) -> int:
+        """All ranks of the mesh (dp x sp)."""
         return self.dp * self.sp
 
     @property
     def rank(self) -> int:
+        """This rank's global rank (dp rank x sp + sp rank)."""
         return self.dp_rank * self.sp + self.sp_rank
 
     def global_rank(self, *, ring_rank: int, ulysses_rank: int | None = None) -> int:
@@ -114,17 +118,21 @@ class SPMesh:
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The one group size, `(sp,)` (a mesh is a bank of one size)."""
         return (self.sp,)
 
     @property
     def min_size(self) -> int:
+        """The SP degree (the only group size)."""
         return self.sp
 
     @property
     def max_size(self) -> int:
+        """The SP degree (the only group size)."""
         return self.sp
 
     def shape(self, size: int) -> GroupShape:
+        """The group shape of `size`, which must be the SP degree."""
         if size != self.sp:
             raise ValueError(f"the mesh has no group of size {size}; its SP group has {self.sp} rank(s)")
         return self.shapes[0]
@@ -161,11 +169,14 @@ class SPMesh:
         return layout.seq_multiple(self.ring, self.ulysses, self.fpdt_chunks)
 
     def check_boundaries(self, cu_seqlens: Sequence[int] | torch.Tensor) -> list[int]:
+        """`cu_seqlens` as ints, checked (ValueError naming the documents): each a multiple of `doc_multiple`,
+        the total of `seq_multiple`."""
         if isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = cu_seqlens.tolist()
         return layout.check_boundaries(cu_seqlens, self.ring, self.ulysses, self.fpdt_chunks)
 
     def local_runs(self, cu_seqlens: Sequence[int] | torch.Tensor) -> list[layout.Run]:
+        """The runs of global positions this rank holds, in local order (`layout.local_runs`)."""
         cu = self.check_boundaries(cu_seqlens)
         return layout.local_runs(
             cu,

@@ -2,7 +2,7 @@
 WHERE it is caught (patch(), the trainer's construction, init_sequence_parallel -- all before
 any collective) and that the message names the offending value and what to do instead.
 
-The README's "Reliability" section counts the rows of this file (`CASES` below plus the
+docs/concepts/exactness.md ("Reliability") counts the rows of this file (`CASES` below plus the
 parametrised TrainingArguments table); a new refusal gets its row here.
 """
 
@@ -206,8 +206,8 @@ def test_truncation_is_said_once_with_the_counts(llama_path, tmp_path):
 
 
 def test_dpo_batch_size_refusal_says_what_to_set(tmp_path):
-    """LongDPOTrainer sizes its step in tokens of whole pairs: the refusal and the README's DPO
-    section both say so."""
+    """LongDPOTrainer sizes its step in tokens of whole pairs: the refusal and the DPO guide
+    both say so."""
     pytest.importorskip("trl")
     import pathlib
 
@@ -220,8 +220,7 @@ def test_dpo_batch_size_refusal_says_what_to_set(tmp_path):
         check_training_arguments(args, "LongDPOTrainer")
     _says(info.value, "LongDPOTrainer cannot honour these DPOConfig settings", "per_device_train_batch_size=4",
           "tokens_per_step=", "chosen + rejected tokens of whole pairs")
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    dpo = readme[readme.index("#### DPO"):readme.index("#### GRPO")]
+    dpo = (pathlib.Path(__file__).parents[2] / "docs" / "guides" / "dpo.md").read_text()
     assert "per_device_train_batch_size" in dpo and "tokens_per_step" in dpo
 
 

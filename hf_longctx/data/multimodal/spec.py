@@ -62,6 +62,7 @@ class VisionCost:
 
     @classmethod
     def from_vision_config(cls, config: Any) -> "VisionCost":
+        """The cost of a vision tower from its config's width, depth and MLP size (names vary per family)."""
         h = config_int(config, ("hidden_size", "embed_dim", "width"), 1024)
         depth = config_int(config, ("depth", "num_hidden_layers", "num_layers"), 24)
         inter = config_int(config, ("intermediate_size", "mlp_dim"), 4 * h)
@@ -130,6 +131,7 @@ class VisionSpec:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
+        """The placeholder token ids of every modality (image, video) in the language model's input."""
         return tuple(m.token_id for m in self.modalities)
 
     @property
@@ -149,4 +151,5 @@ class VisionSpec:
         return t * h * w // (self.merge * self.merge)
 
     def item_patches(self, grid: tuple[int, int, int] | None) -> int:
+        """Encoder patches of one item (a GRID item's (t, h, w) grid, or None)."""
         return int(self.patches_per_item) if self.layout == BATCH else math.prod(grid)

@@ -4,7 +4,7 @@ Where it sits: `patch()` asks `vision_family(hf)` for the adapter it binds (its 
 and the vision sub-configs it must leave alone (the tower keeps its own attention);
 `vision_spec(model)` gives the data stage its `VisionSpec`. The verdicts are a table, one row
 per model type of transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`
-(`classification.py`), measured by `benchmarks/vlm_zoo.py` and printed in the README; a model
+(`classification.py`), measured by `benchmarks/vlm_zoo.py` and printed in docs/measured/models.md; a model
 type missing from it is "not yet classified" and refused with that name, so a new
 transformers release cannot slip an unchecked family through.
 """
@@ -44,7 +44,7 @@ def vision_family(hf) -> Any:
         raise NotSupported(
             f"{type(hf).__name__} ({model_type}) cannot train images under sequence parallelism: {detail}",
             "train it on text-only batches (shard_batch: the language model is patched as usual), or without sequence "
-            "parallelism (ulysses_degree=ring_degree=1); the README's vision-language table lists the exact families",
+            "parallelism (ulysses_degree=ring_degree=1); docs/measured/models.md lists the exact families",
         )
     return detail
 
