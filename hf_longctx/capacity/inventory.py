@@ -67,25 +67,171 @@ def _attention_kernels(s: Shape, rows: int) -> tuple[Op, Op]:
     return fwd, bwd
 
 
+def split(n: int, chunks: int) -> list[int]:
+    """Row counts of torch.tensor_split(n rows, chunks)."""
+    chunks = max(1, min(chunks, n))
+    return [n // chunks + 1] * (n % chunks) + [n // chunks] * (chunks - n % chunks)
+
+
+def norm_forward(s: Shape, n: int) -> list[Op]:
+    """A decoder norm: whole, or over row chunks (`ops/tiling.tokenwise_chunks`) and concatenated."""
+    if s.mlp_chunks == 1:
+        return m.norm_fwd(n, s.hidden)
+    return [op for c in split(n, s.mlp_chunks) for op in m.norm_fwd(c, s.hidden)] + m.copy(n * s.hidden, what="cat")
+
+
+def norm_backward(s: Shape, n: int) -> list[Op]:
+    """`_Tokenwise.backward`: per chunk recompute + backward, its rows copied into one input
+    gradient, the weight's chunk gradients summed in fp32 and rounded once."""
+    h = s.hidden
+    if s.mlp_chunks == 1:
+        return m.norm_bwd(n, h)
+    chunks = split(n, s.mlp_chunks)
+    ops = [op for c in chunks for op in m.norm_fwd(c, h) + m.norm_bwd(c, h) + m.copy(c * h, what="copy_")]
+    return ops + m.copy(h, m.BF, m.F32) + m.ew(*[10 * h] * (len(chunks) - 1), what="add_") + m.copy(h, m.F32, m.BF)
+
+
+def mlp_forward(s: Shape, n: int) -> list[Op]:
+    if s.mlp_chunks == 1:
+        return m.mlp_fwd(n, s.hidden, s.intermediate)
+    chunks = split(n, s.mlp_chunks)
+    return [op for c in chunks for op in m.mlp_fwd(c, s.hidden, s.intermediate)] + m.copy(n * s.hidden, what="cat")
+
+
+def mlp_backward(s: Shape, n: int) -> list[Op]:
+    """`ops/tiling.chunked_mlp`: per chunk a non-reentrant checkpoint recomputes up to the
+    down projection's input, then the chunk's backward; autograd sums the weights' chunk
+    gradients (bf16) and the chunks' input gradients (each a full-size slice_backward)."""
+    h, i = s.hidden, s.intermediate
+    if s.mlp_chunks == 1:
+        return m.mlp_bwd(n, h, i)
+    chunks = split(n, s.mlp_chunks)
+    ops = []
+    for c in chunks:
+        ops += [m.mm(c, h, i), *m.ew(2 * m.BF * c * i), m.mm(c, h, i), *m.ew(3 * m.BF * c * i), *m.mlp_bwd(c, h, i)]
+        ops += m.ew(m.BF * c * h + m.BF * n * h, what="slice_backward")
+    k = len(chunks) - 1
+    return ops + [op for _ in range(3 * k) for op in m.add(h * i)] + [op for _ in range(k) for op in m.add(n * h)]
+
+
 def layer_forward(s: Shape, n: int, attn: list[Op]) -> list[Op]:
     """One decoder layer's forward on n rows with `attn` as its attention core."""
-    h, i = s.hidden, s.intermediate
-    return [*m.norm_fwd(n, h), *m.attention_proj_fwd(n, h, s.q, s.kv), *m.rope_fwd(n, s.heads, s.head_dim),
+    h = s.hidden
+    return [*norm_forward(s, n), *m.attention_proj_fwd(n, h, s.q, s.kv), *m.rope_fwd(n, s.heads, s.head_dim),
             *m.rope_fwd(n, s.kv_heads, s.head_dim), *attn, *m.linear_fwd(n, s.q, h), *m.add(n * h),
-            *m.norm_fwd(n, h), *m.mlp_fwd(n, h, i), *m.add(n * h)]
+            *norm_forward(s, n), *mlp_forward(s, n), *m.add(n * h)]
 
 
 def layer_backward(s: Shape, n: int, attn: list[Op]) -> list[Op]:
-    h, i = s.hidden, s.intermediate
-    return [*m.mlp_bwd(n, h, i), *m.norm_bwd(n, h), *m.add(n * h), *m.linear_bwd(n, s.q, h), *attn,
+    h = s.hidden
+    return [*mlp_backward(s, n), *norm_backward(s, n), *m.add(n * h), *m.linear_bwd(n, s.q, h), *attn,
             *m.rope_bwd(n, s.kv_heads, s.head_dim), *m.rope_bwd(n, s.heads, s.head_dim),
-            *m.attention_proj_bwd(n, h, s.q, s.kv), *m.norm_bwd(n, h), *m.add(n * h)]
+            *m.attention_proj_bwd(n, h, s.q, s.kv), *norm_backward(s, n), *m.add(n * h)]
+
+
+def pcie(kind: str, nbytes: float, what: str = "offload") -> Op:
+    """A copy between host and device on the offload side streams (`ops/offload.py`)."""
+    return Op(kind, bytes=float(nbytes), link="pcie", wire=float(nbytes), stream="side", what=what)
+
+
+def kept_attention(s: Shape, n: int) -> list[float]:
+    """Bytes checkpoint="attention" keeps per layer (`integrations/keep_attention.py`): the
+    kernel's saved q, k, v, output and fp32 LSE, and the output the recompute replays."""
+    return [m.BF * n * s.q, m.BF * n * s.kv, m.BF * n * s.kv, m.BF * n * s.q, m.F32 * n * s.heads, m.BF * n * s.q]
+
+
+def keep_attention_layer(s: Shape, n: int, fwd: Op, bwd: Op) -> list[Op]:
+    """checkpoint="attention": input and kept tensors to host in the forward, back before the
+    recompute, which stops (non-reentrant early stop) once the last chunked-MLP checkpoint
+    has its input: the last MLP chunk, the concatenation and the residual add do not rerun."""
+    h = s.hidden
+    kept = kept_attention(s, n)
+    chunks = split(n, s.mlp_chunks)
+    recompute = [*norm_forward(s, n), *m.attention_proj_fwd(n, h, s.q, s.kv), *m.rope_fwd(n, s.heads, s.head_dim),
+                 *m.rope_fwd(n, s.kv_heads, s.head_dim), *m.linear_fwd(n, s.q, h), *m.add(n * h), *norm_forward(s, n),
+                 *[op for c in chunks[:-1] for op in m.mlp_fwd(c, h, s.intermediate)]]
+    return ([pcie("d2h", m.BF * n * h)] + layer_forward(s, n, [fwd, *[pcie("d2h", b) for b in kept]])
+            + [pcie("h2d", m.BF * n * h), *[pcie("h2d", b) for b in kept]] + recompute + layer_backward(s, n, [bwd]))
+
+
+def _bounds(lo: int, hi: int, pieces: int) -> list[int]:
+    """Row counts of `integrations/layer_run._bounds`."""
+    if hi <= lo:
+        return []
+    step = -(-(hi - lo) // max(1, pieces))
+    return [min(a + step, hi) - a for a in range(lo, hi, step)]
+
+
+def _pre(s: Shape, c: int) -> list[Op]:
+    """LayerSplit.pre: the layer up to its attention call on c rows."""
+    return [*m.norm_fwd(c, s.hidden), *m.attention_proj_fwd(c, s.hidden, s.q, s.kv),
+            *m.rope_fwd(c, s.heads, s.head_dim), *m.rope_fwd(c, s.kv_heads, s.head_dim)]
+
+
+def _post(s: Shape, c: int) -> list[Op]:
+    """LayerSplit.post: the whole layer on c rows with the attention replayed."""
+    h = s.hidden
+    return [*_pre(s, c), *m.linear_fwd(c, s.q, h), *m.add(c * h), *m.norm_fwd(c, h),
+            *m.mlp_fwd(c, h, s.intermediate), *m.add(c * h)]
+
+
+def _qkv_full(s: Shape, n: int) -> list[Op]:
+    """`LayerRun._qkv_full`: pre on the first chunk, then on the rest in `chunks` pieces, each
+    copied into the full q, k, v."""
+    first = _bounds(0, n, s.mlp_chunks)[0]
+    pieces = [first] + _bounds(first, n, s.mlp_chunks)
+    return [op for c in pieces for op in _pre(s, c) + m.copy(c * s.q) + m.copy(c * s.kv) + m.copy(c * s.kv)]
+
+
+def _sums(numels: list[int], chunks: int) -> list[Op]:
+    """`LayerRun._collect`: each parameter's chunk gradients summed in fp32 (the first widened,
+    the rest added in place)."""
+    return [op for e in numels for op in m.copy(e, m.BF, m.F32) + m.ew(*[10 * e] * (chunks - 1), what="add_")]
+
+
+def split_layer(s: Shape, n: int, fwd: Op, bwd: Op) -> list[Op]:
+    """memory="max" without FPDT chunks (`integrations/layer_run.py`): row-chunked forward
+    and backward of the layer around one attention call, its input on the host."""
+    h, q, kv, i = s.hidden, s.q, s.kv, s.intermediate
+    chunks = _bounds(0, n, s.mlp_chunks)
+    post_params, pre_params = [h * q, h * i, h * i, h * i, h], [h, h * q, h * kv, h * kv]
+    ops = [pcie("d2h", m.BF * n * h), *_qkv_full(s, n), fwd]
+    ops += [op for c in chunks for op in _post(s, c) + m.copy(c * h, what="copy_")]
+    ops += [pcie("h2d", m.BF * n * h), *_qkv_full(s, n), fwd]
+    for c in chunks:
+        ops += [*_post(s, c), *m.mlp_bwd(c, h, i), *m.norm_bwd(c, h), *m.add(c * h), *m.linear_bwd(c, q, h),
+                *m.copy(c * h, what="copy_"), *m.copy(c * q, what="copy_")]
+    ops += _sums(post_params, len(chunks)) + [bwd]
+    for c in chunks:
+        ops += [*_pre(s, c), *m.rope_bwd(c, s.kv_heads, s.head_dim), *m.rope_bwd(c, s.heads, s.head_dim),
+                *m.attention_proj_bwd(c, h, q, kv), *m.norm_bwd(c, h), *m.add(c * h),
+                *m.copy(c * h, what="copy_")]  # `dh[:, rows] += g`: the in-place add, then setitem's copy
+    return ops + _sums(pre_params, len(chunks)) + [op for e in post_params + pre_params for op in m.copy(e, m.F32, m.BF)]
 
 
 def layer_ops(s: Shape) -> list[Op]:
     """Every op one decoder layer runs on this rank in one forward + backward."""
     fwd, bwd = _attention_kernels(s, s.rows)
+    if s.checkpoint == "attention":
+        return keep_attention_layer(s, s.rows, fwd, bwd)
+    if s.checkpoint is True:
+        return split_layer(s, s.rows, fwd, bwd)
     return layer_forward(s, s.rows, [fwd]) + layer_backward(s, s.rows, [bwd])
+
+
+def loss_ops(s: Shape, n: int) -> list[Op]:
+    """LM head + loss: HF's over all rows, or `ops/chunked_loss.py`'s chunks (every gradient
+    taken in the forward, the head's summed in fp32), then its backward's scaling."""
+    h, v = s.hidden, s.vocab
+    if not s.loss_chunk:
+        return [*m.linear_fwd(n, h, v), *m.loss_fwd_bwd(n, v), *m.linear_bwd(n, h, v)]
+    ops = m.ew(m.F32, what="zeros")
+    for k, lo in enumerate(range(0, n, s.loss_chunk)):
+        c = min(s.loss_chunk, n - lo)
+        ops += [*m.linear_fwd(c, h, v), *m.loss_fwd_bwd(c, v), *m.linear_bwd(c, h, v), *m.ew(3 * m.F32, what="add_"),
+                *m.copy(c * h, what="copy_"), *(m.copy(v * h, m.BF, m.F32) if k == 0 else m.ew(10 * v * h, what="add_"))]
+    return ops + m.ew(2 * m.F32, 2 * m.F32, m.F32 + m.BF, 2 * m.BF * n * h + m.BF, 2 * m.F32 * v * h + m.F32,
+                      what="loss") + m.copy(v * h, m.F32, m.BF)
 
 
 def step_ops(s: Shape) -> list[Op]:
@@ -93,8 +239,8 @@ def step_ops(s: Shape) -> list[Op]:
     LM head and loss, the kernels' cumulative lengths."""
     n, h = s.rows, s.hidden
     cu = Op(H2D, bytes=4.0 * (len(s.documents()) + 1), link="pcie", wire=4.0 * (len(s.documents()) + 1), what="h2d")
-    return [*m.embedding(n, h, s.vocab), *m.rope_tables(n, s.head_dim), cu, cu, *m.norm_fwd(n, h),
-            *m.linear_fwd(n, h, s.vocab), *m.loss_fwd_bwd(n, s.vocab), *m.linear_bwd(n, h, s.vocab), *m.norm_bwd(n, h)]
+    return [*m.embedding(n, h, s.vocab), *m.rope_tables(n, s.head_dim), cu, cu, *norm_forward(s, n),
+            *loss_ops(s, n), *norm_backward(s, n)]
 
 
 def step_inventory(s: Shape, layers: int) -> list[Op]:
