@@ -56,15 +56,77 @@ class Shape:
         return self.docs or (self.rows * self.sp,)
 
 
-def _attention_kernels(s: Shape, rows: int) -> tuple[Op, Op]:
-    """The local flash-attn calls of one layer on one GPU without sequence parallelism: one
-    packed call over every document, forward and backward."""
-    pairs = sum(attention_pairs(n, n, True) for n in s.documents())
-    d, h = s.head_dim, s.heads
-    io = m.BF * rows * (2 * s.q + 2 * s.kv)
-    fwd = Op(ATTN_FWD, flops=4.0 * pairs * h * d, bytes=float(io + m.F32 * h * rows), what="flash_forward")
-    bwd = Op(ATTN_BWD, flops=10.0 * pairs * h * d, bytes=float(2 * io + m.F32 * h * rows), what="flash_backward")
+def _kernels(pairs: float, rows: float, heads: float, q: float, kv: float, d: int, calls: int = 1) -> tuple[Op, Op]:
+    """`calls` flash-attn calls, forward and backward, visiting `pairs` (query, key) pairs in
+    all over `rows` query rows of `heads` heads (q / kv: their widths)."""
+    io = m.BF * rows * (2 * q + 2 * kv)
+    fwd = Op(ATTN_FWD, flops=4.0 * pairs * heads * d / calls, bytes=float(io + m.F32 * heads * rows) / calls,
+             count=calls, what="flash_forward")
+    bwd = Op(ATTN_BWD, flops=10.0 * pairs * heads * d / calls, bytes=float(2 * io + m.F32 * heads * rows) / calls,
+             count=calls, what="flash_backward")
     return fwd, bwd
+
+
+def attention_core(s: Shape) -> tuple[list[Op], list[Op]]:
+    """The attention call of one layer between the projections, forward and backward.
+
+    One GPU: one packed flash-attn call over every document (recorded-stream exact). With
+    sequence parallelism (modelled from ops/ulysses.py, ring.py, fpdt.py; not yet pinned to a
+    recorded stream op by op): Ulysses all-to-alls of q, k, v (K/V replicated to `ulysses`
+    heads where needed) and of the output, each with its send and receive copies; the zigzag
+    ring's R kernel calls per pass, K/V blocks sent R-1 times forward and dK/dV (fp32) R times
+    backward, each block's partial result merged into fp32 sums; FPDT's u(u+1)/2 chunk-pair
+    calls and per-chunk all-to-alls."""
+    pairs = sum(attention_pairs(n, n, True) for n in s.documents())
+    if s.sp == 1 and s.fpdt_chunks == 1:
+        fwd, bwd = _kernels(pairs, s.rows, s.heads, s.q, s.kv, s.head_dim)
+        return [fwd], [bwd]
+    from hf_longctx.ops.ulysses import kv_replication
+    from hf_longctx.capacity.op_cost import COLLECTIVE, P2P
+
+    u, r, chunks = s.ulysses, s.ring, s.fpdt_chunks
+    kv = s.kv * kv_replication(s.heads, s.kv_heads, u)
+    n, heads = s.rows * u, s.heads // u  # rows of this rank's ring stream, its heads
+    q_w, kv_w = s.q // u, kv // u
+    calls = r if chunks == 1 else chunks * (chunks + 1) // 2
+    fwd_k, bwd_k = _kernels(pairs / (u * r) * u, n, heads, q_w, kv_w, s.head_dim, calls)  # per head group
+
+    def a2a(width: float, times: int = 1) -> list[Op]:
+        b = m.BF * s.rows * width
+        wire = b * (u - 1) / u
+        return [Op(COLLECTIVE, bytes=2 * b / times, link="ulysses", wire=wire / times, count=times, what="all_to_all"),
+                *m.copy(s.rows * width), *m.copy(s.rows * width)] if u > 1 else []
+
+    per = max(1, chunks)
+    fwd = [*a2a(s.q + 2 * kv, per), fwd_k, *a2a(s.q, per)]
+    bwd = [*a2a(s.q, per), bwd_k, *a2a(s.q + 2 * kv, per)]
+    merges = (r - 1) if chunks == 1 else chunks * (chunks - 1) // 2
+    if merges:
+        acc = n * q_w / max(1, calls // max(1, merges))
+        fwd += times(m.ew(10 * acc, what="merge"), merges)  # fp32 out += block (in place), LSE
+        bwd += times(m.ew(12 * acc, what="grad sums"), merges)  # fp32 dq / dkv accumulators
+    if r > 1:
+        block = 2 * m.BF * n * kv_w  # packed K/V of one ring stream
+        fwd += [Op(P2P, bytes=block, link="ring", wire=block, count=r - 1, what="send")]
+        bwd += [Op(P2P, bytes=block, link="ring", wire=block, count=r - 1, what="send"),
+                Op(P2P, bytes=2 * block, link="ring", wire=2 * block, count=r, what="send")]
+    if chunks > 1 and s.kv_offload:  # finished chunks to host and back (FPDT §3.4; side streams)
+        b = m.BF * s.rows * (3 * s.q + 2 * s.kv) * (1 + chunks) / 2
+        fwd += [pcie("d2h", b / chunks, "kv offload").times(chunks)]
+        bwd += [pcie("h2d", b / chunks, "kv offload").times(chunks)]
+    return fwd, bwd
+
+
+def times(ops: list[Op], k: int) -> list[Op]:
+    """`ops` run k times."""
+    return [op.times(k) for op in ops] if k > 0 else []
+
+
+def each(sizes: list[int], ops_of) -> list[Op]:
+    """ops_of(size) for every size (chunks of equal size share one entry with a count)."""
+    from collections import Counter
+
+    return [op for size, k in Counter(sizes).items() for op in times(ops_of(size), k)]
 
 
 def split(n: int, chunks: int) -> list[int]:
@@ -77,7 +139,7 @@ def norm_forward(s: Shape, n: int) -> list[Op]:
     """A decoder norm: whole, or over row chunks (`ops/tiling.tokenwise_chunks`) and concatenated."""
     if s.mlp_chunks == 1:
         return m.norm_fwd(n, s.hidden)
-    return [op for c in split(n, s.mlp_chunks) for op in m.norm_fwd(c, s.hidden)] + m.copy(n * s.hidden, what="cat")
+    return each(split(n, s.mlp_chunks), lambda c: m.norm_fwd(c, s.hidden)) + m.copy(n * s.hidden, what="cat")
 
 
 def norm_backward(s: Shape, n: int) -> list[Op]:
@@ -87,15 +149,15 @@ def norm_backward(s: Shape, n: int) -> list[Op]:
     if s.mlp_chunks == 1:
         return m.norm_bwd(n, h)
     chunks = split(n, s.mlp_chunks)
-    ops = [op for c in chunks for op in m.norm_fwd(c, h) + m.norm_bwd(c, h) + m.copy(c * h, what="copy_")]
-    return ops + m.copy(h, m.BF, m.F32) + m.ew(*[10 * h] * (len(chunks) - 1), what="add_") + m.copy(h, m.F32, m.BF)
+    ops = each(chunks, lambda c: m.norm_fwd(c, h) + m.norm_bwd(c, h) + m.copy(c * h, what="copy_"))
+    return ops + m.copy(h, m.BF, m.F32) + times(m.ew(10 * h, what="add_"), len(chunks) - 1) + m.copy(h, m.F32, m.BF)
 
 
 def mlp_forward(s: Shape, n: int) -> list[Op]:
     if s.mlp_chunks == 1:
         return m.mlp_fwd(n, s.hidden, s.intermediate)
     chunks = split(n, s.mlp_chunks)
-    return [op for c in chunks for op in m.mlp_fwd(c, s.hidden, s.intermediate)] + m.copy(n * s.hidden, what="cat")
+    return each(chunks, lambda c: m.mlp_fwd(c, s.hidden, s.intermediate)) + m.copy(n * s.hidden, what="cat")
 
 
 def mlp_backward(s: Shape, n: int) -> list[Op]:
@@ -106,12 +168,10 @@ def mlp_backward(s: Shape, n: int) -> list[Op]:
     if s.mlp_chunks == 1:
         return m.mlp_bwd(n, h, i)
     chunks = split(n, s.mlp_chunks)
-    ops = []
-    for c in chunks:
-        ops += [m.mm(c, h, i), *m.ew(2 * m.BF * c * i), m.mm(c, h, i), *m.ew(3 * m.BF * c * i), *m.mlp_bwd(c, h, i)]
-        ops += m.ew(m.BF * c * h + m.BF * n * h, what="slice_backward")
+    ops = each(chunks, lambda c: [m.mm(c, h, i), *m.ew(2 * m.BF * c * i), m.mm(c, h, i), *m.ew(3 * m.BF * c * i),
+                                  *m.mlp_bwd(c, h, i), *m.ew(m.BF * c * h + m.BF * n * h, what="slice_backward")])
     k = len(chunks) - 1
-    return ops + [op for _ in range(3 * k) for op in m.add(h * i)] + [op for _ in range(k) for op in m.add(n * h)]
+    return ops + times(m.add(h * i), 3 * k) + times(m.add(n * h), k)
 
 
 def layer_forward(s: Shape, n: int, attn: list[Op]) -> list[Op]:
@@ -140,7 +200,7 @@ def kept_attention(s: Shape, n: int) -> list[float]:
     return [m.BF * n * s.q, m.BF * n * s.kv, m.BF * n * s.kv, m.BF * n * s.q, m.F32 * n * s.heads, m.BF * n * s.q]
 
 
-def keep_attention_layer(s: Shape, n: int, fwd: Op, bwd: Op) -> list[Op]:
+def keep_attention_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list[Op]:
     """checkpoint="attention": input and kept tensors to host in the forward, back before the
     recompute, which stops (non-reentrant early stop) once the last chunked-MLP checkpoint
     has its input: the last MLP chunk, the concatenation and the residual add do not rerun."""
@@ -149,9 +209,9 @@ def keep_attention_layer(s: Shape, n: int, fwd: Op, bwd: Op) -> list[Op]:
     chunks = split(n, s.mlp_chunks)
     recompute = [*norm_forward(s, n), *m.attention_proj_fwd(n, h, s.q, s.kv), *m.rope_fwd(n, s.heads, s.head_dim),
                  *m.rope_fwd(n, s.kv_heads, s.head_dim), *m.linear_fwd(n, s.q, h), *m.add(n * h), *norm_forward(s, n),
-                 *[op for c in chunks[:-1] for op in m.mlp_fwd(c, h, s.intermediate)]]
-    return ([pcie("d2h", m.BF * n * h)] + layer_forward(s, n, [fwd, *[pcie("d2h", b) for b in kept]])
-            + [pcie("h2d", m.BF * n * h), *[pcie("h2d", b) for b in kept]] + recompute + layer_backward(s, n, [bwd]))
+                 *each(chunks[:-1], lambda c: m.mlp_fwd(c, h, s.intermediate))]
+    return ([pcie("d2h", m.BF * n * h)] + layer_forward(s, n, [*fwd, *[pcie("d2h", b) for b in kept]])
+            + [pcie("h2d", m.BF * n * h), *[pcie("h2d", b) for b in kept]] + recompute + layer_backward(s, n, bwd))
 
 
 def _bounds(lo: int, hi: int, pieces: int) -> list[int]:
@@ -180,43 +240,42 @@ def _qkv_full(s: Shape, n: int) -> list[Op]:
     copied into the full q, k, v."""
     first = _bounds(0, n, s.mlp_chunks)[0]
     pieces = [first] + _bounds(first, n, s.mlp_chunks)
-    return [op for c in pieces for op in _pre(s, c) + m.copy(c * s.q) + m.copy(c * s.kv) + m.copy(c * s.kv)]
+    return each(pieces, lambda c: _pre(s, c) + m.copy(c * s.q) + m.copy(c * s.kv) + m.copy(c * s.kv))
 
 
 def _sums(numels: list[int], chunks: int) -> list[Op]:
     """`LayerRun._collect`: each parameter's chunk gradients summed in fp32 (the first widened,
     the rest added in place)."""
-    return [op for e in numels for op in m.copy(e, m.BF, m.F32) + m.ew(*[10 * e] * (chunks - 1), what="add_")]
+    return [op for e in numels for op in m.copy(e, m.BF, m.F32) + times(m.ew(10 * e, what="add_"), chunks - 1)]
 
 
-def split_layer(s: Shape, n: int, fwd: Op, bwd: Op) -> list[Op]:
+def split_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list[Op]:
     """memory="max" without FPDT chunks (`integrations/layer_run.py`): row-chunked forward
     and backward of the layer around one attention call, its input on the host."""
     h, q, kv, i = s.hidden, s.q, s.kv, s.intermediate
     chunks = _bounds(0, n, s.mlp_chunks)
     post_params, pre_params = [h * q, h * i, h * i, h * i, h], [h, h * q, h * kv, h * kv]
-    ops = [pcie("d2h", m.BF * n * h), *_qkv_full(s, n), fwd]
-    ops += [op for c in chunks for op in _post(s, c) + m.copy(c * h, what="copy_")]
-    ops += [pcie("h2d", m.BF * n * h), *_qkv_full(s, n), fwd]
-    for c in chunks:
-        ops += [*_post(s, c), *m.mlp_bwd(c, h, i), *m.norm_bwd(c, h), *m.add(c * h), *m.linear_bwd(c, q, h),
-                *m.copy(c * h, what="copy_"), *m.copy(c * q, what="copy_")]
-    ops += _sums(post_params, len(chunks)) + [bwd]
-    for c in chunks:
-        ops += [*_pre(s, c), *m.rope_bwd(c, s.kv_heads, s.head_dim), *m.rope_bwd(c, s.heads, s.head_dim),
-                *m.attention_proj_bwd(c, h, q, kv), *m.norm_bwd(c, h), *m.add(c * h),
-                *m.copy(c * h, what="copy_")]  # `dh[:, rows] += g`: the in-place add, then setitem's copy
+    ops = [pcie("d2h", m.BF * n * h), *_qkv_full(s, n), *fwd]
+    ops += each(chunks, lambda c: _post(s, c) + m.copy(c * h, what="copy_"))
+    ops += [pcie("h2d", m.BF * n * h), *_qkv_full(s, n), *fwd]
+    ops += each(chunks, lambda c: [*_post(s, c), *m.mlp_bwd(c, h, i), *m.norm_bwd(c, h), *m.add(c * h),
+                                   *m.linear_bwd(c, q, h), *m.copy(c * h, what="copy_"), *m.copy(c * q, what="copy_")])
+    ops += _sums(post_params, len(chunks)) + bwd
+    ops += each(chunks, lambda c: [*_pre(s, c), *m.rope_bwd(c, s.kv_heads, s.head_dim),
+                                   *m.rope_bwd(c, s.heads, s.head_dim), *m.attention_proj_bwd(c, h, q, kv),
+                                   *m.norm_bwd(c, h), *m.add(c * h),
+                                   *m.copy(c * h, what="copy_")])  # `dh[:, rows] += g`: in-place add, setitem's copy
     return ops + _sums(pre_params, len(chunks)) + [op for e in post_params + pre_params for op in m.copy(e, m.F32, m.BF)]
 
 
 def layer_ops(s: Shape) -> list[Op]:
     """Every op one decoder layer runs on this rank in one forward + backward."""
-    fwd, bwd = _attention_kernels(s, s.rows)
+    fwd, bwd = attention_core(s)
     if s.checkpoint == "attention":
         return keep_attention_layer(s, s.rows, fwd, bwd)
     if s.checkpoint is True:
         return split_layer(s, s.rows, fwd, bwd)
-    return layer_forward(s, s.rows, [fwd]) + layer_backward(s, s.rows, [bwd])
+    return layer_forward(s, s.rows, fwd) + layer_backward(s, s.rows, bwd)
 
 
 def loss_ops(s: Shape, n: int) -> list[Op]:
@@ -226,10 +285,10 @@ def loss_ops(s: Shape, n: int) -> list[Op]:
     if not s.loss_chunk:
         return [*m.linear_fwd(n, h, v), *m.loss_fwd_bwd(n, v), *m.linear_bwd(n, h, v)]
     ops = m.ew(m.F32, what="zeros")
-    for k, lo in enumerate(range(0, n, s.loss_chunk)):
-        c = min(s.loss_chunk, n - lo)
-        ops += [*m.linear_fwd(c, h, v), *m.loss_fwd_bwd(c, v), *m.linear_bwd(c, h, v), *m.ew(3 * m.F32, what="add_"),
-                *m.copy(c * h, what="copy_"), *(m.copy(v * h, m.BF, m.F32) if k == 0 else m.ew(10 * v * h, what="add_"))]
+    sizes = [min(s.loss_chunk, n - lo) for lo in range(0, n, s.loss_chunk)]
+    ops += each(sizes, lambda c: [*m.linear_fwd(c, h, v), *m.loss_fwd_bwd(c, v), *m.linear_bwd(c, h, v),
+                                  *m.ew(3 * m.F32, what="add_"), *m.copy(c * h, what="copy_")])
+    ops += m.copy(v * h, m.BF, m.F32) + times(m.ew(10 * v * h, what="add_"), len(sizes) - 1)  # the head's fp32 sum
     return ops + m.ew(2 * m.F32, 2 * m.F32, m.F32 + m.BF, 2 * m.BF * n * h + m.BF, 2 * m.F32 * v * h + m.F32,
                       what="loss") + m.copy(v * h, m.F32, m.BF)
 
