@@ -61,12 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="feasible settings to show")
     p.add_argument("--show-infeasible", action="store_true", help="also list settings that do not fit, with why")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--tflops", type=float, default=989.0, help="peak dense TFLOP/s per GPU (default: H100 SXM bf16)")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
-    p.add_argument("--intra-bw", type=parse_size, default=150e9, help="per-GPU bandwidth within a node, bytes/s")
-    p.add_argument("--inter-bw", type=parse_size, default=25e9, help="per-GPU bandwidth across nodes, bytes/s")
-    p.add_argument("--pcie-bw", type=parse_size, default=25e9, help="per-GPU host<->device bandwidth, bytes/s")
-    p.add_argument("--latency", type=float, default=30e-6, help="seconds per all-to-all call")
+    p.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100",
+                   help="the GPU the step-time model runs on (hf_longctx/capacity/gpus.py: peaks, links, achieved "
+                        "fractions per kernel class)")
+    p.add_argument("--intra-bw", type=parse_size, default=None,
+                   help="per-GPU bandwidth within a node, bytes/s per direction (default: the GPU's NVLink)")
+    p.add_argument("--inter-bw", type=parse_size, default=None,
+                   help="per-GPU bandwidth across nodes, bytes/s per direction (default: the GPU's NIC)")
+    p.add_argument("--pcie-bw", type=parse_size, default=None,
+                   help="per-GPU host<->device bandwidth, bytes/s (default: the GPU's measured PCIe)")
+    p.add_argument("--latency", type=float, default=None, help="seconds per collective call (default: the GPU's)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU/host memory kept free")
     p.add_argument("--plot", default=None, help="write the per-rank load of a sampled step (PNG) for the best setting")
     p.add_argument("--lengths-file", default=None, help="document lengths for --plot: one per line or a JSON list, .gz ok")

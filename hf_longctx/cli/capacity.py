@@ -73,13 +73,14 @@ def _row(rank: int | str, c) -> list[str]:
             {True: "full", "attention": "keep attn"}.get(s.checkpoint, "no"), "yes" if s.mlp_chunks > 1 else "no", str(s.inputs_on_device), "yes" if s.param_offload else "no",
             str(c.microbatches), _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers + m.backward_grads), _gib(m.peak),
             _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
+            f"{100 * c.time.mfu:.1f}" if c.time is not None else "-", c.time.binds if c.time is not None else "-",
             "yes" if c.feasible else f"no: {c.reason}"]
 
 
 HEADER = ["#", "ulysses", "ring", "dp", "fpdt", "memory", "kv offload", "ckpt", "chunked mlp/loss", "inputs on GPU",
           "param offload",
           "micro-batches", "params", "grads",
-          "optim", "activ", "buffers", "peak GiB", "host GiB/GPU", "step s", "tok/s/GPU", "fits"]
+          "optim", "activ", "buffers", "peak GiB", "host GiB/GPU", "step s", "tok/s/GPU", "MFU %", "binds", "fits"]
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -94,6 +95,7 @@ def format_table(rows: list[list[str]]) -> str:
 
 def footer(args: argparse.Namespace) -> str:
     from hf_longctx.capacity.search import TIE_TOLERANCE
+    gpu = _cluster(args).gpu_spec
     return "\n".join([
         "Assumptions (hf_longctx/capacity/estimate.py and search.py docstrings):",
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
@@ -118,12 +120,17 @@ def footer(args: argparse.Namespace) -> str:
         "max(grads - held, activ + buffers);",
         f"- fits = peak <= (1 - {args.headroom}) x --gpu-memory and host GiB/GPU x GPUs per node <= (1 - "
         f"{args.headroom}) x --host-memory; validated within 10% on CPU (benchmarks/memory_model.py);",
-        f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of {args.seq_len}): "
-        f"CostModel.from_config FLOPs at MFU {args.mfu} of {args.tflops:g} TFLOP/s (+1/3 for checkpoint recompute, "
-        "+ MLP forward for chunked MLP) + exposed Ulysses all-to-all "
-        f"({args.intra_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {args.inter_bw / 1e9:g} GB/s across, "
-        f"{args.latency * 1e6:g} us per call) + "
-        f"ring / FSDP / host offload ({args.pcie_bw / 1e9:g} GB/s) traffic beyond the compute they overlap;",
+        f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of {args.seq_len}) "
+        f"on one {gpu.name} (--gpu; hf_longctx/capacity/gpus.py), by the step-time model: the op inventory of the "
+        "patched step (every kernel, collective and copy; capacity/inventory.py), each op max(FLOPs / achieved rate, "
+        f"HBM bytes / {gpu.hbm:.0%} of {gpu.hbm_bw / 1e12:g} TB/s) + {gpu.launch_s * 1e6:g} us per kernel; GEMMs at "
+        f"{gpu.gemm:.0%} and flash-attn at {gpu.attention_fraction(128, False):.0%} / "
+        f"{gpu.attention_fraction(128, True):.0%} (fwd / bwd) of {gpu.bf16_flops / 1e12:g} TFLOP/s; Ulysses all-to-alls "
+        f"block ({gpu.nvlink_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {gpu.ib_bw / 1e9:g} GB/s across, "
+        f"x{gpu.nccl:g} achieved, {gpu.collective_s * 1e6:g} us per call); ring P2P, FSDP and host offload "
+        f"({gpu.pcie_h2d / 1e9:g} / {gpu.pcie_d2h / 1e9:g} GB/s to / from the GPU) count beyond the compute they "
+        "overlap; MFU % = (6 N T + causal attention) / (step s x peak); binds = the largest term (FLOPs, HBM, "
+        "launches, a link, PCIe);",
         "- param offload (FSDP2 CPUOffloadPolicy; --param-offload auto|yes|no): the fp32 parameter and gradient "
         "shards and the optimizer states on host (in host GiB/GPU), their PCIe traffic overlapped, the optimizer step "
         f"on the CPU at {args.cpu_optim_bw / 1e9:g} GB/s per GPU (--cpu-optim-bw), not overlapped;",
@@ -177,7 +184,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     suggestion (exit 0), or the closest setting and what binds it when nothing fits (exit 1);
     contradictory flags and a visual budget longer than --seq-len are refused (exit 2)."""
     from hf_longctx.capacity.estimate import ModelDims
-    from hf_longctx.capacity.search import Cluster, rank_settings
+    from hf_longctx.capacity.search import rank_settings
 
     refusal = _resolve_flags(args)
     if refusal is not None:
@@ -189,11 +196,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
-    cluster = Cluster(
-        gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
-        tflops=args.tflops, mfu=args.mfu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw,
-        headroom=args.headroom, latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
-    )
+    cluster = _cluster(args)
     grad_sync = "microbatch" if args.sync_each_microbatch else "step"
     ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
                            optimizer=args.optimizer, unsharded_step=args.unequal_calls, grad_sync=grad_sync,
@@ -206,6 +209,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _print_table(args, ranked, feasible)
     _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
     return 0
+
+
+def _cluster(args: argparse.Namespace):
+    from hf_longctx.capacity.cluster import Cluster
+
+    return Cluster(
+        gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
+        gpu=args.gpu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw, headroom=args.headroom,
+        latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
+    )
 
 
 def _resolve_flags(args: argparse.Namespace) -> str | None:

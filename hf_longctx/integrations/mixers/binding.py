@@ -13,8 +13,9 @@ import torch
 from hf_longctx.sp_groups import default_ranks_per_node
 from hf_longctx.data.sharding import SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.capacity.mixers import mixer_links
 from hf_longctx.integrations.mixers.modes import mixer_dims
-from hf_longctx.ops.mixers.cost import Links, choose, head_traffic, state_traffic
+from hf_longctx.ops.mixers.cost import choose, head_traffic, state_traffic
 from hf_longctx.ops.mixers.layout import SequenceLayout
 from hf_longctx.ops.mixers.state_passing import ChainPlan
 
@@ -113,7 +114,7 @@ class MixerBinding:
                            s_local=lay.local_length, elem_bytes=elem, rows=rows) for p in range(lay.sp)),
             key=lambda t: (t.bytes, t.calls),
         )
-        links = Links.of_group(lay.sp, default_ranks_per_node(self._batch_mesh.world_size))
+        links = mixer_links(lay.sp, default_ranks_per_node(self._batch_mesh.world_size))
         return choose(dims, lay.sp, heads, state, links)
 
     def check_calls(self) -> None:
