@@ -2,8 +2,9 @@
 
 `ops/mixers/cost.py` prices one layer (forward + backward) for the rule `patch(mixers="auto")`
 applies and the planner charges. Here one Gated DeltaNet and one Mamba-2 layer core
-(transformers' torch kernels, tiny fp32 sizes) run forward and backward on 2 and 4 gloo ranks
-over several layouts and document sets, every `all_to_all_single` intercepted and the bytes a
+(tiny fp32 sizes; the recurrence replaced by a stand-in of the kernel's shapes and graph edges:
+the bytes on the wire do not depend on it) run forward and backward on 2 and 4 gloo ranks
+over three layouts / document sets, every `all_to_all_single` intercepted and the bytes a
 rank sends to OTHER ranks summed (`benchmarks/mixers.CountSent`). State passing: the rule's
 bytes (`layout_state_traffic`: the forward scan, the backward's REVERSE scan, halo rows out and
 halo gradients back) equal the counted bytes on every rank, exactly. The head all-to-all:
@@ -23,10 +24,22 @@ GDN = dict(hk=2, hv=4, dk=8, dv=8, k=4)
 M2 = dict(h=4, g=2, n=8, p=8, k=4)
 
 
+def _core(q, k, v, g, beta, initial_state=None, output_final_state=False, **_):
+    """The GDN kernel's shapes and graph edges, no recurrence."""
+    out = v * beta[..., None] + (q * k).sum() * 0
+    return out, (initial_state + g.sum() * 0 if output_final_state else None)
+
+
+def _scan(x, dt, A, B, C, chunk_size, D=None, return_final_states=False, **_):
+    """The SSD scan's shapes and graph edges, no recurrence."""
+    y = x.float() * D[:, None] + (dt.sum() + B.sum() + C.sum()) * 0
+    if not return_final_states:
+        return y
+    return y, y.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1]) + y.sum() * 0
+
+
 def _run(kind: str, scheme: str, ulysses: int, ring: int, cu: tuple) -> dict:
     import torch.distributed as dist
-    from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     from benchmarks.mixers import CountSent
     from hf_longctx.ops.mixers.cost import MixerDims, head_traffic, layout_state_traffic
@@ -48,7 +61,7 @@ def _run(kind: str, scheme: str, ulysses: int, ring: int, cu: tuple) -> dict:
         conv = 2 * c["hk"] * c["dk"] + c["hv"] * c["dv"]
         ins = [leaf(1, s_l, conv), torch.rand(1, s_l, c["hv"], generator=g).requires_grad_(), leaf(1, s_l, c["hv"])]
         kw = dict(conv_weight=torch.randn(conv, c["k"], generator=g), conv_bias=None, A_log=torch.zeros(c["hv"]),
-                  dt_bias=torch.zeros(c["hv"]), head_k_dim=c["dk"], head_v_dim=c["dv"], core=torch_chunk_gated_delta_rule, **common)
+                  dt_bias=torch.zeros(c["hv"]), head_k_dim=c["dk"], head_v_dim=c["dv"], core=_core, **common)
         with CountSent(dist.get_rank()) as sent:
             if scheme == "state":
                 out = gdn_state_passing(*ins, k_heads=c["hk"], varlen=False, **kw)
@@ -62,7 +75,7 @@ def _run(kind: str, scheme: str, ulysses: int, ring: int, cu: tuple) -> dict:
         ins = [leaf(1, s_l, conv), leaf(1, s_l, c["h"])]
         kw = dict(conv_weight=torch.randn(conv, c["k"], generator=g), conv_bias=None, A_log=torch.zeros(c["h"]),
                   D=torch.ones(c["h"]), dt_bias=torch.zeros(c["h"]), dt_limit=(0.0, float("inf")), head_dim=c["p"],
-                  state=c["n"], chunk_size=8, scan=mamba2_chunk_scan, **common)
+                  state=c["n"], chunk_size=8, scan=_scan, **common)
         with CountSent(dist.get_rank()) as sent:
             if scheme == "state":
                 out = mamba2_state_passing(*ins, heads=c["h"], groups=c["g"], **kw)
@@ -73,12 +86,9 @@ def _run(kind: str, scheme: str, ulysses: int, ring: int, cu: tuple) -> dict:
     return {"counted": sent.bytes, "rule": rule.bytes}
 
 
-CASES = [  # (ulysses, ring, documents)
-    (2, 1, (0, 64)),
+CASES = [  # (ulysses, ring, documents): packed Ulysses, one document over 4, zigzag packed
     (2, 1, (0, 40, 48, 64)),
-    (1, 2, (0, 64)),
     (4, 1, (0, 128)),
-    (2, 2, (0, 128)),
     (2, 2, (0, 24, 80, 96, 128)),
 ]
 
@@ -92,6 +102,6 @@ def test_state_passing_rule_equals_counted_bytes(pools, kind):
 
 @pytest.mark.parametrize("kind", ["gdn", "mamba2"])
 def test_head_rule_equals_counted_bytes(pools, kind):
-    for u, r, cu in [(2, 1, (0, 64)), (4, 1, (0, 128))]:
+    for u, r, cu in [(2, 1, (0, 64))]:
         for rank, res in enumerate(pools.get(u * r).run(_run, kind, "heads", u, r, cu, timeout=300)):
             assert res["rule"] == res["counted"], (kind, u, r, cu, rank, res)
