@@ -21,9 +21,15 @@ from hf_longctx.errors import NotSupported
 from hf_longctx.training.refusals.rules import Rule, _falsy, _refused, _trainer, refusal_message
 from hf_longctx.training.refusals.training_arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
 
-_VLLM = _refused(_falsy, "vLLM generation is not wired to the sequence-parallel step (its weight sync assumes TRL's "
-                 "DDP/FSDP model, not an FSDP2 model patched for SP)", "generate with grpo.generate.sp_rollouts "
-                 "(transformers' generate on gathered weights)")
+_VLLM = _refused(
+    _falsy, "vLLM generation is not wired to the sequence-parallel step: server mode pushes the weights after every "
+    "step through TRL's VLLMClient over vLLM's NCCL weight-transfer engine (the client needs the vllm package, its "
+    "init_communicator a CUDA device: it raises on any other), which this library cannot verify without vllm, CUDA "
+    "and NCCL; "
+    "and TRL's weight walk (VLLMGeneration._iter_named_params) sees FSDP only through Accelerate's fsdp_plugin, so "
+    "on this trainer's FSDP2 model (sharded outside Accelerate) it would stream each rank's DTensor shard, not the "
+    "gathered weight; colocate mode runs a second vLLM engine inside every training process",
+    "use_vllm=False: TRL's transformers generation runs on the gathered, unpatched policy on every rank")
 _VLLM_ONLY = _trainer("applies only with use_vllm, which must be False")
 VLLM_FIELDS = (
     "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex", "vllm_server_base_url",
