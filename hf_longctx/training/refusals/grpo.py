@@ -13,14 +13,8 @@ tests/unit/test_grpo_arguments.py fails until the table names it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from hf_longctx.errors import NotSupported
-from hf_longctx.training.refusals.rollouts import _VLLM_ONLY, SHARED_CONFIG, check_rollout_trainer
-from hf_longctx.training.refusals.rules import Rule, _falsy, _is, _refused, _trainer, refused_config_fields
-
-if TYPE_CHECKING:
-    from trl import GRPOConfig
+from hf_longctx.training.refusals.rollouts import _VLLM_ONLY, SHARED_CONFIG, ConfigChecks
+from hf_longctx.training.refusals.rules import Rule, _falsy, _is, _refused, _trainer
 
 
 def _ours(note: str) -> Rule:
@@ -87,27 +81,7 @@ GRPO_CONFIG: dict[str, Rule] = {
 }
 
 
-def refused_grpo_fields(args: Any) -> list[str]:
-    """One line per refused value of a `GRPOConfig`-only field; a field missing from `GRPO_CONFIG`
-    is refused when it differs from its default (a newer TRL's field is never dropped unseen)."""
-    from trl import GRPOConfig
-
-    if not isinstance(args, GRPOConfig):
-        raise TypeError(f"expected a trl.GRPOConfig, got {type(args).__name__}")
-    return refused_config_fields(args, GRPOConfig, GRPO_CONFIG)
-
-
-def check_grpo_config(args: Any) -> None:
-    """Raise `NotSupported` naming every refused GRPOConfig value (none: returns)."""
-    errors = refused_grpo_fields(args)
-    if errors:
-        raise NotSupported("GRPOConfig settings the sequence-parallel GRPO step cannot honour exactly:\n  "
-                           + "\n  ".join(errors), "change the values listed above as each line says")
-
-
-def check_grpo_trainer(mesh: Any, max_tokens: Any, params: dict[str, Any]) -> GRPOConfig:
-    """Everything LongGRPOTrainer refuses, on every rank alike, before any collective; returns
-    its GRPOConfig. `params`: GRPOTrainer.__init__'s arguments by name."""
-    from trl import GRPOConfig
-
-    return check_rollout_trainer(mesh, max_tokens, params, GRPOConfig, refused_grpo_fields, "LongGRPOTrainer")
+CHECKS = ConfigChecks("GRPOConfig", GRPO_CONFIG, "GRPO", "LongGRPOTrainer")
+refused_grpo_fields = CHECKS.refused_fields  # one line per refused value of a GRPOConfig-only field
+check_grpo_config = CHECKS.check_config  # raises NotSupported naming every refused GRPOConfig value
+check_grpo_trainer = CHECKS.check_trainer  # everything LongGRPOTrainer refuses; returns its GRPOConfig

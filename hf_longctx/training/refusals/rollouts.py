@@ -12,13 +12,14 @@ vLLM (server or colocate) is refused with the reason in `_VLLM`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import transformers
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.refusals.rules import Rule, _falsy, _refused, _trainer, refusal_message
+from hf_longctx.training.refusals.rules import Rule, _falsy, _refused, _trainer, refusal_message, refused_config_fields
 from hf_longctx.training.refusals.training_arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
 
 _VLLM = _refused(
@@ -56,6 +57,39 @@ SHARED_CONFIG: dict[str, Rule] = {
     "transformers_continuous_batching_config": _trainer("applies only with continuous batching, which must be False"),
     "use_transformers_paged": _refused(_falsy, "paged generation is not used by hf_generate", "leave it False"),
 }
+
+@dataclass(frozen=True)
+class ConfigChecks:
+    """The checks of one TRL config (`config_name`, e.g. "RLOOConfig") by its table of `Rule`s, for the
+    `step` ("RLOO") and its SP trainer (`trainer`, "LongRLOOTrainer")."""
+
+    config_name: str
+    table: dict[str, Rule]
+    step: str
+    trainer: str
+
+    def refused_fields(self, args: Any) -> list[str]:
+        """One line per refused value of a field the config adds to TrainingArguments; a field missing
+        from the table is refused when it differs from its default (a newer TRL's is never dropped unseen)."""
+        import trl
+
+        config_cls = getattr(trl, self.config_name)
+        if not isinstance(args, config_cls):
+            raise TypeError(f"expected a trl.{self.config_name}, got {type(args).__name__}")
+        return refused_config_fields(args, config_cls, self.table)
+
+    def check_config(self, args: Any) -> None:
+        """Raise `NotSupported` naming every refused value of `args` (none: returns)."""
+        errors = self.refused_fields(args)
+        if errors:
+            raise NotSupported(f"{self.config_name} settings the sequence-parallel {self.step} step cannot honour "
+                               "exactly:\n  " + "\n  ".join(errors), "change the values listed above as each line says")
+
+    def check_trainer(self, mesh: Any, max_tokens: Any, params: dict[str, Any]) -> Any:
+        """Everything the trainer refuses, on every rank alike, before any collective; returns its
+        config. `params`: the TRL trainer's __init__ arguments by name."""
+        return check_rollout_trainer(mesh, max_tokens, params, self)
+
 
 # TrainingArguments fields refused here for the reasons refusals/training_arguments.py's table gives (the rest of that table is about
 # the token-budget step DataLoader of LongContextTrainerMixin, which these trainers do not use: TRL's sampler draws rows).
@@ -108,11 +142,13 @@ def refusals(args: Any, params: dict[str, Any], name: str = "LongGRPOTrainer") -
     return out
 
 
-def check_rollout_trainer(mesh: Any, max_tokens: Any, params: dict[str, Any], config_cls: type,
-                          config_errors: Callable[[Any], list[str]], name: str) -> Any:
-    """Everything the rollout trainer `name` refuses, on every rank alike, before any collective;
-    returns its config (an instance of `config_cls`, checked by `config_errors`). `params`: the TRL
-    trainer's __init__ arguments by name."""
+def check_rollout_trainer(mesh: Any, max_tokens: Any, params: dict[str, Any], checks: ConfigChecks) -> Any:
+    """Everything the rollout trainer `checks.trainer` refuses, on every rank alike, before any
+    collective; returns its config (a TRL `checks.config_name`). `params`: the TRL trainer's
+    __init__ arguments by name."""
+    import trl
+
+    config_cls, name = getattr(trl, checks.config_name), checks.trainer
     if not isinstance(mesh, SPMesh):
         raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
@@ -122,7 +158,7 @@ def check_rollout_trainer(mesh: Any, max_tokens: Any, params: dict[str, Any], co
     if not isinstance(config, config_cls):
         raise TypeError(f"{name} needs args={config_cls.__name__}(...) (its batch sizes define the step), got "
                         f"{type(config).__name__}")
-    errors = config_errors(config) + refusals(config, params, name)
+    errors = checks.refused_fields(config) + refusals(config, params, name)
     if max_tokens is not None and config.max_completion_length + 1 > max_tokens:
         errors.append(f"max_tokens={max_tokens} < max_completion_length={config.max_completion_length} + 1 (a "
                       "one-token prompt): a full-length completion could never fit a micro-batch; do instead: "
