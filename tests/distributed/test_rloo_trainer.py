@@ -13,7 +13,8 @@ advantages (and, through them, every gradient).
 
 Checked on U2xR2 ("normalized": beta 0 with normalize_advantages; "kl": beta 0.05 with
 reward_clip_range, also with max_tokens=40, which splits both the scoring forwards and the
-training step into several packed micro-batches) and on Ulysses 4 with FPDT chunks 2 ("kl"):
+training step into several packed micro-batches), on Ulysses 4 with FPDT chunks 2 ("kl") and on
+dp2xU2 ("kl": two DP groups train different rows, a prompt's completions straddle them):
 the step loss (on-policy it is -mean(advantages) ~ 0: 1e-6 absolute, TRL's own loss there is
 fp32 noise of that size), grad_norm (1e-4 relative), the parameter updates of one plain-SGD step
 (lr 1, max_grad_norm 1: the clipped gradient; every parameter, 1e-4 relative) and every metric
@@ -32,7 +33,8 @@ from tests.helpers.rloo_cases import CASES, run_rloo
 
 LOSS_ABS = 1e-6
 # (mesh (ulysses, ring, fpdt_chunks), [(case, max_tokens)])
-MESHES = {"U2xR2": ((2, 2, 1), [("normalized", None), ("kl", 40)]), "U4-fpdt2": ((4, 1, 2), [("kl", None)])}
+MESHES = {"U2xR2": ((2, 2, 1), [("normalized", None), ("kl", 40)]), "U4-fpdt2": ((4, 1, 2), [("kl", None)]),
+          "dp2xU2": ((2, 1, 1), [("kl", None)])}
 
 
 @pytest.fixture(scope="module")
