@@ -84,3 +84,23 @@ def test_trainer_checks_name_the_value_before_any_collective(tmp_path):
         check_rloo_trainer(mesh, 16, {"args": _config(tmp_path, max_completion_length=16, num_iterations=2)})
     with pytest.raises(NotSupported, match=r"peft_config"):
         check_rloo_trainer(mesh, None, {"args": args, "peft_config": object()})
+
+
+def test_what_vllm_server_mode_lacks_is_what_trl_says():
+    """The facts the use_vllm refusal names, read from TRL itself: its VLLMClient cannot be built
+    without the vllm package (it raises before any request: the loopback address is never
+    contacted), and its weight walk recognises FSDP only through Accelerate's fsdp_plugin, which
+    these trainers do not set (they shard with fully_shard themselves)."""
+    from types import SimpleNamespace
+
+    from trl.distributed import DistributedBackend
+    from trl.import_utils import is_vllm_available
+
+    if is_vllm_available():
+        pytest.skip("vllm is installed here: the client builds; the refusal stands on the other reasons")
+    from trl.generation.vllm_client import VLLMClient
+
+    with pytest.raises(ImportError, match="vLLM is not installed"):
+        VLLMClient(base_url="http://127.0.0.1:9", connection_timeout=0.0)
+    no_plugins = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None))
+    assert DistributedBackend(no_plugins).is_fsdp is False
