@@ -62,6 +62,7 @@ __all__ = [
     "LongDPOTrainer",
     "GRPOObjective",
     "LongGRPOTrainer",
+    "LongRLOOTrainer",
     "flex_microbatches",
     "doc_sums",
     "exit_rank",
@@ -114,6 +115,10 @@ def __getattr__(name: str):
         from hf_longctx.training.grpo import trainer as grpo_trainer
 
         return grpo_trainer.LongGRPOTrainer
+    if name == "LongRLOOTrainer":  # TRL's RLOOTrainer under SP (training/rloo/trainer.py): imports trl
+        from hf_longctx.training.rloo.trainer import LongRLOOTrainer
+
+        return LongRLOOTrainer
     if name in ("exit_rank", "run_rank"):  # a launched rank's clean end (training/launch.py)
         from hf_longctx.training import launch
 

@@ -45,8 +45,8 @@ from tests.helpers.families import rel
 from tests.helpers.pool import worker_mesh
 from tests.helpers.trainer_cases import trainer_env
 from tests.helpers.grpo_cases import (  # noqa: F401  (paths: a fixture)
-    GENERATIONS, GRAD_TOL, LOSS_TOL, METRIC_TOL, ROWS, WORLD, FixedCompletions, _run, make_prompts, paths, reward_length,
-    reward_tokens,
+    GENERATIONS, GRAD_TOL, LOSS_TOL, METRIC_TOL, ROWS, WORLD, FixedCompletions, _run, assert_refused, make_prompts, paths,
+    reward_length, reward_tokens,
 )
 
 CASES = [("grpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.0), ("dapo", 0.04)]
@@ -175,21 +175,7 @@ def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
 def test_grpo_trainer_refusals(paths, tmp_path, kw, match):
     """Every refused setting raises NotSupported at construction, naming the value and a "Do instead"."""
     pytest.importorskip("trl")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig
-
-    from hf_longctx import NotSupported, init_sequence_parallel, patch
-    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
-
-    model_path, _, tok_path = paths
-    cfg = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to=[],
-                     use_cpu=True, bf16=False, gradient_checkpointing=False, **{"save_strategy": "no", **kw})
-    mesh = init_sequence_parallel()
-    with pytest.raises(NotSupported, match=match) as err:
-        LongGRPOTrainer(model=patch(AutoModelForCausalLM.from_pretrained(model_path), mesh), mesh=mesh,
-                        reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts(),
-                        processing_class=AutoTokenizer.from_pretrained(tok_path))
-    assert "Do instead" in str(err.value)
+    assert_refused(paths, tmp_path, "GRPO", kw, match)
 
 
 def test_grpo_trainer_needs_patched_model(paths, tmp_path):

@@ -2,13 +2,14 @@
 
 Where it sits: in front of the Trainer class in every trainer's bases -- `LongContextTrainerMixin`
 (and so `LongContextTrainer`, the TRL SFT composition and `LongDPOTrainer`) and
-`LongGRPOTrainer`. It holds the hooks that do not depend on the objective: the checks before
-`Trainer.__init__` (model patched with the trainer's mesh, process group, the transformers
-version that accepts a model sharded before `prepare`), the model's placement (FSDP2 over the
-whole DP x SP world, sum reduction; the frozen reference sharded alike), the norm of the summed
-gradient for clipping and logging, the step (`_run_step`: the step's micro-batches through
-`base/step_loop.py`) and the checkpoint hooks (every rank's shards, the consolidated model). A
-trainer adds only its objective: data, micro-batches, loss, metrics.
+`SPRolloutTrainer` (`LongGRPOTrainer`, `LongRLOOTrainer`). It holds the hooks that do not
+depend on the objective: the checks before `Trainer.__init__` (model patched with the trainer's
+mesh, process group, the transformers version that accepts a model sharded before `prepare`),
+the model's placement (FSDP2 over the whole DP x SP world, sum reduction; the frozen reference
+sharded alike), the norm of the summed gradient for clipping and logging, the step
+(`_run_step`: the step's micro-batches through `base/step_loop.py`) and the checkpoint hooks
+(every rank's shards, the consolidated model). A trainer adds only its objective: data,
+micro-batches, loss, metrics.
 """
 
 from __future__ import annotations
