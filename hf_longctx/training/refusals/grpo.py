@@ -48,7 +48,7 @@ GRPO_CONFIG: dict[str, Rule] = {
     "router_aux_loss_coef": _refused(lambda v: not v, "the MoE load-balancing loss needs output_router_logits=True, "
                                      "which patch() refuses under SP", "leave it None"),
     "disable_dropout": _trainer("dropout must already be 0 for patch()'s exactness; the caller's model config sets it"),
-    "cast_lm_head_to_fp32": _ours("log-probabilities are always computed in fp32 from the logits (grpo.loss._token_logps)"),
+    "cast_lm_head_to_fp32": _ours("log-probabilities are always computed in fp32 from the logits (grpo.loss.policy_token_logps)"),
     "num_generations": _ours("sp_rollouts(num_generations=...): completions per prompt, generated in one SP group"),
     "num_generations_eval": _trainer(_LOOP + " (evaluation rollouts)"),
     "max_completion_length": _ours("GRPOObjective.max_completion_length (dr_grpo's normaliser) and the max_new_tokens of "
