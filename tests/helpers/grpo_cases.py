@@ -7,7 +7,8 @@ and the word-level tokenizer. `make_prompts` builds the text-prompt dataset,
 TRL's generation hook so row k of a step's global generation batch always gets
 `fixed_completion(prompt, k)`. `_run` trains one step of TRL's `GRPOTrainer` (mesh_shape
 None: the single-process reference) or of `LongGRPOTrainer` on a pool worker's mesh, and
-returns the logged metrics and parameter updates. WORLD × ROWS rows per step, GENERATIONS
+returns the logged metrics and parameter updates (`fpdt`, `memory`: the mesh's FPDT chunks and
+the policy's `patch(memory=...)`). WORLD × ROWS rows per step, GENERATIONS
 per prompt; LOSS_TOL / GRAD_TOL / METRIC_TOL are the fp32 tolerances these tests share.
 """
 
@@ -62,7 +63,8 @@ class FixedCompletions:
 
 
 def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type: str, beta: float,
-         mesh_shape: tuple[int, int] | None, max_tokens: int | None = None) -> dict:
+         mesh_shape: tuple[int, int] | None, max_tokens: int | None = None, fpdt: int = 1,
+         memory: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -88,8 +90,8 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type:
         class Trainer(FixedCompletions, LongGRPOTrainer):
             pass
 
-        mesh = worker_mesh(*mesh_shape)
-        trainer = Trainer(model=patch(model, mesh), mesh=mesh, max_tokens=max_tokens, **common)
+        mesh = worker_mesh(*mesh_shape, fpdt)
+        trainer = Trainer(model=patch(model, mesh, memory=memory), mesh=mesh, max_tokens=max_tokens, **common)
     else:
         class Trainer(FixedCompletions, GRPOTrainer):
             pass
