@@ -26,8 +26,43 @@ def default_reference(model: Any, mesh: SPMesh, trust_remote_code: bool) -> Any:
     return reference_on_mesh(ref, model, mesh)
 
 
+_SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _vocabulary(config: Any, model: Any = None) -> dict[str, Any]:
+    """What must agree between a reference and the policy: the vocabulary size (the config's,
+    and the embedding's / LM head's rows of an instance) and the special token ids."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out = {"vocab_size": getattr(text, "vocab_size", None)}
+    out.update({k: getattr(text, k, None) for k in _SPECIAL})
+    if model is not None:
+        for name, module in (("embedding rows", model.get_input_embeddings()), ("LM head rows", model.get_output_embeddings())):
+            weight = getattr(module, "weight", None)
+            out[name] = None if weight is None else int(weight.shape[0])
+    return out
+
+
+def check_reference(ref_config: Any, model: Any, ref: Any = None) -> None:
+    """Raise ValueError, before any collective, when the reference (its config, and the instance
+    `ref` when loaded) has another vocabulary or other special token ids than the policy `model`:
+    the reference scores the policy's token ids, so both must read them with one tokenizer."""
+    from hf_longctx.model_walk import hf_model
+
+    policy = hf_model(model)
+    mine, theirs = _vocabulary(policy.config, policy), _vocabulary(ref_config, hf_model(ref) if ref is not None else None)
+    differ = {k: (mine[k], v) for k, v in theirs.items() if v is not None and mine.get(k) is not None and v != mine[k]}
+    if differ:
+        shown = ", ".join(f"{k} {b} (policy {a})" for k, (a, b) in differ.items())
+        raise ValueError(f"the reference model's vocabulary differs from the policy's: {shown}; it would score the "
+                         "policy's token ids with another tokenizer. Do instead: pass a reference that shares the "
+                         "policy's tokenizer (e.g. the policy's own base checkpoint), or ref_model=None for TRL's "
+                         "default (the policy loaded again from its path)")
+
+
 def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
-    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks / mixers), frozen."""
+    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks / mixers), frozen;
+    refused first when its vocabulary differs from the policy's (`check_reference`)."""
+    check_reference(ref.config, model, ref)
     if is_patched(ref):
         state = patch_state(ref)
         if state.bank != mesh:

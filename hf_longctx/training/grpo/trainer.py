@@ -24,7 +24,7 @@ from hf_longctx.devices import to_device
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.training.base.log_lines import use_number_logs
-from hf_longctx.training.base.reference import reference_on_mesh
+from hf_longctx.training.base.reference import check_reference, reference_on_mesh
 from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.trainer import SPTrainerBase
@@ -59,6 +59,8 @@ class LongGRPOTrainer(SPTrainerBase, GRPOTrainer):
         params = {**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs}
         config = check_grpo_trainer(mesh, max_tokens, params)  # every refused value at once, before any collective
         self.objective = GRPOObjective.from_config(config)
+        if config.beta != 0.0:  # TRL loads the reference from the policy's path inside __init__: its config first
+            _check_reference_path(params.get("model"), config)
         # Patched with mesh, process group, transformers version; TRL gets a copy of the config.
         args, kwargs = self._setup_mesh(mesh, args, kwargs, _TRAINER_PARAMETERS)
         self.max_tokens = max_tokens
@@ -193,6 +195,17 @@ class LongGRPOTrainer(SPTrainerBase, GRPOTrainer):
         if checkpoint is not None:  # every rank alike, before the collective read
             check_reference_source(checkpoint, self.ref_model)
         super()._load_optimizer_and_scheduler(checkpoint)
+
+
+def _check_reference_path(model: Any, config: Any) -> None:
+    """The reference TRL will load (`config._name_or_path` of the policy) against the policy's
+    vocabulary and special tokens (`base/reference.check_reference`), before any collective."""
+    from transformers import AutoConfig
+    from trl.trainer.utils import get_config_model_id
+
+    path = get_config_model_id(model.config) if hasattr(model, "config") else ""
+    if path:
+        check_reference(AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code), model)
 
 
 @dataclass(frozen=True)
