@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from hf_longctx.ops.chunked_loss import chunk_logits
@@ -27,6 +28,20 @@ STATS = ("entropy", "mean_logit", "is_top1")
 def _scaled(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, temperature: float) -> Tensor:
     """fp32 [n, V] logits of one chunk divided by the temperature (x / 1.0 is exact: DPO's path)."""
     return chunk_logits(h, weight, bias, softcap) / temperature
+
+
+def _logits_grad(logits: Tensor, targets: Tensor, grad: Tensor, temperature: float) -> Tensor:
+    """[c, V] gradient of Σ grad_i · log_softmax(logits.float() / T)[i, t_i] w.r.t. `logits`, in
+    their dtype: (onehot(t) - softmax) · grad / T, written over one fp32 buffer the way autograd
+    computes it (log-softmax's backward: grad_out - exp(out) · Σ grad_out), so two fp32 [c, V]
+    tensors at most instead of autograd's four."""
+    with torch.no_grad():
+        z = logits.float() / temperature  # [c, V] fp32
+        g = grad.to(z.dtype)[:, None]  # [c, 1]
+        buf = torch.log_softmax(z, dim=-1)
+        del z
+        buf.exp_().mul_(-g).scatter_add_(1, targets[:, None], g)  # -p·g, and + g at the target
+        return buf.div_(temperature).to(logits.dtype)
 
 
 def _acc(g: Tensor) -> Tensor:
@@ -44,8 +59,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     """(log-probs [N] fp32, statistics [N, k] fp32) of `hidden` [N, Hd] through the head, chunk by chunk.
 
     Forward: per chunk, logits -> log-softmax -> the target's entry (and the statistics), no graph
-    kept. Backward: per chunk, the same ops again under autograd (the forward's autocast state
-    replayed), differentiated against the chunk's incoming gradient. Saved: the inputs only."""
+    kept. Backward: per chunk, the head's logits again under autograd (the forward's autocast
+    state replayed), their gradient from the log-softmax's in closed form (`_logits_grad`), then
+    autograd through the head. Saved: the inputs only."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
@@ -67,7 +83,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 del z
                 logps[start:end] = logp.gather(-1, t)[:, 0]
                 if "entropy" in stats:
-                    extra[start:end, stats.index("entropy")] = -(logp.exp() * logp).sum(-1)
+                    extra[start:end, stats.index("entropy")] = -(logp.exp().mul_(logp)).sum(-1)  # -Σ p log p
                 del logp
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.chunk_size, ctx.temperature, ctx.softcap = chunk_size, temperature, softcap
@@ -92,13 +108,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, n, ctx.chunk_size):
             end = min(start + ctx.chunk_size, n)
             h_leaf = hidden[start:end].detach().requires_grad_(need_h)  # [c, Hd]
-            with torch.enable_grad(), autocast:
-                z = _scaled(h_leaf, w_leaf, b_leaf, ctx.softcap, ctx.temperature)  # [c, V] fp32
-                lp = torch.log_softmax(z, dim=-1).gather(-1, targets[start:end, None])[:, 0]  # [c]
-                del z
-                inputs = [x for x, need in ((h_leaf, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need]
-                grads = list(torch.autograd.grad(lp, inputs, grad_outputs=grad_logps[start:end].to(lp.dtype)))
-                del lp
+            with torch.enable_grad(), autocast:  # the head (and softcap) in the compute dtype, under autograd
+                logits = F.linear(h_leaf, w_leaf, b_leaf)  # [c, V]
+                if ctx.softcap is not None:
+                    logits = torch.tanh(logits / ctx.softcap) * ctx.softcap
+            grad_logits = _logits_grad(logits.detach(), targets[start:end], grad_logps[start:end], ctx.temperature)
+            inputs = [x for x, need in ((h_leaf, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need]
+            grads = list(torch.autograd.grad(logits, inputs, grad_outputs=grad_logits))
+            del logits, grad_logits
             if need_h:
                 grad_h[start:end] = grads.pop(0)
             if need_w:

@@ -2,12 +2,13 @@
 integrations/logprob_head.py) against the full logits.
 
 The op: log-probs, entropy, mean logit and top-1 of fp64 inputs (bias, softcap, temperature)
-equal the unchunked computation's to fp64 rounding, forward and backward (gradient of a random
-cotangent); under CPU bf16 autocast the backward replays the forward's autocast (the gradients
+equal the unchunked computation's exactly, and the gradients of a random cotangent to fp32
+rounding (the log-softmax is fp32 by design; its gradient formula is written out); under CPU bf16 autocast the backward replays the forward's autocast (the gradients
 equal the unchunked autograd's to bf16 GEMM blocking noise, and differ at bf16's epsilon when
 the replay is removed). The integration: a patched tiny Llama on a one-process mesh under the
-memory presets, and a softcapped Gemma2, give the log-probs and parameter gradients of the
-unpatched model's full logits (fp32, 1e-5 / 1e-4 relative); a model that rescales its logits
+memory presets, and a softcapped Gemma2, give the log-probs (with and without gradients: the
+frozen reference's forward) and parameter gradients of the unpatched model's full logits (fp32,
+1e-5 / 1e-4 relative); a model that rescales its logits
 otherwise (Cohere's logit_scale) is refused. The allocation check: a TorchDispatchMode records
 every op output with a vocabulary-wide dimension during GRPO's reference forward, policy
 forward and backward; none holds more rows than one chunk, and with one chunk (loss_chunks=1:
@@ -53,7 +54,9 @@ def test_op_matches_full_logits(softcap, temperature):
     torch.testing.assert_close(stats, want_stats, rtol=0, atol=1e-12)
     grads = torch.autograd.grad((got * cot).sum(), [h, w, b])
     for mine, ref in zip(grads, torch.autograd.grad((want * cot).sum(), [h, w, b])):
-        torch.testing.assert_close(mine, ref, rtol=1e-12, atol=1e-12)  # fp64 end to end (fp64 weight-gradient sum)
+        # The log-softmax runs in fp32 by design; its gradient is written out (log-softmax's backward
+        # formula), whose fp32 roundings differ from autograd's fused kernel by ~1e-7.
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_op_backward_replays_autocast():
@@ -111,6 +114,7 @@ def _shard(n: int = 320, seed: int = 0):
 def test_token_logprobs_match_the_full_logits(family, memory):
     from hf_longctx import patch, unpatch
     from hf_longctx.integrations.logprob_head import token_logprobs
+    from hf_longctx.integrations.model_patch import patch_state
 
     batch, shard_batch = _shard()
     model = _tiny(family)
@@ -125,11 +129,17 @@ def test_token_logprobs_match_the_full_logits(family, memory):
     mesh = _mesh()
     patch(model, mesh, memory=memory)
     try:
-        got, stats = token_logprobs(model, shard_batch(batch, mesh), temperature=0.7, stats=("entropy",))
+        shard = shard_batch(batch, mesh)
+        with torch.no_grad():  # a frozen reference's forward (memory="max": row-chunked layers, nothing kept)
+            frozen, _ = token_logprobs(model, shard, temperature=0.7)
+        split = patch_state(model).split
+        assert split is None or split.no_grad_runs == 2, split.no_grad_runs  # both layers took the row-chunked path
+        got, stats = token_logprobs(model, shard, temperature=0.7, stats=("entropy",))
         (got * cot * mask).sum().backward()
     finally:
         unpatch(model)
     torch.testing.assert_close(got[mask], logp[mask].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(frozen[mask], logp[mask].detach(), rtol=1e-5, atol=1e-5)
     for n, p in model.named_parameters():
         err = (p.grad - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)
         assert err <= 1e-4, f"{n}: {err:.2e}"

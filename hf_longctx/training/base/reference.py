@@ -19,7 +19,7 @@ from hf_longctx.integrations.model_patch import is_patched, patch, patch_state
 
 def default_reference(model: Any, mesh: SPMesh, trust_remote_code: bool) -> Any:
     """TRL's default reference (`ref_model=None`): the model loaded again from its path, in the
-    policy's dtype, patched with the same mesh and memory knobs (no checkpointing: no backward)."""
+    policy's dtype, patched with the same mesh and memory knobs (`reference_on_mesh`)."""
     from trl.trainer.utils import create_model_from_path, get_config_model_id
 
     ref = create_model_from_path(get_config_model_id(model.config), dtype=model.dtype, trust_remote_code=trust_remote_code)
@@ -60,7 +60,7 @@ def check_reference(ref_config: Any, model: Any, ref: Any = None) -> None:
 
 
 def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
-    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks / mixers), frozen;
+    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks / checkpoint / mixers), frozen;
     refused first when its vocabulary differs from the policy's (`check_reference`)."""
     check_reference(ref.config, model, ref)
     if is_patched(ref):
@@ -70,5 +70,9 @@ def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
     else:
         policy = patch_state(model)
         options = policy.options
-        ref = patch(ref, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, mixers=policy.mixers_option)
+        # The policy's memory options: under memory="max" (checkpoint=True with chunked MLPs) its
+        # no-grad forward runs the layers in row chunks too (`layer_split.call_no_grad`), so the
+        # reference holds no more per token than the policy; its LM head is chunked by token_logprobs.
+        ref = patch(ref, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks,
+                    checkpoint=options.checkpoint, mixers=policy.mixers_option)
     return ref.eval().requires_grad_(False)
