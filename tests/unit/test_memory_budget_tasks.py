@@ -20,7 +20,7 @@ import torch
 from benchmarks.memory_budget import estimate, measure_lengths
 from hf_longctx.distributed.mesh import init_sequence_parallel
 
-TOKENS = 4096
+TOKENS = 2048
 CPU_LAYOUT_COPY = "usp.py:usp_attention clone"  # the CPU kernel's multi-document output, copied token-major
 
 
