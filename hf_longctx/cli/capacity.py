@@ -136,6 +136,12 @@ def footer(args: argparse.Namespace) -> str:
         f"on the CPU at {args.cpu_optim_bw / 1e9:g} GB/s per GPU (--cpu-optim-bw), not overlapped;",
         "- micro-batches = per rank and step (--microbatches, or --tokens-per-step / (dp x micro-batch tokens)); with "
         "one, no earlier gradients are held;",
+        *([f"- --task {args.task}: the frozen reference's fp32 ZeRO-3 shards (in params) and its forward (a phase "
+           "before the policy's), the chunked log-prob head's forward and backward in place of the loss, the "
+           "objective's per-token inputs; a pair's or a group's documents count together in --seq-len"
+           + (f"; rollouts on these GPUs: {args.rollout_tokens} tokens per GPU (the whole model gathered, KV cache, "
+              "one layer's prefill) as a phase of their own" if args.task in ("grpo", "rloo") and args.rollout_tokens
+              else "") + ";"] if args.task != "sft" else []),
         "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates within "
         f"{TIE_TOLERANCE:.0%} of the fastest (the cost model's measured error) are not told apart: among them the USP "
         "guidance (Ulysses inside a node, ring only across nodes) ranks first.",
@@ -201,7 +207,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
                            optimizer=args.optimizer, unsharded_step=args.unequal_calls, grad_sync=grad_sync,
                            microbatches=args.microbatches or 1, tokens_per_step=args.tokens_per_step,
-                           param_offload=args.param_offload, vision=vision)
+                           param_offload=args.param_offload, vision=vision, task=args.task,
+                           rollout_tokens=args.rollout_tokens)
     feasible = [c for c in ranked if c.feasible]
     print(_heading(args, config, dims, vision) + "\n")
     if not feasible:
@@ -224,6 +231,11 @@ def _cluster(args: argparse.Namespace):
 def _resolve_flags(args: argparse.Namespace) -> str | None:
     """Why the flags contradict each other, or None; fills the derived defaults in `args`
     (micro-batch tokens: --seq-len; micro-batches: 1 unless --tokens-per-step derives them)."""
+    args.task = getattr(args, "task", "sft")
+    if getattr(args, "rollout_tokens", None) is None:
+        args.rollout_tokens = args.seq_len if args.task in ("grpo", "rloo") else 0
+    if args.rollout_tokens and args.task not in ("grpo", "rloo"):
+        return f"--rollout-tokens applies to --task grpo or rloo, not --task {args.task}"
     if args.unequal_calls and args.sync_each_microbatch:
         return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
                 "--sync-each-microbatch")

@@ -21,7 +21,8 @@ trainers point that at a second saved checkpoint (different weights), so the KL 
 gradient are non-zero (a reference equal to the policy gives KL = 0 and no KL gradient).
 
 Checked for loss_type grpo, dr_grpo and dapo (beta = 0) and dapo with beta = 0.04, on
-U2xR2 (one SP group of 4) and dp2xU2 (two DP groups): the step loss (1e-5 relative, plus 1e-8
+U2xR2 (one SP group of 4) and dp2xU2 (two DP groups), and dapo with beta = 0.04 on Ulysses 4
+with FPDT chunks 2 under memory="max" (chunked LM head for policy and reference): the step loss (1e-5 relative, plus 1e-8
 absolute: on-policy "grpo" has loss -mean(advantages) = 0 at the first step), grad_norm
 (1e-4 relative), the parameter updates of one plain-SGD step (lr 1, max_grad_norm 1: the clipped
 gradient; every parameter, 1e-4 relative) and every metric TRL logs (reward, reward_std,
@@ -87,6 +88,24 @@ def test_grpo_trainer_matches_single_process_trl(pools, paths, references, tmp_p
             assert set(got["updates"]) == set(ref["updates"]), where
             worst = max((rel(got["updates"][k], ref["updates"][k]), k) for k in ref["updates"])
             assert worst[0] <= GRAD_TOL, f"{where}: parameter update rel err {worst}"
+
+
+def _at_length(model_path, ref_path, tok_path, out_dir):
+    return _run(model_path, ref_path, tok_path, out_dir, "dapo", 0.04, (4, 1), fpdt=2, memory="max")
+
+
+def test_grpo_trainer_at_length_matches_single_process_trl(pools, paths, references, tmp_path):
+    """Ulysses 4 with FPDT chunks 2 under memory="max" (the policy's layers row-chunked and
+    checkpointed, MLP and LM head chunked; the reference patched alike), dapo with the KL term:
+    the logged loss, grad_norm, every metric and the SGD update equal the single-process TRL step."""
+    ref = references[("dapo", 0.04)]
+    for rank, got in enumerate(pools.get(WORLD).run(_at_length, *paths, str(tmp_path), timeout=600)):
+        assert set(got["log"]) == set(ref["log"]) and got["ref_sharded"], f"rank {rank}: {sorted(got['log'])}"
+        for name, want in ref["log"].items():
+            tol = GRAD_TOL if name == "grad_norm" else METRIC_TOL
+            assert got["log"][name] == pytest.approx(want, rel=tol, abs=tol), f"rank {rank}: {name} {got['log'][name]} vs {want}"
+        worst = max((rel(got["updates"][k], ref["updates"][k]), k) for k in ref["updates"])
+        assert worst[0] <= GRAD_TOL, f"rank {rank}: parameter update rel err {worst}"
 
 
 def _generate_for_real(model_path: str, tok_path: str, out_dir: str) -> dict:

@@ -491,3 +491,75 @@ def test_mixer_refusal_is_not_supported_too(tmp_path):
     with pytest.raises(NotSupported) as info:
         patch(model, _local_mesh(2))
     _says(info.value, "Mamba")
+
+
+# -- post-training: pairs over the cap, a reference with another vocabulary or tokenizer ----------------
+def _dpo(llama_path, tmp_path, *, ref_model=None, max_tokens=64):
+    from transformers import AutoTokenizer
+    from trl import DPOConfig
+
+    from hf_longctx import LongDPOTrainer
+    from tests.helpers.dpo_cases import _text_pairs
+    from tests.helpers.word_tokenizer import make_tokenizer
+
+    make_tokenizer(str(tmp_path / "tok"))
+    mesh = init_sequence_parallel()
+    args = DPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], max_length=None)
+    return LongDPOTrainer(model=_model(llama_path, mesh), ref_model=ref_model, args=args, train_dataset=_text_pairs(),
+                          processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "tok")), mesh=mesh,
+                          max_tokens=max_tokens, tokens_per_step=4096)
+
+
+def _other_reference(tmp_path, **changes):
+    """A Llama like `save_family("llama")` with `changes` to its config, saved; (its path, the model)."""
+    import transformers as tf
+
+    from tests.helpers.families import family_config
+
+    cfg = family_config("llama")
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(str(tmp_path / "other_ref"))
+    return str(tmp_path / "other_ref"), model
+
+
+def test_dpo_pair_over_the_token_cap_is_named_at_construction(llama_path, tmp_path):
+    pytest.importorskip("trl")
+    with pytest.raises(ValueError) as info:
+        _dpo(llama_path, tmp_path, max_tokens=16)
+    for needle in ("pair(s) exceed max_tokens=16", "chosen and rejected padded", "raise max_tokens or drop long pairs"):
+        assert needle in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("change,named", [(dict(vocab_size=200), "vocab_size 200 (policy 128)"),
+                                          (dict(eos_token_id=7), "eos_token_id 7")], ids=["vocabulary", "tokenizer"])
+def test_dpo_reference_with_another_vocabulary_is_refused(llama_path, tmp_path, change, named):
+    pytest.importorskip("trl")
+    _, ref = _other_reference(tmp_path, **change)
+    with pytest.raises(ValueError) as info:
+        _dpo(llama_path, tmp_path, ref_model=ref)
+    assert named in str(info.value) and "Do instead" in str(info.value), str(info.value)
+
+
+def test_grpo_reference_with_another_vocabulary_is_refused_before_trl_loads_it(llama_path, tmp_path):
+    """beta > 0: TRL loads the reference from the policy's config._name_or_path; its config is
+    read first and refused by its vocabulary size."""
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
+    from tests.helpers.grpo_cases import make_prompts, reward_length
+    from tests.helpers.word_tokenizer import make_tokenizer
+
+    path, _ = _other_reference(tmp_path, vocab_size=200)
+    make_tokenizer(str(tmp_path / "tok"))
+    mesh = init_sequence_parallel()
+    model = _model(llama_path, mesh)
+    model.config._name_or_path = path
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, report_to=[],
+                     use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", beta=0.04)
+    with pytest.raises(ValueError, match=r"vocab_size 200 \(policy 128\)(.|\n)*Do instead"):
+        LongGRPOTrainer(model=model, mesh=mesh, reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts(),
+                        processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "tok")))
