@@ -15,7 +15,7 @@ Run: PYTHONPATH=. python benchmarks/longest_plan.py        (about a minute)
 
 from __future__ import annotations
 
-from hf_longctx.cli.capacity import load_config
+from hf_longctx.cli.inputs import load_config
 from hf_longctx.capacity.search import Cluster, rank_settings
 
 G = 2**30

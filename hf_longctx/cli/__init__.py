@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from hf_longctx.cli.capacity import cmd_plan, parse_size
+from hf_longctx.cli.capacity import cmd_plan
+from hf_longctx.cli.inputs import parse_size
 
 
 def cmd_step_plot(args: argparse.Namespace) -> int:

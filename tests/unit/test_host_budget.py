@@ -18,7 +18,7 @@ G = 2**30
 
 
 def _llama_8b():
-    from hf_longctx.cli.capacity import load_config
+    from hf_longctx.cli.inputs import load_config
 
     return ModelDims.from_config(load_config("tests/data/llama-3.1-8b-config.json"))
 
