@@ -227,17 +227,9 @@ def rank_settings(
         mixers = mixer_seconds(config, s, cluster, tokens, dtype)
         if mixers:
             time.other["linear mixers"] = mixers
-        secs = time.seconds
         if vision is not None:
-            from hf_longctx.capacity.vision import vision_cost
-
-            dt, samples = DTYPE_BYTES[dtype], tokens / seq_len
-            mem = vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)
-            gpu = cluster.gpu_spec
-            time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
-                                                        rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp),
-                                                        dt=dt)
-            secs = time.seconds
+            mem = _charge_vision(vision, config, s, cluster, mem, time, tokens / seq_len, dtype, optimizer)
+        secs = time.seconds
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
         gpu_fits, host_fits = mem.peak <= usable_gpu, mem.host * per_node <= usable_host
         reasons = [] if gpu_fits else [f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"]
@@ -281,3 +273,15 @@ def suggest(
             f"({low.setting}, memory={low.preset!r}: {low.reason})"
         )
     return Suggestion.of(ranked[0], tokens, grad_sync=grad_sync, dtype=dtype)
+
+
+def _charge_vision(vision: Any, config: Any, s: Setting, cluster: Cluster, mem: Any, time: Any, samples: float,
+                   dtype: str, optimizer: str) -> Any:
+    """The vision tower's memory (returned) and seconds (into `time.other`) for a setting, with
+    `samples` images / videos per micro-batch."""
+    from hf_longctx.capacity.vision import vision_cost
+
+    dt, gpu = DTYPE_BYTES[dtype], cluster.gpu_spec
+    time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
+                                                rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp), dt=dt)
+    return vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)
