@@ -98,7 +98,8 @@ def train_one_step(model_path: str, ref_path: str, tok_path: str, cfg, hook: typ
     if mesh_shape is not None:
         import hf_longctx
 
-        mesh = worker_mesh(*mesh_shape, fpdt_chunks=fpdt)
+        ulysses, ring, *chunks = mesh_shape  # (ulysses, ring) or (ulysses, ring, FPDT chunks)
+        mesh = worker_mesh(ulysses, ring, chunks[0] if chunks else fpdt)
         trainer_cls = type("Trainer", (hook, getattr(hf_longctx, f"Long{name}Trainer")), {})
         trainer = trainer_cls(model=hf_longctx.patch(model, mesh, memory=memory), mesh=mesh, max_tokens=max_tokens,
                               **common)
