@@ -103,7 +103,7 @@ def make_vision_hook(state: Any, hf, family: Any, spec: VisionSpec):
             raise ValueError(
                 f"the patched {spec.family} model got {given} directly: under sequence parallelism the images are "
                 "encoded by the rank they were dealt to and routed to the shards holding their tokens; pass the batch "
-                "through hf_longctx.shard_multimodal(batch, mesh, hf_longctx.vision_spec(model)) and call model(**shard)"
+                "through hf_longctx.shard_multimodal(batch, mesh, model=model) and call model(**shard)"
             )
         if vision is None:
             return args, kwargs  # a text-only micro-batch
