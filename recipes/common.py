@@ -94,6 +94,18 @@ def patch_kwargs(args: argparse.Namespace) -> dict:
     return {**kwargs, "mixers": args.mixers} if getattr(args, "mixers", None) is not None else kwargs
 
 
+def checkpointing(on: bool) -> dict:
+    """HF's activation-checkpointing flag for a `TrainingArguments` / TRL config, under its current
+    name (`activation_checkpointing`; `gradient_checkpointing` on transformers < 5.18, where it
+    is not yet deprecated): the trainer maps it to `patch(checkpoint=True)`. TRL's configs
+    default the old name to True and warn unless the new one is given."""
+    from transformers import TrainingArguments
+
+    from hf_longctx._compat import checkpointing_fields
+
+    return {checkpointing_fields(TrainingArguments)[0]: on}
+
+
 def trainer_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of `LongContextTrainer` / `LongContextTrainerMixin` these options set."""
     return {"sync_each_microbatch": args.sync_each_microbatch, "param_offload": args.param_offload}

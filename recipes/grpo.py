@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_model_data_args, load_model_and_data, parse_post_training_args,
+    add_model_data_args, checkpointing, load_model_and_data, parse_post_training_args,
     patch_kwargs, recipe_mesh, step_lines, train_and_export,
 )
 
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
         output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, max_grad_norm=1.0, logging_steps=1,
         save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, seed=args.seed,
         bf16=args.mixed_precision == "bf16", use_cpu=device.type == "cpu",
-        report_to=[], disable_tqdm=True, gradient_checkpointing=False,
+        report_to=[], disable_tqdm=True, **checkpointing(False),
         per_device_train_batch_size=args.per_device_train_batch_size, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, loss_type=args.loss_type, beta=args.beta,
         temperature=args.temperature,
