@@ -132,7 +132,13 @@ def check_grpo_config(args: Any) -> None:
 
 # TrainingArguments fields refused here for the reasons refusals/training_arguments.py's table gives (the rest of that table is about
 # the token-budget step DataLoader of LongContextTrainerMixin, which GRPO does not use: TRL's sampler draws rows).
-_SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
+_COMPILE = _refused(
+    lambda v: not v, "each GRPO step takes the SP patch off for generation and puts it back under a new attention "
+    "registration (grpo/generate.py), so a compiled policy's graphs would be invalidated and retraced every step "
+    "(not verified to stay exact)", "leave torch_compile off with LongGRPOTrainer (LongContextTrainer and "
+    "LongDPOTrainer honour torch_compile=True)")
+GRPO_COMPILE = {"torch_compile": _COMPILE, "torch_compile_backend": _COMPILE, "torch_compile_mode": _COMPILE}
+_SHARED_REFUSALS = ("fp16", "use_liger_kernel",
                     "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
                     "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
                     "enable_jit_checkpoint", "save_only_model")
@@ -143,6 +149,8 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
     with its "do instead". `params`: GRPOTrainer.__init__'s arguments by name."""
     out = [refusal_message(name, getattr(args, name), TRAINING_ARGUMENTS[name]) for name in _SHARED_REFUSALS
            if name in TRAINING_ARGUMENTS and hasattr(args, name) and not TRAINING_ARGUMENTS[name].ok(getattr(args, name))]
+    out += [refusal_message(name, getattr(args, name), rule) for name, rule in GRPO_COMPILE.items()
+            if hasattr(args, name) and not rule.ok(getattr(args, name))]
     if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
         out.append("save_strategy='best': it needs evaluation, which is not wired to the SP step; do instead: "
                    "save_strategy='steps' (or 'epoch') and pick the checkpoint from the logged rewards")
