@@ -166,7 +166,8 @@ def test_grpo_trainer_real_generation_ragged_lengths(pools, paths, tmp_path):
     (dict(save_strategy="steps", save_only_model=True), "save_only_model=True"),
     (dict(ignore_data_skip=True), "ignore_data_skip=True"),
     (dict(save_strategy="best", metric_for_best_model="reward"), "save_strategy='best'"),
-    (dict(torch_compile=True), "torch_compile=True"),
+    (dict(torch_compile=True), r"torch_compile=True: each GRPO step takes the SP patch off(.|\n)*LongContextTrainer and LongDPOTrainer "
+                               "honour torch_compile=True"),
     (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha=5.0"),
     (dict(loss_type="bnpo", num_iterations=2), r"loss_type='bnpo'(.|\n)*num_iterations=2"),  # all listed at once
 ], ids=["grad_accum", "num_iterations", "bnpo", "vllm", "mask_truncated", "eval", "entropy_quantile", "model_only_checkpoints",

@@ -65,7 +65,7 @@ def test_a_contradictory_spec_and_an_unpatched_model_are_refused(patched):
     other = vision_spec(build("gemma3"))
     row = packed_row(mixed_documents("qwen2_5_vl"))
     with pytest.raises(ValueError, match=r"spec \(gemma3\) contradicts the VisionSpec patch\(\) remembered on model= "
-                                         r"\(qwen2_5_vl\).*pass only model="):
+                                         r"\(qwen2_5_vl\)(.|\n)*pass only model="):
         shard_multimodal(row, mesh, other, model=model)
     with pytest.raises(ValueError, match=r"MultimodalCollator: spec \(gemma3\) contradicts"):
         MultimodalCollator(mesh, 96, other, model=model)
@@ -92,13 +92,13 @@ def test_a_row_of_several_documents_without_boundaries_is_refused(patched):
     second = len(docs[0]["input_ids"])  # the second document's BOS
     bare = {k: v for k, v in row.items() if k != "position_ids"}
     with pytest.raises(ValueError, match=rf"row 0 of the batch .* holds several documents but carries no boundaries: "
-                                         rf"token id\(s\) \[{BOS}\] .* at position\(s\) \[{second}\].*Do instead: pass "
+                                         rf"token id\(s\) \[{BOS}\] .* at position\(s\) \[{second}\](.|\n)*Do instead: pass "
                                          r"position_ids restarting at 0"):
         shard_multimodal(bare, mesh, model=model)
     shard_multimodal(row, mesh, model=model)  # the same row with its boundaries
     one = {k: v for k, v in packed_row(docs[:1]).items() if k != "position_ids"}
     shard_multimodal(one, mesh, model=model)  # one document: a leading BOS is no boundary
     glued = {"input_ids": bare["input_ids"][0], **{k: v for k, v in bare.items() if k not in ("input_ids", "labels")}}
-    with pytest.raises(ValueError, match=r"feature 1 \(\d+ tokens\) holds several documents.*Do instead: pass each document "
+    with pytest.raises(ValueError, match=r"feature 1 \(\d+ tokens\) holds several documents(.|\n)*Do instead: pass each document "
                                          r"as a feature of its own"):
         MultimodalCollator(mesh, 256, model=model)([docs[0], glued])

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hf_longctx.data.multimodal.spec import VisionSpec
+from hf_longctx.errors import NotSupported
 from hf_longctx.model_walk import PATCH_STATE_ATTR, hf_model
 
 
@@ -40,9 +41,9 @@ def resolve_spec(spec: Any, model: Any, where: str) -> VisionSpec:
                          "or spec=hf_longctx.vision_spec(model)")
     if spec is not None and remembered is not None and spec != remembered:
         differ = [f.name for f in dataclasses.fields(VisionSpec) if f.compare and getattr(spec, f.name) != getattr(remembered, f.name)]
-        raise ValueError(
+        raise NotSupported(
             f"{where}: spec ({spec.family}) contradicts the VisionSpec patch() remembered on model= ({remembered.family}); "
-            f"they differ in {differ}; pass only model= (its own spec), or the spec of that model")
+            f"they differ in {differ}", "pass only model= (its own spec), or the spec of that model")
     return spec if spec is not None else remembered
 
 
@@ -63,13 +64,12 @@ def inner_separators(ids: torch.Tensor, separators: tuple[int, ...]) -> list[int
 
 
 def check_one_document(ids: torch.Tensor, spec: VisionSpec, what: str, fix: str) -> None:
-    """Raise ValueError when the row `ids` [L] (named `what`) holds a separator between its
+    """Raise NotSupported (a ValueError) when the row `ids` [L] (named `what`) holds a separator between its
     content: several documents where one is expected; `fix` says how to pass them."""
     where = inner_separators(ids, spec.separators)
     if where:
         tokens = sorted({int(ids[p]) for p in where})
-        raise ValueError(
+        raise NotSupported(
             f"{what} holds several documents but carries no boundaries: token id(s) {tokens} ({spec.family}'s BOS / "
             f"padding, which never occur inside one document) at position(s) {where[:8]}{' ...' if len(where) > 8 else ''} "
-            "between its content; as one document its positions would run on and its attention cross the documents. "
-            f"Do instead: {fix}")
+            "between its content; as one document its positions would run on and its attention cross the documents", fix)
