@@ -563,3 +563,35 @@ def test_grpo_reference_with_another_vocabulary_is_refused_before_trl_loads_it(l
     with pytest.raises(ValueError, match=r"vocab_size 200 \(policy 128\)(.|\n)*Do instead"):
         LongGRPOTrainer(model=model, mesh=mesh, reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts(),
                         processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "tok")))
+
+
+# -- vision-language data: caught in shard_multimodal / MultimodalCollator, before the model or any collective --
+def test_multimodal_row_of_several_documents_without_boundaries():
+    """Two documents, each starting with the model's BOS, packed into one row with neither
+    position_ids nor cu_seq_lens_q: refused naming the row, the token, its position and the fix."""
+    from hf_longctx import vision_spec
+    from hf_longctx.data.multimodal.sharding import shard_multimodal
+    from tests.helpers.vlm_cases import build, mixed_documents, packed_row
+
+    model = build("qwen2_5_vl")
+    docs = mixed_documents("qwen2_5_vl")[:2]
+    for d in docs:
+        d["input_ids"] = torch.cat([torch.tensor([model.config.text_config.bos_token_id]), d["input_ids"]])
+    row = {k: v for k, v in packed_row(docs).items() if k != "position_ids"}
+    with pytest.raises(NotSupported) as info:
+        shard_multimodal(row, _local_mesh(1), vision_spec(model))
+    _says(info.value, "row 0 of the batch", "holds several documents but carries no boundaries",
+          f"position(s) [{len(docs[0]['input_ids'])}]", "position_ids restarting at 0", "cu_seq_lens_q")
+
+
+def test_multimodal_spec_contradicting_the_patched_model():
+    """An explicit VisionSpec of another model next to the patched model's own: refused naming both."""
+    from hf_longctx import vision_spec
+    from hf_longctx.data.multimodal.collator import MultimodalCollator
+    from tests.helpers.vlm_cases import build
+
+    mesh = init_sequence_parallel()
+    model = patch(build("qwen2_5_vl"), mesh, unsafe_skip_exactness_check=True)
+    with pytest.raises(NotSupported) as info:
+        MultimodalCollator(mesh, 96, vision_spec(build("gemma3")), model=model)
+    _says(info.value, "spec (gemma3) contradicts the VisionSpec patch() remembered on model= (qwen2_5_vl)", "pass only model=")

@@ -63,7 +63,6 @@ REFUSED = {
     "liger": (dict(use_liger_kernel=True), "use_liger_kernel"),
     "sampling": (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
     "batch_size": (dict(per_device_train_batch_size=2), "per_device_train_batch_size=2"),
-    "compile": (dict(torch_compile=True), "torch_compile"),
     "workers": (dict(dataloader_num_workers=2), "dataloader_num_workers=2"),
 }
 

@@ -76,9 +76,11 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
         lambda v: not v or set(v) <= _CKPT_KWARGS, "checkpointing is hf_longctx's (non-reentrant) own; HF's wrapper options do not apply",
         "pass nothing (or only use_reentrant) and choose the memory knobs with patch(model, mesh, memory=...)"),
     # -- kernels and graph changes ------------------------------------------------------------
-    "torch_compile": _refused(_falsy, "not tested with the patched attention", "leave it False"),
-    "torch_compile_backend": _refused(lambda v: v is None, "it turns torch_compile on", "leave it None"),
-    "torch_compile_mode": _refused(lambda v: v is None, "it turns torch_compile on", "leave it None"),
+    "torch_compile": _trainer(
+        "Accelerate's prepare compiles the patched (and sharded) model, as torch.compile(model) after patch(): the "
+        "attention, the model hooks and the mixer wrappers run eagerly, the rest of every layer compiles"),
+    "torch_compile_backend": _trainer("the torch.compile backend (it turns torch_compile on)"),
+    "torch_compile_mode": _trainer("the torch.compile mode (it turns torch_compile on)"),
     "use_liger_kernel": _refused(
         _falsy, "Liger replaces the model's forward and loss", "use patch(model, mesh, loss_chunks=N) for a chunked loss"),
     "liger_kernel_config": _refused(lambda v: not v, "it configures use_liger_kernel, which is refused", "leave it None"),
