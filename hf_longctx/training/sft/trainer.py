@@ -65,7 +65,7 @@ class LongContextTrainerMixin(SPTrainerBase):
     `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic; default:
     once per step, in the last backward), `param_offload` (FSDP2 CPUOffloadPolicy through
     `fsdp_plan`: sharded parameters, gradients and optimizer states in host memory, the
-    optimizer step on the CPU), `vision_cost` (an image-text-to-text model: the encoder's
+    optimizer step on the CPU; in one process too, FSDP2 over one rank), `vision_cost` (an image-text-to-text model: the encoder's
     `VisionCost` in the unit of `cost`; both default to FLOPs). Everything else is plain
     `TrainingArguments`.
 
