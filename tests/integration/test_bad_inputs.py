@@ -407,6 +407,22 @@ def test_token_id_checked_per_step_before_any_forward(llama_path, tmp_path):
     _says(info.value, "train_dataset document 1, position 2", "token id 999")
 
 
+@pytest.mark.parametrize("mask,needle", [
+    ([1, 1, 0, 1, 0, 0], "'attention_mask' is not right or left padding: its 6 entries form 4 runs"),
+    ([0, 0, 0, 0, 0, 0], "'attention_mask' has no 1 in its 6 entries"),
+])
+def test_padded_rows_that_are_not_one_document_are_named_at_construction(llama_path, tmp_path, mask, needle):
+    """A padded dataset's `attention_mask` keeps each row's real tokens (right or left padding); a
+    row whose mask has holes, or no real token, is named at construction with the fix."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 0], [2, 3, 0, 4, 0, 0]],
+                            "attention_mask": [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], mask]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, f"train_dataset document 2: {needle}")
+
+
 def test_labels_of_the_wrong_length_say_what_to_do(llama_path, tmp_path):
     from datasets import Dataset
 
