@@ -316,6 +316,55 @@ def test_encoder_decoder_refused_by_cause_not_a_leaked_exception():
     assert "Error" not in text.splitlines()[1], text  # the first cause, not a leaked AttributeError
 
 
+def _lora(model, dropout: float):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"]))
+
+
+def test_lora_dropout_refused_at_patch_and_at_construction(llama_path, tmp_path):
+    """LoRA's dropout draws its masks per rank on each shard: refused at patch() (the model is in
+    eval mode there, as from_pretrained leaves it: the check reads the modules, not the mode),
+    at the trainer's construction when the adapter was added after patch(), naming the field,
+    the value, the modules and the fix; lora_dropout=0.0 is accepted."""
+    pytest.importorskip("peft")
+    fix = "create the adapter with lora_dropout=0.0 (e.g. LoraConfig(..., lora_dropout=0.0) for LoRA)"
+    model = _lora(_model(llama_path).eval(), 0.05)
+    with pytest.raises(NotSupported) as info:
+        patch(model, init_sequence_parallel())
+    _says(info.value, "PEFT adapter 'default' has lora_dropout=0.05 in 4 module(s) (model.layers.0.self_attn.q_proj, "
+          "model.layers.0.self_attn.v_proj, model.layers.1.self_attn.q_proj, ... (1 more))", fix,
+          "PeftModel.from_pretrained(model, path, config=config, is_trainable=True)")
+    mesh = init_sequence_parallel()
+    late = _lora(_model(llama_path, mesh), 0.1)  # patched first, the adapter added afterwards
+    with pytest.raises(NotSupported) as info:
+        LongContextTrainer(model=late, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                           max_tokens=48, tokens_per_step=120)
+    _says(info.value, "LongContextTrainer cannot train this model exactly", "lora_dropout=0.1 in 4 module(s)", fix)
+    patch(_lora(_model(llama_path), 0.0), init_sequence_parallel())  # no dropout: accepted
+
+
+def test_sft_peft_config_with_dropout_refused_at_construction(llama_path, tmp_path):
+    """TRL's SFTTrainer(peft_config=...) adds the adapter inside its constructor, after patch():
+    a config with dropout is refused before it, naming the value."""
+    pytest.importorskip("trl")
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_longctx import LongContextTrainerMixin
+
+    class LongSFT(LongContextTrainerMixin, SFTTrainer):
+        pass
+
+    mesh = init_sequence_parallel()
+    args = SFTConfig(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to=[], bf16=False)
+    with pytest.raises(NotSupported) as info:
+        LongSFT(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                tokens_per_step=120, peft_config=LoraConfig(r=4, lora_dropout=0.05, target_modules=["q_proj"]))
+    _says(info.value, "peft_config is not supported (peft_config=LoraConfig(lora_dropout=0.05))", "adapter dropout",
+          "LoraConfig(..., lora_dropout=0.0)")
+
+
 def _fsdp_refuses_split_parameter():
     from transformers import AutoModelForCausalLM
 

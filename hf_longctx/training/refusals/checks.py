@@ -154,5 +154,17 @@ def check_patched(model: Any, mesh: Any) -> None:
         )
 
 
+def check_adapters(model: Any, trainer: str) -> None:
+    """A PEFT adapter with dropout (added after `patch()`, whose exactness check refuses it):
+    refused naming the adapter, the field, the value and the modules."""
+    from hf_longctx.integrations.adapter_dropout import adapter_dropout_problems
+    from hf_longctx.model_walk import hf_model
+
+    problems = adapter_dropout_problems(hf_model(model))
+    if problems:
+        raise NotSupported(f"{trainer} cannot train this model exactly under sequence parallelism:\n- "
+                           + "\n- ".join(problems), "set the adapters' dropout to 0.0 as each line above says")
+
+
 def check_mesh_world(mesh: Any) -> None:
     check_world(mesh.world.world_size)
