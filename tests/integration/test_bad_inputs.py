@@ -316,6 +316,33 @@ def test_encoder_decoder_refused_by_cause_not_a_leaked_exception():
     assert "Error" not in text.splitlines()[1], text  # the first cause, not a leaked AttributeError
 
 
+def test_meta_model_refused_at_construction_naming_every_tensor(llama_path, tmp_path):
+    """A model on the meta device passes patch() (the non-zero ranks of broadcast_from_rank0 are
+    patched on meta) but no trainer can train it: refused at construction, naming every meta
+    parameter (the first 8, then the count) and buffer, with the way to materialise -- which then
+    works: to_empty, init_weights (RoPE's buffers), load_state_dict, and the trainer accepts it."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mesh = init_sequence_parallel()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llama_path))
+    patch(model, mesh)
+    with pytest.raises(NotSupported) as info:
+        LongContextTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                           max_tokens=48, tokens_per_step=120)
+    _says(info.value, "LongContextTrainer: the model LlamaForCausalLM has 21 parameter(s) (model.embed_tokens.weight, "
+          "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight, ... and 13 more)",
+          "2 buffer(s) (model.rotary_emb.inv_freq, model.rotary_emb.original_inv_freq) on the meta device",
+          "from_pretrained(path) without device_map='meta'", "model.to_empty(device='cpu'), then model.init_weights()",
+          "model.load_state_dict(state_dict)")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.load_state_dict(load_file(f"{llama_path}/model.safetensors"))
+    LongContextTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                       max_tokens=48, tokens_per_step=120)
+
+
 def _lora(model, dropout: float):
     from peft import LoraConfig, get_peft_model
 

@@ -30,7 +30,7 @@ from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.step_loop import grad_norm as summed_grad_norm
 from hf_longctx.training.base.step_record import StepRecord
-from hf_longctx.training.refusals.checks import check_adapters, check_mesh_world, check_patched
+from hf_longctx.training.refusals.checks import check_adapters, check_materialised, check_mesh_world, check_patched
 
 
 class SPTrainerBase:
@@ -55,13 +55,15 @@ class SPTrainerBase:
     # ---- construction -----------------------------------------------------------------------------
     def _setup_mesh(self, mesh: Any, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
         """Before `Trainer.__init__` (whose parameters, in positional order, are `names`), on every
-        rank alike and before any collective: the model patched with `mesh` (and no adapter
-        dropout added since), the process group's size, and a transformers that takes a model
-        sharded before `prepare` (older ones wrap it in DDP). Returns the constructor's (args, kwargs) with the training arguments replaced by a
-        copy whose HF checkpointing flags became `patch(checkpoint=...)` (the user's unchanged)."""
+        rank alike and before any collective: the model patched with `mesh`, its weights off the
+        meta device, no adapter dropout added since patch(), the process group's size, and a
+        transformers that takes a model sharded before `prepare` (older ones wrap it in DDP).
+        Returns the constructor's (args, kwargs) with the training arguments replaced by a copy
+        whose HF checkpointing flags became `patch(checkpoint=...)` (the user's unchanged)."""
         params = {**dict(zip(names, args)), **kwargs}
         model, training_args = params.get("model"), params.get("args")
         check_patched(model, mesh)
+        check_materialised(model, type(self).__name__)
         check_adapters(model, type(self).__name__)
         check_mesh_world(mesh)
         if (mesh.world_size > 1 or self.param_offload) and not trainer_takes_sharded_models():
