@@ -48,9 +48,12 @@ def require_targets(num_items: int, lengths: Sequence[int]) -> None:
     """A step whose documents leave no valid target after the per-document shift has no loss
     to normalise (num_items_in_batch = 0): refuse it, naming the lengths."""
     if num_items == 0:
-        raise ValueError(
+        raise NotSupported(
             f"the step's {len(lengths)} document(s) have no valid target after the per-document shift "
-            f"(lengths {list(lengths)[:8]}): every label is -100, masked, or a document has 1 token"
+            f"(lengths {list(lengths)[:8]}): every label is -100, masked, or a document has 1 token",
+            "give the documents targets (labels: the token ids where they are learned, -100 only where not; a loss "
+            "mask with some 1s), or filter out the rows without any, e.g. dataset.filter(lambda row: "
+            "any(label != -100 for label in row['labels'][1:]))",
         )
 
 
@@ -75,7 +78,9 @@ def read_documents(
         where = document_name(feat, i)
         ids = _vector(where, "input_ids", feat["input_ids"])
         if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"{where}: input_ids must be integers, got dtype {ids.dtype}")
+            raise NotSupported(f"{where}: input_ids must be integers (token ids), got dtype {ids.dtype}",
+                               "pass the tokenizer's integer ids; a dataset column of floats: cast it with "
+                               "dataset.cast_column('input_ids', datasets.Sequence(datasets.Value('int64')))")
         ids, full = ids.long(), len(ids)
         # A padded row (its attention_mask): the real tokens only, every per-token column cut alike.
         span = slice(0, full)
@@ -84,7 +89,12 @@ def read_documents(
         labels = ids = ids[span]
         given = feat.get(label_key) is not None
         if given:
-            labels = _vector(where, label_key, feat[label_key], full).long()[span]
+            labels = _vector(where, label_key, feat[label_key], full)
+            if labels.dtype.is_floating_point or labels.dtype == torch.bool:  # .long() would truncate silently
+                raise NotSupported(f"{where}: '{label_key}' must be integers (token ids, -100 = no loss), got dtype "
+                                   f"{labels.dtype}", f"pass integer labels; a dataset column of floats: cast it with dataset.cast_column("
+                                   f"'{label_key}', datasets.Sequence(datasets.Value('int64')))")
+            labels = labels.long()[span]
         if vocab is not None:
             check_token_ids(ids, labels if given else None, vocab, where)
         if loss_mask_key is not None:

@@ -499,6 +499,33 @@ def test_padded_rows_that_are_not_one_document_are_named_at_construction(llama_p
     _says(info.value, f"train_dataset document 2: {needle}")
 
 
+@pytest.mark.parametrize("column", ["input_ids", "labels"])
+def test_float_token_columns_are_named_at_construction(llama_path, tmp_path, column):
+    """Ids or labels stored as floats (a pandas / JSON round trip) were cast silently (labels) or
+    refused at step 1 (ids): named at construction, with the cast that fixes them."""
+    from datasets import Dataset
+
+    ids = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    cols = {"input_ids": ids, "labels": ids}
+    cols[column] = [[float(t) for t in row] for row in ids]
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=Dataset.from_dict(cols))
+    _says(info.value, f"train_dataset: column '{column}' holds double values (List(Value('float64'))), not integers",
+          f"train_dataset.cast_column('{column}', datasets.Sequence(datasets.Value('int64')))")
+
+
+def test_all_masked_labels_are_named_at_construction(llama_path, tmp_path):
+    """A labels column that leaves no target (every label -100, or only on each document's first
+    token, which the per-document shift never trains) was refused at step 1 without a fix."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "labels": [[1, -100, -100, -100], [-100] * 3]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, "every label of train_dataset's 2 row(s) is -100", "no token carries loss",
+          "labels are HF's unshifted targets", "drop the 'labels' column to learn every token")
+
+
 def test_labels_of_the_wrong_length_say_what_to_do(llama_path, tmp_path):
     from datasets import Dataset
 

@@ -290,3 +290,20 @@ def test_padded_rows_are_their_real_tokens(side):
             collate([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8], "attention_mask": mask}])
         assert str(info.value).startswith(f"feature 1: 'attention_mask' ") and needle in str(info.value), str(info.value)
         assert "Do instead" in str(info.value)
+
+
+def test_float_labels_and_targetless_steps_say_the_fix():
+    """Float labels were truncated by `.long()` (2.5 -> 2) and trained; now refused with the cast.
+    A step without a target, and float ids, name the fix too."""
+    from hf_longctx.errors import NotSupported
+
+    collate = LongContextCollator(meshes(1, 1, 1)[0][0], 64, pad_token_id=PAD)
+    with pytest.raises(NotSupported, match=r"feature 0: 'labels' must be integers .* got dtype torch.float32") as info:
+        collate([{"input_ids": [1, 2, 3], "labels": [1.0, 2.5, 3.0]}])
+    assert "cast_column('labels', datasets.Sequence(datasets.Value('int64')))" in str(info.value)
+    with pytest.raises(NotSupported, match="input_ids must be integers") as info:
+        collate([{"input_ids": [1.0, 2.0]}])
+    assert "cast_column('input_ids'" in str(info.value)
+    with pytest.raises(NotSupported, match="no valid target") as info:
+        collate([{"input_ids": [1, 2, 3], "labels": [1, -100, -100]}])
+    assert "dataset.filter(" in str(info.value)

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from hf_longctx.data.collator import LongContextCollator
+from hf_longctx.data.dataset_columns import check_integer_columns
 from hf_longctx.data.padding import MASK_KEY, masked_lengths
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX
@@ -29,8 +30,9 @@ from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
 
 def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
     """The columns the collator reads (`input_ids`, and `labels` and `attention_mask` if
-    present); raises for anything that is not a `datasets.Dataset` with `input_ids`, and for a
-    per-token column whose rows differ in length from `input_ids`."""
+    present); raises for anything that is not a `datasets.Dataset` with `input_ids`, for ids or
+    labels that are not integers, and for a per-token column whose rows differ in length from
+    `input_ids`."""
     from datasets import Dataset
 
     if not isinstance(dataset, Dataset):
@@ -48,6 +50,7 @@ def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
             f"{name} has no 'input_ids' column (columns: {dataset.column_names}); tokenize it first, e.g. "
             "hf_longctx.tokenize_dataset(raw, tokenizer)"
         )
+    check_integer_columns(dataset, name)
     per_token = [c for c in ("labels", MASK_KEY) if c in dataset.column_names]
     for column in per_token:
         import pyarrow.compute as pc
