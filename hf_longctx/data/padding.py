@@ -2,8 +2,9 @@
 row's real tokens become document tokens.
 
 Where it sits: the first stage of the data path that sees a row -- the collators' feature
-reading (`data/collator.read_documents`, shared by the fixed-degree, flexible and multimodal
-collators; `flex/step.py`'s documents) and the trainers' dataset checks and lengths
+reading (`data/collator.read_documents`, shared by the fixed-degree and flexible collators; the
+multimodal one refuses padding inside a processed document; `flex/step.py`'s documents) and
+the trainers' dataset checks and lengths
 (`training/sft/data.py`), before any planning. A row padded to a fixed length
 (`tokenizer(..., padding="max_length")`, right or left) with its `attention_mask` is ONE
 document of its mask-1 tokens; the pads are dropped, since packing makes padding of its own
