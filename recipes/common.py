@@ -198,7 +198,7 @@ def recipe_mesh(args: argparse.Namespace, config: Any, device: Any) -> Any:
 
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
-        print(describe(mesh, device))
+        print(describe(mesh, device, param_offload=args.param_offload))
     return mesh
 
 

@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     )
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
-        print(describe(mesh, device))
+        print(describe(mesh, device, param_offload=args.param_offload))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     with config.main_process_first():
         data = load_dataset(args.dataset, data_files=args.data_files, split=args.split)

@@ -187,7 +187,7 @@ def main(argv=None) -> None:
         config = TrainingArguments(**common)
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
-        print(describe(mesh, device))
+        print(describe(mesh, device, param_offload=args.param_offload))
     if args.model:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 

@@ -315,6 +315,82 @@ def test_encoder_decoder_refused_by_cause_not_a_leaked_exception():
     assert "Error" not in text.splitlines()[1], text  # the first cause, not a leaked AttributeError
 
 
+def test_meta_model_refused_at_construction_naming_every_tensor(llama_path, tmp_path):
+    """A model on the meta device passes patch() (the non-zero ranks of broadcast_from_rank0 are
+    patched on meta) but no trainer can train it: refused at construction, naming every meta
+    parameter (the first 8, then the count) and buffer, with the way to materialise -- which then
+    works: to_empty, init_weights (RoPE's buffers), load_state_dict, and the trainer accepts it."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mesh = init_sequence_parallel()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llama_path))
+    patch(model, mesh)
+    with pytest.raises(NotSupported) as info:
+        LongContextTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                           max_tokens=48, tokens_per_step=120)
+    _says(info.value, "LongContextTrainer: the model LlamaForCausalLM has 21 parameter(s) (model.embed_tokens.weight, "
+          "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight, ... and 13 more)",
+          "2 buffer(s) (model.rotary_emb.inv_freq, model.rotary_emb.original_inv_freq) on the meta device",
+          "from_pretrained(path) without device_map='meta'", "model.to_empty(device='cpu'), then model.init_weights()",
+          "model.load_state_dict(state_dict)")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.load_state_dict(load_file(f"{llama_path}/model.safetensors"))
+    LongContextTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                       max_tokens=48, tokens_per_step=120)
+
+
+def _lora(model, dropout: float):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"]))
+
+
+def test_lora_dropout_refused_at_patch_and_at_construction(llama_path, tmp_path):
+    """LoRA's dropout draws its masks per rank on each shard: refused at patch() (the model is in
+    eval mode there, as from_pretrained leaves it: the check reads the modules, not the mode),
+    at the trainer's construction when the adapter was added after patch(), naming the field,
+    the value, the modules and the fix; lora_dropout=0.0 is accepted."""
+    pytest.importorskip("peft")
+    fix = "create the adapter with lora_dropout=0.0 (e.g. LoraConfig(..., lora_dropout=0.0) for LoRA)"
+    model = _lora(_model(llama_path).eval(), 0.05)
+    with pytest.raises(NotSupported) as info:
+        patch(model, init_sequence_parallel())
+    _says(info.value, "PEFT adapter 'default' has lora_dropout=0.05 in 4 module(s) (model.layers.0.self_attn.q_proj, "
+          "model.layers.0.self_attn.v_proj, model.layers.1.self_attn.q_proj, ... (1 more))", fix,
+          "PeftModel.from_pretrained(model, path, config=config, is_trainable=True)")
+    mesh = init_sequence_parallel()
+    late = _lora(_model(llama_path, mesh), 0.1)  # patched first, the adapter added afterwards
+    with pytest.raises(NotSupported) as info:
+        LongContextTrainer(model=late, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                           max_tokens=48, tokens_per_step=120)
+    _says(info.value, "LongContextTrainer cannot train this model exactly", "lora_dropout=0.1 in 4 module(s)", fix)
+    patch(_lora(_model(llama_path), 0.0), init_sequence_parallel())  # no dropout: accepted
+
+
+def test_sft_peft_config_with_dropout_refused_at_construction(llama_path, tmp_path):
+    """TRL's SFTTrainer(peft_config=...) adds the adapter inside its constructor, after patch():
+    a config with dropout is refused before it, naming the value."""
+    pytest.importorskip("trl")
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_longctx import LongContextTrainerMixin
+
+    class LongSFT(LongContextTrainerMixin, SFTTrainer):
+        pass
+
+    mesh = init_sequence_parallel()
+    args = SFTConfig(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to=[], bf16=False)
+    with pytest.raises(NotSupported) as info:
+        LongSFT(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                tokens_per_step=120, peft_config=LoraConfig(r=4, lora_dropout=0.05, target_modules=["q_proj"]))
+    _says(info.value, "peft_config is not supported (peft_config=LoraConfig(lora_dropout=0.05))", "adapter dropout",
+          "LoraConfig(..., lora_dropout=0.0)")
+
+
 def _fsdp_refuses_split_parameter():
     from transformers import AutoModelForCausalLM
 
@@ -404,6 +480,49 @@ def test_token_id_checked_per_step_before_any_forward(llama_path, tmp_path):
     with pytest.raises(NotSupported) as info:
         trainer.train()
     _says(info.value, "train_dataset document 1, position 2", "token id 999")
+
+
+@pytest.mark.parametrize("mask,needle", [
+    ([1, 1, 0, 1, 0, 0], "'attention_mask' is not right or left padding: its 6 entries form 4 runs"),
+    ([0, 0, 0, 0, 0, 0], "'attention_mask' has no 1 in its 6 entries"),
+])
+def test_padded_rows_that_are_not_one_document_are_named_at_construction(llama_path, tmp_path, mask, needle):
+    """A padded dataset's `attention_mask` keeps each row's real tokens (right or left padding); a
+    row whose mask has holes, or no real token, is named at construction with the fix."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 0], [2, 3, 0, 4, 0, 0]],
+                            "attention_mask": [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], mask]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, f"train_dataset document 2: {needle}")
+
+
+@pytest.mark.parametrize("column", ["input_ids", "labels"])
+def test_float_token_columns_are_named_at_construction(llama_path, tmp_path, column):
+    """Ids or labels stored as floats (a pandas / JSON round trip) were cast silently (labels) or
+    refused at step 1 (ids): named at construction, with the cast that fixes them."""
+    from datasets import Dataset
+
+    ids = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    cols = {"input_ids": ids, "labels": ids}
+    cols[column] = [[float(t) for t in row] for row in ids]
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=Dataset.from_dict(cols))
+    _says(info.value, f"train_dataset: column '{column}' holds double values (List(Value('float64'))), not integers",
+          f"train_dataset.cast_column('{column}', datasets.Sequence(datasets.Value('int64')))")
+
+
+def test_all_masked_labels_are_named_at_construction(llama_path, tmp_path):
+    """A labels column that leaves no target (every label -100, or only on each document's first
+    token, which the per-document shift never trains) was refused at step 1 without a fix."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "labels": [[1, -100, -100, -100], [-100] * 3]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, "every label of train_dataset's 2 row(s) is -100", "no token carries loss",
+          "labels are HF's unshifted targets", "drop the 'labels' column to learn every token")
 
 
 def test_labels_of_the_wrong_length_say_what_to_do(llama_path, tmp_path):

@@ -216,3 +216,40 @@ def test_lomo_gets_the_learning_rate_in_the_backward(llama_path, tmp_path):
     trainer.accelerator.backward = backward
     trainer.train()
     assert seen and all(kw == {"learning_rate": 0.25} for kw in seen), seen
+
+
+def _padded(ds, side: str, width: int = 40, pad: int = 0):
+    """`ds`'s rows padded to `width` at `side` as `tokenizer(..., padding="max_length")` pads them,
+    with the `attention_mask` column; the labels are padded with the pad id (a target, were the
+    pads trained)."""
+    from datasets import Dataset
+
+    def padded(row: list[int], n: int) -> list[int]:
+        return row + [pad] * n if side == "right" else [pad] * n + row
+
+    cols = {k: [padded(r, width - len(r)) for r in ds[k]] for k in ds.column_names}
+    cols["attention_mask"] = [padded([1] * len(r), width - len(r)) for r in ds["input_ids"]]
+    return Dataset.from_dict(cols)
+
+
+def test_padded_rows_train_as_the_unpadded_rows(llama_path, tmp_path):
+    """A dataset padded to 40 tokens per row with its `attention_mask` (right or left padding, labels
+    padded with the pad id): only the mask-1 tokens become documents, so the step draws the same
+    documents, plans the same tokens (`step_tokens`) and logs the same loss and gradient norm as
+    the unpadded dataset (fp32, one process: the same kernels on the same packed rows)."""
+    from tests.helpers.trainer_cases import history
+
+    mesh = init_sequence_parallel()
+    logs = {}
+    for name in ("unpadded", "right", "left"):
+        ds = make_dataset(masked=True)
+        trainer = LongContextTrainer(model=_model(llama_path, mesh), args=training_args(str(tmp_path), max_steps=1),
+                                     train_dataset=ds if name == "unpadded" else _padded(ds, name), mesh=mesh,
+                                     max_tokens=48, tokens_per_step=120)
+        trainer.train()
+        logs[name] = ([h["step_tokens"] for h in trainer.state.log_history if "loss" in h], history(trainer))
+    assert max(logs["unpadded"][0]) < 120, logs  # 3 rows of 40 would be 120
+    for side in ("right", "left"):
+        assert logs[side][0] == logs["unpadded"][0], logs
+        for (loss, norm), (ref_loss, ref_norm) in zip(logs[side][1], logs["unpadded"][1]):
+            assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-5), logs

@@ -23,6 +23,7 @@ from hf_longctx.training.base.reference import default_reference, reference_on_m
 from hf_longctx.training.refusals.dpo import refuse_dpo, check_dpo_trainer, check_pair_dataset
 from hf_longctx.integrations.logprob_head import token_logprobs
 from hf_longctx.training.dpo.loss import TOKEN_STATS, TOKEN_SUMS, completion_sums, dpo_loss, stats_metric_sums
+from hf_longctx.training.refusals.checks import check_materialised
 from hf_longctx.training.dpo.data import (
     PAIR_COLUMNS, PAIRS_KEY, PairStepCollate, pair_format, pair_lengths, pair_rows, pair_step_dataloader,
 )
@@ -51,6 +52,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         if ref_model is None:  # TRL's default: the policy loaded again from its path
             ref_model = default_reference(model, mesh, args.trust_remote_code)
         else:
+            check_materialised(ref_model, "LongDPOTrainer", "ref_model")  # as the policy's, in _setup_mesh
             ref_model = reference_on_mesh(ref_model, model, mesh)
         super().__init__(model=model, ref_model=ref_model, args=args, mesh=mesh, **kwargs)
         self._place_reference(self.ref_model)  # ZeRO-3 like the policy: forward-only all-gathers

@@ -18,6 +18,7 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.data.dataset_columns import require_dataset_targets
 from hf_longctx.devices import to_device
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
@@ -65,7 +66,7 @@ class LongContextTrainerMixin(SPTrainerBase):
     `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic; default:
     once per step, in the last backward), `param_offload` (FSDP2 CPUOffloadPolicy through
     `fsdp_plan`: sharded parameters, gradients and optimizer states in host memory, the
-    optimizer step on the CPU), `vision_cost` (an image-text-to-text model: the encoder's
+    optimizer step on the CPU; in one process too, FSDP2 over one rank), `vision_cost` (an image-text-to-text model: the encoder's
     `VisionCost` in the unit of `cost`; both default to FLOPs). Everything else is plain
     `TrainingArguments`.
 
@@ -136,12 +137,14 @@ class LongContextTrainerMixin(SPTrainerBase):
         self.step_loop = StepLoop(self.world_mesh, window, self.watchdog, sync_each_microbatch=sync_each_microbatch)
 
     def _check_train_data(self, overlong: str, vocab: Any = None) -> list[int]:
-        """The train dataset's document lengths, checked against the caps, and its token ids
-        against the model's vocabulary (a subclass with other units, e.g. the preference pairs
-        of dpo/trainer.py, overrides it; its collate checks the ids per step)."""
+        """The train dataset's document lengths, checked against the caps, its token ids against
+        the model's vocabulary, and at least one token with loss (a subclass with other units,
+        e.g. the preference pairs of dpo/trainer.py, overrides it; its collate checks the ids
+        per step)."""
         check_dataset(self.train_dataset)
         check_dataset_token_ids(self.train_dataset, vocab)
         lengths = document_lengths(self.train_dataset)
+        require_dataset_targets(self.train_dataset)  # after document_lengths: a padded row's mask is checked
         check_lengths(lengths, self.max_tokens, overlong)
         check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
         say_truncation(lengths, self.max_tokens, overlong, warn=self.args.process_index == 0)
