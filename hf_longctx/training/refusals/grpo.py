@@ -133,9 +133,15 @@ def check_grpo_config(args: Any) -> None:
 # TrainingArguments fields refused here for the reasons refusals/training_arguments.py's table gives (the rest of that table is about
 # the token-budget step DataLoader of LongContextTrainerMixin, which GRPO does not use: TRL's sampler draws rows).
 _SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
-                    "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
+                    "neftune_noise_alpha", "fsdp", "fsdp_config", "deepspeed",
                     "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
                     "enable_jit_checkpoint", "save_only_model")
+
+
+# TRL's GRPOConfig itself refuses cp_size / sp_size > 1, so the mesh is always given as mesh=.
+_GRPO_PARALLELISM = _refused(
+    lambda v: v is None, "LongGRPOTrainer takes its mesh as mesh= (GRPOConfig refuses cp_size / sp_size > 1 itself)",
+    "drop it and pass mesh=hf_longctx.mesh_from_parallelism_config(pc, model.config) (or init_sequence_parallel)")
 
 
 def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
@@ -143,6 +149,8 @@ def refusals(args: GRPOConfig, params: dict[str, Any]) -> list[str]:
     with its "do instead". `params`: GRPOTrainer.__init__'s arguments by name."""
     out = [refusal_message(name, getattr(args, name), TRAINING_ARGUMENTS[name]) for name in _SHARED_REFUSALS
            if name in TRAINING_ARGUMENTS and hasattr(args, name) and not TRAINING_ARGUMENTS[name].ok(getattr(args, name))]
+    if getattr(args, "parallelism_config", None) is not None:
+        out.append(refusal_message("parallelism_config", args.parallelism_config, _GRPO_PARALLELISM))
     if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
         out.append("save_strategy='best': it needs evaluation, which is not wired to the SP step; do instead: "
                    "save_strategy='steps' (or 'epoch') and pick the checkpoint from the logged rewards")
