@@ -103,6 +103,10 @@ def test_parallelism_config_in_one_process(llama_path, tmp_path, monkeypatch):
     trainer = LongContextTrainer(model=_model(llama_path), args=training_args(str(tmp_path)), **kw)
     assert trainer.accelerator.parallelism_config is None and trainer.mesh.world_size == 1
     assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"  # restored after the Accelerator was built
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # --use_fsdp, which --use_parallelism_config requires
+    with pytest.raises(NotSupported, match="ACCELERATE_USE_FSDP=true") as info:
+        LongContextTrainer(model=_model(llama_path), args=training_args(str(tmp_path)), **kw)
+    assert "distributed_type: MULTI_GPU" in str(info.value)
 
 
 def test_refused_models_and_data(llama_path, tmp_path):

@@ -27,6 +27,7 @@ from hf_longctx.flex.bank import GroupBank
 from hf_longctx.integrations.model_patch import is_patched, patch_state
 from hf_longctx.integrations.parallelism_config import (
     ENV_FLAG, ParallelismMap, launcher_parallelism_config, launcher_ranks_per_node, map_parallelism_config, model_heads,
+    written,
 )
 from hf_longctx.model_walk import hf_model
 
@@ -73,6 +74,15 @@ def trainer_mesh(model: Any, args: Any, mesh: Any, *, trainer: str, max_tokens: 
                 "with it, or TrainingArguments(parallelism_config=accelerate.ParallelismConfig(sp_size=...))",
             )
         return mesh, max_tokens
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise NotSupported(
+            f"{written(pc)} came with Accelerate's FSDP turned on by the launch (ACCELERATE_USE_FSDP=true: "
+            "distributed_type FSDP, or --use_fsdp, which accelerate launch requires with --use_parallelism_config): "
+            "hf_longctx shards the model itself with FSDP2 over the whole world, and Accelerate's FSDP path in the "
+            "Trainer is not verified on top of it",
+            "launch with distributed_type: MULTI_GPU and the parallelism_config section in that YAML (accelerate "
+            "launch exports it the same way; accelerate_configs/gpu_2node_sp.yaml), or pass "
+            "TrainingArguments(parallelism_config=...) under a MULTI_GPU launch")
     if model is None or isinstance(model, str):
         raise ValueError("pass a model instance (a ParallelismConfig's mesh is built for the model's heads), not a "
                          "name or None")
