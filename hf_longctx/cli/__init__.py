@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--top", type=int, default=10, help="feasible settings to show")
     p.add_argument("--show-infeasible", action="store_true", help="also list settings that do not fit, with why")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node: Ulysses stays inside a node, and the node's --host-memory is shared by this many "
+                        "ranks (host GiB/GPU x this must fit)")
     p.add_argument("--tflops", type=float, default=989.0, help="peak dense TFLOP/s per GPU (default: H100 SXM bf16)")
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation")
     p.add_argument("--intra-bw", type=parse_size, default=150e9, help="per-GPU bandwidth within a node, bytes/s")
