@@ -16,6 +16,7 @@ refused field is named, with its value and what to do, in one `NotSupported` bef
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,10 +211,14 @@ def mesh_from_parallelism_config(pc: Any, model_config: Any = None, *, ulysses_d
     of `model_config` and one node allow, the ring over the rest), `cp_size` -> ring,
     `dp_shard_size` -> the data-parallel rest. `ulysses_degree` / `ring_degree` replace the
     split; `ranks_per_node`: default LOCAL_WORLD_SIZE, else the local GPU count. Call it on
-    every rank after the process group exists; raises `NotSupported` naming each refused field."""
+    every rank after the process group exists; raises `NotSupported` naming each refused field.
+    The fields answered by hf_longctx's own mechanism are said once (a warning on rank 0)."""
     _, world = process_group_world("mesh_from_parallelism_config")
     heads = model_heads(model_config) if model_config is not None else None
     mapped = map_parallelism_config(
         pc, world_size=world, heads=heads, ulysses_degree=ulysses_degree, ring_degree=ring_degree,
         ranks_per_node=launcher_ranks_per_node(world) if ranks_per_node is None else ranks_per_node)
-    return init_sequence_parallel(mapped.ulysses, mapped.ring, fpdt_chunks)
+    mesh = init_sequence_parallel(mapped.ulysses, mapped.ring, fpdt_chunks)
+    if mapped.notes and mesh.rank == 0:
+        warnings.warn(f"mesh_from_parallelism_config: {mapped.describe()}", stacklevel=2)
+    return mesh

@@ -12,7 +12,8 @@ change also carries the rounding of the two fp32 parameters it is the difference
 the largest, ~1e-9, where the smallest changes are ~3e-5). SGD,
 not Adam: Adam's first update is ~lr x sign(g), so a gradient entry of 1e-9 (below its eps)
 rounded differently would move a parameter by ~lr whatever the accuracy of the step.
-Bounded: past 300 s every process group is killed and the test fails (tests/helpers/launcher.py).
+The mapping is said once, by rank 0. Bounded: past 300 s every process group is killed and the
+test fails (tests/helpers/launcher.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def test_two_nodes_train_exactly(tmp_path):
             f.close()
     text = "\n".join(f"--- agent {n} ---\n" + (tmp_path / f"agent{n}.log").read_text()[-3000:] for n in (0, 1))
     assert codes == [0, 0], text
+    logs = "".join((tmp_path / f"agent{n}.log").read_text() for n in (0, 1))
+    assert logs.count("mesh_from_parallelism_config: ParallelismConfig(sp_size=4, sp_backend='deepspeed')") == 1, text
     got, ref = torch.load(out), _reference(path)
     assert got["degrees"] == (2, 2, 1), got["degrees"]
     nodes = {}
