@@ -85,7 +85,9 @@ def test_two_node_configs_launch_as_documented(monkeypatch, name):
 
 
 STUBS = {  # name -> bash body; every call is appended to $LOG
-    "scontrol": 'echo "scontrol $*" >> "$LOG"; [ "$1 $2" = "show hostnames" ] && printf "gpu-a17\\ngpu-a18\\n"',
+    # a long host list: a reader that stops at the first line would SIGPIPE the writer (exit 141 under pipefail)
+    "scontrol": ('echo "scontrol $*" >> "$LOG"; [ "$1 $2" = "show hostnames" ] && printf "gpu-a17\\ngpu-a18\\n" '
+                 '&& seq -f "gpu-b%g" 1 200000'),
     "srun": ('echo "srun $*" >> "$LOG"; while [[ "$1" == --* ]]; do shift; done\n'
              'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@"; done'),
     "torchrun": 'echo "torchrun[$SLURM_NODEID] $* NCCL_DEBUG=$NCCL_DEBUG" >> "$LOG"',
