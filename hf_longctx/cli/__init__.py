@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--top", type=int, default=10, help="feasible settings to show")
     p.add_argument("--show-infeasible", action="store_true", help="also list settings that do not fit, with why")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node: Ulysses stays inside a node, and the node's --host-memory is shared by this many "
+                        "ranks (host GiB/GPU x this must fit)")
     p.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100",
                    help="the GPU the step-time model runs on (hf_longctx/capacity/gpus.py: peaks, links, achieved "
                         "fractions per kernel class)")

@@ -19,7 +19,8 @@ and reference) gives the same figures. Two steps
 (dp2×U2, default reference, so step 2 has non-zero rewards) equal TRL's, and resuming from the
 step-1 checkpoint trains one step that equals the uninterrupted step 2. `evaluate()` on U2×R2
 equals TRL's one-batch evaluation (eval_loss and eval metrics). Refusals: each refused
-setting raises `NotSupported` at construction with a "Do instead" line.
+setting raises `NotSupported` at construction with a "Do instead" line. `DPOConfig(
+parallelism_config=...)` without mesh= gives the trainer its mesh (one process).
 """
 
 from __future__ import annotations
@@ -187,6 +188,26 @@ def test_dpo_trainer_refusals(paths, tmp_path, kind, match):
         LongDPOTrainer(model=model, args=args, mesh=mesh, max_tokens=48, tokens_per_step=4096,
                        processing_class=AutoTokenizer.from_pretrained(paths[2]), **kw)
     assert "do instead" in str(err.value).lower()
+
+
+def test_dpo_trainer_takes_the_mesh_of_a_parallelism_config(paths, tmp_path):
+    """`DPOConfig(parallelism_config=...)` without mesh=: the trainer builds the mesh it maps to (one
+    process: the mesh of 1), patches the policy and trains; the Accelerator never sees the config."""
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_longctx import LongDPOTrainer, is_patched
+
+    args = _config(str(tmp_path), "sigmoid")
+    args.parallelism_config = ParallelismConfig()
+    model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(paths[2])
+    trainer = LongDPOTrainer(model=model, args=args, train_dataset=_id_pairs(tok, _text_pairs()), processing_class=tok,
+                             max_tokens=64, tokens_per_step=4096)
+    assert is_patched(model) and trainer.mesh.world_size == 1
+    assert trainer.accelerator.parallelism_config is None and args.parallelism_config is not None
+    trainer.train()
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 STEP_KEYS = ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen")

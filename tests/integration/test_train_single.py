@@ -8,6 +8,8 @@ unpatched model computes on the same documents by hand (no trainer involved).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -76,15 +78,34 @@ def test_refused_training_arguments(llama_path, tmp_path, name):
                            train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
 
 
-def test_refused_sequence_parallel_parallelism_config(llama_path, tmp_path):
+def test_parallelism_config_in_one_process(llama_path, tmp_path, monkeypatch):
+    """Without mesh=, the trainer builds the mesh a ParallelismConfig maps to and patches the
+    model; in one process that is the mesh of 1 (an SP degree above 1 is refused by field). The
+    launcher's variables are read the same way and hidden from the Trainer's Accelerator."""
     from accelerate import ParallelismConfig
 
-    from hf_longctx.training.refusals.checks import check_training_arguments
+    from hf_longctx import NotSupported, is_patched
 
-    args = training_args(str(tmp_path))
-    args.parallelism_config = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # the ALST path
-    with pytest.raises(ValueError, match="sp_size=2"):
-        check_training_arguments(args)
+    kw = dict(train_dataset=make_dataset(), max_tokens=48, tokens_per_step=120)
+    model = _model(llama_path)
+    trainer = LongContextTrainer(model=model, args=training_args(str(tmp_path), max_steps=1,
+                                                                 parallelism_config=ParallelismConfig()), **kw)
+    assert is_patched(model) and trainer.mesh.world_size == 1 and trainer.accelerator.parallelism_config is None
+    trainer.train()
+    with pytest.raises(NotSupported, match=r"sp_size=2: does not divide the world of 1 rank"):
+        LongContextTrainer(model=_model(llama_path), args=training_args(
+            str(tmp_path), parallelism_config=ParallelismConfig(sp_size=2)), **kw)
+    with pytest.raises(NotSupported, match="got no mesh: neither mesh= nor a ParallelismConfig"):
+        LongContextTrainer(model=_model(llama_path), args=training_args(str(tmp_path)), **kw)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")  # as `accelerate launch` exports it
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
+    trainer = LongContextTrainer(model=_model(llama_path), args=training_args(str(tmp_path)), **kw)
+    assert trainer.accelerator.parallelism_config is None and trainer.mesh.world_size == 1
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"  # restored after the Accelerator was built
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # --use_fsdp, which --use_parallelism_config requires
+    with pytest.raises(NotSupported, match="ACCELERATE_USE_FSDP=true") as info:
+        LongContextTrainer(model=_model(llama_path), args=training_args(str(tmp_path)), **kw)
+    assert "distributed_type: MULTI_GPU" in str(info.value)
 
 
 def test_refused_models_and_data(llama_path, tmp_path):

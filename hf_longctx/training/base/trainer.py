@@ -26,6 +26,7 @@ from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_mod
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
+from hf_longctx.training.base.mesh_source import launcher_config_hidden, trainer_mesh, without_parallelism_config
 from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
 from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_loop import StepLoop
@@ -54,13 +55,20 @@ class SPTrainerBase:
     last_plan: StepRecord | None = None
 
     # ---- construction -----------------------------------------------------------------------------
+    def _resolve_mesh(self, model: Any, args: Any, mesh: Any, max_tokens: int | None) -> tuple[Any, int | None]:
+        """`base/mesh_source.trainer_mesh` once per trainer (a subclass may resolve it before the mixin does)."""
+        if "_mesh_source" not in self.__dict__:
+            self._mesh_source = trainer_mesh(model, args, mesh, trainer=type(self).__name__, max_tokens=max_tokens)
+        return self._mesh_source
+
     def _setup_mesh(self, mesh: Any, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
         """Before `Trainer.__init__` (whose parameters, in positional order, are `names`), on every
         rank alike and before any collective: the model patched with `mesh`, its weights off the
         meta device, no adapter dropout added since patch(), the process group's size, and a
         transformers that takes a model sharded before `prepare` (older ones wrap it in DDP).
         Returns the constructor's (args, kwargs) with the training arguments replaced by a copy
-        whose HF checkpointing flags became `patch(checkpoint=...)` (the user's unchanged)."""
+        whose HF checkpointing flags became `patch(checkpoint=...)` and whose
+        `parallelism_config` became the mesh (the user's object unchanged)."""
         params = {**dict(zip(names, args)), **kwargs}
         model, training_args = params.get("model"), params.get("args")
         check_patched(model, mesh)
@@ -83,6 +91,7 @@ class SPTrainerBase:
         if training_args is None:
             return args, kwargs
         mapped = build.map_activation_checkpointing(model, training_args)
+        mapped = without_parallelism_config(mapped, training_args)  # the mesh holds it (base/mesh_source.py)
         return build.with_argument(args, kwargs, names, "args", mapped)
 
     @property
@@ -90,6 +99,11 @@ class SPTrainerBase:
         """FSDP2 places the model: several ranks, or parameters offloaded to host memory (in one
         process too, FSDP2 over one rank: `fsdp_plan`)."""
         return self.mesh.world_size > 1 or self.param_offload
+
+    def create_accelerator_and_postprocess(self) -> None:
+        # The launcher's parallelism config was read into the mesh; Accelerate must not build its own on top.
+        with launcher_config_hidden():
+            return super().create_accelerator_and_postprocess()
 
     def _place_model(self) -> None:
         """After `Trainer.__init__`: FSDP2 over DP x SP for the policy (sum reduction), with the

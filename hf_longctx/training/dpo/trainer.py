@@ -39,14 +39,20 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     train_dataset=pairs, processing_class=tokenizer, mesh=mesh, max_tokens=..., tokens_per_step=...)`:
     every optimizer step trains the pairs that fill `tokens_per_step` tokens (chosen and rejected
     documents counted), each micro-batch of an SP group holds at most `max_tokens`. Keyword
-    arguments only. `ref_model`: None (TRL's default, the initial model from its path) or a model
+    arguments only. `mesh`: as `LongContextTrainerMixin`'s (or from `DPOConfig(parallelism_config=...)`).
+    `ref_model`: None (TRL's default, the initial model from its path) or a model
     (patched here with the mesh if it is not). The other keyword arguments: `LongContextTrainerMixin`'s
     (`cost`, `strategy`, `pad_token_id`, `step_timeout_s`, `peak_flops`, `sync_each_microbatch`,
     `param_offload`) and DPOTrainer's.
     """
 
-    def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh, **kwargs: Any) -> None:
-        check_dpo_trainer(model, args, mesh, kwargs)  # before any collective, on every rank alike
+    def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh | None = None,
+                 **kwargs: Any) -> None:
+        # mesh=, or the ParallelismConfig's (DPOConfig(parallelism_config=...) or the launcher's): base/mesh_source.py
+        mesh, max_tokens = self._resolve_mesh(model, args, mesh, kwargs.get("max_tokens"))
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        check_dpo_trainer(model, args, mesh, kwargs)  # every refusal on every rank alike, before the steps
         if ref_model is model:
             raise ValueError("model and ref_model must be different objects: leave ref_model=None for TRL's default copy")
         if ref_model is None:  # TRL's default: the policy loaded again from its path

@@ -138,9 +138,10 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
                                 and not v.gradient_accumulation_kwargs),
         "its batching options concern a DataLoader that Accelerate shards; " + _STEP_DATA + " and never goes through Accelerate",
         "leave split_batches / dispatch_batches / even_batches / use_seedable_sampler / gradient_accumulation_kwargs at their defaults"),
-    "parallelism_config": _refused(
-        lambda v: v is None, "sequence, tensor and data parallelism come from the hf_longctx mesh and fsdp_plan",
-        "drop it; build the mesh with hf_longctx.init_sequence_parallel(ulysses_degree=..., ring_degree=...)"),
+    "parallelism_config": Rule(
+        "mapped", "the hf_longctx mesh (training/base/mesh_source.py): sp_size -> Ulysses x ring, cp_size -> ring, "
+                  "dp_shard_size -> the data-parallel rest, FSDP2 over the world; refused field by field where it cannot "
+                  "map (integrations/parallelism_config.py); the Accelerator never sees it"),
     "fsdp": _refused(lambda v: not v, _NO_DDP.replace("does not use DDP", "shards the model itself"),
                      "drop it (parameter offload: LongContextTrainer(..., param_offload=True) where available, or fsdp_plan)"),
     "fsdp_config": _refused(lambda v: not v, "hf_longctx shards the model itself with fsdp_plan", "drop it"),
