@@ -14,7 +14,7 @@ import pytest
 from tests.helpers.doc_blocks import ROOT, blocks_run_by
 
 HERE = "tests/unit/test_docs_commands.py::"
-MAKE_PAGES = ("README.md", "docs/getting-started.md", "docs/guides/gpu-check.md")
+MAKE_PAGES = ("README.md", "docs/getting-started.md", "docs/guides/gpu-check.md", "docs/project/tests.md")
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
