@@ -105,9 +105,17 @@ class Counter:
             self.counts["syncs"] += 1
             self.sync_sites.append(what)
 
-    def add(self, what: str, n: int = 1) -> None:
+    def add(self, what: str, n: int = 1, op: tuple | None = None) -> None:
+        """Count `n` of `what`; `op` = (func, args, kwargs, out) of the counted call goes to `record`."""
         if self.active:
             self.counts[what] += n
+            if op is not None:
+                self.record(what, *op)
+
+    def record(self, what: str, func, args: tuple, kwargs: dict, out) -> None:
+        """One counted call (a kernel, collective or copy) with its operands: nothing here; a
+        subclass keeps the op stream (`benchmarks/_op_stream.py`). `func` is the aten op, or the
+        name of the Python-level call (`to`, `cuda`, `cpu`) of a copy between host and device."""
 
     def snapshot(self) -> dict:
         return dict(self.counts, sync_sites=list(self.sync_sites), kernel_names=collections.Counter(self.kernel_names))
@@ -254,17 +262,19 @@ class _Functions(TorchFunctionMode):
         target = _target(c, src, name, args, kwargs)
         on_device = c.is_device(src)
         if target == "host" and on_device:
-            c.add("d2h")
             if name == "cpu" or not _non_blocking(args, kwargs):
                 c.sync(f"blocking device->host .{name}()")
             with c.call(True):
-                return _fresh(func(*args, **kwargs), src, c, device=False)
+                out = _fresh(func(*args, **kwargs), src, c, device=False)
+            c.add("d2h", op=(name, (src,), {}, out))
+            return out
         if target == "device" and not on_device:
-            c.add("h2d")
             if not _non_blocking(args, kwargs):
                 c.sync(f"blocking host->device .{name}()")
             with c.call(True):
-                return _fresh(func(*args, **kwargs), src, c, device=True)
+                out = _fresh(func(*args, **kwargs), src, c, device=True)
+            c.add("h2d", op=(name, (src,), {}, out))
+            return out
         with c.call(not on_device):
             return func(*args, **kwargs)
 
@@ -311,14 +321,14 @@ class _Aten(TorchDispatchMode):
         if not (func._schema.is_mutable and tensors and not c.is_device(args[0])):
             c.mark_device(out)
         if ns in ("c10d", "_c10d_functional"):
-            c.add("collectives")
+            c.add("collectives", op=(func, args, kwargs, out))
         elif name in SYNC_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 2):
             c.sync(f"aten.{name}")
         elif any(t.dim() > 0 and not c.is_device(t) for t in tensors):
             shape = next(tuple(t.shape) for t in tensors if t.dim() > 0 and not c.is_device(t))
             c.sync(f"aten.{name} reads a host tensor {shape} (an implicit pageable host->device copy)")
         elif not func.is_view and name not in NOT_KERNELS:
-            c.add("kernels")
+            c.add("kernels", op=(func, args, kwargs, out))
             if c.active:
                 c.kernel_names[name] += 1
         return out
@@ -328,16 +338,18 @@ class _Aten(TorchDispatchMode):
         dst, src = args[0], args[1]
         non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
         d_dev, s_dev = c.is_device(dst), c.is_device(src)
+        out = func(*args, **kwargs)
+        op = (func, args, kwargs, out)
         if d_dev and not s_dev and src.dim() > 0:
-            c.add("h2d")
+            c.add("h2d", op=op)
             if not non_blocking:
                 c.sync("blocking host->device copy_")
         elif s_dev and not d_dev:
-            c.add("d2h")
+            c.add("d2h", op=op)
             if not non_blocking:
                 c.sync("blocking device->host copy_")
         elif d_dev:
-            c.add("kernels")
+            c.add("kernels", op=op)
             if c.active:
                 c.kernel_names["copy_"] += 1
-        return func(*args, **kwargs)
+        return out

@@ -3,7 +3,7 @@
 Where it sits: next to `benchmarks/_counting.py` (the counter), used by
 `benchmarks/hot_path.py`. `CountedKernel` wraps an emulated packed kernel
 (`tests/helpers/emulated_backends.py`) so that each call counts as one kernel, its internals hidden,
-its outputs on the device. `StubStreams` is `ops.offload.Streams` for the CUDA offload branch
+its outputs on the device, and reaches `Counter.record` with its operands. `StubStreams` is `ops.offload.Streams` for the CUDA offload branch
 on CPU -- it offloads, its pinned buffers are host tensors, streams and events do nothing
 except `synchronize()`, which is a sync as on a GPU -- and `stub_offload` hands it to every
 offload of the library (FPDT chunk stores, offloaded checkpoint inputs, kept attention).
@@ -26,15 +26,18 @@ class CountedKernel:
         self.kernel, self.counter = kernel, counter
 
     def forward(self, *args, **kwargs):
-        with self.counter.opaque():
-            out = self.kernel.forward(*args, **kwargs)
-        self.counter.mark_device(out)
-        return out
+        return self._call("forward", args, kwargs)
 
     def backward(self, *args, **kwargs):
+        return self._call("backward", args, kwargs)
+
+    def _call(self, direction: str, args: tuple, kwargs: dict):
+        active = self.counter.active
         with self.counter.opaque():
-            out = self.kernel.backward(*args, **kwargs)
+            out = getattr(self.kernel, direction)(*args, **kwargs)
         self.counter.mark_device(out)
+        if active:  # the op stream keeps the call with its operands (`Counter.record`)
+            self.counter.record("attention", direction, args, kwargs, out)
         return out
 
 

@@ -18,7 +18,7 @@ patch() keywords to every row (e.g. '{"inputs_on_device": 1}').
 
 `--profile PRESET:TOKENS` also runs one step under torch.profiler and prints CUDA time per
 kernel class (GEMM, attention, elementwise/reduction, copies, other) and the top kernels:
-the measured counterpart of the step-time model's breakdown (benchmarks/step_model.py).
+the measured counterpart of the step-time model's breakdown (benchmarks/gpu_model.py).
 
 Run: python benchmarks/gpu_throughput.py [--tokens 32768 131072] [--presets off balanced high max max+keep]
      [--layers 2] [--shape 8b|1b] [--repeat 2] [--profile max:32768] [--json OUT.json]

@@ -33,6 +33,7 @@ from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.model_patch import is_patched, unpatch
+from hf_longctx.integrations.parallelism_config import mesh_from_parallelism_config
 from hf_longctx.integrations.vision.registry import vision_spec
 from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
@@ -62,6 +63,7 @@ __all__ = [
     "LongDPOTrainer",
     "GRPOObjective",
     "LongGRPOTrainer",
+    "LongRLOOTrainer",
     "flex_microbatches",
     "doc_sums",
     "exit_rank",
@@ -75,6 +77,7 @@ __all__ = [
     "init_group_bank",
     "init_sequence_parallel",
     "is_patched",
+    "mesh_from_parallelism_config",
     "pack_pairs",
     "patch",
     "plan_fixed",
@@ -114,6 +117,10 @@ def __getattr__(name: str):
         from hf_longctx.training.grpo import trainer as grpo_trainer
 
         return grpo_trainer.LongGRPOTrainer
+    if name == "LongRLOOTrainer":  # TRL's RLOOTrainer under SP (training/rloo/trainer.py): imports trl
+        from hf_longctx.training.rloo.trainer import LongRLOOTrainer
+
+        return LongRLOOTrainer
     if name in ("exit_rank", "run_rank"):  # a launched rank's clean end (training/launch.py)
         from hf_longctx.training import launch
 

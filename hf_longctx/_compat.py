@@ -110,6 +110,20 @@ def fla_gated_delta_rule() -> bool:
     return True
 
 
+@functools.cache
+def mamba_ssm_chunk_scan() -> bool:
+    """mamba_ssm's `mamba_chunk_scan_combined` imports -- the condition under which transformers'
+    module-level `mamba2_chunk_scan` (its hub-kernel fallback decorator) IS that kernel, which
+    takes `seq_idx` (the torch fallback refuses it)."""
+    if importlib.util.find_spec("mamba_ssm") is None:
+        return False
+    try:
+        importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    except Exception:  # transformers falls back to its torch path on any import failure too
+        return False
+    return True
+
+
 def torch_flash_impl() -> str | None:
     """The flash implementation torch's CUDA flash ops run: "FA4" / "FA3" when the user
     activated one (`torch.nn.attention.activate_flash_attention_impl("FA3")` -- process-wide

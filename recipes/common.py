@@ -18,11 +18,13 @@ setting printed by `hf-longctx plan` ("as recipe flags") pastes into any of them
   --tokenizer                          -> AutoTokenizer.from_pretrained (default: --model)
 
 A recipe that does not honour one of them refuses it when set (`refuse_flags`). Also shared by
-the post-training recipes (`dpo.py`, `grpo.py`): `build_tiny_model` (their CPU demo model, built
+the post-training recipes (`dpo.py`, `grpo.py`, `rloo.py`): `build_tiny_model` (their CPU demo model, built
 from a config and saved with `save_pretrained`, so it loads like a real checkpoint),
 `step_lines` (one printed line per optimizer step with TRL's metric names, and every rank's
 logs in `OUTPUT_DIR/steps.rank<R>.jsonl`), `parse_post_training_args`, `recipe_mesh` and
-`train_and_export`.
+`train_and_export`; and by the rollout recipes (`grpo.py`, `rloo.py`): `parse_rollout_args`,
+`rollout_refusals`, `rollout_config_kwargs`, the made-up prompts (`make_prompts`), the reward
+(`format_scores`) and `train_rollouts` (model, data, trainer, training).
 """
 
 from __future__ import annotations
@@ -101,6 +103,18 @@ def patch_kwargs(args: argparse.Namespace) -> dict:
     if getattr(args, "keep_attention", False):
         kwargs["keep_attention"] = True
     return {**kwargs, "mixers": args.mixers} if getattr(args, "mixers", None) is not None else kwargs
+
+
+def checkpointing(on: bool) -> dict:
+    """HF's activation-checkpointing flag for a `TrainingArguments` / TRL config, under its current
+    name (`activation_checkpointing`; `gradient_checkpointing` on transformers < 5.18, where it
+    is not yet deprecated): the trainer maps it to `patch(checkpoint=True)`. TRL's configs
+    default the old name to True and warn unless the new one is given."""
+    from transformers import TrainingArguments
+
+    from hf_longctx._compat import checkpointing_fields
+
+    return {checkpointing_fields(TrainingArguments)[0]: on}
 
 
 def trainer_kwargs(args: argparse.Namespace) -> dict:
@@ -193,7 +207,7 @@ def recipe_mesh(args: argparse.Namespace, config: Any, device: Any) -> Any:
 
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
-        print(describe(mesh, device))
+        print(describe(mesh, device, param_offload=args.param_offload))
     return mesh
 
 
@@ -233,3 +247,102 @@ def step_lines(output_dir: str, rank: int, is_main: bool) -> Any:
                       flush=True)
 
     return StepLines()
+
+
+def add_rollout_args(p: argparse.ArgumentParser, *, beta: float) -> None:
+    """The options of the rollout recipes (`grpo.py`, `rloo.py`): model and prompts, the step's rows,
+    generation, `max_tokens` micro-batches, the KL coefficient (default `beta`), temperature, lr."""
+    add_model_data_args(p, data="prompts (a `prompt` column)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts of the locally made dataset (without --dataset)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--per-device-train-batch-size", type=int, default=4,
+                   help="rows (prompt x generation) each process draws per step; times the processes: a multiple "
+                        "of --num-generations")
+    p.add_argument("--num-generations", type=int, default=4)
+    p.add_argument("--max-completion-length", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens of one packed micro-batch of an SP group: the step's rows split into micro-batches "
+                        "with gradient accumulation (the trainer's max_tokens=); default: one micro-batch per step")
+    p.add_argument("--beta", type=float, default=beta, help="KL coefficient to TRL's reference (the initial model)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+
+
+def parse_rollout_args(doc: str, argv: Any, *, beta: float, output_dir: str, trainer: str,
+                       own: dict[str, dict]) -> argparse.Namespace:
+    """The arguments of a rollout recipe (`doc`: its module docstring, whose first line describes it):
+    `add_rollout_args`, the recipe's `own` options ({flag: add_argument keywords}),
+    `parse_post_training_args` refusing `rollout_refusals(trainer)`."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    add_rollout_args(p, beta=beta)
+    for flag, kwargs in own.items():
+        p.add_argument(flag, **kwargs)
+    return parse_post_training_args(p, argv, output_dir=output_dir, refused=rollout_refusals(trainer))
+
+
+def rollout_refusals(trainer: str) -> dict[str, str]:
+    """The shared flags a rollout recipe refuses (`refuse_flags`), with what to do instead."""
+    return {
+        "memory": f"leave it off (its chunked LM head drops the logits the {trainer} loss needs); for K/V offload "
+                  "use --fpdt-chunks N --kv-offload",
+        "sync_each_microbatch": f"leave it off ({trainer}'s FSDP2 reduce-scatters the gradients after every "
+                                "micro-batch of --max-tokens already)",
+        "param_offload": f"leave it off ({trainer} keeps the FSDP2 shards on the device)",
+    }
+
+
+def rollout_config_kwargs(args: argparse.Namespace, device: Any) -> dict:
+    """The `GRPOConfig` / `RLOOConfig` keyword arguments the rollout options set."""
+    return dict(
+        output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, max_grad_norm=1.0, logging_steps=1,
+        save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, seed=args.seed,
+        bf16=args.mixed_precision == "bf16", use_cpu=device.type == "cpu",
+        report_to=[], disable_tqdm=True, **checkpointing(False),
+        per_device_train_batch_size=args.per_device_train_batch_size, num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length, beta=args.beta, temperature=args.temperature,
+    )
+
+
+def format_scores(completion_ids: list[list[int]], eos_token_id: int) -> list[float]:
+    """The rollout recipes' reward: +1 for a completion that ends with EOS (it finished), plus the
+    share of its tokens with an even id (a stand-in for a format rule); one value per completion."""
+    return [float(bool(c) and c[-1] == eos_token_id) + sum(t % 2 == 0 for t in c) / max(len(c), 1)
+            for c in completion_ids]
+
+
+def make_prompts(n: int, seed: int, vocab_words: int = 126):
+    """`n` text prompts of 3..11 words of the tiny tokenizer ("w0".."w125")."""
+    import torch
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 12, (n,), generator=g).tolist()
+    words = lambda k: " ".join(f"w{i}" for i in torch.randint(0, vocab_words, (k,), generator=g).tolist())  # noqa: E731
+    return Dataset.from_dict({"prompt": [words(k) for k in lengths]})
+
+
+def train_rollouts(args: argparse.Namespace, config_name: str, trainer_cls: Any, **config_kwargs: Any) -> None:
+    """A rollout recipe's run: the process group, TRL's `config_name` ("GRPOConfig" / "RLOOConfig")
+    from the options (`rollout_config_kwargs`) and `config_kwargs`, the mesh, --model and --dataset
+    (or the tiny Llama and `make_prompts`), `trainer_cls` (LongGRPOTrainer / LongRLOOTrainer) on the
+    patched model with the `format_reward` below, `step_lines`, then `train_and_export`."""
+    import trl
+
+    from hf_longctx import patch
+    from hf_longctx.training.launch import init_distributed
+
+    device = init_distributed(timeout_s=args.timeout)  # LOCAL_RANK's device + the process group
+    config = getattr(trl, config_name)(**rollout_config_kwargs(args, device), **config_kwargs)
+
+    mesh = recipe_mesh(args, config, device)
+    model, tokenizer, prompts = load_model_and_data(args, config, lambda a: make_prompts(a.prompts, a.seed))
+
+    def format_reward(completion_ids, **kwargs):  # TRL: the sampled ids of this process's completions; logs
+        return format_scores(completion_ids, tokenizer.eos_token_id)  # rewards/format_reward/mean|std
+
+    trainer = trainer_cls(
+        model=patch(model, mesh, **patch_kwargs(args)), mesh=mesh, reward_funcs=[format_reward], args=config,
+        train_dataset=prompts, processing_class=tokenizer, max_tokens=args.max_tokens,
+        callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
+    )
+    train_and_export(trainer, args)

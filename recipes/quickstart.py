@@ -1,4 +1,4 @@
-"""The README quickstart: a plain `transformers.Trainer` script plus hf_longctx's five additions
+"""The quickstart (docs/getting-started.md): a plain `transformers.Trainer` script plus hf_longctx's five additions
 (marked `# hf_longctx`). Run: torchrun --nproc-per-node N recipes/quickstart.py MODEL 'FILES' OUT_DIR STEPS
 (MODEL: a causal LM path or hub id with its tokenizer; FILES: text files, one document each;
 `python recipes/tiny.py runs/tiny` makes both locally; on CPU it uses gloo)."""

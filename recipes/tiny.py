@@ -1,4 +1,4 @@
-"""A small local corpus, tokenizer and Llama: what the CPU demo and the README quickstart train,
+"""A small local corpus, tokenizer and Llama: what the CPU demo and the quickstart train,
 nothing from a hub.
 
 Where it sits: before the data flow, in the recipes. The corpus is the `.py` files of this
@@ -7,7 +7,7 @@ them in seconds with `tokenizers`, the model a small Llama built from a config (
 token ids the tokenizer's) and saved with `save_pretrained`, so that it is loaded back with
 `from_pretrained` -- the path a real checkpoint takes.
 
-Run as a script, it writes what the README quickstart needs:
+Run as a script, it writes what the quickstart (docs/getting-started.md) needs:
     python recipes/tiny.py OUT      # OUT/model: Llama + tokenizer; OUT/docs/*.txt: one document per file
 """
 

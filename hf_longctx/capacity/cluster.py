@@ -1,53 +1,64 @@
-"""The cluster a setting is sized for: its GPUs, memory, and the throughput assumptions.
+"""The cluster a setting is sized for: its GPUs, memory and links.
 
 Where it sits: an input of `capacity/search.rank_settings` (GPU and host memory less the
-headroom; the USP guidance that orders near ties) and of `capacity/step_time.step_time`
-(peak FLOP/s at an MFU; per-GPU bandwidth inside a node, across nodes and over PCIe; a latency
-per all-to-all call; the host memory traffic of a CPU optimizer step). Defaults: H100 SXM
-nodes of 8 GPUs. Guarantees: a `Cluster` holds only values the models can use (counts >= 1,
-rates > 0, mfu in (0, 1], headroom in [0, 1)), checked at construction.
+headroom; the USP guidance that orders near ties) and of `capacity/step_time.step_time` (the
+GPU named by `gpu`, an entry of `capacity/gpus.py` with its peaks and achieved fractions;
+per-GPU bandwidth inside a node and across nodes, defaulting to that GPU's NVLink and
+NIC; the host memory traffic of a CPU optimizer step). Defaults: H100 SXM nodes of 8 GPUs.
+Guarantees: a `Cluster` holds only values the models can use (counts >= 1, rates > 0,
+headroom in [0, 1), a known GPU), checked at construction.
 Paper: USP §4 (Ulysses inside a node, ring across nodes)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_longctx.ops.ulysses import kv_replication
 from hf_longctx.capacity.estimate import Setting
+from hf_longctx.capacity.gpus import GPU, gpu as gpu_named
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """The hardware and the throughput assumptions (see the module docstring)."""
+    """The hardware (see the module docstring). `intra_bw` / `inter_bw` / `pcie_bw` /
+    `latency` left None take the GPU's (`capacity/gpus.py`); given, they replace it."""
 
     gpus: int
     gpu_memory: float  # bytes per GPU
     host_memory: float  # bytes per node
     gpus_per_node: int = 8
-    tflops: float = 989.0  # dense bf16 peak per GPU (H100 SXM)
-    mfu: float = 0.4
-    intra_bw: float = 150e9  # bytes/s per GPU within a node (NVLink, all-to-all effective)
-    inter_bw: float = 25e9  # bytes/s per GPU across nodes (e.g. 200 Gb/s NIC per GPU)
-    pcie_bw: float = 25e9  # bytes/s per GPU host <-> device
+    gpu: str = "h100"  # an entry of capacity/gpus.GPUS
+    intra_bw: float | None = None  # bytes/s per GPU and direction within a node (NVLink)
+    inter_bw: float | None = None  # bytes/s per GPU and direction across nodes (NIC)
+    pcie_bw: float | None = None  # bytes/s per GPU host <-> device
     headroom: float = 0.1  # fraction of GPU / host memory kept free (context, fragmentation, model error)
-    latency: float = 30e-6  # seconds per all-to-all call (what makes many FPDT chunks cost something)
+    latency: float | None = None  # seconds per collective call
     cpu_optim_bw: float = 10e9  # bytes/s per GPU of host memory traffic in a CPU optimizer step (param offload)
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("gpu_memory", "host_memory", "tflops", "intra_bw", "inter_bw", "pcie_bw", "cpu_optim_bw"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
+        gpu_named(self.gpu)  # raises for an unknown GPU
+        for name in ("gpu_memory", "host_memory", "intra_bw", "inter_bw", "pcie_bw", "cpu_optim_bw", "latency"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if not 0 <= self.headroom < 1:
             raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
 
+    @property
+    def gpu_spec(self) -> GPU:
+        """The GPU's constants with this cluster's link overrides applied."""
+        spec = gpu_named(self.gpu)
+        given = {"nvlink_bw": self.intra_bw, "ib_bw": self.inter_bw, "pcie_h2d": self.pcie_bw, "pcie_d2h": self.pcie_bw,
+                 "collective_s": self.latency}
+        return replace(spec, **{k: v for k, v in given.items() if v is not None})
+
     def bandwidth(self, span: int) -> float:
-        """Per-GPU bandwidth of a group of `span` consecutive ranks."""
-        return self.intra_bw if span <= self.gpus_per_node else self.inter_bw
+        """Per-GPU bandwidth of a group of `span` consecutive ranks (datasheet, per direction)."""
+        spec = self.gpu_spec
+        return spec.nvlink_bw if span <= self.gpus_per_node else spec.ib_bw
 
     def usp_ulysses(self, sp: int, heads: int | None = None, kv_heads: int | None = None) -> int:
         """The Ulysses degree the USP guidance gives an SP group of `sp` GPUs: as large as one

@@ -1,11 +1,13 @@
 """The linear recurrences of a hybrid model in the planner's step-time model: both schemes, the cheaper charged.
 
 Where it sits: `capacity/search.rank_settings` adds `mixer_seconds` to every setting's
-step time; `mixer_schemes` is the per-mixer breakdown. The formulas and the rule are
+step time; `mixer_schemes` is the per-mixer breakdown. The byte counts and the rule are
 `ops/mixers/cost.py`'s (what `patch(mixers="auto")` applies), evaluated for ONE document
-of `tokens` spanning the SP group (state passing's worst case), over the group's link
-(`Cluster.bandwidth(sp)`) at `Cluster.latency` per collective and the cluster's FLOP rate;
-a recomputed forward sends the forward half again. Not overlapped with compute."""
+of `tokens` spanning the SP group (state passing's worst case); bytes become seconds by
+`mixer_links`, the step-time model's constants (`capacity/gpus.py`: the group's link at the
+achieved NCCL fraction, one collective's latency, the achieved GEMM rate) -- the same links
+`patch(mixers="auto")` weighs at run time (`integrations/mixers/binding.py`). A recomputed
+forward sends the forward half again. Not overlapped with compute."""
 
 from __future__ import annotations
 
@@ -14,6 +16,16 @@ from typing import Any
 
 from hf_longctx.ops.mixers.cost import Links, MixerDims, choose, head_traffic, mixers_of_config, one_document_state_traffic
 from hf_longctx.capacity.estimate import DTYPE_BYTES, Setting
+from hf_longctx.capacity.gpus import GPU, gpu as gpu_named
+
+
+def mixer_links(sp: int, ranks_per_node: int, gpu: GPU | str = "h100") -> Links:
+    """The seconds side of the mixers' cost rule from the step-time model's constants: the
+    SP group's link (NVLink inside a node, the NIC across) at the achieved NCCL fraction,
+    one collective's latency, the achieved GEMM rate of `gpu`."""
+    g = gpu_named(gpu) if isinstance(gpu, str) else gpu
+    link = g.nvlink_bw if sp <= ranks_per_node else g.ib_bw
+    return Links(link * g.nccl, g.collective_s, g.gemm * g.bf16_flops)
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ def mixer_schemes(config: Any, s: Setting, cluster: Any, tokens: int, dtype: str
     """Per linear recurrence of `config` (none for a plain transformer): both schemes' seconds
     per layer for a micro-batch of `tokens` on setting `s`, and the one the rule picks."""
     elem = DTYPE_BYTES[dtype]
-    links = Links(cluster.bandwidth(s.sp), cluster.latency, cluster.tflops * 1e12 * cluster.mfu)
+    links = mixer_links(s.sp, cluster.gpus_per_node, cluster.gpu_spec)
     passes = 1.5 if s.checkpoint is True else 1.0  # a recomputed forward sends the forward half again
     s_local = tokens / s.sp
     out = []

@@ -3,8 +3,9 @@
 Where it sits: behind `hf-longctx plan` (`cli/capacity.py`) and `suggest()`, its Python twin.
 For a model config and a `Cluster` (`capacity/cluster.py`) it lists every mesh the library
 can run with each preset of `patch(memory=...)`, estimates per-GPU memory
-(`capacity/estimate.py`) and step time (`capacity/step_time.py`: its assumptions are printed
-under the table and listed in docs/DESIGN.md "The planner's models"), and returns the settings
+(`capacity/estimate.py`) and step time (`capacity/step_time.py`: the op inventory of the step
+on the cluster's GPU, a roofline with the overlaps the code has; MFU and what binds are its
+outputs), and returns the settings
 best first: feasible (fitting GPU and host memory), then by throughput; settings within
 `TIE_TOLERANCE` (7 %, the cost model's worst measured error) rank by the USP guidance
 (`Cluster.follows_usp_guidance`). `suggest()` returns the first as `init_sequence_parallel`
@@ -17,7 +18,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hf_longctx.config import MEMORY_PRESETS, preset_knobs
-from hf_longctx.data.cost import CostModel
 from hf_longctx.layout import seq_multiple
 from hf_longctx.ops.tiling import default_mlp_chunks
 from hf_longctx.ops.ulysses import kv_replication
@@ -44,6 +44,7 @@ class Candidate:
     step_seconds: float
     tokens_per_second: float  # whole cluster
     reason: str  # "" when feasible, else why not
+    time: Any = None  # the step-time model's roofline.Breakdown (MFU, what binds)
     preset: str = "off"  # the patch(memory=...) preset of this setting
     microbatches: int = 1  # per rank and optimizer step
     tied: bool = False  # within TIE_TOLERANCE of the fastest feasible setting's throughput
@@ -187,7 +188,8 @@ def inputs_on_device(s: Setting, mem: Any, memory: Any, layers: int, gpu: float,
 def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
-    tokens_per_step: int | None = None, param_offload: str = "auto", vision: Any = None,
+    tokens_per_step: int | None = None, param_offload: str = "auto", vision: Any = None, task: str = "sft",
+    rollout_tokens: int = 0,
 ) -> list[Candidate]:
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
@@ -198,7 +200,9 @@ def rank_settings(
     Micro-batches per rank and step: `microbatches`, or, with `tokens_per_step` (global),
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
     (try both), "yes", "no". `vision`: a `capacity/vision.VisionBudget` (images / video per
-    document of `seq_len`): the tower's memory and time are charged to every setting."""
+    document of `seq_len`): the tower's memory and time are charged to every setting. `task`,
+    `rollout_tokens`: the training objective and the rollouts on these GPUs
+    (`estimate.estimate_memory`); a pair or a group counts all its documents in `tokens`."""
     seq_len = tokens if seq_len is None else seq_len
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -207,7 +211,6 @@ def rank_settings(
     if not 1 <= seq_len <= tokens:
         raise ValueError(f"need 1 <= seq_len <= micro-batch tokens, got seq_len {seq_len}, tokens {tokens}")
     dims = ModelDims.from_config(config)
-    cost = CostModel.from_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
     usable_gpu = cluster.gpu_memory * (1 - cluster.headroom)
     usable_host = cluster.host_memory * (1 - cluster.headroom)
     per_node = min(cluster.gpus, cluster.gpus_per_node)
@@ -218,20 +221,20 @@ def rank_settings(
 
         def memory(s: Setting):
             return estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
-                                   unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
+                                   unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs, task=task,
+                                   rollout_tokens=rollout_tokens)
 
         mem = memory(s)
         if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
             s, mem = inputs_on_device(s, mem, memory, dims.layers, usable_gpu, usable_host / per_node)
-        secs = step_time(dims, cost, s, cluster, tokens, dtype, seq_len, microbatches=mbs, optimizer=optimizer,
-                         grad_sync=grad_sync) + mixer_seconds(config, s, cluster, tokens, dtype)
+        time = step_time(dims, s, cluster, tokens, seq_len=seq_len, dtype=dtype, microbatches=mbs, optimizer=optimizer,
+                         grad_sync=grad_sync)
+        mixers = mixer_seconds(config, s, cluster, tokens, dtype)
+        if mixers:
+            time.other["linear mixers"] = mixers
         if vision is not None:
-            from hf_longctx.capacity.vision import vision_cost
-
-            dt, samples = DTYPE_BYTES[dtype], tokens / seq_len
-            mem = vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)
-            secs += vision.seconds(vision_cost(config), sp=s.sp, samples=samples, rate=cluster.tflops * 1e12 * cluster.mfu,
-                                   bandwidth=cluster.bandwidth(s.sp), dt=dt)
+            mem = _charge_vision(vision, config, s, cluster, mem, time, tokens / seq_len, dtype, optimizer)
+        secs = time.seconds
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
         gpu_fits, host_fits = mem.peak <= usable_gpu, mem.host * per_node <= usable_host
         reasons = [] if gpu_fits else [f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"]
@@ -240,7 +243,7 @@ def rank_settings(
         reason = "; ".join(reasons)
         if tokens % multiple:
             reason = f"seq-len {tokens} is not a multiple of {multiple}"
-        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, preset, mbs, gpu_fits=gpu_fits,
+        out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, time, preset, mbs, gpu_fits=gpu_fits,
                              host_fits=host_fits))
     # Exact ties (FPDT chunk counts cost the same in this model): the simpler setting first.
     out.sort(key=lambda c: (not c.feasible, -c.tokens_per_second, c.memory.peak, c.setting.fpdt_chunks,
@@ -275,3 +278,15 @@ def suggest(
             f"({low.setting}, memory={low.preset!r}: {low.reason})"
         )
     return Suggestion.of(ranked[0], tokens, grad_sync=grad_sync, dtype=dtype)
+
+
+def _charge_vision(vision: Any, config: Any, s: Setting, cluster: Cluster, mem: Any, time: Any, samples: float,
+                   dtype: str, optimizer: str) -> Any:
+    """The vision tower's memory (returned) and seconds (into `time.other`) for a setting, with
+    `samples` images / videos per micro-batch."""
+    from hf_longctx.capacity.vision import vision_cost
+
+    dt, gpu = DTYPE_BYTES[dtype], cluster.gpu_spec
+    time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
+                                                rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp), dt=dt)
+    return vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)

@@ -8,60 +8,11 @@ Where it sits: behind the `plan` subcommand of `hf_longctx/cli/__init__.py`; the
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
-from pathlib import Path
 from typing import Any
 
+from hf_longctx.cli.inputs import load_config
 from hf_longctx.cli.plots import plot_flexible_step, plot_step
-
-_UNITS = {"b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> float:
-    """'80GiB', '80 GB', '512g', '1e9B' → bytes (GiB/MiB binary, GB/G decimal); a trailing
-    '/s' is allowed for bandwidths. A number without a unit is refused: '--gpu-memory 80'
-    would be 80 bytes, surely not what was meant."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)(/s)?\s*", str(text))
-    if m and not m.group(2):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} has no unit (it would be {text} bytes): write e.g. {m.group(1)}GiB (binary), {m.group(1)}GB "
-            f"(decimal), {m.group(1)}GB/s for a bandwidth, or {m.group(1)}B for bytes")
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r}: use e.g. 80GiB, 80GB, 512G, 25GB/s")
-    try:
-        value = float(m.group(1)) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return value
-
-
-def load_config(model: str) -> Any:
-    """A transformers config from a config.json, a directory, or a locally cached name."""
-    from transformers import AutoConfig
-
-    path = Path(model)
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--model {model!r}: not valid JSON ({e})") from None
-        if "model_type" not in data:
-            raise ValueError(f"--model {model!r}: config.json has no 'model_type'")
-        return AutoConfig.for_model(data.pop("model_type"), **data)
-    try:
-        return AutoConfig.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"--model {model!r} is neither a config.json / model directory nor a name in the local Hugging Face "
-            f"cache ({type(e).__name__}: {str(e).splitlines()[0]}); pass a path to its config.json"
-        ) from None
-
 
 def _gib(x: float) -> str:
     return f"{x / 2**30:.1f}"
@@ -73,13 +24,14 @@ def _row(rank: int | str, c) -> list[str]:
             ("full, keep attn out" if s.keep_attention else "full") if s.checkpoint is True else {"attention": "keep attn"}.get(s.checkpoint, "no"), "yes" if s.mlp_chunks > 1 else "no", str(s.inputs_on_device), "yes" if s.param_offload else "no",
             str(c.microbatches), _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers + m.backward_grads), _gib(m.peak),
             _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
+            f"{100 * c.time.mfu:.1f}" if c.time is not None else "-", c.time.binds if c.time is not None else "-",
             "yes" if c.feasible else f"no: {c.reason}"]
 
 
 HEADER = ["#", "ulysses", "ring", "dp", "fpdt", "memory", "kv offload", "ckpt", "chunked mlp/loss", "inputs on GPU",
           "param offload",
           "micro-batches", "params", "grads",
-          "optim", "activ", "buffers", "peak GiB", "host GiB/GPU", "step s", "tok/s/GPU", "fits"]
+          "optim", "activ", "buffers", "peak GiB", "host GiB/GPU", "step s", "tok/s/GPU", "MFU %", "binds", "fits"]
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -94,6 +46,7 @@ def format_table(rows: list[list[str]]) -> str:
 
 def footer(args: argparse.Namespace) -> str:
     from hf_longctx.capacity.search import TIE_TOLERANCE
+    gpu = _cluster(args).gpu_spec
     return "\n".join([
         "Assumptions (hf_longctx/capacity/estimate.py and search.py docstrings):",
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
@@ -119,17 +72,28 @@ def footer(args: argparse.Namespace) -> str:
         "max(grads - held, activ + buffers);",
         f"- fits = peak <= (1 - {args.headroom}) x --gpu-memory and host GiB/GPU x GPUs per node <= (1 - "
         f"{args.headroom}) x --host-memory; validated within 10% on CPU (benchmarks/memory_model.py);",
-        f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of {args.seq_len}): "
-        f"CostModel.from_config FLOPs at MFU {args.mfu} of {args.tflops:g} TFLOP/s (+1/3 for checkpoint recompute, "
-        "+ MLP forward for chunked MLP) + exposed Ulysses all-to-all "
-        f"({args.intra_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {args.inter_bw / 1e9:g} GB/s across, "
-        f"{args.latency * 1e6:g} us per call) + "
-        f"ring / FSDP / host offload ({args.pcie_bw / 1e9:g} GB/s) traffic beyond the compute they overlap;",
+        f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of {args.seq_len}) "
+        f"on one {gpu.name} (--gpu; hf_longctx/capacity/gpus.py), by the step-time model: the op inventory of the "
+        "patched step (every kernel, collective and copy; capacity/inventory.py), each op max(FLOPs / achieved rate, "
+        f"HBM bytes / {gpu.hbm:.0%} of {gpu.hbm_bw / 1e12:g} TB/s) + {gpu.launch_s * 1e6:g} us per kernel; GEMMs at "
+        f"{gpu.gemm:.0%} and flash-attn at {gpu.attention_fraction(128, False):.0%} / "
+        f"{gpu.attention_fraction(128, True):.0%} (fwd / bwd) of {gpu.bf16_flops / 1e12:g} TFLOP/s; Ulysses all-to-alls "
+        f"block ({gpu.nvlink_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {gpu.ib_bw / 1e9:g} GB/s across, "
+        f"x{gpu.nccl:g} achieved, {gpu.collective_s * 1e6:g} us per call); ring P2P, FSDP and host offload "
+        f"({gpu.pcie_h2d / 1e9:g} / {gpu.pcie_d2h / 1e9:g} GB/s to / from the GPU) count beyond the compute they "
+        "overlap; MFU % = (6 N T + causal attention) / (step s x peak); binds = the largest term (FLOPs, HBM, "
+        "launches, a link, PCIe);",
         "- param offload (FSDP2 CPUOffloadPolicy; --param-offload auto|yes|no): the fp32 parameter and gradient "
         "shards and the optimizer states on host (in host GiB/GPU), their PCIe traffic overlapped, the optimizer step "
         f"on the CPU at {args.cpu_optim_bw / 1e9:g} GB/s per GPU (--cpu-optim-bw), not overlapped;",
         "- micro-batches = per rank and step (--microbatches, or --tokens-per-step / (dp x micro-batch tokens)); with "
         "one, no earlier gradients are held;",
+        *([f"- --task {args.task}: the frozen reference's fp32 ZeRO-3 shards (in params) and its forward (a phase "
+           "before the policy's), the chunked log-prob head's forward and backward in place of the loss, the "
+           "objective's per-token inputs; a pair's or a group's documents count together in --seq-len"
+           + (f"; rollouts on these GPUs: {args.rollout_tokens} tokens per GPU (the whole model gathered, KV cache, "
+              "one layer's prefill) as a phase of their own" if args.task in ("grpo", "rloo") and args.rollout_tokens
+              else "") + ";"] if args.task != "sft" else []),
         "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates within "
         f"{TIE_TOLERANCE:.0%} of the fastest (the cost model's measured error) are not told apart: among them the USP "
         "guidance (Ulysses inside a node, ring only across nodes) ranks first.",
@@ -178,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     suggestion (exit 0), or the closest setting and what binds it when nothing fits (exit 1);
     contradictory flags and a visual budget longer than --seq-len are refused (exit 2)."""
     from hf_longctx.capacity.estimate import ModelDims
-    from hf_longctx.capacity.search import Cluster, rank_settings
+    from hf_longctx.capacity.search import rank_settings
 
     refusal = _resolve_flags(args)
     if refusal is not None:
@@ -190,16 +154,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
-    cluster = Cluster(
-        gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
-        tflops=args.tflops, mfu=args.mfu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw,
-        headroom=args.headroom, latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
-    )
+    cluster = _cluster(args)
     grad_sync = "microbatch" if args.sync_each_microbatch else "step"
     ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
                            optimizer=args.optimizer, unsharded_step=args.unequal_calls, grad_sync=grad_sync,
                            microbatches=args.microbatches or 1, tokens_per_step=args.tokens_per_step,
-                           param_offload=args.param_offload, vision=vision)
+                           param_offload=args.param_offload, vision=vision, task=args.task,
+                           rollout_tokens=args.rollout_tokens)
     feasible = [c for c in ranked if c.feasible]
     print(_heading(args, config, dims, vision) + "\n")
     if not feasible:
@@ -209,9 +170,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace):
+    from hf_longctx.capacity.cluster import Cluster
+
+    return Cluster(
+        gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
+        gpu=args.gpu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw, headroom=args.headroom,
+        latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
+    )
+
+
 def _resolve_flags(args: argparse.Namespace) -> str | None:
     """Why the flags contradict each other, or None; fills the derived defaults in `args`
     (micro-batch tokens: --seq-len; micro-batches: 1 unless --tokens-per-step derives them)."""
+    args.task = getattr(args, "task", "sft")
+    if getattr(args, "rollout_tokens", None) is None:
+        args.rollout_tokens = args.seq_len if args.task in ("grpo", "rloo") else 0
+    if args.rollout_tokens and args.task not in ("grpo", "rloo"):
+        return f"--rollout-tokens applies to --task grpo or rloo, not --task {args.task}"
     if args.unequal_calls and args.sync_each_microbatch:
         return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
                 "--sync-each-microbatch")

@@ -50,8 +50,12 @@ def plot_flexible_step(args: argparse.Namespace, config: Any, best) -> str:
     shapes = group_shapes(world, heads=ModelDims.from_config(text).heads, max_size=world & -world,
                           ranks_per_node=min(args.gpus_per_node, world & -world))
     fixed_shape = next((sh for sh in shapes if sh.size == s.sp), None)
-    cost = GroupCost.from_config(text, shapes, flops_per_s=args.tflops * 1e12 * args.mfu, ulysses_bw=args.intra_bw,
-                                 ring_bw=args.inter_bw)
+    from hf_longctx.capacity.cluster import Cluster
+
+    gpu = Cluster(gpus=world, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpu=args.gpu,
+                  intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw, latency=args.latency).gpu_spec
+    cost = GroupCost.from_config(text, shapes, flops_per_s=gpu.gemm * gpu.bf16_flops, ulysses_bw=gpu.nvlink_bw * gpu.nccl,
+                                 ring_bw=gpu.ib_bw * gpu.nccl)
     max_len = (fixed_shape or shapes[-1]).capacity(per_rank)  # documents the fixed setting can hold too
     if args.lengths_file:
         pool, source = plot.read_lengths(args.lengths_file), f"lengths from {args.lengths_file}"

@@ -174,6 +174,7 @@ class GroupCost:
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The group sizes with a fitted cost model, ascending."""
         return tuple(s for s, _ in self.models)
 
     def __getitem__(self, size: int) -> CostModel:

@@ -26,6 +26,7 @@ class Piece(NamedTuple):
 
     @property
     def length(self) -> int:
+        """Tokens of this piece (`end - start`)."""
         return self.end - self.start
 
 
@@ -58,10 +59,12 @@ class Plan:
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel ranks the plan assigns micro-batches to."""
         return len(self.ranks)
 
     @property
     def num_microbatches(self) -> int:
+        """Micro-batches per rank (every rank runs the same number)."""
         return len(self.ranks[0]) if self.ranks else 0
 
     def padded_length(self, piece: int) -> int:

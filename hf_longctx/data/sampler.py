@@ -59,6 +59,7 @@ class StepSampler:
 
     @property
     def epoch(self) -> int:
+        """The epoch the next step is drawn from."""
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -107,6 +108,7 @@ class StepSampler:
         self._epoch, self._step = self._epoch + 1, 0
 
     def state_dict(self) -> dict[str, int | bool]:
+        """The sampler's position (epoch, step) and the settings a resume must match."""
         return {
             "epoch": self._epoch,
             "step": self._step,

@@ -6,12 +6,13 @@ owns the process groups (USP §3: Ulysses innermost, on the fastest links; ring 
 outermost) and answers layout questions with the pure functions of `hf_longctx/layout.py`.
 Global rank = dp_rank · (R·U) + ring_rank · U + ulysses_rank.
 Without torch.distributed (one process, every degree 1) the groups are None and every
-collective in `distributed/comm.py` is the identity."""
+collective in `distributed/comm.py` is the identity; `one_rank_world` gives such a mesh the
+one-rank world mesh FSDP2 needs to offload parameters to host memory."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -85,18 +86,22 @@ class SPMesh:
     # ---- degrees and ranks -------------------------------------------------------------
     @property
     def sp(self) -> int:
+        """The SP degree: ranks per SP group (ring x ulysses)."""
         return self.ring * self.ulysses
 
     @property
     def sp_rank(self) -> int:
+        """This rank's place in its SP group (ring rank x ulysses + ulysses rank)."""
         return self.ring_rank * self.ulysses + self.ulysses_rank
 
     @property
     def world_size(self) -> int:
+        """All ranks of the mesh (dp x sp)."""
         return self.dp * self.sp
 
     @property
     def rank(self) -> int:
+        """This rank's global rank (dp rank x sp + sp rank)."""
         return self.dp_rank * self.sp + self.sp_rank
 
     def global_rank(self, *, ring_rank: int, ulysses_rank: int | None = None) -> int:
@@ -114,17 +119,21 @@ class SPMesh:
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The one group size, `(sp,)` (a mesh is a bank of one size)."""
         return (self.sp,)
 
     @property
     def min_size(self) -> int:
+        """The SP degree (the only group size)."""
         return self.sp
 
     @property
     def max_size(self) -> int:
+        """The SP degree (the only group size)."""
         return self.sp
 
     def shape(self, size: int) -> GroupShape:
+        """The group shape of `size`, which must be the SP degree."""
         if size != self.sp:
             raise ValueError(f"the mesh has no group of size {size}; its SP group has {self.sp} rank(s)")
         return self.shapes[0]
@@ -161,11 +170,14 @@ class SPMesh:
         return layout.seq_multiple(self.ring, self.ulysses, self.fpdt_chunks)
 
     def check_boundaries(self, cu_seqlens: Sequence[int] | torch.Tensor) -> list[int]:
+        """`cu_seqlens` as ints, checked (ValueError naming the documents): each a multiple of `doc_multiple`,
+        the total of `seq_multiple`."""
         if isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = cu_seqlens.tolist()
         return layout.check_boundaries(cu_seqlens, self.ring, self.ulysses, self.fpdt_chunks)
 
     def local_runs(self, cu_seqlens: Sequence[int] | torch.Tensor) -> list[layout.Run]:
+        """The runs of global positions this rank holds, in local order (`layout.local_runs`)."""
         cu = self.check_boundaries(cu_seqlens)
         return layout.local_runs(
             cu,
@@ -236,3 +248,30 @@ def init_sequence_parallel(ulysses_degree: int = 1, ring_degree: int = 1, fpdt_c
         sp_group=sp_mesh.get_group(),
         dp_group=mesh3d.get_group("dp"),
     )
+
+
+def one_rank_world(mesh: SPMesh) -> SPMesh:
+    """`mesh`, a world of one process, with a 1-D world mesh of one rank: what FSDP2 shards over
+    when one process offloads its parameters (`fsdp_plan(..., param_offload=True)`), since
+    `fully_shard` and DTensor need a process group even for one rank. Without a default process
+    group (a script run without a launcher), one of one rank is created here -- gloo on CPU,
+    NCCL on the current CUDA device -- over an in-process store (no address, no port); a group
+    that exists (torchrun / accelerate launch with one process) is used as it is. A mesh that
+    already has its world mesh is returned unchanged."""
+    if mesh.world_mesh is not None:
+        return mesh
+    if mesh.world_size != 1:
+        raise ValueError(f"a mesh of {mesh.world_size} ranks without a world mesh: build it with init_sequence_parallel")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None,
+        )
+    elif dist.get_world_size() != 1:
+        raise ValueError(f"a mesh of one rank on a process group of {dist.get_world_size()}: build the mesh with "
+                         "init_sequence_parallel after the process group exists")
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return replace(mesh, world_mesh=init_device_mesh(device_type, (1,), mesh_dim_names=("world",)))  # [1]: this rank

@@ -34,21 +34,26 @@ class GroupBank:
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The group sizes the bank holds, smallest first."""
         return tuple(s.size for s in self.shapes)
 
     @property
     def min_size(self) -> int:
+        """The smallest group size."""
         return self.shapes[0].size
 
     @property
     def max_size(self) -> int:
+        """The largest group size."""
         return self.shapes[-1].size
 
     @property
     def fpdt_chunks(self) -> int:
+        """The most FPDT chunks any group size runs with."""
         return max(s.fpdt_chunks for s in self.shapes)
 
     def shape(self, size: int) -> GroupShape:
+        """The Ulysses x ring shape of the bank's groups of `size` ranks."""
         for s in self.shapes:
             if s.size == size:
                 return s

@@ -32,6 +32,7 @@ class FlexGroup:
 
     @property
     def ranks(self) -> range:
+        """The global ranks of this group: `size` consecutive ranks from `index * size`."""
         return range(self.index * self.size, (self.index + 1) * self.size)
 
 
@@ -52,9 +53,11 @@ class FlexPlan:
 
     @property
     def num_slots(self) -> int:
+        """Micro-batch slots of the step (every rank runs one micro-batch per slot)."""
         return len(self.slots)
 
     def shape(self, size: int) -> GroupShape:
+        """The Ulysses x ring shape of this plan's groups of `size` ranks."""
         for s in self.shapes:
             if s.size == size:
                 return s

@@ -7,8 +7,7 @@ post-attention runs of `LayerSplit` and FPDT's chunk loops (`ops/fpdt.fpdt_forwa
 `fpdt_backward_chunks`) in the order the module docstring of `layer_split.py` describes. With
 `patch(keep_attention=True)` the forward parks the attention's merged output and LSE with the
 layer input and the backward replays them (`AttentionCall.replay`, `ops/fpdt.fpdt_replay_chunks`)
-instead of running the attention's forward again. FPDT §3.3-3.5.
-"""
+instead of running the attention's forward again. FPDT §3.3-3.5."""
 
 from __future__ import annotations
 
@@ -44,14 +43,17 @@ class LayerRun:
         return self.split.post(self.forward, h, _rows(self.kwargs, self.s, lo, hi), a, self.layer, recorded)
 
     # ---- forward ---------------------------------------------------------------------------------
-    def run_forward(self, h: torch.Tensor, first: bool) -> torch.Tensor:
+    def run_forward(self, h: torch.Tensor, first: bool, save: bool = True) -> torch.Tensor:
+        """The layer's output on `h`, row chunk by row chunk; `save`: park the input for the
+        backward (False: a forward without gradients, e.g. a frozen reference's: nothing kept)."""
         split = self.split
-        self.s, self.needs_h = h.shape[1], h.requires_grad
+        self.s, self.needs_h, self.keeping = h.shape[1], h.requires_grad, save and split.keep_attention
         self.device_type = h.device.type
         self.autocast = dict(enabled=torch.is_autocast_enabled(self.device_type),
                              dtype=torch.get_autocast_dtype(self.device_type))
-        self.inputs = Inputs([h], [park(h, self.streams, self.keep)], None if first else split.chain.last)
-        split.chain.last = self.inputs
+        if save:
+            self.inputs = Inputs([h], [park(h, self.streams, self.keep)], None if first else split.chain.last)
+            split.chain.last = self.inputs
         # Row views of h taken here (grad off) would still claim requires_grad without a grad_fn,
         # which autograd hooks on a sub-module's inputs (torch's ModTracker) cannot follow.
         h = h.detach()
@@ -65,7 +67,7 @@ class LayerRun:
         else:
             q, k, v = self._qkv_full(h, tuple(qkv0))
             del qkv0
-            if split.keep_attention:  # the ring's merged out and lse wait for the backward with the input
+            if self.keeping:  # the ring's merged out and lse wait for the backward with the input
                 a, *kept = self.call.run_kept(q, k, v)  # [B, S, H, D_v]; [1, H/U, S_ring, D], [1, H/U, S_ring]
                 self._keep(kept)
             else:
@@ -73,7 +75,8 @@ class LayerRun:
             del q, k, v
             for lo, hi in _bounds(0, self.s, self.chunks):
                 out[:, lo:hi] = self.post(lo, hi, h[:, lo:hi], a[:, lo:hi])
-        self.inputs.box[:] = self.inputs.parked  # from now on only the backward reads the input
+        if save:
+            self.inputs.box[:] = self.inputs.parked  # from now on only the backward reads the input
         return out
 
     def _keep(self, tensors: list) -> None:
@@ -127,7 +130,7 @@ class LayerRun:
             (o_seq,) = head_to_seq([_from_heads(o_i)], plan.group)  # [B, S/u, H/U, D] -> [B, c, H, D]
             a = o_seq[..., : call.d_v]
             if out is not None:
-                if self.split.keep_attention:
+                if self.keeping:
                     self._keep([o_i, lse_i])  # [B, h, S/u, D], [B, h, S/u]
                     self.kept_chunks.append(i)  # the order the loop finished the query chunks in
                 for lo, hi in _bounds(i * c, (i + 1) * c, pieces):

@@ -77,8 +77,7 @@ def _patch_linears(model: nn.Module, slot: SumsSlot, undo: list, split: LayerSpl
     someone else) through `ops/grad_sums.routed_linear`: inside a row-chunked backward its
     weight gradient goes into the bound fp32 sum with one GEMM per chunk; with `split` also
     through `LayerSplit.projection` (row-chunked layers skip the projections their replayed
-    attention ignores). Other projections (GPT-2's Conv1D, quantised or wrapped linears) keep
-    their own forward and are summed from their chunk gradients."""
+    attention ignores). Other projections (Conv1D, quantised, wrapped) are summed per chunk."""
     for layer in decoder_layers(model):
         for m in layer.modules():
             if type(m).forward is nn.Linear.forward and "forward" not in m.__dict__:
@@ -167,7 +166,8 @@ def final_norm(model: nn.Module) -> nn.Module | None:
 
 def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, auto: bool, inputs_on_device: int) -> None:
     """Every decoder layer through `split.call` (integrations/layer_split.py) while training
-    with gradients; the last `inputs_on_device` keep their inputs on the device."""
+    with gradients, through `split.call_no_grad` without them (row chunks, nothing kept); the
+    last `inputs_on_device` keep their inputs on the device."""
     split.chunks, split.auto = chunks, auto
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
@@ -177,7 +177,9 @@ def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, a
 
         def split_forward(*args, _forward=forward, _layer=layer, _first=index == 0,
                           _keep=keeps_input(index, len(layers), inputs_on_device), **kwargs):
-            if not (_layer.training and torch.is_grad_enabled()):
+            if not torch.is_grad_enabled():  # a frozen reference, evaluation: row chunks, nothing kept
+                return split.call_no_grad(_layer, _forward, args, kwargs)
+            if not _layer.training:
                 return _forward(*args, **kwargs)
             return split.call(_layer, _forward, _first, args, kwargs, _keep)
 

@@ -118,9 +118,7 @@ def patch(
 
     state = PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
-        vision=vision.family,
-        explicit=explicit,
-        mixers_option=mixers,
+        vision=vision.family, vision_spec=vision.spec, explicit=explicit, mixers_option=mixers,
     )
     _register(state, hf, attention_iface, mask_iface)
     try:

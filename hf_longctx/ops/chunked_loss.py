@@ -20,8 +20,8 @@ from torch import Tensor
 from hf_longctx.ops.grad_sums import GradSums, sink_linear
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None,
-                  sums: GradSums | None = None) -> Tensor:
+def chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None,
+                 sums: GradSums | None = None) -> Tensor:
     """Logits of one chunk exactly as the HF model computes them: lm_head in the hidden dtype,
     Gemma2's softcap in that dtype too, then the upcast ForCausalLMLoss applies. With `sums`
     the weight gradient of the chunk goes into its fp32 sum (one GEMM, `ops/grad_sums.py`)."""
@@ -76,7 +76,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             end = min(start + chunk_size, n_tokens)
             h_leaf = hidden[start:end].detach().requires_grad_(need_h)  # [n, Hd]
             with torch.enable_grad():
-                logits = _chunk_logits(h_leaf, w_leaf, b_leaf, softcap, sums)  # [n, V] fp32
+                logits = chunk_logits(h_leaf, w_leaf, b_leaf, softcap, sums)  # [n, V] fp32
                 ce_sum = F.cross_entropy(logits, labels[start:end], ignore_index=ignore_index, reduction="sum")
                 del logits  # the autograd graph keeps what it needs; drop our reference early
                 if not need_any:

@@ -21,7 +21,6 @@ from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.ops import kernels
 from hf_longctx.ops.fpdt_schedule import FPDTPlan, plan_for
-from hf_longctx.ops.lse import merge
 from hf_longctx.ops.offload import ChunkStore
 from hf_longctx.ops.ulysses import replicate_kv
 from hf_longctx.ops.math_kernel import acc_dtype
@@ -44,9 +43,12 @@ def _attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Online softmax of query chunk i over its K/V chunks: `live` ones are on the device
     already, the others are streamed from the store, double-buffered, in chunk order.
-    Partial results stay in the accumulation dtype; the sinks join once, at the end; the
-    chunk's output is rounded to q's dtype once."""
+    The first K/V chunk's result starts one accumulator -- the kernel's own buffer when no
+    merge follows, else its one float32 copy -- and the others merge into it in place
+    (`kernels.varlen_forward(into=...)`, each read in the kernel's dtype); the sinks join
+    once, at the end; the chunk's output is rounded to q's dtype once."""
     acc = acc_dtype(q_i.dtype)
+    sole = len(plan.needs[i]) == 1 and sinks is None  # no merge follows: the kernel's result is final
     acc_out = acc_lse = None
     streamed = store.stream([[("kv", j)] for j in plan.needs[i] if j not in live])
     for j in plan.needs[i]:
@@ -54,8 +56,12 @@ def _attend(
             k_j, v_j = live[j]
         else:
             _, (k_j, v_j) = next(streamed)
-        o, l = kernels.varlen_forward(q_i, k_j, v_j, plan.runs[i], plan.runs[j], out_dtype=acc, blocks=plan.tiles[i][j], **plan.kw)  # [B, h, S_c, D], [B, h, S_c]
-        acc_out, acc_lse = (o, l) if acc_out is None else merge(acc_out, acc_lse, o, l)
+        kw = dict(out_dtype=acc, widen=False, blocks=plan.tiles[i][j], **plan.kw)
+        if acc_out is None:
+            o, acc_lse = kernels.varlen_forward(q_i, k_j, v_j, plan.runs[i], plan.runs[j], **kw)  # [B, h, S_c, D], [B, h, S_c]
+            acc_out = o if sole else o.to(acc)
+        else:
+            kernels.varlen_forward(q_i, k_j, v_j, plan.runs[i], plan.runs[j], into=(acc_out, acc_lse), **kw)
         del k_j, v_j
     for _ in streamed:  # records the last chunk's "end" and frees its device buffer
         pass
@@ -121,8 +127,7 @@ def fpdt_replay_chunks(inputs: Callable[[int], tuple], plan: FPDTPlan, store: Ch
         for i in [i for i in range(plan.chunks) if plan.ready_at[i] == step]:
             o_i, lse_i = kept(i)
             store.put(("lse", i), lse_i)
-            emit(i, o_i, lse_i)
-            del o_i, lse_i
+            emit(i, o_i, lse_i)  # o_i, lse_i stay referenced by the caller's kept list
 
 
 def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore, sinks=None, save: bool = True) -> torch.Tensor:
@@ -161,26 +166,30 @@ def fpdt_backward_chunks(plan: FPDTPlan, store: ChunkStore, dtype: torch.dtype, 
             store.prefetch(("kv", j + 1))  # the next outer chunk comes in while this one is worked on
         k_j, v_j = store.get(("kv", j))
         dk_j = dv_j = None  # [B, h_kv, S/u, D] in acc; the first query chunk's gradient starts the sum (no zeros)
+        kv_sole = len(plan.users[j]) == 1  # one query chunk sees K/V chunk j: its gradient is final as it is
         # ("dq", i) exists from the second K/V chunk chunk i needs on (the first one's gradient starts it)
         groups = [[("q", i), ("do", i), ("lse", i)] + ([("dq", i)] if j != plan.needs[i][0] else []) for i in plan.users[j]]
         final: dict[int, torch.Tensor] = {}  # dq of chunks no later K/V chunk touches: kept on the device
         for (key, *_), tensors in store.stream(groups):
             i = key[1]
             q_i, do_i, o_i, lse_i = tensors[:4]
-            dq_i = tensors[4] if len(tensors) > 4 else None
+            dq_i = tensors[4] if len(tensors) > 4 else None  # the fetched copy is this step's own: summed in place
             do_shape = do_i.shape
             del tensors
             gq, gk, gv = kernels.varlen_backward(
-                do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], grad_dtype=acc, blocks=plan.tiles[i][j], **plan.kw
-            )
+                do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], grad_dtype=acc, blocks=plan.tiles[i][j],
+                widen=False, into=(dq_i, dk_j, dv_j), **plan.kw
+            )  # pieces are added into the float32 sums given, in place; the others come back as computed
             if dsink is not None and j == plan.needs[i][0]:  # each query chunk once; chunks with no key have out 0
                 dsink += sink_grad(do_i, o_i, lse_i, sinks.to(acc))
-            dq_i = gq if dq_i is None else dq_i.add_(gq)  # the fetched copy is this step's own: summed in place
+            if dq_i is None:  # the sum's start: the piece itself when it is dq's only one, else its float32 copy
+                dq_i = gq if len(plan.needs[i]) == 1 else gq.to(acc)
             if plan.dq_done_at[i] == j:
                 final[i] = dq_i
             else:
                 store.put(("dq", i), dq_i)  # written back (to host when offloading) for later K/V chunks
-            dk_j, dv_j = (gk, gv) if dk_j is None else (dk_j.add_(gk), dv_j.add_(gv))
+            if dk_j is None:
+                dk_j, dv_j = (gk, gv) if kv_sole else (gk.to(acc), gv.to(acc))
             del q_i, do_i, o_i, lse_i, dq_i, gq, gk, gv  # nothing of this pair outlives it
         if dk_j is None:  # no query chunk sees this K/V chunk
             dk_j, dv_j = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k_j, v_j))

@@ -58,12 +58,13 @@ def plan_for(q, k, v, mesh: SPMesh, *, cu_seqlens, causal, softmax_scale, window
             f"S_local ({q.shape[1]}) must be a positive multiple of fpdt_chunks ({u}): every rank cuts its "
             f"tokens into {u} equal chunks (packed length = S_local x ulysses({mesh.ulysses}))"
         )
-    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks)
+    cu, cu_key = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks, plan_cache)
     if cu_seqlens is None:
         cu = [0, q.shape[1] * mesh.ulysses]  # the same single-document layout in every batch row
+        cu_key = tuple(cu)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     # Every layer of a micro-batch has the same boundaries: one plan per batch (pure Python).
-    key = ("fpdt", tuple(cu), u, id(mesh.ulysses_group), scale, causal, window, softcap)
+    key = ("fpdt", cu_key, u, id(mesh.ulysses_group), scale, causal, window, softcap)
     plan = plan_cache.get(key) if plan_cache is not None else None
     if plan is None:
         plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)

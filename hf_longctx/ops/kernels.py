@@ -93,6 +93,7 @@ def varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
     blocks: Sequence[Block] | None = None, out_dtype: torch.dtype | None = None, backend=None, widen: bool = True,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the local queries (q_runs) over the local keys (k_runs) of packed
     documents: out [B, H, Sq, D] (`out_dtype`, default q's dtype), lse [B, H, Sq]; rows
@@ -101,20 +102,25 @@ def varlen_forward(
     (exact on the math kernel; the fused kernels round their own output, see
     `ops/backends/capabilities.py`). `widen=False`: a fused kernel's output may come back
     in its own (q's) dtype instead of a widened copy -- for callers that fold it into a
-    float32 accumulator with `ops/lse.merge_`, which reads it as it is. `backend`: a
-    backend of `ops/backends` to use instead of the one `select.py` picks (tests, emulated
-    kernels)."""
+    float32 accumulator with `ops/lse.merge_`, which reads it as it is. `into=(out, lse)`:
+    the caller's float32 accumulators of the same rows, into which the result is merged in
+    place (`ops/lse.merge_`, only the rows the plan computes) and which are returned.
+    `backend`: a backend of `ops/backends` to use instead of the one `select.py` picks
+    (tests, emulated kernels)."""
     _check(q, k, v)
     plan = _plan(q, k, q_runs, k_runs, causal, window, blocks)
     out_dtype = out_dtype or q.dtype
     if not plan or q.shape[2] == 0 or k.shape[2] == 0:
+        if into is not None:
+            return into  # merging "no key" changes nothing
         out, lse = empty_result(q)
         return out.to(out_dtype), lse
     backend = backend or backend_for(q, softcap=softcap)
     out, lse = backend.forward(
-        q, k, v, plan, scale=scale, causal=causal, window=window, softcap=softcap, out_dtype=out_dtype, widen=widen
+        q, k, v, plan, scale=scale, causal=causal, window=window, softcap=softcap, out_dtype=out_dtype, widen=widen,
+        **({} if into is None else {"into": into}),
     )
-    return (out if not widen else out.to(out_dtype)), lse
+    return (out if not widen or into is not None else out.to(out_dtype)), lse
 
 
 def varlen_backward(
@@ -122,10 +128,14 @@ def varlen_backward(
     q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
     grad_dtype: torch.dtype | None = None, blocks: Sequence[Block] | None = None, backend=None,
+    widen: bool = True, into: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq [B, H, Sq, D], dk, dv [B, H_kv, Sk, D]) of the attention of q over
     THESE keys, given the final out/lse (merged over every key block the caller holds).
-    `grad_dtype` as in `block_backward`: float32 for callers that keep summing."""
+    `grad_dtype` as in `block_backward`: float32 for callers that keep summing; with
+    `widen=False` a fused kernel's gradient may come back in its own (q's) dtype instead of
+    a widened copy. `into=(dq, dk, dv)`, each None or the caller's float32 sum: the gradient
+    is added into it in place (only the rows the plan touches) and it is returned."""
     _check(q, k, v)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError(
@@ -133,11 +143,17 @@ def varlen_backward(
             f"got dout {tuple(dout.shape)}, out {tuple(out.shape)}, lse {tuple(lse.shape)}"
         )
     plan = _plan(q, k, q_runs, k_runs, causal, window, blocks)
+    into = (None, None, None) if into is None else tuple(into)
     if not plan or q.shape[2] == 0 or k.shape[2] == 0:
-        return tuple(torch.zeros(t.shape, dtype=grad_dtype or t.dtype, device=t.device) for t in (q, k, v))
+        return tuple(
+            s if s is not None else torch.zeros(t.shape, dtype=grad_dtype or t.dtype, device=t.device)
+            for s, t in zip(into, (q, k, v))
+        )
     backend = backend or backend_for(q, softcap=softcap)
+    extra = {} if widen and all(s is None for s in into) else {"widen": widen, "into": into}
     return backend.backward(
-        dout, q, k, v, out, lse, plan, scale=scale, causal=causal, window=window, softcap=softcap, grad_dtype=grad_dtype
+        dout, q, k, v, out, lse, plan, scale=scale, causal=causal, window=window, softcap=softcap, grad_dtype=grad_dtype,
+        **extra,
     )
 
 

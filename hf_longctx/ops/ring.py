@@ -68,17 +68,25 @@ def _shares_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return k.untyped_storage().data_ptr() == base and v.untyped_storage().data_ptr() == base
 
 
-def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sinks=None):
-    """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32), lse
-    [B, H, S_ring], and the packed K/V this rank sent (`_pack(k, v)`, None when R = 1).
+def _busy_steps(spec: RingSpec) -> int:
+    """Ring steps at which this rank computes a tile (its partial results to fold)."""
+    return sum(1 for _, tiles in spec.plan.steps if tiles)
 
-    Step 0 computes on k/v as given; the packed copy exists only to travel. Partial results
-    accumulate in one float32 (float64 for float64 inputs) buffer, merged in place
-    (`lse.merge_`, reading each block's output in the kernel's dtype); the caller rounds
-    once. `sinks` [H] joins the denominator once, after the last ring step.
+
+def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sinks=None):
+    """q [B, H, S_ring, D], k/v [B, H_kv, S_ring, D] → out [B, H, S_ring, D] (float32, or the
+    kernel's dtype when one step computes everything and no sink follows), lse [B, H, S_ring],
+    and the packed K/V this rank sent (`_pack(k, v)`, None when R = 1).
+
+    Step 0 computes on k/v as given; the packed copy exists only to travel. The first partial
+    result starts one float32 (float64 for float64 inputs) accumulator -- the kernel's own
+    buffer, or its one widened copy -- and every later step merges into it in place, only the
+    rows it computes (`kernels.varlen_forward(into=...)`, `lse.merge_`, reading each block in
+    the kernel's dtype); the caller rounds once. `sinks` [H] join once, after the last step.
     """
     q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
+    sole = _busy_steps(spec) == 1 and sinks is None  # no merge follows: the kernel's result is final
     out = lse = None  # the first block's result starts the merge (no all-zero accumulator)
     ex = spec.exchanger(tag=0)
     packed = kv = None
@@ -89,14 +97,12 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sin
             ex.start(kv)  # the next block is in flight while this one is computed
         k_runs, tiles = spec.plan.steps[step]  # K/V of ring rank (ring_rank - step) mod R
         if tiles:
-            b_out, b_lse = kernels.varlen_forward(
-                q, k, v, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles,
-                out_dtype=acc, widen=False,
-            )
+            kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles, out_dtype=acc, widen=False)
             if out is None:
-                out, lse = b_out.to(acc), b_lse  # the accumulator: the block's own buffer, or its one widened copy
+                out, lse = kernels.varlen_forward(q, k, v, q_runs, k_runs, **kw)
+                out = out if sole else out.to(acc)  # the accumulator: the block's own buffer, or its one widened copy
             else:
-                out, lse = lse_ops.merge_(out, lse, b_out, b_lse)
+                kernels.varlen_forward(q, k, v, q_runs, k_runs, into=(out, lse), **kw)  # merged in place
         if step + 1 < spec.ring:
             kv = ex.wait()
             k, v = kv[0], kv[1]
@@ -111,9 +117,13 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sin
 def ring_backward(dout, q, k, v, kv, out, lse, spec: RingSpec, *, scale, causal, window, softcap):
     """Gradients (dq, dk, dv) of `ring_forward` from the final out/lse; `kv`: the forward's
     packed K/V when it was saved (k, v are its halves), else None (packed here for the first
-    send). dk/dv travel with their block."""
+    send). dk/dv travel with their block as one float32 buffer [2, B, H_kv, S_ring, D]; each
+    rank adds its pieces into it, and into its own dq sum, in place (`into=`): no widened
+    copy of a block's gradient, no zeros to add into. A gradient with one piece only (R = 1)
+    stays in the kernel's dtype."""
     q_runs = spec.plan.q_runs
     acc = acc_dtype(q.dtype)
+    sole = _busy_steps(spec) == 1  # dq has one piece: the kernel's gradient as it is
     dq = None  # the first block's dq starts the sum
     kv_ex, dkv_ex = spec.exchanger(tag=0), spec.exchanger(tag=1)
     for step in range(spec.ring):
@@ -125,16 +135,19 @@ def ring_backward(dout, q, k, v, kv, out, lse, spec: RingSpec, *, scale, causal,
         # dK/dV of block (ring_rank - step) mod R accumulated by the ranks it already visited (zeros on its owner).
         dkv = dkv_ex.wait() if step > 0 else None
         if tiles:
+            into = (dq, *((None, None) if dkv is None else (dkv[0], dkv[1])))
             b_dq, b_dk, b_dv = kernels.varlen_backward(
                 dout, q, k, v, out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap,
-                grad_dtype=acc, blocks=tiles,
+                grad_dtype=acc, blocks=tiles, widen=False, into=into,
             )
-            dq = b_dq if dq is None else dq.add_(b_dq)
-            if dkv is None:  # its owner: the block's first gradient (no zeros to add into)
-                dkv = torch.stack((b_dk, b_dv))  # [2, B, H_kv, S_ring, D]
-            else:
-                dkv[0] += b_dk
-                dkv[1] += b_dv
+            if dq is None:
+                dq = b_dq if sole else b_dq.to(acc)  # the sum's start: the piece itself, or its one widened copy
+            if dkv is None and spec.ring == 1:
+                return dq, b_dk, b_dv
+            if dkv is None:  # its owner: the block's first gradient starts the travelling float32 sum
+                dkv = torch.empty((2, *k.shape), dtype=acc, device=k.device)  # [2, B, H_kv, S_ring, D]
+                dkv[0].copy_(b_dk)
+                dkv[1].copy_(b_dv)
         if dkv is None:
             dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # [2, B, H_kv, S_ring, D]
         if spec.ring > 1:

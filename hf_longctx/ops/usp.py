@@ -34,8 +34,8 @@ def local_sinks(sinks: torch.Tensor, mesh: SPMesh) -> torch.Tensor:
     return sinks[mesh.ulysses_rank * per_rank : (mesh.ulysses_rank + 1) * per_rank]  # [H/U]
 
 
-def check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap, sinks=None) -> list[int]:
-    """Validate and return the global document boundaries of the packed stream."""
+def check_tensors(q, k, v, mesh: SPMesh, window, softcap, sinks=None) -> None:
+    """The per-call checks: shapes, dtypes, heads, window, softcap, sinks."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, S_local, H, D]; got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape != v.shape:
@@ -50,6 +50,9 @@ def check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap, sinks=None)
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
+
+
+def _boundaries(q, mesh: SPMesh, cu_seqlens) -> list[int]:
     b, s_local = q.shape[0], q.shape[1]
     s_global = s_local * mesh.sp
     if cu_seqlens is None:
@@ -64,6 +67,23 @@ def check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap, sinks=None)
                 f"= {s_global} tokens are held by the SP group"
             )
     return mesh.check_boundaries(cu)
+
+
+def check_inputs(q, k, v, mesh: SPMesh, cu_seqlens, window, softcap, sinks=None, plan_cache: dict | None = None):
+    """Validate and return (the global document boundaries of the packed stream, their tuple
+    key). The boundary checks (linear in the documents) run once per micro-batch when the caller
+    keeps a `plan_cache` and passes the SAME boundaries object to every layer (the batch's
+    metadata does): the result is kept under the object's identity, holding the object itself."""
+    check_tensors(q, k, v, mesh, window, softcap, sinks)
+    ident = ("boundaries", id(cu_seqlens), q.shape[0], q.shape[1], mesh.ring, mesh.ulysses, mesh.fpdt_chunks)
+    hit = plan_cache.get(ident) if plan_cache is not None and cu_seqlens is not None else None
+    if hit is not None and hit[0] is cu_seqlens:
+        return hit[1], hit[2]
+    cu = _boundaries(q, mesh, cu_seqlens)
+    key = tuple(cu)
+    if plan_cache is not None and cu_seqlens is not None:
+        plan_cache[ident] = (cu_seqlens, cu, key)
+    return cu, key
 
 
 def usp_attention(
@@ -121,7 +141,7 @@ def _to_ring(q, k, v, mesh: SPMesh, cu_seqlens=None, causal=True, softmax_scale=
     kernel keywords, local sinks [H/U] or None, (B, S_ring))."""
     if mesh.fpdt_chunks > 1:
         raise ValueError(f"mesh has fpdt_chunks={mesh.fpdt_chunks}: use hf_longctx.ops.fpdt.fpdt_attention")
-    cu = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks)
+    cu, cu_key = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks, plan_cache)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     b = q.shape[0]
     if sinks is not None:
@@ -134,7 +154,7 @@ def _to_ring(q, k, v, mesh: SPMesh, cu_seqlens=None, causal=True, softmax_scale=
     qf, kf, vf = (t.reshape(1, b * s_ring, t.shape[2], t.shape[3]).transpose(1, 2) for t in (q, k, v))  # [1, h, B·S_ring, D]
     # Every layer of a micro-batch has the same boundaries: the caller may keep the plan
     # (pure Python, linear in the documents) in `plan_cache` for the batch's lifetime.
-    key = (tuple(cu), mesh.ring, mesh.ring_rank, causal, window)
+    key = (cu_key, mesh.ring, mesh.ring_rank, causal, window)
     plan = plan_cache.get(key) if plan_cache is not None else None
     if plan is None:
         plan = ring_plan(cu, mesh.ring, mesh.ring_rank, causal=causal, window=window)

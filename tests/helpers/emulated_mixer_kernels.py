@@ -11,7 +11,8 @@ Where it sits: test support for `ops/mixers/gdn_state.py` and `ops/mixers/mamba2
   {16, 32, 64} and K > 256 as the kernel does.
 - `mamba_chunk_scan_combined`: mamba_ssm's `ops/triton/ssd_combined.py` entry point (state-spaces/
   mamba main): x [B, L, H, P], dt [B, L, H], A [H], B/C [B, L, G, N], D [H] or [H, P],
-  initial_states [B, H, P, N]; returns out in x's dtype, and with return_final_states
+  initial_states [B, H, P, N], seq_idx int32 [B, L] (the state restarts where it changes; the
+  final state is the last sequence's); returns out in x's dtype, and with return_final_states
   (out, final_states) in `state_dtype` or else C's dtype; its asserts are kept.
 
 Both compute with transformers' reference torch paths (the undecorated functions), one
@@ -95,11 +96,25 @@ class MambaSSMEmulation:
             assert D.shape == (nheads, headdim) or D.shape == (nheads,)
         if initial_states is not None:
             assert initial_states.shape == (batch, nheads, headdim, dstate)
-        if seq_idx is not None or return_varlen_states:
+        if return_varlen_states:
             raise NotImplementedError("not emulated (and varlen states have no backward in mamba_ssm)")
-        res = torch_path(x, dt, A, B, C, chunk_size, D=D if D is None or D.dim() == 1 else None, dt_bias=dt_bias,
-                         initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                         return_final_states=return_final_states)
+        kw = dict(D=D if D is None or D.dim() == 1 else None, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                  return_final_states=return_final_states)
+        if seq_idx is None:
+            res = torch_path(x, dt, A, B, C, chunk_size, initial_states=initial_states, **kw)
+        else:
+            assert seq_idx.shape == (batch, seqlen) and seq_idx.dtype == torch.int32
+            assert initial_states is None, "the emulation restarts every sequence from zero state"
+            rows = []
+            for r in range(batch):
+                ids = seq_idx[r].tolist()
+                cuts = [0] + [t for t in range(1, seqlen) if ids[t] != ids[t - 1]] + [seqlen]
+                parts = [torch_path(*(t[r : r + 1, a:b] for t in (x, dt)), A, *(t[r : r + 1, a:b] for t in (B, C)), chunk_size, **kw)
+                         for a, b in zip(cuts[:-1], cuts[1:])]
+                outs = [p[0] if return_final_states else p for p in parts]
+                rows.append((torch.cat(outs, 1), parts[-1][1] if return_final_states else None))
+            out = torch.cat([o for o, _ in rows])
+            res = (out, torch.cat([f for _, f in rows])) if return_final_states else out
         out, final = res if return_final_states else (res, None)
         if D is not None and D.dim() == 2:
             out = out + x.float() * D

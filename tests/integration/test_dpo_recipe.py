@@ -3,7 +3,7 @@ ranks (gloo, Ulysses 2, FSDP2): the tiny Llama the recipe builds and saves, its 
 text pairs (tokenized by TRL), TRL's default reference. Both steps finish; every logged value
 is finite and the SAME on both ranks (global values); step 1 logs loss ln 2 and zero rewards
 (policy == reference), step 2 non-zero rewards (the update reached the policy, not the
-reference); rank 0 prints per-step lines with TRL's metric names. Also: the README's DPO
+reference); rank 0 prints per-step lines with TRL's metric names. Also: the DPO guide's
 building-block loop runs as written."""
 
 from __future__ import annotations
@@ -29,20 +29,20 @@ def test_dpo_recipe_runs(tmp_path):
         assert name in proc.stdout, (name, out[-2000:])
 
 
-def test_readme_dpo_building_block_loop():
-    """The README's DPO building-block loop ("The same blocks in a loop of your own") runs as
-    written on a one-process mesh: with the reference a copy of the policy the loss is ln 2 (the
+def test_dpo_guide_building_block_loop():
+    """The DPO guide's building-block loop (docs/guides/dpo.md, "The same blocks in a loop of your
+    own") runs as written on a one-process mesh: with the reference a copy of the policy the loss is ln 2 (the
     per-pair sigmoid loss at zero margin, summed over micro-batches), and the step changes the policy."""
     import copy
-    import re
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_longctx import init_sequence_parallel, patch
+    from tests.helpers.doc_blocks import blocks_run_by
 
-    text = open(os.path.join(ROOT, "README.md")).read()
-    block = re.search(r"The same blocks in a loop of your own.*?```python\n(.*?)```", text, re.S).group(1)
+    (block,) = blocks_run_by("docs/guides/dpo.md", "tests/integration/test_dpo_recipe.py::test_dpo_guide_building_block_loop")
+    block = block.text
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2)
@@ -57,7 +57,7 @@ def test_readme_dpo_building_block_loop():
              "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     losses = []
     exec(compile(block.replace("loss.backward()",  # record each micro-batch's loss share
-                               "loss.backward(); _losses.append(loss.item())"), "README", "exec"),
+                               "loss.backward(); _losses.append(loss.item())"), "docs/guides/dpo.md", "exec"),
          {**scope, "_losses": losses})
     assert losses and abs(sum(losses) - math.log(2)) < 1e-5, losses
     assert any((p.detach() - b).abs().max() > 0 for p, b in zip(model.parameters(), before)), "no update"

@@ -1,10 +1,10 @@
-"""The README quickstart runs as pasted: its `bash` block is parsed out of README.md and run
-line by line, unchanged, in a fresh directory (so README and test cannot drift). `recipes/` is
+"""The quickstart runs as pasted: its `bash` block is parsed out of docs/getting-started.md and
+run line by line, unchanged, in a fresh directory (so page and test cannot drift). `recipes/` is
 linked there and `.venv/bin/activate` puts the interpreter running this test first on PATH (the
 environment `make demo` builds, whichever venv runs the suite). The tiny Llama, its tokenizer
 and the text files are made locally by `recipes/tiny.py`; then 2 CPU ranks (torchrun, gloo,
 Ulysses 2, FSDP2) train, log their loss as numbers, print no warning, and leave a
-`save_pretrained` directory that loads unpatched. The README's script block is the script.
+`save_pretrained` directory that loads unpatched. The page's script block is the script.
 """
 
 from __future__ import annotations
@@ -14,30 +14,36 @@ import re
 import subprocess
 import sys
 
+from tests.helpers.doc_blocks import blocks_run_by
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+PAGE = "docs/getting-started.md"
+HERE = "tests/integration/test_quickstart.py::"
+
+
 def _quickstart_section() -> str:
-    """README's "Quickstart" / "With `transformers.Trainer`" subsection."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    start = readme.index("### With `transformers.Trainer`", readme.index("## Quickstart"))
-    return readme[start : readme.index("\n### ", start + 1)]
+    """The page's "Quickstart" / "With `transformers.Trainer`" subsection."""
+    with open(os.path.join(ROOT, PAGE)) as f:
+        page = f.read()
+    start = page.index("### With `transformers.Trainer`", page.index("## Quickstart"))
+    end = page.find("\n## ", start + 1)
+    return page[start : end if end >= 0 else len(page)]
 
 
 def readme_commands() -> list[str]:
-    section = _quickstart_section()
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "the README quickstart has no ```bash block"
-    return [line for line in block.group(1).splitlines() if line.strip()]
+    (block,) = blocks_run_by(PAGE, HERE + "test_quickstart_runs_as_pasted")
+    assert block.lang == "bash", block
+    return [line for line in block.text.splitlines() if line.strip()]
 
 
-def test_readme_script_block_is_the_script():
+def test_page_script_block_is_the_script():
+    (block,) = blocks_run_by(PAGE, HERE + "test_page_script_block_is_the_script")
     section = _quickstart_section()
-    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     with open(os.path.join(ROOT, "recipes", "quickstart.py")) as f:
         script = f.read()
-    assert block == script
+    assert block.text == script
     marks = script.count("# hf_longctx:")  # one per addition (the docstring names the mark without a colon)
     words = {3: "three", 4: "four", 5: "five", 6: "six"}
     assert f"plus {words[marks]} additions" in section and f"{words[marks]} additions" in script
@@ -61,7 +67,7 @@ def test_quickstart_runs_as_pasted(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"'loss': \d+\.\d+, 'grad_norm': \d", out), out[-2000:]  # numbers, not quoted strings
     assert "'tokens_per_s': " in out and "'step_tokens': " in out, out[-2000:]
-    assert not re.search(r"warn|error|traceback", out, re.I), out[-4000:]  # nothing the README does not explain
+    assert not re.search(r"warn|error|traceback", out, re.I), out[-4000:]  # nothing the page does not explain
     bars = {name: len(re.findall(rf"{name}: +0%", out)) for name in ("Loading weights", "Map")}
     assert bars == {"Loading weights": 2, "Map": 1}, (bars, out[-4000:])  # weights: per process; tokenizing: once
     saved = tmp_path / "runs" / "quickstart"

@@ -248,8 +248,8 @@ def test_cpu_dispatch_and_table():
     assert select.probe_env(torch.device("cpu")).cpu_op
     table = markdown_table()
     assert all(f"| {name} |" in table for name in CAPABILITIES)
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    assert table in readme.read_text(), "README's kernel capability table differs from capabilities.markdown_table()"
+    page = Path(__file__).resolve().parents[2] / "docs" / "concepts" / "usp.md"
+    assert table in page.read_text(), "docs/concepts/usp.md's kernel capability table differs from capabilities.markdown_table()"
 
 
 

@@ -48,3 +48,13 @@ def test_merge_metrics_weights_by_tokens():
     assert got["clip_ratio/low_min"] == 0.25 and got["clip_ratio/high_max"] == 0.5
     both_nan = gm.merge_metrics([{"clip_ratio/low_min": float("nan")}] * 2, [1.0, 1.0])
     assert math.isnan(both_nan["clip_ratio/low_min"])
+
+
+def test_merge_metrics_weights_token_and_completion_means():
+    """Token means by each slot's completion tokens, the named per-completion means by each slot's
+    completions, clip extremes as nanmin / nanmax."""
+    parts = [{"entropy": 1.0, "clip_ratio/low_mean": 0.5, "clip_ratio/low_min": float("nan")},
+             {"entropy": 4.0, "clip_ratio/low_mean": 0.0, "clip_ratio/low_min": 0.25}]
+    got = gm.merge_metrics(parts, [3.0, 1.0], sequences=[1.0, 3.0], per_sequence=("clip_ratio/low_mean",))
+    assert got == {"entropy": (3 + 4) / 4, "clip_ratio/low_mean": 0.5 / 4, "clip_ratio/low_min": 0.25}
+    assert gm.merge_metrics(parts, [3.0, 1.0])["clip_ratio/low_mean"] == 1.5 / 4  # unnamed: a token mean

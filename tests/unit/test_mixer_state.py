@@ -96,12 +96,13 @@ def _gdn_inputs(b, s, hk, hv, dk, dv):
     return [t.requires_grad_() for t in (q, k, v, g, beta)]
 
 
-def test_varlen_gdn_call_matches_one_torch_call_per_run():
-    """The flash-linear-attention wiring: rank 1 of ring 2 × ulysses 2 holds runs that start,
-    continue and end documents; both paths give the same per-run quantities and gradients."""
+def test_varlen_gdn_call_matches_the_padded_torch_call():
+    """The flash-linear-attention wiring (its emulation runs the torch path once per run) against
+    the torch path's ONE call over the runs as padded rows: rank 1 of ring 2 × ulysses 2 holds
+    runs that start, continue and end documents; both give the same per-run quantities and gradients."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    from hf_longctx.ops.mixers.gdn_state import _cores_per_run, _cores_varlen
+    from hf_longctx.ops.mixers.gdn_state import _cores_padded, _cores_varlen
     from hf_longctx.ops.mixers.state_passing import run_bounds
 
     lay, rank = SequenceLayout((0, 40, 48, 64), 2, 2), 1
@@ -115,8 +116,15 @@ def test_varlen_gdn_call_matches_one_torch_call_per_run():
     assert fla.calls == 1
     q, k, v, g, beta = ins
     kmap = torch.arange(hv) // (hv // hk)
-    want = _cores_per_run(torch_chunk_gated_delta_rule, q.index_select(2, kmap), k.index_select(2, kmap), v, g, beta, bounds,
-                          starts, cont, torch.float32)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return torch_chunk_gated_delta_rule(*args, **kwargs)
+
+    want = _cores_padded(counted, q.index_select(2, kmap), k.index_select(2, kmap), v, g, beta, bounds, starts, lay, rank,
+                         torch.float32)
+    assert len(calls) == 1
     probe_sum = lambda runs: sum((t * (i + 1)).sum() for i, r in enumerate(runs) for t in r if t is not None)  # noqa: E731
     for (o1, q1, m1, s1), (o2, q2, m2, s2), c in zip(got, want, cont):
         torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-6)

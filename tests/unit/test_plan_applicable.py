@@ -12,7 +12,8 @@ import os
 import pytest
 
 from hf_longctx.cli import main
-from hf_longctx.cli.capacity import HEADER, load_config
+from hf_longctx.cli.capacity import HEADER
+from hf_longctx.cli.inputs import load_config
 from hf_longctx.capacity.estimate import ModelDims, Setting, estimate_memory
 
 LLAMA_8B = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "llama-3.1-8b-config.json")
@@ -69,13 +70,14 @@ def test_llama_8b_1m_tokens_on_8_gpus_suggests_a_setting(capsys):
     assert "mesh = hf_longctx.init_sequence_parallel(ulysses_degree=8, ring_degree=1, fpdt_chunks=1)" in out
     assert "--ulysses 8 --ring 1 --fpdt-chunks 1 --memory max --max-tokens 1048576 --tokens-per-step 1048576" in out
     assert "binds first" in out and "USP guidance" in out
-    # Ring 8 inside one node is estimated marginally faster (less than the 7 % the cost model cannot
-    # resolve): the USP guidance (Ulysses inside a node) puts Ulysses 8 first.
+    # Ring 8 inside one node is estimated within the 7 % the model cannot resolve (its P2P hides
+    # under the attention as Ulysses' all-to-alls take little at this length): the USP guidance
+    # (Ulysses inside a node) puts Ulysses 8 first.
     speed = [float(r["tok/s/GPU"].replace(",", "")) for r in rows]
     assert main(DONE_WHEN + ["--top", "100"]) == 0
     every = _rows(capsys.readouterr().out)
     ring8 = max(float(r["tok/s/GPU"].replace(",", "")) for r in every if r["ring"] == "8")
-    assert ring8 > speed[0] and ring8 < speed[0] / 0.93
+    assert 0.93 * speed[0] < ring8 < speed[0] / 0.93
 
 
 def test_tokens_per_step_sets_microbatches_per_setting(small, capsys):

@@ -1,6 +1,6 @@
 """Shared recipe flags a recipe does not honour are refused, never dropped (recipes/common.refuse_flags):
-recipes/grpo.py (LongGRPOTrainer: no memory preset, no trainer memory options, no resume) and
-recipes/dpo.py (LongDPOTrainer: no memory preset; the trainer options pass through)."""
+recipes/grpo.py and recipes/rloo.py (LongGRPOTrainer / LongRLOOTrainer: no memory preset, no trainer
+memory options; --resume needs --save-every) and recipes/dpo.py (LongDPOTrainer: no memory preset; the trainer options pass through)."""
 
 from __future__ import annotations
 
@@ -19,28 +19,31 @@ def _recipes():
         import common
         import dpo
         import grpo
+        import rloo
     finally:
         sys.path.pop(0)
-    return common, grpo, dpo
+    return common, {"grpo": grpo, "rloo": rloo}, dpo
 
 
+@pytest.mark.parametrize("recipe", ["grpo", "rloo"])
 @pytest.mark.parametrize("flags", [["--param-offload"], ["--sync-each-microbatch"], ["--memory", "balanced"]])
-def test_grpo_recipe_refuses_trainer_flags(flags, capsys):
-    _, grpo, _ = _recipes()
+def test_rollout_recipes_refuse_trainer_flags(recipe, flags, capsys):
+    rollouts = _recipes()[1][recipe]
     with pytest.raises(SystemExit):
-        grpo.parse_args(flags)
+        rollouts.parse_args(flags)
     assert f"{flags[0]} is not supported by this recipe; do instead:" in capsys.readouterr().err
-    assert grpo.parse_args([]).param_offload is False  # the defaults parse
+    assert rollouts.parse_args([]).param_offload is False  # the defaults parse
 
 
-def test_grpo_recipe_resume_needs_checkpoints(capsys):
-    """--resume continues from --save-every checkpoints (LongGRPOTrainer saves sharded ones); alone it
-    is an error naming both, never a run that silently starts over."""
-    _, grpo, _ = _recipes()
+@pytest.mark.parametrize("recipe", ["grpo", "rloo"])
+def test_rollout_recipes_resume_needs_checkpoints(recipe, capsys):
+    """--resume continues from --save-every checkpoints (the rollout trainers save sharded ones); alone
+    it is an error naming both, never a run that silently starts over."""
+    rollouts = _recipes()[1][recipe]
     with pytest.raises(SystemExit):
-        grpo.parse_args(["--resume"])
+        rollouts.parse_args(["--resume"])
     assert "--resume needs checkpoints" in capsys.readouterr().err
-    args = grpo.parse_args(["--resume", "--save-every", "2"])
+    args = rollouts.parse_args(["--resume", "--save-every", "2"])
     assert args.resume and args.save_every == 2
 
 

@@ -28,7 +28,7 @@ def test_budget_charges_memory_and_time(vl_config):
     from hf_longctx.capacity.vision import vision_budget
 
     cfg, _ = vl_config
-    cluster = Cluster(gpus=8, gpu_memory=80 * 2**30, host_memory=2**40, gpus_per_node=8, tflops=989.0, mfu=0.4,
+    cluster = Cluster(gpus=8, gpu_memory=80 * 2**30, host_memory=2**40, gpus_per_node=8,
                       intra_bw=150e9, inter_bw=25e9, pcie_bw=25e9, headroom=0.1, latency=30e-6, cpu_optim_bw=10e9)
     budget = vision_budget(cfg, images=16, image_tokens=1024)
     assert 600e6 < budget.dims.params < 750e6  # Qwen2.5-VL-7B's tower is ~670M parameters

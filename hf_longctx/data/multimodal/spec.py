@@ -62,6 +62,7 @@ class VisionCost:
 
     @classmethod
     def from_vision_config(cls, config: Any) -> "VisionCost":
+        """The cost of a vision tower from its config's width, depth and MLP size (names vary per family)."""
         h = config_int(config, ("hidden_size", "embed_dim", "width"), 1024)
         depth = config_int(config, ("depth", "num_hidden_layers", "num_layers"), 24)
         inter = config_int(config, ("intermediate_size", "mlp_dim"), 4 * h)
@@ -102,6 +103,10 @@ class VisionSpec:
         with the message that names the fix.
     text_cost: the language model's per-document cost in the unit of `cost` (FLOPs), the
         multimodal collator's default.
+    separators: token ids that stand between documents and never inside one (the language
+        model's BOS and padding token where they differ from its EOS): a row without
+        boundaries that holds one between its content is several documents
+        (`documents.check_one_document`).
     """
 
     family: str
@@ -119,6 +124,7 @@ class VisionSpec:
     container: str = "list"
     refused_keys: tuple[tuple[str, str], ...] = ()  # (batch key, why it cannot be exact) when set to non-zeros
     text_cost: CostModel | None = None  # the language model's CostModel.from_config (FLOPs, the unit of `cost`)
+    separators: tuple[int, ...] = ()  # BOS / padding ids of the language model (not its EOS)
 
     def __post_init__(self) -> None:
         if self.layout not in (GRID, BATCH):
@@ -130,6 +136,7 @@ class VisionSpec:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
+        """The placeholder token ids of every modality (image, video) in the language model's input."""
         return tuple(m.token_id for m in self.modalities)
 
     @property
@@ -149,4 +156,5 @@ class VisionSpec:
         return t * h * w // (self.merge * self.merge)
 
     def item_patches(self, grid: tuple[int, int, int] | None) -> int:
+        """Encoder patches of one item (a GRID item's (t, h, w) grid, or None)."""
         return int(self.patches_per_item) if self.layout == BATCH else math.prod(grid)

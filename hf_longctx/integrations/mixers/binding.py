@@ -13,10 +13,10 @@ import torch
 from hf_longctx.sp_groups import default_ranks_per_node
 from hf_longctx.data.sharding import SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.capacity.mixers import mixer_links
 from hf_longctx.integrations.mixers.modes import mixer_dims
-from hf_longctx.ops.mixers.cost import Links, choose, head_traffic, state_traffic
+from hf_longctx.ops.mixers.cost import busiest_state_traffic, choose, head_traffic
 from hf_longctx.ops.mixers.layout import SequenceLayout
-from hf_longctx.ops.mixers.state_passing import ChainPlan
 
 
 @dataclass(frozen=True)
@@ -106,14 +106,9 @@ class MixerBinding:
         lay, rows = self._layout, self._info.rows
         if lay.sp == 1:
             return "heads"  # nothing crosses ranks: the per-document path without extra state columns
-        plan = ChainPlan.of(lay)
         heads = head_traffic(dims, lay.sp, lay.local_length, elem, rows)
-        state = max(
-            (state_traffic(dims, **plan.sends(p), halo_rows=(dims.kernel - 1) * sum(not s for s in plan.starts[p]),
-                           s_local=lay.local_length, elem_bytes=elem, rows=rows) for p in range(lay.sp)),
-            key=lambda t: (t.bytes, t.calls),
-        )
-        links = Links.of_group(lay.sp, default_ranks_per_node(self._batch_mesh.world_size))
+        state = busiest_state_traffic(dims, lay, elem, rows)  # forward and reverse scans, halo both ways
+        links = mixer_links(lay.sp, default_ranks_per_node(self._batch_mesh.world_size))
         return choose(dims, lay.sp, heads, state, links)
 
     def check_calls(self) -> None:

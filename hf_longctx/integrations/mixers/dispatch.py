@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from hf_longctx._compat import fla_gated_delta_rule
+from hf_longctx._compat import fla_gated_delta_rule, mamba_ssm_chunk_scan
 from hf_longctx.integrations.mixers.binding import MixerBinding
 from hf_longctx.ops.mixers.gdn import GDNHeads, gdn_sequence_parallel
 from hf_longctx.ops.mixers.gdn_state import gdn_state_passing
@@ -28,6 +28,13 @@ def takes_cu_seqlens(core: Callable) -> bool:
     return hasattr(core, "__wrapped__") and fla_gated_delta_rule()
 
 
+def takes_seq_idx(scan: Callable) -> bool:
+    """The module file's `mamba2_chunk_scan` is mamba_ssm's `mamba_chunk_scan_combined` (the
+    hub-kernel decorator resolved it), which keeps packed documents apart with `seq_idx`; the
+    torch path refuses `seq_idx`."""
+    return hasattr(scan, "__wrapped__") and mamba_ssm_chunk_scan()
+
+
 def gdn_core(module: Any, bind: MixerBinding, lay: SequenceLayout, mixed_qkv, beta, a, activation, core) -> torch.Tensor:
     """core_out [B, S_local, H_v, D_v] of a Gated DeltaNet layer (see `ops/mixers/gdn*.py`)."""
     common = dict(conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias, activation=activation,
@@ -36,7 +43,7 @@ def gdn_core(module: Any, bind: MixerBinding, lay: SequenceLayout, mixed_qkv, be
     if bind.scheme(module, mixed_qkv.dtype) == "state":
         return gdn_state_passing(mixed_qkv, beta, a, k_heads=module.num_k_heads, varlen=takes_cu_seqlens(core), **common)
     heads = bind.split(module, lambda sp: GDNHeads.split(module.num_k_heads, module.num_v_heads, sp))
-    return gdn_sequence_parallel(mixed_qkv, beta, a, heads=heads, **common)
+    return gdn_sequence_parallel(mixed_qkv, beta, a, heads=heads, varlen=takes_cu_seqlens(core), **common)
 
 
 def mamba2_core(module: Any, bind: MixerBinding, lay: SequenceLayout, xbc, dt, activation, scan) -> torch.Tensor:
@@ -48,4 +55,4 @@ def mamba2_core(module: Any, bind: MixerBinding, lay: SequenceLayout, xbc, dt, a
     if bind.scheme(module, xbc.dtype) == "state":
         return mamba2_state_passing(xbc, dt, heads=module.num_heads, groups=module.n_groups, **common)
     heads = bind.split(module, lambda sp: Mamba2Heads.split(module.num_heads, module.n_groups, sp))
-    return mamba2_sequence_parallel(xbc, dt, heads=heads, **common)
+    return mamba2_sequence_parallel(xbc, dt, heads=heads, varlen=takes_seq_idx(scan), **common)

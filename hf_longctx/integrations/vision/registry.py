@@ -4,7 +4,7 @@ Where it sits: `patch()` asks `vision_family(hf)` for the adapter it binds (its 
 and the vision sub-configs it must leave alone (the tower keeps its own attention);
 `vision_spec(model)` gives the data stage its `VisionSpec`. The verdicts are a table, one row
 per model type of transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`
-(`classification.py`), measured by `benchmarks/vlm_zoo.py` and printed in the README; a model
+(`classification.py`), measured by `benchmarks/vlm_zoo.py` and printed in docs/measured/models.md; a model
 type missing from it is "not yet classified" and refused with that name, so a new
 transformers release cannot slip an unchecked family through.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.vision.classification import EXACT, verdict
-from hf_longctx.model_walk import hf_model
+from hf_longctx.model_walk import PATCH_STATE_ATTR, hf_model
 
 
 def is_multimodal(hf) -> bool:
@@ -44,15 +44,20 @@ def vision_family(hf) -> Any:
         raise NotSupported(
             f"{type(hf).__name__} ({model_type}) cannot train images under sequence parallelism: {detail}",
             "train it on text-only batches (shard_batch: the language model is patched as usual), or without sequence "
-            "parallelism (ulysses_degree=ring_degree=1); the README's vision-language table lists the exact families",
+            "parallelism (ulysses_degree=ring_degree=1); docs/measured/models.md lists the exact families",
         )
     return detail
 
 
 def vision_spec(model: Any):
     """The `VisionSpec` of a (patched or not) image-text-to-text model, for `shard_multimodal`
-    and `MultimodalCollator`. Raises NotSupported for a refused or unclassified family."""
+    and `MultimodalCollator` (which also take it from a patched model: `model=`); the one
+    `patch()` remembered when the model is patched. Raises NotSupported for a refused or
+    unclassified family."""
     hf = hf_model(model)
+    remembered = getattr(hf.__dict__.get(PATCH_STATE_ATTR), "vision_spec", None)
+    if remembered is not None:
+        return remembered
     family = vision_family(hf)
     if family is None:
         raise NotSupported(

@@ -2,8 +2,8 @@
 
 Where it sits: `ops/backends/select.py` walks the fast kernels in preference order and
 takes the first one whose row here accepts the call (device, dtype, head dim, softcap,
-GPU architecture); a refusal is reported with its reason, once. The README shows the same
-table; `tests/unit/test_backends.py` checks the dispatch against it.
+GPU architecture); a refusal is reported with its reason, once. docs/concepts/usp.md shows
+the same table; `tests/unit/test_backends.py` checks the dispatch against it.
 Facts (flash-attn v2.6.0-v2.8.3 sources, torch 2.13 schemas): both CUDA flash kernels need
 sm80+, fp16/bf16, head dim <= 256 and a multiple of 8; take bottom-right (left, right)
 windows, GQA and cumulative lengths; return lse [H, total_q] float32; take no arbitrary
@@ -75,7 +75,7 @@ def refusal(
 
 
 def markdown_table() -> str:
-    """The table as README markdown (so the README and the code cannot drift apart)."""
+    """The table as markdown for docs/concepts/usp.md (so the page and the code cannot drift apart)."""
     head = "| kernel | device | dtypes | head dim | window | GQA | lse | softcap | causal | packed docs | fp32 partial out |"
     rows = [head, "|" + "---|" * 11]
     for c in CAPABILITIES.values():

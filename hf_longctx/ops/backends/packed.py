@@ -4,15 +4,18 @@ Where it sits: the backends whose kernel takes many documents in one call -- fla
 2.x (`flash_attn.py`) and torch's CUDA flash kernels (`torch_flash.py`). `ops/kernels.py`
 hands it the blocks of `ops/blocks.py`; it plans sequences and waves (`sequences.py`),
 calls the kernel once per wave and scatters the results back.
-Guarantees: waves merge with `ops/lse.merge_` into one float32 accumulator and round
-once; the backward reuses the waves and returns the kernel's gradients untouched when one
-call covers every row, else sums them in float32.
+Guarantees: waves merge with `ops/lse.merge_` into one float32 accumulator (the caller's,
+when it holds one: ring steps, FPDT chunks) and round once; the backward reuses the waves,
+returns the kernel's gradients untouched when one call covers every row, else adds them
+into float32 sums in place (the caller's, when it holds them). Rows that are one
+contiguous range (a zigzag half of one document) are read and written through views, never
+gathered (`_rows`); only scattered rows take an index.
 Layout: q [B, H, Sq, D] -> gathered [B·n, H, D]; lse [H, B·n] from the kernel -> [B, H, n]."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
@@ -22,12 +25,27 @@ from hf_longctx.ops.lse import merge_
 from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
 from hf_longctx.devices import upload
 
+Rows = Union[None, tuple, torch.Tensor]  # all rows / one (lo, hi) range / an int64 index (`_rows`)
 
-def _index(ranges: Sequence[tuple[int, int]], total: int, device) -> torch.Tensor | None:
-    """Row index of the concatenated ranges, or None when they are exactly 0..total."""
-    if ranges and ranges[0][0] == 0 and ranges[-1][1] == total and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
-        return None
+
+def _rows(ranges: Sequence[tuple[int, int]], total: int, device) -> Rows:
+    """The rows of a call: None when they are exactly 0..total, (lo, hi) when they are one
+    contiguous range (read and written through views: a zigzag half of one document), else
+    the int64 index of the concatenated ranges."""
+    ranges = _coalesced(ranges)
+    if len(ranges) == 1:
+        return None if ranges[0] == (0, total) else ranges[0]
     return upload(torch.cat([torch.arange(lo, hi) for lo, hi in ranges]), device)  # [n] int64
+
+
+def _coalesced(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        elif hi > lo:
+            out.append((lo, hi))
+    return out
 
 
 def _cu(lengths: Sequence[int], batch: int, device) -> tuple[torch.Tensor, int]:
@@ -37,10 +55,28 @@ def _cu(lengths: Sequence[int], batch: int, device) -> tuple[torch.Tensor, int]:
     return upload(cu, device), max(lengths)
 
 
-def _gather(x_t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
-    """[B, S, H, D] rows idx -> [B·n, H, D] contiguous (one copy)."""
-    picked = x_t if idx is None else x_t.index_select(1, idx)
-    return picked.reshape(-1, *x_t.shape[2:])
+def _pick(x: torch.Tensor, rows: Rows, dim: int) -> torch.Tensor:
+    """Rows `rows` of x along `dim`: a view for None and a range, a gather for an index."""
+    if rows is None:
+        return x
+    if isinstance(rows, tuple):
+        return x.narrow(dim, rows[0], rows[1] - rows[0])
+    return x.index_select(dim, rows)
+
+
+def _gather(x_t: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """[B, S, H, D] rows -> [B·n, H, D] (a view when B = 1 and the rows are one range)."""
+    return _pick(x_t, rows, 1).reshape(-1, *x_t.shape[2:])
+
+
+def _add(total: torch.Tensor, rows: Rows, g: torch.Tensor) -> None:
+    """total[:, rows] += g along dim 1, in place: a mixed-dtype add of a view (a bf16 piece
+    into a float32 sum, no widened copy) for None and a range; index_add_ for an index, which
+    needs g in total's dtype (the one widened copy: of this call's rows only)."""
+    if rows is None or isinstance(rows, tuple):
+        _pick(total, rows, 1).add_(g)
+    else:
+        total.index_add_(1, rows, g.to(total.dtype))
 
 
 def _kernel_max_k(right: int, max_k: int) -> int:
@@ -55,8 +91,8 @@ def _kernel_max_k(right: int, max_k: int) -> int:
 
 @dataclass(frozen=True)
 class _Call:
-    q_idx: torch.Tensor | None
-    k_idx: torch.Tensor | None
+    q_idx: Rows
+    k_idx: Rows
     nq: int
     nk: int
     cu_q: torch.Tensor
@@ -93,7 +129,7 @@ def _plan_calls(blocks, q, k, causal, window) -> list[_Call]:
         assert right < max_k, (right, max_k)  # never a window flash-attn reads as unbounded
         is_causal = (left, right) == (-1, 0)  # the kernels' own causal path (bottom-right)
         calls.append(_Call(
-            _index(q_ranges, q.shape[2], q.device), _index(k_ranges, k.shape[2], k.device),
+            _rows(q_ranges, q.shape[2], q.device), _rows(k_ranges, k.shape[2], k.device),
             sum(hi - lo for lo, hi in q_ranges), sum(hi - lo for lo, hi in k_ranges),
             cu_q, cu_k, max_q, max_k, is_causal, -1 if is_causal else left, -1 if is_causal else right,
         ))
@@ -109,86 +145,81 @@ class PackedBackend:
     name: str
     kernel: object
 
-    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype, widen=True):
+    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype, widen=True, into=None):
         """`widen=False`: one call's output comes back in the kernel's dtype when `out_dtype`
-        is wider (the kernel rounded it already; the caller merges it as it is, `lse.merge_`)."""
+        is wider (the kernel rounded it already; the caller merges it as it is, `lse.merge_`).
+        `into=(out, lse)`: the caller's float32 accumulators [B, H, Sq, D] / [B, H, Sq]; every
+        call folds into the rows it computes, in place, and they are returned."""
         b, h, sq, d = q.shape
         acc = acc_dtype(q.dtype)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, S, H(_kv), D] views
         calls = _calls(blocks, q, k, causal, window)
-        out = lse = None
+        if into is None and len(calls) == 1 and calls[0].q_idx is None:  # one call covers every row: its result
+            o, lse = self._forward(calls[0], qt, kt, vt, (b, h, d), scale, softcap)
+            keep = not widen and o.dtype == q.dtype and out_dtype.itemsize > o.dtype.itemsize
+            return (o if keep else o.to(out_dtype)), lse.to(acc)
+        if into is None:  # rows no call covers attend nothing: (0, -inf), the merge's identity
+            into = q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], NEG_INF, dtype=acc)
+        out, lse = into
         for c in calls:
-            o, l = self.kernel.forward(
-                _gather(qt, c.q_idx), _gather(kt, c.k_idx), _gather(vt, c.k_idx), c.cu_q, c.cu_k, c.max_q, c.max_k,
-                scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
-            )  # o [B·nq, H, D], l [B·nq] per head: [H, B·nq]
-            o = o.view(b, c.nq, h, d).transpose(1, 2)  # [B, H, nq, D]
-            l = l.view(h, b, c.nq).transpose(0, 1)  # [B, H, nq]
-            if out is None:  # the first call: its rows start the result, the rest attend nothing yet (0, -inf)
-                dtype = acc if len(calls) > 1 else o.dtype  # several calls: the float32 accumulator of merge_
-                if c.q_idx is None:
-                    out, lse = o.to(dtype), l
-                else:
-                    out = o.new_zeros((b, h, sq, d), dtype=dtype).index_copy_(2, c.q_idx, o.to(dtype))  # [B, H, Sq, D]
-                    lse = l.new_full((b, h, sq), NEG_INF).index_copy_(2, c.q_idx, l)  # [B, H, Sq]
-                continue
-            if c.q_idx is None:
-                out, lse = merge_(out, lse, o, l)
+            o, l = self._forward(c, qt, kt, vt, (b, h, d), scale, softcap)  # [B, H, nq, D], [B, H, nq]
+            if c.q_idx is None or isinstance(c.q_idx, tuple):  # the rows are a view: merged in place
+                merge_(_pick(out, c.q_idx, 2), _pick(lse, c.q_idx, 2), o, l)
                 continue
             rows, rows_lse = merge_(out.index_select(2, c.q_idx), lse.index_select(2, c.q_idx), o, l)  # [B, H, nq, (D)]
             out.index_copy_(2, c.q_idx, rows)
             lse.index_copy_(2, c.q_idx, rows_lse)
-        if out is None:  # no tile at all
-            return q.new_zeros(q.shape, dtype=out_dtype), q.new_full(q.shape[:3], NEG_INF, dtype=acc)
-        keep = not widen and out.dtype == q.dtype and out_dtype.itemsize > out.dtype.itemsize
-        return (out if keep else out.to(out_dtype)), lse.to(acc)
+        return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, blocks: Sequence[Block], *, scale, causal, window, softcap, grad_dtype):
+    def _forward(self, c: _Call, qt, kt, vt, bhd, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, d = bhd
+        o, l = self.kernel.forward(
+            _gather(qt, c.q_idx), _gather(kt, c.k_idx), _gather(vt, c.k_idx), c.cu_q, c.cu_k, c.max_q, c.max_k,
+            scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
+        )  # o [B·nq, H, D], l [B·nq] per head: [H, B·nq]
+        return o.view(b, c.nq, h, d).transpose(1, 2), l.view(h, b, c.nq).transpose(0, 1)  # [B, H, nq, D], [B, H, nq]
+
+    def backward(
+        self, dout, q, k, v, out, lse, blocks: Sequence[Block], *, scale, causal, window, softcap, grad_dtype,
+        widen=True, into=(None, None, None),
+    ):
+        """`into`: per gradient (dq, dk, dv) None or the caller's float32 sum [B, H(_kv), S, D],
+        which the calls add into in place (and which is returned). The others: one call's
+        gradient as the kernel returned it (cast to `grad_dtype` unless `widen=False`), or
+        the float32 sum of several calls' pieces."""
         b, h, sq, d = q.shape
         hkv, sk, acc = k.shape[1], k.shape[2], acc_dtype(q.dtype)
         qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))  # [B, S, H(_kv), D] views
         ot = out.to(q.dtype).transpose(1, 2)  # the kernels take out in q's dtype (for rowsum(dO ⊙ O))
         lse_t = lse.to(acc).permute(1, 0, 2)  # [H, B, Sq], float32 (the kernels' lse dtype)
         calls = _calls(blocks, q, k, causal, window)
-        if len(calls) == 1 and calls[0].q_idx is None and calls[0].k_idx is None:
-            return self._one_call_backward(calls[0], dot, qt, kt, vt, ot, lse_t, (q, k, v), scale, softcap, grad_dtype)
-        # Sums over calls in float32 (one rounding at the end); a tensor's first contribution
-        # that covers all its rows is taken as the kernel returned it (no zeros to add into).
-        grads: list[torch.Tensor | None] = [None, None, None]  # [B, S, H(_kv), D] like the kernel's rows
+        # Sums in float32 (one rounding, by the caller); a tensor's only piece covering all its
+        # rows is taken as the kernel returned it (no zeros to add into, no widened copy).
+        sums = [None if t is None else t.transpose(1, 2) for t in into]  # [B, S, H(_kv), D] views
         shapes = ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d))
         for c in calls:
-            l = lse_t if c.q_idx is None else lse_t.index_select(2, c.q_idx)
+            l = _pick(lse_t, c.q_idx, 2)
             gq, gk, gv = self.kernel.backward(
                 _gather(dot, c.q_idx), _gather(qt, c.q_idx), _gather(kt, c.k_idx), _gather(vt, c.k_idx),
                 _gather(ot, c.q_idx), l.reshape(h, b * c.nq), c.cu_q, c.cu_k, c.max_q, c.max_k,
                 scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
             )  # [B·nq, H, D], [B·nk, H_kv, D] x2
-            for i, (idx, g, n) in enumerate(((c.q_idx, gq, c.nq), (c.k_idx, gk, c.nk), (c.k_idx, gv, c.nk))):
+            for i, (rows, g, n) in enumerate(((c.q_idx, gq, c.nq), (c.k_idx, gk, c.nk), (c.k_idx, gv, c.nk))):
                 g = g.view(b, n, *g.shape[1:])  # [B, n, H(_kv), D]
-                if grads[i] is None and idx is None:
-                    grads[i] = g
-                elif grads[i] is None:
-                    grads[i] = torch.zeros(shapes[i], dtype=acc, device=g.device).index_add_(1, idx, g.to(acc))
-                elif idx is None:
-                    grads[i] = grads[i].to(acc).add_(g)
-                else:
-                    grads[i] = grads[i].to(acc).index_add_(1, idx, g.to(acc))
-        return tuple(
-            torch.zeros(shape, dtype=grad_dtype or t.dtype, device=t.device).transpose(1, 2) if x is None
-            else x.transpose(1, 2).to(grad_dtype or t.dtype)
-            for x, t, shape in zip(grads, (q, k, v), shapes)
-        )  # [B, H(_kv), S, D]
-
-    def _one_call_backward(self, c: _Call, dot, qt, kt, vt, ot, lse_t, qkv, scale, softcap, grad_dtype):
-        """One kernel call covers every row of q, k and v: its gradients ARE the result (no
-        fp32 scratch, no index_add; the kernel rounded them once)."""
-        b, sq, h, d = qt.shape
-        grads = self.kernel.backward(
-            _gather(dot, None), _gather(qt, None), _gather(kt, None), _gather(vt, None), _gather(ot, None),
-            lse_t.reshape(h, b * sq), c.cu_q, c.cu_k, c.max_q, c.max_k,
-            scale=scale, causal=c.causal, left=c.left, right=c.right, softcap=softcap,
-        )  # [B·Sq, H, D], [B·Sk, H_kv, D] x2
-        return tuple(
-            g.view(b, -1, *g.shape[1:]).transpose(1, 2).to(grad_dtype or t.dtype) for g, t in zip(grads, qkv)
-        )  # [B, H(_kv), S, D]
-
+                if sums[i] is None and rows is None:
+                    sums[i] = g if len(calls) == 1 else g.to(acc)  # the sole piece, or the float32 sum's start
+                    continue
+                if sums[i] is None:
+                    sums[i] = torch.zeros(shapes[i], dtype=acc, device=g.device)  # rows no call covers: 0
+                _add(sums[i], rows, g)
+        grads = []
+        for i, (x, t) in enumerate(zip(sums, (q, k, v))):
+            if into[i] is not None:
+                grads.append(into[i])
+            elif x is None:
+                grads.append(torch.zeros(t.shape, dtype=grad_dtype or t.dtype, device=t.device))
+            else:
+                x, target = x.transpose(1, 2), grad_dtype or t.dtype  # [B, H(_kv), S, D]
+                keep = not widen and x.dtype == t.dtype and target.itemsize > x.dtype.itemsize
+                grads.append(x if keep else x.to(target))
+        return tuple(grads)

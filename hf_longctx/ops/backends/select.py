@@ -87,7 +87,7 @@ def select_backend(env: KernelEnv, *, dtype: torch.dtype, head_dim: int, softcap
             name, device="cuda", dtype=dtype, head_dim=head_dim, softcap=softcap, capability=env.capability
         )
         if why is None:
-            return PackedBackend(name if name != "torch_flash" or env.torch_impl is None else f"torch_flash[{env.torch_impl}]", kernel)
+            return _packed(name if name != "torch_flash" or env.torch_impl is None else f"torch_flash[{env.torch_impl}]", kernel)
         if why not in reasons:
             reasons.append(why)
     # The warnings module shows one message per call site once (default filter): one warning per reason.
@@ -96,6 +96,12 @@ def select_backend(env: KernelEnv, *, dtype: torch.dtype, head_dim: int, softcap
         RuntimeWarning, stacklevel=3,
     )
     return MATH
+
+
+@functools.lru_cache(maxsize=16)
+def _packed(name: str, kernel) -> PackedBackend:
+    """One backend object per kernel adapter: every call of every layer gets the same one."""
+    return PackedBackend(name, kernel)
 
 
 def backend_for(q: torch.Tensor, *, softcap: float | None, mask: bool = False):

@@ -4,8 +4,10 @@ Where it sits: the backends whose kernel takes one dense tile with an optional b
 mask -- "aten_cpu" (the aten CPU flash op, `aten_cpu.py`) and "math" (`ops/math_kernel.py`,
 the last resort on any device). `ops/kernels.py` hands it the blocks of `ops/blocks.py`
 (full / causal / masked tiles of the same document); masked tiles get the exact boolean
-mask of `block_mask`. Tiles of one query run merge with `ops/lse.merge` (Milakov &
-Gimelshein 2018); backward pieces of one row range are summed in float32.
+mask of `block_mask`. Tiles are computed in float32 and fold with `ops/lse.merge_` (Milakov &
+Gimelshein 2018) into the first tile of their rows, or into the caller's accumulators
+(`into`); backward pieces of one row range are summed in float32, or added in place into
+the caller's float32 sums.
 
 Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D]; out [B, H, Sq, D], lse [B, H, Sq].
 """
@@ -19,7 +21,7 @@ import torch
 
 from hf_longctx.ops.backends.aten_cpu import expand_kv, reduce_kv
 from hf_longctx.ops.blocks import Block, block_mask
-from hf_longctx.ops.lse import merge
+from hf_longctx.ops.lse import merge_
 from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
 
 
@@ -67,34 +69,46 @@ class TiledBackend:
     tile_backward: Callable
     expand_gqa: bool
 
-    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype, widen=True):
-        """`widen` is for the fused kernels (`packed.py`); tiles are computed in `out_dtype`."""
+    def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype, widen=True, into=None):
+        """`widen` is for the fused kernels (`packed.py`); tiles are computed in `out_dtype`.
+        `into=(out, lse)`: the caller's float32 accumulators, every tile merged into its rows
+        in place (and returned)."""
         masks = _masks(blocks, causal, window, q.device)
         fwd = dict(scale=scale, softcap=softcap)
-        if len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2]):  # one tile: tensors as they are
+        whole = len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2])
+        if whole and into is None:  # one tile: tensors as they are
             return self.tile_forward(q, k, v, causal=blocks[0].kind == "causal", mask=masks[0], out_dtype=out_dtype, **fwd)
-        if self.expand_gqa:  # once per call, not per tile
+        if self.expand_gqa and not whole:  # once per call, not per tile
             k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         outs, lses = {}, {}
         for b, m in zip(blocks, masks):  # tiles of one query run merge into the same rows
             o, l = self.tile_forward(
                 q[:, :, b.q_lo:b.q_hi], k[:, :, b.k_lo:b.k_hi], v[:, :, b.k_lo:b.k_hi],
                 causal=b.kind == "causal", mask=m, out_dtype=acc_dtype(q.dtype), **fwd,
-            )  # o [B, H, nq, D], l [B, H, nq]
+            )  # o [B, H, nq, D], l [B, H, nq]: fresh, float32
             rows = (b.q_lo, b.q_hi)
-            if rows in outs:
-                outs[rows], lses[rows] = merge(outs[rows], lses[rows], o, l)
+            if into is not None:
+                merge_(into[0][:, :, b.q_lo:b.q_hi], into[1][:, :, b.q_lo:b.q_hi], o, l)
+            elif rows in outs:
+                merge_(outs[rows], lses[rows], o, l)
             else:
                 outs[rows], lses[rows] = o, l
+        if into is not None:
+            return into
         return (
             _assemble(outs, q.shape, out_dtype, q.device, 0.0),
             _assemble(lses, q.shape[:3], acc_dtype(q.dtype), q.device, NEG_INF),
         )
 
-    def backward(self, dout, q, k, v, out, lse, blocks: Sequence[Block], *, scale, causal, window, softcap, grad_dtype):
+    def backward(
+        self, dout, q, k, v, out, lse, blocks: Sequence[Block], *, scale, causal, window, softcap, grad_dtype,
+        widen=True, into=(None, None, None),
+    ):
+        """`into`: per gradient (dq, dk, dv) None or the caller's float32 sum, which the tiles
+        add into in place (and which is returned); `widen` is for the fused kernels."""
         masks = _masks(blocks, causal, window, q.device)
         bwd = dict(scale=scale, softcap=softcap)
-        if len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2]):
+        if len(blocks) == 1 and blocks[0][:4] == (0, q.shape[2], 0, k.shape[2]) and all(t is None for t in into):
             return self.tile_backward(
                 dout, q, k, v, out, lse, causal=blocks[0].kind == "causal", mask=masks[0], grad_dtype=grad_dtype, **bwd
             )
@@ -112,7 +126,14 @@ class TiledBackend:
             dks.setdefault((b.k_lo, b.k_hi), []).append(gk)
             dvs.setdefault((b.k_lo, b.k_hi), []).append(gv)
         # Sums of tiles and of GQA heads stay in the accumulation dtype: one rounding at the end.
-        dq = _assemble({r: _summed(p) for r, p in dqs.items()}, q.shape, grad_dtype or q.dtype, q.device, 0.0)
-        dk = _assemble({r: _summed(p) for r, p in dks.items()}, k.shape, acc, k.device, 0.0)  # [B, H(_kv), Sk, D]
-        dv = _assemble({r: _summed(p) for r, p in dvs.items()}, v.shape, acc, v.device, 0.0)
-        return dq, reduce_kv(dk, hkv, grad_dtype or k_dtype), reduce_kv(dv, hkv, grad_dtype or v_dtype)
+        grads = []
+        for pieces, t, total, heads, dtype in ((dqs, q, into[0], q.shape[1], q.dtype), (dks, k, into[1], hkv, k_dtype),
+                                               (dvs, v, into[2], hkv, v_dtype)):
+            sums = {r: reduce_kv(_summed(p), heads, acc) for r, p in pieces.items()}  # [B, H(_kv), n, D]
+            if total is None:
+                grads.append(_assemble(sums, (*t.shape[:1], heads, *t.shape[2:]), grad_dtype or dtype, t.device, 0.0))
+                continue
+            for (lo, hi), g in sums.items():
+                total[:, :, lo:hi] += g  # in place into the caller's float32 sum
+            grads.append(total)
+        return tuple(grads)

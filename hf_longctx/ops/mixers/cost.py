@@ -6,11 +6,14 @@ of `hf-longctx plan`, `benchmarks/mixers.py` prints both: one place for the form
 the three cannot disagree. Pure Python.
 Per layer and rank, forward + backward: the head all-to-all moves 2 · S_l·(P−1)/P ·
 channels · b bytes; state passing moves the conv halo plus fp32 maps independent of S_l
-(GDN also computes D_k extra state columns). The rule: the smaller bytes / bandwidth +
+(GDN also computes D_k extra state columns), counted per direction: the backward's scan runs
+the chains in reverse (a rank's sends there are not its forward sends) and its halo sends back
+the gradients of the rows the rank RECEIVED. The rule: the smaller bytes / bandwidth +
 collectives · latency + extra FLOPs / rate; state passing whenever heads < P."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -80,29 +83,64 @@ def scan_rounds(chain_runs: int) -> int:
     return max(0, math.ceil(math.log2(max(chain_runs - 1, 1))))
 
 
+@dataclass(frozen=True)
+class Sends:
+    """What one rank sends to other ranks in one direction of a state-passing layer: maps (A
+    and X) in all scan rounds but the last, lone states (X: the last round and the shift), and
+    conv halo rows (forward: its rows others read; backward: the gradients of the rows it read)."""
+
+    maps: int
+    states: int
+    halo_rows: int
+
+
 def state_traffic(
-    d: MixerDims, *, map_sends: int, state_sends: int, halo_rows: int, rounds: int, s_local: float, elem_bytes: int,
-    rows: int = 1,
+    d: MixerDims, *, forward: Sends, backward: Sends, rounds: int, s_local: float, elem_bytes: int, rows: int = 1,
 ) -> Traffic:
-    """map_sends / state_sends: maps (A and X) and lone states (X: the last round, the shift)
-    one rank sends in the forward scan; halo_rows: conv rows it sends; rounds: of the scan,
-    -1 when no document spans two runs (then the scan issues no collective at all)."""
-    scan = 4 * rows * (map_sends * (d.map_numel + d.state_numel) + state_sends * d.state_numel)
-    halo = rows * halo_rows * d.conv_channels * elem_bytes
-    return Traffic(2 * (scan + halo), 2 * (2 + rounds), rows * s_local * d.extra_flops())
+    """Bytes one rank sends in the forward scan + halo and in the backward's reverse scan +
+    halo gradients; rounds: of the scan, -1 when no document spans two runs (then the scan
+    issues no collective at all). Exact for the counted sends (`ChainPlan.sends`)."""
+    def one(s: Sends) -> float:
+        scan = 4 * rows * (s.maps * (d.map_numel + d.state_numel) + s.states * d.state_numel)
+        return scan + rows * s.halo_rows * d.conv_channels * elem_bytes
+
+    return Traffic(one(forward) + one(backward), 2 * (2 + rounds), rows * s_local * d.extra_flops())
+
+
+def layout_state_traffic(d: MixerDims, lay, rank: int, elem_bytes: int, rows: int = 1) -> Traffic:
+    """State passing of one layer on `rank` for the batch layout `lay` (`SequenceLayout`):
+    its scan sends both ways (`ChainPlan.sends`) and its halo rows -- sent in the forward, the
+    gradients of the rows it received sent back in the backward (`HaloPlan`)."""
+    from hf_longctx.ops.mixers.state_passing import ChainPlan
+
+    s = ChainPlan.of(lay).sends(rank)
+    halo = lay.halo(d.kernel)
+    out_rows = sum(len(halo.send_rows[rank][q]) for q in range(lay.sp) if q != rank)
+    in_rows = sum(c for q, c in enumerate(halo.recv_counts[rank]) if q != rank)
+    return state_traffic(d, forward=Sends(s["maps"], s["states"], out_rows),
+                         backward=Sends(s["back_maps"], s["back_states"], in_rows), rounds=s["rounds"],
+                         s_local=lay.local_length, elem_bytes=elem_bytes, rows=rows)
+
+
+def busiest_state_traffic(d: MixerDims, lay, elem_bytes: int, rows: int = 1) -> Traffic:
+    """The rank of `lay` that sends the most (forward + backward): what the step waits for."""
+    return max((layout_state_traffic(d, lay, p, elem_bytes, rows) for p in range(lay.sp)), key=lambda t: (t.bytes, t.calls))
 
 
 def one_document_state_traffic(d: MixerDims, ulysses: int, ring: int, s_local: float, elem_bytes: int, rows: int = 1) -> Traffic:
-    """State passing for ONE document spanning the group (the planner's case): each rank holds
-    1 run (ring 1, or zigzag split over an even Ulysses degree: the ring rank's two chunks
-    fall to different Ulysses ranks) or 2 (zigzag, odd Ulysses); every run continues the chain,
-    sends its map each round but the last (where only X goes) and its state in the shift."""
-    runs = 2 if ring > 1 and ulysses % 2 else 1
-    chain = ulysses * ring * runs
-    rounds = scan_rounds(chain)
-    sends = runs * max(rounds - 1, 0)
-    return state_traffic(d, map_sends=sends, state_sends=runs * (1 + min(rounds, 1)), halo_rows=runs * (d.kernel - 1),
-                         rounds=rounds, s_local=s_local, elem_bytes=elem_bytes, rows=rows)
+    """State passing for ONE document spanning the group (the planner's case), busiest rank: the
+    sends of a one-document layout of this group (runs of `kernel` tokens, so every halo is
+    whole; the bytes do not depend on the length), the extra FLOPs at `s_local` tokens."""
+    t = busiest_state_traffic(d, _one_document(ulysses, ring, d.kernel), elem_bytes, rows)
+    return Traffic(t.bytes, t.calls, rows * s_local * d.extra_flops())
+
+
+@functools.lru_cache(maxsize=256)
+def _one_document(ulysses: int, ring: int, kernel: int):
+    """The layout of one document over the group (its plans cached on it for every later call)."""
+    from hf_longctx.ops.mixers.layout import SequenceLayout
+
+    return SequenceLayout((0, 2 * ulysses * ring * max(kernel, 2)), ring, ulysses)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ the WHOLE SP group gives every rank the whole packed sequence for a subset of he
 heads split when P ≤ H_k; else value heads, q/k replicated; refused when H_v < P). The
 convolution and the core then run per document from zero state with the GLOBAL boundaries;
 the inverse all-to-all brings the output back. beta and g are computed as the module does.
+The core runs ONCE per layer: one varlen call (flash-linear-attention's `cu_seqlens`), or the
+documents as the rows of one padded batch for transformers' torch fallback (`ragged.py`).
 Why the convolution runs after the exchange: docs/DESIGN.md "Decisions and why"."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from hf_longctx.ops.mixers.conv import scatter_then_conv
 from hf_longctx.ops.mixers.exchange import gather_channels, head_ranges
 from hf_longctx.ops.mixers.layout import SequenceLayout
+from hf_longctx.ops.mixers.ragged import padded_spans
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,14 @@ def gdn_sequence_parallel(
     lay: SequenceLayout,
     rank: int,
     group,
+    varlen: bool = False,
 ) -> torch.Tensor:
     """The sequence-mixing core of a Gated DeltaNet layer on this rank's shard.
 
     mixed_qkv [B, S_local, 2·H_k·D_k + H_v·D_v] BEFORE the convolution; beta, a
     [B, S_local, H_v] (beta already sigmoid-ed, a the raw projection). `core` is
-    transformers' `torch_chunk_gated_delta_rule`-compatible function of the module's file.
-    Returns core_out [B, S_local, H_v, D_v] (before the gated norm)."""
+    transformers' `torch_chunk_gated_delta_rule`-compatible function of the module's file;
+    `varlen`: it is flash-linear-attention's kernel (takes `cu_seqlens`). Returns core_out [B, S_local, H_v, D_v] (before the gated norm)."""
     b, s_local, _ = mixed_qkv.shape
     v_lo, v_hi, k_lo, k_hi = heads.ranks[rank]
     hk, hv = k_hi - k_lo, v_hi - v_lo
@@ -107,15 +111,24 @@ def gdn_sequence_parallel(
     q, k = q.index_select(2, kmap), k.index_select(2, kmap)  # [B, S, hv, D_k]
     g = -A_log[v_lo:v_hi].float().exp() * F.softplus(a_r.float() + dt_bias[v_lo:v_hi])  # [B, S, hv] fp32
 
-    outs = []
-    cu = lay.cu_seqlens
-    for lo, hi in zip(cu[:-1], cu[1:]):  # every document from zero state (padding documents too)
-        out, _ = core(
-            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g=g[:, lo:hi], beta=beta_r[:, lo:hi],
-            initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
-        )
-        outs.append(out)  # [B, L_doc, hv, D_v]
-    out = torch.cat(outs, dim=1).reshape(b, -1, hv * head_v_dim)  # [B, S, hv·D_v]
+    out = _documents_core(core, q, k, v, g, beta_r, lay, varlen).reshape(b, -1, hv * head_v_dim)  # [B, S, hv·D_v]
     counts = [(hi_ - lo_) * head_v_dim for lo_, hi_, _, _ in heads.ranks]
     back = gather_channels(out, counts, lay, rank, group)  # [B, S_local, H_v·D_v]: ranks' value heads in order
     return back.reshape(b, s_local, heads.v_heads, head_v_dim)
+
+
+def _documents_core(core: Callable, q, k, v, g, beta, lay: SequenceLayout, varlen: bool) -> torch.Tensor:
+    """ONE core call over every document of the whole sequence, each from zero state: q/k
+    [B, S, hv, D_k], v [B, S, hv, D_v], g/beta [B, S, hv] -> [B, S, hv, D_v]."""
+    b, s = v.shape[:2]
+    cu = lay.cu_seqlens
+    kw = dict(initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    if varlen:  # rows laid end to end as one packed sequence (the kernel wants B = 1 with cu_seqlens)
+        cu_host = torch.tensor(sorted({r * s + c for r in range(b) for c in cu}), dtype=torch.long)  # [B·docs + 1]
+        cu_dev = lay.on_device(("gdn_docs_cu", b), v.device, lambda: cu_host)
+        flat = lambda t: t.reshape(1, b * s, *t.shape[2:])  # noqa: E731  [1, B·S, ...]
+        out, _ = core(flat(q), flat(k), flat(v), g=flat(g), beta=flat(beta), cu_seqlens=cu_dev, cu_seqlens_cpu=cu_host, **kw)
+        return out.reshape(b, s, *out.shape[2:])
+    pads = padded_spans(lay, "docs", list(zip(cu[:-1], cu[1:])), s, v.device)
+    outs = [core(qc, kc, vc, g=gc, beta=bc, **kw)[0] for qc, kc, vc, gc, bc in zip(*(pads.pad(t) for t in (q, k, v, g, beta)))]
+    return pads.unpad(outs, b)  # [B, S, hv, D_v]

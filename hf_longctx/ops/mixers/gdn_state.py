@@ -4,7 +4,8 @@ Where it sits: called by the GDN wrappers of `integrations/mixers/` in place of 
 all-to-all of `gdn.py`, between the module's projections and its gated norm (all on the shard).
 The delta rule is affine in the state (Gated Delta Networks §2): over a run,
 S_end = M·S_in + S⁰_end and o_t = o⁰_t + S_inᵀ·(M_tᵀ q_t). ONE core call per run over the
-value columns [v | 0] from [0 | I] returns o⁰, q̃_t = M_tᵀ q_t, S⁰ and M; after the scan
+value columns [v | 0] from [0 | I] returns o⁰, q̃_t = M_tᵀ q_t, S⁰ and M (the runs as the rows of
+one padded batch for transformers' torch path, `ragged.py`); after the scan
 (`state_passing.py`) o_t = o⁰_t + q̃_tᵀ S_in corrects each run exactly. The convolution
 takes a halo (`conv.halo_conv`). The core is transformers' `torch_chunk_gated_delta_rule`,
 or FLA's `chunk_gated_delta_rule` (one varlen call) when installed."""
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.layout import SequenceLayout
+from hf_longctx.ops.mixers.ragged import padded_spans
 from hf_longctx.ops.mixers.state_passing import MATRIX, ChainPlan, exact_precision, incoming_states, run_bounds
 
 
@@ -29,27 +31,24 @@ def _augmented_state(b: int, heads: int, dk: int, dv: int, identity: bool, like:
     return h0
 
 
-def _cores_per_run(core, q, k, v, g, beta, bounds, starts, continues, acc):
-    """One core call per local run (transformers' torch path). Returns (o⁰, q̃, M, S⁰) per run in
-    the accumulation dtype `acc` (fp32, or fp64 for fp64 inputs): o⁰ [B, L, H_v, D_v], q̃ [B, L, H_v, D_k]
-    or None, M [B, H_v, D_k, D_k], S⁰ [B, H_v, D_k, D_v] (None where not needed)."""
-    b, _, hv, dv = v.shape
+def _cores_padded(core, q, k, v, g, beta, bounds, starts, lay, rank, acc):
+    """ONE core call over every local run, the runs as the rows of one zero-padded batch
+    (transformers' torch path, which takes no `cu_seqlens`; g = beta = 0 pads leave a run's
+    final state as it is). Returns (o⁰, q̃, M, S⁰) per run in the accumulation dtype `acc` (fp32,
+    or fp64 for fp64 inputs): o⁰ [B, L, H_v, D_v], q̃ [B, L, H_v, D_k] or None (a run that
+    starts a document), M [B, H_v, D_k, D_k], S⁰ [B, H_v, D_k, D_v]."""
+    b, s, hv, dv = v.shape
     dk = q.shape[-1]
-    out = []
-    for (lo, hi), start, cont in zip(bounds, starts, continues):
-        qs, ks, vs = (t[:, lo:hi].to(acc) for t in (q, k, v))  # outputs then round once, at the end
-        if start and not cont:  # a whole document on this rank: nothing comes in or goes out
-            o, _ = core(qs, ks, vs, g=g[:, lo:hi], beta=beta[:, lo:hi], initial_state=None, output_final_state=False,
-                        use_qk_l2norm_in_kernel=True)
-            out.append((o.to(acc), None, None, None))
-            continue
-        v_aug = torch.cat([vs, vs.new_zeros(b, hi - lo, hv, dk)], dim=-1)  # [B, L, H_v, D_v + D_k]
-        o, fin = core(qs, ks, v_aug, g=g[:, lo:hi], beta=beta[:, lo:hi],
-                      initial_state=_augmented_state(b, hv, dk, dv, not start, vs, acc), output_final_state=True,
-                      use_qk_l2norm_in_kernel=True)
-        o, fin = o.to(acc), fin.to(acc)
-        out.append((o[..., :dv], None if start else o[..., dv:], fin[..., dv:], fin[..., :dv]))
-    return out
+    pads = padded_spans(lay, ("runs", rank), bounds, s, v.device)
+    v_aug = torch.cat([v, v.new_zeros(b, s, hv, dk)], dim=-1)  # [B, S_local, H_v, D_v + D_k]
+    h0 = torch.stack([_augmented_state(b, hv, dk, dv, not st, v, acc) for st in starts])  # [n_runs, B, H_v, D_k, D_v + D_k]
+    ins = (pads.pad(t.to(acc)) for t in (q, k, v_aug))  # outputs then round once, at the end
+    res = [core(qc, kc, vc, g=gc, beta=bc, initial_state=hc, output_final_state=True, use_qk_l2norm_in_kernel=True)
+           for qc, kc, vc, gc, bc, hc in zip(*ins, pads.pad(g), pads.pad(beta), pads.rows_of(h0, b))]
+    o = pads.unpad([r[0] for r in res], b).to(acc)  # [B, S_local, H_v, D_v + D_k]
+    fins = pads.per_span([r[1].to(acc) for r in res], b)  # per run [B, H_v, D_k, D_v + D_k]
+    return [(o[:, lo:hi, :, :dv], None if st else o[:, lo:hi, :, dv:], fin[..., dv:], fin[..., :dv])
+            for (lo, hi), st, fin in zip(bounds, starts, fins)]
 
 
 def _cores_varlen(core, q, k, v, g, beta, bounds, starts, lay, rank, acc):
@@ -121,7 +120,7 @@ def gdn_state_passing(
         # [H_v]: value head j reads key head j // (H_v/H_k)
         kmap = lay.on_device(("gdn_kmap", hv, k_heads), q.device, lambda: torch.arange(hv) // (hv // k_heads))
         qx, kx = q.index_select(2, kmap), k.index_select(2, kmap)  # [B, S_local, H_v, D_k]
-        runs = _cores_per_run(core, qx, kx, v, g, beta, bounds, starts, continues, acc)
+        runs = _cores_padded(core, qx, kx, v, g, beta, bounds, starts, lay, rank, acc)
     zero_a, zero_b = conv.new_zeros(b, hv, dk, dk, dtype=acc), conv.new_zeros(b, hv, dk, dv, dtype=acc)
     maps_a = torch.stack([zero_a if m is None else m for _, _, m, _ in runs])  # [n_runs, B, H_v, D_k, D_k]
     maps_b = torch.stack([zero_b if f is None else f for _, _, _, f in runs])  # [n_runs, B, H_v, D_k, D_v]

@@ -45,6 +45,13 @@ class SequenceLayout:
             self._device[k] = to_device(build(), device)  # pinned staging on CUDA: the host never waits
         return self._device[k]
 
+    def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """`build()` once per key for the lifetime of this layout (derived plans with their own
+        device tensors, e.g. `ragged.PaddedSpans`)."""
+        if key not in self._device:
+            self._device[key] = build()
+        return self._device[key]
+
     @property
     def sp(self) -> int:
         return self.ring * self.ulysses

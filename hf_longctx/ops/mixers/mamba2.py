@@ -6,8 +6,10 @@ RMSNorm + output projection, which stay on the shard (the fused conv+scan+norm+o
 is bypassed). Mamba-2 §7 head parallelism, applied along the sequence: one all-to-all over
 the WHOLE SP group gives every rank the whole sequence for a contiguous (possibly uneven)
 range of heads plus the B/C of their groups (replicated when n_groups < P; autograd sums
-the replicas' gradients). Convolution and scan run per document from zero state; the fp32
-output returns by the inverse all-to-all before the gated RMSNorm."""
+the replicas' gradients). Convolution and scan run per document from zero state, the scan in
+ONE call per layer (mamba_ssm's `seq_idx`, or the documents as the rows of one padded batch
+for transformers' torch fallback, `ragged.py`); the fp32 output returns by the inverse
+all-to-all before the gated RMSNorm."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from hf_longctx.ops.mixers.conv import scatter_then_conv
 from hf_longctx.ops.mixers.exchange import gather_channels, head_ranges
 from hf_longctx.ops.mixers.layout import SequenceLayout
+from hf_longctx.ops.mixers.ragged import padded_spans
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,14 @@ def mamba2_sequence_parallel(
     lay: SequenceLayout,
     rank: int,
     group,
+    varlen: bool = False,
 ) -> torch.Tensor:
     """The SSD core of a Mamba-2 layer on this rank's shard.
 
     xbc [B, S_local, H·P_h + 2·G·N] BEFORE the convolution; dt [B, S_local, H] raw (before
     dt_bias / softplus). `scan` is transformers' `mamba2_chunk_scan`-compatible function of
-    the module's file. Returns y [B, S_local, H·P_h] (the scan's dtype, fp32) before the norm."""
+    the module's file; `varlen`: it is mamba_ssm's `mamba_chunk_scan_combined` (takes
+    `seq_idx`). Returns y [B, S_local, H·P_h] (the scan's dtype, fp32) before the norm."""
     b, s_local, _ = xbc.shape
     h_lo, h_hi, g_lo, g_hi = heads.ranks[rank]
     hp, gp = h_hi - h_lo, g_hi - g_lo
@@ -96,16 +101,22 @@ def mamba2_sequence_parallel(
     C = C.reshape(b, -1, gp, state).index_select(2, gmap)
     A = -torch.exp(A_log[h_lo:h_hi].float())  # [hp]
 
-    outs = []
+    kw = dict(chunk_size=chunk_size, D=D[h_lo:h_hi], dt_bias=dt_bias[h_lo:h_hi], dt_softplus=True, dt_limit=dt_limit,
+              initial_states=None, return_final_states=False)
     cu = lay.cu_seqlens
-    for lo, hi in zip(cu[:-1], cu[1:]):  # every document from zero state (padding documents too)
-        outs.append(
-            scan(
-                xs[:, lo:hi], dt_r[:, lo:hi], A, B[:, lo:hi], C[:, lo:hi], chunk_size=chunk_size, D=D[h_lo:h_hi],
-                dt_bias=dt_bias[h_lo:h_hi], dt_softplus=True, dt_limit=dt_limit, initial_states=None,
-                return_final_states=False,
-            )
-        )  # [B, L_doc, hp, P_h]
-    y = torch.cat(outs, dim=1).reshape(b, -1, hp * head_dim)  # [B, S, hp·P_h]
+    if varlen:  # one call; the kernel restarts the state where seq_idx changes
+        seq_idx = lay.on_device(("mamba2_seq_idx", b), dev, lambda: _seq_idx(cu, b))  # [B, S] int32
+        y = scan(xs, dt_r, A, B, C, seq_idx=seq_idx, **kw)  # [B, S, hp, P_h]
+    else:
+        pads = padded_spans(lay, "docs", list(zip(cu[:-1], cu[1:])), xs.shape[1], dev)
+        ys = [scan(xc, dc, A, bc, cc, **kw) for xc, dc, bc, cc in zip(*(pads.pad(t) for t in (xs, dt_r, B, C)))]
+        y = pads.unpad(ys, b)  # [B, S, hp, P_h]
+    y = y.reshape(b, -1, hp * head_dim)  # [B, S, hp·P_h]
     counts = [(hi_ - lo_) * head_dim for lo_, hi_, _, _ in heads.ranks]
     return gather_channels(y, counts, lay, rank, group)  # [B, S_local, H·P_h]
+
+
+def _seq_idx(cu, b: int) -> torch.Tensor:
+    """int32 [B, S]: the document index of every position (mamba_ssm's `seq_idx`)."""
+    lengths = torch.tensor([hi - lo for lo, hi in zip(cu[:-1], cu[1:])])
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths).expand(b, -1).contiguous()

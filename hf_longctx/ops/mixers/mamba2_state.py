@@ -2,10 +2,10 @@
 
 Where it sits: called by the Mamba-2 wrappers of `integrations/mixers/` in place of the
 head all-to-all of `mamba2.py` (all on the shard). SSD has a SCALAR decay per head (Mamba-2
-§3-§6): over a run, h_t = h⁰_t + exp(ΣΔA up to t)·h_in. Each run is scanned from zero state
-by the module's own chunked scan (`mamba2_chunk_scan`), giving y⁰ and h⁰_end [B, H, P, N];
-after `state_passing.py`, y_t = y⁰_t + exp(cumΔA_t)·(C_t·h_in) corrects it exactly (one
-einsum). Δ = clamp(softplus(dt + dt_bias)) is computed once in fp32 and passed to the scan
+§3-§6): over a run, h_t = h⁰_t + exp(ΣΔA up to t)·h_in. The runs are scanned from zero state
+by ONE call of the module's own chunked scan (`mamba2_chunk_scan`), the runs as the rows of
+one padded batch (`ragged.py`), giving y⁰ and h⁰_end [B, H, P, N] per run; after
+`state_passing.py`, y_t = y⁰_t + exp(cumΔA_t)·(C_t·h_in) corrects it exactly (one einsum). Δ = clamp(softplus(dt + dt_bias)) is computed once in fp32 and passed to the scan
 as is, so scan and correction use the same Δ. The convolution takes a halo (`conv.halo_conv`)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from hf_longctx.ops.mixers.conv import halo_conv
 from hf_longctx.ops.mixers.layout import SequenceLayout
+from hf_longctx.ops.mixers.ragged import padded_spans
 from hf_longctx.ops.mixers.state_passing import SCALAR, ChainPlan, exact_precision, incoming_states, run_bounds
 
 
@@ -59,23 +60,24 @@ def mamba2_state_passing(
     gmap = lay.on_device(("mamba2_gmap", heads, groups), xs.device, lambda: torch.arange(heads) // (heads // groups))  # [H]
     plan = ChainPlan.of(lay)
     bounds, starts, continues = run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
-    runs = []
-    for (lo, hi), cont in zip(bounds, continues):
-        res = scan(xs[:, lo:hi], delta[:, lo:hi], A, bm[:, lo:hi], cm[:, lo:hi], chunk_size=chunk_size, D=D,
-                   dt_bias=None, dt_softplus=False, return_final_states=cont, state_dtype=acc)
-        y0, fin = res if cont else (res, None)  # [B, L, H, P_h], [B, H, P_h, N]
-        cum = torch.cumsum(delta[:, lo:hi] * A, dim=1)  # [B, L, H]: log of the decay from the run start to t
-        runs.append((y0.to(acc), fin, cum))
+    pads = padded_spans(lay, ("runs", rank), bounds, s_local, xs.device)
+    xs_p, delta_p, bm_p, cm_p = (pads.pad(t) for t in (xs, delta, bm, cm))  # per call [B·n, L, ...]; Δ = 0 pads
+    res = [scan(x_c, d_c, A, b_c, c_c, chunk_size=chunk_size, D=D, dt_bias=None, dt_softplus=False,
+                return_final_states=True, state_dtype=acc) for x_c, d_c, b_c, c_c in zip(xs_p, delta_p, bm_p, cm_p)]
+    y0 = pads.unpad([y for y, _ in res], b).to(acc)  # [B, S_local, H, P_h]
+    finals = pads.per_span([f.to(acc) for _, f in res], b)  # per run [B, H, P_h, N]
+    cum_p = [torch.cumsum(d_c * A, dim=1) for d_c in delta_p]  # [B·n, L, H]: log decay from the run start to t
+    ends = lay.on_device(("mamba2_run_ends", rank), xs.device, lambda: torch.tensor([hi - 1 for _, hi in bounds]))
+    maps_a = pads.unpad(cum_p, b).index_select(1, ends).exp().transpose(0, 1)[..., None, None]  # [n_runs, B, H, 1, 1]
     zero = conv.new_zeros(b, heads, head_dim, state, dtype=acc)
-    maps_a = torch.stack([cum[:, -1].exp()[..., None, None] for _, _, cum in runs])  # [n_runs, B, H, 1, 1]
-    maps_b = torch.stack([zero if f is None else f.to(acc) for _, f, _ in runs])  # [n_runs, B, H, P_h, N]
+    maps_b = torch.stack([f if cont else zero for f, cont in zip(finals, continues)])  # [n_runs, B, H, P_h, N]
     h_in = incoming_states(maps_a, maps_b, lay, SCALAR, rank, group, conv.reshape(-1)[:1].sum())  # [n_runs, B, H, P_h, N]
-    outs = []
-    with exact_precision(conv.device):
-        for i, ((lo, hi), start, (y0, _, cum)) in enumerate(zip(bounds, starts, runs)):
-            if not start:  # y_t += exp(cumΔA_t) · C_t·h_in
-                c = cm[:, lo:hi].to(acc).index_select(2, gmap)  # [B, L, H, N]
-                y0 = y0 + cum.exp()[..., None] * torch.einsum("blhn,bhpn->blhp", c, h_in[i])
-            outs.append(y0)
-    y = torch.cat(outs, dim=1) + h_in.sum() * 0  # [B, S_local, H, P_h]; the zero term keeps the scan in every graph
+    receives = lay.on_device(("mamba2_receives", rank), xs.device,
+                             lambda: torch.tensor([0.0 if st else 1.0 for st in starts]))  # [n_runs]: 0 at a document start
+    h_in_r = pads.rows_of(h_in * receives[:, None, None, None, None], b)  # per call [B·n, H, P_h, N]
+    with exact_precision(conv.device):  # y_t += exp(cumΔA_t) · C_t·h_in of its run
+        corr = [torch.einsum("blhn,bhpn->blhp", c_c.to(acc).index_select(2, gmap), h_c) * cum_c.exp()[..., None]
+                for c_c, h_c, cum_c in zip(cm_p, h_in_r, cum_p)]  # [B·n, L, H, P_h]
+        y = y0 + pads.unpad(corr, b)
+    y = y + h_in.sum() * 0  # [B, S_local, H, P_h]; the zero term keeps the scan in every graph
     return y.reshape(b, s_local, heads * head_dim)

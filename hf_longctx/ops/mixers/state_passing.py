@@ -103,14 +103,18 @@ class ChainPlan:
         return plan
 
     def sends(self, rank: int) -> dict:
-        """What `rank` sends to OTHER ranks in the forward scan (the backward sends as much):
-        maps (A and X) in all rounds but the last, lone states (X) in the last round and the
-        shift; and the number of rounds (`ops/mixers/cost.state_traffic`'s arguments)."""
-        other = lambda step: sum(c for q, c in enumerate(step.send_counts[rank]) if q != rank)  # noqa: E731
-        rounds = self.forward.rounds
-        maps = sum(other(s) for s in rounds[:-1])
-        states = other(self.forward.shift) + (other(rounds[-1]) if rounds else 0)
-        return {"map_sends": maps, "state_sends": states, "rounds": len(rounds) if not self.forward.empty else -1}
+        """What `rank` sends to OTHER ranks in the forward scan ("maps", "states") and in the
+        backward's reverse scan ("back_maps", "back_states"): maps (A and X) in all rounds but the
+        last, lone states (X) in the last round and the shift; and the number of rounds (the
+        same both ways; -1 when no chain exists). `ops/mixers/cost.state_traffic` prices them."""
+        def counted(scan: ScanPlan) -> tuple[int, int]:
+            other = lambda step: sum(c for q, c in enumerate(step.send_counts[rank]) if q != rank)  # noqa: E731
+            maps = sum(other(st) for st in scan.rounds[:-1])
+            return maps, other(scan.shift) + (other(scan.rounds[-1]) if scan.rounds else 0)
+
+        (maps, states), (back_maps, back_states) = counted(self.forward), counted(self.reverse)
+        return {"maps": maps, "states": states, "back_maps": back_maps, "back_states": back_states,
+                "rounds": len(self.forward.rounds) if not self.forward.empty else -1}
 
     @staticmethod
     def _build(lay: SequenceLayout) -> "ChainPlan":

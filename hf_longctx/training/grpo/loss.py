@@ -20,9 +20,12 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.data.sharding import IGNORE_INDEX, SP_METADATA_KEY, shard_batch
+from hf_longctx.integrations.logprob_head import token_logprobs
+from hf_longctx.model_walk import hf_model
 
 SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 _KEYS = ("grpo_weight", "grpo_advantage", "grpo_old_logps", "grpo_ref_logps", "grpo_doc")
+_MODEL_KEYS = ("input_ids", "position_ids", "shift_labels", SP_METADATA_KEY)  # the forward's inputs and targets
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,21 @@ def _check_rows(name: str, rows: Sequence[Any] | None, lengths: list[int]) -> No
         raise ValueError(f"{name}: one value per completion token expected, lengths {got} vs completions {lengths}")
 
 
+def pack_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+    """One packed row [1, S] of prompt+completion documents, in order: input_ids, position_ids
+    (restarting per document) and labels (HF unshifted: -100 on the prompt, the completion's
+    tokens as targets). Completion token t of row i is predicted at its document's position
+    len(prompt_i) - 1 + t."""
+    if any(len(p) < 1 for p in prompts):
+        raise ValueError("every prompt needs at least one token (it predicts the first completion token)")
+    ids, pos, labels = [], [], []
+    for p, c in zip(prompts, completions):
+        ids += list(p) + list(c)
+        pos += list(range(len(p) + len(c)))
+        labels += [IGNORE_INDEX] * len(p) + list(c)
+    return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]), "labels": torch.tensor([labels])}
+
+
 def pack_completions(
     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], advantages: Sequence[float],
     objective: GRPOObjective, *, num_sequences: int, num_tokens: int,
@@ -99,19 +117,13 @@ def pack_completions(
     if n == 0 or len(completions) != n or len(advantages) != n:
         raise ValueError(f"prompts, completions and advantages need one entry per completion, got {n}, "
                          f"{len(completions)}, {len(advantages)}")
-    if any(len(p) < 1 for p in prompts):
-        raise ValueError("every prompt needs at least one token (it predicts the first completion token)")
     lengths = [len(c) for c in completions]
     _check_rows("old_logps", old_logps, lengths)
     _check_rows("ref_logps", ref_logps, lengths)
     weights = objective.weights(lengths, num_sequences, num_tokens)
-    ids, pos, labels = [], [], []
+    out = pack_rows(prompts, completions)
     rows = {k: [] for k in _KEYS}
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        s = len(p) + len(c)
-        ids += list(p) + list(c)
-        pos += list(range(s))
-        labels += [IGNORE_INDEX] * len(p) + list(c)
         # Target-aligned: position j predicts token j + 1; completion token t sits at len(p) + t.
         scored = [0.0] * (len(p) - 1) + [1.0] * len(c) + [0.0]
         rows["grpo_weight"] += [w * weights[i] for w in scored]
@@ -120,7 +132,6 @@ def pack_completions(
         for key, src in (("grpo_old_logps", old_logps), ("grpo_ref_logps", ref_logps)):
             if src is not None:
                 rows[key] += [0.0] * (len(p) - 1) + [float(v) for v in src[i]] + [0.0]
-    out = {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([pos]), "labels": torch.tensor([labels])}
     for key, values in rows.items():
         if values:
             out[key] = torch.tensor([values], dtype=torch.float64)  # [1, S]
@@ -136,20 +147,22 @@ def shard_completions(packed: dict[str, torch.Tensor], mesh, *, pad_token_id: in
 def add_ref_logps(ref_model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObjective) -> dict[str, Any]:
     """Write the reference model's per-token log-probabilities into `shard` (target-aligned, this
     rank's tokens only: the reference forward runs on the same shard under the same SP mesh)."""
-    out = ref_model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
-                    **{SP_METADATA_KEY: shard[SP_METADATA_KEY]})
-    logits = out["logits"] if isinstance(out, dict) else out[0]  # [B, S_local, V]
-    logps, _ = _token_logps(logits, shard["shift_labels"], objective.temperature)  # [B, S_local]
+    logps, _, _ = shard_token_logps(ref_model, shard, objective.temperature)  # [B, S_local]
     shard["grpo_ref_logps"] = logps.double()
     return shard
 
 
-def _token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 log-probability of each target and the entropy, of logits / temperature; [B, S_local] each."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, S_local, V]
-    logps = logp_all.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)  # [B, S_local]
-    entropy = -(logp_all.exp() * logp_all).sum(-1).detach()  # [B, S_local]
-    return logps, entropy
+def shard_token_logps(model: torch.nn.Module, shard: dict[str, Any],
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """`model`'s forward on this rank's `shard`: the fp32 log-probability of each target
+    (`shift_labels`) and the entropy (no gradient), of logits / temperature, [B, S_local] each
+    (positions without a target hold garbage: mask them), and the dtype a loss over them is
+    returned in (the LM head weight's, at least fp32). Through the chunked LM head
+    (`integrations/logprob_head.token_logprobs`): never a [S_local, V] tensor. The one per-token
+    log-prob path of the GRPO policy and reference, and of RLOO's loss and scoring."""
+    shard = {k: v for k, v in shard.items() if k in _MODEL_KEYS}
+    logps, stats = token_logprobs(model, shard, temperature=temperature, stats=("entropy",))
+    return logps, stats[..., 0], _loss_dtype(model)
 
 
 def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObjective, mesh,
@@ -167,9 +180,7 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
         raise ValueError(f"beta={objective.beta} needs the reference log-probabilities: pass ref_logps to "
                          "pack_completions or call add_ref_logps(ref_model, shard, objective) on the shard")
     targets = shard["shift_labels"]  # [B, S_local]
-    out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], **{SP_METADATA_KEY: shard[SP_METADATA_KEY]})
-    logits = out["logits"] if isinstance(out, dict) else out[0]  # [B, S_local, V]
-    logps, entropy = _token_logps(logits, targets, objective.temperature)
+    logps, entropy, loss_dtype = shard_token_logps(model, shard, objective.temperature)  # [B, S_local] each
     mask = (targets != IGNORE_INDEX).to(torch.float64)  # [B, S_local]
     lp = logps.double()
     old = extra["grpo_old_logps"] if "grpo_old_logps" in extra else lp.detach()
@@ -190,7 +201,12 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
     low = ((coef_1c < 1 - objective.epsilon_low) & (adv < 0)).double().detach()
     high = ((coef_1c > 1 + objective.epsilon_high) & (adv > 0)).double().detach()
     metrics = _metric_sums(mask, entropy.double(), kl, low, high, extra["grpo_doc"], num_sequences, mesh)
-    return loss.to(torch.promote_types(logits.dtype, torch.float32)), metrics  # fp32 (fp64 models: fp64), never bf16
+    return loss.to(loss_dtype), metrics  # fp32 (fp64 models: fp64), never bf16
+
+
+def _loss_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the loss is returned in: the LM head weight's, at least fp32."""
+    return torch.promote_types(hf_model(model).get_output_embeddings().weight.dtype, torch.float32)
 
 
 def _metric_sums(mask, entropy, kl, low, high, doc, num_sequences: int, mesh) -> dict[str, float]:

@@ -8,7 +8,7 @@ all-reduce of [micro-batches, longest padded row]: every rank raises the same er
 row that cannot fit, and a group that planned fewer than the largest count splits its
 largest micro-batches, so every slot runs a real forward. `merge_metrics` weights token
 means by each micro-batch's global completion tokens and takes nanmin / nanmax of the clip
-ratios."""
+ratios (`per_sequence` names: by its global completion count)."""
 
 from __future__ import annotations
 
@@ -64,12 +64,13 @@ def slot_tokens(lengths: Sequence[int], bins: list[list[int]], mesh) -> list[flo
     return counts.tolist()
 
 
-def merge_metrics(parts: list[dict[str, float]], tokens: list[float]) -> dict[str, float]:
-    """The step's metrics from each micro-batch's (`grpo_loss`, global over the world) and each
-    slot's global completion-token count."""
+def merge_metrics(parts: list[dict[str, float]], tokens: list[float], *, sequences: list[float] | None = None,
+                  per_sequence: Sequence[str] = ()) -> dict[str, float]:
+    """The step's metrics from each micro-batch's (the loss's, global over the world): token means
+    weighted by each slot's global completion-token count, the names in `per_sequence` (means over
+    completions) by each slot's global completion count `sequences`, clip extremes as nanmin / nanmax."""
     if len(parts) == 1:
         return parts[0]
-    total = sum(tokens)
     out: dict[str, Any] = {}
     for name in parts[0]:
         values = [p[name] for p in parts]
@@ -77,5 +78,6 @@ def merge_metrics(parts: list[dict[str, float]], tokens: list[float]) -> dict[st
             real = [v for v in values if not math.isnan(v)]
             out[name] = (min(real) if name.endswith("min") else max(real)) if real else float("nan")
         else:
-            out[name] = sum(v * c for v, c in zip(values, tokens)) / max(total, 1.0)
+            counts = sequences if name in per_sequence and sequences is not None else tokens
+            out[name] = sum(v * c for v, c in zip(values, counts)) / max(sum(counts), 1.0)
     return out

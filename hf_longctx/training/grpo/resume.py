@@ -1,7 +1,7 @@
-"""What makes `LongGRPOTrainer`'s `checkpoint-N/` resume exactly: the sharded policy and optimizer
+"""What makes `LongGRPOTrainer`'s and `LongRLOOTrainer`'s `checkpoint-N/` resume exactly: the sharded policy and optimizer
 through `base/saving.py` (no second format) and TRL's sampler continuing in the right epoch.
 
-Where it sits: called by `LongGRPOTrainer`'s checkpoint hooks (`_save_optimizer_and_scheduler`,
+Where it sits: called by `SPRolloutTrainer`'s checkpoint hooks (`_save_optimizer_and_scheduler`,
 `_load_optimizer_and_scheduler`, `_init_training_state`, `_get_train_sampler`). A checkpoint
 holds every rank's FSDP2 shards of policy and optimizer, the scheduler and the Trainer's own
 files (state, per-rank RNG restored before the resumed step's generation). Not in it: the
@@ -59,11 +59,12 @@ def save_reference_source(output_dir: str, ref_model: Any, *, is_main: bool) -> 
 
 def check_reference_source(checkpoint: str, ref_model: Any) -> None:
     """Before the policy's shards are read (a collective), on every rank alike: the checkpoint
-    was written by a LongGRPOTrainer whose reference came from where this one's does."""
+    was written by a LongGRPOTrainer / LongRLOOTrainer whose reference came from where this one's
+    does."""
     path = os.path.join(checkpoint, REFERENCE_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"{checkpoint} has no {REFERENCE_FILE}: it was not written by a LongGRPOTrainer (or saving "
-                         "crashed); resume from a complete checkpoint of the same run")
+        raise ValueError(f"{checkpoint} has no {REFERENCE_FILE}: it was not written by a LongGRPOTrainer or "
+                         "LongRLOOTrainer (or saving crashed); resume from a complete checkpoint of the same run")
     with open(path) as f:
         saved = json.load(f)["reference"]
     if saved != _reference_source(ref_model):

@@ -1,0 +1,111 @@
+"""The GPU ops one call of each part of a Llama-style decoder runs, in closed form.
+
+Where it sits: the vocabulary of `capacity/inventory.py`, which composes these calls in the
+order and number the patched step runs them (per memory preset and mesh). Each function
+returns the `capacity/op_cost.Op`s of one call on `n` rows (tokens), one Op per kernel,
+with HBM bytes counted as `benchmarks/_op_stream.py` counts them (every operand read, every
+result written; a broadcast operand once). They are the aten ops HF's Llama modules dispatch
+in bf16 (transformers 5.x: RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP), checked against
+the recorded stream by tests/unit/test_step_model.py."""
+
+from __future__ import annotations
+
+from hf_longctx.capacity.op_cost import ELEMENTWISE, GEMM, Op
+
+BF, F32, I64 = 2, 4, 8  # bytes per element
+
+
+def ew(*sizes: float, what: str = "") -> list[Op]:
+    """One elementwise kernel per entry, its HBM bytes."""
+    return [Op(ELEMENTWISE, bytes=float(b), what=what) for b in sizes]
+
+
+def mm(m: float, k: float, n: float, what: str = "mm") -> Op:
+    """[m, k] @ [k, n] in bf16."""
+    return Op(GEMM, flops=2.0 * m * k * n, bytes=float(BF * (m * k + k * n + m * n)), what=what)
+
+
+def linear_fwd(n: float, d_in: float, d_out: float) -> list[Op]:
+    return [mm(n, d_in, d_out)]
+
+
+def linear_bwd(n: float, d_in: float, d_out: float) -> list[Op]:
+    """dW = g^T x and dx = g W (dx first or second: same work)."""
+    return [mm(d_out, n, d_in), mm(n, d_out, d_in)]
+
+
+def norm_fwd(n: float, h: float) -> list[Op]:
+    """LlamaRMSNorm: to fp32, pow, mean, +eps, rsqrt, scale, to bf16, weight."""
+    x = n * h
+    return ew(BF * x + F32 * x, 2 * F32 * x, F32 * x + F32 * n, 2 * F32 * n, 2 * F32 * n, 2 * F32 * x + F32 * n,
+              F32 * x + BF * x, 2 * BF * x + BF * h, what="norm")
+
+
+def norm_bwd(n: float, h: float) -> list[Op]:
+    x = n * h
+    return ew(2 * BF * x + BF * h, 3 * BF * x, BF * x + BF * h, BF * x + F32 * x, 3 * F32 * x, 2 * F32 * x + F32 * n,
+              F32 * x + F32 * n, 2 * F32 * n, 2 * F32 * n, 3 * F32 * n, F32 * n + F32 * x, 2 * F32 * x, 2 * F32 * x,
+              3 * F32 * x, 3 * F32 * x, F32 * x + BF * x, what="norm")
+
+
+def rope_fwd(n: float, heads: float, d: float) -> list[Op]:
+    """x·cos + rotate_half(x)·sin on [1, heads, n, d] (cos/sin [1, 1, n, d] broadcast)."""
+    x, c = n * heads * d, n * d
+    return ew(2 * BF * x + BF * c, BF * x, 2 * BF * x, 2 * BF * x + BF * c, 3 * BF * x, what="rope")
+
+
+def rope_bwd(n: float, heads: float, d: float) -> list[Op]:
+    x, c = n * heads * d, n * d
+    return ew(2 * BF * x + BF * c, BF * x, 1.5 * BF * x, 1.5 * BF * x, 3 * BF * x, 2 * BF * x + BF * c, 3 * BF * x,
+              what="rope")
+
+
+def rope_tables(n: float, d: float) -> list[Op]:
+    """The model's rotary embedding: cos/sin [1, n, d] from the positions (once per forward)."""
+    c = n * d
+    return ew(I64 * n + F32 * n, F32 * n + F32 * d / 2 + F32 * c / 2, 2 * F32 * c, 2 * F32 * c, 2 * F32 * c,
+              2 * F32 * c, 2 * F32 * c, F32 * c + BF * c, F32 * c + BF * c, what="rope")
+
+
+def mlp_fwd(n: float, h: float, i: float) -> list[Op]:
+    """down(silu(gate(x)) * up(x))."""
+    return [mm(n, h, i), *ew(2 * BF * n * i, what="mlp"), mm(n, h, i), *ew(3 * BF * n * i, what="mlp"), mm(n, i, h)]
+
+
+def mlp_bwd(n: float, h: float, i: float) -> list[Op]:
+    return [*linear_bwd(n, i, h), *ew(3 * BF * n * i, 3 * BF * n * i, what="mlp"), *linear_bwd(n, h, i),
+            *ew(3 * BF * n * i, what="mlp"), *linear_bwd(n, h, i), *add(n * h)]
+
+
+def add(x: float, dtype: int = BF) -> list[Op]:
+    """a + b -> c over x elements."""
+    return ew(3 * dtype * x, what="add")
+
+
+def copy(x: float, src: int = BF, dst: int = BF, what: str = "copy") -> list[Op]:
+    """A copy of x elements (a dtype cast when src != dst)."""
+    return ew(src * x + dst * x, what=what)
+
+
+def attention_proj_fwd(n: float, h: float, q: float, kv: float) -> list[Op]:
+    return [*linear_fwd(n, h, q), *linear_fwd(n, h, kv), *linear_fwd(n, h, kv)]
+
+
+def attention_proj_bwd(n: float, h: float, q: float, kv: float) -> list[Op]:
+    """v's gradient comes token-major from the kernel; k's and q's head-major from RoPE's
+    backward, hence one contiguous copy each; the three input gradients summed."""
+    return [*linear_bwd(n, h, kv), *copy(n * kv), *linear_bwd(n, h, kv), *add(n * h), *copy(n * q),
+            *linear_bwd(n, h, q), *add(n * h)]
+
+
+def loss_fwd_bwd(n: float, v: float) -> list[Op]:
+    """HF's cross-entropy on fp32 logits [n, v] (bf16 logits in), forward and backward."""
+    x = n * v
+    return ew(BF * x + F32 * x, 2 * F32 * x, F32 * x + I64 * n + 2 * F32, 2 * F32, 2 * F32, 2 * F32,
+              2 * F32 * x + I64 * n + 2 * F32, 3 * F32 * x, F32 * x + BF * x, what="loss")
+
+
+def embedding(n: float, h: float, vocab: float) -> list[Op]:
+    """Lookup forward and dense backward (the recorder counts the whole table)."""
+    b = BF * vocab * h + I64 * n + BF * n * h
+    return ew(b, b, what="embedding")
