@@ -86,7 +86,9 @@ def stream() -> None:
              ("high", {"mlp_chunks": 3, "loss_chunks": 3, "checkpoint": "attention"},
               {"mlp_chunks": 3, "loss_chunk": 14, "checkpoint": "attention"}),
              ("max", {"mlp_chunks": 3, "loss_chunks": 3, "checkpoint": True},
-              {"mlp_chunks": 3, "loss_chunk": 14, "checkpoint": True})]
+              {"mlp_chunks": 3, "loss_chunk": 14, "checkpoint": True}),
+             ("max+keep", {"mlp_chunks": 3, "loss_chunks": 3, "checkpoint": True, "keep_attention": True},
+              {"mlp_chunks": 3, "loss_chunk": 14, "checkpoint": True, "keep_attention": True})]
     print("\nInventory vs recorded op stream (one rank, CUDA path emulated; Llama 48/80 wide, 40 tokens, 2 layers)")
     print("| memory | quantity | recorded | inventory | equal |")
     print("|---|---|---|---|---|")

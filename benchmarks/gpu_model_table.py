@@ -27,6 +27,7 @@ def _setting(c) -> str:
     s = c.setting
     text = f"U{s.ulysses}xR{s.ring}" + (f", FPDT u={s.fpdt_chunks}" if s.fpdt_chunks > 1 else "")
     text += ", param offload" if s.param_offload else ""
+    text += ", keep_attention" if s.keep_attention else ""
     return text + (f", inputs on GPU {s.inputs_on_device}" if s.inputs_on_device else "")
 
 

@@ -136,6 +136,10 @@ def forced_cuda_path(counter: Counter):
             old_gemm(acc, a, b, fresh)
         if counter.active:
             counter.kernel_names["baddbmm"] += 1
+            # its operands as CUDA's GEMM reads them: a, b and (beta 1) the sum; it writes the sum
+            operands = (a[None], b[None]) if fresh else (acc[None], a[None], b[None])
+            counter.record("kernels", torch.ops.aten.bmm.default if fresh else torch.ops.aten.baddbmm.default,
+                           operands, {}, acc[None])
 
     kernels.backend_for = lambda q, *, softcap, mask=False: backend
     grad_sums.accumulate_mm_ = one_gemm

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_longctx.capacity import module_ops as m
-from hf_longctx.capacity.op_cost import ATTN_BWD, ATTN_FWD, H2D, Op, attention_pairs
+from hf_longctx.capacity.op_cost import ATTN_BWD, ATTN_FWD, H2D, P2P, Op, attention_pairs
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Shape:
     kv_offload: bool = False
     mlp_chunks: int = 1
     loss_chunk: int = 0  # 0: unchunked loss (HF's)
+    keep_attention: bool = False  # checkpoint=True: the attention's output and LSE kept for the backward
 
     @property
     def sp(self) -> int:
@@ -82,7 +83,7 @@ def attention_core(s: Shape) -> tuple[list[Op], list[Op]]:
         fwd, bwd = _kernels(pairs, s.rows, s.heads, s.q, s.kv, s.head_dim)
         return [fwd], [bwd]
     from hf_longctx.ops.ulysses import kv_replication
-    from hf_longctx.capacity.op_cost import COLLECTIVE, P2P
+    from hf_longctx.capacity.op_cost import COLLECTIVE
 
     u, r, chunks = s.ulysses, s.ring, s.fpdt_chunks
     kv = s.kv * kv_replication(s.heads, s.kv_heads, u)
@@ -129,6 +130,12 @@ def each(sizes: list[int], ops_of) -> list[Op]:
     return [op for size, k in Counter(sizes).items() for op in times(ops_of(size), k)]
 
 
+def summed(sizes: list[int], ops_of) -> list[Op]:
+    """ops_of(size, fresh) for every row chunk of a backward under `ops/grad_sums.GradSums`:
+    the first chunk starts the fp32 sums (fresh), the others add into them."""
+    return ops_of(sizes[0], True) + each(sizes[1:], lambda c: ops_of(c, False)) if sizes else []
+
+
 def split(n: int, chunks: int) -> list[int]:
     """Row counts of torch.tensor_split(n rows, chunks)."""
     chunks = max(1, min(chunks, n))
@@ -161,17 +168,15 @@ def mlp_forward(s: Shape, n: int) -> list[Op]:
 
 
 def mlp_backward(s: Shape, n: int) -> list[Op]:
-    """`ops/tiling.chunked_mlp`: per chunk a non-reentrant checkpoint recomputes up to the
-    down projection's input, then the chunk's backward; autograd sums the weights' chunk
-    gradients (bf16) and the chunks' input gradients (each a full-size slice_backward)."""
+    """`ops/tiling._Tokenwise` over the MLP: per chunk the whole MLP again, then the chunk's
+    backward, its weight gradients written into one fp32 sum each (`wgrad`) and its rows of
+    the input gradient copied into one buffer; the three sums rounded once."""
     h, i = s.hidden, s.intermediate
     if s.mlp_chunks == 1:
         return m.mlp_bwd(n, h, i)
-    chunks = split(n, s.mlp_chunks)
-    ops = each(chunks, lambda c: [m.mm(c, h, i), *m.ew(2 * m.BF * c * i), m.mm(c, h, i), *m.ew(3 * m.BF * c * i),
-                                  *m.mlp_bwd(c, h, i), *m.ew(m.BF * c * h + m.BF * n * h, what="slice_backward")])
-    k = len(chunks) - 1
-    return ops + times(m.add(h * i), 3 * k) + times(m.add(n * h), k)
+    ops = summed(split(n, s.mlp_chunks), lambda c, fresh: [*m.mlp_fwd(c, h, i), *m.mlp_bwd(c, h, i, fresh),
+                                                           *m.copy(c * h, what="copy_")])
+    return ops + times(m.copy(h * i, m.F32, m.BF), 3)
 
 
 def layer_forward(s: Shape, n: int, attn: list[Op]) -> list[Op]:
@@ -202,14 +207,13 @@ def kept_attention(s: Shape, n: int) -> list[float]:
 
 def keep_attention_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list[Op]:
     """checkpoint="attention": input and kept tensors to host in the forward, back before the
-    recompute, which stops (non-reentrant early stop) once the last chunked-MLP checkpoint
-    has its input: the last MLP chunk, the concatenation and the residual add do not rerun."""
+    recompute, which stops (non-reentrant early stop) once the chunked MLP's node has saved
+    its input, after its forward: only the last residual add does not rerun."""
     h = s.hidden
     kept = kept_attention(s, n)
-    chunks = split(n, s.mlp_chunks)
     recompute = [*norm_forward(s, n), *m.attention_proj_fwd(n, h, s.q, s.kv), *m.rope_fwd(n, s.heads, s.head_dim),
                  *m.rope_fwd(n, s.kv_heads, s.head_dim), *m.linear_fwd(n, s.q, h), *m.add(n * h), *norm_forward(s, n),
-                 *each(chunks[:-1], lambda c: m.mlp_fwd(c, h, s.intermediate))]
+                 *mlp_forward(s, n)]
     return ([pcie("d2h", m.BF * n * h)] + layer_forward(s, n, [*fwd, *[pcie("d2h", b) for b in kept]])
             + [pcie("h2d", m.BF * n * h), *[pcie("h2d", b) for b in kept]] + recompute + layer_backward(s, n, bwd))
 
@@ -229,43 +233,48 @@ def _pre(s: Shape, c: int) -> list[Op]:
 
 
 def _post(s: Shape, c: int) -> list[Op]:
-    """LayerSplit.post: the whole layer on c rows with the attention replayed."""
+    """LayerSplit.post: the layer on c rows with the attention replayed; the q, k, v
+    projections (no gradient path to the output there) are not run (`LayerSplit.projection`),
+    RoPE runs on their placeholders."""
     h = s.hidden
-    return [*_pre(s, c), *m.linear_fwd(c, s.q, h), *m.add(c * h), *m.norm_fwd(c, h),
-            *m.mlp_fwd(c, h, s.intermediate), *m.add(c * h)]
+    return [*m.norm_fwd(c, h), *m.rope_fwd(c, s.heads, s.head_dim), *m.rope_fwd(c, s.kv_heads, s.head_dim),
+            *m.linear_fwd(c, s.q, h), *m.add(c * h), *m.norm_fwd(c, h), *m.mlp_fwd(c, h, s.intermediate), *m.add(c * h)]
 
 
 def _qkv_full(s: Shape, n: int) -> list[Op]:
-    """`LayerRun._qkv_full`: pre on the first chunk, then on the rest in `chunks` pieces, each
-    copied into the full q, k, v."""
-    first = _bounds(0, n, s.mlp_chunks)[0]
-    pieces = [first] + _bounds(first, n, s.mlp_chunks)
-    return each(pieces, lambda c: _pre(s, c) + m.copy(c * s.q) + m.copy(c * s.kv) + m.copy(c * s.kv))
+    """`LayerRun._qkv_full`: pre on every row chunk, each copied into the full q, k, v."""
+    return each(_bounds(0, n, s.mlp_chunks), lambda c: _pre(s, c) + m.copy(c * s.q) + m.copy(c * s.kv) + m.copy(c * s.kv))
 
 
-def _sums(numels: list[int], chunks: int) -> list[Op]:
-    """`LayerRun._collect`: each parameter's chunk gradients summed in fp32 (the first widened,
-    the rest added in place)."""
-    return [op for e in numels for op in m.copy(e, m.BF, m.F32) + times(m.ew(10 * e, what="add_"), chunks - 1)]
+def _norm_sum(h: int, fresh: bool) -> list[Op]:
+    """A norm weight's chunk gradient into its fp32 sum (`GradSums.add`: widened, then added)."""
+    return m.copy(h, m.BF, m.F32) if fresh else m.ew(10 * h, what="add_")
 
 
 def split_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list[Op]:
     """memory="max" without FPDT chunks (`integrations/layer_run.py`): row-chunked forward
-    and backward of the layer around one attention call, its input on the host."""
+    and backward of the layer around one attention call, its input on the host; each
+    projection's weight gradient written into its fp32 sum per chunk (`wgrad`), the norm
+    weights' summed, every sum rounded once at the end. `keep_attention`: the attention's
+    output and fp32 LSE go to the host with the input; the backward replays them (the
+    all-to-alls and chunk bookkeeping of `fwd` run again, no kernel, no ring pass, no merge)."""
     h, q, kv, i = s.hidden, s.q, s.kv, s.intermediate
     chunks = _bounds(0, n, s.mlp_chunks)
-    post_params, pre_params = [h * q, h * i, h * i, h * i, h], [h, h * q, h * kv, h * kv]
-    ops = [pcie("d2h", m.BF * n * h), *_qkv_full(s, n), *fwd]
+    kept = [m.BF * n * q, m.F32 * n * s.heads] if s.keep_attention else []
+    replay = [op for op in fwd if op.kind not in (ATTN_FWD, P2P) and op.what != "merge"] if kept else fwd
+    ops = [pcie("d2h", m.BF * n * h), *_qkv_full(s, n), *fwd, *[pcie("d2h", b) for b in kept]]
     ops += each(chunks, lambda c: _post(s, c) + m.copy(c * h, what="copy_"))
-    ops += [pcie("h2d", m.BF * n * h), *_qkv_full(s, n), *fwd]
-    ops += each(chunks, lambda c: [*_post(s, c), *m.mlp_bwd(c, h, i), *m.norm_bwd(c, h), *m.add(c * h),
-                                   *m.linear_bwd(c, q, h), *m.copy(c * h, what="copy_"), *m.copy(c * q, what="copy_")])
-    ops += _sums(post_params, len(chunks)) + bwd
-    ops += each(chunks, lambda c: [*_pre(s, c), *m.rope_bwd(c, s.kv_heads, s.head_dim),
-                                   *m.rope_bwd(c, s.heads, s.head_dim), *m.attention_proj_bwd(c, h, q, kv),
-                                   *m.norm_bwd(c, h), *m.add(c * h),
-                                   *m.copy(c * h, what="copy_")])  # `dh[:, rows] += g`: in-place add, setitem's copy
-    return ops + _sums(pre_params, len(chunks)) + [op for e in post_params + pre_params for op in m.copy(e, m.F32, m.BF)]
+    ops += [pcie("h2d", m.BF * n * h), *[pcie("h2d", b) for b in kept], *_qkv_full(s, n), *replay]
+    ops += summed(chunks, lambda c, fresh: [
+        *_post(s, c), *m.mlp_bwd(c, h, i, fresh), *m.norm_bwd(c, h), *m.add(c * h), *m.linear_bwd(c, q, h, fresh),
+        *m.copy(c * h, what="copy_"), *_norm_sum(h, fresh), *m.copy(c * q, what="copy_")])
+    ops += bwd
+    ops += summed(chunks, lambda c, fresh: [
+        *_pre(s, c), *m.rope_bwd(c, s.kv_heads, s.head_dim), *m.rope_bwd(c, s.heads, s.head_dim),
+        *m.attention_proj_bwd(c, h, q, kv, fresh), *m.norm_bwd(c, h), *m.add(c * h),
+        *m.copy(c * h, what="copy_"), *_norm_sum(h, fresh)])  # `dh[:, rows] += g`: in-place add, setitem's copy
+    params = [h * q, h * kv, h * kv, q * h, h * i, h * i, h * i, h, h]  # the sums, rounded to bf16
+    return ops + [op for e in params for op in m.copy(e, m.F32, m.BF)]
 
 
 def layer_ops(s: Shape) -> list[Op]:
@@ -280,15 +289,15 @@ def layer_ops(s: Shape) -> list[Op]:
 
 def loss_ops(s: Shape, n: int) -> list[Op]:
     """LM head + loss: HF's over all rows, or `ops/chunked_loss.py`'s chunks (every gradient
-    taken in the forward, the head's summed in fp32), then its backward's scaling."""
+    taken in the forward, the head's weight gradient written into its fp32 sum by each
+    chunk's GEMM), then its backward's scaling."""
     h, v = s.hidden, s.vocab
     if not s.loss_chunk:
         return [*m.linear_fwd(n, h, v), *m.loss_fwd_bwd(n, v), *m.linear_bwd(n, h, v)]
     ops = m.ew(m.F32, what="zeros")
     sizes = [min(s.loss_chunk, n - lo) for lo in range(0, n, s.loss_chunk)]
-    ops += each(sizes, lambda c: [*m.linear_fwd(c, h, v), *m.loss_fwd_bwd(c, v), *m.linear_bwd(c, h, v),
-                                  *m.ew(3 * m.F32, what="add_"), *m.copy(c * h, what="copy_")])
-    ops += m.copy(v * h, m.BF, m.F32) + times(m.ew(10 * v * h, what="add_"), len(sizes) - 1)  # the head's fp32 sum
+    ops += summed(sizes, lambda c, fresh: [*m.linear_fwd(c, h, v), *m.loss_fwd_bwd(c, v), *m.linear_bwd(c, h, v, fresh),
+                                           *m.ew(3 * m.F32, what="add_"), *m.copy(c * h, what="copy_")])
     return ops + m.ew(2 * m.F32, 2 * m.F32, m.F32 + m.BF, 2 * m.BF * n * h + m.BF, 2 * m.F32 * v * h + m.F32,
                       what="loss") + m.copy(v * h, m.F32, m.BF)
 

@@ -29,9 +29,19 @@ def linear_fwd(n: float, d_in: float, d_out: float) -> list[Op]:
     return [mm(n, d_in, d_out)]
 
 
-def linear_bwd(n: float, d_in: float, d_out: float) -> list[Op]:
-    """dW = g^T x and dx = g W (dx first or second: same work)."""
-    return [mm(d_out, n, d_in), mm(n, d_out, d_in)]
+def wgrad(d_out: float, n: float, d_in: float, fresh: bool) -> Op:
+    """A chunk's weight gradient g^T x written into the weight's fp32 sum by one GEMM
+    (`ops/grad_sums.accumulate_mm_`: on CUDA the sum is the GEMM's C); `fresh`: the chunk
+    that starts the sum (beta 0: C written, not read)."""
+    c = F32 * d_out * d_in
+    return Op(GEMM, flops=2.0 * d_out * n * d_in, bytes=float(BF * (d_out * n + n * d_in) + (c if fresh else 2 * c)),
+              what="wgrad")
+
+
+def linear_bwd(n: float, d_in: float, d_out: float, fresh: bool | None = None) -> list[Op]:
+    """dW = g^T x and dx = g W (dx first or second: same work); with `fresh` (a row chunk's
+    backward under a `GradSums`) dW goes into its fp32 sum (`wgrad`)."""
+    return [mm(d_out, n, d_in) if fresh is None else wgrad(d_out, n, d_in, fresh), mm(n, d_out, d_in)]
 
 
 def norm_fwd(n: float, h: float) -> list[Op]:
@@ -72,9 +82,9 @@ def mlp_fwd(n: float, h: float, i: float) -> list[Op]:
     return [mm(n, h, i), *ew(2 * BF * n * i, what="mlp"), mm(n, h, i), *ew(3 * BF * n * i, what="mlp"), mm(n, i, h)]
 
 
-def mlp_bwd(n: float, h: float, i: float) -> list[Op]:
-    return [*linear_bwd(n, i, h), *ew(3 * BF * n * i, 3 * BF * n * i, what="mlp"), *linear_bwd(n, h, i),
-            *ew(3 * BF * n * i, what="mlp"), *linear_bwd(n, h, i), *add(n * h)]
+def mlp_bwd(n: float, h: float, i: float, fresh: bool | None = None) -> list[Op]:
+    return [*linear_bwd(n, i, h, fresh), *ew(3 * BF * n * i, 3 * BF * n * i, what="mlp"), *linear_bwd(n, h, i, fresh),
+            *ew(3 * BF * n * i, what="mlp"), *linear_bwd(n, h, i, fresh), *add(n * h)]
 
 
 def add(x: float, dtype: int = BF) -> list[Op]:
@@ -91,11 +101,11 @@ def attention_proj_fwd(n: float, h: float, q: float, kv: float) -> list[Op]:
     return [*linear_fwd(n, h, q), *linear_fwd(n, h, kv), *linear_fwd(n, h, kv)]
 
 
-def attention_proj_bwd(n: float, h: float, q: float, kv: float) -> list[Op]:
+def attention_proj_bwd(n: float, h: float, q: float, kv: float, fresh: bool | None = None) -> list[Op]:
     """v's gradient comes token-major from the kernel; k's and q's head-major from RoPE's
     backward, hence one contiguous copy each; the three input gradients summed."""
-    return [*linear_bwd(n, h, kv), *copy(n * kv), *linear_bwd(n, h, kv), *add(n * h), *copy(n * q),
-            *linear_bwd(n, h, q), *add(n * h)]
+    return [*linear_bwd(n, h, kv, fresh), *copy(n * kv), *linear_bwd(n, h, kv, fresh), *add(n * h), *copy(n * q),
+            *linear_bwd(n, h, q, fresh), *add(n * h)]
 
 
 def loss_fwd_bwd(n: float, v: float) -> list[Op]:

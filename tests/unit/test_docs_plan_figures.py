@@ -58,5 +58,5 @@ def test_the_one_node_example_states_what_the_command_prints(plans):
 
 def test_the_presets_section_states_the_1tib_host_figure(plans):
     row = _first_row(plans["1TiB"])
-    assert row["memory"] == "high"
+    assert (row["memory"], row["ckpt"]) == ("max", "full, keep attn out"), row
     assert f"(1M tokens with 1 TiB host: {row['host GiB/GPU']} GiB of host per GPU)" in _page("measured/memory.md"), row
