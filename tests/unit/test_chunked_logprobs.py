@@ -110,7 +110,7 @@ def _shard(n: int = 320, seed: int = 0):
     return {"input_ids": ids, "labels": labels, "position_ids": pos}, shard_batch
 
 
-@pytest.mark.parametrize("family,memory", [("llama", "off"), ("llama", "max"), ("gemma2", "balanced")])
+@pytest.mark.parametrize("family,memory", [("llama", "off"), ("llama", "max"), ("llama", "max+keep"), ("gemma2", "balanced")])
 def test_token_logprobs_match_the_full_logits(family, memory):
     from hf_longctx import patch, unpatch
     from hf_longctx.integrations.logprob_head import token_logprobs
@@ -127,10 +127,11 @@ def test_token_logprobs_match_the_full_logits(family, memory):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     mesh = _mesh()
-    patch(model, mesh, memory=memory)
+    patch(model, mesh, memory=memory.split("+")[0], keep_attention=memory.endswith("+keep"))
     try:
         shard = shard_batch(batch, mesh)
-        with torch.no_grad():  # a frozen reference's forward (memory="max": row-chunked layers, nothing kept)
+        with torch.no_grad():  # a frozen reference's forward (memory="max": row-chunked layers, nothing kept,
+            # the attention's output not kept either with keep_attention)
             frozen, _ = token_logprobs(model, shard, temperature=0.7)
         split = patch_state(model).split
         assert split is None or split.no_grad_runs == 2, split.no_grad_runs  # both layers took the row-chunked path
