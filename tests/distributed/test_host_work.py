@@ -62,3 +62,36 @@ def test_per_layer_host_work_once_per_micro_batch(pools):
         for rank, calls in enumerate(pools.get(2).run(_calls_per_batch, *degrees)):
             assert calls == {"check_boundaries": [1, 1], "probe_env": [1, 1], "refusal": [1, 1]}, (label, rank, calls)
 
+
+def test_document_ids_uploaded_once_per_micro_batch():
+    """`doc_sums`' document ids go to the device once per micro-batch (DPO's loss calls it 2-5
+    times on one shard), as one non-blocking copy and with no host sync: counted with the
+    hot-path counter (`benchmarks/_counting.py`), the shard on the "device", on a ring rank
+    (zigzag ids) of a mesh without process groups (the local sums, no collective). A pageable
+    `.to(device)` per call is one sync per call (checked once)."""
+    from benchmarks._counting import Counter
+    from hf_longctx.data.sharding import shard_batch
+    from hf_longctx.distributed.doc_sums import doc_sums, local_document_ids
+    from hf_longctx.distributed.mesh import SPMesh
+
+    mesh = SPMesh(dp=1, ring=2, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=1, ulysses_rank=0)
+    lengths = [12, 4, 16]
+    ids = torch.arange(sum(lengths))[None] % 7 + 1
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, S] per-document positions
+    counter = Counter()
+    counts, sums = [], []
+    with counter.tracking():
+        for _ in range(2):  # two micro-batches: a new shard (new metadata) uploads again
+            shard = shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": pos}, mesh)
+            counter.mark_device([v for v in shard.values() if isinstance(v, torch.Tensor)])
+            values = shard["input_ids"].float()  # [1, S_local] on the device
+            counter.reset()
+            with counter.counting():
+                sums += [doc_sums(values, shard, mesh) for _ in range(3)]
+            counts.append(counter.snapshot())
+            (cached,) = shard["sp_batch"].device_cache.values()
+            assert torch.equal(cached, local_document_ids(shard, mesh))
+    for c in counts:
+        assert (c["h2d"], c["syncs"]) == (1, 0), c
+    for s in sums[1:]:
+        assert torch.equal(s, sums[0])
