@@ -114,8 +114,9 @@ class Census(TorchDispatchMode):
         finally:
             self._labels.pop()
 
-    def name_modules(self, model: torch.nn.Module) -> None:
-        """Name allocations by the module whose forward runs (forward and recompute)."""
+    def name_modules(self, model: torch.nn.Module, prefix: str = "") -> None:
+        """Name allocations by the module whose forward runs (forward and recompute), its path
+        after `prefix` (e.g. "reference." for a second model)."""
         def pre(module, args, path):
             self._modules.append(path)
 
@@ -124,7 +125,7 @@ class Census(TorchDispatchMode):
                 self._modules.pop()
 
         for path, module in model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, path=path: pre(m, a, path)))
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, path=prefix + path: pre(m, a, path)))
             self._handles.append(module.register_forward_hook(post, always_call=True))  # also when forward raises
 
     def close(self) -> None:

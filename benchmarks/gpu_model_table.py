@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hf_longctx.capacity.cluster import Cluster
 from hf_longctx.capacity.search import rank_settings
-from hf_longctx.cli.capacity import load_config
+from hf_longctx.cli.inputs import load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "tests" / "data" / "llama-3.1-8b-config.json"
 G = 2**30

@@ -10,11 +10,12 @@ estimates of the model, not measurements; `make gpu-check` puts a GPU's measured
 beside the planner's figure for the same shape.
 
 Run: PYTHONPATH=. python benchmarks/longest_plan.py        (about a minute)
+     PYTHONPATH=. python benchmarks/longest_plan.py --tasks    (DPO and GRPO beside SFT's longest)
 """
 
 from __future__ import annotations
 
-from hf_longctx.cli.capacity import load_config
+from hf_longctx.cli.inputs import load_config
 from hf_longctx.capacity.search import Cluster, rank_settings
 
 G = 2**30
@@ -29,19 +30,24 @@ CLUSTERS = [  # (GPUs, GPU GB, host GiB per node, {model: published figure})
 ]
 
 
-def _best(cfg, cluster: Cluster, tokens: int):
-    feasible = [c for c in rank_settings(cfg, cluster, tokens) if c.feasible]
+TASKS = [  # (label, task, rollouts on the training GPUs) of the post-training rows
+    ("DPO", "dpo", False), ("GRPO, rollouts elsewhere", "grpo", False), ("GRPO, rollouts on these GPUs", "grpo", True)]
+
+
+def _best(cfg, cluster: Cluster, tokens: int, task: str = "sft", rollouts: bool = False):
+    rollout = tokens if rollouts else 0  # each GPU generates whole sequences of the context length
+    feasible = [c for c in rank_settings(cfg, cluster, tokens, task=task, rollout_tokens=rollout) if c.feasible]
     return feasible[0] if feasible else None
 
 
-def longest(cfg, cluster: Cluster, quantum: int):
+def longest(cfg, cluster: Cluster, quantum: int, task: str = "sft", rollouts: bool = False):
     """(longest feasible length, its first-choice candidate); lengths are multiples of `quantum`."""
-    lo, hi, best = 0, 1 << 5, None
-    while (found := _best(cfg, cluster, hi * quantum)) is not None:
+    lo, hi, best = 0, 1 if rollouts else 1 << 5, None
+    while (found := _best(cfg, cluster, hi * quantum, task, rollouts)) is not None:
         lo, best, hi = hi, found, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        found = _best(cfg, cluster, mid * quantum)
+        found = _best(cfg, cluster, mid * quantum, task, rollouts)
         if found is not None:
             lo, best = mid, found
         else:
@@ -75,5 +81,33 @@ def main() -> None:
                   f"| {published.get(name, '—')} |", flush=True)
 
 
+def _setting(best) -> str:
+    s = best.setting
+    return (f"U{s.ulysses} x R{s.ring}, FPDT {s.fpdt_chunks}, {best.preset}{', param offload' if s.param_offload else ''}"
+            f"{f', inputs_on_device={s.inputs_on_device}' if s.inputs_on_device else ''}")
+
+
+def post_training() -> None:
+    """The longest DPO / GRPO micro-batch (a pair's or a group's documents together) beside SFT's,
+    8B on each cluster and 70B on 8 GPUs: the reference's shards and forward, the chunked
+    log-prob head, and for one row the rollouts' KV cache on the training GPUs."""
+    print("\n| model | GPUs | task | planner's longest | its setting | peak GiB/GPU | / SFT's longest |")
+    print("|---|---|---|---:|---|---:|---:|")
+    for name, path in MODELS.items():
+        cfg = load_config(path)
+        for gpus, gpu, host, _ in CLUSTERS:
+            if name == "70B" and gpus != 8:
+                continue
+            cluster = Cluster(gpus=gpus, gpu_memory=gpu * G, host_memory=host * G)
+            sft, _ = longest(cfg, cluster, 8192 * gpus)
+            for label, task, rollouts in TASKS:
+                tokens, best = longest(cfg, cluster, 8192 if rollouts else 8192 * gpus, task, rollouts)
+                row = (f"{tokens / 2**20:.2f}M | {_setting(best)} | {best.memory.peak / G:.1f} | {tokens / sft:.2f}"
+                       if best is not None else "none | | |")
+                print(f"| {name} | {gpus} x {gpu} GB | {label} | {row} |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    post_training() if "--tasks" in sys.argv else main()

@@ -49,6 +49,8 @@ PHASES = [  # (phase, the library function on the stack), innermost first
     ("forward", "layer_run.py:run_forward"),
     ("final norm backward", "tiling.py:backward"),
     ("loss", "chunked_loss.py:forward"),
+    ("log-prob head backward", "chunked_logprobs.py:backward"),
+    ("loss", "chunked_logprobs.py:forward"),
     ("loss", "tiling.py:forward"),  # a chunked norm's forward (ops/tiling._Tokenwise.forward)
 ]
 MODES = {  # label -> (patch options, FPDT chunks)
@@ -89,26 +91,33 @@ def kernels_in(census):
         kernels.varlen_forward, kernels.varlen_backward = saved
 
 
-def measure(mesh, shape: str, mode: str, tokens: int) -> dict:
+def measure(mesh, shape: str, mode: str, tokens: int, task: str = "sft") -> dict:
     """One counted forward + backward on this rank: device peak, host peak, the named tensors
     at the device peak (bytes), S_local."""
-    return measure_lengths(mesh, shape, mode, [tokens])[0]
+    return measure_lengths(mesh, shape, mode, [tokens], task=task)[0]
 
 
-def measure_lengths(mesh, shape: str, mode: str, lengths: list[int], warm_up: bool = True) -> list[dict]:
+def measure_lengths(mesh, shape: str, mode: str, lengths: list[int], warm_up: bool = True,
+                    task: str = "sft") -> list[dict]:
     """`measure` at several lengths with one patched model (one warm-up step, at the first length;
     without it -- the tests, to save CPU time -- the gradients are allocated ahead instead, and the
-    first step's one-off allocations, a few KiB, are counted)."""
+    first step's one-off allocations, a few KiB, are counted). `task`: "sft" (the model's loss),
+    "dpo" or "grpo" (`benchmarks/post_training_steps.py`: a frozen reference of the same shape,
+    patched as the trainers patch it, runs its forward first; its weights are not counted)."""
     from transformers import LlamaForCausalLM
 
     from benchmarks.census import Census, EmulatedStreams, emulated_offload, frames_phase
-    from hf_longctx import patch, shard_batch
+    from benchmarks.post_training_steps import batch as task_batch
+    from benchmarks.post_training_steps import step
+    from hf_longctx import patch
     from hf_longctx.ops.host_pool import HostPool
+    from hf_longctx.training.base.reference import reference_on_mesh
 
     options, chunks = MODES[mode]
     mesh = dataclasses.replace(mesh, fpdt_chunks=chunks)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config(shape)).to(torch.bfloat16)
+    ref = LlamaForCausalLM(config(shape)).to(torch.bfloat16) if task != "sft" else None
     streams = EmulatedStreams()
     g = torch.Generator().manual_seed(1)
 
@@ -116,13 +125,15 @@ def measure_lengths(mesh, shape: str, mode: str, lengths: list[int], warm_up: bo
         ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=g)
         # One document: every query chunk sees every earlier K/V chunk, the worst case the planner budgets
         # (packed documents that end at chunk boundaries skip FPDT's dq accumulators)
-        return shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh)
+        return task_batch(task, ids, mesh)
 
     with emulated_offload(streams):
         patch(model, mesh, **options)
         model.train()
+        if ref is not None:
+            ref = reference_on_mesh(ref, model, mesh)
         if warm_up:
-            model(**shard(lengths[0])).loss.backward()  # lazy initialisations, gradients allocated
+            step(task, model, ref, shard(lengths[0]), mesh)  # lazy initialisations, gradients allocated
         else:
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -131,12 +142,14 @@ def measure_lengths(mesh, shape: str, mode: str, lengths: list[int], warm_up: bo
         batch = shard(tokens)
         census = Census()
         census.name_modules(model)
+        if ref is not None:
+            census.name_modules(ref, "reference.")
         census.phase_of = frames_phase(PHASES)
         streams.census, streams.pool = census, HostPool(alloc=streams._alloc)  # bound at patch(): count their host side
         with emulated_offload(streams), kernels_in(census), census:
-            model(**batch).loss.backward()
+            step(task, model, ref, batch, mesh)
         census.close()
-        out.append(dict(device=census.peak.device, host=census.host_peak, s_local=batch["input_ids"].shape[1],
+        out.append(dict(task=task, device=census.peak.device, host=census.host_peak, s_local=batch["input_ids"].shape[1],
                         by_name=census.peak.by_name, layers=model.config.num_hidden_layers, kernel=census.kernel_peak,
                         phases={k: (v.device, v.by_name) for k, v in census.phases.items()}))
     return out
@@ -153,24 +166,23 @@ def _worker(rank: int, init_file: str, args, results) -> None:
                                 timeout=timedelta(minutes=30))
     mesh = init_sequence_parallel(args.world // args.ring, args.ring)
     rows = []
-    for shape in args.shapes:
-        for mode in args.modes:
-            for tokens, r in zip(args.tokens, measure_lengths(mesh, shape, mode, args.tokens)):
-                if args.world > 1:
-                    both = [None] * args.world
-                    dist.all_gather_object(both, r)
-                    r = max(both, key=lambda x: x["device"])  # the worst rank decides
-                rows.append((shape, mode, tokens, r))
-                if rank == 0:
-                    print(f"  {shape} {mode} {tokens}: device {r['device'] / r['s_local']:.0f} B/token, "
-                          f"host {r['host'] / r['s_local'] / r['layers']:.0f} B/token/layer", flush=True)
+    for shape, mode, task in ((a, b, c) for a in args.shapes for b in args.modes for c in getattr(args, "tasks", ["sft"])):
+        for tokens, r in zip(args.tokens, measure_lengths(mesh, shape, mode, args.tokens, task=task)):
+            if args.world > 1:
+                both = [None] * args.world
+                dist.all_gather_object(both, r)
+                r = max(both, key=lambda x: x["device"])  # the worst rank decides
+            rows.append((shape, mode, tokens, r))
+            if rank == 0:
+                print(f"  {task} {shape} {mode} {tokens}: device {r['device'] / r['s_local']:.0f} B/token, "
+                      f"host {r['host'] / r['s_local'] / r['layers']:.0f} B/token/layer", flush=True)
     if rank == 0:
         results.put(rows)
     if args.world > 1:
         dist.destroy_process_group()
 
 
-def estimate(shape: str, mode: str, tokens: int, world: int, ring: int = 1) -> tuple[float, float]:
+def estimate(shape: str, mode: str, tokens: int, world: int, ring: int = 1, task: str = "sft") -> tuple[float, float]:
     """The planner's (device bytes above the weights, host bytes) for the same step, the local
     kernel's workspace left out as the census leaves it out."""
     from hf_longctx.capacity.budget import step_budget
@@ -183,7 +195,7 @@ def estimate(shape: str, mode: str, tokens: int, world: int, ring: int = 1) -> t
         return float("nan"), float("nan")
     dims = ModelDims.from_config(config(shape))
     setting = preset_setting(world // ring, ring, chunks, options["memory"], dims)
-    budget = step_budget(dims, setting, tokens=tokens, dtype="bf16")
+    budget = step_budget(dims, setting, tokens=tokens, dtype="bf16", task=task)
     return max(p.total - p.terms.get(KERNEL_TERM, 0.0) for p in budget.phases), budget.host
 
 
@@ -192,26 +204,26 @@ def _print(args, rows) -> None:
           f"(Ulysses {args.world // args.ring} x ring {args.ring}), "
           "one document; device = peak above the weights (Census), host = pinned host buffers at their "
           "peak; 'vec' = hidden-size bf16 vectors per local token\n")
-    print("| shape | mode | tokens | device B/token | device vec | planner vec | error | host B/token/layer | "
+    print("| task | shape | mode | tokens | device B/token | device vec | planner vec | error | host B/token/layer | "
           "host vec/layer | planner host | error |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for shape, mode, tokens, r in rows:
         h = SHAPES[shape]["hidden_size"]
         vec = 2 * h
-        dev_est, host_est = estimate(shape, mode, tokens, args.world, args.ring)
+        dev_est, host_est = estimate(shape, mode, tokens, args.world, args.ring, r.get("task", "sft"))
         s_l, layers = r["s_local"], r["layers"]
         host = r["host"] / s_l / layers
         herr = f"{host_est / r['host'] - 1:+.1%}" if r["host"] else ("0" if not host_est else "n/a")
         if dev_est != dev_est:  # not a preset: no planner figure
             herr = "n/a"
-        print(f"| {shape} | {mode} | {tokens} | {r['device'] / s_l:.0f} | {r['device'] / s_l / vec:.2f} | "
+        print(f"| {r.get('task', 'sft')} | {shape} | {mode} | {tokens} | {r['device'] / s_l:.0f} | {r['device'] / s_l / vec:.2f} | "
               f"{dev_est / s_l / vec:.2f} | {dev_est / r['device'] - 1:+.1%} | {host:.0f} | {host / vec:.2f} | "
               f"{host_est / s_l / layers / vec:.2f} | {herr} |")
     for shape, mode, tokens, r in rows:
         if tokens != max(args.tokens):
             continue
         vec = 2 * SHAPES[shape]["hidden_size"]
-        print(f"\n{shape} {mode} at {tokens} tokens: tensors alive at the device peak (vec per local token)")
+        print(f"\n{r.get('task', 'sft')} {shape} {mode} at {tokens} tokens: tensors alive at the device peak (vec per local token)")
         items = sorted(r["by_name"].items(), key=lambda kv: -kv[1])
         for (name, host), b in items[: args.top]:
             print(f"  {'host  ' if host else 'device'} {b / r['s_local'] / vec:6.3f}  {name}")
@@ -232,6 +244,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--shapes", nargs="+", default=["A", "B"], choices=list(SHAPES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--tasks", nargs="+", default=["sft"], choices=["sft", "dpo", "grpo"],
+                        help="the step counted: SFT's loss, or DPO's / GRPO's objective with the reference's forward")
     parser.add_argument("--top", type=int, default=14, help="named tensors listed per mode")
     parser.add_argument("--phases", action="store_true", help="also the peak of each phase of the step, with its tensors")
     args = parser.parse_args()

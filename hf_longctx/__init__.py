@@ -33,6 +33,7 @@ from hf_longctx.distributed.mesh import SPMesh, init_sequence_parallel
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.accelerate import FSDPPlan, fsdp_plan
 from hf_longctx.integrations.model_patch import is_patched, unpatch
+from hf_longctx.integrations.parallelism_config import mesh_from_parallelism_config
 from hf_longctx.integrations.vision.registry import vision_spec
 from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.ops.fpdt import fpdt_attention
@@ -76,6 +77,7 @@ __all__ = [
     "init_group_bank",
     "init_sequence_parallel",
     "is_patched",
+    "mesh_from_parallelism_config",
     "pack_pairs",
     "patch",
     "plan_fixed",

@@ -18,6 +18,9 @@ from torch import nn
 # The attribute under which each family keeps its decoder layer's token-wise MLP (Llama-style
 # `mlp`; Bamba/Jamba/Granite-4/Falcon-H1/LFM2 `feed_forward`, DBRX `ffn`, Mixtral-era `block_sparse_moe`).
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
+# The instance attribute of a patched PreTrainedModel holding its `integrations/patch_state.PatchState`
+# (named here, on the lowest floor, so the data stage can read what `patch()` remembered).
+PATCH_STATE_ATTR = "_hf_longctx_patch"
 
 
 def hf_model(model: Any):

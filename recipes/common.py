@@ -96,6 +96,18 @@ def patch_kwargs(args: argparse.Namespace) -> dict:
     return {**kwargs, "mixers": args.mixers} if getattr(args, "mixers", None) is not None else kwargs
 
 
+def checkpointing(on: bool) -> dict:
+    """HF's activation-checkpointing flag for a `TrainingArguments` / TRL config, under its current
+    name (`activation_checkpointing`; `gradient_checkpointing` on transformers < 5.18, where it
+    is not yet deprecated): the trainer maps it to `patch(checkpoint=True)`. TRL's configs
+    default the old name to True and warn unless the new one is given."""
+    from transformers import TrainingArguments
+
+    from hf_longctx._compat import checkpointing_fields
+
+    return {checkpointing_fields(TrainingArguments)[0]: on}
+
+
 def trainer_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of `LongContextTrainer` / `LongContextTrainerMixin` these options set."""
     return {"sync_each_microbatch": args.sync_each_microbatch, "param_offload": args.param_offload}
@@ -186,7 +198,7 @@ def recipe_mesh(args: argparse.Namespace, config: Any, device: Any) -> Any:
 
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
-        print(describe(mesh, device))
+        print(describe(mesh, device, param_offload=args.param_offload))
     return mesh
 
 
@@ -276,7 +288,7 @@ def rollout_config_kwargs(args: argparse.Namespace, device: Any) -> dict:
         output_dir=args.output_dir, max_steps=args.steps, learning_rate=args.lr, max_grad_norm=1.0, logging_steps=1,
         save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, seed=args.seed,
         bf16=args.mixed_precision == "bf16", use_cpu=device.type == "cpu",
-        report_to=[], disable_tqdm=True, gradient_checkpointing=False,
+        report_to=[], disable_tqdm=True, **checkpointing(False),
         per_device_train_batch_size=args.per_device_train_batch_size, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, beta=args.beta, temperature=args.temperature,
     )

@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
         mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
         caps = dict(max_tokens=args.max_tokens)
     say = print if main_rank else (lambda *a, **k: None)
-    say(describe(mesh, device))
+    say(describe(mesh, device, param_offload=args.param_offload))
 
     files = stdlib_files(args.files, 200, args.max_file_bytes)
     raw = load_corpus(files)

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import (  # noqa: E402
-    add_model_data_args, load_model_and_data, parse_post_training_args,
+    add_model_data_args, checkpointing, load_model_and_data, parse_post_training_args,
     patch_kwargs, recipe_mesh, step_lines, train_and_export, trainer_kwargs,
 )
 
@@ -88,6 +88,7 @@ def main(argv=None) -> None:
         save_steps=args.save_every or 500, seed=args.seed, bf16=args.mixed_precision == "bf16",
         use_cpu=device.type == "cpu", report_to=[], disable_tqdm=True,
         max_length=None, beta=args.beta, loss_type=args.loss_type,  # the cap is --max-tokens; pairs are never cut
+        **checkpointing(True),  # TRL's default, under its current name
     )
     mesh = recipe_mesh(args, config, device)
     model, tokenizer, pairs = load_model_and_data(args, config, lambda a: make_pairs(a.pairs, a.seed))

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, wrap: Callable[[Any], Any] | None = None) -> N
         setattr(targs, checkpointing_fields(targs)[0], True)
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if targs.process_index == 0:
-        print(describe(mesh, device))
+        print(describe(mesh, device, param_offload=args.param_offload))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     extra = {"sample_by": args.sample_by} if args.sample_by else {}
     with targs.main_process_first():  # rank 0 downloads / fills the cache first

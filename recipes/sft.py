@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
-from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
+from common import add_common_args, check_common_args, checkpointing, patch_kwargs, trainer_kwargs  # noqa: E402
 
 from hf_longctx import LongContextTrainerMixin, init_sequence_parallel, patch  # noqa: E402
 from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
@@ -65,11 +65,11 @@ def main(argv=None) -> None:
         max_grad_norm=1.0, logging_steps=1, save_strategy="steps", save_steps=args.save_every, seed=args.seed,
         bf16=args.mixed_precision == "bf16", use_cpu=device.type == "cpu", report_to=[],
         max_length=None, packing=False, padding_free=False,  # hf_longctx caps (max_tokens) and packs
-        assistant_only_loss=args.assistant_only_loss,
+        assistant_only_loss=args.assistant_only_loss, **checkpointing(True),  # TRL's default, under its current name
     )
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
-        print(describe(mesh, device))
+        print(describe(mesh, device, param_offload=args.param_offload))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     with config.main_process_first():
         data = load_dataset(args.dataset, data_files=args.data_files, split=args.split)

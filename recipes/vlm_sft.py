@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
-from common import add_common_args, check_common_args, patch_kwargs, step_lines, trainer_kwargs  # noqa: E402
+from common import add_common_args, check_common_args, checkpointing, patch_kwargs, step_lines, trainer_kwargs  # noqa: E402
 
 from hf_longctx import init_sequence_parallel, patch  # noqa: E402
 from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
@@ -182,12 +182,12 @@ def main(argv=None) -> None:
     if args.trl:
         from trl import SFTConfig
 
-        config = SFTConfig(**common, max_length=None, packing=False, padding_free=False, gradient_checkpointing=False)
+        config = SFTConfig(**common, max_length=None, packing=False, padding_free=False, **checkpointing(False))
     else:
         config = TrainingArguments(**common)
     mesh = init_sequence_parallel(ulysses_degree=args.ulysses, ring_degree=args.ring, fpdt_chunks=args.fpdt_chunks)
     if config.process_index == 0:
-        print(describe(mesh, device))
+        print(describe(mesh, device, param_offload=args.param_offload))
     if args.model:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 

@@ -29,14 +29,17 @@ from hf_longctx.capacity.budget_terms import (
     token_chunks,
 )
 from hf_longctx.capacity.layer_split_budget import split_budget
+from hf_longctx.capacity.task_budget import with_task
 from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.ulysses import kv_replication
 
 
-def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload: bool = True) -> Budget:
+def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload: bool = True,
+                task: str = "sft") -> Budget:
     """The budget of one forward + backward on one GPU for setting `s` (`capacity/estimate.Setting`)
     and `tokens` per SP group. `offload`: the device copies offloads to pinned host memory (CUDA);
-    False: what would go to the host stays on the device."""
+    False: what would go to the host stays on the device. `task`: "sft", or "dpo" / "grpo" /
+    "rloo" (`capacity/task_budget.py`: the log-prob head, the objective's inputs, the reference)."""
     dt = DTYPE_BYTES[dtype]
     f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
     z = Sizes.of(dims, dt, f)
@@ -54,7 +57,7 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
         build = split_budget
     else:
         build = _checkpointed_budget if s.checkpoint else _whole_layers_budget
-    return build(dims, s, z, S, n, r, lr, L, rope, kernel, offload)
+    return with_task(build(dims, s, z, S, n, r, lr, L, rope, kernel, offload), task, dims, s, z, S, r, lr)
 
 
 def _checkpointed_budget(dims, s, z: Sizes, S, n, r, lr, L, rope, kernel, offload) -> Budget:

@@ -18,6 +18,7 @@ from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.ulysses import kv_replication
 from hf_longctx.capacity.budget import step_budget
 from hf_longctx.capacity.budget_terms import DTYPE_BYTES, KERNEL_TERM, Phase
+from hf_longctx.capacity.task_budget import generation_bytes
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,12 @@ class MemoryEstimate:
     host: float
     held: float = 0.0  # fp32 gradients of the step's earlier micro-batches, next to the later ones' activations
     backward_grads: float = 0.0  # gradients already made (LM head, later layers) when the binding layer backward runs
+    generation: float = 0.0  # rollouts on the training GPUs: the whole model gathered, KV cache, prefill (no grads)
 
     @property
     def peak(self) -> float:
         return self.params + self.optimizer + self.held + max(
-            self.grads, self.activations + self.buffers + self.backward_grads)
+            self.grads, self.activations + self.buffers + self.backward_grads, self.generation)
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"peak": self.peak}
@@ -75,7 +77,7 @@ def kept_attention_bytes(dims: ModelDims, dt: int, f: int, s: Setting) -> float:
 def estimate_memory(
     dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
     unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1, offload: bool = True,
-    kernel_workspace: float | None = None,
+    kernel_workspace: float | None = None, task: str = "sft", rollout_tokens: int = 0,
 ) -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
@@ -85,9 +87,8 @@ def estimate_memory(
     fp32 gradients held until then) or "microbatch" (every backward). `microbatches`: per rank
     and optimizer step (1: no earlier gradients are held). `kernel_workspace`: bytes one local
     attention kernel call allocates beyond its outputs, where the backend is not flash-attn 2
-    (e.g. the CPU kernel's, measured). Raises ValueError when
-    the setting cannot run (degrees that do not divide, heads not divisible).
-    """
+    (e.g. the CPU kernel's, measured). `task`, `rollout_tokens`: `capacity/task_budget.py`. Raises
+    ValueError when the setting cannot run (degrees that do not divide, heads not divisible)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     if optimizer not in ("adamw", "sgd"):
@@ -130,18 +131,19 @@ def estimate_memory(
     sharded_grads = 4 * P / world
     optim = (8 * P / world) if optimizer == "adamw" else 0.0
     host = 0.0
+    reference = 4 * P / world if task != "sft" else 0.0  # the frozen reference's shards, in the policy's fp32
     if s.param_offload:  # the fp32 shards and the optimizer states live on host (CPUOffloadPolicy)
-        host += master + sharded_grads + optim
-        master = sharded_grads = optim = 0.0
+        host += master + sharded_grads + optim + reference
+        master = sharded_grads = optim = reference = 0.0
         if grad_sync == "microbatch":
             held = 0.0  # the accumulated sharded gradients are the host shards above
-    params = master + gathered
-    grads = sharded_grads + unsharded_grads
+    params, grads = master + gathered + reference, sharded_grads + unsharded_grads
+    generation = generation_bytes(dims, dt, rollout_tokens) - gathered if task in ("grpo", "rloo") and rollout_tokens else 0.0
 
     # Activations and transients: the per-token budget of capacity/budget.py (every tensor of
     # the step by name and phase); `activations` is what the whole step holds, `buffers` the
     # rest of the binding phase.
-    budget = step_budget(dims, s, tokens=tokens, dtype=dtype, offload=offload)
+    budget = step_budget(dims, s, tokens=tokens, dtype=dtype, offload=offload, task=task)
     if kernel_workspace is not None:
         budget = _with_kernel_workspace(budget, kernel_workspace)
     made = 0.0 if held or s.param_offload else _grads_before_layer_backward(
@@ -151,7 +153,7 @@ def estimate_memory(
     activations = budget.held
     buffers = device - backward_grads - budget.held
     host += budget.host
-    return MemoryEstimate(params, grads, optim, activations, buffers, host, held, backward_grads)
+    return MemoryEstimate(params, grads, optim, activations, buffers, host, held, backward_grads, generation)
 
 
 def _grads_before_layer_backward(dims: ModelDims, s: Setting, budget, *, world: int, tokens: int, dtype: str,

@@ -183,7 +183,8 @@ def inputs_on_device(s: Setting, mem: Any, memory: Any, layers: int, gpu: float,
 def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
-    tokens_per_step: int | None = None, param_offload: str = "auto", vision: Any = None,
+    tokens_per_step: int | None = None, param_offload: str = "auto", vision: Any = None, task: str = "sft",
+    rollout_tokens: int = 0,
 ) -> list[Candidate]:
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
@@ -194,7 +195,9 @@ def rank_settings(
     Micro-batches per rank and step: `microbatches`, or, with `tokens_per_step` (global),
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
     (try both), "yes", "no". `vision`: a `capacity/vision.VisionBudget` (images / video per
-    document of `seq_len`): the tower's memory and time are charged to every setting."""
+    document of `seq_len`): the tower's memory and time are charged to every setting. `task`,
+    `rollout_tokens`: the training objective and the rollouts on these GPUs
+    (`estimate.estimate_memory`); a pair or a group counts all its documents in `tokens`."""
     seq_len = tokens if seq_len is None else seq_len
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -213,7 +216,8 @@ def rank_settings(
 
         def memory(s: Setting):
             return estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
-                                   unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs)
+                                   unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs, task=task,
+                                   rollout_tokens=rollout_tokens)
 
         mem = memory(s)
         if s.checkpoint and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
@@ -223,17 +227,9 @@ def rank_settings(
         mixers = mixer_seconds(config, s, cluster, tokens, dtype)
         if mixers:
             time.other["linear mixers"] = mixers
-        secs = time.seconds
         if vision is not None:
-            from hf_longctx.capacity.vision import vision_cost
-
-            dt, samples = DTYPE_BYTES[dtype], tokens / seq_len
-            mem = vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)
-            gpu = cluster.gpu_spec
-            time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
-                                                        rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp),
-                                                        dt=dt)
-            secs = time.seconds
+            mem = _charge_vision(vision, config, s, cluster, mem, time, tokens / seq_len, dtype, optimizer)
+        secs = time.seconds
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
         gpu_fits, host_fits = mem.peak <= usable_gpu, mem.host * per_node <= usable_host
         reasons = [] if gpu_fits else [f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"]
@@ -277,3 +273,15 @@ def suggest(
             f"({low.setting}, memory={low.preset!r}: {low.reason})"
         )
     return Suggestion.of(ranked[0], tokens, grad_sync=grad_sync, dtype=dtype)
+
+
+def _charge_vision(vision: Any, config: Any, s: Setting, cluster: Cluster, mem: Any, time: Any, samples: float,
+                   dtype: str, optimizer: str) -> Any:
+    """The vision tower's memory (returned) and seconds (into `time.other`) for a setting, with
+    `samples` images / videos per micro-batch."""
+    from hf_longctx.capacity.vision import vision_cost
+
+    dt, gpu = DTYPE_BYTES[dtype], cluster.gpu_spec
+    time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
+                                                rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp), dt=dt)
+    return vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)

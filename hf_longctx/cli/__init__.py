@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from hf_longctx.cli.capacity import cmd_plan, parse_size
+from hf_longctx.cli.capacity import cmd_plan
+from hf_longctx.cli.inputs import parse_size
 
 
 def cmd_step_plot(args: argparse.Namespace) -> int:
@@ -60,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--top", type=int, default=10, help="feasible settings to show")
     p.add_argument("--show-infeasible", action="store_true", help="also list settings that do not fit, with why")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node: Ulysses stays inside a node, and the node's --host-memory is shared by this many "
+                        "ranks (host GiB/GPU x this must fit)")
     p.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100",
                    help="the GPU the step-time model runs on (hf_longctx/capacity/gpus.py: peaks, links, achieved "
                         "fractions per kernel class)")
@@ -89,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--video-seconds", type=float, default=0.0, help="seconds of video per sample")
     g.add_argument("--fps", type=float, default=0.0, help="video frames sampled per second")
     g.add_argument("--frame-tokens", type=int, default=0, help="language-model tokens per temporal slice (two frames)")
+    p.add_argument("--task", choices=["sft", "dpo", "grpo", "rloo"], default="sft",
+                   help="the objective: dpo / grpo / rloo add the frozen reference (weights and forward) and the "
+                        "chunked log-prob head; --seq-len counts a pair's or a group's documents together")
+    p.add_argument("--rollout-tokens", type=int, default=None,
+                   help="grpo / rloo: prompt + completion tokens each GPU generates per step on the training GPUs "
+                        "(KV cache, the whole model gathered); default --seq-len; 0: rollouts run elsewhere")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
     q = sub.add_parser("step-plot", help="draw trainer.last_plan (saved with trainer.last_plan.save(FILE.json))")

@@ -8,60 +8,11 @@ Where it sits: behind the `plan` subcommand of `hf_longctx/cli/__init__.py`; the
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
-from pathlib import Path
 from typing import Any
 
+from hf_longctx.cli.inputs import load_config
 from hf_longctx.cli.plots import plot_flexible_step, plot_step
-
-_UNITS = {"b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> float:
-    """'80GiB', '80 GB', '512g', '1e9B' → bytes (GiB/MiB binary, GB/G decimal); a trailing
-    '/s' is allowed for bandwidths. A number without a unit is refused: '--gpu-memory 80'
-    would be 80 bytes, surely not what was meant."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)(/s)?\s*", str(text))
-    if m and not m.group(2):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} has no unit (it would be {text} bytes): write e.g. {m.group(1)}GiB (binary), {m.group(1)}GB "
-            f"(decimal), {m.group(1)}GB/s for a bandwidth, or {m.group(1)}B for bytes")
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r}: use e.g. 80GiB, 80GB, 512G, 25GB/s")
-    try:
-        value = float(m.group(1)) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return value
-
-
-def load_config(model: str) -> Any:
-    """A transformers config from a config.json, a directory, or a locally cached name."""
-    from transformers import AutoConfig
-
-    path = Path(model)
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--model {model!r}: not valid JSON ({e})") from None
-        if "model_type" not in data:
-            raise ValueError(f"--model {model!r}: config.json has no 'model_type'")
-        return AutoConfig.for_model(data.pop("model_type"), **data)
-    try:
-        return AutoConfig.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(
-            f"--model {model!r} is neither a config.json / model directory nor a name in the local Hugging Face "
-            f"cache ({type(e).__name__}: {str(e).splitlines()[0]}); pass a path to its config.json"
-        ) from None
-
 
 def _gib(x: float) -> str:
     return f"{x / 2**30:.1f}"
@@ -136,6 +87,12 @@ def footer(args: argparse.Namespace) -> str:
         f"on the CPU at {args.cpu_optim_bw / 1e9:g} GB/s per GPU (--cpu-optim-bw), not overlapped;",
         "- micro-batches = per rank and step (--microbatches, or --tokens-per-step / (dp x micro-batch tokens)); with "
         "one, no earlier gradients are held;",
+        *([f"- --task {args.task}: the frozen reference's fp32 ZeRO-3 shards (in params) and its forward (a phase "
+           "before the policy's), the chunked log-prob head's forward and backward in place of the loss, the "
+           "objective's per-token inputs; a pair's or a group's documents count together in --seq-len"
+           + (f"; rollouts on these GPUs: {args.rollout_tokens} tokens per GPU (the whole model gathered, KV cache, "
+              "one layer's prefill) as a phase of their own" if args.task in ("grpo", "rloo") and args.rollout_tokens
+              else "") + ";"] if args.task != "sft" else []),
         "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates within "
         f"{TIE_TOLERANCE:.0%} of the fastest (the cost model's measured error) are not told apart: among them the USP "
         "guidance (Ulysses inside a node, ring only across nodes) ranks first.",
@@ -201,7 +158,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
                            optimizer=args.optimizer, unsharded_step=args.unequal_calls, grad_sync=grad_sync,
                            microbatches=args.microbatches or 1, tokens_per_step=args.tokens_per_step,
-                           param_offload=args.param_offload, vision=vision)
+                           param_offload=args.param_offload, vision=vision, task=args.task,
+                           rollout_tokens=args.rollout_tokens)
     feasible = [c for c in ranked if c.feasible]
     print(_heading(args, config, dims, vision) + "\n")
     if not feasible:
@@ -224,6 +182,11 @@ def _cluster(args: argparse.Namespace):
 def _resolve_flags(args: argparse.Namespace) -> str | None:
     """Why the flags contradict each other, or None; fills the derived defaults in `args`
     (micro-batch tokens: --seq-len; micro-batches: 1 unless --tokens-per-step derives them)."""
+    args.task = getattr(args, "task", "sft")
+    if getattr(args, "rollout_tokens", None) is None:
+        args.rollout_tokens = args.seq_len if args.task in ("grpo", "rloo") else 0
+    if args.rollout_tokens and args.task not in ("grpo", "rloo"):
+        return f"--rollout-tokens applies to --task grpo or rloo, not --task {args.task}"
     if args.unequal_calls and args.sync_each_microbatch:
         return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
                 "--sync-each-microbatch")

@@ -20,6 +20,7 @@ from hf_longctx.errors import NotSupported
 
 from .cost import CostModel
 from .packing import Plan, plan_microbatches
+from .padding import MASK_KEY, real_span
 from .sharding import IGNORE_INDEX, shard_batch
 from .token_ids import Vocabulary, check_token_ids, document_name
 
@@ -47,9 +48,12 @@ def require_targets(num_items: int, lengths: Sequence[int]) -> None:
     """A step whose documents leave no valid target after the per-document shift has no loss
     to normalise (num_items_in_batch = 0): refuse it, naming the lengths."""
     if num_items == 0:
-        raise ValueError(
+        raise NotSupported(
             f"the step's {len(lengths)} document(s) have no valid target after the per-document shift "
-            f"(lengths {list(lengths)[:8]}): every label is -100, masked, or a document has 1 token"
+            f"(lengths {list(lengths)[:8]}): every label is -100, masked, or a document has 1 token",
+            "give the documents targets (labels: the token ids where they are learned, -100 only where not; a loss "
+            "mask with some 1s), or filter out the rows without any, e.g. dataset.filter(lambda row: "
+            "any(label != -100 for label in row['labels'][1:]))",
         )
 
 
@@ -57,8 +61,9 @@ def read_documents(
     features: Sequence[Mapping[str, Any]], *, label_key: str = "labels", loss_mask_key: str | None = None,
     vocab: Vocabulary | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids [L], unshifted labels [L]) per feature, int64, loss mask applied; the
-    feature checks every collator shares (fixed-degree and flexible). With `vocab` every id and
+    """(input_ids [L], unshifted labels [L]) per feature, int64, loss mask applied, a padded
+    row's pads dropped (its `attention_mask`: `data/padding.py`); the feature checks every
+    collator shares (fixed-degree and flexible). With `vocab` every id and
     label is checked against the model's vocabulary (`token_ids.py`: on the host, before any
     collective, naming the document, the position and the id)."""
     if isinstance(features, Mapping) or not isinstance(features, Sequence) or not features:
@@ -73,18 +78,29 @@ def read_documents(
         where = document_name(feat, i)
         ids = _vector(where, "input_ids", feat["input_ids"])
         if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"{where}: input_ids must be integers, got dtype {ids.dtype}")
-        ids = ids.long()
-        labels = ids
+            raise NotSupported(f"{where}: input_ids must be integers (token ids), got dtype {ids.dtype}",
+                               "pass the tokenizer's integer ids; a dataset column of floats: cast it with "
+                               "dataset.cast_column('input_ids', datasets.Sequence(datasets.Value('int64')))")
+        ids, full = ids.long(), len(ids)
+        # A padded row (its attention_mask): the real tokens only, every per-token column cut alike.
+        span = slice(0, full)
+        if feat.get(MASK_KEY) is not None:
+            span = slice(*real_span(where, _vector(where, MASK_KEY, feat[MASK_KEY], full)))
+        labels = ids = ids[span]
         given = feat.get(label_key) is not None
         if given:
-            labels = _vector(where, label_key, feat[label_key], len(ids)).long()
+            labels = _vector(where, label_key, feat[label_key], full)
+            if labels.dtype.is_floating_point or labels.dtype == torch.bool:  # .long() would truncate silently
+                raise NotSupported(f"{where}: '{label_key}' must be integers (token ids, -100 = no loss), got dtype "
+                                   f"{labels.dtype}", f"pass integer labels; a dataset column of floats: cast it with dataset.cast_column("
+                                   f"'{label_key}', datasets.Sequence(datasets.Value('int64')))")
+            labels = labels.long()[span]
         if vocab is not None:
             check_token_ids(ids, labels if given else None, vocab, where)
         if loss_mask_key is not None:
             if feat.get(loss_mask_key) is None:
                 raise ValueError(f"{where} has no '{loss_mask_key}' (loss_mask_key); keys: {sorted(feat)[:8]}")
-            mask = _vector(where, loss_mask_key, feat[loss_mask_key], len(ids))
+            mask = _vector(where, loss_mask_key, feat[loss_mask_key], full)[span]
             bad = ((mask != 0) & (mask != 1)).nonzero()
             if len(bad):
                 j = int(bad[0, 0])
@@ -121,7 +137,9 @@ class LongContextCollator:
     Each feature is a mapping with `input_ids` (list or 1-D tensor: one document), optional
     `features[label_key]` (HF's UNSHIFTED labels, -100 = ignored; default: the input ids)
     and, when `loss_mask_key` is given, a 0/1 mask per token in the same unshifted convention
-    (0 = this token is never a target, e.g. a prompt). Other keys are ignored. `vocab`
+    (0 = this token is never a target, e.g. a prompt). An `attention_mask` (a row padded at
+    its right or left end) keeps the tokens with mask 1 only: the pads are not trained and not
+    packed (`data/padding.py`). Other keys are ignored. `vocab`
     (a `token_ids.Vocabulary`; the trainers pass the model's): every id and label of the step
     is checked against it before planning, so a bad id raises on every rank alike, naming the
     document, the position and the id, instead of failing mid-forward on one rank.

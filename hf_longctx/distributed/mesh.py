@@ -6,12 +6,13 @@ owns the process groups (USP §3: Ulysses innermost, on the fastest links; ring 
 outermost) and answers layout questions with the pure functions of `hf_longctx/layout.py`.
 Global rank = dp_rank · (R·U) + ring_rank · U + ulysses_rank.
 Without torch.distributed (one process, every degree 1) the groups are None and every
-collective in `distributed/comm.py` is the identity."""
+collective in `distributed/comm.py` is the identity; `one_rank_world` gives such a mesh the
+one-rank world mesh FSDP2 needs to offload parameters to host memory."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -247,3 +248,30 @@ def init_sequence_parallel(ulysses_degree: int = 1, ring_degree: int = 1, fpdt_c
         sp_group=sp_mesh.get_group(),
         dp_group=mesh3d.get_group("dp"),
     )
+
+
+def one_rank_world(mesh: SPMesh) -> SPMesh:
+    """`mesh`, a world of one process, with a 1-D world mesh of one rank: what FSDP2 shards over
+    when one process offloads its parameters (`fsdp_plan(..., param_offload=True)`), since
+    `fully_shard` and DTensor need a process group even for one rank. Without a default process
+    group (a script run without a launcher), one of one rank is created here -- gloo on CPU,
+    NCCL on the current CUDA device -- over an in-process store (no address, no port); a group
+    that exists (torchrun / accelerate launch with one process) is used as it is. A mesh that
+    already has its world mesh is returned unchanged."""
+    if mesh.world_mesh is not None:
+        return mesh
+    if mesh.world_size != 1:
+        raise ValueError(f"a mesh of {mesh.world_size} ranks without a world mesh: build it with init_sequence_parallel")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            device_id=torch.device("cuda", torch.cuda.current_device()) if cuda else None,
+        )
+    elif dist.get_world_size() != 1:
+        raise ValueError(f"a mesh of one rank on a process group of {dist.get_world_size()}: build the mesh with "
+                         "init_sequence_parallel after the process group exists")
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return replace(mesh, world_mesh=init_device_mesh(device_type, (1,), mesh_dim_names=("world",)))  # [1]: this rank

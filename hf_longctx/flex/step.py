@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.flex.plan import FlexGroup, FlexPlan
+from hf_longctx.data.padding import MASK_KEY, real_span
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.loss import collective_device, global_loss
@@ -56,13 +57,21 @@ def check_plan_agrees(plan: FlexPlan, bank: GroupBank) -> None:
 
 def _tokens(doc: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids [L], unshifted labels [L]) int64 of one document: a mapping with
-    `input_ids` (and optional `labels`), or a token sequence / tensor."""
+    `input_ids` (optional `labels`; a padded row's `attention_mask` keeps its real tokens only,
+    `data/padding.py`), or a token sequence / tensor."""
     ids = doc["input_ids"] if isinstance(doc, Mapping) else doc
     labels = doc.get("labels") if isinstance(doc, Mapping) else None
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)  # [L]
     labels = ids if labels is None else torch.as_tensor(labels, dtype=torch.long).reshape(-1)  # [L]
     if len(labels) != len(ids) or not len(ids):
         raise ValueError(f"a document needs >= 1 token and labels of its length, got {len(ids)} ids, {len(labels)} labels")
+    mask = doc.get(MASK_KEY) if isinstance(doc, Mapping) else None
+    if mask is not None:
+        mask = torch.as_tensor(mask).reshape(-1)  # [L]
+        if len(mask) != len(ids):
+            raise ValueError(f"a document's {MASK_KEY} has {len(mask)} entries but input_ids has {len(ids)}")
+        start, end = real_span("a document", mask)
+        ids, labels = ids[start:end], labels[start:end]  # [n]: the real tokens
     return ids, labels
 
 

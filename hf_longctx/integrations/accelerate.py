@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 
 from hf_longctx._compat import fsdp_reduces_unused_params
-from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.distributed.mesh import SPMesh, one_rank_world
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.fsdp_units import embedding_units, plan_units, split_parameters
 from hf_longctx.integrations.unused_params import reduce_unused_params
@@ -32,7 +32,7 @@ class FSDPPlan:
     """How one model is sharded; build it with `fsdp_plan()`."""
 
     plugin: Any  # accelerate.FullyShardedDataParallelPlugin (fsdp_version=2)
-    device_mesh: Any  # 1-D DeviceMesh over the whole DP × SP world; None in one process
+    device_mesh: Any  # 1-D DeviceMesh over the whole DP × SP world; None in one process without param_offload
     layer_classes: tuple[type, ...]
     mixed_precision: str
     param_offload: bool
@@ -83,8 +83,9 @@ class FSDPPlan:
 
     def apply(self, model: torch.nn.Module, *, broadcast_from_rank0: bool = False) -> torch.nn.Module:
         """Shard `model` in place with torch `fully_shard` (layers first, then the vocabulary
-        units, then the root) and return it. In one process (no mesh) there is nothing to
-        shard: the model is returned as is.
+        units, then the root) and return it. In one process without `param_offload` (no mesh)
+        there is nothing to shard: the model is returned as is; with it, the units are sharded
+        over one rank so that FSDP2 keeps them in host memory.
 
         `broadcast_from_rank0=True`: only global rank 0 loaded the weights; every other rank
         built the model on the meta device (`with torch.device("meta"): from_config(...)`),
@@ -202,8 +203,10 @@ def fsdp_plan(
     gradient reduction; `"fp32"` keeps the model's own dtype everywhere (no cast: an fp32
     model computes in fp32). Default (None): follows the model -- "bf16" when its floating
     parameters are bf16, else "fp32" -- never a silent bf16 cast of an fp32 model.
-    `param_offload`: keep sharded parameters, gradients and optimizer states in host memory.
-    Call `plan.apply(model)` on every rank before building the optimizer.
+    `param_offload`: keep sharded parameters, gradients and optimizer states in host memory --
+    in one process too: FSDP2 over a one-rank world mesh (`one_rank_world`, which creates a
+    one-rank process group when none exists), each unit copied to the device for its forward
+    and backward only. Call `plan.apply(model)` on every rank before building the optimizer.
     """
     if not isinstance(mesh, SPMesh):
         raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")
@@ -215,9 +218,13 @@ def fsdp_plan(
     if mesh.world_size > 1 and mesh.world_mesh is None:
         raise ValueError(f"mesh of world size {mesh.world_size} has no world_mesh; build it with init_sequence_parallel")
     classes = tuple(layer_classes) if layer_classes else decoder_layer_classes(model)
+    if mesh.world_size > 1:
+        device_mesh = mesh.world_mesh
+    else:  # one process: nothing to shard, unless the parameters go to host memory (FSDP2 over one rank)
+        device_mesh = one_rank_world(mesh).world_mesh if param_offload else None
     return FSDPPlan(
         plugin=_plugin(classes, mixed_precision, bool(param_offload), bool(reshard_after_forward)),
-        device_mesh=mesh.world_mesh if mesh.world_size > 1 else None,
+        device_mesh=device_mesh,
         layer_classes=classes,
         mixed_precision=mixed_precision,
         param_offload=bool(param_offload),

@@ -1,7 +1,8 @@
 """What cannot run exactly under sequence parallelism, refused at `patch()` time.
 
 Where it sits: the first thing `patch()` calls, before it changes anything. Invariant 7
-(outputs and gradients equal the single-device ones) rules out: attention dropout,
+(outputs and gradients equal the single-device ones) rules out: attention dropout, dropout in
+PEFT adapters (`adapter_dropout.py`),
 RoPE variants scaled by each rank's local length (dynamic NTK, longrope), attention that
 bypasses transformers' AttentionInterface, non-causal attention modules (those the dry run
 sees called; by name when it is off), and losses that would shift the already shifted
@@ -18,6 +19,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NO_SP, NotSupported
+from hf_longctx.integrations.adapter_dropout import adapter_dropout_problems
 from hf_longctx.model_walk import configs
 
 SUPPORTED = "models whose attention uses AttentionInterface, e.g. (tested) Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, GPT-2, GPT-NeoX, GPTBigCode"
@@ -118,6 +120,7 @@ def refuse_inexact(
     problems = _config_problems(hf)
     if not any("dropout" in p for p in problems):
         problems += _module_dropout_problems(layers)
+    problems += adapter_dropout_problems(hf)  # a PEFT adapter's lora_dropout & co.
     if not structural:  # without the dry run, by name: every non-causal attention module refuses (the dry run
         # refuses only those a forward calls, so a multimodal model's unused vision tower does not)
         problems += _non_causal_by_name(hf, layers, keep_configs)

@@ -68,14 +68,17 @@ class LayerRun:
         return self.split.post(self.forward, h, _rows(self.kwargs, self.s, lo, hi), a)
 
     # ---- forward ---------------------------------------------------------------------------------
-    def run_forward(self, h: torch.Tensor, first: bool) -> torch.Tensor:
+    def run_forward(self, h: torch.Tensor, first: bool, save: bool = True) -> torch.Tensor:
+        """The layer's output on `h`, row chunk by row chunk; `save`: park the input for the
+        backward (False: a forward without gradients, e.g. a frozen reference's: nothing kept)."""
         split = self.split
         self.s, self.needs_h = h.shape[1], h.requires_grad
         self.device_type = h.device.type
         self.autocast = dict(enabled=torch.is_autocast_enabled(self.device_type),
                              dtype=torch.get_autocast_dtype(self.device_type))
-        self.inputs = Inputs([h], [park(h, self.streams, self.keep)], None if first else split.chain.last)
-        split.chain.last = self.inputs
+        if save:
+            self.inputs = Inputs([h], [park(h, self.streams, self.keep)], None if first else split.chain.last)
+            split.chain.last = self.inputs
         # Row views of h taken here (grad off) would still claim requires_grad without a grad_fn,
         # which autograd hooks on a sub-module's inputs (torch's ModTracker) cannot follow.
         h = h.detach()
@@ -93,7 +96,8 @@ class LayerRun:
             del q, k, v
             for lo, hi in _bounds(0, self.s, self.chunks):
                 out[:, lo:hi] = self.post(lo, hi, h[:, lo:hi], a[:, lo:hi])
-        self.inputs.box[:] = self.inputs.parked  # from now on only the backward reads the input
+        if save:
+            self.inputs.box[:] = self.inputs.parked  # from now on only the backward reads the input
         return out
 
     def _first_rows(self) -> int:

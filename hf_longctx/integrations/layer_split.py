@@ -45,6 +45,7 @@ class LayerSplit:
         self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows
         self.warned: set[str] = set()
         self.runs = {"chunked": 0, "whole": 0}  # layer calls per path (tests and benchmarks read them)
+        self.no_grad_runs = 0  # row-chunked layer calls without gradients (call_no_grad)
 
     # ---- the attention's side ------------------------------------------------------------------
     def capturing(self) -> bool:
@@ -111,6 +112,20 @@ class LayerSplit:
         run.chunks = mlp_chunks_at(self.chunks, h.shape[1], self.auto)  # row chunks of the token-wise parts
         out = ChunkedLayer.apply(run, h, *params)
         self.state.calls += 1  # one attention call per layer, as the probe counted
+        return out
+
+    def call_no_grad(self, layer: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        """A decoder layer's forward without gradients (a frozen reference, evaluation): the same
+        row chunks and FPDT loop as `call`, nothing parked or saved; a layer that cannot be cut
+        runs whole. Its output as the layer returns it (a tensor)."""
+        if _uncut(layer, args, kwargs):
+            return forward(*args, **kwargs)
+        h, rest = args[0], args[1:]
+        run = LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, [], default_streams())
+        run.chunks = mlp_chunks_at(self.chunks, h.shape[1], self.auto)
+        out = run.run_forward(h, first=True, save=False)
+        self.state.calls += 1
+        self.no_grad_runs += 1
         return out
 
 

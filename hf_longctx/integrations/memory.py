@@ -151,7 +151,8 @@ def final_norm(model: nn.Module) -> nn.Module | None:
 
 def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, auto: bool, inputs_on_device: int) -> None:
     """Every decoder layer through `split.call` (integrations/layer_split.py) while training
-    with gradients; the last `inputs_on_device` keep their inputs on the device."""
+    with gradients, through `split.call_no_grad` without them (row chunks, nothing kept); the
+    last `inputs_on_device` keep their inputs on the device."""
     split.chunks, split.auto = chunks, auto
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
@@ -161,7 +162,9 @@ def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, a
 
         def split_forward(*args, _forward=forward, _layer=layer, _first=index == 0,
                           _keep=keeps_input(index, len(layers), inputs_on_device), **kwargs):
-            if not (_layer.training and torch.is_grad_enabled()):
+            if not torch.is_grad_enabled():  # a frozen reference, evaluation: row chunks, nothing kept
+                return split.call_no_grad(_layer, _forward, args, kwargs)
+            if not _layer.training:
                 return _forward(*args, **kwargs)
             return split.call(_layer, _forward, _first, args, kwargs, _keep)
 
@@ -207,10 +210,8 @@ def _patch_host_budget(model: nn.Module, mesh: SPMesh, setting_kw: dict, undo: l
         dims = ModelDims.from_config(model.config)
     except (AttributeError, ValueError, TypeError):
         dims = None  # a config the planner cannot read: no budget to check against
-    budget = None
-    if dims is not None:
-        setting = Setting(ulysses=mesh.ulysses, ring=mesh.ring, fpdt_chunks=mesh.fpdt_chunks, **setting_kw)
-        budget = HostBudget.for_patch(dims, setting, mesh.sp)
+    setting = Setting(ulysses=mesh.ulysses, ring=mesh.ring, fpdt_chunks=mesh.fpdt_chunks, **setting_kw)
+    budget = HostBudget.for_patch(dims, setting, mesh.sp) if dims is not None else None
 
     def check(module, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")

@@ -116,6 +116,7 @@ def patch(
     state = PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
         vision=vision.family,
+        vision_spec=vision.spec,
         explicit=explicit,
         mixers_option=mixers,
     )

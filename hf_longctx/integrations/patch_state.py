@@ -16,8 +16,7 @@ from typing import Any, Callable
 from hf_longctx.config import PatchOptions
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.flex.bank import GroupBank
-
-STATE_ATTR = "_hf_longctx_patch"  # instance attribute of the patched PreTrainedModel
+from hf_longctx.model_walk import PATCH_STATE_ATTR as STATE_ATTR  # instance attribute of the patched PreTrainedModel
 
 
 @dataclass
@@ -50,4 +49,5 @@ class PatchState:
     checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
     keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
     vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
+    vision_spec: Any = None  # that adapter's data/multimodal/spec.VisionSpec (the data stage reads it), else None
     split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None

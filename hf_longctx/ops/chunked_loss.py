@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
+def chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None) -> Tensor:
     """Logits of one chunk exactly as the HF model computes them: lm_head in the hidden dtype,
     Gemma2's softcap in that dtype too, then the upcast ForCausalLMLoss applies."""
     logits = F.linear(h, weight, bias)  # [n, V]
@@ -71,7 +71,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             end = min(start + chunk_size, n_tokens)
             h_leaf = hidden[start:end].detach().requires_grad_(need_h)  # [n, Hd]
             with torch.enable_grad():
-                logits = _chunk_logits(h_leaf, w_leaf, b_leaf, softcap)  # [n, V] fp32
+                logits = chunk_logits(h_leaf, w_leaf, b_leaf, softcap)  # [n, V] fp32
                 ce_sum = F.cross_entropy(logits, labels[start:end], ignore_index=ignore_index, reduction="sum")
                 del logits  # the autograd graph keeps what it needs; drop our reference early
                 if not need_any:

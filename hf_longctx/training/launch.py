@@ -46,9 +46,17 @@ def init_distributed(timeout_s: float = 1800.0) -> torch.device:
     return device
 
 
-def describe(mesh: SPMesh | GroupBank, device: torch.device) -> str:
-    """One line naming the launch: backend, world and the mesh factorisation (for a group
-    bank: every group size with its Ulysses × ring split)."""
+def placement(world_size: int, param_offload: bool) -> str:
+    """Where the trainer keeps the parameters: FSDP2 over the world, or one process's device."""
+    offload = "; parameters, gradients and optimizer states in host memory" if param_offload else ""
+    if world_size > 1 or param_offload:
+        return f"FSDP2 shards over all {world_size}{offload}"
+    return "one process: the model whole on its device (nothing to shard)"
+
+
+def describe(mesh: SPMesh | GroupBank, device: torch.device, *, param_offload: bool = False) -> str:
+    """One line naming the launch: backend, world, the mesh factorisation (for a group bank:
+    every group size with its Ulysses × ring split) and where the parameters live."""
     import torch.distributed as dist
 
     backend = dist.get_backend() if dist.is_initialized() else "none"
@@ -58,11 +66,11 @@ def describe(mesh: SPMesh | GroupBank, device: torch.device) -> str:
             for s in mesh.shapes
         )
         return (f"{mesh.world_size} rank(s) on {device.type} ({backend}): flexible SP groups of sizes {sizes}, "
-                f"chosen per micro-batch slot; FSDP2 shards over all {mesh.world_size}")
+                f"chosen per micro-batch slot; {placement(mesh.world_size, param_offload)}")
     return (
         f"{mesh.world_size} rank(s) on {device.type} ({backend}): dp {mesh.dp} x ring {mesh.ring} x "
         f"ulysses {mesh.ulysses}{f' x fpdt_chunks {mesh.fpdt_chunks}' if mesh.fpdt_chunks > 1 else ''}; "
-        f"FSDP2 shards over all {mesh.world_size}"
+        f"{placement(mesh.world_size, param_offload)}"
     )
 
 

@@ -10,6 +10,11 @@ gloo ranks with the same model run eagerly: fp32, loss 1e-5 and gradients 1e-4 r
 AOTAutograd as inductor does, without generating C++ (inductor itself: the same result,
 ~10x the compile time on CPU).
 
+Through the Trainer: `TrainingArguments(torch_compile=True)` makes Accelerate's prepare
+compile the patched, FSDP2-sharded model (the step runs through the compiled module); one SGD
+step (lr 1: each shard's update is minus its clipped gradient) on 2 gloo ranks gives the eager
+run's logged loss and grad_norm and every shard's update, at the tolerances above.
+
 With the memory presets it stays exact, but compiles little: Dynamo cannot trace the
 offloaded checkpoint of a layer (a side effect inside `torch.utils.checkpoint`: the chain of
 parked inputs), so it runs those layers eagerly, and the chunked LM-head loss
@@ -81,3 +86,46 @@ def test_compiled_patched_model_is_exact(pools, family, ulysses, ring, options):
         assert r["captured"] > 0, (rank, r)  # something was compiled
         if not options:  # a new document layout reuses the graphs
             assert r["graphs"][1] == r["graphs"][2], (rank, r)
+
+
+def _trainer_step(path: str, output_dir: str, compile_: bool) -> dict:
+    """One LongContextTrainer SGD step (lr 1: the update is minus the clipped gradient) on U2,
+    FSDP2 over both ranks, compiled by the Trainer or eager: logged loss / grad_norm and the
+    update of every parameter shard."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from hf_longctx import LongContextTrainer, patch
+    from tests.helpers.trainer_cases import history, make_dataset, training_args
+
+    kw = dict(torch_compile=True, torch_compile_backend="aot_eager") if compile_ else {}
+    args = training_args(output_dir, max_steps=1, warmup_steps=0, optim="sgd", learning_rate=1.0, **kw)
+    mesh = worker_mesh(2, 1)
+    torch._dynamo.reset()
+    counters.clear()
+    model = patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mesh)
+    trainer = LongContextTrainer(model=model, args=args, train_dataset=make_dataset(12, masked=True), mesh=mesh,
+                                 max_tokens=48, tokens_per_step=100)
+    before = {n: p.to_local().detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    update = {n: p.to_local().detach() - before[n] for n, p in trainer.model.named_parameters()}
+    return {"steps": history(trainer), "wrapped": type(trainer.model_wrapped).__name__, "update": update,
+            "captured": counters["stats"]["calls_captured"]}
+
+
+def test_trainer_torch_compile_equals_eager(pools, tmp_path):
+    from tests.helpers.families import save_family
+
+    path = save_family("llama", tmp_path)
+    pool = pools.get(2)
+    eager = pool.run(_trainer_step, path, str(tmp_path / "eager"), False, timeout=300)
+    compiled = pool.run(_trainer_step, path, str(tmp_path / "compiled"), True, timeout=600)
+    for rank, (e, c) in enumerate(zip(eager, compiled)):
+        assert c["wrapped"] == "OptimizedModule" and c["captured"] > 0, (rank, c["wrapped"], c["captured"])
+        assert e["wrapped"] != "OptimizedModule" and len(c["steps"]) == len(e["steps"]) == 1, (rank, e["steps"])
+        (lc, gc), (le, ge) = c["steps"][0], e["steps"][0]
+        assert abs(lc - le) <= LOSS_TOL * abs(le) and abs(gc - ge) <= GRAD_TOL * abs(ge), (rank, c["steps"], e["steps"])
+        assert max(u.abs().max().item() for u in e["update"].values()) > 1e-3  # the step moved the shards
+        for name, want in e["update"].items():
+            torch.testing.assert_close(c["update"][name], want, rtol=GRAD_TOL, atol=GRAD_TOL * want.abs().max().item(), msg=name)

@@ -13,11 +13,14 @@ With TRL's default reference (ref_model=None: the initial model) the rewards are
 the first step, so two cases pass an explicit reference (another saved model) to make them
 non-trivial. Datasets: token-id prompt/chosen/rejected lists (one form LongDPOTrainer reads) and,
 in one case, TRL's text form (tokenized by TRL itself); the reference always gets the text.
-One pair on dp2×U2 leaves a DP rank an empty plan slot (its forwards still run). Two steps
+One pair on dp2×U2 leaves a DP rank an empty plan slot (its forwards still run). Ulysses 4 with
+FPDT chunks 2 under memory="max" (row-chunked checkpointed layers, chunked LM head for policy
+and reference) gives the same figures. Two steps
 (dp2×U2, default reference, so step 2 has non-zero rewards) equal TRL's, and resuming from the
 step-1 checkpoint trains one step that equals the uninterrupted step 2. `evaluate()` on U2×R2
 equals TRL's one-batch evaluation (eval_loss and eval metrics). Refusals: each refused
-setting raises `NotSupported` at construction with a "Do instead" line.
+setting raises `NotSupported` at construction with a "Do instead" line. `DPOConfig(
+parallelism_config=...)` without mesh= gives the trainer its mesh (one process).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def _reference(paths, output_dir: str, loss_type: str, explicit_ref: bool, n_pai
 
 
 def _sharded(paths, output_dir: str, loss_type: str, explicit_ref: bool, ulysses: int, ring: int, data: str,
-             n_pairs: int) -> dict:
+             n_pairs: int, fpdt: int = 1, memory: str | None = None) -> dict:
     from torch.distributed.tensor import DTensor
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,12 +74,12 @@ def _sharded(paths, output_dir: str, loss_type: str, explicit_ref: bool, ulysses
     from hf_longctx import LongDPOTrainer, patch
 
     model_path, ref_path, tok_path = paths
-    mesh = worker_mesh(ulysses, ring)
+    mesh = worker_mesh(ulysses, ring, fpdt)
     tok = AutoTokenizer.from_pretrained(tok_path)
     pairs = _text_pairs(n_pairs) if data == "text" else _id_pairs(tok, _text_pairs(n_pairs))
     grads: dict = {}
     ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32) if explicit_ref else None
-    model = patch(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), mesh)
+    model = patch(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), mesh, memory=memory)
     trainer = LongDPOTrainer(model=model, ref_model=ref, args=_config(output_dir, loss_type), train_dataset=pairs,
                              processing_class=tok, callbacks=[_grab_callback(grads)], mesh=mesh, max_tokens=64,
                              tokens_per_step=4096)
@@ -102,10 +105,21 @@ CASES = [  # (ulysses, ring, loss_type, explicit reference, dataset form, pairs:
 
 @pytest.mark.parametrize("ulysses,ring,loss_type,explicit_ref,data,n_pairs", CASES)
 def test_dpo_trainer_matches_trl(pools, paths, tmp_path, ulysses, ring, loss_type, explicit_ref, data, n_pairs):
+    _compare(pools, paths, tmp_path, ulysses, ring, loss_type, explicit_ref, data, n_pairs)
+
+
+def test_dpo_trainer_at_length_matches_trl(pools, paths, tmp_path):
+    """Ulysses 4 with FPDT chunks 2 under memory="max" (checkpointed row-chunked layers, chunked
+    MLP and LM head for the policy; the reference patched alike, its head chunked): the same
+    figures as the cases above against TRL (explicit reference: non-zero margins)."""
+    _compare(pools, paths, tmp_path, 4, 1, "sigmoid", True, "ids", 8, fpdt=2, memory="max")
+
+
+def _compare(pools, paths, tmp_path, ulysses, ring, loss_type, explicit_ref, data, n_pairs, fpdt=1, memory=None):
     pytest.importorskip("trl")
     want = _reference(paths, str(tmp_path / "ref"), loss_type, explicit_ref, n_pairs)
     out = pools.get(4).run(_sharded, paths, str(tmp_path / "sp"), loss_type, explicit_ref, ulysses, ring, data, n_pairs,
-                           timeout=300)
+                           fpdt, memory, timeout=300)
     if explicit_ref and n_pairs > 1:
         assert 0 < want["metrics"]["rewards/accuracies"] < 1 and want["metrics"]["rewards/margins"] != 0
     if n_pairs == 1:
@@ -174,6 +188,26 @@ def test_dpo_trainer_refusals(paths, tmp_path, kind, match):
         LongDPOTrainer(model=model, args=args, mesh=mesh, max_tokens=48, tokens_per_step=4096,
                        processing_class=AutoTokenizer.from_pretrained(paths[2]), **kw)
     assert "do instead" in str(err.value).lower()
+
+
+def test_dpo_trainer_takes_the_mesh_of_a_parallelism_config(paths, tmp_path):
+    """`DPOConfig(parallelism_config=...)` without mesh=: the trainer builds the mesh it maps to (one
+    process: the mesh of 1), patches the policy and trains; the Accelerator never sees the config."""
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_longctx import LongDPOTrainer, is_patched
+
+    args = _config(str(tmp_path), "sigmoid")
+    args.parallelism_config = ParallelismConfig()
+    model = AutoModelForCausalLM.from_pretrained(paths[0], dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(paths[2])
+    trainer = LongDPOTrainer(model=model, args=args, train_dataset=_id_pairs(tok, _text_pairs()), processing_class=tok,
+                             max_tokens=64, tokens_per_step=4096)
+    assert is_patched(model) and trainer.mesh.world_size == 1
+    assert trainer.accelerator.parallelism_config is None and args.parallelism_config is not None
+    trainer.train()
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 STEP_KEYS = ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen")

@@ -194,7 +194,7 @@ def test_plan_fields_and_errors(llama_path):
     assert follow.mixed_precision == "fp32" and follow.plugin.mixed_precision_policy is None
     assert follow._policies()[0].param_dtype is None  # FSDP2 MixedPrecisionPolicy(): no cast
     assert fsdp_plan(load(llama_path).to(torch.bfloat16), mesh).mixed_precision == "bf16"
-    plan = fsdp_plan(model, mesh, mixed_precision="bf16", param_offload=True)
+    plan = fsdp_plan(model, mesh, mixed_precision="bf16")
     assert [c.__name__ for c in plan.layer_classes] == ["LlamaDecoderLayer"]
     assert isinstance(plan.plugin, FullyShardedDataParallelPlugin) and plan.plugin.fsdp_version == 2
     assert plan.plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
@@ -202,7 +202,8 @@ def test_plan_fields_and_errors(llama_path):
     assert plan.plugin.mixed_precision_policy.param_dtype == torch.bfloat16
     assert plan.plugin.mixed_precision_policy.reduce_dtype == torch.float32
     assert plan.gradient_reduction == "sum" and plan.gradient_divide_factor == 1.0
-    assert plan.device_mesh is None and plan.apply(model) is model  # one process: nothing to shard
+    # One process without param_offload: nothing to shard (with it: FSDP2 over one rank, test_trainer.py).
+    assert plan.device_mesh is None and plan.apply(model) is model
     with pytest.raises(ValueError, match="mixed_precision"):
         fsdp_plan(model, mesh, mixed_precision="fp16")
 

@@ -1,6 +1,7 @@
 """GRPO step under SP with bf16 weights (training/grpo/loss.py) within the project's bf16 rule
-(tests/distributed/test_bf16.py): per gradient tensor (tensors under SMALL entries pooled) and
-for the loss, ‖ours − truth‖ ≤ 2·‖single − truth‖ + 1e-6·‖truth‖, where truth is the unpatched
+(tests/helpers/bf16_rule.py): per gradient tensor (tensors under SMALL entries pooled)
+‖ours − truth‖ ≤ 2·‖single − truth‖ + 1e-6·‖truth‖, the loss (a scalar) within the
+single-process error plus one bf16 rounding (`scalar_excess`), where truth is the unpatched
 model in float64 on the same bf16-rounded weights and single the unpatched bf16 model in one
 process, both with TRL's formulas (tests/helpers/grpo_reference.py). One configuration: U2×R2,
 loss_type "dapo", beta 0.04, injected old log-probabilities (clipping active)."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers.bf16_rule import criterion, pooled_small
+from tests.helpers.bf16_rule import criterion, pooled_small, scalar_excess
 from tests.helpers.grpo_reference import EPS_HIGH, EPS_LOW, MAX_LEN, TEMPERATURE, injected, make_rollouts, reference_step
 from tests.helpers.families import save_family
 from tests.helpers.pool import worker_mesh
@@ -43,7 +44,7 @@ def _bf16_step(path: str) -> dict:
     sum_gradients(model.parameters(), mesh)
     g = {k: p.grad.detach().double() for k, p in model.named_parameters() if p.grad is not None}
     out = {name: criterion(t, s, r) for name, t, s, r in pooled_small([(n, g64[n], g1[n].double(), g[n]) for n in g64])}
-    out["loss"] = criterion(loss64.reshape(1), loss1.double().reshape(1), global_loss(loss, mesh).reshape(1))
+    out["loss"] = scalar_excess(global_loss(loss, mesh).item(), loss1.item(), loss64.item())  # a scalar: no ratio rule
     return out
 
 

@@ -7,7 +7,8 @@ and the word-level tokenizer. `make_prompts` builds the text-prompt dataset,
 TRL's generation hook so row k of a step's global generation batch always gets
 `fixed_completion(prompt, k)`. `_run` trains one step of TRL's `GRPOTrainer` (mesh_shape
 None: the single-process reference) or of `LongGRPOTrainer` on a pool worker's mesh, and
-returns the logged metrics and parameter updates (`outcome`). WORLD × ROWS rows per step, GENERATIONS
+returns the logged metrics and parameter updates (`outcome`; `fpdt`, `memory`: the mesh's FPDT
+chunks and the policy's `patch(memory=...)`). WORLD × ROWS rows per step, GENERATIONS
 per prompt; LOSS_TOL / GRAD_TOL / METRIC_TOL are the fp32 tolerances these tests share.
 """
 
@@ -62,7 +63,8 @@ class FixedCompletions:
 
 
 def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type: str, beta: float,
-         mesh_shape: tuple[int, int] | None, max_tokens: int | None = None) -> dict:
+         mesh_shape: tuple[int, int] | None, max_tokens: int | None = None, fpdt: int = 1,
+         memory: str | None = None) -> dict:
     from trl import GRPOConfig
 
     import torch.distributed as dist
@@ -74,11 +76,13 @@ def _run(model_path: str, ref_path: str, tok_path: str, out_dir: str, loss_type:
                      epsilon_high=0.28, loss_type=loss_type, beta=beta, optim="sgd", learning_rate=1.0,
                      lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
                      disable_tqdm=True, save_strategy="no", seed=0, bf16=False, gradient_checkpointing=False)
-    return train_one_step(model_path, ref_path, tok_path, cfg, FixedCompletions, "GRPO", mesh_shape, max_tokens)
+    return train_one_step(model_path, ref_path, tok_path, cfg, FixedCompletions, "GRPO", mesh_shape, max_tokens,
+                          fpdt=fpdt, memory=memory)
 
 
 def train_one_step(model_path: str, ref_path: str, tok_path: str, cfg, hook: type, name: str,
-                   mesh_shape: tuple[int, ...] | None, max_tokens: int | None) -> dict:
+                   mesh_shape: tuple[int, ...] | None, max_tokens: int | None, fpdt: int = 1,
+                   memory: str | None = None) -> dict:
     """One step of TRL's `<name>Trainer` (mesh_shape None) or of `Long<name>Trainer` on a pool
     worker's mesh, with `hook` (the fixed-completion generation hook) first in its bases, on the
     saved policy (its `_name_or_path` pointed at the reference TRL loads for beta > 0), the two
@@ -94,9 +98,11 @@ def train_one_step(model_path: str, ref_path: str, tok_path: str, cfg, hook: typ
     if mesh_shape is not None:
         import hf_longctx
 
-        mesh = worker_mesh(*mesh_shape)
+        ulysses, ring, *chunks = mesh_shape  # (ulysses, ring) or (ulysses, ring, FPDT chunks)
+        mesh = worker_mesh(ulysses, ring, chunks[0] if chunks else fpdt)
         trainer_cls = type("Trainer", (hook, getattr(hf_longctx, f"Long{name}Trainer")), {})
-        trainer = trainer_cls(model=hf_longctx.patch(model, mesh), mesh=mesh, max_tokens=max_tokens, **common)
+        trainer = trainer_cls(model=hf_longctx.patch(model, mesh, memory=memory), mesh=mesh, max_tokens=max_tokens,
+                              **common)
     else:
         trainer = type("Trainer", (hook, getattr(trl, f"{name}Trainer")), {})(model=model, **common)
     trainer.train()

@@ -148,10 +148,17 @@ def labels_of(ids: torch.Tensor) -> torch.Tensor:
 
 def reference(model, docs: list[dict], backward: bool = True):
     """Loss (and gradients) of the documents one at a time through transformers' own path."""
+    loss, grads, _ = reference_tokens(model, docs, backward)
+    return loss, grads
+
+
+def reference_tokens(model, docs: list[dict], backward: bool = True):
+    """`reference` plus the per-target losses [N] (float64, document order: each document's
+    targets in sequence order, image tokens excluded), from the model's logits."""
     model.zero_grad(set_to_none=True)
     labs = [labels_of(d["input_ids"]) for d in docs]
     total = sum(int((lab[1:] != -100).sum()) for lab in labs)
-    loss = 0
+    loss, tokens = 0, []
     for d, lab in zip(docs, labs):
         ids = d["input_ids"][None]
         kw = {k: v for k, v in d.items() if k != "input_ids"}
@@ -161,10 +168,24 @@ def reference(model, docs: list[dict], backward: bool = True):
             kw["mm_token_type_ids"] = mm
         out = model(input_ids=ids, labels=lab[None], use_cache=False, **kw)
         loss = loss + out.loss * int((lab[1:] != -100).sum()) / total
+        keep = lab[1:] != -100  # [L-1]: the target of position t is lab[t + 1]
+        logits = out.logits[0, :-1].detach()  # [L-1, V]; bf16 under autocast: cross-entropy in fp32, as the loss
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        ce = torch.nn.functional.cross_entropy(logits, lab[1:], ignore_index=-100, reduction="none")
+        tokens.append(ce[keep].double())
     if backward:
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
+    return loss.detach(), grads, torch.cat(tokens)
+
+
+def row_targets(docs: list[dict]) -> torch.Tensor:
+    """The packed row's unshifted labels [1, S] with -100 at every document's first token too,
+    so that a shift by one never crosses documents (`bf16_rule.token_losses` order)."""
+    labs = [labels_of(d["input_ids"]) for d in docs]
+    for lab in labs:
+        lab[0] = -100
+    return torch.cat(labs)[None]
 
 
 def double(docs: list[dict]) -> list[dict]:

@@ -315,6 +315,82 @@ def test_encoder_decoder_refused_by_cause_not_a_leaked_exception():
     assert "Error" not in text.splitlines()[1], text  # the first cause, not a leaked AttributeError
 
 
+def test_meta_model_refused_at_construction_naming_every_tensor(llama_path, tmp_path):
+    """A model on the meta device passes patch() (the non-zero ranks of broadcast_from_rank0 are
+    patched on meta) but no trainer can train it: refused at construction, naming every meta
+    parameter (the first 8, then the count) and buffer, with the way to materialise -- which then
+    works: to_empty, init_weights (RoPE's buffers), load_state_dict, and the trainer accepts it."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mesh = init_sequence_parallel()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llama_path))
+    patch(model, mesh)
+    with pytest.raises(NotSupported) as info:
+        LongContextTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                           max_tokens=48, tokens_per_step=120)
+    _says(info.value, "LongContextTrainer: the model LlamaForCausalLM has 21 parameter(s) (model.embed_tokens.weight, "
+          "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight, ... and 13 more)",
+          "2 buffer(s) (model.rotary_emb.inv_freq, model.rotary_emb.original_inv_freq) on the meta device",
+          "from_pretrained(path) without device_map='meta'", "model.to_empty(device='cpu'), then model.init_weights()",
+          "model.load_state_dict(state_dict)")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    model.load_state_dict(load_file(f"{llama_path}/model.safetensors"))
+    LongContextTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                       max_tokens=48, tokens_per_step=120)
+
+
+def _lora(model, dropout: float):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"]))
+
+
+def test_lora_dropout_refused_at_patch_and_at_construction(llama_path, tmp_path):
+    """LoRA's dropout draws its masks per rank on each shard: refused at patch() (the model is in
+    eval mode there, as from_pretrained leaves it: the check reads the modules, not the mode),
+    at the trainer's construction when the adapter was added after patch(), naming the field,
+    the value, the modules and the fix; lora_dropout=0.0 is accepted."""
+    pytest.importorskip("peft")
+    fix = "create the adapter with lora_dropout=0.0 (e.g. LoraConfig(..., lora_dropout=0.0) for LoRA)"
+    model = _lora(_model(llama_path).eval(), 0.05)
+    with pytest.raises(NotSupported) as info:
+        patch(model, init_sequence_parallel())
+    _says(info.value, "PEFT adapter 'default' has lora_dropout=0.05 in 4 module(s) (model.layers.0.self_attn.q_proj, "
+          "model.layers.0.self_attn.v_proj, model.layers.1.self_attn.q_proj, ... (1 more))", fix,
+          "PeftModel.from_pretrained(model, path, config=config, is_trainable=True)")
+    mesh = init_sequence_parallel()
+    late = _lora(_model(llama_path, mesh), 0.1)  # patched first, the adapter added afterwards
+    with pytest.raises(NotSupported) as info:
+        LongContextTrainer(model=late, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                           max_tokens=48, tokens_per_step=120)
+    _says(info.value, "LongContextTrainer cannot train this model exactly", "lora_dropout=0.1 in 4 module(s)", fix)
+    patch(_lora(_model(llama_path), 0.0), init_sequence_parallel())  # no dropout: accepted
+
+
+def test_sft_peft_config_with_dropout_refused_at_construction(llama_path, tmp_path):
+    """TRL's SFTTrainer(peft_config=...) adds the adapter inside its constructor, after patch():
+    a config with dropout is refused before it, naming the value."""
+    pytest.importorskip("trl")
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_longctx import LongContextTrainerMixin
+
+    class LongSFT(LongContextTrainerMixin, SFTTrainer):
+        pass
+
+    mesh = init_sequence_parallel()
+    args = SFTConfig(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to=[], bf16=False)
+    with pytest.raises(NotSupported) as info:
+        LongSFT(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                tokens_per_step=120, peft_config=LoraConfig(r=4, lora_dropout=0.05, target_modules=["q_proj"]))
+    _says(info.value, "peft_config is not supported (peft_config=LoraConfig(lora_dropout=0.05))", "adapter dropout",
+          "LoraConfig(..., lora_dropout=0.0)")
+
+
 def _fsdp_refuses_split_parameter():
     from transformers import AutoModelForCausalLM
 
@@ -406,6 +482,49 @@ def test_token_id_checked_per_step_before_any_forward(llama_path, tmp_path):
     _says(info.value, "train_dataset document 1, position 2", "token id 999")
 
 
+@pytest.mark.parametrize("mask,needle", [
+    ([1, 1, 0, 1, 0, 0], "'attention_mask' is not right or left padding: its 6 entries form 4 runs"),
+    ([0, 0, 0, 0, 0, 0], "'attention_mask' has no 1 in its 6 entries"),
+])
+def test_padded_rows_that_are_not_one_document_are_named_at_construction(llama_path, tmp_path, mask, needle):
+    """A padded dataset's `attention_mask` keeps each row's real tokens (right or left padding); a
+    row whose mask has holes, or no real token, is named at construction with the fix."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 0, 0], [5, 6, 7, 8, 9, 0], [2, 3, 0, 4, 0, 0]],
+                            "attention_mask": [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], mask]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, f"train_dataset document 2: {needle}")
+
+
+@pytest.mark.parametrize("column", ["input_ids", "labels"])
+def test_float_token_columns_are_named_at_construction(llama_path, tmp_path, column):
+    """Ids or labels stored as floats (a pandas / JSON round trip) were cast silently (labels) or
+    refused at step 1 (ids): named at construction, with the cast that fixes them."""
+    from datasets import Dataset
+
+    ids = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    cols = {"input_ids": ids, "labels": ids}
+    cols[column] = [[float(t) for t in row] for row in ids]
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=Dataset.from_dict(cols))
+    _says(info.value, f"train_dataset: column '{column}' holds double values (List(Value('float64'))), not integers",
+          f"train_dataset.cast_column('{column}', datasets.Sequence(datasets.Value('int64')))")
+
+
+def test_all_masked_labels_are_named_at_construction(llama_path, tmp_path):
+    """A labels column that leaves no target (every label -100, or only on each document's first
+    token, which the per-document shift never trains) was refused at step 1 without a fix."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": [[1, 2, 3, 4], [5, 6, 7]], "labels": [[1, -100, -100, -100], [-100] * 3]})
+    with pytest.raises(NotSupported) as info:
+        _trainer(llama_path, tmp_path, train_dataset=ds)
+    _says(info.value, "every label of train_dataset's 2 row(s) is -100", "no token carries loss",
+          "labels are HF's unshifted targets", "drop the 'labels' column to learn every token")
+
+
 def test_labels_of_the_wrong_length_say_what_to_do(llama_path, tmp_path):
     from datasets import Dataset
 
@@ -491,3 +610,107 @@ def test_mixer_refusal_is_not_supported_too(tmp_path):
     with pytest.raises(NotSupported) as info:
         patch(model, _local_mesh(2))
     _says(info.value, "Mamba")
+
+
+# -- post-training: pairs over the cap, a reference with another vocabulary or tokenizer ----------------
+def _dpo(llama_path, tmp_path, *, ref_model=None, max_tokens=64):
+    from transformers import AutoTokenizer
+    from trl import DPOConfig
+
+    from hf_longctx import LongDPOTrainer
+    from tests.helpers.dpo_cases import _text_pairs
+    from tests.helpers.word_tokenizer import make_tokenizer
+
+    make_tokenizer(str(tmp_path / "tok"))
+    mesh = init_sequence_parallel()
+    args = DPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], max_length=None)
+    return LongDPOTrainer(model=_model(llama_path, mesh), ref_model=ref_model, args=args, train_dataset=_text_pairs(),
+                          processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "tok")), mesh=mesh,
+                          max_tokens=max_tokens, tokens_per_step=4096)
+
+
+def _other_reference(tmp_path, **changes):
+    """A Llama like `save_family("llama")` with `changes` to its config, saved; (its path, the model)."""
+    import transformers as tf
+
+    from tests.helpers.families import family_config
+
+    cfg = family_config("llama")
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(str(tmp_path / "other_ref"))
+    return str(tmp_path / "other_ref"), model
+
+
+def test_dpo_pair_over_the_token_cap_is_named_at_construction(llama_path, tmp_path):
+    pytest.importorskip("trl")
+    with pytest.raises(ValueError) as info:
+        _dpo(llama_path, tmp_path, max_tokens=16)
+    for needle in ("pair(s) exceed max_tokens=16", "chosen and rejected padded", "raise max_tokens or drop long pairs"):
+        assert needle in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("change,named", [(dict(vocab_size=200), "vocab_size 200 (policy 128)"),
+                                          (dict(eos_token_id=7), "eos_token_id 7")], ids=["vocabulary", "tokenizer"])
+def test_dpo_reference_with_another_vocabulary_is_refused(llama_path, tmp_path, change, named):
+    pytest.importorskip("trl")
+    _, ref = _other_reference(tmp_path, **change)
+    with pytest.raises(ValueError) as info:
+        _dpo(llama_path, tmp_path, ref_model=ref)
+    assert named in str(info.value) and "Do instead" in str(info.value), str(info.value)
+
+
+def test_grpo_reference_with_another_vocabulary_is_refused_before_trl_loads_it(llama_path, tmp_path):
+    """beta > 0: TRL loads the reference from the policy's config._name_or_path; its config is
+    read first and refused by its vocabulary size."""
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    from hf_longctx.training.grpo.trainer import LongGRPOTrainer
+    from tests.helpers.grpo_cases import make_prompts, reward_length
+    from tests.helpers.word_tokenizer import make_tokenizer
+
+    path, _ = _other_reference(tmp_path, vocab_size=200)
+    make_tokenizer(str(tmp_path / "tok"))
+    mesh = init_sequence_parallel()
+    model = _model(llama_path, mesh)
+    model.config._name_or_path = path
+    cfg = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, report_to=[],
+                     use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", beta=0.04)
+    with pytest.raises(ValueError, match=r"vocab_size 200 \(policy 128\)(.|\n)*Do instead"):
+        LongGRPOTrainer(model=model, mesh=mesh, reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts(),
+                        processing_class=AutoTokenizer.from_pretrained(str(tmp_path / "tok")))
+
+
+# -- vision-language data: caught in shard_multimodal / MultimodalCollator, before the model or any collective --
+def test_multimodal_row_of_several_documents_without_boundaries():
+    """Two documents, each starting with the model's BOS, packed into one row with neither
+    position_ids nor cu_seq_lens_q: refused naming the row, the token, its position and the fix."""
+    from hf_longctx import vision_spec
+    from hf_longctx.data.multimodal.sharding import shard_multimodal
+    from tests.helpers.vlm_cases import build, mixed_documents, packed_row
+
+    model = build("qwen2_5_vl")
+    docs = mixed_documents("qwen2_5_vl")[:2]
+    for d in docs:
+        d["input_ids"] = torch.cat([torch.tensor([model.config.text_config.bos_token_id]), d["input_ids"]])
+    row = {k: v for k, v in packed_row(docs).items() if k != "position_ids"}
+    with pytest.raises(NotSupported) as info:
+        shard_multimodal(row, _local_mesh(1), vision_spec(model))
+    _says(info.value, "row 0 of the batch", "holds several documents but carries no boundaries",
+          f"position(s) [{len(docs[0]['input_ids'])}]", "position_ids restarting at 0", "cu_seq_lens_q")
+
+
+def test_multimodal_spec_contradicting_the_patched_model():
+    """An explicit VisionSpec of another model next to the patched model's own: refused naming both."""
+    from hf_longctx import vision_spec
+    from hf_longctx.data.multimodal.collator import MultimodalCollator
+    from tests.helpers.vlm_cases import build
+
+    mesh = init_sequence_parallel()
+    model = patch(build("qwen2_5_vl"), mesh, unsafe_skip_exactness_check=True)
+    with pytest.raises(NotSupported) as info:
+        MultimodalCollator(mesh, 96, vision_spec(build("gemma3")), model=model)
+    _says(info.value, "spec (gemma3) contradicts the VisionSpec patch() remembered on model= (qwen2_5_vl)", "pass only model=")

@@ -3,9 +3,10 @@
 Each block is parsed from its page (`tests/helpers/doc_blocks.py`) and executed on a tiny
 Llama saved with `save_pretrained`, on a one-process mesh (`WORLD_SIZE` unset): the README's
 path from `from_pretrained` to one trained step (docs/guides' blocks too: the memory presets of
-docs/guides/memory.md, the LoRA adapter of docs/guides/lora.md). What each block claims is
-checked after it ran: a step logged a finite loss, the preset's options are the patched
-model's, only the adapter trains."""
+docs/guides/memory.md, the LoRA adapter of docs/guides/lora.md, materialising a meta-device
+model in docs/guides/own-loop.md). What each block claims is checked after it ran: a step
+logged a finite loss, the preset's options are the patched model's, only the adapter trains,
+the materialised model equals `from_pretrained`'s and a trainer accepts it."""
 
 from __future__ import annotations
 
@@ -73,3 +74,26 @@ def test_lora_block(model_id, monkeypatch):
     assert is_patched(model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable), trainable
+
+
+def test_meta_model_block(model_id, tmp_path, monkeypatch):
+    """The meta-device recipe of the own-loop guide: after it, no tensor is on meta, every
+    parameter and buffer (RoPE's inv_freq included) equals `from_pretrained`'s, and the trainer
+    accepts the model (the meta model itself is refused: tests/integration/test_bad_inputs.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_longctx import LongContextTrainer, init_sequence_parallel
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    mesh = init_sequence_parallel()
+    scope = _run("docs/guides/own-loop.md", "test_meta_model_block",
+                 {"torch": torch, "config": AutoConfig.from_pretrained(model_id), "path": model_id, "mesh": mesh})
+    model = scope["model"]
+    loaded = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    mine = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, ref in [*loaded.named_parameters(), *loaded.named_buffers()]:
+        torch.testing.assert_close(mine[name], ref, rtol=0, atol=0, msg=name)
+    LongContextTrainer(model=model, args=training_args(str(tmp_path)), train_dataset=make_dataset(), mesh=mesh,
+                       max_tokens=48, tokens_per_step=120)
+

@@ -8,6 +8,8 @@ unpatched model computes on the same documents by hand (no trainer involved).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -63,7 +65,6 @@ REFUSED = {
     "liger": (dict(use_liger_kernel=True), "use_liger_kernel"),
     "sampling": (dict(train_sampling_strategy="group_by_length"), "train_sampling_strategy"),
     "batch_size": (dict(per_device_train_batch_size=2), "per_device_train_batch_size=2"),
-    "compile": (dict(torch_compile=True), "torch_compile"),
     "workers": (dict(dataloader_num_workers=2), "dataloader_num_workers=2"),
 }
 
@@ -77,15 +78,34 @@ def test_refused_training_arguments(llama_path, tmp_path, name):
                            train_dataset=make_dataset(), mesh=mesh, max_tokens=48, tokens_per_step=120)
 
 
-def test_refused_sequence_parallel_parallelism_config(llama_path, tmp_path):
+def test_parallelism_config_in_one_process(llama_path, tmp_path, monkeypatch):
+    """Without mesh=, the trainer builds the mesh a ParallelismConfig maps to and patches the
+    model; in one process that is the mesh of 1 (an SP degree above 1 is refused by field). The
+    launcher's variables are read the same way and hidden from the Trainer's Accelerator."""
     from accelerate import ParallelismConfig
 
-    from hf_longctx.training.refusals.checks import check_training_arguments
+    from hf_longctx import NotSupported, is_patched
 
-    args = training_args(str(tmp_path))
-    args.parallelism_config = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # the ALST path
-    with pytest.raises(ValueError, match="sp_size=2"):
-        check_training_arguments(args)
+    kw = dict(train_dataset=make_dataset(), max_tokens=48, tokens_per_step=120)
+    model = _model(llama_path)
+    trainer = LongContextTrainer(model=model, args=training_args(str(tmp_path), max_steps=1,
+                                                                 parallelism_config=ParallelismConfig()), **kw)
+    assert is_patched(model) and trainer.mesh.world_size == 1 and trainer.accelerator.parallelism_config is None
+    trainer.train()
+    with pytest.raises(NotSupported, match=r"sp_size=2: does not divide the world of 1 rank"):
+        LongContextTrainer(model=_model(llama_path), args=training_args(
+            str(tmp_path), parallelism_config=ParallelismConfig(sp_size=2)), **kw)
+    with pytest.raises(NotSupported, match="got no mesh: neither mesh= nor a ParallelismConfig"):
+        LongContextTrainer(model=_model(llama_path), args=training_args(str(tmp_path)), **kw)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")  # as `accelerate launch` exports it
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1")
+    trainer = LongContextTrainer(model=_model(llama_path), args=training_args(str(tmp_path)), **kw)
+    assert trainer.accelerator.parallelism_config is None and trainer.mesh.world_size == 1
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"  # restored after the Accelerator was built
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # --use_fsdp, which --use_parallelism_config requires
+    with pytest.raises(NotSupported, match="ACCELERATE_USE_FSDP=true") as info:
+        LongContextTrainer(model=_model(llama_path), args=training_args(str(tmp_path)), **kw)
+    assert "distributed_type: MULTI_GPU" in str(info.value)
 
 
 def test_refused_models_and_data(llama_path, tmp_path):
@@ -217,3 +237,40 @@ def test_lomo_gets_the_learning_rate_in_the_backward(llama_path, tmp_path):
     trainer.accelerator.backward = backward
     trainer.train()
     assert seen and all(kw == {"learning_rate": 0.25} for kw in seen), seen
+
+
+def _padded(ds, side: str, width: int = 40, pad: int = 0):
+    """`ds`'s rows padded to `width` at `side` as `tokenizer(..., padding="max_length")` pads them,
+    with the `attention_mask` column; the labels are padded with the pad id (a target, were the
+    pads trained)."""
+    from datasets import Dataset
+
+    def padded(row: list[int], n: int) -> list[int]:
+        return row + [pad] * n if side == "right" else [pad] * n + row
+
+    cols = {k: [padded(r, width - len(r)) for r in ds[k]] for k in ds.column_names}
+    cols["attention_mask"] = [padded([1] * len(r), width - len(r)) for r in ds["input_ids"]]
+    return Dataset.from_dict(cols)
+
+
+def test_padded_rows_train_as_the_unpadded_rows(llama_path, tmp_path):
+    """A dataset padded to 40 tokens per row with its `attention_mask` (right or left padding, labels
+    padded with the pad id): only the mask-1 tokens become documents, so the step draws the same
+    documents, plans the same tokens (`step_tokens`) and logs the same loss and gradient norm as
+    the unpadded dataset (fp32, one process: the same kernels on the same packed rows)."""
+    from tests.helpers.trainer_cases import history
+
+    mesh = init_sequence_parallel()
+    logs = {}
+    for name in ("unpadded", "right", "left"):
+        ds = make_dataset(masked=True)
+        trainer = LongContextTrainer(model=_model(llama_path, mesh), args=training_args(str(tmp_path), max_steps=1),
+                                     train_dataset=ds if name == "unpadded" else _padded(ds, name), mesh=mesh,
+                                     max_tokens=48, tokens_per_step=120)
+        trainer.train()
+        logs[name] = ([h["step_tokens"] for h in trainer.state.log_history if "loss" in h], history(trainer))
+    assert max(logs["unpadded"][0]) < 120, logs  # 3 rows of 40 would be 120
+    for side in ("right", "left"):
+        assert logs[side][0] == logs["unpadded"][0], logs
+        for (loss, norm), (ref_loss, ref_norm) in zip(logs[side][1], logs["unpadded"][1]):
+            assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-5), logs

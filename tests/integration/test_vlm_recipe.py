@@ -1,7 +1,9 @@
 """recipes/vlm_sft.py runs as the README says: `accelerate launch` on 4 CPU ranks (gloo,
 Ulysses 2 x ring 2, FSDP2), its tiny Qwen2.5-VL-style model, processor and synthetic images
 and videos built locally. Both steps finish; every logged value is finite and equal on all
-ranks except the timings; rank 0 prints each step's loss and the trained tokens per second."""
+ranks except the timings; rank 0 prints each step's loss and the trained tokens per second; neither
+FSDP2's "returned a view tensor" warning nor transformers' deprecation of `gradient_checkpointing`
+is printed."""
 
 from __future__ import annotations
 
@@ -28,3 +30,5 @@ def test_vlm_recipe_runs_on_four_ranks(tmp_path):
     assert logs[0][1]["loss"] < logs[0][0]["loss"] and logs[0][0]["grad_norm"] > 0
     for line in ("step 1: loss=", "step 2: loss=", "tokens/s"):
         assert line in proc.stdout, (line, out[-2000:])
+    for warning in ("returned a view tensor", "`gradient_checkpointing` is deprecated"):  # FSDP2's, transformers'
+        assert warning not in out, (warning, out[-3000:])

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from hf_longctx.cli import main
-from hf_longctx.cli.capacity import HEADER, parse_size
+from hf_longctx.cli.capacity import HEADER
+from hf_longctx.cli.inputs import parse_size
 from hf_longctx.capacity.estimate import ModelDims, Setting, estimate_memory
 
 # Llama-style, 8 query / 2 KV heads: ulysses 16 cannot split the 8 heads.

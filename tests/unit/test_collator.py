@@ -241,3 +241,69 @@ def test_flex_collator_shares_the_option_checks_and_keys():
     assert out[0]["labels"].ne(-100).sum().item() == 2
     with pytest.raises(ValueError, match="no valid target"):
         flex([{"input_ids": [6, 7], "mask": [0, 0]}])
+
+
+def _pad_rows(feats: list[dict], width: int, side: str) -> list[dict]:
+    """Rows padded to `width` with PAD at `side`, every per-token column alike (labels with the
+    pad id: a target, were the pads kept), plus their `attention_mask`."""
+    def pad(row: list, n: int, value: int) -> list:
+        return row + [value] * n if side == "right" else [value] * n + row
+
+    out = []
+    for f in feats:
+        n = width - len(f["input_ids"])
+        out.append({"input_ids": pad(f["input_ids"], n, PAD), "labels": pad(f["labels"], n, PAD),
+                    "loss_mask": pad([1] * len(f["input_ids"]), n, 1), "attention_mask": pad([1] * len(f["input_ids"]), n, 0)})
+    return out
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_rows_are_their_real_tokens(side):
+    """Rows padded to 40 with their `attention_mask`: the fixed-degree and the flexible collator
+    pack exactly the micro-batches of the unpadded rows (same tokens, labels, positions, count);
+    a mask with a hole, padding at both ends, a value other than 0/1 or no 1 at all is refused
+    naming the row."""
+    from hf_longctx import init_group_bank
+    from hf_longctx.data.cost import CostModel
+    from hf_longctx.errors import NotSupported
+    from hf_longctx.flex.collator import FlexCollator
+
+    feats = features([7, 30, 12, 19])
+    padded = _pad_rows(feats, 40, side)
+    mesh = meshes(1, 1, 1)[0][0]
+    bank, cost = init_group_bank(heads=4), CostModel(a=1.0, b=1.0)
+    for make in (lambda: LongContextCollator(mesh, 64, pad_token_id=PAD, loss_mask_key="loss_mask"),
+                 lambda: FlexCollator(bank, 64, cost, pad_token_id=PAD, loss_mask_key="loss_mask")):
+        plain, masked = make(), make()
+        want = plain([{**f, "loss_mask": [1] * len(f["input_ids"])} for f in feats])
+        got = masked(padded)
+        assert masked.last_num_items == plain.last_num_items and len(got) == len(want)
+        for a, b in zip(got, want):
+            for key in ("input_ids", "labels", "position_ids"):
+                assert torch.equal(a[key], b[key]), (key, a[key], b[key])
+    collate = LongContextCollator(mesh, 64, pad_token_id=PAD)
+    for mask, needle in (([1, 1, 0, 1, 0], "not right or left padding: its 5 entries form 4 runs"),
+                         ([0, 1, 1, 1, 0], "not right or left padding: its 5 entries form 3 runs"),
+                         ([1, 1, 2, 0, 0], "must be 0/1 (1 = a real token, 0 = padding), token 2 has 2"),
+                         ([0, 0, 0, 0, 0], "has no 1 in its 5 entries")):
+        with pytest.raises(NotSupported) as info:
+            collate([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8], "attention_mask": mask}])
+        assert str(info.value).startswith(f"feature 1: 'attention_mask' ") and needle in str(info.value), str(info.value)
+        assert "Do instead" in str(info.value)
+
+
+def test_float_labels_and_targetless_steps_say_the_fix():
+    """Float labels were truncated by `.long()` (2.5 -> 2) and trained; now refused with the cast.
+    A step without a target, and float ids, name the fix too."""
+    from hf_longctx.errors import NotSupported
+
+    collate = LongContextCollator(meshes(1, 1, 1)[0][0], 64, pad_token_id=PAD)
+    with pytest.raises(NotSupported, match=r"feature 0: 'labels' must be integers .* got dtype torch.float32") as info:
+        collate([{"input_ids": [1, 2, 3], "labels": [1.0, 2.5, 3.0]}])
+    assert "cast_column('labels', datasets.Sequence(datasets.Value('int64')))" in str(info.value)
+    with pytest.raises(NotSupported, match="input_ids must be integers") as info:
+        collate([{"input_ids": [1.0, 2.0]}])
+    assert "cast_column('input_ids'" in str(info.value)
+    with pytest.raises(NotSupported, match="no valid target") as info:
+        collate([{"input_ids": [1, 2, 3], "labels": [1, -100, -100]}])
+    assert "dataset.filter(" in str(info.value)

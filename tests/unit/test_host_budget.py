@@ -18,7 +18,7 @@ G = 2**30
 
 
 def _llama_8b():
-    from hf_longctx.cli.capacity import load_config
+    from hf_longctx.cli.inputs import load_config
 
     return ModelDims.from_config(load_config("tests/data/llama-3.1-8b-config.json"))
 
@@ -116,3 +116,28 @@ def test_patch_registers_a_longer_micro_batchs_buffers_before_its_layers():
     assert streams.inside[0] > 0 and streams.inside[1:] == [0, 0, 0], streams.inside
     for a, b in zip(got, grads(None)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_planner_counts_host_memory_per_node():
+    """`hf-longctx plan`: host memory is a node's, shared by its ranks -- a setting's host GiB per
+    GPU times the GPUs of one node must fit --host-memory. 8B on 16 GPUs, 64K tokens, parameters,
+    gradients and optimizer states offloaded (FSDP2 CPUOffloadPolicy): a node whose host holds 4.5
+    ranks' share fits at 4 GPUs per node and not at 8 (the same per-GPU figure), and the reason
+    names the per-node total."""
+    from hf_longctx.capacity.search import Cluster, rank_settings
+    from hf_longctx.cli.capacity import load_config
+
+    config = load_config("tests/data/llama-3.1-8b-config.json")
+
+    def offloading(gpus_per_node: int, host: float):
+        cluster = Cluster(gpus=16, gpu_memory=80 * G, host_memory=host, gpus_per_node=gpus_per_node)
+        ranked = rank_settings(config, cluster, 64 << 10, param_offload="yes")
+        return next(c for c in ranked if (c.setting.ulysses, c.setting.ring, c.setting.fpdt_chunks) == (8, 1, 1)
+                    and not c.setting.checkpoint and c.setting.param_offload)
+
+    per_gpu = offloading(8, 2048 * G).memory.host
+    host = 4.5 * per_gpu / (1 - HEADROOM)  # room for 4.5 ranks' host memory per node
+    four, eight = offloading(4, host), offloading(8, host)
+    assert per_gpu > 0 and four.memory.host == eight.memory.host == per_gpu
+    assert four.host_fits and not eight.host_fits
+    assert f"host {8 * per_gpu / G:.1f} > {host * (1 - HEADROOM) / G:.1f} GiB" in eight.reason

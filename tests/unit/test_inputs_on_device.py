@@ -93,7 +93,7 @@ def test_refused_where_it_cannot_be_honoured():
 def test_the_budget_moves_the_kept_inputs_from_host_to_device(memory):
     """8B, Ulysses 8 with FPDT 8, 1M tokens: each kept layer takes one pinned input buffer off the
     host and puts hidden x 2 bytes per token of the rank on the device, at every phase."""
-    from hf_longctx.cli.capacity import load_config
+    from hf_longctx.cli.inputs import load_config
     from hf_longctx.capacity.search import preset_setting
 
     dims = ModelDims.from_config(load_config("tests/data/llama-3.1-8b-config.json"))

@@ -19,7 +19,7 @@ import os
 import pytest
 
 from hf_longctx.cli import main
-from hf_longctx.cli.capacity import load_config, parse_size
+from hf_longctx.cli.inputs import load_config, parse_size
 from hf_longctx.capacity.search import Cluster, Setting, suggest
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")

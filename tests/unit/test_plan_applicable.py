@@ -12,7 +12,8 @@ import os
 import pytest
 
 from hf_longctx.cli import main
-from hf_longctx.cli.capacity import HEADER, load_config
+from hf_longctx.cli.capacity import HEADER
+from hf_longctx.cli.inputs import load_config
 from hf_longctx.capacity.estimate import ModelDims, Setting, estimate_memory
 
 LLAMA_8B = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "llama-3.1-8b-config.json")

@@ -69,7 +69,7 @@ def test_units_encode_alone_as_together(family):
 @pytest.mark.parametrize("family", ALL)
 def test_mm_encoder_outputs_path_equals_pixel_path(family):
     """The hook's containers (`forward.VisionFeatures`, list / tensor) against the model's own merge."""
-    from hf_longctx.integrations.vision.forward import VisionFeatures, _container
+    from hf_longctx.integrations.vision.forward import VisionFeatures, _features
 
     model = build(family).eval()
     fam, spec = _spec_family(model)
@@ -86,8 +86,12 @@ def test_mm_encoder_outputs_path_equals_pixel_path(family):
             if m.grid_key:
                 inp["grid"] = doc[m.grid_key]
             rows, deep = fam.encode(model, m, inp)
-            mm[m.name] = VisionFeatures(pooler_output=_container(rows, spec),
-                                        deepstack_features=[_container(d, spec) for d in deep] if deep else None)
+            local = torch.cat([rows, *deep], dim=-1)  # [n, F] as the exchange delivers them
+            idx = torch.arange(local.shape[0])
+            mm[m.name] = VisionFeatures(
+                pooler_output=_features(local, idx, 0, spec.hidden, spec),
+                deepstack_features=[_features(local, idx, spec.hidden * (j + 1), spec.hidden, spec)
+                                    for j in range(len(deep))] if deep else None)
         got = model(input_ids=ids, use_cache=False, mm_encoder_outputs=mm, **_rope_kwargs(model, doc)).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -110,16 +114,17 @@ def _rope_kwargs(model, doc) -> dict:
 def test_zero_row_modality_keeps_the_graph(family):
     """A shard with no image token still gets its (zero-row) rows used by the model: the leaf
     they came from receives a gradient, so the exchange's backward runs on that rank."""
-    from hf_longctx.integrations.vision.forward import VisionFeatures, _container
+    from hf_longctx.integrations.vision.forward import VisionFeatures, _features
 
     model = build(family)
     _, spec = _spec_family(model)
     ids = mixed_documents(family)[1]["input_ids"][None]  # text only
     leaf = torch.zeros(0, spec.hidden * (1 + spec.deepstack), requires_grad=True)
-    rows = leaf[:, : spec.hidden]
-    deep = [_container(leaf[:, spec.hidden * (j + 1):], spec) for j in range(spec.deepstack)] or None
+    none = torch.zeros(0, dtype=torch.long)  # no row of this modality on this rank
+    deep = [_features(leaf, none, spec.hidden * (j + 1), spec.hidden, spec) for j in range(spec.deepstack)] or None
     out = model(input_ids=ids, labels=ids, use_cache=False, **_rope_kwargs(model, {"input_ids": ids[0]}),
-                mm_encoder_outputs={"image": VisionFeatures(pooler_output=_container(rows, spec), deepstack_features=deep)})
+                mm_encoder_outputs={"image": VisionFeatures(pooler_output=_features(leaf, none, 0, spec.hidden, spec),
+                                                            deepstack_features=deep)})
     out.loss.backward()
     assert leaf.grad is not None and leaf.grad.shape == (0, leaf.shape[1])
 

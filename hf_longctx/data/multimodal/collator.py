@@ -19,6 +19,7 @@ import torch
 
 from hf_longctx.data.collator import check_feature_options, read_documents, require_targets
 from hf_longctx.data.cost import CostModel, DEFAULT_COST
+from hf_longctx.data.multimodal.documents import check_one_document, resolve_spec
 from hf_longctx.data.multimodal.items import RowVision, read_row
 from hf_longctx.data.multimodal.sharding import shard_multimodal
 from hf_longctx.data.multimodal.spec import VisionCost, VisionSpec
@@ -56,21 +57,22 @@ class MultimodalCollator:
     """`collator(features)` -> this rank's micro-batches of a vision-language model.
 
     `mesh`: this rank's `SPMesh`; `max_tokens`: tokens one SP group holds per micro-batch,
-    image tokens and padding included; `spec`: `hf_longctx.vision_spec(model)`. `cost` (the
+    image tokens and padding included; `spec`: `hf_longctx.vision_spec(model)`, or pass the
+    patched `model=` (patch() remembers its spec; both: they must agree). `cost` (the
     language model's T(l)) and `vision_cost` (encoder work per image / video slice) must share
     a unit: both default to the model's FLOPs (`spec.text_cost`, `spec.cost`); pass both to use
     fitted times. `strategy`, `seed`, `overlong` (text-only documents only) as for
     `LongContextCollator`; `label_key` / `loss_mask_key`: labels and a 0/1 loss mask per
-    token (unshifted), as there. Every rank calls it with the step's global list of documents.
+    token (unshifted), as there. Every rank calls it with the step's global list of documents;
+    each feature is ONE document (one that visibly holds several is refused).
     """
 
     def __init__(
-        self, mesh: Any, max_tokens: int, spec: VisionSpec, cost: CostModel | None = None,
-        vision_cost: VisionCost | None = None, *, strategy: str = "balanced", overlong: str = "error", seed: int = 0,
-        pad_token_id: int = 0, label_key: str = "labels", loss_mask_key: str | None = None,
+        self, mesh: Any, max_tokens: int, spec: VisionSpec | None = None, cost: CostModel | None = None,
+        vision_cost: VisionCost | None = None, *, model: Any = None, strategy: str = "balanced", overlong: str = "error",
+        seed: int = 0, pad_token_id: int = 0, label_key: str = "labels", loss_mask_key: str | None = None,
     ) -> None:
-        if not isinstance(spec, VisionSpec):
-            raise ValueError(f"spec must be the model's VisionSpec (hf_longctx.vision_spec(model)), got {type(spec).__name__}")
+        spec = resolve_spec(spec, model, "MultimodalCollator")
         if (cost is None) != (vision_cost is None):
             raise ValueError(
                 "cost and vision_cost must be given together: the two share a unit (e.g. seconds from your own profile); "
@@ -116,6 +118,8 @@ class MultimodalCollator:
                 if feat.get(key) is not None and bool(torch.as_tensor(feat[key]).ne(0).any()):
                     raise ValueError(f"feature {i}: '{key}' is set: {why}")
         for i, (feat, (ids, labels)) in enumerate(zip(feats, texts)):
+            check_one_document(ids, self.spec, f"feature {i} ({len(ids)} tokens)", "pass each document as a feature "
+                               "of its own (the collator packs them, with positions restarting per document)")
             vision = {k: feat[k] for k in keys if feat.get(k) is not None and k != "mm_token_type_ids"}
             try:
                 items = read_row(vision, ids, [0, len(ids)], self.spec)

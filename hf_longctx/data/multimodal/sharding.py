@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
+from hf_longctx.data.multimodal.documents import check_one_document, resolve_spec
 from hf_longctx.data.multimodal.items import RowVision, read_row
 from hf_longctx.data.multimodal.positions import row_positions
 from hf_longctx.data.multimodal.routing import ExchangePlan, deal, exchange_plan, rank_indices
@@ -23,6 +24,10 @@ from hf_longctx.data.multimodal.spec import BATCH, VisionSpec
 from hf_longctx.data.sharding import IGNORE_INDEX, SP_METADATA_KEY, shard_batch
 from hf_longctx.devices import to_device
 
+_SEVERAL_FIX = (
+    "pass position_ids restarting at 0 at each document (transformers' DataCollatorWithFlattening(return_position_ids="
+    "True) makes them) or cu_seq_lens_q, or one document per row with attention_mask (right padding), or the documents "
+    "as the features of MultimodalCollator(mesh, max_tokens, model=model)")
 SP_VISION_KEY = "sp_vision"  # the shard entry the patched model's vision hook consumes
 _TEXT_KEYS = ("labels", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -79,6 +84,14 @@ def _pack_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_rows(ids: torch.Tensor, mask: torch.Tensor | None, spec: VisionSpec) -> None:
+    """Each row of a batch without boundaries is one document: refuse one that holds several."""
+    for b in range(ids.shape[0]):
+        row = ids[b].cpu() if mask is None else ids[b].cpu()[mask[b].cpu().bool()]
+        check_one_document(row, spec, f"row {b} of the batch (input_ids {tuple(ids.shape)}, no position_ids or "
+                           "cu_seq_lens_q)", _SEVERAL_FIX)
+
+
 def _text_positions(batch: Mapping[str, Any], spec: VisionSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(text positions [1, S] or None, given M-RoPE rows [3, S] or None)."""
     pos = batch.get("position_ids")
@@ -111,18 +124,23 @@ def _check_type_ids(batch: Mapping[str, Any], ids: torch.Tensor, spec: VisionSpe
 
 
 def shard_multimodal(
-    batch: Mapping[str, Any], mesh: Any, spec: VisionSpec, num_items_in_batch: int | torch.Tensor | None = None, *,
-    pad_token_id: int = 0, device: torch.device | str | None = None,
+    batch: Mapping[str, Any], mesh: Any, spec: VisionSpec | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None, *, model: Any = None, pad_token_id: int = 0,
+    device: torch.device | str | None = None,
 ) -> dict[str, Any]:
     """The shard of THIS SP rank of a multimodal batch: exactly the kwargs of `model(**shard)`.
 
     `batch`: a processor's output (input_ids, pixel / grid tensors, optional labels,
-    mm_token_type_ids) as one packed row with `position_ids` restarting per document (B = 1),
-    or [B, S] rows (one document each, right padding). Returns `shard_batch`'s entries
-    (input_ids, position_ids -- [4 or 3, 1, S_local] M-RoPE rows for such families --, labels,
-    shift_labels, num_items_in_batch, SP_METADATA_KEY) plus `SP_VISION_KEY` -> VisionShard
-    when the row holds images or video. Raises ValueError before any collective on input it
-    cannot place exactly."""
+    mm_token_type_ids) as one packed row with `position_ids` restarting per document (or
+    `cu_seq_lens_q`; B = 1), or [B, S] rows (one document each, right padding); a row without
+    boundaries is one document, and one that visibly holds several is refused. `spec`:
+    `hf_longctx.vision_spec(model)`, or pass the patched `model=` (patch() remembers its spec;
+    both: they must agree). Returns `shard_batch`'s entries (input_ids, position_ids -- [4 or
+    3, 1, S_local] M-RoPE rows for such families --, labels, shift_labels,
+    num_items_in_batch, SP_METADATA_KEY) plus `SP_VISION_KEY` -> VisionShard when the row
+    holds images or video. Raises ValueError before any collective on input it cannot place
+    exactly."""
+    spec = resolve_spec(spec, model, "shard_multimodal")
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise ValueError(f"batch must be a mapping with 'input_ids', got {type(batch).__name__}")
     for key, why in spec.refused_keys:
@@ -130,6 +148,8 @@ def shard_multimodal(
         if value is not None and bool(torch.as_tensor(value).ne(0).any()):
             raise ValueError(f"batch['{key}'] is set: {why}")
     ids = _row(batch, "input_ids")
+    if batch.get("position_ids") is None and batch.get("cu_seq_lens_q") is None:
+        _check_rows(ids, _row(batch, "attention_mask"), spec)
     if ids.shape[0] > 1 or batch.get("attention_mask") is not None:
         batch = _pack_rows(batch)
         ids = _row(batch, "input_ids")

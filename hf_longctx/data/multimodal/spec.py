@@ -103,6 +103,10 @@ class VisionSpec:
         with the message that names the fix.
     text_cost: the language model's per-document cost in the unit of `cost` (FLOPs), the
         multimodal collator's default.
+    separators: token ids that stand between documents and never inside one (the language
+        model's BOS and padding token where they differ from its EOS): a row without
+        boundaries that holds one between its content is several documents
+        (`documents.check_one_document`).
     """
 
     family: str
@@ -120,6 +124,7 @@ class VisionSpec:
     container: str = "list"
     refused_keys: tuple[tuple[str, str], ...] = ()  # (batch key, why it cannot be exact) when set to non-zeros
     text_cost: CostModel | None = None  # the language model's CostModel.from_config (FLOPs, the unit of `cost`)
+    separators: tuple[int, ...] = ()  # BOS / padding ids of the language model (not its EOS)
 
     def __post_init__(self) -> None:
         if self.layout not in (GRID, BATCH):

@@ -34,6 +34,23 @@ def _hidden(hf) -> int:
     return int(text.hidden_size)
 
 
+def _ids(value: Any) -> set[int]:
+    """A config's token id entry (an int, a list of ints, or None) as a set."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else set()
+
+
+def separators(hf) -> tuple[int, ...]:
+    """The language model's BOS and padding ids (text config first, then the top config), less
+    its EOS ids: a tokenizer that prepends BOS starts every document with it, and Qwen's
+    `<|endoftext|>` (its configs' BOS) ends each packed pretraining document, while EOS also
+    closes every chat turn inside one document."""
+    text, top = hf.config.get_text_config(), hf.config
+    pick = lambda name: _ids(getattr(text, name, None)) or _ids(getattr(top, name, None))  # noqa: E731
+    return tuple(sorted((pick("bos_token_id") | pick("pad_token_id")) - pick("eos_token_id")))
+
+
 @dataclass(frozen=True)
 class GridFamily:
     """Qwen-VL-style adapter (see the module docstring). `frames`: a video's temporal
@@ -72,7 +89,7 @@ class GridFamily:
             family=self.name, modalities=tuple(modalities), layout=GRID, hidden=_hidden(hf),
             cost=VisionCost.from_vision_config(vcfg), merge=int(vcfg.spatial_merge_size), frames_separable=self.frames,
             positions=positions if has_rope else None, text_row=has_rope, deepstack=len(levels), container="list",
-            text_cost=CostModel.from_config(cfg),
+            text_cost=CostModel.from_config(cfg), separators=separators(hf),
         )
 
     def encode(self, hf, modality: Modality, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -120,7 +137,7 @@ class BatchFamily:
             hidden=_hidden(hf), cost=VisionCost.from_vision_config(cfg.vision_config),
             tokens_per_item=self._tokens(hf), patches_per_item=_patches(cfg.vision_config),
             container="tensor" if self.name == "gemma3" else "list", refused_keys=refused,
-            text_cost=CostModel.from_config(cfg),
+            text_cost=CostModel.from_config(cfg), separators=separators(hf),
         )
 
     def encode(self, hf, modality: Modality, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -29,8 +29,15 @@ class VisionFeatures(BaseModelOutputWithPooling):
     deepstack_features: list | None = None
 
 
-def _container(rows: torch.Tensor, spec: VisionSpec):
-    return [rows] if spec.container == "list" else rows[None]  # list of one [n, D], or [1, n, D]
+def _features(local: torch.Tensor, idx: torch.Tensor, start: int, width: int, spec: VisionSpec):
+    """Rows `idx` [n] and columns [start, start + width) of `local` [n_local, F] in the family's
+    container: a list of one [n, D] or a [1, n, D] tensor. Gathered by advanced indexing, never
+    a view: the model returns the features in its output (`image_outputs`), where FSDP2 hooks
+    its pre-backward on every output tensor, and an in-place op on a view would drop that hook."""
+    cols = torch.arange(start, start + width, device=local.device)
+    if spec.container == "list":
+        return [local[idx[:, None], cols[None, :]]]  # [n, D]
+    return local[idx[None, :, None], cols[None, None, :]]  # [1, n, D]
 
 
 def encoder_parameters(hf) -> list:
@@ -79,12 +86,11 @@ def encode_and_exchange(
     for mi, m in enumerate(spec.modalities):
         if not shard.present[mi]:
             continue
-        rows = local[modality == mi]  # [n_m, F]: this modality's placeholders, in local order
-        pooled = rows[:, : spec.hidden]
-        levels = [rows[:, spec.hidden * (j + 1): spec.hidden * (j + 2)] for j in range(spec.deepstack)]
+        idx = (modality == mi).nonzero().flatten()  # [n_m]: this modality's placeholders, in local order
         out[m.name] = VisionFeatures(
-            pooler_output=_container(pooled, spec),
-            deepstack_features=[_container(level, spec) for level in levels] if spec.deepstack else None,
+            pooler_output=_features(local, idx, 0, spec.hidden, spec),
+            deepstack_features=[_features(local, idx, spec.hidden * (j + 1), spec.hidden, spec)
+                                for j in range(spec.deepstack)] if spec.deepstack else None,
         )
     return out
 
@@ -103,7 +109,7 @@ def make_vision_hook(state: Any, hf, family: Any, spec: VisionSpec):
             raise ValueError(
                 f"the patched {spec.family} model got {given} directly: under sequence parallelism the images are "
                 "encoded by the rank they were dealt to and routed to the shards holding their tokens; pass the batch "
-                "through hf_longctx.shard_multimodal(batch, mesh, hf_longctx.vision_spec(model)) and call model(**shard)"
+                "through hf_longctx.shard_multimodal(batch, mesh, model=model) and call model(**shard)"
             )
         if vision is None:
             return args, kwargs  # a text-only micro-batch

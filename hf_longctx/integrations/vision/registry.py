@@ -15,7 +15,7 @@ from typing import Any
 
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.vision.classification import EXACT, verdict
-from hf_longctx.model_walk import hf_model
+from hf_longctx.model_walk import PATCH_STATE_ATTR, hf_model
 
 
 def is_multimodal(hf) -> bool:
@@ -51,8 +51,13 @@ def vision_family(hf) -> Any:
 
 def vision_spec(model: Any):
     """The `VisionSpec` of a (patched or not) image-text-to-text model, for `shard_multimodal`
-    and `MultimodalCollator`. Raises NotSupported for a refused or unclassified family."""
+    and `MultimodalCollator` (which also take it from a patched model: `model=`); the one
+    `patch()` remembered when the model is patched. Raises NotSupported for a refused or
+    unclassified family."""
     hf = hf_model(model)
+    remembered = getattr(hf.__dict__.get(PATCH_STATE_ATTR), "vision_spec", None)
+    if remembered is not None:
+        return remembered
     family = vision_family(hf)
     if family is None:
         raise NotSupported(

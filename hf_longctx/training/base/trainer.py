@@ -26,12 +26,13 @@ from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_mod
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
+from hf_longctx.training.base.mesh_source import launcher_config_hidden, trainer_mesh, without_parallelism_config
 from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
 from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.step_loop import grad_norm as summed_grad_norm
 from hf_longctx.training.base.step_record import StepRecord
-from hf_longctx.training.refusals.checks import check_mesh_world, check_patched
+from hf_longctx.training.refusals.checks import check_adapters, check_materialised, check_mesh_world, check_patched
 
 
 class SPTrainerBase:
@@ -54,22 +55,33 @@ class SPTrainerBase:
     last_plan: StepRecord | None = None
 
     # ---- construction -----------------------------------------------------------------------------
+    def _resolve_mesh(self, model: Any, args: Any, mesh: Any, max_tokens: int | None) -> tuple[Any, int | None]:
+        """`base/mesh_source.trainer_mesh` once per trainer (a subclass may resolve it before the mixin does)."""
+        if "_mesh_source" not in self.__dict__:
+            self._mesh_source = trainer_mesh(model, args, mesh, trainer=type(self).__name__, max_tokens=max_tokens)
+        return self._mesh_source
+
     def _setup_mesh(self, mesh: Any, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
         """Before `Trainer.__init__` (whose parameters, in positional order, are `names`), on every
-        rank alike and before any collective: the model patched with `mesh`, the process group's
-        size, and a transformers that takes a model sharded before `prepare` (older ones wrap it in
-        DDP). Returns the constructor's (args, kwargs) with the training arguments replaced by a
-        copy whose HF checkpointing flags became `patch(checkpoint=...)` (the user's unchanged)."""
+        rank alike and before any collective: the model patched with `mesh`, its weights off the
+        meta device, no adapter dropout added since patch(), the process group's size, and a
+        transformers that takes a model sharded before `prepare` (older ones wrap it in DDP).
+        Returns the constructor's (args, kwargs) with the training arguments replaced by a copy
+        whose HF checkpointing flags became `patch(checkpoint=...)` and whose
+        `parallelism_config` became the mesh (the user's object unchanged)."""
         params = {**dict(zip(names, args)), **kwargs}
         model, training_args = params.get("model"), params.get("args")
         check_patched(model, mesh)
+        check_materialised(model, type(self).__name__)
+        check_adapters(model, type(self).__name__)
         check_mesh_world(mesh)
-        if mesh.world_size > 1 and not trainer_takes_sharded_models():
+        if (mesh.world_size > 1 or self.param_offload) and not trainer_takes_sharded_models():
+            where = f"on {mesh.world_size} ranks" if mesh.world_size > 1 else "with param_offload=True"
             raise RuntimeError(
-                f"{type(self).__name__} on {mesh.world_size} ranks needs transformers >= "
+                f"{type(self).__name__} {where} needs transformers >= "
                 f"{'.'.join(map(str, TRAINER_SHARDED_MODELS))} (its Trainer path for a model sharded before prepare); "
                 f"transformers {transformers.__version__} would wrap the FSDP2 model in DDP. Upgrade transformers, or "
-                "train on one rank"
+                "train on one rank without param_offload"
             )
         self.mesh = mesh
         # Loss all-reduce and FSDP run over the whole world whatever the grouping (DESIGN invariant 6).
@@ -79,26 +91,40 @@ class SPTrainerBase:
         if training_args is None:
             return args, kwargs
         mapped = build.map_activation_checkpointing(model, training_args)
+        mapped = without_parallelism_config(mapped, training_args)  # the mesh holds it (base/mesh_source.py)
         return build.with_argument(args, kwargs, names, "args", mapped)
 
+    @property
+    def _sharded(self) -> bool:
+        """FSDP2 places the model: several ranks, or parameters offloaded to host memory (in one
+        process too, FSDP2 over one rank: `fsdp_plan`)."""
+        return self.mesh.world_size > 1 or self.param_offload
+
+    def create_accelerator_and_postprocess(self) -> None:
+        # The launcher's parallelism config was read into the mesh; Accelerate must not build its own on top.
+        with launcher_config_hidden():
+            return super().create_accelerator_and_postprocess()
+
     def _place_model(self) -> None:
-        """After `Trainer.__init__`: FSDP2 over DP x SP for the policy (sum reduction)."""
-        if self.mesh.world_size == 1:
-            return
-        build.shard_model(self.model, self.world_mesh, bf16=self.args.bf16, param_offload=self.param_offload)
-        # The Trainer's path for a model that owns placement and gradient reduction:
-        # Accelerate prepares autocast only (no DDP, no `.to()` of DTensor shards).
+        """After `Trainer.__init__`: FSDP2 over DP x SP for the policy (sum reduction), with the
+        parameters in host memory under `param_offload` (one process included)."""
+        # The Trainer's path for a model that owns placement and gradient reduction: Accelerate
+        # prepares autocast only (no `.to()` of DTensor shards, and no DDP -- which it would
+        # otherwise wrap around a one-process model whenever a process group exists, e.g. under
+        # torchrun with one process, reducing nothing at the cost of a graph traversal per step).
         self.is_distributed_loading_by_transformers = True
+        if self._sharded:
+            build.shard_model(self.model, self.world_mesh, bf16=self.args.bf16, param_offload=self.param_offload)
 
     def _place_reference(self, ref: Any) -> None:
         """After `Trainer.__init__`: the frozen reference (`base/reference.py`, patched like the
         policy) sharded like the policy -- forward-only all-gathers, no replica per rank."""
-        if self.mesh.world_size > 1:
+        if self._sharded:
             fsdp_plan(ref, self.world_mesh, mixed_precision="bf16" if self.args.bf16 else "fp32",
                       param_offload=self.param_offload).apply(ref)
 
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
-        if self.mesh.world_size == 1:  # several ranks: fully_shard placed the shards
+        if not self._sharded:  # sharded: fully_shard places the shards (on the host under param_offload)
             super()._move_model_to_device(model, device)
 
     # ---- the step: the micro-batches of one optimizer step (base/step_loop.py) ---------------------

@@ -21,14 +21,15 @@ from trl import DPOTrainer
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.base.reference import default_reference, reference_on_mesh
 from hf_longctx.training.refusals.dpo import refuse_dpo, check_dpo_trainer, check_pair_dataset
-from hf_longctx.training.dpo.loss import TOKEN_SUMS, completion_logps, dpo_loss, token_metric_sums
+from hf_longctx.integrations.logprob_head import token_logprobs
+from hf_longctx.training.dpo.loss import TOKEN_STATS, TOKEN_SUMS, completion_sums, dpo_loss, stats_metric_sums
+from hf_longctx.training.refusals.checks import check_materialised
 from hf_longctx.training.dpo.data import (
     PAIR_COLUMNS, PAIRS_KEY, PairStepCollate, pair_format, pair_lengths, pair_rows, pair_step_dataloader,
 )
 from hf_longctx.training.sft.trainer import LongContextTrainerMixin
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
-_NOT_MODEL_INPUTS = ("labels", "num_items_in_batch", PAIRS_KEY)
 
 
 class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
@@ -38,19 +39,26 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     train_dataset=pairs, processing_class=tokenizer, mesh=mesh, max_tokens=..., tokens_per_step=...)`:
     every optimizer step trains the pairs that fill `tokens_per_step` tokens (chosen and rejected
     documents counted), each micro-batch of an SP group holds at most `max_tokens`. Keyword
-    arguments only. `ref_model`: None (TRL's default, the initial model from its path) or a model
+    arguments only. `mesh`: as `LongContextTrainerMixin`'s (or from `DPOConfig(parallelism_config=...)`).
+    `ref_model`: None (TRL's default, the initial model from its path) or a model
     (patched here with the mesh if it is not). The other keyword arguments: `LongContextTrainerMixin`'s
     (`cost`, `strategy`, `pad_token_id`, `step_timeout_s`, `peak_flops`, `sync_each_microbatch`,
     `param_offload`) and DPOTrainer's.
     """
 
-    def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh, **kwargs: Any) -> None:
-        check_dpo_trainer(model, args, mesh, kwargs)  # before any collective, on every rank alike
+    def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh | None = None,
+                 **kwargs: Any) -> None:
+        # mesh=, or the ParallelismConfig's (DPOConfig(parallelism_config=...) or the launcher's): base/mesh_source.py
+        mesh, max_tokens = self._resolve_mesh(model, args, mesh, kwargs.get("max_tokens"))
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        check_dpo_trainer(model, args, mesh, kwargs)  # every refusal on every rank alike, before the steps
         if ref_model is model:
             raise ValueError("model and ref_model must be different objects: leave ref_model=None for TRL's default copy")
         if ref_model is None:  # TRL's default: the policy loaded again from its path
             ref_model = default_reference(model, mesh, args.trust_remote_code)
         else:
+            check_materialised(ref_model, "LongDPOTrainer", "ref_model")  # as the policy's, in _setup_mesh
             ref_model = reference_on_mesh(ref_model, model, mesh)
         super().__init__(model=model, ref_model=ref_model, args=args, mesh=mesh, **kwargs)
         self._place_reference(self.ref_model)  # ZeRO-3 like the policy: forward-only all-gathers
@@ -119,25 +127,25 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
                      num_items_in_batch: Any = None) -> Any:
         if return_outputs:
             refuse_dpo("compute_loss(return_outputs=True)", "use the logged metrics")
-        kwargs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+        shard = {k: v for k, v in inputs.items() if k != PAIRS_KEY}  # token_logprobs passes no labels or counts
         mesh, empty = self.mesh, inputs[PAIRS_KEY] == 0
         with torch.no_grad():  # every slot, empty ones too: the sharded reference all-gathers per unit
-            ref_logits = self.ref_model(**kwargs).logits  # [1, S_local, V]
-            reference = None if empty else completion_logps(ref_logits, inputs, mesh)[0]  # [2P], every SP rank
-            del ref_logits
+            ref_token, _ = token_logprobs(self.ref_model, shard)  # [1, S_local] fp32, chunked LM head
+            reference = None if empty else completion_sums(ref_token, inputs, mesh)[0]  # [2P], every SP rank
+            del ref_token
         if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps the root unsharded after forward (for a backward)
             self.ref_model.reshard()
-        logits = model(**kwargs).logits  # [1, S_local, V]
+        token, stats = token_logprobs(model, shard, stats=TOKEN_STATS)  # [1, S_local], [1, S_local, 3]
         if empty:  # an empty slot: the forwards join FSDP's collectives, no loss
-            return logits.sum() * 0.0
-        policy, counts = completion_logps(logits, inputs, mesh)  # [2P] each, every SP rank
+            return token.sum() * 0.0
+        policy, counts = completion_sums(token, inputs, mesh)  # [2P] each, every SP rank
         # TRL 1.16 applies label_smoothing to none of the loss types dpo_loss implements.
         pairs = num_items_in_batch if num_items_in_batch is not None else inputs["num_items_in_batch"]  # the step's
         loss, sums = dpo_loss(policy, reference, beta=self.beta, loss_type=self.loss_types[0],
                               global_pairs=int(pairs), sp=mesh.sp, counts=counts)
         sums = {**sums, "logps/chosen": policy[0::2].detach().sum(), "logps/rejected": policy[1::2].detach().sum()}
         pair_sums = torch.stack([sums[k].double() for k in METRICS]).to(self._dpo_sums.device)  # [6]
-        token_sums = token_metric_sums(logits.detach(), inputs, mesh).to(self._dpo_sums.device)  # [7]
+        token_sums = stats_metric_sums(stats, inputs, mesh).to(self._dpo_sums.device)  # [7]
         self._dpo_sums += torch.cat([pair_sums, token_sums])
         return loss
 

@@ -20,9 +20,12 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.data.sharding import IGNORE_INDEX, SP_METADATA_KEY, shard_batch
+from hf_longctx.integrations.logprob_head import token_logprobs
+from hf_longctx.model_walk import hf_model
 
 SUPPORTED_LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 _KEYS = ("grpo_weight", "grpo_advantage", "grpo_old_logps", "grpo_ref_logps", "grpo_doc")
+_MODEL_KEYS = ("input_ids", "position_ids", "shift_labels", SP_METADATA_KEY)  # the forward's inputs and targets
 
 
 @dataclass(frozen=True)
@@ -152,21 +155,14 @@ def add_ref_logps(ref_model: torch.nn.Module, shard: dict[str, Any], objective: 
 def shard_token_logps(model: torch.nn.Module, shard: dict[str, Any],
                       temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """`model`'s forward on this rank's `shard`: the fp32 log-probability of each target
-    (`shift_labels`) and the entropy, of logits / temperature, [B, S_local] each (positions without
-    a target hold garbage: mask them), and the logits' dtype. The one per-token log-prob path of the
-    GRPO policy and reference, and of RLOO's loss and scoring."""
-    out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"], **{SP_METADATA_KEY: shard[SP_METADATA_KEY]})
-    logits = out["logits"] if isinstance(out, dict) else out[0]  # [B, S_local, V]
-    logps, entropy = _token_logps(logits, shard["shift_labels"], temperature)
-    return logps, entropy, logits.dtype
-
-
-def _token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 log-probability of each target and the entropy, of logits / temperature; [B, S_local] each."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, S_local, V]
-    logps = logp_all.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)  # [B, S_local]
-    entropy = -(logp_all.exp() * logp_all).sum(-1).detach()  # [B, S_local]
-    return logps, entropy
+    (`shift_labels`) and the entropy (no gradient), of logits / temperature, [B, S_local] each
+    (positions without a target hold garbage: mask them), and the dtype a loss over them is
+    returned in (the LM head weight's, at least fp32). Through the chunked LM head
+    (`integrations/logprob_head.token_logprobs`): never a [S_local, V] tensor. The one per-token
+    log-prob path of the GRPO policy and reference, and of RLOO's loss and scoring."""
+    shard = {k: v for k, v in shard.items() if k in _MODEL_KEYS}
+    logps, stats = token_logprobs(model, shard, temperature=temperature, stats=("entropy",))
+    return logps, stats[..., 0], _loss_dtype(model)
 
 
 def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObjective, mesh,
@@ -184,7 +180,7 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
         raise ValueError(f"beta={objective.beta} needs the reference log-probabilities: pass ref_logps to "
                          "pack_completions or call add_ref_logps(ref_model, shard, objective) on the shard")
     targets = shard["shift_labels"]  # [B, S_local]
-    logps, entropy, logits_dtype = shard_token_logps(model, shard, objective.temperature)
+    logps, entropy, loss_dtype = shard_token_logps(model, shard, objective.temperature)  # [B, S_local] each
     mask = (targets != IGNORE_INDEX).to(torch.float64)  # [B, S_local]
     lp = logps.double()
     old = extra["grpo_old_logps"] if "grpo_old_logps" in extra else lp.detach()
@@ -205,7 +201,12 @@ def grpo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: GRPOObje
     low = ((coef_1c < 1 - objective.epsilon_low) & (adv < 0)).double().detach()
     high = ((coef_1c > 1 + objective.epsilon_high) & (adv > 0)).double().detach()
     metrics = _metric_sums(mask, entropy.double(), kl, low, high, extra["grpo_doc"], num_sequences, mesh)
-    return loss.to(torch.promote_types(logits_dtype, torch.float32)), metrics  # fp32 (fp64 models: fp64), never bf16
+    return loss.to(loss_dtype), metrics  # fp32 (fp64 models: fp64), never bf16
+
+
+def _loss_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the loss is returned in: the LM head weight's, at least fp32."""
+    return torch.promote_types(hf_model(model).get_output_embeddings().weight.dtype, torch.float32)
 
 
 def _metric_sums(mask, entropy, kl, low, high, doc, num_sequences: int, mesh) -> dict[str, float]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.training.base.log_lines import use_number_logs
-from hf_longctx.training.base.reference import reference_on_mesh
+from hf_longctx.training.base.reference import check_reference_path, reference_on_mesh
 from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.trainer import SPTrainerBase
@@ -53,6 +53,8 @@ class SPRolloutTrainer(SPTrainerBase):
     def __init__(self, *args: Any, mesh: SPMesh, max_tokens: int | None = None, **kwargs: Any) -> None:
         params = {**dict(zip(self._TRAINER_PARAMETERS, args)), **kwargs}
         self.objective = self._checked_objective(mesh, max_tokens, params)  # every refused value at once, before any collective
+        if self.objective.beta != 0.0:  # TRL loads the reference from the policy's path inside __init__: its config first
+            check_reference_path(params.get("model"), params.get("args"))
         # Patched with mesh, process group, transformers version; TRL gets a copy of the config.
         args, kwargs = self._setup_mesh(mesh, args, kwargs, self._TRAINER_PARAMETERS)
         self.max_tokens = max_tokens

@@ -154,5 +154,46 @@ def check_patched(model: Any, mesh: Any) -> None:
         )
 
 
+def check_adapters(model: Any, trainer: str) -> None:
+    """A PEFT adapter with dropout (added after `patch()`, whose exactness check refuses it):
+    refused naming the adapter, the field, the value and the modules."""
+    from hf_longctx.integrations.adapter_dropout import adapter_dropout_problems
+    from hf_longctx.model_walk import hf_model
+
+    problems = adapter_dropout_problems(hf_model(model))
+    if problems:
+        raise NotSupported(f"{trainer} cannot train this model exactly under sequence parallelism:\n- "
+                           + "\n- ".join(problems), "set the adapters' dropout to 0.0 as each line above says")
+
+
+def check_materialised(model: Any, trainer: str, name: str = "model") -> None:
+    """Every parameter and buffer of `model` holds data: none on the meta device (a model built
+    under `torch.device("meta")` or loaded with `device_map="meta"`), which would fail at the
+    Trainer's `.to(device)` in one process and at the first forward under FSDP2, naming one
+    tensor. Refused naming them all (the first 8 and the count beyond) and how to materialise."""
+    from hf_longctx.model_walk import hf_model
+
+    hf = hf_model(model)
+    params = [n for n, p in hf.named_parameters() if p.is_meta]
+    buffers = [n for n, b in hf.named_buffers() if b.is_meta]
+    if not params and not buffers:
+        return
+
+    def listed(names: list[str], what: str) -> str:
+        more = f", ... and {len(names) - 8} more" if len(names) > 8 else ""
+        return f"{len(names)} {what} ({', '.join(names[:8])}{more})"
+
+    held = " and ".join(listed(n, w) for n, w in ((params, "parameter(s)"), (buffers, "buffer(s)")) if n)
+    raise NotSupported(
+        f"{trainer}: the {name} {type(hf).__name__} has {held} on the meta device: they hold no data, so training "
+        "would fail at the first move or forward",
+        "materialise the weights before the trainer: load them with AutoModelForCausalLM.from_pretrained(path) without "
+        "device_map='meta'; or, for a model built under torch.device('meta'), model.to_empty(device='cpu'), then "
+        "model.init_weights() (it also re-creates the buffers no checkpoint holds, such as RoPE's inv_freq), then "
+        "model.load_state_dict(state_dict) with the real weights. (One host copy of the weights per job, the other ranks "
+        "on meta, is fsdp_plan(model, mesh).apply(model, broadcast_from_rank0=True) in your own loop.)",
+    )
+
+
 def check_mesh_world(mesh: Any) -> None:
     check_world(mesh.world.world_size)

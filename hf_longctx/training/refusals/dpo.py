@@ -14,7 +14,7 @@ from typing import Any
 
 from hf_longctx.errors import NotSupported
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations.model_patch import patch_state
+from hf_longctx.integrations.logprob_head import check_logprob_head
 from hf_longctx.training.dpo.data import pair_format
 from hf_longctx.training.dpo.loss import LOSS_TYPES
 from hf_longctx.training.refusals.checks import check_patched
@@ -111,10 +111,7 @@ def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) 
         if name in kwargs:
             refuse_dpo(f"{name} is not supported", "pairs are never split or truncated; use max_tokens with an SPMesh")
     check_patched(model, mesh)
-    knobs = patch_state(model).options
-    if getattr(knobs, "loss_chunks", None):
-        refuse_dpo(f"patch(loss_chunks={knobs.loss_chunks}) drops the logits the DPO log-probs need",
-                "patch the policy without loss_chunks")
+    check_logprob_head(model)  # the chunked LM head's log-probabilities honour softcap and temperature only
     for name in ("peft_config", "quantization_config"):
         if kwargs.get(name) is not None:
             refuse_dpo(f"{name} is not supported ({name}={type(kwargs[name]).__name__})",

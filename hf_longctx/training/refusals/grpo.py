@@ -34,7 +34,7 @@ GRPO_CONFIG: dict[str, Rule] = {
     **{name: _VLLM_ONLY for name in (
         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
         "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")},
-    "cast_lm_head_to_fp32": _ours("log-probabilities are always computed in fp32 from the logits (grpo.loss._token_logps)"),
+    "cast_lm_head_to_fp32": _ours("log-probabilities are always computed in fp32 from the logits (grpo.loss.shard_token_logps)"),
     "num_generations": _ours("sp_rollouts(num_generations=...): completions per prompt, generated in one SP group"),
     "num_generations_eval": _trainer(_LOOP + " (evaluation rollouts)"),
     "max_completion_length": _ours("GRPOObjective.max_completion_length (dr_grpo's normaliser) and the max_new_tokens of "

@@ -93,10 +93,23 @@ class ConfigChecks:
 
 # TrainingArguments fields refused here for the reasons refusals/training_arguments.py's table gives (the rest of that table is about
 # the token-budget step DataLoader of LongContextTrainerMixin, which these trainers do not use: TRL's sampler draws rows).
-_SHARED_REFUSALS = ("fp16", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
-                    "neftune_noise_alpha", "parallelism_config", "fsdp", "fsdp_config", "deepspeed",
+_COMPILE = _refused(
+    lambda v: not v, "each rollout step takes the SP patch off for generation and puts it back under a new attention "
+    "registration (grpo/generate.py), so a compiled policy's graphs would be invalidated and retraced every step "
+    "(not verified to stay exact)", "leave torch_compile off with the rollout trainers (LongContextTrainer and "
+    "LongDPOTrainer honour torch_compile=True)")
+ROLLOUT_COMPILE = {"torch_compile": _COMPILE, "torch_compile_backend": _COMPILE, "torch_compile_mode": _COMPILE}
+_SHARED_REFUSALS = ("fp16", "use_liger_kernel",
+                    "neftune_noise_alpha", "fsdp", "fsdp_config", "deepspeed",
                     "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "load_best_model_at_end",
                     "enable_jit_checkpoint", "save_only_model")
+
+
+# TRL's GRPOConfig and RLOOConfig refuse cp_size / sp_size > 1 themselves, so the mesh is always given as mesh=.
+def _parallelism(name: str) -> Rule:
+    return _refused(
+        lambda v: v is None, f"{name} takes its mesh as mesh= (TRL's config refuses cp_size / sp_size > 1 itself)",
+        "drop it and pass mesh=hf_longctx.mesh_from_parallelism_config(pc, model.config) (or init_sequence_parallel)")
 
 
 def refusals(args: Any, params: dict[str, Any], name: str = "LongGRPOTrainer") -> list[str]:
@@ -104,6 +117,10 @@ def refusals(args: Any, params: dict[str, Any], name: str = "LongGRPOTrainer") -
     each with its "do instead". `params`: the TRL trainer's __init__ arguments by name."""
     out = [refusal_message(f, getattr(args, f), TRAINING_ARGUMENTS[f]) for f in _SHARED_REFUSALS
            if f in TRAINING_ARGUMENTS and hasattr(args, f) and not TRAINING_ARGUMENTS[f].ok(getattr(args, f))]
+    out += [refusal_message(f, getattr(args, f), rule) for f, rule in ROLLOUT_COMPILE.items()
+            if hasattr(args, f) and not rule.ok(getattr(args, f))]
+    if getattr(args, "parallelism_config", None) is not None:
+        out.append(refusal_message("parallelism_config", args.parallelism_config, _parallelism(name)))
     if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
         out.append("save_strategy='best': it needs evaluation, which is not wired to the SP step; do instead: "
                    "save_strategy='steps' (or 'epoch') and pick the checkpoint from the logged rewards")

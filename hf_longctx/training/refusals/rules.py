@@ -20,14 +20,15 @@ class Rule:
     note: str
     ok: Callable[[Any], bool] | None = None  # refused: which values are accepted
     instead: str = ""
+    show: Callable[[Any], str] | None = None  # how a refused value is named (default: `shown`)
 
 
 def _trainer(note: str = "the Trainer's own code path, not overridden") -> Rule:
     return Rule("trainer", note)
 
 
-def _refused(ok: Callable[[Any], bool], note: str, instead: str) -> Rule:
-    return Rule("refused", note, ok, instead)
+def _refused(ok: Callable[[Any], bool], note: str, instead: str, show: Callable[[Any], str] | None = None) -> Rule:
+    return Rule("refused", note, ok, instead, show)
 
 
 def _falsy(v: Any) -> bool:
@@ -61,7 +62,8 @@ def shown(value: Any) -> str:
 def refusal_message(name: str, value: Any, rule: Rule, *, parameter: bool = False) -> str:
     """The one form of a refusal line: the name and value, why, and what to do instead; a
     constructor `parameter` reads "name is not supported (name=value): ..."."""
-    head = f"{name} is not supported ({name}={shown(value)})" if parameter else f"{name}={shown(value)}"
+    text = rule.show(value) if rule.show is not None else shown(value)
+    head = f"{name} is not supported ({name}={text})" if parameter else f"{name}={text}"
     return f"{head}: {rule.note}; do instead: {rule.instead}"
 
 

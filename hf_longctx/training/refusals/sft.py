@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_longctx.integrations.adapter_dropout import config_dropout, shown_config
 from hf_longctx.training.refusals.rules import Rule, _falsy, _is, _refused, _trainer, refused_trl_fields
 
 
@@ -52,8 +53,12 @@ SFT_CONFIG: dict[str, Rule] = {
 # TRL's SFTTrainer.__init__ parameters beyond Trainer.__init__'s.
 SFT_TRAINER_PARAMETERS: dict[str, Rule] = {
     "formatting_func": _trainer(_TRL_DATA),
-    "peft_config": _trainer("TRL wraps the patched model with get_peft_model before the trainer shards it: the same "
-                            "as wrapping it before patch()"),
+    # TRL wraps the patched model with get_peft_model before the trainer shards it (the same as wrapping it before
+    # patch()), after patch()'s exactness check: an adapter with dropout is refused here, by its config.
+    "peft_config": _refused(
+        lambda v: not config_dropout(v), "adapter dropout draws its masks on each rank's shard of the tokens, so outputs "
+        "and gradients would differ from one device's (as attention dropout, which patch() refuses)",
+        "set every dropout field of the adapter's config to 0.0, e.g. LoraConfig(..., lora_dropout=0.0)", show=shown_config),
     "quantization_config": _refused(
         lambda v: v is None, "TRL applies it only when it loads the model from a name and ignores it for a model "
                              "instance, and the trainer needs a patched instance", "drop it"),

@@ -76,9 +76,11 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
         lambda v: not v or set(v) <= _CKPT_KWARGS, "checkpointing is hf_longctx's (non-reentrant) own; HF's wrapper options do not apply",
         "pass nothing (or only use_reentrant) and choose the memory knobs with patch(model, mesh, memory=...)"),
     # -- kernels and graph changes ------------------------------------------------------------
-    "torch_compile": _refused(_falsy, "not tested with the patched attention", "leave it False"),
-    "torch_compile_backend": _refused(lambda v: v is None, "it turns torch_compile on", "leave it None"),
-    "torch_compile_mode": _refused(lambda v: v is None, "it turns torch_compile on", "leave it None"),
+    "torch_compile": _trainer(
+        "Accelerate's prepare compiles the patched (and sharded) model, as torch.compile(model) after patch(): the "
+        "attention, the model hooks and the mixer wrappers run eagerly, the rest of every layer compiles"),
+    "torch_compile_backend": _trainer("the torch.compile backend (it turns torch_compile on)"),
+    "torch_compile_mode": _trainer("the torch.compile mode (it turns torch_compile on)"),
     "use_liger_kernel": _refused(
         _falsy, "Liger replaces the model's forward and loss", "use patch(model, mesh, loss_chunks=N) for a chunked loss"),
     "liger_kernel_config": _refused(lambda v: not v, "it configures use_liger_kernel, which is refused", "leave it None"),
@@ -136,9 +138,10 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
                                 and not v.gradient_accumulation_kwargs),
         "its batching options concern a DataLoader that Accelerate shards; " + _STEP_DATA + " and never goes through Accelerate",
         "leave split_batches / dispatch_batches / even_batches / use_seedable_sampler / gradient_accumulation_kwargs at their defaults"),
-    "parallelism_config": _refused(
-        lambda v: v is None, "sequence, tensor and data parallelism come from the hf_longctx mesh and fsdp_plan",
-        "drop it; build the mesh with hf_longctx.init_sequence_parallel(ulysses_degree=..., ring_degree=...)"),
+    "parallelism_config": Rule(
+        "mapped", "the hf_longctx mesh (training/base/mesh_source.py): sp_size -> Ulysses x ring, cp_size -> ring, "
+                  "dp_shard_size -> the data-parallel rest, FSDP2 over the world; refused field by field where it cannot "
+                  "map (integrations/parallelism_config.py); the Accelerator never sees it"),
     "fsdp": _refused(lambda v: not v, _NO_DDP.replace("does not use DDP", "shards the model itself"),
                      "drop it (parameter offload: LongContextTrainer(..., param_offload=True) where available, or fsdp_plan)"),
     "fsdp_config": _refused(lambda v: not v, "hf_longctx shards the model itself with fsdp_plan", "drop it"),

@@ -60,7 +60,7 @@ def rloo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: RLOOObje
     `loss` [] differentiable; `metrics`: entropy (token mean), clip_ratio/{low,high,region}_mean
     (means over completions), clip_ratio/low_min, high_max, identical on every rank. A collective
     over the world: every rank calls it once per micro-batch."""
-    logps, entropy, logits_dtype = shard_token_logps(model, shard, objective.temperature)  # [1, S_local] each
+    logps, entropy, loss_dtype = shard_token_logps(model, shard, objective.temperature)  # [1, S_local] each
     mask = target_mask(shard)  # [1, S_local]
     seq = doc_sums(logps, shard, mesh, mask=mask)[0].double()  # [D]: every completion's log-prob sum, every SP rank
     adv = torch.as_tensor(list(advantages), dtype=torch.float64, device=seq.device)  # [D]
@@ -73,7 +73,7 @@ def rloo_loss(model: torch.nn.Module, shard: dict[str, Any], objective: RLOOObje
     low = ((coef_1 < 1 - objective.epsilon_low) & (adv < 0)).double().detach()  # [D]
     high = ((coef_1 > 1 + objective.epsilon_high) & (adv > 0)).double().detach()  # [D]
     metrics = _metrics(mask.double(), entropy.double(), low, high, mesh)
-    return loss.to(torch.promote_types(logits_dtype, torch.float32)), metrics  # fp32 (fp64 models: fp64), never bf16
+    return loss.to(loss_dtype), metrics  # fp32 (fp64 models: fp64), never bf16
 
 
 def _metrics(mask: torch.Tensor, entropy: torch.Tensor, low: torch.Tensor, high: torch.Tensor, mesh) -> dict[str, float]:

@@ -22,8 +22,6 @@ def vision_collator(mesh: Any, model: Any, *, max_tokens: int, cost: Any, vision
                     overlong: str, seed: int, pad_token_id: int) -> Any:
     """The `MultimodalCollator` of an image-text-to-text model patched with an exact vision
     family (`patch_state(model).vision`), or None for a text-only model."""
-    from hf_longctx.model_walk import hf_model
-
     family = patch_state(model).vision
     if family is None:
         if vision_cost is not None:
@@ -39,7 +37,7 @@ def vision_collator(mesh: Any, model: Any, *, max_tokens: int, cost: Any, vision
         )
     from hf_longctx.data.multimodal.collator import MultimodalCollator
 
-    return MultimodalCollator(mesh, max_tokens, family.spec(hf_model(model)), cost, vision_cost, strategy=strategy,
+    return MultimodalCollator(mesh, max_tokens, None, cost, vision_cost, model=model, strategy=strategy,
                               overlong=overlong, seed=seed, pad_token_id=pad_token_id)
 
 

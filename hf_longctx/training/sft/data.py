@@ -1,6 +1,7 @@
 """The trainers' data: one DataLoader item = one optimizer step of THIS rank.
 
-Where it sits: between a `datasets.Dataset` (`input_ids`, optional `labels`) and the
+Where it sits: between a `datasets.Dataset` (`input_ids`, optional `labels` and, for padded
+rows, `attention_mask`) and the
 trainer's `training_step`. Every rank draws the SAME global list of documents per step
 (`StepSampler`, invariant 8); the collator plans this DP rank's micro-batches and shards this
 SP rank's slice. So the DataLoader is never handed to `accelerator.prepare` (which would
@@ -17,6 +18,8 @@ from typing import Any, Sequence
 import torch
 
 from hf_longctx.data.collator import LongContextCollator
+from hf_longctx.data.dataset_columns import check_integer_columns
+from hf_longctx.data.padding import MASK_KEY, masked_lengths
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids
@@ -26,8 +29,10 @@ from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
 
 
 def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
-    """The columns the collator reads (`input_ids`, and `labels` if present); raises for
-    anything that is not a `datasets.Dataset` with `input_ids`."""
+    """The columns the collator reads (`input_ids`, and `labels` and `attention_mask` if
+    present); raises for anything that is not a `datasets.Dataset` with `input_ids`, for ids or
+    labels that are not integers, and for a per-token column whose rows differ in length from
+    `input_ids`."""
     from datasets import Dataset
 
     if not isinstance(dataset, Dataset):
@@ -45,27 +50,33 @@ def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
             f"{name} has no 'input_ids' column (columns: {dataset.column_names}); tokenize it first, e.g. "
             "hf_longctx.tokenize_dataset(raw, tokenizer)"
         )
-    if "labels" in dataset.column_names:
+    check_integer_columns(dataset, name)
+    per_token = [c for c in ("labels", MASK_KEY) if c in dataset.column_names]
+    for column in per_token:
         import pyarrow.compute as pc
 
         table = dataset.with_format("arrow")
-        ids, labels = (pc.list_value_length(table[c]) for c in ("input_ids", "labels"))
-        differ = pc.indices_nonzero(pc.not_equal(ids, labels)).to_pylist()
+        ids, values = (pc.list_value_length(table[c]) for c in ("input_ids", column))
+        differ = pc.indices_nonzero(pc.not_equal(ids, values)).to_pylist()
         if differ:
             i = differ[0]
+            what = ("HF's unshifted targets, -100 = no loss" if column == "labels" else "1 = a real token, 0 = padding")
             raise ValueError(
-                f"{name} document {i}: 'labels' has {labels[i].as_py()} entries but input_ids has {ids[i].as_py()} "
-                f"({len(differ)} such row(s)); 'labels' needs one entry per input token (HF's unshifted targets, -100 = "
-                "no loss), e.g. made in the same dataset.map() that makes input_ids -- or drop the column (the input "
-                "ids are then the targets)"
+                f"{name} document {i}: '{column}' has {values[i].as_py()} entries but input_ids has {ids[i].as_py()} "
+                f"({len(differ)} such row(s)); '{column}' needs one entry per input token ({what}), e.g. made in the "
+                f"same dataset.map() that makes input_ids -- or drop the column"
+                + (" (the input ids are then the targets)" if column == "labels" else "")
             )
-    return [c for c in ("input_ids", "labels") if c in dataset.column_names]
+    return ["input_ids", *per_token]
 
 
-def document_lengths(dataset: Any) -> list[int]:
-    """Token count of every document: the `length` column of `tokenize_dataset`, else the
-    lengths of the `input_ids` lists, read by Arrow (no Python list per row; shuffles and
-    selections of the dataset are respected)."""
+def document_lengths(dataset: Any, name: str = "train_dataset") -> list[int]:
+    """Token count of every document: a padded dataset's real tokens (its `attention_mask`,
+    checked row by row: `data/padding.py`), else the `length` column of `tokenize_dataset`,
+    else the lengths of the `input_ids` lists, read by Arrow (no Python list per row; shuffles
+    and selections of the dataset are respected)."""
+    if MASK_KEY in dataset.column_names:
+        return masked_lengths(dataset, name)
     if "length" in dataset.column_names:
         return [int(n) for n in dataset["length"]]
     import pyarrow.compute as pc
@@ -224,7 +235,7 @@ def step_dataloader(
     """
     columns = check_dataset(dataset, name)
     columns += [c for c in getattr(collator, "columns", ()) if c in dataset.column_names and c not in columns]  # images
-    lengths = document_lengths(dataset) if lengths is None else lengths
+    lengths = document_lengths(dataset, name) if lengths is None else lengths
     check_lengths(lengths, collator.max_tokens, collator.overlong, name)
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
     loader = torch.utils.data.DataLoader(

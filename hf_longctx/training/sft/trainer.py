@@ -18,6 +18,7 @@ from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
 from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.data.dataset_columns import require_dataset_targets
 from hf_longctx.devices import to_device
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
@@ -48,7 +49,9 @@ class LongContextTrainerMixin(SPTrainerBase):
     """Put in front of `transformers.Trainer` or any subclass: `class T(LongContextTrainerMixin, SFTTrainer)`.
 
     Extra keyword arguments: `mesh` (`init_sequence_parallel`, or a `GroupBank` from
-    `init_group_bank` for flexible SP groups; the model must be `patch`ed with it),
+    `init_group_bank` for flexible SP groups; the model must be `patch`ed with it; without it,
+    the mesh of `TrainingArguments(parallelism_config=...)` or of the launcher's accelerate
+    config, `training/base/mesh_source.py`, with the model patched there if it is not),
     `max_tokens` (tokens of one packed micro-batch of an SP group, before sharding; with a
     bank give `max_tokens_per_rank` instead: a group of size s packs at most s × that),
     `tokens_per_step` (global tokens per optimizer step), optionally `cost` (a `CostModel`;
@@ -65,7 +68,7 @@ class LongContextTrainerMixin(SPTrainerBase):
     `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic; default:
     once per step, in the last backward), `param_offload` (FSDP2 CPUOffloadPolicy through
     `fsdp_plan`: sharded parameters, gradients and optimizer states in host memory, the
-    optimizer step on the CPU), `vision_cost` (an image-text-to-text model: the encoder's
+    optimizer step on the CPU; in one process too, FSDP2 over one rank), `vision_cost` (an image-text-to-text model: the encoder's
     `VisionCost` in the unit of `cost`; both default to FLOPs). Everything else is plain
     `TrainingArguments`.
 
@@ -76,24 +79,27 @@ class LongContextTrainerMixin(SPTrainerBase):
     """
 
     def __init__(
-        self, *args: Any, mesh: SPMesh | GroupBank, max_tokens: int | None = None, tokens_per_step: int,
+        self, *args: Any, mesh: SPMesh | GroupBank | None = None, max_tokens: int | None = None, tokens_per_step: int,
         cost: CostModel | GroupCost | None = None, strategy: str = "balanced", overlong: str = "error",
         pad_token_id: int | None = None, step_timeout_s: float | None = None, peak_flops: float | None = None,
         max_tokens_per_rank: int | None = None, unequal_calls: bool = False, sync_each_microbatch: bool = False,
         param_offload: bool = False, vision_cost: Any = None, **kwargs: Any,
     ) -> None:
         # Every check runs on every rank alike, before any collective (base/construction.py).
-        check_mesh(mesh)
-        self.max_tokens = checks.check_mesh_arguments(mesh, max_tokens, max_tokens_per_rank, cost, strategy, unequal_calls)
         checks.check_options(unequal_calls, sync_each_microbatch, param_offload)
         self.param_offload = param_offload
         self.last_plan: StepRecord | None = None  # the last step's plan, modelled and measured times
         self.tokens_per_step = checks.positive_int("tokens_per_step", tokens_per_step)
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        params = {**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs}
+        training_args = params.get("args")
         if training_args is not None:
             check_training_arguments(training_args, type(self).__name__)  # before anything else, on every rank alike
         # Trainer.__init__'s parameters by name (positional ones too), each honoured or refused (refusals/training_arguments.py).
-        check_trainer_parameters({**dict(zip(_TRAINER_PARAMETERS, args)), **kwargs})
+        check_trainer_parameters(params)
+        # mesh= or the ParallelismConfig's mesh (base/mesh_source.py: built and the model patched when neither exists)
+        mesh, max_tokens = self._resolve_mesh(params.get("model"), training_args, mesh, max_tokens)
+        check_mesh(mesh)
+        self.max_tokens = checks.check_mesh_arguments(mesh, max_tokens, max_tokens_per_rank, cost, strategy, unequal_calls)
         # Patched with mesh, process group, transformers version; the Trainer gets a copy of the arguments.
         args, kwargs = self._setup_mesh(mesh, args, kwargs, _TRAINER_PARAMETERS)
         user_unused = getattr(training_args, "ddp_find_unused_parameters", None)
@@ -136,12 +142,14 @@ class LongContextTrainerMixin(SPTrainerBase):
         self.step_loop = StepLoop(self.world_mesh, window, self.watchdog, sync_each_microbatch=sync_each_microbatch)
 
     def _check_train_data(self, overlong: str, vocab: Any = None) -> list[int]:
-        """The train dataset's document lengths, checked against the caps, and its token ids
-        against the model's vocabulary (a subclass with other units, e.g. the preference pairs
-        of dpo/trainer.py, overrides it; its collate checks the ids per step)."""
+        """The train dataset's document lengths, checked against the caps, its token ids against
+        the model's vocabulary, and at least one token with loss (a subclass with other units,
+        e.g. the preference pairs of dpo/trainer.py, overrides it; its collate checks the ids
+        per step)."""
         check_dataset(self.train_dataset)
         check_dataset_token_ids(self.train_dataset, vocab)
         lengths = document_lengths(self.train_dataset)
+        require_dataset_targets(self.train_dataset)  # after document_lengths: a padded row's mask is checked
         check_lengths(lengths, self.max_tokens, overlong)
         check_step_budget(lengths, self.tokens_per_step, self.max_tokens, overlong, warn=self.args.process_index == 0)
         say_truncation(lengths, self.max_tokens, overlong, warn=self.args.process_index == 0)

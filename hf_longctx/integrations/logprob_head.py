@@ -1,0 +1,110 @@
+"""A patched causal LM's per-token log-probabilities of its targets, through a row-chunked LM head.
+
+Where it sits: the one place post-training objectives (DPO, GRPO, RLOO; policy and frozen
+reference) get per-token log-probabilities and entropies of a shard: `token_logprobs(model,
+shard)` runs `model(**inputs)` with the LM head's forward replaced, for that call only, by
+`ops/chunked_logprobs.chunked_token_logprobs` on the final hidden states (the SFT loss's
+device, `memory.py`: the head's weight is unsharded only inside its call under FSDP2).
+Guarantees: no `[S_local, V]` tensor beyond one chunk under any memory preset; the head's
+output is a `[B, S, 0]` tensor the log-probabilities are joined to, so FSDP2's pre-backward
+hook on it gathers the head's weight again before the chunks' backward recomputes logits;
+temperature and `final_logit_softcapping` honoured; a head whose logits the model scales
+otherwise is refused before any collective (`check_logprob_head`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.undo import set_instance_attr
+from hf_longctx.model_walk import hf_model
+from hf_longctx.ops.chunked_logprobs import chunked_token_logprobs
+from hf_longctx.ops.tiling import default_loss_chunk_size
+
+# Config fields by which a transformers model rescales its logits after the LM head; neutral values.
+_LOGIT_SCALES = {"logit_scale": (None, 1.0), "logits_scaling": (None, 1.0), "output_multiplier": (None, 1.0),
+                 "lm_head_multiplier": (None, 1.0), "logits_soft_cap": (None,)}
+_NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
+
+
+def _text_config(hf: Any) -> Any:
+    return hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+
+
+def check_logprob_head(model: Any) -> float | None:
+    """The model's `final_logit_softcapping` (None: off), after checking that its LM head is a
+    linear layer and that the model applies no other transform to the logits. Raises
+    `NotSupported` naming the field otherwise (same config on every rank: all raise alike)."""
+    hf = hf_model(model)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise NotSupported(f"per-token log-probabilities need a linear LM head; {type(hf).__name__}."
+                           f"get_output_embeddings() is {type(head).__name__}", "use a causal LM with a linear LM head")
+    config = _text_config(hf)
+    scaled = {k: getattr(config, k) for k, neutral in _LOGIT_SCALES.items() if getattr(config, k, None) not in neutral}
+    if isinstance(getattr(hf, "final_logits_bias", None), torch.Tensor):
+        scaled["final_logits_bias"] = "a buffer"
+    if scaled:
+        raise NotSupported(f"{type(hf).__name__} rescales its logits after the LM head ({scaled}); the chunked "
+                           "log-probabilities honour final_logit_softcapping and the temperature only",
+                           "use a model without these logit transforms")
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return float(softcap) if softcap else None
+
+
+def logprob_chunk_rows(model: Any, rows: int) -> int:
+    """Rows per chunk for `rows` tokens: the patch's `loss_chunks` (an int: that many chunks),
+    else `ops/tiling.default_loss_chunk_size` (the SFT loss's rule, "auto")."""
+    from hf_longctx.integrations.model_patch import patch_state
+
+    state = patch_state(model)
+    chunks = getattr(getattr(state, "options", None), "loss_chunks", None)
+    if isinstance(chunks, int) and not isinstance(chunks, bool):
+        return max(1, math.ceil(rows / chunks))
+    return default_loss_chunk_size(hf_model(model).config, rows)
+
+
+def token_logprobs(model: nn.Module, shard: Mapping[str, Any], *, temperature: float = 1.0,
+                   stats: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 log-probabilities [B, S_local] of `shard["shift_labels"]`, fp32 statistics [B, S_local, k])
+    of `model` on its shard (`shard_batch`'s output; labels and counts are not passed to the model).
+
+    `stats`: names from `ops/chunked_logprobs.STATS` ("entropy", "mean_logit", "is_top1"),
+    without gradient. The log-probabilities carry gradients when grad mode is on. A forward of
+    `model`: under SP, every rank of the group calls it once per micro-batch."""
+    hf = hf_model(model)
+    softcap = check_logprob_head(hf)
+    head = hf.get_output_embeddings()
+    targets = shard["shift_labels"]  # [B, S_local] pre-shifted, -100 where nothing is scored
+    inputs = {k: v for k, v in shard.items() if k not in _NOT_MODEL_INPUTS}
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def head_logprobs(hidden: torch.Tensor) -> torch.Tensor:
+        # Inside the head's call: under FSDP2 its weight is unsharded now (and again in backward, below).
+        rows = hidden.shape[0] * hidden.shape[1]
+        found.append(chunked_token_logprobs(
+            hidden, head.weight, getattr(head, "bias", None), targets=targets.to(hidden.device),
+            chunk_size=logprob_chunk_rows(hf, rows), temperature=temperature, final_logit_softcapping=softcap,
+            stats=tuple(stats)))
+        # [B, S, 0], joined to the log-probabilities: what the model does to its logits is free on it, and
+        # FSDP2's pre-backward hook on the head's output fires before the chunks' backward (a clone: no view).
+        return found[-1][0][..., None][..., :0].clone()
+
+    restore: list = []
+    set_instance_attr(head, "forward", head_logprobs, restore)
+    try:
+        out = model(**inputs)
+    finally:
+        restore[0]()
+    if len(found) != 1:
+        raise RuntimeError(f"expected one LM head call in {type(hf).__name__}.forward, saw {len(found)}")
+    logps, extra = found[0]
+    empty = out["logits"] if isinstance(out, Mapping) else out[0]  # [B, S, 0] after the model's own logit ops
+    if logps.requires_grad:
+        logps = logps + empty.sum(-1)  # + 0: the gradient reaches the head's output (its FSDP2 hook)
+    return logps, extra

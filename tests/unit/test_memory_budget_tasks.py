@@ -1,0 +1,44 @@
+"""The per-token memory budget of DPO and GRPO steps: the planner's terms (`capacity/task_budget.py`)
+against the census of a real step, and the step against SFT's.
+
+The census (`benchmarks/memory_budget.py --tasks`, `benchmarks/post_training_steps.py`) counts
+the frozen reference's forward (patched as the trainers patch it), the policy's forward through
+the chunked log-prob head, the objective and the backward, on one process, bf16, shape T1. The
+planner's device peak must be within 5 % of it (as tests/unit/test_memory_budget.py for SFT).
+The census of a DPO pair holds one tensor the planner does not budget, counted apart here as the
+local kernel's workspace is: the CPU kernel returns the output of a row of several documents in
+the head layout, which `usp_attention` copies to the token layout (`.contiguous()`); flash-attn's
+varlen output is token-major already. And the targets: a DPO or GRPO step's device bytes per
+token within 1.15x of an SFT step's at the same preset and length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.memory_budget import estimate, measure_lengths
+from hf_longctx.distributed.mesh import init_sequence_parallel
+
+TOKENS = 2048
+CPU_LAYOUT_COPY = "usp.py:usp_attention clone"  # the CPU kernel's multi-document output, copied token-major
+
+
+def _census(mode: str, task: str) -> dict:
+    torch.manual_seed(0)
+    (got,) = measure_lengths(init_sequence_parallel(1, 1), "T1", mode, [TOKENS], warm_up=False, task=task)
+    return got
+
+
+@pytest.mark.parametrize("mode", ["balanced", "max", "max u=4 offload"])
+def test_planner_terms_agree_with_the_census_for_dpo_and_grpo(mode):
+    sft = _census(mode, "sft")["device"]
+    for task in ("dpo", "grpo"):
+        got = _census(mode, task)
+        apart = sum(b for (name, host), b in got["by_name"].items() if not host and name.endswith(CPU_LAYOUT_COPY))
+        device, host = estimate("T1", mode, TOKENS, 1, 1, task)
+        assert abs(device / (got["device"] - apart) - 1) <= 0.05, (task, device / got["s_local"],
+                                                                    got["device"] / got["s_local"], apart)
+        if got["host"] or host:
+            assert abs(host / got["host"] - 1) <= 0.05, (task, host, got["host"])
+        assert got["device"] <= 1.15 * sft, (task, got["device"] / sft)
