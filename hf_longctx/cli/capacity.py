@@ -155,18 +155,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     cluster = _cluster(args)
     grad_sync = "microbatch" if args.sync_each_microbatch else "step"
-    ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
-                           optimizer=args.optimizer, unsharded_step=args.unequal_calls, grad_sync=grad_sync,
-                           microbatches=args.microbatches or 1, tokens_per_step=args.tokens_per_step,
-                           param_offload=args.param_offload, vision=vision, task=args.task,
-                           rollout_tokens=args.rollout_tokens)
+    rank = lambda task: rank_settings(  # noqa: E731 (a DPO plan ranks twice: capacity/dpo_reference.py)
+        config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
+        unsharded_step=args.unequal_calls, grad_sync=grad_sync, microbatches=args.microbatches or 1,
+        tokens_per_step=args.tokens_per_step, param_offload=args.param_offload, vision=vision, task=task,
+        rollout_tokens=args.rollout_tokens)
+    ranked = rank(args.task)
     feasible = [c for c in ranked if c.feasible]
     print(_heading(args, config, dims, vision) + "\n")
+    advice = None
+    if args.task == "dpo":  # held or precomputed reference: which is cheaper here (capacity/dpo_reference.py)
+        from hf_longctx.capacity.dpo_reference import pick_reference
+
+        advice = pick_reference(ranked, rank("dpo-precomputed"))
     if not feasible:
-        return _print_closest(args, ranked)
-    _print_table(args, ranked, feasible)
-    _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
-    return 0
+        code = _print_closest(args, ranked)
+    else:
+        _print_table(args, ranked, feasible)
+        _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
+        code = 0
+    if advice:
+        print("\n" + advice)
+    return code
 
 
 def _cluster(args: argparse.Namespace):
