@@ -31,7 +31,7 @@ from hf_longctx.capacity.estimate import (
     estimate_memory,
 )
 from hf_longctx.capacity.step_time import step_time
-from hf_longctx.capacity.suggestion import Suggestion
+from hf_longctx.capacity.suggestion import Suggestion, task_trainer
 
 
 TIE_TOLERANCE = 0.07  # relative step-time difference the estimates cannot resolve (see the module docstring)
@@ -151,7 +151,12 @@ def rank_settings(
     (try both), "yes", "no". `vision`: a `capacity/vision.VisionBudget` (images / video per
     document of `seq_len`): the tower's memory and time are charged to every setting. `task`,
     `rollout_tokens`: the training objective and the rollouts on these GPUs
-    (`estimate.estimate_memory`); a pair or a group counts all its documents in `tokens`."""
+    (`estimate.estimate_memory`); a pair or a group counts all its documents in `tokens`.
+    Only settings the task's trainer runs (`suggestion.TASK_TRAINERS`): for "grpo" / "rloo"
+    no parameter offload ("auto" tries it off only; "yes" is refused) and gradients
+    reduce-scattered in every micro-batch (`grad_sync` "microbatch", as those trainers always
+    do); `unsharded_step` (flexible groups) with "sft" only."""
+    param_offload, grad_sync = task_options(task, param_offload, grad_sync, unsharded_step)
     seq_len = tokens if seq_len is None else seq_len
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -209,24 +214,43 @@ def rank_settings(
     return band + out[n:]
 
 
+def task_options(task: str, param_offload: str, grad_sync: str, unsharded_step: bool) -> tuple[str, str]:
+    """(param_offload, grad_sync) the search uses for `task`'s trainer (`rank_settings`); raises
+    ValueError, naming the trainer, for an option it does not take."""
+    t = task_trainer(task)
+    if unsharded_step and not t.flexible_groups:
+        raise ValueError(f"unsharded_step (--unequal-calls) plans flexible SP groups, which {t.name} does not take "
+                         f"(it trains on an SPMesh); leave it off for task {task!r}")
+    if t.trainer_options:
+        return param_offload, grad_sync
+    if param_offload == "yes":
+        raise ValueError(f"param_offload 'yes' (--param-offload yes): {t.name} takes no param_offload (its FSDP2 shards "
+                         f"and optimizer states stay on the device); plan task {task!r} with 'no' or 'auto' (which "
+                         "tries it off only for this task)")
+    return "no", "microbatch"  # the rollout trainers reduce-scatter in every micro-batch's backward always
+
+
 def suggest(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
-    tokens_per_step: int | None = None, param_offload: str = "auto",
+    tokens_per_step: int | None = None, param_offload: str = "auto", task: str = "sft", rollout_tokens: int = 0,
 ) -> Suggestion:
     """The fastest setting by the step-time estimate among those whose estimated peak fits
     (the first row of `hf-longctx plan` with the same arguments; near ties broken by the USP
-    guidance). Raises ValueError naming the lowest estimated peak when nothing fits."""
+    guidance), as code and flags for `task`'s trainer and recipes. Raises ValueError naming
+    the lowest estimated peak when nothing fits."""
     ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                            unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=microbatches,
-                           tokens_per_step=tokens_per_step, param_offload=param_offload)
+                           tokens_per_step=tokens_per_step, param_offload=param_offload, task=task,
+                           rollout_tokens=rollout_tokens)
     if not ranked[0].feasible:
         low = min(ranked, key=lambda c: c.memory.peak)
         raise ValueError(
             f"no setting fits: the lowest estimated peak is {low.memory.peak / 2**30:.1f} GiB per GPU "
             f"({low.setting}, memory={low.preset!r}: {low.reason})"
         )
-    return Suggestion.of(ranked[0], tokens, grad_sync=grad_sync, dtype=dtype)
+    return Suggestion.of(ranked[0], tokens, grad_sync=task_options(task, param_offload, grad_sync, unsharded_step)[1],
+                         dtype=dtype, task=task)
 
 
 def _charge_vision(vision: Any, config: Any, s: Setting, cluster: Cluster, mem: Any, time: Any, samples: float,
