@@ -1,9 +1,9 @@
-"""HF's activation-checkpointing flag under its current name, in the recipes and the README.
+"""HF's activation-checkpointing flag under its current name, in the recipes and the docs.
 
 transformers >= 5.18 names it `activation_checkpointing`; `gradient_checkpointing` is its
 deprecated alias (a FutureWarning; removed in v6), and TRL's configs default the alias to True,
 so they warn unless the new name is given. `recipes/common.checkpointing(on)` gives the field
-under the installed release's name; no recipe passes the alias, and the README documents the
+under the installed release's name; no recipe passes the alias, and the trainer guide documents the
 new name (the trainers map either to `patch(checkpoint=True)`: tests/integration/test_train_single.py).
 """
 
@@ -41,7 +41,7 @@ def test_the_recipe_helper_names_the_current_field_and_trl_does_not_warn(tmp_pat
     assert config.gradient_checkpointing is False  # TRL's default (True) overridden
 
 
-def test_no_recipe_passes_the_deprecated_alias_and_the_readme_names_the_new_one():
+def test_no_recipe_passes_the_deprecated_alias_and_the_trainer_guide_names_the_new_one():
     from hf_longctx._compat import checkpointing_fields
     import transformers
 
@@ -53,5 +53,6 @@ def test_no_recipe_passes_the_deprecated_alias_and_the_readme_names_the_new_one(
             tree = ast.parse(open(os.path.join(ROOT, "recipes", name)).read())
             used += [f"{name}:{k.lineno}" for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg == "gradient_checkpointing"]
     assert not used, f"recipes pass the deprecated gradient_checkpointing= (use checkpointing(on)): {used}"
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert "`gradient_checkpointing=True`" not in readme and "`activation_checkpointing=True`" in readme
+    pages = {name: open(os.path.join(ROOT, name)).read() for name in ("README.md", "docs/guides/trainer.md")}
+    assert not [name for name, text in pages.items() if "`gradient_checkpointing=True`" in text]
+    assert "`activation_checkpointing=True`" in pages["docs/guides/trainer.md"]

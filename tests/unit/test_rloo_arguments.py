@@ -88,7 +88,7 @@ def test_trainer_checks_name_the_value_before_any_collective(tmp_path):
 
 def test_what_vllm_server_mode_lacks_is_what_trl_says():
     """The facts the use_vllm refusal names, read from TRL itself: its VLLMClient cannot be built
-    without the vllm package (it raises before any request: the loopback address is never
+    without the vllm package and its HTTP client (it raises before any request: the loopback address is never
     contacted), and its weight walk recognises FSDP only through Accelerate's fsdp_plugin, which
     these trainers do not set (they shard with fully_shard themselves)."""
     from types import SimpleNamespace
@@ -100,7 +100,8 @@ def test_what_vllm_server_mode_lacks_is_what_trl_says():
         pytest.skip("vllm is installed here: the client builds; the refusal stands on the other reasons")
     from trl.generation.vllm_client import VLLMClient
 
-    with pytest.raises(ImportError, match="vLLM is not installed"):
+    # TRL checks its HTTP client's package first, then vllm: either missing stops the build
+    with pytest.raises(ImportError, match="(vLLM|requests) is not installed"):
         VLLMClient(base_url="http://127.0.0.1:9", connection_timeout=0.0)
     no_plugins = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None))
     assert DistributedBackend(no_plugins).is_fsdp is False
