@@ -67,6 +67,9 @@ class StubStreams(EmulatedStreams):
         def synchronize(self):
             self.c.sync(f"{self.what}.synchronize()")
 
+        def query(self):
+            return True  # cudaEventQuery: asks, never waits (no sync)
+
     def current(self, device):
         return self._Handle(self.c, "stream")
 

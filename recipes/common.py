@@ -17,12 +17,13 @@ setting printed by `hf-longctx plan` ("as recipe flags") pastes into any of them
   --resume                             -> trainer.train(resume_from_checkpoint=True)
   --tokenizer                          -> AutoTokenizer.from_pretrained (default: --model)
 
-A recipe that does not honour one of them refuses it when set (`refuse_flags`). Also shared by
+A recipe that does not honour one of them refuses it when set (`refuse_flags`): the rollout
+recipes refuse --sync-each-microbatch and --param-offload (`rollout_refusals`). Also shared by
 the post-training recipes (`dpo.py`, `grpo.py`, `rloo.py`): `build_tiny_model` (their CPU demo model, built
 from a config and saved with `save_pretrained`, so it loads like a real checkpoint),
 `step_lines` (one printed line per optimizer step with TRL's metric names, and every rank's
-logs in `OUTPUT_DIR/steps.rank<R>.jsonl`), `parse_post_training_args`, `recipe_mesh` and
-`train_and_export`; and by the rollout recipes (`grpo.py`, `rloo.py`): `parse_rollout_args`,
+logs in `OUTPUT_DIR/steps.rank<R>.jsonl`), `parse_post_training_args`, `recipe_mesh`,
+`print_patch` and `train_and_export`; and by the rollout recipes (`grpo.py`, `rloo.py`): `parse_rollout_args`,
 `rollout_refusals`, `rollout_config_kwargs`, the made-up prompts (`make_prompts`), the reward
 (`format_scores`) and `train_rollouts` (model, data, trainer, training).
 """
@@ -211,6 +212,18 @@ def recipe_mesh(args: argparse.Namespace, config: Any, device: Any) -> Any:
     return mesh
 
 
+def print_patch(model: Any, is_main: bool) -> None:
+    """Rank 0 prints the memory options `model`'s patch holds (read back from the model after the
+    trainer mapped its config's checkpointing flag onto it: what the run trains with)."""
+    from hf_longctx.integrations.model_patch import patch_state
+
+    if is_main:
+        o = patch_state(model).options
+        print(f"patched: memory={o.memory!r}, checkpoint={o.checkpoint!r}, kv_offload={o.kv_offload}, "
+              f"mlp_chunks={o.mlp_chunks!r}, loss_chunks={o.loss_chunks!r}, inputs_on_device={o.inputs_on_device}",
+              flush=True)
+
+
 def train_and_export(trainer: Any, args: argparse.Namespace) -> None:
     """`trainer.train()` (from the newest checkpoint-N with --resume); with --export, the consolidated
     model in OUTPUT_DIR/final (loads with `from_pretrained`). The printer callback goes: `step_lines`
@@ -281,13 +294,14 @@ def parse_rollout_args(doc: str, argv: Any, *, beta: float, output_dir: str, tra
 
 
 def rollout_refusals(trainer: str) -> dict[str, str]:
-    """The shared flags a rollout recipe refuses (`refuse_flags`), with what to do instead."""
+    """The shared flags a rollout recipe refuses (`refuse_flags`), with what to do instead: the
+    trainer options `LongGRPOTrainer` / `LongRLOOTrainer` do not take (the memory flags go to
+    `patch` and are honoured)."""
     return {
-        "memory": f"leave it off (its chunked LM head drops the logits the {trainer} loss needs); for K/V offload "
-                  "use --fpdt-chunks N --kv-offload",
-        "sync_each_microbatch": f"leave it off ({trainer}'s FSDP2 reduce-scatters the gradients after every "
-                                "micro-batch of --max-tokens already)",
-        "param_offload": f"leave it off ({trainer} keeps the FSDP2 shards on the device)",
+        "sync_each_microbatch": f"leave it off ({trainer} always reduce-scatters the gradients in every micro-batch's "
+                                "backward, so there is nothing for the flag to change)",
+        "param_offload": f"leave it off ({trainer} takes no param_offload: its FSDP2 shards and optimizer states stay "
+                         "on the device; for less device memory use --memory high or max)",
     }
 
 
@@ -345,4 +359,5 @@ def train_rollouts(args: argparse.Namespace, config_name: str, trainer_cls: Any,
         train_dataset=prompts, processing_class=tokenizer, max_tokens=args.max_tokens,
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
     )
+    print_patch(trainer.model, config.process_index == 0)
     train_and_export(trainer, args)

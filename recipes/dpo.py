@@ -19,9 +19,10 @@ reference's (the initial model, loaded again from --model) log-probabilities are
 sums over the SP shards, the loss is the mean over the step's GLOBAL pairs, FSDP2 sums the
 gradients over DP x SP. Every step prints TRL's metrics (loss, grad_norm, rewards/margins,
 rewards/accuracies, logps/*, ...) as global values; every rank writes them to
-OUTPUT_DIR/steps.rank<R>.jsonl. --memory is refused (its chunked loss drops the logits DPO
-needs); --sync-each-microbatch, --param-offload, --resume (with --save-every checkpoints),
---kv-offload (with --fpdt-chunks) go to the trainer and `patch`.
+OUTPUT_DIR/steps.rank<R>.jsonl. Every shared flag is honoured: --memory, --inputs-on-device,
+--kv-offload (with --fpdt-chunks) and --mixers go to `patch` (policy and reference: the
+log-probs come through the row-chunked LM head under every preset); --sync-each-microbatch,
+--param-offload and --resume (with --save-every checkpoints) to the trainer.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling mo
 
 from common import (  # noqa: E402
     add_model_data_args, checkpointing, load_model_and_data, parse_post_training_args,
-    patch_kwargs, recipe_mesh, step_lines, train_and_export, trainer_kwargs,
+    patch_kwargs, print_patch, recipe_mesh, step_lines, train_and_export, trainer_kwargs,
 )
 
 from hf_longctx import LongDPOTrainer, patch  # noqa: E402
@@ -54,10 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid")
     p.add_argument("--lr", type=float, default=1e-3)
-    return parse_post_training_args(p, argv, output_dir="runs/dpo", refused={
-        "memory": "leave it off (its chunked LM head drops the logits the DPO log-probs need); for K/V offload "
-                  "use --fpdt-chunks N --kv-offload",
-    })
+    return parse_post_training_args(p, argv, output_dir="runs/dpo", refused={})  # every shared flag honoured
 
 
 def make_pairs(n: int, seed: int):
@@ -98,6 +96,7 @@ def main(argv=None) -> None:
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
         **trainer_kwargs(args),
     )
+    print_patch(trainer.model, config.process_index == 0)
     train_and_export(trainer, args)
 
 

@@ -21,9 +21,11 @@ packed micro-batches of <= N tokens with gradient accumulation, the same result)
 loaded again, patched and sharded like the policy), FSDP2 summing the gradients over DP x SP.
 Every step prints TRL's metrics (loss, grad_norm, reward, reward_std, kl, entropy,
 clip_ratio/*, completions/*) as global values; every rank writes them to
-OUTPUT_DIR/steps.rank<R>.jsonl. Refused (LongGRPOTrainer does not make them exact):
---memory (its chunked LM head drops the logits the loss needs), --sync-each-microbatch (FSDP2
-reduce-scatters after every micro-batch already) and --param-offload (no host offload). --save-every N
+OUTPUT_DIR/steps.rank<R>.jsonl. --memory, --inputs-on-device, --kv-offload (with --fpdt-chunks)
+and --mixers go to `patch` (policy and reference; generation takes the patch off and puts the
+same options back). Refused (LongGRPOTrainer has no such option): --sync-each-microbatch (it
+reduce-scatters in every micro-batch's backward always) and --param-offload (its FSDP2 shards
+and optimizer states stay on the device). --save-every N
 writes sharded checkpoint-N/ folders (policy and optimizer shards of every rank, scheduler, RNG; the
 frozen reference is rebuilt from --model, so resume with the same --model); --resume continues from
 the newest one exactly as the uninterrupted run would; --export saves the trained model.

@@ -20,8 +20,8 @@ ranks' rows as one packed, sharded row (--max-tokens N: packed micro-batches of 
 the scoring forwards and the training step), TRL's clipped sequence-ratio loss with each
 completion's log-prob summed across its SP shards, FSDP2 summing the gradients over DP x SP.
 Every step prints TRL's metrics (loss, grad_norm, reward, reward_std, kl, entropy, clip_ratio/*,
-completions/*) as global values. Refused as in grpo.py: --memory, --sync-each-microbatch,
---param-offload. --save-every N writes sharded checkpoint-N/ folders, --resume continues from the
+completions/*) as global values. --memory and the other `patch` flags are honoured, and
+--sync-each-microbatch and --param-offload refused, as in grpo.py. --save-every N writes sharded checkpoint-N/ folders, --resume continues from the
 newest one (same --model: the reference is rebuilt from it); --export saves the trained model.
 """
 

@@ -18,7 +18,7 @@ from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.ulysses import kv_replication
 from hf_longctx.capacity.budget import step_budget
 from hf_longctx.capacity.budget_terms import DTYPE_BYTES, KERNEL_TERM, Phase
-from hf_longctx.capacity.task_budget import generation_bytes
+from hf_longctx.capacity.task_budget import HOLDS_REFERENCE, generation_bytes
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def estimate_memory(
     sharded_grads = 4 * P / world
     optim = (8 * P / world) if optimizer == "adamw" else 0.0
     host = 0.0
-    reference = 4 * P / world if task != "sft" else 0.0  # the frozen reference's shards, in the policy's fp32
+    reference = 4 * P / world if task in HOLDS_REFERENCE else 0.0  # the frozen reference's shards, in the policy's fp32
     if s.param_offload:  # the fp32 shards and the optimizer states live on host (CPUOffloadPolicy)
         host += master + sharded_grads + optim + reference
         master = sharded_grads = optim = reference = 0.0

@@ -31,6 +31,7 @@ from hf_longctx.capacity.estimate import (
     estimate_memory,
 )
 from hf_longctx.capacity.step_time import step_time
+from hf_longctx.capacity.suggestion import Suggestion, task_trainer
 
 
 TIE_TOLERANCE = 0.07  # relative step-time difference the estimates cannot resolve (see the module docstring)
@@ -61,56 +62,6 @@ class Candidate:
         host memory", or "" (it fits, or another reason)."""
         return {(False, True): "GPU memory", (True, False): "host memory",
                 (False, False): "GPU and host memory"}.get((self.gpu_fits, self.host_fits), "")
-
-
-@dataclass(frozen=True)
-class Suggestion:
-    """What to run: `init_sequence_parallel(**init_kwargs)` then `patch(model, mesh, memory=memory)`."""
-
-    init_kwargs: dict  # ulysses_degree, ring_degree, fpdt_chunks
-    memory: str
-    candidate: Candidate
-    trainer_kwargs: dict | None = None  # LongContextTrainer: max_tokens, tokens_per_step, param_offload, ...
-    mixed_precision: str = "bf16"
-
-    @classmethod
-    def of(cls, c: Candidate, tokens: int | None = None, *, grad_sync: str = "step", dtype: str = "bf16") -> "Suggestion":
-        """`tokens`: per SP group and micro-batch (the trainer's `max_tokens`)."""
-        s = c.setting
-        trainer = {"max_tokens": tokens, "tokens_per_step": tokens * c.dp * c.microbatches} if tokens else {}
-        if s.param_offload:
-            trainer["param_offload"] = True
-        if grad_sync == "microbatch":
-            trainer["sync_each_microbatch"] = True
-        return cls({"ulysses_degree": s.ulysses, "ring_degree": s.ring, "fpdt_chunks": s.fpdt_chunks}, c.preset, c,
-                   trainer, "fp32" if dtype == "fp32" else "bf16")
-
-    def code(self) -> str:
-        args = ", ".join(f"{k}={v}" for k, v in self.init_kwargs.items())
-        kept = self.candidate.setting.inputs_on_device
-        keep = ", keep_attention=True" if self.candidate.setting.keep_attention else ""
-        out = (f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r}"
-               + keep + (f", inputs_on_device={kept})" if kept else ")"))
-        if self.trainer_kwargs:
-            kw = ", ".join(f"{k}={v}" for k, v in self.trainer_kwargs.items())
-            out += f"\ntrainer = hf_longctx.LongContextTrainer(model=model, args=args, mesh=mesh, {kw}, ...)"
-        return out
-
-    def recipe_flags(self) -> str:
-        """The same setting as flags of recipes/pretrain.py, lora.py and sft.py (recipes/common.py)."""
-        k, t = self.init_kwargs, self.trainer_kwargs or {}
-        flags = [f"--ulysses {k['ulysses_degree']}", f"--ring {k['ring_degree']}", f"--fpdt-chunks {k['fpdt_chunks']}",
-                 f"--memory {self.memory}"]
-        if self.candidate.setting.inputs_on_device:
-            flags.append(f"--inputs-on-device {self.candidate.setting.inputs_on_device}")
-        if self.candidate.setting.keep_attention:
-            flags.append("--keep-attention")
-        if "max_tokens" in t:
-            flags += [f"--max-tokens {t['max_tokens']}", f"--tokens-per-step {t['tokens_per_step']}"]
-        flags += [f"--mixed-precision {self.mixed_precision}"]
-        flags += ["--param-offload"] if t.get("param_offload") else []
-        flags += ["--sync-each-microbatch"] if t.get("sync_each_microbatch") else []
-        return " ".join(flags)
 
 
 def preset_setting(ulysses: int, ring: int, fpdt_chunks: int, memory: str, dims: ModelDims | None = None) -> Setting:
@@ -202,7 +153,12 @@ def rank_settings(
     (try both), "yes", "no". `vision`: a `capacity/vision.VisionBudget` (images / video per
     document of `seq_len`): the tower's memory and time are charged to every setting. `task`,
     `rollout_tokens`: the training objective and the rollouts on these GPUs
-    (`estimate.estimate_memory`); a pair or a group counts all its documents in `tokens`."""
+    (`estimate.estimate_memory`); a pair or a group counts all its documents in `tokens`.
+    Only settings the task's trainer runs (`suggestion.TASK_TRAINERS`): for "grpo" / "rloo"
+    no parameter offload ("auto" tries it off only; "yes" is refused) and gradients
+    reduce-scattered in every micro-batch (`grad_sync` "microbatch", as those trainers always
+    do); `unsharded_step` (flexible groups) with "sft" only."""
+    param_offload, grad_sync = task_options(task, param_offload, grad_sync, unsharded_step)
     seq_len = tokens if seq_len is None else seq_len
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
@@ -260,24 +216,43 @@ def rank_settings(
     return band + out[n:]
 
 
+def task_options(task: str, param_offload: str, grad_sync: str, unsharded_step: bool) -> tuple[str, str]:
+    """(param_offload, grad_sync) the search uses for `task`'s trainer (`rank_settings`); raises
+    ValueError, naming the trainer, for an option it does not take."""
+    t = task_trainer(task)
+    if unsharded_step and not t.flexible_groups:
+        raise ValueError(f"unsharded_step (--unequal-calls) plans flexible SP groups, which {t.name} does not take "
+                         f"(it trains on an SPMesh); leave it off for task {task!r}")
+    if t.trainer_options:
+        return param_offload, grad_sync
+    if param_offload == "yes":
+        raise ValueError(f"param_offload 'yes' (--param-offload yes): {t.name} takes no param_offload (its FSDP2 shards "
+                         f"and optimizer states stay on the device); plan task {task!r} with 'no' or 'auto' (which "
+                         "tries it off only for this task)")
+    return "no", "microbatch"  # the rollout trainers reduce-scatter in every micro-batch's backward always
+
+
 def suggest(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
-    tokens_per_step: int | None = None, param_offload: str = "auto",
+    tokens_per_step: int | None = None, param_offload: str = "auto", task: str = "sft", rollout_tokens: int = 0,
 ) -> Suggestion:
     """The fastest setting by the step-time estimate among those whose estimated peak fits
     (the first row of `hf-longctx plan` with the same arguments; near ties broken by the USP
-    guidance). Raises ValueError naming the lowest estimated peak when nothing fits."""
+    guidance), as code and flags for `task`'s trainer and recipes. Raises ValueError naming
+    the lowest estimated peak when nothing fits."""
     ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                            unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=microbatches,
-                           tokens_per_step=tokens_per_step, param_offload=param_offload)
+                           tokens_per_step=tokens_per_step, param_offload=param_offload, task=task,
+                           rollout_tokens=rollout_tokens)
     if not ranked[0].feasible:
         low = min(ranked, key=lambda c: c.memory.peak)
         raise ValueError(
             f"no setting fits: the lowest estimated peak is {low.memory.peak / 2**30:.1f} GiB per GPU "
             f"({low.setting}, memory={low.preset!r}: {low.reason})"
         )
-    return Suggestion.of(ranked[0], tokens, grad_sync=grad_sync, dtype=dtype)
+    return Suggestion.of(ranked[0], tokens, grad_sync=task_options(task, param_offload, grad_sync, unsharded_step)[1],
+                         dtype=dtype, task=task)
 
 
 def _charge_vision(vision: Any, config: Any, s: Setting, cluster: Cluster, mem: Any, time: Any, samples: float,

@@ -7,7 +7,7 @@ runs `ops/chunked_logprobs` (always chunked, even where SFT's loss is not) in tw
 forward (the log-softmax of one chunk) and its backward (the chunk's logits recomputed, their
 gradient, the head's weight gradient); the per-token objective inputs (fp64 rows of GRPO and
 RLOO, the reference's fp32 log-probs of DPO) are held for the step; the frozen reference's
-forward is a phase of its own, before the policy's (nothing of the policy is alive yet; its
+forward is a phase of its own (absent for "dpo-precomputed"), before the policy's (nothing of the policy is alive yet; its
 layers row-chunked without gradients under memory="max", `layer_split.call_no_grad`).
 Pairs and groups change no per-token term: a pair or a group is planned into one micro-batch of
 `tokens` (`data/pairs.py`, `grpo/microbatches.py`), so `tokens` counts all its documents."""
@@ -18,14 +18,17 @@ from dataclasses import replace
 
 from hf_longctx.capacity.budget_terms import Budget, Phase, Sizes, loss_rows, loss_terms
 
-TASKS = ("sft", "dpo", "grpo", "rloo")
+TASKS = ("sft", "dpo", "dpo-precomputed", "grpo", "rloo")
+# "dpo-precomputed": DPOConfig(precompute_ref_log_probs=True): no reference held or run during training,
+# its per-pair sums come with the data (training/dpo/precompute.py)
+HOLDS_REFERENCE = ("dpo", "grpo", "rloo")
 # per-token statistics the objective reads from the head (dpo: entropy, mean logit, top-1; grpo/rloo: entropy)
-_STATS = {"dpo": 3, "grpo": 1, "rloo": 1}
+_STATS = {"dpo": 3, "dpo-precomputed": 3, "grpo": 1, "rloo": 1}
 # bytes per token of the objective's inputs held through the step: GRPO's fp64 rows (weight, advantage,
 # reference log-probs, completion index, target-aligned); RLOO's and the old policy's log-probs, which TRL
 # 1.16's RLOOTrainer always scores (a second no-grad forward, the size of the reference's phase); DPO's
 # reference log-probs (fp32)
-_ROWS = {"dpo": 4, "grpo": 4 * 8, "rloo": 5 * 8}
+_ROWS = {"dpo": 4, "dpo-precomputed": 0, "grpo": 4 * 8, "rloo": 5 * 8}
 
 
 def head_forward_terms(z: Sizes, dims, S: float, lr: int, stats: int) -> dict:
@@ -77,7 +80,8 @@ def with_task(budget: Budget, task: str, dims, s, z: Sizes, S: float, r: float, 
         base = {k: b for k, b in p.terms.items() if k not in sft_loss}
         phases.append(Phase("loss", base | held | head_forward_terms(z, dims, S, lr, _STATS[task])))
         phases.append(Phase("log-prob head backward", base | held | head_backward_terms(z, dims, S, lr)))
-    phases.append(Phase("reference forward", held | reference_terms(z, dims, s, S, r, lr)))
+    if task in HOLDS_REFERENCE:
+        phases.append(Phase("reference forward", held | reference_terms(z, dims, s, S, r, lr)))
     return replace(budget, phases=tuple(phases), held=budget.held + float(sum(held.values())))
 
 

@@ -92,9 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--video-seconds", type=float, default=0.0, help="seconds of video per sample")
     g.add_argument("--fps", type=float, default=0.0, help="video frames sampled per second")
     g.add_argument("--frame-tokens", type=int, default=0, help="language-model tokens per temporal slice (two frames)")
-    p.add_argument("--task", choices=["sft", "dpo", "grpo", "rloo"], default="sft",
+    p.add_argument("--task", choices=["sft", "dpo", "dpo-precomputed", "grpo", "rloo"], default="sft",
                    help="the objective: dpo / grpo / rloo add the frozen reference (weights and forward) and the "
-                        "chunked log-prob head; --seq-len counts a pair's or a group's documents together")
+                        "chunked log-prob head (dpo-precomputed: precompute_ref_log_probs=True, the head only; "
+                        "--task dpo also prints which of the two it picks); --seq-len counts a pair's or a group's "
+                        "documents together")
     p.add_argument("--rollout-tokens", type=int, default=None,
                    help="grpo / rloo: prompt + completion tokens each GPU generates per step on the training GPUs "
                         "(KV cache, the whole model gathered); default --seq-len; 0: rollouts run elsewhere")

@@ -52,8 +52,8 @@ def footer(args: argparse.Namespace) -> str:
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
         "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered units (2 layers, or LM head + 1 layer) and "
         "one unit's unsharded grads in the compute dtype; "
-        + ("gradients reduce-scattered in every micro-batch's backward (--sync-each-microbatch), the earlier "
-           "micro-batches' sharded fp32 gradients held through the step;" if args.sync_each_microbatch
+        + (f"gradients reduce-scattered in every micro-batch's backward ({_sync_source(args)}), the earlier "
+           "micro-batches' sharded fp32 gradients held through the step;" if _syncs_each_microbatch(args)
            else "with several micro-batches per step the trainer reduce-scatters in the last backward only, so the fp32 "
            "unsharded gradients (4 B/param) are held through the step (in grads; --sync-each-microbatch shards them);"),
         "- activ = what autograd keeps for a Llama-style layer at S/sp tokens per GPU (checkpointing: layer inputs, "
@@ -88,16 +88,36 @@ def footer(args: argparse.Namespace) -> str:
         f"on the CPU at {args.cpu_optim_bw / 1e9:g} GB/s per GPU (--cpu-optim-bw), not overlapped;",
         "- micro-batches = per rank and step (--microbatches, or --tokens-per-step / (dp x micro-batch tokens)); with "
         "one, no earlier gradients are held;",
-        *([f"- --task {args.task}: the frozen reference's fp32 ZeRO-3 shards (in params) and its forward (a phase "
-           "before the policy's), the chunked log-prob head's forward and backward in place of the loss, the "
-           "objective's per-token inputs; a pair's or a group's documents count together in --seq-len"
+        *([f"- --task {args.task}: " + ("no reference held or run (its log-probs precomputed once, before "
+                                          "training)" if args.task == "dpo-precomputed" else
+                                          "the frozen reference's fp32 ZeRO-3 shards (in params) and its forward (a "
+                                          "phase before the policy's)")
+           + ", the chunked log-prob head's forward and backward in place of the loss, the objective's per-token "
+           "inputs; a pair's or a group's documents count together in --seq-len"
            + (f"; rollouts on these GPUs: {args.rollout_tokens} tokens per GPU (the whole model gathered, KV cache, "
               "one layer's prefill) as a phase of their own" if args.task in ("grpo", "rloo") and args.rollout_tokens
               else "") + ";"] if args.task != "sft" else []),
+        *([f"- --task {args.task}: {_trainer(args).name} takes no param_offload, so only settings without "
+           "parameter offload are searched;"] if not _trainer(args).trainer_options else []),
         "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates within "
         f"{TIE_TOLERANCE:.0%} of the fastest (the cost model's measured error) are not told apart: among them the USP "
         "guidance (Ulysses inside a node, ring only across nodes) ranks first.",
     ])
+
+
+def _trainer(args: argparse.Namespace):
+    from hf_longctx.capacity.suggestion import task_trainer
+
+    return task_trainer(args.task)
+
+
+def _syncs_each_microbatch(args: argparse.Namespace) -> bool:
+    return args.sync_each_microbatch or _trainer(args).always_syncs_each_microbatch
+
+
+def _sync_source(args: argparse.Namespace) -> str:
+    t = _trainer(args)
+    return f"{t.name} always does" if t.always_syncs_each_microbatch else "--sync-each-microbatch"
 
 
 def _binding_advice(args: argparse.Namespace, c) -> str:
@@ -116,11 +136,11 @@ def _binding_advice(args: argparse.Namespace, c) -> str:
 def _gpu_advice(args: argparse.Namespace, c) -> str:
     usable = 1 - args.headroom
     flags = ["--gpu-memory", "more --gpus"]
-    if args.param_offload == "no":
+    if args.param_offload == "no" and _trainer(args).trainer_options:
         flags.append("--param-offload auto (parameters, gradients and optimizer states on host)")
-    if c.memory.held and not args.sync_each_microbatch and not args.unequal_calls:
+    if c.memory.held and not _syncs_each_microbatch(args) and not args.unequal_calls:
         flags.append(f"--sync-each-microbatch ({_gib(c.memory.held)} GiB are fp32 gradients held unsharded until the "
-                     "step's last backward; LongContextTrainer(sync_each_microbatch=True) shards them)")
+                     f"step's last backward; {_trainer(args).name}(sync_each_microbatch=True) shards them)")
     if c.microbatches > 1:
         flags.append(f"fewer micro-batches per step (now {c.microbatches}: --microbatches / --tokens-per-step)")
     flags.append("a shorter --seq-len / --micro-batch-tokens")
@@ -155,19 +175,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(refusal, file=sys.stderr)
         return 2
     cluster = _cluster(args)
-    grad_sync = "microbatch" if args.sync_each_microbatch else "step"
-    ranked = rank_settings(config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype,
-                           optimizer=args.optimizer, unsharded_step=args.unequal_calls, grad_sync=grad_sync,
-                           microbatches=args.microbatches or 1, tokens_per_step=args.tokens_per_step,
-                           param_offload=args.param_offload, vision=vision, task=args.task,
-                           rollout_tokens=args.rollout_tokens)
+    grad_sync = "microbatch" if _syncs_each_microbatch(args) else "step"
+    rank = lambda task: rank_settings(  # noqa: E731 (a DPO plan ranks twice: capacity/dpo_reference.py)
+        config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
+        unsharded_step=args.unequal_calls, grad_sync=grad_sync, microbatches=args.microbatches or 1,
+        tokens_per_step=args.tokens_per_step, param_offload=args.param_offload, vision=vision, task=task,
+        rollout_tokens=args.rollout_tokens)
+    ranked = rank(args.task)
     feasible = [c for c in ranked if c.feasible]
     print(_heading(args, config, dims, vision) + "\n")
+    advice = None
+    if args.task == "dpo":  # held or precomputed reference: which is cheaper here (capacity/dpo_reference.py)
+        from hf_longctx.capacity.dpo_reference import pick_reference
+
+        advice = pick_reference(ranked, rank("dpo-precomputed"))
     if not feasible:
-        return _print_closest(args, ranked)
-    _print_table(args, ranked, feasible)
-    _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
-    return 0
+        code = _print_closest(args, ranked)
+    else:
+        _print_table(args, ranked, feasible)
+        _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
+        code = 0
+    if advice:
+        print("\n" + advice)
+    return code
 
 
 def _cluster(args: argparse.Namespace):
@@ -188,6 +218,9 @@ def _resolve_flags(args: argparse.Namespace) -> str | None:
         args.rollout_tokens = args.seq_len if args.task in ("grpo", "rloo") else 0
     if args.rollout_tokens and args.task not in ("grpo", "rloo"):
         return f"--rollout-tokens applies to --task grpo or rloo, not --task {args.task}"
+    if (args.unequal_calls or args.flex) and not _trainer(args).flexible_groups:
+        return (f"--{'unequal-calls' if args.unequal_calls else 'flex'} plans flexible SP groups, which "
+                f"{_trainer(args).name} (--task {args.task}) does not take: it trains on an SPMesh")
     if args.unequal_calls and args.sync_each_microbatch:
         return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
                 "--sync-each-microbatch")
@@ -266,7 +299,7 @@ def _print_suggestion(args: argparse.Namespace, config: Any, cluster: Any, dims:
     flags, whether the estimates tell it from the next rows, and the --plot figure."""
     from hf_longctx.capacity.search import TIE_TOLERANCE, Suggestion
 
-    best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype)
+    best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype, task=args.task)
     tied = [c for c in feasible if c.tied]
     if tied:
         print(f"\nrows 1-{len(tied)} are within {TIE_TOLERANCE:.0%} of the fastest estimate, less than the cost model's "
@@ -275,6 +308,6 @@ def _print_suggestion(args: argparse.Namespace, config: Any, cluster: Any, dims:
                  if cluster.follows_usp_guidance(feasible[0].setting, dims.heads, dims.kv_heads)
                  else "none of them follows the USP guidance"))
     print(f"\nsuggested (fastest estimate that fits; {_fit_line(args, feasible[0])}):\n{best.code()}")
-    print(f"\nas recipe flags (recipes/pretrain.py, lora.py, sft.py):\n{best.recipe_flags()}")
+    print(f"\nas recipe flags ({best.recipes}):\n{best.recipe_flags()}")
     if args.plot:
         print((plot_flexible_step if args.flex else plot_step)(args, config, feasible[0]))

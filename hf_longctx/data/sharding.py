@@ -12,7 +12,7 @@ from. Pure tensor code; the inverse (an all-gather) is `distributed/gather.py`."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -40,6 +40,9 @@ class SPBatchInfo:
         [index·size, (index+1)·size) -- so that a model patched with a `GroupBank` runs its
         attention (and any recomputation of it) on that group; None for metadata built by
         hand (the patch-time mesh is used).
+    device_cache: device tensors derived from this metadata, built on first use and kept for
+        the batch's lifetime (`distributed/doc_sums.py`'s document ids: one upload per
+        micro-batch); never compared, and empty in a `dataclasses.replace` copy.
     """
 
     cu_seqlens: tuple[int, ...]
@@ -47,6 +50,7 @@ class SPBatchInfo:
     rows: int
     fingerprint: int
     group: tuple[int, int] | None = None
+    device_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def padded_length(self) -> int:

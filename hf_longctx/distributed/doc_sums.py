@@ -3,8 +3,8 @@
 Where it sits: after `model(**shard)` on a batch from `data/sharding.shard_batch`, before a
 SEQUENCE-level objective (DPO's completion log-ratio, GRPO's per-sequence mean, a
 per-document KL), whose documents are spread over the SP ranks. `doc_sums` maps every local
-token to its document through the global boundaries and this rank's permutation, sums in
-fp32 and all-reduces over the SP group.
+token to its document through the global boundaries and this rank's permutation (built on the
+host and uploaded once per micro-batch), sums in fp32 and all-reduces over the SP group.
 Guarantees: the result is identical on every SP rank and equals the unsharded sums; the
 backward all-reduces the incoming gradient (the adjoint of a sum over ranks), so an
 objective `f(sums)` that every SP rank computes enters each rank's loss as `f(sums) / sp`
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.data.sharding import IGNORE_INDEX, SP_METADATA_KEY
+from hf_longctx.devices import upload
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -54,6 +55,18 @@ def local_document_ids(shard: Mapping[str, Any], mesh) -> torch.Tensor:
     return doc.clamp(max=d)
 
 
+def device_document_ids(shard: Mapping[str, Any], mesh, device: torch.device) -> torch.Tensor:
+    """`local_document_ids` on `device`, built and uploaded once per micro-batch (pinned,
+    non-blocking: `devices.upload`) and kept in the shard metadata's `device_cache`: the
+    objective's later calls on the same shard read the device copy (no host work, no copy)."""
+    info = shard[SP_METADATA_KEY]
+    key = ("document_ids", mesh.ring, mesh.ulysses, mesh.fpdt_chunks, mesh.ring_rank, mesh.ulysses_rank, device)
+    doc = info.device_cache.get(key)
+    if doc is None:
+        doc = info.device_cache[key] = upload(local_document_ids(shard, mesh), device)  # [S_local]
+    return doc
+
+
 def target_mask(shard: Mapping[str, Any]) -> torch.Tensor:
     """bool [B, S_local]: positions whose (pre-shifted) target is valid."""
     return shard["shift_labels"] != IGNORE_INDEX
@@ -82,7 +95,7 @@ def doc_sums(values: torch.Tensor, shard: Mapping[str, Any], mesh, mask: torch.T
     if mask is not None and tuple(mask.shape) != tuple(values.shape):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not match values {tuple(values.shape)}")
     d = document_count(shard)
-    doc = local_document_ids(shard, mesh).to(values.device)  # [S_local]
+    doc = device_document_ids(shard, mesh, values.device)  # [S_local]
     v = values.float()
     if mask is not None:
         v = torch.where(mask.to(values.device), v, torch.zeros((), dtype=v.dtype, device=v.device))  # [B, S_local]

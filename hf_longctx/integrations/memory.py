@@ -27,13 +27,7 @@ from hf_longctx.integrations.keep_attention import AttentionKeeper
 from hf_longctx.integrations.layer_split import LayerSplit
 from hf_longctx.ops.chunked_loss import chunked_causal_lm_loss
 from hf_longctx.ops.grad_sums import SumsSlot, routed_linear
-from hf_longctx.ops.tiling import (
-    chunked_mlp,
-    default_loss_chunk_size,
-    default_mlp_chunks,
-    mlp_chunks_at,
-    tokenwise_chunks,
-)
+from hf_longctx.ops.tiling import chunked_mlp, default_loss_chunk_size, default_mlp_chunks, mlp_chunks_at, tokenwise_chunks
 
 def _resolve_chunks(name: str, value: Any) -> int | str | None:
     if value is None or value == "auto":
@@ -214,8 +208,9 @@ def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: L
 
 
 def _patch_host_budget(model: nn.Module, mesh: SPMesh, setting_kw: dict, undo: list) -> None:
-    """Refuse, before the first layer runs, a micro-batch whose host offloads would not fit this
-    rank's share of the node's memory (`integrations/host_budget.py`), where the device offloads."""
+    """Before the first layer runs, where the device offloads: refuse a micro-batch whose host
+    offloads would not fit this rank's share of the node's memory (`integrations/host_budget.py`),
+    and register the pinned buffers of one longer than every earlier one (`offload.prepare_pinned`)."""
     from hf_longctx.data.model_dims import ModelDims
     from hf_longctx.integrations.host_budget import HostBudget
     from hf_longctx.ops import offload
@@ -224,14 +219,17 @@ def _patch_host_budget(model: nn.Module, mesh: SPMesh, setting_kw: dict, undo: l
     try:
         dims = ModelDims.from_config(model.config)
     except (AttributeError, ValueError, TypeError):
-        return  # a config the planner cannot read: no budget to check against
+        dims = None  # a config the planner cannot read: no budget to check against
     setting = Setting(ulysses=mesh.ulysses, ring=mesh.ring, fpdt_chunks=mesh.fpdt_chunks, **setting_kw)
-    budget = HostBudget.for_patch(dims, setting, mesh.sp)
+    budget = HostBudget.for_patch(dims, setting, mesh.sp) if dims is not None else None
 
     def check(module, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
         if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and offload.default_streams().offloads(hidden.device):
-            budget.check(hidden.shape[0] * hidden.shape[1])
+            if budget is not None:
+                budget.check(hidden.shape[0] * hidden.shape[1])
+            if torch.is_grad_enabled():  # a training forward: its offloads take pinned buffers
+                offload.prepare_pinned(hidden.device, hidden.shape[0] * hidden.shape[1])
 
     handle = decoder_layers(model)[0].register_forward_pre_hook(check, with_kwargs=True)
     undo.append(handle.remove)

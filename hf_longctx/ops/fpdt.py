@@ -56,7 +56,7 @@ def _attend(
             k_j, v_j = live[j]
         else:
             _, (k_j, v_j) = next(streamed)
-        kw = dict(out_dtype=acc, widen=False, blocks=plan.tiles[i][j], **plan.kw)
+        kw = dict(out_dtype=acc, widen=False, blocks=plan.tiles[i][j], backend=plan.backend(q_i), **plan.kw)
         if acc_out is None:
             o, acc_lse = kernels.varlen_forward(q_i, k_j, v_j, plan.runs[i], plan.runs[j], **kw)  # [B, h, S_c, D], [B, h, S_c]
             acc_out = o if sole else o.to(acc)
@@ -178,7 +178,7 @@ def fpdt_backward_chunks(plan: FPDTPlan, store: ChunkStore, dtype: torch.dtype, 
             del tensors
             gq, gk, gv = kernels.varlen_backward(
                 do_i, q_i, k_j, v_j, o_i, lse_i, plan.runs[i], plan.runs[j], grad_dtype=acc, blocks=plan.tiles[i][j],
-                widen=False, into=(dq_i, dk_j, dv_j), **plan.kw
+                widen=False, into=(dq_i, dk_j, dv_j), backend=plan.backend(q_i), **plan.kw
             )  # pieces are added into the float32 sums given, in place; the others come back as computed
             if dsink is not None and j == plan.needs[i][0]:  # each query chunk once; chunks with no key have out 0
                 dsink += sink_grad(do_i, o_i, lse_i, sinks.to(acc))

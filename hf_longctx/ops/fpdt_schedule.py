@@ -15,7 +15,7 @@ from typing import Sequence
 
 from hf_longctx.layout import Run, fpdt_chunk_range, runs_of_range
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.ops import blocks
+from hf_longctx.ops import blocks, kernels
 from hf_longctx.ops.usp import check_inputs
 
 
@@ -39,6 +39,12 @@ class FPDTPlan:
         # Backward: dq_i is complete after the outer step of the last K/V chunk it needs.
         self.dq_done_at = [max(need) if need else 0 for need in self.needs]
         self.users = [[i for i in range(chunks) if j in self.needs[i]] for j in range(chunks)]
+        self.backends: dict = {}  # the local attention backend, chosen once per plan, i.e. per micro-batch
+
+    def backend(self, q):
+        """The local attention backend of this micro-batch's calls with queries like `q`
+        (`kernels.batch_backend`: probed and checked on the first call only)."""
+        return kernels.batch_backend(q, softcap=self.kw["softcap"], memo=self.backends)
 
 
 def make_plan(mesh: SPMesh, cu: Sequence[int], *, scale: float, causal: bool, window, softcap) -> FPDTPlan:

@@ -2,8 +2,9 @@
 
 Where it sits: the innermost step of every attention path (ring, Ulysses, USP, FPDT):
 given local queries and one block of keys as runs of `hf_longctx/layout.py`, it plans
-tiles (`ops/blocks.py`), picks ONE backend per call (`ops/backends/select.py`) and hands it
-the whole plan. The backward takes the FINAL (merged over all key blocks) out and lse
+tiles (`ops/blocks.py`), uses ONE backend per call -- the caller's, chosen once per
+micro-batch (`batch_backend`), or `ops/backends/select.py`'s pick -- and hands it the whole
+plan. The backward takes the FINAL (merged over all key blocks) out and lse
 (FlashAttention-2, Algorithm 2), so a caller holding keys in pieces sums per-piece gradients.
 Layout: q [B, H, Sq, D], k/v [B, H_kv, Sk, D], out [B, H, Sq, D] (`out_dtype`, default
 q's dtype), lse [B, H, Sq] float32 (float64 for float64 inputs, so references stay exact)."""
@@ -73,6 +74,23 @@ def block_backward(
     if mask is not None:
         return backend.tile_backward(dout, q, k, v, out, lse, mask=mask, **kw)
     return backend.backward(dout, q, k, v, out, lse, _tile_blocks(q, k, causal), window=None, **kw)
+
+
+def batch_backend(q: torch.Tensor, *, softcap: float | None, memo: dict | None):
+    """The backend of `q`'s calls for the lifetime of `memo` -- a dict the caller keeps per
+    micro-batch (`patch()`'s plan cache, an `FPDTPlan`): `backend_for` (the environment probe
+    and the refusal checks) runs once per (device, dtype, head dim, softcap) and micro-batch,
+    not once per call of every layer; without a memo, once per call.
+    Per micro-batch, not per process: torch's flash implementation is a process-wide switch the
+    user may flip between steps (`_compat.torch_flash_impl`), so a choice kept for the process
+    could go stale; kept for one micro-batch, its forward, recompute and backward run one kernel."""
+    if memo is None:
+        return backend_for(q, softcap=softcap)
+    key = ("backend", q.device, q.dtype, q.shape[-1], softcap)
+    backend = memo.get(key)
+    if backend is None:
+        backend = memo[key] = backend_for(q, softcap=softcap)
+    return backend
 
 
 def _check_runs(x: torch.Tensor, runs: Sequence[Run], name: str) -> None:
@@ -161,12 +179,11 @@ class LocalAttention(torch.autograd.Function):
     """Differentiable `varlen_forward`: saves q, k, v, out, lse; the lse itself gets no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_runs, k_runs, scale, causal, window, softcap, blocks=None):
-        out, lse = varlen_forward(
-            q, k, v, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=blocks
-        )
+    def forward(ctx, q, k, v, q_runs, k_runs, scale, causal, window, softcap, blocks=None, backend=None):
+        kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, blocks=blocks, backend=backend)
+        out, lse = varlen_forward(q, k, v, q_runs, k_runs, **kw)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (list(q_runs), list(k_runs), dict(scale=scale, causal=causal, window=window, softcap=softcap, blocks=blocks))
+        ctx.args = (list(q_runs), list(k_runs), kw)
         return out
 
     @staticmethod
@@ -176,14 +193,15 @@ class LocalAttention(torch.autograd.Function):
         # dout as autograd hands it: the packed backends gather it token-major (a view when
         # it already is), the tile kernels read any strides; a .contiguous() would copy it.
         dq, dk, dv = varlen_backward(dout, q, k, v, out, lse, q_runs, k_runs, **kw)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def local_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs: Sequence[Run], k_runs: Sequence[Run], *,
     scale: float, causal: bool, window: int | None = None, softcap: float | None = None,
-    blocks: Sequence[Block] | None = None,
+    blocks: Sequence[Block] | None = None, backend=None,
 ) -> torch.Tensor:
     """out [B, H, Sq, D] of the local attention, differentiable w.r.t. q, k, v; `blocks`
-    is the precomputed `plan_blocks(q_runs, k_runs, ...)` if the caller has it."""
-    return LocalAttention.apply(q, k, v, q_runs, k_runs, scale, causal, window, softcap, blocks)
+    is the precomputed `plan_blocks(q_runs, k_runs, ...)` if the caller has it; `backend`
+    the one the caller chose (`batch_backend`), else `varlen_forward` picks."""
+    return LocalAttention.apply(q, k, v, q_runs, k_runs, scale, causal, window, softcap, blocks, backend)

@@ -118,6 +118,15 @@ def release_pinned() -> None:
     empty_host_cache()
 
 
+def prepare_pinned(device: torch.device, tokens: int) -> int:
+    """Before a micro-batch of `tokens` local tokens on `device` (the patch's pre-hook on the
+    first decoder layer): pinned buffers for a micro-batch longer than every earlier one are
+    registered now, scaled from those `default_streams()`'s pool holds, rather than inside
+    its layers (`HostPool.prepare`). Returns the buffers registered (0 where nothing offloads)."""
+    streams = default_streams()
+    return streams.pool.prepare(device, tokens) if streams.offloads(device) else 0
+
+
 def copy_out(streams: Streams, tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Any]:
     """Device -> pinned host copies of `tensors` (same device) on the device's OUT stream,
     after the kernels already queued on the compute stream that produce them: (host copies,

@@ -45,13 +45,16 @@ class RingSpec:
     """What one rank needs to run the ring: peers, its ring position and its plan.
 
     The plan is made once per call and serves forward and backward; callers that run
-    many layers on the same boundaries pass the same `plan` (see `usp_attention`).
+    many layers on the same boundaries pass the same `plan` (see `usp_attention`), and the
+    local attention backend they chose for the micro-batch (`kernels.batch_backend`; None:
+    every kernel call picks its own).
     """
 
-    def __init__(self, *, group, ring: int, ring_rank: int, next_rank: int, prev_rank: int, plan: RingPlan):
+    def __init__(self, *, group, ring: int, ring_rank: int, next_rank: int, prev_rank: int, plan: RingPlan,
+                 backend=None):
         self.group, self.ring, self.ring_rank = group, ring, ring_rank
         self.next_rank, self.prev_rank = next_rank, prev_rank
-        self.plan = plan
+        self.plan, self.backend = plan, backend
 
     def exchanger(self, tag: int) -> RingExchanger:
         return RingExchanger(self.group, self.next_rank, self.prev_rank, tag=tag)
@@ -97,7 +100,8 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sin
             ex.start(kv)  # the next block is in flight while this one is computed
         k_runs, tiles = spec.plan.steps[step]  # K/V of ring rank (ring_rank - step) mod R
         if tiles:
-            kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles, out_dtype=acc, widen=False)
+            kw = dict(scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles, out_dtype=acc, widen=False,
+                      backend=spec.backend)
             if out is None:
                 out, lse = kernels.varlen_forward(q, k, v, q_runs, k_runs, **kw)
                 out = out if sole else out.to(acc)  # the accumulator: the block's own buffer, or its one widened copy
@@ -138,7 +142,7 @@ def ring_backward(dout, q, k, v, kv, out, lse, spec: RingSpec, *, scale, causal,
             into = (dq, *((None, None) if dkv is None else (dkv[0], dkv[1])))
             b_dq, b_dk, b_dv = kernels.varlen_backward(
                 dout, q, k, v, out, lse, q_runs, k_runs, scale=scale, causal=causal, window=window, softcap=softcap,
-                grad_dtype=acc, blocks=tiles, widen=False, into=into,
+                grad_dtype=acc, blocks=tiles, widen=False, into=into, backend=spec.backend,
             )
             if dq is None:
                 dq = b_dq if sole else b_dq.to(acc)  # the sum's start: the piece itself, or its one widened copy
@@ -222,7 +226,8 @@ def ring_attention(q, k, v, spec: RingSpec, *, scale: float, causal: bool = True
     if spec.ring == 1 and sinks is None:
         runs, (_, tiles) = spec.plan.q_runs, spec.plan.steps[0]
         return kernels.local_attention(
-            q, k, v, runs, runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles
+            q, k, v, runs, runs, scale=scale, causal=causal, window=window, softcap=softcap, blocks=tiles,
+            backend=spec.backend,
         )
     return RingAttention.apply(q, k, v, spec, scale, causal, window, softcap, sinks)
 

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.ops import kernels
 from hf_longctx.ops.ring import RingReplay, RingSpec, ring_attention, ring_forward, ring_plan
 from hf_longctx.ops.sinks import check_sinks
 from hf_longctx.ops.ulysses import gather_heads, kv_replication, scatter_heads
@@ -106,10 +107,10 @@ def usp_attention(
     global tokens at `mesh.local_indices(cu_seqlens)`; `cu_seqlens` are the global document
     boundaries of the packed sequence (B = 1), None = every row is one document.
     `plan_cache`: an optional dict the caller keeps per batch, so that the layers of one
-    micro-batch plan the ring once (`patch()` does this). `sinks`: None, or the per-head
-    sink logits [H] (HF's `s_aux`), joined to the softmax denominator once (`ops/sinks.py`);
-    differentiable. The output is contiguous, like HF's own attention functions (models
-    `.view()` it).
+    micro-batch plan the ring and choose the kernel once (`patch()` does this). `sinks`:
+    None, or the per-head sink logits [H] (HF's `s_aux`), joined to the softmax denominator
+    once (`ops/sinks.py`); differentiable. The output is contiguous, like HF's own attention
+    functions (models `.view()` it).
     """
     qf, kf, vf, spec, kw, sinks, shape = _to_ring(q, k, v, mesh, cu_seqlens, causal, softmax_scale, window, softcap,
                                                    plan_cache, sinks)
@@ -167,6 +168,7 @@ def _to_ring(q, k, v, mesh: SPMesh, cu_seqlens=None, causal=True, softmax_scale=
         next_rank=mesh.global_rank(ring_rank=mesh.ring_rank + 1),
         prev_rank=mesh.global_rank(ring_rank=mesh.ring_rank - 1),
         plan=plan,
+        backend=kernels.batch_backend(q, softcap=softcap, memo=plan_cache),  # chosen once per micro-batch
     )
     return qf, kf, vf, spec, dict(scale=scale, causal=causal, window=window, softcap=softcap), sinks, (b, s_ring)
 

@@ -160,12 +160,12 @@ def _refusal_case(kind: str, paths):
         return {}, {"train_dataset": Dataset.from_dict({"input_ids": [[1, 2, 3]]})}
     if kind == "peft_config":
         return {}, {"peft_config": object()}
-    return {kind: {"precompute_ref_log_probs": True, "loss_type": "robust", "max_length": 1024,
+    return {kind: {"precompute_ref_batch_size": 4, "loss_type": "robust", "max_length": 1024,
                    "use_weighting": True}[kind]}, {}
 
 
 @pytest.mark.parametrize("kind,match", [
-    ("precompute_ref_log_probs", "precompute_ref_log_probs"), ("loss_type", "loss_type"), ("max_length", "max_length"),
+    ("precompute_ref_batch_size", "precompute_ref_batch_size"), ("loss_type", "loss_type"), ("max_length", "max_length"),
     ("use_weighting", "use_weighting"), ("eval_dataset", "eval_dataset columns"), ("dataset", "not preference pairs"),
     ("peft_config", "peft_config"),
 ])

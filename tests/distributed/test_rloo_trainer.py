@@ -13,8 +13,9 @@ advantages (and, through them, every gradient).
 
 Checked on U2xR2 ("normalized": beta 0 with normalize_advantages; "kl": beta 0.05 with
 reward_clip_range, also with max_tokens=40, which splits both the scoring forwards and the
-training step into several packed micro-batches), on Ulysses 4 with FPDT chunks 2 ("kl") and on
-dp2xU2 ("kl": two DP groups train different rows, a prompt's completions straddle them):
+training step into several packed micro-batches), on Ulysses 4 with FPDT chunks 2 ("kl", also under
+`patch(memory="max")`: checkpointed row-chunked layers and the chunked LM head for the policy's and the
+reference's scoring forwards and the loss) and on dp2xU2 ("kl": two DP groups train different rows, a prompt's completions straddle them):
 the step loss (on-policy it is -mean(advantages) ~ 0: 1e-6 absolute, TRL's own loss there is
 fp32 noise of that size), grad_norm (1e-4 relative), the parameter updates of one plain-SGD step
 (lr 1, max_grad_norm 1: the clipped gradient; every parameter, 1e-4 relative) and every metric
@@ -32,9 +33,10 @@ from tests.helpers.grpo_cases import GRAD_TOL, METRIC_TOL, WORLD, assert_refused
 from tests.helpers.rloo_cases import CASES, run_rloo
 
 LOSS_ABS = 1e-6
-# (mesh (ulysses, ring, fpdt_chunks), [(case, max_tokens)])
-MESHES = {"U2xR2": ((2, 2, 1), [("normalized", None), ("kl", 40)]), "U4-fpdt2": ((4, 1, 2), [("kl", None)]),
-          "dp2xU2": ((2, 1, 1), [("kl", None)])}
+# (mesh (ulysses, ring, fpdt_chunks), [(case, max_tokens, patch(memory=...))])
+MESHES = {"U2xR2": ((2, 2, 1), [("normalized", None, None), ("kl", 40, None)]),
+          "U4-fpdt2": ((4, 1, 2), [("kl", None, None), ("kl", None, "max")]),
+          "dp2xU2": ((2, 1, 1), [("kl", None, None)])}
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +47,8 @@ def references(paths, tmp_path_factory):
 
 
 def _sp_cases(model_path, ref_path, tok_path, out_dir, mesh_shape, cases):
-    return [run_rloo(model_path, ref_path, tok_path, f"{out_dir}/{case}-{max_tokens}", case, mesh_shape, max_tokens)
-            for case, max_tokens in cases]
+    return [run_rloo(model_path, ref_path, tok_path, f"{out_dir}/{case}-{max_tokens}-{memory}", case, mesh_shape,
+                     max_tokens, memory) for case, max_tokens, memory in cases]
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))
@@ -59,8 +61,8 @@ def test_rloo_trainer_matches_single_process_trl(pools, paths, references, tmp_p
         assert max(u.abs().max().item() for u in ref["updates"].values()) > 1e-4, f"{case}: no update"
     results = pools.get(WORLD).run(_sp_cases, *paths, str(tmp_path), shape, cases, timeout=600)
     for rank, per_case in enumerate(results):
-        for (case, max_tokens), got in zip(cases, per_case):
-            ref, where = references[case], f"rank {rank} {mesh} {case} max_tokens={max_tokens}"
+        for (case, max_tokens, memory), got in zip(cases, per_case):
+            ref, where = references[case], f"rank {rank} {mesh} {case} max_tokens={max_tokens} memory={memory}"
             assert set(got["log"]) == set(ref["log"]), f"{where}: logged keys {sorted(got['log'])} vs {sorted(ref['log'])}"
             assert abs(got["log"]["loss"] - ref["log"]["loss"]) <= LOSS_ABS, f"{where}: loss {got['log']} vs {ref['log']}"
             assert got["log"]["grad_norm"] == pytest.approx(ref["log"]["grad_norm"], rel=GRAD_TOL), where

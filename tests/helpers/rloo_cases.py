@@ -5,8 +5,9 @@ the saved policy / perturbed reference / tokenizer, prompts, rewards, fixed comp
 `num_generations` and returns the completion ids only) so row k of a step's global generation
 batch always gets `fixed_completion(prompt, k)`. `run_rloo` trains one step of TRL's
 `RLOOTrainer` (mesh_shape None: the single-process reference) or of `LongRLOOTrainer` on a pool
-worker's mesh (ulysses, ring, fpdt_chunks) and returns `grpo_cases.outcome` (through `grpo_cases.train_one_step`). CASES: the
-RLOOConfig settings under test. GENERATIONS = 4: a prompt's completions straddle processes, and
+worker's mesh (ulysses, ring, fpdt_chunks; the policy `patch`ed with `memory`) and returns
+`grpo_cases.outcome` (through `grpo_cases.train_one_step`). CASES: the RLOOConfig settings under
+test. GENERATIONS = 4: a prompt's completions straddle processes, and
 each leave-one-out baseline averages three siblings.
 """
 
@@ -31,7 +32,7 @@ class FixedRLOOCompletions:
 
 
 def run_rloo(model_path: str, ref_path: str, tok_path: str, out_dir: str, case: str,
-             mesh_shape: tuple[int, int, int] | None, max_tokens: int | None = None) -> dict:
+             mesh_shape: tuple[int, int, int] | None, max_tokens: int | None = None, memory: str | None = None) -> dict:
     from trl import RLOOConfig
 
     import torch.distributed as dist
@@ -43,4 +44,5 @@ def run_rloo(model_path: str, ref_path: str, tok_path: str, out_dir: str, case: 
                      epsilon_high=0.28, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", max_grad_norm=1.0,
                      logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0,
                      bf16=False, gradient_checkpointing=False, **CASES[case])
-    return train_one_step(model_path, ref_path, tok_path, cfg, FixedRLOOCompletions, "RLOO", mesh_shape, max_tokens)
+    return train_one_step(model_path, ref_path, tok_path, cfg, FixedRLOOCompletions, "RLOO", mesh_shape, max_tokens,
+                          memory=memory)

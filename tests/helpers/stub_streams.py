@@ -38,6 +38,9 @@ class FakeStreams:
         def record(self, stream):
             self.owner.log.append(("record", self.name, stream.name))
 
+        def query(self):
+            return True  # copies run synchronously here: done
+
     def offloads(self, device):
         return True
 

@@ -3,8 +3,9 @@ ranks (gloo, Ulysses 2, FSDP2): the tiny Llama the recipe builds and saves, its 
 text pairs (tokenized by TRL), TRL's default reference. Both steps finish; every logged value
 is finite and the SAME on both ranks (global values); step 1 logs loss ln 2 and zero rewards
 (policy == reference), step 2 non-zero rewards (the update reached the policy, not the
-reference); rank 0 prints per-step lines with TRL's metric names. Also: the DPO guide's
-building-block loop runs as written."""
+reference); rank 0 prints per-step lines with TRL's metric names. The run is under `--memory max`
+(the policy and the reference patched with it, as the printed patch line reads back from the
+trained model). Also: the DPO guide's building-block loop runs as written."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ TIMING = {"tokens_per_s", "peak_mem_gib"}  # wall-clock and per-rank memory: may
 
 
 def test_dpo_recipe_runs(tmp_path):
-    proc = launch("dpo.py", "--ulysses", "2", "--steps", "2", "--pairs", "16", "--output-dir", str(tmp_path))
+    proc = launch("dpo.py", "--ulysses", "2", "--steps", "2", "--pairs", "16", "--memory", "max",
+                  "--output-dir", str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     logs = rank_logs(tmp_path)
@@ -25,6 +27,7 @@ def test_dpo_recipe_runs(tmp_path):
     first, second = logs[0]
     assert abs(first["loss"] - math.log(2)) < 1e-5 and first["rewards/margins"] == 0.0, first  # policy == reference
     assert first["grad_norm"] > 0 and second["rewards/chosen"] != 0.0 and second["rewards/margins"] != 0.0, second
+    assert "patched: memory='max', checkpoint=True" in proc.stdout, out[-2000:]
     for name in ("step 1: loss=", "step 2: loss=", "grad_norm=", "rewards/margins=", "rewards/accuracies="):
         assert name in proc.stdout, (name, out[-2000:])
 

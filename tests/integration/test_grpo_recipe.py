@@ -5,7 +5,9 @@ finish; every logged value is finite and the SAME on both ranks (global values);
 kl 0 (policy == reference) and a reward spread (non-zero advantages), step 2 kl > 0 (the
 update reached the policy, not the reference); rank 0 prints TRL's metric names and the step's
 tokens/s. Also with --max-tokens 40 (the step's 4 rows of up to ~28
-tokens split into packed micro-batches with gradient accumulation): the same checks. With
+tokens split into packed micro-batches with gradient accumulation) under `--memory high
+--inputs-on-device 1` (the patch line reads the options back from the trained model): the same
+checks. With
 --save-every / --resume, a resumed step 2 logs exactly what the uninterrupted run logged."""
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from tests.helpers.recipe_launch import assert_ranks_agree, launch, rank_logs
 TIMING = {"step_time", "tokens_per_s"}  # wall-clock: differs between ranks
 
 
-@pytest.mark.parametrize("extra", [[], ["--max-tokens", "40"]], ids=["one_microbatch", "max_tokens"])
+@pytest.mark.parametrize("extra", [[], ["--max-tokens", "40", "--memory", "high", "--inputs-on-device", "1"]],
+                         ids=["one_microbatch", "max_tokens_memory_high"])
 def test_grpo_recipe_runs(tmp_path, extra):
     proc = launch("grpo.py", "--ulysses", "2", "--steps", "2", "--beta", "0.04", "--loss-type", "grpo",
                   "--per-device-train-batch-size", "2", "--num-generations", "2", "--max-completion-length", "16",
@@ -30,6 +33,9 @@ def test_grpo_recipe_runs(tmp_path, extra):
     assert first["kl"] == 0.0 and first["reward_std"] > 0 and first["grad_norm"] > 0, first
     assert second["kl"] > 0, second
     assert first["tokens_per_s"] > 0 and second["tokens_per_s"] > 0, (first, second)
+    memory = (f"memory='high', checkpoint='attention', kv_offload=False, mlp_chunks='auto', loss_chunks='auto', "
+              "inputs_on_device=1") if extra else "memory=None, checkpoint=False"
+    assert f"patched: {memory}" in proc.stdout, out[-2000:]
     for name in ("step 1: loss=", "step 2: loss=", "grad_norm=", "reward=", "kl=", "entropy=", "clip_ratio/region_mean=",
                  "rewards/format_reward/mean=", "tokens_per_s="):
         assert name in proc.stdout, (name, out[-2000:])

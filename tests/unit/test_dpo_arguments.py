@@ -37,12 +37,16 @@ def test_defaults_with_max_length_none_are_accepted(tmp_path):
     (dict(use_weighting=True), "use_weighting=True"),
     (dict(ld_alpha=0.5), "ld_alpha=0.5"),
     (dict(sync_ref_model=True), "sync_ref_model=True"),
-    (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs=True"),
+    (dict(precompute_ref_batch_size=4), "precompute_ref_batch_size=4"),
 ])
 def test_refusals_name_value_and_do_instead(tmp_path, kw, needle):
     with pytest.raises(NotSupported) as e:
         check_dpo_config(_config(tmp_path, **kw))
     assert needle in str(e.value) and "do instead" in str(e.value).lower()
+
+
+def test_precompute_ref_log_probs_is_honoured(tmp_path):
+    assert refused_dpo_fields(_config(tmp_path, precompute_ref_log_probs=True)) == []
 
 
 def test_default_max_length_is_refused(tmp_path):

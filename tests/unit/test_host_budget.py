@@ -75,6 +75,49 @@ def test_whole_layer_checkpointing_pins_the_layer_inputs_only():
     assert keep > 3 * whole  # q, out and the token-layout output are hidden-sized each, k, v, lse besides
 
 
+def test_patch_registers_a_longer_micro_batchs_buffers_before_its_layers():
+    """memory="max" with FPDT's offload on emulated CUDA streams, micro-batches of 64, 128, 96
+    and 128 tokens: the first registers its pinned buffers inside its layers (it sizes the
+    pool); the longer second gets its own from the first layer's pre-hook
+    (`offload.prepare_pinned`) before any layer runs; the others run in buffers the pool holds.
+    Gradients equal those of the same steps without offload (every host copy is exact)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_longctx import init_sequence_parallel, patch, shard_batch
+
+    mesh = init_sequence_parallel(1, 1, fpdt_chunks=2)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)
+    batches = [torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (64, 128, 96, 128)]
+
+    def grads(streams):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        patch(model, mesh, memory="max")
+        model.train()
+        for ids in batches:
+            before = (streams.pool.allocations, len(streams.prepared)) if streams is not None else None
+            model(**shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh)).loss.backward()
+            if streams is not None:
+                streams.inside.append(streams.pool.allocations - before[0] - sum(streams.prepared[before[1]:]))
+        return [p.grad for p in model.parameters()]
+
+    streams = EmulatedStreams()
+    streams.inside, streams.prepared = [], []  # per micro-batch: registered in its layers / by the pre-hook
+    prepare = streams.pool.prepare
+
+    def counted_prepare(device, tokens):
+        streams.prepared.append(prepare(device, tokens))
+        return streams.prepared[-1]
+
+    streams.pool.prepare = counted_prepare
+    with emulated_offload(streams):
+        got = grads(streams)
+    assert streams.inside[0] > 0 and streams.inside[1:] == [0, 0, 0], streams.inside
+    for a, b in zip(got, grads(None)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_the_planner_counts_host_memory_per_node():
     """`hf-longctx plan`: host memory is a node's, shared by its ranks -- a setting's host GiB per
     GPU times the GPUs of one node must fit --host-memory. 8B on 16 GPUs, 64K tokens, parameters,

@@ -191,3 +191,64 @@ def test_fpdt_attention_with_pooled_offload_matches_and_refuses_a_second_backwar
     out, _ = grads(True, retain=True)
     with pytest.raises(RuntimeError, match="offload=False"):
         out.square().sum().backward()
+
+
+def _step(fake, s: int, chunks: int = 2) -> int:
+    """One two-layer FPDT step of length `s` on `fake`'s pool, checked against the store that
+    keeps references (no buffer reused while its chunk was held); the buffers it allocated.
+    Head dim 16: an lse chunk is 1/16 of its q chunk's bytes (real models: 1/32 and less)."""
+    d = 16
+    kw = dict(scale=1 / math.sqrt(d), causal=True, window=None, softcap=None)
+    plan = FPDTPlan([0, 5, s], chunks, group=None, causal=True, window=None, kw=kw)
+    g = torch.Generator().manual_seed(s)
+    q, k, v, dout = ([torch.randn(1, s, 2, d, generator=g) for _ in range(2)] for _ in range(4))
+    ref_outs, ref_grads = _two_layer_step(plan, None, q, k, v, dout)
+    before = fake.pool.allocations
+    outs, grads = _two_layer_step(plan, fake, q, k, v, dout)
+    for a, b in zip(outs + [t for gs in grads for t in gs], ref_outs + [t for gs in ref_grads for t in gs]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return fake.pool.allocations - before
+
+
+def _held(pool: HostPool) -> int:
+    return pool.free_bytes() + pool.lent_bytes()
+
+
+def test_pool_bounded_across_steps_of_different_lengths():
+    """The pool never holds more than the most it lent at once, and that is the longest step's
+    own peak: a longer step's misses release the shorter steps' free buffers first (without
+    the release the pool keeps both, checked once), and no request of a shorter step runs in
+    a buffer of another kind (at most FIT x its size)."""
+    lengths = [16, 32, 24, 48, 16, 32]
+    alone = {}
+    for s in set(lengths):  # each length's own peak of lent bytes, on a fresh pool
+        fresh = PooledFakeStreams()
+        _step(fresh, s)
+        alone[s] = fresh.pool.high_water
+    fake = PooledFakeStreams()
+    for n, s in enumerate(lengths):
+        _step(fake, s)
+        longest = max(lengths[: n + 1])
+        assert fake.pool.lent_bytes() == 0
+        assert _held(fake.pool) <= fake.pool.high_water == alone[longest], (s, _held(fake.pool), alone)
+    assert fake.pool.releases > 0
+
+
+def test_no_registration_after_the_longest_step():
+    """A step no longer than an earlier one runs in its buffers: registrations (allocations)
+    only in the first step when it is the longest (exact size classes alone would register
+    in every step of a new length, checked once)."""
+    fake = PooledFakeStreams()
+    assert [_step(fake, s) for s in (48, 16, 32, 24, 48)][1:] == [0, 0, 0, 0]
+
+
+def test_prepare_registers_a_longer_step_before_it_runs():
+    """`prepare(device, tokens)` before a longer micro-batch registers its buffers, scaled from
+    those the pool holds, so the step itself registers none; a shorter or equal one costs
+    nothing (without `prepare`'s reservation the longer steps register inside, checked once)."""
+    fake = PooledFakeStreams()
+    assert _step(fake, 16) > 0 and fake.pool.prepare("cpu", 16) == 0  # the first step sizes the pool
+    for s in (32, 24, 48, 16, 48):
+        fake.pool.prepare("cpu", s)
+        assert _step(fake, s) == 0, s
+    assert _held(fake.pool) <= fake.pool.high_water

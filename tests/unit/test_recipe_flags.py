@@ -1,6 +1,8 @@
 """Shared recipe flags a recipe does not honour are refused, never dropped (recipes/common.refuse_flags):
-recipes/grpo.py and recipes/rloo.py (LongGRPOTrainer / LongRLOOTrainer: no memory preset, no trainer
-memory options; --resume needs --save-every) and recipes/dpo.py (LongDPOTrainer: no memory preset; the trainer options pass through)."""
+recipes/grpo.py and recipes/rloo.py (LongGRPOTrainer / LongRLOOTrainer take neither
+sync_each_microbatch nor param_offload; --resume needs --save-every); the memory flags go to
+`patch` in every post-training recipe (dpo.py, grpo.py, rloo.py), and recipes/dpo.py passes the
+trainer options through."""
 
 from __future__ import annotations
 
@@ -26,13 +28,30 @@ def _recipes():
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "rloo"])
-@pytest.mark.parametrize("flags", [["--param-offload"], ["--sync-each-microbatch"], ["--memory", "balanced"]])
-def test_rollout_recipes_refuse_trainer_flags(recipe, flags, capsys):
+@pytest.mark.parametrize("flags,why", [(["--param-offload"], "takes no param_offload"),
+                                       (["--sync-each-microbatch"], "always reduce-scatters")])
+def test_rollout_recipes_refuse_trainer_flags(recipe, flags, why, capsys):
     rollouts = _recipes()[1][recipe]
     with pytest.raises(SystemExit):
         rollouts.parse_args(flags)
-    assert f"{flags[0]} is not supported by this recipe; do instead:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{flags[0]} is not supported by this recipe; do instead:" in err and why in err, err
     assert rollouts.parse_args([]).param_offload is False  # the defaults parse
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "grpo", "rloo"])
+def test_post_training_recipes_honour_the_memory_flags(recipe):
+    """--memory (with --inputs-on-device), --kv-offload and --mixers reach `patch(model, mesh, ...)`
+    in every post-training recipe: the trainers compute log-probs through the row-chunked LM
+    head under every preset (tests/distributed/test_dpo_trainer.py, test_grpo_trainer.py,
+    test_rloo_trainer.py run memory="max" with FPDT chunks)."""
+    common, rollouts, dpo = _recipes()
+    module = {"dpo": dpo, **rollouts}[recipe]
+    for flags, want in [(["--memory", "max", "--inputs-on-device", "1"], {"memory": "max", "inputs_on_device": 1}),
+                        (["--memory", "balanced"], {"memory": "balanced"}),
+                        (["--fpdt-chunks", "2", "--kv-offload"], {"kv_offload": True}),
+                        (["--mixers", "heads"], {"mixers": "heads"})]:
+        assert common.patch_kwargs(module.parse_args(flags)) == want, flags
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "rloo"])
@@ -48,14 +67,12 @@ def test_rollout_recipes_resume_needs_checkpoints(recipe, capsys):
 
 
 def test_dpo_recipe_flags(capsys):
-    """--memory is refused (its chunked loss drops the logits); the trainer options parse and pass
-    through; --resume without checkpoints (--save-every) is an error naming both."""
-    _, _, dpo = _recipes()
-    with pytest.raises(SystemExit):
-        dpo.parse_args(["--memory", "max"])
-    assert "--memory is not supported by this recipe; do instead:" in capsys.readouterr().err
+    """The trainer options parse and pass through (`trainer_kwargs`); --resume without
+    checkpoints (--save-every) is an error naming both."""
+    common, _, dpo = _recipes()
     args = dpo.parse_args(["--param-offload", "--sync-each-microbatch", "--resume", "--save-every", "2"])
     assert args.param_offload and args.sync_each_microbatch and args.resume and args.save_every == 2
+    assert common.trainer_kwargs(args) == {"sync_each_microbatch": True, "param_offload": True}
     with pytest.raises(SystemExit):
         dpo.parse_args(["--resume"])
     assert "--resume needs checkpoints" in capsys.readouterr().err

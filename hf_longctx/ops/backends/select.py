@@ -1,7 +1,10 @@
-"""Which local attention backend runs a call: probed once per process, chosen per call chain.
+"""Which local attention backend runs a call: probed once per process, chosen once per micro-batch.
 
-Where it sits: `ops/kernels.py` calls `backend_for(q, softcap=...)` once per
-varlen_forward / varlen_backward (never per tile). `probe_env` reads the cached probes of
+Where it sits: `ops/kernels.batch_backend` calls `backend_for(q, softcap=...)` once per
+micro-batch and (device, dtype, head dim, softcap) for USP, ring and FPDT (the caller keeps
+the choice: not per layer, never per tile; per micro-batch, since torch's flash
+implementation is a process-wide switch the user may flip between steps); a call with no
+caller's choice picks here per call. `probe_env` reads the cached probes of
 `_compat.py` into a frozen `KernelEnv`; `select_backend` is a pure function of that
 environment and the call's dtype, head dim and softcap, so tests hand it emulated ones.
 Preference on CUDA: torch's flash ops under FA3/FA4 -> flash-attn 2.x (softcap) -> torch's

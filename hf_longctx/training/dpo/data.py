@@ -6,8 +6,10 @@ Where it sits: between `LongDPOTrainer`'s train dataset and its `training_step`,
 lays them out and `shard_batch` takes this SP rank's tokens. Guarantees: the step's
 `num_items_in_batch` is its GLOBAL pair count; each micro-batch carries its pair count under
 `PAIRS_KEY` (0: an empty slot, one padding token, still run so every rank joins every
-collective). Rows are TRL's tokenized form (`prompt_ids`, `chosen_ids`, `rejected_ids`),
-which `pair_rows` makes from `prompt` / `chosen` / `rejected` id lists."""
+collective) and, when the rows carry TRL's stored reference sums, those of its pairs under
+`REF_KEY` (rows whose ids no longer match the sums' fingerprint are refused first). Rows
+are TRL's tokenized form (`prompt_ids`, `chosen_ids`, `rejected_ids`), which `pair_rows`
+makes from `prompt` / `chosen` / `rejected` id lists."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids, document_name
 from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
+from hf_longctx.training.dpo.ref_columns import IDS_HASH, REF_COLUMNS, REF_KEY, check_rows_scored
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 ID_COLUMNS = ("prompt", "chosen", "rejected")
@@ -92,6 +95,9 @@ class PairStepCollate:
     def __call__(self, rows: Sequence[dict[str, Any]]) -> StepBatch:
         if self.vocab is not None:
             self._check_ids(rows)
+        stored = bool(rows) and all(c in rows[0] for c in REF_COLUMNS)
+        if rows and IDS_HASH in rows[0]:
+            check_rows_scored(rows)  # the ids the stored reference sums were computed on
         chosen = [len(x["prompt_ids"]) + len(x["chosen_ids"]) for x in rows]
         rejected = [len(x["prompt_ids"]) + len(x["rejected_ids"]) for x in rows]
         mesh = self.mesh
@@ -105,7 +111,11 @@ class PairStepCollate:
             pairs = [tuple(list(rows[plan.pieces[i].doc][c]) for c in PAIR_COLUMNS) for i in mb]
             shard = shard_batch(pack_pairs(pairs), mesh, len(rows),
                                 pad_token_id=self.pad_token_id)
-            micro_batches.append({**shard, PAIRS_KEY: len(mb)})
+            extra = {}
+            if stored:  # [2P]: (chosen, rejected) of each pair, in pack_pairs' document order
+                extra[REF_KEY] = torch.tensor([rows[plan.pieces[i].doc][c] for i in mb for c in REF_COLUMNS],
+                                              dtype=torch.float32)
+            micro_batches.append({**shard, PAIRS_KEY: len(mb), **extra})
         documents = [n for pair in zip(chosen, rejected) for n in pair]
         flops = float(self.flops_model(documents).sum()) if self.flops_model is not None else 0.0
         stats = plan.stats(self.cost) if self.cost is not None else {}
@@ -124,7 +134,7 @@ def pair_step_dataloader(dataset: Any, collate: PairStepCollate, *, tokens_per_s
     (both documents of a pair counted) is reached; `endless` (training) runs into the next
     epoch like the train loader of sft/data.py, else one pass (evaluation)."""
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
-    rows = _Rows(dataset, list(PAIR_COLUMNS), name, "pair")
+    rows = _Rows(dataset, list(dataset.column_names), name, "pair")  # the columns the trainer selected
     loader = torch.utils.data.DataLoader(rows, batch_sampler=StepStream(sampler, endless=endless), collate_fn=collate,
                                          num_workers=0)
     return loader, sampler

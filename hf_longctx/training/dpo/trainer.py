@@ -6,7 +6,9 @@ unit and the objective: steps of preference PAIRS (`dpo/data.py`), `compute_loss
 policy's and the reference's per-document log-prob sums on the same shard (`dpo/loss.py`).
 Guarantees: a step's loss and gradients are TRL's per-batch mean over all the step's pairs;
 TRL's metrics are GLOBAL means (token metrics as global token means); evaluation's
-eval_loss is the mean per-pair loss of the whole eval set. Refused before any collective:
+eval_loss is the mean per-pair loss of the whole eval set. `precompute_ref_log_probs=True`:
+one reference pass over each dataset at construction (`dpo/precompute.py`), then steps
+without a reference forward and without the reference held. Refused before any collective:
 what `check_dpo_config` refuses, PEFT / quantization, a `GroupBank`, non-pair datasets.
 The design: docs/DESIGN.md "DPO under SP"."""
 
@@ -27,6 +29,8 @@ from hf_longctx.training.refusals.checks import check_materialised
 from hf_longctx.training.dpo.data import (
     PAIR_COLUMNS, PAIRS_KEY, PairStepCollate, pair_format, pair_lengths, pair_rows, pair_step_dataloader,
 )
+from hf_longctx.training.dpo.precompute import reference_pass, with_ref_columns
+from hf_longctx.training.dpo.ref_columns import IDS_HASH, REF_COLUMNS, REF_KEY, check_fixed_rows, stored_columns
 from hf_longctx.training.sft.trainer import LongContextTrainerMixin
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -41,7 +45,9 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     documents counted), each micro-batch of an SP group holds at most `max_tokens`. Keyword
     arguments only. `mesh`: as `LongContextTrainerMixin`'s (or from `DPOConfig(parallelism_config=...)`).
     `ref_model`: None (TRL's default, the initial model from its path) or a model
-    (patched here with the mesh if it is not). The other keyword arguments: `LongContextTrainerMixin`'s
+    (patched here with the mesh if it is not). With `DPOConfig(precompute_ref_log_probs=True)`
+    the reference scores every train / eval pair once at construction (ref_model=None: the
+    policy itself, before any step, as TRL does; no copy is loaded) and is then released. The other keyword arguments: `LongContextTrainerMixin`'s
     (`cost`, `strategy`, `pad_token_id`, `step_timeout_s`, `peak_flops`, `sync_each_microbatch`,
     `param_offload`) and DPOTrainer's.
     """
@@ -55,18 +61,66 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         check_dpo_trainer(model, args, mesh, kwargs)  # every refusal on every rank alike, before the steps
         if ref_model is model:
             raise ValueError("model and ref_model must be different objects: leave ref_model=None for TRL's default copy")
-        if ref_model is None:  # TRL's default: the policy loaded again from its path
+        precompute = bool(args.precompute_ref_log_probs)
+        self._reference_pass_ready = False  # TRL's __init__ asks for the pass before placement: run it below
+        if ref_model is None and not precompute:  # TRL's default: the policy loaded again from its path
             ref_model = default_reference(model, mesh, args.trust_remote_code)
-        else:
+        elif ref_model is not None:
             check_materialised(ref_model, "LongDPOTrainer", "ref_model")  # as the policy's, in _setup_mesh
             ref_model = reference_on_mesh(ref_model, model, mesh)
         super().__init__(model=model, ref_model=ref_model, args=args, mesh=mesh, **kwargs)
-        self._place_reference(self.ref_model)  # ZeRO-3 like the policy: forward-only all-gathers
+        if self.ref_model is not None:
+            self._place_reference(self.ref_model)  # ZeRO-3 like the policy: forward-only all-gathers
         self._token_stats = None  # TRL's token metrics come from token_metric_sums (step_loop's TokenStats unused)
         self._pair_collate = PairStepCollate(
             mesh, self.max_tokens, cost=self.collator.cost, strategy=self.collator.strategy,
             pad_token_id=self.collator.pad_token_id, flops_model=self._flops_model, vocab=self.collator.vocab)
         self._dpo_sums = torch.zeros(len(METRICS) + len(TOKEN_SUMS), dtype=torch.float64, device=self.args.device)
+        self._reference_released = False
+        if precompute:
+            self._precompute_all()
+
+    # ---- precompute_ref_log_probs: one reference pass per dataset (dpo/precompute.py) ---------------
+    def _precompute_all(self) -> None:
+        """The train and eval datasets with TRL's columns, then the reference released: its
+        sharded weights (an explicit ref_model) leave memory; with ref_model=None none was loaded."""
+        self._reference_pass_ready = True
+        if self.train_dataset is not None:
+            self.train_dataset = self._precompute_ref_logps(self.train_dataset, "train", None)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._precompute_ref_logps(v, k, None) for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, "eval", None)
+        self._reference_released = self.ref_model is not None
+        self.ref_model = None
+
+    def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: Any) -> Any:
+        """TRL's hook (its `__init__` and `evaluate`): `dataset` with `ref_chosen_logps` /
+        `ref_rejected_logps`, from the SP reference pass; a dataset carrying both is used as is.
+        `batch_size` is unused: the pass packs pairs by `max_tokens` as training does."""
+        if not self._reference_pass_ready or stored_columns(dataset, name):
+            return dataset
+        check_pair_dataset(dataset, name)
+        check_fixed_rows(dataset, name)
+        if self._reference_released or (self.ref_model is None and self.state.global_step > 0):
+            refuse_dpo(f"{name} has no {REF_COLUMNS} and the reference is no longer held (precompute_ref_log_probs="
+                       "True releases it after scoring the datasets given at construction)",
+                       "pass this dataset as eval_dataset= when building the trainer, or add TRL's two columns to it")
+        reference = self.ref_model if self.ref_model is not None else self.model  # TRL's: the initial policy
+        chosen, rejected = reference_pass(reference, dataset, self._pair_collate, self.mesh,
+                                          lengths=self._pair_lengths(dataset, name),
+                                          tokens_per_step=self.tokens_per_step, device=self.args.device)
+        return with_ref_columns(dataset, chosen, rejected)
+
+    def _columns(self, dataset: Any, name: str) -> list[str]:
+        """The columns a step reads: the pairs, and TRL's stored sums under precompute_ref_log_probs."""
+        if not self.precompute_ref_logps:
+            return list(PAIR_COLUMNS)
+        if not stored_columns(dataset, name):
+            refuse_dpo(f"{name} has no {REF_COLUMNS} columns (precompute_ref_log_probs=True)",
+                       "give the trainer this dataset at construction (the reference pass adds them)")
+        check_fixed_rows(dataset, name)
+        return list(PAIR_COLUMNS) + list(REF_COLUMNS) + ([IDS_HASH] if IDS_HASH in dataset.column_names else [])
 
     # ---- data: TRL's tokenized pairs, planned by pairs (dpo/data.py) ----------------------------------
     def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
@@ -96,7 +150,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         loader, self.step_sampler = pair_step_dataloader(
-            self.train_dataset.select_columns(list(PAIR_COLUMNS)), self._pair_collate,
+            self.train_dataset.select_columns(self._columns(self.train_dataset, "train_dataset")), self._pair_collate,
             tokens_per_step=self.tokens_per_step, seed=seed, shuffle=True, lengths=self._train_lengths)
         return loader
 
@@ -108,7 +162,8 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             raise ValueError("LongDPOTrainer: evaluation requires an eval_dataset")
         check_pair_dataset(dataset, "eval_dataset")
         loader, _ = pair_step_dataloader(
-            dataset.select_columns(list(PAIR_COLUMNS)), self._pair_collate, tokens_per_step=self.tokens_per_step,
+            dataset.select_columns(self._columns(dataset, "eval_dataset")), self._pair_collate,
+            tokens_per_step=self.tokens_per_step,
             seed=self.args.seed, shuffle=False, lengths=self._pair_lengths(dataset, "eval_dataset"), endless=False,
             name="eval_dataset")
         return loader
@@ -127,14 +182,12 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
                      num_items_in_batch: Any = None) -> Any:
         if return_outputs:
             refuse_dpo("compute_loss(return_outputs=True)", "use the logged metrics")
-        shard = {k: v for k, v in inputs.items() if k != PAIRS_KEY}  # token_logprobs passes no labels or counts
+        shard = {k: v for k, v in inputs.items() if k not in (PAIRS_KEY, REF_KEY)}  # token_logprobs: no labels
         mesh, empty = self.mesh, inputs[PAIRS_KEY] == 0
-        with torch.no_grad():  # every slot, empty ones too: the sharded reference all-gathers per unit
-            ref_token, _ = token_logprobs(self.ref_model, shard)  # [1, S_local] fp32, chunked LM head
-            reference = None if empty else completion_sums(ref_token, inputs, mesh)[0]  # [2P], every SP rank
-            del ref_token
-        if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps the root unsharded after forward (for a backward)
-            self.ref_model.reshard()
+        if self.precompute_ref_logps:  # TRL's stored columns, [2P] (absent in an empty slot)
+            reference = inputs.get(REF_KEY)
+        else:
+            reference = self._reference_sums(shard, inputs, empty)
         token, stats = token_logprobs(model, shard, stats=TOKEN_STATS)  # [1, S_local], [1, S_local, 3]
         if empty:  # an empty slot: the forwards join FSDP's collectives, no loss
             return token.sum() * 0.0
@@ -148,6 +201,16 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         token_sums = stats_metric_sums(stats, inputs, mesh).to(self._dpo_sums.device)  # [7]
         self._dpo_sums += torch.cat([pair_sums, token_sums])
         return loss
+
+    def _reference_sums(self, shard: dict[str, Any], inputs: dict[str, Any], empty: bool) -> torch.Tensor | None:
+        """The reference's [2P] completion sums on this shard (None in an empty slot)."""
+        with torch.no_grad():  # every slot, empty ones too: the sharded reference all-gathers per unit
+            ref_token, _ = token_logprobs(self.ref_model, shard)  # [1, S_local] fp32, chunked LM head
+            reference = None if empty else completion_sums(ref_token, inputs, self.mesh)[0]  # [2P], every SP rank
+            del ref_token
+        if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps the root unsharded after forward (for a backward)
+            self.ref_model.reshard()
+        return reference
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         self._dpo_sums.zero_()

@@ -17,6 +17,7 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.logprob_head import check_logprob_head
 from hf_longctx.training.dpo.data import pair_format
 from hf_longctx.training.dpo.loss import LOSS_TYPES
+from hf_longctx.training.dpo.ref_columns import check_fixed_rows, stored_columns
 from hf_longctx.training.refusals.checks import check_patched
 from hf_longctx.training.refusals.rules import Rule, _falsy, _refused, _trainer, refused_trl_fields
 
@@ -50,10 +51,14 @@ DPO_CONFIG: dict[str, Rule] = {
     "padding_free": _refused(_falsy, _PACKED, "set padding_free=False"),
     "pad_to_multiple_of": _refused(
         lambda v: v in (None, "auto"), "micro-batches are padded by the SP layout, not by TRL's collator", "leave it 'auto' or None"),
-    "precompute_ref_log_probs": _refused(
-        _falsy, "TRL's precompute pass runs the reference on unsharded padded rows, through the patched policy",
-        "leave precompute_ref_log_probs=False (the reference runs on the same shards, under no_grad)"),
-    "precompute_ref_batch_size": _trainer("batch size of TRL's own reference pass"),
+    "precompute_ref_log_probs": _ours(
+        "one SP reference pass over each train / eval dataset at construction (training/dpo/precompute.py), "
+        "planned and packed as training; TRL's ref_chosen_logps / ref_rejected_logps columns, then no reference "
+        "forward per step and the reference released"),
+    "precompute_ref_batch_size": _refused(
+        lambda v: v is None, "the reference pass packs pairs into micro-batches of max_tokens, as training does; "
+        "a pair count per batch has no meaning there",
+        "leave precompute_ref_batch_size=None (the pass's batches are max_tokens per SP group, tokens_per_step per step)"),
     "loss_type": _refused(
         _loss_type_ok, "only one of " + ", ".join(LOSS_TYPES) + " is implemented on per-document sums",
         "use loss_type='sigmoid' (TRL's default), 'hinge' or 'ipo', one at a time"),
@@ -121,6 +126,9 @@ def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) 
     for name, dataset in [("train_dataset", kwargs.get("train_dataset")), *evals.items()]:
         if dataset is not None:
             check_pair_dataset(dataset, name)
+            if args.precompute_ref_log_probs:  # the rows the reference pass scores must be the rows trained
+                stored_columns(dataset, name)
+                check_fixed_rows(dataset, name)
 
 
 def check_pair_dataset(dataset: Any, name: str) -> None:

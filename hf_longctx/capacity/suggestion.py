@@ -1,0 +1,128 @@
+"""`Suggestion`: one ranked setting as what to run -- `init_sequence_parallel` and `patch`
+arguments, the keyword arguments of the task's trainer, and the same as flags of the task's
+recipes -- and `TASK_TRAINERS`, what each `--task`'s trainer takes.
+
+Where it sits: the output end of the planner; `capacity/search.rank_settings(task=)` reads
+`TASK_TRAINERS` to search only settings the task's trainer runs, `search.suggest()` returns a
+`Suggestion` and `hf-longctx plan` (`cli/capacity.py`) prints its `code()` and
+`recipe_flags()`. Guarantees: the code names the task's trainer with its real keyword
+arguments, and every printed flag is one the task's recipes parse (recipes/common.py and each
+recipe's own options). It reads a `search.Candidate` and imports nothing of the search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TaskTrainer:
+    """The trainer of one `--task` as the planner needs it: its class and config in the printed
+    code, the recipes whose parsers take the printed flags, and the options it takes.
+
+    `tokens_per_step`: takes `tokens_per_step=` (the rollout trainers' steps are TRL's rows);
+    `trainer_options`: takes `param_offload=` and `sync_each_microbatch=` (the rollout trainers
+    take neither: their shards stay on the device and their step loop reduce-scatters in every
+    micro-batch's backward always); `flexible_groups`: takes a `GroupBank` (`unequal_calls=`);
+    `unit`: what its `max_tokens` (and `tokens_per_step`) count, printed under the code."""
+
+    name: str
+    config: str
+    recipes: str
+    unit: str
+    tokens_per_step: bool = True
+    trainer_options: bool = True
+    flexible_groups: bool = False
+
+    @property
+    def always_syncs_each_microbatch(self) -> bool:
+        return not self.trainer_options
+
+
+_ROWS = ("max_tokens: prompt + completion tokens of one packed micro-batch of an SP group; a step's rows are "
+         "TRL's (per_device_train_batch_size x processes)")
+TASK_TRAINERS = {
+    "sft": TaskTrainer("LongContextTrainer", "args", "recipes/pretrain.py, lora.py, sft.py", "", flexible_groups=True),
+    "dpo": TaskTrainer("LongDPOTrainer", "DPOConfig(..., max_length=None)", "recipes/dpo.py",
+                       "max_tokens and tokens_per_step count whole pairs (chosen + rejected); a pair is never split"),
+    "dpo-precomputed": TaskTrainer(
+        "LongDPOTrainer", "DPOConfig(..., max_length=None, precompute_ref_log_probs=True)", "recipes/dpo.py",
+        "max_tokens and tokens_per_step count whole pairs (chosen + rejected); a pair is never split; the reference "
+        "scores every pair once at construction and is not held during training"),
+    "grpo": TaskTrainer("LongGRPOTrainer", "GRPOConfig(...)", "recipes/grpo.py", _ROWS, tokens_per_step=False,
+                        trainer_options=False),
+    "rloo": TaskTrainer("LongRLOOTrainer", "RLOOConfig(...)", "recipes/rloo.py", _ROWS, tokens_per_step=False,
+                        trainer_options=False),
+}
+
+
+def task_trainer(task: str) -> TaskTrainer:
+    if task not in TASK_TRAINERS:
+        raise ValueError(f"task must be one of {sorted(TASK_TRAINERS)}, got {task!r}")
+    return TASK_TRAINERS[task]
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """What to run: `init_sequence_parallel(**init_kwargs)`, `patch(model, mesh, memory=memory)`,
+    then the task's trainer with `trainer_kwargs`."""
+
+    init_kwargs: dict  # ulysses_degree, ring_degree, fpdt_chunks
+    memory: str
+    candidate: Any  # the search.Candidate it was made of
+    trainer_kwargs: dict | None = None  # the task's trainer: max_tokens, tokens_per_step, param_offload, ...
+    mixed_precision: str = "bf16"
+    task: str = "sft"  # a key of TASK_TRAINERS
+
+    @classmethod
+    def of(cls, c: Any, tokens: int | None = None, *, grad_sync: str = "step", dtype: str = "bf16",
+           task: str = "sft") -> "Suggestion":
+        """`tokens`: per SP group and micro-batch (the trainer's `max_tokens`); `task`: whose
+        trainer and recipes (`TASK_TRAINERS`). A setting the task's trainer cannot run is refused."""
+        s, t = c.setting, task_trainer(task)
+        trainer = {"max_tokens": tokens} if tokens else {}
+        if tokens and t.tokens_per_step:
+            trainer["tokens_per_step"] = tokens * c.dp * c.microbatches
+        if s.param_offload:
+            if not t.trainer_options:
+                raise ValueError(f"{t.name} takes no param_offload: plan --task {task} without parameter offload")
+            trainer["param_offload"] = True
+        if grad_sync == "microbatch" and t.trainer_options:  # the rollout trainers do it always: no option
+            trainer["sync_each_microbatch"] = True
+        return cls({"ulysses_degree": s.ulysses, "ring_degree": s.ring, "fpdt_chunks": s.fpdt_chunks}, c.preset, c,
+                   trainer, "fp32" if dtype == "fp32" else "bf16", task)
+
+    def code(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.init_kwargs.items())
+        kept = self.candidate.setting.inputs_on_device
+        keep = ", keep_attention=True" if self.candidate.setting.keep_attention else ""
+        out = (f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r}"
+               + keep + (f", inputs_on_device={kept})" if kept else ")"))
+        if self.trainer_kwargs:
+            kw = ", ".join(f"{k}={v}" for k, v in self.trainer_kwargs.items())
+            t = TASK_TRAINERS[self.task]
+            out += f"\ntrainer = hf_longctx.{t.name}(model=model, args={t.config}, mesh=mesh, {kw}, ...)"
+            out += f"\n# {t.unit}" if t.unit else ""
+        return out
+
+    @property
+    def recipes(self) -> str:
+        """The recipes whose parsers take `recipe_flags()`."""
+        return TASK_TRAINERS[self.task].recipes
+
+    def recipe_flags(self) -> str:
+        """The same setting as flags of the task's recipes (`recipes`: recipes/common.py's shared
+        options plus --max-tokens, and --tokens-per-step where the trainer takes it)."""
+        k, t = self.init_kwargs, self.trainer_kwargs or {}
+        flags = [f"--ulysses {k['ulysses_degree']}", f"--ring {k['ring_degree']}", f"--fpdt-chunks {k['fpdt_chunks']}",
+                 f"--memory {self.memory}"]
+        if self.candidate.setting.inputs_on_device:
+            flags.append(f"--inputs-on-device {self.candidate.setting.inputs_on_device}")
+        flags += ["--keep-attention"] if self.candidate.setting.keep_attention else []
+        flags += [f"--max-tokens {t['max_tokens']}"] if "max_tokens" in t else []
+        flags += [f"--tokens-per-step {t['tokens_per_step']}"] if "tokens_per_step" in t else []
+        flags += [f"--mixed-precision {self.mixed_precision}"]
+        flags += ["--param-offload"] if t.get("param_offload") else []
+        flags += ["--sync-each-microbatch"] if t.get("sync_each_microbatch") else []
+        return " ".join(flags)
