@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--precompute-ref-log-probs", action="store_true",
+                   help="score every pair with the reference once before training (DPOConfig.precompute_ref_log_probs); "
+                        "no reference is held or run during training")
     return parse_post_training_args(p, argv, output_dir="runs/dpo", refused={})  # every shared flag honoured
 
 
@@ -86,6 +89,7 @@ def main(argv=None) -> None:
         save_steps=args.save_every or 500, seed=args.seed, bf16=args.mixed_precision == "bf16",
         use_cpu=device.type == "cpu", report_to=[], disable_tqdm=True,
         max_length=None, beta=args.beta, loss_type=args.loss_type,  # the cap is --max-tokens; pairs are never cut
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
         **checkpointing(True),  # TRL's default, under its current name
     )
     mesh = recipe_mesh(args, config, device)

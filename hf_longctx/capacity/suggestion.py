@@ -25,7 +25,8 @@ class TaskTrainer:
     `trainer_options`: takes `param_offload=` and `sync_each_microbatch=` (the rollout trainers
     take neither: their shards stay on the device and their step loop reduce-scatters in every
     micro-batch's backward always); `flexible_groups`: takes a `GroupBank` (`unequal_calls=`);
-    `unit`: what its `max_tokens` (and `tokens_per_step`) count, printed under the code."""
+    `unit`: what its `max_tokens` (and `tokens_per_step`) count, printed under the code;
+    `recipe_flags`: flags its recipe needs beyond the setting's (the precomputed reference's)."""
 
     name: str
     config: str
@@ -34,6 +35,7 @@ class TaskTrainer:
     tokens_per_step: bool = True
     trainer_options: bool = True
     flexible_groups: bool = False
+    recipe_flags: tuple = ()
 
     @property
     def always_syncs_each_microbatch(self) -> bool:
@@ -49,7 +51,8 @@ TASK_TRAINERS = {
     "dpo-precomputed": TaskTrainer(
         "LongDPOTrainer", "DPOConfig(..., max_length=None, precompute_ref_log_probs=True)", "recipes/dpo.py",
         "max_tokens and tokens_per_step count whole pairs (chosen + rejected); a pair is never split; the reference "
-        "scores every pair once at construction and is not held during training"),
+        "scores every pair once at construction and is not held during training",
+        recipe_flags=("--precompute-ref-log-probs",)),
     "grpo": TaskTrainer("LongGRPOTrainer", "GRPOConfig(...)", "recipes/grpo.py", _ROWS, tokens_per_step=False,
                         trainer_options=False),
     "rloo": TaskTrainer("LongRLOOTrainer", "RLOOConfig(...)", "recipes/rloo.py", _ROWS, tokens_per_step=False,
@@ -125,4 +128,4 @@ class Suggestion:
         flags += [f"--mixed-precision {self.mixed_precision}"]
         flags += ["--param-offload"] if t.get("param_offload") else []
         flags += ["--sync-each-microbatch"] if t.get("sync_each_microbatch") else []
-        return " ".join(flags)
+        return " ".join(flags + list(TASK_TRAINERS[self.task].recipe_flags))

@@ -2,7 +2,8 @@
 ranks (gloo, Ulysses 2, FSDP2): the tiny Llama the recipe builds and saves, its locally made
 text pairs (tokenized by TRL), TRL's default reference. Both steps finish; every logged value
 is finite and the SAME on both ranks (global values); step 1 logs loss ln 2 and zero rewards
-(policy == reference), step 2 non-zero rewards (the update reached the policy, not the
+(policy == reference; with --precompute-ref-log-probs the reference's log-probs are stored before
+training), step 2 non-zero rewards (the update reached the policy, not the
 reference); rank 0 prints per-step lines with TRL's metric names. The run is under `--memory max`
 (the policy and the reference patched with it, as the printed patch line reads back from the
 trained model). Also: the DPO guide's building-block loop runs as written."""
@@ -12,14 +13,19 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
+
 from tests.helpers.recipe_launch import ROOT, assert_ranks_agree, launch, rank_logs
 
 TIMING = {"tokens_per_s", "peak_mem_gib"}  # wall-clock and per-rank memory: may differ between ranks
 
 
-def test_dpo_recipe_runs(tmp_path):
+@pytest.mark.parametrize("precompute", [False, True], ids=["held-reference", "precomputed-reference"])
+def test_dpo_recipe_runs(tmp_path, precompute):
+    """--precompute-ref-log-probs: the initial policy scores every pair before step 1, so step 1's
+    loss is ln 2 only if the stored columns are the reference's log-probs of those pairs."""
     proc = launch("dpo.py", "--ulysses", "2", "--steps", "2", "--pairs", "16", "--memory", "max",
-                  "--output-dir", str(tmp_path))
+                  "--output-dir", str(tmp_path), *(["--precompute-ref-log-probs"] if precompute else []))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     logs = rank_logs(tmp_path)

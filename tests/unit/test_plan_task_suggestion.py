@@ -93,6 +93,8 @@ def _check_flags(flags: str, task: str, suggestion) -> None:
                 suggestion.candidate.setting.inputs_on_device, t["max_tokens"], suggestion.mixed_precision,
                 t.get("param_offload", False), t.get("sync_each_microbatch", False))
         assert got == want, (recipe, got, want)
+        if recipe == "dpo.py":  # the precomputed reference reaches DPOConfig through this flag only
+            assert args.precompute_ref_log_probs is (task == "dpo-precomputed"), (task, flags)
         if "tokens_per_step" in t:
             assert args.tokens_per_step == t["tokens_per_step"], recipe
 
