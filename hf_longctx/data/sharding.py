@@ -12,7 +12,7 @@ from. Pure tensor code; the inverse (an all-gather) is `distributed/gather.py`."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -42,7 +42,10 @@ class SPBatchInfo:
         hand (the patch-time mesh is used).
     device_cache: device tensors derived from this metadata, built on first use and kept for
         the batch's lifetime (`distributed/doc_sums.py`'s document ids: one upload per
-        micro-batch); never compared, and empty in a `dataclasses.replace` copy.
+        micro-batch); an attribute, not a field: never compared, and empty in a copy made by
+        `dataclasses.replace` (a copy with other boundaries never sees stale ids), which tools
+        that rebuild dataclasses field by field do (FSDP2's input cast,
+        `torch.distributed.utils._apply_to_tensors`, replaces with every field).
     """
 
     cu_seqlens: tuple[int, ...]
@@ -50,7 +53,14 @@ class SPBatchInfo:
     rows: int
     fingerprint: int
     group: tuple[int, int] | None = None
-    device_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    @property
+    def device_cache(self) -> dict:
+        cache = self.__dict__.get("_device_cache")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_device_cache", cache)  # frozen: the cache is not metadata
+        return cache
 
     @property
     def padded_length(self) -> int:

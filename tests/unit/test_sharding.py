@@ -166,3 +166,18 @@ def test_flash_kwargs_boundaries_are_consumed():
     shard = shard_batch(batch, mesh)
     assert shard[SP_METADATA_KEY].cu_seqlens == (0, 4, 12)  # 3 -> 4 and 5 -> 8 tokens (doc_multiple 4)
     assert not {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"} & set(shard)
+
+
+def test_metadata_with_device_cache_survives_fsdp2_input_cast():
+    """FSDP2's forward pre-hook casts the model's inputs with torch.distributed.utils._apply_to_tensors,
+    which rebuilds every dataclass with `dataclasses.replace(dc, **every_field)`: the metadata's
+    device cache is not a field, so the rebuild works, keeps the metadata and starts an empty cache."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from hf_longctx.data.sharding import SPBatchInfo
+
+    info = SPBatchInfo(cu_seqlens=(0, 3, 8), source_cu_seqlens=(0, 3, 7), rows=1, fingerprint=5)
+    info.device_cache["ids"] = torch.tensor([0, 0, 0, 1])
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, {SP_METADATA_KEY: info})
+    assert cast[SP_METADATA_KEY] == info and cast[SP_METADATA_KEY].device_cache == {}
+    assert list(info.device_cache) == ["ids"]
