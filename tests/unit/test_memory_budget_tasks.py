@@ -21,7 +21,7 @@ from benchmarks.memory_budget import estimate, measure_lengths
 from hf_longctx.distributed.mesh import init_sequence_parallel
 
 TOKENS = 2048
-CPU_LAYOUT_COPY = "usp.py:usp_attention clone"  # the CPU kernel's multi-document output, copied token-major
+CPU_LAYOUT_COPY = "usp.py:_from_ring clone"  # the CPU kernel's multi-document output, copied token-major
 
 
 def _census(mode: str, task: str) -> dict:
