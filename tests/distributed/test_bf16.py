@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from tests.helpers.pool import worker_mesh
-from tests.helpers.bf16_rule import _check, _docs, _flat, _fresh, _single, _targets, criterion, excess, pooled_small, token_losses
+from tests.helpers.bf16_rule import (_check, _docs, _flat, _fresh, _targets, criterion, excess, pooled_small,
+                                      references, token_losses)
 
 CORE = ["llama", "gpt2", "gemma2"]  # GQA + rotary; learned positions + Conv1D; windows + both softcaps
 OTHERS = ["mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt_bigcode"]
@@ -38,15 +39,6 @@ REGIMES = ["autocast", "fsdp", "bf16"]
 # (ulysses, ring, fpdt_chunks) per world size
 LAYOUTS = {2: [(2, 1, 1), (1, 2, 1), (2, 1, 2)], 4: [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2)]}
 OTHERS_LAYOUT = (4, (2, 2, 1))
-
-
-def references(path: str) -> dict:
-    """g64 and g₁ of every regime (see the module docstring)."""
-    truth32 = _single(_fresh(path, torch.float32).double(), False)
-    truth_bf = _single(_fresh(path, torch.bfloat16).double(), False)  # fp64 of the bf16-rounded weights
-    one_auto = _single(_fresh(path, torch.float32), True)
-    one_bf = _single(_fresh(path, torch.bfloat16), False)
-    return {"autocast": (truth32, one_auto), "fsdp": (truth32, one_bf), "bf16": (truth_bf, one_bf)}
 
 
 def _sp_step(path: str, regime: str, mesh, memory: str | None = None) -> tuple:

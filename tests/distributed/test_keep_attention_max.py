@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 
-from tests.distributed.test_layer_split import GRAD_TOL, LOSS_TOL, _batch, _model, _step
+from tests.helpers.layer_split_cases import GRAD_TOL, LOSS_TOL, _batch, _model, _step
 from tests.helpers.pool import worker_mesh
 from tests.helpers.reference import rel_err
 
@@ -137,8 +137,7 @@ def _bf16_cases(path: str, refs: dict, cases: list) -> dict:
 
 
 def test_keep_attention_bf16_within_twice_bf16s_error(pools, tmp_path):
-    from tests.distributed.test_bf16 import references
-    from tests.helpers.bf16_rule import _check
+    from tests.helpers.bf16_rule import _check, references
     from tests.helpers.families import save_family
 
     path = save_family("llama", tmp_path)

@@ -164,3 +164,12 @@ def _check(results: list[dict]) -> None:
                 bad.append(f"rank {rank} {case}: {len(over)} tensors over the bound, worst {worst} at "
                            f"{over[worst][1]:.2f}x the single-process bf16 error")
     assert not bad, "\n".join(bad)
+
+
+def references(path: str) -> dict:
+    """g64 and g₁ of every regime (see the module docstring)."""
+    truth32 = _single(_fresh(path, torch.float32).double(), False)
+    truth_bf = _single(_fresh(path, torch.bfloat16).double(), False)  # fp64 of the bf16-rounded weights
+    one_auto = _single(_fresh(path, torch.float32), True)
+    one_bf = _single(_fresh(path, torch.bfloat16), False)
+    return {"autocast": (truth32, one_auto), "fsdp": (truth32, one_bf), "bf16": (truth_bf, one_bf)}

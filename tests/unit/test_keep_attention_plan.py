@@ -12,6 +12,8 @@ pass --keep-attention to patch() with --memory max only.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -19,8 +21,9 @@ import pytest
 from hf_longctx.capacity.estimate import ModelDims, estimate_memory
 from hf_longctx.capacity.search import Cluster, preset_setting, suggest
 from hf_longctx.cli.capacity import load_config
-from tests.unit.test_longest_context_plan import LLAMA_8B
-from tests.unit.test_recipe_flags import _recipes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LLAMA_8B = os.path.join(ROOT, "tests", "data", "llama-3.1-8b-config.json")
 
 G = 2**30
 
@@ -50,7 +53,11 @@ def test_the_planner_keeps_the_attention_where_the_host_allows():
 
 
 def test_recipes_pass_keep_attention_with_memory_max_only(capsys):
-    common, _, _ = _recipes()
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
     p = common.add_common_args(argparse.ArgumentParser())
     args = common.check_common_args(p, p.parse_args(["--memory", "max", "--keep-attention"]))
     assert common.patch_kwargs(args) == {"memory": "max", "keep_attention": True}
