@@ -25,8 +25,7 @@ import torch
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.integrations.model_patch import patch, unpatch
 from tests.helpers.pool import worker_mesh
-from tests.helpers.layer_split_cases import GRAD_TOL, LOSS_TOL, _batch, _model, _step
-from tests.helpers.reference import rel_err
+from tests.helpers.layer_split_cases import GRAD_TOL, LOSS_TOL, _batch, _model, _step, assert_exact, errors_by_name
 
 def _max(chunks: int, preset: bool) -> dict:
     """memory="max", or its knobs with 4 MLP / row chunks (the preset's "auto" makes chunks of at
@@ -52,9 +51,7 @@ def _exact_case(family: str, ulysses: int, ring: int, chunks: int, emulate: bool
                 got, runs = _step(copy.deepcopy(base), mesh, batch, **_max(chunks, preset))
         else:
             got, runs = _step(copy.deepcopy(base), mesh, batch, **_max(chunks, preset))
-    sizes = [1] + [p.numel() for p in base.parameters()]
-    names = ["loss"] + [n for n, _ in base.named_parameters()]
-    errs = {n: rel_err(a, b) for n, a, b in zip(names, got.split(sizes), ref.split(sizes)) if b.abs().max() > 0 or n == "loss"}
+    errs = errors_by_name(base, got, ref)
     return errs, runs, [str(w.message) for w in caught if "memory='max'" in str(w.message)]
 
 
@@ -82,9 +79,7 @@ def test_max_with_row_chunked_layers_equals_no_checkpointing(pools, world, famil
     for rank, (errs, runs, warned) in enumerate(pools.get(world).run(_exact_case, family, ulysses, ring, chunks,
                                                                      emulate is True, "off", preset)):
         assert runs == {"chunked": 2, "whole": 0} and not warned, (runs, warned)  # both layers were cut
-        assert errs.pop("loss") <= LOSS_TOL, f"rank {rank}: loss"
-        bad = {k: f"{e:.1e}" for k, e in errs.items() if e > GRAD_TOL}
-        assert not bad, f"rank {rank} {family}: gradient rel errs above {GRAD_TOL}: {bad}"
+        assert_exact(errs, rank, family)
 
 
 def test_a_hybrid_layer_runs_whole_and_says_why(pools):

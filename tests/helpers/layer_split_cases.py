@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
+from tests.helpers.reference import rel_err
 
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 DOCS = [13, 29, 7, 47]
@@ -55,3 +56,18 @@ def _step(model, mesh, batch, **options):
     runs = dict(state.split.runs) if state.split is not None else {}
     unpatch(model)
     return flat, runs
+
+
+def errors_by_name(base, got: torch.Tensor, ref: torch.Tensor) -> dict:
+    """{"loss" or parameter name: relative error} of two flat `_step` results of `base`'s
+    parameters; parameters whose reference gradient is zero everywhere are left out."""
+    sizes = [1] + [p.numel() for p in base.parameters()]
+    names = ["loss"] + [n for n, _ in base.named_parameters()]
+    return {n: rel_err(a, b) for n, a, b in zip(names, got.split(sizes), ref.split(sizes)) if b.abs().max() > 0 or n == "loss"}
+
+
+def assert_exact(errs: dict, rank: int, family: str) -> None:
+    """The loss within LOSS_TOL and every gradient within GRAD_TOL (fp32: see the tolerances)."""
+    assert errs.pop("loss") <= LOSS_TOL, f"rank {rank}: loss"
+    bad = {k: f"{e:.1e}" for k, e in errs.items() if e > GRAD_TOL}
+    assert not bad, f"rank {rank} {family}: gradient rel errs above {GRAD_TOL}: {bad}"
