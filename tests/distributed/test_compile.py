@@ -115,7 +115,11 @@ def _trainer_step(path: str, output_dir: str, compile_: bool) -> dict:
 
 
 def test_trainer_torch_compile_equals_eager(pools, tmp_path):
+    from hf_longctx._compat import trainer_takes_sharded_models
     from tests.helpers.families import save_family
+
+    if not trainer_takes_sharded_models():  # transformers 5.17: the trainer refuses 2 ranks
+        pytest.skip("this transformers release's Trainer would wrap the FSDP2 model in DDP: the trainer refuses 2 ranks")
 
     path = save_family("llama", tmp_path)
     pool = pools.get(2)
