@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hf_longctx.ops.chunked_loss import chunk_logits
+from hf_longctx.ops.grad_sums import GradSums, sink_linear
 
 STATS = ("entropy", "mean_logit", "is_top1")
 
@@ -98,7 +99,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = bool(need_b and bias is not None)
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, Hd]
-        grad_w: Tensor | None = None  # [V, Hd] sum over chunks, fp32 (fp64 for fp64 weights)
+        # [V, Hd] sum over chunks, fp32 (fp64 for fp64 weights): each chunk's weight-gradient GEMM
+        # writes into it (ops/grad_sums.py), no weight-sized gradient per chunk
+        sums = GradSums([weight]) if need_w else None
         grad_b: Tensor | None = None
         w_leaf = weight.detach().requires_grad_(need_w)
         b_leaf = bias.detach().requires_grad_(need_b) if bias is not None else None
@@ -109,22 +112,22 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             end = min(start + ctx.chunk_size, n)
             h_leaf = hidden[start:end].detach().requires_grad_(need_h)  # [c, Hd]
             with torch.enable_grad(), autocast:  # the head (and softcap) in the compute dtype, under autograd
-                logits = F.linear(h_leaf, w_leaf, b_leaf)  # [c, V]
+                logits = (F.linear(h_leaf, w_leaf, b_leaf) if sums is None  # [c, V]
+                          else sink_linear(h_leaf, w_leaf, b_leaf, sums, 0))
                 if ctx.softcap is not None:
                     logits = torch.tanh(logits / ctx.softcap) * ctx.softcap
             grad_logits = _logits_grad(logits.detach(), targets[start:end], grad_logps[start:end], ctx.temperature)
             inputs = [x for x, need in ((h_leaf, need_h), (w_leaf, need_w), (b_leaf, need_b)) if need]
-            grads = list(torch.autograd.grad(logits, inputs, grad_outputs=grad_logits))
+            grads = list(torch.autograd.grad(logits, inputs, grad_outputs=grad_logits, allow_unused=True))
             del logits, grad_logits
             if need_h:
                 grad_h[start:end] = grads.pop(0)
             if need_w:
-                g = grads.pop(0)
-                grad_w = _acc(g) if grad_w is None else grad_w.add_(g)
+                grads.pop(0)  # None: the sink wrote the weight gradient into `sums`
             if need_b:
                 g = grads.pop(0)
                 grad_b = _acc(g) if grad_b is None else grad_b.add_(g)
-        out_w = None if grad_w is None else grad_w.to(weight.dtype)
+        out_w = None if sums is None else sums.grads()[0]  # rounded to the weight's dtype once
         out_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, out_w, out_b, None, None, None, None, None
 

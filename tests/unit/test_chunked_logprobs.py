@@ -202,3 +202,42 @@ def test_no_sequence_by_vocabulary_tensor():
     assert rows <= -(-s_local // 4)
     rows, _ = _largest_vocab_rows(1)  # the fault: one chunk holds every row
     assert rows >= s_local, "the check must see a [S_local, V] tensor when the head runs unchunked"
+
+
+class _WeightSized(TorchDispatchMode):
+    """Counts fresh op outputs of the LM head weight's shape [V, Hd] (new storage: not a view of,
+    nor written in place into, an input)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = tuple(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self.count += sum(isinstance(t, torch.Tensor) and tuple(t.shape) == self.shape
+                          and t.untyped_storage().data_ptr() not in given for t in tree_flatten(out)[0])
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_summed_in_place_whatever_the_chunks(dtype):
+    """The head's weight gradient: each chunk's GEMM writes into one fp32 sum (ops/grad_sums.py),
+    so the [V, Hd] tensors of the backward (the sum, the one rounding to the weight's dtype and
+    the cast weight under bf16) do not grow with the number of chunks; a fresh per-chunk gradient
+    added into the sum (the fault) gives one more per chunk. The gradient equals the unchunked one."""
+    torch.manual_seed(0)
+    n, hd, v = 64, 16, 40
+    h = torch.randn(n, hd, dtype=dtype, requires_grad=True)
+    w = (torch.randn(v, hd) * 0.3).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,))
+    counts, grads = [], []
+    for chunk in (32, 8):
+        logps, _ = chunked_token_logprobs(h[None], w, None, targets=targets[None], chunk_size=chunk)  # [1, n]
+        w.grad = None
+        with _WeightSized(w.shape) as seen:
+            logps.sum().backward()
+        counts.append(seen.count)
+        grads.append(w.grad.double())
+    assert counts[0] == counts[1] and counts[1] <= 3, counts
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=(1e-6 if dtype == torch.float32 else 2**-7) * grads[0].abs().max().item())
