@@ -42,23 +42,26 @@ def head_forward_terms(z: Sizes, dims, S: float, lr: int, stats: int) -> dict:
 def head_backward_terms(z: Sizes, dims, S: float, lr: int) -> dict:
     """The log-prob head's backward on one chunk: the recomputed logits (compute dtype) beside the
     fp32 logits and the log-softmax the gradient is then written over (`ops/chunked_logprobs
-    ._logits_grad`), the head's weight gradient (a chunk's, and the fp32 sum), and the gradient
-    of the head's input."""
+    ._logits_grad`), the fp32 sum each chunk's weight-gradient GEMM writes into (ops/grad_sums.py:
+    no weight-sized gradient per chunk), and the gradient of the head's input."""
     v_, h = dims.vocab, dims.hidden
     return {"final norm output (LM head input)": z.v * S, "gradient of the LM head input": z.v * S,
             "log-prob chunk backward: recomputed logits, fp32 logits and log-softmax": (z.dt + 8) * lr * v_,
-            "LM-head weight gradient (a chunk's, fp32 sum)": (4 + z.dt) * v_ * h}
+            "LM-head weight gradient (fp32 sum)": 4 * v_ * h}
 
 
-def reference_terms(z: Sizes, dims, s, S: float, r: float, lr: int) -> dict:
-    """The frozen reference's forward (no gradients): one layer's input and output, its attention
-    inputs and output (FPDT: one chunk's; else the whole sequence's q, k, v and output), an MLP
-    row chunk, and its log-prob head's forward."""
+def reference_phases(z: Sizes, dims, s, S: float, r: float, lr: int) -> tuple[dict, dict]:
+    """The frozen reference's forward (no gradients) in its two peaks, which never coexist: a
+    layer's (its input, output and norm output, its attention inputs and output (FPDT: one
+    chunk's; else the whole sequence's q, k, v and output), an MLP row chunk) and then the log-prob
+    head's (the final norm output and one chunk's fp32 logits and log-softmax)."""
     c = S / s.fpdt_chunks if s.fpdt_chunks > 1 else S
-    return {"reference: layer input, output and norm output": 3 * z.v * S,
-            "reference: q, k, v and attention output": (2 * z.qb + 2 * z.kvb) * c,
-            "reference: MLP chunk (I-wide)": 3 * z.ib * r,
-            "reference: log-prob chunk forward": 8 * lr * dims.vocab + z.v * S}
+    layers = {"reference: layer input, output and norm output": 3 * z.v * S,
+              "reference: q, k, v and attention output": (2 * z.qb + 2 * z.kvb) * c,
+              "reference: MLP chunk (I-wide)": 3 * z.ib * r}
+    head = {"reference: final norm output (LM head input)": z.v * S,
+            "reference: log-prob chunk forward": 8 * lr * dims.vocab}
+    return layers, head
 
 
 def with_task(budget: Budget, task: str, dims, s, z: Sizes, S: float, r: float, lr: int) -> Budget:
@@ -81,7 +84,9 @@ def with_task(budget: Budget, task: str, dims, s, z: Sizes, S: float, r: float, 
         phases.append(Phase("loss", base | held | head_forward_terms(z, dims, S, lr, _STATS[task])))
         phases.append(Phase("log-prob head backward", base | held | head_backward_terms(z, dims, S, lr)))
     if task in HOLDS_REFERENCE:
-        phases.append(Phase("reference forward", held | reference_terms(z, dims, s, S, r, lr)))
+        layers, head = reference_phases(z, dims, s, S, r, lr)
+        phases.append(Phase("reference forward: layers", held | layers))
+        phases.append(Phase("reference forward: log-prob head", held | head))
     return replace(budget, phases=tuple(phases), held=budget.held + float(sum(held.values())))
 
 
