@@ -96,18 +96,24 @@ def flash_attn_modules():
     return getattr(flash_attn, "__version__", None), flash_attn_interface, ops
 
 
+def _imports(package: str, module: str) -> bool:
+    """Whether `package` is installed and its `module` imports (transformers falls back to its
+    torch path on any import failure of a kernel package, so any failure counts as absent)."""
+    if importlib.util.find_spec(package) is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
 @functools.cache
 def fla_gated_delta_rule() -> bool:
     """flash-linear-attention's `chunk_gated_delta_rule` imports -- the condition under which
     transformers' module-level `torch_chunk_gated_delta_rule` (its hub-kernel fallback
     decorator) IS that kernel, which takes `cu_seqlens` (the torch fallback refuses them)."""
-    if importlib.util.find_spec("fla") is None:
-        return False
-    try:
-        importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception:  # transformers falls back to its torch path on any import failure too
-        return False
-    return True
+    return _imports("fla", "fla.ops.gated_delta_rule")
 
 
 @functools.cache
@@ -115,13 +121,7 @@ def mamba_ssm_chunk_scan() -> bool:
     """mamba_ssm's `mamba_chunk_scan_combined` imports -- the condition under which transformers'
     module-level `mamba2_chunk_scan` (its hub-kernel fallback decorator) IS that kernel, which
     takes `seq_idx` (the torch fallback refuses it)."""
-    if importlib.util.find_spec("mamba_ssm") is None:
-        return False
-    try:
-        importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
-    except Exception:  # transformers falls back to its torch path on any import failure too
-        return False
-    return True
+    return _imports("mamba_ssm", "mamba_ssm.ops.triton.ssd_combined")
 
 
 def torch_flash_impl() -> str | None:
