@@ -5,11 +5,13 @@
 finished process; `rank_logs(out_dir)` reads the per-rank step logs the recipes write
 (OUTPUT_DIR/steps.rank<R>.jsonl); `assert_ranks_agree` checks that every rank logged the
 same steps with finite values, equal on every rank except the given timing keys (the
-logged values are global). ROOT is the repository root.
+logged values are global); `recipe_modules(*names)` imports recipes/<name>.py as modules (their
+parsers and helpers, in this process). ROOT is the repository root.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -17,6 +19,16 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def recipe_modules(*names: str) -> tuple:
+    """recipes/<name>.py for each name, imported with recipes/ first on sys.path (as the recipes
+    import their `common`)."""
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    try:
+        return tuple(importlib.import_module(name) for name in names)
+    finally:
+        sys.path.pop(0)
 
 
 def launch(recipe: str, *args: str, processes: int = 2) -> subprocess.CompletedProcess:

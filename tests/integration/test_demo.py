@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from tests.helpers.recipe_launch import recipe_modules
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
@@ -58,12 +60,7 @@ def test_demo_defaults_say_nothing_about_their_own_settings(tmp_path):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from transformers.trainer_utils import align_special_tokens
 
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import demo
-        import tiny
-    finally:
-        sys.path.pop(0)
+    demo, tiny = recipe_modules("demo", "tiny")
     from hf_longctx.training.sft.data import check_step_budget
 
     args = demo.parse_args([])

@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from tests.helpers.recipe_launch import recipe_modules
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -98,13 +100,7 @@ def test_one_gpu_plan_offloads_in_one_process(tmp_path, capsys, launcher):
 
 
 def test_the_same_flags_parse_in_every_recipe(tmp_path, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import demo
-        import pretrain
-        import sft
-    finally:
-        sys.path.pop(0)
+    demo, pretrain, sft = recipe_modules("demo", "pretrain", "sft")
     from tests.helpers.families import save_family
 
     flags = _suggested_flags(os.path.join(save_family("llama", tmp_path), "config.json"), capsys)

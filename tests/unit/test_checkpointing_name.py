@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import ast
 import os
-import sys
 import warnings
+
+from tests.helpers.recipe_launch import recipe_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _common():
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import common
-    finally:
-        sys.path.pop(0)
+    (common,) = recipe_modules("common")
     return common
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import replace
 
 import pytest
@@ -21,6 +20,8 @@ import pytest
 from hf_longctx.capacity.estimate import ModelDims, estimate_memory
 from hf_longctx.capacity.search import Cluster, preset_setting, suggest
 from hf_longctx.cli.capacity import load_config
+
+from tests.helpers.recipe_launch import recipe_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LLAMA_8B = os.path.join(ROOT, "tests", "data", "llama-3.1-8b-config.json")
@@ -53,11 +54,7 @@ def test_the_planner_keeps_the_attention_where_the_host_allows():
 
 
 def test_recipes_pass_keep_attention_with_memory_max_only(capsys):
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import common
-    finally:
-        sys.path.pop(0)
+    (common,) = recipe_modules("common")
     p = common.add_common_args(argparse.ArgumentParser())
     args = common.check_common_args(p, p.parse_args(["--memory", "max", "--keep-attention"]))
     assert common.patch_kwargs(args) == {"memory": "max", "keep_attention": True}

@@ -12,10 +12,11 @@ import inspect
 import os
 import re
 import shlex
-import sys
 import types
 
 import pytest
+
+from tests.helpers.recipe_launch import recipe_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "tests", "data", "llama-3.1-8b-config.json")
@@ -26,19 +27,13 @@ SFT_REQUIRED = ["--model", "m", "--dataset", "text", "--steps", "1", "--output-d
 
 def _recipe_parsers(task: str) -> dict:
     """{recipe: argv -> Namespace} with each recipe's own parser."""
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        if task == "sft":
-            import pretrain
-            import sft
-
-            return {"pretrain.py": lambda a: pretrain.parse_args(pretrain.build_parser("pretrain"), SFT_REQUIRED + a),
-                    "sft.py": lambda a: sft.parse_args(SFT_REQUIRED + a)}
-        recipe = task.split("-")[0]  # dpo-precomputed: recipes/dpo.py
-        module = __import__(recipe)
-        return {f"{recipe}.py": module.parse_args}
-    finally:
-        sys.path.pop(0)
+    if task == "sft":
+        pretrain, sft = recipe_modules("pretrain", "sft")
+        return {"pretrain.py": lambda a: pretrain.parse_args(pretrain.build_parser("pretrain"), SFT_REQUIRED + a),
+                "sft.py": lambda a: sft.parse_args(SFT_REQUIRED + a)}
+    recipe = task.split("-")[0]  # dpo-precomputed: recipes/dpo.py
+    (module,) = recipe_modules(recipe)
+    return {f"{recipe}.py": module.parse_args}
 
 
 def _candidate(param_offload: bool):

@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import pytest
+
+from tests.helpers.recipe_launch import recipe_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _recipes():
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import common
-        import dpo
-        import grpo
-        import rloo
-    finally:
-        sys.path.pop(0)
+    common, dpo, grpo, rloo = recipe_modules("common", "dpo", "grpo", "rloo")
     return common, {"grpo": grpo, "rloo": rloo}, dpo
 
 
@@ -100,11 +94,7 @@ def test_mixed_precision_follows_the_device_by_default(monkeypatch):
         assert common.check_common_args(p, p.parse_args([])).mixed_precision == want
         assert common.check_common_args(p, p.parse_args(["--mixed-precision", "fp32"])).mixed_precision == "fp32"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import sft
-    finally:
-        sys.path.pop(0)
+    (sft,) = recipe_modules("sft")
     required = ["--model", "m", "--dataset", "json", "--steps", "1", "--tokens-per-step", "8", "--max-tokens", "8",
                 "--output-dir", "out"]
     assert sft.parse_args(required).mixed_precision == "fp32"  # sft.py on a CPU machine
@@ -125,11 +115,7 @@ def test_every_memory_preset_is_listed_where_the_flag_is_documented():
 def test_vlm_recipe_tokenizer_needs_a_model(capsys):
     """recipes/vlm_sft.py honours --tokenizer as the processor of --model and --resume; --tokenizer
     without --model (the recipe builds its own model and processor) is an error, not ignored."""
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import vlm_sft
-    finally:
-        sys.path.pop(0)
+    (vlm_sft,) = recipe_modules("vlm_sft")
     with pytest.raises(SystemExit):
         vlm_sft.parse_args(["--tokenizer", "some/processor"])
     assert "--tokenizer names the processor of --model" in capsys.readouterr().err
