@@ -52,9 +52,9 @@ def save_moe(root) -> str:
     with torch.no_grad():
         emb = model.get_input_embeddings().weight  # [V, hidden]
         emb[:, 0] = torch.where(torch.arange(emb.shape[0]) < 64, 5.0, -5.0)
+        n_routed = model.config.n_routed_experts  # the config's count: the experts module's attribute is renamed across releases
         for layer in model.model.layers:
             router = layer.mlp.router.classifier.weight  # [routed + zero experts, hidden]
-            n_routed = layer.mlp.experts.num_routed_experts
             router[:n_routed, 0], router[n_routed:, 0] = -2.0, 2.0
     path = f"{root}/longcat_moe"
     model.save_pretrained(path)
@@ -73,7 +73,49 @@ def moe_batch(sp: int) -> dict:
 def _load(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).train()
+    if dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # torch's grouped GEMM (the default from 5.25) has no float64
+    if _experts_always_run(model):
+        for layer in model.model.layers:
+            _skip_idle_experts(layer.mlp, model.config)
+    return model
+
+
+def _experts_always_run(model) -> bool:
+    """Whether this release's MoE block gives its routed experts a gradient even when every token
+    of the call picks an identity expert (transformers >= 5.25 sends those picks to routed experts
+    at weight 0; up to 5.24 the experts never see them)."""
+    import copy
+
+    probe = copy.deepcopy(model.model.layers[0].mlp)
+    x = torch.zeros(2, model.config.hidden_size, dtype=probe.experts.gate_up_proj.dtype)
+    x[:, 0] = -5.0  # dimension 0 as the embedding of ids < 64 writes it: every pick an identity expert
+    probe(x[None]).sum().backward()
+    return probe.experts.gate_up_proj.grad is not None
+
+
+def _skip_idle_experts(moe, config) -> None:
+    """The block's dispatch made to skip its experts when no token of the call picks a routed one,
+    as token dispatchers that launch nothing for idle experts do (and transformers' LongCat up to
+    5.24): the condition this module tests, on every release. Otherwise the release's own
+    arithmetic: identity picks scale the input, routed picks go through the experts, identity
+    picks reach the experts at weight 0 on the release's dummy indices."""
+    n, zeros = config.n_routed_experts, config.zero_expert_num
+
+    def forward(hidden_states):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [tokens, hidden]
+        _, weights, picks = moe.router(x)  # [tokens, top_k] each
+        identity = picks >= n
+        out = x * weights.masked_fill(~identity, 0.0).sum(dim=-1, keepdim=True)
+        if not bool(identity.all()):
+            dummy = (picks - n) * n // zeros
+            routed = moe.experts(x, torch.where(identity, dummy, picks), weights.masked_fill(identity, 0.0))
+            out = routed + out.to(routed.dtype)
+        return out.reshape(shape)
+
+    moe.forward = forward
 
 
 def _reference(path, batch):
@@ -132,8 +174,8 @@ def _routed_nowhere_here(model, shard) -> list[str]:
     """Layers whose routed experts get no token of this rank's shard (router outputs, no grad)."""
     seen = {}
     hooks = []
+    n_routed = model.config.n_routed_experts
     for i, layer in enumerate(model.model.layers):
-        n_routed = layer.mlp.experts.num_routed_experts
 
         def hook(module, args, output, i=i, n_routed=n_routed):
             seen[i] = bool((output[2] < n_routed).any())  # top-k indices below n_routed: a routed expert
