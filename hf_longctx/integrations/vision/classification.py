@@ -31,6 +31,7 @@ ADAPTERS = {
     "gemma3": BatchFamily("gemma3"),
     "shieldgemma2": BatchFamily("gemma3"),  # Gemma3ForConditionalGeneration under its own config type
     "llava": BatchFamily("llava"),
+    "llava_onevision1_5": GridFamily("llava_onevision1_5"),
 }
 
 # Causes, shared by several rows (measured by benchmarks/vlm_zoo.py on tiny configs).
@@ -196,6 +197,11 @@ REFUSALS: dict[str, str] = {
     ),
     'nemotron_h_omni': _no_adapter('image_grid_hw, pixel_values, pixel_values_videos'),
     'ovis2': _no_adapter('pixel_values'),
+    'ovis2_5': _no_contract(
+        'its image merge writes an indicator embedding over visual boundary tokens counted against the '
+        'images of the whole row; the Qwen-style grid inputs do not run the unpatched model (ValueError: '
+        'Expected 1 visual boundary tokens with id 101, but found 0.)'
+    ),
     'paddleocr_vl': _no_contract(
         'the Qwen-style grid contract does not fit its image inputs (ValueError: not enough values to '
         'unpack (expected 5, got 3))'
@@ -206,6 +212,7 @@ REFUSALS: dict[str, str] = {
         'environment. You can inst'
     ),
     'pi0': _unbuilt("AttributeError: 'PI0Config' object has no attribute 'vocab_size'"),
+    'pi05': _unbuilt("AttributeError: 'PI05Config' object has no attribute 'vocab_size'"),
     'pix2struct': _ENC_DEC,
     'pp_chart2table': _text_refused(
         "GotOcr2ForConditionalGeneration, GotOcr2Model do not call attention through transformers' "
