@@ -111,7 +111,8 @@ def ring_forward(q, k, v, spec: RingSpec, *, scale, causal, window, softcap, sin
             kv = ex.wait()
             k, v = kv[0], kv[1]
     if out is None:  # no allowed pair on this rank: out 0, lse -inf (the kernels' empty rows)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        b, h, s, d = q.shape
+        out = torch.zeros((b, s, h, d), dtype=acc, device=q.device).transpose(1, 2)  # [B, H, S, D], token-major as every backend's
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     if sinks is not None:  # once, on the complete result: per step it would count R times
         out, lse = merge_sink(out, lse, sinks)

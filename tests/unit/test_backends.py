@@ -260,3 +260,23 @@ def test_right_window_stays_below_max_keys():
     from hf_longctx.ops.backends.packed import _kernel_max_k
 
     assert _kernel_max_k(9, 5) == 10 and _kernel_max_k(2, 5) == 5 and _kernel_max_k(-1, 5) == 5
+
+
+@pytest.mark.parametrize("kind", ["aten_cpu", "math", "2.8.3", "torch"])
+@pytest.mark.parametrize("layout", ["packed", "zigzag"])
+def test_outputs_are_token_major(kind, layout):
+    """Every backend returns out [B, H, Sq, D] laid out [B, Sq, H, D] in memory, also for a row
+    of several documents that the tiled drivers assemble tile by tile: `usp_attention` hands it to
+    the model token-major, so no layout copy is made whatever kernel runs (the planner budgets
+    none; tests/unit/test_memory_budget_tasks.py)."""
+    from hf_longctx.ops.backends.select import ATEN_CPU, MATH
+
+    dtype = torch.float64 if kind in ("math", "2.8.3", "torch") else torch.float32
+    backend = {"aten_cpu": ATEN_CPU, "math": MATH}.get(kind) or _backend(kind)[0]
+    cu, q_runs, k_runs = _layout(layout)
+    q, k, v, _ = _tensors(40, 4, 2, seed=1, dtype=dtype)
+    qi, ki, vi = (x[:, runs_to_indices(r)].transpose(1, 2) for x, r in ((q, q_runs), (k, k_runs), (v, k_runs)))
+    for out_dtype in (None, torch.float32):
+        out, _ = kernels.varlen_forward(qi, ki, vi, q_runs, k_runs, scale=D**-0.5, causal=True, backend=backend,
+                                        out_dtype=out_dtype)
+        assert out.transpose(1, 2).is_contiguous(), (kind, layout, out.shape, out.stride())

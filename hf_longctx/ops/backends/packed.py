@@ -159,7 +159,8 @@ class PackedBackend:
             keep = not widen and o.dtype == q.dtype and out_dtype.itemsize > o.dtype.itemsize
             return (o if keep else o.to(out_dtype)), lse.to(acc)
         if into is None:  # rows no call covers attend nothing: (0, -inf), the merge's identity
-            into = q.new_zeros(q.shape, dtype=acc), q.new_full(q.shape[:3], NEG_INF, dtype=acc)
+            out = q.new_zeros((b, sq, h, d), dtype=acc).transpose(1, 2)  # [B, H, Sq, D] view of [B, Sq, H, D]: token-major
+            into = out, q.new_full(q.shape[:3], NEG_INF, dtype=acc)
         out, lse = into
         for c in calls:
             o, l = self._forward(c, qt, kt, vt, (b, h, d), scale, softcap)  # [B, H, nq, D], [B, H, nq]

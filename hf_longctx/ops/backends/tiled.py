@@ -26,11 +26,24 @@ from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
 
 
 def _assemble(
-    pieces: dict[tuple[int, int], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device, fill: float
+    pieces: dict[tuple[int, int], torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device, fill: float,
+    token_major: bool = False,
 ) -> torch.Tensor:
-    """Concatenate disjoint ranges of dim 2 (S) in order, `fill` in the gaps. One
-    allocation written once: a zero-filled buffer plus in-place adds would touch every
-    fresh page twice, which costs several % of a CPU attention step."""
+    """Disjoint ranges of dim 2 (S) in order, `fill` in the gaps. One allocation written once:
+    a zero-filled buffer plus in-place adds would touch every fresh page twice, which costs
+    several % of a CPU attention step. `token_major` (an output [B, H, S, D]): the buffer is laid
+    out [B, S, H, D] and returned as its [B, H, S, D] view, the layout every backend's output has
+    (what the attention function returns is token-major, so no layout copy follows)."""
+    if token_major:
+        b, h, s, d = shape
+        out = torch.empty(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)  # [B, H, S, D] view of [B, S, H, D]
+        at = 0
+        for (lo, hi), piece in sorted(pieces.items()):
+            out[:, :, at:lo].fill_(fill)
+            out[:, :, lo:hi].copy_(piece)  # rounds to `dtype` as it writes
+            at = hi
+        out[:, :, at:].fill_(fill)
+        return out
     parts, at = [], 0
     for (lo, hi), piece in sorted(pieces.items()):
         if lo > at:
@@ -96,7 +109,7 @@ class TiledBackend:
         if into is not None:
             return into
         return (
-            _assemble(outs, q.shape, out_dtype, q.device, 0.0),
+            _assemble(outs, q.shape, out_dtype, q.device, 0.0, token_major=True),
             _assemble(lses, q.shape[:3], acc_dtype(q.dtype), q.device, NEG_INF),
         )
 
