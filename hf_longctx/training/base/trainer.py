@@ -27,7 +27,8 @@ from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
 from hf_longctx.training.base.mesh_source import launcher_config_hidden, trainer_mesh, without_parallelism_config
-from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
+from hf_longctx.training.base.resume_choice import resolve_resume
+from hf_longctx.training.base.saving import load_step_state, save_step_state, save_trained_model
 from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.step_loop import grad_norm as summed_grad_norm
