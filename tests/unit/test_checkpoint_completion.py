@@ -1,0 +1,134 @@
+"""Which `checkpoint-N/` folders count (training/base/completion.py), on folders laid out by
+hand: the completion mark, the rule for folders written without one, rotation under
+save_total_limit."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from hf_longctx.training.base import completion
+
+
+def _files(folder, *names):
+    for name in names:
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+
+
+def _complete(out, step):
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    completion.begin(str(folder), is_main=True, step=step, world_size=2)
+    _files(folder, "hf_longctx_dcp/.metadata", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
+           "trainer_state.json")
+    completion.finish(str(folder), is_main=True, step=step, world_size=2)
+    return str(folder)
+
+
+def _interrupted(out, step, *names):
+    """A save that a rank did not finish: marked as being written, holding `names` only."""
+    folder = out / f"checkpoint-{step}"
+    completion.begin(str(folder), is_main=True, step=step, world_size=2)
+    _files(folder, *names)
+    return str(folder)
+
+
+def _legacy(out, step, *names):
+    """A folder written without the mark."""
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    _files(folder, *names)
+    return str(folder)
+
+
+def test_the_mark_decides_and_names_what_an_interrupted_save_lacks(tmp_path):
+    assert completion.missing(_complete(tmp_path, 2)) == []
+    # rank 0 wrote trainer_state.json; rank 1 died before its RNG file (the Trainer's own
+    # standard would call this complete)
+    gaps = completion.missing(_interrupted(tmp_path, 4, "hf_longctx_dcp/.metadata", "scheduler.pt",
+                                           "rng_state_0.pth", "trainer_state.json"))
+    assert "marks the save of step 4 as unfinished" in gaps[0] and gaps[1:] == ["missing rng_state_1.pth"], gaps
+    # every file there, the final barrier not passed: still incomplete (a file may be cut short)
+    full = _interrupted(tmp_path, 6, "hf_longctx_dcp/.metadata", "scheduler.pt", "rng_state_0.pth",
+                        "rng_state_1.pth", "trainer_state.json")
+    assert len(completion.missing(full)) == 1
+    completion.finish(full, is_main=True, step=6, world_size=2)
+    assert completion.missing(full) == [] and not [n for n in os.listdir(full) if n.endswith(".tmp")]
+    completion.begin(full, is_main=True, step=6, world_size=2)  # overwritten by a later save: incomplete again
+    assert completion.missing(full)
+    (tmp_path / "checkpoint-6" / completion.MARK_FILE).write_text("{trunc")
+    assert completion.missing(full), "a damaged mark is not a complete one"
+
+
+def test_a_folder_without_the_mark_counts_by_the_trainers_standard(tmp_path):
+    assert completion.missing(_legacy(tmp_path, 2, "trainer_state.json", "hf_longctx_dcp/.metadata")) == []
+    gaps = completion.missing(_legacy(tmp_path, 4, "trainer_state.json", "hf_longctx_dcp/__0_0.distcp"))
+    assert gaps == ["no hf_longctx_dcp/.metadata (every rank's model and optimizer shards)"], gaps
+    gaps = completion.missing(_legacy(tmp_path, 6, "hf_longctx_dcp/.metadata"))
+    assert gaps == ["no trainer_state.json (the Trainer's state, written last)"], gaps
+
+
+def _left(out):
+    return sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
+
+
+@pytest.mark.parametrize("limit, left", [(1, ["checkpoint-6"]), (2, ["checkpoint-2", "checkpoint-6"]),
+                                         (3, ["checkpoint-2", "checkpoint-6"]),
+                                         (None, ["checkpoint-2", "checkpoint-4", "checkpoint-6"])])
+def test_rotation_counts_complete_checkpoints_only(tmp_path, limit, left):
+    _complete(tmp_path, 2)
+    _interrupted(tmp_path, 4, "trainer_state.json", "hf_longctx_dcp/.metadata")
+    newest = _complete(tmp_path, 6)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        completion.rotate(str(tmp_path), limit, (newest, None))
+    assert _left(tmp_path) == left
+    assert bool(said) == (limit is not None) and (not said or "'" + str(tmp_path / "checkpoint-4") in str(said[0].message))
+
+
+def test_rotation_keeps_the_new_and_the_best_checkpoint(tmp_path):
+    best = _complete(tmp_path, 2)
+    _complete(tmp_path, 4)
+    _legacy(tmp_path, 5, "trainer_state.json", "hf_longctx_dcp/.metadata")  # complete without the mark
+    newest = _complete(tmp_path, 6)
+    assert completion.rotate(str(tmp_path), 1, (newest, best)) == [str(tmp_path / "checkpoint-4"),
+                                                                    str(tmp_path / "checkpoint-5")]
+    assert _left(tmp_path) == ["checkpoint-2", "checkpoint-6"]
+
+
+def test_the_trainers_own_rotation_is_off_inside_the_save_only():
+    args = SimpleNamespace(save_total_limit=2)
+    with pytest.raises(RuntimeError):
+        with completion.trainer_rotation_off(args):
+            assert args.save_total_limit is None
+            raise RuntimeError("a failed save")
+    assert args.save_total_limit == 2
+
+
+@pytest.mark.parametrize("trainer", ["LongContextTrainer", "SFT mixin", "LongDPOTrainer", "LongGRPOTrainer",
+                                     "LongRLOOTrainer"])
+def test_every_trainer_saves_and_resumes_through_the_shared_base(trainer):
+    """The mark and the rotation live in `SPTrainerBase`: no trainer (nor the
+    TRL class under it, whose `_save_checkpoint` adds a model card) may come first."""
+    import hf_longctx
+    from hf_longctx.training.base.trainer import SPTrainerBase
+
+    if trainer == "SFT mixin":
+        trl = pytest.importorskip("trl")
+
+        class LongSFT(hf_longctx.LongContextTrainerMixin, trl.SFTTrainer):
+            pass
+
+        cls = LongSFT
+    else:
+        if trainer != "LongContextTrainer":
+            pytest.importorskip("trl")
+        cls = getattr(hf_longctx, trainer)
+    for hook in ("_save_checkpoint",):
+        owner = next(c for c in cls.__mro__ if hook in vars(c))
+        assert owner is SPTrainerBase, f"{cls.__name__}.{hook} comes from {owner.__name__}"
