@@ -1,16 +1,21 @@
-"""Which `checkpoint-N/` folders count (training/base/completion.py), on folders laid out by
-hand: the completion mark, the rule for folders written without one, rotation under
-save_total_limit."""
+"""Which `checkpoint-N/` folders count (training/base/completion.py) and which one a resume reads
+(training/base/resume_choice.py), on folders laid out by hand: the completion mark, the rule for
+folders written without one, rotation under save_total_limit, and the refusals' fixes. The
+trainers' real saves, a rank killed inside one and the resume after it:
+tests/distributed/test_interrupted_save.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from types import SimpleNamespace
 
 import pytest
 
+from hf_longctx.errors import NotSupported
 from hf_longctx.training.base import completion
+from hf_longctx.training.base.resume_choice import resolve_resume
 
 
 def _files(folder, *names):
@@ -110,10 +115,66 @@ def test_the_trainers_own_rotation_is_off_inside_the_save_only():
     assert args.save_total_limit == 2
 
 
+def test_true_takes_the_newest_complete_checkpoint_and_says_what_it_skipped(tmp_path):
+    two = _complete(tmp_path, 2)
+    _interrupted(tmp_path, 4, "hf_longctx_dcp/.metadata")
+    _complete(tmp_path, 3)
+    _interrupted(tmp_path, 10)  # checkpoint-10 sorts by step, not by name
+    with pytest.warns(UserWarning) as said:
+        assert resolve_resume(True, str(tmp_path), announce=True) == str(tmp_path / "checkpoint-3")
+    text = str(said[0].message)
+    assert "skipping 'checkpoint-4' (" in text and "'checkpoint-10' (" in text and "missing scheduler.pt" in text
+    assert text.endswith(f"resuming from '{tmp_path / 'checkpoint-3'}', the newest complete checkpoint"), text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the other ranks say nothing
+        assert resolve_resume(True, str(tmp_path), announce=False) == str(tmp_path / "checkpoint-3")
+        assert resolve_resume(two, str(tmp_path)) == two  # an explicit complete path, as given
+
+
+def test_true_with_no_complete_checkpoint_names_each_folder_and_never_offers_true(tmp_path):
+    _interrupted(tmp_path, 2, "trainer_state.json")
+    _legacy(tmp_path, 4)
+    with pytest.raises(NotSupported) as info:
+        resolve_resume(True, str(tmp_path))
+    what, instead = info.value.what, info.value.instead
+    assert f"no checkpoint under output_dir '{tmp_path}' is complete" in what
+    assert "'checkpoint-2' (hf_longctx_checkpoint.json marks the save of step 2 as unfinished" in what, what
+    assert "'checkpoint-4' (no trainer_state.json" in what, what
+    assert "resume_from_checkpoint=None" in instead and "True" not in instead, instead
+
+
+def test_an_explicit_incomplete_checkpoint_is_refused_with_the_newest_complete_one(tmp_path):
+    _complete(tmp_path, 2)
+    _complete(tmp_path, 4)
+    partial = _interrupted(tmp_path, 6, "trainer_state.json")
+    with pytest.raises(NotSupported) as info:
+        resolve_resume(partial, str(tmp_path))
+    what, instead = info.value.what, info.value.instead
+    assert f"resume_from_checkpoint='{partial}' is not a complete checkpoint: " in what, what
+    assert "missing hf_longctx_dcp/.metadata, scheduler.pt, rng_state_0.pth, rng_state_1.pth" in what, what
+    assert "holds checkpoint-2, checkpoint-4, checkpoint-6 (incomplete)" in what, what
+    assert instead.startswith(f"resume_from_checkpoint='{tmp_path / 'checkpoint-4'}', the newest complete"), instead
+    with pytest.raises(NotSupported) as info:  # a path that is not there: the same fix
+        resolve_resume(str(tmp_path / "checkpoint-8"), str(tmp_path))
+    assert "does not exist" in info.value.what and str(tmp_path / "checkpoint-4") in info.value.instead
+
+
+def test_an_explicit_path_with_nothing_complete_suggests_starting_fresh(tmp_path):
+    partial = _interrupted(tmp_path, 2)
+    with pytest.raises(NotSupported) as info:
+        resolve_resume(partial, str(tmp_path))
+    assert "True" not in info.value.instead and "resume_from_checkpoint=None" in info.value.instead
+    with pytest.raises(NotSupported) as info:
+        resolve_resume(True, str(tmp_path / "nowhere"))
+    assert "holds no checkpoint-N directory" in info.value.what and "save_steps=N" in info.value.instead
+    mark = json.loads((tmp_path / "checkpoint-2" / completion.MARK_FILE).read_text())
+    assert mark == {"complete": False, "global_step": 2, "world_size": 2}
+
+
 @pytest.mark.parametrize("trainer", ["LongContextTrainer", "SFT mixin", "LongDPOTrainer", "LongGRPOTrainer",
                                      "LongRLOOTrainer"])
 def test_every_trainer_saves_and_resumes_through_the_shared_base(trainer):
-    """The mark and the rotation live in `SPTrainerBase`: no trainer (nor the
+    """The mark, the rotation and the resume choice live in `SPTrainerBase`: no trainer (nor the
     TRL class under it, whose `_save_checkpoint` adds a model card) may come first."""
     import hf_longctx
     from hf_longctx.training.base.trainer import SPTrainerBase
@@ -129,6 +190,6 @@ def test_every_trainer_saves_and_resumes_through_the_shared_base(trainer):
         if trainer != "LongContextTrainer":
             pytest.importorskip("trl")
         cls = getattr(hf_longctx, trainer)
-    for hook in ("_save_checkpoint",):
+    for hook in ("train", "_save_checkpoint"):
         owner = next(c for c in cls.__mro__ if hook in vars(c))
         assert owner is SPTrainerBase, f"{cls.__name__}.{hook} comes from {owner.__name__}"

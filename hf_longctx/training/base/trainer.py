@@ -9,7 +9,7 @@ the model's placement (FSDP2 over the whole DP x SP world, sum reduction; the fr
 sharded alike), the norm of the summed gradient for clipping and logging, the step
 (`_run_step`: the step's micro-batches through `base/step_loop.py`) and the checkpoint hooks
 (every rank's shards, the consolidated model; a checkpoint counts once every rank's files are
-in it). A trainer adds only its objective: data,
+in it, and a resume takes the newest complete one). A trainer adds only its objective: data,
 micro-batches, loss, metrics.
 """
 
@@ -170,8 +170,10 @@ class SPTrainerBase:
 
     # ---- checkpoints: every rank's shards (base/saving.py) ------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
-        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
+        # True: the newest COMPLETE checkpoint; one that is not there or incomplete is named with a fix
+        # that works, before the Trainer reads anything (base/resume_choice.py).
+        checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir, announce=self.is_world_process_zero())
+        return super().train(checkpoint, *args, **kwargs)
 
     def _watchdog_paused(self) -> Any:
         return self.watchdog.paused() if self.watchdog is not None else nullcontext()
