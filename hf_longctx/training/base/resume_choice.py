@@ -2,7 +2,7 @@
 
 Where it sits: first thing in `SPTrainerBase.train` (every trainer of this package), on every
 rank alike and before any collective. Guarantee: the value reaching the Trainer names a
-COMPLETE `checkpoint-N` directory (`base/completion.py`: every rank's files written) or is
+COMPLETE `checkpoint-N` directory (`base/saved_folders.py`: every rank's files written) or is
 None / False. True takes the newest complete one, saying on the main process which newer,
 incomplete folders it skipped (a save a dead rank interrupted). Anything else is refused with
 `NotSupported` naming the value, what is missing, what `output_dir` holds and a fix that works:
@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.base.completion import checkpoint_folders, missing
+from hf_longctx.training.base.saved_folders import checkpoint_folders, missing
 
 FRESH = "pass resume_from_checkpoint=None to start from the model's own weights"
 

@@ -26,8 +26,8 @@ from transformers.training_args import OptimizerNames
 from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
-from hf_longctx.training.base import completion
 from hf_longctx.training.base import construction as build
+from hf_longctx.training.base import saved_folders
 from hf_longctx.training.base.mesh_source import launcher_config_hidden, trainer_mesh, without_parallelism_config
 from hf_longctx.training.base.resume_choice import resolve_resume
 from hf_longctx.training.base.saving import load_step_state, save_step_state, save_trained_model
@@ -180,19 +180,19 @@ class SPTrainerBase:
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's (and TRL's) checkpoint, which counts only once every rank's files are in it
-        (`base/completion.py`); `save_total_limit` then rotates complete checkpoints only."""
+        (`base/saved_folders.py`); `save_total_limit` then rotates complete checkpoints only."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         mark = dict(is_main=self.args.should_save, step=self.state.global_step, world_size=self.args.world_size)
         with self._watchdog_paused():  # the barriers wait for the slowest rank's files: no step to beat on
-            completion.begin(folder, **mark)
-            with completion.trainer_rotation_off(self.args):
+            saved_folders.begin(folder, **mark)
+            with saved_folders.trainer_rotation_off(self.args):
                 super()._save_checkpoint(model, trial)
-            completion.finish(folder, **mark)
+            saved_folders.finish(folder, **mark)
         if self.args.should_save:
-            completion.rotate(run_dir, self.args.save_total_limit, (folder, self.state.best_model_checkpoint))
+            saved_folders.rotate(run_dir, self.args.save_total_limit, (folder, self.state.best_model_checkpoint))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_step_state(output_dir, self.model, self.optimizer, self.lr_scheduler, self.step_sampler,

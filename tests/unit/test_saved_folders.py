@@ -1,4 +1,4 @@
-"""Which `checkpoint-N/` folders count (training/base/completion.py) and which one a resume reads
+"""Which `checkpoint-N/` folders count (training/base/saved_folders.py) and which one a resume reads
 (training/base/resume_choice.py), on folders laid out by hand: the completion mark, the rule for
 folders written without one, rotation under save_total_limit, and the refusals' fixes. The
 trainers' real saves, a rank killed inside one and the resume after it:
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.base import completion
+from hf_longctx.training.base import saved_folders
 from hf_longctx.training.base.resume_choice import resolve_resume
 
 
@@ -28,17 +28,17 @@ def _files(folder, *names):
 def _complete(out, step):
     folder = out / f"checkpoint-{step}"
     folder.mkdir(parents=True)
-    completion.begin(str(folder), is_main=True, step=step, world_size=2)
+    saved_folders.begin(str(folder), is_main=True, step=step, world_size=2)
     _files(folder, "hf_longctx_dcp/.metadata", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
            "trainer_state.json")
-    completion.finish(str(folder), is_main=True, step=step, world_size=2)
+    saved_folders.finish(str(folder), is_main=True, step=step, world_size=2)
     return str(folder)
 
 
 def _interrupted(out, step, *names):
     """A save that a rank did not finish: marked as being written, holding `names` only."""
     folder = out / f"checkpoint-{step}"
-    completion.begin(str(folder), is_main=True, step=step, world_size=2)
+    saved_folders.begin(str(folder), is_main=True, step=step, world_size=2)
     _files(folder, *names)
     return str(folder)
 
@@ -52,29 +52,29 @@ def _legacy(out, step, *names):
 
 
 def test_the_mark_decides_and_names_what_an_interrupted_save_lacks(tmp_path):
-    assert completion.missing(_complete(tmp_path, 2)) == []
+    assert saved_folders.missing(_complete(tmp_path, 2)) == []
     # rank 0 wrote trainer_state.json; rank 1 died before its RNG file (the Trainer's own
     # standard would call this complete)
-    gaps = completion.missing(_interrupted(tmp_path, 4, "hf_longctx_dcp/.metadata", "scheduler.pt",
+    gaps = saved_folders.missing(_interrupted(tmp_path, 4, "hf_longctx_dcp/.metadata", "scheduler.pt",
                                            "rng_state_0.pth", "trainer_state.json"))
     assert "marks the save of step 4 as unfinished" in gaps[0] and gaps[1:] == ["missing rng_state_1.pth"], gaps
     # every file there, the final barrier not passed: still incomplete (a file may be cut short)
     full = _interrupted(tmp_path, 6, "hf_longctx_dcp/.metadata", "scheduler.pt", "rng_state_0.pth",
                         "rng_state_1.pth", "trainer_state.json")
-    assert len(completion.missing(full)) == 1
-    completion.finish(full, is_main=True, step=6, world_size=2)
-    assert completion.missing(full) == [] and not [n for n in os.listdir(full) if n.endswith(".tmp")]
-    completion.begin(full, is_main=True, step=6, world_size=2)  # overwritten by a later save: incomplete again
-    assert completion.missing(full)
-    (tmp_path / "checkpoint-6" / completion.MARK_FILE).write_text("{trunc")
-    assert completion.missing(full), "a damaged mark is not a complete one"
+    assert len(saved_folders.missing(full)) == 1
+    saved_folders.finish(full, is_main=True, step=6, world_size=2)
+    assert saved_folders.missing(full) == [] and not [n for n in os.listdir(full) if n.endswith(".tmp")]
+    saved_folders.begin(full, is_main=True, step=6, world_size=2)  # overwritten by a later save: incomplete again
+    assert saved_folders.missing(full)
+    (tmp_path / "checkpoint-6" / saved_folders.MARK_FILE).write_text("{trunc")
+    assert saved_folders.missing(full), "a damaged mark is not a complete one"
 
 
 def test_a_folder_without_the_mark_counts_by_the_trainers_standard(tmp_path):
-    assert completion.missing(_legacy(tmp_path, 2, "trainer_state.json", "hf_longctx_dcp/.metadata")) == []
-    gaps = completion.missing(_legacy(tmp_path, 4, "trainer_state.json", "hf_longctx_dcp/__0_0.distcp"))
+    assert saved_folders.missing(_legacy(tmp_path, 2, "trainer_state.json", "hf_longctx_dcp/.metadata")) == []
+    gaps = saved_folders.missing(_legacy(tmp_path, 4, "trainer_state.json", "hf_longctx_dcp/__0_0.distcp"))
     assert gaps == ["no hf_longctx_dcp/.metadata (every rank's model and optimizer shards)"], gaps
-    gaps = completion.missing(_legacy(tmp_path, 6, "hf_longctx_dcp/.metadata"))
+    gaps = saved_folders.missing(_legacy(tmp_path, 6, "hf_longctx_dcp/.metadata"))
     assert gaps == ["no trainer_state.json (the Trainer's state, written last)"], gaps
 
 
@@ -91,7 +91,7 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path, limit, left):
     newest = _complete(tmp_path, 6)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        completion.rotate(str(tmp_path), limit, (newest, None))
+        saved_folders.rotate(str(tmp_path), limit, (newest, None))
     assert _left(tmp_path) == left
     assert bool(said) == (limit is not None) and (not said or "'" + str(tmp_path / "checkpoint-4") in str(said[0].message))
 
@@ -101,7 +101,7 @@ def test_rotation_keeps_the_new_and_the_best_checkpoint(tmp_path):
     _complete(tmp_path, 4)
     _legacy(tmp_path, 5, "trainer_state.json", "hf_longctx_dcp/.metadata")  # complete without the mark
     newest = _complete(tmp_path, 6)
-    assert completion.rotate(str(tmp_path), 1, (newest, best)) == [str(tmp_path / "checkpoint-4"),
+    assert saved_folders.rotate(str(tmp_path), 1, (newest, best)) == [str(tmp_path / "checkpoint-4"),
                                                                     str(tmp_path / "checkpoint-5")]
     assert _left(tmp_path) == ["checkpoint-2", "checkpoint-6"]
 
@@ -109,7 +109,7 @@ def test_rotation_keeps_the_new_and_the_best_checkpoint(tmp_path):
 def test_the_trainers_own_rotation_is_off_inside_the_save_only():
     args = SimpleNamespace(save_total_limit=2)
     with pytest.raises(RuntimeError):
-        with completion.trainer_rotation_off(args):
+        with saved_folders.trainer_rotation_off(args):
             assert args.save_total_limit is None
             raise RuntimeError("a failed save")
     assert args.save_total_limit == 2
@@ -167,7 +167,7 @@ def test_an_explicit_path_with_nothing_complete_suggests_starting_fresh(tmp_path
     with pytest.raises(NotSupported) as info:
         resolve_resume(True, str(tmp_path / "nowhere"))
     assert "holds no checkpoint-N directory" in info.value.what and "save_steps=N" in info.value.instead
-    mark = json.loads((tmp_path / "checkpoint-2" / completion.MARK_FILE).read_text())
+    mark = json.loads((tmp_path / "checkpoint-2" / saved_folders.MARK_FILE).read_text())
     assert mark == {"complete": False, "global_step": 2, "world_size": 2}
 
 
