@@ -68,7 +68,7 @@ def add_common_args(p: argparse.ArgumentParser, *, ulysses: int = 1, ring: int =
     g.add_argument("--mixed-precision", choices=("bf16", "fp32"), default=mixed_precision,
                    help="bf16 compute with fp32 master weights, or fp32 throughout; default: "
                         + (mixed_precision or "bf16 where CUDA is available, else fp32"))
-    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint-N in the output dir")
+    g.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint-N in the output dir")
     return p
 
 

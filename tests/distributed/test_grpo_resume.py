@@ -152,7 +152,8 @@ def _check(results: list[dict], ranks: int) -> None:
     full0 = results[0]["full"]
     assert full0["saved_diff"] == 0.0 and "hf_longctx" not in full0["saved_attn"], full0["saved_diff"]
     files = set(full0["files"])
-    want = {"hf_longctx_dcp", "hf_longctx_grpo_reference.json", "scheduler.pt", "trainer_state.json"}
+    want = {"hf_longctx_dcp", "hf_longctx_grpo_reference.json", "scheduler.pt", "trainer_state.json",
+            "hf_longctx_checkpoint.json"}
     want |= {f"rng_state_{r}.pth" for r in range(ranks)} if ranks > 1 else {"rng_state.pth"}
     assert want <= files, files
     assert not any(f.endswith(".safetensors") for f in files), f"a checkpoint gathered the consolidated model: {files}"

@@ -3,9 +3,10 @@
 Run A trains 5 steps uninterrupted. Run B has the same 5-step schedule but a callback stops it
 after step 2, when `save_steps=2` has written `checkpoint-2/` (every rank's model and AdamW
 shards via torch distributed checkpoint, the step sampler's position, the Trainer's scheduler,
-per-rank RNG and trainer state). Run C is a fresh model and trainer in the same processes,
-`train(resume_from_checkpoint=...)`. The logged (loss, grad_norm) of B's steps 1-2 and C's
-steps 3-5 must equal A's EXACTLY: on CPU in fp32 the same inputs give bit-identical results,
+per-rank RNG and trainer state, and the mark that every rank's files are written). Run C is a
+fresh model and trainer in the same processes, `train(resume_from_checkpoint=...)`. The logged
+(loss, grad_norm) of B's steps 1-2 and C's steps 3-5 must equal A's EXACTLY: on CPU in fp32 the
+same inputs give bit-identical results,
 so any difference means a state was not restored (an optimizer moment of any rank, the
 schedule position, the sampler position, a shard). Resumed steps run at cosine factors < 1,
 so a lost schedule position changes C's losses from its 2nd step on.
@@ -74,7 +75,8 @@ def test_stopped_and_resumed_run_matches_uninterrupted(pools, llama_path, tmp_pa
             f"rank {rank}: resumed {second[rank]['steps'][STOP:]} != uninterrupted {full[rank]['steps'][STOP:]}"
         )
     files = set(first[0]["files"])
-    assert {"hf_longctx_dcp", "hf_longctx_sampler.json", "scheduler.pt", "trainer_state.json"} <= files, files
+    assert {"hf_longctx_dcp", "hf_longctx_sampler.json", "scheduler.pt", "trainer_state.json",
+            "hf_longctx_checkpoint.json"} <= files, files
     assert {f"rng_state_{r}.pth" for r in range(4)} <= files, files
 
     # the consolidated model: plain from_pretrained, equal to the single-process trainer's

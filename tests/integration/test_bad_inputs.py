@@ -549,10 +549,12 @@ def test_resume_from_a_missing_checkpoint_names_the_fix(llama_path, tmp_path):
     (tmp_path / "run" / "checkpoint-3").mkdir(parents=True)  # a directory, but not a checkpoint
     with pytest.raises(NotSupported) as info:
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
-    _says(info.value, "is not a checkpoint directory (no trainer_state.json)", "holds checkpoint-3")
+    _says(info.value, "is not a complete checkpoint: no trainer_state.json", "holds checkpoint-3 (incomplete)")
     with pytest.raises(NotSupported) as info:
-        trainer.train(resume_from_checkpoint=True)  # the newest checkpoint-N, checked the same way
-    _says(info.value, "checkpoint-3' is not a checkpoint directory")
+        trainer.train(resume_from_checkpoint=True)  # the newest COMPLETE checkpoint-N: there is none
+    _says(info.value, "no checkpoint under output_dir", "'checkpoint-3' (no trainer_state.json",
+          "resume_from_checkpoint=None")
+    assert "True" not in info.value.instead, info.value.instead
 
 
 # -- what the trainer writes ---------------------------------------------------------------------------

@@ -20,42 +20,6 @@ DCP_DIR = "hf_longctx_dcp"
 SAMPLER_FILE = "hf_longctx_sampler.json"
 
 
-def resolve_resume(resume_from_checkpoint: Any, output_dir: str) -> Any:
-    """`train(resume_from_checkpoint=...)` checked before the Trainer reads anything: True -> the
-    newest `checkpoint-N` under `output_dir`; a path -> a directory holding `trainer_state.json`.
-    Anything else that names no checkpoint raises `NotSupported` with the fix, on every rank
-    alike, before any collective (the Trainer would raise a bare FileNotFoundError or ValueError)."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
-
-    from hf_longctx.errors import NotSupported
-
-    if resume_from_checkpoint is None or resume_from_checkpoint is False:
-        return resume_from_checkpoint
-    found = sorted(d for d in os.listdir(output_dir) if d.startswith(f"{PREFIX_CHECKPOINT_DIR}-")) if os.path.isdir(
-        output_dir) else []
-    fresh = "pass resume_from_checkpoint=None to start from the model's own weights"
-    if resume_from_checkpoint is True:
-        last = get_last_checkpoint(output_dir) if found else None
-        if last is None:
-            raise NotSupported(
-                f"resume_from_checkpoint=True, but output_dir '{output_dir}' holds no {PREFIX_CHECKPOINT_DIR}-N "
-                "directory: nothing was saved there yet (save_strategy='no', or the run saved under another output_dir)",
-                f"{fresh}; or the path of a {PREFIX_CHECKPOINT_DIR}-N directory of an earlier run; to write checkpoints, "
-                "train with save_strategy='steps' and save_steps=N",
-            )
-        resume_from_checkpoint = last
-    path = os.fspath(resume_from_checkpoint)
-    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        what = "does not exist" if not os.path.exists(path) else "is not a checkpoint directory (no trainer_state.json)"
-        raise NotSupported(
-            f"resume_from_checkpoint={path!r} {what}; output_dir '{output_dir}' holds "
-            + (f"{', '.join(found)}" if found else "no checkpoint"),
-            f"{fresh}, True for the newest checkpoint under output_dir, or the path of a {PREFIX_CHECKPOINT_DIR}-N "
-            "directory written by this trainer",
-        )
-    return path
-
-
 def save_sharded(output_dir: str, model: torch.nn.Module, optimizer: Any, sampler: Any, *, is_main: bool) -> None:
     """Save model + optimizer shards and the sampler position into `output_dir`. A collective.
     `sampler=None`: no sampler file (a trainer whose data position the Trainer's own batch skip restores)."""

@@ -8,7 +8,8 @@ mesh, process group, the transformers version that accepts a model sharded befor
 the model's placement (FSDP2 over the whole DP x SP world, sum reduction; the frozen reference
 sharded alike), the norm of the summed gradient for clipping and logging, the step
 (`_run_step`: the step's micro-batches through `base/step_loop.py`) and the checkpoint hooks
-(every rank's shards, the consolidated model). A trainer adds only its objective: data,
+(every rank's shards, the consolidated model; a checkpoint counts once every rank's files are
+in it, and a resume takes the newest complete one). A trainer adds only its objective: data,
 micro-batches, loss, metrics.
 """
 
@@ -26,8 +27,10 @@ from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_mod
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
+from hf_longctx.training.base import saved_folders
 from hf_longctx.training.base.mesh_source import launcher_config_hidden, trainer_mesh, without_parallelism_config
-from hf_longctx.training.base.saving import load_step_state, resolve_resume, save_step_state, save_trained_model
+from hf_longctx.training.base.resume_choice import resolve_resume
+from hf_longctx.training.base.saving import load_step_state, save_step_state, save_trained_model
 from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.step_loop import grad_norm as summed_grad_norm
@@ -167,11 +170,29 @@ class SPTrainerBase:
 
     # ---- checkpoints: every rank's shards (base/saving.py) ------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        # A checkpoint that is not there is named with the fix, before the Trainer reads anything.
-        return super().train(resolve_resume(resume_from_checkpoint, self.args.output_dir), *args, **kwargs)
+        # True: the newest COMPLETE checkpoint; one that is not there or incomplete is named with a fix
+        # that works, before the Trainer reads anything (base/resume_choice.py).
+        checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir, announce=self.is_world_process_zero())
+        return super().train(checkpoint, *args, **kwargs)
 
     def _watchdog_paused(self) -> Any:
         return self.watchdog.paused() if self.watchdog is not None else nullcontext()
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's (and TRL's) checkpoint, which counts only once every rank's files are in it
+        (`base/saved_folders.py`); `save_total_limit` then rotates complete checkpoints only."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        mark = dict(is_main=self.args.should_save, step=self.state.global_step, world_size=self.args.world_size)
+        with self._watchdog_paused():  # the barriers wait for the slowest rank's files: no step to beat on
+            saved_folders.begin(folder, **mark)
+            with saved_folders.trainer_rotation_off(self.args):
+                super()._save_checkpoint(model, trial)
+            saved_folders.finish(folder, **mark)
+        if self.args.should_save:
+            saved_folders.rotate(run_dir, self.args.save_total_limit, (folder, self.state.best_model_checkpoint))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_step_state(output_dir, self.model, self.optimizer, self.lr_scheduler, self.step_sampler,
