@@ -2,10 +2,14 @@
 
 `ids_hashes` (arrow, no Python lists) equals `ids_hash` row by row on a dataset, a selection
 and a shuffled filter; `model_digest` is equal for the same weights in fp32 and bf16 and after
-`patch(memory="max")`, and differs for other weights."""
+`patch(memory="max")`, and differs for other weights; `check_rescored` accepts a difference
+within the dtype's tolerance and refuses one beyond it, naming the pair and the amounts;
+`verify_ref_logps` values that are not a pair count, or that would verify nothing, are refused."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 
@@ -45,3 +49,37 @@ def test_model_digest_reads_weights_not_dtype():
     other.load_state_dict(model.state_dict())
     assert model_digest(other.to(torch.bfloat16)) == digest
     assert model_digest(patch(model, init_sequence_parallel(), memory="max")) == digest
+
+
+def test_check_rescored_tolerance_and_message():
+    from hf_longctx.training.dpo.ref_verify import check_rescored, tolerance
+
+    stored = np.array([[-60.0, -30.0], [-40.0, -20.0]])
+    tokens = np.array([[12.0, 6.0], [8.0, 4.0]])
+    allowed = tolerance(torch.float32) * (np.abs(stored) + tokens)
+    columns = ["ref_chosen_logps", "ref_rejected_logps"]
+    check_rescored("train_dataset", [3, 5], stored, stored + 0.9 * allowed, tokens, torch.float32, columns)
+    rescored = stored.copy()
+    rescored[1, 1] += 2 * allowed[1, 1]
+    says = (r"train_dataset: 1 of 2 rescored pairs disagree(.|\n)*pair 5: chosen stored -40, rescored -40 \(off by 0, "
+            r"allowed 0.00039\), rejected stored -20, rescored -19.9996 \(off by 0.000389, allowed 0.00019\)(.|\n)*"
+            r"Do instead: drop them")
+    with pytest.raises(ValueError, match=says):
+        check_rescored("train_dataset", [3, 5], stored, rescored, tokens, torch.float32, columns)
+    # bf16's tolerance admits what fp32's refuses: the rescoring's own rounding is coarser
+    check_rescored("train_dataset", [3, 5], stored, rescored, tokens, torch.bfloat16, columns)
+
+
+@pytest.mark.parametrize("count,precompute,needle", [(True, True, "is not a number of pairs"),
+                                                     (-1, True, "is not a number of pairs"),
+                                                     (8, False, "precompute_ref_log_probs=False")])
+def test_verify_option_refusals(tmp_path, count, precompute, needle):
+    from trl import DPOConfig
+
+    from hf_longctx.training.refusals.dpo import check_verify_option
+
+    args = DPOConfig(output_dir=str(tmp_path), max_length=None, precompute_ref_log_probs=precompute, report_to=[],
+                     use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match=f"verify_ref_logps(.|\\n)*{needle}(.|\\n)*Do instead"):
+        check_verify_option(count, args)
+    check_verify_option(0, args)

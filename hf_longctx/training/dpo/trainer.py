@@ -22,7 +22,9 @@ from trl import DPOTrainer
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.base.reference import default_reference, reference_on_mesh
-from hf_longctx.training.refusals.dpo import refuse_dpo, check_dpo_trainer, check_pair_dataset
+from hf_longctx.training.refusals.dpo import (
+    check_dpo_trainer, check_pair_dataset, check_verify_option, refuse_dpo,
+)
 from hf_longctx.integrations.logprob_head import token_logprobs
 from hf_longctx.training.dpo.loss import TOKEN_STATS, TOKEN_SUMS, completion_sums, dpo_loss, stats_metric_sums
 from hf_longctx.training.refusals.checks import check_materialised
@@ -53,27 +55,31 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     the reference scores every train / eval pair once at construction (ref_model=None: the
     policy itself, before any step, as TRL does; no copy is loaded) and is then released; the
     columns carry a fingerprint (the ids, the reference's digest, the sums), and a dataset given
-    with them is checked against it at construction; with TRL's columns but no fingerprint it
-    is used as given. The other keyword arguments: `LongContextTrainerMixin`'s
+    with them is checked against it at construction. A dataset given with TRL's columns but no
+    fingerprint is used as given, with one warning; `verify_ref_logps`: how many sampled pairs
+    of each such dataset the reference rescores at construction, refusing columns that
+    disagree (0: none). The other keyword arguments: `LongContextTrainerMixin`'s
     (`cost`, `strategy`, `pad_token_id`, `step_timeout_s`, `peak_flops`, `sync_each_microbatch`,
     `param_offload`) and DPOTrainer's.
     """
 
     def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh | None = None,
-                 **kwargs: Any) -> None:
+                 verify_ref_logps: int = 0, **kwargs: Any) -> None:
         # mesh=, or the ParallelismConfig's (DPOConfig(parallelism_config=...) or the launcher's): base/mesh_source.py
         mesh, max_tokens = self._resolve_mesh(model, args, mesh, kwargs.get("max_tokens"))
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
         check_dpo_trainer(model, args, mesh, kwargs)  # every refusal on every rank alike, before the steps
+        check_verify_option(verify_ref_logps, args)
         if ref_model is model:
             raise ValueError("model and ref_model must be different objects: leave ref_model=None for TRL's default copy")
         precompute = bool(args.precompute_ref_log_probs)
         self._reference_pass_ready = False  # TRL's __init__ asks for the pass before placement: run it below
         if precompute:  # the reference's digest, read before anything is sharded (every rank holds the full weights)
             self._stored_ref = StoredRefColumns(
-                digest=model_digest(ref_model if ref_model is not None else model),
-                reference="ref_model" if ref_model is not None else "the initial policy (ref_model=None)")
+                digest=model_digest(ref_model if ref_model is not None else model), verify=verify_ref_logps,
+                reference="ref_model" if ref_model is not None else "the initial policy (ref_model=None)",
+                seed=args.seed)
             self._check_given_columns(kwargs)
         if ref_model is None and not precompute:  # TRL's default: the policy loaded again from its path
             ref_model = default_reference(model, mesh, args.trust_remote_code)
@@ -112,13 +118,14 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             self.eval_dataset = {k: self._precompute_ref_logps(v, k, None) for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, "eval", None)
+        self._stored_ref.constructed()  # one warning for the datasets given with unverified columns
         self._reference_released = self.ref_model is not None
         self.ref_model = None
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: Any) -> Any:
         """TRL's hook (its `__init__` and `evaluate`): `dataset` with `ref_chosen_logps` /
         `ref_rejected_logps`, from the SP reference pass; a dataset carrying both is used as is,
-        after its fingerprint's check (`stored_ref.py`).
+        after its fingerprint's check, or a sample's rescoring (`stored_ref.py`).
         `batch_size` is unused: the pass packs pairs by `max_tokens` as training does."""
         if not self._reference_pass_ready:
             return dataset
@@ -126,7 +133,8 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         held = not (self._reference_released or (self.ref_model is None and self.state.global_step > 0))
         reference = self.ref_model if self.ref_model is not None else self.model  # TRL's: the initial policy
         if stored_columns(dataset, name):
-            self._stored_ref.check(dataset, name)
+            score = (lambda pairs: self._reference_sums_of(reference, pairs, name)) if held else None
+            self._stored_ref.accept(dataset, name, score=score, dtype=self._reference_dtype(reference))
             return dataset
         check_pair_dataset(dataset, name)
         check_fixed_rows(dataset, name)
@@ -145,6 +153,12 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         return reference_pass(reference, pairs, self._pair_collate, self.mesh, lengths=self._pair_lengths(pairs, name),
                               tokens_per_step=self.tokens_per_step, device=self.args.device)
 
+    def _reference_dtype(self, reference: torch.nn.Module) -> torch.dtype:
+        """The dtype the reference computes in (what bounds a rescoring's rounding)."""
+        if self.args.bf16 or self.args.fp16:
+            return torch.bfloat16 if self.args.bf16 else torch.float16
+        return next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
+
     def _columns(self, dataset: Any, name: str) -> list[str]:
         """The columns a step reads: the pairs, and TRL's stored sums under precompute_ref_log_probs
         (a dataset set after construction is checked here, before the first step's collectives)."""
@@ -154,7 +168,8 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             refuse_dpo(f"{name} has no {REF_COLUMNS} columns (precompute_ref_log_probs=True)",
                        "give the trainer this dataset at construction (the reference pass adds them)")
         check_fixed_rows(dataset, name)
-        self._stored_ref.check(dataset, name)
+        if not self._stored_ref.check(dataset, name):
+            self._stored_ref.unverified(dataset, name)
         return list(PAIR_COLUMNS) + list(REF_COLUMNS) + ([IDS_HASH] if IDS_HASH in dataset.column_names else [])
 
     # ---- data: TRL's tokenized pairs, planned by pairs (dpo/data.py) ----------------------------------
