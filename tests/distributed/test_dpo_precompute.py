@@ -9,7 +9,7 @@ same fp32 sums in another order), and one optimizer step gives TRL's loss (1e-5)
 (1e-4), every gradient (1e-4 of the tensor's max) and logged metrics (1e-5), with no reference
 held after construction. Single process: a dataset carrying TRL's columns is used as is (its
 values, not recomputed: zeros there change the loss); a format transform is refused at
-construction; a row whose token ids change after the pass is refused by the step's collate;
+construction; a row whose token ids change after the pass is refused when the step loader is built;
 a dataset passed to `evaluate()` after the reference was released is refused."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_stored_columns_are_used_as_is(paths, tmp_path):
 
 def test_changing_rows_are_refused(paths, tmp_path):
     """A format transform is refused at construction; a row whose ids differ from the scored ones
-    (the fingerprint column travels with it) is refused before the step; a dataset given to
+    (the fingerprint columns travel with it) is refused before the step; a dataset given to
     evaluate() after the reference was released is refused; precompute_ref_batch_size too."""
     from transformers import AutoTokenizer
 
@@ -144,7 +144,8 @@ def test_changing_rows_are_refused(paths, tmp_path):
         _one_process(paths, tmp_path / "a", pairs.with_transform(lambda b: b))
     trainer = _one_process(paths, tmp_path / "b", pairs)
     trainer.train_dataset = trainer.train_dataset.map(lambda r: {"chosen_ids": r["chosen_ids"][::-1]})
-    with pytest.raises(ValueError, match="train_dataset pair [0-9]+: its token ids differ(.|\n)*Do instead"):
+    with pytest.raises(ValueError, match="train_dataset: its stored(.|\n)*token ids that differ(.|\n)*pair 0(.|\n)*"
+                                         "Do instead: drop the stale columns"):
         trainer.train()
     with pytest.raises(NotSupported, match="no longer held"):
         trainer.evaluate(eval_dataset=pairs)

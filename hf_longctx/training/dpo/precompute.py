@@ -8,13 +8,15 @@ same mesh, `max_tokens`, planner, memory options), runs the reference under no_g
 the chunked LM head on every slot of every rank (empty ones too: ZeRO-3 all-gathers per
 unit), and sums each completion over the SP group (`completion_sums`). Guarantees: every rank
 ends with the same fp32 [N] columns `ref_chosen_logps` / `ref_rejected_logps` (one DP
-all-reduce), equal to TRL's; `ref_ids_hash` fingerprints the token ids they were scored on,
-so a row whose ids later differ is refused by the step's collate before any collective."""
+all-reduce), equal to TRL's; `with_ref_columns` stores them with their fingerprint (the
+scored ids, the reference's digest, the sums sealed to both: `ref_fingerprint.py`), so a
+dataset edited or reused with another reference is refused before any collective."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,7 +26,8 @@ from hf_longctx.integrations.logprob_head import token_logprobs
 from hf_longctx.training.base.step_data import _Rows
 from hf_longctx.training.dpo.data import PAIR_COLUMNS, PAIRS_KEY
 from hf_longctx.training.dpo.loss import completion_sums
-from hf_longctx.training.dpo.ref_columns import IDS_HASH, REF_COLUMNS, ids_hash
+from hf_longctx.training.dpo.ref_columns import FINGERPRINT, REF_COLUMNS
+from hf_longctx.training.dpo.ref_fingerprint import fingerprint_columns
 
 def reference_pass(reference: torch.nn.Module, dataset: Any, collate: Any, mesh: Any, *, lengths: Sequence[int],
                    tokens_per_step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,15 +62,13 @@ def reference_pass(reference: torch.nn.Module, dataset: Any, collate: Any, mesh:
     return sums[:, 0].contiguous(), sums[:, 1].contiguous()
 
 
-def with_ref_columns(dataset: Any, chosen: torch.Tensor, rejected: torch.Tensor) -> Any:
+def with_ref_columns(dataset: Any, chosen: torch.Tensor, rejected: torch.Tensor, model_hash: int) -> Any:
     """`dataset` with TRL's two columns appended (as TRL appends them: `concatenate_datasets(axis=1)`)
-    and the fingerprint of the ids they were scored on."""
+    and their fingerprint (`ref_fingerprint.py`): the scored ids, the reference's digest
+    `model_hash`, the sums sealed to both."""
     from datasets import Dataset, Features, Value, concatenate_datasets
 
-    table = dataset.with_format("arrow").select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])
-    p, c, r = (table[col].to_pylist() for col in ("prompt_ids", "chosen_ids", "rejected_ids"))
-    hashes = [ids_hash(a, b, d) for a, b, d in zip(p, c, r)]
-    features = Features({REF_COLUMNS[0]: Value("float32"), REF_COLUMNS[1]: Value("float32"), IDS_HASH: Value("int64")})
-    columns = Dataset.from_dict({REF_COLUMNS[0]: chosen.tolist(), REF_COLUMNS[1]: rejected.tolist(), IDS_HASH: hashes},
-                                features=features)
-    return concatenate_datasets([dataset, columns], axis=1)
+    sums = {REF_COLUMNS[0]: chosen.numpy().astype(np.float32), REF_COLUMNS[1]: rejected.numpy().astype(np.float32)}
+    columns = {**sums, **fingerprint_columns(dataset, *sums.values(), model_hash)}
+    features = Features({c: Value("float32") for c in REF_COLUMNS} | {c: Value("int64") for c in FINGERPRINT})
+    return concatenate_datasets([dataset, Dataset.from_dict(columns, features=features)], axis=1)

@@ -3,10 +3,11 @@ fingerprint of the token ids they were scored on, and the checks that keep them 
 
 Where it sits: between the reference pass (`dpo/precompute.py`, which writes the columns) and
 every step's collate (`dpo/data.py`, which reads them into the micro-batches under `REF_KEY`).
-Guarantees: a dataset with TRL's two columns is used as is; a dataset with one of them, or
-with a format transform (rows that can change between epochs), is refused before any
-collective; a row whose token ids no longer match `IDS_HASH` is refused by the collate, on
-the host, before the step's collectives (every rank holds the step's rows and raises alike).
+Guarantees: a dataset with one of TRL's two columns only, or with a format transform (rows
+that can change between epochs), is refused before any collective; a row whose token ids no
+longer match `IDS_HASH` is refused by the collate, on the host, before the step's collectives
+(every rank holds the step's rows and raises alike). The whole fingerprint (`FINGERPRINT`) is
+checked when a dataset reaches the trainer (`ref_fingerprint.py`, `stored_ref.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from hf_longctx.errors import NotSupported
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL's names (DPOTrainer._precompute_ref_logps)
 IDS_HASH = "ref_ids_hash"  # the scored token ids' fingerprint, int64 per pair
+MODEL_HASH = "ref_model_hash"  # the scoring reference's `model_digest`, int64 per pair
+LOGPS_HASH = "ref_logps_hash"  # the two stored sums sealed to their ids and reference, int64 per pair
+FINGERPRINT = (IDS_HASH, MODEL_HASH, LOGPS_HASH)  # written by the reference pass, checked by ref_fingerprint.py
 REF_KEY = "dpo_ref_logps"  # a micro-batch's [2P] stored sums, chosen/rejected alternating (not a model input)
 _FIX = ("apply it once before the trainer (dataset = dataset.map(fn)), so every epoch reads the rows the reference "
         "scored, or set precompute_ref_log_probs=False (the reference then runs on every step's shards)")
@@ -34,7 +38,7 @@ def ids_hash(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequence[in
 
 
 def stored_columns(dataset: Any, name: str) -> bool:
-    """True when `dataset` already carries TRL's two columns (then used as is); raises when it
+    """True when `dataset` already carries TRL's two columns (then used as given, once checked); raises when it
     carries one of them only."""
     have = [c for c in REF_COLUMNS if c in dataset.column_names]
     if len(have) == 1:

@@ -22,15 +22,21 @@ from trl import DPOTrainer
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.base.reference import default_reference, reference_on_mesh
-from hf_longctx.training.refusals.dpo import refuse_dpo, check_dpo_trainer, check_pair_dataset
+from hf_longctx.training.refusals.dpo import (
+    check_dpo_trainer, check_pair_dataset, check_verify_option, refuse_dpo,
+)
 from hf_longctx.integrations.logprob_head import token_logprobs
 from hf_longctx.training.dpo.loss import TOKEN_STATS, TOKEN_SUMS, completion_sums, dpo_loss, stats_metric_sums
 from hf_longctx.training.refusals.checks import check_materialised
 from hf_longctx.training.dpo.data import (
     PAIR_COLUMNS, PAIRS_KEY, PairStepCollate, pair_format, pair_lengths, pair_rows, pair_step_dataloader,
 )
+from hf_longctx.training.dpo.model_digest import model_digest
 from hf_longctx.training.dpo.precompute import reference_pass, with_ref_columns
-from hf_longctx.training.dpo.ref_columns import IDS_HASH, REF_COLUMNS, REF_KEY, check_fixed_rows, stored_columns
+from hf_longctx.training.dpo.ref_columns import (
+    FINGERPRINT, IDS_HASH, REF_COLUMNS, REF_KEY, check_fixed_rows, stored_columns,
+)
+from hf_longctx.training.dpo.stored_ref import StoredRefColumns
 from hf_longctx.training.sft.trainer import LongContextTrainerMixin
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -47,22 +53,34 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     `ref_model`: None (TRL's default, the initial model from its path) or a model
     (patched here with the mesh if it is not). With `DPOConfig(precompute_ref_log_probs=True)`
     the reference scores every train / eval pair once at construction (ref_model=None: the
-    policy itself, before any step, as TRL does; no copy is loaded) and is then released. The other keyword arguments: `LongContextTrainerMixin`'s
+    policy itself, before any step, as TRL does; no copy is loaded) and is then released; the
+    columns carry a fingerprint (the ids, the reference's digest, the sums), and a dataset given
+    with them is checked against it at construction. A dataset given with TRL's columns but no
+    fingerprint is used as given, with one warning; `verify_ref_logps`: how many sampled pairs
+    of each such dataset the reference rescores at construction, refusing columns that
+    disagree (0: none). The other keyword arguments: `LongContextTrainerMixin`'s
     (`cost`, `strategy`, `pad_token_id`, `step_timeout_s`, `peak_flops`, `sync_each_microbatch`,
     `param_offload`) and DPOTrainer's.
     """
 
     def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh | None = None,
-                 **kwargs: Any) -> None:
+                 verify_ref_logps: int = 0, **kwargs: Any) -> None:
         # mesh=, or the ParallelismConfig's (DPOConfig(parallelism_config=...) or the launcher's): base/mesh_source.py
         mesh, max_tokens = self._resolve_mesh(model, args, mesh, kwargs.get("max_tokens"))
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
         check_dpo_trainer(model, args, mesh, kwargs)  # every refusal on every rank alike, before the steps
+        check_verify_option(verify_ref_logps, args)
         if ref_model is model:
             raise ValueError("model and ref_model must be different objects: leave ref_model=None for TRL's default copy")
         precompute = bool(args.precompute_ref_log_probs)
         self._reference_pass_ready = False  # TRL's __init__ asks for the pass before placement: run it below
+        if precompute:  # the reference's digest, read before anything is sharded (every rank holds the full weights)
+            self._stored_ref = StoredRefColumns(
+                digest=model_digest(ref_model if ref_model is not None else model), verify=verify_ref_logps,
+                reference="ref_model" if ref_model is not None else "the initial policy (ref_model=None)",
+                seed=args.seed)
+            self._check_given_columns(kwargs)
         if ref_model is None and not precompute:  # TRL's default: the policy loaded again from its path
             ref_model = default_reference(model, mesh, args.trust_remote_code)
         elif ref_model is not None:
@@ -81,6 +99,15 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             self._precompute_all()
 
     # ---- precompute_ref_log_probs: one reference pass per dataset (dpo/precompute.py) ---------------
+    def _check_given_columns(self, kwargs: dict[str, Any]) -> None:
+        """Before TRL's preparation and any collective: the fingerprint of every given dataset that
+        is already tokenized and carries stored columns (the others are checked once prepared)."""
+        evals = kwargs.get("eval_dataset")
+        evals = evals if isinstance(evals, dict) else {"eval_dataset": evals}
+        for name, dataset in [("train_dataset", kwargs.get("train_dataset")), *evals.items()]:
+            if dataset is not None and stored_columns(dataset, name) and pair_format(dataset[0]) == "tokenized":
+                self._stored_ref.check(dataset, name)
+
     def _precompute_all(self) -> None:
         """The train and eval datasets with TRL's columns, then the reference released: its
         sharded weights (an explicit ref_model) leave memory; with ref_model=None none was loaded."""
@@ -91,35 +118,58 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
             self.eval_dataset = {k: self._precompute_ref_logps(v, k, None) for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, "eval", None)
+        self._stored_ref.constructed()  # one warning for the datasets given with unverified columns
         self._reference_released = self.ref_model is not None
         self.ref_model = None
 
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: Any) -> Any:
         """TRL's hook (its `__init__` and `evaluate`): `dataset` with `ref_chosen_logps` /
-        `ref_rejected_logps`, from the SP reference pass; a dataset carrying both is used as is.
+        `ref_rejected_logps`, from the SP reference pass; a dataset carrying both is used as is,
+        after its fingerprint's check, or a sample's rescoring (`stored_ref.py`).
         `batch_size` is unused: the pass packs pairs by `max_tokens` as training does."""
-        if not self._reference_pass_ready or stored_columns(dataset, name):
+        if not self._reference_pass_ready:
+            return dataset
+        name = {"train": "train_dataset", "eval": "eval_dataset"}.get(name, f"eval_dataset {name!r}")  # TRL's names
+        held = not (self._reference_released or (self.ref_model is None and self.state.global_step > 0))
+        reference = self.ref_model if self.ref_model is not None else self.model  # TRL's: the initial policy
+        if stored_columns(dataset, name):
+            score = (lambda pairs: self._reference_sums_of(reference, pairs, name)) if held else None
+            self._stored_ref.accept(dataset, name, score=score, dtype=self._reference_dtype(reference))
             return dataset
         check_pair_dataset(dataset, name)
         check_fixed_rows(dataset, name)
-        if self._reference_released or (self.ref_model is None and self.state.global_step > 0):
+        if not held:
             refuse_dpo(f"{name} has no {REF_COLUMNS} and the reference is no longer held (precompute_ref_log_probs="
                        "True releases it after scoring the datasets given at construction)",
                        "pass this dataset as eval_dataset= when building the trainer, or add TRL's two columns to it")
-        reference = self.ref_model if self.ref_model is not None else self.model  # TRL's: the initial policy
-        chosen, rejected = reference_pass(reference, dataset, self._pair_collate, self.mesh,
-                                          lengths=self._pair_lengths(dataset, name),
-                                          tokens_per_step=self.tokens_per_step, device=self.args.device)
-        return with_ref_columns(dataset, chosen, rejected)
+        stale = [c for c in FINGERPRINT if c in dataset.column_names]  # a fingerprint left without its columns
+        dataset = dataset.remove_columns(stale) if stale else dataset  # is rewritten with the new sums
+        chosen, rejected = self._reference_sums_of(reference, dataset, name)
+        return with_ref_columns(dataset, chosen, rejected, self._stored_ref.digest)
+
+    def _reference_sums_of(self, reference: torch.nn.Module, pairs: Any,
+                           name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference pass over `pairs`: (fp32 [N] chosen sums, fp32 [N] rejected sums), every rank alike."""
+        return reference_pass(reference, pairs, self._pair_collate, self.mesh, lengths=self._pair_lengths(pairs, name),
+                              tokens_per_step=self.tokens_per_step, device=self.args.device)
+
+    def _reference_dtype(self, reference: torch.nn.Module) -> torch.dtype:
+        """The dtype the reference computes in (what bounds a rescoring's rounding)."""
+        if self.args.bf16 or self.args.fp16:
+            return torch.bfloat16 if self.args.bf16 else torch.float16
+        return next((p.dtype for p in reference.parameters() if p.is_floating_point()), torch.float32)
 
     def _columns(self, dataset: Any, name: str) -> list[str]:
-        """The columns a step reads: the pairs, and TRL's stored sums under precompute_ref_log_probs."""
+        """The columns a step reads: the pairs, and TRL's stored sums under precompute_ref_log_probs
+        (a dataset set after construction is checked here, before the first step's collectives)."""
         if not self.precompute_ref_logps:
             return list(PAIR_COLUMNS)
         if not stored_columns(dataset, name):
             refuse_dpo(f"{name} has no {REF_COLUMNS} columns (precompute_ref_log_probs=True)",
                        "give the trainer this dataset at construction (the reference pass adds them)")
         check_fixed_rows(dataset, name)
+        if not self._stored_ref.check(dataset, name):
+            self._stored_ref.unverified(dataset, name)
         return list(PAIR_COLUMNS) + list(REF_COLUMNS) + ([IDS_HASH] if IDS_HASH in dataset.column_names else [])
 
     # ---- data: TRL's tokenized pairs, planned by pairs (dpo/data.py) ----------------------------------

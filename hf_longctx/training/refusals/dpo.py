@@ -131,6 +131,17 @@ def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) 
                 check_fixed_rows(dataset, name)
 
 
+def check_verify_option(count: Any, args: Any) -> None:
+    """`verify_ref_logps`: a number of pairs >= 0, and only where stored columns are read."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"LongDPOTrainer: verify_ref_logps={count!r} is not a number of pairs. Do instead: pass how "
+                         "many pairs to rescore, e.g. verify_ref_logps=64, or 0 to rescore none")
+    if count and not args.precompute_ref_log_probs:
+        refuse_dpo(f"verify_ref_logps={count} with precompute_ref_log_probs=False: stored reference columns are then "
+                   "not read (the reference runs on every step), so there is nothing to verify",
+                   "set DPOConfig(precompute_ref_log_probs=True) to train on the stored columns, or drop verify_ref_logps")
+
+
 def check_pair_dataset(dataset: Any, name: str) -> None:
     from datasets import Dataset
 
