@@ -19,15 +19,13 @@ test fails (tests/helpers/launcher.py).
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
 from tests.helpers.families import load, packed_batch, save_family
-from tests.helpers.launcher import free_port, start, wait_all
+from tests.helpers.launcher import ROOT, run_agents
 from tests.helpers.multinode_worker import LR
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-5
 
 
@@ -50,27 +48,11 @@ def _reference(path: str) -> dict:
 
 def test_two_nodes_train_exactly(tmp_path):
     path = save_family("llama", tmp_path)
-    out, port = str(tmp_path / "rank0.pt"), free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    agents, logs = [], []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hf_longctx_two_nodes",
-               "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=240", "--max-restarts", "0",
-               os.path.join(ROOT, "tests", "helpers", "multinode_worker.py"), path, out]
-        logs.append(open(tmp_path / f"agent{node}.log", "w"))
-        agents.append(start(cmd, logs[-1], env, ROOT))
-    try:
-        codes = wait_all(agents, timeout_s=300)
-    finally:
-        for f in logs:
-            f.close()
-    text = "\n".join(f"--- agent {n} ---\n" + (tmp_path / f"agent{n}.log").read_text()[-3000:] for n in (0, 1))
+    out = str(tmp_path / "rank0.pt")
+    codes, logs = run_agents([os.path.join(ROOT, "tests", "helpers", "multinode_worker.py"), path, out], tmp_path)
+    text = "\n".join(f"--- agent {n} ---\n" + log[-3000:] for n, log in enumerate(logs))
     assert codes == [0, 0], text
-    logs = "".join((tmp_path / f"agent{n}.log").read_text() for n in (0, 1))
-    assert logs.count("mesh_from_parallelism_config: ParallelismConfig(sp_size=4, sp_backend='deepspeed')") == 1, text
+    assert "".join(logs).count("mesh_from_parallelism_config: ParallelismConfig(sp_size=4, sp_backend='deepspeed')") == 1, text
     got, ref = torch.load(out), _reference(path)
     assert got["degrees"] == (2, 2, 1), got["degrees"]
     nodes = {}
