@@ -26,6 +26,10 @@ logs in `OUTPUT_DIR/steps.rank<R>.jsonl`), `parse_post_training_args`, `recipe_m
 `print_patch` and `train_and_export`; and by the rollout recipes (`grpo.py`, `rloo.py`): `parse_rollout_args`,
 `rollout_refusals`, `rollout_config_kwargs`, the made-up prompts (`make_prompts`), the reward
 (`format_scores`) and `train_rollouts` (model, data, trainer, training).
+
+What a recipe builds for all its ranks (the tiny Llama here) is built once per job by global rank
+0 in OUTPUT_DIR, which every node must then see; downloads fill the caches in turn, rank 0 first,
+then one rank per node (the rule and its reasons: `shared_files.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import argparse
 import json
 import os
 from typing import Any
+
+from shared_files import build_once, fill_caches_in_turn
 
 from hf_longctx.config import MEMORY_PRESETS
 
@@ -177,21 +183,22 @@ def parse_post_training_args(p: argparse.ArgumentParser, argv: Any, *, output_di
     return args
 
 
-def load_model_and_data(args: argparse.Namespace, config: Any, make_default: Any) -> tuple[Any, Any, Any]:
+def load_model_and_data(args: argparse.Namespace, make_default: Any) -> tuple[Any, Any, Any]:
     """(model, tokenizer, dataset) of a post-training recipe: --model (default: the tiny Llama of
-    `build_tiny_model`, built by rank 0 under OUTPUT_DIR first) loaded with `from_pretrained` in
-    fp32 (master weights), its tokenizer (or --tokenizer), and --dataset through `load_dataset`
-    (default: `make_default(args)`, made here)."""
-    import os
-
+    `build_tiny_model`, built once per job by global rank 0 in OUTPUT_DIR/tiny-llama, which every
+    node must see: `shared_files.build_once`) loaded with `from_pretrained` in fp32 (master
+    weights), its tokenizer (or --tokenizer), and --dataset through `load_dataset` (default:
+    `make_default(args)`, made here); downloads fill the caches in turn (`fill_caches_in_turn`)."""
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_path = args.model or os.path.join(args.output_dir, "tiny-llama")
-    with config.main_process_first():  # rank 0 builds (or downloads) first, the others then load
-        if args.model is None and config.process_index == 0:
-            build_tiny_model(model_path, args.seed)
+    if args.model is None:
+        build_once(model_path, lambda: build_tiny_model(model_path, args.seed), what="the tiny Llama",
+                   fix="pass an --output-dir on a file system every node mounts, or a prebuilt --model (with its "
+                       "tokenizer) that every node can read")
+    with fill_caches_in_turn():
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         if args.dataset is None:
@@ -349,7 +356,7 @@ def train_rollouts(args: argparse.Namespace, config_name: str, trainer_cls: Any,
     config = getattr(trl, config_name)(**rollout_config_kwargs(args, device), **config_kwargs)
 
     mesh = recipe_mesh(args, config, device)
-    model, tokenizer, prompts = load_model_and_data(args, config, lambda a: make_prompts(a.prompts, a.seed))
+    model, tokenizer, prompts = load_model_and_data(args, lambda a: make_prompts(a.prompts, a.seed))
 
     def format_reward(completion_ids, **kwargs):  # TRL: the sampled ids of this process's completions; logs
         return format_scores(completion_ids, tokenizer.eos_token_id)  # rewards/format_reward/mean|std

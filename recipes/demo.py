@@ -10,7 +10,8 @@ Everything is local, nothing comes from a hub: the corpus is the `.py` files of 
 Python's own standard library (read with `datasets`), the tokenizer a byte-level BPE
 trained on them in seconds with `tokenizers`, the model a small Llama built from a config,
 saved with `save_pretrained` and loaded back with `from_pretrained` -- the path a real
-checkpoint takes. Then `hf_longctx.LongContextTrainer` (a `transformers.Trainer`) trains:
+checkpoint takes. Global rank 0 builds them once per job in --output-dir, which every node of a
+multi-node launch must see (recipes/shared_files.py). Then `hf_longctx.LongContextTrainer` (a `transformers.Trainer`) trains:
 step sampler → cost-balanced plan → USP-sharded micro-batches → FSDP2 over all 4 ranks.
 The Trainer logs, per step, the loss (the global token mean), tokens/s and the plan's
 balance (synced step / ideal); rank 0 prints a summary at the end.
@@ -39,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also under accelerate launch
 
 from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
+from shared_files import build_once, fill_caches_in_turn  # noqa: E402
 from tiny import HEADS, build_model, build_tokenizer, load_corpus, stdlib_files  # noqa: E402
 
 from hf_longctx import LongContextTrainer, init_group_bank, init_sequence_parallel, patch, tokenize_dataset  # noqa: E402
@@ -104,18 +106,23 @@ def main(argv=None) -> dict:
     files = stdlib_files(args.files, 200, args.max_file_bytes)
     raw = load_corpus(files)
     tok_path, model_path = os.path.join(args.output_dir, "tokenizer"), os.path.join(args.output_dir, "model")
-    with targs.main_process_first():  # rank 0 builds and saves; the others then load
-        if args.tokenizer:  # a given tokenizer instead of the locally trained BPE
-            from transformers import AutoTokenizer
+    if args.tokenizer:  # a given tokenizer instead of the locally trained BPE
+        from transformers import AutoTokenizer
 
+        with fill_caches_in_turn():
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        else:
-            if main_rank:
-                build_tokenizer(raw["text"], args.vocab, tok_path)
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_path)
-        if main_rank:
-            build_model(tokenizer, model_path, hidden=args.hidden, layers=args.layers, seed=args.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+
+    def build() -> None:  # global rank 0 only: the BPE (unless given) and the model, saved for every rank
+        if not args.tokenizer:
+            build_tokenizer(raw["text"], args.vocab, tok_path)
+        tok = tokenizer if args.tokenizer else PreTrainedTokenizerFast.from_pretrained(tok_path)
+        build_model(tok, model_path, hidden=args.hidden, layers=args.layers, seed=args.seed)
+
+    build_once(args.output_dir, build, what="the demo's tokenizer and model",
+               fix="pass an --output-dir on a file system every node mounts")
+    if not args.tokenizer:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     data = tokenize_dataset(raw, tokenizer, progress=main_rank)
     n_params = sum(p.numel() for p in model.parameters())
     lengths = data["length"]

@@ -93,7 +93,7 @@ def main(argv=None) -> None:
         **checkpointing(True),  # TRL's default, under its current name
     )
     mesh = recipe_mesh(args, config, device)
-    model, tokenizer, pairs = load_model_and_data(args, config, lambda a: make_pairs(a.pairs, a.seed))
+    model, tokenizer, pairs = load_model_and_data(args, lambda a: make_pairs(a.pairs, a.seed))
     trainer = LongDPOTrainer(
         model=patch(model, mesh, **patch_kwargs(args)), args=config, train_dataset=pairs, processing_class=tokenizer,
         mesh=mesh, max_tokens=args.max_tokens, tokens_per_step=args.tokens_per_step,  # ref_model=None: TRL's default

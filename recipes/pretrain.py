@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import add_common_args, check_common_args, patch_kwargs, trainer_kwargs  # noqa: E402
+from shared_files import fill_caches_in_turn  # noqa: E402
 
 from hf_longctx import LongContextTrainer, init_sequence_parallel, patch, tokenize_dataset  # noqa: E402
 from hf_longctx._compat import checkpointing_fields  # noqa: E402
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace, wrap: Callable[[Any], Any] | None = None) -> N
         print(describe(mesh, device, param_offload=args.param_offload))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     extra = {"sample_by": args.sample_by} if args.sample_by else {}
-    with targs.main_process_first():  # rank 0 downloads / fills the cache first
+    with fill_caches_in_turn():  # rank 0, then one rank per node, download and fill the datasets cache
         raw = load_dataset(args.dataset, data_files=args.data_files, split=args.split, **extra)
         data = tokenize_dataset(raw, tokenizer, text_column=args.text_column)
     # fp32 master weights: the FSDP plan casts to bf16 for compute (MixedPrecisionPolicy).

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling module, also under accelerate launch
 
 from common import add_common_args, check_common_args, checkpointing, patch_kwargs, trainer_kwargs  # noqa: E402
+from shared_files import fill_caches_in_turn  # noqa: E402
 
 from hf_longctx import LongContextTrainerMixin, init_sequence_parallel, patch  # noqa: E402
 from hf_longctx.training.launch import describe, init_distributed, run_rank  # noqa: E402
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
     if config.process_index == 0:
         print(describe(mesh, device, param_offload=args.param_offload))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    with config.main_process_first():
+    with fill_caches_in_turn():  # rank 0, then one rank per node, fill the datasets cache
         data = load_dataset(args.dataset, data_files=args.data_files, split=args.split)
     model = patch(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), mesh, **patch_kwargs(args))
     trainer = LongSFTTrainer(

@@ -46,11 +46,12 @@ def rank_logs(out_dir, ranks: int = 2) -> list[list[dict]]:
 
 
 def assert_ranks_agree(logs: list[list[dict]], steps: list[int], timing: set[str]) -> None:
-    """Both ranks logged `steps`, every value finite, and equal on both ranks except the `timing` keys
+    """Every rank logged `steps`, every value finite, and equal on every rank except the `timing` keys
     (the logged values are global: a rank that trained on its own data or its own count differs)."""
-    assert [r["step"] for r in logs[0]] == steps and [r["step"] for r in logs[1]] == steps, logs
-    for step0, step1 in zip(*logs):
+    assert all([r["step"] for r in rank] == steps for rank in logs), logs
+    for step0, *others in zip(*logs):
         for k, v in step0.items():
             assert math.isfinite(v), (k, step0)
-            if k not in timing:
-                assert step1[k] == v, f"step {step0['step']}: {k} is {v} on rank 0, {step1[k]} on rank 1"
+            for r, other in enumerate(others, 1):
+                if k not in timing:
+                    assert other[k] == v, f"step {step0['step']}: {k} is {v} on rank 0, {other[k]} on rank {r}"

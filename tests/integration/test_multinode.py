@@ -1,9 +1,11 @@
 """Two nodes, launched: two `torchrun --nnodes 2 --nproc-per-node 2` agents on this machine.
 
 Each agent is its own process (and process group), as on two hosts; they meet through a c10d
-rendezvous on 127.0.0.1 at a free port (agent 0 hosts the store: `is_host`), and the 4 workers
-train over gloo (tests/helpers/multinode_worker.py): the mesh of `ParallelismConfig(sp_size=4)`
-with 2 ranks per node puts Ulysses inside each node and the ring across the two. Two SGD steps
+rendezvous on 127.0.0.1 at a free port (agent 0 hosts the store: `is_host`,
+tests/helpers/launcher.py `run_agents`), and the 4 workers run over gloo.
+
+Exactness (tests/helpers/multinode_worker.py): the mesh of `ParallelismConfig(sp_size=4)` with 2
+ranks per node puts Ulysses inside each node and the ring across the two. Two SGD steps
 on packed batches must equal the unpatched model in one process: the global loss of each step,
 every gradient of the first and every parameter's change over both (-lr x the two steps'
 gradients) within 1e-5 relative to the tensor's largest entry (fp32: reordered sums of ~50 token
@@ -12,23 +14,36 @@ change also carries the rounding of the two fp32 parameters it is the difference
 the largest, ~1e-9, where the smallest changes are ~3e-5). SGD,
 not Adam: Adam's first update is ~lr x sign(g), so a gradient entry of 1e-9 (below its eps)
 rounded differently would move a parameter by ~lr whatever the accuracy of the step.
-The mapping is said once, by rank 0. Bounded: past 300 s every process group is killed and the
-test fails (tests/helpers/launcher.py).
-"""
+The mapping is said once, by rank 0.
 
+Recipes: the guide's two-agent command (docs/guides/multi-node.md, parsed from the page, its
+port a free one) trains recipes/demo.py, which builds its own tokenizer and model, and its step
+lines equal those of one agent of 4 ranks with the same arguments (same ranks, mesh, data and
+seed: the same arithmetic); recipes/dpo.py builds its tiny Llama and trains 2 steps with every
+rank's logs finite and equal, step 1 at loss ln 2 (policy == reference). With an --output-dir
+that each node resolves to its own directory (as node-local disks do), dpo.py stops on every
+rank with the path and the fix instead of a FileNotFoundError. Bounded: past the timeout every
+agent's process group is killed and the test fails.
+"""
 from __future__ import annotations
 
+import math
 import os
+import re
+import shlex
 import sys
 
 import torch
 
+from tests.helpers.doc_blocks import blocks_run_by
 from tests.helpers.families import load, packed_batch, save_family
-from tests.helpers.launcher import free_port, start, wait_all
+from tests.helpers.launcher import ROOT, agents_env, free_port, run_agents, start, wait_all
 from tests.helpers.multinode_worker import LR
+from tests.helpers.recipe_launch import assert_ranks_agree, rank_logs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL = 1e-5
+GUIDE = "docs/guides/multi-node.md"
+TIMING = {"tokens_per_s", "peak_mem_gib"}  # wall-clock and per-rank memory: may differ between ranks
 
 
 def _reference(path: str) -> dict:
@@ -50,27 +65,11 @@ def _reference(path: str) -> dict:
 
 def test_two_nodes_train_exactly(tmp_path):
     path = save_family("llama", tmp_path)
-    out, port = str(tmp_path / "rank0.pt"), free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    agents, logs = [], []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hf_longctx_two_nodes",
-               "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=240", "--max-restarts", "0",
-               os.path.join(ROOT, "tests", "helpers", "multinode_worker.py"), path, out]
-        logs.append(open(tmp_path / f"agent{node}.log", "w"))
-        agents.append(start(cmd, logs[-1], env, ROOT))
-    try:
-        codes = wait_all(agents, timeout_s=300)
-    finally:
-        for f in logs:
-            f.close()
-    text = "\n".join(f"--- agent {n} ---\n" + (tmp_path / f"agent{n}.log").read_text()[-3000:] for n in (0, 1))
+    out = str(tmp_path / "rank0.pt")
+    codes, logs = run_agents([os.path.join(ROOT, "tests", "helpers", "multinode_worker.py"), path, out], tmp_path)
+    text = "\n".join(f"--- agent {n} ---\n" + log[-3000:] for n, log in enumerate(logs))
     assert codes == [0, 0], text
-    logs = "".join((tmp_path / f"agent{n}.log").read_text() for n in (0, 1))
-    assert logs.count("mesh_from_parallelism_config: ParallelismConfig(sp_size=4, sp_backend='deepspeed')") == 1, text
+    assert "".join(logs).count("mesh_from_parallelism_config: ParallelismConfig(sp_size=4, sp_backend='deepspeed')") == 1, text
     got, ref = torch.load(out), _reference(path)
     assert got["degrees"] == (2, 2, 1), got["degrees"]
     nodes = {}
@@ -85,3 +84,64 @@ def test_two_nodes_train_exactly(tmp_path):
     for name, want in ref["updates"].items():  # -LR x (gradient of step 1 + gradient of step 2)
         atol = TOL * want.abs().max().item() + 4 * ulp * ref["scale"][name]  # + the parameters' own fp32 rounding
         torch.testing.assert_close(got["updates"][name], want, rtol=TOL, atol=atol, msg=name)
+
+
+def _demo_steps(log: str) -> list[tuple[str, ...]]:
+    """(step, loss, lr, grad_norm) of each step line the demo's rank 0 prints, as printed."""
+    return re.findall(r"step +(\d+) \| loss ([\d.]+) \| lr (\S+) \| grad_norm ([\d.]+) \|", log)
+
+
+def test_guide_two_agents_train_the_demo_as_one_agent_does(tmp_path):
+    (block,) = blocks_run_by(GUIDE, "tests/integration/test_multinode.py::test_guide_two_agents_train_the_demo_as_one_agent_does")
+    port = str(free_port())
+    script = block.text.replace("127.0.0.1:29400", f"127.0.0.1:{port}")
+    assert script.count(port) == 2, block.text
+    commands = [c for c in block.text.replace("\\\n", " ").splitlines() if c.startswith("torchrun")]
+    demo_args = shlex.split(commands[-1].split("recipes/demo.py", 1)[1])
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.mkdir(), one.mkdir()
+    os.symlink(os.path.join(ROOT, "recipes"), two / "recipes")
+    env = {**agents_env(), "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}  # its torchrun
+    with open(tmp_path / "block.log", "w") as log:
+        proc = start(["bash", "-c", script], log, env, str(two))
+        wait_all([proc], timeout_s=300)
+    out = (tmp_path / "block.log").read_text()
+    assert proc.returncode == 0 and "summary: loss" in out and "ChildFailedError" not in out, out[-4000:]
+    assert "4 rank(s) on cpu (gloo): dp 1 x ring 2 x ulysses 2" in out, out[-4000:]
+    steps = _demo_steps(out)
+    assert [s[0] for s in steps] == ["1", "2"] and all(math.isfinite(float(s[1])) for s in steps), out[-4000:]
+    codes, logs = run_agents([os.path.join(ROOT, "recipes", "demo.py"), *demo_args], one, nodes=1, procs=4,
+                             cwds=[str(one)])
+    assert codes == [0], logs[0][-4000:]
+    assert _demo_steps(logs[0]) == steps, (steps, logs[0][-4000:])
+
+
+def test_dpo_recipe_builds_its_model_and_trains_on_two_agents(tmp_path):
+    out = tmp_path / "out"
+    codes, logs = run_agents([os.path.join(ROOT, "recipes", "dpo.py"), "--ulysses", "2", "--steps", "2", "--pairs", "8",
+                              "--timeout", "60", "--output-dir", str(out)], tmp_path)
+    text = "\n".join(f"--- agent {n} ---\n" + log[-3000:] for n, log in enumerate(logs))
+    assert codes == [0, 0], text
+    steps = rank_logs(out, ranks=4)
+    assert_ranks_agree(steps, [1, 2], TIMING)
+    first, second = steps[0]
+    assert abs(first["loss"] - math.log(2)) < 1e-5 and first["rewards/margins"] == 0.0, first  # policy == reference
+    assert second["rewards/margins"] != 0.0, second  # the first update reached the policy
+
+
+def test_dpo_recipe_names_an_output_dir_another_node_cannot_see(tmp_path):
+    """Each agent resolves the relative --output-dir in its own directory: node 1 cannot see rank 0's build."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for d in nodes:
+        d.mkdir()
+    codes, logs = run_agents([os.path.join(ROOT, "recipes", "dpo.py"), "--ulysses", "2", "--steps", "1",
+                              "--timeout", "60", "--output-dir", "out"], tmp_path, cwds=[str(d) for d in nodes],
+                             timeout_s=200)
+    text = "\n".join(f"--- agent {n} ---\n" + log[-3000:] for n, log in enumerate(logs))
+    assert 0 not in codes, text
+    said = re.compile(r"the tiny Llama that rank 0 built in (\S+) \(host [^)]*\) is not there for rank\(s\) 2, 3 .*"
+                      r"Fix: pass an --output-dir on a file system every node mounts, or a prebuilt --model")
+    built = {m.group(1) for m in said.finditer("".join(logs))}
+    assert built & {str(d / "out" / "tiny-llama") for d in nodes}, text  # the node that built it: either agent
+    assert all(said.search(log) for log in logs), text  # each node's log says it
+    assert "FileNotFoundError" not in text and "HFValidationError" not in text, text
