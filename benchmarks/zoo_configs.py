@@ -36,6 +36,9 @@ _SIZES = dict(
 
 # Layer kinds a default config leaves out (its default pattern is attention only).
 _KINDS = {
+    # Kolibri 1.1: sliding layers and indexed (sparse top-k) layers; NVFP4 K/V rounding needs head_dim % 16 == 0
+    "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention", "sliding_attention", "indexed_attention"],
+                   "head_dim": 16},
     "lfm2": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     # Granite-4's default pattern is Mamba-2 only; its checkpoints interleave attention layers
