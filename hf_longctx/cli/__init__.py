@@ -9,7 +9,8 @@ table, best first, ending with the suggestion as code (`suggest()` returns the s
   hf-longctx plan --model PATH_OR_NAME --gpus 64 --gpu-memory 80GiB --host-memory 1TiB \\
       --seq-len 131072 [--dtype bf16] [--micro-batch-tokens N] [--top 10] [--plot F [--flex]]
   hf-longctx step-plot RECORD.json --out OUT.png
-This file: the parser and `step-plot`; `plan.py` the `plan` table; `plots.py` the figures."""
+This file: the parser and `step-plot`; `capacity.py` the `plan` table (`plan_flags.py` the flags
+read together, `binding.py` what binds); `plots.py` the figures."""
 
 from __future__ import annotations
 

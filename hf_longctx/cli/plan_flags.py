@@ -1,0 +1,48 @@
+"""`hf-longctx plan`'s flags read together: the contradictions refused, the derived defaults
+filled in, and the trainer of `--task` (`capacity/suggestion.TASK_TRAINERS`) whose options the
+other flags must fit.
+
+Where it sits: the first step of `cmd_plan` (`cli/capacity.py`), after argparse's own checks
+(`cli/__init__.py`) and before any estimate; a refusal is a message that names the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def plan_trainer(args: argparse.Namespace):
+    from hf_longctx.capacity.suggestion import task_trainer
+
+    return task_trainer(args.task)
+
+
+def syncs_each_microbatch(args: argparse.Namespace) -> bool:
+    return args.sync_each_microbatch or plan_trainer(args).always_syncs_each_microbatch
+
+
+def sync_source(args: argparse.Namespace) -> str:
+    t = plan_trainer(args)
+    return f"{t.name} always does" if t.always_syncs_each_microbatch else "--sync-each-microbatch"
+
+
+def resolve_flags(args: argparse.Namespace) -> str | None:
+    """Why the flags contradict each other, or None; fills the derived defaults in `args`
+    (micro-batch tokens: --seq-len; micro-batches: 1 unless --tokens-per-step derives them)."""
+    args.task = getattr(args, "task", "sft")
+    if getattr(args, "rollout_tokens", None) is None:
+        args.rollout_tokens = args.seq_len if args.task in ("grpo", "rloo") else 0
+    if args.rollout_tokens and args.task not in ("grpo", "rloo"):
+        return f"--rollout-tokens applies to --task grpo or rloo, not --task {args.task}"
+    if (args.unequal_calls or args.flex) and not plan_trainer(args).flexible_groups:
+        return (f"--{'unequal-calls' if args.unequal_calls else 'flex'} plans flexible SP groups, which "
+                f"{plan_trainer(args).name} (--task {args.task}) does not take: it trains on an SPMesh")
+    if args.unequal_calls and args.sync_each_microbatch:
+        return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
+                "--sync-each-microbatch")
+    args.micro_batch_tokens = args.micro_batch_tokens or args.seq_len
+    if args.tokens_per_step is not None and args.microbatches is not None:
+        return "give --microbatches or --tokens-per-step, not both (the second derives the first per setting)"
+    if args.tokens_per_step is None:
+        args.microbatches = args.microbatches or 1
+    return None
