@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--task dpo also prints which of the two it picks); --seq-len counts a pair's or a group's "
                         "documents together")
     p.add_argument("--rollout-tokens", type=int, default=None,
-                   help="grpo / rloo: prompt + completion tokens each GPU generates per step on the training GPUs "
-                        "(KV cache, the whole model gathered); default --seq-len; 0: rollouts run elsewhere")
+                   help="grpo / rloo: prompt + completion tokens each GPU generates per step on the training GPUs, "
+                        "where their trainers always generate (KV cache, the whole model gathered); >= 1, default "
+                        "--seq-len")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
     q = sub.add_parser("step-plot", help="draw trainer.last_plan (saved with trainer.last_plan.save(FILE.json))")

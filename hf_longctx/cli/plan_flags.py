@@ -30,10 +30,9 @@ def resolve_flags(args: argparse.Namespace) -> str | None:
     """Why the flags contradict each other, or None; fills the derived defaults in `args`
     (micro-batch tokens: --seq-len; micro-batches: 1 unless --tokens-per-step derives them)."""
     args.task = getattr(args, "task", "sft")
-    if getattr(args, "rollout_tokens", None) is None:
-        args.rollout_tokens = args.seq_len if args.task in ("grpo", "rloo") else 0
-    if args.rollout_tokens and args.task not in ("grpo", "rloo"):
-        return f"--rollout-tokens applies to --task grpo or rloo, not --task {args.task}"
+    refusal = _rollout_tokens(args)
+    if refusal is not None:
+        return refusal
     if (args.unequal_calls or args.flex) and not plan_trainer(args).flexible_groups:
         return (f"--{'unequal-calls' if args.unequal_calls else 'flex'} plans flexible SP groups, which "
                 f"{plan_trainer(args).name} (--task {args.task}) does not take: it trains on an SPMesh")
@@ -46,3 +45,26 @@ def resolve_flags(args: argparse.Namespace) -> str | None:
     if args.tokens_per_step is None:
         args.microbatches = args.microbatches or 1
     return None
+
+
+def _rollout_tokens(args: argparse.Namespace) -> str | None:
+    """Fills `args.rollout_tokens` (default: --seq-len for grpo / rloo, 0 otherwise); why the
+    value is refused, or None. The rollout trainers
+    generate on the training GPUs always (their vLLM modes are refused), so a plan without that
+    phase (0, or less) would suggest a setting they cannot run."""
+    given = getattr(args, "rollout_tokens", None)
+    rollouts = args.task in ("grpo", "rloo")
+    if given is None:
+        args.rollout_tokens = args.seq_len if rollouts else 0
+        return None
+    if not rollouts:
+        return (f"--rollout-tokens {given} applies to --task grpo or rloo, not --task {args.task} (which generates "
+                "nothing): drop it")
+    if given < 1:
+        return (f"--rollout-tokens {given}: {plan_trainer(args).name} (--task {args.task}) generates its rollouts on "
+                "the training GPUs, always (use_vllm, server or colocate, is refused), so a plan without them is a "
+                "setting it cannot run; give the prompt + completion tokens each GPU generates per step "
+                "(per_device_train_batch_size x (prompt + max_completion_length)), or leave --rollout-tokens out "
+                f"(default: --seq-len, {args.seq_len})")
+    return None
+

@@ -1,8 +1,8 @@
 """The shell commands of the pages that run cheaply, run from the page: every `make` line of a
 block marked for `test_make_lines_name_real_targets` is dry-run (`make -n`, so the target and
-its variables exist and parse), the `hf-longctx plan` command of the planner guide prints
-the suggestion the page shows in the block after it, and the DPO guide's `--task dpo` command
-suggests what its sentence says (`tests/helpers/doc_blocks.py`)."""
+its variables exist and parse), the `hf-longctx plan` commands of the planner and GRPO guides
+print the suggestion the page shows in the block after each, and the DPO guide's `--task dpo`
+command suggests what its sentence says (`tests/helpers/doc_blocks.py`)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,20 @@ def test_plan_command_prints_the_page_output(capsys):
     (line,) = [x for x in command.text.splitlines() if x.strip()]
     argv = shlex.split(line)
     assert argv[0] == "hf-longctx", line
+    assert main([a if not a.startswith("tests/") else str(ROOT / a) for a in argv[1:]]) == 0
+    printed = capsys.readouterr().out
+    missing = [x for x in output.text.splitlines() if x.strip() and x.strip() not in printed]
+    assert not missing, (missing, printed[-3000:])
+
+
+def test_grpo_plan_command_prints_the_page_output(capsys):
+    """docs/guides/grpo.md: the `--task grpo --rollout-tokens` plan prints the suggestion the page shows."""
+    from hf_longctx.cli import main
+
+    command, output = blocks_run_by("docs/guides/grpo.md", HERE + "test_grpo_plan_command_prints_the_page_output")
+    (line,) = [x for x in command.text.splitlines() if x.strip()]
+    argv = shlex.split(line)
+    assert argv[0] == "hf-longctx" and "--rollout-tokens" in argv, line
     assert main([a if not a.startswith("tests/") else str(ROOT / a) for a in argv[1:]]) == 0
     printed = capsys.readouterr().out
     missing = [x for x in output.text.splitlines() if x.strip() and x.strip() not in printed]

@@ -127,7 +127,8 @@ def test_rollout_tasks_search_no_parameter_offload(task):
 
 
 @pytest.mark.parametrize("task,extra", [("sft", []), ("dpo", ["--sync-each-microbatch", "--microbatches", "2"]),
-                                        ("grpo", ["--rollout-tokens", "0"]), ("rloo", ["--rollout-tokens", "0"])])
+                                        ("grpo", ["--rollout-tokens", "100000"]),
+                                        ("rloo", ["--rollout-tokens", "100000"])])
 def test_plan_prints_the_task_suggestion(task, extra, capsys):
     """The CLI end to end (the 8B config, host memory binding so inputs_on_device is printed)."""
     from hf_longctx.capacity.suggestion import Suggestion
