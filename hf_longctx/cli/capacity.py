@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from hf_longctx.cli.binding import binding_advice, fit_line
+from hf_longctx.cli.binding import binding_advice, closest, fit_line
 from hf_longctx.cli.inputs import gib, load_config
 from hf_longctx.cli.plan_flags import plan_trainer, resolve_flags, sync_source, syncs_each_microbatch
 from hf_longctx.cli.plots import plot_flexible_step, plot_step
@@ -94,9 +94,12 @@ def footer(args: argparse.Namespace) -> str:
                                           "phase before the policy's)")
            + ", the chunked log-prob head's forward and backward in place of the loss, the objective's per-token "
            "inputs; a pair's or a group's documents count together in --seq-len"
-           + (f"; rollouts on these GPUs: {args.rollout_tokens} tokens per GPU (the whole model gathered, KV cache, "
-              "one layer's prefill) as a phase of their own" if args.task in ("grpo", "rloo") and args.rollout_tokens
-              else "") + ";"] if args.task != "sft" else []),
+           + (f"; rollouts on these GPUs, where {plan_trainer(args).name} always generates them: --rollout-tokens "
+              f"{args.rollout_tokens} tokens per GPU"
+              + (" (not given: --seq-len)" if args.rollout_tokens_assumed else "")
+              + " (the whole model gathered, KV cache, one layer's prefill) as a phase of their own (peak = params + "
+              "optim + max(grads, activ + buffers, rollouts))" if args.task in ("grpo", "rloo") else "") + ";"]
+          if args.task != "sft" else []),
         *([f"- --task {args.task}: {plan_trainer(args).name} takes no param_offload, so only settings without "
            "parameter offload are searched;"] if not plan_trainer(args).trainer_options else []),
         "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates within "
@@ -138,7 +141,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         advice = pick_reference(ranked, rank("dpo-precomputed"))
     if not feasible:
-        code = _print_closest(args, ranked)
+        code = _print_closest(args, ranked, dims)
     else:
         _print_table(args, ranked, feasible)
         _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
@@ -186,22 +189,16 @@ def _heading(args: argparse.Namespace, config: Any, dims: Any, vision: Any) -> s
                "(capacity/vision.py)" if vision is not None else ""))
 
 
-def _print_closest(args: argparse.Namespace, ranked: list) -> int:
+def _print_closest(args: argparse.Namespace, ranked: list, dims: Any) -> int:
     """Nothing fits: every setting with --show-infeasible, then the setting closest to fitting and
     what binds it (stderr); exit status 1."""
     if args.show_infeasible:
         print(format_table([_row("-", c) for c in ranked]))
         print(footer(args))
-    # The setting closest to fitting, and what binds it: among the settings that fit the GPU,
-    # the least host memory (host binds); else among those that fit the host, the lowest GPU
-    # peak (GPU binds); else the lowest GPU peak (both bind).
-    gpu_ok = [c for c in ranked if c.gpu_fits and c.binding]
-    host_ok = [c for c in ranked if c.host_fits and c.binding]
-    low = (min(gpu_ok, key=lambda c: c.memory.host) if gpu_ok else
-           min(host_ok or [c for c in ranked if c.binding] or ranked, key=lambda c: c.memory.peak))
+    low = closest(args, ranked)
     s = low.setting
     print(f"no setting fits: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
-          f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{binding_advice(args, low)}"
+          f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{binding_advice(args, low, dims)}"
           + ("" if args.show_infeasible else "\n(--show-infeasible lists every setting with why it does not fit)"),
           file=sys.stderr)
     return 1

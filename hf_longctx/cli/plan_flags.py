@@ -48,12 +48,13 @@ def resolve_flags(args: argparse.Namespace) -> str | None:
 
 
 def _rollout_tokens(args: argparse.Namespace) -> str | None:
-    """Fills `args.rollout_tokens` (default: --seq-len for grpo / rloo, 0 otherwise); why the
-    value is refused, or None. The rollout trainers
+    """Fills `args.rollout_tokens` (default: --seq-len for grpo / rloo, 0 otherwise) and
+    `args.rollout_tokens_assumed`; why the value is refused, or None. The rollout trainers
     generate on the training GPUs always (their vLLM modes are refused), so a plan without that
     phase (0, or less) would suggest a setting they cannot run."""
     given = getattr(args, "rollout_tokens", None)
     rollouts = args.task in ("grpo", "rloo")
+    args.rollout_tokens_assumed = given is None and rollouts
     if given is None:
         args.rollout_tokens = args.seq_len if rollouts else 0
         return None
