@@ -259,8 +259,10 @@ def suggest(
     (the first row of `hf-longctx plan` with the same arguments; near ties broken by the USP
     guidance), as code and flags for `task`'s trainer and recipes. `rollout_tokens`: as
     `rank_settings`, but 0 is refused for "grpo" / "rloo": their trainers generate on the
-    training GPUs always, so a suggestion without the rollouts could not run. Raises ValueError
-    naming the lowest estimated peak when nothing fits."""
+    training GPUs always, so a suggestion without the rollouts could not run. "dpo" is the held
+    reference's best; `hf-longctx plan --task dpo` then picks, and suggests, the precomputed
+    reference's (`task="dpo-precomputed"` here). Raises ValueError naming the lowest estimated
+    peak when nothing fits."""
     if rollout_tokens is not None and rollout_tokens < 1 and task in ("grpo", "rloo"):
         raise ValueError(f"rollout_tokens={rollout_tokens}: {task_trainer(task).name} generates its rollouts on the "
                          "training GPUs, always (use_vllm is refused), so a setting without them cannot run; pass the "

@@ -135,20 +135,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = rank(args.task)
     feasible = [c for c in ranked if c.feasible]
     print(_heading(args, config, dims, vision) + "\n")
-    advice = None
-    if args.task == "dpo":  # held or precomputed reference: which is cheaper here (capacity/dpo_reference.py)
-        from hf_longctx.capacity.dpo_reference import pick_reference
-
-        advice = pick_reference(ranked, rank("dpo-precomputed"))
+    if args.task == "dpo":
+        return _plan_dpo(args, config, cluster, dims, ranked, rank("dpo-precomputed"), grad_sync)
     if not feasible:
-        code = _print_closest(args, ranked, dims)
+        return _print_closest(args, ranked, dims)
+    _print_table(args, ranked, feasible)
+    _print_ties(cluster, dims, feasible)
+    _print_suggestion(args, config, feasible, grad_sync, args.task, "fastest estimate that fits")
+    return 0
+
+
+def _plan_dpo(args: argparse.Namespace, config: Any, cluster: Any, dims: Any, held: list, precomputed: list,
+              grad_sync: str) -> int:
+    """`--task dpo`: the held reference's table (or its closest setting), which reference is picked
+    and why (capacity/dpo_reference.py), then the suggestion of the one picked, so that the code
+    and flags printed last are the setting the verdict names."""
+    from hf_longctx.capacity.dpo_reference import pick_reference
+
+    verdict, picked = pick_reference(held, precomputed)
+    feasible = [c for c in held if c.feasible]
+    if feasible:
+        _print_table(args, held, feasible)
+        _print_ties(cluster, dims, feasible)
     else:
-        _print_table(args, ranked, feasible)
-        _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
-        code = 0
-    if advice:
-        print("\n" + advice)
-    return code
+        _print_closest(args, held, dims, " with the reference held" if picked else "")
+    print("\n" + verdict)
+    if picked is None:
+        return 1
+    _print_suggestion(args, config, [c for c in precomputed if c.feasible], grad_sync, picked,
+                      "the precomputed reference, as picked above: its fastest estimate that fits, the first row of "
+                      "--task dpo-precomputed")
+    return 0
 
 
 def _cluster(args: argparse.Namespace):
@@ -189,15 +206,15 @@ def _heading(args: argparse.Namespace, config: Any, dims: Any, vision: Any) -> s
                "(capacity/vision.py)" if vision is not None else ""))
 
 
-def _print_closest(args: argparse.Namespace, ranked: list, dims: Any) -> int:
+def _print_closest(args: argparse.Namespace, ranked: list, dims: Any, which: str = "") -> int:
     """Nothing fits: every setting with --show-infeasible, then the setting closest to fitting and
-    what binds it (stderr); exit status 1."""
+    what binds it (stderr); exit status 1. `which`: the settings meant (" with the reference held")."""
     if args.show_infeasible:
         print(format_table([_row("-", c) for c in ranked]))
         print(footer(args))
     low = closest(args, ranked)
     s = low.setting
-    print(f"no setting fits: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
+    print(f"no setting fits{which}: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
           f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{binding_advice(args, low, dims)}"
           + ("" if args.show_infeasible else "\n(--show-infeasible lists every setting with why it does not fit)"),
           file=sys.stderr)
@@ -216,13 +233,10 @@ def _print_table(args: argparse.Namespace, ranked: list, feasible: list) -> None
     print(footer(args))
 
 
-def _print_suggestion(args: argparse.Namespace, config: Any, cluster: Any, dims: Any, feasible: list,
-                      grad_sync: str) -> None:
-    """The first feasible setting (what `capacity/search.suggest()` returns) as code and as recipe
-    flags, whether the estimates tell it from the next rows, and the --plot figure."""
-    from hf_longctx.capacity.search import TIE_TOLERANCE, Suggestion
+def _print_ties(cluster: Any, dims: Any, feasible: list) -> None:
+    """Whether the estimates tell the table's first rows apart, and whether the first follows the USP guidance."""
+    from hf_longctx.capacity.search import TIE_TOLERANCE
 
-    best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype, task=args.task)
     tied = [c for c in feasible if c.tied]
     if tied:
         print(f"\nrows 1-{len(tied)} are within {TIE_TOLERANCE:.0%} of the fastest estimate, less than the cost model's "
@@ -230,7 +244,16 @@ def _print_suggestion(args: argparse.Namespace, config: Any, cluster: Any, dims:
               + ("the first follows the USP guidance (Ulysses inside a node, ring only across nodes)"
                  if cluster.follows_usp_guidance(feasible[0].setting, dims.heads, dims.kv_heads)
                  else "none of them follows the USP guidance"))
-    print(f"\nsuggested (fastest estimate that fits; {fit_line(args, feasible[0])}):\n{best.code()}")
+
+
+def _print_suggestion(args: argparse.Namespace, config: Any, feasible: list, grad_sync: str, task: str,
+                      why: str) -> None:
+    """The first feasible setting of `task`'s ranking (what `capacity/search.suggest()` returns) as
+    code and as recipe flags, `why` it is the one, and the --plot figure."""
+    from hf_longctx.capacity.search import Suggestion
+
+    best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype, task=task)
+    print(f"\nsuggested ({why}; {fit_line(args, feasible[0])}):\n{best.code()}")
     print(f"\nas recipe flags ({best.recipes}):\n{best.recipe_flags()}")
     if args.plot:
         print((plot_flexible_step if args.flex else plot_step)(args, config, feasible[0]))
