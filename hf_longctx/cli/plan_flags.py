@@ -34,8 +34,13 @@ def resolve_flags(args: argparse.Namespace) -> str | None:
     if refusal is not None:
         return refusal
     if (args.unequal_calls or args.flex) and not plan_trainer(args).flexible_groups:
-        return (f"--{'unequal-calls' if args.unequal_calls else 'flex'} plans flexible SP groups, which "
-                f"{plan_trainer(args).name} (--task {args.task}) does not take: it trains on an SPMesh")
+        flag = "--unequal-calls" if args.unequal_calls else "--flex"
+        return (f"{flag} plans flexible SP groups, which {plan_trainer(args).name} (--task {args.task}) does not take: "
+                f"it trains on an SPMesh; drop {flag} (flexible groups are planned for --task sft)")
+    if getattr(args, "param_offload", "auto") == "yes" and not plan_trainer(args).trainer_options:
+        return (f"--param-offload yes: {plan_trainer(args).name} (--task {args.task}) takes no param_offload (its "
+                "FSDP2 shards and optimizer states stay on the device); use --param-offload no or auto (auto searches "
+                "it off only, for this task)")
     if args.unequal_calls and args.sync_each_microbatch:
         return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
                 "--sync-each-microbatch")

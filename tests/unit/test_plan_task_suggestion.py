@@ -155,6 +155,18 @@ def test_plan_prints_the_task_suggestion(task, extra, capsys):
 def test_plan_refuses_flexible_groups_for_post_training(capsys):
     from hf_longctx.cli import main
 
-    assert main(["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1TiB", "--seq-len", "65536",
-                 "--task", "dpo", "--unequal-calls"]) == 2
-    assert "LongDPOTrainer (--task dpo) does not take" in capsys.readouterr().err
+    argv = ["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1TiB", "--seq-len", "65536"]
+    for flag in ("--unequal-calls", "--flex"):
+        assert main([*argv, "--task", "dpo", flag]) == 2
+        err = capsys.readouterr().err
+        assert "LongDPOTrainer (--task dpo) does not take" in err and f"drop {flag}" in err, err
+
+
+@pytest.mark.parametrize("task,trainer", [("grpo", "LongGRPOTrainer"), ("rloo", "LongRLOOTrainer")])
+def test_plan_refuses_parameter_offload_for_the_rollout_trainers_by_flag(task, trainer, capsys):
+    from hf_longctx.cli import main
+
+    assert main(["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1TiB",
+                 "--seq-len", "65536", "--task", task, "--param-offload", "yes"]) == 2
+    err = capsys.readouterr().err
+    assert f"--param-offload yes: {trainer} (--task {task}) takes no param_offload" in err and "--param-offload no or auto" in err, err
