@@ -30,8 +30,9 @@ CLUSTERS = [  # (GPUs, GPU GB, host GiB per node, {model: published figure})
 ]
 
 
-TASKS = [  # (label, task, rollouts on the training GPUs) of the post-training rows
-    ("DPO", "dpo", False), ("GRPO, rollouts elsewhere", "grpo", False), ("GRPO, rollouts on these GPUs", "grpo", True)]
+# (label, task, rollouts charged) of the post-training rows; GRPO's trainer generates on the training GPUs
+# always, so its training step alone is a bound to compare with, not a setting it runs
+TASKS = [("DPO", "dpo", False), ("GRPO, training step alone", "grpo", False), ("GRPO, rollouts on these GPUs", "grpo", True)]
 
 
 def _best(cfg, cluster: Cluster, tokens: int, task: str = "sft", rollouts: bool = False):

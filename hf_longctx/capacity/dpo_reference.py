@@ -8,7 +8,8 @@ reference's forward, so it is charged here as a no-grad forward's share of a ste
 1/3 (forward : backward = 1 : 2), 1/4 with checkpointing (the recompute is a second forward).
 The precomputed reference costs that same forward once per pair, in a pass before training:
 what one epoch of the held reference costs, saved on every later epoch. Its memory is the
-training step's or less (no gradients, no optimizer states yet)."""
+training step's or less (no gradients, no optimizer states yet). `hf-longctx plan --task dpo`
+prints the held reference's table, then this choice, then the suggestion of the reference picked."""
 
 from __future__ import annotations
 
@@ -30,18 +31,21 @@ def _describe(c: Any, gib: float) -> str:
     return f"U{s.ulysses}xR{s.ring}, fpdt {s.fpdt_chunks}, dp {c.dp}{offload}: peak {c.memory.peak / gib:.1f} GiB"
 
 
-def pick_reference(held: Sequence[Any], precomputed: Sequence[Any]) -> str:
-    """One paragraph: the held reference's best setting (its forward charged), the precomputed
-    reference at that same setting and at its own best, and which is picked, and why."""
+def pick_reference(held: Sequence[Any], precomputed: Sequence[Any]) -> tuple[str, str | None]:
+    """(one paragraph: the held reference's best setting (its forward charged), the precomputed
+    reference at that same setting and at its own best, and which is picked, and why; the task
+    picked, "dpo-precomputed", or None where nothing fits). The plan suggests the picked task's
+    best setting, so its suggestion and this paragraph agree."""
     gib = 2.0**30
     h, p = _first(held), _first(precomputed)
     if p is None:
-        return "DPO reference: nothing fits with the reference precomputed either (see the closest setting above)."
+        return ("DPO reference: nothing fits with the reference precomputed either (see the closest setting above).",
+                None)
     best = (f"its best: {_describe(p, gib)}, {p.tokens_per_second:,.0f} tokens/s; a one-off reference pass before "
             f"training costs ~{forward_share(p.setting.checkpoint):.0%} of a step's time per step of data")
     if h is None:
         return (f"DPO reference: held, nothing fits; precomputed (DPOConfig(precompute_ref_log_probs=True)), {best}. "
-                "Picks precomputed: only it fits.")
+                "Picks precomputed: only it fits; the suggestion below is its best."), "dpo-precomputed"
     share = forward_share(h.setting.checkpoint)
     same = next((c for c in precomputed if c.setting == h.setting), None)
     at_same = "" if same is None else (
@@ -53,4 +57,4 @@ def pick_reference(held: Sequence[Any], precomputed: Sequence[Any]) -> str:
             f"(DPOConfig(precompute_ref_log_probs=True)): {at_same}{best}. Picks precomputed: the same reference "
             f"forwards over the first epoch, {1 + share:.2f}x the steps per second from the second epoch on, less "
             "memory; the held reference only for a dataset that changes between epochs (a transform, refused with "
-            "precompute_ref_log_probs).")
+            "precompute_ref_log_probs). The suggestion below is the precomputed reference's best."), "dpo-precomputed"

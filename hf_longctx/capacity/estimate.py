@@ -57,8 +57,14 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> float:
-        return self.params + self.optimizer + self.held + max(
-            self.grads, self.activations + self.buffers + self.backward_grads, self.generation)
+        return max(self.training_peak, self.params + self.optimizer + self.held + self.generation)
+
+    @property
+    def training_peak(self) -> float:
+        """The peak of the training step alone, without the rollouts' phase (which the planner
+        names apart where it binds)."""
+        return self.params + self.optimizer + self.held + max(self.grads, self.activations + self.buffers
+                                                              + self.backward_grads)
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"peak": self.peak}

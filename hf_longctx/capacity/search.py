@@ -140,7 +140,7 @@ def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
     tokens_per_step: int | None = None, param_offload: str = "auto", vision: Any = None, task: str = "sft",
-    rollout_tokens: int = 0,
+    rollout_tokens: int | None = None,
 ) -> list[Candidate]:
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
@@ -152,14 +152,18 @@ def rank_settings(
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
     (try both), "yes", "no". `vision`: a `capacity/vision.VisionBudget` (images / video per
     document of `seq_len`): the tower's memory and time are charged to every setting. `task`,
-    `rollout_tokens`: the training objective and the rollouts on these GPUs
-    (`estimate.estimate_memory`); a pair or a group counts all its documents in `tokens`.
+    `rollout_tokens`: the training objective and the prompt + completion tokens each GPU generates
+    per step on these GPUs (`estimate.estimate_memory`; default `seq_len` for "grpo" / "rloo",
+    whose trainers always generate there; 0 ranks their training step alone, a figure to compare
+    with, not a setting they run: `suggest` refuses it); a pair or a group counts all its
+    documents in `tokens`.
     Only settings the task's trainer runs (`suggestion.TASK_TRAINERS`): for "grpo" / "rloo"
     no parameter offload ("auto" tries it off only; "yes" is refused) and gradients
     reduce-scattered in every micro-batch (`grad_sync` "microbatch", as those trainers always
     do); `unsharded_step` (flexible groups) with "sft" only."""
     param_offload, grad_sync = task_options(task, param_offload, grad_sync, unsharded_step)
     seq_len = tokens if seq_len is None else seq_len
+    rollout_tokens = rollouts_of(task, rollout_tokens, seq_len)
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
     if tokens_per_step is not None and tokens_per_step < tokens:
@@ -232,15 +236,37 @@ def task_options(task: str, param_offload: str, grad_sync: str, unsharded_step: 
     return "no", "microbatch"  # the rollout trainers reduce-scatter in every micro-batch's backward always
 
 
+def rollouts_of(task: str, rollout_tokens: int | None, seq_len: int) -> int:
+    """The rollout tokens per GPU a plan of `task` charges: None -> `seq_len` for "grpo" / "rloo"
+    (each GPU generates whole sequences of the context length), 0 otherwise; a count below 0, or
+    one for a task that generates nothing, is refused."""
+    rollouts = task in ("grpo", "rloo")
+    if rollout_tokens is None:
+        return seq_len if rollouts else 0
+    if rollout_tokens < 0 or (rollout_tokens and not rollouts):
+        raise ValueError(f"rollout_tokens={rollout_tokens}: the prompt + completion tokens each GPU generates per step "
+                         f"for task 'grpo' or 'rloo' (>= 0); task {task!r} generates nothing: leave it None")
+    return rollout_tokens
+
+
 def suggest(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
-    tokens_per_step: int | None = None, param_offload: str = "auto", task: str = "sft", rollout_tokens: int = 0,
+    tokens_per_step: int | None = None, param_offload: str = "auto", task: str = "sft",
+    rollout_tokens: int | None = None,
 ) -> Suggestion:
     """The fastest setting by the step-time estimate among those whose estimated peak fits
     (the first row of `hf-longctx plan` with the same arguments; near ties broken by the USP
-    guidance), as code and flags for `task`'s trainer and recipes. Raises ValueError naming
-    the lowest estimated peak when nothing fits."""
+    guidance), as code and flags for `task`'s trainer and recipes. `rollout_tokens`: as
+    `rank_settings`, but 0 is refused for "grpo" / "rloo": their trainers generate on the
+    training GPUs always, so a suggestion without the rollouts could not run. "dpo" is the held
+    reference's best; `hf-longctx plan --task dpo` then picks, and suggests, the precomputed
+    reference's (`task="dpo-precomputed"` here). Raises ValueError naming the lowest estimated
+    peak when nothing fits."""
+    if rollout_tokens is not None and rollout_tokens < 1 and task in ("grpo", "rloo"):
+        raise ValueError(f"rollout_tokens={rollout_tokens}: {task_trainer(task).name} generates its rollouts on the "
+                         "training GPUs, always (use_vllm is refused), so a setting without them cannot run; pass the "
+                         "prompt + completion tokens each GPU generates per step, or None (seq_len)")
     ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                            unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=microbatches,
                            tokens_per_step=tokens_per_step, param_offload=param_offload, task=task,

@@ -100,3 +100,14 @@ def generation_bytes(dims, dt: int, tokens: int) -> float:
     q = dims.heads * dims.head_dim * dt
     prefill = 3 * dims.hidden * dt + 2 * q + 2 * dims.kv_heads * dims.head_dim * dt + 4 * dims.intermediate * dt
     return dt * dims.params + (kv + prefill) * tokens
+
+
+def rollout_tokens_within(dims, dt: int, memory, rollout_tokens: int, usable: float) -> int:
+    """The most rollout tokens per GPU whose generation phase fits in `usable` device bytes at the
+    setting of `memory` (an `estimate.MemoryEstimate` with `rollout_tokens` charged): the phase
+    is linear in its tokens beside the shards that stay (parameters, optimizer states, held
+    gradients); 0 when not even the gathered model fits there."""
+    per_token = generation_bytes(dims, dt, 1) - generation_bytes(dims, dt, 0)
+    fixed = memory.params + memory.optimizer + memory.held + memory.generation - per_token * rollout_tokens
+    return max(0, int((usable - fixed) // per_token))
+

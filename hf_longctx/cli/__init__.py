@@ -9,7 +9,8 @@ table, best first, ending with the suggestion as code (`suggest()` returns the s
   hf-longctx plan --model PATH_OR_NAME --gpus 64 --gpu-memory 80GiB --host-memory 1TiB \\
       --seq-len 131072 [--dtype bf16] [--micro-batch-tokens N] [--top 10] [--plot F [--flex]]
   hf-longctx step-plot RECORD.json --out OUT.png
-This file: the parser and `step-plot`; `plan.py` the `plan` table; `plots.py` the figures."""
+This file: the parser and `step-plot`; `capacity.py` the `plan` table (`plan_flags.py` the flags
+read together, `binding.py` what binds); `plots.py` the figures."""
 
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--task dpo also prints which of the two it picks); --seq-len counts a pair's or a group's "
                         "documents together")
     p.add_argument("--rollout-tokens", type=int, default=None,
-                   help="grpo / rloo: prompt + completion tokens each GPU generates per step on the training GPUs "
-                        "(KV cache, the whole model gathered); default --seq-len; 0: rollouts run elsewhere")
+                   help="grpo / rloo: prompt + completion tokens each GPU generates per step on the training GPUs, "
+                        "where their trainers always generate (KV cache, the whole model gathered); >= 1, default "
+                        "--seq-len")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
     q = sub.add_parser("step-plot", help="draw trainer.last_plan (saved with trainer.last_plan.save(FILE.json))")

@@ -2,7 +2,8 @@
 binding limit and the suggestion as code and as recipe flags.
 
 Where it sits: behind the `plan` subcommand of `hf_longctx/cli/__init__.py`; the ranking is
-`capacity/search.py` (memory model `capacity/estimate.py`), the optional figure `cli/plots.py`.
+`capacity/search.py` (memory model `capacity/estimate.py`), the flags read together
+`cli/plan_flags.py`, what binds `cli/binding.py`, the optional figure `cli/plots.py`.
 """
 
 from __future__ import annotations
@@ -11,19 +12,18 @@ import argparse
 import sys
 from typing import Any
 
-from hf_longctx.cli.inputs import load_config
+from hf_longctx.cli.binding import binding_advice, closest, fit_line
+from hf_longctx.cli.inputs import gib, load_config
+from hf_longctx.cli.plan_flags import plan_trainer, resolve_flags, sync_source, syncs_each_microbatch
 from hf_longctx.cli.plots import plot_flexible_step, plot_step
-
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.1f}"
 
 
 def _row(rank: int | str, c) -> list[str]:
     s, m = c.setting, c.memory
     return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
             ("full, keep attn out" if s.keep_attention else "full") if s.checkpoint is True else {"attention": "keep attn"}.get(s.checkpoint, "no"), "yes" if s.mlp_chunks > 1 else "no", str(s.inputs_on_device), "yes" if s.param_offload else "no",
-            str(c.microbatches), _gib(m.params), _gib(m.grads + m.held), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers + m.backward_grads), _gib(m.peak),
-            _gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
+            str(c.microbatches), gib(m.params), gib(m.grads + m.held), gib(m.optimizer), gib(m.activations), gib(m.buffers + m.backward_grads), gib(m.peak),
+            gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
             f"{100 * c.time.mfu:.1f}" if c.time is not None else "-", c.time.binds if c.time is not None else "-",
             "yes" if c.feasible else f"no: {c.reason}"]
 
@@ -52,8 +52,8 @@ def footer(args: argparse.Namespace) -> str:
         f"- memory per GPU in GiB; ZeRO-3 over all {args.gpus} GPUs: fp32 params, fp32 grads, {args.optimizer} "
         "states (AdamW: 2 fp32 moments) sharded; plus FSDP's gathered units (2 layers, or LM head + 1 layer) and "
         "one unit's unsharded grads in the compute dtype; "
-        + (f"gradients reduce-scattered in every micro-batch's backward ({_sync_source(args)}), the earlier "
-           "micro-batches' sharded fp32 gradients held through the step;" if _syncs_each_microbatch(args)
+        + (f"gradients reduce-scattered in every micro-batch's backward ({sync_source(args)}), the earlier "
+           "micro-batches' sharded fp32 gradients held through the step;" if syncs_each_microbatch(args)
            else "with several micro-batches per step the trainer reduce-scatters in the last backward only, so the fp32 "
            "unsharded gradients (4 B/param) are held through the step (in grads; --sync-each-microbatch shards them);"),
         "- activ = what autograd keeps for a Llama-style layer at S/sp tokens per GPU (checkpointing: layer inputs, "
@@ -94,67 +94,18 @@ def footer(args: argparse.Namespace) -> str:
                                           "phase before the policy's)")
            + ", the chunked log-prob head's forward and backward in place of the loss, the objective's per-token "
            "inputs; a pair's or a group's documents count together in --seq-len"
-           + (f"; rollouts on these GPUs: {args.rollout_tokens} tokens per GPU (the whole model gathered, KV cache, "
-              "one layer's prefill) as a phase of their own" if args.task in ("grpo", "rloo") and args.rollout_tokens
-              else "") + ";"] if args.task != "sft" else []),
-        *([f"- --task {args.task}: {_trainer(args).name} takes no param_offload, so only settings without "
-           "parameter offload are searched;"] if not _trainer(args).trainer_options else []),
+           + (f"; rollouts on these GPUs, where {plan_trainer(args).name} always generates them: --rollout-tokens "
+              f"{args.rollout_tokens} tokens per GPU"
+              + (" (not given: --seq-len)" if args.rollout_tokens_assumed else "")
+              + " (the whole model gathered, KV cache, one layer's prefill) as a phase of their own (peak = params + "
+              "optim + max(grads, activ + buffers, rollouts))" if args.task in ("grpo", "rloo") else "") + ";"]
+          if args.task != "sft" else []),
+        *([f"- --task {args.task}: {plan_trainer(args).name} takes no param_offload, so only settings without "
+           "parameter offload are searched;"] if not plan_trainer(args).trainer_options else []),
         "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates within "
         f"{TIE_TOLERANCE:.0%} of the fastest (the cost model's measured error) are not told apart: among them the USP "
         "guidance (Ulysses inside a node, ring only across nodes) ranks first.",
     ])
-
-
-def _trainer(args: argparse.Namespace):
-    from hf_longctx.capacity.suggestion import task_trainer
-
-    return task_trainer(args.task)
-
-
-def _syncs_each_microbatch(args: argparse.Namespace) -> bool:
-    return args.sync_each_microbatch or _trainer(args).always_syncs_each_microbatch
-
-
-def _sync_source(args: argparse.Namespace) -> str:
-    t = _trainer(args)
-    return f"{t.name} always does" if t.always_syncs_each_microbatch else "--sync-each-microbatch"
-
-
-def _binding_advice(args: argparse.Namespace, c) -> str:
-    """Which resource rules out `c` (the setting closest to fitting) and the flags that change it."""
-    usable = 1 - args.headroom
-    if c.binding in ("host memory", "GPU and host memory"):
-        host = (f"HOST memory binds: {_gib(c.memory.host * min(args.gpus, args.gpus_per_node))} GiB per node needed, "
-                f"{_gib(args.host_memory * usable)} GiB usable of --host-memory {_gib(args.host_memory)} GiB; raise "
-                "--host-memory, or offload less (--param-offload no, a lighter memory preset) with more GPU memory")
-        if c.binding == "host memory":
-            return host + " (this setting fits the GPU)"
-        return host + "; and " + _gpu_advice(args, c)
-    return _gpu_advice(args, c)
-
-
-def _gpu_advice(args: argparse.Namespace, c) -> str:
-    usable = 1 - args.headroom
-    flags = ["--gpu-memory", "more --gpus"]
-    if args.param_offload == "no" and _trainer(args).trainer_options:
-        flags.append("--param-offload auto (parameters, gradients and optimizer states on host)")
-    if c.memory.held and not _syncs_each_microbatch(args) and not args.unequal_calls:
-        flags.append(f"--sync-each-microbatch ({_gib(c.memory.held)} GiB are fp32 gradients held unsharded until the "
-                     f"step's last backward; {_trainer(args).name}(sync_each_microbatch=True) shards them)")
-    if c.microbatches > 1:
-        flags.append(f"fewer micro-batches per step (now {c.microbatches}: --microbatches / --tokens-per-step)")
-    flags.append("a shorter --seq-len / --micro-batch-tokens")
-    return (f"GPU memory binds: {_gib(c.memory.peak)} GiB per GPU needed, {_gib(args.gpu_memory * usable)} GiB usable "
-            f"of --gpu-memory {_gib(args.gpu_memory)} GiB; change " + ", ".join(flags))
-
-
-def _fit_line(args: argparse.Namespace, c) -> str:
-    """How close the suggestion is to each limit (which one binds first)."""
-    usable = 1 - args.headroom
-    gpu = c.memory.peak / (args.gpu_memory * usable)
-    host = c.memory.host * min(args.gpus, args.gpus_per_node) / (args.host_memory * usable)
-    which = "GPU memory (--gpu-memory)" if gpu >= host else "host memory (--host-memory)"
-    return (f"uses {gpu:.0%} of the usable GPU memory and {host:.0%} of the usable host memory: {which} binds first")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -164,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hf_longctx.capacity.estimate import ModelDims
     from hf_longctx.capacity.search import rank_settings
 
-    refusal = _resolve_flags(args)
+    refusal = resolve_flags(args)
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
@@ -175,7 +126,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(refusal, file=sys.stderr)
         return 2
     cluster = _cluster(args)
-    grad_sync = "microbatch" if _syncs_each_microbatch(args) else "step"
+    grad_sync = "microbatch" if syncs_each_microbatch(args) else "step"
     rank = lambda task: rank_settings(  # noqa: E731 (a DPO plan ranks twice: capacity/dpo_reference.py)
         config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
         unsharded_step=args.unequal_calls, grad_sync=grad_sync, microbatches=args.microbatches or 1,
@@ -184,20 +135,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = rank(args.task)
     feasible = [c for c in ranked if c.feasible]
     print(_heading(args, config, dims, vision) + "\n")
-    advice = None
-    if args.task == "dpo":  # held or precomputed reference: which is cheaper here (capacity/dpo_reference.py)
-        from hf_longctx.capacity.dpo_reference import pick_reference
-
-        advice = pick_reference(ranked, rank("dpo-precomputed"))
+    if args.task == "dpo":
+        return _plan_dpo(args, config, cluster, dims, ranked, rank("dpo-precomputed"), grad_sync)
     if not feasible:
-        code = _print_closest(args, ranked)
+        return _print_closest(args, ranked, dims)
+    _print_table(args, ranked, feasible)
+    _print_ties(cluster, dims, feasible)
+    _print_suggestion(args, config, feasible, grad_sync, args.task, "fastest estimate that fits")
+    return 0
+
+
+def _plan_dpo(args: argparse.Namespace, config: Any, cluster: Any, dims: Any, held: list, precomputed: list,
+              grad_sync: str) -> int:
+    """`--task dpo`: the held reference's table (or its closest setting), which reference is picked
+    and why (capacity/dpo_reference.py), then the suggestion of the one picked, so that the code
+    and flags printed last are the setting the verdict names."""
+    from hf_longctx.capacity.dpo_reference import pick_reference
+
+    verdict, picked = pick_reference(held, precomputed)
+    feasible = [c for c in held if c.feasible]
+    if feasible:
+        _print_table(args, held, feasible)
+        _print_ties(cluster, dims, feasible)
     else:
-        _print_table(args, ranked, feasible)
-        _print_suggestion(args, config, cluster, dims, feasible, grad_sync)
-        code = 0
-    if advice:
-        print("\n" + advice)
-    return code
+        _print_closest(args, held, dims, " with the reference held" if picked else "")
+    print("\n" + verdict)
+    if picked is None:
+        return 1
+    _print_suggestion(args, config, [c for c in precomputed if c.feasible], grad_sync, picked,
+                      "the precomputed reference, as picked above: its fastest estimate that fits, the first row of "
+                      "--task dpo-precomputed")
+    return 0
 
 
 def _cluster(args: argparse.Namespace):
@@ -208,28 +176,6 @@ def _cluster(args: argparse.Namespace):
         gpu=args.gpu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw, headroom=args.headroom,
         latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
     )
-
-
-def _resolve_flags(args: argparse.Namespace) -> str | None:
-    """Why the flags contradict each other, or None; fills the derived defaults in `args`
-    (micro-batch tokens: --seq-len; micro-batches: 1 unless --tokens-per-step derives them)."""
-    args.task = getattr(args, "task", "sft")
-    if getattr(args, "rollout_tokens", None) is None:
-        args.rollout_tokens = args.seq_len if args.task in ("grpo", "rloo") else 0
-    if args.rollout_tokens and args.task not in ("grpo", "rloo"):
-        return f"--rollout-tokens applies to --task grpo or rloo, not --task {args.task}"
-    if (args.unequal_calls or args.flex) and not _trainer(args).flexible_groups:
-        return (f"--{'unequal-calls' if args.unequal_calls else 'flex'} plans flexible SP groups, which "
-                f"{_trainer(args).name} (--task {args.task}) does not take: it trains on an SPMesh")
-    if args.unequal_calls and args.sync_each_microbatch:
-        return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
-                "--sync-each-microbatch")
-    args.micro_batch_tokens = args.micro_batch_tokens or args.seq_len
-    if args.tokens_per_step is not None and args.microbatches is not None:
-        return "give --microbatches or --tokens-per-step, not both (the second derives the first per setting)"
-    if args.tokens_per_step is None:
-        args.microbatches = args.microbatches or 1
-    return None
 
 
 def _vision(args: argparse.Namespace, config: Any) -> tuple[Any, str | None]:
@@ -251,7 +197,7 @@ def _heading(args: argparse.Namespace, config: Any, dims: Any, vision: Any) -> s
     """The first line: the model's sizes, the cluster, the step, and the vision budget charged."""
     return (f"hf-longctx plan: {getattr(config, 'model_type', '?')} ({dims.params / 1e9:.2f}B params, {dims.layers} layers, "
             f"hidden {dims.hidden}, {dims.heads}/{dims.kv_heads} heads, vocab {dims.vocab}) on {args.gpus} GPUs x "
-            f"{_gib(args.gpu_memory)} GiB, host {_gib(args.host_memory)} GiB per node, seq-len {args.seq_len}, "
+            f"{gib(args.gpu_memory)} GiB, host {gib(args.host_memory)} GiB per node, seq-len {args.seq_len}, "
             f"{args.dtype}, {args.optimizer}, "
             + (f"{args.microbatches} micro-batch(es) per rank and step" if args.tokens_per_step is None
                else f"{args.tokens_per_step} tokens per step")
@@ -260,22 +206,16 @@ def _heading(args: argparse.Namespace, config: Any, dims: Any, vision: Any) -> s
                "(capacity/vision.py)" if vision is not None else ""))
 
 
-def _print_closest(args: argparse.Namespace, ranked: list) -> int:
+def _print_closest(args: argparse.Namespace, ranked: list, dims: Any, which: str = "") -> int:
     """Nothing fits: every setting with --show-infeasible, then the setting closest to fitting and
-    what binds it (stderr); exit status 1."""
+    what binds it (stderr); exit status 1. `which`: the settings meant (" with the reference held")."""
     if args.show_infeasible:
         print(format_table([_row("-", c) for c in ranked]))
         print(footer(args))
-    # The setting closest to fitting, and what binds it: among the settings that fit the GPU,
-    # the least host memory (host binds); else among those that fit the host, the lowest GPU
-    # peak (GPU binds); else the lowest GPU peak (both bind).
-    gpu_ok = [c for c in ranked if c.gpu_fits and c.binding]
-    host_ok = [c for c in ranked if c.host_fits and c.binding]
-    low = (min(gpu_ok, key=lambda c: c.memory.host) if gpu_ok else
-           min(host_ok or [c for c in ranked if c.binding] or ranked, key=lambda c: c.memory.peak))
+    low = closest(args, ranked)
     s = low.setting
-    print(f"no setting fits: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
-          f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{_binding_advice(args, low)}"
+    print(f"no setting fits{which}: the closest is ulysses {s.ulysses}, ring {s.ring}, fpdt {s.fpdt_chunks}, memory "
+          f"{low.preset!r}, param offload {s.param_offload} ({low.reason}).\n{binding_advice(args, low, dims)}"
           + ("" if args.show_infeasible else "\n(--show-infeasible lists every setting with why it does not fit)"),
           file=sys.stderr)
     return 1
@@ -293,13 +233,10 @@ def _print_table(args: argparse.Namespace, ranked: list, feasible: list) -> None
     print(footer(args))
 
 
-def _print_suggestion(args: argparse.Namespace, config: Any, cluster: Any, dims: Any, feasible: list,
-                      grad_sync: str) -> None:
-    """The first feasible setting (what `capacity/search.suggest()` returns) as code and as recipe
-    flags, whether the estimates tell it from the next rows, and the --plot figure."""
-    from hf_longctx.capacity.search import TIE_TOLERANCE, Suggestion
+def _print_ties(cluster: Any, dims: Any, feasible: list) -> None:
+    """Whether the estimates tell the table's first rows apart, and whether the first follows the USP guidance."""
+    from hf_longctx.capacity.search import TIE_TOLERANCE
 
-    best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype, task=args.task)
     tied = [c for c in feasible if c.tied]
     if tied:
         print(f"\nrows 1-{len(tied)} are within {TIE_TOLERANCE:.0%} of the fastest estimate, less than the cost model's "
@@ -307,7 +244,16 @@ def _print_suggestion(args: argparse.Namespace, config: Any, cluster: Any, dims:
               + ("the first follows the USP guidance (Ulysses inside a node, ring only across nodes)"
                  if cluster.follows_usp_guidance(feasible[0].setting, dims.heads, dims.kv_heads)
                  else "none of them follows the USP guidance"))
-    print(f"\nsuggested (fastest estimate that fits; {_fit_line(args, feasible[0])}):\n{best.code()}")
+
+
+def _print_suggestion(args: argparse.Namespace, config: Any, feasible: list, grad_sync: str, task: str,
+                      why: str) -> None:
+    """The first feasible setting of `task`'s ranking (what `capacity/search.suggest()` returns) as
+    code and as recipe flags, `why` it is the one, and the --plot figure."""
+    from hf_longctx.capacity.search import Suggestion
+
+    best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype, task=task)
+    print(f"\nsuggested ({why}; {fit_line(args, feasible[0])}):\n{best.code()}")
     print(f"\nas recipe flags ({best.recipes}):\n{best.recipe_flags()}")
     if args.plot:
         print((plot_flexible_step if args.flex else plot_step)(args, config, feasible[0]))

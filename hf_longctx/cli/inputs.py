@@ -1,4 +1,5 @@
-"""What `hf-longctx plan` reads from its command line: sizes with units and a model's config.
+"""What `hf-longctx plan` reads from its command line: sizes with units and a model's config
+(and prints back: `gib`).
 
 Where it sits: the argument types and the model loading of the `plan` subcommand
 (`hf_longctx/cli/__init__.py` builds the parser, `cli/capacity.py` runs it); no planning here.
@@ -35,6 +36,11 @@ def parse_size(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
     return value
+
+
+def gib(x: float) -> str:
+    """Bytes as the plan prints them: GiB with one decimal (the unit its memory flags read)."""
+    return f"{x / 2**30:.1f}"
 
 
 def load_config(model: str) -> Any:

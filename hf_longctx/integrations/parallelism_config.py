@@ -118,6 +118,52 @@ def _handler_notes(pc: Any, errors: list[str]) -> tuple[list[str], int | None]:
     return notes, seq
 
 
+def _sp_name(pc: Any, sp: int) -> str:
+    """The SP degree as the config wrote it: `sp_size(8)`, `cp_size(4)`, or `the SP degree 1` without either."""
+    if pc.sp_size > 1:
+        return f"sp_size({sp})"
+    return f"cp_size({sp})" if pc.cp_size > 1 else f"the SP degree {sp} (neither sp_size nor cp_size set)"
+
+
+def _alternatives(values: list[int]) -> str:
+    """1, 2, 4 or 8."""
+    text = [str(v) for v in values]
+    return text[0] if len(text) == 1 else f"{', '.join(text[:-1])} or {text[-1]}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _world_errors(pc: Any, sp: int, world_size: int, errors: list[str]) -> int:
+    """The data-parallel degree world / SP, or 0 (refused) when the SP degree and `dp_shard_size`
+    do not make the world; each refusal names every factor, the world size and the fix."""
+    field, d = ("sp_size" if pc.sp_size > 1 else "cp_size"), pc.dp_shard_size
+    if world_size % sp:
+        if d == 1:
+            errors.append(f"{field}({sp}) does not divide world size {world_size}; do instead: launch a multiple of "
+                          f"{sp} processes, or {field}={_alternatives(_divisors(world_size))}")
+        else:
+            errors.append(f"{field}({sp}) × dp_shard_size({d}) = {sp * d} ≠ world size {world_size}; do instead: "
+                          f"launch {sp * d} processes, or sizes whose product is {world_size}")
+        return 0
+    dp = world_size // sp
+    if d in (1, dp):  # 1: the data-parallel degree is whatever the SP group leaves
+        return dp
+    if sp == 1:
+        errors.append(f"dp_shard_size({d}) ≠ world size {world_size}; do instead: dp_shard_size={world_size} or 1, "
+                      f"or launch {d} processes")
+    elif dp == 1:
+        errors.append(f"{field}({sp}) × dp_shard_size({d}) = {sp * d} ≠ world size {world_size}; do instead: "
+                      f"dp_shard_size=1 (the SP group of {sp} is the whole world: no data parallelism), or launch "
+                      f"{sp * d} processes")
+    else:
+        errors.append(f"{field}({sp}) × dp_shard_size({d}) = {sp * d} ≠ world size {world_size}; do instead: "
+                      f"dp_shard_size={dp} ({world_size} / {field}({sp})) or 1 (whatever the SP group leaves), or "
+                      f"launch {sp * d} processes")
+    return 0
+
+
 def _split(pc: Any, sp: int, heads: Any, ranks_per_node: int, ulysses_degree: Any, ring_degree: Any,
            errors: list[str]) -> tuple[int, int]:
     """(U, R): the override when given (checked against the SP degree), else the rule."""
@@ -125,14 +171,24 @@ def _split(pc: Any, sp: int, heads: Any, ranks_per_node: int, ulysses_degree: An
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             errors.append(f"{name}={value!r}: must be a positive int; do instead: pass a positive int or leave it out")
             return 1, sp
-    if ulysses_degree is not None or ring_degree is not None:
-        u = ulysses_degree if ulysses_degree is not None else sp // ring_degree
-        r = ring_degree if ring_degree is not None else sp // ulysses_degree
-        if u * r != sp:
-            errors.append(f"ulysses_degree({ulysses_degree}) x ring_degree({ring_degree}): the override must make an SP "
-                          f"group of {sp} ranks, as {written(pc)} asks; do instead: degrees whose product is {sp}, or "
-                          "leave them out (the rule picks them)")
-        return u, r
+    if ulysses_degree is not None and ring_degree is not None:
+        if ulysses_degree * ring_degree != sp:
+            errors.append(f"ulysses_degree({ulysses_degree}) × ring_degree({ring_degree}) = "
+                          f"{ulysses_degree * ring_degree} ≠ {_sp_name(pc, sp)}, as {written(pc)} asks; do instead: "
+                          f"degrees whose product is {sp}, or leave them out (the rule picks them)")
+        return ulysses_degree, ring_degree
+    for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+        if value is not None:  # one degree given: the other is what it leaves of the SP group
+            if sp == 1 and value > 1:
+                errors.append(f"{name}({value}) needs an SP group, but {written(pc)} sets neither sp_size nor cp_size; "
+                              f"do instead: sp_size=<a multiple of {value}>, or leave {name} out")
+                return 1, sp
+            if sp % value:
+                errors.append(f"{name}({value}) does not divide {_sp_name(pc, sp)}, as {written(pc)} asks; do instead: "
+                              f"a divisor of {_sp_name(pc, sp)}: {_alternatives(_divisors(sp))}, or leave it out "
+                              "(the rule picks it)")
+                return 1, sp
+            return (value, sp // value) if name == "ulysses_degree" else (sp // value, value)
     if pc.sp_size == 1:  # cp_size (or no SP): Accelerate's context parallelism is ring attention
         return 1, sp
     if heads is None:
@@ -170,13 +226,7 @@ def map_parallelism_config(pc: Any, *, world_size: int, heads: tuple[int, int] |
                       "(Ulysses x ring by the rule, or ulysses_degree= / ring_degree=)")
     notes, seq = _handler_notes(pc, errors)
     sp = pc.sp_size if pc.sp_size > 1 else pc.cp_size
-    dp = world_size // sp if world_size % sp == 0 else 0
-    if not dp:
-        errors.append(f"{'sp_size' if pc.sp_size > 1 else 'cp_size'}={sp}: does not divide the world of {world_size} "
-                      f"rank(s); do instead: a divisor of {world_size}, or launch a multiple of {sp} processes")
-    elif pc.dp_shard_size not in (1, dp):
-        errors.append(f"dp_shard_size={pc.dp_shard_size}: {world_size} rank(s) / an SP group of {sp} leave {dp} "
-                      f"data-parallel rank(s); do instead: dp_shard_size={dp} (or 1: whatever world / SP leaves)")
+    dp = _world_errors(pc, sp, world_size, errors)
     rpn = default_ranks_per_node(world_size) if ranks_per_node is None else ranks_per_node
     u, r = _split(pc, sp, heads, rpn, ulysses_degree, ring_degree, errors)
     if errors:

@@ -6,7 +6,8 @@ The two entry points: `TrainingArguments(parallelism_config=...)` (ALST's `sp_si
 the mesh the config maps to, patches the model, and trains 2 steps that equal the single-process
 trainer's (fp32, 1e-5 relative, as tests/distributed/test_trainer.py argues). Accelerate never
 acts on the config: the Trainer's Accelerator has none and the launcher's flag is back in the
-environment after construction. A model patched with another SP degree is refused by field.
+environment after construction. A model patched with another SP degree is refused by field, and
+so is a `dp_shard_size` that, times the SP degree, is not the world size (every factor named).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def _refusals(path: str, output_dir: str) -> list[str]:
     model = patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), worker_mesh(2, 1))
     for pc, kw in ((ParallelismConfig(sp_size=4), {"max_tokens": 48}),
                    (ParallelismConfig(sp_size=2, sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length=64)),
-                    {"max_tokens": 48})):
+                    {"max_tokens": 48}),
+                   (ParallelismConfig(sp_size=2, dp_shard_size=4), {"max_tokens": 48})):
         try:
             LongContextTrainer(model=model, args=training_args(output_dir, parallelism_config=pc),
                                train_dataset=make_dataset(), tokens_per_step=120, **kw)
@@ -125,6 +127,8 @@ def _refusals(path: str, output_dir: str) -> list[str]:
 def test_disagreements_refused_by_field(pools, path, tmp_path):
     out = pools.get(4).run(_refusals, path, str(tmp_path), timeout=300)
     for messages in out:
-        assert len(messages) == 2, messages
+        assert len(messages) == 3, messages
         assert "sp_size=4" in messages[0] and "ulysses 2 x ring 1 = 2" in messages[0] and "set sp_size=2" in messages[0]
         assert "max_tokens=48 and sp_seq_length=64" in messages[1]
+        assert ("sp_size(2) × dp_shard_size(4) = 8 ≠ world size 4; do instead: dp_shard_size=2 (4 / sp_size(2)) or 1"
+                in messages[2] and "or launch 8 processes" in messages[2]), messages[2]

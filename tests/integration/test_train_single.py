@@ -92,7 +92,7 @@ def test_parallelism_config_in_one_process(llama_path, tmp_path, monkeypatch):
                                                                  parallelism_config=ParallelismConfig()), **kw)
     assert is_patched(model) and trainer.mesh.world_size == 1 and trainer.accelerator.parallelism_config is None
     trainer.train()
-    with pytest.raises(NotSupported, match=r"sp_size=2: does not divide the world of 1 rank"):
+    with pytest.raises(NotSupported, match=r"sp_size\(2\) does not divide world size 1; do instead: launch a multiple of 2 processes"):
         LongContextTrainer(model=_model(llama_path), args=training_args(
             str(tmp_path), parallelism_config=ParallelismConfig(sp_size=2)), **kw)
     with pytest.raises(NotSupported, match="got no mesh: neither mesh= nor a ParallelismConfig"):

@@ -5,8 +5,10 @@ tests/data/llama-3.1-8b-config.json --gpus 8 --gpu-memory 80GiB --host-memory 51
 --seq-len 1048576`) states the suggestion's estimated peak, host memory per GPU, tokens/s and
 MFU (docs/guides/memory.md; its code block, the command's suggestion verbatim, is
 tests/unit/test_docs_commands.py's); the measured memory page states the host memory per GPU
-of the 1 TiB-host plan (docs/measured/memory.md). Each is rerun here (the planner is pure
-arithmetic: seconds) and compared with the pages' text.
+of the 1 TiB-host plan (docs/measured/memory.md); the GRPO and DPO guides state what the 4M-token
+`--task grpo` plan answers when each GPU generates the assumed 4M rollout tokens (the GPU
+peak, the most rollout tokens that fit). Each is rerun here (the planner is pure arithmetic:
+seconds) and compared with the pages' text.
 """
 
 from __future__ import annotations
@@ -60,3 +62,17 @@ def test_the_presets_section_states_the_1tib_host_figure(plans):
     row = _first_row(plans["1TiB"])
     assert (row["memory"], row["ckpt"]) == ("max", "full, keep attn out"), row
     assert f"(1M tokens with 1 TiB host: {row['host GiB/GPU']} GiB of host per GPU)" in _page("measured/memory.md"), row
+
+
+def test_the_grpo_and_dpo_guides_state_what_the_rollouts_plan_answers(capsys):
+    assert main(["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "2048GiB",
+                 "--seq-len", "4194304", "--task", "grpo", "--top", "1"]) == 1
+    err = capsys.readouterr().err
+    peak = re.search(r"generating 4194304 tokens per GPU needs ([\d.]+) GiB per GPU", err).group(1)
+    fit = re.search(r"At most ([\d,]+) rollout tokens per GPU fit", err).group(1)
+    said = ("each GPU generating the assumed 4M tokens needs " + peak + " GiB per GPU",
+            f"(at most {fit} rollout tokens per GPU)")
+    for text in said:
+        assert text in _page("guides/grpo.md"), (text, err)
+    assert f"(the closest setting needs {round(float(peak)):,} GiB per GPU" in _page("guides/dpo.md"), err
+

@@ -91,8 +91,11 @@ def test_cp_handler_fields():
     (ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, sp_size=2), 8,
      ["dp_replicate_size=2", "HSDP", "do instead: dp_replicate_size=1"]),
     (ParallelismConfig(tp_size=2, dp_shard_size=4), 8, ["tp_size=2", "do instead: tp_size=1"]),
-    (ParallelismConfig(sp_size=3), 8, ["sp_size=3", "does not divide the world of 8", "do instead"]),
-    (ParallelismConfig(cp_size=4, dp_shard_size=4), 8, ["dp_shard_size=4", "leave 2", "do instead: dp_shard_size=2"]),
+    (ParallelismConfig(sp_size=3), 8, ["sp_size(3) does not divide world size 8",
+                                        "do instead: launch a multiple of 3 processes, or sp_size=1, 2, 4 or 8"]),
+    (ParallelismConfig(cp_size=4, dp_shard_size=4), 8, ["cp_size(4) × dp_shard_size(4) = 16 ≠ world size 8",
+                                                        "do instead: dp_shard_size=2 (8 / cp_size(4)) or 1",
+                                                        "or launch 16 processes"]),
     (ParallelismConfig(tp_handler=TorchTensorParallelConfig()), 8, ["tp_handler=TorchTensorParallelConfig", "drop tp_handler"]),
     (ParallelismConfig(cp_handler=TorchContextParallelConfig()), 8, ["cp_handler=TorchContextParallelConfig", "drop cp_handler"]),
     (ParallelismConfig(sp_handler=DeepSpeedSequenceParallelConfig()), 8, ["sp_handler=DeepSpeedSequenceParallelConfig",
@@ -112,9 +115,32 @@ def test_cp_and_sp_together_refused():
 
 def test_bad_overrides_and_missing_heads_refused():
     text = refused(ParallelismConfig(sp_size=8), ulysses_degree=2, ring_degree=2)
-    assert "ulysses_degree(2) x ring_degree(2)" in text and "product is 8" in text
+    assert "ulysses_degree(2) × ring_degree(2) = 4 ≠ sp_size(8)" in text and "product is 8" in text
+    for kw, said in (({"ulysses_degree": 3}, "ulysses_degree(3) does not divide sp_size(8)"),
+                     ({"ring_degree": 3}, "ring_degree(3) does not divide sp_size(8)")):
+        text = refused(ParallelismConfig(sp_size=8), **kw)
+        assert said in text and "do instead: a divisor of sp_size(8): 1, 2, 4 or 8" in text and "None" not in text, text
+    text = refused(ParallelismConfig(dp_shard_size=8), ulysses_degree=2)
+    assert "ulysses_degree(2) needs an SP group" in text and "sets neither sp_size nor cp_size" in text, text
     assert "ulysses_degree=0" in refused(ParallelismConfig(sp_size=8), ulysses_degree=0)
     assert "model_config=" in refused(ParallelismConfig(sp_size=8), heads=None)
+
+
+@pytest.mark.parametrize("pc,world,factors,fix", [
+    # dp_shard_size counts ranks beyond the SP group: sp_size=2, dp_shard_size=2 is a world of 4, not 2
+    (ParallelismConfig(sp_size=2, dp_shard_size=2), 2, "sp_size(2) × dp_shard_size(2) = 4 ≠ world size 2",
+     "do instead: dp_shard_size=1 (the SP group of 2 is the whole world: no data parallelism), or launch 4 processes"),
+    (ParallelismConfig(sp_size=3, dp_shard_size=2), 8, "sp_size(3) × dp_shard_size(2) = 6 ≠ world size 8",
+     "do instead: launch 6 processes, or sizes whose product is 8"),
+    (ParallelismConfig(sp_size=4), 2, "sp_size(4) does not divide world size 2",
+     "do instead: launch a multiple of 4 processes, or sp_size=1 or 2"),
+    (ParallelismConfig(dp_shard_size=4), 8, "dp_shard_size(4) ≠ world size 8",
+     "do instead: dp_shard_size=8 or 1, or launch 4 processes"),
+], ids=["sp2_dp2_on_2", "sp3_dp2_on_8", "sp4_on_2", "dp4_on_8"])
+def test_world_size_refusal_names_every_factor_and_the_fix(pc, world, factors, fix):
+    text = refused(pc, world)
+    assert factors in text and fix in text, text
+    assert "(or 1:" not in text and "rank(s)" not in text, text  # one fix per line, no doubled alternatives
 
 
 def test_every_refusal_at_once_and_wrong_types():

@@ -127,11 +127,15 @@ def test_rollout_tasks_search_no_parameter_offload(task):
 
 
 @pytest.mark.parametrize("task,extra", [("sft", []), ("dpo", ["--sync-each-microbatch", "--microbatches", "2"]),
-                                        ("grpo", ["--rollout-tokens", "0"]), ("rloo", ["--rollout-tokens", "0"])])
+                                        ("grpo", ["--rollout-tokens", "100000"]),
+                                        ("rloo", ["--rollout-tokens", "100000"])])
 def test_plan_prints_the_task_suggestion(task, extra, capsys):
-    """The CLI end to end (the 8B config, host memory binding so inputs_on_device is printed)."""
+    """The CLI end to end (the 8B config, host memory binding so inputs_on_device is printed);
+    `--task dpo` suggests the reference it picks, the precomputed one (test_dpo_reference_plan.py)."""
     from hf_longctx.capacity.suggestion import Suggestion
     from hf_longctx.cli import main
+
+    printed = "dpo-precomputed" if task == "dpo" else task
 
     assert main(["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "256GiB",
                  "--seq-len", "1048576", "--task", task, "--top", "1", *extra]) == 0
@@ -139,10 +143,11 @@ def test_plan_prints_the_task_suggestion(task, extra, capsys):
     code = out.split("):\nmesh = ", 1)[1].split("\n\n", 1)[0]
     recipes, flags = re.search(r"as recipe flags \(([^)]*)\):\n(.*)\n", out).groups()
     assert recipes == Suggestion.of(_candidate(False), 1, task=task).recipes
-    _check_code("mesh = " + code, task)
-    for recipe, parse in _recipe_parsers(task).items():
+    _check_code("mesh = " + code, printed)
+    for recipe, parse in _recipe_parsers(printed).items():
         args = parse(shlex.split(flags))
         assert args.max_tokens == 1048576 and args.memory in ("high", "max") and args.inputs_on_device > 0, (recipe, flags)
+        assert getattr(args, "precompute_ref_log_probs", False) is (printed == "dpo-precomputed"), (recipe, flags)
     assert ("--sync-each-microbatch" in flags) == (task == "dpo"), flags
     assert ("--tokens-per-step" in flags) == (task in ("sft", "dpo")), flags
 
@@ -150,6 +155,18 @@ def test_plan_prints_the_task_suggestion(task, extra, capsys):
 def test_plan_refuses_flexible_groups_for_post_training(capsys):
     from hf_longctx.cli import main
 
-    assert main(["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1TiB", "--seq-len", "65536",
-                 "--task", "dpo", "--unequal-calls"]) == 2
-    assert "LongDPOTrainer (--task dpo) does not take" in capsys.readouterr().err
+    argv = ["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1TiB", "--seq-len", "65536"]
+    for flag in ("--unequal-calls", "--flex"):
+        assert main([*argv, "--task", "dpo", flag]) == 2
+        err = capsys.readouterr().err
+        assert "LongDPOTrainer (--task dpo) does not take" in err and f"drop {flag}" in err, err
+
+
+@pytest.mark.parametrize("task,trainer", [("grpo", "LongGRPOTrainer"), ("rloo", "LongRLOOTrainer")])
+def test_plan_refuses_parameter_offload_for_the_rollout_trainers_by_flag(task, trainer, capsys):
+    from hf_longctx.cli import main
+
+    assert main(["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1TiB",
+                 "--seq-len", "65536", "--task", task, "--param-offload", "yes"]) == 2
+    err = capsys.readouterr().err
+    assert f"--param-offload yes: {trainer} (--task {task}) takes no param_offload" in err and "--param-offload no or auto" in err, err
