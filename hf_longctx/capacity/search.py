@@ -164,12 +164,7 @@ def rank_settings(
     param_offload, grad_sync = task_options(task, param_offload, grad_sync, unsharded_step)
     seq_len = tokens if seq_len is None else seq_len
     rollout_tokens = rollouts_of(task, rollout_tokens, seq_len)
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
-    if tokens_per_step is not None and tokens_per_step < tokens:
-        raise ValueError(f"tokens_per_step ({tokens_per_step}) must be >= the micro-batch tokens ({tokens})")
-    if not 1 <= seq_len <= tokens:
-        raise ValueError(f"need 1 <= seq_len <= micro-batch tokens, got seq_len {seq_len}, tokens {tokens}")
+    _check_sizes(tokens, seq_len, microbatches, tokens_per_step)
     dims = ModelDims.from_config(config)
     usable_gpu = cluster.gpu_memory * (1 - cluster.headroom)
     usable_host = cluster.host_memory * (1 - cluster.headroom)
@@ -218,6 +213,16 @@ def rank_settings(
                   key=lambda c: (not cluster.follows_usp_guidance(c.setting, dims.heads, dims.kv_heads),
                                  c.setting.inputs_on_device > 0))
     return band + out[n:]
+
+
+def _check_sizes(tokens: int, seq_len: int, microbatches: int, tokens_per_step: int | None) -> None:
+    """`rank_settings`' sizes, each refused with its value."""
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+    if tokens_per_step is not None and tokens_per_step < tokens:
+        raise ValueError(f"tokens_per_step ({tokens_per_step}) must be >= the micro-batch tokens ({tokens})")
+    if not 1 <= seq_len <= tokens:
+        raise ValueError(f"need 1 <= seq_len <= micro-batch tokens, got seq_len {seq_len}, tokens {tokens}")
 
 
 def task_options(task: str, param_offload: str, grad_sync: str, unsharded_step: bool) -> tuple[str, str]:
