@@ -9,9 +9,14 @@
 # changing it reinstalls.
 # PYTHON_ENV=system: no venv, no network -- use $(PYTHON) with its own (CUDA) torch and
 # transformers, installing only what is missing from the wheel folder $(WHEELS) (README, GPU).
+# LOCK: the exact releases the suite last passed with (pip constraints, tools/lock.py); torch comes
+# from TORCH_SPEC. `make test-latest` tries the newest releases and reports what differs and what
+# broke; `make lock` then rewrites the lock from them, on purpose. LOCK= installs unconstrained.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+LOCK ?= constraints/main.txt
+PIN = $(if $(LOCK),-c $(LOCK))
 PYTHON_ENV ?= venv
 WHEELS ?= wheels
 TORCH_STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
@@ -27,15 +32,15 @@ else
 $(error PYTHON_ENV must be venv (default) or system, got "$(PYTHON_ENV)")
 endif
 
-.PHONY: setup setup-system test test-floor test-transformers-5.17 test-bf16-isa demo bench gpu-check docs clean
+.PHONY: setup setup-system test test-latest lock test-floor test-transformers-5.17 test-bf16-isa test-memory-isa demo bench gpu-check docs clean
 
 setup: $(SETUP)
 
-$(TORCH_STAMP): pyproject.toml
+$(TORCH_STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed-*
-	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[test,peft]"
+	$(PY) -m pip install -q $(PIN) $(TORCH_SPEC)
+	$(PY) -m pip install -q $(PIN) -e ".[test,peft]"
 	touch $@
 
 # What is already installed satisfies pip without any source; the rest comes from the wheel
@@ -48,6 +53,26 @@ setup-system:
 test: setup
 	$(PY) -m pytest -q --durations=15
 
+# The newest releases of every dependency (torch still from TORCH_SPEC), in a venv of their own built
+# afresh: what differs from $(LOCK), then the suite; a green run leaves a stamp that `make lock` needs.
+LATEST_VENV ?= .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test,peft,docs]"
+	$(LATEST_VENV)/bin/python tools/lock.py diff --python $(LATEST_VENV)/bin/python --lock $(LOCK) | tee $(LATEST_VENV)/report.txt
+	$(LATEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -rfE > $(LATEST_VENV)/pytest.txt 2>&1; rc=$$?; \
+	  grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s" $(LATEST_VENV)/pytest.txt >> $(LATEST_VENV)/report.txt; \
+	  cat $(LATEST_VENV)/report.txt; echo "whole log: $(LATEST_VENV)/pytest.txt"; \
+	  if [ $$rc -eq 0 ]; then touch $(LATEST_VENV)/.passed; fi; exit $$rc
+
+# Rewrite $(LOCK) from the newest releases the suite just passed with (after `make test-latest`).
+lock:
+	@[ -f $(LATEST_VENV)/.passed ] || { echo "make lock: no green $(LATEST_VENV) (run make test-latest first; it must pass)"; exit 1; }
+	$(LATEST_VENV)/bin/python tools/lock.py write --python $(LATEST_VENV)/bin/python --out $(LOCK) \
+	  --note "make test-latest passed with these"
+
 # The version floor (pyproject.toml): torch 2.11.0 from PyPI (its CUDA build, with its nvidia
 # wheels, ~4.6 GB; it runs on CPU) and the oldest supported transformers/accelerate/datasets/
 # peft/TRL, in a venv of its own.
@@ -55,10 +80,11 @@ FLOOR_VENV ?= .venv-floor
 FLOOR_SPEC ?= torch==2.11.0 transformers==5.19.0 accelerate==1.15.0 datasets==5.2.0 peft==0.21.2 trl==1.16.0
 FLOOR_TESTS ?= tests/unit tests/integration tests/distributed
 
-$(FLOOR_VENV)/.installed-floor: pyproject.toml
+FLOOR_LOCK ?= constraints/floor.txt
+$(FLOOR_VENV)/.installed-floor: pyproject.toml $(FLOOR_LOCK)
 	$(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR_SPEC)
-	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test,peft]" $(FLOOR_SPEC)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(if $(FLOOR_LOCK),-c $(FLOOR_LOCK)) $(FLOOR_SPEC)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(if $(FLOOR_LOCK),-c $(FLOOR_LOCK)) -e ".[test,peft]" $(FLOOR_SPEC)
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed-floor
@@ -70,8 +96,9 @@ test-floor: $(FLOOR_VENV)/.installed-floor
 T517_DIR ?= .floor-transformers-5.17
 T517_TESTS ?= tests/integration/test_patch.py tests/distributed/test_models.py tests/distributed/test_fsdp.py \
 	tests/distributed/test_compile.py tests/unit/test_gpu_check.py
-$(T517_DIR)/.installed: $(FLOOR_VENV)/.installed-floor
-	$(FLOOR_VENV)/bin/python -m pip install -q --target $(T517_DIR) transformers==5.17.0
+T517_LOCK ?= constraints/transformers-5.17.txt
+$(T517_DIR)/.installed: $(FLOOR_VENV)/.installed-floor $(T517_LOCK)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(if $(T517_LOCK),-c $(T517_LOCK)) --target $(T517_DIR) transformers==5.17.0
 	touch $@
 
 test-transformers-5.17: $(T517_DIR)/.installed
@@ -118,11 +145,11 @@ gpu-check: setup
 # by the project's own code during the build (docs/hooks/figures.py).
 DOCS_STAMP := $(if $(filter system,$(PYTHON_ENV)),.docs-installed,$(VENV)/.installed-docs)
 $(DOCS_STAMP): pyproject.toml $(SETUP)
-	$(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m pip install -q $(if $(filter system,$(PYTHON_ENV)),,$(PIN)) -e ".[docs]"
 	touch $@
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) $(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(T517_DIR) .pytest_cache .hypothesis site .docs-installed
+	rm -rf $(VENV) $(FLOOR_VENV) $(LATEST_VENV) $(T517_DIR) .pytest_cache .hypothesis site .docs-installed
