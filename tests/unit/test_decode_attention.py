@@ -1,0 +1,110 @@
+"""Decode attention over a sequence-parallel KV cache (`ops/decode_attention.py`, `ops/decode_cache.py`,
+`ops/decode_merge.py`) against single-process attention, on every layout, in one process.
+
+Every SP rank of a layout gets its cache exactly as generation fills it: the prefill's real prompt
+tokens of its shard (`cache_layout` from the same boundaries and local indices `shard_batch`
+uses; padding slots hold garbage that must never be read), then the decoded tokens it owns by the
+owner rule, step after step. Each rank's split-KV partial (chunks of 3 slots, so the in-rank merge
+runs too) is folded over the ranks in SP-rank order (`fold_partials`, what `merge_partials` does
+after its all-gather) and compared with softmax attention in float64 of each row's query over its
+keys: fp32 within 2e-6 relative (summation order only), bf16 K/V and queries within the bf16
+rounding of the inputs (the kernel reads them as they are and computes in fp32, so the result is
+the fp32 attention of the rounded inputs: compared with that at 2e-6). Packed prompts of unequal
+lengths (one shorter than the SP degree), GQA (4 query heads on 2 KV heads), a sliding window
+smaller than the prompts, Gemma 2's softcap and attention sinks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_longctx.ops.decode_attention import decode_partial
+from hf_longctx.ops.decode_cache import DecodeCache, cache_layout, owned_rows
+from hf_longctx.ops.decode_merge import fold_partials, merge_partials
+from tests.helpers.decode_cases import LAYOUTS, padded_cu, rank_indices, reference_step
+
+LENGTHS = [7, 12, 3]  # packed prompts; 3 < 4 ranks: some ranks hold none of that row's prompt
+H, H_KV, D = 4, 2, 8
+STEPS = 5  # decode steps before the checked one
+
+
+def _global_kv(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = [p + STEPS + 1 for p in LENGTHS]
+    keys = [torch.randn(n, H_KV, D, generator=g).to(dtype) for n in total]
+    values = [torch.randn(n, H_KV, D, generator=g).to(dtype) for n in total]
+    q = torch.randn(len(LENGTHS), H, D, generator=g).to(dtype)
+    return q, keys, values
+
+
+def _sp_step(u, r, f, q, keys, values, **kw):
+    """The folded result of every rank's partial at decode step STEPS (out [N, H, D] fp32)."""
+    cu = padded_cu(LENGTHS, r, u, f)
+    sp = u * r
+    parts = []
+    for rank, idx in enumerate(rank_indices(cu, u, r, f)):
+        lay = cache_layout(LENGTHS, cu, idx, sp=sp, sp_rank=rank, max_new_tokens=STEPS + 2)
+        cache = DecodeCache(lay, "cpu")
+        # the shard's rows as the attention sees them: real tokens' K/V, padding rows random garbage
+        k_local = torch.randn(idx.numel(), H_KV, D).to(keys[0].dtype) * 100
+        v_local = torch.randn(idx.numel(), H_KV, D).to(keys[0].dtype) * 100
+        for i, g in enumerate(idx.tolist()):
+            doc = max(d for d in range(len(cu) - 1) if cu[d] <= g)
+            if doc < len(LENGTHS) and g - cu[doc] < LENGTHS[doc]:
+                k_local[i], v_local[i] = keys[doc][g - cu[doc]], values[doc][g - cu[doc]]
+        half = idx.numel() // 2  # written in two row chunks, as memory="max" captures them
+        cache.write_prompt(0, k_local[:half], v_local[:half])
+        cache.write_prompt(0, k_local[half:], v_local[half:])
+        cache.check_prompt(1)
+        for t in range(STEPS + 1):
+            new_k = torch.stack([keys[n][LENGTHS[n] + t] for n in range(len(LENGTHS))])  # [N, H_kv, D]
+            new_v = torch.stack([values[n][LENGTHS[n] + t] for n in range(len(LENGTHS))])
+            filled = cache.append(0, t, new_k, new_v)
+        qpos = torch.tensor([p + STEPS for p in LENGTHS])
+        out, lse = decode_partial(q, cache.keys[0], cache.values[0], cache.slot_rows, cache.slot_pos, qpos, filled,
+                                  chunk=3, **kw)
+        parts.append(torch.cat([out, lse.unsqueeze(-1)], -1))
+    return fold_partials(parts)
+
+
+@pytest.mark.parametrize("u,r,f", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extra", [{}, {"window": 4}, {"softcap": 2.0}, {"sinks": True}])
+def test_decode_step_equals_single_process_attention(u, r, f, dtype, extra):
+    torch.manual_seed(1)
+    q, keys, values = _global_kv(dtype)
+    kw = {"scale": D ** -0.5, **{k: v for k, v in extra.items() if k != "sinks"}}
+    sinks = torch.randn(H) if extra.get("sinks") else None
+    out, lse = _sp_step(u, r, f, q, keys, values, **kw)
+    got = merge_partials(out, lse, sinks=sinks)
+    want = reference_step(q.float(), [k.float() for k in keys], [v.float() for v in values], LENGTHS, STEPS,
+                          sinks=sinks, **kw)
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6)
+
+
+def test_owner_rule_balances_the_shards():
+    """Per step every rank takes floor or ceil of N / SP new tokens, every row's tokens go round the ranks."""
+    for n_rows, sp in ((5, 4), (3, 4), (8, 2)):
+        for t in range(9):
+            counts = [len(owned_rows(t, n_rows, sp, k)) for k in range(sp)]
+            assert sum(counts) == n_rows and max(counts) - min(counts) <= 1, (n_rows, sp, t, counts)
+        for n in range(n_rows):
+            owners = [k for t in range(2 * sp) for k in range(sp) if n in owned_rows(t, n_rows, sp, k)]
+            assert owners == [(n + t) % sp for t in range(2 * sp)]
+
+
+def test_a_rank_without_keys_returns_the_merge_identity():
+    q = torch.randn(2, H, D)
+    empty = torch.empty(0, H_KV, D)
+    out, lse = decode_partial(q, empty, empty, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                              torch.tensor([3, 4]), 0, scale=1.0)
+    assert out.abs().max() == 0 and torch.isneginf(lse).all()
+
+
+def test_bad_shapes_name_the_values():
+    q = torch.randn(2, 3, D)
+    k = torch.randn(5, 2, D)
+    with pytest.raises(ValueError, match="H be a multiple of H_kv"):
+        decode_partial(q, k, k, torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                       5, scale=1.0)
