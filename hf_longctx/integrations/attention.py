@@ -67,6 +67,11 @@ def make_attention(state: Any) -> Callable:
     """The function registered with AttentionInterface; `state` is this patch's binding."""
 
     def sp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        generation = state.generation  # a rollout's decode step: the new tokens against the sharded cache
+        if generation is not None and generation.decoding:
+            out = _decode(state, generation, module, query, key, value, scaling, dropout, kwargs)  # [1, N, H, D_v]
+            state.calls += 1
+            return out, None
         keeper = state.keeper  # checkpoint="attention": kept in the forward, replayed in the recompute
         if keeper is not None and keeper.replaying():
             return keeper.replay(query, key, value), None  # no kernel, no collective
@@ -92,9 +97,7 @@ def make_attention(state: Any) -> Callable:
                 f"{type(module).__name__}: non-causal attention (is_causal=False) is not supported under SP",
                 "train this model without sequence parallelism (ulysses_degree=ring_degree=1)",
             )
-        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        if window is None:  # a window the model applies through its masks alone (PhiMoE): from the dry run
-            window = state.mask_window if state.probe is not None else mask_implied_window(state.mask_windows)
+        window = layer_window(state, module, kwargs)
         if split is not None and split.capturing():  # the chunk's q, k, v: the layer stops here
             split.capture(*prepare(state, mesh, module, query, key, value, scaling, window, kwargs))
         with keeper.keeping() if keeper is not None else nullcontext():  # saved tensors escape the checkpoint
@@ -109,6 +112,34 @@ def make_attention(state: Any) -> Callable:
     # per-batch Python plans and data-dependent tiling, which Dynamo would split into many
     # graph breaks (and retrace per batch layout) if it traced into them.
     return torch.compiler.disable(sp_attention)
+
+
+def layer_window(state: Any, module: Any, kwargs: dict) -> int | None:
+    """The sliding window of this attention call: the keyword the layer passes, its own attribute,
+    else one the model applies through its masks alone (PhiMoE: from the dry run's masks)."""
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if window is None:
+        window = state.mask_window if state.probe is not None else mask_implied_window(state.mask_windows)
+    return window
+
+
+def _decode(state: Any, generation: Any, module: Any, query, key, value, scaling, dropout, kwargs: dict) -> torch.Tensor:
+    """A decode step's attention (`integrations/generation_binding.py`): query [1, H, N, D], key/value
+    [1, H_kv, N, D] of every row's new token -> [1, N, H, D_v], over the SP group's cache."""
+    if dropout:
+        raise ValueError(f"{type(module).__name__}: attention dropout {dropout} during generation; call model.eval()")
+    dtype = compute_dtype(query, module)
+    q, k, v = (t.transpose(1, 2).to(dtype) for t in (query, key, value))  # [1, N, H(_kv), D]
+    d_v = v.shape[-1]
+    if d_v < k.shape[-1]:  # MLA: zero value columns, as the prefill's attention pads them
+        v = torch.nn.functional.pad(v, (0, k.shape[-1] - d_v))  # [1, N, H_kv, D]
+    window = layer_window(state, module, kwargs)
+    softcap = kwargs.get("softcap")
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    with torch.autocast(q.device.type, enabled=False):  # fp32 inside, rounded once, as the training kernels
+        out = generation.attend(state.calls, q, k, v, scale=scale, window=int(window) if window is not None else None,
+                                softcap=float(softcap) if softcap else None, sinks=kwargs.get("s_aux"))
+    return out if out.shape[-1] == d_v else out[..., :d_v].contiguous()
 
 
 def prepare(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> tuple:
@@ -129,6 +160,8 @@ def prepare(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, w
         )
     if d_v < k.shape[-1]:  # MLA (DeepSeek): zero value columns give zero outputs, as HF's flash path pads
         v = torch.nn.functional.pad(v, (0, k.shape[-1] - d_v))  # [B, S_local, H_kv, D]
+    if state.generation is not None:  # a rollout's prefill: these rows' K/V stay on this rank for the decode
+        state.generation.capture(state.calls, k, v)
     kw = dict(
         cu_seqlens=info.cu_seqlens if b == 1 else None,  # B > 1: one document per row
         causal=True,

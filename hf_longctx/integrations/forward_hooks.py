@@ -81,6 +81,13 @@ def pre_forward_hook(state: PatchState, hf) -> Callable:
     mask_at = names.index("attention_mask") if "attention_mask" in names else None  # passed by position too
 
     def hook(module, args, kwargs):
+        generation = state.generation
+        if generation is not None and generation.decoding:  # a rollout's decode step: rows, not a shard
+            if accepts_cache:
+                kwargs["use_cache"] = False
+            state.calls = 0
+            state.plan_cache.clear()
+            return args, kwargs
         if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
             raise ValueError(
                 "a sequence-parallel forward cannot use a KV cache (use_cache=True / past_key_values); pass "

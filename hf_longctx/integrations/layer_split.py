@@ -155,8 +155,9 @@ class LayerSplit:
         """A decoder layer's forward without gradients (a frozen reference, evaluation): the same
         row chunks and FPDT loop as `call`, nothing parked or saved; a layer that cannot be cut
         runs whole. Its output as the layer returns it (a tensor)."""
-        if _uncut(layer, args, kwargs):
-            return forward(*args, **kwargs)
+        generation = self.state.generation
+        if (generation is not None and generation.decoding) or _uncut(layer, args, kwargs):
+            return forward(*args, **kwargs)  # a decode step's few rows run whole
         h, rest = args[0], args[1:]
         run = LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, [], default_streams())
         run.chunks = mlp_chunks_at(self.chunks, h.shape[1], self.auto)

@@ -51,3 +51,4 @@ class PatchState:
     vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
     vision_spec: Any = None  # that adapter's data/multimodal/spec.VisionSpec (the data stage reads it), else None
     split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None
+    generation: Any = None  # integrations/generation_binding.GenerationBinding while a rollout generates, else None
