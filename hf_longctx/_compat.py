@@ -184,3 +184,16 @@ def fsdp_param_groups(unit) -> list:
         return list(groups)
     group = state._fsdp_param_group
     return [] if group is None else [group]
+
+
+def generation_defaults() -> dict:
+    """transformers' global generation defaults, what `generate` uses for a field neither the
+    caller nor the model's generation config sets (e.g. top_k 50): `GenerationConfig.
+    _get_default_generation_params()` where this release has it, else the 4.x defaults it replaced
+    (they were the GenerationConfig() field values)."""
+    from transformers import GenerationConfig
+
+    probe = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if probe is not None:
+        return dict(probe())
+    return dict(temperature=1.0, top_k=50, top_p=1.0, repetition_penalty=1.0, num_beams=1, do_sample=False)

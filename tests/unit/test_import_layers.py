@@ -32,6 +32,7 @@ FLOORS = (
     ("integrations", ("hf_longctx.integrations.*", "hf_longctx.capacity.*")),
     ("verify", ("hf_longctx.verify",)),
     ("patching", ("hf_longctx.patching",)),
+    ("generation", ("hf_longctx.generation.*",)),
     ("training", ("hf_longctx.training.*",)),
     ("top", ("hf_longctx.cli.*", "hf_longctx")),
 )

@@ -1,0 +1,126 @@
+"""`sp_generate`: completions of a patched model on the training mesh, the KV cache sharded over the
+SP group like a training step's sequence.
+
+Where it sits: the rollouts of `LongGRPOTrainer`, `LongRLOOTrainer` and `grpo_step`, and a public
+entry point. Data flow: checks (`generation/checks.py`, before any collective) -> the weights'
+place for the rollout (`generation/weights.py`: gathered once, or FSDP2's per-unit gathers) ->
+prefill (`generation/prefill.py`: the prompts packed and sharded as a training micro-batch, each
+rank keeping its shard's K/V) -> decode steps: every row's last token through the model, each
+attention layer merging the ranks' split-KV partials (`integrations/generation_binding.py`) ->
+sampling by each row's owner rank as `generate` samples (`generation/sampler.py`), the tokens
+shared over the SP group. Per decode step: the layers' all-gathers of partials (one per attention
+layer), one all-gather of tokens, one host read, and -- with "sharded" weights only -- FSDP2's
+all-gathers and one MAX all-reduce over the world that keeps every DP group stepping while any
+still decodes (a finished group runs "dummy" forwards: no cache write, no SP collective). So no
+collective depends on what one rank alone knows. Design: docs/DESIGN.md "Generation is
+sequence-parallel too" (flash-decoding split-KV; decode context parallelism)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hf_longctx.generation.checks import check_model, check_rows, same_rows_everywhere
+from hf_longctx.generation.prefill import prefill
+from hf_longctx.generation.sampler import OwnerSampler, share_tokens
+from hf_longctx.generation.settings import SamplingSettings, sampling_settings
+from hf_longctx.generation.weights import choose, rollout_weights
+from hf_longctx.ops.decode_attention import DEFAULT_CHUNK
+
+
+def cache_bytes_estimate(model, prompts: Sequence[Sequence[int]], settings: SamplingSettings, mesh) -> int:
+    """This rank's cache bytes, about: the rows' prompt + completion tokens over the SP group, at every
+    layer's K and V in the model's dtype (the `weights="auto"` choice; the planner's is exact)."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = getattr(cfg, "num_attention_heads", 1)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    d = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", heads) // heads
+    layers = getattr(cfg, "num_hidden_layers", 1)
+    dt = next(model.parameters()).element_size()
+    tokens = sum(len(p) for p in prompts) + len(prompts) * settings.max_new_tokens
+    return int(tokens / mesh.sp * layers * 2 * kv * d * dt)
+
+
+def sp_generate(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], mesh, settings: SamplingSettings | None = None, *,
+    owners: Sequence[int] | None = None, weights: str = "auto", max_tokens: int | None = None,
+    log: Callable[[str], Any] | None = print, chunk: int = DEFAULT_CHUNK, **sampling: Any,
+) -> list[list[int]]:
+    """Completions of `prompts` (token lists; the same list on every rank of the SP group) by a model
+    patched with `mesh`, generated sequence-parallel: each rank holds the K/V of its shard of every
+    row and decodes with the others; returns each row's completion tokens, up to and including the
+    first stop token (max_new_tokens of them if none), identical on every rank of the group.
+
+    Sampling: `settings` (`sampling_settings(...)`), or `generate`-style keywords -- max_new_tokens,
+    do_sample, temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, pad_token_id --
+    resolved over the model's generation_config and transformers' defaults as `generate` resolves
+    them; other options are refused by name. `owners[n]`: the SP rank whose global RNG samples row n
+    (default: SP rank 0 samples all), exactly as `generate` samples the batch of that rank's rows.
+    `weights`: "auto" (gathered once when the whole model and the cache fit the device, else FSDP2's
+    per-unit gathers), "gathered" or "sharded"; `log` (default print; None: silent) gets one line on
+    global rank 0 naming the choice and why. `max_tokens`: the prompt + completion tokens the rollout
+    was planned for (`hf-longctx plan --rollout-tokens`); more is refused before generation. Call it on
+    every rank of the world when the model is FSDP2-sharded (its all-gathers span the world)."""
+    state = check_model(model, mesh)
+    if settings is not None and sampling:
+        raise ValueError(f"pass either settings= or sampling keywords, not both (got {sorted(sampling)})")
+    settings = settings if settings is not None else sampling_settings(model=model, **sampling)
+    owners = list(owners) if owners is not None else [0] * len(prompts)
+    check_rows(model, prompts, owners, mesh, settings, max_tokens)
+    device = next(model.parameters()).device
+    same_rows_everywhere(prompts, owners, settings, mesh, device)
+    mode, why = choose(model, mesh, weights, cache_bytes_estimate(model, prompts, settings, mesh))
+    if log is not None and mesh.rank == 0:
+        log(f"sp_generate: weights {mode} -- {why}; K/V cache sharded over {mesh.sp} SP rank(s), "
+            f"{len(prompts)} rows, up to {settings.max_new_tokens} new tokens each")
+    was_training = model.training
+    model.eval()
+    try:
+        with rollout_weights(model, mode), torch.no_grad():
+            return _decode(model, prompts, owners, mesh, state, settings, device, chunk, lockstep=mode == "sharded")
+    finally:
+        state.generation = None
+        model.train(was_training)
+
+
+def _decode(model, prompts, owners, mesh, state, settings: SamplingSettings, device, chunk: int, *,
+            lockstep: bool) -> list[list[int]]:
+    """The prefill and the decode loop (see the module docstring); returns the completions."""
+    n = len(prompts)
+    binding, logits = prefill(model, prompts, mesh, state, max_new_tokens=settings.max_new_tokens,
+                              pad_token_id=settings.pad_token_id, device=device, chunk=chunk)
+    mine = [i for i in range(n) if owners[i] == mesh.sp_rank]
+    mine_idx = torch.tensor(mine, dtype=torch.long, device=device)
+    sampler = OwnerSampler(settings, [prompts[i] for i in mine], device)
+    completions: list[list[int]] = [[] for _ in range(n)]
+    alive = [True] * n
+    eos = set(settings.eos_token_ids)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    step = 0
+    while True:
+        tokens = share_tokens(sampler.sample(logits.index_select(0, mine_idx)), owners, mesh)  # [N] on the host
+        for i, t in enumerate(tokens):
+            if alive[i]:
+                completions[i].append(t)
+                alive[i] = t not in eos
+        sampler.finish_step([tokens[i] for i in mine], [alive[i] for i in mine])
+        group_more = any(alive) and step + 1 < settings.max_new_tokens
+        more = group_more
+        while True:
+            if lockstep and mesh.world_size > 1:  # FSDP2 gathers per forward: every DP group steps together
+                flag = torch.tensor([1.0 if group_more else 0.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.world_mesh.get_group())  # [1]: any group left
+                more = bool(flag.item())
+            if not more or group_more:
+                break
+            binding.begin_step(step, dummy=True)  # only FSDP2's collectives: this group is done
+            model(input_ids=torch.full((1, n), settings.pad_token_id, device=device), position_ids=lengths[None])
+        if not more:
+            return completions
+        binding.begin_step(step)
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)[None]  # [1, N]: every row's last token
+        logits = model(input_ids=ids, position_ids=(lengths + step)[None]).logits[0].float()  # [N, V]
+        step += 1

@@ -1,0 +1,104 @@
+"""Where a rollout's weights live: gathered once per rollout, or left to FSDP2's per-unit gathers.
+
+Where it sits: around `generation/loop.sp_generate` (and the per-rank path's
+`training/grpo/generate.unpatched_for_generation`, which gathers the same way). Two choices:
+- "gathered": every FSDP2 unit is all-gathered ONCE (the same calls in the same order on every
+  rank) and kept unsharded for the rollout; the forwards inside make no FSDP collective, so only
+  the SP group's own collectives run per step. Costs the unsharded model in the compute dtype.
+- "sharded": the weights stay as in training; each forward (the prefill and every decode step)
+  all-gathers each unit when it runs and frees it after. Costs FSDP's working set only, but the
+  whole model's bytes cross the links per decode step, and since the all-gathers span the world,
+  every DP group must run the same number of forwards (the loop agrees on it every step).
+"auto" takes "gathered" where the unsharded weights and the cache fit in the device's free
+memory on every rank (one MIN all-reduce over the world, so all ranks choose alike), else
+"sharded". A model without FSDP2 units ("local": replicated or one process) gathers nothing."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from hf_longctx._compat import fsdp_param_groups
+from hf_longctx.errors import NotSupported
+
+MODES = ("auto", "gathered", "sharded")
+HEADROOM = 1.1  # the allocator's fragmentation and the prefill's working set beside the cache
+
+
+def fsdp_units(model: torch.nn.Module) -> list:
+    """The FSDP2 units of `model`, in module order (empty when it is not sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def unsharded_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the whole model once gathered: every parameter's global size in the dtype FSDP2
+    gathers it in (its mixed-precision param_dtype, else its own)."""
+    total = 0
+    for unit in fsdp_units(model):
+        for group in fsdp_param_groups(unit):
+            dtype = getattr(group.mp_policy, "param_dtype", None)
+            for fp in group.fsdp_params:
+                total += fp.sharded_param.numel() * (dtype or fp.sharded_param.dtype).itemsize
+    return total
+
+
+def choose(model: torch.nn.Module, mesh, mode: str, cache_bytes: int) -> tuple[str, str]:
+    """(mode, why): "local", "gathered" or "sharded", the same on every rank of the world."""
+    if mode not in MODES:
+        raise ValueError(f"weights must be one of {MODES}, got {mode!r}")
+    units = fsdp_units(model)
+    if not units:
+        return "local", "the model is not FSDP2-sharded: every rank holds its weights"
+    need = unsharded_bytes(model)
+    if mode != "auto":
+        return mode, f"weights={mode!r} was asked for (the whole model is {need / 2**30:.2f} GiB unsharded)"
+    device = next(model.parameters()).device
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    fits = free is None or HEADROOM * (need + cache_bytes) <= free
+    flag = torch.tensor([1.0 if fits else 0.0], device=device)
+    if mesh.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.world_mesh.get_group())  # [1]: fits on every rank
+    where = "host memory" if free is None else f"{free / 2**30:.2f} GiB free on this device"
+    if bool(flag.item()):
+        return "gathered", f"the whole model ({need / 2**30:.2f} GiB) and the cache fit beside the shards ({where})"
+    return "sharded", (f"the whole model ({need / 2**30:.2f} GiB) and the cache ({cache_bytes / 2**30:.2f} GiB) do not "
+                       "fit on every rank: FSDP2 gathers one unit at a time")
+
+
+@contextmanager
+def gathered(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: every FSDP2 unit of `model` is unsharded and stays so across forwards (no FSDP
+    collective in them). One all-gather per unit on entry, in module order on every rank; on exit
+    each unit's reshard-after-forward setting is restored and its gathered parameters freed (local)."""
+    units = fsdp_units(model)
+    # post_forward_mesh_info is what set_reshard_after_forward writes (torch has no getter): saved to restore it.
+    saved = [[g.post_forward_mesh_info for g in fsdp_param_groups(u)] for u in units]
+    with torch.no_grad():
+        for u in units:
+            u.unshard()  # all-gather this unit's parameters: one collective per unit, in module order on every rank
+        for u in units:
+            u.set_reshard_after_forward(False, recurse=False)  # forwards inside neither gather nor free
+    try:
+        yield
+    finally:
+        for u, infos in zip(units, saved):
+            for g, info in zip(fsdp_param_groups(u), infos):
+                g.post_forward_mesh_info = info
+            u.reshard()  # free the gathered parameters; local, no collective
+
+
+@contextmanager
+def rollout_weights(model: torch.nn.Module, mode: str) -> Iterator[str]:
+    """The weights as `mode` (from `choose`) places them for the rollout; yields the mode."""
+    if mode == "gathered":
+        with gathered(model):
+            yield mode
+    elif mode in ("sharded", "local"):
+        yield mode
+    else:
+        raise NotSupported(f"unknown weights mode {mode!r}", f"one of {MODES}")
