@@ -8,6 +8,8 @@ normalised by the global token count and gradients are summed over ranks.
 `LongContextTrainer` / `LongContextTrainerMixin` run it through `transformers.Trainer`
 (imported on first access: they load the Trainer). Vision-language models: `vision_spec(model)`,
 then `shard_multimodal` / `MultimodalCollator` in place of `shard_batch` / `LongContextCollator`.
+Rollouts: `sp_generate(model, prompts, mesh, max_new_tokens=..., ...)` decodes on the patched model
+with the KV cache sharded over the SP group (`sampling_settings` resolves generate's options).
 """
 
 from hf_longctx.data.collator import LongContextCollator
@@ -87,6 +89,9 @@ __all__ = [
     "plan_pairs",
     "run_flex_step",
     "run_rank",
+    "SamplingSettings",
+    "sampling_settings",
+    "sp_generate",
     "shard_batch",
     "shard_multimodal",
     "sum_gradients",
@@ -121,6 +126,10 @@ def __getattr__(name: str):
         from hf_longctx.training.rloo.trainer import LongRLOOTrainer
 
         return LongRLOOTrainer
+    if name in ("sp_generate", "sampling_settings", "SamplingSettings"):  # generation/, imported on first access
+        from hf_longctx.generation import loop, settings
+
+        return getattr(loop if name == "sp_generate" else settings, name)
     if name in ("exit_rank", "run_rank"):  # a launched rank's clean end (training/launch.py)
         from hf_longctx.training import launch
 
