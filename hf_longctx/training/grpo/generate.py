@@ -18,15 +18,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from hf_longctx._compat import fsdp_param_groups
+from hf_longctx.generation.weights import gathered
 from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
 from hf_longctx.training.refusals.grpo import check_grpo_config
-
-
-def _fsdp_units(model: torch.nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @contextmanager
@@ -35,35 +29,23 @@ def unpatched_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Module
     `model.generate` may run any number of steps per rank. A collective on entry and on exit
     (FSDP all-gathers / none), the same on every rank. Restores patch and sharding on exit."""
     state = patch_state(model)
-    units = _fsdp_units(model)
-    # post_forward_mesh_info is what set_reshard_after_forward writes (torch has no getter): saved to restore it.
-    saved = [[g.post_forward_mesh_info for g in fsdp_param_groups(u)] for u in units]
     was_training = model.training
-    with torch.no_grad():
-        for u in units:
-            u.unshard()  # all-gather this unit's parameters: one collective per unit, in module order on every rank
-        for u in units:
-            u.set_reshard_after_forward(False, recurse=False)  # forwards inside generate() neither gather nor free
-    if state is not None:
-        unpatch(model)
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
+    with gathered(model):  # every FSDP2 unit all-gathered once, in module order; resharded on exit
+        if state is not None:
+            unpatch(model)
+        model.eval()
         try:
+            yield model
+        finally:
+            model.train(was_training)
             if state is not None:
                 opts = state.options
                 knobs = {} if opts.memory is not None else dict(
-                    kv_offload=opts.kv_offload, mlp_chunks=opts.mlp_chunks, loss_chunks=opts.loss_chunks, checkpoint=opts.checkpoint)
+                    kv_offload=opts.kv_offload, mlp_chunks=opts.mlp_chunks, loss_chunks=opts.loss_chunks,
+                    checkpoint=opts.checkpoint)
                 patch(model, state.bank, memory=opts.memory, **knobs,
-                      inputs_on_device=opts.inputs_on_device, keep_attention=opts.keep_attention, mixers=state.mixers_option,
-                      unsafe_skip_exactness_check=state.probe is None)
-        finally:
-            for u, infos in zip(units, saved):
-                for g, info in zip(fsdp_param_groups(u), infos):
-                    g.post_forward_mesh_info = info
-                u.reshard()  # free the gathered parameters; local, no collective
+                      inputs_on_device=opts.inputs_on_device, keep_attention=opts.keep_attention,
+                      mixers=state.mixers_option, unsafe_skip_exactness_check=state.probe is None)
 
 
 def _gather_lists(mine: Any, group) -> list[Any]:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.training.base.step_loop import grad_norm
-from hf_longctx.training.grpo.generate import _fsdp_units, sp_rollouts
+from hf_longctx.generation.weights import fsdp_units
+from hf_longctx.training.grpo.generate import sp_rollouts
 from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 
 
@@ -69,7 +70,7 @@ def grpo_step(
     model.train()
     loss, metrics = grpo_loss(model, shard, objective, mesh, num_sequences=int(n))
     loss.backward()
-    if mesh.world_size > 1 and not _fsdp_units(model):  # FSDP2 reduce-scatters a sum itself; a replicated model needs it
+    if mesh.world_size > 1 and not fsdp_units(model):  # FSDP2 reduce-scatters a sum itself; a replicated model needs it
         sum_gradients(model.parameters(), mesh)
     norm = grad_norm(model, max_grad_norm if max_grad_norm is not None else float("inf"), step)
     optimizer.step()
