@@ -47,6 +47,10 @@ def unsharded_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def choose(model: torch.nn.Module, mesh, mode: str, cache_bytes: int) -> tuple[str, str]:
     """(mode, why): "local", "gathered" or "sharded", the same on every rank of the world."""
     if mode not in MODES:
@@ -56,17 +60,17 @@ def choose(model: torch.nn.Module, mesh, mode: str, cache_bytes: int) -> tuple[s
         return "local", "the model is not FSDP2-sharded: every rank holds its weights"
     need = unsharded_bytes(model)
     if mode != "auto":
-        return mode, f"weights={mode!r} was asked for (the whole model is {need / 2**30:.2f} GiB unsharded)"
+        return mode, f"weights={mode!r} was asked for (the whole model is {_size(need)} unsharded)"
     device = next(model.parameters()).device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     fits = free is None or HEADROOM * (need + cache_bytes) <= free
     flag = torch.tensor([1.0 if fits else 0.0], device=device)
     if mesh.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.world_mesh.get_group())  # [1]: fits on every rank
-    where = "host memory" if free is None else f"{free / 2**30:.2f} GiB free on this device"
+    where = "host memory" if free is None else f"{_size(free)} free on this device"
     if bool(flag.item()):
-        return "gathered", f"the whole model ({need / 2**30:.2f} GiB) and the cache fit beside the shards ({where})"
-    return "sharded", (f"the whole model ({need / 2**30:.2f} GiB) and the cache ({cache_bytes / 2**30:.2f} GiB) do not "
+        return "gathered", f"the whole model ({_size(need)}) and the cache fit beside the shards ({where})"
+    return "sharded", (f"the whole model ({_size(need)}) and the cache ({_size(cache_bytes)}) do not "
                        "fit on every rank: FSDP2 gathers one unit at a time")
 
 

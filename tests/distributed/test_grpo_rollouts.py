@@ -6,7 +6,8 @@ per-forward all-gathers). Checked: the forward counts inside generate differ acr
 both ranks end up with the same completions, equal to seeded sampling with `generate` of the
 unsharded model; the model is sharded and patched again after generation (two steps run); and the
 gradients of the first step (FSDP2's reduce-scattered sum) equal the same GRPO step in one
-process (fp32, 1e-4 relative).
+process (fp32, 1e-4 relative). And grpo_step with `SamplingSettings` (sequence-parallel generation):
+the same completions (ragged) and the same step as one process under the same seed.
 """
 
 from __future__ import annotations
@@ -180,6 +181,60 @@ def test_grpo_step_on_two_ranks_equals_one_process(pools, tmp_path):
     the shard, loss, gradient sum): FSDP2 and a replicated model on U2 equal one process."""
     path = save_family("llama", tmp_path)
     for rank, out in enumerate(pools.get(2).run(_grpo_steps, path, timeout=240)):
+        for kind, r in out.items():
+            assert r["grad"] <= 1e-4, (rank, kind, r["grad"])
+            for name, (got, want) in r["logs"].items():
+                assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (rank, kind, name, got, want)
+
+
+def _grpo_steps_sp_generation(path: str) -> dict:
+    """grpo_step with SamplingSettings (sequence-parallel generation, SP rank 0 sampling every row) on
+    U2 (FSDP2 and replicated) against the same call on one process, seeded alike."""
+    from hf_longctx.distributed.mesh import SPMesh
+    from hf_longctx.generation.settings import sampling_settings
+    from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.training.grpo.loss import GRPOObjective
+    from hf_longctx.training.grpo.step import grpo_step
+
+    obj = GRPOObjective(loss_type="dapo", beta=0.0)
+    settings = sampling_settings(max_new_tokens=8, do_sample=True, temperature=0.8, top_k=40,
+                                 eos_token_id=list(range(3, 128, 4)), pad_token_id=0)  # a quarter of the ids stop
+    reward = lambda ps, cs: _rewards(cs).tolist()  # noqa: E731
+    captured = {}
+
+    def run(model, mesh):
+        opt = _Capture(model)
+        torch.manual_seed(7)
+        seen = []
+        logs = grpo_step(model, opt, mesh, PROMPTS, lambda ps, cs: seen.append(cs) or reward(ps, cs), obj,
+                         num_generations=2, generate=settings, max_grad_norm=None, step=1)
+        captured.setdefault("completions", []).append(seen[0])
+        return logs, opt.grads
+
+    one = SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
+    ref_logs, ref_grads = run(patch(load(path), one), one)
+    mesh = worker_mesh(2, 1)
+    out = {}
+    for kind in ("fsdp", "replicated"):
+        model = patch(load(path), mesh)
+        if kind == "fsdp":
+            fsdp_plan(model, mesh, mixed_precision="fp32").apply(model)
+        logs, grads = run(model, mesh)
+        out[kind] = {"grad": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+                     "logs": {k: (logs[k], v) for k, v in ref_logs.items()}}
+    out["completions"] = captured["completions"]
+    return out
+
+
+def test_grpo_step_sp_generation_on_two_ranks_equals_one_process(pools, tmp_path):
+    """grpo_step's sequence-parallel generation: the same completions as one process (the same seed)
+    with ragged lengths, the same step (gradients 1e-4, logs 1e-5 relative)."""
+    path = save_family("llama", tmp_path)
+    for rank, out in enumerate(pools.get(2).run(_grpo_steps_sp_generation, path, timeout=240)):
+        ref, fsdp, replicated = out.pop("completions")
+        assert fsdp == ref and replicated == ref, (rank, ref, fsdp, replicated)
+        assert len({len(c) for c in ref}) > 1, ref
         for kind, r in out.items():
             assert r["grad"] <= 1e-4, (rank, kind, r["grad"])
             for name, (got, want) in r["logs"].items():

@@ -121,3 +121,22 @@ def generation_kwargs(args: Any) -> dict[str, Any]:
                repetition_penalty=args.repetition_penalty, cache_implementation=args.cache_implementation)
     out.update(args.generation_kwargs or {})
     return out
+
+
+GENERATION = ("sp", "per-rank")
+
+
+def check_generation(generation: str, args: Any) -> str:
+    """`generation` of a rollout trainer, checked with TRL's sampling fields of `args` (a GRPOConfig /
+    RLOOConfig): "sp" refuses, before any collective, an option sequence-parallel generation does not
+    apply (`generation/settings.py`); "per-rank" runs TRL's own generate (this module)."""
+    if generation not in GENERATION:
+        raise ValueError(f"generation must be one of {GENERATION}, got {generation!r}")
+    if generation == "sp" and args is not None:
+        from hf_longctx.generation.settings import sampling_settings
+
+        options = dict(max_new_tokens=args.max_completion_length, do_sample=True, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+        options.update(args.generation_kwargs or {})  # TRL merges them last
+        sampling_settings(**options)
+    return generation

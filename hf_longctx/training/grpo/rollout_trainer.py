@@ -3,8 +3,10 @@ rollouts feeding a training step exact under sequence parallelism.
 
 Where it sits: in front of TRL's `GRPOTrainer` / `RLOOTrainer` in their bases, behind
 `SPTrainerBase`. TRL keeps its data path (sampler, prompts, rewards, advantages, metrics); this
-class replaces the hooks both trainers replace alike: generation on gathered, unpatched
-weights (`grpo/generate.py`), `_prepare_inputs` (the step's micro-batch slots), `compute_loss`
+class replaces the hooks both trainers replace alike: generation (`generation="sp"`, the default:
+the SP group decodes its ranks' rows together with the KV cache sharded over it,
+`generation/rows.py`; "per-rank": TRL's own generate on gathered, unpatched weights,
+`grpo/generate.py`), `_prepare_inputs` (the step's micro-batch slots), `compute_loss`
 (the subclass's `_loss` on the shard, metrics kept per micro-batch) and `training_step` (the SP
 group's rows all-gathered, planned under `max_tokens`, run by the shared step loop,
 `base/step_loop.py`), plus logging and the checkpoint hooks (`grpo/resume.py`). A subclass adds
@@ -21,12 +23,15 @@ import torch.distributed as dist
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
+from hf_longctx.generation.rows import own_rows_rollout
+from hf_longctx.generation.settings import sampling_settings
+from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base.log_lines import use_number_logs
 from hf_longctx.training.base.reference import check_reference_path, reference_on_mesh
 from hf_longctx.training.base.step_data import StepBatch
 from hf_longctx.training.base.step_loop import StepLoop
 from hf_longctx.training.base.trainer import SPTrainerBase
-from hf_longctx.training.grpo.generate import unpatched_for_generation
+from hf_longctx.training.grpo.generate import check_generation, unpatched_for_generation
 from hf_longctx.training.grpo.microbatches import merge_metrics, plan_rows, slot_tokens
 from hf_longctx.training.grpo.resume import (
     check_reference_source, resumable_sampler, save_reference_source, skip_trained_epochs,
@@ -50,9 +55,12 @@ class SPRolloutTrainer(SPTrainerBase):
     _TRL_INPUTS: frozenset[str] = frozenset()
     _SEQUENCE_MEANS: tuple[str, ...] = ()
 
-    def __init__(self, *args: Any, mesh: SPMesh, max_tokens: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, mesh: SPMesh, max_tokens: int | None = None, generation: str = "sp",
+                 **kwargs: Any) -> None:
         params = {**dict(zip(self._TRAINER_PARAMETERS, args)), **kwargs}
         self.objective = self._checked_objective(mesh, max_tokens, params)  # every refused value at once, before any collective
+        self.generation = check_generation(generation, params.get("args"))  # a refused sampling option too
+        self._sampling: Any = None  # SamplingSettings from TRL's generation_config, at the first rollout
         if self.objective.beta != 0.0:  # TRL loads the reference from the policy's path inside __init__: its config first
             check_reference_path(params.get("model"), params.get("args"))
         # Patched with mesh, process group, transformers version; TRL gets a copy of the config.
@@ -79,10 +87,20 @@ class SPRolloutTrainer(SPTrainerBase):
     def _loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
-    # ---- (1) generation: TRL's own path on gathered, unpatched weights ------------------------------
+    # ---- (1) generation: the SP group decodes its rows together, or TRL's own path per rank ---------
+    _ROLLOUT_LOGPROBS = True  # TRL's hook returns (completion ids, logprobs) (GRPO) or the ids alone (RLOO)
+
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-        with unpatched_for_generation(self.model):  # same calls on every rank: FSDP2 all-gathers once, in module order
-            return super()._generate_single_turn(*args, **kwargs)
+        if self.generation == "per-rank":
+            with unpatched_for_generation(self.model):  # same calls on every rank: FSDP2 all-gathers once, in module order
+                return super()._generate_single_turn(*args, **kwargs)
+        prompt_ids = args[0] if args else kwargs["prompt_ids"]
+        first = self._sampling is None
+        if first:  # TRL's own GenerationConfig, resolved over the model's as generate resolves it
+            self._sampling = sampling_settings(self.generation_config, model=hf_model(self.model))
+        completions = own_rows_rollout(self.model, prompt_ids, self.mesh, self._sampling,
+                                       log=print if first else None)  # names the weights' placement once
+        return (completions, None) if self._ROLLOUT_LOGPROBS else completions
 
     # ---- (2) the step's rows -> packed micro-batches of the SP group -> this rank's shards --------------
     def _prepare_inputs(self, slot: Any) -> dict[str, Any]:

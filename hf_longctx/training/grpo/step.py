@@ -1,7 +1,7 @@
 """One GRPO optimizer step under sequence parallelism, end to end: rollouts, rewards and
 advantages, the exact SP training step, the optimizer step and TRL's metrics (global).
 
-Where it sits: the loop body of recipes/grpo.py (and of a user's own loop): `sp_rollouts` ->
+Where it sits: the loop body of a user's own loop: `sp_generate` (or per rank, `sp_rollouts`) ->
 the caller's rewards -> TRL's group-relative advantages (DeepSeekMath §4.1.2,
 `scale_rewards="group"`) -> `pack_completions` with the step's GLOBAL counts (one
 all-reduce over DP) -> `shard_batch` -> reference log-probs on the same shard (beta > 0) ->
@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.training.base.step_loop import grad_norm
+from hf_longctx.generation.loop import sp_generate
+from hf_longctx.generation.settings import SamplingSettings
 from hf_longctx.generation.weights import fsdp_units
 from hf_longctx.training.grpo.generate import sp_rollouts
 from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
@@ -47,14 +49,21 @@ def grpo_step(
     max_grad_norm: float | None = 1.0, pad_token_id: int = 0, step: int = 0,
 ) -> dict[str, Any]:
     """One optimizer step on this DP group's `prompts` (the same list on every rank of its SP
-    group). `reward_fn(prompts, completions)` -> one reward per completion. Returns the global
+    group). `reward_fn(prompts, completions)` -> one reward per completion. `generate`: a
+    `SamplingSettings` (`hf_longctx.sampling_settings(max_new_tokens=..., ...)`): the SP group decodes
+    the step's rows together, its KV cache sharded over the group (`sp_generate`; SP rank 0's RNG
+    samples every row, as one `generate` batch of them); or a callable `generate(model, prompt, n)` ->
+    n completions, run per rank on gathered, unpatched weights (`sp_rollouts`, `hf_generate`). Returns the global
     loss, grad_norm, the reward mean, the completion length mean and TRL's loss metrics. The
     gradient norm and clipping are the Trainer path's (`base/step_loop.grad_norm`): a failed
     collective in them raises `RankFailure` naming `step`."""
     if objective.beta != 0.0 and ref_model is None:
         raise ValueError(f"beta={objective.beta} needs ref_model= (patched with the same mesh)")
-    completions = sp_rollouts(model, prompts, mesh, num_generations=num_generations, generate=generate)
     per_completion_prompts = [list(p) for p in prompts for _ in range(num_generations)]  # prompt-major, as generated
+    if isinstance(generate, SamplingSettings):  # the SP group decodes the rows together, SP rank 0 samples them
+        completions = sp_generate(model, per_completion_prompts, mesh, generate, log=print if step == 0 else None)
+    else:
+        completions = sp_rollouts(model, prompts, mesh, num_generations=num_generations, generate=generate)
     rewards = torch.as_tensor(list(reward_fn(per_completion_prompts, completions)), dtype=torch.float64)  # [N_local]
     if rewards.shape != (len(completions),):
         raise ValueError(f"reward_fn returned {tuple(rewards.shape)} rewards for {len(completions)} completions")

@@ -3,7 +3,8 @@
 Where it sits: a user's GRPOTrainer script plus `mesh=` (the model `patch`ed with it). TRL
 keeps its data path; `SPTrainerBase` places the policy and frozen reference and owns the
 gradient norm and checkpoints; `SPRolloutTrainer` (`grpo/rollout_trainer.py`, shared with
-`LongRLOOTrainer`) replaces generation (gathered, unpatched weights: `grpo/generate.py`),
+`LongRLOOTrainer`) replaces generation (sequence-parallel by default: `generation/`; or per rank
+on gathered, unpatched weights: `grpo/generate.py`),
 `_prepare_inputs` and `training_step` (micro-batches under `max_tokens`, run by the shared step
 loop `base/step_loop.py`); this class adds GRPO's objective: the packed shard with the
 reference log-probabilities (`grpo/loss.py`) and `grpo_loss`. Guarantees: a step equals the
@@ -36,7 +37,9 @@ class LongGRPOTrainer(SPRolloutTrainer, GRPOTrainer):
     per_device_train_batch_size x world_size (module docstring). `max_tokens` (default None: one
     packed micro-batch per step): tokens of one packed micro-batch of an SP group; the step's
     rows are split into micro-batches under it with gradient accumulation, the same result
-    (`grpo/microbatches.py`). Refused settings: `refusals.grpo.check_grpo_trainer` raises one
+    (`grpo/microbatches.py`). `generation`: "sp" (default; the SP group decodes its ranks' rows
+    together, the KV cache sharded over it, each rank sampling its own rows as `generate` would) or
+    "per-rank" (TRL's own generate on gathered, unpatched weights). Refused settings: `refusals.grpo.check_grpo_trainer` raises one
     `NotSupported` naming every value.
     """
 

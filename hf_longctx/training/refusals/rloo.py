@@ -15,7 +15,8 @@ from __future__ import annotations
 from hf_longctx.training.refusals.rollouts import SHARED_CONFIG, ConfigChecks
 from hf_longctx.training.refusals.rules import Rule, _trainer
 
-_GENERATION = "TRL's transformers generation reads it (run on the gathered, unpatched policy)"
+_GENERATION = ("TRL's generation config reads it (sequence-parallel generation applies it as generate would, or "
+               "generation='per-rank' runs TRL's generate on the gathered, unpatched policy)")
 _LOGGING = "TRL's completion logging (rank 0 prints the gathered rows)"
 _BUFFERED = "LongRLOOTrainer refuses values other than 1 (refusals/rollouts.py: TRL's buffered generation batch)"
 

@@ -6,8 +6,9 @@ evaluation, adapters, a prebuilt optimizer, ...).
 Where it sits: under `refusals/grpo.py` and `refusals/rloo.py`, whose tables start from
 `SHARED_CONFIG`; `check_rollout_trainer` runs every check of a trainer's construction on every
 rank alike, before any collective, and raises one `NotSupported` naming every value. Rollouts:
-generation runs TRL's transformers path on gathered, unpatched weights (`grpo/generate.py`);
-vLLM (server or colocate) is refused with the reason in `_VLLM`.
+sequence-parallel generation on the training mesh (`generation/`, the default), or TRL's
+transformers path on gathered, unpatched weights per rank (`generation="per-rank"`,
+`grpo/generate.py`); vLLM (server or colocate) is refused with the reason in `_VLLM`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ _VLLM = _refused(
     "and TRL's weight walk (VLLMGeneration._iter_named_params) sees FSDP only through Accelerate's fsdp_plugin, so "
     "on this trainer's FSDP2 model (sharded outside Accelerate) it would stream each rank's DTensor shard, not the "
     "gathered weight; colocate mode runs a second vLLM engine inside every training process",
-    "use_vllm=False: TRL's transformers generation runs on the gathered, unpatched policy on every rank")
+    "use_vllm=False: the rollouts run on the training mesh (sequence-parallel generation, or with "
+    "generation='per-rank' TRL's transformers generation on the gathered, unpatched policy on every rank)")
 _VLLM_ONLY = _trainer("applies only with use_vllm, which must be False")
 VLLM_FIELDS = (
     "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex", "vllm_server_base_url",
@@ -95,8 +97,9 @@ class ConfigChecks:
 # the token-budget step DataLoader of LongContextTrainerMixin, which these trainers do not use: TRL's sampler draws rows).
 _COMPILE = _refused(
     lambda v: not v, "each rollout step takes the SP patch off for generation and puts it back under a new attention "
-    "registration (grpo/generate.py), so a compiled policy's graphs would be invalidated and retraced every step "
-    "(not verified to stay exact)", "leave torch_compile off with the rollout trainers (LongContextTrainer and "
+    "registration (generation='per-rank', grpo/generate.py) or runs the patched attention's decode path "
+    "(generation='sp'), so a compiled policy's graphs would be invalidated and retraced every step (not verified "
+    "to stay exact)", "leave torch_compile off with the rollout trainers (LongContextTrainer and "
     "LongDPOTrainer honour torch_compile=True)")
 ROLLOUT_COMPILE = {"torch_compile": _COMPILE, "torch_compile_backend": _COMPILE, "torch_compile_mode": _COMPILE}
 _SHARED_REFUSALS = ("fp16", "use_liger_kernel",

@@ -3,7 +3,8 @@
 Where it sits: a user's RLOOTrainer script plus `mesh=` (the model `patch`ed with it). TRL keeps
 its data path (sampler, prompts, reward functions, the KL penalty in the reward, leave-one-out
 advantages, normalisation, metrics); `SPRolloutTrainer` (`grpo/rollout_trainer.py`, shared with
-`LongGRPOTrainer`) replaces generation (gathered, unpatched weights), `_prepare_inputs` and
+`LongGRPOTrainer`) replaces generation (sequence-parallel by default, or per rank on gathered,
+unpatched weights: `generation=`), `_prepare_inputs` and
 `training_step` (micro-batches under `max_tokens`); this class adds RLOO's pieces: TRL's
 scoring hook `_get_per_token_logps_and_entropies` computed under SP (`grpo/scoring.py`: the
 policy's and the reference's per-token log-probs whose sums form the KL penalty), the packed
@@ -45,6 +46,7 @@ class LongRLOOTrainer(SPRolloutTrainer, RLOOTrainer):
     """
 
     _NAME = "RLOO"
+    _ROLLOUT_LOGPROBS = False  # TRL's RLOO generation hook returns the completion ids alone
     _TRAINER_PARAMETERS = tuple(inspect.signature(RLOOTrainer.__init__).parameters)[1:]  # positional order, without self
     _TRL_INPUTS = frozenset({"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_logps", "advantages"})
     _SEQUENCE_MEANS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
