@@ -8,6 +8,8 @@ weights, each rank its own rows), two steps each from the same seed, with TRL's 
 (ragged lengths): every rank's completions are token for token the same in both modes, so the
 steps train on the same rows and log the same loss (fp32: the per-token log-probs the step trains
 on are the same computation; 1e-6 relative). On U2×R2 (4 ranks in one SP group, FSDP2) and dp2×U2.
+An option sequence-parallel generation does not apply (generation_kwargs={"no_repeat_ngram_size": 2})
+is refused when the trainer is built.
 """
 
 from __future__ import annotations
