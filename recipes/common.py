@@ -271,7 +271,7 @@ def step_lines(output_dir: str, rank: int, is_main: bool) -> Any:
 
 def add_rollout_args(p: argparse.ArgumentParser, *, beta: float) -> None:
     """The options of the rollout recipes (`grpo.py`, `rloo.py`): model and prompts, the step's rows,
-    generation, `max_tokens` micro-batches, the KL coefficient (default `beta`), temperature, lr."""
+    generation (sequence-parallel or per rank), `max_tokens` micro-batches, the KL coefficient (default `beta`), temperature, lr."""
     add_model_data_args(p, data="prompts (a `prompt` column)")
     p.add_argument("--prompts", type=int, default=64, help="prompts of the locally made dataset (without --dataset)")
     p.add_argument("--steps", type=int, default=3)
@@ -286,6 +286,9 @@ def add_rollout_args(p: argparse.ArgumentParser, *, beta: float) -> None:
     p.add_argument("--beta", type=float, default=beta, help="KL coefficient to TRL's reference (the initial model)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--generation", choices=("sp", "per-rank"), default="sp",
+                   help="sp: the SP group decodes its rows together, the KV cache sharded over it (sp_generate); "
+                        "per-rank: each rank runs TRL's generate on gathered, unpatched weights")
 
 
 def parse_rollout_args(doc: str, argv: Any, *, beta: float, output_dir: str, trainer: str,
@@ -363,7 +366,7 @@ def train_rollouts(args: argparse.Namespace, config_name: str, trainer_cls: Any,
 
     trainer = trainer_cls(
         model=patch(model, mesh, **patch_kwargs(args)), mesh=mesh, reward_funcs=[format_reward], args=config,
-        train_dataset=prompts, processing_class=tokenizer, max_tokens=args.max_tokens,
+        train_dataset=prompts, processing_class=tokenizer, max_tokens=args.max_tokens, generation=args.generation,
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
     )
     print_patch(trainer.model, config.process_index == 0)

@@ -12,8 +12,9 @@ Where it sits: the user's path, a TRL GRPOTrainer script plus `mesh=`. Without -
 recipe builds a tiny Llama and a word-level tokenizer from a config (`common.build_tiny_model`:
 `save_pretrained`, then every rank `from_pretrained`s it); without --dataset it makes
 --prompts text prompts. `hf_longctx.LongGRPOTrainer` then trains with TRL's own pieces -- its
-sampler (each process draws --per-device-train-batch-size rows of the step), generation (on
-gathered, unpatched weights: ranks may decode different lengths without a hang), the reward
+sampler (each process draws --per-device-train-batch-size rows of the step), generation
+(sequence-parallel: the SP group decodes its ranks' rows together, the KV cache sharded over it;
+--generation per-rank: TRL's generate on gathered, unpatched weights), the reward
 function of recipes/common.py (`format_scores`), group advantages and logging -- and the training step under SP: the SP group
 trains on the union of its ranks' rows as one packed, sharded row (--max-tokens N: several
 packed micro-batches of <= N tokens with gradient accumulation, the same result), with GRPOConfig's loss
@@ -22,7 +23,7 @@ loaded again, patched and sharded like the policy), FSDP2 summing the gradients 
 Every step prints TRL's metrics (loss, grad_norm, reward, reward_std, kl, entropy,
 clip_ratio/*, completions/*) as global values; every rank writes them to
 OUTPUT_DIR/steps.rank<R>.jsonl. --memory, --inputs-on-device, --kv-offload (with --fpdt-chunks)
-and --mixers go to `patch` (policy and reference; generation takes the patch off and puts the
+and --mixers go to `patch` (policy and reference; --generation per-rank takes the patch off for generation and puts the
 same options back). Refused (LongGRPOTrainer has no such option): --sync-each-microbatch (it
 reduce-scatters in every micro-batch's backward always) and --param-offload (its FSDP2 shards
 and optimizer states stay on the device). --save-every N

@@ -12,7 +12,8 @@ Where it sits: the user's path, a TRL RLOOTrainer script plus `mesh=`; the same 
 the same run as recipes/grpo.py (`common.train_rollouts`: the tiny Llama and made-up prompts
 without --model / --dataset, the format reward, per-rank step logs in
 OUTPUT_DIR/steps.rank<R>.jsonl). `hf_longctx.LongRLOOTrainer` trains with TRL's own pieces -- its
-sampler, generation on gathered, unpatched weights, the reward, the KL penalty in the reward
+sampler, generation (sequence-parallel by default; --generation per-rank: TRL's generate on
+gathered, unpatched weights), the reward, the KL penalty in the reward
 (--beta, TRL's default 0.05: the policy's and the reference's per-token log-probs computed on
 the SP shards), leave-one-out advantages (--normalize-advantages: over the whole generation
 batch) and logging -- and the training step under SP: the SP group trains on the union of its

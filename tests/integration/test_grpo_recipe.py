@@ -7,7 +7,8 @@ update reached the policy, not the reference); rank 0 prints TRL's metric names 
 tokens/s. Also with --max-tokens 40 (the step's 4 rows of up to ~28
 tokens split into packed micro-batches with gradient accumulation) under `--memory high
 --inputs-on-device 1` (the patch line reads the options back from the trained model): the same
-checks. With
+checks. Generation is sequence-parallel (rank 0 prints the weights' placement once) unless
+--generation per-rank (TRL's generate per rank): both run the same checks. With
 --save-every / --resume, a resumed step 2 logs exactly what the uninterrupted run logged."""
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from tests.helpers.recipe_launch import assert_ranks_agree, launch, rank_logs
 TIMING = {"step_time", "tokens_per_s"}  # wall-clock: differs between ranks
 
 
-@pytest.mark.parametrize("extra", [[], ["--max-tokens", "40", "--memory", "high", "--inputs-on-device", "1"]],
-                         ids=["one_microbatch", "max_tokens_memory_high"])
+@pytest.mark.parametrize("extra", [[], ["--max-tokens", "40", "--memory", "high", "--inputs-on-device", "1"],
+                                   ["--generation", "per-rank"]],
+                         ids=["one_microbatch", "max_tokens_memory_high", "per_rank_generation"])
 def test_grpo_recipe_runs(tmp_path, extra):
     proc = launch("grpo.py", "--ulysses", "2", "--steps", "2", "--beta", "0.04", "--loss-type", "grpo",
                   "--per-device-train-batch-size", "2", "--num-generations", "2", "--max-completion-length", "16",
@@ -34,8 +36,10 @@ def test_grpo_recipe_runs(tmp_path, extra):
     assert second["kl"] > 0, second
     assert first["tokens_per_s"] > 0 and second["tokens_per_s"] > 0, (first, second)
     memory = (f"memory='high', checkpoint='attention', kv_offload=False, mlp_chunks='auto', loss_chunks='auto', "
-              "inputs_on_device=1") if extra else "memory=None, checkpoint=False"
+              "inputs_on_device=1") if "--memory" in extra else "memory=None, checkpoint=False"
     assert f"patched: {memory}" in proc.stdout, out[-2000:]
+    sp = "--generation" not in extra  # sequence-parallel generation by default: rank 0 names the weights' placement once
+    assert (proc.stdout.count("sp_generate: weights") == 1) == sp, out[-2000:]
     for name in ("step 1: loss=", "step 2: loss=", "grad_norm=", "reward=", "kl=", "entropy=", "clip_ratio/region_mean=",
                  "rewards/format_reward/mean=", "tokens_per_s="):
         assert name in proc.stdout, (name, out[-2000:])
