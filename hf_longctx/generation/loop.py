@@ -46,7 +46,7 @@ def cache_bytes_estimate(model, prompts: Sequence[Sequence[int]], settings: Samp
 
 def sp_generate(
     model: torch.nn.Module, prompts: Sequence[Sequence[int]], mesh, settings: SamplingSettings | None = None, *,
-    owners: Sequence[int] | None = None, weights: str = "auto", max_tokens: int | None = None,
+    owners: Sequence[int] | None = None, weights: str = "auto", cache: str = "device", max_tokens: int | None = None,
     log: Callable[[str], Any] | None = print, chunk: int = DEFAULT_CHUNK, **sampling: Any,
 ) -> list[list[int]]:
     """Completions of `prompts` (token lists; the same list on every rank of the SP group) by a model
@@ -60,8 +60,10 @@ def sp_generate(
     them; other options are refused by name. `owners[n]`: the SP rank whose global RNG samples row n
     (default: SP rank 0 samples all), exactly as `generate` samples the batch of that rank's rows.
     `weights`: "auto" (gathered once when the whole model and the cache fit the device, else FSDP2's
-    per-unit gathers), "gathered" or "sharded"; `log` (default print; None: silent) gets one line on
-    global rank 0 naming the choice and why. `max_tokens`: the prompt + completion tokens the rollout
+    per-unit gathers), "gathered" or "sharded"; `cache`: "device" (default), "host" (pinned host memory,
+    each decode step reading it over PCIe chunk by chunk: for caches beyond the device, slow) or "auto"
+    (the host where the device cannot hold it); `log` (default print; None: silent) gets one line on
+    global rank 0 naming the choices and why. `max_tokens`: the prompt + completion tokens the rollout
     was planned for (`hf-longctx plan --rollout-tokens`); more is refused before generation. Call it on
     every rank of the world when the model is FSDP2-sharded (its all-gathers span the world)."""
     state = check_model(model, mesh)
@@ -72,7 +74,7 @@ def sp_generate(
     check_rows(model, prompts, owners, mesh, settings, max_tokens)
     device = next(model.parameters()).device
     same_rows_everywhere(prompts, owners, settings, mesh, device)
-    mode, why = choose(model, mesh, weights, cache_bytes_estimate(model, prompts, settings, mesh))
+    mode, place, why = choose(model, mesh, weights, cache_bytes_estimate(model, prompts, settings, mesh), cache)
     if log is not None and mesh.rank == 0:
         log(f"sp_generate: weights {mode} -- {why}; K/V cache sharded over {mesh.sp} SP rank(s), "
             f"{len(prompts)} rows, up to {settings.max_new_tokens} new tokens each")
@@ -80,18 +82,19 @@ def sp_generate(
     model.eval()
     try:
         with rollout_weights(model, mode), torch.no_grad():
-            return _decode(model, prompts, owners, mesh, state, settings, device, chunk, lockstep=mode == "sharded")
+            return _decode(model, prompts, owners, mesh, state, settings, device, chunk, lockstep=mode == "sharded",
+                           on_host=place == "host")
     finally:
         state.generation = None
         model.train(was_training)
 
 
 def _decode(model, prompts, owners, mesh, state, settings: SamplingSettings, device, chunk: int, *,
-            lockstep: bool) -> list[list[int]]:
+            lockstep: bool, on_host: bool) -> list[list[int]]:
     """The prefill and the decode loop (see the module docstring); returns the completions."""
     n = len(prompts)
     binding, logits = prefill(model, prompts, mesh, state, max_new_tokens=settings.max_new_tokens,
-                              pad_token_id=settings.pad_token_id, device=device, chunk=chunk)
+                              pad_token_id=settings.pad_token_id, device=device, chunk=chunk, on_host=on_host)
     mine = [i for i in range(n) if owners[i] == mesh.sp_rank]
     mine_idx = torch.tensor(mine, dtype=torch.long, device=device)
     sampler = OwnerSampler(settings, [prompts[i] for i in mine], device)

@@ -32,8 +32,8 @@ def packed_prompts(prompts: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], mesh, state, *, max_new_tokens: int, pad_token_id: int,
-            device: torch.device, chunk: int) -> tuple[GenerationBinding, torch.Tensor]:
-    """Run the prefill with a fresh cache bound on `state` (the model's PatchState). Returns the
+            device: torch.device, chunk: int, on_host: bool = False) -> tuple[GenerationBinding, torch.Tensor]:
+    """Run the prefill with a fresh cache (on the host: `on_host`) bound on `state` (the model's PatchState). Returns the
     binding (left on `state.generation` for the decode steps) and every row's next-token logits
     [N, V] float32, identical on every rank of the SP group."""
     shard = shard_batch(packed_prompts(prompts), mesh, pad_token_id=pad_token_id, device=device)
@@ -41,7 +41,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], mesh, state, *, max_new_tok
     local = mesh.local_indices(cu)  # [S_local] global positions this rank holds
     lengths = [len(p) for p in prompts]
     layout = cache_layout(lengths, cu, local, sp=mesh.sp, sp_rank=mesh.sp_rank, max_new_tokens=max_new_tokens)
-    binding = GenerationBinding(DecodeCache(layout, device), mesh, torch.tensor(lengths, device=device), chunk=chunk)
+    binding = GenerationBinding(DecodeCache(layout, device, on_host=on_host), mesh, torch.tensor(lengths, device=device), chunk=chunk)
     where = {g: i for i, g in enumerate(local.tolist())}
     last = [(n, where[cu[n] + lengths[n] - 1]) for n in range(len(prompts)) if cu[n] + lengths[n] - 1 in where]
     keep = torch.tensor([i for _, i in last], dtype=torch.long, device=device)  # local indices of last prompt tokens

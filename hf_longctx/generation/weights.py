@@ -11,7 +11,9 @@ Where it sits: around `generation/loop.sp_generate` (and the per-rank path's
   every DP group must run the same number of forwards (the loop agrees on it every step).
 "auto" takes "gathered" where the unsharded weights and the cache fit in the device's free
 memory on every rank (one MIN all-reduce over the world, so all ranks choose alike), else
-"sharded". A model without FSDP2 units ("local": replicated or one process) gathers nothing."""
+"sharded". A model without FSDP2 units ("local": replicated or one process) gathers nothing.
+The cache's place is chosen with them: on the device where it fits, else in pinned host memory
+(`ops/decode_cache.DecodeCache(on_host=True)`: read over PCIe every decode step)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from hf_longctx._compat import fsdp_param_groups
 from hf_longctx.errors import NotSupported
 
 MODES = ("auto", "gathered", "sharded")
+CACHES = ("auto", "device", "host")
 HEADROOM = 1.1  # the allocator's fragmentation and the prefill's working set beside the cache
 
 
@@ -51,27 +54,39 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def choose(model: torch.nn.Module, mesh, mode: str, cache_bytes: int) -> tuple[str, str]:
-    """(mode, why): "local", "gathered" or "sharded", the same on every rank of the world."""
+def choose(model: torch.nn.Module, mesh, mode: str, cache_bytes: int, cache: str = "device") -> tuple[str, str, str]:
+    """(weights, cache, why): weights "local", "gathered" or "sharded" and the cache "device" or "host",
+    the same on every rank of the world. "auto" (either): the weights gathered where they fit beside
+    the cache in the device's free memory on every rank, else sharded; the cache on the device where
+    it fits there, else on the host. On a CPU device everything "fits" (host memory)."""
     if mode not in MODES:
         raise ValueError(f"weights must be one of {MODES}, got {mode!r}")
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     units = fsdp_units(model)
-    if not units:
-        return "local", "the model is not FSDP2-sharded: every rank holds its weights"
-    need = unsharded_bytes(model)
-    if mode != "auto":
-        return mode, f"weights={mode!r} was asked for (the whole model is {_size(need)} unsharded)"
+    need = unsharded_bytes(model) if units else 0
     device = next(model.parameters()).device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    fits = free is None or HEADROOM * (need + cache_bytes) <= free
-    flag = torch.tensor([1.0 if fits else 0.0], device=device)
-    if mesh.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.world_mesh.get_group())  # [1]: fits on every rank
+    # What fits, on every rank (1 = fits): [the whole model and the cache, the cache alone, the whole model alone].
+    fits = torch.tensor([1.0, 1.0, 1.0], device=device)
+    if free is not None:
+        fits = torch.tensor([float(HEADROOM * b <= free) for b in (need + cache_bytes, cache_bytes, need)], device=device)
+    if mesh.world_size > 1 and "auto" in (mode, cache):
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=mesh.world_mesh.get_group())  # [3]: on every rank
+    both, alone, model_only = (bool(x) for x in fits.tolist())
+    place = cache if cache != "auto" else "device" if alone else "host"
+    whole = both if place == "device" else model_only
     where = "host memory" if free is None else f"{_size(free)} free on this device"
-    if bool(flag.item()):
-        return "gathered", f"the whole model ({_size(need)}) and the cache fit beside the shards ({where})"
-    return "sharded", (f"the whole model ({_size(need)}) and the cache ({_size(cache_bytes)}) do not "
-                       "fit on every rank: FSDP2 gathers one unit at a time")
+    if not units:
+        weights, why = "local", "the model is not FSDP2-sharded: every rank holds its weights"
+    elif mode != "auto":
+        weights, why = mode, f"weights={mode!r} was asked for (the whole model is {_size(need)} unsharded)"
+    elif whole:
+        weights, why = "gathered", f"the whole model ({_size(need)}) and the cache fit beside the shards ({where})"
+    else:
+        weights, why = "sharded", (f"the whole model ({_size(need)}) and the cache ({_size(cache_bytes)}) do not fit "
+                                   "on every rank: FSDP2 gathers one unit at a time")
+    return weights, place, why + (f"; the cache on the {'device' if place == 'device' else 'host (pinned, read per step)'}")
 
 
 @contextmanager

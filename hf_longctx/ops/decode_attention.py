@@ -79,7 +79,7 @@ def decode_partial(
     """This rank's partial attention of one new token per row over its cache share.
 
     q [N, H, D] (the new tokens' queries, after RoPE); keys/values [T, H_kv, D] the cache slots,
-    of which [0, filled) are valid; key_rows [T] the row each slot belongs to; key_pos [T] its global
+    of which [0, filled) are valid (on q's device, or on the host: read chunk by chunk); key_rows [T] the row each slot belongs to; key_pos [T] its global
     position in that row; query_pos [N] each query's position. Returns out [N, H, D] and lse [N, H],
     float32 (merged over the rank's key chunks with `ops/lse.merge_`), for `ops/decode_merge.py`
     to fold over the SP group and round once."""
@@ -90,8 +90,11 @@ def decode_partial(
     out = lse = None
     for a in range(0, filled, max(1, chunk)):
         b = min(filled, a + max(1, chunk))
-        o, l = _chunk_partial(qf, keys[a:b], values[a:b], key_rows[a:b], key_pos[a:b], query_pos, scale=scale,
-                              window=window, softcap=softcap)
+        k, v = keys[a:b], values[a:b]
+        if k.device != q.device:  # a host-resident cache: this chunk to the device (pinned: no host wait)
+            k, v = k.to(q.device, non_blocking=True), v.to(q.device, non_blocking=True)
+        o, l = _chunk_partial(qf, k, v, key_rows[a:b], key_pos[a:b], query_pos, scale=scale, window=window,
+                              softcap=softcap)
         if out is None:
             out, lse = o, l
         else:

@@ -18,6 +18,7 @@ Flash-decoding / decode context parallelism keep the cache split the same way (d
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -94,10 +95,14 @@ def cache_layout(
 class DecodeCache:
     """The K/V slots of every attention layer on this rank (allocated at the layer's first prefill
     write, in the dtype and head shape the attention gives), the slots' rows and positions on the
-    device, and the owned-row index of each residue of the step modulo SP."""
+    device, and the owned-row index of each residue of the step modulo SP. `on_host`: the K/V slots
+    live in page-locked host memory (`ops/host_pool.pinned_bytes`, exact size classes) and every
+    write is an asynchronous copy into them; the decode kernel brings one chunk at a time to the
+    device -- the cache a device cannot hold, at the price of reading it over PCIe every step."""
 
-    def __init__(self, layout: CacheLayout, device: torch.device | str) -> None:
-        self.layout, self.device = layout, torch.device(device)
+    def __init__(self, layout: CacheLayout, device: torch.device | str, on_host: bool = False) -> None:
+        self.layout, self.device, self.on_host = layout, torch.device(device), on_host
+        self._memory: list = []  # the page-locked buffers the host slots are views of
         self.slot_rows = layout.slot_rows.to(self.device, non_blocking=True)  # [T]
         self.slot_pos = layout.slot_pos.to(self.device, non_blocking=True)  # [T]
         self.owned = [torch.tensor(owned_rows(r, layout.rows, layout.sp, layout.sp_rank), dtype=torch.long,
@@ -105,6 +110,18 @@ class DecodeCache:
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [T, H_kv, D]
         self.values: dict[int, torch.Tensor] = {}
         self.cursor: dict[int, int] = {}  # layer -> local prompt rows written so far
+
+    def _slots(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Empty slots [T, H_kv, D] on the device, or page-locked on the host (plain host memory when the
+        device is the CPU)."""
+        if not self.on_host:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        from hf_longctx.ops.host_pool import pinned_bytes, plain_bytes
+
+        nbytes = max(1, math.prod(shape) * dtype.itemsize)
+        memory = pinned_bytes(nbytes) if self.device.type == "cuda" else plain_bytes(nbytes)
+        self._memory.append(memory)
+        return memory.data[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)  # [T, H_kv, D]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
@@ -114,8 +131,7 @@ class DecodeCache:
         shard, or a row chunk of it) into their slots; padding rows are skipped."""
         if layer not in self.keys:
             shape = (self.layout.capacity, *k.shape[1:])  # [T, H_kv, D]
-            self.keys[layer] = torch.empty(shape, dtype=k.dtype, device=self.device)
-            self.values[layer] = torch.empty(shape, dtype=v.dtype, device=self.device)
+            self.keys[layer], self.values[layer] = self._slots(shape, k.dtype), self._slots(shape, v.dtype)
             self.cursor[layer] = 0
         lo = self.cursor[layer]
         hi = lo + k.shape[0]
@@ -125,8 +141,8 @@ class DecodeCache:
         a, b = int(self.layout.real_before[lo]), int(self.layout.real_before[hi])  # slots of these rows
         if b > a:
             idx = (self.layout.keep[a:b] - lo).to(self.device, non_blocking=True)  # [b - a] rows of this piece
-            self.keys[layer][a:b] = k.index_select(0, idx)
-            self.values[layer][a:b] = v.index_select(0, idx)
+            self.keys[layer][a:b].copy_(k.index_select(0, idx), non_blocking=True)  # host slots: an async copy
+            self.values[layer][a:b].copy_(v.index_select(0, idx), non_blocking=True)
         self.cursor[layer] = hi
 
     def check_prompt(self, layers: int) -> None:
@@ -144,6 +160,6 @@ class DecodeCache:
         a, b = self.layout.step_base[step], self.layout.step_base[step + 1]
         if b > a:
             idx = self.owned[step % self.layout.sp]  # [b - a]
-            self.keys[layer][a:b] = k.index_select(0, idx)
-            self.values[layer][a:b] = v.index_select(0, idx)
+            self.keys[layer][a:b].copy_(k.index_select(0, idx), non_blocking=True)
+            self.values[layer][a:b].copy_(v.index_select(0, idx), non_blocking=True)
         return b

@@ -7,7 +7,7 @@ sinks (GPT-OSS); the prefill also under memory="max" (row-chunked layers, FPDT's
 prompts of 1 to 11 tokens (shorter than the SP degree included), a stop token that ends rows at
 different steps. With sharded weights the two DP groups decode different prompts to different
 lengths: every rank of the world still runs the same number of forwards (the finished group's
-steps are dummies) and nothing hangs.
+steps are dummies) and nothing hangs; also with the cache in host buffers (cache="host").
 
 Sampled (temperature, top-k, top-p, min-p, repetition penalty on): equal to `generate` under the
 same seed, with SP rank 0 sampling every row (reference: all rows as one left-padded batch) and
@@ -51,9 +51,10 @@ def test_greedy_prefill_under_memory_max(pools, paths, ulysses, fpdt):
     _check_greedy(pools.get(4).run(greedy_case, paths["llama"], ulysses, ring, fpdt, memory="max", timeout=300))
 
 
-@pytest.mark.parametrize("weights", ["gathered", "sharded"])
-def test_greedy_dp2_fsdp_no_hang(pools, paths, weights):
-    results = pools.get(4).run(greedy_case, paths["llama"], 2, 1, 1, fsdp=True, weights=weights, timeout=300)
+@pytest.mark.parametrize("weights,cache", [("gathered", "device"), ("sharded", "device"), ("sharded", "host")])
+def test_greedy_dp2_fsdp_no_hang(pools, paths, weights, cache):
+    results = pools.get(4).run(greedy_case, paths["llama"], 2, 1, 1, fsdp=True, weights=weights, cache=cache,
+                               timeout=300)
     _check_greedy(results)
     assert results[0]["lengths"] != results[2]["lengths"]  # the DP groups decode different rows to different lengths
     if weights == "sharded":

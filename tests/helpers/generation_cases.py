@@ -71,7 +71,7 @@ def _patched(path, mesh, fsdp: bool, memory: str | None):
 
 
 def greedy_case(path: str, ulysses: int, ring: int, fpdt: int, *, fsdp: bool = False, weights: str = "auto",
-                memory: str | None = None, max_new: int = 12) -> dict:
+                memory: str | None = None, max_new: int = 12, cache: str = "device") -> dict:
     from hf_longctx.generation.loop import sp_generate
 
     mesh = worker_mesh(ulysses, ring, fpdt)
@@ -84,7 +84,7 @@ def greedy_case(path: str, ulysses: int, ring: int, fpdt: int, *, fsdp: bool = F
     forwards = []
     hook = model.register_forward_pre_hook(lambda *a: forwards.append(1))
     got = sp_generate(model, prompts, mesh, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
-                      pad_token_id=0, weights=weights, log=None)
+                      pad_token_id=0, weights=weights, cache=cache, log=None)
     hook.remove()
     return {"got": got, "want": want, "forwards": len(forwards), "lengths": [len(c) for c in got]}
 

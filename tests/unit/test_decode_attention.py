@@ -11,7 +11,7 @@ keys: fp32 within 2e-6 relative (summation order only), bf16 K/V and queries wit
 rounding of the inputs (the kernel reads them as they are and computes in fp32, so the result is
 the fp32 attention of the rounded inputs: compared with that at 2e-6). Packed prompts of unequal
 lengths (one shorter than the SP degree), GQA (4 query heads on 2 KV heads), a sliding window
-smaller than the prompts, Gemma 2's softcap and attention sinks.
+smaller than the prompts, Gemma 2's softcap and attention sinks; the cache in host buffers too.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ def _global_kv(dtype, seed=0):
     return q, keys, values
 
 
-def _sp_step(u, r, f, q, keys, values, **kw):
+def _sp_step(u, r, f, q, keys, values, on_host=False, **kw):
     """The folded result of every rank's partial at decode step STEPS (out [N, H, D] fp32)."""
     cu = padded_cu(LENGTHS, r, u, f)
     sp = u * r
     parts = []
     for rank, idx in enumerate(rank_indices(cu, u, r, f)):
         lay = cache_layout(LENGTHS, cu, idx, sp=sp, sp_rank=rank, max_new_tokens=STEPS + 2)
-        cache = DecodeCache(lay, "cpu")
+        cache = DecodeCache(lay, "cpu", on_host=on_host)
         # the shard's rows as the attention sees them: real tokens' K/V, padding rows random garbage
         k_local = torch.randn(idx.numel(), H_KV, D).to(keys[0].dtype) * 100
         v_local = torch.randn(idx.numel(), H_KV, D).to(keys[0].dtype) * 100
@@ -108,3 +108,15 @@ def test_bad_shapes_name_the_values():
     with pytest.raises(ValueError, match="H be a multiple of H_kv"):
         decode_partial(q, k, k, torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                        5, scale=1.0)
+
+
+@pytest.mark.parametrize("u,r,f", [(2, 2, 1), (4, 1, 2)])
+def test_host_resident_cache_gives_the_same_result(u, r, f):
+    """The cache's K/V in host buffers (`on_host=True`: views of `ops/host_pool` bytes, written by
+    copies, read chunk by chunk): the same result as on the device, bit for bit."""
+    q, keys, values = _global_kv(torch.float32)
+    torch.manual_seed(2)
+    dev = _sp_step(u, r, f, q, keys, values, scale=D ** -0.5, window=4)
+    torch.manual_seed(2)
+    host = _sp_step(u, r, f, q, keys, values, on_host=True, scale=D ** -0.5, window=4)
+    assert torch.equal(dev[0], host[0]) and torch.equal(dev[1], host[1])
