@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hf_longctx.generation.checks import check_model, check_rows, same_rows_everywhere
 from hf_longctx.generation.prefill import prefill
-from hf_longctx.generation.sampler import OwnerSampler, share_tokens
+from hf_longctx.generation.sampler import OwnerSampler, share_tokens, token_order
 from hf_longctx.generation.settings import SamplingSettings, sampling_settings
 from hf_longctx.generation.weights import choose, rollout_weights
 from hf_longctx.ops.decode_attention import DEFAULT_CHUNK
@@ -46,7 +46,7 @@ def cache_bytes_estimate(model, prompts: Sequence[Sequence[int]], settings: Samp
 
 def sp_generate(
     model: torch.nn.Module, prompts: Sequence[Sequence[int]], mesh, settings: SamplingSettings | None = None, *,
-    owners: Sequence[int] | None = None, weights: str = "auto", cache: str = "device", max_tokens: int | None = None,
+    owners: Sequence[int] | None = None, weights: str = "auto", cache: str = "auto", max_tokens: int | None = None,
     log: Callable[[str], Any] | None = print, chunk: int = DEFAULT_CHUNK, **sampling: Any,
 ) -> list[list[int]]:
     """Completions of `prompts` (token lists; the same list on every rank of the SP group) by a model
@@ -60,9 +60,9 @@ def sp_generate(
     them; other options are refused by name. `owners[n]`: the SP rank whose global RNG samples row n
     (default: SP rank 0 samples all), exactly as `generate` samples the batch of that rank's rows.
     `weights`: "auto" (gathered once when the whole model and the cache fit the device, else FSDP2's
-    per-unit gathers), "gathered" or "sharded"; `cache`: "device" (default), "host" (pinned host memory,
-    each decode step reading it over PCIe chunk by chunk: for caches beyond the device, slow) or "auto"
-    (the host where the device cannot hold it); `log` (default print; None: silent) gets one line on
+    per-unit gathers), "gathered" or "sharded"; `cache`: "auto" (default: the device where it fits
+    there on every rank, else the host), "device" or "host" (pinned host memory, each decode step
+    reading it over PCIe chunk by chunk: caches beyond the device, at the host link's speed); `log` (default print; None: silent) gets one line on
     global rank 0 naming the choices and why. `max_tokens`: the prompt + completion tokens the rollout
     was planned for (`hf-longctx plan --rollout-tokens`); more is refused before generation. Call it on
     every rank of the world when the model is FSDP2-sharded (its all-gathers span the world)."""
@@ -78,6 +78,10 @@ def sp_generate(
     if log is not None and mesh.rank == 0:
         log(f"sp_generate: weights {mode} -- {why}; K/V cache sharded over {mesh.sp} SP rank(s), "
             f"{len(prompts)} rows, up to {settings.max_new_tokens} new tokens each")
+    if place == "host":  # the step's free pinned buffers make room for the cache; the step pins them again
+        from hf_longctx.ops.offload import release_pinned
+
+        release_pinned()
     was_training = model.training
     model.eval()
     try:
@@ -102,9 +106,10 @@ def _decode(model, prompts, owners, mesh, state, settings: SamplingSettings, dev
     alive = [True] * n
     eos = set(settings.eos_token_ids)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    order, width = token_order(owners, mesh.sp, device)
     step = 0
     while True:
-        tokens = share_tokens(sampler.sample(logits.index_select(0, mine_idx)), owners, mesh)  # [N] on the host
+        ids, tokens = share_tokens(sampler.sample(logits.index_select(0, mine_idx)), order, width, mesh)  # [N] both
         for i, t in enumerate(tokens):
             if alive[i]:
                 completions[i].append(t)
@@ -124,6 +129,5 @@ def _decode(model, prompts, owners, mesh, state, settings: SamplingSettings, dev
         if not more:
             return completions
         binding.begin_step(step)
-        ids = torch.tensor(tokens, dtype=torch.long, device=device)[None]  # [1, N]: every row's last token
-        logits = model(input_ids=ids, position_ids=(lengths + step)[None]).logits[0].float()  # [N, V]
+        logits = model(input_ids=ids[None], position_ids=(lengths + step)[None]).logits[0].float()  # [N, V]
         step += 1

@@ -64,24 +64,31 @@ class OwnerSampler:
         self.active = self.active and any(own_unfinished) and self.drawn < self.settings.max_new_tokens
 
 
-def share_tokens(mine: torch.Tensor, owners: Sequence[int], mesh) -> list[int]:
-    """Every row's token of this step on every rank of the SP group: `mine` [B_own] holds this rank's
-    rows' tokens (rows n with owners[n] == sp_rank, in row order). One all-gather over the SP group of
-    [B_max] (each rank's tokens padded to the largest owner's count); the one host read of the step."""
-    sp = mesh.sp
-    counts = [sum(1 for o in owners if o == r) for r in range(sp)]
-    if sp > 1:
-        width = max(counts)
+def token_order(owners: Sequence[int], sp: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(int64 [N] on the device: where row n's token lies in the flattened [SP, B_max] all-gather of
+    `share_tokens`, rows owned by a rank in row order; B_max, the largest rank's count)."""
+    width = max([sum(1 for o in owners if o == r) for r in range(sp)] + [1])
+    taken = [0] * sp
+    flat = []
+    for o in owners:
+        flat.append(o * width + taken[o])
+        taken[o] += 1
+    return torch.tensor(flat, dtype=torch.long, device=device), width
+
+
+def share_tokens(mine: torch.Tensor, order: torch.Tensor, width: int, mesh) -> tuple[torch.Tensor, list[int]]:
+    """Every row's token of this step, on every rank of the SP group: (tokens [N] on the device -- the
+    next decode step's input, never uploaded again -- and the same on the host). `mine` [B_own] holds
+    this rank's rows' tokens (rows n with owners[n] == sp_rank, in row order); `order`, `width`: `token_order`.
+    One all-gather over the SP group of [B_max]; the copy to the host is the step's one host read
+    (the loop's stop decision needs it)."""
+    if mesh.sp > 1:
         padded = torch.zeros(width, dtype=torch.long, device=mine.device)
         padded[: mine.numel()] = mine
-        parts = [torch.empty_like(padded) for _ in range(sp)]
+        parts = [torch.empty_like(padded) for _ in range(mesh.sp)]
         dist.all_gather(parts, padded, group=mesh.sp_group)  # [SP] x [B_max]
-        table = torch.stack(parts).cpu().tolist()  # [SP, B_max] on the host: the step's one device read
+        table = torch.cat(parts)  # [SP * B_max], rank-major
     else:
-        table = [mine.cpu().tolist()]
-    taken = [0] * sp
-    tokens = []
-    for o in owners:
-        tokens.append(table[o][taken[o]])
-        taken[o] += 1
-    return tokens
+        table = mine
+    tokens = table.index_select(0, order)  # [N], in row order
+    return tokens, tokens.cpu().tolist()
