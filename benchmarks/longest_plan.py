@@ -30,20 +30,28 @@ CLUSTERS = [  # (GPUs, GPU GB, host GiB per node, {model: published figure})
 ]
 
 
-# (label, task, rollouts charged) of the post-training rows; GRPO's trainer generates on the training GPUs
-# always, so its training step alone is a bound to compare with, not a setting it runs
-TASKS = [("DPO", "dpo", False), ("GRPO, training step alone", "grpo", False), ("GRPO, rollouts on these GPUs", "grpo", True)]
+# (label, task, rollouts charged: None, or how they are generated) of the post-training rows; GRPO's trainer
+# generates on the training GPUs always, so its training step alone is a bound to compare with, not a setting
+# it runs. "sp": the SP group decodes one micro-batch's rows together (sp_generate; the cache on the device,
+# else on the host), "sp-device": the cache kept on the device (decode at device speed); "per-rank": each
+# GPU decodes rows of the context length with the whole model (generation="per-rank")
+TASKS = [("DPO", "dpo", None), ("GRPO, training step alone", "grpo", None),
+         ("GRPO, sequence-parallel rollouts", "grpo", "sp"),
+         ("GRPO, sequence-parallel rollouts, cache on the device", "grpo", "sp-device"),
+         ("GRPO, per-rank rollouts", "grpo", "per-rank")]
 
 
-def _best(cfg, cluster: Cluster, tokens: int, task: str = "sft", rollouts: bool = False):
-    rollout = tokens if rollouts else 0  # each GPU generates whole sequences of the context length
-    feasible = [c for c in rank_settings(cfg, cluster, tokens, task=task, rollout_tokens=rollout) if c.feasible]
+def _best(cfg, cluster: Cluster, tokens: int, task: str = "sft", rollouts: str | None = None):
+    rollout = tokens if rollouts else 0  # the rollouts of one micro-batch of the context length
+    generation, cache = ("sp", "device") if rollouts == "sp-device" else (rollouts or "sp", "auto")
+    feasible = [c for c in rank_settings(cfg, cluster, tokens, task=task, rollout_tokens=rollout,
+                                         generation=generation, rollout_cache=cache) if c.feasible]
     return feasible[0] if feasible else None
 
 
-def longest(cfg, cluster: Cluster, quantum: int, task: str = "sft", rollouts: bool = False):
+def longest(cfg, cluster: Cluster, quantum: int, task: str = "sft", rollouts: str | None = None):
     """(longest feasible length, its first-choice candidate); lengths are multiples of `quantum`."""
-    lo, hi, best = 0, 1 if rollouts else 1 << 5, None
+    lo, hi, best = 0, 1 if rollouts == "per-rank" else 1 << 5, None
     while (found := _best(cfg, cluster, hi * quantum, task, rollouts)) is not None:
         lo, best, hi = hi, found, hi * 2
     while hi - lo > 1:
@@ -91,7 +99,9 @@ def _setting(best) -> str:
 def post_training() -> None:
     """The longest DPO / GRPO micro-batch (a pair's or a group's documents together) beside SFT's,
     8B on each cluster and 70B on 8 GPUs: the reference's shards and forward, the chunked
-    log-prob head, and for one row the rollouts' KV cache on the training GPUs."""
+    log-prob head, and the rollouts of one micro-batch on the training GPUs: sequence-parallel (the
+    SP group's cache, 1/SP per GPU, weights gathered once or per unit) or per rank (one GPU holds a
+    row of the context length and the whole model)."""
     print("\n| model | GPUs | task | planner's longest | its setting | peak GiB/GPU | / SFT's longest |")
     print("|---|---|---|---:|---|---:|---:|")
     for name, path in MODELS.items():
@@ -102,8 +112,10 @@ def post_training() -> None:
             cluster = Cluster(gpus=gpus, gpu_memory=gpu * G, host_memory=host * G)
             sft, _ = longest(cfg, cluster, 8192 * gpus)
             for label, task, rollouts in TASKS:
-                tokens, best = longest(cfg, cluster, 8192 if rollouts else 8192 * gpus, task, rollouts)
-                row = (f"{tokens / 2**20:.2f}M | {_setting(best)} | {best.memory.peak / G:.1f} | {tokens / sft:.2f}"
+                tokens, best = longest(cfg, cluster, 8192 if rollouts == "per-rank" else 8192 * gpus, task, rollouts)
+                weights = (f", weights {best.memory.generation_weights}, cache on {best.memory.generation_cache}"
+                           if best is not None and (rollouts or "").startswith("sp") else "")
+                row = (f"{tokens / 2**20:.2f}M | {_setting(best)}{weights} | {best.memory.peak / G:.1f} | {tokens / sft:.2f}"
                        if best is not None else "none | | |")
                 print(f"| {name} | {gpus} x {gpu} GB | {label} | {row} |", flush=True)
 

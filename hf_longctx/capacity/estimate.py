@@ -18,6 +18,7 @@ from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.ulysses import kv_replication
 from hf_longctx.capacity.budget import step_budget
 from hf_longctx.capacity.budget_terms import DTYPE_BYTES, KERNEL_TERM, Phase
+from hf_longctx.capacity.generation_budget import GENERATION, sp_generation_memory
 from hf_longctx.capacity.task_budget import HOLDS_REFERENCE, generation_bytes
 
 
@@ -53,7 +54,9 @@ class MemoryEstimate:
     host: float
     held: float = 0.0  # fp32 gradients of the step's earlier micro-batches, next to the later ones' activations
     backward_grads: float = 0.0  # gradients already made (LM head, later layers) when the binding layer backward runs
-    generation: float = 0.0  # rollouts on the training GPUs: the whole model gathered, KV cache, prefill (no grads)
+    generation: float = 0.0  # rollouts on the training GPUs: weights gathered or not, KV cache, prefill (no grads)
+    generation_weights: str = ""  # sequence-parallel rollouts: "gathered" (once per rollout) or "sharded" (per unit)
+    generation_cache: str = ""  # sequence-parallel rollouts: their K/V cache on the "device" or the "host"
 
     @property
     def peak(self) -> float:
@@ -67,7 +70,8 @@ class MemoryEstimate:
                                                               + self.backward_grads)
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"peak": self.peak}
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("generation_")} | {
+            "peak": self.peak}
 
 
 def kept_attention_bytes(dims: ModelDims, dt: int, f: int, s: Setting) -> float:
@@ -84,7 +88,8 @@ def kept_attention_bytes(dims: ModelDims, dt: int, f: int, s: Setting) -> float:
 def estimate_memory(
     dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
     unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1, offload: bool = True,
-    kernel_workspace: float | None = None, task: str = "sft", rollout_tokens: int = 0,
+    kernel_workspace: float | None = None, task: str = "sft", rollout_tokens: int = 0, generation: str = "sp",
+    generation_weights: str = "gathered", generation_cache: str = "device",
 ) -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
@@ -94,8 +99,12 @@ def estimate_memory(
     fp32 gradients held until then) or "microbatch" (every backward). `microbatches`: per rank
     and optimizer step (1: no earlier gradients are held). `kernel_workspace`: bytes one local
     attention kernel call allocates beyond its outputs, where the backend is not flash-attn 2
-    (e.g. the CPU kernel's, measured). `task`, `rollout_tokens`: `capacity/task_budget.py`. Raises
-    ValueError when the setting cannot run (degrees that do not divide, heads not divisible)."""
+    (e.g. the CPU kernel's, measured). `task`, `rollout_tokens`: `capacity/task_budget.py`; the
+    rollouts' phase: `generation` "sp" (`sp_generate`: `rollout_tokens` over the SP group, each GPU
+    holding 1/SP of their cache; `generation_weights` "gathered" or "sharded", `generation_cache`
+    "device" or "host" (its bytes then in `host`), `capacity/generation_budget.py`) or "per-rank" (each GPU generating `rollout_tokens` with the whole
+    model). Raises ValueError when the setting cannot run (degrees that do not divide, heads not
+    divisible)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     if optimizer not in ("adamw", "sgd"):
@@ -106,6 +115,8 @@ def estimate_memory(
         raise ValueError("unsharded_step=True syncs gradients in each rank's last backward: grad_sync must be 'step'")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1 (micro-batches per rank and step), got {microbatches!r}")
+    if generation not in GENERATION:
+        raise ValueError(f"generation must be one of {GENERATION}, got {generation!r}")
     s = setting
     if world % s.sp:
         raise ValueError(f"ulysses({s.ulysses}) x ring({s.ring}) = {s.sp} does not divide {world} GPUs")
@@ -145,7 +156,15 @@ def estimate_memory(
         if grad_sync == "microbatch":
             held = 0.0  # the accumulated sharded gradients are the host shards above
     params, grads = master + gathered + reference, sharded_grads + unsharded_grads
-    generation = generation_bytes(dims, dt, rollout_tokens) - gathered if task in ("grpo", "rloo") and rollout_tokens else 0.0
+    rollouts, rollout_host, weights, cache = 0.0, 0.0, "", ""
+    if task in ("grpo", "rloo") and rollout_tokens:
+        if generation == "sp":
+            weights, cache = generation_weights, generation_cache
+            rollouts, rollout_host = sp_generation_memory(dims, s, tokens=rollout_tokens, dtype=dtype, weights=weights,
+                                                          fsdp_gathered=gathered, world=world,
+                                                          cache_on_host=cache == "host")
+        else:
+            rollouts = generation_bytes(dims, dt, rollout_tokens) - gathered
 
     # Activations and transients: the per-token budget of capacity/budget.py (every tensor of
     # the step by name and phase); `activations` is what the whole step holds, `buffers` the
@@ -159,8 +178,10 @@ def estimate_memory(
     backward_grads = made if binding.startswith("layer backward") else 0.0
     activations = budget.held
     buffers = device - backward_grads - budget.held
-    host += budget.host
-    return MemoryEstimate(params, grads, optim, activations, buffers, host, held, backward_grads, generation)
+    # A host-resident rollout cache and the step's offloads never coexist: sp_generate releases the pool's
+    # free pinned buffers before it pins its cache (ops/offload.release_pinned), the step re-pins them after.
+    host = max(host + budget.host, host + rollout_host)
+    return MemoryEstimate(params, grads, optim, activations, buffers, host, held, backward_grads, rollouts, weights, cache)
 
 
 def _grads_before_layer_backward(dims: ModelDims, s: Setting, budget, *, world: int, tokens: int, dtype: str,

@@ -83,6 +83,9 @@ def _divisors(n: int) -> list[int]:
 
 
 PARAM_OFFLOAD = {"auto": (False, True), "yes": (True,), "no": (False,)}
+# Sequence-parallel rollouts' (weights, cache) placements, tried in order (sp_generate's "auto" rule):
+# the whole model gathered once beside the cache, the weights per unit, the cache on the host too.
+ROLLOUT_PLACES = (("gathered", "device"), ("sharded", "device"), ("sharded", "host"))
 
 
 def enumerate_settings(
@@ -140,7 +143,7 @@ def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
     tokens_per_step: int | None = None, param_offload: str = "auto", vision: Any = None, task: str = "sft",
-    rollout_tokens: int | None = None,
+    rollout_tokens: int | None = None, generation: str = "sp", rollout_cache: str = "auto",
 ) -> list[Candidate]:
     """Every setting for micro-batches of `tokens` tokens per SP group (documents of
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
@@ -152,11 +155,15 @@ def rank_settings(
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
     (try both), "yes", "no". `vision`: a `capacity/vision.VisionBudget` (images / video per
     document of `seq_len`): the tower's memory and time are charged to every setting. `task`,
-    `rollout_tokens`: the training objective and the prompt + completion tokens each GPU generates
-    per step on these GPUs (`estimate.estimate_memory`; default `seq_len` for "grpo" / "rloo",
-    whose trainers always generate there; 0 ranks their training step alone, a figure to compare
-    with, not a setting they run: `suggest` refuses it); a pair or a group counts all its
-    documents in `tokens`.
+    `rollout_tokens`: the training objective and the prompt + completion tokens one generation
+    decodes per step on these GPUs -- with `generation` "sp" (`sp_generate`) the SP group's rows, their
+    cache sharded over it; "per-rank": one GPU's rows, with the whole model (`estimate.estimate_memory`;
+    default `seq_len` for "grpo" / "rloo", whose trainers always generate there; 0 ranks their training
+    step alone, a figure to compare with, not a setting they run: `suggest` refuses it); a pair or a
+    group counts all its documents in `tokens`. Sequence-parallel rollouts take the weights gathered
+    once where the rollout fits so, else FSDP2's per-unit gathers, and the cache on the device where
+    it fits, else in pinned host memory (`ROLLOUT_PLACES`, as `sp_generate(weights="auto", cache="auto")`;
+    `rollout_cache` "device" or "host" keeps the cache there).
     Only settings the task's trainer runs (`suggestion.TASK_TRAINERS`): for "grpo" / "rloo"
     no parameter offload ("auto" tries it off only; "yes" is refused) and gradients
     reduce-scattered in every micro-batch (`grad_sync` "microbatch", as those trainers always
@@ -169,15 +176,20 @@ def rank_settings(
     usable_gpu = cluster.gpu_memory * (1 - cluster.headroom)
     usable_host = cluster.host_memory * (1 - cluster.headroom)
     per_node = min(cluster.gpus, cluster.gpus_per_node)
+    places = [p for p in ROLLOUT_PLACES if rollout_cache in ("auto", p[1])] if generation == "sp" else ROLLOUT_PLACES[:1]
     out = []
     for s, preset in enumerate_settings(dims, cluster.gpus, tokens, param_offload=param_offload):
         dp = cluster.gpus // s.sp
         mbs = microbatches if tokens_per_step is None else math.ceil(tokens_per_step / (dp * tokens))
 
         def memory(s: Setting):
-            return estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
+            est = [estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
                                    unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs, task=task,
-                                   rollout_tokens=rollout_tokens)
+                                   rollout_tokens=rollout_tokens, generation=generation, generation_weights=w,
+                                   generation_cache=c)
+                   for w, c in places]
+            # as sp_generate's weights="auto", cache="auto": the first placement that fits the GPU (and the host)
+            return next((m for m in est if m.peak <= usable_gpu and m.host * per_node <= usable_host), est[-1])
 
         mem = memory(s)
         if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
@@ -242,15 +254,15 @@ def task_options(task: str, param_offload: str, grad_sync: str, unsharded_step: 
 
 
 def rollouts_of(task: str, rollout_tokens: int | None, seq_len: int) -> int:
-    """The rollout tokens per GPU a plan of `task` charges: None -> `seq_len` for "grpo" / "rloo"
-    (each GPU generates whole sequences of the context length), 0 otherwise; a count below 0, or
-    one for a task that generates nothing, is refused."""
+    """The rollout tokens a plan of `task` charges per generation (the SP group's, or one GPU's on the
+    per-rank path): None -> `seq_len` for "grpo" / "rloo" (a micro-batch's worth of prompts and
+    completions), 0 otherwise; a count below 0, or one for a task that generates nothing, is refused."""
     rollouts = task in ("grpo", "rloo")
     if rollout_tokens is None:
         return seq_len if rollouts else 0
     if rollout_tokens < 0 or (rollout_tokens and not rollouts):
-        raise ValueError(f"rollout_tokens={rollout_tokens}: the prompt + completion tokens each GPU generates per step "
-                         f"for task 'grpo' or 'rloo' (>= 0); task {task!r} generates nothing: leave it None")
+        raise ValueError(f"rollout_tokens={rollout_tokens}: the prompt + completion tokens one generation decodes per "
+                         f"step for task 'grpo' or 'rloo' (>= 0); task {task!r} generates nothing: leave it None")
     return rollout_tokens
 
 
@@ -258,7 +270,7 @@ def suggest(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
     tokens_per_step: int | None = None, param_offload: str = "auto", task: str = "sft",
-    rollout_tokens: int | None = None,
+    rollout_tokens: int | None = None, generation: str = "sp",
 ) -> Suggestion:
     """The fastest setting by the step-time estimate among those whose estimated peak fits
     (the first row of `hf-longctx plan` with the same arguments; near ties broken by the USP
@@ -271,11 +283,11 @@ def suggest(
     if rollout_tokens is not None and rollout_tokens < 1 and task in ("grpo", "rloo"):
         raise ValueError(f"rollout_tokens={rollout_tokens}: {task_trainer(task).name} generates its rollouts on the "
                          "training GPUs, always (use_vllm is refused), so a setting without them cannot run; pass the "
-                         "prompt + completion tokens each GPU generates per step, or None (seq_len)")
+                         "prompt + completion tokens one generation decodes per step, or None (seq_len)")
     ranked = rank_settings(config, cluster, tokens, seq_len=seq_len, dtype=dtype, optimizer=optimizer,
                            unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=microbatches,
                            tokens_per_step=tokens_per_step, param_offload=param_offload, task=task,
-                           rollout_tokens=rollout_tokens)
+                           rollout_tokens=rollout_tokens, generation=generation)
     if not ranked[0].feasible:
         low = min(ranked, key=lambda c: c.memory.peak)
         raise ValueError(

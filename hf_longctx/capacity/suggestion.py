@@ -93,6 +93,9 @@ class Suggestion:
             trainer["param_offload"] = True
         if grad_sync == "microbatch" and t.trainer_options:  # the rollout trainers do it always: no option
             trainer["sync_each_microbatch"] = True
+        memory = getattr(c, "memory", None)
+        if memory is not None and memory.generation and not memory.generation_weights:  # rollouts planned per rank
+            trainer["generation"] = "'per-rank'"
         return cls({"ulysses_degree": s.ulysses, "ring_degree": s.ring, "fpdt_chunks": s.fpdt_chunks}, c.preset, c,
                    trainer, "fp32" if dtype == "fp32" else "bf16", task)
 
@@ -128,4 +131,5 @@ class Suggestion:
         flags += [f"--mixed-precision {self.mixed_precision}"]
         flags += ["--param-offload"] if t.get("param_offload") else []
         flags += ["--sync-each-microbatch"] if t.get("sync_each_microbatch") else []
+        flags += ["--generation per-rank"] if "generation" in t else []
         return " ".join(flags + list(TASK_TRAINERS[self.task].recipe_flags))

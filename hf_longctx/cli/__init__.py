@@ -99,9 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "--task dpo also prints which of the two it picks); --seq-len counts a pair's or a group's "
                         "documents together")
     p.add_argument("--rollout-tokens", type=int, default=None,
-                   help="grpo / rloo: prompt + completion tokens each GPU generates per step on the training GPUs, "
-                        "where their trainers always generate (KV cache, the whole model gathered); >= 1, default "
-                        "--seq-len")
+                   help="grpo / rloo: prompt + completion tokens one generation decodes per step on the training GPUs, "
+                        "where their trainers always generate: with --generation sp the SP group's rows "
+                        "(per_device_train_batch_size x SP degree x (prompt + max_completion_length) in the trainers), "
+                        "their KV cache sharded over the group; with --generation per-rank one GPU's rows "
+                        "(per_device_train_batch_size x (prompt + max_completion_length)) with the whole model; >= 1, "
+                        "default --seq-len")
+    p.add_argument("--generation", choices=["sp", "per-rank"], default="sp",
+                   help="grpo / rloo: how the trainers generate: sp (sequence-parallel, the default: the KV cache "
+                        "sharded over the SP group, the weights gathered once where they fit, else per unit) or "
+                        "per-rank (each GPU runs generate on the gathered model: generation='per-rank')")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_plan)
     q = sub.add_parser("step-plot", help="draw trainer.last_plan (saved with trainer.last_plan.save(FILE.json))")

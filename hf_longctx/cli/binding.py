@@ -77,24 +77,36 @@ def rollout_advice(args: argparse.Namespace, c, dims) -> str:
     """GPU memory binds `c` in its rollouts' phase: what `--rollout-tokens` counts and what it was
     taken to be, the training step's own peak, and the most rollout tokens that fit instead."""
     from hf_longctx.capacity.budget_terms import DTYPE_BYTES
+    from hf_longctx.capacity.generation_budget import sp_rollout_tokens_within
     from hf_longctx.capacity.task_budget import rollout_tokens_within
 
     usable, m, tokens = args.gpu_memory * (1 - args.headroom), c.memory, args.rollout_tokens
-    alone = m.training_peak
+    alone, sp = m.training_peak, args.generation == "sp"
     assumed = f" (not given: --seq-len, {args.seq_len}, assumed)" if args.rollout_tokens_assumed else ""
-    text = (f"GPU memory binds, and the rollouts set it: generating {tokens} tokens per GPU needs {gib(m.peak)} GiB "
+    unit = "per SP group" if sp else "per GPU"
+    text = (f"GPU memory binds, and the rollouts set it: generating {tokens} tokens {unit} needs {gib(m.peak)} GiB "
             f"per GPU (the training step alone {gib(alone)} GiB), {gib(usable)} GiB usable of --gpu-memory "
-            f"{gib(args.gpu_memory)} GiB. --rollout-tokens{assumed} counts the prompt + completion tokens each GPU "
-            "generates per step (per_device_train_batch_size x (prompt + max_completion_length)); "
-            f"{plan_trainer(args).name} generates them on the training GPUs with the whole model gathered and every "
-            "layer's KV cache, without sequence parallelism: more GPUs or a lighter memory preset do not shrink them")
+            f"{gib(args.gpu_memory)} GiB. --rollout-tokens{assumed} counts the prompt + completion tokens one "
+            "generation decodes per step")
+    if sp:
+        text += (f" (the SP group's rows: per_device_train_batch_size x SP degree x (prompt + max_completion_length)); "
+                 f"{plan_trainer(args).name} generates them sequence-parallel, each GPU holding 1/SP of their KV cache: "
+                 "a larger SP degree (more --gpus) shrinks each GPU's share")
+    else:
+        text += (" (per_device_train_batch_size x (prompt + max_completion_length)); with --generation per-rank "
+                 f"{plan_trainer(args).name} generates them on the training GPUs with the whole model gathered and "
+                 "every layer's KV cache, without sequence parallelism: more GPUs or a lighter memory preset do not "
+                 "shrink them (--generation sp does)")
     if alone > usable:
         return (text + "; and the training step alone does not fit either: change "
                 + ", ".join(_training_flags(args, c)))
-    fit = rollout_tokens_within(dims, DTYPE_BYTES[args.dtype], m, tokens, usable)
+    if sp:
+        fit = sp_rollout_tokens_within(dims, c.setting, args.dtype, m, tokens, usable)
+    else:
+        fit = rollout_tokens_within(dims, DTYPE_BYTES[args.dtype], m, tokens, usable)
     if not fit:
-        return text + ". Not even the gathered model fits beside the training shards: change --gpu-memory"
-    return (text + f". At most {fit:,} rollout tokens per GPU fit at this setting: give --rollout-tokens {fit} or "
+        return text + ". Not even the rollout's weights fit beside the training shards: change --gpu-memory"
+    return (text + f". At most {fit:,} rollout tokens {unit} fit at this setting: give --rollout-tokens {fit} or "
             "fewer (fewer rows per device, shorter prompts or completions), or change --gpu-memory")
 
 
@@ -106,7 +118,8 @@ def fit_line(args: argparse.Namespace, c) -> str:
     host = c.memory.host * min(args.gpus, args.gpus_per_node) / (args.host_memory * usable)
     which = "GPU memory (--gpu-memory)" if gpu >= host else "host memory (--host-memory)"
     if gpu >= host and rollouts_set_peak(c):
-        which = (f"GPU memory binds first, set by the rollouts (--rollout-tokens {args.rollout_tokens} per GPU; the "
+        unit = "per SP group" if args.generation == "sp" else "per GPU"
+        which = (f"GPU memory binds first, set by the rollouts (--rollout-tokens {args.rollout_tokens} {unit}; the "
                  f"training step alone uses {c.memory.training_peak / (args.gpu_memory * usable):.0%})")
         return f"uses {gpu:.0%} of the usable GPU memory and {host:.0%} of the usable host memory: {which}"
     return (f"uses {gpu:.0%} of the usable GPU memory and {host:.0%} of the usable host memory: {which} binds first")

@@ -95,10 +95,13 @@ def footer(args: argparse.Namespace) -> str:
            + ", the chunked log-prob head's forward and backward in place of the loss, the objective's per-token "
            "inputs; a pair's or a group's documents count together in --seq-len"
            + (f"; rollouts on these GPUs, where {plan_trainer(args).name} always generates them: --rollout-tokens "
-              f"{args.rollout_tokens} tokens per GPU"
+              f"{args.rollout_tokens} tokens " + ("per SP group" if args.generation == "sp" else "per GPU")
               + (" (not given: --seq-len)" if args.rollout_tokens_assumed else "")
-              + " (the whole model gathered, KV cache, one layer's prefill) as a phase of their own (peak = params + "
-              "optim + max(grads, activ + buffers, rollouts))" if args.task in ("grpo", "rloo") else "") + ";"]
+              + (" (sequence-parallel: 1/SP of their KV cache per GPU, the prefill sharded as a training step, the "
+                 "weights gathered once where that fits, else FSDP2's per-unit gathers)" if args.generation == "sp" else
+                 " (per rank: the whole model gathered, KV cache, one layer's prefill)")
+              + " as a phase of their own (peak = params + optim + max(grads, activ + buffers, rollouts))"
+              if args.task in ("grpo", "rloo") else "") + ";"]
           if args.task != "sft" else []),
         *([f"- --task {args.task}: {plan_trainer(args).name} takes no param_offload, so only settings without "
            "parameter offload are searched;"] if not plan_trainer(args).trainer_options else []),
@@ -131,7 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config, cluster, args.micro_batch_tokens, seq_len=args.seq_len, dtype=args.dtype, optimizer=args.optimizer,
         unsharded_step=args.unequal_calls, grad_sync=grad_sync, microbatches=args.microbatches or 1,
         tokens_per_step=args.tokens_per_step, param_offload=args.param_offload, vision=vision, task=task,
-        rollout_tokens=args.rollout_tokens)
+        rollout_tokens=args.rollout_tokens, generation=args.generation)
     ranked = rank(args.task)
     feasible = [c for c in ranked if c.feasible]
     print(_heading(args, config, dims, vision) + "\n")

@@ -59,6 +59,9 @@ def _rollout_tokens(args: argparse.Namespace) -> str | None:
     phase (0, or less) would suggest a setting they cannot run."""
     given = getattr(args, "rollout_tokens", None)
     rollouts = args.task in ("grpo", "rloo")
+    if not rollouts and getattr(args, "generation", "sp") != "sp":
+        return (f"--generation {args.generation} applies to --task grpo or rloo, not --task {args.task} (which "
+                "generates nothing): drop it")
     args.rollout_tokens_assumed = given is None and rollouts
     if given is None:
         args.rollout_tokens = args.seq_len if rollouts else 0
@@ -69,8 +72,9 @@ def _rollout_tokens(args: argparse.Namespace) -> str | None:
     if given < 1:
         return (f"--rollout-tokens {given}: {plan_trainer(args).name} (--task {args.task}) generates its rollouts on "
                 "the training GPUs, always (use_vllm, server or colocate, is refused), so a plan without them is a "
-                "setting it cannot run; give the prompt + completion tokens each GPU generates per step "
-                "(per_device_train_batch_size x (prompt + max_completion_length)), or leave --rollout-tokens out "
+                "setting it cannot run; give the prompt + completion tokens one generation decodes per step "
+                "(per_device_train_batch_size x (prompt + max_completion_length), times the SP degree with "
+                "--generation sp), or leave --rollout-tokens out "
                 f"(default: --seq-len, {args.seq_len})")
     return None
 
