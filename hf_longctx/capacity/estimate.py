@@ -89,8 +89,7 @@ def estimate_memory(
     dims: ModelDims, setting: Setting, *, world: int, tokens: int, dtype: str = "bf16", optimizer: str = "adamw",
     unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1, offload: bool = True,
     kernel_workspace: float | None = None, task: str = "sft", rollout_tokens: int = 0, generation: str = "sp",
-    generation_weights: str = "gathered", generation_cache: str = "device",
-) -> MemoryEstimate:
+    generation_weights: str = "gathered", generation_cache: str = "device") -> MemoryEstimate:
     """Per-GPU bytes of one step on `world` GPUs, `tokens` per SP group and micro-batch.
 
     `optimizer`: "adamw" (two fp32 moments) or "sgd" (stateless). `unsharded_step`: the
@@ -99,12 +98,8 @@ def estimate_memory(
     fp32 gradients held until then) or "microbatch" (every backward). `microbatches`: per rank
     and optimizer step (1: no earlier gradients are held). `kernel_workspace`: bytes one local
     attention kernel call allocates beyond its outputs, where the backend is not flash-attn 2
-    (e.g. the CPU kernel's, measured). `task`, `rollout_tokens`: `capacity/task_budget.py`; the
-    rollouts' phase: `generation` "sp" (`sp_generate`: `rollout_tokens` over the SP group, each GPU
-    holding 1/SP of their cache; `generation_weights` "gathered" or "sharded", `generation_cache`
-    "device" or "host" (its bytes then in `host`), `capacity/generation_budget.py`) or "per-rank" (each GPU generating `rollout_tokens` with the whole
-    model). Raises ValueError when the setting cannot run (degrees that do not divide, heads not
-    divisible)."""
+    (e.g. the CPU kernel's, measured). `task`, `rollout_tokens`, `generation*`: the rollouts
+    (`_rollouts`). Raises ValueError when the setting cannot run (degrees, heads not divisible)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     if optimizer not in ("adamw", "sgd"):
@@ -115,8 +110,6 @@ def estimate_memory(
         raise ValueError("unsharded_step=True syncs gradients in each rank's last backward: grad_sync must be 'step'")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an int >= 1 (micro-batches per rank and step), got {microbatches!r}")
-    if generation not in GENERATION:
-        raise ValueError(f"generation must be one of {GENERATION}, got {generation!r}")
     s = setting
     if world % s.sp:
         raise ValueError(f"ulysses({s.ulysses}) x ring({s.ring}) = {s.sp} does not divide {world} GPUs")
@@ -156,15 +149,8 @@ def estimate_memory(
         if grad_sync == "microbatch":
             held = 0.0  # the accumulated sharded gradients are the host shards above
     params, grads = master + gathered + reference, sharded_grads + unsharded_grads
-    rollouts, rollout_host, weights, cache = 0.0, 0.0, "", ""
-    if task in ("grpo", "rloo") and rollout_tokens:
-        if generation == "sp":
-            weights, cache = generation_weights, generation_cache
-            rollouts, rollout_host = sp_generation_memory(dims, s, tokens=rollout_tokens, dtype=dtype, weights=weights,
-                                                          fsdp_gathered=gathered, world=world,
-                                                          cache_on_host=cache == "host")
-        else:
-            rollouts = generation_bytes(dims, dt, rollout_tokens) - gathered
+    rollouts, rollout_host, weights, cache = _rollouts(dims, s, task, rollout_tokens, dtype, generation,
+                                                       generation_weights, generation_cache, gathered, world)
 
     # Activations and transients: the per-token budget of capacity/budget.py (every tensor of
     # the step by name and phase); `activations` is what the whole step holds, `buffers` the
@@ -178,10 +164,26 @@ def estimate_memory(
     backward_grads = made if binding.startswith("layer backward") else 0.0
     activations = budget.held
     buffers = device - backward_grads - budget.held
-    # A host-resident rollout cache and the step's offloads never coexist: sp_generate releases the pool's
-    # free pinned buffers before it pins its cache (ops/offload.release_pinned), the step re-pins them after.
-    host = max(host + budget.host, host + rollout_host)
-    return MemoryEstimate(params, grads, optim, activations, buffers, host, held, backward_grads, rollouts, weights, cache)
+    return MemoryEstimate(params, grads, optim, activations, buffers, host + max(budget.host, rollout_host), held,
+                          backward_grads, rollouts, weights, cache)  # the step's offloads or the rollouts' cache
+
+
+def _rollouts(dims: ModelDims, s: Setting, task: str, tokens: int, dtype: str, generation: str, weights: str,
+              cache: str, gathered: float, world: int) -> tuple[float, float, str, str]:
+    """(device bytes above the step's shards, host bytes, weights placement, cache placement) of the
+    rollouts of "grpo" / "rloo": `generation` "sp" (`capacity/generation_budget.py`: `weights`
+    "gathered" / "sharded", the cache on the "device" / "host") or "per-rank"
+    (`task_budget.generation_bytes`). A host-resident cache and the step's offloads never coexist:
+    sp_generate releases the pool's free pinned buffers first (`ops/offload.release_pinned`)."""
+    if generation not in GENERATION:
+        raise ValueError(f"generation must be one of {GENERATION}, got {generation!r}")
+    if task not in ("grpo", "rloo") or not tokens:
+        return 0.0, 0.0, "", ""
+    if generation == "per-rank":
+        return generation_bytes(dims, DTYPE_BYTES[dtype], tokens) - gathered, 0.0, "", ""
+    device, host = sp_generation_memory(dims, s, tokens=tokens, dtype=dtype, weights=weights, fsdp_gathered=gathered,
+                                        world=world, cache_on_host=cache == "host")
+    return device, host, weights, cache
 
 
 def _grads_before_layer_backward(dims: ModelDims, s: Setting, budget, *, world: int, tokens: int, dtype: str,

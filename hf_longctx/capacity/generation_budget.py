@@ -60,8 +60,9 @@ def _attention_points(z: Sizes, s, S: float, kv: float) -> dict:
 
 
 def _prefill_phases(z: Sizes, dims: ModelDims, s, S: float, r: float, kv: float) -> dict:
-    """The prefill's peaks: a layer's attention call (`_attention_points`) beside its input, norm
-    output and q, k, v; its MLP on a row chunk; for layers run whole or row-chunked (memory="max":
+    """The prefill's peaks: a layer's attention call (`_attention_points`) and its output projection
+    beside its input, norm output and q, k, v (a model's attention forward holds them to its end);
+    its MLP on a row chunk; for layers run whole or row-chunked (memory="max":
     `LayerRun`'s output buffer, the layer's q, k, v assembled from the row chunks, the attention
     output of all rows, one chunk's residual, norm output and I-wide tensors). Every phase: the
     embedding output (the model's forward holds it to the end), RoPE's cos/sin, the shard's ids,
@@ -80,8 +81,10 @@ def _prefill_phases(z: Sizes, dims: ModelDims, s, S: float, r: float, kv: float)
         attention = {"prefill: q and k after RoPE, v": (z.qb + 2 * kv) * S}
         mlp = {"prefill: attention residual": z.v * S, "prefill: a row chunk's MLP (I-wide)": wide * r,
                "prefill: the finished MLP chunks' outputs": (S - r) * z.v}
-    phases = {f"prefill: attention ({point})": common | layer | attention | terms
-              for point, terms in _attention_points(z, s, S, kv).items()}
+    points = _attention_points(z, s, S, kv)
+    if not (s.checkpoint is True and s.mlp_chunks > 1):  # the layer's q, k, v live on through its o_proj
+        points["output projection"] = {"prefill: the attention output and its projection": (z.qb + z.v) * S}
+    phases = {f"prefill: attention ({point})": common | layer | attention | terms for point, terms in points.items()}
     phases["prefill: MLP"] = common | layer | mlp
     return phases
 

@@ -156,14 +156,10 @@ def rank_settings(
     (try both), "yes", "no". `vision`: a `capacity/vision.VisionBudget` (images / video per
     document of `seq_len`): the tower's memory and time are charged to every setting. `task`,
     `rollout_tokens`: the training objective and the prompt + completion tokens one generation
-    decodes per step on these GPUs -- with `generation` "sp" (`sp_generate`) the SP group's rows, their
-    cache sharded over it; "per-rank": one GPU's rows, with the whole model (`estimate.estimate_memory`;
-    default `seq_len` for "grpo" / "rloo", whose trainers always generate there; 0 ranks their training
-    step alone, a figure to compare with, not a setting they run: `suggest` refuses it); a pair or a
-    group counts all its documents in `tokens`. Sequence-parallel rollouts take the weights gathered
-    once where the rollout fits so, else FSDP2's per-unit gathers, and the cache on the device where
-    it fits, else in pinned host memory (`ROLLOUT_PLACES`, as `sp_generate(weights="auto", cache="auto")`;
-    `rollout_cache` "device" or "host" keeps the cache there).
+    decodes per step here ("grpo" / "rloo" default `seq_len`; 0: their training step alone, which
+    `suggest` refuses) -- with `generation` "sp" the SP group's rows, placed as `placed` picks
+    (`rollout_cache` "device" / "host" keeps the cache there), "per-rank" one GPU's rows; a pair or a
+    group counts all its documents in `tokens`.
     Only settings the task's trainer runs (`suggestion.TASK_TRAINERS`): for "grpo" / "rloo"
     no parameter offload ("auto" tries it off only; "yes" is refused) and gradients
     reduce-scattered in every micro-batch (`grad_sync` "microbatch", as those trainers always
@@ -183,13 +179,11 @@ def rank_settings(
         mbs = microbatches if tokens_per_step is None else math.ceil(tokens_per_step / (dp * tokens))
 
         def memory(s: Setting):
-            est = [estimate_memory(dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
-                                   unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs, task=task,
-                                   rollout_tokens=rollout_tokens, generation=generation, generation_weights=w,
-                                   generation_cache=c)
-                   for w, c in places]
-            # as sp_generate's weights="auto", cache="auto": the first placement that fits the GPU (and the host)
-            return next((m for m in est if m.peak <= usable_gpu and m.host * per_node <= usable_host), est[-1])
+            return placed(lambda w, c: estimate_memory(
+                dims, s, world=cluster.gpus, tokens=tokens, dtype=dtype, optimizer=optimizer,
+                unsharded_step=unsharded_step, grad_sync=grad_sync, microbatches=mbs, task=task,
+                rollout_tokens=rollout_tokens, generation=generation, generation_weights=w, generation_cache=c),
+                places, usable_gpu, usable_host / per_node)
 
         mem = memory(s)
         if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
@@ -225,6 +219,13 @@ def rank_settings(
                   key=lambda c: (not cluster.follows_usp_guidance(c.setting, dims.heads, dims.kv_heads),
                                  c.setting.inputs_on_device > 0))
     return band + out[n:]
+
+
+def placed(estimate: Any, places: list, gpu: float, host: float) -> Any:
+    """The estimate (`estimate(weights, cache)`) of the first rollout placement that fits `gpu` device
+    bytes and `host` host bytes per GPU, as sp_generate's weights="auto", cache="auto" picks; else the last."""
+    est = [estimate(w, c) for w, c in places]
+    return next((m for m in est if m.peak <= gpu and m.host <= host), est[-1])
 
 
 def _check_sizes(tokens: int, seq_len: int, microbatches: int, tokens_per_step: int | None) -> None:

@@ -110,6 +110,11 @@ class Suggestion:
             t = TASK_TRAINERS[self.task]
             out += f"\ntrainer = hf_longctx.{t.name}(model=model, args={t.config}, mesh=mesh, {kw}, ...)"
             out += f"\n# {t.unit}" if t.unit else ""
+        memory = getattr(self.candidate, "memory", None)
+        if memory is not None and memory.generation_weights:  # what sp_generate's "auto" rule places, as planned
+            cache = "device" if memory.generation_cache == "device" else "host (pinned; read over PCIe every decode step)"
+            weights = "gathered once per rollout" if memory.generation_weights == "gathered" else "FSDP2-gathered per unit"
+            out += f"\n# rollouts: sequence-parallel, weights {weights}, K/V cache on the {cache}"
         return out
 
     @property

@@ -103,20 +103,21 @@ def test_suggest_charges_the_rollouts_and_refuses_none(task, trainer):
 
 
 def test_sequence_parallel_rollouts_bind_per_sp_group(capsys):
-    """grpo at 4M tokens with sequence-parallel rollouts (the default): the rollouts of the SP group
-    bind, the answer counts them per SP group, says a larger SP degree shrinks each GPU's share, and
-    the figure that fits is checked by planning with it (fits) and with a tenth more (does not)."""
-    assert main([*PLAN, "--seq-len", "4194304", "--task", "grpo"]) == 1
+    """grpo at 1M tokens per micro-batch with 32M rollout tokens (many micro-batches' worth) and
+    sequence-parallel rollouts (the default): the rollouts of the SP group bind, the answer counts
+    them per SP group, says a larger SP degree shrinks each GPU's share, and the figure that fits
+    is checked by planning with it (fits) and with a tenth more (does not)."""
+    base = [*PLAN, "--seq-len", "1048576", "--task", "grpo"]
+    assert main([*base, "--rollout-tokens", "33554432"]) == 1
     err = capsys.readouterr().err
-    for said in ("the rollouts set it", "generating 4194304 tokens per SP group", "1/SP of their KV cache",
-                 "not given: --seq-len, 4194304, assumed"):
+    for said in ("the rollouts set it", "generating 33554432 tokens per SP group", "1/SP of their KV cache"):
         assert said in err, (said, err)
     fit = int(re.search(r"At most ([\d,]+) rollout tokens per SP group fit", err).group(1).replace(",", ""))
-    assert 2 * 2**20 < fit < 4194304, err  # sequence-parallel rollouts reach past 2M tokens on 8 x 80 GB
-    assert main([*PLAN, "--seq-len", "4194304", "--task", "grpo", "--rollout-tokens", str(fit)]) == 0
+    assert 2 * 2**20 < fit < 33554432, err
+    assert main([*base, "--rollout-tokens", str(fit)]) == 0
     out = capsys.readouterr().out
-    assert "generation=" not in out and "--generation" not in out.split("as recipe flags")[-1], out[-1500:]
-    assert main([*PLAN, "--seq-len", "4194304", "--task", "grpo", "--rollout-tokens", str(fit * 11 // 10)]) == 1
+    assert "generation=" not in out and "# rollouts: sequence-parallel" in out, out[-1500:]
+    assert main([*base, "--rollout-tokens", str(fit * 11 // 10)]) == 1
     capsys.readouterr()
 
 
