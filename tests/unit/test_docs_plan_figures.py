@@ -6,8 +6,8 @@ tests/data/llama-3.1-8b-config.json --gpus 8 --gpu-memory 80GiB --host-memory 51
 MFU (docs/guides/memory.md; its code block, the command's suggestion verbatim, is
 tests/unit/test_docs_commands.py's); the measured memory page states the host memory per GPU
 of the 1 TiB-host plan (docs/measured/memory.md); the GRPO and DPO guides state what the 4M-token
-`--task grpo` plan answers when each GPU generates the assumed 4M rollout tokens (the GPU
-peak, the most rollout tokens that fit). Each is rerun here (the planner is pure arithmetic:
+`--task grpo` plan answers: a setting that fits with sequence-parallel rollouts, and on the per-rank
+path, each GPU generating the assumed 4M rollout tokens, the GPU peak and the most that fit. Each is rerun here (the planner is pure arithmetic:
 seconds) and compared with the pages' text.
 """
 
@@ -65,14 +65,19 @@ def test_the_presets_section_states_the_1tib_host_figure(plans):
 
 
 def test_the_grpo_and_dpo_guides_state_what_the_rollouts_plan_answers(capsys):
-    assert main(["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "2048GiB",
-                 "--seq-len", "4194304", "--task", "grpo", "--top", "1"]) == 1
+    base = ["plan", "--model", CONFIG, "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "2048GiB",
+            "--seq-len", "4194304", "--task", "grpo", "--top", "1"]
+    assert main(base) == 0  # sequence-parallel rollouts: a setting fits, its cache on the host
+    out = capsys.readouterr().out
+    assert "ulysses_degree=8, ring_degree=1, fpdt_chunks=4" in out and "K/V cache on the host" in out, out[-1500:]
+    assert "the plan fits (Ulysses 8, FPDT 4, `memory=\"max\"`, the rollouts' weights per unit and" in _page(
+        "guides/grpo.md")
+    assert main([*base, "--generation", "per-rank"]) == 1
     err = capsys.readouterr().err
     peak = re.search(r"generating 4194304 tokens per GPU needs ([\d.]+) GiB per GPU", err).group(1)
     fit = re.search(r"At most ([\d,]+) rollout tokens per GPU fit", err).group(1)
-    said = ("each GPU generating the assumed 4M tokens needs " + peak + " GiB per GPU",
-            f"(at most {fit} rollout tokens per GPU)")
+    said = (f"(`--generation per-rank`) needs {peak} GiB per GPU", f"most {fit} rollout tokens per GPU)")
     for text in said:
-        assert text in _page("guides/grpo.md"), (text, err)
-    assert f"(the closest setting needs {round(float(peak)):,} GiB per GPU" in _page("guides/dpo.md"), err
-
+        assert text in " ".join(_page("guides/grpo.md").split()), (text, err)
+    assert "nothing does (the closest setting needs " + f"{round(float(peak)):,}" + " GiB" in " ".join(
+        _page("guides/dpo.md").split()), err
