@@ -143,8 +143,8 @@ def _use_env(monkeypatch, env):
 @pytest.mark.parametrize("causal,window,softcap", [(True, None, None), (True, 5, None), (False, 3, None), (True, None, 2.0)])
 def test_no_tile_reaches_the_math_kernel(monkeypatch, counted_math, flash, layout, causal, window, softcap):
     """bf16 on an emulated CUDA machine: every call goes to the fast kernel the table
-    allows; a packed micro-batch is one varlen call each way; bf16 results agree with the
-    math kernel to bf16 precision."""
+    allows (nothing measured: torch's flash ops, flash-attn for softcap); a packed micro-batch
+    is one varlen call each way; bf16 results agree with the math kernel to bf16 precision."""
     env, sims = cuda_env(flash=flash)
     _use_env(monkeypatch, env)
     cu, q_runs, k_runs = layout_of(layout)
@@ -161,7 +161,7 @@ def test_no_tile_reaches_the_math_kernel(monkeypatch, counted_math, flash, layou
         out, lse = kernels.varlen_forward(q, k, v, q_runs, k_runs, **kw)
         grads = kernels.varlen_backward(dout, q, k, v, out, lse, q_runs, k_runs, **kw)
     assert counted_math == []
-    sim = sims["flash_attn" if flash else "torch_flash"]
+    sim = sims["flash_attn" if softcap is not None else "torch_flash"]  # flash-attn only where it alone is exact
     if window is None and layout != "random":  # packed docs / a zigzag step: one call per block pair
         assert sim.calls == {"forward": 1, "backward": 1}
     assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
@@ -185,12 +185,24 @@ def test_no_tile_reaches_the_math_kernel(monkeypatch, counted_math, flash, layou
     (dict(softcap=30.0), "flash_attn", None),
     (dict(torch_impl="FA3"), "torch_flash[FA3]", None),
     (dict(torch_impl="FA3", softcap=30.0), "flash_attn", None),
-    (dict(), "flash_attn", None),
+    (dict(), "torch_flash", None),  # nothing measured: torch's flash ops
+    (dict(ranking=("flash_attn", "torch_flash")), "flash_attn", None),  # measured faster
+    (dict(ranking=("cudnn", "torch_flash"), cudnn="H,T"), "cudnn", None),
+    (dict(ranking=("cudnn", "torch_flash"), cudnn="H,T", window=64), "torch_flash", None),  # cuDNN: no window
+    (dict(ranking=("cudnn", "torch_flash"), cudnn="H,T", head_dim=256), "torch_flash", None),
+    (dict(ranking=("cudnn",), cudnn="H,T", cudnn_version=91300), "torch_flash", None),  # too old: next exact
+    (dict(ranking=("cudnn_frontend", "torch_flash"), frontend=True, window=64), "cudnn_frontend", None),
+    (dict(ranking=("torch_flash[FA3]", "torch_flash"), torch_impl="FA3"), "torch_flash[FA3]", None),
+    (dict(ranking=("torch_flash",), torch_impl="FA3"), "torch_flash[FA3]", None),  # the user's switch, unmeasured
     (dict(flash=None), "torch_flash", None),
+    (dict(flash=None, cudnn="H,T"), "torch_flash", None),  # cuDNN unmeasured: not picked automatically
 ])
 def test_dispatch_follows_the_capability_table(case, expect, reason):
-    env, _ = cuda_env(flash=case.get("flash", "2.8.3"), capability=case.get("capability", (9, 0)), torch_impl=case.get("torch_impl"))
-    kw = dict(dtype=case.get("dtype", torch.bfloat16), head_dim=case.get("head_dim", 128), softcap=case.get("softcap"))
+    env, _ = cuda_env(flash=case.get("flash", "2.8.3"), capability=case.get("capability", (9, 0)),
+                      torch_impl=case.get("torch_impl"), cudnn=case.get("cudnn"),
+                      cudnn_version=case.get("cudnn_version", 91400), frontend=case.get("frontend", False))
+    kw = dict(dtype=case.get("dtype", torch.bfloat16), head_dim=case.get("head_dim", 128), softcap=case.get("softcap"),
+              window=case.get("window"), choice=select.AttentionChoice(ranking=case.get("ranking", ())))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         chosen = select.select_backend(env, **kw)
