@@ -76,8 +76,9 @@ def footer(args: argparse.Namespace) -> str:
         f"on one {gpu.name} (--gpu; hf_longctx/capacity/gpus.py), by the step-time model: the op inventory of the "
         "patched step (every kernel, collective and copy; capacity/inventory.py), each op max(FLOPs / achieved rate, "
         f"HBM bytes / {gpu.hbm:.0%} of {gpu.hbm_bw / 1e12:g} TB/s) + {gpu.launch_s * 1e6:g} us per kernel; GEMMs at "
-        f"{gpu.gemm:.0%} and flash-attn at {gpu.attention_fraction(128, False):.0%} / "
-        f"{gpu.attention_fraction(128, True):.0%} (fwd / bwd) of {gpu.bf16_flops / 1e12:g} TFLOP/s; Ulysses all-to-alls "
+        f"{gpu.gemm:.0%} and attention ({gpu.modelled_attention(128)}) at {gpu.attention_fraction(128, False):.0%} / "
+        f"{gpu.attention_fraction(128, True):.0%} (fwd / bwd, head dim 128) of {gpu.bf16_flops / 1e12:g} TFLOP/s; "
+        "Ulysses all-to-alls "
         f"block ({gpu.nvlink_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {gpu.ib_bw / 1e9:g} GB/s across, "
         f"x{gpu.nccl:g} achieved, {gpu.collective_s * 1e6:g} us per call); ring P2P, FSDP and host offload "
         f"({gpu.pcie_h2d / 1e9:g} / {gpu.pcie_d2h / 1e9:g} GB/s to / from the GPU) count beyond the compute they "
@@ -168,13 +169,25 @@ def _plan_dpo(args: argparse.Namespace, config: Any, cluster: Any, dims: Any, he
     return 0
 
 
+def _attention_line(args: argparse.Namespace, head_dim: int) -> str:
+    """Which attention kernel the step-time model runs, and why: named, or the fastest measured."""
+    gpu = _cluster(args).gpu_spec
+    name = gpu.modelled_attention(head_dim)
+    if args.attention_backend is not None:
+        return f"attention kernel {name} (--attention-backend)"
+    measured = [n for n, _ in gpu.measured_attention]
+    how = (f"the fastest measured on {gpu.name} of {', '.join(measured)}" if measured
+           else f"nothing measured on {gpu.name}: torch's flash ops at their H200 fractions")
+    return f"attention kernel {name} ({how}; capacity/gpus.py)"
+
+
 def _cluster(args: argparse.Namespace):
     from hf_longctx.capacity.cluster import Cluster
 
     return Cluster(
         gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
         gpu=args.gpu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw, headroom=args.headroom,
-        latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
+        latency=args.latency, cpu_optim_bw=args.cpu_optim_bw, attention_backend=args.attention_backend,
     )
 
 
@@ -203,7 +216,8 @@ def _heading(args: argparse.Namespace, config: Any, dims: Any, vision: Any) -> s
                else f"{args.tokens_per_step} tokens per step")
             + (f"; vision tower {vision.dims.params / 1e6:.0f}M params, {vision.tokens} visual tokens per sample "
                f"({args.images} images x {args.image_tokens}, {vision.slices} video slices x {args.frame_tokens}) charged "
-               "(capacity/vision.py)" if vision is not None else ""))
+               "(capacity/vision.py)" if vision is not None else "")
+            + f"; {_attention_line(args, dims.head_dim)}")
 
 
 def _print_closest(args: argparse.Namespace, ranked: list, dims: Any, which: str = "") -> int:

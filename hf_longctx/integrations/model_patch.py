@@ -60,6 +60,7 @@ def patch(
     checkpoint: bool | str = UNSET,
     inputs_on_device: int = 0,
     keep_attention: bool = False,
+    attention_backend: str | None = None,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
@@ -76,6 +77,7 @@ def patch(
     what the host cannot; `hf-longctx plan` suggests N where host memory binds. Default 0.
     `keep_attention`: with memory="max", layers keep the attention's output and LSE (host memory,
     about a layer input per token) for their backward; `hf-longctx plan` says where it pays.
+    `attention_backend`: the attention kernel to run (`config.PatchOptions`); None: the fastest measured.
 
     Call it on every rank. Afterwards call the model with `shard_batch(batch, mesh)`; each
     rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
@@ -103,7 +105,7 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, attention_backend)
     hf = hf_model(model)
     old = hf.__dict__.get(STATE_ATTR)
     if old is not None:

@@ -290,8 +290,7 @@ def fpdt_attention(
     softcap: float | None = None,
     offload: bool = False,
     sinks: torch.Tensor | None = None,
-    plan_cache: dict | None = None,
-    save: bool = True,
+    plan_cache: dict | None = None, save: bool = True, attention_backend=None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the Ulysses group, FPDT-chunked.
 
@@ -306,11 +305,12 @@ def fpdt_attention(
     micro-batch share one chunk plan (and the device tensors backends derive from its
     tiles); `patch()` does this. `save=False`: the caller discards the saved tensors (the first
     run of a checkpointed layer, which the backward recomputes): no chunk is kept for a backward.
+    `attention_backend`: the kernel choice (`ops/backends/select.AttentionChoice`), made before any collective.
     """
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be a bool, got {offload!r}")
     plan = plan_for(q, k, v, mesh, cu_seqlens=cu_seqlens, causal=causal, softmax_scale=softmax_scale, window=window,
-                    softcap=softcap, sinks=sinks, plan_cache=plan_cache)
+                    softcap=softcap, sinks=sinks, plan_cache=plan_cache, choice=attention_backend)
     k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
     if sinks is not None:
         sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all

@@ -304,6 +304,10 @@ def test_named_backends_are_honoured_or_refused():
     assert _select(fa3, choice=select.AttentionChoice(named="torch_flash[FA3]")).name == "torch_flash[FA3]"
     with pytest.raises(ValueError, match="restore_flash_attention_impl"):
         _select(fa3, choice=select.AttentionChoice(named="torch_flash"))
+    ampere, _ = cuda_env(flash="2.8.3", torch_impl="FA3", capability=(8, 0))
+    assert _select(ampere).name == "flash_attn"  # torch's FA3 cannot run on sm80: the next exact kernel
+    with pytest.raises(ValueError, match=r"runs on compute capability 9\.0, not 8\.0"):
+        _select(ampere, choice=select.AttentionChoice(named="torch_flash[FA3]"))
     cpu = select.KernelEnv("cpu", cpu_op=True)
     with pytest.raises(ValueError, match="runs on CUDA"):
         _select(cpu, choice=select.AttentionChoice(named="cudnn"))

@@ -1,9 +1,10 @@
 """What each local attention kernel can take: the table the dispatcher reads.
 
-Where it sits: `ops/backends/select.py` walks the fast kernels in preference order and
-takes the first one whose row here accepts the call (device, dtype, head dim, softcap,
-GPU architecture); a refusal is reported with its reason, once. docs/concepts/usp.md shows
-the same table; `tests/unit/test_backends.py` checks the dispatch against it.
+Where it sits: `ops/backends/select.py` keeps the kernels whose row here accepts the call
+(device, dtype, head dim, softcap, window, GPU architecture) and picks among them -- the one
+named, else the fastest measured; a refusal is reported with its reason, once.
+docs/concepts/usp.md shows the same table; `tests/unit/test_backends.py` checks the dispatch
+against it.
 Facts (flash-attn v2.6.0-v2.8.3 sources, torch 2.13 schemas and sources, nvidia-cudnn-frontend
 1.32): every CUDA kernel needs sm80+ and fp16/bf16, takes GQA and cumulative lengths, no
 arbitrary mask, and rounds its output to the input dtype. The flash kernels take head dims

@@ -32,6 +32,8 @@ ATEN_CPU = TiledBackend("aten_cpu", aten_cpu.aten_forward, aten_cpu.aten_backwar
 # Where nothing is measured, the packed kernels in this order (torch's flash ops first: the kernel
 # every fraction of capacity/gpus.py was derived from).
 UNMEASURED_ORDER = ("torch_flash", "flash_attn", "cudnn_frontend", "cudnn")
+# The GPUs torch's FA3 / FA4 run on (torch/nn/attention/_fa3.py, _fa4.py: compute capability 9.0; 9.0 or 10.0).
+IMPL_CAPABILITY = {"FA3": ((9, 0),), "FA4": ((9, 0), (10, 0))}
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,16 @@ def _why_not_named(env: KernelEnv, named: str) -> str:
             f"name 'torch_flash[{env.torch_impl}]', or call torch.nn.attention.restore_flash_attention_impl()")
 
 
+def _impl_refusal(env: KernelEnv, label: str) -> str | None:
+    """Why torch's flash ops under the user's FA3/FA4 switch cannot run on this GPU (torch would raise)."""
+    fits = IMPL_CAPABILITY.get(env.torch_impl)
+    if not label.startswith("torch_flash[") or fits is None or env.capability is None or tuple(env.capability) in fits:
+        return None
+    return (f"torch's flash ops run {env.torch_impl}, which runs on compute capability "
+            f"{' or '.join(f'{a}.{b}' for a, b in fits)}, not {env.capability[0]}.{env.capability[1]}: "
+            "call torch.nn.attention.restore_flash_attention_impl()")
+
+
 def select_backend(
     env: KernelEnv, *, dtype: torch.dtype, head_dim: int, softcap: float | None, mask: bool = False,
     window: int | None = None, choice: AttentionChoice | None = None,
@@ -142,7 +154,7 @@ def select_backend(
     for label, row, kernel, absent in env.kernels():
         why = absent if kernel is None else refusal(
             row, device="cuda", dtype=dtype, head_dim=head_dim, softcap=softcap, capability=env.capability, window=window,
-        )
+        ) or _impl_refusal(env, label)
         if why is None:
             exact[label] = kernel
         else:
