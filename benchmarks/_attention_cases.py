@@ -87,7 +87,8 @@ def _sync(device) -> None:
 
 
 def speed(backend, tokens: int, heads: tuple, head_dim: int, device, repeat: int = 1, dtype=torch.bfloat16) -> dict:
-    """Forward and backward TFLOP/s of one causal document: the best of `repeat` after one warm-up."""
+    """Forward and backward TFLOP/s of one causal document: the best of `repeat` after one warm-up
+    (`repeat=0`: the warm-up alone, for lengths whose plans the shorter ones did not build)."""
     h, hkv = heads
     g = torch.Generator(device=device).manual_seed(0)
     q, dout = (torch.randn(1, tokens, h, head_dim, device=device, generator=g, dtype=dtype).transpose(1, 2) for _ in range(2))
@@ -109,7 +110,7 @@ def speed(backend, tokens: int, heads: tuple, head_dim: int, device, repeat: int
     pairs = tokens * (tokens + 1) / 2
     row = {"tokens": tokens, "heads": h, "kv_heads": hkv, "head_dim": head_dim}
     for part, factor in (("forward", 4), ("backward", 10)):
-        seconds = min(times[part][1:])  # the first call builds plans (cuDNN graphs, flash setup)
+        seconds = min(times[part][1:] or times[part])  # the first call builds plans (cuDNN graphs), unless it is the only one
         row[f"{part}_s"] = round(seconds, 6)
         row[f"{part}_tflops"] = round(factor * pairs * h * head_dim / seconds / 1e12, 3)
     return row
