@@ -63,7 +63,7 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     `param_offload`) and DPOTrainer's.
 
     Args:
-        model: The policy, `patch`ed with `mesh`.
+        model: The policy, patched with `mesh` (`patch(model, mesh)`).
         ref_model: None (TRL's default, the initial model from its path) or a model
             (patched here with the mesh if it is not).
         args: A TRL `DPOConfig` with `max_length=None`.

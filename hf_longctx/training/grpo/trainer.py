@@ -41,7 +41,7 @@ class LongGRPOTrainer(SPRolloutTrainer, GRPOTrainer):
 
     Args:
         *args: `trl.GRPOTrainer`'s positional arguments.
-        mesh: The mesh the model is `patch`ed with (`init_sequence_parallel`).
+        mesh: The mesh (`init_sequence_parallel`) the model is patched with (`patch(model, mesh)`).
         max_tokens: Tokens of one packed micro-batch of an SP group (default None: one
             packed micro-batch per step).
         **kwargs: `trl.GRPOTrainer`'s keyword arguments (`model`, `reward_funcs`, `args`,

@@ -45,7 +45,7 @@ class LongRLOOTrainer(SPRolloutTrainer, RLOOTrainer):
 
     Args:
         *args: `trl.RLOOTrainer`'s positional arguments.
-        mesh: The mesh the model is `patch`ed with (`init_sequence_parallel`).
+        mesh: The mesh (`init_sequence_parallel`) the model is patched with (`patch(model, mesh)`).
         max_tokens: Tokens of one packed micro-batch of an SP group (default None: one
             packed micro-batch per step).
         **kwargs: `trl.RLOOTrainer`'s keyword arguments (`model`, `reward_funcs`, `args`,
