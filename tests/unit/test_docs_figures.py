@@ -1,10 +1,13 @@
-"""The site's generated pictures: each is drawn from the source its page's table prints
-(docs/hooks/figures_pages.py, figures_results.py).
+"""The site's generated pictures: each is drawn from the source its page's table prints, and
+every page shows the pictures the build makes (docs/hooks/figures.py, figures_pages.py,
+figures_results.py).
 
 A page figure reads the table of its page (`page_tables.find`), so its numbers are the
 table's; here each one is drawn from the pages as committed (a renamed column fails it, as it
 fails the build) and what it drew is compared with the table's cells. A results figure reads
-benchmarks/results/ (the model zoo, the H200 throughput rows) and is compared with the files."""
+benchmarks/results/ (the model zoo, the H200 throughput rows) and is compared with the files.
+The longest-context page, the home page and every measured page show a picture
+(`site_check.PICTURED`); every picture a page shows is one the build draws."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from tests.helpers.docs_hooks import hook
 
 DOCS = ROOT / "docs"
 PNG = b"\x89PNG\r\n\x1a\n"
+PLANNER_FIGURES = ("plan-load", "plan-load-flex", "memory-per-token", "mesh")  # figures.py's own
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,6 +85,20 @@ def test_the_results_figures_are_the_committed_files(tmp_path):
         if "profile" not in r:
             want = r["tokens"] / r["seconds"] if r.get("fits") else None
             assert drawn[("tokens/s", r["preset"], r["tokens"])] == want, r
+
+
+def test_every_picture_a_page_shows_is_drawn_and_the_pages_show_them():
+    names = set(PLANNER_FIGURES) | set(hook("figures_pages").FIGURES) | set(hook("figures_results").FIGURES)
+    shown: dict[str, set[str]] = {}
+    for page in DOCS.rglob("*.md"):
+        for name in re.findall(r"\]\((?:\.\./)*img/([\w-]+)\.png\)", page.read_text()):
+            shown.setdefault(name, set()).add(str(page.relative_to(DOCS)))
+    assert set(shown) - names == set(), "pages show pictures the build does not draw"
+    assert names - set(shown) == set(), "the build draws pictures no page shows"
+    pictured = {p for pages in shown.values() for p in pages}
+    missing = [p for p in hook("site_check").PICTURED if p not in pictured]
+    assert not missing, missing
+    assert {str(p.relative_to(DOCS)) for p in (DOCS / "measured").glob("*.md")} <= set(hook("site_check").PICTURED)
 
 
 def test_page_tables_read_cells_as_pages_write_them():
