@@ -84,3 +84,22 @@ def test_the_families_the_coverage_page_calls_exact_are_exact():
     assert said, "the coverage page's sentence on the sink families and hybrids is gone"
     named = [n.strip() for group in said.groups() for n in group.split(",")]
     assert len(named) > 10 and {n: verdict.get(n) for n in named if verdict.get(n) != "EXACT"} == {}
+
+
+def test_the_readme_states_the_zoo_counts():
+    causal, vision = _counts("causal"), _counts("vision")
+    text = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"(\d+) of the (\d+) causal LMs of transformers ([\d.]+) exact on Ulysses and ring, (\d+) refused "
+                     r"with the cause, (\d+) wrong", text)
+    assert said, "the README's model-family row is gone"
+    version = re.search(r"on transformers (\d+\.\d+)", (ROOT / "benchmarks/results/zoo.md").read_text()).group(1)
+    n_exact, n_all, said_version, n_refused, n_wrong = said.groups()
+    assert (int(n_exact), int(n_all), int(n_refused), int(n_wrong)) == (
+        causal["EXACT"], sum(causal.values()), causal["REFUSED"], causal["WRONG"])
+    said = re.search(r"\| causal LMs of transformers ([\d.]+) \| (\d+) exact, (\d+) refused with the cause, (\d+) wrong, "
+                     r"(\d+) crashing", text)
+    assert said and tuple(int(x) for x in said.groups()[1:]) == (causal["EXACT"], causal["REFUSED"], causal["WRONG"],
+                                                                 causal["CRASH"])
+    said = re.search(r"(\d+) of the (\d+) image-text-to-text model types", text)
+    assert said and tuple(int(x) for x in said.groups()) == (vision["EXACT"], sum(vision.values()))
+    assert said_version == version, f"the README names transformers {said_version}, the zoo ran {version}"
