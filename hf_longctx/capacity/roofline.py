@@ -53,10 +53,19 @@ class Breakdown:
         return self.model_flops / (self.seconds * self.gpu.bf16_flops) if self.seconds else 0.0
 
     @property
+    def terms(self) -> dict:
+        """Seconds by what they are spent on: the compute-bound time split into the attention
+        kernels and the GEMMs (their achieved fractions differ, and so does what would speed
+        them up), then HBM, launches, each link's exposed time, PCIe and the other terms."""
+        return {"attention kernels": self.attention, "GEMMs": self.flops - self.attention, "HBM": self.hbm,
+                "launches": self.launches,
+                **{("PCIe" if k == "pcie" else f"link {k}"): v for k, v in self.links.items()}, **self.other}
+
+    @property
     def binds(self) -> str:
-        """"FLOPs", "HBM", "launches", "link <name>", "PCIe" or another term: the largest."""
-        terms = {"FLOPs": self.flops, "HBM": self.hbm, "launches": self.launches,
-                 **{("PCIe" if k == "pcie" else f"link {k}"): v for k, v in self.links.items()}, **self.other}
+        """"attention kernels", "GEMMs", "HBM", "launches", "link <name>", "PCIe" or another
+        term of `terms`: the largest."""
+        terms = self.terms
         return max(terms, key=terms.get)
 
     def add(self, other: "Breakdown", times: float = 1.0) -> None:

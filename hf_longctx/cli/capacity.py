@@ -81,8 +81,8 @@ def footer(args: argparse.Namespace) -> str:
         f"block ({gpu.nvlink_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {gpu.ib_bw / 1e9:g} GB/s across, "
         f"x{gpu.nccl:g} achieved, {gpu.collective_s * 1e6:g} us per call); ring P2P, FSDP and host offload "
         f"({gpu.pcie_h2d / 1e9:g} / {gpu.pcie_d2h / 1e9:g} GB/s to / from the GPU) count beyond the compute they "
-        "overlap; MFU % = (6 N T + causal attention) / (step s x peak); binds = the largest term (FLOPs, HBM, "
-        "launches, a link, PCIe);",
+        "overlap; MFU % = (6 N T + causal attention) / (step s x peak); binds = the largest term (the attention "
+        "kernels' or the GEMMs' compute-bound time, HBM-bound kernels, launches, a link, PCIe, the CPU optimizer);",
         "- param offload (FSDP2 CPUOffloadPolicy; --param-offload auto|yes|no): the fp32 parameter and gradient "
         "shards and the optimizer states on host (in host GiB/GPU), their PCIe traffic overlapped, the optimizer step "
         f"on the CPU at {args.cpu_optim_bw / 1e9:g} GB/s per GPU (--cpu-optim-bw), not overlapped;",

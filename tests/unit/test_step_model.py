@@ -77,7 +77,8 @@ def test_breakdown_sums_and_names_what_binds():
     short = step_time(dims, preset_setting(1, 1, 1, "off", dims), cluster, 1 << 15)
     long = step_time(dims, preset_setting(1, 1, 1, "off", dims), cluster, 1 << 17)
     assert short.seconds == pytest.approx(short.flops + short.hbm + short.launches + sum(short.links.values()))
-    assert 0 < short.mfu < 1 and short.binds == "FLOPs"
+    assert 0 < short.mfu < 1 and short.binds == "GEMMs"
+    assert long.binds == "attention kernels"  # 128K: attention is most of the compute-bound time
     # attention's share grows with length, and its kernels run at about a third of peak against the GEMMs' 0.69
     assert long.mfu < short.mfu and long.attention / long.flops > short.attention / short.flops
     h100 = step_time(dims, preset_setting(1, 1, 1, "max", dims), dataclasses.replace(cluster, gpu="h100"), 1 << 15)
