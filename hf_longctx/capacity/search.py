@@ -31,7 +31,7 @@ from hf_longctx.capacity.estimate import (
     estimate_memory,
 )
 from hf_longctx.capacity.step_time import step_time
-from hf_longctx.capacity.suggestion import Suggestion, task_trainer
+from hf_longctx.capacity.suggestion import Suggestion, rollouts_of, task_options, task_trainer
 
 
 TIE_TOLERANCE = 0.07  # relative step-time difference the estimates cannot resolve (see the module docstring)
@@ -223,35 +223,6 @@ def _check_sizes(tokens: int, seq_len: int, microbatches: int, tokens_per_step: 
         raise ValueError(f"tokens_per_step ({tokens_per_step}) must be >= the micro-batch tokens ({tokens})")
     if not 1 <= seq_len <= tokens:
         raise ValueError(f"need 1 <= seq_len <= micro-batch tokens, got seq_len {seq_len}, tokens {tokens}")
-
-
-def task_options(task: str, param_offload: str, grad_sync: str, unsharded_step: bool) -> tuple[str, str]:
-    """(param_offload, grad_sync) the search uses for `task`'s trainer (`rank_settings`); raises
-    ValueError, naming the trainer, for an option it does not take."""
-    t = task_trainer(task)
-    if unsharded_step and not t.flexible_groups:
-        raise ValueError(f"unsharded_step (--unequal-calls) plans flexible SP groups, which {t.name} does not take "
-                         f"(it trains on an SPMesh); leave it off for task {task!r}")
-    if t.trainer_options:
-        return param_offload, grad_sync
-    if param_offload == "yes":
-        raise ValueError(f"param_offload 'yes' (--param-offload yes): {t.name} takes no param_offload (its FSDP2 shards "
-                         f"and optimizer states stay on the device); plan task {task!r} with 'no' or 'auto' (which "
-                         "tries it off only for this task)")
-    return "no", "microbatch"  # the rollout trainers reduce-scatter in every micro-batch's backward always
-
-
-def rollouts_of(task: str, rollout_tokens: int | None, seq_len: int) -> int:
-    """The rollout tokens per GPU a plan of `task` charges: None -> `seq_len` for "grpo" / "rloo"
-    (each GPU generates whole sequences of the context length), 0 otherwise; a count below 0, or
-    one for a task that generates nothing, is refused."""
-    rollouts = task in ("grpo", "rloo")
-    if rollout_tokens is None:
-        return seq_len if rollouts else 0
-    if rollout_tokens < 0 or (rollout_tokens and not rollouts):
-        raise ValueError(f"rollout_tokens={rollout_tokens}: the prompt + completion tokens each GPU generates per step "
-                         f"for task 'grpo' or 'rloo' (>= 0); task {task!r} generates nothing: leave it None")
-    return rollout_tokens
 
 
 def suggest(
