@@ -146,7 +146,9 @@ def rank_settings(
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
     cluster throughput (tokens/s), then lowest peak memory, then fewest FPDT chunks; near
     ties (within TIE_TOLERANCE of the fastest feasible) following the USP guidance first, then
-    those that keep no layer input on the GPU (`inputs_on_device`).
+    those that keep no layer input on the GPU (`inputs_on_device`). On a GPU without measured
+    kernel fractions (A100) no setting is timed (`time` None, seconds and tokens/s NaN) and
+    they come in `untimed_order`.
 
     Micro-batches per rank and step: `microbatches`, or, with `tokens_per_step` (global),
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
@@ -169,6 +171,7 @@ def rank_settings(
     usable_gpu = cluster.gpu_memory * (1 - cluster.headroom)
     usable_host = cluster.host_memory * (1 - cluster.headroom)
     per_node = min(cluster.gpus, cluster.gpus_per_node)
+    timed = cluster.gpu_spec.timed
     out = []
     for s, preset in enumerate_settings(dims, cluster.gpus, tokens, param_offload=param_offload):
         dp = cluster.gpus // s.sp
@@ -182,14 +185,16 @@ def rank_settings(
         mem = memory(s)
         if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
             s, mem = inputs_on_device(s, mem, memory, dims.layers, usable_gpu, usable_host / per_node)
-        time = step_time(dims, s, cluster, tokens, seq_len=seq_len, dtype=dtype, microbatches=mbs, optimizer=optimizer,
-                         grad_sync=grad_sync)
-        mixers = mixer_seconds(config, s, cluster, tokens, dtype)
-        if mixers:
-            time.other["linear mixers"] = mixers
+        time = None
+        if timed:
+            time = step_time(dims, s, cluster, tokens, seq_len=seq_len, dtype=dtype, microbatches=mbs,
+                             optimizer=optimizer, grad_sync=grad_sync)
+            mixers = mixer_seconds(config, s, cluster, tokens, dtype)
+            if mixers:
+                time.other["linear mixers"] = mixers
         if vision is not None:
             mem = _charge_vision(vision, config, s, cluster, mem, time, tokens / seq_len, dtype, optimizer)
-        secs = time.seconds
+        secs = time.seconds if time is not None else math.nan
         multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
         gpu_fits, host_fits = mem.peak <= usable_gpu, mem.host * per_node <= usable_host
         reasons = [] if gpu_fits else [f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"]
@@ -200,6 +205,8 @@ def rank_settings(
             reason = f"seq-len {tokens} is not a multiple of {multiple}"
         out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, time, preset, mbs, gpu_fits=gpu_fits,
                              host_fits=host_fits))
+    if not timed:
+        return sorted(out, key=lambda c: untimed_order(c, cluster, dims))
     # Exact ties (FPDT chunk counts cost the same in this model): the simpler setting first.
     out.sort(key=lambda c: (not c.feasible, -c.tokens_per_second, c.memory.peak, c.setting.fpdt_chunks,
                             c.setting.param_offload))
@@ -213,6 +220,16 @@ def rank_settings(
                   key=lambda c: (not cluster.follows_usp_guidance(c.setting, dims.heads, dims.kv_heads),
                                  c.setting.inputs_on_device > 0))
     return band + out[n:]
+
+
+def untimed_order(c: Candidate, cluster: Cluster, dims: ModelDims) -> tuple:
+    """The order of settings on a GPU without a step time (`capacity/gpus.GPU.timed`): the ones
+    that fit, then the least recomputation and host traffic (a lighter memory preset, no
+    parameter offload, fewer FPDT chunks, keep_attention), the USP guidance, the lowest peak.
+    Not a time: which of them is fastest on that card is not known."""
+    s = c.setting
+    return (not c.feasible, MEMORY_PRESETS.index(c.preset), s.param_offload, s.fpdt_chunks, not s.keep_attention,
+            not cluster.follows_usp_guidance(s, dims.heads, dims.kv_heads), c.memory.peak)
 
 
 def _check_sizes(tokens: int, seq_len: int, microbatches: int, tokens_per_step: int | None) -> None:
@@ -259,11 +276,13 @@ def suggest(
 
 def _charge_vision(vision: Any, config: Any, s: Setting, cluster: Cluster, mem: Any, time: Any, samples: float,
                    dtype: str, optimizer: str) -> Any:
-    """The vision tower's memory (returned) and seconds (into `time.other`) for a setting, with
-    `samples` images / videos per micro-batch."""
+    """The vision tower's memory (returned) and seconds (into `time.other`, when the GPU is
+    timed) for a setting, with `samples` images / videos per micro-batch."""
     from hf_longctx.capacity.vision import vision_cost
 
     dt, gpu = DTYPE_BYTES[dtype], cluster.gpu_spec
-    time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
-                                                rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp), dt=dt)
+    if time is not None:
+        time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
+                                                    rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp),
+                                                    dt=dt)
     return vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)

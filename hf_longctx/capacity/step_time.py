@@ -39,14 +39,21 @@ def shape_of(dims: ModelDims, s: Setting, tokens: int, seq_len: int | None = Non
                  loss_chunk=loss, keep_attention=s.keep_attention and s.checkpoint is True)
 
 
+class UntimedGPU(ValueError):
+    """The cluster's GPU has no measured kernel fractions (`capacity/gpus.GPU.timed`)."""
+
+
 def step_time(
     dims: ModelDims, s: Setting, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     microbatches: int = 1, optimizer: str = "adamw", grad_sync: str = "step",
 ) -> Breakdown:
     """One micro-batch of `tokens` tokens per SP group (documents of `seq_len`, default one
     document) on one GPU of `cluster`, with its share of the step's CPU optimizer step when
-    parameters are offloaded (see the module docstring)."""
+    parameters are offloaded (see the module docstring). Raises `UntimedGPU` for a card
+    without measured kernel fractions, rather than time it with another card's."""
     gpu, world = cluster.gpu_spec, cluster.gpus
+    if not gpu.timed:
+        raise UntimedGPU(gpu.untimed())
     shape = shape_of(dims, s, tokens, seq_len)
     links = Links({"ulysses": cluster.bandwidth(s.ulysses), "ring": cluster.bandwidth(s.sp),
                    "fsdp": cluster.bandwidth(world)})
