@@ -115,9 +115,12 @@ def _time_line(args: argparse.Namespace, gpu: Any) -> str:
             f"{gpu.bf16_flops / 1e12:g} TFLOP/s; Ulysses all-to-alls block ({gpu.nvlink_bw / 1e9:g} GB/s in a node of "
             f"{args.gpus_per_node}, {gpu.ib_bw / 1e9:g} GB/s across, x{gpu.nccl:g} achieved, "
             f"{gpu.collective_s * 1e6:g} us per call); ring P2P, FSDP and host offload ({gpu.pcie_h2d / 1e9:g} / "
-            f"{gpu.pcie_d2h / 1e9:g} GB/s to / from the GPU) count beyond the compute they overlap; MFU % = (6 N T + "
-            "causal attention) / (step s x peak); binds = the largest term (the attention kernels' or the GEMMs' "
-            "compute-bound time, HBM-bound kernels, launches, a link, PCIe, the CPU optimizer);")
+            f"{gpu.pcie_d2h / 1e9:g} GB/s to / from the GPU) count beyond the compute they overlap; MFU % = this "
+            "project's strict count, 6 N T + the causal half of each document's attention square, recompute not "
+            "counted, / (step s x peak): below torchtitan's count (the whole square) and Megatron-DeepSpeed's (the "
+            "whole square, and the recompute under checkpointing), both printed for the suggestion (capacity/mfu.py); "
+            "binds = the largest term (the attention kernels' or the GEMMs' compute-bound time, HBM-bound kernels, "
+            "launches, a link, PCIe, the CPU optimizer);")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -259,6 +262,18 @@ def _print_ties(cluster: Any, dims: Any, feasible: list) -> None:
                  else "none of them follows the USP guidance"))
 
 
+def _mfu_line(args: argparse.Namespace, config: Any, c) -> str:
+    """The suggestion's modelled MFU by this project's count and by torchtitan's and
+    Megatron-DeepSpeed's, for comparison with figures published under theirs."""
+    from hf_longctx.capacity.estimate import ModelDims
+    from hf_longctx.capacity.mfu import mfu_line
+
+    t = c.time
+    line = mfu_line(ModelDims.from_config(config), args.micro_batch_tokens, t.seconds * c.setting.sp,
+                    t.gpu.bf16_flops, seq_len=args.seq_len, checkpointed=bool(c.setting.checkpoint))
+    return line + " (capacity/mfu.py: each count and its source)"
+
+
 def _print_suggestion(args: argparse.Namespace, config: Any, feasible: list, grad_sync: str, task: str,
                       why: str) -> None:
     """The first feasible setting of `task`'s ranking (what `capacity/search.suggest()` returns) as
@@ -267,6 +282,8 @@ def _print_suggestion(args: argparse.Namespace, config: Any, feasible: list, gra
 
     best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype, task=task)
     print(f"\nsuggested ({why}; {fit_line(args, feasible[0])}):\n{best.code()}")
+    if feasible[0].time is not None:
+        print(f"\nmodelled {_mfu_line(args, config, feasible[0])}")
     print(f"\nas recipe flags ({best.recipes}):\n{best.recipe_flags()}")
     if args.plot:
         print((plot_flexible_step if args.flex else plot_step)(args, config, feasible[0]))
