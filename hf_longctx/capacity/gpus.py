@@ -62,12 +62,13 @@ class GPU:
 #   H200 989 TFLOP/s, 4.8 TB/s HBM3e, 141 GB; A100 312 TFLOP/s, 2.039 TB/s HBM2e, NVLink 3
 #   600 GB/s total = 300 per direction.
 # - IB: one 400 Gb/s NDR NIC per GPU (DGX H100 / H200) = 50 GB/s; 200 Gb/s HDR (DGX A100) = 25 GB/s.
-# - PCIe (Gen5 x16 on H100/H200 hosts): measured in the 1B H200 profile, pinned Memcpy HtoD 134 MB in
-#   2.05 ms (65 GB/s) and DtoH in 2.42 ms (55 GB/s); A100 hosts are Gen4 x16: 25 GB/s (half the
-#   Gen5 figures' 64 GB/s theoretical ratio applied to Gen4's 32 GB/s).
-# - launch_s: the 1B profile's smallest kernels (neg on 4 MB: 4.25 us a call, of which 1.7 us is
-#   its bytes at the peak bandwidth: `--derive` gives 2.55 us; device-to-device memcpy of small
-#   buffers: 4.1 us incl. the copy).
+# - PCIe (Gen5 x16 on H100/H200 hosts): the H200 profiles' pinned copies against the layer inputs the
+#   inventory offloads: HtoD 55.0 / 55.1 GB/s (8B: 2 x 268 MB in 9.77 ms; 1B: 16 x 134 MB in 39.0 ms)
+#   and DtoH 55.5 / 55.5 GB/s (`--derive`); A100 hosts are Gen4 x16: 25 GB/s (assumed: half of
+#   Gen5's, not measured).
+# - launch_s: not reproduced from committed data: the 1B profile's neg kernel takes 4.25 us a call,
+#   of which 1.7 us were its bytes at peak bandwidth by the run's note (4 MB read and written),
+#   which the committed top-kernel list cannot confirm; small device-to-device copies took 4.1 us.
 # - gemm: cuBLAS GEMM kernel time of the 8B-width profile (0.333 s) against the GEMM FLOPs the
 #   inventory counts for that step (`--derive`: 0.692; the 1B profile gives 0.731, not used);
 #   attention: flash fwd / bwd kernel times per call (8B, head dim 128: 24.3 ms fwd, 76.6 ms bwd
@@ -84,9 +85,9 @@ class GPU:
 _H200_PROFILES = ("the H200 profiles of benchmarks/results/gpu_throughput_8b_h200.json and "
                   "gpu_throughput_1b_h200.json (benchmarks/gpu_model.py --derive)")
 GPUS = {
-    "h100": GPU("H100 SXM", 989e12, 3.35e12, 80e9, 450e9, 50e9, 65e9, 55e9,
+    "h100": GPU("H100 SXM", 989e12, 3.35e12, 80e9, 450e9, 50e9, 55e9, 55e9,
                 fractions="the H200's, carried over (same GH100 compute die); HBM-bound ops at the H100's bandwidth"),
-    "h200": GPU("H200 SXM", 989e12, 4.8e12, 141e9, 450e9, 50e9, 65e9, 55e9, fractions="measured: " + _H200_PROFILES),
+    "h200": GPU("H200 SXM", 989e12, 4.8e12, 141e9, 450e9, 50e9, 55e9, 55e9, fractions="measured: " + _H200_PROFILES),
     "a100": GPU("A100 SXM", 312e12, 2.039e12, 80e9, 300e9, 25e9, 25e9, 25e9, fractions="", gemm=None, attention=(),
                 hbm=None),
 }
