@@ -12,7 +12,8 @@ Nothing runs on a GPU here. Sections (all by default, or the flags):
                (`benchmarks/_op_stream.py`, emulated CUDA path), per memory preset: launches,
                FLOPs, HBM / PCIe bytes -- rerun after a hot-path change to see what moved;
   --derive     the achieved fractions of `capacity/gpus.py` from the H200 profiles' kernel
-               times and the inventory's work for the same kernels;
+               times and the work the inventory of the profiled code counts for the same
+               kernels (`gpu_derive.py`), and whether gpus.py holds what they give;
   --table      tokens/s and MFU per GPU for Llama-3.1-8B widths at 32K, 128K and 1M tokens on
                1 and 8 H100s per memory preset, beside TRL's and FPDT's published figures,
                with the targets.
@@ -102,29 +103,6 @@ def stream() -> None:
                 print(f"| {name} | {k} | {a:,.0f} | {b:,.0f} | {'yes' if abs(a - b) <= 1e-9 * max(1.0, a) else 'NO'} |")
 
 
-def derive() -> None:
-    from hf_longctx.capacity.inventory import layer_ops, step_ops
-
-    print("\nAchieved fractions from the H200 profiles (kernel time) and the inventory (work of the same kernels)")
-    for shape, layers, f in (("8b", 2, "gpu_throughput_8b_h200.json"), ("1b", 16, "gpu_throughput_1b_h200.json")):
-        dims = ModelDims.from_config(throughput_config(shape, layers))
-        sh = shape_of(dims, preset_setting(1, 1, 1, "max", dims), 32768)
-        ops = step_ops(sh) + layer_ops(sh) * layers
-        prof = next(r for r in json.loads((RESULTS / f).read_text()) if "profile" in r)["profile"]
-        gemm = sum(o.flops * o.count for o in ops if o.kind == "gemm")
-        adds = [o for o in ops if o.what == "add_" and o.bytes >= 10 * dims.hidden]
-        add_t = sum(sec for n, sec, _ in prof["top"] if "CUDAFunctor_add<float>" in n)
-        add_n = sum(c for n, _, c in prof["top"] if "CUDAFunctor_add<float>" in n)
-        pairs = 32768 * 32769 / 2
-        q = dims.heads * dims.head_dim
-        fwd = next((s / c for n, s, c in prof["top"] if "flash_fwd" in n))
-        bwd = next((s / c for n, s, c in prof["top"] if "flash_bwd" in n))
-        print(f"  {shape}: GEMM {gemm:.3e} FLOPs / {prof['classes']['gemm'][0]:.3f} s = {gemm / prof['classes']['gemm'][0] / 989e12:.3f} "
-              f"of peak; fp32 gradient sums: {sum(o.count for o in adds):.0f} in the inventory, {add_n} in the profile, "
-              f"{sum(o.bytes * o.count for o in adds) / add_t / 4.8e12:.3f} of HBM; flash fwd {4 * pairs * q / fwd / 989e12:.3f}, "
-              f"bwd {10 * pairs * q / bwd / 989e12:.3f} of peak (head dim {dims.head_dim})")
-
-
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for flag in ("backtest", "stream", "derive", "table"):
@@ -134,7 +112,9 @@ def main(argv: list[str]) -> None:
     if args.backtest or every:
         backtest()
     if args.derive or every:
-        derive()
+        from benchmarks.gpu_derive import print_derivation
+
+        print_derivation()
     if args.table or every:
         from benchmarks.gpu_model_table import table
 
