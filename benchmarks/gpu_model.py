@@ -4,10 +4,10 @@ Where it sits: the benchmark of `hf_longctx/capacity/step_time.py` (inventory
 `capacity/inventory.py`, roofline `capacity/roofline.py`, constants `capacity/gpus.py`).
 Nothing runs on a GPU here. Sections (all by default, or the flags):
 
-  --backtest   predicted vs measured seconds, tokens/s and MFU of the README's H100 record
-               (Llama-3.2-1B widths, 16 layers, memory='max', 32K) and of the nine H200 rows
-               of benchmarks/results/gpu_throughput_*_h200.json (held out: no constant of the
-               model is fitted to a step time), with the breakdown and what binds;
+  --backtest   every result file of benchmarks/results/ (`gpu_results.py`'s naming rule): per
+               measured row, the model of the code that run measured and its error, the model
+               of the code as it is, MFU by three counts, in- or out-of-sample; every
+               prediction committed before its run with its error (`gpu_backtest.py`);
   --stream     the inventory against the op stream a real patched step records on CPU
                (`benchmarks/_op_stream.py`, emulated CUDA path), per memory preset: launches,
                FLOPs, HBM / PCIe bytes -- rerun after a hot-path change to see what moved;
@@ -18,58 +18,22 @@ Nothing runs on a GPU here. Sections (all by default, or the flags):
                1 and 8 H100s per memory preset, beside TRL's and FPDT's published figures,
                with the targets.
 
+Before a GPU run, `predict_rows` / `write_predictions` store what the model predicts, and
+`record_run` the measurements beside them afterwards (`gpu_predictions.py`).
+
     PYTHONPATH=. python benchmarks/gpu_model.py [--backtest] [--stream] [--derive] [--table]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu_throughput import config as throughput_config  # noqa: E402
-from hf_longctx.capacity.cluster import Cluster  # noqa: E402
-from hf_longctx.capacity.estimate import ModelDims  # noqa: E402
-from hf_longctx.capacity.search import preset_setting, rank_settings  # noqa: E402
-from hf_longctx.capacity.step_time import shape_of, step_time  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-# (card, shape, layers, preset, tokens, measured seconds, source)
-MEASURED = [
-    ("h100", "1b", 16, "max", 32768, 32768 / 11927, "README 'GPU', H100 80GB HBM3, 2026-11-26"),
-    *[("h200", r["shape"], r["layers"], r["preset"], r["tokens"], r["seconds"], "gpu_throughput_*_h200.json")
-      for f in ("gpu_throughput_8b_h200.json", "gpu_throughput_1b_h200.json")
-      for r in json.loads((RESULTS / f).read_text()) if r.get("fits") and "profile" not in r],
-]
-G = 2**30
-
-
-def _dedupe(rows):
-    """Best (lowest) time per (card, shape, layers, preset, tokens): the JSON holds repeats."""
-    best = {}
-    for row in rows:
-        key = row[:5]
-        if key not in best or row[5] < best[key][5]:
-            best[key] = row
-    return list(best.values())
-
-
-def backtest() -> None:
-    print("Backtest: one GPU, one document, forward + backward (no optimizer step); model vs measured")
-    print("| card | widths | layers | memory | tokens | measured s | model s | model / measured | measured tok/s | "
-          "model tok/s | measured MFU | model MFU | FLOPs s | HBM s | launch s | kernels | binds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for card, shape, layers, preset, tokens, seconds, _ in _dedupe(MEASURED):
-        dims = ModelDims.from_config(throughput_config(shape, layers))
-        b = step_time(dims, preset_setting(1, 1, 1, preset, dims), Cluster(1, 80 * G, 2048 * G, gpu=card), tokens)
-        measured_mfu = b.model_flops / (seconds * b.gpu.bf16_flops)
-        print(f"| {card.upper()} | {shape.upper()} | {layers} | {preset} | {tokens} | {seconds:.3f} | {b.seconds:.3f} | "
-              f"{b.seconds / seconds:.2f} | {tokens / seconds:,.0f} | {tokens / b.seconds:,.0f} | {100 * measured_mfu:.1f} % | "
-              f"{100 * b.mfu:.1f} % | {b.flops:.3f} | {b.hbm:.3f} | {b.launches:.3f} | {b.kernels:,.0f} | {b.binds} |")
+from benchmarks.gpu_backtest import print_backtest  # noqa: E402
+from benchmarks.gpu_predictions import predict_rows, record_run, write_predictions  # noqa: E402,F401 (the API)
 
 
 def stream() -> None:
@@ -110,7 +74,7 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     every = not any(vars(args).values())
     if args.backtest or every:
-        backtest()
+        print_backtest()
     if args.derive or every:
         from benchmarks.gpu_derive import print_derivation
 
