@@ -16,12 +16,15 @@ Nothing runs on a GPU here. Sections (all by default, or the flags):
                kernels (`gpu_derive.py`), and whether gpus.py holds what they give;
   --table      tokens/s and MFU per GPU for Llama-3.1-8B widths at 32K, 128K and 1M tokens on
                1 and 8 H100s per memory preset, beside TRL's and FPDT's published figures,
-               with the targets.
+               with the targets;
+  --targets    the targets alone (`gpu_targets.py`): 8B `max` + keep_attention at 128K on one
+               H100 (strict MFU >= 45 %), one 1M-token sequence on 8 H100s (<= 266 s), with the
+               flash-attn fractions measured here and with FlashAttention-3-class ones assumed.
 
 Before a GPU run, `predict_rows` / `write_predictions` store what the model predicts, and
 `record_run` the measurements beside them afterwards (`gpu_predictions.py`).
 
-    PYTHONPATH=. python benchmarks/gpu_model.py [--backtest] [--stream] [--derive] [--table]
+    PYTHONPATH=. python benchmarks/gpu_model.py [--backtest] [--stream] [--derive] [--table] [--targets]
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def stream() -> None:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag in ("backtest", "stream", "derive", "table"):
+    for flag in ("backtest", "stream", "derive", "table", "targets"):
         p.add_argument(f"--{flag}", action="store_true")
     args = p.parse_args(argv)
     every = not any(vars(args).values())
@@ -83,6 +86,10 @@ def main(argv: list[str]) -> None:
         from benchmarks.gpu_model_table import table
 
         table()
+    elif args.targets:
+        from benchmarks.gpu_targets import print_targets
+
+        print_targets()
     if args.stream or every:
         stream()
 
