@@ -70,10 +70,11 @@ def backtest(results=None) -> dict:
     return {"rows": rows, "predictions": predictions, "unread": results.unread, "failed": failed}
 
 
-def print_backtest() -> dict:
+def print_backtest(b: dict | None = None) -> dict:
+    """Print `backtest()` (or `b`, one already computed) as tables; return it."""
     from hf_longctx.capacity.mfu import MEGATRON_DEEPSPEED, STRICT, TORCHTITAN
 
-    b = backtest()
+    b = backtest() if b is None else b
     print("Backtest: one GPU, one document, forward + backward (no optimizer step). 'model of that code': the op "
           "inventory of the commit the run measured (or of the commit named as modelling it), timed with the constants "
           "and roofline of the working tree; 'model of the code as it is': today's inventory. Sample 'in': the run's "

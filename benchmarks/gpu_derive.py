@@ -117,8 +117,9 @@ def mismatches(d: dict, g=None) -> list[str]:
     return bad
 
 
-def print_derivation() -> None:
-    d = derive()
+def print_derivation(d: dict | None = None) -> dict:
+    """Print `derive()` (or `d`, one already computed); return it."""
+    d = derive() if d is None else d
     print("\nAchieved fractions of capacity/gpus.py from the H200 profiles of the code at 42880f9 (kernel time) and "
           "that code's inventory (766ac1f: the work of the same kernels)")
     print(f"- gemm: {d['gemm']['8b']:.3f} (8B profile) -> {GPUS['h200'].gemm} (the 8B figure to 2 decimals; "
@@ -138,3 +139,4 @@ def print_derivation() -> None:
           f"{c['gemm model s']:.3f} s modelled vs {c['gemm profile s']:.3f} s profiled")
     bad = mismatches(d)
     print("- capacity/gpus.py " + ("reproduces every rule above" if not bad else "DIFFERS: " + "; ".join(bad)))
+    return d

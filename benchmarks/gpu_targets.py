@@ -87,8 +87,9 @@ def describe(c) -> str:
     return text + (", param offload" if s.param_offload else "") + (", keep_attention" if s.keep_attention else "")
 
 
-def print_targets() -> list[dict]:
-    rows = targets()
+def print_targets(rows: list[dict] | None = None) -> list[dict]:
+    """Print `targets()` (or `rows`, already computed) as a table; return them."""
+    rows = targets() if rows is None else rows
     print("\nTargets, Llama-3.1-8B (32 layers; tests/data/llama-3.1-8b-config.json), H100 SXM 80 GB, host 2 TiB per "
           "node (modelled, printed, not asserted). MFU: this project's strict count (capacity/mfu.py), torchtitan's "
           "and Megatron-DeepSpeed's beside it; 'FA3-class' replaces only the flash-attn fractions, by ASSUMED ones")

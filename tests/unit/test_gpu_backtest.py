@@ -81,3 +81,27 @@ def test_each_run_is_modelled_by_the_inventory_of_the_code_it_measured(printed):
     inside = {x["run"].config for x in b["rows"] if x["sample"] == "in"}
     assert inside == {("h200", "8b", 2, "max", 32768), ("h200", "1b", 16, "max", 32768)}
     assert all(abs(x["error"]) < 0.1 for x in b["rows"])
+
+
+def test_the_gpu_page_shows_what_the_backtest_prints(printed):
+    """docs/measured/gpu.md runs the backtest command and shows every row it prints; the README's
+    headline row states its ranges and the predictions' errors."""
+    from tests.helpers.doc_blocks import blocks_run_by
+
+    b, out = printed
+    page = "docs/measured/gpu.md"
+    (command,) = blocks_run_by(page, "tests/unit/test_gpu_backtest.py::test_the_gpu_page_shows_what_the_backtest_prints")
+    assert command.text.split() == ["PYTHONPATH=.", "python", "benchmarks/gpu_model.py", "--backtest"], command.text
+    text = (ROOT / page).read_text()
+    rows = [line for line in out.splitlines() if line.startswith("| ") and ("H100" in line or "H200" in line)]
+    missing = [line for line in rows if line not in text]
+    assert len(rows) == len(b["rows"]) + len(b["predictions"]) and not missing, missing
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for sample, name in (("out", "out of sample"), ("in", "in sample")):
+        errs = [x["error"] for x in b["rows"] if x["sample"] == sample]
+        lo, hi = 1 + min(errs), 1 + max(errs)
+        assert f"{lo:.2f}–{hi:.2f}× the measured step time {name} ({len(errs)} rows" in readme or (
+            f"{lo:.2f}–{hi:.2f}× {name} ({len(errs)} rows" in readme), (name, lo, hi, len(errs))
+        assert f"-sample rows: {lo:.2f}..{hi:.2f} ({len(errs)} rows)" in text, (name, lo, hi)
+    for x in b["predictions"]:
+        assert f"{100 * x['error']:+.1f} %" in readme, x

@@ -58,3 +58,16 @@ def test_the_code_as_it_is_checks_the_elementwise_fraction(derived):
     from hf_longctx.capacity.gpus import GPUS
 
     assert derived["checks"]["hbm"] == pytest.approx(GPUS["h200"].hbm, abs=0.01)
+
+
+def test_the_gpu_page_shows_the_derivation(derived, capsys):
+    """docs/measured/gpu.md runs `--derive` and shows what it prints, line for line."""
+    from benchmarks.gpu_derive import print_derivation
+    from tests.helpers.doc_blocks import blocks_run_by
+
+    command, output = blocks_run_by("docs/measured/gpu.md",
+                                    "tests/unit/test_gpu_derive.py::test_the_gpu_page_shows_the_derivation")
+    assert command.text.split() == ["PYTHONPATH=.", "python", "benchmarks/gpu_model.py", "--derive"], command.text
+    print_derivation(derived)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert printed == [line for line in output.text.splitlines() if line.strip()]

@@ -38,3 +38,16 @@ def test_only_the_assumed_rows_assume_and_only_attention_moves(rows):
         if assumed["candidate"].setting == measured["candidate"].setting:
             assert (a.flops - a.attention, a.hbm) == pytest.approx((m.flops - m.attention, m.hbm))
             assert a.attention < m.attention
+
+
+def test_the_gpu_page_shows_the_targets(rows, capsys):
+    """docs/measured/gpu.md runs `--targets` and shows every row it prints."""
+    from benchmarks.gpu_targets import print_targets
+    from tests.helpers.doc_blocks import ROOT, blocks_run_by
+
+    (command,) = blocks_run_by("docs/measured/gpu.md", "tests/unit/test_gpu_targets.py::test_the_gpu_page_shows_the_targets")
+    assert command.text.split() == ["PYTHONPATH=.", "python", "benchmarks/gpu_model.py", "--targets"], command.text
+    print_targets(rows)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "H100" in line]
+    text = (ROOT / "docs" / "measured" / "gpu.md").read_text()
+    assert len(printed) == 4 and not [line for line in printed if line not in text], printed
