@@ -102,5 +102,5 @@ def print_targets(rows: list[dict] | None = None) -> list[dict]:
               f"{100 * m[STRICT]:.1f} / {100 * m[TORCHTITAN]:.1f} / {100 * m[MEGATRON_DEEPSPEED]:.1f} % | "
               f"{100 * r['with_optimizer']:.1f} % | {c.time.binds} | {r['goal']} | {'yes' if r['met'] else 'no'} |")
     print("(Megatron-DeepSpeed's count credits the whole attention square and, under checkpointing, a recompute "
-          "that keep_attention does not run: above 100 % it is no longer a utilisation of this code.)")
+          "that keep_attention does not run: above 100 % it is not a utilisation of this code.)")
     return rows

@@ -75,7 +75,8 @@ class GPU:
 #   at 32K causal; 1B, head dim 64: 14.0 / 38.7 ms) against 4 and 10 x pairs x H x D FLOPs;
 #   hbm: the fp32 gradient-sum adds against their bytes: the 8B profile's 374 calls (0.2665 s)
 #   give 0.566, the 1B profile's 2,302 give 0.559; 0.56 lies between them (the 8B figure alone
-#   rounds to 0.57). A kernel class the code as it is no longer runs (known limit).
+#   rounds to 0.57). The code as it is runs no such add; the profile of the code as it is gives
+#   0.558 for its elementwise and copy classes (`--derive`), so the fraction stands.
 # - collective_s: assumed, not measured: no multi-GPU run has been profiled; nccl: nccl-tests
 #   all-to-all on 8 NVLink-4 GPUs reach about 3/4 of the per-direction link rate (published
 #   figures, not measured here). Neither can be reproduced from the committed results.

@@ -53,7 +53,7 @@ def test_a_drifted_constant_is_named(derived):
 
 
 def test_the_code_as_it_is_checks_the_elementwise_fraction(derived):
-    """The elementwise constant came from a kernel the code no longer runs; the profile of the
+    """The elementwise constant came from a kernel the code as it is does not run; the profile of the
     code as it is (its own inventory) gives the same fraction within 0.01."""
     from hf_longctx.capacity.gpus import GPUS
 
