@@ -307,10 +307,10 @@ def post_training(pages: Mapping[str, str], out: Path) -> dict:
 
 def step_time_backtest(pages: Mapping[str, str], out: Path) -> dict:
     """The step-time model against every GPU run: modelled seconds over measured ones."""
-    table = find(pages[GPU], "card", "widths", "layers", "memory", "tokens", "measured s", "model s")
+    table = find(pages[GPU], "card", "widths", "layers", "memory", "tokens", "measured s", "model of that code s")
     rows = table.records()
     measured = [number(r["measured s"]) for r in rows]
-    model = [number(r["model s"]) for r in rows]
+    model = [number(r["model of that code s"]) for r in rows]
     labels = [f"{r['card']}, {r['widths']} widths x {r['layers']} layers, {r['memory']}, "
               f"{int(number(r['tokens'])) // 1024}K" for r in rows]
     fig, ax = style.new(0.3 * len(rows) + 1.2)
@@ -336,13 +336,13 @@ def model_against_measured(pages: Mapping[str, str], out: Path) -> dict:
     per-token memory budget, the FSDP memory model and the step-time model."""
     budget = find(pages[MEMORY], "shape", "mode", "tokens", "device vec", "planner vec").records()
     fsdp = find(pages[MEMORY], "micro-batch counts", "measured MiB", "estimated MiB").records()
-    backtest = find(pages[GPU], "card", "measured s", "model s").records()
+    backtest = find(pages[GPU], "card", "measured s", "model of that code s").records()
     families = [
         ("memory per token, GPU (CPU census)", [number(r["planner vec"]) / number(r["device vec"]) for r in budget]),
         ("memory per token, host (CPU census)", [number(r["planner host vec/layer"]) / number(r["host vec/layer"])
                                                  for r in budget if number(r["host vec/layer"])]),
         ("FSDP2 peak, 4 ranks (CPU)", [number(r["estimated MiB"]) / number(r["measured MiB"]) for r in fsdp]),
-        ("step time (H100, H200)", [number(r["model s"]) / number(r["measured s"]) for r in backtest]),
+        ("step time (H100, H200)", [number(r["model of that code s"]) / number(r["measured s"]) for r in backtest]),
     ]
     fig, ax = style.new(2.6)
     ax.axvspan(0.9, 1.1, color="grey", alpha=0.15, label="±10 %")
