@@ -3,9 +3,10 @@
 Where it sits: the device check of `ops/backends/` and of the measured fractions in
 `capacity/gpus.py` (docs/guides/gpu-check.md "Attention backends"). One command, bounded (about
 5 minutes on one H100, `--budget` 470 s, every subprocess under a timeout: a hang is a "TIMED OUT
-after N s" row). Before any GPU work it writes -- or requires, for this code -- the prediction
-file `results/gpu_attention_backends_<card>_prediction.json` (code commit and digest, card, the
-step rows, the step-time model's seconds: `capacity/step_time.step_time`). Then, per backend
+after N s" row). Before any GPU work it requires -- or writes -- the predictions of this code
+(`gpu_predictions.write_predictions`: `results/predictions_<date>_<card>.json`, the predicting
+commit, the step rows, the step-time model's seconds; this script's own carry the digest of
+the sources, so a copy of the tree without git is told apart). Then, per backend
 here (torch's flash ops = FA2, FA3 through torch where `flash_attn_interface` imports,
 flash-attn 2.x, cuDNN through torch's ops, cuDNN through cudnn-frontend), one worker subprocess:
 (a) exactness against the math kernel in fp32 on the shapes the code runs
@@ -17,9 +18,10 @@ Results: `results/gpu_attention_backends_<card>.json`, markdown tables, and the
 `measured_attention` rows to add to `capacity/gpus.py`.
 
 `--dry-run` (CPU): every path it can with emulated kernels and tiny shapes, a tiny CPU patched
-step per loss-chunk row, the prediction file, and the plan of the GPU run.
+step per step row, the predictions, and the plan of the GPU run. `--predict` writes the
+predictions only (CPU; commit them before the GPU run).
 
-Run: python benchmarks/gpu_attention_backends.py [--dry-run] [--out DIR] [--budget 470] [--repredict]
+Run: python benchmarks/gpu_attention_backends.py [--dry-run | --predict] [--card h100] [--out DIR] [--budget 470]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,58 +52,44 @@ TIMEOUT = {"backend": 180, "step": 150}
 EXACT_TOKENS, HEAD_DIM = 3072, 128
 
 
-def code_identity() -> dict:
-    """The commit (when git is there) and a digest of the package and benchmark sources."""
+def code_digest() -> str:
+    """A digest of the package and benchmark sources: tells code apart where git is absent (a
+    device machine holding a copy of the tree)."""
     digest = hashlib.sha256()
     for path in sorted([*ROOT.glob("hf_longctx/**/*.py"), *HERE.glob("*.py")]):
         digest.update(path.relative_to(ROOT).as_posix().encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+PREDICTED = [dict(shape="8b", layers=2, preset=p, tokens=t) for p, t in STEPS]  # (d)'s rows predict as balanced
+
+
+def prediction_file(out: Path, card: str) -> tuple[Path | None, dict]:
+    """The predictions of this code on `card` by the project's prediction API
+    (`gpu_predictions.write_predictions`: the step-time model of the code as it is, the
+    predicting commit, never overwritten): the one this script wrote for these sources (by
+    digest) when there is one -- written here and committed before the run, or carried to the
+    device with the tree -- else a new one, written now, before any GPU work. Predictions of
+    other sources stop the run (exit 2). A card without measured fractions (A100) has none."""
+    from benchmarks.gpu_predictions import write_predictions
+    from hf_longctx.capacity.step_time import UntimedGPU
+
+    tag = f"benchmarks/gpu_attention_backends.py, sources {code_digest()}"
+    held = sorted(out.glob(f"predictions_*_{card}.json"))
+    for path in reversed(held):
+        data = json.loads(path.read_text())
+        if "gpu_attention_backends.py" in data.get("written", ""):
+            if tag not in data["written"]:
+                raise SystemExit(f"{path} predicts other sources ({data['written']}; these: {code_digest()}): move it "
+                                 "away and rerun to predict this code first")
+            return path, data
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        commit = ""
-    return {"commit": commit or "unknown (no git here)", "digest": digest.hexdigest()[:16]}
-
-
-def predictions(card: str) -> list[dict]:
-    """The step-time model's seconds of every step row: torch's flash ops, and the fastest backend
-    measured on `card` (an unmeasured backend has no prediction: the run measures it)."""
-    import dataclasses
-
-    from benchmarks.gpu_throughput import config
-    from hf_longctx.capacity.cluster import Cluster
-    from hf_longctx.capacity.estimate import ModelDims
-    from hf_longctx.capacity.gpus import GPUS
-    from hf_longctx.capacity.search import preset_setting
-    from hf_longctx.capacity.step_time import step_time
-
-    dims = ModelDims.from_config(config("8b", 2))
-    rows = []
-    for preset, tokens, loss_rows in [(p, t, None) for p, t in STEPS] + [("balanced", t, r) for t, r in LOSS_ROWS]:
-        setting = preset_setting(1, 1, 1, preset.split("+")[0], dims)
-        setting = dataclasses.replace(setting, keep_attention=preset.endswith("+keep"),
-                                      loss_chunks=tokens // loss_rows if loss_rows else setting.loss_chunks)
-        for backend in dict.fromkeys(("torch_flash", *GPUS[card].attention_ranking(HEAD_DIM)[:1])):
-            cluster = Cluster(1, 80 * 2**30, 2048 * 2**30, gpu=card, attention_backend=backend)
-            rows.append({"preset": preset, "tokens": tokens, "loss_rows": loss_rows, "backend": backend,
-                         "predicted_s": round(step_time(dims, setting, cluster, tokens).seconds, 4)})
-    return rows
-
-
-def prediction_file(out: Path, card: str, repredict: bool, dry: bool) -> tuple[Path, dict]:
-    """The prediction of this code on `card`: written when absent (or `repredict`), required to be
-    of this code when present -- a stale one ends the run before any GPU work (exit 2)."""
-    path = out / f"gpu_attention_backends_{card}_prediction.json"
-    ident = code_identity()
-    if path.exists() and not repredict and not dry:
-        held = json.loads(path.read_text())
-        if held.get("digest") != ident["digest"]:
-            raise SystemExit(f"{path} predicts other code (digest {held.get('digest')}, this code {ident['digest']}): "
-                             "rerun with --repredict to write this code's prediction first")
-        return path, held
-    held = {**ident, "card": card, "written": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": predictions(card)}
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(held, indent=1))
-    return path, held
+        path = write_predictions(out, PREDICTED, card, note=tag)
+    except UntimedGPU as exc:
+        return None, {"code": "-", "rows": [], "untimed": str(exc)}
+    except FileExistsError as exc:
+        raise SystemExit(f"{exc}: today's predictions for {card} are another run's; move them away first") from exc
+    return path, json.loads(path.read_text())
 
 
 def backends(dry: bool) -> dict:
@@ -242,14 +231,16 @@ def report(rows: list[dict], steps: list[dict], prediction: dict, peak: float) -
               f"{r['backward_tflops']:.1f} ({bwd:.3f}) |")
         if r["tokens"] == SPEED[0][0]:  # the length the torch_flash fractions were derived at
             suggested[r["backend"]] = f'("{r["backend"]}", (({r["head_dim"]}, {fwd:.3f}, {bwd:.3f}),)),'
-    predicted = {(p["preset"], p["tokens"], p["loss_rows"], p["backend"]): p["predicted_s"] for p in prediction["rows"]}
+    predicted = {(p["preset"], p["tokens"]): p["predicted_s"] for p in prediction["rows"]}  # the modelled kernel's
     dry = any(s.get("cpu_dry_run") for s in steps)
-    print("\n(c, d) 8B widths, 2 layers, one document: step seconds, measured against the step-time model"
-          + (" (dry run: a tiny model on the CPU, not comparable)" if dry else ""))
+    print("\n(c, d) 8B widths, 2 layers, one document: step seconds, measured against the step-time model's prediction "
+          "(the kernel it models; the loss rows predict as balanced: no term of the model depends on a loss chunk's "
+          "rows)" + (" (dry run: a tiny model on the CPU, not comparable)" if dry else ""))
     print("| backend | memory | tokens | loss rows | measured s | predicted s | measured / predicted | peak GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for s in steps:
-        pred = predicted.get((s["preset"].replace("chunked", "balanced"), s["tokens"], s["loss_rows"], s["backend"]))
+        pred = predicted.get((s["preset"].replace("chunked", "balanced"), s["tokens"]))
+        pred = round(pred, 3) if pred else None
         got = f"{s['seconds']:.3f}" if s.get("fits") else s.get("error", "out of memory")
         ratio = f"{s['seconds'] / pred:.2f}" if s.get("fits") and pred and not s.get("cpu_dry_run") else "-"
         print(f"| {s['backend']} | {s['preset']} | {s['tokens']:,} | {s['loss_rows'] or '-'} | {got} | {pred or '-'} | "
@@ -265,10 +256,11 @@ def report(rows: list[dict], steps: list[dict], prediction: dict, peak: float) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU: emulated kernels, tiny shapes, the plan")
-    parser.add_argument("--out", type=Path, default=HERE / "results", help="where the JSON files go")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the JSON files go (default: benchmarks/results; a temporary folder on a dry run)")
     parser.add_argument("--budget", type=float, default=470.0, help="seconds for the whole run (rows past it: SKIPPED)")
     parser.add_argument("--card", default=None, help="capacity/gpus.py entry (default: the device's; h100 on a dry run)")
-    parser.add_argument("--repredict", action="store_true", help="rewrite the prediction of this code first")
+    parser.add_argument("--predict", action="store_true", help="CPU: write this code's predictions for --card, then stop")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -277,18 +269,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from hf_longctx.capacity.gpus import GPUS, key_of_device
 
+    if args.out is None:  # a dry run's predictions stay out of results/, which the backtest reads
+        args.out = Path(tempfile.mkdtemp(prefix="gpu_attention_backends_")) if args.dry_run else HERE / "results"
+    if args.predict:
+        path, data = prediction_file(args.out, args.card or "h100")
+        print(f"predictions: {path or data.get('untimed')}")
+        return 0
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --dry-run on CPU")
     name = "CPU dry run" if args.dry_run else torch.cuda.get_device_name()
     card = args.card or ("h100" if args.dry_run else key_of_device(name))
     if card not in GPUS:
         raise SystemExit(f"{name!r} is no entry of capacity/gpus.py ({sorted(GPUS)}): pass --card")
-    path, prediction = prediction_file(args.out, card, args.repredict, args.dry_run)
+    path, prediction = prediction_file(args.out, card)
     start = time.monotonic()
     left = lambda: args.budget - (time.monotonic() - start)  # noqa: E731
     found, absent = backends(args.dry_run)
-    print(f"{name}: card {card}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; prediction {path} "
-          f"(commit {prediction['commit']}, digest {prediction['digest']})")
+    print(f"{name}: card {card}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; predictions "
+          f"{path or prediction.get('untimed')} (code {prediction['code']}, sources {code_digest()})")
     print(f"plan: backends {sorted(found)} (absent: {absent or 'none'}); (a) {len(cases_mod.cases(48, (4, 1)))} exactness "
           f"cases of {EXACT_TOKENS} tokens, GQA 32/8; (b) {[t for t, _ in SPEED]} tokens; (c) {STEPS} with the fastest "
           f"exact backend and torch_flash; (d) loss chunks of {[r for _, r in LOSS_ROWS]} rows; budget {args.budget:g} s, "
@@ -305,10 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     steps = step_rows(best, left, args.dry_run)
     suggested = report(rows, steps, prediction, GPUS[card].bf16_flops)
     result = {"device": name, "card": card, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-              "prediction": path.name, "identity": code_identity(), "absent": absent, "fastest_exact": best,
-              "kernels": rows, "steps": steps, "suggested_measured_attention": suggested, "dry_run": args.dry_run}
+              "predictions": path.name if path else None, "sources": code_digest(), "absent": absent,
+              "fastest_exact": best, "kernels": rows, "steps": steps, "suggested_measured_attention": suggested,
+              "dry_run": args.dry_run}
     out = args.out / f"gpu_attention_backends_{'dryrun' if args.dry_run else card}.json"
     out.write_text(json.dumps(result, indent=1))
+    if path is not None and not args.dry_run:  # FA2's rows beside their predictions, as the backtest reads them
+        from benchmarks.gpu_predictions import record_run
+
+        fa2 = [dict(shape="8b", layers=2, **{k: r.get(k) for k in ("preset", "tokens", "fits", "seconds", "peak_gib")})
+               for r in steps if r["backend"] == "torch_flash" and r["loss_rows"] is None]
+        print(f"wrote {record_run(path, fa2, device=name)}")
     failed = [r for r in rows if r.get("exact") is False or r["kind"] == "error"] + [s for s in steps if s.get("error")]
     print(f"\nwrote {out}; {len(failed)} row(s) failed or timed out; {time.monotonic() - start:.0f} s")
     return 1 if failed else 0

@@ -105,16 +105,31 @@ def usp_attention(
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the SP group of `mesh`.
 
-    q [B, S_local, H, D], k/v [B, S_local, H_kv, D] → [B, S_local, H, D]. The rows are the
-    global tokens at `mesh.local_indices(cu_seqlens)`; `cu_seqlens` are the global document
-    boundaries of the packed sequence (B = 1), None = every row is one document.
-    `plan_cache`: an optional dict the caller keeps per batch, so that the layers of one
-    micro-batch plan the ring and choose the kernel once (`patch()` does this). `sinks`:
-    None, or the per-head sink logits [H] (HF's `s_aux`), joined to the softmax denominator
-    once (`ops/sinks.py`); differentiable. The output is contiguous, like HF's own attention
-    functions (models `.view()` it). `attention_backend`: how the local kernel is chosen
-    (`ops/backends/select.AttentionChoice`: a named backend, the GPU's measured ranking; None:
-    the unmeasured default), resolved before the first collective.
+    The rows are the global tokens at `mesh.local_indices(cu_seqlens)`.
+
+    Args:
+        q: [B, S_local, H, D], this rank's query rows (after RoPE).
+        k: [B, S_local, H_kv, D] (GQA not expanded).
+        v: [B, S_local, H_kv, D].
+        mesh: The mesh the batch was sharded on.
+        cu_seqlens: The global document boundaries of the packed sequence (B = 1); None:
+            every row is one document.
+        causal: Causal attention (each token sees itself and the tokens before it).
+        softmax_scale: The logits' scale (default 1/sqrt(D)).
+        window: A sliding window: a query at i sees keys j with i - j < window (None: no
+            window), as in transformers.
+        softcap: Logit soft-capping, softcap·tanh(logits / softcap) (None: none).
+        plan_cache: An optional dict the caller keeps per batch, so that the layers of one
+            micro-batch plan the ring and choose the kernel once (`patch()` does this).
+        sinks: None, or the per-head sink logits [H] (HF's `s_aux`), joined to the softmax
+            denominator once (`ops/sinks.py`); differentiable.
+        attention_backend: How the local kernel is chosen (`ops/backends/select.AttentionChoice`:
+            a named backend, the GPU's measured ranking; None: the unmeasured default), resolved
+            before the first collective.
+
+    Returns:
+        [B, S_local, H, D], contiguous like HF's own attention functions (models `.view()`
+            it).
     """
     qf, kf, vf, spec, kw, sinks, shape = _to_ring(q, k, v, mesh, cu_seqlens, causal, softmax_scale, window, softcap,
                                                    plan_cache, sinks, attention_backend)

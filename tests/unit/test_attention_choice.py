@@ -41,7 +41,8 @@ def test_ranking_orders_measured_backends_by_modelled_seconds():
     ))
     assert spec.attention_ranking(128) == ("flash_attn", "cudnn", "torch_flash")  # one row each: nearest is theirs
     assert spec.modelled_attention(128) == "flash_attn"
-    assert spec.attention_fraction(128, backward=True) == 0.9
+    fastest = gpus.with_attention_backend(spec, None)
+    assert fastest.attention_fraction(128, backward=True) == 0.9 and fastest.modelled_attention(128) == "flash_attn"
     named = gpus.with_attention_backend(spec, "cudnn")
     assert named.modelled_attention(128) == "cudnn" and named.attention_fraction(128, backward=False) == 0.30
     with pytest.raises(ValueError, match="no measured attention fractions of 'cudnn_frontend' on X"):

@@ -21,12 +21,14 @@ def test_dry_run_runs_every_path_and_writes_the_prediction(tmp_path, capsys):
     assert gab.main(["--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "plan: backends ['cudnn', 'cudnn_frontend', 'flash_attn', 'torch_flash']" in out
-    prediction = json.loads((tmp_path / "gpu_attention_backends_h100_prediction.json").read_text())
-    assert {"commit", "digest", "card", "written", "rows"} <= set(prediction) and prediction["card"] == "h100"
-    assert {(r["preset"], r["tokens"], r["loss_rows"]) for r in prediction["rows"]} == (
-        {(p, t, None) for p, t in gab.STEPS} | {("balanced", t, r) for t, r in gab.LOSS_ROWS})
-    assert all(r["predicted_s"] > 0 and r["backend"] == "torch_flash" for r in prediction["rows"])
+    (path,) = tmp_path.glob("predictions_*_h100.json")  # the project's prediction API wrote it, before the rows
+    prediction = json.loads(path.read_text())
+    assert prediction["kind"] == "predictions" and prediction["card"] == "h100" and prediction["code"]
+    assert f"gpu_attention_backends.py, sources {gab.code_digest()}" in prediction["written"]
+    assert [(r["preset"], r["tokens"]) for r in prediction["rows"]] == list(gab.STEPS)
+    assert all(r["predicted_s"] > 0 for r in prediction["rows"])
     result = json.loads((tmp_path / "gpu_attention_backends_dryrun.json").read_text())
+    assert result["predictions"] == path.name
     exact = [r for r in result["kernels"] if r["kind"] == "exact"]
     assert {r["backend"] for r in exact} == {"cudnn", "cudnn_frontend", "flash_attn", "torch_flash"}
     assert all(r.get("exact") for r in exact if "skipped" not in r)
@@ -34,16 +36,20 @@ def test_dry_run_runs_every_path_and_writes_the_prediction(tmp_path, capsys):
     assert {(s["preset"], s["loss_rows"]) for s in result["steps"]} == (
         {(p, None) for p, _ in gab.STEPS} | {("chunked", r) for _, r in gab.LOSS_ROWS})
     assert all(s["fits"] for s in result["steps"])
+    assert gab.main(["--dry-run", "--out", str(tmp_path)]) == 0  # the same sources: the same predictions, kept
+    assert list(tmp_path.glob("predictions_*_h100.json")) == [path]
 
 
-def test_other_codes_prediction_stops_the_run(tmp_path):
-    path = tmp_path / "gpu_attention_backends_h100_prediction.json"
-    path.write_text(json.dumps({"digest": "someone-else", "commit": "x", "rows": []}))
-    with pytest.raises(SystemExit, match="predicts other code"):
-        gab.prediction_file(tmp_path, "h100", repredict=False, dry=False)
-    _, held = gab.prediction_file(tmp_path, "h100", repredict=True, dry=False)
-    assert held["digest"] == gab.code_identity()["digest"]
-    assert gab.prediction_file(tmp_path, "h100", repredict=False, dry=False)[1]["written"] == held["written"]
+def test_other_sources_predictions_stop_the_run(tmp_path):
+    stale = tmp_path / "predictions_2026-01-01_h100.json"
+    stale.write_text(json.dumps({"written": "before the run; benchmarks/gpu_attention_backends.py, sources 0123",
+                                 "code": "x", "rows": []}))
+    with pytest.raises(SystemExit, match="predicts other sources"):
+        gab.prediction_file(tmp_path, "h100")
+    stale.unlink()
+    path, held = gab.prediction_file(tmp_path, "h100")
+    assert gab.prediction_file(tmp_path, "h100") == (path, held)
+    assert gab.prediction_file(tmp_path, "a100")[0] is None  # no measured fractions: nothing to predict
 
 
 def test_a_hung_worker_is_killed_with_a_timeout_line():
