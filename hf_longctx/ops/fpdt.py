@@ -19,6 +19,7 @@ import torch
 
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.ops.backends import AttentionChoice
 from hf_longctx.ops import kernels
 from hf_longctx.ops.fpdt_schedule import FPDTPlan, plan_for
 from hf_longctx.ops.offload import ChunkStore
@@ -288,9 +289,8 @@ def fpdt_attention(
     softmax_scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
-    offload: bool = False,
-    sinks: torch.Tensor | None = None,
-    plan_cache: dict | None = None, save: bool = True, attention_backend=None,
+    offload: bool = False, sinks: torch.Tensor | None = None,
+    plan_cache: dict | None = None, save: bool = True, attention_backend: AttentionChoice | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the Ulysses group, FPDT-chunked.
 
