@@ -162,8 +162,7 @@ def estimate_memory(
         dims, s, budget, world=world, tokens=tokens, dtype=dtype, offload=offload, head=vocab_unit + rest)
     device, binding = max((p.total + made * p.name.startswith("layer backward"), p.name) for p in budget.phases)
     backward_grads = made if binding.startswith("layer backward") else 0.0
-    activations = budget.held
-    buffers = device - backward_grads - budget.held
+    activations, buffers = budget.held, device - backward_grads - budget.held
     return MemoryEstimate(params, grads, optim, activations, buffers, host + max(budget.host, rollout_host), held,
                           backward_grads, rollouts, weights, cache)  # the step's offloads or the rollouts' cache
 

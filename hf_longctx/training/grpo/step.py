@@ -49,14 +49,40 @@ def grpo_step(
     max_grad_norm: float | None = 1.0, pad_token_id: int = 0, step: int = 0,
 ) -> dict[str, Any]:
     """One optimizer step on this DP group's `prompts` (the same list on every rank of its SP
-    group). `reward_fn(prompts, completions)` -> one reward per completion. `generate`: a
-    `SamplingSettings` (`hf_longctx.sampling_settings(max_new_tokens=..., ...)`): the SP group decodes
-    the step's rows together, its KV cache sharded over the group (`sp_generate`; SP rank 0's RNG
-    samples every row, as one `generate` batch of them); or a callable `generate(model, prompt, n)` ->
-    n completions, run per rank on gathered, unpatched weights (`sp_rollouts`, `hf_generate`). Returns the global
-    loss, grad_norm, the reward mean, the completion length mean and TRL's loss metrics. The
-    gradient norm and clipping are the Trainer path's (`base/step_loop.grad_norm`): a failed
-    collective in them raises `RankFailure` naming `step`."""
+    group): generate, score, then one forward + backward of the packed rows under SP.
+
+    The gradient norm and clipping are the Trainer path's (`base/step_loop.grad_norm`).
+
+    Args:
+        model: The policy, patched with `mesh`.
+        optimizer: Its optimizer.
+        mesh (SPMesh): This rank's mesh.
+        prompts: This DP group's prompts as token lists (the same on every rank of its SP
+            group).
+        reward_fn: `reward_fn(prompts, completions)` -> one reward per completion.
+        objective: The loss (`GRPOObjective`).
+        num_generations: Completions per prompt.
+        generate: A `SamplingSettings` (`hf_longctx.sampling_settings(max_new_tokens=...,
+            ...)`): the SP group decodes the step's rows together, its KV cache sharded over
+            the group (`sp_generate`; SP rank 0's RNG samples every row, as one `generate`
+            batch of them). Or a callable `generate(model, prompt, n)` -> n completions
+            (token lists, up to and including EOS), run per rank on the unpatched, gathered
+            model (`sp_rollouts`, `hf_generate`).
+        ref_model: The reference, patched with the same mesh (needed when
+            `objective.beta` != 0).
+        max_grad_norm: Clip the gradient norm to this (None: no clipping).
+        pad_token_id: The id of padding tokens.
+        step: The step's number, for messages.
+
+    Returns:
+        The global loss, grad_norm, the reward mean, the completion length mean and TRL's
+            loss metrics.
+
+    Raises:
+        ValueError: `beta` != 0 without `ref_model`, or `reward_fn` returned the wrong
+            number of rewards.
+        RankFailure: A collective of the gradient norm or clipping failed (naming `step`).
+    """
     if objective.beta != 0.0 and ref_model is None:
         raise ValueError(f"beta={objective.beta} needs ref_model= (patched with the same mesh)")
     per_completion_prompts = [list(p) for p in prompts for _ in range(num_generations)]  # prompt-major, as generated

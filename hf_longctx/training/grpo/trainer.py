@@ -41,6 +41,17 @@ class LongGRPOTrainer(SPRolloutTrainer, GRPOTrainer):
     together, the KV cache sharded over it, each rank sampling its own rows as `generate` would) or
     "per-rank" (TRL's own generate on gathered, unpatched weights). Refused settings: `refusals.grpo.check_grpo_trainer` raises one
     `NotSupported` naming every value.
+
+    Args:
+        *args: `trl.GRPOTrainer`'s positional arguments.
+        mesh: The mesh (`init_sequence_parallel`) the model is patched with (`patch(model, mesh)`).
+        max_tokens: Tokens of one packed micro-batch of an SP group (default None: one
+            packed micro-batch per step).
+        **kwargs: `trl.GRPOTrainer`'s keyword arguments (`model`, `reward_funcs`, `args`,
+            `train_dataset`, `processing_class`, ...).
+
+    Raises:
+        NotSupported: Every refused setting, in one error (`refusals.grpo.check_grpo_trainer`).
     """
 
     _NAME = "GRPO"
