@@ -80,7 +80,7 @@ def _worker(rank: int, init_file: str, args, results) -> None:
         r = measure(mesh, shape, mode, tokens)
         if args.world > 1:
             every = [None] * args.world
-            dist.all_gather_object(every, r)
+            dist.all_gather_object(every, r)  # [world]: every rank's census dict
             r = max(every, key=lambda x: x["device"])  # the worst rank decides
         rows.append((shape, mode, tokens, r))
     if rank == 0:
