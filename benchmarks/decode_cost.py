@@ -72,13 +72,15 @@ def hf_counts(layers: int, new: int) -> dict:
     return counter.snapshot()
 
 
-def split(count) -> tuple[dict, dict]:
-    """(per layer and step, per step outside the layers) from `count(layers, new)`."""
-    c = {(layers, new): count(layers, new) for layers in (2, 4) for new in NEW}
-    steps = NEW[1] - NEW[0]
-    layer = {k: ((c[4, NEW[1]][k] - c[4, NEW[0]][k]) - (c[2, NEW[1]][k] - c[2, NEW[0]][k])) / 2 / steps
+def split(count, layers: tuple[int, int] = (2, 4), new: tuple[int, int] = NEW) -> tuple[dict, dict]:
+    """(per layer and step, per step outside the layers) from `count(layers, new)`, counted at two
+    layer counts and two completion lengths (the docstring's formula; the tests count smaller ones)."""
+    (l0, l1), (n0, n1) = layers, new
+    c = {(n_layers, n_new): count(n_layers, n_new) for n_layers in layers for n_new in new}
+    steps = n1 - n0
+    layer = {k: ((c[l1, n1][k] - c[l1, n0][k]) - (c[l0, n1][k] - c[l0, n0][k])) / (l1 - l0) / steps
              for k in CATEGORIES}
-    step = {k: (c[2, NEW[1]][k] - c[2, NEW[0]][k]) / steps - 2 * layer[k] for k in CATEGORIES}
+    step = {k: (c[l0, n1][k] - c[l0, n0][k]) / steps - l0 * layer[k] for k in CATEGORIES}
     return layer, step
 
 
