@@ -49,23 +49,39 @@ def sp_generate(
     owners: Sequence[int] | None = None, weights: str = "auto", cache: str = "auto", max_tokens: int | None = None,
     log: Callable[[str], Any] | None = print, chunk: int = DEFAULT_CHUNK, **sampling: Any,
 ) -> list[list[int]]:
-    """Completions of `prompts` (token lists; the same list on every rank of the SP group) by a model
-    patched with `mesh`, generated sequence-parallel: each rank holds the K/V of its shard of every
-    row and decodes with the others; returns each row's completion tokens, up to and including the
-    first stop token (max_new_tokens of them if none), identical on every rank of the group.
+    """Completions of `prompts` by a model patched with `mesh`, generated sequence-parallel: each
+    rank holds the K/V of its shard of every row and decodes with the others. Call it on every rank
+    of the world when the model is FSDP2-sharded (its all-gathers span the world).
 
-    Sampling: `settings` (`sampling_settings(...)`), or `generate`-style keywords -- max_new_tokens,
-    do_sample, temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, pad_token_id --
-    resolved over the model's generation_config and transformers' defaults as `generate` resolves
-    them; other options are refused by name. `owners[n]`: the SP rank whose global RNG samples row n
-    (default: SP rank 0 samples all), exactly as `generate` samples the batch of that rank's rows.
-    `weights`: "auto" (gathered once when the whole model and the cache fit the device, else FSDP2's
-    per-unit gathers), "gathered" or "sharded"; `cache`: "auto" (default: the device where it fits
-    there on every rank, else the host), "device" or "host" (pinned host memory, each decode step
-    reading it over PCIe chunk by chunk: caches beyond the device, at the host link's speed); `log` (default print; None: silent) gets one line on
-    global rank 0 naming the choices and why. `max_tokens`: the prompt + completion tokens the rollout
-    was planned for (`hf-longctx plan --rollout-tokens`); more is refused before generation. Call it on
-    every rank of the world when the model is FSDP2-sharded (its all-gathers span the world)."""
+    Args:
+        model: The model, patched with `mesh`.
+        prompts: Token lists, the same list on every rank of the SP group.
+        mesh (SPMesh): This rank's mesh.
+        settings: `sampling_settings(...)`; or give `generate`-style keywords in `sampling`.
+        owners: `owners[n]`: the SP rank whose global RNG samples row n (default: SP rank 0 samples
+            all), exactly as `generate` samples the batch of that rank's rows.
+        weights: "auto" (gathered once when the whole model and the cache fit the device, else
+            FSDP2's per-unit gathers), "gathered" or "sharded".
+        cache: "auto" (the device where it fits there on every rank, else the host), "device" or
+            "host" (pinned host memory, each decode step reading it over PCIe chunk by chunk:
+            caches beyond the device, at the host link's speed).
+        max_tokens: The prompt + completion tokens the rollout was planned for (`hf-longctx plan
+            --rollout-tokens`); more is refused before generation.
+        log: Gets one line on global rank 0 naming the choices and why (default print; None: silent).
+        chunk: Key slots per chunk of the decode attention (`ops/decode_attention.py`; each
+            chunk's partial merged by log-sum-exp).
+        **sampling: max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
+            repetition_penalty, eos_token_id, pad_token_id -- resolved over the model's
+            generation_config and transformers' defaults as `generate` resolves them.
+
+    Returns:
+        Each row's completion tokens, up to and including the first stop token (max_new_tokens
+            of them if none), identical on every rank of the group.
+
+    Raises:
+        ValueError: `settings` and keywords together, bad values, rows that differ over the group.
+        NotSupported: A sampling option it does not apply, named (before any collective).
+    """
     state = check_model(model, mesh)
     if settings is not None and sampling:
         raise ValueError(f"pass either settings= or sampling keywords, not both (got {sorted(sampling)})")

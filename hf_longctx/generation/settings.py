@@ -49,8 +49,19 @@ _REFUSED = (
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """The resolved options of one rollout. eos_token_ids: the stop tokens (a completion ends after
-    the first); do_sample False: greedy (argmax after the processors, as `generate`)."""
+    """The resolved options of one rollout (`sampling_settings` makes them as `generate` would).
+
+    Attributes:
+        max_new_tokens: Completion tokens per row at most (>= 1).
+        do_sample: False: greedy (argmax after the processors, as `generate`).
+        temperature: Logits divided by it when sampling (> 0).
+        top_k: Keep the k most likely tokens.
+        top_p: Keep the smallest set with this much probability.
+        min_p: Keep tokens at least this fraction of the most likely one's probability.
+        repetition_penalty: transformers' penalty on the tokens of a row's history.
+        eos_token_ids: The stop tokens (a completion ends after the first).
+        pad_token_id: What finished rows are padded with.
+    """
 
     max_new_tokens: int
     do_sample: bool = False
@@ -84,9 +95,21 @@ def _resolved(explicit: dict[str, Any], model_config: Any) -> dict[str, Any]:
 
 
 def sampling_settings(generation_config: Any = None, model: Any = None, **options: Any) -> SamplingSettings:
-    """The settings of `generate(generation_config=..., **options)` on `model`: explicit options (a
-    GenerationConfig, then keywords on top) over the model's generation config over transformers'
-    defaults. Raises NotSupported naming every refused option that is on, ValueError for bad values."""
+    """The settings of `generate(generation_config=..., **options)` on `model`.
+
+    Args:
+        generation_config: A transformers GenerationConfig (explicit options; keywords on top).
+        model: Its generation_config fills what is not given explicitly, then transformers' defaults.
+        **options: `generate` keywords (max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
+            repetition_penalty, eos_token_id, pad_token_id).
+
+    Returns:
+        The resolved `SamplingSettings`.
+
+    Raises:
+        NotSupported: Naming every option that is on and not applied (beams, n-gram bans, ...).
+        ValueError: An unknown option or a bad value; no max_new_tokens.
+    """
     explicit = dict(generation_config.to_dict()) if generation_config is not None else {}
     explicit.update(options)
     unknown = sorted(set(options) - set(READ) - {name for name, _ in _REFUSED} - {"cache_implementation", "use_cache"})
