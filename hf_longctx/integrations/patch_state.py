@@ -6,7 +6,9 @@ state_dict); the registered attention (`attention.py`), the forward hooks
 (`forward_hooks.py`) and the memory options read and update it per batch. Guarantees: it
 holds every change `patch()` made (registration name, each config's former attention
 implementation, hooks, the memory options' undo, the mixer wrappers), so `unpatch()` restores
-exactly those; no module globals: all a patch binds lives here."""
+exactly those; no module globals: all a patch binds lives here. `patch_state(model)` and
+`is_patched(model)` are how every other module reads it (the data stage, a floor below, through
+`model_walk.installed_patch`)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.model_walk import PATCH_STATE_ATTR as STATE_ATTR  # instance attribute of the patched PreTrainedModel
+from hf_longctx.model_walk import hf_model, installed_patch
 
 
 @dataclass
@@ -51,3 +54,21 @@ class PatchState:
     vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
     vision_spec: Any = None  # that adapter's data/multimodal/spec.VisionSpec (the data stage reads it), else None
     split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None
+
+
+def patch_state(model: Any) -> Any:
+    """The patch of `model` (its mesh, bank, options and dry-run report), or None when it is
+    not patched. Read-only for callers."""
+    return installed_patch(model)
+
+
+def is_patched(model: Any) -> bool:
+    """True while `model` is patched.
+
+    Args:
+        model: A model (or PEFT model).
+
+    Returns:
+        Whether `patch()` is in effect on it.
+    """
+    return STATE_ATTR in hf_model(model).__dict__

@@ -75,7 +75,7 @@ class StepStream(torch.utils.data.Sampler):
                 raise ValueError("the step sampler yields no step: the dataset is empty")
 
 
-class _Rows(torch.utils.data.Dataset):
+class FeatureRows(torch.utils.data.Dataset):
     """Dataset rows as the collator's features (only the columns it reads), fetched per step;
     each names its source row under `DOCUMENT_KEY`, so a bad row is named by its index."""
 

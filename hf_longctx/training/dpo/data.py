@@ -21,7 +21,7 @@ from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids, document_name
-from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
+from hf_longctx.training.base.step_data import FeatureRows, StepBatch, StepStream
 from hf_longctx.training.dpo.ref_columns import IDS_HASH, REF_COLUMNS, REF_KEY, check_rows_scored
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -134,7 +134,7 @@ def pair_step_dataloader(dataset: Any, collate: PairStepCollate, *, tokens_per_s
     (both documents of a pair counted) is reached; `endless` (training) runs into the next
     epoch like the train loader of sft/data.py, else one pass (evaluation)."""
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
-    rows = _Rows(dataset, list(dataset.column_names), name, "pair")  # the columns the trainer selected
+    rows = FeatureRows(dataset, list(dataset.column_names), name, "pair")  # the columns the trainer selected
     loader = torch.utils.data.DataLoader(rows, batch_sampler=StepStream(sampler, endless=endless), collate_fn=collate,
                                          num_workers=0)
     return loader, sampler

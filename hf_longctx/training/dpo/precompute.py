@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.devices import to_device
 from hf_longctx.integrations.logprob_head import token_logprobs
-from hf_longctx.training.base.step_data import _Rows
+from hf_longctx.training.base.step_data import FeatureRows
 from hf_longctx.training.dpo.data import PAIR_COLUMNS, PAIRS_KEY
 from hf_longctx.training.dpo.loss import completion_sums
 from hf_longctx.training.dpo.ref_columns import FINGERPRINT, REF_COLUMNS
@@ -34,7 +34,7 @@ def reference_pass(reference: torch.nn.Module, dataset: Any, collate: Any, mesh:
     """(fp32 [N] chosen sums, fp32 [N] rejected sums) of `reference` over every pair of `dataset`
     (TRL's tokenized columns), identical on every rank. Steps of `tokens_per_step` pair tokens in
     dataset order, each planned and packed by `collate` (a `PairStepCollate`) as training does."""
-    rows = _Rows(dataset, list(PAIR_COLUMNS), "precompute", "pair")
+    rows = FeatureRows(dataset, list(PAIR_COLUMNS), "precompute", "pair")
     sums = torch.zeros(len(dataset), 2, dtype=torch.float32, device=device)  # [N, (chosen, rejected)]
     was_training = reference.training
     reference.eval()
