@@ -20,6 +20,7 @@ import torch
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.patch_state import PatchState
 
 
 # Keywords `sp_attention` APPLIES (the structural rule of probe.py lets them reach it) and
@@ -39,7 +40,7 @@ IGNORED_ATTENTION_KWARGS = frozenset({
 })
 
 
-def batch_mesh(state: Any, info: SPBatchInfo) -> SPMesh:
+def batch_mesh(state: PatchState, info: SPBatchInfo) -> SPMesh:
     """The SP group this batch was laid out for, from the batch (`SPBatchInfo.group`) in what
     `patch()` was given (a mesh is a bank of its one size), so every layer -- and activation-
     checkpoint recomputation, which replays the same kwargs -- runs on the group the planner
@@ -63,7 +64,7 @@ def batch_mesh(state: Any, info: SPBatchInfo) -> SPMesh:
     return mesh
 
 
-def make_attention(state: Any) -> Callable:
+def make_attention(state: PatchState) -> Callable:
     """The function registered with AttentionInterface; `state` is this patch's binding."""
 
     def sp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -111,7 +112,7 @@ def make_attention(state: Any) -> Callable:
     return torch.compiler.disable(sp_attention)
 
 
-def prepare(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> tuple:
+def prepare(state: PatchState, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> tuple:
     """q, k, v in the layout and dtype of our attention ([B, S_local, H(_kv), D], value padded to
     the key's head dim) and the call's arguments (`AttentionCall`)."""
     info = kwargs[SP_METADATA_KEY]
@@ -180,7 +181,7 @@ class AttentionCall:
         return out if out.shape[-1] == self.d_v else out[..., : self.d_v].contiguous()
 
 
-def _attend(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
+def _attend(state: PatchState, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
     """One sequence-parallel attention call: query [B, H, S_local, D], key/value [B, H_kv, S_local, D]
     -> [B, S_local, H, D_v] (USP, or FPDT when the mesh has chunks). A checkpoint's first run,
     whose saved tensors are discarded, keeps nothing for a backward (`LayerSplit.discarding`)."""
@@ -246,7 +247,7 @@ def refuse_padding(attention_mask: Any, *, read: bool = True) -> None:
         torch._assert_async(attention_mask.all(), _PADDING)
 
 
-def make_mask_function(state: Any) -> Callable:
+def make_mask_function(state: PatchState) -> Callable:
     def sp_mask(attention_mask=None, mask_function=None, **_: Any):
         """Registered with AttentionMaskInterface only when `patch()` skipped the dry run
         (otherwise the mask registry lacks our name, so HF's mask creation returns None at

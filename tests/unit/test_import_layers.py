@@ -330,3 +330,44 @@ def test_only_its_owners_name_the_patch_state_attribute():
     bad = sorted(name for name, path in modules().items() if name not in PATCH_STATE_OWNERS
                  and names_used(ast.parse(path.read_text())) & {"PATCH_STATE_ATTR", "STATE_ATTR"})
     assert not bad, f"modules reading the patch state off the model by attribute name: {bad}"
+
+
+# A seam typed `Any` says nothing: a mesh is a `Mesh` (or an `SPMesh`, a `RankLayout`, a DeviceMesh),
+# a patch's state a `PatchState`, a callback's state the Trainer's `TrainerState`.
+UNTYPED_SEAM_NAMES = ("mesh", "state")
+
+
+def untyped_seams(sources: dict[str, str]) -> list[str]:
+    """Parameters and annotated attributes named `mesh`, `*_mesh` or `state` annotated `Any`
+    (alone, or with None)."""
+    def is_any(node: ast.AST | None) -> bool:
+        text = ast.unparse(node) if node is not None else ""
+        return text.replace(" ", "") in ("Any", "typing.Any", "Any|None", "None|Any", "Optional[Any]", "'Any'", '"Any"')
+
+    def seam(name: str) -> bool:
+        return name in UNTYPED_SEAM_NAMES or name.endswith("_mesh")
+
+    out = []
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.arg) and seam(node.arg) and is_any(node.annotation):
+                out.append(f"{module}:{node.lineno} {node.arg}: {ast.unparse(node.annotation)}")
+            elif isinstance(node, ast.AnnAssign) and is_any(node.annotation):
+                target = node.target.attr if isinstance(node.target, ast.Attribute) else getattr(node.target, "id", "")
+                if seam(target):
+                    out.append(f"{module}:{node.lineno} {target}: {ast.unparse(node.annotation)}")
+    return sorted(out)
+
+
+def test_no_mesh_or_state_is_typed_any():
+    bad = untyped_seams({name: path.read_text() for name, path in modules().items()})
+    assert not bad, "seams typed Any (use Mesh / SPMesh / RankLayout / PatchState / TrainerState):\n" + "\n".join(bad)
+
+
+def test_an_untyped_seam_is_caught():
+    source = ("from typing import Any, Optional\n"
+              "def f(mesh: Any, world_mesh: Optional[Any] = None, state: 'Any' = None, model: Any = None): ...\n"
+              "class C:\n    device_mesh: Any | None\n    plan: Any\n"
+              "    def __init__(self, state: Any) -> None:\n        self.state: Any = state\n")
+    assert sorted(line.split(" ", 1)[1] for line in untyped_seams({"m": source})) == [
+        "device_mesh: Any | None", "mesh: Any", "state: 'Any'", "state: Any", "state: Any", "world_mesh: Optional[Any]"]

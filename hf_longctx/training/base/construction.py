@@ -14,6 +14,7 @@ from typing import Any
 
 from hf_longctx._compat import checkpointing_fields
 from hf_longctx.data.token_ids import Vocabulary
+from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.model_patch import patch_state
 from hf_longctx.model_walk import hf_model
@@ -87,7 +88,7 @@ def model_vocabulary(model: Any) -> Vocabulary | None:
     return Vocabulary(embedding_rows=rows, logits=logits if isinstance(logits, int) else rows)
 
 
-def shard_model(model: Any, world_mesh: Any, *, bf16: bool, param_offload: bool) -> None:
+def shard_model(model: Any, world_mesh: SPMesh, *, bf16: bool, param_offload: bool) -> None:
     """FSDP2 over the whole DP × SP world (`fsdp_plan`, sum reduction); every trainable
     parameter must end up a DTensor."""
     from torch.distributed.tensor import DTensor

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.distributed.mesh_protocol import Mesh
 from hf_longctx.integrations.logprob_head import check_logprob_head
 from hf_longctx.training.dpo.data import pair_format
 from hf_longctx.training.dpo.ref_columns import check_fixed_rows, stored_columns
@@ -22,7 +23,7 @@ from hf_longctx.training.refusals.checks import check_patched
 from hf_longctx.training.refusals.dpo import check_dpo_config, refuse_dpo
 
 
-def check_dpo_trainer(model: Any, args: Any, mesh: Any, kwargs: dict[str, Any]) -> None:
+def check_dpo_trainer(model: Any, args: Any, mesh: Mesh, kwargs: dict[str, Any]) -> None:
     """Everything LongDPOTrainer refuses, on every rank alike, before any collective."""
     from trl import DPOConfig
 

@@ -21,6 +21,7 @@ from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids, document_name
+from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.base.step_data import FeatureRows, StepBatch, StepStream
 from hf_longctx.training.dpo.ref_columns import IDS_HASH, REF_COLUMNS, REF_KEY, check_rows_scored
 
@@ -72,7 +73,7 @@ def pair_lengths(dataset: Any, name: str = "train_dataset") -> tuple[list[int], 
 class PairStepCollate:
     """collate_fn: one step's pair rows -> this rank's `StepBatch` (see the module docstring)."""
 
-    def __init__(self, mesh: Any, max_tokens: int, *, cost: Any = None, strategy: str = "balanced",
+    def __init__(self, mesh: SPMesh, max_tokens: int, *, cost: Any = None, strategy: str = "balanced",
                  pad_token_id: int = 0, flops_model: Any = None, vocab: Vocabulary | None = None) -> None:
         self.mesh, self.max_tokens, self.cost, self.strategy = mesh, max_tokens, cost, strategy
         self.pad_token_id, self.flops_model, self.vocab = pad_token_id, flops_model, vocab

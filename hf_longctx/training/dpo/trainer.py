@@ -75,6 +75,8 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
         NotSupported: A refused `DPOConfig` field or combination, every value named.
     """
 
+    mesh: SPMesh  # a GroupBank is refused (dpo/checks.py)
+
     def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh | None = None,
                  verify_ref_logps: int = 0, **kwargs: Any) -> None:
         # mesh=, or the ParallelismConfig's (DPOConfig(parallelism_config=...) or the launcher's): base/mesh_source.py

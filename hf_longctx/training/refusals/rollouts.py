@@ -18,6 +18,7 @@ from typing import Any
 import transformers
 
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.distributed.mesh_protocol import Mesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.training.refusals.rules import (
     Rule, falsy, refusal_message, refused_config_fields, refused_rule, trainer_rule,
@@ -87,7 +88,7 @@ class ConfigChecks:
             raise NotSupported(f"{self.config_name} settings the sequence-parallel {self.step} step cannot honour "
                                "exactly:\n  " + "\n  ".join(errors), "change the values listed above as each line says")
 
-    def check_trainer(self, mesh: Any, max_tokens: Any, params: dict[str, Any]) -> Any:
+    def check_trainer(self, mesh: Mesh, max_tokens: Any, params: dict[str, Any]) -> Any:
         """Everything the trainer refuses, on every rank alike, before any collective; returns its
         config. `params`: the TRL trainer's __init__ arguments by name."""
         return check_rollout_trainer(mesh, max_tokens, params, self)
@@ -161,7 +162,7 @@ def refusals(args: Any, params: dict[str, Any], name: str = "LongGRPOTrainer") -
     return out
 
 
-def check_rollout_trainer(mesh: Any, max_tokens: Any, params: dict[str, Any], checks: ConfigChecks) -> Any:
+def check_rollout_trainer(mesh: Mesh, max_tokens: Any, params: dict[str, Any], checks: ConfigChecks) -> Any:
     """Everything the rollout trainer `checks.trainer` refuses, on every rank alike, before any
     collective; returns its config (a TRL `checks.config_name`). `params`: the TRL trainer's
     __init__ arguments by name."""
