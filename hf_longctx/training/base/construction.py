@@ -64,6 +64,18 @@ def with_argument(args: tuple, kwargs: dict, names: tuple[str, ...], name: str, 
     return args, kwargs
 
 
+def without_data_skip(trainer_args: Any, user_args: Any) -> Any:
+    """The Trainer's arguments with `ignore_data_skip=True` (a copy when they are the user's own
+    object): the step sampler's position comes back with the checkpoint (`base/saving.py`), so
+    the Trainer must not also skip the trained batches on resume -- its skip would draw and plan
+    every skipped step again. TRL's async trainers set it for the same reason."""
+    if trainer_args.ignore_data_skip:
+        return trainer_args
+    out = copy.copy(trainer_args) if trainer_args is user_args else trainer_args
+    out.ignore_data_skip = True
+    return out
+
+
 def pad_id(processing_class: Any, pad_token_id: int | None) -> int:
     """`pad_token_id` if given, else the processing class's pad, else its EOS, else 0."""
     if pad_token_id is not None:

@@ -157,11 +157,16 @@ class SPTrainerBase:
         self.accelerator.backward(loss, **({"learning_rate": self._get_learning_rate()} if lomo else {}))
 
     def _micro_loss(self, model: torch.nn.Module, micro_batch: Any) -> torch.Tensor:
-        """This rank's share of the step's loss on one micro-batch: `_prepare_inputs` (to the
-        device; a subclass may shard there), then `compute_loss`."""
-        inputs = self._prepare_inputs(micro_batch)
+        """This rank's share of the step's loss on one micro-batch: `_micro_inputs`, then `compute_loss`."""
+        inputs = self._micro_inputs(micro_batch)
         with self.compute_loss_context_manager():
             return self.compute_loss(model, inputs, num_items_in_batch=inputs.get("num_items_in_batch"))
+
+    def _micro_inputs(self, micro_batch: Any) -> dict[str, Any]:
+        """One micro-batch of the step as the model's inputs on the device. Here the Trainer's
+        `_prepare_inputs`, which the rollout trainers replace (their slot is packed and sharded
+        there); `LongContextTrainerMixin` copies its host shard itself."""
+        return self._prepare_inputs(micro_batch)
 
     # ---- the norm of the summed gradient ----------------------------------------------------------
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:

@@ -175,7 +175,7 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
     "dataloader_drop_last": refused_rule(
         falsy, "steps are cut by a token budget and the end of a sampler epoch rolls into the next one: nothing is dropped",
         "leave it False (StepSampler(drop_last=True) for a hand-written loop)"),
-    "dataloader_pin_memory": Rule("ours", "_prepare_input stages each host shard in pinned memory before its non-blocking copy (CUDA); False copies unpinned"),
+    "dataloader_pin_memory": Rule("ours", "the step's host shards are staged in pinned memory before its non-blocking copy (CUDA); False copies unpinned"),
     "dataloader_in_order": Rule("ours", "without workers the steps always come in order"),
     "do_train": trainer_rule("read by your script, not by the Trainer"),
     "do_eval": trainer_rule("read by your script, not by the Trainer"),
