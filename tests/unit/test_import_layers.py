@@ -10,6 +10,10 @@ runs parent packages first whatever the layering). The floors below are DESIGN's
 first; a module may import its own floor or lower, and nothing on its floor that imports it
 back. A floor names modules exactly: "x" is the module x only, "x.*" the package x and every
 module under it -- a new top-level module must be placed on a floor by name.
+
+The seams between modules are held here too: the rooms of training/ are floors of their own
+(TRAINING_FLOORS); no private name is imported from another module; only the owners of the
+patch state name the model attribute that holds it; no mesh or patch state is typed `Any`.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class LongContextTrainerMixin(SPTrainerBase):
             self.args.ddp_find_unused_parameters = None
         check_training_arguments(self.args, type(self).__name__)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
-        self.args = build.without_data_skip(self.args, training_args)
+        self.args = build.without_data_skip(self.args, training_args)  # the step sampler resumes, not the Trainer's skip
         self.vision_collator = collators.vision_collator(
             mesh, self.model, max_tokens=self.max_tokens, cost=cost, vision_cost=vision_cost, strategy=strategy,
             overlong=overlong, seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
