@@ -67,7 +67,8 @@ def model_flops(cfg, tokens: int) -> float:
     return 6 * (L * per_layer + head) * tokens + 6 * L * q * tokens * tokens
 
 
-PRESET_KWARGS = {"max+keep": ("max", {"keep_attention": True})}  # a row name -> (memory preset, more patch() keywords)
+# a row name -> (memory preset, more patch() keywords); "chunked": balanced's chunked MLP, the loss chunks from --knobs
+PRESET_KWARGS = {"max+keep": ("max", {"keep_attention": True}), "chunked": (None, {"mlp_chunks": "auto"})}
 
 
 def _build(shape: str, layers: int, preset: str, knobs: dict | None = None):
@@ -81,6 +82,9 @@ def _build(shape: str, layers: int, preset: str, knobs: dict | None = None):
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(dtype=torch.bfloat16)
     mesh = init_sequence_parallel()
+    named = (knobs or {}).get("attention_backend") or ""
+    if named.startswith("torch_flash["):  # torch's process-wide FA3/FA4 switch, made in this row's own process
+        torch.nn.attention.activate_flash_attention_impl(named[len("torch_flash["):-1])
     memory, extra = PRESET_KWARGS.get(preset, (preset, {}))
     return patch(model, mesh, memory=memory, **extra, **(knobs or {})), mesh
 

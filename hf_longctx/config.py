@@ -15,6 +15,9 @@ from dataclasses import dataclass
 MEMORY_PRESETS = ("off", "balanced", "high", "max")
 KNOBS = ("kv_offload", "mlp_chunks", "loss_chunks", "checkpoint")
 CHECKPOINT_ATTENTION = "attention"  # checkpoint= value: keep the attention, recompute the rest
+# attention_backend= values: the backends of `ops/backends/select.py` (a test holds them equal).
+ATTENTION_BACKENDS = ("torch_flash", "torch_flash[FA3]", "torch_flash[FA4]", "flash_attn", "cudnn", "cudnn_frontend",
+                      "aten_cpu", "math")
 
 
 def preset_knobs(memory: str, fpdt_chunks: int) -> dict:
@@ -59,6 +62,10 @@ class PatchOptions:
         each attention call's output and log-sum-exp (on the host where the device offloads) so
         the backward does not run the attention's forward again (not a knob of the presets: it
         goes with memory="max" like inputs_on_device; `integrations/layer_run.py`).
+    attention_backend: the local attention kernel every call runs (one of `ATTENTION_BACKENDS`);
+        None: the fastest exact one measured on the GPU (`ops/backends/select.py`). A named one
+        that cannot run a call (absent, too old, or not exact for its dtype, head dim, softcap
+        or window) raises at that call's first layer, before any collective.
     """
 
     kv_offload: bool = False
@@ -68,25 +75,26 @@ class PatchOptions:
     memory: str | None = None
     inputs_on_device: int = 0
     keep_attention: bool = False
+    attention_backend: str | None = None
 
     @classmethod
     def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int, inputs_on_device: int = 0,
-                keep_attention: bool = False) -> "PatchOptions":
+                keep_attention: bool = False, attention_backend: str | None = None) -> "PatchOptions":
         """Options from `patch()`'s arguments: `knobs` holds only the knobs the caller passed
         explicitly. A preset and an explicit knob together are refused: the preset would
         silently override the knob or the knob the preset."""
         unknown = sorted(set(knobs) - set(KNOBS))
         if unknown:
             raise TypeError(f"unknown patch() options {unknown}; the memory knobs are {KNOBS}")
+        kept = dict(inputs_on_device=inputs_on_device, keep_attention=keep_attention, attention_backend=attention_backend)
         if memory is None:
-            return cls(**knobs, inputs_on_device=inputs_on_device, keep_attention=keep_attention)
+            return cls(**knobs, **kept)
         if knobs:
             raise ValueError(
                 f"patch(memory={memory!r}) together with explicit {sorted(knobs)} is ambiguous; pass either a preset "
                 f"(memory in {MEMORY_PRESETS}) or the individual knobs"
             )
-        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory, inputs_on_device=inputs_on_device,
-                   keep_attention=keep_attention)
+        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory, **kept)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_offload, bool):
@@ -110,6 +118,11 @@ class PatchOptions:
             )
 
         self._check_keep_attention()
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be None (the fastest measured) or one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
 
     def _check_keep_attention(self) -> None:
         if not isinstance(self.keep_attention, bool):

@@ -16,7 +16,10 @@ H200's compute-bound fractions, its memory-bound ops at its own HBM bandwidth.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+# torch's flash ops (FlashAttention-2), (head dim, fwd, bwd) of bf16_flops: the H200 profile (Sources).
+TORCH_FA2 = ((64, 0.317, 0.287), (128, 0.366, 0.290))
 
 
 @dataclass(frozen=True)
@@ -35,9 +38,13 @@ class GPU:
     launch_s: float = 2.5e-6  # GPU-side time of a minimal kernel (launch, ramp, tail)
     collective_s: float = 30e-6  # latency of one NCCL collective call (assumed: no multi-GPU run profiled)
     gemm: float | None = 0.69  # achieved fraction of bf16_flops on the step's GEMMs (cuBLAS)
-    attention: tuple = ((64, 0.317, 0.287), (128, 0.366, 0.290))  # (head dim, fwd, bwd) of bf16_flops
+    attention: tuple = TORCH_FA2  # (head dim, fwd, bwd) of bf16_flops of the attention kernel modelled
     hbm: float | None = 0.56  # achieved fraction of hbm_bw on elementwise kernels
     nccl: float = 0.75  # achieved fraction of a link's bandwidth in all-to-all / p2p (literature, not measured here)
+    # (attention backend, ((head dim, fwd, bwd), ...)) measured by kernel microbenchmarks on this GPU
+    # (`benchmarks/gpu_attention_backends.py`); the backend names of `ops/backends/select.py`.
+    measured_attention: tuple = ()
+    attention_backend: str | None = None  # the backend modelled; None: the fastest measured at the call's head dim
 
     @property
     def timed(self) -> bool:
@@ -49,6 +56,21 @@ class GPU:
         return (f"no measured kernel fractions for {self.name}: the step time cannot be modelled; memory plans only "
                 "(capacity/gpus.py; a profile of this card's kernels, as benchmarks/gpu_model.py --derive reads the "
                 "H200's, would give them)")
+
+    def attention_ranking(self, head_dim: int) -> tuple[str, ...]:
+        """The backends measured on this GPU, fastest first at the nearest measured head dim
+        (seconds per pair: 4 / fwd + 10 / bwd, the FLOPs of the forward and the backward)."""
+        def seconds(rows) -> float:
+            _, fwd, bwd = min(rows, key=lambda row: abs(row[0] - head_dim))
+            return 4 / fwd + 10 / bwd
+
+        return tuple(name for name, rows in sorted(self.measured_attention, key=lambda m: seconds(m[1])))
+
+    def modelled_attention(self, head_dim: int) -> str:
+        """The backend whose fractions `attention` holds: the one `with_attention_backend` set, else
+        the fastest measured, else torch's flash ops."""
+        ranking = self.attention_ranking(head_dim)
+        return self.attention_backend or (ranking[0] if ranking else "torch_flash")
 
     def attention_fraction(self, head_dim: int, backward: bool) -> float:
         """The measured fraction of the nearest head dim (flash-attn's tiles depend on it)."""
@@ -83,15 +105,42 @@ class GPU:
 # - A100: no kernel of it has been profiled; FlashAttention-2 reaches 50-73 % of its peak there
 #   (the FlashAttention-2 paper, forward + backward), far from torch's port's 0.29-0.37 on the
 #   H200, so no other card's fractions are carried to it: no step time, memory plans only.
+# - measured_attention: the H200 kernel times of torch's flash ops (the attention line above), carried
+#   to the H100 with the rest of its fractions. Nothing measured on an A100.
 _H200_PROFILES = ("the H200 profiles of benchmarks/results/gpu_throughput_8b_h200.json and "
                   "gpu_throughput_1b_h200.json (benchmarks/gpu_model.py --derive)")
 GPUS = {
     "h100": GPU("H100 SXM", 989e12, 3.35e12, 80e9, 450e9, 50e9, 55e9, 55e9,
-                fractions="the H200's, carried over (same GH100 compute die); HBM-bound ops at the H100's bandwidth"),
-    "h200": GPU("H200 SXM", 989e12, 4.8e12, 141e9, 450e9, 50e9, 55e9, 55e9, fractions="measured: " + _H200_PROFILES),
+                fractions="the H200's, carried over (same GH100 compute die); HBM-bound ops at the H100's bandwidth",
+                measured_attention=(("torch_flash", TORCH_FA2),)),
+    "h200": GPU("H200 SXM", 989e12, 4.8e12, 141e9, 450e9, 50e9, 55e9, 55e9, fractions="measured: " + _H200_PROFILES,
+                measured_attention=(("torch_flash", TORCH_FA2),)),
     "a100": GPU("A100 SXM", 312e12, 2.039e12, 80e9, 300e9, 25e9, 25e9, 25e9, fractions="", gemm=None, attention=(),
                 hbm=None),
 }
+
+
+def key_of_device(device_name: str) -> str | None:
+    """The entry of `GPUS` a CUDA device name is ("NVIDIA H100 80GB HBM3" -> "h100"), or None for
+    a part the table does not hold (an H100 PCIe or NVL has other clocks and memory)."""
+    name = device_name.upper()
+    if "PCIE" in name or "NVL" in name:
+        return None
+    return next((key for key in GPUS if key.upper() in name), None)
+
+
+def with_attention_backend(spec: GPU, backend: str | None) -> GPU:
+    """`spec` modelling `backend`: its measured rows as `attention` (None: the fastest measured at
+    head dim 128, the width of the models planned; nothing measured: `spec` as it is). A backend
+    not measured on the card is refused, never given another backend's fractions."""
+    measured = dict(spec.measured_attention)
+    if backend is not None and backend not in measured:
+        raise ValueError(
+            f"no measured attention fractions of {backend!r} on {spec.name} (measured: {list(measured) or 'none'}): "
+            "run benchmarks/gpu_attention_backends.py on one and add its row to capacity/gpus.py, or model the default"
+        )
+    backend = backend or next(iter(spec.attention_ranking(128)), None)
+    return spec if backend is None else replace(spec, attention=measured[backend], attention_backend=backend)
 
 
 def gpu(name: str) -> GPU:

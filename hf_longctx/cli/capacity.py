@@ -110,8 +110,8 @@ def _time_line(args: argparse.Namespace, gpu: Any) -> str:
             f"{args.seq_len}) on one {gpu.name} (--gpu; hf_longctx/capacity/gpus.py), by the step-time model: the op "
             "inventory of the patched step (every kernel, collective and copy; capacity/inventory.py), each op "
             f"max(FLOPs / achieved rate, HBM bytes / {gpu.hbm:.0%} of {gpu.hbm_bw / 1e12:g} TB/s) + "
-            f"{gpu.launch_s * 1e6:g} us per kernel; GEMMs at {gpu.gemm:.0%} and flash-attn at "
-            f"{gpu.attention_fraction(128, False):.0%} / {gpu.attention_fraction(128, True):.0%} (fwd / bwd) of "
+            f"{gpu.launch_s * 1e6:g} us per kernel; GEMMs at {gpu.gemm:.0%} and attention ({gpu.modelled_attention(128)}) "
+            f"at {gpu.attention_fraction(128, False):.0%} / {gpu.attention_fraction(128, True):.0%} (fwd / bwd) of "
             f"{gpu.bf16_flops / 1e12:g} TFLOP/s; Ulysses all-to-alls block ({gpu.nvlink_bw / 1e9:g} GB/s in a node of "
             f"{args.gpus_per_node}, {gpu.ib_bw / 1e9:g} GB/s across, x{gpu.nccl:g} achieved, "
             f"{gpu.collective_s * 1e6:g} us per call); ring P2P, FSDP and host offload ({gpu.pcie_h2d / 1e9:g} / "
@@ -184,13 +184,25 @@ def _plan_dpo(args: argparse.Namespace, config: Any, cluster: Any, dims: Any, he
     return 0
 
 
+def _attention_line(args: argparse.Namespace, head_dim: int) -> str:
+    """Which attention kernel the step-time model runs, and why: named, or the fastest measured."""
+    gpu = _cluster(args).gpu_spec
+    name = gpu.modelled_attention(head_dim)
+    if args.attention_backend is not None:
+        return f"attention kernel {name} (--attention-backend)"
+    measured = [n for n, _ in gpu.measured_attention]
+    if not measured:
+        return f"no attention kernel measured on {gpu.name}: not timed (capacity/gpus.py)"
+    return f"attention kernel {name} (the fastest measured on {gpu.name} of {', '.join(measured)}; capacity/gpus.py)"
+
+
 def _cluster(args: argparse.Namespace):
     from hf_longctx.capacity.cluster import Cluster
 
     return Cluster(
         gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
         gpu=args.gpu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw, headroom=args.headroom,
-        latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
+        latency=args.latency, cpu_optim_bw=args.cpu_optim_bw, attention_backend=args.attention_backend,
     )
 
 
@@ -219,7 +231,8 @@ def _heading(args: argparse.Namespace, config: Any, dims: Any, vision: Any) -> s
                else f"{args.tokens_per_step} tokens per step")
             + (f"; vision tower {vision.dims.params / 1e6:.0f}M params, {vision.tokens} visual tokens per sample "
                f"({args.images} images x {args.image_tokens}, {vision.slices} video slices x {args.frame_tokens}) charged "
-               "(capacity/vision.py)" if vision is not None else ""))
+               "(capacity/vision.py)" if vision is not None else "")
+            + f"; {_attention_line(args, dims.head_dim)}")
 
 
 def _print_closest(args: argparse.Namespace, ranked: list, dims: Any, which: str = "") -> int:

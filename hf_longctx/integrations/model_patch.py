@@ -60,6 +60,7 @@ def patch(
     checkpoint: bool | str = UNSET,
     inputs_on_device: int = 0,
     keep_attention: bool = False,
+    attention_backend: str | None = None,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
@@ -97,6 +98,11 @@ def patch(
             host memory binds.
         keep_attention: With memory="max", layers keep the attention's output and LSE (host memory, about a layer
             input per token) for their backward; `hf-longctx plan` says where it pays.
+        attention_backend: The local attention kernel every call runs: "torch_flash", "torch_flash[FA3]" /
+            "[FA4]" (after the user's `torch.nn.attention.activate_flash_attention_impl`), "flash_attn", "cudnn",
+            "cudnn_frontend", "aten_cpu" or "math" (`config.ATTENTION_BACKENDS`). None (the default): the fastest
+            exact one measured on the GPU (`capacity/gpus.py`); a backend without a measured fraction there is never
+            picked unnamed. A named one that cannot run a call raises, with the reason, before its first collective.
         mixers: How the linear recurrences of a hybrid model (Gated DeltaNet, Mamba-2, RG-LRU) cross the SP group:
             "heads" (head all-to-all: every rank gets the whole sequence for some heads; needs SP <= heads), "state"
             (state passing: every rank keeps all heads and its tokens; the ranks exchange O(heads x d_k x d_v) state
@@ -121,7 +127,7 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, attention_backend)
     hf = hf_model(model)
     old = patch_state(hf)
     if old is not None:

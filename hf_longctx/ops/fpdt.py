@@ -19,6 +19,7 @@ import torch
 
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.ops.backends import AttentionChoice
 from hf_longctx.ops import kernels
 from hf_longctx.ops.fpdt_schedule import FPDTPlan, plan_for
 from hf_longctx.ops.offload import ChunkStore
@@ -288,10 +289,8 @@ def fpdt_attention(
     softmax_scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
-    offload: bool = False,
-    sinks: torch.Tensor | None = None,
-    plan_cache: dict | None = None,
-    save: bool = True,
+    offload: bool = False, sinks: torch.Tensor | None = None,
+    plan_cache: dict | None = None, save: bool = True, attention_backend: AttentionChoice | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the Ulysses group, FPDT-chunked.
 
@@ -303,6 +302,7 @@ def fpdt_attention(
             `softmax_scale`, `window`, `softcap`, `sinks` and `plan_cache` are `usp_attention`'s.
         offload: Keep finished chunks in pinned host memory on CUDA (no effect on CPU).
         save: False: the caller discards the saved tensors (a checkpointed layer's first run): no chunk is kept.
+        attention_backend: The kernel choice (`ops/backends/select.AttentionChoice`), made before any collective.
 
     Returns:
         [B, S_local, H, D].
@@ -310,7 +310,7 @@ def fpdt_attention(
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be a bool, got {offload!r}")
     plan = plan_for(q, k, v, mesh, cu_seqlens=cu_seqlens, causal=causal, softmax_scale=softmax_scale, window=window,
-                    softcap=softcap, sinks=sinks, plan_cache=plan_cache)
+                    softcap=softcap, sinks=sinks, plan_cache=plan_cache, choice=attention_backend)
     k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
     if sinks is not None:
         sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all
