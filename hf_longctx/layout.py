@@ -8,12 +8,13 @@ Algorithm 2: document in 2R chunks, ring rank r holds r and 2R-1-r, equal causal
 contiguous over Ulysses (Algorithm 1: the all-to-all rebuilds the ring rank's stream);
 rank-ordinal FPDT chunks (Figure 6: Ulysses rank j holds pieces j, U+j, ..., so chunk i's
 all-to-all gathers global segment i). A layout is a list of `Run`s: consecutive local
-tokens that are consecutive global positions of one document."""
+tokens that are consecutive global positions of one document. `RankLayout` is what the data
+stage asks of one rank's mesh (`SPMesh` answers it with these functions)."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -149,3 +150,42 @@ def local_indices(
     return runs_to_indices(
         local_runs(cu, ring=ring, ulysses=ulysses, ring_rank=ring_rank, ulysses_rank=ulysses_rank, fpdt_chunks=fpdt_chunks)
     )
+
+
+@runtime_checkable
+class RankLayout(Protocol):
+    """One rank's SP group as the data stage reads it (`data/sharding.py`, the collators): its
+    degrees and ranks, the padding multiples and the global positions it holds. `SPMesh`
+    (`distributed/mesh.py`) implements it; declared here, below `data/`, which may not import
+    the process groups a mesh carries."""
+
+    @property
+    def dp(self) -> int: ...  # SP groups in the world
+
+    @property
+    def dp_rank(self) -> int: ...  # which SP group this rank is in
+
+    @property
+    def sp(self) -> int: ...  # ranks of the SP group (ring x ulysses)
+
+    @property
+    def sp_rank(self) -> int: ...  # this rank's place in its SP group
+
+    @property
+    def ring(self) -> int: ...
+
+    @property
+    def ulysses(self) -> int: ...
+
+    @property
+    def fpdt_chunks(self) -> int: ...
+
+    @property
+    def doc_multiple(self) -> int: ...  # every document padded to a multiple of this
+
+    @property
+    def seq_multiple(self) -> int: ...  # the packed total padded to a multiple of this
+
+    def local_indices(self, cu_seqlens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """int64 [S_local]: the global positions this rank holds, in local order."""
+        ...

@@ -23,6 +23,13 @@ MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
 PATCH_STATE_ATTR = "_hf_longctx_patch"
 
 
+def installed_patch(model: Any) -> Any:
+    """What `patch()` keeps on `model` (its `integrations/patch_state.PatchState`), or None when it
+    is not patched: the one reader of `PATCH_STATE_ATTR`. `integrations/patch_state.patch_state`
+    types it; the data stage, a floor below, reads what `patch()` remembered through this."""
+    return hf_model(model).__dict__.get(PATCH_STATE_ATTR)
+
+
 def hf_model(model: Any):
     """The PreTrainedModel inside `model` (itself, or the base model of a PEFT wrapper)."""
     from transformers import PreTrainedModel

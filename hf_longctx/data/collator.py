@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from hf_longctx.errors import NotSupported
+from hf_longctx.layout import RankLayout
 
 from .cost import CostModel
 from .packing import Plan, plan_microbatches
@@ -164,7 +165,7 @@ class LongContextCollator:
 
     def __init__(
         self,
-        mesh: Any,
+        mesh: RankLayout,
         max_tokens: int,
         cost: CostModel | None = None,
         *,

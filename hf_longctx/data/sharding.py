@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from hf_longctx.devices import upload_stacked
+from hf_longctx.layout import RankLayout
 
 
 SP_METADATA_KEY = "sp_batch"  # the one kwarg that carries global document metadata to our attention
@@ -197,7 +198,7 @@ def _host_inputs(batch: Mapping[str, Any], device) -> tuple[torch.Tensor, dict[s
 
 def _padded_row(
     input_ids: torch.Tensor, position_ids: torch.Tensor, per_token: dict[str, torch.Tensor],
-    labels: torch.Tensor | None, cu: list[int], mesh, pad_token_id: int,
+    labels: torch.Tensor | None, cu: list[int], mesh: RankLayout, pad_token_id: int,
 ) -> tuple[list[int], dict[str, torch.Tensor]]:
     """The padded global boundaries and every per-token tensor on the padded row [B, S_pad]:
     `input_ids` (pads: `pad_token_id`), `position_ids` (pads continue their document's), the
@@ -235,7 +236,7 @@ def _num_items(shift_labels: torch.Tensor, num_items_in_batch: int | torch.Tenso
 
 
 def shard_batch(
-    batch: Mapping[str, Any], mesh, num_items_in_batch: int | torch.Tensor | None = None, *, pad_token_id: int = 0,
+    batch: Mapping[str, Any], mesh: RankLayout, num_items_in_batch: int | torch.Tensor | None = None, *, pad_token_id: int = 0,
     device: torch.device | str | None = None,
 ) -> dict[str, Any]:
     """The shard of THIS SP rank: exactly the kwargs of `model(**shard)`.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,10 @@ import torch.distributed as dist
 from hf_longctx import layout
 from hf_longctx.errors import NotSupported
 from hf_longctx.sp_groups import GroupShape
+
+if TYPE_CHECKING:  # types only: importing the device mesh module costs time at `import hf_longctx`
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _check_degree(name: str, value: Any) -> int:
@@ -94,12 +98,12 @@ class SPMesh:
     dp_rank: int
     ring_rank: int
     ulysses_rank: int
-    device_mesh: Any = field(default=None, compare=False, repr=False)  # DeviceMesh("dp","ring","ulysses") or None
-    world_mesh: Any = field(default=None, compare=False, repr=False)  # 1D DeviceMesh over the whole world (FSDP)
-    ulysses_group: Any = field(default=None, compare=False, repr=False)
-    ring_group: Any = field(default=None, compare=False, repr=False)
-    sp_group: Any = field(default=None, compare=False, repr=False)
-    dp_group: Any = field(default=None, compare=False, repr=False)
+    device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)  # DeviceMesh("dp","ring","ulysses") or None
+    world_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)  # 1D DeviceMesh over the whole world (FSDP)
+    ulysses_group: ProcessGroup | None = field(default=None, compare=False, repr=False)
+    ring_group: ProcessGroup | None = field(default=None, compare=False, repr=False)
+    sp_group: ProcessGroup | None = field(default=None, compare=False, repr=False)
+    dp_group: ProcessGroup | None = field(default=None, compare=False, repr=False)
 
     # ---- degrees and ranks -------------------------------------------------------------
     @property
@@ -128,8 +132,9 @@ class SPMesh:
         return self.dp_rank * self.sp + (ring_rank % self.ring) * self.ulysses + u
 
     # ---- one interface with flex/bank.GroupBank: a mesh is a bank of one group size ------
-    # What `patch()`, `batch_mesh`, the mixers and the trainer ask a bank, answered for the
-    # one group size `sp`, so that every caller treats a mesh and a bank alike.
+    # What `patch()`, `batch_mesh`, the mixers and the trainer ask a bank (the `Mesh` protocol,
+    # distributed/mesh_protocol.py), answered for the one group size `sp`, so that every
+    # caller treats a mesh and a bank alike.
     @property
     def shapes(self) -> tuple[GroupShape, ...]:
         """The one group shape of this mesh: size sp, its Ulysses x ring split, its FPDT chunks."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,14 @@ from hf_longctx.sp_groups import GroupShape, group_shapes
 from hf_longctx.distributed.mesh import SPMesh, process_group_world
 from hf_longctx.distributed.loss import collective_device
 
+if TYPE_CHECKING:  # types only: importing the device mesh module costs time at `import hf_longctx`
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 @dataclass(frozen=True)
 class GroupBank:
-    """This rank's view of every group size: `bank.mesh(size)` is its SP group of that size.
+    """This rank's view of every group size: `bank.mesh(size)` is its SP group of that size; a
+    `Mesh` (distributed/mesh_protocol.py), as an `SPMesh` is.
 
     Built by `init_group_bank`; pass it where a mesh goes (`patch`, the trainers).
 
@@ -40,7 +44,7 @@ class GroupBank:
     rank: int
     shapes: tuple[GroupShape, ...]
     meshes: tuple[SPMesh, ...] = field(compare=False, repr=False)  # one per shape, same order
-    world_mesh: Any = field(default=None, compare=False, repr=False)  # 1-D DeviceMesh over the world (FSDP)
+    world_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)  # 1-D DeviceMesh over the world (FSDP)
 
     @property
     def sizes(self) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ most one unsharded unit is on the device at load. Why: docs/DESIGN.md "Decisions
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -23,6 +23,9 @@ from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.fsdp_units import embedding_units, plan_units, split_parameters
 from hf_longctx.integrations.unused_params import reduce_unused_params
 from hf_longctx.model_walk import decoder_layer_classes
+
+if TYPE_CHECKING:  # types only: importing the device mesh module costs time at `import hf_longctx`
+    from torch.distributed.device_mesh import DeviceMesh
 
 MIXED_PRECISION = ("bf16", "fp32")
 
@@ -43,7 +46,7 @@ class FSDPPlan:
     """
 
     plugin: Any  # accelerate.FullyShardedDataParallelPlugin (fsdp_version=2)
-    device_mesh: Any  # 1-D DeviceMesh over the whole DP × SP world; None in one process without param_offload
+    device_mesh: DeviceMesh | None  # 1-D over the whole DP × SP world; None in one process without param_offload
     layer_classes: tuple[type, ...]
     mixed_precision: str
     param_offload: bool

@@ -21,6 +21,7 @@ from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.attention_choice import attention_choice
+from hf_longctx.integrations.patch_state import PatchState
 
 
 # Keywords `sp_attention` APPLIES (the structural rule of probe.py lets them reach it) and
@@ -40,7 +41,7 @@ IGNORED_ATTENTION_KWARGS = frozenset({
 })
 
 
-def batch_mesh(state: Any, info: SPBatchInfo) -> SPMesh:
+def batch_mesh(state: PatchState, info: SPBatchInfo) -> SPMesh:
     """The SP group this batch was laid out for, from the batch (`SPBatchInfo.group`) in what
     `patch()` was given (a mesh is a bank of its one size), so every layer -- and activation-
     checkpoint recomputation, which replays the same kwargs -- runs on the group the planner
@@ -64,7 +65,7 @@ def batch_mesh(state: Any, info: SPBatchInfo) -> SPMesh:
     return mesh
 
 
-def make_attention(state: Any) -> Callable:
+def make_attention(state: PatchState) -> Callable:
     """The function registered with AttentionInterface; `state` is this patch's binding."""
 
     def sp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -115,7 +116,7 @@ def make_attention(state: Any) -> Callable:
     return torch.compiler.disable(sp_attention)
 
 
-def layer_window(state: Any, module: Any, kwargs: dict) -> int | None:
+def layer_window(state: PatchState, module: Any, kwargs: dict) -> int | None:
     """The sliding window of this attention call: the keyword the layer passes, its own attribute,
     else one the model applies through its masks alone (PhiMoE: from the dry run's masks)."""
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
@@ -124,7 +125,7 @@ def layer_window(state: Any, module: Any, kwargs: dict) -> int | None:
     return window
 
 
-def _decode(state: Any, generation: Any, module: Any, query, key, value, scaling, dropout, kwargs: dict) -> torch.Tensor:
+def _decode(state: PatchState, generation: Any, module: Any, query, key, value, scaling, dropout, kwargs: dict) -> torch.Tensor:
     """A decode step's attention (`integrations/generation_binding.py`): query [1, H, N, D], key/value
     [1, H_kv, N, D] of every row's new token -> [1, N, H, D_v], over the SP group's cache."""
     if dropout:
@@ -143,7 +144,7 @@ def _decode(state: Any, generation: Any, module: Any, query, key, value, scaling
     return out if out.shape[-1] == d_v else out[..., :d_v].contiguous()
 
 
-def prepare(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> tuple:
+def prepare(state: PatchState, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> tuple:
     """q, k, v in the layout and dtype of our attention ([B, S_local, H(_kv), D], value padded to
     the key's head dim) and the call's arguments (`AttentionCall`)."""
     info = kwargs[SP_METADATA_KEY]
@@ -215,7 +216,7 @@ class AttentionCall:
         return out if out.shape[-1] == self.d_v else out[..., : self.d_v].contiguous()
 
 
-def _attend(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
+def _attend(state: PatchState, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
     """One sequence-parallel attention call: query [B, H, S_local, D], key/value [B, H_kv, S_local, D]
     -> [B, S_local, H, D_v] (USP, or FPDT when the mesh has chunks). A checkpoint's first run,
     whose saved tensors are discarded, keeps nothing for a backward (`LayerSplit.discarding`)."""
@@ -281,7 +282,7 @@ def refuse_padding(attention_mask: Any, *, read: bool = True) -> None:
         torch._assert_async(attention_mask.all(), _PADDING)
 
 
-def make_mask_function(state: Any) -> Callable:
+def make_mask_function(state: PatchState) -> Callable:
     def sp_mask(attention_mask=None, mask_function=None, **_: Any):
         """Registered with AttentionMaskInterface only when `patch()` skipped the dry run
         (otherwise the mask registry lacks our name, so HF's mask creation returns None at

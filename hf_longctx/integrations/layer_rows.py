@@ -2,7 +2,7 @@
 
 Where it sits: `integrations/layer_split.py` asks `cut_dim` whether a layer call can be cut
 (every per-token keyword argument along a known dim); `integrations/layer_run.py` cuts the
-call into row ranges (`_bounds`) and hands each its rows of those arguments (`_rows`).
+call into row ranges (`row_bounds`) and hands each its rows of those arguments (`kwargs_rows`).
 Guarantee: a row range of the arguments is a view (`narrow`), no copy. FPDT §3.3-3.5."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def cut_dim(name: str, tensors: list, s: int) -> int | None:
     return None
 
 
-def _rows(kwargs: dict, s: int, lo: int, hi: int) -> dict:
+def kwargs_rows(kwargs: dict, s: int, lo: int, hi: int) -> dict:
     """kwargs with every per-token tensor cut to rows [lo, hi)."""
     out = {}
     for name, value in kwargs.items():
@@ -33,7 +33,7 @@ def _rows(kwargs: dict, s: int, lo: int, hi: int) -> dict:
     return out
 
 
-def _bounds(lo: int, hi: int, pieces: int) -> list[tuple[int, int]]:
+def row_bounds(lo: int, hi: int, pieces: int) -> list[tuple[int, int]]:
     """[lo, hi) cut into at most `pieces` row ranges (none when empty)."""
     if hi <= lo:
         return []

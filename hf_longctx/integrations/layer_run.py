@@ -17,8 +17,8 @@ import torch
 
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.integrations.checkpointing import Inputs, park
-from hf_longctx.integrations.layer_rows import _bounds, _rows
-from hf_longctx.ops.fpdt import _from_heads, _to_heads, fpdt_backward_chunks, fpdt_forward_chunks, fpdt_replay_chunks
+from hf_longctx.integrations.layer_rows import kwargs_rows as _rows, row_bounds as _bounds
+from hf_longctx.ops.fpdt import from_heads as _from_heads, to_heads as _to_heads, fpdt_backward_chunks, fpdt_forward_chunks, fpdt_replay_chunks
 from hf_longctx.ops.fpdt_schedule import plan_for
 from hf_longctx.ops.grad_sums import GradSums
 from hf_longctx.ops.offload import ChunkStore

@@ -22,6 +22,7 @@ from torch import nn
 from hf_longctx.integrations.checkpointing import LayerChain, offloaded_checkpoint
 from hf_longctx.integrations.layer_rows import cut_dim
 from hf_longctx.integrations.layer_run import ChunkedLayer, LayerRun
+from hf_longctx.integrations.patch_state import PatchState
 from hf_longctx.ops.grad_sums import SumsSlot
 from hf_longctx.ops.offload import default_streams
 from hf_longctx.ops.tiling import mlp_chunks_at
@@ -35,7 +36,7 @@ class AtAttention(BaseException):
 class LayerSplit:
     """Per patch: the mode the attention function runs in, and the layers' entry point."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: PatchState) -> None:
         self.state = state  # the patch binding (its attention-call counter)
         self.mode: str | None = None  # None | "capture" | "replay"
         self.captured: tuple | None = None

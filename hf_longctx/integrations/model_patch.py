@@ -28,7 +28,7 @@ from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
 from hf_longctx.integrations.forward_hooks import post_forward_hook, pre_forward_hook
 from hf_longctx.integrations.patch_args import UNSET, check_mesh, resolve_options
-from hf_longctx.integrations.patch_state import STATE_ATTR, PatchState
+from hf_longctx.integrations.patch_state import STATE_ATTR, PatchState, is_patched, patch_state  # noqa: F401  (re-exported)
 from hf_longctx.model_walk import configs as _configs
 from hf_longctx.model_walk import hf_model
 
@@ -129,7 +129,7 @@ def patch(
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
     options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, attention_backend)
     hf = hf_model(model)
-    old = hf.__dict__.get(STATE_ATTR)
+    old = patch_state(hf)
     if old is not None:
         if _same_patch(old, mesh, bank, options, mixers, unsafe_skip_exactness_check) and before_install is None:
             old.explicit = explicit
@@ -274,20 +274,3 @@ def unpatch(model: Any) -> Any:
     mask_iface._global_mapping.pop(state.name, None)
     return model
 
-
-def patch_state(model: Any) -> Any:
-    """The patch of `model` (its mesh, bank, options and dry-run report: `PatchState`), or
-    None when it is not patched. Read-only for callers."""
-    return hf_model(model).__dict__.get(STATE_ATTR)
-
-
-def is_patched(model: Any) -> bool:
-    """True while `model` is patched.
-
-    Args:
-        model: A model (or PEFT model).
-
-    Returns:
-        Whether `patch()` is in effect on it.
-    """
-    return STATE_ATTR in hf_model(model).__dict__

@@ -15,7 +15,7 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.flex.bank import GroupBank
 
 
-def check_mesh(mesh: Any) -> None:
+def check_mesh(mesh: object) -> None:
     """The type check of the entry points that take either (`patch()`, the trainer): an SPMesh
     or a GroupBank; past it they ask both the same questions."""
     if not isinstance(mesh, (SPMesh, GroupBank)):

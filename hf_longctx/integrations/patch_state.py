@@ -6,7 +6,9 @@ state_dict); the registered attention (`attention.py`), the forward hooks
 (`forward_hooks.py`) and the memory options read and update it per batch. Guarantees: it
 holds every change `patch()` made (registration name, each config's former attention
 implementation, hooks, the memory options' undo, the mixer wrappers), so `unpatch()` restores
-exactly those; no module globals: all a patch binds lives here."""
+exactly those; no module globals: all a patch binds lives here. `patch_state(model)` and
+`is_patched(model)` are how every other module reads it (the data stage, a floor below, through
+`model_walk.installed_patch`)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hf_longctx.config import PatchOptions
+from hf_longctx.data.multimodal.spec import VisionSpec
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.flex.bank import GroupBank
+from hf_longctx.integrations.keep_attention import AttentionKeeper
+from hf_longctx.integrations.mixers.binding import MixerBinding
+from hf_longctx.integrations.probe.report import ProbeReport
 from hf_longctx.model_walk import PATCH_STATE_ATTR as STATE_ATTR  # instance attribute of the patched PreTrainedModel
+from hf_longctx.model_walk import hf_model, installed_patch
 
 
 @dataclass
@@ -33,8 +40,8 @@ class PatchState:
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
-    probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
-    mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
+    probe: ProbeReport | None = None  # patch()'s dry run (None under unsafe_skip_exactness_check)
+    mixers: MixerBinding | None = None  # the wrapped linear mixers, or None
     mixers_option: Any = None  # patch(mixers=...) as given (re-patches pass it on)
     calls: int = 0  # attention calls in the current forward
     # The sliding window a model applies through its masks alone (PhiMoE: every mask carries
@@ -47,8 +54,28 @@ class PatchState:
     # every layer of a micro-batch shares one plan instead of re-planning per layer.
     plan_cache: dict = field(default_factory=dict)
     checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
-    keeper: Any = None  # integrations/keep_attention.AttentionKeeper under checkpoint="attention", else None
+    keeper: AttentionKeeper | None = None  # under checkpoint="attention", else None
     vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
-    vision_spec: Any = None  # that adapter's data/multimodal/spec.VisionSpec (the data stage reads it), else None
-    split: Any = None  # integrations/layer_split.LayerSplit under checkpoint=True, else None
+    vision_spec: VisionSpec | None = None  # that adapter's spec (the data stage reads it), else None
+    # integrations/layer_split.LayerSplit under checkpoint=True, else None (named, not imported: that module
+    # types its binding as PatchState, and an import back would be a circle)
+    split: Any = None
     generation: Any = None  # integrations/generation_binding.GenerationBinding while a rollout generates, else None
+
+
+def patch_state(model: Any) -> PatchState | None:
+    """The patch of `model` (its mesh, bank, options and dry-run report), or None when it is
+    not patched. Read-only for callers."""
+    return installed_patch(model)
+
+
+def is_patched(model: Any) -> bool:
+    """True while `model` is patched.
+
+    Args:
+        model: A model (or PEFT model).
+
+    Returns:
+        Whether `patch()` is in effect on it.
+    """
+    return STATE_ATTR in hf_model(model).__dict__

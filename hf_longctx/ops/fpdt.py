@@ -29,11 +29,11 @@ from hf_longctx.ops.sinks import merge_sink, sink_grad
 from hf_longctx.ops.usp import local_sinks
 
 
-def _to_heads(x: torch.Tensor) -> torch.Tensor:
+def to_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [B, S_c, h, D] -> [B, h, S_c, D], the kernel layout (a view)
 
 
-def _from_heads(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def from_heads(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[B, h, S_c, D] -> [B, S_c, h, D] contiguous for the all-to-all, cast to `dtype` in the
     same copy (one rounding, one kernel: no cast then layout copy)."""
     return x.transpose(1, 2).to(dtype=dtype or x.dtype, memory_format=torch.contiguous_format)
@@ -93,7 +93,7 @@ def fpdt_forward_chunks(
     later_kv = [any(j in plan.needs[i] and plan.ready_at[i] > j for i in range(u)) for j in range(u)]
     for step in range(u):
         qh, kh, vh = seq_to_head(list(inputs(step)), plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D] (k, v: H_kv'/U)
-        qh, kh, vh = _to_heads(qh), _to_heads(kh), _to_heads(vh)  # [B, h, S/u, D]
+        qh, kh, vh = to_heads(qh), to_heads(kh), to_heads(vh)  # [B, h, S/u, D]
         if later_q[step]:
             store.put(("q", step), qh)
         live = {step: (kh, vh)}  # only the newest K/V chunk is on the device; older ones are streamed
@@ -122,8 +122,8 @@ def fpdt_replay_chunks(inputs: Callable[[int], tuple], plan: FPDTPlan, store: Ch
     forward's `emit` got) as ("lse", i) and to `emit(i, o_i, lse_i)`, in the forward's order."""
     for step in range(plan.chunks):
         qh, kh, vh = seq_to_head(list(inputs(step)), plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D] (k, v: H_kv'/U)
-        store.put(("q", step), _to_heads(qh))  # [B, h, S/u, D]
-        store.put(("kv", step), _to_heads(kh), _to_heads(vh))
+        store.put(("q", step), to_heads(qh))  # [B, h, S/u, D]
+        store.put(("kv", step), to_heads(kh), to_heads(vh))
         del qh, kh, vh
         for i in [i for i in range(plan.chunks) if plan.ready_at[i] == step]:
             o_i, lse_i = kept(i)
@@ -142,7 +142,7 @@ def fpdt_forward(q, k, v, plan: FPDTPlan, store: ChunkStore, sinks=None, save: b
         return q[:, rows], k[:, rows], v[:, rows]
 
     def emit(i: int, o_i: torch.Tensor, lse_i: torch.Tensor) -> None:
-        (o_seq,) = head_to_seq([_from_heads(o_i)], plan.group)  # [B, S/u, H/U, D] -> [B, c, H, D]
+        (o_seq,) = head_to_seq([from_heads(o_i)], plan.group)  # [B, S/u, H/U, D] -> [B, c, H, D]
         out[:, i * c : (i + 1) * c] = o_seq
 
     fpdt_forward_chunks(inputs, plan, store, emit, sinks, save)
@@ -201,11 +201,11 @@ def fpdt_backward_chunks(plan: FPDTPlan, store: ChunkStore, dtype: torch.dtype, 
         for i in done:
             # a chunk with no key at all has no gradient: zeros
             dq_i = final.pop(i) if i in final else torch.zeros(do_shape or dk_j.shape, dtype=acc, device=dk_j.device)
-            dq_done.append(_from_heads(dq_i, dtype))  # [B, S/u, H/U, D]
+            dq_done.append(from_heads(dq_i, dtype))  # [B, S/u, H/U, D]
             del dq_i  # the fp32 sum, rounded once above
             for key in (("dq", i), ("q", i), ("do", i), ("lse", i)):
                 store.pop(key)
-        grads = head_to_seq([_from_heads(dk_j, dtype), _from_heads(dv_j, dtype), *dq_done], plan.group)
+        grads = head_to_seq([from_heads(dk_j, dtype), from_heads(dv_j, dtype), *dq_done], plan.group)
         del dk_j, dv_j, dq_done  # each [B, S/u, h, D] -> [B, c, U·h, D]
         emit(j, grads[0], grads[1], dict(zip(done, grads[2:])))
         del grads
@@ -216,7 +216,7 @@ def put_dout(plan: FPDTPlan, store: ChunkStore, i: int, dout_i: torch.Tensor, ou
     """("do", i) for the backward: local rows chunk i of dout and of the forward's output
     [B, c, H, D], in the kernel layout after one all-to-all."""
     do_i, o_i = seq_to_head([dout_i, out_i], plan.group)  # [B, c, H, D] -> [B, S/u, H/U, D]
-    store.put(("do", i), _to_heads(do_i), _to_heads(o_i))  # [B, h, S/u, D]
+    store.put(("do", i), to_heads(do_i), to_heads(o_i))  # [B, h, S/u, D]
 
 
 def fpdt_backward(dout, out, plan: FPDTPlan, store: ChunkStore, q_shape, kv_shape, sinks=None):

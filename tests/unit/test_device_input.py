@@ -3,7 +3,7 @@
 Counted with the counters of benchmarks/_counting.py (what benchmarks/hot_path.py uses): a
 `.to(device)` of a host-built tensor is a host -> device copy, and a sync unless it is
 `non_blocking=True`. The step dataloader's shard (collator ->
-`shard_batch`, built on the host) goes through `LongContextTrainer._prepare_input`; the
+`shard_batch`, built on the host) goes through `LongContextTrainer._micro_inputs`; the
 counts are the same on a GPU machine, where `to_device` also pins (not testable on CPU).
 """
 
@@ -39,7 +39,7 @@ def test_trainer_input_path_copies_without_blocking():
     counter = Counter()  # the step dataloader hands host tensors to the Trainer: unmarked, they are host
     trainer = types.SimpleNamespace(args=types.SimpleNamespace(device=torch.device("cpu"), dataloader_pin_memory=True))
     with counter.counting():
-        moved = LongContextTrainer._prepare_input(trainer, {"micro_batches": [shard], "tokens": 24})
+        moved = LongContextTrainer._micro_inputs(trainer, {"micro_batches": [shard], "tokens": 24})
     # one non-blocking copy per tensor of the shard (transformers' own _prepare_input: a blocking
     # .to() per key, 5 syncs here)
     assert counter.counts["h2d"] == 4 and counter.counts["syncs"] == 0, (counter.counts, counter.sync_sites)

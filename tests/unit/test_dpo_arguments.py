@@ -65,7 +65,7 @@ def test_trainer_refuses_what_pairs_cannot_do(tmp_path, name, value):
     """LongDPOTrainer's keyword arguments that would split, truncate or regroup a pair are
     refused with the config and mesh checks, before the model is looked at."""
     from hf_longctx import init_sequence_parallel
-    from hf_longctx.training.refusals.dpo import check_dpo_trainer
+    from hf_longctx.training.dpo.checks import check_dpo_trainer
 
     with pytest.raises(NotSupported, match=f"LongDPOTrainer: {name} is not supported(.|\n)*use max_tokens"):
         check_dpo_trainer(None, _config(tmp_path), init_sequence_parallel(), {name: value})

@@ -76,7 +76,7 @@ def test_check_rescored_tolerance_and_message():
 def test_verify_option_refusals(tmp_path, count, precompute, needle):
     from trl import DPOConfig
 
-    from hf_longctx.training.refusals.dpo import check_verify_option
+    from hf_longctx.training.dpo.checks import check_verify_option
 
     args = DPOConfig(output_dir=str(tmp_path), max_length=None, precompute_ref_log_probs=precompute, report_to=[],
                      use_cpu=True, bf16=False)

@@ -10,6 +10,10 @@ runs parent packages first whatever the layering). The floors below are DESIGN's
 first; a module may import its own floor or lower, and nothing on its floor that imports it
 back. A floor names modules exactly: "x" is the module x only, "x.*" the package x and every
 module under it -- a new top-level module must be placed on a floor by name.
+
+The seams between modules are held here too: the rooms of training/ are floors of their own
+(TRAINING_FLOORS); no private name is imported from another module; only the owners of the
+patch state name the model attribute that holds it; no mesh or patch state is typed `Any`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,23 @@ FLOORS = (
     ("training", ("hf_longctx.training.*",)),
     ("top", ("hf_longctx.cli.*", "hf_longctx")),
 )
+
+# The rooms of training/, lowest first (DESIGN "Package layout"): the refusal tables below the shared
+# trainer base, the SFT mixin (which LongDPOTrainer extends) below the objectives, RLOO over GRPO's
+# rollout trainer, the launcher, the seam list and the package itself on top.
+TRAINING_FLOORS = (
+    ("refusals", ("hf_longctx.training.refusals.*",)),
+    ("base", ("hf_longctx.training.base.*",)),
+    ("sft", ("hf_longctx.training.sft.*",)),
+    ("objectives", ("hf_longctx.training.dpo.*", "hf_longctx.training.grpo.*")),
+    ("rloo", ("hf_longctx.training.rloo.*",)),
+    ("top", ("hf_longctx.training", "hf_longctx.training.launch", "hf_longctx.training.seam")),
+)
+
+# The only modules that name the patched model's attribute holding its PatchState: where it is
+# named (model_walk: `installed_patch`, its one reader), the state's own module, and patch()/unpatch(),
+# which write and remove it. Everyone else asks `patch_state(model)` / `installed_patch(model)`.
+PATCH_STATE_OWNERS = ("hf_longctx.model_walk", "hf_longctx.integrations.patch_state", "hf_longctx.integrations.model_patch")
 
 # DESIGN's third-party rules: (modules, imports they must never make, why)
 THIRD_PARTY_RULES = (
@@ -129,13 +150,13 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def floor_of(module: str) -> int:
+def floor_of(module: str, floors: tuple = FLOORS) -> int:
     """The floor of `module`: the one floor whose entries name it."""
-    found = [i for i, (_, entries) in enumerate(FLOORS) if any(matches(module, e) for e in entries)]
+    found = [i for i, (_, entries) in enumerate(floors) if any(matches(module, e) for e in entries)]
     if not found:
         raise AssertionError(f"{module} is on no floor: add it to FLOORS and to docs/DESIGN.md")
     if len(found) > 1:
-        raise AssertionError(f"{module} is on several floors: {[FLOORS[i][0] for i in found]}")
+        raise AssertionError(f"{module} is on several floors: {[floors[i][0] for i in found]}")
     return found[0]
 
 
@@ -167,13 +188,41 @@ def third_party_violations(imports: dict[str, set[str]]) -> list[str]:
     )
 
 
-def upward_edges(edges: dict[str, set[str]]) -> list[str]:
+def upward_edges(edges: dict[str, set[str]], floors: tuple = FLOORS, within: str = "hf_longctx.*") -> list[str]:
+    """Imports from a higher floor of `floors`, among the modules `within` names."""
+    inside = {m for m in edges if matches(m, within)}
     return sorted(
-        f"{a} ({FLOORS[floor_of(a)][0]}) imports {b} ({FLOORS[floor_of(b)][0]})"
-        for a, targets in edges.items()
-        for b in targets
-        if floor_of(b) > floor_of(a)
+        f"{a} ({floors[floor_of(a, floors)][0]}) imports {b} ({floors[floor_of(b, floors)][0]})"
+        for a, targets in edges.items() if a in inside
+        for b in targets if b in inside
+        if floor_of(b, floors) > floor_of(a, floors)
     )
+
+
+def private_imports(mods: dict[str, pathlib.Path]) -> list[str]:
+    """`from hf_longctx.x import _name` in another module: a helper two modules need is public in
+    the module that owns it. A private module (`_compat`) imported by name is no private name."""
+    out = []
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                stem = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(stem + ([node.module] if node.module else []))
+            if base != "hf_longctx" and not base.startswith("hf_longctx."):
+                continue
+            out += [f"{name}:{node.lineno} imports {base}.{a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__") and f"{base}.{a.name}" not in mods]
+    return sorted(out)
+
+
+def names_used(tree: ast.AST) -> set[str]:
+    """Every plain name a parsed source uses or imports."""
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return used | {a.asname or a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
 
 
 def test_no_import_circle_in_the_package():
@@ -243,3 +292,87 @@ def test_a_deferred_import_back_is_caught():
     edges["hf_longctx.integrations.model_patch"] = edges["hf_longctx.integrations.model_patch"] | {"hf_longctx.verify"}
     assert any("hf_longctx.verify" in c and "hf_longctx.integrations.model_patch" in c for c in cycles(edges))
     assert any(e.startswith("hf_longctx.integrations.model_patch (integrations) imports hf_longctx.verify") for e in upward_edges(edges))
+
+
+def test_no_import_from_a_higher_room_of_training():
+    """Inside training/ the rooms are floors too (TRAINING_FLOORS): a refusal table never imports an
+    objective's code, the shared base never imports a trainer built on it."""
+    for name in modules():
+        if matches(name, "hf_longctx.training.*"):
+            floor_of(name, TRAINING_FLOORS)
+    bad = upward_edges(import_edges(modules()), TRAINING_FLOORS, "hf_longctx.training.*")
+    assert not bad, "imports from a higher room of training/:\n" + "\n".join(bad)
+
+
+def test_an_upward_import_in_training_is_caught():
+    """The edge this rule was written for: refusals/dpo.py importing dpo/ (which imports it back)."""
+    edges = import_edges(modules())
+    edges["hf_longctx.training.refusals.dpo"] = edges["hf_longctx.training.refusals.dpo"] | {"hf_longctx.training.dpo.data"}
+    bad = upward_edges(edges, TRAINING_FLOORS, "hf_longctx.training.*")
+    assert bad == ["hf_longctx.training.refusals.dpo (refusals) imports hf_longctx.training.dpo.data (objectives)"]
+
+
+def test_no_private_name_is_imported_across_modules():
+    bad = private_imports(modules())
+    assert not bad, "private names imported from another module (make them public where they live):\n" + "\n".join(bad)
+
+
+def test_a_private_import_is_caught(tmp_path):
+    mods = modules()
+    probe = tmp_path / "probe.py"
+    probe.write_text("from hf_longctx.integrations.layer_rows import kwargs_rows as _rows\n"
+                     "from hf_longctx import _compat\n"
+                     "from hf_longctx.ops.fpdt import _helper\n"
+                     "from .layout import _private\n")
+    found = private_imports({"hf_longctx.probe": probe, **{k: v for k, v in mods.items() if k == "hf_longctx._compat"}})
+    assert found == ["hf_longctx.probe:3 imports hf_longctx.ops.fpdt._helper",
+                     "hf_longctx.probe:4 imports hf_longctx.layout._private"]
+
+
+def test_only_its_owners_name_the_patch_state_attribute():
+    """No attribute back door: a module that wants what patch() installed asks `patch_state(model)`
+    (or, below integrations, `model_walk.installed_patch(model)`), never the model's attribute."""
+    bad = sorted(name for name, path in modules().items() if name not in PATCH_STATE_OWNERS
+                 and names_used(ast.parse(path.read_text())) & {"PATCH_STATE_ATTR", "STATE_ATTR"})
+    assert not bad, f"modules reading the patch state off the model by attribute name: {bad}"
+
+
+# A seam typed `Any` says nothing: a mesh is a `Mesh` (or an `SPMesh`, a `RankLayout`, a DeviceMesh),
+# a patch's state a `PatchState`, a callback's state the Trainer's `TrainerState`.
+UNTYPED_SEAM_NAMES = ("mesh", "state")
+
+
+def untyped_seams(sources: dict[str, str]) -> list[str]:
+    """Parameters and annotated attributes named `mesh`, `*_mesh` or `state` annotated `Any`
+    (alone, or with None)."""
+    def is_any(node: ast.AST | None) -> bool:
+        text = ast.unparse(node) if node is not None else ""
+        return text.replace(" ", "") in ("Any", "typing.Any", "Any|None", "None|Any", "Optional[Any]", "'Any'", '"Any"')
+
+    def seam(name: str) -> bool:
+        return name in UNTYPED_SEAM_NAMES or name.endswith("_mesh")
+
+    out = []
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.arg) and seam(node.arg) and is_any(node.annotation):
+                out.append(f"{module}:{node.lineno} {node.arg}: {ast.unparse(node.annotation)}")
+            elif isinstance(node, ast.AnnAssign) and is_any(node.annotation):
+                target = node.target.attr if isinstance(node.target, ast.Attribute) else getattr(node.target, "id", "")
+                if seam(target):
+                    out.append(f"{module}:{node.lineno} {target}: {ast.unparse(node.annotation)}")
+    return sorted(out)
+
+
+def test_no_mesh_or_state_is_typed_any():
+    bad = untyped_seams({name: path.read_text() for name, path in modules().items()})
+    assert not bad, "seams typed Any (use Mesh / SPMesh / RankLayout / PatchState / TrainerState):\n" + "\n".join(bad)
+
+
+def test_an_untyped_seam_is_caught():
+    source = ("from typing import Any, Optional\n"
+              "def f(mesh: Any, world_mesh: Optional[Any] = None, state: 'Any' = None, model: Any = None): ...\n"
+              "class C:\n    device_mesh: Any | None\n    plan: Any\n"
+              "    def __init__(self, state: Any) -> None:\n        self.state: Any = state\n")
+    assert sorted(line.split(" ", 1)[1] for line in untyped_seams({"m": source})) == [
+        "device_mesh: Any | None", "mesh: Any", "state: 'Any'", "state: Any", "state: Any", "world_mesh: Optional[Any]"]

@@ -116,3 +116,43 @@ def test_a_mesh_answers_as_a_bank_of_its_one_size(dp, ring, ulysses, fpdt, rank)
         for ask in (mesh.shape, mesh.mesh, mesh.group_index, bank.mesh):
             with pytest.raises(ValueError, match=f"no group of size {other}"):
                 ask(other)
+
+
+def test_both_kinds_of_mesh_are_a_mesh_and_a_mesh_is_a_rank_layout():
+    """`Mesh` (distributed/mesh_protocol.py) is what SPMesh and GroupBank both answer; `RankLayout`
+    (layout.py) is what the data stage reads of an SPMesh."""
+    from hf_longctx.distributed.mesh import SPMesh
+    from hf_longctx.distributed.mesh_protocol import Mesh
+    from hf_longctx.flex.bank import GroupBank
+
+    mesh = SPMesh(dp=2, ring=2, ulysses=2, fpdt_chunks=1, dp_rank=1, ring_rank=0, ulysses_rank=1)
+    bank = GroupBank(world_size=mesh.world_size, rank=mesh.rank, shapes=mesh.shapes, meshes=(mesh,))
+    assert isinstance(mesh, Mesh) and isinstance(bank, Mesh)
+    assert isinstance(mesh, layout.RankLayout) and not isinstance(bank, layout.RankLayout)
+
+
+def _protocol_members(cls) -> set[str]:
+    return {n for n in vars(cls) if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("protocol, owners", [
+    ("hf_longctx.distributed.mesh_protocol.Mesh",
+     ("distributed/mesh.py", "distributed/mesh_protocol.py", "flex/bank.py")),
+    ("hf_longctx.layout.RankLayout", ("distributed/mesh.py", "layout.py")),
+])
+def test_every_member_of_a_mesh_protocol_is_read_by_a_consumer(protocol, owners):
+    """A protocol holds exactly what its consumers read: each member is read (`x.member`) in
+    some module of the package other than the protocol's and its implementations'."""
+    import ast
+    import importlib
+    import pathlib
+
+    module, name = protocol.rsplit(".", 1)
+    members = _protocol_members(getattr(importlib.import_module(module), name))
+    root = pathlib.Path(__file__).resolve().parents[2] / "hf_longctx"
+    read = set()
+    for path in root.rglob("*.py"):
+        if path.relative_to(root).as_posix() in owners:
+            continue
+        read |= {n.attr for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)}
+    assert members and members <= read, f"{name} members no consumer reads: {sorted(members - read)}"

@@ -236,7 +236,7 @@ def test_state_ops_never_sync_the_host(monkeypatch):
         return [torch.zeros(s, dtype=pieces[0].dtype, device=pieces[0].device) for s in recv_shapes]
 
     monkeypatch.setattr(exchange, "all_to_all_v", fake_all_to_all_v)
-    monkeypatch.setattr(state_passing, "_exchange", fake_exchange)
+    monkeypatch.setattr(state_passing, "exchange_pieces", fake_exchange)
     lay = SequenceLayout((0, 16, 20, 28, 32), 2, 2)
     leaf = lambda *shape: torch.randn(*shape, device=DEV, requires_grad=True)  # noqa: E731
     for rank in range(lay.sp):

@@ -25,6 +25,7 @@ from hf_longctx.data.multimodal.sharding import shard_multimodal
 from hf_longctx.data.multimodal.spec import VisionCost, VisionSpec
 from hf_longctx.data.packing import Plan, plan_microbatches
 from hf_longctx.data.sharding import IGNORE_INDEX
+from hf_longctx.layout import RankLayout
 
 _SQUEEZE = ("input_ids", "attention_mask", "mm_token_type_ids")
 
@@ -83,7 +84,7 @@ class MultimodalCollator:
     """
 
     def __init__(
-        self, mesh: Any, max_tokens: int, spec: VisionSpec | None = None, cost: CostModel | None = None,
+        self, mesh: RankLayout, max_tokens: int, spec: VisionSpec | None = None, cost: CostModel | None = None,
         vision_cost: VisionCost | None = None, *, model: Any = None, strategy: str = "balanced", overlong: str = "error",
         seed: int = 0, pad_token_id: int = 0, label_key: str = "labels", loss_mask_key: str | None = None,
     ) -> None:

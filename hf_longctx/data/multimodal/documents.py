@@ -21,7 +21,7 @@ import torch
 
 from hf_longctx.data.multimodal.spec import VisionSpec
 from hf_longctx.errors import NotSupported
-from hf_longctx.model_walk import PATCH_STATE_ATTR, hf_model
+from hf_longctx.model_walk import installed_patch
 
 
 def resolve_spec(spec: Any, model: Any, where: str) -> VisionSpec:
@@ -31,7 +31,8 @@ def resolve_spec(spec: Any, model: Any, where: str) -> VisionSpec:
                          f"{type(spec).__name__}; or pass the patched model as model=")
     remembered = None
     if model is not None:
-        remembered = getattr(hf_model(model).__dict__.get(PATCH_STATE_ATTR), "vision_spec", None)
+        state = installed_patch(model)  # the PatchState: its `vision_spec` is what patch() remembered
+        remembered = state.vision_spec if state is not None else None
         if remembered is None:
             raise ValueError(
                 f"{where}: model= ({type(model).__name__}) carries no VisionSpec: it is not patched, or has no vision "

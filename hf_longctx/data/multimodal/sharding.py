@@ -23,6 +23,7 @@ from hf_longctx.data.multimodal.routing import ExchangePlan, deal, exchange_plan
 from hf_longctx.data.multimodal.spec import BATCH, VisionSpec
 from hf_longctx.data.sharding import IGNORE_INDEX, SP_METADATA_KEY, shard_batch
 from hf_longctx.devices import to_device
+from hf_longctx.layout import RankLayout
 
 _SEVERAL_FIX = (
     "pass position_ids restarting at 0 at each document (transformers' DataCollatorWithFlattening(return_position_ids="
@@ -124,7 +125,7 @@ def _check_type_ids(batch: Mapping[str, Any], ids: torch.Tensor, spec: VisionSpe
 
 
 def shard_multimodal(
-    batch: Mapping[str, Any], mesh: Any, spec: VisionSpec | None = None,
+    batch: Mapping[str, Any], mesh: RankLayout, spec: VisionSpec | None = None,
     num_items_in_batch: int | torch.Tensor | None = None, *, model: Any = None, pad_token_id: int = 0,
     device: torch.device | str | None = None,
 ) -> dict[str, Any]:
@@ -205,7 +206,7 @@ def shard_multimodal(
     return shard
 
 
-def _vision_shard(vision: RowVision, spec: VisionSpec, mesh: Any, cu, src: torch.Tensor, device) -> VisionShard:
+def _vision_shard(vision: RowVision, spec: VisionSpec, mesh: RankLayout, cu, src: torch.Tensor, device) -> VisionShard:
     costs = [spec.cost(u.patches) for u in vision.units]
     owner = deal(costs, mesh.sp)
     loads = [0.0] * mesh.sp

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.patch_state import PatchState
 from hf_longctx.integrations.vision.registry import vision_config_keys, vision_family
 
 
@@ -31,7 +32,7 @@ class VisionBinding:
             return name
         return {"": name, self.text_key: name} if self.text_key else {"": name}
 
-    def make_hook(self, state: Any, hf) -> Callable | None:
+    def make_hook(self, state: PatchState, hf) -> Callable | None:
         """The forward pre-hook for `hf` under `state` (the patch), or None for a text-only model."""
         if self.family is not None:
             from hf_longctx.integrations.vision.forward import make_vision_hook

@@ -20,6 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from hf_longctx.data.multimodal.sharding import SP_VISION_KEY, VisionShard
 from hf_longctx.data.multimodal.spec import VisionSpec
 from hf_longctx.distributed.vision_exchange import exchange_rows
+from hf_longctx.integrations.patch_state import PatchState
 
 
 @dataclass
@@ -95,7 +96,7 @@ def encode_and_exchange(
     return out
 
 
-def make_vision_hook(state: Any, hf, family: Any, spec: VisionSpec):
+def make_vision_hook(state: PatchState, hf, family: Any, spec: VisionSpec):
     """The pre-forward hook `patch()` registers (first) on an image-text-to-text model."""
     from hf_longctx.data.sharding import SP_METADATA_KEY
     from hf_longctx.integrations.attention import batch_mesh

@@ -15,7 +15,8 @@ from typing import Any
 
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.vision.classification import EXACT, verdict
-from hf_longctx.model_walk import PATCH_STATE_ATTR, hf_model
+from hf_longctx.integrations.patch_state import patch_state
+from hf_longctx.model_walk import hf_model
 
 
 def is_multimodal(hf) -> bool:
@@ -63,7 +64,8 @@ def vision_spec(model: Any):
         NotSupported: A refused or unclassified family.
     """
     hf = hf_model(model)
-    remembered = getattr(hf.__dict__.get(PATCH_STATE_ATTR), "vision_spec", None)
+    state = patch_state(hf)
+    remembered = state.vision_spec if state is not None else None
     if remembered is not None:
         return remembered
     family = vision_family(hf)

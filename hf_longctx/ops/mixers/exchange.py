@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hf_longctx.ops.mixers.layout import SequenceLayout
 
 
-def _exchange(pieces: Sequence[torch.Tensor], recv_shapes: Sequence[tuple], group) -> list[torch.Tensor]:
+def exchange_pieces(pieces: Sequence[torch.Tensor], recv_shapes: Sequence[tuple], group) -> list[torch.Tensor]:
     """pieces[q] goes to SP rank q; returns [piece received from rank q of shape recv_shapes[q]]."""
     ref = pieces[0]
     if group is None:
@@ -37,12 +37,12 @@ class _AllToAllV(torch.autograd.Function):
     def forward(ctx, group, recv_shapes, *pieces):
         ctx.group = group
         ctx.send_shapes = [tuple(p.shape) for p in pieces]
-        return tuple(_exchange(pieces, recv_shapes, group))
+        return tuple(exchange_pieces(pieces, recv_shapes, group))
 
     @staticmethod
     def backward(ctx, *grads):
         grads = [g.contiguous() for g in grads]
-        return (None, None, *_exchange(grads, ctx.send_shapes, ctx.group))
+        return (None, None, *exchange_pieces(grads, ctx.send_shapes, ctx.group))
 
 
 def all_to_all_v(pieces: Sequence[torch.Tensor], recv_shapes: Sequence[tuple], group) -> list[torch.Tensor]:

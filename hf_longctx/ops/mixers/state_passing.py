@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from hf_longctx.devices import upload
-from hf_longctx.ops.mixers.exchange import _exchange
+from hf_longctx.ops.mixers.exchange import exchange_pieces
 from hf_longctx.ops.mixers.layout import SequenceLayout
 
 
@@ -166,7 +166,7 @@ def _exclusive_scan(a: torch.Tensor, b: torch.Tensor, plan: ScanPlan, kind: MapK
         out = b.index_select(0, send).reshape(-1, x_size)  # [n_send, |X|]
         if not last:
             out = torch.cat([a.index_select(0, send).reshape(-1, a_size), out], dim=1)  # [n_send, |A| + |X|]
-        got = torch.cat(_exchange(out.split(list(step.send_counts[rank])), [(c, item) for c in step.recv_counts[rank]], group))
+        got = torch.cat(exchange_pieces(out.split(list(step.send_counts[rank])), [(c, item) for c in step.recv_counts[rank]], group))
         ta = a.index_select(0, target)  # [n_recv, *A]: the later run's map, applied after the received one
         gb = got[:, item - x_size:].reshape(-1, *x_shape)  # [n_recv, *X]
         b = b.index_copy(0, target, kind.mul(ta, gb) + b.index_select(0, target))
@@ -175,7 +175,7 @@ def _exclusive_scan(a: torch.Tensor, b: torch.Tensor, plan: ScanPlan, kind: MapK
     send, target = steps[-1]
     shift = plan.shift
     out = b.index_select(0, send).reshape(-1, x_size)  # [n_send, |X|]
-    got = torch.cat(_exchange(out.split(list(shift.send_counts[rank])), [(c, x_size) for c in shift.recv_counts[rank]], group))
+    got = torch.cat(exchange_pieces(out.split(list(shift.send_counts[rank])), [(c, x_size) for c in shift.recv_counts[rank]], group))
     return b.new_zeros(n, *x_shape).index_copy(0, target, got.reshape(-1, *x_shape))  # [n, *X]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from hf_longctx._compat import checkpointing_fields
 from hf_longctx.data.token_ids import Vocabulary
+from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.integrations.model_patch import patch_state
 from hf_longctx.model_walk import hf_model
@@ -63,6 +64,18 @@ def with_argument(args: tuple, kwargs: dict, names: tuple[str, ...], name: str, 
     return args, kwargs
 
 
+def without_data_skip(trainer_args: Any, user_args: Any) -> Any:
+    """The Trainer's arguments with `ignore_data_skip=True` (a copy when they are the user's own
+    object): the step sampler's position comes back with the checkpoint (`base/saving.py`), so
+    the Trainer must not also skip the trained batches on resume -- its skip would draw and plan
+    every skipped step again. TRL's async trainers set it for the same reason."""
+    if trainer_args.ignore_data_skip:
+        return trainer_args
+    out = copy.copy(trainer_args) if trainer_args is user_args else trainer_args
+    out.ignore_data_skip = True
+    return out
+
+
 def pad_id(processing_class: Any, pad_token_id: int | None) -> int:
     """`pad_token_id` if given, else the processing class's pad, else its EOS, else 0."""
     if pad_token_id is not None:
@@ -87,7 +100,7 @@ def model_vocabulary(model: Any) -> Vocabulary | None:
     return Vocabulary(embedding_rows=rows, logits=logits if isinstance(logits, int) else rows)
 
 
-def shard_model(model: Any, world_mesh: Any, *, bf16: bool, param_offload: bool) -> None:
+def shard_model(model: Any, world_mesh: SPMesh, *, bf16: bool, param_offload: bool) -> None:
     """FSDP2 over the whole DP × SP world (`fsdp_plan`, sum reduction); every trainable
     parameter must end up a DTensor."""
     from torch.distributed.tensor import DTensor

@@ -16,11 +16,12 @@ import torch
 from transformers.trainer_utils import EvalLoopOutput
 
 from hf_longctx.distributed.loss import global_loss
+from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.base.faults import comm_guard
 
 
 def evaluate(model: torch.nn.Module, dataloader: Any, metric_key_prefix: str, *,
-             micro_loss: Callable[[dict], torch.Tensor], autocast: Callable[[], Any], world_mesh: Any,
+             micro_loss: Callable[[dict], torch.Tensor], autocast: Callable[[], Any], world_mesh: SPMesh,
              device: torch.device, step: int, watchdog: Any = None) -> EvalLoopOutput:
     """Every `StepBatch` of `dataloader` under no_grad (`micro_loss(mb)`: a micro-batch's share of
     its step, run under `autocast()`); the loss of the whole set on every rank. `step`: the

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers import TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerControl, TrainerState
 
 
 def _number(value: float) -> str:
@@ -45,7 +46,8 @@ def format_logs(logs: dict[str, Any], max_str_len: int = 100) -> str:
 class NumberProgressCallback(ProgressCallback):
     """The Trainer's progress bar; each log line with its numbers unquoted."""
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None,
+               **kwargs: Any) -> None:
         if state.is_world_process_zero and self.training_bar is not None and logs is not None:
             self.training_bar.write(format_logs(logs, self.max_str_len))
 
@@ -53,7 +55,8 @@ class NumberProgressCallback(ProgressCallback):
 class NumberPrinterCallback(PrinterCallback):
     """The Trainer's printer (`disable_tqdm=True`); each log line with its numbers unquoted."""
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict | None = None,
+               **kwargs: Any) -> None:
         if state.is_local_process_zero and logs is not None:
             print(format_logs(logs))
 

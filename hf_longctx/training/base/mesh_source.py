@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from hf_longctx.distributed.mesh import init_sequence_parallel, process_group_world
+from hf_longctx.distributed.mesh_protocol import Mesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.integrations.model_patch import is_patched, patch_state
@@ -42,7 +43,7 @@ def parallelism_config_of(args: Any) -> tuple[Any, str]:
     return (pc, "the launcher's PARALLELISM_CONFIG_* variables (accelerate launch)") if pc is not None else (None, "")
 
 
-def _agree(mapped: ParallelismMap, mesh: Any, pc: Any, what: str) -> None:
+def _agree(mapped: ParallelismMap, mesh: Mesh, pc: Any, what: str) -> None:
     """A mesh fixed by the user (patched model, `mesh=`) must have the SP degree the config asks for."""
     if isinstance(mesh, GroupBank):
         raise NotSupported(
@@ -60,7 +61,7 @@ def _agree(mapped: ParallelismMap, mesh: Any, pc: Any, what: str) -> None:
         )
 
 
-def trainer_mesh(model: Any, args: Any, mesh: Any, *, trainer: str, max_tokens: int | None) -> tuple[Any, int | None]:
+def trainer_mesh(model: Any, args: Any, mesh: Mesh | None, *, trainer: str, max_tokens: int | None) -> tuple[Mesh, int | None]:
     """(the trainer's mesh, its micro-batch cap): `mesh` when no ParallelismConfig is set; else
     the config's mesh (see the module docstring), and `max_tokens` defaulted to its
     `sp_seq_length`. Says the mapping once (a warning on rank 0)."""

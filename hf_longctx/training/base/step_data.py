@@ -22,7 +22,7 @@ from hf_longctx.data.token_ids import DOCUMENT_KEY
 class StepBatch:
     """One optimizer step of THIS rank, as the step DataLoader yields it.
 
-    `micro_batches`: this rank's micro-batches as the trainer's `_prepare_inputs` takes them
+    `micro_batches`: this rank's micro-batches as the trainer's `_micro_inputs` takes them
     (`shard_batch` dicts; GRPO: the rows of one packed micro-batch; the count varies per step). `num_items_in_batch`: the normaliser of the WHOLE step, every rank alike (valid
     targets; preference pairs for DPO). `tokens` / `flops`: trained tokens and estimated FLOPs
     of the whole step. `plan`, `lengths`, `plan_stats`: the step's plan, its pieces' token
@@ -75,7 +75,7 @@ class StepStream(torch.utils.data.Sampler):
                 raise ValueError("the step sampler yields no step: the dataset is empty")
 
 
-class _Rows(torch.utils.data.Dataset):
+class FeatureRows(torch.utils.data.Dataset):
     """Dataset rows as the collator's features (only the columns it reads), fetched per step;
     each names its source row under `DOCUMENT_KEY`, so a bad row is named by its index."""
 

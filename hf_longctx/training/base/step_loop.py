@@ -21,6 +21,7 @@ import torch
 from hf_longctx.data.sharding import SP_METADATA_KEY
 from hf_longctx.flex.unsharded_step import check_unsharded_step, unsharded_step
 from hf_longctx.distributed.loss import global_loss
+from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.base.faults import comm_guard
 from hf_longctx.training.base.metrics import StepWindow
 from hf_longctx.training.base.step_data import StepBatch
@@ -36,7 +37,7 @@ class StepLoop:
     `sync_each_microbatch`: reduce-scatter in every backward instead of the last only.
     """
 
-    def __init__(self, world_mesh: Any, window: StepWindow | None, watchdog: Any = None, *,
+    def __init__(self, world_mesh: SPMesh, window: StepWindow | None, watchdog: Any = None, *,
                  sync_each_microbatch: bool = False) -> None:
         self.world_mesh = world_mesh
         self.window = window

@@ -24,6 +24,8 @@ import transformers
 from transformers.training_args import OptimizerNames
 
 from hf_longctx._compat import TRAINER_SHARDED_MODELS, trainer_takes_sharded_models
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.distributed.mesh_protocol import Mesh
 from hf_longctx.integrations.accelerate import fsdp_plan
 from hf_longctx.model_walk import hf_model
 from hf_longctx.training.base import construction as build
@@ -48,8 +50,8 @@ class SPTrainerBase:
     saving), `param_offload` (FSDP2 CPU offload of the policy and the reference).
     """
 
-    mesh: Any
-    world_mesh: Any
+    mesh: Mesh
+    world_mesh: SPMesh
     step_sampler: Any = None
     watchdog: Any = None
     param_offload: bool = False
@@ -58,13 +60,13 @@ class SPTrainerBase:
     last_plan: StepRecord | None = None
 
     # ---- construction -----------------------------------------------------------------------------
-    def _resolve_mesh(self, model: Any, args: Any, mesh: Any, max_tokens: int | None) -> tuple[Any, int | None]:
+    def _resolve_mesh(self, model: Any, args: Any, mesh: Mesh | None, max_tokens: int | None) -> tuple[Mesh, int | None]:
         """`base/mesh_source.trainer_mesh` once per trainer (a subclass may resolve it before the mixin does)."""
         if "_mesh_source" not in self.__dict__:
             self._mesh_source = trainer_mesh(model, args, mesh, trainer=type(self).__name__, max_tokens=max_tokens)
         return self._mesh_source
 
-    def _setup_mesh(self, mesh: Any, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
+    def _setup_mesh(self, mesh: Mesh, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
         """Before `Trainer.__init__` (whose parameters, in positional order, are `names`), on every
         rank alike and before any collective: the model patched with `mesh`, its weights off the
         meta device, no adapter dropout added since patch(), the process group's size, and a
@@ -155,11 +157,16 @@ class SPTrainerBase:
         self.accelerator.backward(loss, **({"learning_rate": self._get_learning_rate()} if lomo else {}))
 
     def _micro_loss(self, model: torch.nn.Module, micro_batch: Any) -> torch.Tensor:
-        """This rank's share of the step's loss on one micro-batch: `_prepare_inputs` (to the
-        device; a subclass may shard there), then `compute_loss`."""
-        inputs = self._prepare_inputs(micro_batch)
+        """This rank's share of the step's loss on one micro-batch: `_micro_inputs`, then `compute_loss`."""
+        inputs = self._micro_inputs(micro_batch)
         with self.compute_loss_context_manager():
             return self.compute_loss(model, inputs, num_items_in_batch=inputs.get("num_items_in_batch"))
+
+    def _micro_inputs(self, micro_batch: Any) -> dict[str, Any]:
+        """One micro-batch of the step as the model's inputs on the device. Here the Trainer's
+        `_prepare_inputs`, which the rollout trainers replace (their slot is packed and sharded
+        there); `LongContextTrainerMixin` copies its host shard itself."""
+        return self._prepare_inputs(micro_batch)
 
     # ---- the norm of the summed gradient ----------------------------------------------------------
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:

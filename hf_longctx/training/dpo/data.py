@@ -21,7 +21,8 @@ from hf_longctx.data.pairs import pack_pairs, plan_pairs
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.data.sharding import IGNORE_INDEX, shard_batch
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids, document_name
-from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
+from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.training.base.step_data import FeatureRows, StepBatch, StepStream
 from hf_longctx.training.dpo.ref_columns import IDS_HASH, REF_COLUMNS, REF_KEY, check_rows_scored
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -72,7 +73,7 @@ def pair_lengths(dataset: Any, name: str = "train_dataset") -> tuple[list[int], 
 class PairStepCollate:
     """collate_fn: one step's pair rows -> this rank's `StepBatch` (see the module docstring)."""
 
-    def __init__(self, mesh: Any, max_tokens: int, *, cost: Any = None, strategy: str = "balanced",
+    def __init__(self, mesh: SPMesh, max_tokens: int, *, cost: Any = None, strategy: str = "balanced",
                  pad_token_id: int = 0, flops_model: Any = None, vocab: Vocabulary | None = None) -> None:
         self.mesh, self.max_tokens, self.cost, self.strategy = mesh, max_tokens, cost, strategy
         self.pad_token_id, self.flops_model, self.vocab = pad_token_id, flops_model, vocab
@@ -134,7 +135,7 @@ def pair_step_dataloader(dataset: Any, collate: PairStepCollate, *, tokens_per_s
     (both documents of a pair counted) is reached; `endless` (training) runs into the next
     epoch like the train loader of sft/data.py, else one pass (evaluation)."""
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
-    rows = _Rows(dataset, list(dataset.column_names), name, "pair")  # the columns the trainer selected
+    rows = FeatureRows(dataset, list(dataset.column_names), name, "pair")  # the columns the trainer selected
     loader = torch.utils.data.DataLoader(rows, batch_sampler=StepStream(sampler, endless=endless), collate_fn=collate,
                                          num_workers=0)
     return loader, sampler

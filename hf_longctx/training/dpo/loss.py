@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_longctx.distributed.doc_sums import doc_sums, target_mask
-
-LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+from hf_longctx.training.refusals.dpo import LOSS_TYPES
 
 
 def completion_logps(logits: torch.Tensor, shard: Mapping[str, Any], mesh) -> tuple[torch.Tensor, torch.Tensor]:

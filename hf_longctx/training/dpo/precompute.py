@@ -22,19 +22,20 @@ import torch.distributed as dist
 
 from hf_longctx.data.sampler import StepSampler
 from hf_longctx.devices import to_device
+from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.logprob_head import token_logprobs
-from hf_longctx.training.base.step_data import _Rows
+from hf_longctx.training.base.step_data import FeatureRows
 from hf_longctx.training.dpo.data import PAIR_COLUMNS, PAIRS_KEY
 from hf_longctx.training.dpo.loss import completion_sums
 from hf_longctx.training.dpo.ref_columns import FINGERPRINT, REF_COLUMNS
 from hf_longctx.training.dpo.ref_fingerprint import fingerprint_columns
 
-def reference_pass(reference: torch.nn.Module, dataset: Any, collate: Any, mesh: Any, *, lengths: Sequence[int],
+def reference_pass(reference: torch.nn.Module, dataset: Any, collate: Any, mesh: SPMesh, *, lengths: Sequence[int],
                    tokens_per_step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 [N] chosen sums, fp32 [N] rejected sums) of `reference` over every pair of `dataset`
     (TRL's tokenized columns), identical on every rank. Steps of `tokens_per_step` pair tokens in
     dataset order, each planned and packed by `collate` (a `PairStepCollate`) as training does."""
-    rows = _Rows(dataset, list(PAIR_COLUMNS), "precompute", "pair")
+    rows = FeatureRows(dataset, list(PAIR_COLUMNS), "precompute", "pair")
     sums = torch.zeros(len(dataset), 2, dtype=torch.float32, device=device)  # [N, (chosen, rejected)]
     was_training = reference.training
     reference.eval()

@@ -22,9 +22,8 @@ from trl import DPOTrainer
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.training.base.reference import default_reference, reference_on_mesh
-from hf_longctx.training.refusals.dpo import (
-    check_dpo_trainer, check_pair_dataset, check_verify_option, refuse_dpo,
-)
+from hf_longctx.training.dpo.checks import check_dpo_trainer, check_pair_dataset, check_verify_option
+from hf_longctx.training.refusals.dpo import refuse_dpo
 from hf_longctx.integrations.logprob_head import token_logprobs
 from hf_longctx.training.dpo.loss import TOKEN_STATS, TOKEN_SUMS, completion_sums, dpo_loss, stats_metric_sums
 from hf_longctx.training.refusals.checks import check_materialised
@@ -75,6 +74,8 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     Raises:
         NotSupported: A refused `DPOConfig` field or combination, every value named.
     """
+
+    mesh: SPMesh  # a GroupBank is refused (dpo/checks.py)
 
     def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh | None = None,
                  verify_ref_logps: int = 0, **kwargs: Any) -> None:

@@ -50,6 +50,7 @@ class SPRolloutTrainer(SPTrainerBase):
     `_checked_objective(mesh, max_tokens, params)`, `_shard(slot)` and `_loss(model, inputs)`.
     """
 
+    mesh: SPMesh  # a GroupBank is refused (refusals/rollouts.py)
     _NAME = ""  # "GRPO" / "RLOO": in messages
     _TRAINER_PARAMETERS: tuple[str, ...] = ()
     _TRL_INPUTS: frozenset[str] = frozenset()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.data.cost import CostModel, GroupCost
+from hf_longctx.distributed.mesh_protocol import Mesh
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.model_patch import is_patched, patch_state
@@ -101,7 +102,7 @@ def check_options(unequal_calls: Any, sync_each_microbatch: Any, param_offload: 
                          "keeps the model unsharded on the device for the whole step; use equal counts")
 
 
-def check_mesh_arguments(mesh: Any, max_tokens: Any, max_tokens_per_rank: Any, cost: Any, strategy: str,
+def check_mesh_arguments(mesh: Mesh, max_tokens: Any, max_tokens_per_rank: Any, cost: Any, strategy: str,
                          unequal_calls: Any) -> int:
     """The arguments whose meaning depends on the trainer's mesh (the caps, the cost model, the
     planner), checked; returns the longest document one micro-batch holds (what `overlong`
@@ -138,7 +139,7 @@ def check_mesh_arguments(mesh: Any, max_tokens: Any, max_tokens_per_rank: Any, c
         return max_tokens
 
 
-def check_patched(model: Any, mesh: Any) -> None:
+def check_patched(model: Any, mesh: Mesh) -> None:
     if model is None or isinstance(model, str):
         raise ValueError("pass a model instance patched with hf_longctx.patch(model, mesh), not a name or None")
     if not is_patched(model):
@@ -195,5 +196,5 @@ def check_materialised(model: Any, trainer: str, name: str = "model") -> None:
     )
 
 
-def check_mesh_world(mesh: Any) -> None:
+def check_mesh_world(mesh: Mesh) -> None:
     check_world(mesh.world.world_size)

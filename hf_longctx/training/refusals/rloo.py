@@ -12,8 +12,8 @@ default, and tests/unit/test_rloo_arguments.py fails until the table names it.""
 
 from __future__ import annotations
 
-from hf_longctx.training.refusals.rollouts import SHARED_CONFIG, ConfigChecks
-from hf_longctx.training.refusals.rules import Rule, _trainer
+from hf_longctx.training.refusals.rollouts import ConfigChecks, SHARED_CONFIG
+from hf_longctx.training.refusals.rules import Rule, trainer_rule
 
 _GENERATION = ("TRL's generation config reads it (sequence-parallel generation applies it as generate would, or "
                "generation='per-rank' runs TRL's generate on the gathered, unpatched policy)")
@@ -22,28 +22,28 @@ _BUFFERED = "LongRLOOTrainer refuses values other than 1 (refusals/rollouts.py: 
 
 RLOO_CONFIG: dict[str, Rule] = {
     **SHARED_CONFIG,
-    "num_generations": _trainer("TRL's sampler repeats each prompt num_generations times; the leave-one-out groups "
+    "num_generations": trainer_rule("TRL's sampler repeats each prompt num_generations times; the leave-one-out groups "
                                 "are formed by TRL over the whole world"),
-    "num_generations_eval": _trainer("evaluation only, which LongRLOOTrainer refuses"),
-    "max_completion_length": _trainer(_GENERATION + " as max_new_tokens"),
-    "shuffle_dataset": _trainer("TRL's RepeatSampler"),
-    "generation_batch_size": _trainer("TRL derives steps_per_generation from it, which LongRLOOTrainer keeps at 1 "
+    "num_generations_eval": trainer_rule("evaluation only, which LongRLOOTrainer refuses"),
+    "max_completion_length": trainer_rule(_GENERATION + " as max_new_tokens"),
+    "shuffle_dataset": trainer_rule("TRL's RepeatSampler"),
+    "generation_batch_size": trainer_rule("TRL derives steps_per_generation from it, which LongRLOOTrainer keeps at 1 "
                                       "(refusals/rollouts.py)"),
-    "steps_per_generation": _trainer(_BUFFERED),
+    "steps_per_generation": trainer_rule(_BUFFERED),
     "temperature": Rule("ours", "RLOOObjective.temperature: log-probs of logits / temperature in the loss and the "
                         "scoring pass; also TRL's sampling temperature"),
-    **{name: _trainer(_GENERATION) for name in ("top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs",
+    **{name: trainer_rule(_GENERATION) for name in ("top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs",
                                                 "cache_implementation", "chat_template_kwargs")},
     "beta": Rule("ours", "the KL penalty in the reward: TRL subtracts beta x the per-completion sum of (policy - "
                  "reference) log-probs, both computed by the SP scoring pass (grpo/scoring.py)"),
-    "num_iterations": _trainer(_BUFFERED),
+    "num_iterations": trainer_rule(_BUFFERED),
     "epsilon": Rule("ours", "RLOOObjective.epsilon_low (clipping of the sequence ratio)"),
     "epsilon_high": Rule("ours", "RLOOObjective.epsilon_high (default: epsilon)"),
-    "reward_weights": _trainer("TRL's reward sum"),
-    "normalize_advantages": _trainer("TRL's scoring: normalised over the whole generation batch (every process)"),
-    "reward_clip_range": _trainer("TRL's scoring clips the summed rewards"),
-    "mask_truncated_completions": _trainer("LongRLOOTrainer refuses True (refusals/rollouts.py)"),
-    **{name: _trainer(_LOGGING) for name in ("log_completions", "log_multimodal", "num_completions_to_print",
+    "reward_weights": trainer_rule("TRL's reward sum"),
+    "normalize_advantages": trainer_rule("TRL's scoring: normalised over the whole generation batch (every process)"),
+    "reward_clip_range": trainer_rule("TRL's scoring clips the summed rewards"),
+    "mask_truncated_completions": trainer_rule("LongRLOOTrainer refuses True (refusals/rollouts.py)"),
+    **{name: trainer_rule(_LOGGING) for name in ("log_completions", "log_multimodal", "num_completions_to_print",
                                              "log_unique_prompts")},
 }
 

@@ -19,12 +19,15 @@ from typing import Any
 import transformers
 
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.distributed.mesh_protocol import Mesh
 from hf_longctx.errors import NotSupported
-from hf_longctx.training.refusals.rules import Rule, _falsy, _refused, _trainer, refusal_message, refused_config_fields
+from hf_longctx.training.refusals.rules import (
+    Rule, falsy, refusal_message, refused_config_fields, refused_rule, trainer_rule,
+)
 from hf_longctx.training.refusals.training_arguments import TRAINER_PARAMETERS, TRAINING_ARGUMENTS
 
-_VLLM = _refused(
-    _falsy, "vLLM generation is not wired to the sequence-parallel step: server mode pushes the weights after every "
+_VLLM = refused_rule(
+    falsy, "vLLM generation is not wired to the sequence-parallel step: server mode pushes the weights after every "
     "step through TRL's VLLMClient over vLLM's NCCL weight-transfer engine (the client needs the vllm package, its "
     "init_communicator a CUDA device: it raises on any other), which this library cannot verify without vllm, CUDA "
     "and NCCL; "
@@ -33,31 +36,31 @@ _VLLM = _refused(
     "gathered weight; colocate mode runs a second vLLM engine inside every training process",
     "use_vllm=False: the rollouts run on the training mesh (sequence-parallel generation, or with "
     "generation='per-rank' TRL's transformers generation on the gathered, unpatched policy on every rank)")
-_VLLM_ONLY = _trainer("applies only with use_vllm, which must be False")
+VLLM_ONLY = trainer_rule("applies only with use_vllm, which must be False")
 VLLM_FIELDS = (
     "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex", "vllm_server_base_url",
     "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
     "vllm_max_model_length", "vllm_tensor_parallel_size")
 
 SHARED_CONFIG: dict[str, Rule] = {
-    "model_init_kwargs": _refused(lambda v: not v, "they apply only when TRL loads the model from a name; the step "
+    "model_init_kwargs": refused_rule(lambda v: not v, "they apply only when TRL loads the model from a name; the step "
                                   "needs a patched instance", "load the model yourself with those kwargs and patch it"),
-    "trust_remote_code": _trainer("used only when a model or tokenizer is loaded from a name"),
-    "router_aux_loss_coef": _refused(lambda v: not v, "the MoE load-balancing loss needs output_router_logits=True, "
+    "trust_remote_code": trainer_rule("used only when a model or tokenizer is loaded from a name"),
+    "router_aux_loss_coef": refused_rule(lambda v: not v, "the MoE load-balancing loss needs output_router_logits=True, "
                                      "which patch() refuses under SP", "leave it None"),
-    "disable_dropout": _trainer("dropout must already be 0 for patch()'s exactness; the caller's model config sets it"),
+    "disable_dropout": trainer_rule("dropout must already be 0 for patch()'s exactness; the caller's model config sets it"),
     "ds3_gather_for_generation": Rule("ours", "FSDP2 weights are always gathered for generation (grpo/generate.py)"),
-    "pad_to_multiple_of": _trainer("TRL's padding of its own collated batch; the SP layout pads completions itself "
+    "pad_to_multiple_of": trainer_rule("TRL's padding of its own collated batch; the SP layout pads completions itself "
                                    "(shard_batch)"),
     "use_vllm": _VLLM,
-    **{name: _VLLM_ONLY for name in VLLM_FIELDS},
-    "sync_ref_model": _refused(_falsy, "reference-model syncing is TRL trainer state", "keep the reference fixed"),
-    "ref_model_mixup_alpha": _trainer("applies only with sync_ref_model, which must be False"),
-    "ref_model_sync_steps": _trainer("applies only with sync_ref_model, which must be False"),
-    "use_transformers_continuous_batching": _refused(_falsy, "continuous batching is not used by hf_generate",
+    **{name: VLLM_ONLY for name in VLLM_FIELDS},
+    "sync_ref_model": refused_rule(falsy, "reference-model syncing is TRL trainer state", "keep the reference fixed"),
+    "ref_model_mixup_alpha": trainer_rule("applies only with sync_ref_model, which must be False"),
+    "ref_model_sync_steps": trainer_rule("applies only with sync_ref_model, which must be False"),
+    "use_transformers_continuous_batching": refused_rule(falsy, "continuous batching is not used by hf_generate",
                                                      "leave it False"),
-    "transformers_continuous_batching_config": _trainer("applies only with continuous batching, which must be False"),
-    "use_transformers_paged": _refused(_falsy, "paged generation is not used by hf_generate", "leave it False"),
+    "transformers_continuous_batching_config": trainer_rule("applies only with continuous batching, which must be False"),
+    "use_transformers_paged": refused_rule(falsy, "paged generation is not used by hf_generate", "leave it False"),
 }
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class ConfigChecks:
             raise NotSupported(f"{self.config_name} settings the sequence-parallel {self.step} step cannot honour "
                                "exactly:\n  " + "\n  ".join(errors), "change the values listed above as each line says")
 
-    def check_trainer(self, mesh: Any, max_tokens: Any, params: dict[str, Any]) -> Any:
+    def check_trainer(self, mesh: Mesh, max_tokens: Any, params: dict[str, Any]) -> Any:
         """Everything the trainer refuses, on every rank alike, before any collective; returns its
         config. `params`: the TRL trainer's __init__ arguments by name."""
         return check_rollout_trainer(mesh, max_tokens, params, self)
@@ -95,7 +98,7 @@ class ConfigChecks:
 
 # TrainingArguments fields refused here for the reasons refusals/training_arguments.py's table gives (the rest of that table is about
 # the token-budget step DataLoader of LongContextTrainerMixin, which these trainers do not use: TRL's sampler draws rows).
-_COMPILE = _refused(
+_COMPILE = refused_rule(
     lambda v: not v, "each rollout step takes the SP patch off for generation and puts it back under a new attention "
     "registration (generation='per-rank', grpo/generate.py) or runs the patched attention's decode path "
     "(generation='sp'), so a compiled policy's graphs would be invalidated and retraced every step (not verified "
@@ -110,7 +113,7 @@ _SHARED_REFUSALS = ("fp16", "use_liger_kernel",
 
 # TRL's GRPOConfig and RLOOConfig refuse cp_size / sp_size > 1 themselves, so the mesh is always given as mesh=.
 def _parallelism(name: str) -> Rule:
-    return _refused(
+    return refused_rule(
         lambda v: v is None, f"{name} takes its mesh as mesh= (TRL's config refuses cp_size / sp_size > 1 itself)",
         "drop it and pass mesh=hf_longctx.mesh_from_parallelism_config(pc, model.config) (or init_sequence_parallel)")
 
@@ -162,7 +165,7 @@ def refusals(args: Any, params: dict[str, Any], name: str = "LongGRPOTrainer") -
     return out
 
 
-def check_rollout_trainer(mesh: Any, max_tokens: Any, params: dict[str, Any], checks: ConfigChecks) -> Any:
+def check_rollout_trainer(mesh: Mesh, max_tokens: Any, params: dict[str, Any], checks: ConfigChecks) -> Any:
     """Everything the rollout trainer `checks.trainer` refuses, on every rank alike, before any
     collective; returns its config (a TRL `checks.config_name`). `params`: the TRL trainer's
     __init__ arguments by name."""

@@ -23,19 +23,19 @@ class Rule:
     show: Callable[[Any], str] | None = None  # how a refused value is named (default: `shown`)
 
 
-def _trainer(note: str = "the Trainer's own code path, not overridden") -> Rule:
+def trainer_rule(note: str = "the Trainer's own code path, not overridden") -> Rule:
     return Rule("trainer", note)
 
 
-def _refused(ok: Callable[[Any], bool], note: str, instead: str, show: Callable[[Any], str] | None = None) -> Rule:
+def refused_rule(ok: Callable[[Any], bool], note: str, instead: str, show: Callable[[Any], str] | None = None) -> Rule:
     return Rule("refused", note, ok, instead, show)
 
 
-def _falsy(v: Any) -> bool:
+def falsy(v: Any) -> bool:
     return not v
 
 
-def _is(value: Any) -> Callable[[Any], bool]:
+def equals(value: Any) -> Callable[[Any], bool]:
     return lambda v: v == value
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hf_longctx.training.refusals.rules import Rule, _falsy, _is, refusal_message, _refused, _trainer, field_defaults
+from hf_longctx.training.refusals.rules import (
+    Rule, equals, falsy, field_defaults, refusal_message, refused_rule, trainer_rule,
+)
 from hf_longctx.training.refusals.sft import SFT_TRAINER_PARAMETERS
 
 
@@ -29,111 +31,111 @@ _CKPT_KWARGS = frozenset({"use_reentrant"})  # patch(checkpoint=True) is non-ree
 
 TRAINING_ARGUMENTS: dict[str, Rule] = {
     # -- where and how long -------------------------------------------------------------------
-    "output_dir": _trainer(),
-    "num_train_epochs": _trainer("an epoch is the step sampler's first epoch in steps (steps are cut by a token budget)"),
-    "max_steps": _trainer(),
+    "output_dir": trainer_rule(),
+    "num_train_epochs": trainer_rule("an epoch is the step sampler's first epoch in steps (steps are cut by a token budget)"),
+    "max_steps": trainer_rule(),
     # -- optimiser and schedule (built by the Trainer after fsdp_plan shards the model) --------
-    "learning_rate": _trainer(), "lr_scheduler_type": _trainer(), "lr_scheduler_kwargs": _trainer(),
-    "warmup_steps": _trainer(), "optim": _trainer(), "optim_args": _trainer(), "weight_decay": _trainer(),
-    "adam_beta1": _trainer(), "adam_beta2": _trainer(), "adam_epsilon": _trainer(), "optim_target_modules": _trainer(),
+    "learning_rate": trainer_rule(), "lr_scheduler_type": trainer_rule(), "lr_scheduler_kwargs": trainer_rule(),
+    "warmup_steps": trainer_rule(), "optim": trainer_rule(), "optim_args": trainer_rule(), "weight_decay": trainer_rule(),
+    "adam_beta1": trainer_rule(), "adam_beta2": trainer_rule(), "adam_epsilon": trainer_rule(), "optim_target_modules": trainer_rule(),
     "max_grad_norm": Rule("ours", "clip_grad_norm_ on the summed (DTensor) gradients: the norm of the true gradient"),
     # -- the batch and the loss ---------------------------------------------------------------
-    "per_device_train_batch_size": _refused(
-        _is(8), "the batch is tokens_per_step global tokens per optimizer step, packed into micro-batches of max_tokens",
+    "per_device_train_batch_size": refused_rule(
+        equals(8), "the batch is tokens_per_step global tokens per optimizer step, packed into micro-batches of max_tokens",
         "leave it at its default (8) and size the step with tokens_per_step= on the trainer (LongDPOTrainer counts the "
         "chosen + rejected tokens of whole pairs: about pairs per step x tokens per pair) and the micro-batches with "
         "max_tokens="),
-    "per_device_eval_batch_size": _refused(
-        _is(8), "evaluation is planned like training: tokens_per_step tokens per evaluation step",
+    "per_device_eval_batch_size": refused_rule(
+        equals(8), "evaluation is planned like training: tokens_per_step tokens per evaluation step",
         "leave it at its default (8); tokens_per_step sets the evaluation step too"),
-    "gradient_accumulation_steps": _refused(
-        _is(1), "one optimizer step is one planned step whose micro-batch count the planner chooses",
+    "gradient_accumulation_steps": refused_rule(
+        equals(1), "one optimizer step is one planned step whose micro-batch count the planner chooses",
         "set tokens_per_step for a larger batch (the planner accumulates the micro-batches itself)"),
-    "average_tokens_across_devices": _refused(
+    "average_tokens_across_devices": refused_rule(
         bool, "the loss is always the step's token-loss sum over its GLOBAL target count (exact on any world size)",
         "leave it True"),
-    "label_smoothing_factor": _refused(
-        _is(0), "the loss must be the model's token NLL normalised by the global target count",
+    "label_smoothing_factor": refused_rule(
+        equals(0), "the loss must be the model's token NLL normalised by the global target count",
         "leave it at 0 (or smooth the labels in the dataset)"),
-    "auto_find_batch_size": _refused(
-        _falsy, "the batch is set in tokens (tokens_per_step, max_tokens), not in rows",
+    "auto_find_batch_size": refused_rule(
+        falsy, "the batch is set in tokens (tokens_per_step, max_tokens), not in rows",
         "use `hf-longctx plan` to pick max_tokens and the memory preset"),
     # -- precision ----------------------------------------------------------------------------
     "bf16": Rule("mapped", "fsdp_plan(mixed_precision='bf16'): bf16 compute, fp32 master weights and gradient sums"),
-    "fp16": _refused(_falsy, "the attention kernels refuse fp16 (its range overflows long softmax sums)", "use bf16=True"),
-    "bf16_full_eval": _refused(
-        _falsy, "it casts the whole (FSDP-sharded) model to bf16 for evaluation",
+    "fp16": refused_rule(falsy, "the attention kernels refuse fp16 (its range overflows long softmax sums)", "use bf16=True"),
+    "bf16_full_eval": refused_rule(
+        falsy, "it casts the whole (FSDP-sharded) model to bf16 for evaluation",
         "use bf16=True: evaluation runs under the same mixed precision as training"),
-    "fp16_full_eval": _refused(_falsy, "fp16 is refused by the attention kernels", "use bf16=True"),
-    "tf32": _trainer(),
+    "fp16_full_eval": refused_rule(falsy, "fp16 is refused by the attention kernels", "use bf16=True"),
+    "tf32": trainer_rule(),
     # -- activation checkpointing -------------------------------------------------------------
     "activation_checkpointing": Rule("mapped", "patch(model, mesh, checkpoint=True): recomputation inside the SP attention binding"),
     "gradient_checkpointing": Rule("mapped", "patch(model, mesh, checkpoint=True), as activation_checkpointing"),
-    "activation_checkpointing_kwargs": _refused(
+    "activation_checkpointing_kwargs": refused_rule(
         lambda v: not v or set(v) <= _CKPT_KWARGS, "checkpointing is hf_longctx's (non-reentrant) own; HF's wrapper options do not apply",
         "pass nothing (or only use_reentrant) and choose the memory knobs with patch(model, mesh, memory=...)"),
-    "gradient_checkpointing_kwargs": _refused(
+    "gradient_checkpointing_kwargs": refused_rule(
         lambda v: not v or set(v) <= _CKPT_KWARGS, "checkpointing is hf_longctx's (non-reentrant) own; HF's wrapper options do not apply",
         "pass nothing (or only use_reentrant) and choose the memory knobs with patch(model, mesh, memory=...)"),
     # -- kernels and graph changes ------------------------------------------------------------
-    "torch_compile": _trainer(
+    "torch_compile": trainer_rule(
         "Accelerate's prepare compiles the patched (and sharded) model, as torch.compile(model) after patch(): the "
         "attention, the model hooks and the mixer wrappers run eagerly, the rest of every layer compiles"),
-    "torch_compile_backend": _trainer("the torch.compile backend (it turns torch_compile on)"),
-    "torch_compile_mode": _trainer("the torch.compile mode (it turns torch_compile on)"),
-    "use_liger_kernel": _refused(
-        _falsy, "Liger replaces the model's forward and loss", "use patch(model, mesh, loss_chunks=N) for a chunked loss"),
-    "liger_kernel_config": _refused(lambda v: not v, "it configures use_liger_kernel, which is refused", "leave it None"),
-    "neftune_noise_alpha": _refused(
+    "torch_compile_backend": trainer_rule("the torch.compile backend (it turns torch_compile on)"),
+    "torch_compile_mode": trainer_rule("the torch.compile mode (it turns torch_compile on)"),
+    "use_liger_kernel": refused_rule(
+        falsy, "Liger replaces the model's forward and loss", "use patch(model, mesh, loss_chunks=N) for a chunked loss"),
+    "liger_kernel_config": refused_rule(lambda v: not v, "it configures use_liger_kernel, which is refused", "leave it None"),
+    "neftune_noise_alpha": refused_rule(
         lambda v: v is None, "NEFTune scales its embedding noise by the sequence length, which each rank takes from its shard",
         "leave it None (add noise in a forward hook that uses the global length, if you need it)"),
     "use_cache": Rule("mapped", "training never uses a KV cache (the patched forward passes use_cache=False); the saved "
                                 "model keeps its own config.use_cache"),
     "torch_empty_cache_steps": Rule("ours", "training_step empties the device cache every that many steps, as the Trainer does"),
     # -- logging ------------------------------------------------------------------------------
-    "logging_strategy": _trainer(), "logging_steps": _trainer(), "logging_first_step": _trainer(),
-    "log_on_each_node": _trainer(), "logging_nan_inf_filter": _trainer(), "log_level": _trainer(),
-    "log_level_replica": _trainer(), "disable_tqdm": _trainer(), "report_to": _trainer(), "run_name": _trainer(),
-    "project": _trainer(), "trackio_space_id": _trainer(), "trackio_bucket_id": _trainer(),
-    "trackio_static_space_id": _trainer(),
+    "logging_strategy": trainer_rule(), "logging_steps": trainer_rule(), "logging_first_step": trainer_rule(),
+    "log_on_each_node": trainer_rule(), "logging_nan_inf_filter": trainer_rule(), "log_level": trainer_rule(),
+    "log_level_replica": trainer_rule(), "disable_tqdm": trainer_rule(), "report_to": trainer_rule(), "run_name": trainer_rule(),
+    "project": trainer_rule(), "trackio_space_id": trainer_rule(), "trackio_bucket_id": trainer_rule(),
+    "trackio_static_space_id": trainer_rule(),
     "include_num_input_tokens_seen": Rule("ours", "the step's global trained tokens (no gather needed)"),
-    "skip_memory_metrics": _trainer(),
+    "skip_memory_metrics": trainer_rule(),
     # -- evaluation ---------------------------------------------------------------------------
-    "eval_strategy": _trainer(), "eval_steps": _trainer(), "eval_delay": _trainer(), "eval_on_start": _trainer(),
+    "eval_strategy": trainer_rule(), "eval_steps": trainer_rule(), "eval_delay": trainer_rule(), "eval_on_start": trainer_rule(),
     "prediction_loss_only": Rule("mapped", _EVAL_LOSS_ONLY + " (so it is always loss-only; predictions are None)"),
-    "eval_do_concat_batches": _refused(bool, _EVAL_LOSS_ONLY, "leave it True"),
-    "eval_use_gather_object": _refused(_falsy, _EVAL_LOSS_ONLY, "leave it False"),
-    "eval_accumulation_steps": _refused(lambda v: v is None, _EVAL_LOSS_ONLY, "leave it None"),
-    "include_for_metrics": _refused(lambda v: not v, _EVAL_LOSS_ONLY, "leave it empty"),
-    "batch_eval_metrics": _refused(_falsy, _EVAL_LOSS_ONLY, "leave it False"),
-    "metric_for_best_model": _trainer(), "greater_is_better": _trainer(),
-    "load_best_model_at_end": _refused(
-        _falsy, "checkpoints hold sharded states, which the Trainer's best-model reload cannot read",
+    "eval_do_concat_batches": refused_rule(bool, _EVAL_LOSS_ONLY, "leave it True"),
+    "eval_use_gather_object": refused_rule(falsy, _EVAL_LOSS_ONLY, "leave it False"),
+    "eval_accumulation_steps": refused_rule(lambda v: v is None, _EVAL_LOSS_ONLY, "leave it None"),
+    "include_for_metrics": refused_rule(lambda v: not v, _EVAL_LOSS_ONLY, "leave it empty"),
+    "batch_eval_metrics": refused_rule(falsy, _EVAL_LOSS_ONLY, "leave it False"),
+    "metric_for_best_model": trainer_rule(), "greater_is_better": trainer_rule(),
+    "load_best_model_at_end": refused_rule(
+        falsy, "checkpoints hold sharded states, which the Trainer's best-model reload cannot read",
         "leave it False; pick the checkpoint from the logged eval_loss and load it with trainer.train(resume_from_checkpoint=...)"),
     # -- checkpoints --------------------------------------------------------------------------
-    "save_strategy": _trainer(), "save_steps": _trainer(), "save_total_limit": _trainer(),
-    "save_only_model": _refused(
-        _falsy, "a resumable checkpoint is the sharded model AND optimizer state of every rank (training/base/saving.py)",
+    "save_strategy": trainer_rule(), "save_steps": trainer_rule(), "save_total_limit": trainer_rule(),
+    "save_only_model": refused_rule(
+        falsy, "a resumable checkpoint is the sharded model AND optimizer state of every rank (training/base/saving.py)",
         "leave it False; trainer.save_model(dir) exports the consolidated model for from_pretrained"),
     "save_on_each_node": Rule("ours", "save_model writes the consolidated model on each node's main process; sharded "
                                       "checkpoints are written by every rank in any case"),
-    "enable_jit_checkpoint": _refused(
-        _falsy, "a checkpoint on SIGTERM is a collective save that every rank must reach; not verified with sharded states",
+    "enable_jit_checkpoint": refused_rule(
+        falsy, "a checkpoint on SIGTERM is a collective save that every rank must reach; not verified with sharded states",
         "leave it False and use save_steps (resume is exact from any saved step)"),
-    "ignore_data_skip": _refused(
-        _falsy, "the step sampler's position is restored with the checkpoint (nothing is skipped or replayed)",
+    "ignore_data_skip": refused_rule(
+        falsy, "the step sampler's position is restored with the checkpoint (nothing is skipped or replayed)",
         "leave it False; to start the data over, start a new run from the exported model"),
-    "restore_callback_states_from_checkpoint": _trainer(),
-    "resume_from_checkpoint": _trainer("read by your script (trainer.train(resume_from_checkpoint=...)), not by the Trainer"),
-    "push_to_hub": _trainer(), "hub_token": _trainer(), "hub_private_repo": _trainer(), "hub_model_id": _trainer(),
-    "hub_strategy": _trainer(), "hub_always_push": _trainer(), "hub_revision": _trainer(),
+    "restore_callback_states_from_checkpoint": trainer_rule(),
+    "resume_from_checkpoint": trainer_rule("read by your script (trainer.train(resume_from_checkpoint=...)), not by the Trainer"),
+    "push_to_hub": trainer_rule(), "hub_token": trainer_rule(), "hub_private_repo": trainer_rule(), "hub_model_id": trainer_rule(),
+    "hub_strategy": trainer_rule(), "hub_always_push": trainer_rule(), "hub_revision": trainer_rule(),
     # -- reproducibility and devices ----------------------------------------------------------
-    "full_determinism": _trainer(), "seed": Rule("ours", "the step sampler's order and the planner's tie-breaks"),
+    "full_determinism": trainer_rule(), "seed": Rule("ours", "the step sampler's order and the planner's tie-breaks"),
     "data_seed": Rule("ours", "the step sampler's order (default: seed)"),
-    "use_cpu": _trainer(), "local_rank": _trainer("set by the launcher; checked against torch.distributed"),
-    "ddp_backend": _trainer("the backend when Accelerate initialises the process group"),
-    "ddp_timeout": _trainer("the collective timeout when Accelerate initialises the process group"),
-    "accelerator_config": _refused(
+    "use_cpu": trainer_rule(), "local_rank": trainer_rule("set by the launcher; checked against torch.distributed"),
+    "ddp_backend": trainer_rule("the backend when Accelerate initialises the process group"),
+    "ddp_timeout": trainer_rule("the collective timeout when Accelerate initialises the process group"),
+    "accelerator_config": refused_rule(
         lambda v: v is None or (not v.split_batches and v.dispatch_batches is None and v.even_batches and v.use_seedable_sampler
                                 and not v.gradient_accumulation_kwargs),
         "its batching options concern a DataLoader that Accelerate shards; " + _STEP_DATA + " and never goes through Accelerate",
@@ -142,49 +144,49 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
         "mapped", "the hf_longctx mesh (training/base/mesh_source.py): sp_size -> Ulysses x ring, cp_size -> ring, "
                   "dp_shard_size -> the data-parallel rest, FSDP2 over the world; refused field by field where it cannot "
                   "map (integrations/parallelism_config.py); the Accelerator never sees it"),
-    "fsdp": _refused(lambda v: not v, _NO_DDP.replace("does not use DDP", "shards the model itself"),
+    "fsdp": refused_rule(lambda v: not v, _NO_DDP.replace("does not use DDP", "shards the model itself"),
                      "drop it (parameter offload: LongContextTrainer(..., param_offload=True) where available, or fsdp_plan)"),
-    "fsdp_config": _refused(lambda v: not v, "hf_longctx shards the model itself with fsdp_plan", "drop it"),
-    "deepspeed": _refused(lambda v: not v, "hf_longctx shards the model itself with FSDP2 (fsdp_plan)", "drop it"),
-    "ddp_find_unused_parameters": _refused(lambda v: v is None, _NO_DDP, "leave it None"),
-    "ddp_bucket_cap_mb": _refused(lambda v: v is None, _NO_DDP, "leave it None"),
-    "ddp_broadcast_buffers": _refused(lambda v: v is None, _NO_DDP, "leave it None"),
-    "ddp_static_graph": _refused(lambda v: v is None, _NO_DDP, "leave it None"),
-    "debug": _refused(lambda v: not v, "the underflow/overflow and TPU debug modes are not wired into the SP step", "leave it empty"),
+    "fsdp_config": refused_rule(lambda v: not v, "hf_longctx shards the model itself with fsdp_plan", "drop it"),
+    "deepspeed": refused_rule(lambda v: not v, "hf_longctx shards the model itself with FSDP2 (fsdp_plan)", "drop it"),
+    "ddp_find_unused_parameters": refused_rule(lambda v: v is None, _NO_DDP, "leave it None"),
+    "ddp_bucket_cap_mb": refused_rule(lambda v: v is None, _NO_DDP, "leave it None"),
+    "ddp_broadcast_buffers": refused_rule(lambda v: v is None, _NO_DDP, "leave it None"),
+    "ddp_static_graph": refused_rule(lambda v: v is None, _NO_DDP, "leave it None"),
+    "debug": refused_rule(lambda v: not v, "the underflow/overflow and TPU debug modes are not wired into the SP step", "leave it empty"),
     # -- the data -----------------------------------------------------------------------------
-    "train_sampling_strategy": _refused(
-        _is("random"), "the step sampler draws the documents (seeded by seed / data_seed); shuffling is built in",
+    "train_sampling_strategy": refused_rule(
+        equals("random"), "the step sampler draws the documents (seeded by seed / data_seed); shuffling is built in",
         "leave it 'random'"),
-    "length_column_name": _refused(
-        _is("length"), "document lengths are read from the 'length' column (tokenize_dataset writes it) or from input_ids",
+    "length_column_name": refused_rule(
+        equals("length"), "document lengths are read from the 'length' column (tokenize_dataset writes it) or from input_ids",
         "name the column 'length', or drop it (lengths then come from input_ids)"),
-    "label_names": _refused(
+    "label_names": refused_rule(
         lambda v: v is None, "the collator reads the 'labels' column (optional; -100 = no loss) and shifts it per document",
         "put the targets in a 'labels' column"),
-    "remove_unused_columns": _refused(
+    "remove_unused_columns": refused_rule(
         bool, "the collator feeds the model input_ids and labels only; other columns never reach forward()",
         "leave it True; per-token targets or masks go in a 'labels' column (-100 = no loss)"),
-    "dataloader_num_workers": _refused(
-        _falsy, "the step sampler's checkpointed position must equal the steps consumed, and workers prefetch",
+    "dataloader_num_workers": refused_rule(
+        falsy, "the step sampler's checkpointed position must equal the steps consumed, and workers prefetch",
         "use 0 (planning a step costs milliseconds)"),
-    "dataloader_prefetch_factor": _refused(lambda v: v is None, "there are no DataLoader workers (see dataloader_num_workers)", "leave it None"),
-    "dataloader_persistent_workers": _refused(_falsy, "there are no DataLoader workers", "leave it False"),
-    "dataloader_multiprocessing_context": _refused(lambda v: v is None, "there are no DataLoader workers", "leave it None"),
-    "dataloader_drop_last": _refused(
-        _falsy, "steps are cut by a token budget and the end of a sampler epoch rolls into the next one: nothing is dropped",
+    "dataloader_prefetch_factor": refused_rule(lambda v: v is None, "there are no DataLoader workers (see dataloader_num_workers)", "leave it None"),
+    "dataloader_persistent_workers": refused_rule(falsy, "there are no DataLoader workers", "leave it False"),
+    "dataloader_multiprocessing_context": refused_rule(lambda v: v is None, "there are no DataLoader workers", "leave it None"),
+    "dataloader_drop_last": refused_rule(
+        falsy, "steps are cut by a token budget and the end of a sampler epoch rolls into the next one: nothing is dropped",
         "leave it False (StepSampler(drop_last=True) for a hand-written loop)"),
-    "dataloader_pin_memory": Rule("ours", "_prepare_input stages each host shard in pinned memory before its non-blocking copy (CUDA); False copies unpinned"),
+    "dataloader_pin_memory": Rule("ours", "the step's host shards are staged in pinned memory before its non-blocking copy (CUDA); False copies unpinned"),
     "dataloader_in_order": Rule("ours", "without workers the steps always come in order"),
-    "do_train": _trainer("read by your script, not by the Trainer"),
-    "do_eval": _trainer("read by your script, not by the Trainer"),
-    "do_predict": _trainer("read by your script, not by the Trainer"),
+    "do_train": trainer_rule("read by your script, not by the Trainer"),
+    "do_eval": trainer_rule("read by your script, not by the Trainer"),
+    "do_predict": trainer_rule("read by your script, not by the Trainer"),
 }
 
 # Trainer.__init__'s parameters (the mixin's own ones -- mesh, max_tokens, ... -- are its docstring's).
 TRAINER_PARAMETERS: dict[str, Rule] = {
     "model": Rule("ours", "must be a model instance patched with hf_longctx.patch(model, mesh)"),
     "args": Rule("ours", "every field classified in TRAINING_ARGUMENTS"),
-    "data_collator": _refused(
+    "data_collator": refused_rule(
         lambda v: v is None,
         "the step's documents are planned, packed and sharded by hf_longctx's collator (labels shifted per document "
         "before sharding); a collator of padded rows would be bypassed",
@@ -192,25 +194,25 @@ TRAINER_PARAMETERS: dict[str, Rule] = {
         "the trainer; LongContextCollator(loss_mask_key=...) takes a 0/1 loss mask in a hand-written loop"),
     "train_dataset": Rule("ours", "a datasets.Dataset with input_ids (and optional labels / length)"),
     "eval_dataset": Rule("ours", "a datasets.Dataset (or a dict of them) with input_ids"),
-    "processing_class": _trainer("saved with the model; its pad / EOS id pads the micro-batches unless pad_token_id= is given"),
-    "model_init": _refused(
+    "processing_class": trainer_rule("saved with the model; its pad / EOS id pads the micro-batches unless pad_token_id= is given"),
+    "model_init": refused_rule(
         lambda v: v is None, "a model_init builds an unpatched model per trial, after the mesh-bound set-up",
         "load and patch the model yourself and pass model=; for a sweep build one trainer per trial"),
-    "compute_loss_func": _refused(
+    "compute_loss_func": refused_rule(
         lambda v: v is None, "the loss must be the model's token loss over the step's global target count",
         "use the model's own loss (ForCausalLMLoss); per-token weights go in the 'labels' column (-100 = no loss)"),
-    "compute_metrics": _refused(
+    "compute_metrics": refused_rule(
         lambda v: v is None, "logits and labels are sharded over the SP group",
         "evaluate metrics after training on the exported model (trainer.save_model), or use the logged eval_loss"),
-    "preprocess_logits_for_metrics": _refused(
+    "preprocess_logits_for_metrics": refused_rule(
         lambda v: v is None, "logits are sharded over the SP group and never gathered", "leave it None"),
-    "callbacks": _trainer(),
-    "optimizers": _refused(
+    "callbacks": trainer_rule(),
+    "optimizers": refused_rule(
         lambda v: v is None or all(x is None for x in v),
         "fsdp_plan replaces the parameters by sharded DTensors after construction, so an optimizer built before holds "
         "tensors that are no longer trained",
         "pass optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}) (built after sharding), or override create_optimizer"),
-    "optimizer_cls_and_kwargs": _trainer("the optimizer is built after fsdp_plan, on the sharded parameters"),
+    "optimizer_cls_and_kwargs": trainer_rule("the optimizer is built after fsdp_plan, on the sharded parameters"),
 }
 
 

@@ -13,12 +13,13 @@ from typing import Any
 from hf_longctx.data.collator import LongContextCollator
 from hf_longctx.data.cost import CostModel, GroupCost
 from hf_longctx.data.token_ids import Vocabulary
+from hf_longctx.distributed.mesh_protocol import Mesh
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.flex.collator import FlexCollator
 from hf_longctx.integrations.model_patch import patch_state
 
 
-def vision_collator(mesh: Any, model: Any, *, max_tokens: int, cost: Any, vision_cost: Any, strategy: str,
+def vision_collator(mesh: Mesh, model: Any, *, max_tokens: int, cost: Any, vision_cost: Any, strategy: str,
                     overlong: str, seed: int, pad_token_id: int) -> Any:
     """The `MultimodalCollator` of an image-text-to-text model patched with an exact vision
     family (`patch_state(model).vision`), or None for a text-only model."""
@@ -42,7 +43,7 @@ def vision_collator(mesh: Any, model: Any, *, max_tokens: int, cost: Any, vision
 
 
 def build_collators(
-    mesh: Any, *, max_tokens: int, max_tokens_per_rank: int | None, cost: Any, flops_model: CostModel | None,
+    mesh: Mesh, *, max_tokens: int, max_tokens_per_rank: int | None, cost: Any, flops_model: CostModel | None,
     hf_config: Any, strategy: str, overlong: str, seed: int, pad_token_id: int, unequal_calls: bool,
     vision: Any = None, vocab: Vocabulary | None = None,
 ) -> tuple[Any, Any]:

@@ -25,7 +25,7 @@ from hf_longctx.data.sharding import IGNORE_INDEX
 from hf_longctx.data.token_ids import Vocabulary, check_token_ids
 from hf_longctx.errors import NotSupported
 from hf_longctx.flex.collator import FlexCollator, layout_text
-from hf_longctx.training.base.step_data import StepBatch, StepStream, _Rows
+from hf_longctx.training.base.step_data import FeatureRows, StepBatch, StepStream
 
 
 def check_dataset(dataset: Any, name: str = "train_dataset") -> list[str]:
@@ -239,7 +239,7 @@ def step_dataloader(
     check_lengths(lengths, collator.max_tokens, collator.overlong, name)
     sampler = StepSampler(lengths, tokens_per_step=tokens_per_step, seed=seed, shuffle=shuffle)
     loader = torch.utils.data.DataLoader(
-        _Rows(dataset, columns, name),
+        FeatureRows(dataset, columns, name),
         batch_sampler=StepStream(sampler, endless=endless),
         collate_fn=StepCollate(collator, flops_model),
         num_workers=0,

@@ -123,6 +123,7 @@ class LongContextTrainerMixin(SPTrainerBase):
             self.args.ddp_find_unused_parameters = None
         check_training_arguments(self.args, type(self).__name__)  # the defaults / TRL's SFTConfig conversion
         check_process_group(self.args)
+        self.args = build.without_data_skip(self.args, training_args)  # the step sampler resumes, not the Trainer's skip
         self.vision_collator = collators.vision_collator(
             mesh, self.model, max_tokens=self.max_tokens, cost=cost, vision_cost=vision_cost, strategy=strategy,
             overlong=overlong, seed=self.args.seed, pad_token_id=build.pad_id(self.processing_class, pad_token_id),
@@ -190,12 +191,6 @@ class LongContextTrainerMixin(SPTrainerBase):
         )
         return loader
 
-    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        # The step sampler's position comes back with the checkpoint (`_load_optimizer_and_scheduler`),
-        # so the Trainer must not also skip batches (its skip would re-plan every skipped step).
-        epochs_trained, _ = super()._init_training_state(*args, **kwargs)
-        return epochs_trained, 0
-
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, None]:
         # One item = one step; its normaliser travels in every micro-batch (`num_items_in_batch`
         # of the whole step), so the Trainer's own per-rank count and gather are skipped.
@@ -207,9 +202,9 @@ class LongContextTrainerMixin(SPTrainerBase):
                 break
         return samples, None
 
-    def _prepare_input(self, data: Any) -> Any:
+    def _micro_inputs(self, micro_batch: Any) -> Any:
         # A micro-batch's host shard to the device with pinned, non_blocking copies (Trainer's is a blocking .to())
-        return to_device(data, self.args.device, pin=self.args.dataloader_pin_memory)
+        return to_device(micro_batch, self.args.device, pin=self.args.dataloader_pin_memory)
 
     # ---- the step: (2) the loss as the model returns it (base/step_loop.py) --------------------------
     def training_step(self, model: torch.nn.Module, inputs: StepBatch, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -256,7 +251,7 @@ class LongContextTrainerMixin(SPTrainerBase):
             self.optimizer.eval()  # optimizer's evaluation weights (the training step switches back)
         out = evaluate(
             self.model, dataloader, metric_key_prefix,
-            micro_loss=lambda mb: self.compute_loss(self.model, self._prepare_inputs(mb)), autocast=self.accelerator.autocast, world_mesh=self.world_mesh, device=self.args.device,
+            micro_loss=lambda mb: self.compute_loss(self.model, self._micro_inputs(mb)), autocast=self.accelerator.autocast, world_mesh=self.world_mesh, device=self.args.device,
             step=self.state.global_step, watchdog=self.watchdog,
         )
         with comm_guard(self.state.global_step):
