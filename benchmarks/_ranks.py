@@ -55,3 +55,13 @@ def run_ranks(worker, world: int, args, *, timeout: float = DEFAULT_TIMEOUT):
                 p.kill()
                 p.join()
     return out
+
+
+def rows_of(worker, world: int, args):
+    """Rank 0's result: `worker` run in this process for one rank (no spawn, easier to profile),
+    else on `world` spawned ranks through `run_ranks`."""
+    if world == 1:
+        q: queue.Queue = queue.Queue()
+        worker(0, "", args, q)
+        return q.get()
+    return run_ranks(worker, world, args)

@@ -108,19 +108,12 @@ def _worker(rank: int, init_file: str, args, results) -> None:
 
 
 def main() -> None:
-    from benchmarks._ranks import run_ranks
+    from benchmarks._ranks import rows_of
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=1, help="gloo ranks (one SP group)")
     args = parser.parse_args()
-    if args.world == 1:
-        import queue
-
-        q: queue.Queue = queue.Queue()
-        _worker(0, "", args, q)
-        rows = q.get()
-    else:
-        rows = run_ranks(_worker, args.world, args)
+    rows = rows_of(_worker, args.world, args)
     print(f"\nOne decode step of {len(PROMPTS)} rows, rank 0 of {args.world}, counted on CPU as a GPU pays it "
           "(benchmarks/_counting.py)\n")
     print("| layout | per layer: kernels | collectives | h2d | d2h | syncs | per step outside layers: kernels | "

@@ -90,7 +90,7 @@ def _worker(rank: int, init_file: str, args, results) -> None:
 
 
 def main() -> None:
-    from benchmarks._ranks import run_ranks
+    from benchmarks._ranks import rows_of
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=1, help="gloo ranks of one SP group")
@@ -100,14 +100,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args()
-    if args.world == 1:
-        import queue
-
-        q: queue.Queue = queue.Queue()
-        _worker(0, "", args, q)
-        rows = q.get()
-    else:
-        rows = run_ranks(_worker, args.world, args)
+    rows = rows_of(_worker, args.world, args)
     print(f"Rollout memory, bf16, {args.world} rank(s) (Ulysses {args.world // args.ring} x ring {args.ring}), {ROWS} rows, {NEW} new tokens each; "
           "device = peak above the weights (Census) per local prompt token\n")
     print("| shape | mode | prompt tokens | device B/token | planner B/token | error |")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 from datetime import timedelta
 
 import torch
@@ -236,7 +235,7 @@ def _print(args, rows) -> None:
 
 
 def main() -> None:
-    from benchmarks._ranks import run_ranks
+    from benchmarks._ranks import rows_of
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
@@ -249,14 +248,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=14, help="named tensors listed per mode")
     parser.add_argument("--phases", action="store_true", help="also the peak of each phase of the step, with its tensors")
     args = parser.parse_args()
-    if args.world == 1:
-        import queue
-
-        q: queue.Queue = queue.Queue()
-        _worker(0, "", args, q)
-        rows = q.get()
-    else:
-        rows = run_ranks(_worker, args.world, args)
+    rows = rows_of(_worker, args.world, args)
     _print(args, rows)
 
 

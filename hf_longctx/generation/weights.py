@@ -25,17 +25,11 @@ import torch.distributed as dist
 
 from hf_longctx._compat import fsdp_param_groups
 from hf_longctx.errors import NotSupported
+from hf_longctx.flex.unsharded_step import fsdp_units
 
 MODES = ("auto", "gathered", "sharded")
 CACHES = ("auto", "device", "host")
 HEADROOM = 1.1  # the allocator's fragmentation and the prefill's working set beside the cache
-
-
-def fsdp_units(model: torch.nn.Module) -> list:
-    """The FSDP2 units of `model`, in module order (empty when it is not sharded)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def unsharded_bytes(model: torch.nn.Module) -> int:

@@ -20,7 +20,7 @@ from hf_longctx.distributed.loss import global_loss, sum_gradients
 from hf_longctx.training.base.step_loop import grad_norm
 from hf_longctx.generation.loop import sp_generate
 from hf_longctx.generation.settings import SamplingSettings
-from hf_longctx.generation.weights import fsdp_units
+from hf_longctx.flex.unsharded_step import fsdp_units
 from hf_longctx.training.grpo.generate import sp_rollouts
 from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 
