@@ -141,4 +141,8 @@ def test_resume_skips_the_checkpoint_a_dead_rank_left_incomplete(uninterrupted, 
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])
+    from hf_longctx.training.launch import run_rank
+
+    # run_rank ends a finished rank as the recipes do (training/launch.exit_rank: without the
+    # interpreter finalisation in which a gloo worker thread can abort the process after the last step)
+    run_rank(lambda: _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]))
