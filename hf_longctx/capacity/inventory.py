@@ -272,7 +272,7 @@ def split_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list[Op]:
     ops += summed(chunks, lambda c, fresh: [
         *_pre(s, c), *m.rope_bwd(c, s.kv_heads, s.head_dim), *m.rope_bwd(c, s.heads, s.head_dim),
         *m.attention_proj_bwd(c, h, q, kv, fresh), *m.norm_bwd(c, h), *m.add(c * h),
-        *m.copy(c * h, what="copy_"), *_norm_sum(h, fresh)])  # `dh[:, rows] += g`: in-place add, setitem's copy
+        *_norm_sum(h, fresh)])  # `dh[:, rows].add_(g)`: in place on the row view
     params = [h * q, h * kv, h * kv, q * h, h * i, h * i, h * i, h, h]  # the sums, rounded to bf16
     return ops + [op for e in params for op in m.copy(e, m.F32, m.BF)]
 
