@@ -180,7 +180,7 @@ def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, a
         set_instance_attr(layer, "forward", split_forward, undo)
 
 
-def _is_norm(module: nn.Module) -> bool:
+def is_norm(module: nn.Module) -> bool:
     """A normalisation layer (token-wise over the hidden dim): torch's, or a model's *Norm class."""
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or (
         type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and not list(module.children()))
@@ -192,7 +192,7 @@ def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: L
     row chunks (ops/tiling.tokenwise_chunks): a norm's fp32 copies exist for one chunk at a
     time, forward and backward, and only its input is saved. Inside a row-chunked layer
     (`split` running one) they run as they are: the rows are a chunk already."""
-    norms = [m for layer in decoder_layers(model) for m in layer.children() if _is_norm(m)]
+    norms = [m for layer in decoder_layers(model) for m in layer.children() if is_norm(m)]
     last = final_norm(model)
     for norm in norms + ([last] if last is not None else []):
         norm_forward = norm.forward
