@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_longctx.capacity import module_ops as m
-from hf_longctx.capacity.op_cost import ATTN_BWD, ATTN_FWD, H2D, P2P, Op, attention_pairs
+from hf_longctx.capacity.op_cost import ATTN_BWD, ATTN_FWD, H2D, P2P, Op, attention_pairs, each, pcie, split, summed, times
 
 
 @dataclass(frozen=True)
@@ -118,30 +118,6 @@ def attention_core(s: Shape) -> tuple[list[Op], list[Op]]:
     return fwd, bwd
 
 
-def times(ops: list[Op], k: int) -> list[Op]:
-    """`ops` run k times."""
-    return [op.times(k) for op in ops] if k > 0 else []
-
-
-def each(sizes: list[int], ops_of) -> list[Op]:
-    """ops_of(size) for every size (chunks of equal size share one entry with a count)."""
-    from collections import Counter
-
-    return [op for size, k in Counter(sizes).items() for op in times(ops_of(size), k)]
-
-
-def summed(sizes: list[int], ops_of) -> list[Op]:
-    """ops_of(size, fresh) for every row chunk of a backward under `ops/grad_sums.GradSums`:
-    the first chunk starts the fp32 sums (fresh), the others add into them."""
-    return ops_of(sizes[0], True) + each(sizes[1:], lambda c: ops_of(c, False)) if sizes else []
-
-
-def split(n: int, chunks: int) -> list[int]:
-    """Row counts of torch.tensor_split(n rows, chunks)."""
-    chunks = max(1, min(chunks, n))
-    return [n // chunks + 1] * (n % chunks) + [n // chunks] * (chunks - n % chunks)
-
-
 def norm_forward(s: Shape, n: int) -> list[Op]:
     """A decoder norm: whole, or over row chunks (`ops/tiling.tokenwise_chunks`) and concatenated."""
     if s.mlp_chunks == 1:
@@ -192,11 +168,6 @@ def layer_backward(s: Shape, n: int, attn: list[Op]) -> list[Op]:
     return [*mlp_backward(s, n), *norm_backward(s, n), *m.add(n * h), *m.linear_bwd(n, s.q, h), *attn,
             *m.rope_bwd(n, s.kv_heads, s.head_dim), *m.rope_bwd(n, s.heads, s.head_dim),
             *m.attention_proj_bwd(n, h, s.q, s.kv), *norm_backward(s, n), *m.add(n * h)]
-
-
-def pcie(kind: str, nbytes: float, what: str = "offload") -> Op:
-    """A copy between host and device on the offload side streams (`ops/offload.py`)."""
-    return Op(kind, bytes=float(nbytes), link="pcie", wire=float(nbytes), stream="side", what=what)
 
 
 def kept_attention(s: Shape, n: int) -> list[float]:
