@@ -59,6 +59,9 @@ class PatchOptions:
         each attention call's output and log-sum-exp (on the host where the device offloads) so
         the backward does not run the attention's forward again (not a knob of the presets: it
         goes with memory="max" like inputs_on_device; `integrations/layer_run.py`).
+    fused: the elementwise work of every decoder layer (norms, RoPE, the gated MLP's product)
+        and of the loss runs as compiled, fused kernels under whichever preset or knobs
+        (`integrations/fusion.py`; not a knob of the presets: it goes with any of them).
     """
 
     kv_offload: bool = False
@@ -68,10 +71,11 @@ class PatchOptions:
     memory: str | None = None
     inputs_on_device: int = 0
     keep_attention: bool = False
+    fused: bool = False
 
     @classmethod
     def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int, inputs_on_device: int = 0,
-                keep_attention: bool = False) -> "PatchOptions":
+                keep_attention: bool = False, fused: bool = False) -> "PatchOptions":
         """Options from `patch()`'s arguments: `knobs` holds only the knobs the caller passed
         explicitly. A preset and an explicit knob together are refused: the preset would
         silently override the knob or the knob the preset."""
@@ -79,14 +83,14 @@ class PatchOptions:
         if unknown:
             raise TypeError(f"unknown patch() options {unknown}; the memory knobs are {KNOBS}")
         if memory is None:
-            return cls(**knobs, inputs_on_device=inputs_on_device, keep_attention=keep_attention)
+            return cls(**knobs, inputs_on_device=inputs_on_device, keep_attention=keep_attention, fused=fused)
         if knobs:
             raise ValueError(
                 f"patch(memory={memory!r}) together with explicit {sorted(knobs)} is ambiguous; pass either a preset "
                 f"(memory in {MEMORY_PRESETS}) or the individual knobs"
             )
         return cls(**preset_knobs(memory, fpdt_chunks), memory=memory, inputs_on_device=inputs_on_device,
-                   keep_attention=keep_attention)
+                   keep_attention=keep_attention, fused=fused)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_offload, bool):
@@ -110,6 +114,8 @@ class PatchOptions:
             )
 
         self._check_keep_attention()
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"fused must be True or False, got {self.fused!r}")
 
     def _check_keep_attention(self) -> None:
         if not isinstance(self.keep_attention, bool):

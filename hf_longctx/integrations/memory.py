@@ -82,7 +82,7 @@ def _patch_linears(model: nn.Module, slot: SumsSlot, undo: list, split: LayerSpl
 # ---- chunked LM head + loss ---------------------------------------------------------------
 
 
-def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
+def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list, tail: Callable | None = None) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -111,7 +111,7 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
             chunk_size = default_loss_chunk_size(config, n) if loss_chunks == "auto" else math.ceil(n / loss_chunks)
             losses.append(chunked_causal_lm_loss(
                 hidden, head.weight, getattr(head, "bias", None), shift_labels=shift_labels,
-                num_items_in_batch=num_items, chunk_size=max(1, chunk_size), final_logit_softcapping=softcap,
+                num_items_in_batch=num_items, chunk_size=max(1, chunk_size), final_logit_softcapping=softcap, tail=tail,
             ))
             return hidden.new_empty((*hidden.shape[:-1], 0))  # [B, S, 0]: no logits; softcap ops on it are free
 
@@ -250,6 +250,7 @@ def apply_memory_options(
     split: LayerSplit | None = None,
     inputs_on_device: int = 0,
     keep_attention: bool = False,
+    loss_tail: Callable | None = None,
 ) -> Callable[[], None]:
     """Turn on the memory options on `model` in place; return an undo that restores it exactly.
 
@@ -263,7 +264,8 @@ def apply_memory_options(
     decoder layers keep their checkpointed inputs on the device instead of the host (needs
     checkpointing; at most the number of decoder layers). `keep_attention`: the row-chunked
     layers keep their attention's output and LSE for the backward (needs `split` and chunked
-    MLPs). Everything is validated before the model is touched.
+    MLPs). `loss_tail`: the chunked loss's fused tail (`integrations/fusion.Fusion.tail`), None:
+    the eager ops. Everything is validated before the model is touched.
     """
     if not isinstance(kv_offload, bool) or not (isinstance(checkpoint, bool) or checkpoint == "attention"):
         raise ValueError(f"kv_offload must be a bool and checkpoint True, False or 'attention', got "
@@ -296,7 +298,7 @@ def apply_memory_options(
             _patch_mlps(model, mlp_chunks, undo, split, auto, slot)
             _patch_norms(model, mlp_chunks, undo, auto, split, slot)
         if loss_chunks is not None:
-            _patch_loss(model, loss_chunks, undo)
+            _patch_loss(model, loss_chunks, undo, loss_tail)
         if checkpoint is True and split is not None and mlp_chunks is not None:
             split.keep_attention = keep_attention
             _patch_split(model, split, mlp_chunks, undo, auto, inputs_on_device)

@@ -60,6 +60,7 @@ def patch(
     checkpoint: bool | str = UNSET,
     inputs_on_device: int = 0,
     keep_attention: bool = False,
+    fused: bool = False,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
@@ -76,6 +77,7 @@ def patch(
     what the host cannot; `hf-longctx plan` suggests N where host memory binds. Default 0.
     `keep_attention`: with memory="max", layers keep the attention's output and LSE (host memory,
     about a layer input per token) for their backward; `hf-longctx plan` says where it pays.
+    `fused`: norms, RoPE, SwiGLU and the loss tail as compiled, fused kernels (`integrations/fusion.py`).
 
     Call it on every rank. Afterwards call the model with `shard_batch(batch, mesh)`; each
     rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
@@ -103,7 +105,7 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, fused)
     hf = hf_model(model)
     old = hf.__dict__.get(STATE_ATTR)
     if old is not None:
@@ -197,6 +199,10 @@ def _install(state: PatchState, hf, vision, mixer_plan, mixer_modes) -> None:
     state.hooks.append(hf.register_forward_pre_hook(pre_forward_hook(state, hf), with_kwargs=True))
     state.hooks.append(hf.register_forward_hook(post_forward_hook(state), with_kwargs=True))
     state.mixers = apply_mixers(mixer_plan, state.mesh, lambda info: batch_mesh(state, info), mixer_modes)
+    if state.options.fused:  # first: the memory options wrap the fused modules
+        from hf_longctx.integrations.fusion import apply_fusion
+
+        state.fusion = apply_fusion(hf, state.options.loss_chunks is not None, state.fusion_undo)
     if state.options.uses_memory_options:
         _apply_memory_options(state, hf)
 
@@ -220,6 +226,7 @@ def _apply_memory_options(state: PatchState, hf) -> None:
         hf, state.mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
         checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
         inputs_on_device=options.inputs_on_device, keep_attention=options.keep_attention,
+        loss_tail=state.fusion.tail if state.fusion is not None else None,
     )
 
 
@@ -232,6 +239,8 @@ def unpatch(model: Any) -> Any:
         return model
     if state.memory_undo is not None:
         state.memory_undo()
+    while state.fusion_undo:  # after the memory options, which wrapped the fused modules
+        state.fusion_undo.pop()()
     if state.mixers is not None:
         state.mixers.restore()
     for handle in state.hooks:

@@ -33,6 +33,8 @@ class PatchState:
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
+    fusion: Any = None  # integrations/fusion.Fusion of patch(fused=True), or None
+    fusion_undo: list = field(default_factory=list)  # its instance attributes, undone after the memory options'
     probe: Any = None  # the ProbeReport of patch()'s dry run (None under unsafe_skip_exactness_check)
     mixers: Any = None  # integrations/mixers/binding.MixerBinding of the wrapped linear mixers, or None
     mixers_option: Any = None  # patch(mixers=...) as given (re-patches pass it on)

@@ -129,8 +129,10 @@ def _fused_chunks(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None,
     with torch.no_grad(), torch.autocast(kind, enabled=False):
         w = weight.detach() if dtype is None else weight.detach().to(dtype)  # [V, Hd]
         b = None if bias is None else bias.detach() if dtype is None else bias.detach().to(dtype)  # [V]
-        den = torch.as_tensor(denominator, dtype=torch.float32, device=hidden.device)  # []
-        scale = 1.0 / den  # what autograd hands the eager path's ce_sum / den
+        # 1 / the denominator, what autograd hands the eager path's ce_sum / den: one kernel, never
+        # a copy of Python data to the device (a host sync there)
+        scale = (1.0 / denominator if torch.is_tensor(denominator) else  # [] fp32
+                 torch.full((), 1.0 / denominator, dtype=torch.float32, device=hidden.device))
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [B*S, Hd]
         sums = GradSums([weight]) if need_w else None
@@ -149,7 +151,7 @@ def _fused_chunks(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None,
     ctx.weight_dtype = weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(grad_h, None if sums is None else sums.grads(rounded=False)[0], grad_b)
-    return loss_sum / den
+    return loss_sum / denominator
 
 
 def chunked_causal_lm_loss(

@@ -82,7 +82,9 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
     "torch_compile_backend": _trainer("the torch.compile backend (it turns torch_compile on)"),
     "torch_compile_mode": _trainer("the torch.compile mode (it turns torch_compile on)"),
     "use_liger_kernel": _refused(
-        _falsy, "Liger replaces the model's forward and loss", "use patch(model, mesh, loss_chunks=N) for a chunked loss"),
+        _falsy, "Liger replaces the model's forward and loss with Triton kernels (no CPU path to check them against "
+        "the sequence-parallel step)", "use patch(model, mesh, fused=True): compiled, fused norms, RoPE, SwiGLU and "
+        "loss tail under any memory preset"),
     "liger_kernel_config": _refused(lambda v: not v, "it configures use_liger_kernel, which is refused", "leave it None"),
     "neftune_noise_alpha": _refused(
         lambda v: v is None, "NEFTune scales its embedding noise by the sequence length, which each rank takes from its shard",
