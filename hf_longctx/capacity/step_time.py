@@ -35,7 +35,7 @@ def shape_of(dims: ModelDims, s: Setting, tokens: int, seq_len: int | None = Non
     return Shape(dims.hidden, dims.intermediate, dims.heads, dims.kv_heads, dims.head_dim, dims.vocab, rows,
                  docs=(seq_len,) * docs + ((rest,) if rest else ()), ulysses=s.ulysses, ring=s.ring,
                  fpdt_chunks=s.fpdt_chunks, checkpoint=s.checkpoint, kv_offload=s.kv_offload, mlp_chunks=mlp,
-                 loss_chunk=loss, keep_attention=s.keep_attention and s.checkpoint is True)
+                 loss_chunk=loss, keep_attention=s.keep_attention and s.checkpoint is True, fused=s.fused)
 
 
 def model_flops(dims: ModelDims, tokens: int, seq_len: int | None = None) -> float:
