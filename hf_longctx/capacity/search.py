@@ -30,6 +30,7 @@ from hf_longctx.capacity.estimate import (
     Setting,
     estimate_memory,
 )
+from hf_longctx.capacity.fits import inputs_on_device
 from hf_longctx.capacity.step_time import step_time
 from hf_longctx.capacity.suggestion import Suggestion, task_trainer
 
@@ -115,25 +116,6 @@ def enumerate_settings(
                         s = replace(preset_setting(ulysses, ring, u, memory, dims), param_offload=off)
                         out += [(s, memory)] + ([(replace(s, keep_attention=True), memory)] if memory == "max" else [])
     return out
-
-
-def inputs_on_device(s: Setting, mem: Any, memory: Any, layers: int, gpu: float, host: float) -> tuple:
-    """(setting, estimate) with the fewest last layers keeping their checkpointed inputs on the
-    GPU (`patch(..., inputs_on_device=N)`) that brings the host bytes per GPU within `host`
-    while the GPU peak stays within `gpu`; `s` and `mem` unchanged when no N does.
-    `memory(setting)` estimates one setting; host falls and the GPU peak rises with N (bisection)."""
-    lo, hi = 1, layers
-    best = memory(replace(s, inputs_on_device=hi))  # the estimate at `hi`, which fits the host
-    if best.host > host:
-        return s, mem
-    while lo < hi:
-        mid = (lo + hi) // 2
-        est = memory(replace(s, inputs_on_device=mid))
-        if est.host <= host:
-            hi, best = mid, est
-        else:
-            lo = mid + 1
-    return (replace(s, inputs_on_device=hi), best) if best.peak <= gpu else (s, mem)
 
 
 def rank_settings(
