@@ -30,7 +30,7 @@ from hf_longctx.capacity.estimate import (
     Setting,
     estimate_memory,
 )
-from hf_longctx.capacity.fits import inputs_on_device
+from hf_longctx.capacity.fits import inputs_on_device, loss_rows_within
 from hf_longctx.capacity.step_time import step_time
 from hf_longctx.capacity.suggestion import Suggestion, task_trainer
 
@@ -162,6 +162,7 @@ def rank_settings(
                                    rollout_tokens=rollout_tokens)
 
         mem = memory(s)
+        s, mem = loss_rows_within(s, mem, memory, dims, tokens, usable_gpu)
         if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
             s, mem = inputs_on_device(s, mem, memory, dims.layers, usable_gpu, usable_host / per_node)
         time = step_time(dims, s, cluster, tokens, seq_len=seq_len, dtype=dtype, microbatches=mbs, optimizer=optimizer,

@@ -61,22 +61,22 @@ def patch(
     inputs_on_device: int = 0,
     keep_attention: bool = False,
     fused: bool = False,
+    loss_chunk_rows: int | None = None,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
 ) -> Any:
     """Make `model` (a PreTrainedModel or a PEFT model) sequence-parallel over `mesh`; returns it.
 
-    `memory`: "off", "balanced" (chunked LM head + loss, chunked MLP) or "max" (those plus
-    checkpointing with offloaded inputs, plus K/V offload when the mesh has FPDT chunks);
-    `hf-longctx plan` suggests one. The four knobs (default off) are for experts; a preset
-    and a knob together are an error.
+    `memory`: "off", "balanced" (chunked LM head + loss, chunked MLP) or "max" (those plus checkpointing
+    with offloaded inputs, plus K/V offload when the mesh has FPDT chunks); `hf-longctx plan` suggests
+    one. The four knobs (default off) are for experts; a preset and a knob together are an error.
     `inputs_on_device`: with checkpointing (memory="high" / "max"), the last N decoder layers
-    keep their inputs on the GPU instead of pinned host memory -- each layer's input is
-    hidden x 2 bytes per token of the rank (bf16): GPU memory the preset leaves free holds
-    what the host cannot; `hf-longctx plan` suggests N where host memory binds. Default 0.
+    keep their inputs on the GPU instead of pinned host memory (hidden x 2 bytes per token of
+    the rank each, bf16); `hf-longctx plan` suggests N where host memory binds. Default 0.
     `keep_attention`: with memory="max", layers keep the attention's output and LSE (host memory,
-    about a layer input per token) for their backward; `hf-longctx plan` says where it pays.
+    about a layer input per token) for their backward; `hf-longctx plan` says where it pays, and
+    suggests `loss_chunk_rows` (rows per LM-head chunk, `ops/loss_rows.py`) where GPU memory binds.
     `fused`: norms, RoPE, SwiGLU and the loss tail as compiled, fused kernels (`integrations/fusion.py`).
 
     Call it on every rank. Afterwards call the model with `shard_batch(batch, mesh)`; each
@@ -105,7 +105,7 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, fused)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, fused, loss_chunk_rows)
     hf = hf_model(model)
     old = hf.__dict__.get(STATE_ATTR)
     if old is not None:
@@ -226,7 +226,7 @@ def _apply_memory_options(state: PatchState, hf) -> None:
         hf, state.mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
         checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
         inputs_on_device=options.inputs_on_device, keep_attention=options.keep_attention,
-        loss_tail=state.fusion.tail if state.fusion is not None else None,
+        loss_tail=state.fusion.tail if state.fusion is not None else None, loss_chunk_rows=options.loss_chunk_rows,
     )
 
 

@@ -3,7 +3,7 @@
 Where it sits: at the end of ``model(**shard)`` the patched LM head (``integrations/memory.py``)
 calls :func:`chunked_causal_lm_loss` on the local shard's final hidden states with the
 pre-shifted labels and the global ``num_items_in_batch`` (DESIGN invariant 6), in chunks of
-``ops/tiling.default_loss_chunk_size`` tokens. FPDT's chunked loss (§3.5): cross-entropy is
+``ops/loss_rows.loss_chunk_rows`` tokens. FPDT's chunked loss (§3.5): cross-entropy is
 token-wise, so each chunk's loss and gradients are the unchunked model's per token.
 Guarantees: ForCausalLMLoss's numerics (softcap, autocast, dtype rounding per token); at most
 one chunk of ``[chunk, V]`` logits alive, forward and backward; gradients taken in forward,
