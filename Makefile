@@ -104,19 +104,32 @@ $(T517_DIR)/.installed: $(FLOOR_VENV)/.installed-floor $(T517_LOCK)
 test-transformers-5.17: $(T517_DIR)/.installed
 	PYTHONPATH=$(CURDIR)/$(T517_DIR) $(FLOOR_VENV)/bin/python -m pytest -q $(T517_TESTS)
 
-# The bf16 tests (-k "bf16 or bfloat16") under each CPU kernel set: ATEN_CPU_CAPABILITY picks torch's
-# vectorised kernels (default = scalar, avx2, avx512), ONEDNN_MAX_CPU_ISA caps oneDNN's matmuls (AVX2,
-# AVX512_CORE, AVX512_CORE_BF16, AVX512_CORE_AMX, DEFAULT); a setting above what the CPU has runs its best.
-# Each setting's line says what torch used. BF16_ISAS="avx2:AVX2" for one; every one must pass.
+# Tests under each CPU kernel set: ATEN_CPU_CAPABILITY picks torch's vectorised kernels (default =
+# scalar, avx2, avx512), ONEDNN_MAX_CPU_ISA caps oneDNN's matmuls (AVX2, AVX512_CORE, AVX512_CORE_BF16,
+# AVX512_CORE_AMX, DEFAULT); a setting above what the CPU has runs its best. Each setting's line says
+# what torch used; every one must pass. $(1): label, $(2): settings, $(3): pytest selection.
+define isa_runs
+fail=0; for s in $(2); do \
+  export ATEN_CPU_CAPABILITY=$${s%%:*} ONEDNN_MAX_CPU_ISA=$${s##*:}; \
+  used=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability(), 'oneDNN bf16:', torch.ops.mkldnn._is_mkldnn_bf16_supported())"); \
+  $(PY) -m pytest -q -p no:cacheprovider $(3) > .$(1)-isa-$$s.log 2>&1; rc=$$?; \
+  echo "ATEN_CPU_CAPABILITY=$$ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA=$$ONEDNN_MAX_CPU_ISA (torch used: $$used): $$(tail -1 .$(1)-isa-$$s.log)"; \
+  [ $$rc -eq 0 ] || fail=1; done; exit $$fail
+endef
+
+# The bf16 tests (-k "bf16 or bfloat16") under each CPU kernel set. BF16_ISAS="avx2:AVX2" for one.
 BF16_ISAS ?= default:AVX2 avx2:AVX2 avx2:DEFAULT avx512:AVX512_CORE avx512:AVX512_CORE_BF16 avx512:AVX512_CORE_AMX
 BF16_TESTS ?= tests/unit tests/distributed
 test-bf16-isa: setup
-	@fail=0; for s in $(BF16_ISAS); do \
-	  export ATEN_CPU_CAPABILITY=$${s%%:*} ONEDNN_MAX_CPU_ISA=$${s##*:}; \
-	  used=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability(), 'oneDNN bf16:', torch.ops.mkldnn._is_mkldnn_bf16_supported())"); \
-	  $(PY) -m pytest -q -p no:cacheprovider -k "bf16 or bfloat16" $(BF16_TESTS) > .bf16-isa-$$s.log 2>&1; rc=$$?; \
-	  echo "ATEN_CPU_CAPABILITY=$$ATEN_CPU_CAPABILITY ONEDNN_MAX_CPU_ISA=$$ONEDNN_MAX_CPU_ISA (torch used: $$used): $$(tail -1 .bf16-isa-$$s.log)"; \
-	  [ $$rc -eq 0 ] || fail=1; done; exit $$fail
+	@$(call isa_runs,bf16,$(BF16_ISAS),-k "bf16 or bfloat16" $(BF16_TESTS))
+
+# The memory tests (the planner against the census of real steps) under each CPU kernel set: what a
+# step allocates must not depend on which kernels the CPU runs. MEMORY_ISAS="avx2:AVX2" for one.
+MEMORY_ISAS ?= $(BF16_ISAS)
+MEMORY_TESTS ?= tests/unit/test_memory_budget.py tests/unit/test_memory_budget_tasks.py tests/unit/test_memory_model.py \
+	tests/unit/test_packed_memory.py
+test-memory-isa: setup
+	@$(call isa_runs,memory,$(MEMORY_ISAS),$(MEMORY_TESTS))
 
 # The main job: a small Llama trained on 4 CPU ranks (Ulysses 2 x ring 2, FSDP2 over all 4)
 # on the Python standard library's own source; DEMO_ARGS=--steps 8 for a shorter run;

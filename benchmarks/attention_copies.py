@@ -112,7 +112,7 @@ def packed_backend(ops: BlockOps):
     env, _ = cuda_env(flash="2.8.3", torch_ops=False)
     backend = PackedBackend("flash_attn", _Paused(env.flash_attn, ops))
     old = kernels.backend_for
-    kernels.backend_for = lambda q, *, softcap, mask=False: backend
+    kernels.backend_for = lambda q, *, softcap, mask=False, **_: backend
     try:
         yield
     finally:

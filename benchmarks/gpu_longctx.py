@@ -191,7 +191,8 @@ def run(layers: int = 16, max_tokens: int = MAX_TOKENS, at: int = AT, peak_tflop
     if got["fits"]:
         rows.append((f"tokens/s at {at // 1024}K, memory='max' ({layers} layers)", f"{at / got['seconds']:.0f}"))
         n = _parameters(layers)
-        rows.append((f"MFU at {at // 1024}K, memory='max' (peak {peak_tflops:.0f} TFLOP/s)",
+        rows.append((f"MFU at {at // 1024}K, memory='max' (strict count, capacity/mfu.py; "
+                     f"peak {peak_tflops:.0f} TFLOP/s)",
                      f"{100 * _mfu(llama_1b_config(layers), n, at, got['seconds'], peak_tflops):.1f}%"))
     else:
         rows.append((f"tokens/s at {at // 1024}K, memory='max'", "does not fit"))

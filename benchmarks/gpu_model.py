@@ -4,71 +4,39 @@ Where it sits: the benchmark of `hf_longctx/capacity/step_time.py` (inventory
 `capacity/inventory.py`, roofline `capacity/roofline.py`, constants `capacity/gpus.py`).
 Nothing runs on a GPU here. Sections (all by default, or the flags):
 
-  --backtest   predicted vs measured seconds, tokens/s and MFU of the README's H100 record
-               (Llama-3.2-1B widths, 16 layers, memory='max', 32K) and of the nine H200 rows
-               of benchmarks/results/gpu_throughput_*_h200.json (held out: no constant of the
-               model is fitted to a step time), with the breakdown and what binds;
+  --backtest   every result file of benchmarks/results/ (`gpu_results.py`'s naming rule): per
+               measured row, the model of the code that run measured and its error, the model
+               of the code as it is, MFU by three counts, in- or out-of-sample; every
+               prediction committed before its run with its error (`gpu_backtest.py`);
   --stream     the inventory against the op stream a real patched step records on CPU
                (`benchmarks/_op_stream.py`, emulated CUDA path), per memory preset: launches,
                FLOPs, HBM / PCIe bytes -- rerun after a hot-path change to see what moved;
   --derive     the achieved fractions of `capacity/gpus.py` from the H200 profiles' kernel
-               times and the inventory's work for the same kernels;
+               times and the work the inventory of the profiled code counts for the same
+               kernels (`gpu_derive.py`), and whether gpus.py holds what they give;
   --table      tokens/s and MFU per GPU for Llama-3.1-8B widths at 32K, 128K and 1M tokens on
                1 and 8 H100s per memory preset, beside TRL's and FPDT's published figures,
-               with the targets.
+               with the targets;
+  --targets    the targets alone (`gpu_targets.py`): 8B `max` + keep_attention at 128K on one
+               H100 (strict MFU >= 45 %), one 1M-token sequence on 8 H100s (<= 266 s), with the
+               flash-attn fractions measured here and with FlashAttention-3-class ones assumed.
 
-    PYTHONPATH=. python benchmarks/gpu_model.py [--backtest] [--stream] [--derive] [--table]
+Before a GPU run, `predict_rows` / `write_predictions` store what the model predicts, and
+`record_run` the measurements beside them afterwards (`gpu_predictions.py`).
+
+    PYTHONPATH=. python benchmarks/gpu_model.py [--backtest] [--stream] [--derive] [--table] [--targets]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu_throughput import config as throughput_config  # noqa: E402
-from hf_longctx.capacity.cluster import Cluster  # noqa: E402
-from hf_longctx.capacity.estimate import ModelDims  # noqa: E402
-from hf_longctx.capacity.search import preset_setting, rank_settings  # noqa: E402
-from hf_longctx.capacity.step_time import shape_of, step_time  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-# (card, shape, layers, preset, tokens, measured seconds, source)
-MEASURED = [
-    ("h100", "1b", 16, "max", 32768, 32768 / 11927, "README 'GPU', H100 80GB HBM3, 2026-11-26"),
-    *[("h200", r["shape"], r["layers"], r["preset"], r["tokens"], r["seconds"], "gpu_throughput_*_h200.json")
-      for f in ("gpu_throughput_8b_h200.json", "gpu_throughput_1b_h200.json")
-      for r in json.loads((RESULTS / f).read_text()) if r.get("fits") and "profile" not in r],
-]
-G = 2**30
-
-
-def _dedupe(rows):
-    """Best (lowest) time per (card, shape, layers, preset, tokens): the JSON holds repeats."""
-    best = {}
-    for row in rows:
-        key = row[:5]
-        if key not in best or row[5] < best[key][5]:
-            best[key] = row
-    return list(best.values())
-
-
-def backtest() -> None:
-    print("Backtest: one GPU, one document, forward + backward (no optimizer step); model vs measured")
-    print("| card | widths | layers | memory | tokens | measured s | model s | model / measured | measured tok/s | "
-          "model tok/s | measured MFU | model MFU | FLOPs s | HBM s | launch s | kernels | binds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for card, shape, layers, preset, tokens, seconds, _ in _dedupe(MEASURED):
-        dims = ModelDims.from_config(throughput_config(shape, layers))
-        b = step_time(dims, preset_setting(1, 1, 1, preset, dims), Cluster(1, 80 * G, 2048 * G, gpu=card), tokens)
-        measured_mfu = b.model_flops / (seconds * b.gpu.bf16_flops)
-        print(f"| {card.upper()} | {shape.upper()} | {layers} | {preset} | {tokens} | {seconds:.3f} | {b.seconds:.3f} | "
-              f"{b.seconds / seconds:.2f} | {tokens / seconds:,.0f} | {tokens / b.seconds:,.0f} | {100 * measured_mfu:.1f} % | "
-              f"{100 * b.mfu:.1f} % | {b.flops:.3f} | {b.hbm:.3f} | {b.launches:.3f} | {b.kernels:,.0f} | {b.binds} |")
+from benchmarks.gpu_backtest import print_backtest  # noqa: E402
+from benchmarks.gpu_predictions import predict_rows, record_run, write_predictions  # noqa: E402,F401 (the API)
 
 
 def stream() -> None:
@@ -102,43 +70,26 @@ def stream() -> None:
                 print(f"| {name} | {k} | {a:,.0f} | {b:,.0f} | {'yes' if abs(a - b) <= 1e-9 * max(1.0, a) else 'NO'} |")
 
 
-def derive() -> None:
-    from hf_longctx.capacity.inventory import layer_ops, step_ops
-
-    print("\nAchieved fractions from the H200 profiles (kernel time) and the inventory (work of the same kernels)")
-    for shape, layers, f in (("8b", 2, "gpu_throughput_8b_h200.json"), ("1b", 16, "gpu_throughput_1b_h200.json")):
-        dims = ModelDims.from_config(throughput_config(shape, layers))
-        sh = shape_of(dims, preset_setting(1, 1, 1, "max", dims), 32768)
-        ops = step_ops(sh) + layer_ops(sh) * layers
-        prof = next(r for r in json.loads((RESULTS / f).read_text()) if "profile" in r)["profile"]
-        gemm = sum(o.flops * o.count for o in ops if o.kind == "gemm")
-        adds = [o for o in ops if o.what == "add_" and o.bytes >= 10 * dims.hidden]
-        add_t = sum(sec for n, sec, _ in prof["top"] if "CUDAFunctor_add<float>" in n)
-        add_n = sum(c for n, _, c in prof["top"] if "CUDAFunctor_add<float>" in n)
-        pairs = 32768 * 32769 / 2
-        q = dims.heads * dims.head_dim
-        fwd = next((s / c for n, s, c in prof["top"] if "flash_fwd" in n))
-        bwd = next((s / c for n, s, c in prof["top"] if "flash_bwd" in n))
-        print(f"  {shape}: GEMM {gemm:.3e} FLOPs / {prof['classes']['gemm'][0]:.3f} s = {gemm / prof['classes']['gemm'][0] / 989e12:.3f} "
-              f"of peak; fp32 gradient sums: {sum(o.count for o in adds):.0f} in the inventory, {add_n} in the profile, "
-              f"{sum(o.bytes * o.count for o in adds) / add_t / 4.8e12:.3f} of HBM; flash fwd {4 * pairs * q / fwd / 989e12:.3f}, "
-              f"bwd {10 * pairs * q / bwd / 989e12:.3f} of peak (head dim {dims.head_dim})")
-
-
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag in ("backtest", "stream", "derive", "table"):
+    for flag in ("backtest", "stream", "derive", "table", "targets"):
         p.add_argument(f"--{flag}", action="store_true")
     args = p.parse_args(argv)
     every = not any(vars(args).values())
     if args.backtest or every:
-        backtest()
+        print_backtest()
     if args.derive or every:
-        derive()
+        from benchmarks.gpu_derive import print_derivation
+
+        print_derivation()
     if args.table or every:
         from benchmarks.gpu_model_table import table
 
         table()
+    elif args.targets:
+        from benchmarks.gpu_targets import print_targets
+
+        print_targets()
     if args.stream or every:
         stream()
 

@@ -9,8 +9,11 @@ subprocess (an out-of-memory ends only that row) with a timeout. The row prints 
 `--repeat` timed steps after one untimed step, tokens/s, the peak allocated GPU memory, and MFU:
 model FLOPs / (step seconds x `--peak-tflops`), model FLOPs = 6 (N_layers + N_head) T
 + 6 L H D T^2 (causal attention, forward + backward; the input embedding is a lookup and
-is not counted; a tied head counts once). `--shape 1b` uses Llama-3.2-1B's widths (16
-layers by default), the shape of the README's earlier H100 record.
+is not counted; a tied head counts once): this project's strict count, printed beside
+torchtitan's (the whole attention square) and Megatron-DeepSpeed's (the whole square, and the
+recompute under checkpointing) for comparison with published figures (capacity/mfu.py).
+`--shape 1b` uses Llama-3.2-1B's widths (16 layers by default), the shape of the README's
+earlier H100 record.
 
 A preset may carry patch() keywords: `max+keep` is memory="max" with keep_attention=True (the
 attention's output and LSE kept on the host, no attention recompute); `--knobs JSON` adds
@@ -64,7 +67,8 @@ def model_flops(cfg, tokens: int) -> float:
     return 6 * (L * per_layer + head) * tokens + 6 * L * q * tokens * tokens
 
 
-PRESET_KWARGS = {"max+keep": ("max", {"keep_attention": True})}  # a row name -> (memory preset, more patch() keywords)
+# a row name -> (memory preset, more patch() keywords); "chunked": balanced's chunked MLP, the loss chunks from --knobs
+PRESET_KWARGS = {"max+keep": ("max", {"keep_attention": True}), "chunked": (None, {"mlp_chunks": "auto"})}
 
 
 def _build(shape: str, layers: int, preset: str, knobs: dict | None = None):
@@ -78,6 +82,9 @@ def _build(shape: str, layers: int, preset: str, knobs: dict | None = None):
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(dtype=torch.bfloat16)
     mesh = init_sequence_parallel()
+    named = (knobs or {}).get("attention_backend") or ""
+    if named.startswith("torch_flash["):  # torch's process-wide FA3/FA4 switch, made in this row's own process
+        torch.nn.attention.activate_flash_attention_impl(named[len("torch_flash["):-1])
     memory, extra = PRESET_KWARGS.get(preset, (preset, {}))
     return patch(model, mesh, memory=memory, **extra, **(knobs or {})), mesh
 
@@ -164,13 +171,25 @@ def run_row(shape: str, layers: int, preset: str, tokens: int, repeat: int, prof
     return json.loads(lines[-1])
 
 
+def _other_counts(cfg, row: dict, peak_tflops: float) -> str:
+    """The row's MFU by torchtitan's and Megatron-DeepSpeed's counts (capacity/mfu.py)."""
+    from hf_longctx.capacity.mfu import MEGATRON_DEEPSPEED, TORCHTITAN, by_convention
+    from hf_longctx.data.model_dims import ModelDims
+
+    checkpointed = row["preset"].split("+")[0] in ("high", "max")
+    f = by_convention(ModelDims.from_config(cfg), row["tokens"], checkpointed=checkpointed)
+    pct = {k: 100 * v / row["seconds"] / (peak_tflops * 1e12) for k, v in f.items()}
+    return f"torchtitan's count {pct[TORCHTITAN]:.1f} %, Megatron-DeepSpeed's {pct[MEGATRON_DEEPSPEED]:.1f} %"
+
+
 def print_row(row: dict, peak_tflops: float) -> None:
     head = f"{row['shape']:>3} L={row['layers']:<2} {row['preset']:<9} {row['tokens']:>8}"
     if row.get("fits"):
         cfg = config(row["shape"], row["layers"])
         mfu = model_flops(cfg, row["tokens"]) / row["seconds"] / (peak_tflops * 1e12)
         print(f"{head}  {row['seconds']:8.3f} s  {row['tokens'] / row['seconds']:10.0f} tok/s  "
-              f"MFU {100 * mfu:5.1f} %  peak {row['peak_gib']:6.1f} GiB", flush=True)
+              f"MFU {100 * mfu:5.1f} % strict ({_other_counts(cfg, row, peak_tflops)})  peak {row['peak_gib']:6.1f} GiB",
+              flush=True)
     else:
         print(f"{head}  {row.get('error', 'out of memory')}", flush=True)
     prof = row.get("profile")

@@ -141,7 +141,7 @@ def forced_cuda_path(counter: Counter):
             counter.record("kernels", torch.ops.aten.bmm.default if fresh else torch.ops.aten.baddbmm.default,
                            operands, {}, acc[None])
 
-    kernels.backend_for = lambda q, *, softcap, mask=False: backend
+    kernels.backend_for = lambda q, *, softcap, mask=False, **_: backend
     grad_sums.accumulate_mm_ = one_gemm
     try:
         yield

@@ -2,7 +2,8 @@
 
 Where it sits: below everything. `ops/backends/select.py` asks which local attention
 kernels exist (aten CPU flash op, flash-attn 2.x, torch's own CUDA flash kernels, the
-FA3/FA4 implementations torch can switch to); integrations ask for library versions.
+FA3/FA4 implementations torch can switch to, cuDNN through torch's ops and through
+nvidia-cudnn-frontend); integrations ask for library versions and the GPU's name.
 Probes of the installed software and hardware are pure (same answer for the life of the
 process), so the slow ones are `functools.cache`d: the first attention call pays for an
 import, later tiles pay nothing. No module state of our own, no environment flags.
@@ -71,6 +72,12 @@ def cuda_capability(index: int) -> tuple[int, int]:
 
 
 @functools.cache
+def cuda_device_name(index: int) -> str:
+    """The name CUDA reports for device `index` ("NVIDIA H100 80GB HBM3")."""
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
 def has_torch_cuda_flash() -> bool:
     """This torch build has its CUDA flash kernels (`aten::_flash_attention_forward` with
     cumulative lengths and windows, and its backward)."""
@@ -94,6 +101,43 @@ def flash_attn_modules():
         return None
     ops = getattr(torch.ops, "flash_attn", None)  # >= 2.7 registers its kernels as torch custom ops
     return getattr(flash_attn, "__version__", None), flash_attn_interface, ops
+
+
+def cudnn_version() -> int | None:
+    """The cuDNN runtime torch loaded, as one integer (9.14.0 -> 91400), or None without cuDNN."""
+    if not torch.backends.cudnn.is_available():
+        return None
+    return torch.backends.cudnn.version()
+
+
+def cudnn_attention_enabled() -> bool:
+    """The user's switch for cuDNN attention (`torch.backends.cuda.enable_cudnn_sdp`): read per
+    call, never set here."""
+    enabled = getattr(torch.backends.cuda, "cudnn_sdp_enabled", None)
+    return bool(enabled()) if enabled is not None else True
+
+
+@functools.cache
+def cudnn_frontend_ops():
+    """(version string, torch.ops.cudnn) of an importable nvidia-cudnn-frontend whose SDPA torch
+    ops are registered (`cudnn.sdpa.fwd.torch_op` registers `cudnn::sdpa_fwd` / `sdpa_bwd` on
+    import), or None. Importing it loads cuDNN, hence CUDA only and the cache."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("cudnn") is None:
+        return None
+    try:
+        importlib.import_module("cudnn.sdpa.fwd.torch_op")
+    except Exception as exc:  # a native library or a dependency missing: the backend is absent, and says why
+        warnings.warn(f"hf_longctx: nvidia-cudnn-frontend is installed but its SDPA ops do not load ({exc})", stacklevel=2)
+        return None
+    return package_version_text("nvidia-cudnn-frontend"), torch.ops.cudnn
+
+
+def package_version_text(name: str) -> str | None:
+    """The installed version string of distribution `name`, or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _imports(package: str, module: str) -> bool:

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 MEMORY_PRESETS = ("off", "balanced", "high", "max")
 KNOBS = ("kv_offload", "mlp_chunks", "loss_chunks", "checkpoint")
 CHECKPOINT_ATTENTION = "attention"  # checkpoint= value: keep the attention, recompute the rest
+# attention_backend= values: the backends of `ops/backends/select.py` (a test holds them equal).
+ATTENTION_BACKENDS = ("torch_flash", "torch_flash[FA3]", "torch_flash[FA4]", "flash_attn", "cudnn", "cudnn_frontend",
+                      "aten_cpu", "math")
 
 
 def preset_knobs(memory: str, fpdt_chunks: int) -> dict:
@@ -65,6 +68,10 @@ class PatchOptions:
     loss_chunk_rows: rows per chunk of the chunked LM head (None: `ops/loss_rows.loss_chunk_rows`'
         "auto", at least 2048); `hf-longctx plan` suggests fewer where GPU memory binds. Not a
         knob of the presets: it goes with any setting that chunks the loss, not with a count.
+    attention_backend: the local attention kernel every call runs (one of `ATTENTION_BACKENDS`);
+        None: the fastest exact one measured on the GPU (`ops/backends/select.py`). A named one
+        that cannot run a call (absent, too old, or not exact for its dtype, head dim, softcap
+        or window) raises at that call's first layer, before any collective.
     """
 
     kv_offload: bool = False
@@ -76,10 +83,12 @@ class PatchOptions:
     keep_attention: bool = False
     fused: bool = False
     loss_chunk_rows: int | None = None
+    attention_backend: str | None = None
 
     @classmethod
     def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int, inputs_on_device: int = 0,
-                keep_attention: bool = False, fused: bool = False, loss_chunk_rows: int | None = None) -> "PatchOptions":
+                keep_attention: bool = False, fused: bool = False, loss_chunk_rows: int | None = None,
+                attention_backend: str | None = None) -> "PatchOptions":
         """Options from `patch()`'s arguments: `knobs` holds only the knobs the caller passed
         explicitly. A preset and an explicit knob together are refused: the preset would
         silently override the knob or the knob the preset."""
@@ -87,7 +96,7 @@ class PatchOptions:
         if unknown:
             raise TypeError(f"unknown patch() options {unknown}; the memory knobs are {KNOBS}")
         extra = dict(inputs_on_device=inputs_on_device, keep_attention=keep_attention, fused=fused,
-                     loss_chunk_rows=loss_chunk_rows)
+                     loss_chunk_rows=loss_chunk_rows, attention_backend=attention_backend)
         if memory is None:
             return cls(**knobs, **extra)
         if knobs:
@@ -119,9 +128,17 @@ class PatchOptions:
             )
 
         self._check_keep_attention()
+        self._check_attention_backend()
         if not isinstance(self.fused, bool):
             raise ValueError(f"fused must be True or False, got {self.fused!r}")
         self._check_loss_chunk_rows()
+
+    def _check_attention_backend(self) -> None:
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be None (the fastest measured) or one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
 
     def _check_loss_chunk_rows(self) -> None:
         r = self.loss_chunk_rows

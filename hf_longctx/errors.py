@@ -18,8 +18,16 @@ NO_SP = (
 
 
 class NotSupported(ValueError):
-    """What was asked cannot run exactly here. `what`: the obstacle, naming the offending
-    values; `instead`: what to do instead (a setting, another API, or running without SP)."""
+    """What was asked cannot run exactly here; the message is `what`, then "Do instead:" and
+    `instead`.
+
+    Args:
+        what: The obstacle, naming the offending values.
+        instead: What to do instead (a setting, another API, or running without SP).
+
+    Raises:
+        TypeError: `instead` is empty.
+    """
 
     def __init__(self, what: str, instead: str):
         if not instead.strip():

@@ -21,12 +21,25 @@ from hf_longctx.verify import verify as _verify
 def patch(model: Any, mesh: SPMesh | GroupBank, *, verify: bool = False, **options: Any) -> Any:
     """`hf_longctx.integrations.model_patch.patch(model, mesh, **options)` -- every option
     (`memory`, the four knobs, `unsafe_skip_exactness_check`) is documented there and shown
-    by `help()` -- plus:
+    by `help()` -- plus `verify`.
 
-    verify: also run `hf_longctx.verify(model, mesh)` (fp32, on a copy of the first layer of
-        each distinct layer class; collective over the SP group) once every structural check
-        has passed and before the model is changed; raises `VerificationError` if SP is not
-        exact for this model (the model is then left unpatched).
+    Args:
+        model: A `PreTrainedModel` or a PEFT model.
+        mesh: An `SPMesh` (`init_sequence_parallel`) or a `GroupBank` (`init_group_bank`).
+        verify: Also run `hf_longctx.verify(model, mesh)` (fp32, on a copy of the first layer
+            of each distinct layer class; collective over the SP group) once every structural
+            check has passed and before the model is changed.
+        **options: The options of `integrations.model_patch.patch`: `memory`,
+            `inputs_on_device`, `keep_attention`, `mixers`, the four knobs (`kv_offload`,
+            `mlp_chunks`, `loss_chunks`, `checkpoint`) and `unsafe_skip_exactness_check`.
+
+    Returns:
+        `model`, patched.
+
+    Raises:
+        VerificationError: `verify=True` and SP is not exact for this model (the model is
+            then left unpatched).
+        NotSupported: SP cannot be exact for this model or setting; nothing is changed.
     """
     if "before_install" in options:
         raise TypeError("patch() got an unexpected keyword argument 'before_install'")

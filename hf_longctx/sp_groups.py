@@ -36,7 +36,14 @@ def ulysses_split(size: int, heads: int, ranks_per_node: int) -> tuple[int, int]
 
 @dataclass(frozen=True)
 class GroupShape:
-    """One SP group size of the bank and how its ranks split."""
+    """One SP group size of the bank and how its ranks split.
+
+    Attributes:
+        size: Ranks in the group (ulysses x ring).
+        ulysses: Its Ulysses degree.
+        ring: Its ring degree.
+        fpdt_chunks: Its FPDT chunks (1: no FPDT).
+    """
 
     size: int
     ulysses: int
@@ -80,8 +87,25 @@ def group_shapes(
     fpdt_chunks: int = 1,
 ) -> tuple[GroupShape, ...]:
     """Every power-of-two group size from `min_size` to `max_size` (default: the world),
-    smallest first, with its split. `ranks_per_node`: default `default_ranks_per_node`.
-    Raises ValueError naming the offending values."""
+    smallest first, with its split: Ulysses as wide as the heads and one node allow, the
+    ring over the rest.
+
+    Args:
+        world_size: Ranks in the world.
+        heads: The model's query-head count (bounds each Ulysses degree).
+        min_size: The smallest group size (a power of two).
+        max_size: The largest group size (a power of two dividing the world; default: the
+            world).
+        ranks_per_node: GPUs per node (default: `default_ranks_per_node`).
+        fpdt_chunks: FPDT chunks of the shapes with ring 1 and size > 1.
+
+    Returns:
+        One `GroupShape` per size, smallest first.
+
+    Raises:
+        ValueError: Naming the offending values: a size that is not a power of two,
+            `min_size` > `max_size`, or `max_size` not dividing the world.
+    """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if ranks_per_node is None:

@@ -21,7 +21,7 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
 class VerificationError(ValueError):
-    """The patched model differs from the unpatched one beyond fp32 tolerance."""
+    """The patched model differs from the unpatched one beyond fp32 tolerance (`verify`)."""
 
 
 def _batch(vocab: int, sp: int):
@@ -37,9 +37,23 @@ def verify(model, mesh, *, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TO
     """Raise `VerificationError` naming the worst parameter when SP is not exact for `model`.
 
     Call it on every rank of the SP group (it runs collectives over it), on a model that is
-    not patched yet and not wrapped by FSDP (or use `patch(..., verify=True)`). `mixers`: the
-    `patch(mixers=...)` scheme of a hybrid model's recurrences to measure. Returns
-    {"loss": relative error, "grad": worst gradient error, "worst": parameter name}.
+    not patched yet and not wrapped by FSDP (or use `patch(..., verify=True)`). It runs a
+    reduced copy of the model (one decoder layer per kind) in fp32, patched and unpatched, on
+    the same packed batch. (Long because this docstring documents each argument and the result.)
+
+    Args:
+        model (PreTrainedModel): The model, before `patch()` and before FSDP.
+        mesh (SPMesh): The mesh it will be patched with.
+        loss_tol: The largest relative error of the loss taken as exact.
+        grad_tol: The largest gradient error, relative to the largest reference gradient, taken as exact.
+        mixers (str | dict | None): The `patch(mixers=...)` scheme of a hybrid model's recurrences to measure.
+
+    Returns:
+        {"loss": relative error, "grad": worst gradient error, "worst": parameter name}.
+
+    Raises:
+        VerificationError: SP is not exact for `model` (the worst parameter named).
+        ValueError: The model is already patched or wrapped by FSDP.
     """
     import torch.distributed as dist
 

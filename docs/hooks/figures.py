@@ -1,13 +1,17 @@
 """MkDocs hook: the site's figures, drawn at build time by the project's own code.
 
 Each figure is a generated file of the site (nothing is written into docs/), so a page's
-picture always shows what the installed code computes:
+picture always shows what the installed code computes or what the page's own table prints:
 - img/plan-load.png, img/plan-load-flex.png: `hf-longctx plan ... --plot` itself (the per-rank
   load of one sampled step for the suggested setting; with `--flex`, flexible SP groups);
 - img/memory-per-token.png: the planner's per-token budget by `patch(memory=...)` preset
   (`capacity/budget.step_budget`, the model the CPU census holds within 0-5 %);
 - img/mesh.png: the rank order of the mesh and which SP rank holds which token of a document
-  (`layout.local_indices`, the permutation `shard_batch` applies).
+  (`layout.local_indices`, the permutation `shard_batch` applies);
+- docs/hooks/figures_pages.py's figures: each drawn from the table of the page that shows it
+  (the measured pages, the longest-context guide), so picture and table agree;
+- docs/hooks/figures_results.py's figures: drawn from the committed results files
+  (benchmarks/results/: the model zoo, the H200 throughput rows).
 The commands and settings are constants below, quoted on the pages under each picture."""
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import contextlib
 import io
 import tempfile
 from pathlib import Path
+
+import figures_pages
+import figures_results
 
 LLAMA_8B = "tests/data/llama-3.1-8b-config.json"
 PLAN = ["plan", "--model", LLAMA_8B, "--gpu-memory", "80GiB"]
@@ -120,6 +127,11 @@ def on_files(files, config, **kwargs):
         _plan_figure(root, PLAN_FLEX, tmp / "plan-load-flex.png")
         _memory_figure(root, tmp / "memory-per-token.png")
         _mesh_figure(tmp / "mesh.png")
+        docs = Path(config.docs_dir)
+        for name, (pages, draw) in figures_pages.FIGURES.items():
+            draw({page: (docs / page).read_text() for page in pages}, tmp / f"{name}.png")
+        for name, draw in figures_results.FIGURES.items():
+            draw(root, tmp / f"{name}.png")
         for png in sorted(tmp.glob("*.png")):
             files.append(File.generated(config, f"img/{png.name}", content=png.read_bytes()))
     return files

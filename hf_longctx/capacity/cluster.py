@@ -6,7 +6,7 @@ GPU named by `gpu`, an entry of `capacity/gpus.py` with its peaks and achieved f
 per-GPU bandwidth inside a node and across nodes, defaulting to that GPU's NVLink and
 NIC; the host memory traffic of a CPU optimizer step). Defaults: H100 SXM nodes of 8 GPUs.
 Guarantees: a `Cluster` holds only values the models can use (counts >= 1, rates > 0,
-headroom in [0, 1), a known GPU), checked at construction.
+headroom in [0, 1), a known GPU, an attention backend measured on it), checked at construction.
 Paper: USP §4 (Ulysses inside a node, ring across nodes)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from hf_longctx.ops.ulysses import kv_replication
 from hf_longctx.capacity.estimate import Setting
-from hf_longctx.capacity.gpus import GPU, gpu as gpu_named
+from hf_longctx.capacity.gpus import GPU, gpu as gpu_named, with_attention_backend
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,13 @@ class Cluster:
     headroom: float = 0.1  # fraction of GPU / host memory kept free (context, fragmentation, model error)
     latency: float | None = None  # seconds per collective call
     cpu_optim_bw: float = 10e9  # bytes/s per GPU of host memory traffic in a CPU optimizer step (param offload)
+    attention_backend: str | None = None  # the attention kernel modelled (measured on `gpu`); None: the fastest measured
 
     def __post_init__(self) -> None:
         for name in ("gpus", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        gpu_named(self.gpu)  # raises for an unknown GPU
+        with_attention_backend(gpu_named(self.gpu), self.attention_backend)  # raises for an unknown GPU or backend
         for name in ("gpu_memory", "host_memory", "intra_bw", "inter_bw", "pcie_bw", "cpu_optim_bw", "latency"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -53,7 +54,8 @@ class Cluster:
         spec = gpu_named(self.gpu)
         given = {"nvlink_bw": self.intra_bw, "ib_bw": self.inter_bw, "pcie_h2d": self.pcie_bw, "pcie_d2h": self.pcie_bw,
                  "collective_s": self.latency}
-        return replace(spec, **{k: v for k, v in given.items() if v is not None})
+        return with_attention_backend(replace(spec, **{k: v for k, v in given.items() if v is not None}),
+                                      self.attention_backend)
 
     def bandwidth(self, span: int) -> float:
         """Per-GPU bandwidth of a group of `span` consecutive ranks (datasheet, per direction)."""

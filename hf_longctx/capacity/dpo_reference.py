@@ -25,6 +25,11 @@ def _first(ranked: Sequence[Any]) -> Any:
     return next((c for c in ranked if c.feasible), None)
 
 
+def _rate(c: Any, per: float = 1.0, about: str = "") -> str:
+    """Its modelled tokens/s (divided by `per`), or that its GPU has no step time."""
+    return f"{about}{c.tokens_per_second / per:,.0f} tokens/s" if c.time is not None else "(no step time on this GPU)"
+
+
 def _describe(c: Any, gib: float) -> str:
     s = c.setting
     offload = ", param offload" if s.param_offload else ""
@@ -41,7 +46,7 @@ def pick_reference(held: Sequence[Any], precomputed: Sequence[Any]) -> tuple[str
     if p is None:
         return ("DPO reference: nothing fits with the reference precomputed either (see the closest setting above).",
                 None)
-    best = (f"its best: {_describe(p, gib)}, {p.tokens_per_second:,.0f} tokens/s; a one-off reference pass before "
+    best = (f"its best: {_describe(p, gib)}, {_rate(p)}; a one-off reference pass before "
             f"training costs ~{forward_share(p.setting.checkpoint):.0%} of a step's time per step of data")
     if h is None:
         return (f"DPO reference: held, nothing fits; precomputed (DPOConfig(precompute_ref_log_probs=True)), {best}. "
@@ -52,7 +57,7 @@ def pick_reference(held: Sequence[Any], precomputed: Sequence[Any]) -> tuple[str
         f"at that setting GPU peak {same.memory.peak / gib:.1f} GiB ({(same.memory.peak - h.memory.peak) / gib:+.1f}), "
         f"host {same.memory.host / gib:.1f} GiB/GPU ({(same.memory.host - h.memory.host) / gib:+.1f}: the reference's "
         "fp32 shards and its forward's working memory leave) and no reference forward per step; ")
-    return (f"DPO reference: held: {_describe(h, gib)}, ~{h.tokens_per_second / (1 + share):,.0f} tokens/s with its "
+    return (f"DPO reference: held: {_describe(h, gib)}, {_rate(h, 1 + share, '~')} with its "
             f"forward charged (+{share:.0%} of the step; the table's tokens/s leave it out). Precomputed "
             f"(DPOConfig(precompute_ref_log_probs=True)): {at_same}{best}. Picks precomputed: the same reference "
             f"forwards over the first epoch, {1 + share:.2f}x the steps per second from the second epoch on, less "

@@ -117,7 +117,7 @@ def attention_core(s: Shape) -> tuple[list[Op], list[Op]]:
     if chunks > 1 and s.kv_offload:  # finished chunks to host and back (FPDT §3.4; side streams)
         b = m.BF * s.rows * (3 * s.q + 2 * s.kv) * (1 + chunks) / 2
         fwd += [pcie("d2h", b / chunks, "kv offload").times(chunks)]
-        bwd += [pcie("h2d", b / chunks, "kv offload").times(chunks)]
+        bwd = [pcie("h2d", b / chunks, "kv offload").times(chunks)] + bwd  # each chunk fetched ahead of its kernels
     return fwd, bwd
 
 
@@ -254,13 +254,18 @@ def split_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list[Op]:
     chunks = _bounds(0, n, s.mlp_chunks)
     kept = [m.BF * n * q, m.F32 * n * s.heads] if s.keep_attention else []
     replay = [op for op in fwd if op.kind not in (ATTN_FWD, P2P) and op.what != "merge"] if kept else fwd
+    # The next layer's input (and kept tensors) is fetched where `LayerRun` asks for it: at the
+    # start of the backward under FPDT, else after the attention backward (the roofline hides a
+    # fetch under the compute after it).
+    fetch = [pcie("h2d", m.BF * n * h), *[pcie("h2d", b) for b in kept]]
+    early = s.fpdt_chunks > 1
     ops = [pcie("d2h", m.BF * n * h), *_qkv_full(s, n), *fwd, *[pcie("d2h", b) for b in kept]]
     ops += each(chunks, lambda c: _post(s, c) + m.copy(c * h, what="copy_"))
-    ops += [pcie("h2d", m.BF * n * h), *[pcie("h2d", b) for b in kept], *_qkv_full(s, n), *replay]
+    ops += [*(fetch if early else []), *_qkv_full(s, n), *replay]
     ops += summed(chunks, lambda c, fresh: [
         *_post(s, c), *m.mlp_bwd(c, h, i, fresh, s.fused), *_norm_b(s, c), *m.add(c * h),
         *m.linear_bwd(c, q, h, fresh), *m.copy(c * h, what="copy_"), *_norm_sum(h, fresh), *m.copy(c * q, what="copy_")])
-    ops += bwd
+    ops += bwd + ([] if early else fetch)
     ops += summed(chunks, lambda c, fresh: [
         *_pre(s, c), *_rope_tangents(s, c), *_rope_b(s, c), *m.attention_proj_bwd(c, h, q, kv, fresh),
         *_norm_b(s, c), *m.add(c * h), *_norm_sum(h, fresh)])  # `dh[:, rows].add_(g)`: in place on the row view

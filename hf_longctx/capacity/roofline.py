@@ -6,7 +6,10 @@ Where it sits: `capacity/step_time.step_time` hands it the inventory of one micr
 HBM bytes / achieved bandwidth) + one launch (`capacity/gpus.py`); an all-to-all there is
 latency + bytes / link bandwidth and blocks the stream (`distributed/comm.py` waits for it).
 What the code overlaps, per decoder layer: the host-offload copies of `ops/offload.py` run on
-two side streams (one per direction) under the layer's compute; the ring's P2P sends
+two side streams (one per direction): device-to-host under the layer's compute, each
+host-to-device prefetch under the compute issued after it in the stream (where the code
+issues it: memory="max" fetches the next layer's input after this layer's attention
+backward, so only the pre-attention backward hides it); the ring's P2P sends
 (`ops/ring.py`) run under that layer's attention kernels; FSDP2's all-gather and
 reduce-scatter are prefetched on their own streams under the layer's compute. Each shows
 only where it is longer than what covers it."""
@@ -53,10 +56,19 @@ class Breakdown:
         return self.model_flops / (self.seconds * self.gpu.bf16_flops) if self.seconds else 0.0
 
     @property
+    def terms(self) -> dict:
+        """Seconds by what they are spent on: the compute-bound time split into the attention
+        kernels and the GEMMs (their achieved fractions differ, and so does what would speed
+        them up), then HBM, launches, each link's exposed time, PCIe and the other terms."""
+        return {"attention kernels": self.attention, "GEMMs": self.flops - self.attention, "HBM": self.hbm,
+                "launches": self.launches,
+                **{("PCIe" if k == "pcie" else f"link {k}"): v for k, v in self.links.items()}, **self.other}
+
+    @property
     def binds(self) -> str:
-        """"FLOPs", "HBM", "launches", "link <name>", "PCIe" or another term: the largest."""
-        terms = {"FLOPs": self.flops, "HBM": self.hbm, "launches": self.launches,
-                 **{("PCIe" if k == "pcie" else f"link {k}"): v for k, v in self.links.items()}, **self.other}
+        """"attention kernels", "GEMMs", "HBM", "launches", "link <name>", "PCIe" or another
+        term of `terms`: the largest."""
+        terms = self.terms
         return max(terms, key=terms.get)
 
     def add(self, other: "Breakdown", times: float = 1.0) -> None:
@@ -88,14 +100,17 @@ def seconds(ops: list[Op], gpu: GPU, links: Links, head_dim: int) -> Breakdown:
     """One stretch of the stream (a decoder layer, or what the step runs outside its layers)
     with the overlaps of the module docstring applied inside it."""
     out = Breakdown(gpu)
-    side = {H2D: 0.0, D2H: 0.0}
+    d2h = fetched = 0.0  # the D2H stream's busy seconds; when the H2D stream's last copy lands
     p2p = fsdp = attention = 0.0
     for op in ops:
         n = op.count
         if op.kind in (H2D, D2H):
             t = op.bytes / (gpu.pcie_h2d if op.kind == H2D else gpu.pcie_d2h)
-            if op.stream == "side":
-                side[op.kind] += n * t
+            if op.stream == "side" and op.kind == D2H:
+                d2h += n * t
+            elif op.stream == "side":  # issued where it stands in the stream, behind the H2D copies before it
+                now = out.flops + out.hbm + out.launches + sum(out.links.values())
+                fetched = max(fetched, now) + n * t
             else:  # a copy on the compute stream (small metadata)
                 out.links["pcie"] = out.links.get("pcie", 0.0) + n * (t + gpu.launch_s)
             continue
@@ -119,7 +134,9 @@ def seconds(ops: list[Op], gpu: GPU, links: Links, head_dim: int) -> Breakdown:
             out.attention += n * t_f
             out.attention_flops += n * op.flops
     compute = out.flops + out.hbm + out.launches + sum(out.links.values())
-    exposed = {"pcie": max(0.0, max(side.values()) - compute), "ring": max(0.0, p2p - attention),
+    # A stretch's D2H copies need only keep pace with its compute; what it fetches (H2D) is read
+    # by the next stretch, so only the compute issued after each fetch hides it.
+    exposed = {"pcie": max(0.0, d2h - compute, fetched - compute), "ring": max(0.0, p2p - attention),
                "fsdp": max(0.0, fsdp - compute)}
     for k, v in exposed.items():
         if v > 0:

@@ -32,7 +32,7 @@ from hf_longctx.capacity.estimate import (
 )
 from hf_longctx.capacity.fits import inputs_on_device, loss_rows_within
 from hf_longctx.capacity.step_time import step_time
-from hf_longctx.capacity.suggestion import Suggestion, task_trainer
+from hf_longctx.capacity.suggestion import Suggestion, rollouts_of, task_options, task_trainer
 
 
 TIE_TOLERANCE = 0.07  # relative step-time difference the estimates cannot resolve (see the module docstring)
@@ -128,7 +128,9 @@ def rank_settings(
     `seq_len`, default `tokens`) with its estimates, best first: feasible, then highest
     cluster throughput (tokens/s), then lowest peak memory, then fewest FPDT chunks; near
     ties (within TIE_TOLERANCE of the fastest feasible) following the USP guidance first, then
-    those that keep no layer input on the GPU (`inputs_on_device`).
+    those that keep no layer input on the GPU (`inputs_on_device`). On a GPU without measured
+    kernel fractions (A100) no setting is timed (`time` None, seconds and tokens/s NaN) and
+    they come in `untimed_order`.
 
     Micro-batches per rank and step: `microbatches`, or, with `tokens_per_step` (global),
     ceil(tokens_per_step / (dp × tokens)) for each setting's dp. `param_offload`: "auto"
@@ -151,6 +153,7 @@ def rank_settings(
     usable_gpu = cluster.gpu_memory * (1 - cluster.headroom)
     usable_host = cluster.host_memory * (1 - cluster.headroom)
     per_node = min(cluster.gpus, cluster.gpus_per_node)
+    timed = cluster.gpu_spec.timed
     out = []
     for s, preset in enumerate_settings(dims, cluster.gpus, tokens, param_offload=param_offload):
         dp = cluster.gpus // s.sp
@@ -165,24 +168,22 @@ def rank_settings(
         s, mem = loss_rows_within(s, mem, memory, dims, tokens, usable_gpu)
         if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
             s, mem = inputs_on_device(s, mem, memory, dims.layers, usable_gpu, usable_host / per_node)
-        time = step_time(dims, s, cluster, tokens, seq_len=seq_len, dtype=dtype, microbatches=mbs, optimizer=optimizer,
-                         grad_sync=grad_sync)
-        mixers = mixer_seconds(config, s, cluster, tokens, dtype)
-        if mixers:
-            time.other["linear mixers"] = mixers
+        time = None
+        if timed:
+            time = step_time(dims, s, cluster, tokens, seq_len=seq_len, dtype=dtype, microbatches=mbs,
+                             optimizer=optimizer, grad_sync=grad_sync)
+            mixers = mixer_seconds(config, s, cluster, tokens, dtype)
+            if mixers:
+                time.other["linear mixers"] = mixers
         if vision is not None:
             mem = _charge_vision(vision, config, s, cluster, mem, time, tokens / seq_len, dtype, optimizer)
-        secs = time.seconds
-        multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
+        secs = time.seconds if time is not None else math.nan
         gpu_fits, host_fits = mem.peak <= usable_gpu, mem.host * per_node <= usable_host
-        reasons = [] if gpu_fits else [f"GPU {mem.peak / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"]
-        if not host_fits:
-            reasons.append(f"host {mem.host * per_node / 2**30:.1f} > {usable_host / 2**30:.1f} GiB")
-        reason = "; ".join(reasons)
-        if tokens % multiple:
-            reason = f"seq-len {tokens} is not a multiple of {multiple}"
+        reason = _why_not(s, tokens, mem.peak, mem.host * per_node, usable_gpu, usable_host)
         out.append(Candidate(s, dp, mem, secs, dp * tokens / secs, reason, time, preset, mbs, gpu_fits=gpu_fits,
                              host_fits=host_fits))
+    if not timed:
+        return sorted(out, key=lambda c: untimed_order(c, cluster, dims))
     # Exact ties (FPDT chunk counts cost the same in this model): the simpler setting first.
     out.sort(key=lambda c: (not c.feasible, -c.tokens_per_second, c.memory.peak, c.setting.fpdt_chunks,
                             c.setting.param_offload))
@@ -198,6 +199,28 @@ def rank_settings(
     return band + out[n:]
 
 
+def _why_not(s: Setting, tokens: int, gpu: float, host: float, usable_gpu: float, usable_host: float) -> str:
+    """Why setting `s` cannot run (empty when it can): the length its degrees cannot split, or the
+    GPU and host bytes (per node) past what is usable."""
+    multiple = seq_multiple(s.ring, s.ulysses, s.fpdt_chunks)
+    if tokens % multiple:
+        return f"seq-len {tokens} is not a multiple of {multiple}"
+    reasons = [] if gpu <= usable_gpu else [f"GPU {gpu / 2**30:.1f} > {usable_gpu / 2**30:.1f} GiB"]
+    if host > usable_host:
+        reasons.append(f"host {host / 2**30:.1f} > {usable_host / 2**30:.1f} GiB")
+    return "; ".join(reasons)
+
+
+def untimed_order(c: Candidate, cluster: Cluster, dims: ModelDims) -> tuple:
+    """The order of settings on a GPU without a step time (`capacity/gpus.GPU.timed`): the ones
+    that fit, then the least recomputation and host traffic (a lighter memory preset, no
+    parameter offload, fewer FPDT chunks, keep_attention), the USP guidance, the lowest peak.
+    Not a time: which of them is fastest on that card is not known."""
+    s = c.setting
+    return (not c.feasible, MEMORY_PRESETS.index(c.preset), s.param_offload, s.fpdt_chunks, not s.keep_attention,
+            not cluster.follows_usp_guidance(s, dims.heads, dims.kv_heads), c.memory.peak)
+
+
 def _check_sizes(tokens: int, seq_len: int, microbatches: int, tokens_per_step: int | None) -> None:
     """`rank_settings`' sizes, each refused with its value."""
     if not isinstance(microbatches, int) or microbatches < 1:
@@ -206,35 +229,6 @@ def _check_sizes(tokens: int, seq_len: int, microbatches: int, tokens_per_step: 
         raise ValueError(f"tokens_per_step ({tokens_per_step}) must be >= the micro-batch tokens ({tokens})")
     if not 1 <= seq_len <= tokens:
         raise ValueError(f"need 1 <= seq_len <= micro-batch tokens, got seq_len {seq_len}, tokens {tokens}")
-
-
-def task_options(task: str, param_offload: str, grad_sync: str, unsharded_step: bool) -> tuple[str, str]:
-    """(param_offload, grad_sync) the search uses for `task`'s trainer (`rank_settings`); raises
-    ValueError, naming the trainer, for an option it does not take."""
-    t = task_trainer(task)
-    if unsharded_step and not t.flexible_groups:
-        raise ValueError(f"unsharded_step (--unequal-calls) plans flexible SP groups, which {t.name} does not take "
-                         f"(it trains on an SPMesh); leave it off for task {task!r}")
-    if t.trainer_options:
-        return param_offload, grad_sync
-    if param_offload == "yes":
-        raise ValueError(f"param_offload 'yes' (--param-offload yes): {t.name} takes no param_offload (its FSDP2 shards "
-                         f"and optimizer states stay on the device); plan task {task!r} with 'no' or 'auto' (which "
-                         "tries it off only for this task)")
-    return "no", "microbatch"  # the rollout trainers reduce-scatter in every micro-batch's backward always
-
-
-def rollouts_of(task: str, rollout_tokens: int | None, seq_len: int) -> int:
-    """The rollout tokens per GPU a plan of `task` charges: None -> `seq_len` for "grpo" / "rloo"
-    (each GPU generates whole sequences of the context length), 0 otherwise; a count below 0, or
-    one for a task that generates nothing, is refused."""
-    rollouts = task in ("grpo", "rloo")
-    if rollout_tokens is None:
-        return seq_len if rollouts else 0
-    if rollout_tokens < 0 or (rollout_tokens and not rollouts):
-        raise ValueError(f"rollout_tokens={rollout_tokens}: the prompt + completion tokens each GPU generates per step "
-                         f"for task 'grpo' or 'rloo' (>= 0); task {task!r} generates nothing: leave it None")
-    return rollout_tokens
 
 
 def suggest(
@@ -271,11 +265,13 @@ def suggest(
 
 def _charge_vision(vision: Any, config: Any, s: Setting, cluster: Cluster, mem: Any, time: Any, samples: float,
                    dtype: str, optimizer: str) -> Any:
-    """The vision tower's memory (returned) and seconds (into `time.other`) for a setting, with
-    `samples` images / videos per micro-batch."""
+    """The vision tower's memory (returned) and seconds (into `time.other`, when the GPU is
+    timed) for a setting, with `samples` images / videos per micro-batch."""
     from hf_longctx.capacity.vision import vision_cost
 
     dt, gpu = DTYPE_BYTES[dtype], cluster.gpu_spec
-    time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
-                                                rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp), dt=dt)
+    if time is not None:
+        time.other["vision tower"] = vision.seconds(vision_cost(config), sp=s.sp, samples=samples,
+                                                    rate=gpu.gemm * gpu.bf16_flops, bandwidth=cluster.bandwidth(s.sp),
+                                                    dt=dt)
     return vision.charge(mem, sp=s.sp, world=cluster.gpus, samples=samples, dt=dt, optimizer=optimizer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from hf_longctx.capacity.cluster import Cluster
 from hf_longctx.capacity.estimate import DTYPE_BYTES, ModelDims, Setting
 from hf_longctx.capacity.inventory import Shape, layer_ops, step_ops
+from hf_longctx.capacity.mfu import strict_flops
 from hf_longctx.capacity.op_cost import COLLECTIVE, Op
 from hf_longctx.capacity.roofline import Breakdown, Links, seconds
 from hf_longctx.capacity.budget_terms import loss_rows
@@ -35,14 +36,8 @@ def shape_of(dims: ModelDims, s: Setting, tokens: int, seq_len: int | None = Non
                  loss_chunk=loss, keep_attention=s.keep_attention and s.checkpoint is True, fused=s.fused)
 
 
-def model_flops(dims: ModelDims, tokens: int, seq_len: int | None = None) -> float:
-    """6 (N_layers + N_head) T + 6 L H D (causal pairs x 2): the MFU numerator of
-    benchmarks/gpu_throughput.py (embedding lookup not counted)."""
-    seq_len = tokens if seq_len is None else seq_len
-    docs, rest = divmod(tokens, seq_len)
-    pairs = docs * seq_len * seq_len / 2 + rest * rest / 2
-    head = dims.vocab * dims.hidden
-    return 6.0 * (dims.layers * dims.layer_params + head) * tokens + 12.0 * dims.layers * dims.heads * dims.head_dim * pairs
+class UntimedGPU(ValueError):
+    """The cluster's GPU has no measured kernel fractions (`capacity/gpus.GPU.timed`)."""
 
 
 def step_time(
@@ -51,8 +46,11 @@ def step_time(
 ) -> Breakdown:
     """One micro-batch of `tokens` tokens per SP group (documents of `seq_len`, default one
     document) on one GPU of `cluster`, with its share of the step's CPU optimizer step when
-    parameters are offloaded (see the module docstring)."""
+    parameters are offloaded (see the module docstring). Raises `UntimedGPU` for a card
+    without measured kernel fractions, rather than time it with another card's."""
     gpu, world = cluster.gpu_spec, cluster.gpus
+    if not gpu.timed:
+        raise UntimedGPU(gpu.untimed())
     shape = shape_of(dims, s, tokens, seq_len)
     links = Links({"ulysses": cluster.bandwidth(s.ulysses), "ring": cluster.bandwidth(s.sp),
                    "fsdp": cluster.bandwidth(world)})
@@ -70,5 +68,5 @@ def step_time(
         pcie = (2 + syncs) * shard / min(gpu.pcie_h2d, gpu.pcie_d2h)
         out.links["pcie"] = out.links.get("pcie", 0.0) + max(0.0, pcie - (out.flops + out.hbm + out.launches))
         out.other["CPU optimizer"] = (28 if optimizer == "adamw" else 12) / 4 * shard / cluster.cpu_optim_bw / microbatches
-    out.model_flops = model_flops(dims, tokens, seq_len) / s.sp
+    out.model_flops = strict_flops(dims, tokens, seq_len) / s.sp
     return out

@@ -5,9 +5,10 @@ recipes -- and `TASK_TRAINERS`, what each `--task`'s trainer takes.
 Where it sits: the output end of the planner; `capacity/search.rank_settings(task=)` reads
 `TASK_TRAINERS` to search only settings the task's trainer runs, `search.suggest()` returns a
 `Suggestion` and `hf-longctx plan` (`cli/capacity.py`) prints its `code()` and
-`recipe_flags()`. Guarantees: the code names the task's trainer with its real keyword
-arguments, and every printed flag is one the task's recipes parse (recipes/common.py and each
-recipe's own options). It reads a `search.Candidate` and imports nothing of the search.
+`recipe_flags()`; `task_options` and `rollouts_of` are the search's options for a task's
+trainer. Guarantees: the code names the task's trainer with its real keyword arguments, and
+every printed flag is one the task's recipes parse (recipes/common.py and each recipe's own
+options). It reads a `search.Candidate` and imports nothing of the search.
 """
 
 from __future__ import annotations
@@ -133,3 +134,32 @@ class Suggestion:
         flags += ["--param-offload"] if t.get("param_offload") else []
         flags += ["--sync-each-microbatch"] if t.get("sync_each_microbatch") else []
         return " ".join(flags + list(TASK_TRAINERS[self.task].recipe_flags))
+
+
+def task_options(task: str, param_offload: str, grad_sync: str, unsharded_step: bool) -> tuple[str, str]:
+    """(param_offload, grad_sync) the search uses for `task`'s trainer (`rank_settings`); raises
+    ValueError, naming the trainer, for an option it does not take."""
+    t = task_trainer(task)
+    if unsharded_step and not t.flexible_groups:
+        raise ValueError(f"unsharded_step (--unequal-calls) plans flexible SP groups, which {t.name} does not take "
+                         f"(it trains on an SPMesh); leave it off for task {task!r}")
+    if t.trainer_options:
+        return param_offload, grad_sync
+    if param_offload == "yes":
+        raise ValueError(f"param_offload 'yes' (--param-offload yes): {t.name} takes no param_offload (its FSDP2 shards "
+                         f"and optimizer states stay on the device); plan task {task!r} with 'no' or 'auto' (which "
+                         "tries it off only for this task)")
+    return "no", "microbatch"  # the rollout trainers reduce-scatter in every micro-batch's backward always
+
+
+def rollouts_of(task: str, rollout_tokens: int | None, seq_len: int) -> int:
+    """The rollout tokens per GPU a plan of `task` charges: None -> `seq_len` for "grpo" / "rloo"
+    (each GPU generates whole sequences of the context length), 0 otherwise; a count below 0, or
+    one for a task that generates nothing, is refused."""
+    rollouts = task in ("grpo", "rloo")
+    if rollout_tokens is None:
+        return seq_len if rollouts else 0
+    if rollout_tokens < 0 or (rollout_tokens and not rollouts):
+        raise ValueError(f"rollout_tokens={rollout_tokens}: the prompt + completion tokens each GPU generates per step "
+                         f"for task 'grpo' or 'rloo' (>= 0); task {task!r} generates nothing: leave it None")
+    return rollout_tokens

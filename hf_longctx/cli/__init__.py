@@ -67,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "ranks (host GiB/GPU x this must fit)")
     p.add_argument("--gpu", choices=["h100", "h200", "a100"], default="h100",
                    help="the GPU the step-time model runs on (hf_longctx/capacity/gpus.py: peaks, links, achieved "
-                        "fractions per kernel class)")
+                        "fractions per kernel class); a100: memory plans only, no kernel of it measured")
+    p.add_argument("--attention-backend", default=None,
+                   help="the attention kernel the step-time model runs: one measured on --gpu (capacity/gpus.py; "
+                        "default: the fastest measured there, torch_flash today), as patch(attention_backend=...)")
     p.add_argument("--intra-bw", type=parse_size, default=None,
                    help="per-GPU bandwidth within a node, bytes/s per direction (default: the GPU's NVLink)")
     p.add_argument("--inter-bw", type=parse_size, default=None,

@@ -28,7 +28,8 @@ def _row(rank: int | str, c) -> list[str]:
     return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
             ("full, keep attn out" if s.keep_attention else "full") if s.checkpoint is True else {"attention": "keep attn"}.get(s.checkpoint, "no"), _chunked(s), str(s.inputs_on_device), "yes" if s.param_offload else "no",
             str(c.microbatches), gib(m.params), gib(m.grads + m.held), gib(m.optimizer), gib(m.activations), gib(m.buffers + m.backward_grads), gib(m.peak),
-            gib(m.host), f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}",
+            gib(m.host), *((f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}")
+                           if c.time is not None else ("-", "-")),
             f"{100 * c.time.mfu:.1f}" if c.time is not None else "-", c.time.binds if c.time is not None else "-",
             "yes" if c.feasible else f"no: {c.reason}"]
 
@@ -77,17 +78,7 @@ def footer(args: argparse.Namespace) -> str:
         "max(grads - held, activ + buffers);",
         f"- fits = peak <= (1 - {args.headroom}) x --gpu-memory and host GiB/GPU x GPUs per node <= (1 - "
         f"{args.headroom}) x --host-memory; validated within 10% on CPU (benchmarks/memory_model.py);",
-        f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of {args.seq_len}) "
-        f"on one {gpu.name} (--gpu; hf_longctx/capacity/gpus.py), by the step-time model: the op inventory of the "
-        "patched step (every kernel, collective and copy; capacity/inventory.py), each op max(FLOPs / achieved rate, "
-        f"HBM bytes / {gpu.hbm:.0%} of {gpu.hbm_bw / 1e12:g} TB/s) + {gpu.launch_s * 1e6:g} us per kernel; GEMMs at "
-        f"{gpu.gemm:.0%} and flash-attn at {gpu.attention_fraction(128, False):.0%} / "
-        f"{gpu.attention_fraction(128, True):.0%} (fwd / bwd) of {gpu.bf16_flops / 1e12:g} TFLOP/s; Ulysses all-to-alls "
-        f"block ({gpu.nvlink_bw / 1e9:g} GB/s in a node of {args.gpus_per_node}, {gpu.ib_bw / 1e9:g} GB/s across, "
-        f"x{gpu.nccl:g} achieved, {gpu.collective_s * 1e6:g} us per call); ring P2P, FSDP and host offload "
-        f"({gpu.pcie_h2d / 1e9:g} / {gpu.pcie_d2h / 1e9:g} GB/s to / from the GPU) count beyond the compute they "
-        "overlap; MFU % = (6 N T + causal attention) / (step s x peak); binds = the largest term (FLOPs, HBM, "
-        "launches, a link, PCIe);",
+        _time_line(args, gpu),
         "- param offload (FSDP2 CPUOffloadPolicy; --param-offload auto|yes|no): the fp32 parameter and gradient "
         "shards and the optimizer states on host (in host GiB/GPU), their PCIe traffic overlapped, the optimizer step "
         f"on the CPU at {args.cpu_optim_bw / 1e9:g} GB/s per GPU (--cpu-optim-bw), not overlapped;",
@@ -107,10 +98,34 @@ def footer(args: argparse.Namespace) -> str:
           if args.task != "sft" else []),
         *([f"- --task {args.task}: {plan_trainer(args).name} takes no param_offload, so only settings without "
            "parameter offload are searched;"] if not plan_trainer(args).trainer_options else []),
-        "- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates within "
-        f"{TIE_TOLERANCE:.0%} of the fastest (the cost model's measured error) are not told apart: among them the USP "
-        "guidance (Ulysses inside a node, ring only across nodes) ranks first.",
+        *(["- best first = fits, then highest cluster tokens/s (dp x tokens / step s), then lowest peak; estimates "
+           f"within {TIE_TOLERANCE:.0%} of the fastest (the cost model's measured error) are not told apart: among them "
+           "the USP guidance (Ulysses inside a node, ring only across nodes) ranks first."] if gpu.timed else []),
     ])
+
+
+def _time_line(args: argparse.Namespace, gpu: Any) -> str:
+    """The footer's bullet on the step-time columns: how the model times a step on `gpu`, or
+    why it does not (a card without measured kernel fractions) and how the rows are ordered."""
+    if not gpu.timed:
+        return (f"- step s, tok/s/GPU, MFU %, binds: none: {gpu.untimed()}; the settings that fit are listed in an "
+                "order that is not a time: a lighter memory preset, no parameter offload, fewer FPDT chunks, "
+                "keep_attention, the USP guidance, then the lowest peak (capacity/search.untimed_order);")
+    return (f"- step s = one micro-batch of {args.micro_batch_tokens} tokens per SP group (documents of "
+            f"{args.seq_len}) on one {gpu.name} (--gpu; hf_longctx/capacity/gpus.py), by the step-time model: the op "
+            "inventory of the patched step (every kernel, collective and copy; capacity/inventory.py), each op "
+            f"max(FLOPs / achieved rate, HBM bytes / {gpu.hbm:.0%} of {gpu.hbm_bw / 1e12:g} TB/s) + "
+            f"{gpu.launch_s * 1e6:g} us per kernel; GEMMs at {gpu.gemm:.0%} and attention ({gpu.modelled_attention(128)}) "
+            f"at {gpu.attention_fraction(128, False):.0%} / {gpu.attention_fraction(128, True):.0%} (fwd / bwd) of "
+            f"{gpu.bf16_flops / 1e12:g} TFLOP/s; Ulysses all-to-alls block ({gpu.nvlink_bw / 1e9:g} GB/s in a node of "
+            f"{args.gpus_per_node}, {gpu.ib_bw / 1e9:g} GB/s across, x{gpu.nccl:g} achieved, "
+            f"{gpu.collective_s * 1e6:g} us per call); ring P2P, FSDP and host offload ({gpu.pcie_h2d / 1e9:g} / "
+            f"{gpu.pcie_d2h / 1e9:g} GB/s to / from the GPU) count beyond the compute they overlap; MFU % = this "
+            "project's strict count, 6 N T + the causal half of each document's attention square, recompute not "
+            "counted, / (step s x peak): below torchtitan's count (the whole square) and Megatron-DeepSpeed's (the "
+            "whole square, and the recompute under checkpointing), both printed for the suggestion (capacity/mfu.py); "
+            "binds = the largest term (the attention kernels' or the GEMMs' compute-bound time, HBM-bound kernels, "
+            "launches, a link, PCIe, the CPU optimizer);")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -146,7 +161,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _print_closest(args, ranked, dims)
     _print_table(args, ranked, feasible)
     _print_ties(cluster, dims, feasible)
-    _print_suggestion(args, config, feasible, grad_sync, args.task, "fastest estimate that fits")
+    why = "fastest estimate that fits" if cluster.gpu_spec.timed else "the first that fits, in the order above: no step time"
+    _print_suggestion(args, config, feasible, grad_sync, args.task, why)
     return 0
 
 
@@ -173,13 +189,25 @@ def _plan_dpo(args: argparse.Namespace, config: Any, cluster: Any, dims: Any, he
     return 0
 
 
+def _attention_line(args: argparse.Namespace, head_dim: int) -> str:
+    """Which attention kernel the step-time model runs, and why: named, or the fastest measured."""
+    gpu = _cluster(args).gpu_spec
+    name = gpu.modelled_attention(head_dim)
+    if args.attention_backend is not None:
+        return f"attention kernel {name} (--attention-backend)"
+    measured = [n for n, _ in gpu.measured_attention]
+    if not measured:
+        return f"no attention kernel measured on {gpu.name}: not timed (capacity/gpus.py)"
+    return f"attention kernel {name} (the fastest measured on {gpu.name} of {', '.join(measured)}; capacity/gpus.py)"
+
+
 def _cluster(args: argparse.Namespace):
     from hf_longctx.capacity.cluster import Cluster
 
     return Cluster(
         gpus=args.gpus, gpu_memory=args.gpu_memory, host_memory=args.host_memory, gpus_per_node=args.gpus_per_node,
         gpu=args.gpu, intra_bw=args.intra_bw, inter_bw=args.inter_bw, pcie_bw=args.pcie_bw, headroom=args.headroom,
-        latency=args.latency, cpu_optim_bw=args.cpu_optim_bw,
+        latency=args.latency, cpu_optim_bw=args.cpu_optim_bw, attention_backend=args.attention_backend,
     )
 
 
@@ -208,7 +236,8 @@ def _heading(args: argparse.Namespace, config: Any, dims: Any, vision: Any) -> s
                else f"{args.tokens_per_step} tokens per step")
             + (f"; vision tower {vision.dims.params / 1e6:.0f}M params, {vision.tokens} visual tokens per sample "
                f"({args.images} images x {args.image_tokens}, {vision.slices} video slices x {args.frame_tokens}) charged "
-               "(capacity/vision.py)" if vision is not None else ""))
+               "(capacity/vision.py)" if vision is not None else "")
+            + f"; {_attention_line(args, dims.head_dim)}")
 
 
 def _print_closest(args: argparse.Namespace, ranked: list, dims: Any, which: str = "") -> int:
@@ -251,6 +280,18 @@ def _print_ties(cluster: Any, dims: Any, feasible: list) -> None:
                  else "none of them follows the USP guidance"))
 
 
+def _mfu_line(args: argparse.Namespace, config: Any, c) -> str:
+    """The suggestion's modelled MFU by this project's count and by torchtitan's and
+    Megatron-DeepSpeed's, for comparison with figures published under theirs."""
+    from hf_longctx.capacity.estimate import ModelDims
+    from hf_longctx.capacity.mfu import mfu_line
+
+    t = c.time
+    line = mfu_line(ModelDims.from_config(config), args.micro_batch_tokens, t.seconds * c.setting.sp,
+                    t.gpu.bf16_flops, seq_len=args.seq_len, checkpointed=bool(c.setting.checkpoint))
+    return line + " (capacity/mfu.py: each count and its source)"
+
+
 def _print_suggestion(args: argparse.Namespace, config: Any, feasible: list, grad_sync: str, task: str,
                       why: str) -> None:
     """The first feasible setting of `task`'s ranking (what `capacity/search.suggest()` returns) as
@@ -259,6 +300,8 @@ def _print_suggestion(args: argparse.Namespace, config: Any, feasible: list, gra
 
     best = Suggestion.of(feasible[0], args.micro_batch_tokens, grad_sync=grad_sync, dtype=args.dtype, task=task)
     print(f"\nsuggested ({why}; {fit_line(args, feasible[0])}):\n{best.code()}")
+    if feasible[0].time is not None:
+        print(f"\nmodelled {_mfu_line(args, config, feasible[0])}")
     print(f"\nas recipe flags ({best.recipes}):\n{best.recipe_flags()}")
     if args.plot:
         print((plot_flexible_step if args.flex else plot_step)(args, config, feasible[0]))

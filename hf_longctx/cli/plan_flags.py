@@ -41,6 +41,9 @@ def resolve_flags(args: argparse.Namespace) -> str | None:
         return (f"--param-offload yes: {plan_trainer(args).name} (--task {args.task}) takes no param_offload (its "
                 "FSDP2 shards and optimizer states stay on the device); use --param-offload no or auto (auto searches "
                 "it off only, for this task)")
+    if args.flex and getattr(args, "plot", None) and not _timed(args):
+        return (f"--flex --plot weighs flexible groups by modelled seconds; --gpu {args.gpu}: {_timed(args, why=True)}; "
+                "drop --flex, or plan for a GPU with measured fractions")
     if args.unequal_calls and args.sync_each_microbatch:
         return ("--unequal-calls syncs gradients in each rank's own last backward; it cannot be combined with "
                 "--sync-each-microbatch")
@@ -50,6 +53,14 @@ def resolve_flags(args: argparse.Namespace) -> str | None:
     if args.tokens_per_step is None:
         args.microbatches = args.microbatches or 1
     return None
+
+
+def _timed(args: argparse.Namespace, why: bool = False):
+    """Whether --gpu has measured kernel fractions (a step time); with `why`, why not."""
+    from hf_longctx.capacity.gpus import gpu
+
+    spec = gpu(getattr(args, "gpu", "h100"))
+    return spec.untimed() if why else spec.timed
 
 
 def _rollout_tokens(args: argparse.Namespace) -> str | None:

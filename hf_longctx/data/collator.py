@@ -128,27 +128,38 @@ def _vector(where: str, key: str, value: Any, length: int | None = None) -> torc
 class LongContextCollator:
     """`collator(features)` -> this rank's micro-batches, each ready for `model(**mb)`.
 
-    `mesh`: the `SPMesh` of this rank (`init_sequence_parallel`). `max_tokens`: tokens one SP
-    group holds in one micro-batch, padding included (each SP rank holds max_tokens / sp).
-    `cost`, `strategy`, `overlong`, `seed`: passed to `plan_microbatches`; `overlong="split"`
-    trains the pieces of a long document as separate documents, `"truncate"` drops its tail.
-    `pad_token_id`: the id of padding tokens (they never carry loss).
-
     Each feature is a mapping with `input_ids` (list or 1-D tensor: one document), optional
     `features[label_key]` (HF's UNSHIFTED labels, -100 = ignored; default: the input ids)
     and, when `loss_mask_key` is given, a 0/1 mask per token in the same unshifted convention
     (0 = this token is never a target, e.g. a prompt). An `attention_mask` (a row padded at
     its right or left end) keeps the tokens with mask 1 only: the pads are not trained and not
-    packed (`data/padding.py`). Other keys are ignored. `vocab`
-    (a `token_ids.Vocabulary`; the trainers pass the model's): every id and label of the step
-    is checked against it before planning, so a bad id raises on every rank alike, naming the
-    document, the position and the id, instead of failing mid-forward on one rank.
+    packed (`data/padding.py`). Other keys are ignored.
 
     Every rank must call it with the same global list (the step sampler's). All ranks get
     the same number of micro-batches; a slot the plan leaves empty (fewer documents than
     slots) becomes one padding document without targets, so every rank runs the same
     collectives. Sum the micro-batch losses' gradients (never divide by their number), then
     `sum_gradients(model.parameters(), mesh)` or FSDP with a sum reduction.
+
+    Args:
+        mesh: The `SPMesh` of this rank (`init_sequence_parallel`).
+        max_tokens: Tokens one SP group holds in one micro-batch, padding included (each SP
+            rank holds max_tokens / sp).
+        cost: Passed to `plan_microbatches` (default: its `DEFAULT_COST`).
+        strategy: Passed to `plan_microbatches`.
+        overlong: Passed to `plan_microbatches`: `"split"` trains the pieces of a long
+            document as separate documents, `"truncate"` drops its tail, `"error"` refuses it.
+        seed: Passed to `plan_microbatches`.
+        pad_token_id: The id of padding tokens (they never carry loss).
+        label_key: The feature key of the labels.
+        loss_mask_key: The feature key of a 0/1 loss mask per token, or None.
+        vocab: A `token_ids.Vocabulary` (the trainers pass the model's): every id and label
+            of the step is checked against it before planning, so a bad id raises on every
+            rank alike, naming the document, the position and the id, instead of failing
+            mid-forward on one rank.
+
+    Raises:
+        ValueError: `mesh` is not an `SPMesh`, or an option is out of range.
     """
 
     def __init__(

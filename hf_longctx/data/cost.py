@@ -26,6 +26,14 @@ class CostModel:
 
     The unit is whatever the coefficients carry: FLOPs for `from_config`, seconds for
     `fit`. Only ratios matter to the planner, so any consistent unit works.
+
+    Args:
+        a: The quadratic coefficient (attention's l² work), finite and >= 0.
+        b: The linear coefficient (the work every token does), finite and >= 0.
+        c: A constant per document, finite and >= 0.
+
+    Raises:
+        ValueError: A coefficient is not a finite number, or is negative.
     """
 
     a: float
@@ -70,6 +78,12 @@ class CostModel:
         Quadratic term a = 6·layers·h_attn: causal attention computes half of the l×l
         score matrix QKᵀ and half of the product with V, 2·l²·h_attn FLOPs forward per
         layer, tripled for backward. No per-document constant (c = 0).
+
+        Args:
+            config: The model's `transformers` config (its text config for a vision-language model).
+
+        Returns:
+            The model in FLOPs.
         """
         d = ModelDims.from_config(config)
         q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
@@ -86,6 +100,16 @@ class CostModel:
         times, so this solves the non-negative least-squares problem exactly by trying
         every subset of free coefficients (there are only eight) and keeping the best
         feasible one.
+
+        Args:
+            lengths: The measured documents' token counts (at least 3 distinct).
+            times: The measured time of each document, in the unit the model will carry.
+
+        Returns:
+            The fitted model.
+
+        Raises:
+            ValueError: Mismatched sequences, fewer than 3 distinct lengths, a value not finite or a negative length.
         """
         x = np.asarray(lengths, dtype=np.float64).ravel()
         y = np.asarray(times, dtype=np.float64).ravel()
@@ -143,6 +167,15 @@ class GroupCost:
     same for every size. `overheads[s]` (default 0) is a constant per MICRO-BATCH of a group
     of size s (layer launches, collective latency: the c_s of T_s(docs) = Σ(a_s·l² + b_s·l
     + d_s) + c_s), paid once however many documents the group packs. `fit` measures all four.
+
+    Args:
+        models: (size, CostModel) pairs, one per group size, in any order (kept sorted).
+        overheads: (size, constant) pairs: the time of one micro-batch of a group of that size beyond its documents'
+            (default none: 0 for every size).
+
+    Raises:
+        ValueError: No model, a size that is not a positive int, a model that is not a `CostModel`, or an overhead
+            that is negative, not finite or for a size without a model.
     """
 
     models: tuple[tuple[int, CostModel], ...]
@@ -243,8 +276,20 @@ class GroupCost:
         kernel that walks the documents, the per-document padding, the metadata), where n is
         the micro-batch's document count. d_s is fitted only where the rows of a size hold
         packed micro-batches whose document counts vary independently of the constant
-        (otherwise d_s = 0: single-document rows cannot tell it from c_s). Needs >= 3
-        distinct token totals per size."""
+        (otherwise d_s = 0: single-document rows cannot tell it from c_s).
+
+        Args:
+            sizes: The group size of each measured row.
+            lengths: Each row's document length, or the lengths of its packed micro-batch.
+            times: Each row's measured seconds.
+
+        Returns:
+            The per-size models and per-micro-batch overheads.
+
+        Raises:
+            ValueError: The three sequences differ in length, a value is not finite or a length is negative, or a size
+                has fewer than 3 distinct token totals.
+        """
         sz = np.asarray(sizes).ravel()
         docs = [np.atleast_1d(np.asarray(x, dtype=np.float64)) for x in lengths]
         y = np.asarray(times, dtype=np.float64).ravel()

@@ -39,24 +39,28 @@ def plan_microbatches(
     seq_multiple: int = 1,
     extra_costs: Sequence[float] | np.ndarray | None = None,
 ) -> Plan:
-    """Assign every document of one step to a DP rank and a micro-batch.
+    """Assign every document of one step to a DP rank and a micro-batch: a pure function of the arguments.
 
-    `lengths[i]` is document i's token count; `max_tokens` is what one SP group holds in
-    one micro-batch, padding included: each document is padded to a multiple of
-    `doc_multiple` and the micro-batch total rounded up to a multiple of `seq_multiple`.
-    A document that cannot fit alone raises ValueError naming it, unless
-    `overlong="truncate"` (keep its first tokens) or `"split"` (consecutive pieces
-    trained as separate documents). The plan is a pure function of the arguments.
+    Args:
+        lengths: `lengths[i]` is document i's token count.
+        dp_size: Data-parallel ranks (SP groups) to assign micro-batches to.
+        max_tokens: What one SP group holds in one micro-batch, padding included.
+        cost: The per-document cost T(l) (default: `DEFAULT_COST`), of each piece's padded length.
+        seed: Drives the randomised `"hydraulis"` dispatch only.
+        strategy: `"balanced"` (see `balanced`) minimises the synchronised step time Σ over slots of the slowest
+            rank's cost, with at most one micro-batch more than ⌈(bins token FFD needs) / dp_size⌉; `"ffd"`,
+            `"karmarkar_karp"`, `"hydraulis"`, `"flexsp"`: the published baselines (the last three may use more).
+        overlong: What to do with a document that cannot fit alone: `"error"` (raise, naming it), `"truncate"` (keep
+            its first tokens) or `"split"` (consecutive pieces trained as separate documents).
+        doc_multiple: Each document is padded to a multiple of this.
+        seq_multiple: The micro-batch total is rounded up to a multiple of this.
+        extra_costs: `extra_costs[i]`: document i's work its length does not show, in `cost`'s unit (image encoding).
 
-    Strategies: `"balanced"` (default; see `balanced`) minimises the synchronised step
-    time Σ over slots of the slowest rank's cost, with at most one micro-batch more than
-    ⌈(bins token FFD needs) / dp_size⌉; `"ffd"`, `"karmarkar_karp"`, `"hydraulis"` and
-    `"flexsp"` are the published baselines, for comparison (`"karmarkar_karp"`,
-    `"hydraulis"` and `"flexsp"` may use more micro-batches). `seed` drives the
-    randomised `"hydraulis"` dispatch only. Micro-batch costs use each piece's padded
-    length. `extra_costs[i]`: work of document i that its token count does not show, in the
-    unit of `cost` (a vision-language document's image encoding; a split piece carries its
-    share by length).
+    Returns:
+        The step's plan: every DP rank's micro-batches, the same number on every rank.
+
+    Raises:
+        ValueError: A document that cannot fit alone under `overlong="error"` (named), or an argument out of range.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")

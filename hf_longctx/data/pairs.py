@@ -26,7 +26,24 @@ def plan_pairs(
     chosen_lengths: Sequence[int], rejected_lengths: Sequence[int], *, dp_size: int, max_tokens: int,
     doc_multiple: int = 1, seq_multiple: int = 1, **kwargs
 ) -> Plan:
-    """A `Plan` whose piece i is PAIR i (prompt+chosen and prompt+rejected lengths given)."""
+    """A `Plan` whose piece i is PAIR i: chosen and rejected always in the same micro-batch.
+
+    Args:
+        chosen_lengths: Each pair's prompt + chosen length.
+        rejected_lengths: Each pair's prompt + rejected length.
+        dp_size: As for `plan_microbatches`.
+        max_tokens: As for `plan_microbatches` (a pair counts both its documents).
+        doc_multiple: Each of a pair's two documents is padded to a multiple of this.
+        seq_multiple: As for `plan_microbatches`.
+        **kwargs (Any): Passed to `plan_microbatches` (`cost`, `seed`, `strategy`).
+
+    Returns:
+        The plan, one piece per pair.
+
+    Raises:
+        ValueError: The two lists differ in length, or `overlong` is not "error" (a pair
+            is never split or truncated).
+    """
     if len(chosen_lengths) != len(rejected_lengths):
         raise ValueError(f"{len(chosen_lengths)} chosen but {len(rejected_lengths)} rejected lengths: give one of each per pair")
     if kwargs.get("overlong", "error") != "error":
@@ -38,7 +55,18 @@ def plan_pairs(
 
 
 def pack_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> dict[str, torch.Tensor]:
-    """(prompt, chosen, rejected) token lists -> one packed row: input_ids, labels, position_ids [1, S]."""
+    """(prompt, chosen, rejected) token lists -> one packed row of 2 documents per pair.
+
+    Args:
+        pairs: (prompt, chosen, rejected) token lists, one per pair.
+
+    Returns:
+        `input_ids`, `labels` (-100 on the prompts) and `position_ids` (restarting per
+            document), each int64 [1, S].
+
+    Raises:
+        ValueError: No pair, or a pair with an empty completion.
+    """
     if not pairs:
         raise ValueError("pack_pairs needs at least one (prompt, chosen, rejected) pair")
     ids, labels, pos = [], [], []

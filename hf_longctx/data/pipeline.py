@@ -35,12 +35,26 @@ def tokenize_dataset(
 ) -> Dataset | IterableDataset:
     """`ds.map(batched=True)` to rows of `input_ids` (list of ints) and `length` (int).
 
-    `add_eos` appends the tokenizer's EOS so the model learns where documents end (each
-    document is its own attention segment once packed). Columns other than
-    `keep_columns` are removed; for an `IterableDataset` whose columns are unknown
-    until read, only `text_column` can be removed. `num_proc` applies to `Dataset` only.
-    `progress`: show `datasets`' progress bar; default: only in the job's first process (the
-    launcher's `RANK` is 0 or unset), so N processes tokenizing alike print one bar, not N.
+    Args:
+        ds: The dataset of texts.
+        tokenizer: A `transformers` tokenizer.
+        text_column: The column holding the texts.
+        add_eos: Append the tokenizer's EOS so the model learns where documents end (each document is its own
+            attention segment once packed).
+        add_special_tokens: Passed to the tokenizer (e.g. its BOS).
+        keep_columns: Columns kept beside `input_ids` and `length`; the others are removed (for an `IterableDataset`
+            whose columns are unknown until read, only `text_column` can be removed).
+        batch_size: Texts per `map` batch.
+        num_proc: Processes for `map` (`Dataset` only).
+        progress: Show `datasets`' progress bar; default: only in the job's first process (the launcher's `RANK` is 0
+            or unset), so N processes tokenizing alike print one bar, not N.
+
+    Returns:
+        The mapped dataset (lazy for an `IterableDataset`).
+
+    Raises:
+        ValueError: `ds` is not a dataset, a column is missing or would be overwritten, `batch_size` < 1, or `add_eos`
+            with a tokenizer without EOS.
     """
     from datasets import Dataset, IterableDataset
 

@@ -18,7 +18,13 @@ from hf_longctx.data.cost import DEFAULT_COST, CostModel
 
 class Piece(NamedTuple):
     """Tokens [start, end) of document `doc`: a whole document unless it was split or
-    truncated because it exceeded the micro-batch cap."""
+    truncated because it exceeded the micro-batch cap.
+
+    Attributes:
+        doc: The document's index in the step's list.
+        start: The piece's first token in the document.
+        end: One past its last token.
+    """
 
     doc: int
     start: int
@@ -42,6 +48,14 @@ class Plan:
     on all ranks). A micro-batch is empty only when the step has fewer pieces than
     dp_size × num_microbatches slots; the collator then feeds one padding document.
     Micro-batch slot m is ordered from the costliest slot to the cheapest.
+
+    Attributes:
+        ranks: `ranks[r][m]`: the indices into `pieces` of DP rank r's m-th micro-batch.
+        pieces: The step's pieces (documents, or parts of a split or truncated one).
+        max_tokens: Tokens one SP group holds in one micro-batch, padding included.
+        doc_multiple: Each piece is padded to a multiple of this.
+        seq_multiple: Each micro-batch's total is rounded up to a multiple of this.
+        strategy: The planner that made the plan (`plan_microbatches`' `strategy`).
     """
 
     ranks: list[list[list[int]]]

@@ -33,6 +33,18 @@ class StepSampler:
     The order depends only on (seed, epoch), so every rank yields identical steps.
     Iterating runs from the saved position to the end of the epoch and then moves to
     the next epoch; `state_dict()` taken between steps resumes exactly at the next one.
+
+    Args:
+        lengths: Every document's token count, in dataset order (e.g. the `length` column
+            of `tokenize_dataset`).
+        tokens_per_step: The global token budget of one step.
+        seed: Seeds the order (with the epoch).
+        shuffle: Visit the documents in a seeded order (False: dataset order).
+        drop_last: Leave out the epoch's final, short step.
+
+    Raises:
+        ValueError: `tokens_per_step` is not a positive int, `seed` is negative, or a
+            length is not a positive int.
     """
 
     def __init__(
@@ -138,6 +150,18 @@ def group_stream(
 
     Every rank that reads the same stream in the same order gets the same steps;
     shuffle the stream itself (`IterableDataset.shuffle(seed=...)`) for randomness.
+
+    Args:
+        examples: The stream of examples, each with its token count under `length_key`.
+        tokens_per_step: The global token budget of one step.
+        length_key: The field holding each example's token count.
+
+    Yields:
+        The examples of one step, in stream order.
+
+    Raises:
+        ValueError: `tokens_per_step` is not a positive int, or an example has no
+            positive length under `length_key`.
     """
     if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int) or tokens_per_step < 1:
         raise ValueError(f"tokens_per_step must be a positive integer, got {tokens_per_step!r}")

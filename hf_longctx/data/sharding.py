@@ -240,20 +240,33 @@ def shard_batch(
 ) -> dict[str, Any]:
     """The shard of THIS SP rank: exactly the kwargs of `model(**shard)`.
 
-    `batch`: a packed row as `DataCollatorWithFlattening(return_position_ids=True)` makes it
-    (`input_ids`, HF-unshifted `labels`, `position_ids` restarting per document; B = 1), or a
-    plain [B, S] batch with one document per row (optional right-padding `attention_mask`).
-    Other [B, S] tensors (loss weights, token_type_ids) are padded with 0 and sharded too.
+    Labels are shifted per document on the whole row before sharding; one permutation of
+    the SP rank gathers every per-token tensor. Other [B, S] tensors of `batch` (loss
+    weights, token_type_ids) are padded with 0 and sharded too.
 
-    Returns `input_ids`, `position_ids` [B, S_local]; with labels also `labels` and
-    `shift_labels` (both the pre-shifted targets) and `num_items_in_batch` (default: valid
-    targets of this batch); and `SP_METADATA_KEY` -> `SPBatchInfo`. Same on every rank except
-    the per-token tensors. Raises ValueError (before any collective) on unusable input.
+    Args:
+        batch: A packed row as `DataCollatorWithFlattening(return_position_ids=True)` makes
+            it (`input_ids`, HF-unshifted `labels`, `position_ids` restarting per document;
+            B = 1), or a plain [B, S] batch with one document per row (optional
+            right-padding `attention_mask`).
+        mesh (SPMesh): This rank's mesh.
+        num_items_in_batch: Valid targets of the whole step (all DP ranks, all
+            micro-batches; default: the valid targets of this batch).
+        pad_token_id: The id of the padding the layout adds.
+        device: Where the shard goes (default: the batch's device). The layout runs on the
+            host; pass the batch as it comes from the data pipeline (host tensors) with
+            `device=...`, so that the only copy is the shard's, one pinned non-blocking copy
+            per dtype: a batch already on the GPU is first copied back to the host (a
+            blocking copy).
 
-    `device`: where the shard goes (default: the batch's device). The layout runs on the
-    host; pass the batch as it comes from the data pipeline (host tensors) with
-    `device=...`, so that the only copy is the shard's, one pinned non-blocking copy per
-    dtype: a batch already on the GPU is first copied back to the host (a blocking copy).
+    Returns:
+        `input_ids`, `position_ids` [B, S_local]; with labels also `labels` and
+            `shift_labels` (both the pre-shifted targets) and `num_items_in_batch`; and
+            `SP_METADATA_KEY` -> `SPBatchInfo`. The same on every rank except the per-token
+            tensors.
+
+    Raises:
+        ValueError: Unusable input (before any collective), naming what is wrong.
     """
     input_ids, per_token, device = _host_inputs(batch, device)
     b, s = input_ids.shape

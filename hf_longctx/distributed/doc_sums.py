@@ -75,13 +75,24 @@ def target_mask(shard: Mapping[str, Any]) -> torch.Tensor:
 def doc_sums(values: torch.Tensor, shard: Mapping[str, Any], mesh, mask: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [B, D]: per-document sums of `values` over the whole sequence, on every SP rank.
 
-    values [B, S_local]: a per-token quantity aligned with the shard (e.g. the log-prob of
-        `shift_labels`, 1.0 for token counts, a per-token KL). Positions where `mask` is
-        False (default: `target_mask(shard)` when the shard has labels) contribute 0, so
-        garbage at padding or prompt positions (even inf/nan) never reaches the sums.
-    Returns the sums in the order of the user's documents (packed row: D documents of the
-    row; B > 1: one document per row, D = 1). A collective over `mesh.sp_group`: every SP
-    rank must call it, with the same shard metadata.
+    A collective over `mesh.sp_group`: every SP rank must call it, with the same shard
+    metadata.
+
+    Args:
+        values: [B, S_local]: a per-token quantity aligned with the shard (e.g. the log-prob
+            of `shift_labels`, 1.0 for token counts, a per-token KL).
+        shard: This rank's shard, as `shard_batch` returned it.
+        mesh (SPMesh): The mesh the shard was made on.
+        mask: bool [B, S_local]: positions where it is False contribute 0 (default:
+            `target_mask(shard)` when the shard has labels), so garbage at padding or prompt
+            positions (even inf/nan) never reaches the sums.
+
+    Returns:
+        fp32 [B, D], the sums in the order of the user's documents (packed row: D documents
+            of the row; B > 1: one document per row, D = 1).
+
+    Raises:
+        ValueError: `values` or `mask` does not match the shard's shape.
     """
     info = shard[SP_METADATA_KEY]
     b, s_local = values.shape[:2] if values.dim() >= 2 else (None, None)

@@ -21,9 +21,18 @@ from hf_longctx.data.sharding import SP_METADATA_KEY
 def gather_sequence(local: torch.Tensor, shard: Mapping[str, Any], mesh) -> torch.Tensor:
     """Inverse of `shard_batch` for a per-token output (logits, hidden states; evaluation).
 
-    local [B, S_local, ...] on every SP rank -> [B, S, ...] in the global order of the user's
-    ORIGINAL batch, padding removed. Not differentiable. A collective over the SP group: every
-    SP rank must call it.
+    Not differentiable. A collective over the SP group: every SP rank must call it.
+
+    Args:
+        local: [B, S_local, ...] on every SP rank.
+        shard: This rank's shard, as `shard_batch` returned it.
+        mesh (SPMesh): The mesh the shard was made on.
+
+    Returns:
+        [B, S, ...] in the global order of the user's ORIGINAL batch, padding removed.
+
+    Raises:
+        ValueError: `local` does not match the shard's shape.
     """
     info = shard[SP_METADATA_KEY]
     b, s_local = local.shape[:2]

@@ -45,12 +45,20 @@ def global_loss(
 ) -> torch.Tensor:
     """The step loss for logging: detached, identical on every rank. A collective.
 
-    `loss` is this rank's loss (summed over its micro-batches if there are several).
-    dp_reduce="sum" (default): every rank normalised by the step's GLOBAL count (the
-        collator's contract), so the step loss is the sum over SP and DP ranks.
-    dp_reduce="mean": each DP group normalised by its OWN count (a lone `shard_batch` per DP
-        group with the default count): the SP sum is each group's loss; report their mean.
-    dp_reduce="none": only the SP sum (this DP group's loss).
+    Args:
+        loss: This rank's loss (summed over its micro-batches if there are several).
+        mesh (SPMesh): This rank's mesh.
+        dp_reduce: `"sum"`: every rank normalised by the step's GLOBAL count (the
+            collator's contract), so the step loss is the sum over SP and DP ranks.
+            `"mean"`: each DP group normalised by its OWN count (a lone `shard_batch` per
+            DP group with the default count): the SP sum is each group's loss; report their
+            mean. `"none"`: only the SP sum (this DP group's loss).
+
+    Returns:
+        The step loss, a float64 scalar, the same on every rank.
+
+    Raises:
+        ValueError: An unknown `dp_reduce`.
     """
     if dp_reduce not in ("sum", "mean", "none"):
         raise ValueError(f"dp_reduce must be 'sum', 'mean' or 'none', got {dp_reduce!r}")
@@ -79,6 +87,10 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter], mesh) -> None:
     contributes zeros, and gets the summed gradient written back (or stays None when no rank
     had one: the all-reduced zeros are dropped, as the unsharded model would have no grad).
     Parameters that do not require grad never take part (the same on every rank).
+
+    Args:
+        parameters: The model's parameters, in the same order on every rank.
+        mesh (SPMesh): This rank's mesh (the sum runs over its whole world).
     """
     if mesh.world_size == 1:
         return

@@ -67,7 +67,25 @@ def check_degrees(world_size: int, ulysses: int, ring: int, fpdt_chunks: int = 1
 
 @dataclass(frozen=True)
 class SPMesh:
-    """Degrees, ranks and process groups of one rank's view of the 3D mesh."""
+    """Degrees, ranks and process groups of one rank's view of the 3D mesh.
+
+    Built by `init_sequence_parallel` (or `mesh_from_parallelism_config`); frozen.
+
+    Attributes:
+        dp: Data-parallel degree (SP groups in the world).
+        ring: Ring degree R.
+        ulysses: Ulysses degree U.
+        fpdt_chunks: FPDT chunks per Ulysses all-to-all (1: no FPDT).
+        dp_rank: Which SP group this rank belongs to.
+        ring_rank: This rank's place on the ring.
+        ulysses_rank: This rank's place in its Ulysses group.
+        device_mesh: The `DeviceMesh` ("dp", "ring", "ulysses"), or None in one process.
+        world_mesh: The 1-D `DeviceMesh` over the whole world (FSDP), or None.
+        ulysses_group: The Ulysses process group, or None.
+        ring_group: The ring process group, or None.
+        sp_group: The SP group (ring x ulysses), or None.
+        dp_group: The data-parallel group, or None.
+    """
 
     dp: int
     ring: int
@@ -216,8 +234,21 @@ def init_sequence_parallel(ulysses_degree: int = 1, ring_degree: int = 1, fpdt_c
 
     `world = dp × ring × ulysses`; dp is what is left. Call it on every rank, after the
     process group exists (`torch.distributed.init_process_group`, or `TrainingArguments(...)`
-    under a launcher); without a launcher (one process) no group is needed. Under a launcher
-    with WORLD_SIZE > 1 and no group yet it refuses (`process_group_world`).
+    under a launcher); without a launcher (one process) no group is needed.
+
+    Args:
+        ulysses_degree: U, the Ulysses (all-to-all) degree: keep it within a node.
+        ring_degree: R, the ring degree.
+        fpdt_chunks: FPDT chunks per Ulysses all-to-all (needs ring_degree 1; 1: no FPDT).
+
+    Returns:
+        This rank's view of the mesh, with its process groups.
+
+    Raises:
+        ValueError: A degree is not a positive int, U × R does not divide the world size
+            (every factor named), or FPDT chunks are asked with a ring.
+        NotSupported: A launcher started WORLD_SIZE > 1 processes and no process group
+            exists yet (`process_group_world`).
     """
     initialised, world = process_group_world("init_sequence_parallel")
     dp = check_degrees(world, ulysses_degree, ring_degree, fpdt_chunks)

@@ -24,7 +24,17 @@ from hf_longctx.distributed.loss import collective_device
 
 @dataclass(frozen=True)
 class GroupBank:
-    """This rank's view of every group size: `bank.mesh(size)` is its SP group of that size."""
+    """This rank's view of every group size: `bank.mesh(size)` is its SP group of that size.
+
+    Built by `init_group_bank`; pass it where a mesh goes (`patch`, the trainers).
+
+    Attributes:
+        world_size: Ranks in the world.
+        rank: This rank's global rank.
+        shapes: The group shapes, smallest first.
+        meshes: This rank's `SPMesh` of each shape, in the same order.
+        world_mesh: The 1-D `DeviceMesh` over the world (FSDP), or None in one process.
+    """
 
     world_size: int
     rank: int
@@ -100,11 +110,25 @@ def init_group_bank(
 ) -> GroupBank:
     """Build the bank over the default process group; call it on every rank.
 
-    `heads`: the model's query-head count (bounds the Ulysses degree of every group).
-    `min_size` / `max_size`: the smallest and largest SP group a step may use (powers of
-    two; max defaults to the world). `ranks_per_node`: GPUs per node (default: the local
-    CUDA device count, or the world on CPU: `sp_groups.default_ranks_per_node`, as in
-    `group_shapes`) -- Ulysses stays within a node, the ring spans nodes. `fpdt_chunks` applies to the groups with ring 1 and size > 1.
+    Args:
+        heads: The model's query-head count (bounds the Ulysses degree of every group).
+        min_size: The smallest SP group a step may use (a power of two).
+        max_size: The largest SP group a step may use (a power of two; default: the world).
+        ranks_per_node: GPUs per node (default: the local CUDA device count, or the world on
+            CPU: `sp_groups.default_ranks_per_node`, as in `group_shapes`) -- Ulysses stays
+            within a node, the ring spans nodes.
+        fpdt_chunks: FPDT chunks of the groups with ring 1 and size > 1.
+        warm_up: Run one tiny all-reduce on every group this rank belongs to, so that the
+            first step does not pay for creating their communicators.
+
+    Returns:
+        This rank's bank, one `SPMesh` per group size.
+
+    Raises:
+        ValueError: A size is not a power of two, `min_size` > `max_size`, or `max_size`
+            does not divide the world (`group_shapes`).
+        NotSupported: A launcher started several processes and no process group exists
+            yet.
     """
     initialised, world = process_group_world("init_group_bank")
     max_size = world if max_size is None else max_size

@@ -89,9 +89,26 @@ def plan_flexible(
 ) -> FlexPlan:
     """Plan one step on groups of the given shapes (`bank.shapes` / `group_shapes(...)`).
 
-    `num_slots`: micro-batch slots to aim for (default, and at least: the fewest the tokens
-    need at the smallest feasible sizes); the planner opens more only when documents do not fit.
-    A document longer than the largest group holds raises ValueError naming it.
+    Args:
+        lengths: The step's document lengths (the same list on every rank).
+        shapes: The group shapes a document may use (`bank.shapes` / `group_shapes(...)`).
+        world_size: The ranks the groups tile.
+        max_tokens_per_rank: Tokens one rank holds in one micro-batch (a group of size s
+            packs at most s times this, padding included).
+        cost: Each group size's time per document (`GroupCost`).
+        num_slots: Micro-batch slots to aim for (default, and at least: the fewest the
+            tokens need at the smallest feasible sizes); the planner opens more only when
+            documents do not fit.
+        tau_factors: The target slot lengths tried, as multiples of the ideal one: a
+            document costlier than the target moves to a larger group (inf: none moves);
+            the best plan is kept.
+
+    Returns:
+        The step's plan, every rank one micro-batch per slot.
+
+    Raises:
+        ValueError: A document longer than the largest group holds (named), or an
+            argument out of range.
     """
     world = check_int("world_size", world_size, 1)
     cap = check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
@@ -149,10 +166,27 @@ def plan_fixed(
     """One fixed SP degree for the whole step, as a FlexPlan (every slot world/size groups of
     `shape`): the fixed-degree strategies of `packing.py` -- "balanced", "ffd",
     "karmarkar_karp", FlexSP's DP chunking "flexsp", Hydraulis's two-stage "hydraulis" --
-    as baselines and for a step driver that only runs FlexPlans. `shape` may be a group
-    size (int): its split is then the one in `shapes` (`bank.shapes`). `num_slots`: the
-    step's micro-batch slots (as `plan_flexible`'s; the missing ones are empty groups);
-    fewer than the documents need raises ValueError naming both."""
+    as baselines and for a step driver that only runs FlexPlans.
+
+    Args:
+        lengths: The step's document lengths (the same list on every rank).
+        shape: The group shape, or a group size (int) whose split is the one in `shapes`.
+        shapes: `bank.shapes`, where `shape` is an int.
+        world_size: The ranks the groups tile.
+        max_tokens_per_rank: Tokens one rank holds in one micro-batch.
+        cost: Each group size's time per document (`GroupCost`).
+        strategy: One of `plan_microbatches`' strategies.
+        seed: Drives the randomised "hydraulis" dispatch only.
+        num_slots: The step's micro-batch slots (as `plan_flexible`'s; the missing ones are
+            empty groups).
+
+    Returns:
+        The step's plan, every slot world/size groups of `shape`.
+
+    Raises:
+        ValueError: Fewer `num_slots` than the documents need (both named), a size without
+            a shape in `shapes`, or an argument out of range.
+    """
     world = check_int("world_size", world_size, 1)
     if isinstance(shape, int) and not isinstance(shape, bool):
         match = [sh for sh in shapes or () if sh.size == shape]

@@ -24,7 +24,13 @@ _FP_MOD = 2_147_483_647
 
 @dataclass(frozen=True)
 class FlexGroup:
-    """One SP group of one slot: ranks [index·size, (index+1)·size), documents in order."""
+    """One SP group of one slot: ranks [index·size, (index+1)·size), documents in order.
+
+    Attributes:
+        size: Ranks in the group.
+        index: The group's place among the slot's groups of its size.
+        docs: The indices of the documents it packs, in packing order.
+    """
 
     size: int
     index: int
@@ -38,7 +44,21 @@ class FlexGroup:
 
 @dataclass(frozen=True)
 class FlexPlan:
-    """`slots[m]`: the groups of micro-batch slot m, largest first, tiling the world."""
+    """`slots[m]`: the groups of micro-batch slot m, largest first, tiling the world.
+
+    Made by `plan_flexible`, `plan_fixed` or `plan_unequal`; checked when built.
+
+    Attributes:
+        slots: `slots[m]`: the `FlexGroup`s of micro-batch slot m.
+        lengths: The step's document lengths.
+        world_size: The ranks the groups tile.
+        max_tokens_per_rank: Tokens one rank holds in one micro-batch (a group of size s
+            packs at most s times this).
+        shapes: The group shapes the plan may use.
+        strategy: The planner that made it.
+        equal_calls: Every rank runs one micro-batch per slot (False: `plan_unequal`'s
+            unequal counts, for a step with unsharded parameters).
+    """
 
     slots: tuple[tuple[FlexGroup, ...], ...]
     lengths: tuple[int, ...]

@@ -98,7 +98,25 @@ def group_batch(documents: Sequence[Any], group: FlexGroup, plan: FlexPlan, pad_
 def flex_microbatches(
     plan: FlexPlan, bank: GroupBank, documents: Sequence[Any], *, num_items_in_batch: int | None = None, pad_token_id: int = 0
 ) -> Iterator[dict]:
-    """This rank's shards, one per slot, ready for `model(**shard)` (checks first)."""
+    """This rank's shards, one per slot, ready for `model(**shard)` (checks first).
+
+    Args:
+        plan: The step's `FlexPlan` (the same on every rank).
+        bank: This rank's `GroupBank`.
+        documents: The step's documents, in the plan's order: each a mapping with
+            `input_ids` (optional HF-unshifted `labels`; a padded row's `attention_mask`
+            keeps its real tokens only), or a token sequence / tensor.
+        num_items_in_batch: Valid targets of the whole step (default: counted from
+            `documents`).
+        pad_token_id: The id of padding tokens.
+
+    Yields:
+        One shard per slot of this rank (`shard_batch` on its group's mesh).
+
+    Raises:
+        ValueError: The plan does not match the bank or the documents' lengths, or the
+            step has no valid target.
+    """
     check_plan(plan, bank)
     if len(documents) != len(plan.lengths):
         raise ValueError(f"the plan covers {len(plan.lengths)} documents but {len(documents)} were given")
@@ -120,13 +138,33 @@ def run_flex_step(
     model: torch.nn.Module, bank: GroupBank, plan: FlexPlan, documents: Sequence[Any], *,
     num_items_in_batch: int | None = None, pad_token_id: int = 0, sync_each_microbatch: bool = False,
 ) -> torch.Tensor:
-    """Forward + backward of every slot of `plan` on this rank; returns the step's global mean
-    loss (the same on every rank). Gradients end summed over the world, ready for
-    `optimizer.step()`. `model` is patched with `bank` and optionally FSDP2-sharded over
-    `bank.world` (`fsdp_plan(model, bank.world).apply(model)`). `sync_each_microbatch`:
-    with FSDP2 and equal counts, reduce-scatter in every backward (gradients accumulate
-    sharded; more traffic) instead of only in the last (the default, which holds the fp32
-    unsharded gradients through the step: `capacity/estimate.py`)."""
+    """Forward + backward of every slot of `plan` on this rank.
+
+    Gradients end summed over the world, ready for `optimizer.step()`.
+
+    Args:
+        model: The model patched with `bank`, optionally FSDP2-sharded over `bank.world`
+            (`fsdp_plan(model, bank.world).apply(model)`).
+        bank: This rank's `GroupBank`.
+        plan: The step's `FlexPlan` (the same on every rank).
+        documents: The step's documents, in the plan's order: each a mapping with
+            `input_ids` (optional HF-unshifted `labels`; a padded row's `attention_mask`
+            keeps its real tokens only), or a token sequence / tensor.
+        num_items_in_batch: Valid targets of the whole step (default: counted from
+            `documents`).
+        pad_token_id: The id of padding tokens.
+        sync_each_microbatch: With FSDP2 and equal counts, reduce-scatter in every
+            backward (gradients accumulate sharded; more traffic) instead of only in the
+            last (the default, which holds the fp32 unsharded gradients through the step:
+            `capacity/estimate.py`).
+
+    Returns:
+        The step's global mean loss (the same on every rank), detached.
+
+    Raises:
+        ValueError: `sync_each_microbatch` with unequal counts, or the plan does not match
+            the bank or the documents.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     if sync_each_microbatch and not plan.equal_calls:

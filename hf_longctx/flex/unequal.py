@@ -145,9 +145,28 @@ def plan_unequal(
     promote_factors: Sequence[float] = PROMOTE_FACTORS,
 ) -> FlexPlan:
     """Plan one step with unequal micro-batch counts per rank (`FlexPlan.equal_calls` False).
+
     Only for a step run with parameters unsharded throughout (`run_flex_step` and the
-    Trainer check the model). A document longer than the largest group holds raises
-    ValueError naming it."""
+    Trainer check the model).
+
+    Args:
+        lengths: The step's document lengths (the same list on every rank).
+        shapes: The group shapes a document may use (`bank.shapes` / `group_shapes(...)`).
+        world_size: The ranks the groups tile.
+        max_tokens_per_rank: Tokens one rank holds in one micro-batch (a group of size s
+            packs at most s times this, padding included).
+        cost: Each group size's time per document (`GroupCost`).
+        promote_factors: The per-document loads tried, as multiples of the ideal per-rank
+            load: a document costlier than that moves to a larger group (inf: none moves);
+            the best plan is kept.
+
+    Returns:
+        The step's plan, with `equal_calls` False.
+
+    Raises:
+        ValueError: A document longer than the largest group holds (named), or an
+            argument out of range.
+    """
     world = check_int("world_size", world_size, 1)
     cap = check_int("max_tokens_per_rank", max_tokens_per_rank, 1)
     shapes, lengths, padded, caps, costs, smallest = prepare(lengths, shapes, world, cap, cost)

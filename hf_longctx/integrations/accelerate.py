@@ -29,7 +29,18 @@ MIXED_PRECISION = ("bf16", "fp32")
 
 @dataclass(frozen=True)
 class FSDPPlan:
-    """How one model is sharded; build it with `fsdp_plan()`."""
+    """How one model is sharded; build it with `fsdp_plan()`, apply it with `plan.apply(model)`.
+
+    Attributes:
+        plugin: The `accelerate.FullyShardedDataParallelPlugin` (fsdp_version=2) of the plan.
+        device_mesh: The 1-D `DeviceMesh` over the whole DP × SP world; None in one process
+            without parameter offload.
+        layer_classes: The module classes sharded as one unit each (the decoder layers).
+        mixed_precision: "bf16" or "fp32".
+        param_offload: Sharded parameters, gradients and optimizer states in host memory.
+        reshard_after_forward: Free each layer's gathered parameters after its forward.
+        gradient_reduction: Always "sum": FSDP's reduce-scatter sums (invariant 6).
+    """
 
     plugin: Any  # accelerate.FullyShardedDataParallelPlugin (fsdp_version=2)
     device_mesh: Any  # 1-D DeviceMesh over the whole DP × SP world; None in one process without param_offload
@@ -199,14 +210,31 @@ def fsdp_plan(
 ) -> FSDPPlan:
     """The FSDP2 plan of `model` over the whole world of `mesh` (ZeRO-3 over DP × SP).
 
-    `mixed_precision="bf16"`: bf16 parameters in compute, fp32 master weights and fp32
-    gradient reduction; `"fp32"` keeps the model's own dtype everywhere (no cast: an fp32
-    model computes in fp32). Default (None): follows the model -- "bf16" when its floating
-    parameters are bf16, else "fp32" -- never a silent bf16 cast of an fp32 model.
-    `param_offload`: keep sharded parameters, gradients and optimizer states in host memory --
-    in one process too: FSDP2 over a one-rank world mesh (`one_rank_world`, which creates a
-    one-rank process group when none exists), each unit copied to the device for its forward
-    and backward only. Call `plan.apply(model)` on every rank before building the optimizer.
+    Call `plan.apply(model)` on every rank before building the optimizer.
+
+    Args:
+        model: The (patched) model.
+        mesh: This rank's mesh; the plan shards over its whole world.
+        mixed_precision: `"bf16"`: bf16 parameters in compute, fp32 master weights and fp32
+            gradient reduction; `"fp32"` keeps the model's own dtype everywhere (no cast: an
+            fp32 model computes in fp32). Default (None): follows the model -- "bf16" when
+            its floating parameters are bf16, else "fp32" -- never a silent bf16 cast of an
+            fp32 model.
+        param_offload: Keep sharded parameters, gradients and optimizer states in host
+            memory -- in one process too: FSDP2 over a one-rank world mesh
+            (`one_rank_world`, which creates a one-rank process group when none exists),
+            each unit copied to the device for its forward and backward only.
+        reshard_after_forward: Free each layer's gathered parameters after its forward
+            (gathered again for the backward).
+        layer_classes: The module classes to shard as one unit each (default: the model's
+            decoder layer classes).
+
+    Returns:
+        The plan.
+
+    Raises:
+        TypeError: `mesh` is not an `SPMesh`.
+        ValueError: An unknown `mixed_precision`, or a multi-rank mesh without a world mesh.
     """
     if not isinstance(mesh, SPMesh):
         raise TypeError(f"mesh must be an SPMesh from hf_longctx.init_sequence_parallel, got {type(mesh).__name__}")

@@ -20,6 +20,7 @@ import torch
 from hf_longctx.data.sharding import SP_METADATA_KEY, SPBatchInfo
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.attention_choice import attention_choice
 
 
 # Keywords `sp_attention` APPLIES (the structural rule of probe.py lets them reach it) and
@@ -136,6 +137,7 @@ def prepare(state: Any, mesh: SPMesh, module: Any, query, key, value, scaling, w
         window=int(window) if window is not None else None,
         softcap=float(softcap) if softcap else None,
         sinks=kwargs.get("s_aux"),  # per-head attention sinks [H] (GPT-OSS & co.), None elsewhere
+        attention_backend=attention_choice(state.options.attention_backend, q),
     )
     return q, k, v, AttentionCall(mesh, kw, d_v, state.options.kv_offload, state.plan_cache)
 

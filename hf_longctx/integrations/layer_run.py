@@ -112,13 +112,13 @@ class LayerRun:
         or the backward's recompute (`dh` given: post's backward per finished chunk, its dout put
         into `store`; with `kept`, the forward's (o_i, lse_i) instead of the attention kernels);
         `box`: [chunk 0's (q, k, v)], emptied when the loop takes them. Returns (plan, sinks)."""
-        call = self.call
-        mesh, kw = call.mesh, call.kw
+        call, mesh, kw = self.call, self.call.mesh, self.call.kw
         u = mesh.fpdt_chunks
         c = self.s // u
         meta = [torch.empty((t.shape[0], self.s, *t.shape[2:]), dtype=t.dtype, device="meta") for t in box[0]]
         plan = plan_for(*meta, mesh, cu_seqlens=kw["cu_seqlens"], causal=kw["causal"], softmax_scale=kw["softmax_scale"],
-                        window=kw["window"], softcap=kw["softcap"], sinks=kw["sinks"], plan_cache=call.plan_cache)
+                        window=kw["window"], softcap=kw["softcap"], sinks=kw["sinks"], plan_cache=call.plan_cache, choice=kw.get("attention_backend"))
+        plan.backend(box[0][0])  # chosen (or refused) on every rank alike before the first chunk's all-to-all
         sinks = None if kw["sinks"] is None else local_sinks(kw["sinks"].detach(), mesh)  # [H/U]
         pieces = max(1, math.ceil(self.chunks / u))  # post's row chunks per FPDT chunk
 

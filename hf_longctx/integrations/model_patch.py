@@ -62,22 +62,12 @@ def patch(
     keep_attention: bool = False,
     fused: bool = False,
     loss_chunk_rows: int | None = None,
+    attention_backend: str | None = None,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
     before_install: Callable[[], Any] | None = None,
 ) -> Any:
     """Make `model` (a PreTrainedModel or a PEFT model) sequence-parallel over `mesh`; returns it.
-
-    `memory`: "off", "balanced" (chunked LM head + loss, chunked MLP) or "max" (those plus checkpointing
-    with offloaded inputs, plus K/V offload when the mesh has FPDT chunks); `hf-longctx plan` suggests
-    one. The four knobs (default off) are for experts; a preset and a knob together are an error.
-    `inputs_on_device`: with checkpointing (memory="high" / "max"), the last N decoder layers
-    keep their inputs on the GPU instead of pinned host memory (hidden x 2 bytes per token of
-    the rank each, bf16); `hf-longctx plan` suggests N where host memory binds. Default 0.
-    `keep_attention`: with memory="max", layers keep the attention's output and LSE (host memory,
-    about a layer input per token) for their backward; `hf-longctx plan` says where it pays, and
-    suggests `loss_chunk_rows` (rows per LM-head chunk, `ops/loss_rows.py`) where GPU memory binds.
-    `fused`: norms, RoPE, SwiGLU and the loss tail as compiled, fused kernels (`integrations/fusion.py`).
 
     Call it on every rank. Afterwards call the model with `shard_batch(batch, mesh)`; each
     rank's `.loss` is its share (losses and parameter gradients SUM to the single-device
@@ -89,23 +79,63 @@ def patch(
     Before changing anything, a local dry run (`integrations/probe/dry_run.py`, no collective)
     proves that only the attention mixes tokens and that everything the attention receives
     is applied; otherwise `patch()` raises naming the module class, its layers and the cause.
-    unsafe_skip_exactness_check: skip the dry run. UNSAFE: a model whose modules mix tokens
-        outside attention (Mamba, convolutions, linear attention, indexers) then trains a
-        different model than the user thinks, silently. For experts and for verify() tests.
-    mixers: how the linear recurrences of a hybrid model (Gated DeltaNet, Mamba-2, RG-LRU) cross
-        the SP group: "heads" (head all-to-all: every rank gets the whole sequence for some heads;
-        needs SP <= heads), "state" (state passing: every rank keeps all heads and its tokens; the
-        ranks exchange O(heads x d_k x d_v) state maps, independent of the sequence length), or
-        "auto" (None, the default: per micro-batch the cheaper by `ops/mixers/cost.choose`; "state"
-        wherever SP > heads); or {mixer class name: scheme}. Short convolutions always exchange
-        their K-1-row halo. `integrations/mixers/modes.py`.
-    before_install: called once every check has passed and before anything is changed (the
-        public `hf_longctx.patch(..., verify=True)` runs `verify()` here: `hf_longctx/patching.py`).
+    (Long because this docstring is the reference of every option.)
+
+    Args:
+        model: A `PreTrainedModel` or a PEFT model.
+        mesh: An `SPMesh` (`init_sequence_parallel`) or a `GroupBank` (`init_group_bank`).
+        memory: A preset: "off", "balanced" (chunked LM head + loss, chunked MLP), "high" (those plus checkpointing
+            that keeps the attention's saved tensors) or "max" (those plus full checkpointing with offloaded inputs);
+            "high" and "max" add K/V offload when the mesh has FPDT chunks. `hf-longctx plan` suggests one. A preset
+            and a knob together are an error.
+        kv_offload: Knob (experts; default off): FPDT offloads K/V chunks to host memory (needs
+            `mesh.fpdt_chunks > 1`).
+        mlp_chunks: Knob: run every MLP over this many sequence chunks (None: unchunked, "auto": FPDT's default).
+        loss_chunks: Knob: compute the LM head + loss over this many sequence chunks (None: unchunked, "auto").
+        checkpoint: Knob: activation checkpointing of every decoder layer: True recomputes the whole layer in the
+            backward; "attention" recomputes everything but the core attention and its collectives.
+        inputs_on_device: With checkpointing (memory="high" / "max"), the last N decoder layers keep their inputs on
+            the GPU instead of pinned host memory -- each layer's input is hidden x 2 bytes per token of the rank
+            (bf16): GPU memory the preset leaves free holds what the host cannot; `hf-longctx plan` suggests N where
+            host memory binds.
+        keep_attention: With memory="max", layers keep the attention's output and LSE (host memory, about a layer
+            input per token) for their backward; `hf-longctx plan` says where it pays.
+        fused: Norms, RoPE, the gated MLP's product and the loss's elementwise tail run as compiled, fused kernels
+            under any preset or knobs (`integrations/fusion.py`).
+        loss_chunk_rows: Rows per chunk of the chunked LM head (with memory="balanced" / "high" / "max" or
+            loss_chunks="auto"); None: `ops/loss_rows.loss_chunk_rows`' "auto", at least 2048 rows so the head's
+            GEMMs are compute-bound. `hf-longctx plan` suggests fewer where GPU memory binds.
+        attention_backend: The local attention kernel every call runs: "torch_flash", "torch_flash[FA3]" /
+            "[FA4]" (after the user's `torch.nn.attention.activate_flash_attention_impl`), "flash_attn", "cudnn",
+            "cudnn_frontend", "aten_cpu" or "math" (`config.ATTENTION_BACKENDS`). None (the default): the fastest
+            exact one measured on the GPU (`capacity/gpus.py`); a backend without a measured fraction there is never
+            picked unnamed. A named one that cannot run a call raises, with the reason, before its first collective.
+        mixers: How the linear recurrences of a hybrid model (Gated DeltaNet, Mamba-2, RG-LRU) cross the SP group:
+            "heads" (head all-to-all: every rank gets the whole sequence for some heads; needs SP <= heads), "state"
+            (state passing: every rank keeps all heads and its tokens; the ranks exchange O(heads x d_k x d_v) state
+            maps, independent of the sequence length), or "auto" (None, the default: per micro-batch the cheaper by
+            `ops/mixers/cost.choose`; "state" wherever SP > heads); or {mixer class name: scheme}. Short convolutions
+            always exchange their K-1-row halo. `integrations/mixers/modes.py`.
+        unsafe_skip_exactness_check: Skip the dry run. UNSAFE: a model whose modules mix tokens outside attention
+            (Mamba, convolutions, linear attention, indexers) then trains a different model than the user thinks,
+            silently. For experts and for verify() tests.
+        before_install: Called once every check has passed and before anything is changed (the public
+            `hf_longctx.patch(..., verify=True)` runs `verify()` here: `hf_longctx/patching.py`).
+
+    Returns:
+        `model`, patched.
+
+    Raises:
+        NotSupported: SP cannot be exact for this model or setting (the module class, its layers and the cause named);
+            nothing is changed.
+        ValueError: An option out of range, or a preset and a knob together.
+        TypeError: An unknown option.
     """
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, fused, loss_chunk_rows)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, fused=fused,
+                                        loss_chunk_rows=loss_chunk_rows, attention_backend=attention_backend)
     hf = hf_model(model)
     old = hf.__dict__.get(STATE_ATTR)
     if old is not None:
@@ -232,7 +262,14 @@ def _apply_memory_options(state: PatchState, hf) -> None:
 
 def unpatch(model: Any) -> Any:
     """Undo `patch()` exactly: memory options, hooks, every config's attention implementation,
-    and both registrations. A no-op on a model that is not patched. Returns the model."""
+    and both registrations. A no-op on a model that is not patched.
+
+    Args:
+        model: The patched model (or PEFT model).
+
+    Returns:
+        `model`, unpatched.
+    """
     hf = hf_model(model)
     state = hf.__dict__.pop(STATE_ATTR, None)
     if state is None:
@@ -260,5 +297,12 @@ def patch_state(model: Any) -> Any:
 
 
 def is_patched(model: Any) -> bool:
-    """True while `model` is patched."""
+    """True while `model` is patched.
+
+    Args:
+        model: A model (or PEFT model).
+
+    Returns:
+        Whether `patch()` is in effect on it.
+    """
     return STATE_ATTR in hf_model(model).__dict__

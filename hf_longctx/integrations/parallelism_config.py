@@ -259,10 +259,24 @@ def mesh_from_parallelism_config(pc: Any, model_config: Any = None, *, ulysses_d
     """`init_sequence_parallel` with the degrees an `accelerate.ParallelismConfig` maps to (the
     rule in this module's docstring): `sp_size` -> Ulysses x ring (Ulysses as wide as the heads
     of `model_config` and one node allow, the ring over the rest), `cp_size` -> ring,
-    `dp_shard_size` -> the data-parallel rest. `ulysses_degree` / `ring_degree` replace the
-    split; `ranks_per_node`: default LOCAL_WORLD_SIZE, else the local GPU count. Call it on
-    every rank after the process group exists; raises `NotSupported` naming each refused field.
-    The fields answered by hf_longctx's own mechanism are said once (a warning on rank 0)."""
+    `dp_shard_size` -> the data-parallel rest. Call it on every rank after the process group
+    exists. The fields answered by hf_longctx's own mechanism are said once (a warning on
+    rank 0).
+
+    Args:
+        pc: The `accelerate.ParallelismConfig`.
+        model_config: The model's config (its heads bound the Ulysses degree).
+        ulysses_degree: Replaces the split's Ulysses degree.
+        ring_degree: Replaces the split's ring degree.
+        ranks_per_node: GPUs per node (default: LOCAL_WORLD_SIZE, else the local GPU count).
+        fpdt_chunks: As for `init_sequence_parallel`.
+
+    Returns:
+        This rank's mesh.
+
+    Raises:
+        NotSupported: Naming each refused field of `pc`.
+    """
     _, world = process_group_world("mesh_from_parallelism_config")
     heads = model_heads(model_config) if model_config is not None else None
     mapped = map_parallelism_config(

@@ -19,6 +19,7 @@ import torch
 
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.distributed.mesh import SPMesh
+from hf_longctx.ops.backends import AttentionChoice
 from hf_longctx.ops import kernels
 from hf_longctx.ops.fpdt_schedule import FPDTPlan, plan_for
 from hf_longctx.ops.offload import ChunkStore
@@ -288,29 +289,28 @@ def fpdt_attention(
     softmax_scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
-    offload: bool = False,
-    sinks: torch.Tensor | None = None,
-    plan_cache: dict | None = None,
-    save: bool = True,
+    offload: bool = False, sinks: torch.Tensor | None = None,
+    plan_cache: dict | None = None, save: bool = True, attention_backend: AttentionChoice | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the Ulysses group, FPDT-chunked.
 
-    q [B, S_local, H, D], k/v [B, S_local, H_kv, D] → [B, S_local, H, D]. The rows are the
-    global tokens at `mesh.local_indices(cu_seqlens)` (rank-ordinal chunk layout with
-    `mesh.fpdt_chunks` chunks); `cu_seqlens` are the global document boundaries of the
-    packed sequence (B = 1), None = every row is one document. `offload=True` keeps
-    finished chunks in pinned host memory on CUDA (no effect on CPU). `sinks`: None, or
-    the per-head sink logits [H] (HF's `s_aux`), joined to every query row's softmax
-    denominator once, after its last K/V chunk (`ops/sinks.py`); differentiable.
-    `plan_cache`: an optional dict the caller keeps per batch, so that the layers of one
-    micro-batch share one chunk plan (and the device tensors backends derive from its
-    tiles); `patch()` does this. `save=False`: the caller discards the saved tensors (the first
-    run of a checkpointed layer, which the backward recomputes): no chunk is kept for a backward.
+    Args:
+        q: [B, S_local, H, D]: the tokens at `mesh.local_indices(cu_seqlens)` (`mesh.fpdt_chunks` rank-ordinal chunks).
+        k: [B, S_local, H_kv, D] (GQA not expanded).
+        v: [B, S_local, H_kv, D].
+        mesh: The mesh the batch was sharded on (ring degree 1, `fpdt_chunks` > 1); `cu_seqlens`, `causal`,
+            `softmax_scale`, `window`, `softcap`, `sinks` and `plan_cache` are `usp_attention`'s.
+        offload: Keep finished chunks in pinned host memory on CUDA (no effect on CPU).
+        save: False: the caller discards the saved tensors (a checkpointed layer's first run): no chunk is kept.
+        attention_backend: The kernel choice (`ops/backends/select.AttentionChoice`), made before any collective.
+
+    Returns:
+        [B, S_local, H, D].
     """
     if not isinstance(offload, bool):
         raise ValueError(f"offload must be a bool, got {offload!r}")
     plan = plan_for(q, k, v, mesh, cu_seqlens=cu_seqlens, causal=causal, softmax_scale=softmax_scale, window=window,
-                    softcap=softcap, sinks=sinks, plan_cache=plan_cache)
+                    softcap=softcap, sinks=sinks, plan_cache=plan_cache, choice=attention_backend)
     k, v = replicate_kv(q, k, v, mesh.ulysses)  # [B, S_local, H_kv·f, D]
     if sinks is not None:
         sinks = local_sinks(sinks, mesh)  # [H/U]: the heads of this rank after each chunk's all-to-all

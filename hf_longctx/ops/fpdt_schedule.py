@@ -23,8 +23,9 @@ class FPDTPlan:
     """The chunk schedule, identical on every rank: the runs of every global segment and,
     per query chunk, the K/V chunks holding an allowed pair."""
 
-    def __init__(self, cu: Sequence[int], chunks: int, *, group, causal: bool, window: int | None, kw: dict):
-        self.group, self.chunks, self.kw = group, chunks, kw
+    def __init__(self, cu: Sequence[int], chunks: int, *, group, causal: bool, window: int | None, kw: dict,
+                 choice=None):
+        self.group, self.chunks, self.kw, self.choice = group, chunks, kw, choice
         total = cu[-1]
         self.runs: list[list[Run]] = [runs_of_range(cu, *fpdt_chunk_range(total, chunks, i)) for i in range(chunks)]
         # tiles[i][j]: the (query chunk i, K/V chunk j) tiles, planned once per micro-batch
@@ -44,18 +45,21 @@ class FPDTPlan:
     def backend(self, q):
         """The local attention backend of this micro-batch's calls with queries like `q`
         (`kernels.batch_backend`: probed and checked on the first call only)."""
-        return kernels.batch_backend(q, softcap=self.kw["softcap"], memo=self.backends)
+        return kernels.batch_backend(q, softcap=self.kw["softcap"], memo=self.backends, window=self.kw["window"],
+                                     choice=self.choice)
 
 
-def make_plan(mesh: SPMesh, cu: Sequence[int], *, scale: float, causal: bool, window, softcap) -> FPDTPlan:
+def make_plan(mesh: SPMesh, cu: Sequence[int], *, scale: float, causal: bool, window, softcap, choice=None) -> FPDTPlan:
     kw = dict(scale=scale, causal=causal, window=window, softcap=softcap)
-    return FPDTPlan(cu, mesh.fpdt_chunks, group=mesh.ulysses_group, causal=causal, window=window, kw=kw)
+    return FPDTPlan(cu, mesh.fpdt_chunks, group=mesh.ulysses_group, causal=causal, window=window, kw=kw, choice=choice)
 
 
-def plan_for(q, k, v, mesh: SPMesh, *, cu_seqlens, causal, softmax_scale, window, softcap, sinks, plan_cache) -> FPDTPlan:
+def plan_for(q, k, v, mesh: SPMesh, *, cu_seqlens, causal, softmax_scale, window, softcap, sinks, plan_cache,
+             choice=None) -> FPDTPlan:
     """Check the inputs (q [B, S_local, H, D], k/v [B, S_local, H_kv, D]: shapes only, meta
     tensors do) on every rank before any collective, and return the chunk plan of this
-    micro-batch -- from `plan_cache` when the caller keeps one (every layer shares it)."""
+    micro-batch -- from `plan_cache` when the caller keeps one (every layer shares it); with a
+    real q, the plan's local attention backend is chosen here too (`choice`: `AttentionChoice`)."""
     if mesh.ring != 1:
         raise ValueError(f"fpdt_attention needs ring degree 1, got ring {mesh.ring} (fpdt_chunks {mesh.fpdt_chunks})")
     u = mesh.fpdt_chunks
@@ -70,10 +74,12 @@ def plan_for(q, k, v, mesh: SPMesh, *, cu_seqlens, causal, softmax_scale, window
         cu_key = tuple(cu)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     # Every layer of a micro-batch has the same boundaries: one plan per batch (pure Python).
-    key = ("fpdt", cu_key, u, id(mesh.ulysses_group), scale, causal, window, softcap)
+    key = ("fpdt", cu_key, u, id(mesh.ulysses_group), scale, causal, window, softcap, choice)
     plan = plan_cache.get(key) if plan_cache is not None else None
     if plan is None:
-        plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap)
+        plan = make_plan(mesh, cu, scale=scale, causal=causal, window=window, softcap=softcap, choice=choice)
         if plan_cache is not None:
             plan_cache[key] = plan
+    if q.device.type != "meta":  # the kernel chosen (or refused) on every rank alike before any collective
+        plan.backend(q)
     return plan

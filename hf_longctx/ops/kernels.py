@@ -76,20 +76,23 @@ def block_backward(
     return backend.backward(dout, q, k, v, out, lse, _tile_blocks(q, k, causal), window=None, **kw)
 
 
-def batch_backend(q: torch.Tensor, *, softcap: float | None, memo: dict | None):
+def batch_backend(q: torch.Tensor, *, softcap: float | None, memo: dict | None, window: int | None = None,
+                  choice=None):
     """The backend of `q`'s calls for the lifetime of `memo` -- a dict the caller keeps per
     micro-batch (`patch()`'s plan cache, an `FPDTPlan`): `backend_for` (the environment probe
-    and the refusal checks) runs once per (device, dtype, head dim, softcap) and micro-batch,
-    not once per call of every layer; without a memo, once per call.
+    and the refusal checks) runs once per (device, dtype, head dim, softcap, window, choice)
+    and micro-batch, not once per call of every layer; without a memo, once per call.
+    `choice`: the caller's `ops/backends/select.AttentionChoice` (a named backend, the GPU's
+    measured ranking), None for the unmeasured default.
     Per micro-batch, not per process: torch's flash implementation is a process-wide switch the
     user may flip between steps (`_compat.torch_flash_impl`), so a choice kept for the process
     could go stale; kept for one micro-batch, its forward, recompute and backward run one kernel."""
     if memo is None:
-        return backend_for(q, softcap=softcap)
-    key = ("backend", q.device, q.dtype, q.shape[-1], softcap)
+        return backend_for(q, softcap=softcap, window=window, choice=choice)
+    key = ("backend", q.device, q.dtype, q.shape[-1], softcap, window, choice)
     backend = memo.get(key)
     if backend is None:
-        backend = memo[key] = backend_for(q, softcap=softcap)
+        backend = memo[key] = backend_for(q, softcap=softcap, window=window, choice=choice)
     return backend
 
 
@@ -133,7 +136,7 @@ def varlen_forward(
             return into  # merging "no key" changes nothing
         out, lse = empty_result(q)
         return out.to(out_dtype), lse
-    backend = backend or backend_for(q, softcap=softcap)
+    backend = backend or backend_for(q, softcap=softcap, window=window)
     out, lse = backend.forward(
         q, k, v, plan, scale=scale, causal=causal, window=window, softcap=softcap, out_dtype=out_dtype, widen=widen,
         **({} if into is None else {"into": into}),
@@ -167,7 +170,7 @@ def varlen_backward(
             s if s is not None else torch.zeros(t.shape, dtype=grad_dtype or t.dtype, device=t.device)
             for s, t in zip(into, (q, k, v))
         )
-    backend = backend or backend_for(q, softcap=softcap)
+    backend = backend or backend_for(q, softcap=softcap, window=window)
     extra = {} if widen and all(s is None for s in into) else {"widen": widen, "into": into}
     return backend.backward(
         dout, q, k, v, out, lse, plan, scale=scale, causal=causal, window=window, softcap=softcap, grad_dtype=grad_dtype,

@@ -20,6 +20,7 @@ import torch
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.ops import kernels
+from hf_longctx.ops.backends import AttentionChoice
 from hf_longctx.ops.ring import RingReplay, RingSpec, ring_attention, ring_forward, ring_plan
 from hf_longctx.ops.sinks import check_sinks
 from hf_longctx.ops.ulysses import gather_heads, kv_replication, scatter_heads
@@ -100,20 +101,38 @@ def usp_attention(
     softcap: float | None = None,
     plan_cache: dict | None = None,
     sinks: torch.Tensor | None = None,
+    attention_backend: AttentionChoice | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the SP group of `mesh`.
 
-    q [B, S_local, H, D], k/v [B, S_local, H_kv, D] → [B, S_local, H, D]. The rows are the
-    global tokens at `mesh.local_indices(cu_seqlens)`; `cu_seqlens` are the global document
-    boundaries of the packed sequence (B = 1), None = every row is one document.
-    `plan_cache`: an optional dict the caller keeps per batch, so that the layers of one
-    micro-batch plan the ring and choose the kernel once (`patch()` does this). `sinks`:
-    None, or the per-head sink logits [H] (HF's `s_aux`), joined to the softmax denominator
-    once (`ops/sinks.py`); differentiable. The output is contiguous, like HF's own attention
-    functions (models `.view()` it).
+    The rows are the global tokens at `mesh.local_indices(cu_seqlens)`.
+
+    Args:
+        q: [B, S_local, H, D], this rank's query rows (after RoPE).
+        k: [B, S_local, H_kv, D] (GQA not expanded).
+        v: [B, S_local, H_kv, D].
+        mesh: The mesh the batch was sharded on.
+        cu_seqlens: The global document boundaries of the packed sequence (B = 1); None:
+            every row is one document.
+        causal: Causal attention (each token sees itself and the tokens before it).
+        softmax_scale: The logits' scale (default 1/sqrt(D)).
+        window: A sliding window: a query at i sees keys j with i - j < window (None: no
+            window), as in transformers.
+        softcap: Logit soft-capping, softcap·tanh(logits / softcap) (None: none).
+        plan_cache: An optional dict the caller keeps per batch, so that the layers of one
+            micro-batch plan the ring and choose the kernel once (`patch()` does this).
+        sinks: None, or the per-head sink logits [H] (HF's `s_aux`), joined to the softmax
+            denominator once (`ops/sinks.py`); differentiable.
+        attention_backend: How the local kernel is chosen (`ops/backends/select.AttentionChoice`:
+            a named backend, the GPU's measured ranking; None: the unmeasured default), resolved
+            before the first collective.
+
+    Returns:
+        [B, S_local, H, D], contiguous like HF's own attention functions (models `.view()`
+            it).
     """
     qf, kf, vf, spec, kw, sinks, shape = _to_ring(q, k, v, mesh, cu_seqlens, causal, softmax_scale, window, softcap,
-                                                   plan_cache, sinks)
+                                                   plan_cache, sinks, attention_backend)
     return _from_ring(ring_attention(qf, kf, vf, spec, sinks=sinks, **kw), shape, mesh)
 
 
@@ -137,12 +156,15 @@ def usp_replay(q, k, v, mesh: SPMesh, out: torch.Tensor, lse: torch.Tensor, **op
 
 
 def _to_ring(q, k, v, mesh: SPMesh, cu_seqlens=None, causal=True, softmax_scale=None, window=None, softcap=None,
-             plan_cache=None, sinks=None) -> tuple:
+             plan_cache=None, sinks=None, attention_backend=None) -> tuple:
     """Checks, Ulysses all-to-all and the ring's spec: (qf, kf, vf [1, h, B·S_ring, D], spec,
     kernel keywords, local sinks [H/U] or None, (B, S_ring))."""
     if mesh.fpdt_chunks > 1:
         raise ValueError(f"mesh has fpdt_chunks={mesh.fpdt_chunks}: use hf_longctx.ops.fpdt.fpdt_attention")
     cu, cu_key = check_inputs(q, k, v, mesh, cu_seqlens, window, softcap, sinks, plan_cache)
+    # Chosen (or refused) before the all-to-all: device, dtype, head dim, softcap and window are
+    # the same on every rank, so every rank raises alike and none waits in a collective.
+    backend = kernels.batch_backend(q, softcap=softcap, memo=plan_cache, window=window, choice=attention_backend)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     b = q.shape[0]
     if sinks is not None:
@@ -168,7 +190,7 @@ def _to_ring(q, k, v, mesh: SPMesh, cu_seqlens=None, causal=True, softmax_scale=
         next_rank=mesh.global_rank(ring_rank=mesh.ring_rank + 1),
         prev_rank=mesh.global_rank(ring_rank=mesh.ring_rank - 1),
         plan=plan,
-        backend=kernels.batch_backend(q, softcap=softcap, memo=plan_cache),  # chosen once per micro-batch
+        backend=backend,  # chosen once per micro-batch
     )
     return qf, kf, vf, spec, dict(scale=scale, causal=causal, window=window, softcap=softcap), sinks, (b, s_ring)
 

@@ -98,7 +98,11 @@ def exit_rank(code: int = 0) -> NoReturn:
     thread in `Py_FinalizeEx`). `destroy_process_group` does not join those threads while
     meshes, FSDP2 or DTensor still hold the groups, so a rank skips finalisation instead: it
     destroys the groups, joins its non-daemon Python threads, runs the `atexit` handlers
-    (logging, trackers), flushes stdout/stderr and leaves with `os._exit(code)`."""
+    (logging, trackers), flushes stdout/stderr and leaves with `os._exit(code)`.
+
+    Args:
+        code: The process's exit status.
+    """
     shutdown_distributed()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
@@ -115,7 +119,11 @@ def exit_rank(code: int = 0) -> NoReturn:
 def run_rank(main: Callable[[], object]) -> NoReturn:
     """Run a launched script's `main()` and end the rank with `exit_rank(0)`; if `main` raises
     (SystemExit included, e.g. argparse's --help), destroy the process group and let the
-    exception end the process as usual (its traceback and exit code unchanged)."""
+    exception end the process as usual (its traceback and exit code unchanged).
+
+    Args:
+        main: The script's entry point, called without arguments.
+    """
     try:
         main()
     except BaseException:

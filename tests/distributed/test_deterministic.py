@@ -31,7 +31,7 @@ def _emulated(kernel: str):
     env, sims = cuda_env(flash="2.8.3", torch_ops=True)
     backend = PackedBackend(kernel, env.flash_attn if kernel == "flash_attn" else env.torch_flash)
     old = kernels.backend_for
-    kernels.backend_for = lambda q, *, softcap, mask=False: backend
+    kernels.backend_for = lambda q, *, softcap, mask=False, **_: backend
     try:
         yield sims[kernel]
     finally:

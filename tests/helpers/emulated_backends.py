@@ -32,8 +32,9 @@ from hf_longctx.ops.backends.select import KernelEnv
 
 
 class _Sim:
-    def __init__(self, allow_float64: bool):
+    def __init__(self, allow_float64: bool, top_left: bool = False):
         self.allow_float64 = allow_float64
+        self.top_left = top_left  # cuDNN's varlen causal flag: aligned to each sequence's first row and key
         self.calls = {"forward": 0, "backward": 0}
         self.deterministic: list[bool] = []  # what each backward call was told
         self._jitter = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # differs per run
@@ -65,7 +66,7 @@ class _Sim:
         return (-1 if left >= max_k else left), (-1 if right >= max_k else right)
 
     def scores(self, qs, ks, scale, causal, left, right, softcap):
-        """s [H, nq, nk] (masked to -inf) and tanh term, bottom-right aligned."""
+        """s [H, nq, nk] (masked to -inf) and tanh term, bottom-right aligned (top-left under `top_left`)."""
         acc = torch.float64 if qs.dtype == torch.float64 else torch.float32
         h, hkv = qs.shape[1], ks.shape[1]
         kx = ks.to(acc).repeat_interleave(h // hkv, 1)  # [nk, H, D]
@@ -77,11 +78,12 @@ class _Sim:
         nq, nk = qs.shape[0], ks.shape[0]
         r, c = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
         right = 0 if causal else right
+        shift = 0 if self.top_left else nk - nq
         allowed = torch.ones(nq, nk, dtype=torch.bool)
         if right >= 0:
-            allowed &= c <= r + nk - nq + right
+            allowed &= c <= r + shift + right
         if left >= 0:
-            allowed &= c >= r + nk - nq - left
+            allowed &= c >= r + shift - left
         return s.masked_fill(~allowed, float("-inf")), t
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap):
@@ -304,9 +306,16 @@ def _as_installed(fn, overload):
 
 
 def cuda_env(*, flash: str | None = "2.8.3", torch_ops: bool = True, capability=(9, 0), torch_impl=None,
-             allow_float64: bool = False):
+             allow_float64: bool = False, cudnn: str | None = None, cudnn_version: int = 91400, frontend: bool = False):
     """A `KernelEnv` as `probe_env` would build it on a CUDA machine with these kernels
-    installed, plus the simulators (for call counts)."""
+    installed, plus the simulators (for call counts). `cudnn`: the LSE layout of the emulated
+    aten cuDNN ops ("H,T" / "T,H,1"; None: no cuDNN), `cudnn_version` the runtime's;
+    `frontend`: nvidia-cudnn-frontend installed."""
+    from hf_longctx.ops.backends import cudnn as cudnn_adapter
+    from hf_longctx.ops.backends import cudnn_frontend as fe_adapter
+    from tests.helpers.emulated_cudnn import CudnnOps
+    from tests.helpers.emulated_cudnn_frontend import frontend_ops
+
     sims = {}
     fa, fa_reason = None, "flash-attn is not installed"
     if flash is not None:
@@ -319,5 +328,17 @@ def cuda_env(*, flash: str | None = "2.8.3", torch_ops: bool = True, capability=
         sims["torch_flash"] = emu.sim
         assert tf_adapter.detect(emu.forward, emu.backward) is None
         tf = tf_adapter.TorchFlashKernel(emu.forward, emu.backward)
-    env = KernelEnv("cuda", capability, fa, fa_reason or "", tf, "" if tf else "no torch flash", torch_impl if tf else None)
+    cd, cd_reason = None, "this torch build has no cuDNN"
+    if cudnn is not None:
+        ops = CudnnOps(lse_layout=cudnn, allow_float64=allow_float64)
+        sims["cudnn"] = ops.sim
+        cd_reason = cudnn_adapter.detect(ops.forward, ops.backward, cudnn_version)
+        cd = None if cd_reason else cudnn_adapter.CudnnKernel(ops.forward, ops.backward)
+    fe, fe_reason = None, fe_adapter.detect(None, None)
+    if frontend:
+        ops, sims["cudnn_frontend"] = frontend_ops(allow_float64=allow_float64)
+        fe_reason = fe_adapter.detect("1.32.0", ops)
+        fe = None if fe_reason else fe_adapter.CudnnFrontendKernel(ops)
+    env = KernelEnv("cuda", capability, fa, fa_reason or "", tf, "" if tf else "no torch flash", torch_impl if tf else None,
+                    False, cd, cd_reason or "", fe, fe_reason or "")
     return env, sims

@@ -9,24 +9,24 @@ run bf16 as the real kernels require.
 """
 
 import inspect
-import random
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_longctx.layout import ring_stream, runs_to_indices
+from hf_longctx.layout import runs_to_indices
 from hf_longctx.ops import kernels
 from hf_longctx.ops.backends import CAPABILITIES, markdown_table, select
 from hf_longctx.ops.backends import flash_attn as fa_adapter
 from hf_longctx.ops.backends.packed import PackedBackend
 from hf_longctx.ops.backends.tiled import TiledBackend
+from tests.helpers.backend_cases import D, packed_errors, tensors
+from tests.helpers.backend_cases import layout as layout_of
 from tests.helpers.emulated_backends import TorchFlashOps, cuda_env, flash_attn_release
-from tests.helpers.reference import make_runs, random_runs, reference_attention, rel_err
+from tests.helpers.reference import make_runs, rel_err
 
 F64 = 1e-10
-D = 8
 RELEASES = ["2.6.3", "2.7.0", "2.7.4.post1", "2.8.3"]
 
 
@@ -66,28 +66,6 @@ def test_torch_emulation_has_the_installed_schemas():
 
 # ---- exact wiring, float64 -------------------------------------------------------------
 
-def _tensors(s, h, hkv, seed, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, s, n, D, generator=g, dtype=torch.float64).to(dtype) for n in (h, hkv, hkv, h)]
-
-
-def _reference(q, k, v, dout, cu, causal, window, softcap):
-    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out = reference_attention(q, k, v, cu, causal=causal, window=window, softcap=softcap, scale=D**-0.5)
-    out.backward(dout.double())
-    return out.detach(), q.grad, k.grad, v.grad
-
-
-def _layout(name):
-    cu = [0, 8, 24, 28, 40]
-    if name == "packed":
-        return cu, make_runs(cu), make_runs(cu)
-    if name == "zigzag":
-        return cu, ring_stream(cu, 2, 1), ring_stream(cu, 2, 0) + ring_stream(cu, 2, 1)
-    rng = random.Random(5)
-    return cu, random_runs(cu, rng), random_runs(cu, rng)
-
-
 def _backend(kind):
     env, sims = cuda_env(flash=None if kind == "torch" else kind, allow_float64=True)
     kernel = env.torch_flash if kind == "torch" else env.flash_attn
@@ -100,31 +78,14 @@ MODES = [(True, None, None), (False, None, None), (True, 5, None), (False, 3, No
 @pytest.mark.parametrize("kind", ["2.6.0", "2.6.3", "2.7.0", "2.8.3", "torch"])
 @pytest.mark.parametrize("layout", ["packed", "zigzag", "random"])
 @pytest.mark.parametrize("causal,window,softcap", MODES)
-def test_packed_backend_matches_reference(kind, layout, causal, window, softcap):
+def test_packed_backend_matchesreference(kind, layout, causal, window, softcap):
     """Forward, lse and backward through each emulated API equal the dense float64
     reference, also when the keys are split in two and the pieces merged / summed."""
     if kind == "torch" and softcap is not None:
         pytest.skip("torch's flash kernels have no softcap (the dispatcher never sends it there)")
     backend, sim = _backend(kind)
-    cu, q_runs, k_runs = _layout(layout)
-    q, k, v, dout = _tensors(40, 4, 2, seed=len(layout))
-    qi_idx, ki_idx = runs_to_indices(q_runs), runs_to_indices(k_runs)
-    dout = torch.zeros_like(dout).index_copy(1, qi_idx, dout[:, qi_idx])
-    ref = _reference(q, k, v, dout, cu, causal, window, softcap)
-    qi, do = (x[:, qi_idx].transpose(1, 2) for x in (q, dout))  # [B, H, Sq, D] local order
-    ki, vi = (x[:, ki_idx].transpose(1, 2) for x in (k, v))
-    kw = dict(scale=D**-0.5, causal=causal, window=window, softcap=softcap, backend=backend)
-    out, lse = kernels.varlen_forward(qi, ki, vi, q_runs, k_runs, **kw)
-    assert rel_err(out.transpose(1, 2), ref[0][:, qi_idx]) < F64
-    half = len(k_runs) // 2
-    n0 = sum(r.length for r in k_runs[:half])
-    parts = [(k_runs[:half], slice(0, n0)), (k_runs[half:], slice(n0, None))]
-    grads = [kernels.varlen_backward(do, qi, ki[:, :, s], vi[:, :, s], out, lse, q_runs, kr, **kw) for kr, s in parts]
-    dq = grads[0][0] + grads[1][0]
-    dk, dv = torch.cat([grads[0][1], grads[1][1]], 2), torch.cat([grads[0][2], grads[1][2]], 2)
-    assert rel_err(dq.transpose(1, 2), ref[1][:, qi_idx]) < F64
-    assert rel_err(dk.transpose(1, 2), ref[2][:, ki_idx]) < F64
-    assert rel_err(dv.transpose(1, 2), ref[3][:, ki_idx]) < F64
+    errors = packed_errors(backend, layout, causal, window, softcap)
+    assert max(errors.values()) < F64, errors
     if layout == "packed" and window is None:  # one document per sequence, one call each way
         assert sim.calls == {"forward": 1, "backward": 2}  # backward: once per key half
 
@@ -137,7 +98,7 @@ def test_every_2_6_signature_is_called_correctly(version):
     api, reason = fa_adapter.detect(v, iface, ops)
     assert reason is None
     kernel = fa_adapter.FlashAttnKernel(api)
-    q, k, v_, dout = (x[0].to(torch.bfloat16).contiguous() for x in _tensors(16, 4, 2, seed=3))
+    q, k, v_, dout = (x[0].to(torch.bfloat16).contiguous() for x in tensors(16, 4, 2, seed=3))
     cu = torch.tensor([0, 6, 16], dtype=torch.int32)
     kw = dict(scale=D**-0.5, causal=True, left=-1, right=-1, softcap=None)
     out, lse = kernel.forward(q, k, v_, cu, cu, 10, 10, **kw)
@@ -147,7 +108,7 @@ def test_every_2_6_signature_is_called_correctly(version):
 
 def test_lse_of_rows_without_keys_is_neg_inf():
     backend, _ = _backend("2.8.3")
-    q, k, v, _ = _tensors(32, 4, 2, seed=1)
+    q, k, v, _ = tensors(32, 4, 2, seed=1)
     cu = [0, 5, 22, 23, 32]
     q_runs, k_runs = make_runs(cu)[1:3], make_runs(cu)[0:2]  # doc 2's queries see no key
     qi, ki, vi = q[:, 5:23].transpose(1, 2), k[:, :22].transpose(1, 2), v[:, :22].transpose(1, 2)
@@ -182,12 +143,12 @@ def _use_env(monkeypatch, env):
 @pytest.mark.parametrize("causal,window,softcap", [(True, None, None), (True, 5, None), (False, 3, None), (True, None, 2.0)])
 def test_no_tile_reaches_the_math_kernel(monkeypatch, counted_math, flash, layout, causal, window, softcap):
     """bf16 on an emulated CUDA machine: every call goes to the fast kernel the table
-    allows; a packed micro-batch is one varlen call each way; bf16 results agree with the
-    math kernel to bf16 precision."""
+    allows (nothing measured: torch's flash ops, flash-attn for softcap); a packed micro-batch
+    is one varlen call each way; bf16 results agree with the math kernel to bf16 precision."""
     env, sims = cuda_env(flash=flash)
     _use_env(monkeypatch, env)
-    cu, q_runs, k_runs = _layout(layout)
-    q, k, v, dout = (x.transpose(1, 2) for x in _tensors(40, 4, 2, seed=3, dtype=torch.bfloat16))
+    cu, q_runs, k_runs = layout_of(layout)
+    q, k, v, dout = (x.transpose(1, 2) for x in tensors(40, 4, 2, seed=3, dtype=torch.bfloat16))
     q, k, v, dout = q[:, :, runs_to_indices(q_runs)], k[:, :, runs_to_indices(k_runs)], v[:, :, runs_to_indices(k_runs)], dout[:, :, runs_to_indices(q_runs)]
     kw = dict(scale=D**-0.5, causal=causal, window=window, softcap=softcap)
     if softcap is not None and flash is None:  # only flash-attn has softcap: math, with one warning naming why
@@ -200,7 +161,7 @@ def test_no_tile_reaches_the_math_kernel(monkeypatch, counted_math, flash, layou
         out, lse = kernels.varlen_forward(q, k, v, q_runs, k_runs, **kw)
         grads = kernels.varlen_backward(dout, q, k, v, out, lse, q_runs, k_runs, **kw)
     assert counted_math == []
-    sim = sims["flash_attn" if flash else "torch_flash"]
+    sim = sims["flash_attn" if softcap is not None else "torch_flash"]  # flash-attn only where it alone is exact
     if window is None and layout != "random":  # packed docs / a zigzag step: one call per block pair
         assert sim.calls == {"forward": 1, "backward": 1}
     assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
@@ -224,12 +185,24 @@ def test_no_tile_reaches_the_math_kernel(monkeypatch, counted_math, flash, layou
     (dict(softcap=30.0), "flash_attn", None),
     (dict(torch_impl="FA3"), "torch_flash[FA3]", None),
     (dict(torch_impl="FA3", softcap=30.0), "flash_attn", None),
-    (dict(), "flash_attn", None),
+    (dict(), "torch_flash", None),  # nothing measured: torch's flash ops
+    (dict(ranking=("flash_attn", "torch_flash")), "flash_attn", None),  # measured faster
+    (dict(ranking=("cudnn", "torch_flash"), cudnn="H,T"), "cudnn", None),
+    (dict(ranking=("cudnn", "torch_flash"), cudnn="H,T", window=64), "torch_flash", None),  # cuDNN: no window
+    (dict(ranking=("cudnn", "torch_flash"), cudnn="H,T", head_dim=256), "torch_flash", None),
+    (dict(ranking=("cudnn",), cudnn="H,T", cudnn_version=91300), "torch_flash", None),  # too old: next exact
+    (dict(ranking=("cudnn_frontend", "torch_flash"), frontend=True, window=64), "cudnn_frontend", None),
+    (dict(ranking=("torch_flash[FA3]", "torch_flash"), torch_impl="FA3"), "torch_flash[FA3]", None),
+    (dict(ranking=("torch_flash",), torch_impl="FA3"), "torch_flash[FA3]", None),  # the user's switch, unmeasured
     (dict(flash=None), "torch_flash", None),
+    (dict(flash=None, cudnn="H,T"), "torch_flash", None),  # cuDNN unmeasured: not picked automatically
 ])
 def test_dispatch_follows_the_capability_table(case, expect, reason):
-    env, _ = cuda_env(flash=case.get("flash", "2.8.3"), capability=case.get("capability", (9, 0)), torch_impl=case.get("torch_impl"))
-    kw = dict(dtype=case.get("dtype", torch.bfloat16), head_dim=case.get("head_dim", 128), softcap=case.get("softcap"))
+    env, _ = cuda_env(flash=case.get("flash", "2.8.3"), capability=case.get("capability", (9, 0)),
+                      torch_impl=case.get("torch_impl"), cudnn=case.get("cudnn"),
+                      cudnn_version=case.get("cudnn_version", 91400), frontend=case.get("frontend", False))
+    kw = dict(dtype=case.get("dtype", torch.bfloat16), head_dim=case.get("head_dim", 128), softcap=case.get("softcap"),
+              window=case.get("window"), choice=select.AttentionChoice(ranking=case.get("ranking", ())))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         chosen = select.select_backend(env, **kw)
@@ -273,8 +246,8 @@ def test_outputs_are_token_major(kind, layout):
 
     dtype = torch.float64 if kind in ("math", "2.8.3", "torch") else torch.float32
     backend = {"aten_cpu": ATEN_CPU, "math": MATH}.get(kind) or _backend(kind)[0]
-    cu, q_runs, k_runs = _layout(layout)
-    q, k, v, _ = _tensors(40, 4, 2, seed=1, dtype=dtype)
+    cu, q_runs, k_runs = layout_of(layout)
+    q, k, v, _ = tensors(40, 4, 2, seed=1, dtype=dtype)
     qi, ki, vi = (x[:, runs_to_indices(r)].transpose(1, 2) for x, r in ((q, q_runs), (k, k_runs), (v, k_runs)))
     for out_dtype in (None, torch.float32):
         out, _ = kernels.varlen_forward(qi, ki, vi, q_runs, k_runs, scale=D**-0.5, causal=True, backend=backend,

@@ -2,8 +2,8 @@
 
 The planner guide's one-node Llama-3.1-8B example (`hf-longctx plan --model
 tests/data/llama-3.1-8b-config.json --gpus 8 --gpu-memory 80GiB --host-memory 512GiB
---seq-len 1048576`) states the suggestion's estimated peak, host memory per GPU, tokens/s and
-MFU (docs/guides/memory.md; its code block, the command's suggestion verbatim, is
+--seq-len 1048576`) states the suggestion's estimated peak, host memory per GPU, tokens/s,
+MFU by the three counts the plan prints and what binds (docs/guides/memory.md; its code block, the command's suggestion verbatim, is
 tests/unit/test_docs_commands.py's); the measured memory page states the host memory per GPU
 of the 1 TiB-host plan (docs/measured/memory.md); the GRPO and DPO guides state what the 4M-token
 `--task grpo` plan answers when each GPU generates the assumed 4M rollout tokens (the GPU
@@ -52,9 +52,15 @@ def plans():
 def test_the_one_node_example_states_what_the_command_prints(plans):
     row, text = _first_row(plans["512GiB"]), _page("guides/memory.md")
     said = re.search(r"estimated peak ([\d.]+) GiB per GPU, ([\d.]+) GiB host per GPU, one micro-batch per step, "
-                     r"(\d+) tokens/s per GPU, modelled MFU ([\d.]+) % on H100s, bound by (\w+)", text)
+                     r"(\d+) tokens/s per GPU, modelled MFU ([\d.]+) % on H100s \(this project's strict count: "
+                     r"[^;]*; ([\d.]+) % by torchtitan's count, ([\d.]+) % by Megatron-DeepSpeed's, as the plan "
+                     r"prints\), bound by ([\w ]+?):", text)
     assert said, "the planner guide's one-node example sentence is gone"
-    want = (row["peak GiB"], f"{float(row['host GiB/GPU']):.0f}", row["tok/s/GPU"], row["MFU %"], row["binds"])
+    printed = re.search(r"modelled MFU ([\d.]+) % \(strict\) = ([\d.]+) % by torchtitan's count = ([\d.]+) % by "
+                        r"Megatron-DeepSpeed's", plans["512GiB"])
+    assert printed and printed.group(1) == row["MFU %"], plans["512GiB"][-2000:]
+    want = (row["peak GiB"], f"{float(row['host GiB/GPU']):.0f}", row["tok/s/GPU"], row["MFU %"], *printed.groups()[1:],
+            row["binds"])
     assert said.groups() == want, (said.groups(), row)
 
 

@@ -1,10 +1,13 @@
 """The documentation site's checks that need no MkDocs: every public name has a docstring and a
-place in the API reference (docs/hooks/api_check.py, which `make docs` runs as a build hook), and
-the command-line reference renders every subcommand (docs/hooks/cli_reference.py)."""
+place in the API reference (docs/hooks/api_check.py, which `make docs` runs as a build hook), the
+API index names every public name with the page that documents it, the repository layout page
+names every training package and recipe, and the command-line reference renders every
+subcommand (docs/hooks/cli_reference.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import hf_longctx
 from tests.helpers.doc_blocks import ROOT
@@ -43,3 +46,31 @@ def test_cli_reference_has_every_subcommand():
     for name in ["", *subcommands]:
         assert f"## `hf-longctx{' ' + name if name else ''}`" in text, name
     assert "--gpu-memory" in text and "usage: hf-longctx plan" in text
+
+
+def test_api_index_names_every_public_name_with_its_page():
+    """docs/reference/api/index.md: one row per page, listing the names whose `:::` directive is
+    on that page; together, exactly `hf_longctx.__all__`."""
+    api = ROOT / "docs" / "reference" / "api"
+    directive = _hook("api_check").DIRECTIVE
+    listed: dict[str, str] = {}
+    for page, names in re.findall(r"^\| \[[^]]+\]\((\w+\.md)\) \| (.+) \|$", (api / "index.md").read_text(), re.M):
+        for name in re.findall(r"`(\w+)`", names):
+            assert name not in listed, f"{name} is listed on {listed[name]} and {page}"
+            listed[name] = page
+    assert set(listed) == set(hf_longctx.__all__), (set(hf_longctx.__all__) - set(listed), set(listed) - set(hf_longctx.__all__))
+    for name, page in listed.items():
+        obj = getattr(hf_longctx, name)
+        paths = {f"{obj.__module__}.{obj.__qualname__}", f"hf_longctx.{name}"}
+        assert paths & set(directive.findall((api / page).read_text())), f"the index puts {name} on {page}, which has no '::: {obj.__module__}.{obj.__qualname__}'"
+
+
+def test_layout_page_names_every_training_package_and_recipe():
+    from tests.helpers.doc_blocks import blocks
+
+    (block,) = blocks("docs/project/layout.md")
+    text = block.text
+    packages = sorted(p.name for p in (ROOT / "hf_longctx" / "training").iterdir() if (p / "__init__.py").is_file())
+    assert packages and all(f"{p}/" in text for p in packages), [p for p in packages if f"{p}/" not in text]
+    recipes = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+    assert [r for r in recipes if not re.search(rf"\b{r}\b", text)] == []

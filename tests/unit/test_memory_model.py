@@ -86,8 +86,9 @@ def _shard(model, tokens: int, mesh):
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["chunked", "checkpointed"])
 def test_estimate_within_10_percent_of_measured_peak(checkpoint):
     """MemTracker peak of one fp32 AdamW step (one process, chunked loss + MLP, with and
-    without checkpointing) against the estimate; 10 % is the target, the benchmark shows 1-4 %
-    at larger sizes. The checkpointed layers run row chunks under torch's ModTracker hooks."""
+    without checkpointing, a row of two documents) against the estimate; 10 % is the target,
+    the benchmark shows 1-4 % at larger sizes. The checkpointed layers run row chunks under
+    torch's ModTracker hooks."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from hf_longctx import init_sequence_parallel, patch
@@ -111,7 +112,10 @@ def test_estimate_within_10_percent_of_measured_peak(checkpoint):
     with tracker:
         step()
     peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-    # on CPU the checkpointed inputs are read in place (offload=False): nothing goes to a host
+    # On CPU the checkpointed inputs are read in place (offload=False): nothing goes to a host. The
+    # tracker sees tensors, not a kernel's internal scratch: the planner's kernel term (flash-attn 2's
+    # backward workspace) is left out (kernel_workspace=0), as the census tests count it apart; so
+    # the comparison does not depend on which CPU attention kernel runs (make test-memory-isa).
     est = estimate_memory(ModelDims.from_config(config), Setting(1, 1, mlp_chunks=4, loss_chunks=0, checkpoint=checkpoint), world=1,
-                          tokens=2048, dtype="fp32", offload=False).peak
+                          tokens=2048, dtype="fp32", offload=False, kernel_workspace=0.0).peak
     assert abs(est / peak - 1) < 0.10, (est, peak)

@@ -78,7 +78,8 @@ def test_breakdown_sums_and_names_what_binds():
     short = step_time(dims, preset_setting(1, 1, 1, "off", dims), cluster, 1 << 15)
     long = step_time(dims, preset_setting(1, 1, 1, "off", dims), cluster, 1 << 17)
     assert short.seconds == pytest.approx(short.flops + short.hbm + short.launches + sum(short.links.values()))
-    assert 0 < short.mfu < 1 and short.binds == "FLOPs"
+    assert 0 < short.mfu < 1 and short.binds == "GEMMs"
+    assert long.binds == "attention kernels"  # 128K: attention is most of the compute-bound time
     # attention's share grows with length, and its kernels run at about a third of peak against the GEMMs' 0.69
     assert long.mfu < short.mfu and long.attention / long.flops > short.attention / short.flops
     h100 = step_time(dims, preset_setting(1, 1, 1, "max", dims), dataclasses.replace(cluster, gpu="h100"), 1 << 15)
@@ -96,3 +97,37 @@ def test_breakdown_sums_and_names_what_binds():
     flipped = [(op, k) for ops, k in ((step_ops(shape), 1), (layer_ops(shape), dims.layers)) for op in ops
                if _compute(op, g200, dims.head_dim)[0] > 0 and _compute(op, g100, dims.head_dim)[0] == 0]
     assert h100.flops + sum(k * op.count * _compute(op, g200, dims.head_dim)[0] for op, k in flipped) == pytest.approx(h200.flops)
+
+
+def test_a_fetch_hides_only_under_the_compute_after_it():
+    """`roofline.seconds`: a host-to-device copy is read by the next stretch, so only the compute
+    issued after it hides it; device-to-host copies need only keep pace with the stretch."""
+    from hf_longctx.capacity.gpus import GPUS
+    from hf_longctx.capacity.op_cost import D2H, GEMM, H2D, Op
+    from hf_longctx.capacity.roofline import Links, seconds
+
+    gpu = GPUS["h200"]
+    gemm = Op(GEMM, flops=gpu.gemm * gpu.bf16_flops * 1e-3)  # 1 ms
+    copy = 2e-3 * gpu.pcie_h2d  # 2 ms of PCIe
+    early = seconds([Op(H2D, bytes=copy, stream="side"), gemm, gemm, gemm], gpu, Links(), 128)
+    late = seconds([gemm, gemm, Op(H2D, bytes=copy, stream="side"), gemm], gpu, Links(), 128)
+    assert early.links.get("pcie", 0.0) == 0.0
+    assert late.links["pcie"] == pytest.approx(2e-3 - (1e-3 + gpu.launch_s), rel=1e-9)  # one GEMM after it
+    out = seconds([gemm, gemm, Op(D2H, bytes=2e-3 * gpu.pcie_d2h, stream="side"), gemm], gpu, Links(), 128)
+    assert out.links.get("pcie", 0.0) == 0.0
+
+
+def test_memory_max_fetches_the_next_input_after_the_attention_backward():
+    """`integrations/layer_run.py` fetches the next layer's input after this layer's attention
+    backward (under FPDT at the start of the backward); the inventory issues it there."""
+    from hf_longctx.capacity.inventory import layer_ops
+    from hf_longctx.capacity.op_cost import ATTN_BWD, H2D
+
+    shape = Shape(**DIMS, rows=40, mlp_chunks=3, loss_chunk=14, checkpoint=True)
+    ops = layer_ops(shape)
+    fetch = [i for i, op in enumerate(ops) if op.kind == H2D]
+    attention = [i for i, op in enumerate(ops) if op.kind == ATTN_BWD]
+    assert fetch and min(fetch) > max(attention)
+    ops = layer_ops(dataclasses.replace(shape, rows=20, ulysses=2, fpdt_chunks=2))
+    fetch = [i for i, op in enumerate(ops) if op.kind == H2D and op.what != "kv offload"]
+    assert fetch and max(fetch) < min(i for i, op in enumerate(ops) if op.kind == ATTN_BWD)

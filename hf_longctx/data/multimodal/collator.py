@@ -56,15 +56,30 @@ def _one_document(i: int, feat: Mapping[str, Any], label_keys: Sequence[str]) ->
 class MultimodalCollator:
     """`collator(features)` -> this rank's micro-batches of a vision-language model.
 
-    `mesh`: this rank's `SPMesh`; `max_tokens`: tokens one SP group holds per micro-batch,
-    image tokens and padding included; `spec`: `hf_longctx.vision_spec(model)`, or pass the
-    patched `model=` (patch() remembers its spec; both: they must agree). `cost` (the
-    language model's T(l)) and `vision_cost` (encoder work per image / video slice) must share
-    a unit: both default to the model's FLOPs (`spec.text_cost`, `spec.cost`); pass both to use
-    fitted times. `strategy`, `seed`, `overlong` (text-only documents only) as for
-    `LongContextCollator`; `label_key` / `loss_mask_key`: labels and a 0/1 loss mask per
-    token (unshifted), as there. Every rank calls it with the step's global list of documents;
-    each feature is ONE document (one that visibly holds several is refused).
+    Every rank calls it with the step's global list of documents; each feature is ONE
+    document (one that visibly holds several is refused). `cost` and `vision_cost` must share
+    a unit: both default to the model's FLOPs (`spec.text_cost`, `spec.cost`); pass both to
+    use fitted times.
+
+    Args:
+        mesh: This rank's `SPMesh`.
+        max_tokens: Tokens one SP group holds per micro-batch, image tokens and padding
+            included.
+        spec: `hf_longctx.vision_spec(model)`, or None with the patched `model=` (patch()
+            remembers its spec; both given: they must agree).
+        cost: The language model's per-document cost T(l).
+        vision_cost: The encoder's work per image / video slice.
+        model: The patched model, whose spec is used when `spec` is None.
+        strategy: As for `LongContextCollator`.
+        overlong: As for `LongContextCollator` (text-only documents only).
+        seed: As for `LongContextCollator`.
+        pad_token_id: The id of padding tokens.
+        label_key: The feature key of the labels (unshifted), as for `LongContextCollator`.
+        loss_mask_key: The feature key of a 0/1 loss mask per token (unshifted), or None.
+
+    Raises:
+        ValueError: Only one of `cost` and `vision_cost` given, or an option out of range.
+        NotSupported: The model's family is refused (no spec).
     """
 
     def __init__(

@@ -130,16 +130,26 @@ def shard_multimodal(
 ) -> dict[str, Any]:
     """The shard of THIS SP rank of a multimodal batch: exactly the kwargs of `model(**shard)`.
 
-    `batch`: a processor's output (input_ids, pixel / grid tensors, optional labels,
-    mm_token_type_ids) as one packed row with `position_ids` restarting per document (or
-    `cu_seq_lens_q`; B = 1), or [B, S] rows (one document each, right padding); a row without
-    boundaries is one document, and one that visibly holds several is refused. `spec`:
-    `hf_longctx.vision_spec(model)`, or pass the patched `model=` (patch() remembers its spec;
-    both: they must agree). Returns `shard_batch`'s entries (input_ids, position_ids -- [4 or
-    3, 1, S_local] M-RoPE rows for such families --, labels, shift_labels,
-    num_items_in_batch, SP_METADATA_KEY) plus `SP_VISION_KEY` -> VisionShard when the row
-    holds images or video. Raises ValueError before any collective on input it cannot place
-    exactly."""
+    Args:
+        batch: A processor's output (input_ids, pixel / grid tensors, optional labels, mm_token_type_ids) as one
+            packed row with `position_ids` restarting per document (or `cu_seq_lens_q`; B = 1), or [B, S] rows (one
+            document each, right padding); a row without boundaries is one document, and one that visibly holds
+            several is refused.
+        mesh: This rank's `SPMesh`.
+        spec: `hf_longctx.vision_spec(model)`, or None with the patched `model=` (both given: they must agree).
+        num_items_in_batch: As for `shard_batch`.
+        model: The patched model, whose spec (patch() remembers it) is used when `spec` is None.
+        pad_token_id: As for `shard_batch`.
+        device: As for `shard_batch`.
+
+    Returns:
+        `shard_batch`'s entries (input_ids, position_ids -- [4 or 3, 1, S_local] M-RoPE rows for such families --,
+            labels, shift_labels, num_items_in_batch, SP_METADATA_KEY) plus `SP_VISION_KEY` -> VisionShard when the
+            row holds images or video.
+
+    Raises:
+        ValueError: Input it cannot place exactly (before any collective); NotSupported: a refused family.
+    """
     spec = resolve_spec(spec, model, "shard_multimodal")
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise ValueError(f"batch must be a mapping with 'input_ids', got {type(batch).__name__}")

@@ -50,9 +50,12 @@ class VisionCost:
     """Encoder work of one encode unit (an image, or one temporal slice of a video) of `p`
     patches: a·p² + b·p, in FLOPs of forward + backward (3× forward) like `CostModel`.
 
-    b = 6·N_patch: the weights every patch multiplies (per block q, k, v, o and the MLP) plus
-    the merger/projector; a = 12·depth·hidden: bidirectional attention computes the whole
-    p×p score matrix and its product with V (4·p²·hidden forward per block)."""
+    Args:
+        a: The quadratic coefficient, 12·depth·hidden: bidirectional attention computes the
+            whole p×p score matrix and its product with V (4·p²·hidden forward per block).
+        b: The linear coefficient, 6·N_patch: the weights every patch multiplies (per block
+            q, k, v, o and the MLP) plus the merger/projector.
+    """
 
     a: float
     b: float
@@ -84,29 +87,43 @@ def config_int(config: Any, names: tuple[str, ...], default: int) -> int:
 class VisionSpec:
     """The data stage's view of one vision-language model (see the module docstring).
 
-    family: the adapter's name (for messages). layout: GRID or BATCH.
-    merge: GRID only: language-model tokens per item = t·h·w / merge² (spatial merge).
-    tokens_per_item: BATCH only: tokens one item yields (fixed by the config).
-    patches_per_item: BATCH only: encoder patches of one item (its cost).
-    frames_separable: a GRID video item is encoded as its t temporal slices (the tower's
-        attention and positions never cross a slice: checked by a contract test per family),
-        so its frames can be dealt to different ranks.
-    positions: `(ids [L], grids {modality name: [n, 3]}, extras {key: [n]}) -> [3, L]` for one
-        DOCUMENT (the model's own M-RoPE rule), or None for 1-D positions restarting per document.
-    text_row: the language model takes [4, B, S] position ids (text row first) rather than [3, B, S].
-    deepstack: how many extra feature levels the encoder returns per token (Qwen3-VL DeepStack).
-    container: how `mm_encoder_outputs[m].pooler_output` is laid out: "list" (one [T, D]
-        tensor per item) or "tensor" ([items, T, D]); the models concatenate / flatten either.
-    hidden: width D of one feature row.
-    refused_keys: batch keys whose non-zero values change the model in a way SP does not
-        reproduce (Gemma 3's `token_type_ids`: bidirectional attention inside images), each
-        with the message that names the fix.
-    text_cost: the language model's per-document cost in the unit of `cost` (FLOPs), the
-        multimodal collator's default.
-    separators: token ids that stand between documents and never inside one (the language
-        model's BOS and padding token where they differ from its EOS): a row without
-        boundaries that holds one between its content is several documents
-        (`documents.check_one_document`).
+    `hf_longctx.vision_spec(model)` returns the spec of a supported family.
+
+    Args:
+        family: The adapter's name (for messages).
+        modalities: The model's kinds of visual input (image, video), each a `Modality`.
+        layout: GRID or BATCH.
+        hidden: Width D of one feature row.
+        cost: The encoder's work per encode unit (`VisionCost`).
+        merge: GRID only: language-model tokens per item = t·h·w / merge² (spatial merge).
+        tokens_per_item: BATCH only: tokens one item yields (fixed by the config).
+        patches_per_item: BATCH only: encoder patches of one item (its cost).
+        frames_separable: A GRID video item is encoded as its t temporal slices (the tower's
+            attention and positions never cross a slice: checked by a contract test per
+            family), so its frames can be dealt to different ranks.
+        positions: `(ids [L], grids {modality name: [n, 3]}, extras {key: [n]}) -> [3, L]`
+            for one DOCUMENT (the model's own M-RoPE rule), or None for 1-D positions
+            restarting per document.
+        text_row: The language model takes [4, B, S] position ids (text row first) rather
+            than [3, B, S].
+        deepstack: How many extra feature levels the encoder returns per token (Qwen3-VL
+            DeepStack).
+        container: How `mm_encoder_outputs[m].pooler_output` is laid out: "list" (one
+            [T, D] tensor per item) or "tensor" ([items, T, D]); the models concatenate /
+            flatten either.
+        refused_keys: Batch keys whose non-zero values change the model in a way SP does not
+            reproduce (Gemma 3's `token_type_ids`: bidirectional attention inside images),
+            each with the message that names the fix.
+        text_cost: The language model's per-document cost in the unit of `cost` (FLOPs),
+            the multimodal collator's default.
+        separators: Token ids that stand between documents and never inside one (the
+            language model's BOS and padding token where they differ from its EOS): a row
+            without boundaries that holds one between its content is several documents
+            (`documents.check_one_document`).
+
+    Raises:
+        ValueError: An unknown layout or container, or a BATCH layout without
+            `tokens_per_item` and `patches_per_item`.
     """
 
     family: str

@@ -51,9 +51,17 @@ def vision_family(hf) -> Any:
 
 def vision_spec(model: Any):
     """The `VisionSpec` of a (patched or not) image-text-to-text model, for `shard_multimodal`
-    and `MultimodalCollator` (which also take it from a patched model: `model=`); the one
-    `patch()` remembered when the model is patched. Raises NotSupported for a refused or
-    unclassified family."""
+    and `MultimodalCollator` (which also take it from a patched model: `model=`).
+
+    Args:
+        model: An image-text-to-text model (or PEFT model), patched or not.
+
+    Returns:
+        (VisionSpec): Its spec; the one `patch()` remembered when the model is patched.
+
+    Raises:
+        NotSupported: A refused or unclassified family.
+    """
     hf = hf_model(model)
     remembered = getattr(hf.__dict__.get(PATCH_STATE_ATTR), "vision_spec", None)
     if remembered is not None:

@@ -1,13 +1,17 @@
 """What each local attention kernel can take: the table the dispatcher reads.
 
-Where it sits: `ops/backends/select.py` walks the fast kernels in preference order and
-takes the first one whose row here accepts the call (device, dtype, head dim, softcap,
-GPU architecture); a refusal is reported with its reason, once. docs/concepts/usp.md shows
-the same table; `tests/unit/test_backends.py` checks the dispatch against it.
-Facts (flash-attn v2.6.0-v2.8.3 sources, torch 2.13 schemas): both CUDA flash kernels need
-sm80+, fp16/bf16, head dim <= 256 and a multiple of 8; take bottom-right (left, right)
-windows, GQA and cumulative lengths; return lse [H, total_q] float32; take no arbitrary
-mask and round their output to the input dtype. Only flash-attn has softcap."""
+Where it sits: `ops/backends/select.py` keeps the kernels whose row here accepts the call
+(device, dtype, head dim, softcap, window, GPU architecture) and picks among them -- the one
+named, else the fastest measured; a refusal is reported with its reason, once.
+docs/concepts/usp.md shows the same table; `tests/unit/test_backends.py` checks the dispatch
+against it.
+Facts (flash-attn v2.6.0-v2.8.3 sources, torch 2.13 schemas and sources, nvidia-cudnn-frontend
+1.32): every CUDA kernel needs sm80+ and fp16/bf16, takes GQA and cumulative lengths, no
+arbitrary mask, and rounds its output to the input dtype. The flash kernels take head dims
+<= 256 (multiples of 8) and bottom-right (left, right) windows; only flash-attn has softcap.
+cuDNN takes head dims <= 128 here (256 only on sm90 with cuDNN >= 9.10, per torch's
+sdp_utils: not taken until measured); through torch's ops it is top-left causal with no
+window; through cudnn-frontend it takes bottom-right bands."""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class Capability(NamedTuple):
     causal: str  # alignment of the kernel's causal flag
     packed: bool  # one call covers many documents (cumulative lengths)
     fp32_partial_out: bool  # can hand an un-rounded partial output to a merge
+    windows: bool = True  # computes a sliding-window call exactly
 
 
 CAPABILITIES: dict[str, Capability] = {
@@ -42,6 +47,14 @@ CAPABILITIES: dict[str, Capability] = {
     "torch_flash": Capability(
         "torch_flash", "cuda", _HALF, 256, 8, (8, 0), "(left, right) native", "native", "[H, total_q] fp32",
         False, "bottom-right", True, False,
+    ),
+    "cudnn": Capability(
+        "cudnn", "cuda", _HALF, 128, 8, (8, 0), "none: refused", "native", "[H, total_q] fp32 ([T, H, 1] in older torch)",
+        False, "top-left: every causal call square", True, False, windows=False,
+    ),
+    "cudnn_frontend": Capability(
+        "cudnn_frontend", "cuda", _HALF, 128, 8, (8, 0), "(left + 1, right) band, bottom-right", "native",
+        "[total_q, H, 1] fp32; padded [B, H, max_q, 1] to the backward", False, "bottom-right", True, False,
     ),
     "aten_cpu": Capability(
         "aten_cpu", "cpu", (torch.float32, torch.float64, torch.bfloat16, torch.float16), None, 1, None,
@@ -57,7 +70,7 @@ CAPABILITIES: dict[str, Capability] = {
 
 def refusal(
     name: str, *, device: str, dtype: torch.dtype, head_dim: int, softcap: float | None,
-    capability: tuple[int, int] | None = None,
+    capability: tuple[int, int] | None = None, window: int | None = None,
 ) -> str | None:
     """Why kernel `name` cannot run this call, or None if it can."""
     cap = CAPABILITIES[name]
@@ -69,6 +82,8 @@ def refusal(
         return f"{name} takes head dims <= {cap.max_head_dim} that are multiples of {cap.head_dim_multiple}, not {head_dim}"
     if softcap is not None and not cap.softcap:
         return f"{name} has no logit softcap"
+    if window is not None and not cap.windows:
+        return f"{name} has no sliding window (window {window})"
     if cap.min_capability is not None and capability is not None and tuple(capability) < cap.min_capability:
         return f"{name} needs compute capability >= {cap.min_capability[0]}.{cap.min_capability[1]}, this GPU has {capability[0]}.{capability[1]}"
     return None

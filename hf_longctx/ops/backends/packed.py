@@ -1,9 +1,11 @@
 """Packed (varlen) driver: the planned tiles of a call become a few cumulative-length calls.
 
 Where it sits: the backends whose kernel takes many documents in one call -- flash-attn
-2.x (`flash_attn.py`) and torch's CUDA flash kernels (`torch_flash.py`). `ops/kernels.py`
-hands it the blocks of `ops/blocks.py`; it plans sequences and waves (`sequences.py`),
-calls the kernel once per wave and scatters the results back.
+2.x (`flash_attn.py`), torch's CUDA flash kernels (`torch_flash.py`), cuDNN through torch's
+ops (`cudnn.py`) and through cudnn-frontend (`cudnn_frontend.py`). `ops/kernels.py` hands it
+the blocks of `ops/blocks.py`; it plans sequences and waves (`sequences.py`; every causal
+call square for a top-left kernel, `square_causal.py`), calls the kernel once per wave and
+scatters the results back.
 Guarantees: waves merge with `ops/lse.merge_` into one float32 accumulator (the caller's,
 when it holds one: ring steps, FPDT chunks) and round once; the backward reuses the waves,
 returns the kernel's gradients untouched when one call covers every row, else adds them
@@ -20,6 +22,7 @@ from typing import Sequence, Union
 import torch
 
 from hf_longctx.ops.backends.sequences import sequences, waves
+from hf_longctx.ops.backends.square_causal import square_sequences
 from hf_longctx.ops.blocks import Block
 from hf_longctx.ops.lse import merge_
 from hf_longctx.ops.math_kernel import NEG_INF, acc_dtype
@@ -104,22 +107,24 @@ class _Call:
     right: int
 
 
-def _calls(blocks, q, k, causal, window) -> list[_Call]:
+def _calls(blocks, q, k, causal, window, square: bool = False) -> list[_Call]:
     """The kernel calls of a plan; kept in the plan's `memo` (`ops/blocks.Tiles`) so that
-    every layer of a micro-batch reuses the same device tensors (no rebuild, no upload)."""
+    every layer of a micro-batch reuses the same device tensors (no rebuild, no upload).
+    `square`: the kernel's causal flag is top-left aligned (`square_causal.py`)."""
     memo = getattr(blocks, "memo", None)
-    key = ("packed", q.shape[0], q.shape[2], k.shape[2], q.device, causal, window)
+    key = ("packed", q.shape[0], q.shape[2], k.shape[2], q.device, causal, window, square)
     if memo is not None and key in memo:
         return memo[key]
-    calls = _plan_calls(blocks, q, k, causal, window)
+    calls = _plan_calls(blocks, q, k, causal, window, square)
     if memo is not None:
         memo[key] = calls
     return calls
 
 
-def _plan_calls(blocks, q, k, causal, window) -> list[_Call]:
+def _plan_calls(blocks, q, k, causal, window, square: bool = False) -> list[_Call]:
     calls = []
-    for wave in waves(sequences(blocks, causal=causal, window=window)):
+    seqs = sequences(blocks, causal=causal, window=window)
+    for wave in waves(square_sequences(seqs) if square else seqs, bottom_right=not square):
         q_ranges = [s.q for s in wave]
         k_ranges = [r for s in wave for r in s.k]
         cu_q, max_q = _cu([hi - lo for lo, hi in q_ranges], q.shape[0], q.device)
@@ -127,7 +132,7 @@ def _plan_calls(blocks, q, k, causal, window) -> list[_Call]:
         left, right = wave[0].left, wave[0].right  # the band that opened the wave
         max_k = _kernel_max_k(right, max_k)
         assert right < max_k, (right, max_k)  # never a window flash-attn reads as unbounded
-        is_causal = (left, right) == (-1, 0)  # the kernels' own causal path (bottom-right)
+        is_causal = (left, right) == (-1, 0)  # the kernels' own causal path (bottom-right; square under `square`)
         calls.append(_Call(
             _rows(q_ranges, q.shape[2], q.device), _rows(k_ranges, k.shape[2], k.device),
             sum(hi - lo for lo, hi in q_ranges), sum(hi - lo for lo, hi in k_ranges),
@@ -145,6 +150,11 @@ class PackedBackend:
     name: str
     kernel: object
 
+    @property
+    def square(self) -> bool:
+        """The kernel's causal flag is top-left aligned: every causal call is made square."""
+        return bool(getattr(self.kernel, "square_causal", False))
+
     def forward(self, q, k, v, blocks: Sequence[Block], *, scale, causal, window, softcap, out_dtype, widen=True, into=None):
         """`widen=False`: one call's output comes back in the kernel's dtype when `out_dtype`
         is wider (the kernel rounded it already; the caller merges it as it is, `lse.merge_`).
@@ -153,7 +163,7 @@ class PackedBackend:
         b, h, sq, d = q.shape
         acc = acc_dtype(q.dtype)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, S, H(_kv), D] views
-        calls = _calls(blocks, q, k, causal, window)
+        calls = _calls(blocks, q, k, causal, window, self.square)
         if into is None and len(calls) == 1 and calls[0].q_idx is None:  # one call covers every row: its result
             o, lse = self._forward(calls[0], qt, kt, vt, (b, h, d), scale, softcap)
             keep = not widen and o.dtype == q.dtype and out_dtype.itemsize > o.dtype.itemsize
@@ -193,7 +203,7 @@ class PackedBackend:
         qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))  # [B, S, H(_kv), D] views
         ot = out.to(q.dtype).transpose(1, 2)  # the kernels take out in q's dtype (for rowsum(dO ⊙ O))
         lse_t = lse.to(acc).permute(1, 0, 2)  # [H, B, Sq], float32 (the kernels' lse dtype)
-        calls = _calls(blocks, q, k, causal, window)
+        calls = _calls(blocks, q, k, causal, window, self.square)
         # Sums in float32 (one rounding, by the caller); a tensor's only piece covering all its
         # rows is taken as the kernel returned it (no zeros to add into, no widened copy).
         sums = [None if t is None else t.transpose(1, 2) for t in into]  # [B, S, H(_kv), D] views

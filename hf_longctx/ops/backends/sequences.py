@@ -125,16 +125,19 @@ def _fits(s: Seq, band: tuple[int, int]) -> bool:
     return (band[1] == -1 or band[1] >= nq - 1) and (band[0] == -1 or band[0] >= nk - 1)
 
 
-def waves(seqs: Sequence[Seq]) -> list[list[Seq]]:
+def waves(seqs: Sequence[Seq], *, bottom_right: bool = True) -> list[list[Seq]]:
     """Greedy packing: one (left, right) per wave, each query row at most once per wave;
-    banded sequences open the waves, unbounded ones join any wave they fit."""
+    banded sequences open the waves, unbounded ones join any wave they fit -- under a
+    bottom-right band only (`_fits`); a top-left kernel (`bottom_right=False`) takes a sequence
+    into a wave of its own band alone."""
     result: list[tuple[tuple[int, int], list, list[Seq]]] = []
     for s in sorted(seqs, key=lambda s: (s.left, s.right) == (-1, -1)):  # stable: banded first
         for band, rows, members in result:
             # rows: the wave's query ranges, disjoint and sorted, so their ends are sorted too:
             # s.q overlaps one iff the last range starting before s.q's end ends after its start
             i = bisect.bisect_left(rows, (s.q[1],))
-            if _fits(s, band) and not (i and rows[i - 1][1] > s.q[0]):
+            fits = _fits(s, band) if bottom_right else band == (s.left, s.right)
+            if fits and not (i and rows[i - 1][1] > s.q[0]):
                 rows.insert(i, tuple(s.q))
                 members.append(s)
                 break

@@ -1,7 +1,8 @@
 """torch's own CUDA flash kernels with cumulative lengths, behind the packed-kernel contract.
 
 Where it sits: the "torch_flash" backend, driven by `packed.py`; `select.py` picks it on
-CUDA when flash-attn is absent, or when the user switched torch to FA3/FA4
+CUDA where it is the fastest measured, where nothing is measured, or -- as "torch_flash[FA3]"
+/ "[FA4]" -- where the user switched torch to FA3/FA4
 (`torch.nn.attention.activate_flash_attention_impl`; `_compat.torch_flash_impl` reads
 that choice, never makes it). Calls `aten::_flash_attention_forward` / `_backward` (the
 ops `torch.nn.attention.varlen.varlen_attn` is built on; torch 2.13 schemas, emulated in

@@ -7,7 +7,8 @@ already agrees on (the global loss, the step's tokens and FLOPs, the plan's
 and every `report_to` back end. Guarantees: the logged loss is the mean of the global step
 losses over the logging window, summed in float64 (never the Trainer's mean over ranks);
 MFU = FLOPs / (seconds · world · peak FLOP/s), FLOPs as PaLM defines them (6·N per token
-plus causal attention), logged only where a peak is known."""
+plus causal attention: the strict count of capacity/mfu.py, recompute not counted), logged
+only where a peak is known."""
 
 from __future__ import annotations
 

@@ -61,6 +61,19 @@ class LongDPOTrainer(LongContextTrainerMixin, DPOTrainer):
     disagree (0: none). The other keyword arguments: `LongContextTrainerMixin`'s
     (`cost`, `strategy`, `pad_token_id`, `step_timeout_s`, `peak_flops`, `sync_each_microbatch`,
     `param_offload`) and DPOTrainer's.
+
+    Args:
+        model: The policy, patched with `mesh` (`patch(model, mesh)`).
+        ref_model: None (TRL's default, the initial model from its path) or a model
+            (patched here with the mesh if it is not).
+        args: A TRL `DPOConfig` with `max_length=None`.
+        mesh: As `LongContextTrainerMixin`'s (or from `DPOConfig(parallelism_config=...)`).
+        **kwargs: `max_tokens` and `tokens_per_step` (counting a pair's chosen and rejected
+            documents together), `LongContextTrainerMixin`'s other keyword arguments, and
+            `DPOTrainer`'s (`train_dataset`, `eval_dataset`, `processing_class`, ...).
+
+    Raises:
+        NotSupported: A refused `DPOConfig` field or combination, every value named.
     """
 
     def __init__(self, *, model: Any, ref_model: Any = None, args: Any = None, mesh: SPMesh | None = None,

@@ -30,7 +30,25 @@ _MODEL_KEYS = ("input_ids", "position_ids", "shift_labels", SP_METADATA_KEY)  # 
 
 @dataclass(frozen=True)
 class GRPOObjective:
-    """TRL's GRPOConfig fields that define the per-token loss (same names and defaults)."""
+    """TRL's GRPOConfig fields that define the per-token loss (same names and defaults).
+
+    `GRPOObjective.from_config(grpo_config)` takes them from a TRL `GRPOConfig`.
+
+    Args:
+        loss_type: "grpo", "dr_grpo" or "dapo" (the token weighting of the loss).
+        epsilon_low: The lower clipping range of the importance ratio (TRL's `epsilon`).
+        epsilon_high: The upper clipping range of the importance ratio.
+        beta: The KL coefficient against the reference (0: no reference).
+        delta: An upper bound of the ratio on the other side of the clip (two-sided
+            clipping), or None.
+        temperature: The logits are divided by it, as at sampling.
+        max_completion_length: The normaliser of "dr_grpo".
+        use_bias_correction_kl: The KL term times the importance ratio (TRL 1.16's default).
+
+    Raises:
+        ValueError: A loss type not supported under SP ("bnpo" among them), a temperature
+            <= 0 or a `max_completion_length` < 1.
+    """
 
     loss_type: str = "dapo"
     epsilon_low: float = 0.2
@@ -54,8 +72,17 @@ class GRPOObjective:
 
     @classmethod
     def from_config(cls, args: Any) -> "GRPOObjective":
-        """From a TRL `GRPOConfig` (after its __post_init__: epsilon_high defaults to epsilon); every
-        refused field raises first (`refusals.grpo.check_grpo_config`)."""
+        """From a TRL `GRPOConfig` (after its __post_init__: epsilon_high defaults to epsilon).
+
+        Args:
+            args: A TRL `GRPOConfig`.
+
+        Returns:
+            Its loss fields.
+
+        Raises:
+            NotSupported: Every refused field, first (`refusals.grpo.check_grpo_config`).
+        """
         from hf_longctx.training.refusals.grpo import check_grpo_config
 
         check_grpo_config(args)
@@ -65,7 +92,19 @@ class GRPOObjective:
                    max_completion_length=args.max_completion_length, use_bias_correction_kl=args.use_bias_correction_kl)
 
     def weights(self, lengths: Sequence[int], num_sequences: int, num_tokens: int) -> list[float]:
-        """Per-completion token weight of the loss (module docstring); global counts of the step."""
+        """Per-completion token weight of the loss (module docstring).
+
+        Args:
+            lengths: Each completion's token count.
+            num_sequences: Completions of the whole step (global).
+            num_tokens: Completion tokens of the whole step (global).
+
+        Returns:
+            One weight per completion, for each of its tokens.
+
+        Raises:
+            ValueError: A global count < 1.
+        """
         if num_sequences < 1 or num_tokens < 1:
             raise ValueError(f"num_sequences and num_tokens must be >= 1 (global counts), got {num_sequences}, {num_tokens}")
         if self.loss_type == "grpo":

@@ -46,10 +46,36 @@ def grpo_step(
     max_grad_norm: float | None = 1.0, pad_token_id: int = 0, step: int = 0,
 ) -> dict[str, Any]:
     """One optimizer step on this DP group's `prompts` (the same list on every rank of its SP
-    group). `reward_fn(prompts, completions)` -> one reward per completion. Returns the global
-    loss, grad_norm, the reward mean, the completion length mean and TRL's loss metrics. The
-    gradient norm and clipping are the Trainer path's (`base/step_loop.grad_norm`): a failed
-    collective in them raises `RankFailure` naming `step`."""
+    group): generate, score, then one forward + backward of the packed rows under SP.
+
+    The gradient norm and clipping are the Trainer path's (`base/step_loop.grad_norm`).
+
+    Args:
+        model: The policy, patched with `mesh`.
+        optimizer: Its optimizer.
+        mesh (SPMesh): This rank's mesh.
+        prompts: This DP group's prompts as token lists (the same on every rank of its SP
+            group).
+        reward_fn: `reward_fn(prompts, completions)` -> one reward per completion.
+        objective: The loss (`GRPOObjective`).
+        num_generations: Completions per prompt.
+        generate: `generate(model, prompt, n)` -> n completions (token lists, up to and
+            including EOS), run on the unpatched, gathered model.
+        ref_model: The reference, patched with the same mesh (needed when
+            `objective.beta` != 0).
+        max_grad_norm: Clip the gradient norm to this (None: no clipping).
+        pad_token_id: The id of padding tokens.
+        step: The step's number, for messages.
+
+    Returns:
+        The global loss, grad_norm, the reward mean, the completion length mean and TRL's
+            loss metrics.
+
+    Raises:
+        ValueError: `beta` != 0 without `ref_model`, or `reward_fn` returned the wrong
+            number of rewards.
+        RankFailure: A collective of the gradient norm or clipping failed (naming `step`).
+    """
     if objective.beta != 0.0 and ref_model is None:
         raise ValueError(f"beta={objective.beta} needs ref_model= (patched with the same mesh)")
     completions = sp_rollouts(model, prompts, mesh, num_generations=num_generations, generate=generate)

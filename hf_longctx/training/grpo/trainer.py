@@ -38,6 +38,17 @@ class LongGRPOTrainer(SPRolloutTrainer, GRPOTrainer):
     rows are split into micro-batches under it with gradient accumulation, the same result
     (`grpo/microbatches.py`). Refused settings: `refusals.grpo.check_grpo_trainer` raises one
     `NotSupported` naming every value.
+
+    Args:
+        *args: `trl.GRPOTrainer`'s positional arguments.
+        mesh: The mesh (`init_sequence_parallel`) the model is patched with (`patch(model, mesh)`).
+        max_tokens: Tokens of one packed micro-batch of an SP group (default None: one
+            packed micro-batch per step).
+        **kwargs: `trl.GRPOTrainer`'s keyword arguments (`model`, `reward_funcs`, `args`,
+            `train_dataset`, `processing_class`, ...).
+
+    Raises:
+        NotSupported: Every refused setting, in one error (`refusals.grpo.check_grpo_trainer`).
     """
 
     _NAME = "GRPO"

@@ -42,6 +42,17 @@ class LongRLOOTrainer(SPRolloutTrainer, RLOOTrainer):
     per step): tokens of one packed micro-batch of an SP group, for the scoring forwards and the
     training step alike (gradient accumulation, the same result). Refused settings:
     `refusals.rloo.check_rloo_trainer` raises one `NotSupported` naming every value.
+
+    Args:
+        *args: `trl.RLOOTrainer`'s positional arguments.
+        mesh: The mesh (`init_sequence_parallel`) the model is patched with (`patch(model, mesh)`).
+        max_tokens: Tokens of one packed micro-batch of an SP group (default None: one
+            packed micro-batch per step).
+        **kwargs: `trl.RLOOTrainer`'s keyword arguments (`model`, `reward_funcs`, `args`,
+            `train_dataset`, `processing_class`, ...).
+
+    Raises:
+        NotSupported: Every refused setting, in one error (`refusals.rloo.check_rloo_trainer`).
     """
 
     _NAME = "RLOO"

@@ -48,34 +48,46 @@ _TRAINER_PARAMETERS = tuple(inspect.signature(Trainer.__init__).parameters)[1:] 
 class LongContextTrainerMixin(SPTrainerBase):
     """Put in front of `transformers.Trainer` or any subclass: `class T(LongContextTrainerMixin, SFTTrainer)`.
 
-    Extra keyword arguments: `mesh` (`init_sequence_parallel`, or a `GroupBank` from
-    `init_group_bank` for flexible SP groups; the model must be `patch`ed with it; without it,
-    the mesh of `TrainingArguments(parallelism_config=...)` or of the launcher's accelerate
-    config, `training/base/mesh_source.py`, with the model patched there if it is not),
-    `max_tokens` (tokens of one packed micro-batch of an SP group, before sharding; with a
-    bank give `max_tokens_per_rank` instead: a group of size s packs at most s × that),
-    `tokens_per_step` (global tokens per optimizer step), optionally `cost` (a `CostModel`;
-    default: FLOPs of the model's config; with a bank a `GroupCost`, default
-    `GroupCost.from_config`: FLOPs split over each size plus its communication), `strategy`
-    (the fixed-degree planner's), `overlong` ("error": refuse documents above max_tokens, or
-    with a bank above the largest group's capacity; "split": train their pieces as separate
-    documents; "truncate": keep their first max_tokens tokens, said once at construction with
-    the documents and tokens cut), `pad_token_id` (default: the
-    processing class's pad, else EOS, else 0), `step_timeout_s` (watchdog for hung ranks),
-    `peak_flops` (per device, for MFU), `unequal_calls` (with a bank: ranks run different
-    numbers of micro-batches, the model unsharded for the step), `sync_each_microbatch`
-    (reduce-scatter gradients in every micro-batch's backward, Accelerate's
-    `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic; default:
-    once per step, in the last backward), `param_offload` (FSDP2 CPUOffloadPolicy through
-    `fsdp_plan`: sharded parameters, gradients and optimizer states in host memory, the
-    optimizer step on the CPU; in one process too, FSDP2 over one rank), `vision_cost` (an image-text-to-text model: the encoder's
-    `VisionCost` in the unit of `cost`; both default to FLOPs). Everything else is plain
-    `TrainingArguments`.
-
     An image-text-to-text model patched with image support trains on rows of processor outputs
     (`input_ids`, `pixel_values`, grids, optional `labels`: one document each) through
     `MultimodalCollator`; under TRL's SFTTrainer a conversational dataset with images is first
     run through TRL's own vision collator, one example at a time (`training/sft/vision_data.py`).
+
+    Args:
+        *args: The positional arguments of the Trainer class behind it.
+        mesh: The mesh (`init_sequence_parallel`) the model is patched with, or a `GroupBank` from `init_group_bank`
+            for flexible SP groups; without it, the mesh of `TrainingArguments(parallelism_config=...)` or of the
+            launcher's accelerate config (`training/base/mesh_source.py`), with the model patched there if it is not.
+        max_tokens: Tokens of one packed micro-batch of an SP group, before sharding (with a bank give
+            `max_tokens_per_rank` instead).
+        tokens_per_step: Global tokens per optimizer step.
+        cost: A `CostModel` (default: FLOPs of the model's config); with a bank a `GroupCost` (default
+            `GroupCost.from_config`: FLOPs split over each size plus its communication).
+        strategy: The fixed-degree planner's strategy (`plan_microbatches`).
+        overlong: "error": refuse documents above max_tokens (with a bank: above the largest group's capacity);
+            "split": train their pieces as separate documents; "truncate": keep their first max_tokens tokens, said
+            once at construction with the documents and tokens cut.
+        pad_token_id: The id of padding tokens (default: the processing class's pad, else EOS, else 0).
+        step_timeout_s: A watchdog for hung ranks: when no micro-batch completes for this many seconds the process
+            exits with a message naming the step (None: none).
+        peak_flops: Peak FLOP/s of one device, for the logged MFU.
+        max_tokens_per_rank: With a bank: a group of size s packs at most s × this.
+        unequal_calls: With a bank: ranks run different numbers of micro-batches, the model unsharded for the step.
+        sync_each_microbatch: Reduce-scatter gradients in every micro-batch's backward (Accelerate's
+            `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic); default: once per step, in
+            the last backward.
+        param_offload: FSDP2 `CPUOffloadPolicy` through `fsdp_plan`: sharded parameters, gradients and optimizer
+            states in host memory, the optimizer step on the CPU; in one process too, FSDP2 over one rank.
+        vision_cost: An image-text-to-text model: the encoder's `VisionCost` in the unit of `cost` (both default to
+            FLOPs).
+        **kwargs: The Trainer's own keyword arguments (`model`, `args`, `train_dataset`, ...); every
+            `TrainingArguments` field and Trainer parameter is honoured, mapped or refused at construction
+            (`hf_longctx.training.refusals.training_arguments`).
+
+    Raises:
+        NotSupported: A refused `TrainingArguments` field or Trainer parameter, or a model SP cannot train exactly
+            (every cause named, on every rank alike, before any collective).
+        ValueError: An argument out of range.
     """
 
     def __init__(
@@ -261,5 +273,41 @@ class LongContextTrainer(LongContextTrainerMixin, Trainer):
     and the gradients are summed, so a step equals a single-device step on the same documents.
     The model is sharded with FSDP2 over the whole DP x SP world. Every `TrainingArguments`
     field and `Trainer` parameter is honoured, mapped or refused at construction
-    (`hf_longctx.training.refusals.training_arguments`). The keyword arguments: see `LongContextTrainerMixin`.
+    (`hf_longctx.training.refusals.training_arguments`).
+
+    Args:
+        *args: The positional arguments of the Trainer class behind it.
+        mesh: The mesh (`init_sequence_parallel`) the model is patched with, or a `GroupBank` from `init_group_bank`
+            for flexible SP groups; without it, the mesh of `TrainingArguments(parallelism_config=...)` or of the
+            launcher's accelerate config (`training/base/mesh_source.py`), with the model patched there if it is not.
+        max_tokens: Tokens of one packed micro-batch of an SP group, before sharding (with a bank give
+            `max_tokens_per_rank` instead).
+        tokens_per_step: Global tokens per optimizer step.
+        cost: A `CostModel` (default: FLOPs of the model's config); with a bank a `GroupCost` (default
+            `GroupCost.from_config`: FLOPs split over each size plus its communication).
+        strategy: The fixed-degree planner's strategy (`plan_microbatches`).
+        overlong: "error": refuse documents above max_tokens (with a bank: above the largest group's capacity);
+            "split": train their pieces as separate documents; "truncate": keep their first max_tokens tokens, said
+            once at construction with the documents and tokens cut.
+        pad_token_id: The id of padding tokens (default: the processing class's pad, else EOS, else 0).
+        step_timeout_s: A watchdog for hung ranks: when no micro-batch completes for this many seconds the process
+            exits with a message naming the step (None: none).
+        peak_flops: Peak FLOP/s of one device, for the logged MFU.
+        max_tokens_per_rank: With a bank: a group of size s packs at most s × this.
+        unequal_calls: With a bank: ranks run different numbers of micro-batches, the model unsharded for the step.
+        sync_each_microbatch: Reduce-scatter gradients in every micro-batch's backward (Accelerate's
+            `sync_each_batch`: sharded accumulation, 4 B/param less memory, more traffic); default: once per step, in
+            the last backward.
+        param_offload: FSDP2 `CPUOffloadPolicy` through `fsdp_plan`: sharded parameters, gradients and optimizer
+            states in host memory, the optimizer step on the CPU; in one process too, FSDP2 over one rank.
+        vision_cost: An image-text-to-text model: the encoder's `VisionCost` in the unit of `cost` (both default to
+            FLOPs).
+        **kwargs: The Trainer's own keyword arguments (`model`, `args`, `train_dataset`, ...); every
+            `TrainingArguments` field and Trainer parameter is honoured, mapped or refused at construction
+            (`hf_longctx.training.refusals.training_arguments`).
+
+    Raises:
+        NotSupported: A refused `TrainingArguments` field or Trainer parameter, or a model SP cannot train exactly
+            (every cause named, on every rank alike, before any collective).
+        ValueError: An argument out of range.
     """
