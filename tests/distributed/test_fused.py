@@ -6,12 +6,14 @@ group, with the unpatched model run on the whole packed batch in one process:
 - fp32: loss and gradients within 1e-5 relative (max|a - b| / max|b|): the compiled regions
   evaluate the same math per token, in another order;
 - bf16 (bf16 weights; fp32 weights under CPU autocast): the 2x rule of tests/helpers/bf16_rule.py
-  (at most twice bf16's own error against the float64 truth).
+  (at most twice bf16's own error against the float64 truth), autocast under the "balanced"
+  knobs and bf16 weights under "max" on FPDT u=2.
 Families: Llama (RMSNorm, RoPE, SwiGLU), Gemma2 (GELU-gated MLP, attention and final logit
 softcaps: the loss tail's softcap), Qwen3 (the attention's q/k norms). Settings: "off" (the
 model's own loss function compiled over the whole logits), the "balanced" knobs with row chunks
 (chunked MLP and norms, the chunked loss's fused tail), the "max" knobs (row-chunked layers
-whose backward recomputes the fused regions) on Ulysses 2 and on FPDT u=2.
+whose backward recomputes the fused regions) on Ulysses 2 and on FPDT u=2; Llama under every
+setting, Gemma2 and Qwen3 under "max" (each inductor compile on CPU costs seconds).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ BALANCED = dict(mlp_chunks=2, loss_chunks=3)
 MAX = dict(checkpoint=True, mlp_chunks=2, loss_chunks=3)
 SETTINGS = {"off": ((2, 1, 1), {}), "balanced": ((2, 1, 1), BALANCED), "max": ((2, 1, 1), MAX),
             "max-fpdt": ((2, 1, 2), MAX)}
-CASES = [("llama", s) for s in SETTINGS] + [("gemma2", "max"), ("qwen3", "max"), ("gemma2", "off")]
+CASES = [("llama", s) for s in SETTINGS] + [("gemma2", "max"), ("qwen3", "max")]  # Gemma2's softcaps: under "max"
 
 
 def _fp32_cases(paths: dict, cases: list) -> dict:
@@ -89,6 +91,6 @@ def test_fused_bf16_within_twice_bf16s_error(pools, paths):
     from tests.helpers.bf16_rule import _check, references
 
     refs = references(paths["llama"])
-    cases = [(regime, setting) for regime in ("autocast", "bf16") for setting in ("balanced", "max-fpdt")]
+    cases = [("autocast", "balanced"), ("bf16", "max-fpdt")]  # each regime once, each setting once
     _check(pools.get(2).run(_bf16_cases, paths["llama"], {k: refs[k] for k in ("autocast", "bf16")}, cases,
                             timeout=1200))
