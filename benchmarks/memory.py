@@ -78,12 +78,13 @@ def _measure(base_mesh, opts: dict, tokens: int, loss_chunk_tokens: int) -> tupl
 
     from hf_longctx.data.sharding import shard_batch
     from hf_longctx.integrations.model_patch import patch
-    from hf_longctx.ops.tiling import default_loss_chunk_size, default_mlp_chunks
+    from hf_longctx.ops.loss_rows import config_sizes, memory_rows
+    from hf_longctx.ops.tiling import default_mlp_chunks
 
     mesh = dataclasses.replace(base_mesh, fpdt_chunks=FPDT_CHUNKS if opts.get("fpdt") else 1)
     model = _model()
     s_local = tokens // WORLD
-    chunk = loss_chunk_tokens or default_loss_chunk_size(model.config, s_local)
+    chunk = loss_chunk_tokens or memory_rows(*config_sizes(model.config), s_local)  # the memory rule's chunk
     loss_chunks = math.ceil(s_local / min(chunk, s_local)) if opts.get("loss") else None
     if opts.get("preset"):
         patch(model, mesh, memory=opts["preset"])

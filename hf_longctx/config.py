@@ -62,6 +62,12 @@ class PatchOptions:
         each attention call's output and log-sum-exp (on the host where the device offloads) so
         the backward does not run the attention's forward again (not a knob of the presets: it
         goes with memory="max" like inputs_on_device; `integrations/layer_run.py`).
+    fused: the elementwise work of every decoder layer (norms, RoPE, the gated MLP's product)
+        and of the loss runs as compiled, fused kernels under whichever preset or knobs
+        (`integrations/fusion.py`; not a knob of the presets: it goes with any of them).
+    loss_chunk_rows: rows per chunk of the chunked LM head (None: `ops/loss_rows.loss_chunk_rows`'
+        "auto", at least 2048); `hf-longctx plan` suggests fewer where GPU memory binds. Not a
+        knob of the presets: it goes with any setting that chunks the loss, not with a count.
     attention_backend: the local attention kernel every call runs (one of `ATTENTION_BACKENDS`);
         None: the fastest exact one measured on the GPU (`ops/backends/select.py`). A named one
         that cannot run a call (absent, too old, or not exact for its dtype, head dim, softcap
@@ -75,26 +81,30 @@ class PatchOptions:
     memory: str | None = None
     inputs_on_device: int = 0
     keep_attention: bool = False
+    fused: bool = False
+    loss_chunk_rows: int | None = None
     attention_backend: str | None = None
 
     @classmethod
     def resolve(cls, memory: str | None, knobs: dict, fpdt_chunks: int, inputs_on_device: int = 0,
-                keep_attention: bool = False, attention_backend: str | None = None) -> "PatchOptions":
+                keep_attention: bool = False, fused: bool = False, loss_chunk_rows: int | None = None,
+                attention_backend: str | None = None) -> "PatchOptions":
         """Options from `patch()`'s arguments: `knobs` holds only the knobs the caller passed
         explicitly. A preset and an explicit knob together are refused: the preset would
         silently override the knob or the knob the preset."""
         unknown = sorted(set(knobs) - set(KNOBS))
         if unknown:
             raise TypeError(f"unknown patch() options {unknown}; the memory knobs are {KNOBS}")
-        kept = dict(inputs_on_device=inputs_on_device, keep_attention=keep_attention, attention_backend=attention_backend)
+        extra = dict(inputs_on_device=inputs_on_device, keep_attention=keep_attention, fused=fused,
+                     loss_chunk_rows=loss_chunk_rows, attention_backend=attention_backend)
         if memory is None:
-            return cls(**knobs, **kept)
+            return cls(**knobs, **extra)
         if knobs:
             raise ValueError(
                 f"patch(memory={memory!r}) together with explicit {sorted(knobs)} is ambiguous; pass either a preset "
                 f"(memory in {MEMORY_PRESETS}) or the individual knobs"
             )
-        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory, **kept)
+        return cls(**preset_knobs(memory, fpdt_chunks), memory=memory, **extra)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_offload, bool):
@@ -118,10 +128,29 @@ class PatchOptions:
             )
 
         self._check_keep_attention()
+        self._check_attention_backend()
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"fused must be True or False, got {self.fused!r}")
+        self._check_loss_chunk_rows()
+
+    def _check_attention_backend(self) -> None:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be None (the fastest measured) or one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+
+    def _check_loss_chunk_rows(self) -> None:
+        r = self.loss_chunk_rows
+        if r is None:
+            return
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"loss_chunk_rows must be None or an int >= 1 (rows per LM-head chunk), got {r!r}")
+        if self.loss_chunks != "auto":
+            raise ValueError(
+                f"loss_chunk_rows={r} sets the rows of the chunked LM head's \"auto\" chunks, but memory={self.memory!r}, "
+                f"loss_chunks={self.loss_chunks!r}: use it with memory='balanced', 'high' or 'max' (or loss_chunks='auto'), "
+                "and not with a chunk count"
             )
 
     def _check_keep_attention(self) -> None:

@@ -9,6 +9,8 @@ setting printed by `hf-longctx plan` ("as recipe flags") pastes into any of them
   --kv-offload                         -> patch(kv_offload=True)  (expert knob; not with --memory)
   --inputs-on-device N                 -> patch(inputs_on_device=N)  (with --memory high/max)
   --keep-attention                     -> patch(keep_attention=True)  (with --memory max)
+  --loss-chunk-rows N                  -> patch(loss_chunk_rows=N)  (with --memory balanced/high/max)
+  --fused                              -> patch(fused=True)  (compiled norms, RoPE, SwiGLU, loss tail)
   --mixers auto|heads|state            -> patch(mixers=...)  (hybrid models' linear recurrences)
   --sync-each-microbatch               -> LongContextTrainer(sync_each_microbatch=True)
   --param-offload                      -> LongContextTrainer(param_offload=True) (FSDP2 CPUOffloadPolicy)
@@ -64,6 +66,11 @@ def add_common_args(p: argparse.ArgumentParser, *, ulysses: int = 1, ring: int =
     g.add_argument("--keep-attention", action="store_true",
                    help="patch(keep_attention=True): with --memory max, keep each layer's attention output and LSE on "
                         "the host so the backward does not run the attention again (`hf-longctx plan` says when)")
+    g.add_argument("--loss-chunk-rows", type=int, default=None,
+                   help="patch(loss_chunk_rows=N): rows per LM-head chunk (with --memory balanced/high/max; "
+                        "`hf-longctx plan` suggests N where GPU memory binds); default: at least 2048")
+    g.add_argument("--fused", action="store_true",
+                   help="patch(fused=True): norms, RoPE, SwiGLU and the loss tail as compiled, fused kernels")
     g.add_argument("--mixers", choices=("auto", "heads", "state"), default=None,
                    help="patch(mixers=...): how a hybrid model's linear recurrences cross the SP group (head all-to-all "
                         "or state passing); default: per micro-batch by the cost rule")
@@ -96,6 +103,10 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> a
     if getattr(args, "keep_attention", False) and args.memory != "max":
         p.error(f"--keep-attention keeps the attention of memory='max''s row-chunked layers: it needs --memory max "
                 f"(got --memory {args.memory}; 'high' keeps the attention's saved tensors already)")
+    rows = getattr(args, "loss_chunk_rows", None)
+    if rows is not None and (rows < 1 or args.memory not in ("balanced", "high", "max")):
+        p.error(f"--loss-chunk-rows {rows} sets the rows of the chunked LM head: it needs a value >= 1 and --memory "
+                f"balanced, high or max (got --memory {args.memory})")
     if args.memory is not None and args.kv_offload:
         p.error(f"--memory {args.memory} and --kv-offload together: the preset sets K/V offload ('max' with "
                 "--fpdt-chunks > 1 offloads); pass one of them")
@@ -109,6 +120,10 @@ def patch_kwargs(args: argparse.Namespace) -> dict:
         kwargs["inputs_on_device"] = args.inputs_on_device
     if getattr(args, "keep_attention", False):
         kwargs["keep_attention"] = True
+    if getattr(args, "loss_chunk_rows", None) is not None:
+        kwargs["loss_chunk_rows"] = args.loss_chunk_rows
+    if getattr(args, "fused", False):
+        kwargs["fused"] = True
     return {**kwargs, "mixers": args.mixers} if getattr(args, "mixers", None) is not None else kwargs
 
 

@@ -46,7 +46,7 @@ def step_budget(dims: ModelDims, s, *, tokens: int, dtype: str = "bf16", offload
     S = tokens / s.sp
     n = token_chunks(dims, s.mlp_chunks, int(S))
     r = S / n
-    lr = loss_rows(dims, int(S), s.loss_chunks)
+    lr = loss_rows(dims, int(S), s.loss_chunks, s.loss_chunk_rows)
     L = dims.layers
     rope = {"rotary cos/sin": z.rope * S}
     # flash-attn 2's varlen backward: dq accumulated in fp32 and softmax_d (fp32 per head); with

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.ops.host_pool import size_class
-from hf_longctx.ops.tiling import MIN_LOSS_CHUNK_TOKENS, mlp_chunks_at
+from hf_longctx.ops.loss_rows import loss_chunk_rows
+from hf_longctx.ops.tiling import mlp_chunks_at
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 KERNEL_TERM = "attention kernel workspace (flash-attn 2 backward: fp32 dq accumulator, GQA dK/dV over the query heads)"
@@ -82,12 +83,11 @@ def token_chunks(dims: ModelDims, mlp_chunks: int, s_local: int) -> int:
     return 1 if mlp_chunks <= 1 else mlp_chunks_at(mlp_chunks, s_local, auto=True)
 
 
-def loss_rows(dims: ModelDims, s_local: int, loss_chunks: int) -> int:
-    """Tokens per LM-head chunk: `loss_chunks` = 0 means the default (`ops/tiling`), 1 unchunked."""
-    if loss_chunks == 0:
-        n = max(1, math.ceil(8 * dims.vocab / dims.hidden))
-        return min(s_local, max(math.ceil(s_local / n), MIN_LOSS_CHUNK_TOKENS))
-    return -(-s_local // loss_chunks)
+def loss_rows(dims: ModelDims, s_local: int, loss_chunks: int, chunk_rows: int = 0) -> int:
+    """Tokens per LM-head chunk as `patch()` cuts them (`ops/loss_rows.loss_chunk_rows`):
+    `loss_chunks` 0 = "auto" (`chunk_rows` rows when given), 1 = unchunked, N = N chunks."""
+    chunks = "auto" if loss_chunks == 0 else None if loss_chunks == 1 else loss_chunks
+    return loss_chunk_rows(dims.vocab, dims.hidden, max(1, s_local), chunks, chunk_rows or None)
 
 
 def pinned(count: float, nbytes: float) -> float:
@@ -129,8 +129,9 @@ def loss_terms(z: Sizes, dims: ModelDims, s: float, lr: int, chunked: bool) -> d
         return {"logits: log-softmax and two gradients (fp32)": 12 * v_ * s}
     # a chunk's log-softmax and its two gradients (fp32; the fp32 logits are freed before the
     # chunk's backward) and the fp32 weight-gradient sum its weight-gradient GEMM writes into
-    # (ops/grad_sums.py: no weight-sized gradient per chunk)
-    chunk = 12 * lr * v_ + 4 * v_ * h
+    # (ops/grad_sums.py: no weight-sized gradient per chunk); the first chunk's GEMM allocates
+    # the sum after its fp32 tensors are freed, so one chunk alone never holds both
+    chunk = 12 * lr * v_ + (4 * v_ * h if lr < s else 0.0)
     return {"final norm output (LM head input)": z.v * s, "gradient of the LM head input": z.v * s,
             "loss chunk (fp32 logits, log-softmax, gradients) and LM-head weight gradients": chunk}
 

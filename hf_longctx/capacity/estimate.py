@@ -36,6 +36,8 @@ class Setting:
     param_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads, optimizer states on host
     inputs_on_device: int = 0  # decoder layers whose checkpointed inputs stay on the device (the last ones)
     keep_attention: bool = False  # row-chunked layers keep the attention's output and LSE (patch(keep_attention=))
+    fused: bool = False  # patch(fused=True): the elementwise regions compiled (the step time's launches and bytes)
+    loss_chunk_rows: int = 0  # patch(loss_chunk_rows=R) where GPU memory binds; 0: the rule's own (ops/loss_rows.py)
 
     @property
     def sp(self) -> int:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hf_longctx.capacity import module_ops as m
-from hf_longctx.capacity.op_cost import ATTN_BWD, ATTN_FWD, H2D, P2P, Op, attention_pairs
+from hf_longctx.capacity.op_cost import (ATTN_BWD, ATTN_FWD, H2D, P2P, Op, attention_pairs, each, pcie, split, summed,
+                                         times)
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class Shape:
     """What the op stream of one rank depends on. `rows`: tokens this rank holds; `docs`:
     document lengths of the SP group's sequence (one document of rows·sp by default);
     `mlp_chunks` / `loss_chunk`: the row chunks of the token-wise parts and the loss's chunk
-    length as `patch()` resolves them for these rows (1 / rows: unchunked)."""
+    length as `patch()` resolves them for these rows (1 / rows: unchunked); `fused`:
+    `patch(fused=True)`, each compiled region one kernel per pass (`module_ops.fused_*`)."""
 
     hidden: int
     intermediate: int
@@ -40,6 +42,7 @@ class Shape:
     mlp_chunks: int = 1
     loss_chunk: int = 0  # 0: unchunked loss (HF's)
     keep_attention: bool = False  # checkpoint=True: the attention's output and LSE kept for the backward
+    fused: bool = False
 
     @property
     def sp(self) -> int:
@@ -118,35 +121,27 @@ def attention_core(s: Shape) -> tuple[list[Op], list[Op]]:
     return fwd, bwd
 
 
-def times(ops: list[Op], k: int) -> list[Op]:
-    """`ops` run k times."""
-    return [op.times(k) for op in ops] if k > 0 else []
+def _norm_f(s: Shape, n: int) -> list[Op]:
+    return m.norm_fwd(n, s.hidden, s.fused)
 
 
-def each(sizes: list[int], ops_of) -> list[Op]:
-    """ops_of(size) for every size (chunks of equal size share one entry with a count)."""
-    from collections import Counter
-
-    return [op for size, k in Counter(sizes).items() for op in times(ops_of(size), k)]
+def _norm_b(s: Shape, n: int) -> list[Op]:
+    return m.norm_bwd(n, s.hidden, s.fused)
 
 
-def summed(sizes: list[int], ops_of) -> list[Op]:
-    """ops_of(size, fresh) for every row chunk of a backward under `ops/grad_sums.GradSums`:
-    the first chunk starts the fp32 sums (fresh), the others add into them."""
-    return ops_of(sizes[0], True) + each(sizes[1:], lambda c: ops_of(c, False)) if sizes else []
+def _rope_f(s: Shape, n: int) -> list[Op]:
+    return m.rope_pair(n, s.heads, s.kv_heads, s.head_dim, fused=s.fused)
 
 
-def split(n: int, chunks: int) -> list[int]:
-    """Row counts of torch.tensor_split(n rows, chunks)."""
-    chunks = max(1, min(chunks, n))
-    return [n // chunks + 1] * (n % chunks) + [n // chunks] * (chunks - n % chunks)
+def _rope_b(s: Shape, n: int) -> list[Op]:
+    return m.rope_pair(n, s.heads, s.kv_heads, s.head_dim, backward=True, fused=s.fused)
 
 
 def norm_forward(s: Shape, n: int) -> list[Op]:
     """A decoder norm: whole, or over row chunks (`ops/tiling.tokenwise_chunks`) and concatenated."""
     if s.mlp_chunks == 1:
-        return m.norm_fwd(n, s.hidden)
-    return each(split(n, s.mlp_chunks), lambda c: m.norm_fwd(c, s.hidden)) + m.copy(n * s.hidden, what="cat")
+        return _norm_f(s, n)
+    return each(split(n, s.mlp_chunks), lambda c: _norm_f(s, c)) + m.copy(n * s.hidden, what="cat")
 
 
 def norm_backward(s: Shape, n: int) -> list[Op]:
@@ -154,27 +149,27 @@ def norm_backward(s: Shape, n: int) -> list[Op]:
     gradient, the weight's chunk gradients summed in fp32 and rounded once."""
     h = s.hidden
     if s.mlp_chunks == 1:
-        return m.norm_bwd(n, h)
+        return _norm_b(s, n)
     chunks = split(n, s.mlp_chunks)
-    ops = each(chunks, lambda c: m.norm_fwd(c, h) + m.norm_bwd(c, h) + m.copy(c * h, what="copy_"))
+    ops = each(chunks, lambda c: _norm_f(s, c) + _norm_b(s, c) + m.copy(c * h, what="copy_"))
     return ops + m.copy(h, m.BF, m.F32) + times(m.ew(10 * h, what="add_"), len(chunks) - 1) + m.copy(h, m.F32, m.BF)
 
 
 def mlp_forward(s: Shape, n: int) -> list[Op]:
     if s.mlp_chunks == 1:
-        return m.mlp_fwd(n, s.hidden, s.intermediate)
+        return m.mlp_fwd(n, s.hidden, s.intermediate, s.fused)
     chunks = split(n, s.mlp_chunks)
-    return each(chunks, lambda c: m.mlp_fwd(c, s.hidden, s.intermediate)) + m.copy(n * s.hidden, what="cat")
+    return each(chunks, lambda c: m.mlp_fwd(c, s.hidden, s.intermediate, s.fused)) + m.copy(n * s.hidden, what="cat")
 
 
 def mlp_backward(s: Shape, n: int) -> list[Op]:
     """`ops/tiling._Tokenwise` over the MLP: per chunk the whole MLP again, then the chunk's
     backward, its weight gradients written into one fp32 sum each (`wgrad`) and its rows of
     the input gradient copied into one buffer; the three sums rounded once."""
-    h, i = s.hidden, s.intermediate
+    h, i, f = s.hidden, s.intermediate, s.fused
     if s.mlp_chunks == 1:
-        return m.mlp_bwd(n, h, i)
-    ops = summed(split(n, s.mlp_chunks), lambda c, fresh: [*m.mlp_fwd(c, h, i), *m.mlp_bwd(c, h, i, fresh),
+        return m.mlp_bwd(n, h, i, fused=f)
+    ops = summed(split(n, s.mlp_chunks), lambda c, fresh: [*m.mlp_fwd(c, h, i, f), *m.mlp_bwd(c, h, i, fresh, f),
                                                            *m.copy(c * h, what="copy_")])
     return ops + times(m.copy(h * i, m.F32, m.BF), 3)
 
@@ -182,21 +177,14 @@ def mlp_backward(s: Shape, n: int) -> list[Op]:
 def layer_forward(s: Shape, n: int, attn: list[Op]) -> list[Op]:
     """One decoder layer's forward on n rows with `attn` as its attention core."""
     h = s.hidden
-    return [*norm_forward(s, n), *m.attention_proj_fwd(n, h, s.q, s.kv), *m.rope_fwd(n, s.heads, s.head_dim),
-            *m.rope_fwd(n, s.kv_heads, s.head_dim), *attn, *m.linear_fwd(n, s.q, h), *m.add(n * h),
-            *norm_forward(s, n), *mlp_forward(s, n), *m.add(n * h)]
+    return [*norm_forward(s, n), *m.attention_proj_fwd(n, h, s.q, s.kv), *_rope_f(s, n), *attn,
+            *m.linear_fwd(n, s.q, h), *m.add(n * h), *norm_forward(s, n), *mlp_forward(s, n), *m.add(n * h)]
 
 
 def layer_backward(s: Shape, n: int, attn: list[Op]) -> list[Op]:
     h = s.hidden
-    return [*mlp_backward(s, n), *norm_backward(s, n), *m.add(n * h), *m.linear_bwd(n, s.q, h), *attn,
-            *m.rope_bwd(n, s.kv_heads, s.head_dim), *m.rope_bwd(n, s.heads, s.head_dim),
+    return [*mlp_backward(s, n), *norm_backward(s, n), *m.add(n * h), *m.linear_bwd(n, s.q, h), *attn, *_rope_b(s, n),
             *m.attention_proj_bwd(n, h, s.q, s.kv), *norm_backward(s, n), *m.add(n * h)]
-
-
-def pcie(kind: str, nbytes: float, what: str = "offload") -> Op:
-    """A copy between host and device on the offload side streams (`ops/offload.py`)."""
-    return Op(kind, bytes=float(nbytes), link="pcie", wire=float(nbytes), stream="side", what=what)
 
 
 def kept_attention(s: Shape, n: int) -> list[float]:
@@ -211,9 +199,8 @@ def keep_attention_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list
     its input, after its forward: only the last residual add does not rerun."""
     h = s.hidden
     kept = kept_attention(s, n)
-    recompute = [*norm_forward(s, n), *m.attention_proj_fwd(n, h, s.q, s.kv), *m.rope_fwd(n, s.heads, s.head_dim),
-                 *m.rope_fwd(n, s.kv_heads, s.head_dim), *m.linear_fwd(n, s.q, h), *m.add(n * h), *norm_forward(s, n),
-                 *mlp_forward(s, n)]
+    recompute = [*norm_forward(s, n), *m.attention_proj_fwd(n, h, s.q, s.kv), *_rope_f(s, n),
+                 *m.linear_fwd(n, s.q, h), *m.add(n * h), *norm_forward(s, n), *mlp_forward(s, n)]
     return ([pcie("d2h", m.BF * n * h)] + layer_forward(s, n, [*fwd, *[pcie("d2h", b) for b in kept]])
             + [pcie("h2d", m.BF * n * h), *[pcie("h2d", b) for b in kept]] + recompute + layer_backward(s, n, bwd))
 
@@ -228,8 +215,7 @@ def _bounds(lo: int, hi: int, pieces: int) -> list[int]:
 
 def _pre(s: Shape, c: int) -> list[Op]:
     """LayerSplit.pre: the layer up to its attention call on c rows."""
-    return [*m.norm_fwd(c, s.hidden), *m.attention_proj_fwd(c, s.hidden, s.q, s.kv),
-            *m.rope_fwd(c, s.heads, s.head_dim), *m.rope_fwd(c, s.kv_heads, s.head_dim)]
+    return [*_norm_f(s, c), *m.attention_proj_fwd(c, s.hidden, s.q, s.kv), *_rope_f(s, c)]
 
 
 def _post(s: Shape, c: int) -> list[Op]:
@@ -237,13 +223,19 @@ def _post(s: Shape, c: int) -> list[Op]:
     projections (no gradient path to the output there) are not run (`LayerSplit.projection`),
     RoPE runs on their placeholders."""
     h = s.hidden
-    return [*m.norm_fwd(c, h), *m.rope_fwd(c, s.heads, s.head_dim), *m.rope_fwd(c, s.kv_heads, s.head_dim),
-            *m.linear_fwd(c, s.q, h), *m.add(c * h), *m.norm_fwd(c, h), *m.mlp_fwd(c, h, s.intermediate), *m.add(c * h)]
+    return [*_norm_f(s, c), *_rope_f(s, c), *m.linear_fwd(c, s.q, h), *m.add(c * h), *_norm_f(s, c),
+            *m.mlp_fwd(c, h, s.intermediate, s.fused), *m.add(c * h)]
 
 
 def _qkv_full(s: Shape, n: int) -> list[Op]:
     """`LayerRun._qkv_full`: pre on every row chunk, each copied into the full q, k, v."""
     return each(_bounds(0, n, s.mlp_chunks), lambda c: _pre(s, c) + m.copy(c * s.q) + m.copy(c * s.kv) + m.copy(c * s.kv))
+
+
+def _rope_tangents(s: Shape, c: int) -> list[Op]:
+    """Fused: the compiled RoPE's backward takes its gradients in its outputs' layout [B, h, rows,
+    D], where a row chunk's dq and dk are views of [B, rows, h, D]: one copy each."""
+    return [*m.copy(c * s.q), *m.copy(c * s.kv)] if s.fused else []
 
 
 def _norm_sum(h: int, fresh: bool) -> list[Op]:
@@ -271,13 +263,12 @@ def split_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list[Op]:
     ops += each(chunks, lambda c: _post(s, c) + m.copy(c * h, what="copy_"))
     ops += [*(fetch if early else []), *_qkv_full(s, n), *replay]
     ops += summed(chunks, lambda c, fresh: [
-        *_post(s, c), *m.mlp_bwd(c, h, i, fresh), *m.norm_bwd(c, h), *m.add(c * h), *m.linear_bwd(c, q, h, fresh),
-        *m.copy(c * h, what="copy_"), *_norm_sum(h, fresh), *m.copy(c * q, what="copy_")])
+        *_post(s, c), *m.mlp_bwd(c, h, i, fresh, s.fused), *_norm_b(s, c), *m.add(c * h),
+        *m.linear_bwd(c, q, h, fresh), *m.copy(c * h, what="copy_"), *_norm_sum(h, fresh), *m.copy(c * q, what="copy_")])
     ops += bwd + ([] if early else fetch)
     ops += summed(chunks, lambda c, fresh: [
-        *_pre(s, c), *m.rope_bwd(c, s.kv_heads, s.head_dim), *m.rope_bwd(c, s.heads, s.head_dim),
-        *m.attention_proj_bwd(c, h, q, kv, fresh), *m.norm_bwd(c, h), *m.add(c * h),
-        *m.copy(c * h, what="copy_"), *_norm_sum(h, fresh)])  # `dh[:, rows] += g`: in-place add, setitem's copy
+        *_pre(s, c), *_rope_tangents(s, c), *_rope_b(s, c), *m.attention_proj_bwd(c, h, q, kv, fresh),
+        *_norm_b(s, c), *m.add(c * h), *_norm_sum(h, fresh)])  # `dh[:, rows].add_(g)`: in place on the row view
     params = [h * q, h * kv, h * kv, q * h, h * i, h * i, h * i, h, h]  # the sums, rounded to bf16
     return ops + [op for e in params for op in m.copy(e, m.F32, m.BF)]
 
@@ -295,13 +286,17 @@ def layer_ops(s: Shape) -> list[Op]:
 def loss_ops(s: Shape, n: int) -> list[Op]:
     """LM head + loss: HF's over all rows, or `ops/chunked_loss.py`'s chunks (every gradient
     taken in the forward, the head's weight gradient written into its fp32 sum by each
-    chunk's GEMM), then its backward's scaling."""
+    chunk's GEMM), then its backward's scaling. `fused`: HF's loss compiled (`module_ops.
+    fused_loss`), or per chunk the fused tail (`ops/chunked_loss._fused_chunks`: the logits'
+    gradient from one kernel, then the two gradient GEMMs; 1 / the denominator once)."""
     h, v = s.hidden, s.vocab
     if not s.loss_chunk:
-        return [*m.linear_fwd(n, h, v), *m.loss_fwd_bwd(n, v), *m.linear_bwd(n, h, v)]
-    ops = m.ew(m.F32, what="zeros")
+        return [*m.linear_fwd(n, h, v), *(m.fused_loss(n, v) if s.fused else m.loss_fwd_bwd(n, v)),
+                *m.linear_bwd(n, h, v)]
+    ops = m.ew(m.F32, *([2 * m.F32] if s.fused else []), what="zeros")
     sizes = [min(s.loss_chunk, n - lo) for lo in range(0, n, s.loss_chunk)]
-    ops += summed(sizes, lambda c, fresh: [*m.linear_fwd(c, h, v), *m.loss_fwd_bwd(c, v), *m.linear_bwd(c, h, v, fresh),
+    tail = m.cross_entropy_tail if s.fused else m.loss_fwd_bwd
+    ops += summed(sizes, lambda c, fresh: [*m.linear_fwd(c, h, v), *tail(c, v), *m.linear_bwd(c, h, v, fresh),
                                            *m.ew(3 * m.F32, what="add_"), *m.copy(c * h, what="copy_")])
     return ops + m.ew(2 * m.F32, 2 * m.F32, m.F32 + m.BF, 2 * m.BF * n * h + m.BF, 2 * m.F32 * v * h + m.F32,
                       what="loss") + m.copy(v * h, m.F32, m.BF)

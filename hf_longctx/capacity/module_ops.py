@@ -6,7 +6,10 @@ returns the `capacity/op_cost.Op`s of one call on `n` rows (tokens), one Op per 
 with HBM bytes counted as `benchmarks/_op_stream.py` counts them (every operand read, every
 result written; a broadcast operand once). They are the aten ops HF's Llama modules dispatch
 in bf16 (transformers 5.x: RMSNorm in fp32, rotate-half RoPE, SiLU-gated MLP), checked against
-the recorded stream by tests/unit/test_step_model.py."""
+the recorded stream by tests/unit/test_step_model.py. Under `patch(fused=True)` each compiled
+region (`integrations/fusion.py`) is one kernel per pass that reads its inputs and writes its
+outputs once (`fused`): what inductor generates for it, counted on CPU by
+tests/unit/test_fused_kernels.py."""
 
 from __future__ import annotations
 
@@ -44,14 +47,18 @@ def linear_bwd(n: float, d_in: float, d_out: float, fresh: bool | None = None) -
     return [mm(d_out, n, d_in) if fresh is None else wgrad(d_out, n, d_in, fresh), mm(n, d_out, d_in)]
 
 
-def norm_fwd(n: float, h: float) -> list[Op]:
-    """LlamaRMSNorm: to fp32, pow, mean, +eps, rsqrt, scale, to bf16, weight."""
+def norm_fwd(n: float, h: float, fused: bool = False) -> list[Op]:
+    """LlamaRMSNorm: to fp32, pow, mean, +eps, rsqrt, scale, to bf16, weight (`fused`: one kernel)."""
+    if fused:
+        return fused_norm(n, h)
     x = n * h
     return ew(BF * x + F32 * x, 2 * F32 * x, F32 * x + F32 * n, 2 * F32 * n, 2 * F32 * n, 2 * F32 * x + F32 * n,
               F32 * x + BF * x, 2 * BF * x + BF * h, what="norm")
 
 
-def norm_bwd(n: float, h: float) -> list[Op]:
+def norm_bwd(n: float, h: float, fused: bool = False) -> list[Op]:
+    if fused:
+        return fused_norm(n, h, backward=True)
     x = n * h
     return ew(2 * BF * x + BF * h, 3 * BF * x, BF * x + BF * h, BF * x + F32 * x, 3 * F32 * x, 2 * F32 * x + F32 * n,
               F32 * x + F32 * n, 2 * F32 * n, 2 * F32 * n, 3 * F32 * n, F32 * n + F32 * x, 2 * F32 * x, 2 * F32 * x,
@@ -70,6 +77,17 @@ def rope_bwd(n: float, heads: float, d: float) -> list[Op]:
               what="rope")
 
 
+def rope_pair(n: float, heads: float, kv_heads: float, d: float, backward: bool = False,
+              fused: bool = False) -> list[Op]:
+    """RoPE of q and of k (their backwards in the autograd engine's order, k first); `fused`:
+    the compiled `apply_rotary_pos_emb`, both in one kernel."""
+    if fused:
+        return fused_rope(n, heads, kv_heads, d)
+    if backward:
+        return [*rope_bwd(n, kv_heads, d), *rope_bwd(n, heads, d)]
+    return [*rope_fwd(n, heads, d), *rope_fwd(n, kv_heads, d)]
+
+
 def rope_tables(n: float, d: float) -> list[Op]:
     """The model's rotary embedding: cos/sin [1, n, d] from the positions (once per forward)."""
     c = n * d
@@ -77,14 +95,33 @@ def rope_tables(n: float, d: float) -> list[Op]:
               2 * F32 * c, 2 * F32 * c, F32 * c + BF * c, F32 * c + BF * c, what="rope")
 
 
-def mlp_fwd(n: float, h: float, i: float) -> list[Op]:
-    """down(silu(gate(x)) * up(x))."""
+def mlp_fwd(n: float, h: float, i: float, fused: bool = False) -> list[Op]:
+    """down(silu(gate(x)) * up(x)); `fused`: silu and the product one kernel (`gated_product`)."""
+    if fused:
+        return [mm(n, h, i), mm(n, h, i), *ew(3 * BF * n * i, what="fused mlp"), mm(n, i, h)]
     return [mm(n, h, i), *ew(2 * BF * n * i, what="mlp"), mm(n, h, i), *ew(3 * BF * n * i, what="mlp"), mm(n, i, h)]
 
 
-def mlp_bwd(n: float, h: float, i: float, fresh: bool | None = None) -> list[Op]:
+def mlp_bwd(n: float, h: float, i: float, fresh: bool | None = None, fused: bool = False) -> list[Op]:
+    """`fused`: the product's and silu's backward one kernel (gate and up in, their gradients out)."""
+    if fused:
+        return [*linear_bwd(n, i, h, fresh), *ew(5 * BF * n * i, what="fused mlp"), *linear_bwd(n, h, i, fresh),
+                *linear_bwd(n, h, i, fresh), *add(n * h)]
     return [*linear_bwd(n, i, h, fresh), *ew(3 * BF * n * i, 3 * BF * n * i, what="mlp"), *linear_bwd(n, h, i, fresh),
             *ew(3 * BF * n * i, what="mlp"), *linear_bwd(n, h, i, fresh), *add(n * h)]
+
+
+def fused_norm(n: float, h: float, backward: bool = False) -> list[Op]:
+    """A compiled RMSNorm: x and the weight in, y out; backward: x, dy and the weight in, dx
+    and the weight's (fp32) gradient out."""
+    x = n * h
+    return ew(3 * BF * x + BF * h + F32 * h if backward else 2 * BF * x + BF * h, what="fused norm")
+
+
+def fused_rope(n: float, heads: float, kv_heads: float, d: float) -> list[Op]:
+    """The compiled `apply_rotary_pos_emb` (q and k in one kernel), forward or backward alike:
+    q, k (or their gradients) and cos, sin in, the rotated pair out."""
+    return ew(2 * BF * n * (heads + kv_heads) * d + 2 * BF * n * d, what="fused rope")
 
 
 def add(x: float, dtype: int = BF) -> list[Op]:
@@ -113,6 +150,21 @@ def loss_fwd_bwd(n: float, v: float) -> list[Op]:
     x = n * v
     return ew(BF * x + F32 * x, 2 * F32 * x, F32 * x + I64 * n + 2 * F32, 2 * F32, 2 * F32, 2 * F32,
               2 * F32 * x + I64 * n + 2 * F32, 3 * F32 * x, F32 * x + BF * x, what="loss")
+
+
+def fused_loss(n: float, v: float) -> list[Op]:
+    """The model's loss function compiled over whole fp32-upcast logits [n, v] (bf16 in): its
+    forward (log-sum-exp and the targets' logits: the logits read, the fp32 log-sum-exp saved),
+    the backward's seed (a one, as `loss_fwd_bwd` counts it) and its backward (the logits read
+    again, their gradient written)."""
+    x = n * v
+    return ew(BF * x + I64 * n + F32 * n + F32, 2 * F32, 2 * BF * x + F32 * n + I64 * n + F32, what="fused loss")
+
+
+def cross_entropy_tail(n: float, v: float) -> list[Op]:
+    """`ops/fused.cross_entropy_tail` on one chunk's logits [n, v]: read twice (log-sum-exp,
+    then the gradient), the gradient written, the chunk's loss summed, in one kernel."""
+    return ew(3 * BF * n * v + I64 * n + F32, what="fused loss")
 
 
 def embedding(n: float, h: float, vocab: float) -> list[Op]:

@@ -7,7 +7,9 @@ step issues on the CUDA dispatch path (emulated on CPU); the inventory
 turns either into seconds. Guarantees: an op's numbers are per call, `count` repeats it, so a
 tally of an inventory and of a recording compare field by field (`Tally.of`).
 Attention work is counted in (query, key) pairs the kernel visits (`attention_pairs`): causal
-and windowed masks bottom-right aligned, as flash-attn's varlen kernels read them."""
+and windowed masks bottom-right aligned, as flash-attn's varlen kernels read them. The
+combinators the inventory composes op lists with (`times`, `each`, `summed`, `split`, `pcie`)
+live here beside the unit they combine."""
 
 from __future__ import annotations
 
@@ -61,6 +63,35 @@ class Tally:
 
     def as_dict(self) -> dict:
         return {f"{f.name}:{k}": v for f in fields(self) for k, v in sorted(getattr(self, f.name).items())}
+
+
+def times(ops: list[Op], k: int) -> list[Op]:
+    """`ops` run k times."""
+    return [op.times(k) for op in ops] if k > 0 else []
+
+
+def each(sizes: list[int], ops_of) -> list[Op]:
+    """ops_of(size) for every size (chunks of equal size share one entry with a count)."""
+    from collections import Counter
+
+    return [op for size, k in Counter(sizes).items() for op in times(ops_of(size), k)]
+
+
+def summed(sizes: list[int], ops_of) -> list[Op]:
+    """ops_of(size, fresh) for every row chunk of a backward under `ops/grad_sums.GradSums`:
+    the first chunk starts the fp32 sums (fresh), the others add into them."""
+    return ops_of(sizes[0], True) + each(sizes[1:], lambda c: ops_of(c, False)) if sizes else []
+
+
+def split(n: int, chunks: int) -> list[int]:
+    """Row counts of torch.tensor_split(n rows, chunks)."""
+    chunks = max(1, min(chunks, n))
+    return [n // chunks + 1] * (n % chunks) + [n // chunks] * (chunks - n % chunks)
+
+
+def pcie(kind: str, nbytes: float, what: str = "offload") -> Op:
+    """A copy between host and device on the offload side streams (`ops/offload.py`)."""
+    return Op(kind, bytes=float(nbytes), link="pcie", wire=float(nbytes), stream="side", what=what)
 
 
 def attention_pairs(nq: int, nk: int, causal: bool, left: int = -1, right: int = -1) -> int:

@@ -30,6 +30,7 @@ from hf_longctx.capacity.estimate import (
     Setting,
     estimate_memory,
 )
+from hf_longctx.capacity.fits import inputs_on_device, loss_rows_within
 from hf_longctx.capacity.step_time import step_time
 from hf_longctx.capacity.suggestion import Suggestion, rollouts_of, task_options, task_trainer
 
@@ -120,25 +121,6 @@ def enumerate_settings(
     return out
 
 
-def inputs_on_device(s: Setting, mem: Any, memory: Any, layers: int, gpu: float, host: float) -> tuple:
-    """(setting, estimate) with the fewest last layers keeping their checkpointed inputs on the
-    GPU (`patch(..., inputs_on_device=N)`) that brings the host bytes per GPU within `host`
-    while the GPU peak stays within `gpu`; `s` and `mem` unchanged when no N does.
-    `memory(setting)` estimates one setting; host falls and the GPU peak rises with N (bisection)."""
-    lo, hi = 1, layers
-    best = memory(replace(s, inputs_on_device=hi))  # the estimate at `hi`, which fits the host
-    if best.host > host:
-        return s, mem
-    while lo < hi:
-        mid = (lo + hi) // 2
-        est = memory(replace(s, inputs_on_device=mid))
-        if est.host <= host:
-            hi, best = mid, est
-        else:
-            lo = mid + 1
-    return (replace(s, inputs_on_device=hi), best) if best.peak <= gpu else (s, mem)
-
-
 def rank_settings(
     config: Any, cluster: Cluster, tokens: int, *, seq_len: int | None = None, dtype: str = "bf16",
     optimizer: str = "adamw", unsharded_step: bool = False, grad_sync: str = "step", microbatches: int = 1,
@@ -188,6 +170,7 @@ def rank_settings(
                 places, usable_gpu, usable_host / per_node)
 
         mem = memory(s)
+        s, mem = loss_rows_within(s, mem, memory, dims, tokens, usable_gpu)
         if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
             s, mem = inputs_on_device(s, mem, memory, dims.layers, usable_gpu, usable_host / per_node)
         time = None

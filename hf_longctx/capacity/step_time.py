@@ -12,15 +12,14 @@ step-time model"."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from hf_longctx.capacity.cluster import Cluster
 from hf_longctx.capacity.estimate import DTYPE_BYTES, ModelDims, Setting
 from hf_longctx.capacity.inventory import Shape, layer_ops, step_ops
 from hf_longctx.capacity.mfu import strict_flops
 from hf_longctx.capacity.op_cost import COLLECTIVE, Op
 from hf_longctx.capacity.roofline import Breakdown, Links, seconds
-from hf_longctx.ops.tiling import default_loss_chunk_size, mlp_chunks_at
+from hf_longctx.capacity.budget_terms import loss_rows
+from hf_longctx.ops.tiling import mlp_chunks_at
 
 
 def shape_of(dims: ModelDims, s: Setting, tokens: int, seq_len: int | None = None) -> Shape:
@@ -30,13 +29,11 @@ def shape_of(dims: ModelDims, s: Setting, tokens: int, seq_len: int | None = Non
     seq_len = tokens if seq_len is None else seq_len
     docs, rest = divmod(tokens, seq_len)
     mlp = mlp_chunks_at(s.mlp_chunks, rows, auto=True) if s.mlp_chunks > 1 else 1
-    loss = 0
-    if s.loss_chunks != 1:
-        loss = default_loss_chunk_size(SimpleNamespace(vocab_size=dims.vocab, hidden_size=dims.hidden), rows)
+    loss = 0 if s.loss_chunks == 1 else loss_rows(dims, rows, s.loss_chunks, s.loss_chunk_rows)  # patch()'s rule
     return Shape(dims.hidden, dims.intermediate, dims.heads, dims.kv_heads, dims.head_dim, dims.vocab, rows,
                  docs=(seq_len,) * docs + ((rest,) if rest else ()), ulysses=s.ulysses, ring=s.ring,
                  fpdt_chunks=s.fpdt_chunks, checkpoint=s.checkpoint, kv_offload=s.kv_offload, mlp_chunks=mlp,
-                 loss_chunk=loss, keep_attention=s.keep_attention and s.checkpoint is True)
+                 loss_chunk=loss, keep_attention=s.keep_attention and s.checkpoint is True, fused=s.fused)
 
 
 class UntimedGPU(ValueError):

@@ -102,10 +102,12 @@ class Suggestion:
 
     def code(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.init_kwargs.items())
-        kept = self.candidate.setting.inputs_on_device
-        keep = ", keep_attention=True" if self.candidate.setting.keep_attention else ""
+        s = self.candidate.setting
+        extra = (", keep_attention=True" if s.keep_attention else "") + (
+            f", inputs_on_device={s.inputs_on_device}" if s.inputs_on_device else "") + (
+            f", loss_chunk_rows={s.loss_chunk_rows}" if s.loss_chunk_rows else "")
         out = (f"mesh = hf_longctx.init_sequence_parallel({args})\nmodel = hf_longctx.patch(model, mesh, memory={self.memory!r}"
-               + keep + (f", inputs_on_device={kept})" if kept else ")"))
+               + extra + ")")
         if self.trainer_kwargs:
             kw = ", ".join(f"{k}={v}" for k, v in self.trainer_kwargs.items())
             t = TASK_TRAINERS[self.task]
@@ -132,6 +134,8 @@ class Suggestion:
         if self.candidate.setting.inputs_on_device:
             flags.append(f"--inputs-on-device {self.candidate.setting.inputs_on_device}")
         flags += ["--keep-attention"] if self.candidate.setting.keep_attention else []
+        rows = self.candidate.setting.loss_chunk_rows
+        flags += [f"--loss-chunk-rows {rows}"] if rows else []
         flags += [f"--max-tokens {t['max_tokens']}"] if "max_tokens" in t else []
         flags += [f"--tokens-per-step {t['tokens_per_step']}"] if "tokens_per_step" in t else []
         flags += [f"--mixed-precision {self.mixed_precision}"]

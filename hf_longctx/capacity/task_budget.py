@@ -71,7 +71,7 @@ def with_task(budget: Budget, task: str, dims, s, z: Sizes, S: float, r: float, 
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if task == "sft":
         return budget
-    lr = lr if s.loss_chunks != 1 else loss_rows(dims, int(S), 0)  # the log-prob head is always chunked
+    lr = lr if s.loss_chunks != 1 else loss_rows(dims, int(S), 0, s.loss_chunk_rows)  # the log-prob head: always chunked
     sft_loss = set(loss_terms(z, dims, S, lr, True)) | set(loss_terms(z, dims, S, lr, False))
     rows = {"objective inputs per token (log-probs, weights, advantages)": _ROWS[task] * S}
     held = {**rows}

@@ -18,10 +18,15 @@ from hf_longctx.cli.plan_flags import plan_trainer, resolve_flags, sync_source, 
 from hf_longctx.cli.plots import plot_flexible_step, plot_step
 
 
+def _chunked(s) -> str:
+    """The "chunked mlp/loss" cell: the LM head's rows where the plan lowered them (`capacity/fits.py`)."""
+    return "no" if s.mlp_chunks <= 1 else f"yes (loss rows {s.loss_chunk_rows})" if s.loss_chunk_rows else "yes"
+
+
 def _row(rank: int | str, c) -> list[str]:
     s, m = c.setting, c.memory
     return [str(rank), str(s.ulysses), str(s.ring), str(c.dp), str(s.fpdt_chunks), c.preset, "yes" if s.kv_offload else "no",
-            ("full, keep attn out" if s.keep_attention else "full") if s.checkpoint is True else {"attention": "keep attn"}.get(s.checkpoint, "no"), "yes" if s.mlp_chunks > 1 else "no", str(s.inputs_on_device), "yes" if s.param_offload else "no",
+            ("full, keep attn out" if s.keep_attention else "full") if s.checkpoint is True else {"attention": "keep attn"}.get(s.checkpoint, "no"), _chunked(s), str(s.inputs_on_device), "yes" if s.param_offload else "no",
             str(c.microbatches), gib(m.params), gib(m.grads + m.held), gib(m.optimizer), gib(m.activations), gib(m.buffers + m.backward_grads), gib(m.peak),
             gib(m.host), *((f"{c.step_seconds:.2f}", f"{c.tokens_per_second / c.dp / c.setting.sp:,.0f}")
                            if c.time is not None else ("-", "-")),

@@ -236,7 +236,7 @@ class LayerRun:
                 k, v = replicate_kv(q, k, v, self.call.mesh.ulysses)
             grads = self._grad([q, k, v], dqkv, h_rows)
         if self.needs_h and grads[0] is not None:
-            dh[:, lo:hi] += grads.pop(0)
+            dh[:, lo:hi].add_(grads.pop(0))  # on the row view: `+=` would then copy the rows onto themselves
         elif self.needs_h:
             grads.pop(0)
         self._collect(grads, acc)

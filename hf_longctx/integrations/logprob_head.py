@@ -13,7 +13,6 @@ otherwise is refused before any collective (`check_logprob_head`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
@@ -23,7 +22,7 @@ from hf_longctx.errors import NotSupported
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.model_walk import hf_model
 from hf_longctx.ops.chunked_logprobs import chunked_token_logprobs
-from hf_longctx.ops.tiling import default_loss_chunk_size
+from hf_longctx.ops.loss_rows import config_sizes, loss_chunk_rows
 
 # Config fields by which a transformers model rescales its logits after the LM head; neutral values.
 _LOGIT_SCALES = {"logit_scale": (None, 1.0), "logits_scaling": (None, 1.0), "output_multiplier": (None, 1.0),
@@ -58,15 +57,15 @@ def check_logprob_head(model: Any) -> float | None:
 
 
 def logprob_chunk_rows(model: Any, rows: int) -> int:
-    """Rows per chunk for `rows` tokens: the patch's `loss_chunks` (an int: that many chunks),
-    else `ops/tiling.default_loss_chunk_size` (the SFT loss's rule, "auto")."""
+    """Rows per chunk for `rows` tokens: the SFT loss's rule (`ops/loss_rows.loss_chunk_rows`)
+    with the patch's `loss_chunk_rows` or `loss_chunks` count, else "auto" (the head is always
+    chunked)."""
     from hf_longctx.integrations.model_patch import patch_state
 
-    state = patch_state(model)
-    chunks = getattr(getattr(state, "options", None), "loss_chunks", None)
-    if isinstance(chunks, int) and not isinstance(chunks, bool):
-        return max(1, math.ceil(rows / chunks))
-    return default_loss_chunk_size(hf_model(model).config, rows)
+    options = getattr(patch_state(model), "options", None)
+    chunks = getattr(options, "loss_chunks", None)
+    chunks = chunks if isinstance(chunks, int) and not isinstance(chunks, bool) else "auto"
+    return loss_chunk_rows(*config_sizes(hf_model(model).config), rows, chunks, getattr(options, "loss_chunk_rows", None))
 
 
 def token_logprobs(model: nn.Module, shard: Mapping[str, Any], *, temperature: float = 1.0,

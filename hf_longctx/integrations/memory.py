@@ -13,7 +13,6 @@ stay the same, and the undo restores the exact previous attributes."""
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import torch
@@ -27,7 +26,8 @@ from hf_longctx.integrations.keep_attention import AttentionKeeper
 from hf_longctx.integrations.layer_split import LayerSplit
 from hf_longctx.ops.chunked_loss import chunked_causal_lm_loss
 from hf_longctx.ops.grad_sums import SumsSlot, routed_linear
-from hf_longctx.ops.tiling import chunked_mlp, default_loss_chunk_size, default_mlp_chunks, mlp_chunks_at, tokenwise_chunks
+from hf_longctx.ops.loss_rows import config_sizes, loss_chunk_rows
+from hf_longctx.ops.tiling import chunked_mlp, default_mlp_chunks, mlp_chunks_at, tokenwise_chunks
 
 def _resolve_chunks(name: str, value: Any) -> int | str | None:
     if value is None or value == "auto":
@@ -82,13 +82,14 @@ def _patch_linears(model: nn.Module, slot: SumsSlot, undo: list, split: LayerSpl
 # ---- chunked LM head + loss ---------------------------------------------------------------
 
 
-def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
+def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list, tail: Callable | None, chunk_rows: int | None) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"loss_chunks needs a linear LM head; {type(model).__name__}.get_output_embeddings() is {head!r}")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     softcap = getattr(config, "final_logit_softcapping", None)
+    vocab, hidden_size = config_sizes(config)
     forward = model.forward
 
     def forward_with_chunked_loss(*args, **kwargs):
@@ -107,11 +108,10 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list) -> None:
             nonlocal shift_labels
             if shift_labels is None:  # HF's convention: position t predicts labels[t + 1]
                 shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # [B, S]
-            n = hidden.shape[0] * hidden.shape[1]
-            chunk_size = default_loss_chunk_size(config, n) if loss_chunks == "auto" else math.ceil(n / loss_chunks)
+            chunk_size = loss_chunk_rows(vocab, hidden_size, hidden.shape[0] * hidden.shape[1], loss_chunks, chunk_rows)
             losses.append(chunked_causal_lm_loss(
                 hidden, head.weight, getattr(head, "bias", None), shift_labels=shift_labels,
-                num_items_in_batch=num_items, chunk_size=max(1, chunk_size), final_logit_softcapping=softcap,
+                num_items_in_batch=num_items, chunk_size=chunk_size, final_logit_softcapping=softcap, tail=tail,
             ))
             return hidden.new_empty((*hidden.shape[:-1], 0))  # [B, S, 0]: no logits; softcap ops on it are free
 
@@ -180,7 +180,7 @@ def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, a
         set_instance_attr(layer, "forward", split_forward, undo)
 
 
-def _is_norm(module: nn.Module) -> bool:
+def is_norm(module: nn.Module) -> bool:
     """A normalisation layer (token-wise over the hidden dim): torch's, or a model's *Norm class."""
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or (
         type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and not list(module.children()))
@@ -192,7 +192,7 @@ def _patch_norms(model: nn.Module, chunks: int, undo: list, auto: bool, split: L
     row chunks (ops/tiling.tokenwise_chunks): a norm's fp32 copies exist for one chunk at a
     time, forward and backward, and only its input is saved. Inside a row-chunked layer
     (`split` running one) they run as they are: the rows are a chunk already."""
-    norms = [m for layer in decoder_layers(model) for m in layer.children() if _is_norm(m)]
+    norms = [m for layer in decoder_layers(model) for m in layer.children() if is_norm(m)]
     last = final_norm(model)
     for norm in norms + ([last] if last is not None else []):
         norm_forward = norm.forward
@@ -250,12 +250,13 @@ def apply_memory_options(
     split: LayerSplit | None = None,
     inputs_on_device: int = 0,
     keep_attention: bool = False,
+    loss_tail: Callable | None = None,
+    loss_chunk_rows: int | None = None,
 ) -> Callable[[], None]:
     """Turn on the memory options on `model` in place; return an undo that restores it exactly.
 
-    mlp_chunks / loss_chunks: None = off, "auto" = FPDT's defaults (MLP: 2 x mesh.fpdt_chunks;
-    loss: about 2 x vocab / hidden chunks with a floor on the chunk length, per call), or a
-    number of sequence chunks. checkpoint: False, True (recompute whole layers) or
+    mlp_chunks / loss_chunks: None = off, "auto" = the defaults (MLP: 2 x mesh.fpdt_chunks; loss:
+    `ops/loss_rows.loss_chunk_rows`, per call, or `loss_chunk_rows` rows), or a number of chunks. checkpoint: False, True (recompute whole layers) or
     "attention" (recompute all but the attention, whose calls `keeper` -- the patch's
     `AttentionKeeper` -- keeps and replays). `split`: the patch's `LayerSplit` with
     checkpoint=True; with chunked MLPs too (memory="max") every layer runs in row chunks
@@ -263,7 +264,8 @@ def apply_memory_options(
     decoder layers keep their checkpointed inputs on the device instead of the host (needs
     checkpointing; at most the number of decoder layers). `keep_attention`: the row-chunked
     layers keep their attention's output and LSE for the backward (needs `split` and chunked
-    MLPs). Everything is validated before the model is touched.
+    MLPs). `loss_tail`: the chunked loss's fused tail (`integrations/fusion.Fusion.tail`), None:
+    the eager ops. Everything is validated before the model is touched.
     """
     if not isinstance(kv_offload, bool) or not (isinstance(checkpoint, bool) or checkpoint == "attention"):
         raise ValueError(f"kv_offload must be a bool and checkpoint True, False or 'attention', got "
@@ -296,7 +298,7 @@ def apply_memory_options(
             _patch_mlps(model, mlp_chunks, undo, split, auto, slot)
             _patch_norms(model, mlp_chunks, undo, auto, split, slot)
         if loss_chunks is not None:
-            _patch_loss(model, loss_chunks, undo)
+            _patch_loss(model, loss_chunks, undo, loss_tail, loss_chunk_rows)
         if checkpoint is True and split is not None and mlp_chunks is not None:
             split.keep_attention = keep_attention
             _patch_split(model, split, mlp_chunks, undo, auto, inputs_on_device)

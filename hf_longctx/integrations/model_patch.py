@@ -60,6 +60,8 @@ def patch(
     checkpoint: bool | str = UNSET,
     inputs_on_device: int = 0,
     keep_attention: bool = False,
+    fused: bool = False,
+    loss_chunk_rows: int | None = None,
     attention_backend: str | None = None,
     mixers: str | dict | None = None,
     unsafe_skip_exactness_check: bool = False,
@@ -98,6 +100,11 @@ def patch(
             host memory binds.
         keep_attention: With memory="max", layers keep the attention's output and LSE (host memory, about a layer
             input per token) for their backward; `hf-longctx plan` says where it pays.
+        fused: Norms, RoPE, the gated MLP's product and the loss's elementwise tail run as compiled, fused kernels
+            under any preset or knobs (`integrations/fusion.py`).
+        loss_chunk_rows: Rows per chunk of the chunked LM head (with memory="balanced" / "high" / "max" or
+            loss_chunks="auto"); None: `ops/loss_rows.loss_chunk_rows`' "auto", at least 2048 rows so the head's
+            GEMMs are compute-bound. `hf-longctx plan` suggests fewer where GPU memory binds.
         attention_backend: The local attention kernel every call runs: "torch_flash", "torch_flash[FA3]" /
             "[FA4]" (after the user's `torch.nn.attention.activate_flash_attention_impl`), "flash_attn", "cudnn",
             "cudnn_frontend", "aten_cpu" or "math" (`config.ATTENTION_BACKENDS`). None (the default): the fastest
@@ -127,7 +134,8 @@ def patch(
     check_mesh(mesh)
     bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, attention_backend)
+    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, fused=fused,
+                                        loss_chunk_rows=loss_chunk_rows, attention_backend=attention_backend)
     hf = hf_model(model)
     old = patch_state(hf)
     if old is not None:
@@ -221,6 +229,10 @@ def _install(state: PatchState, hf, vision, mixer_plan, mixer_modes) -> None:
     state.hooks.append(hf.register_forward_pre_hook(pre_forward_hook(state, hf), with_kwargs=True))
     state.hooks.append(hf.register_forward_hook(post_forward_hook(state), with_kwargs=True))
     state.mixers = apply_mixers(mixer_plan, state.mesh, lambda info: batch_mesh(state, info), mixer_modes)
+    if state.options.fused:  # first: the memory options wrap the fused modules
+        from hf_longctx.integrations.fusion import apply_fusion
+
+        state.fusion = apply_fusion(hf, state.options.loss_chunks is not None, state.fusion_undo)
     if state.options.uses_memory_options:
         _apply_memory_options(state, hf)
 
@@ -244,6 +256,7 @@ def _apply_memory_options(state: PatchState, hf) -> None:
         hf, state.mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
         checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
         inputs_on_device=options.inputs_on_device, keep_attention=options.keep_attention,
+        loss_tail=state.fusion.tail if state.fusion is not None else None, loss_chunk_rows=options.loss_chunk_rows,
     )
 
 
@@ -263,6 +276,8 @@ def unpatch(model: Any) -> Any:
         return model
     if state.memory_undo is not None:
         state.memory_undo()
+    while state.fusion_undo:  # after the memory options, which wrapped the fused modules
+        state.fusion_undo.pop()()
     if state.mixers is not None:
         state.mixers.restore()
     for handle in state.hooks:

@@ -38,10 +38,11 @@ UNSET: Any = _Unset()
 
 def resolve_options(
     memory: str | None, knobs: dict, mesh: SPMesh, inputs_on_device: int, keep_attention: bool = False,
-    attention_backend: str | None = None,
+    fused: bool = False, loss_chunk_rows: int | None = None, attention_backend: str | None = None,
 ) -> tuple[PatchOptions, frozenset]:
     """`patch()`'s options from the preset and the knobs the caller passed (those not `UNSET`),
     and the names of those knobs."""
     given = {k: v for k, v in knobs.items() if v is not UNSET}
-    options = PatchOptions.resolve(memory, given, mesh.fpdt_chunks, inputs_on_device, keep_attention, attention_backend)
+    options = PatchOptions.resolve(memory, given, mesh.fpdt_chunks, inputs_on_device, keep_attention, fused=fused,
+                                   loss_chunk_rows=loss_chunk_rows, attention_backend=attention_backend)
     return options, frozenset(given)

@@ -40,6 +40,8 @@ class PatchState:
     saved_impls: list = field(default_factory=list)  # [(config, original _attn_implementation_internal)]
     hooks: list = field(default_factory=list)
     memory_undo: Callable[[], None] | None = None
+    fusion: Any = None  # integrations/fusion.Fusion of patch(fused=True), or None
+    fusion_undo: list = field(default_factory=list)  # its instance attributes, undone after the memory options'
     probe: ProbeReport | None = None  # patch()'s dry run (None under unsafe_skip_exactness_check)
     mixers: MixerBinding | None = None  # the wrapped linear mixers, or None
     mixers_option: Any = None  # patch(mixers=...) as given (re-patches pass it on)

@@ -9,7 +9,7 @@ Guarantees: the numerics of the unchunked path the objectives used (`lm_head` in
 dtype, Gemma2's softcap in that dtype, then fp32, divided by the temperature, log-softmax),
 per token; at most one chunk of `[chunk, V]` logits alive, forward and backward; the
 statistics ("entropy", "mean_logit", "is_top1") carry no gradient; the weight gradient is
-summed in fp32 over the chunks. Chunk sizes follow `ops/tiling.default_loss_chunk_size`."""
+summed in fp32 over the chunks. Chunk sizes follow `ops/loss_rows.loss_chunk_rows`."""
 
 from __future__ import annotations
 

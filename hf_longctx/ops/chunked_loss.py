@@ -3,7 +3,7 @@
 Where it sits: at the end of ``model(**shard)`` the patched LM head (``integrations/memory.py``)
 calls :func:`chunked_causal_lm_loss` on the local shard's final hidden states with the
 pre-shifted labels and the global ``num_items_in_batch`` (DESIGN invariant 6), in chunks of
-``ops/tiling.default_loss_chunk_size`` tokens. FPDT's chunked loss (§3.5): cross-entropy is
+``ops/loss_rows.loss_chunk_rows`` tokens. FPDT's chunked loss (§3.5): cross-entropy is
 token-wise, so each chunk's loss and gradients are the unchunked model's per token.
 Guarantees: ForCausalLMLoss's numerics (softcap, autocast, dtype rounding per token); at most
 one chunk of ``[chunk, V]`` logits alive, forward and backward; gradients taken in forward,
@@ -52,6 +52,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         chunk_size: int,
         softcap: float | None,
         ignore_index: int,
+        tail: Any = None,
     ) -> Tensor:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_any = need_h or need_w or bool(need_b and bias is not None)
@@ -63,6 +64,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         elif torch.is_tensor(denominator):
             denominator = denominator.to(hidden.device)
 
+        if tail is not None:
+            return _fused_chunks(ctx, hidden, weight, bias, labels, denominator, chunk_size, softcap, ignore_index, tail)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [B*S, Hd]
         # Accumulating per-chunk weight grads in a low-precision dtype would add one rounding per
@@ -108,7 +111,47 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         out_h = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
         out_w = None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype)
         out_b = None if grad_b is None else (grad_b * grad_out).to(ctx.bias_dtype)
-        return out_h, out_w, out_b, None, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None, None
+
+
+def _fused_chunks(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, denominator: Tensor,
+                  chunk_size: int, softcap: float | None, ignore_index: int, tail: Any) -> Tensor:
+    """`_ChunkedLMHeadLoss.forward` with the loss's elementwise tail fused (`ops/fused.
+    cross_entropy_tail`, compiled by `integrations/fusion.py`): per chunk the logits GEMM, one
+    fused pass for the loss and the logits' gradient, then the two gradient GEMMs -- the input's
+    into its rows, the weight's into its fp32 sum (`GradSums.addmm`). The operands are those of
+    the autograd path: under autocast the hidden rows and the weight (cast once) in the compute
+    dtype."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = bool(need_b and bias is not None)
+    kind = hidden.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    with torch.no_grad(), torch.autocast(kind, enabled=False):
+        w = weight.detach() if dtype is None else weight.detach().to(dtype)  # [V, Hd]
+        b = None if bias is None else bias.detach() if dtype is None else bias.detach().to(dtype)  # [V]
+        # 1 / the denominator, what autograd hands the eager path's ce_sum / den: one kernel, never
+        # a copy of Python data to the device (a host sync there)
+        scale = (1.0 / denominator if torch.is_tensor(denominator) else  # [] fp32
+                 torch.full((), 1.0 / denominator, dtype=torch.float32, device=hidden.device))
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None  # [B*S, Hd]
+        sums = GradSums([weight]) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None  # [V]
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = min(start + chunk_size, hidden.shape[0])
+            h = hidden[start:end] if dtype is None else hidden[start:end].to(dtype)  # [n, Hd]
+            ce_sum, dz = tail(F.linear(h, w, b), labels[start:end], scale, softcap, ignore_index)  # [], [n, V]
+            loss_sum += ce_sum
+            if need_h:
+                grad_h[start:end] = dz @ w  # [n, V] @ [V, Hd]
+            if need_w:
+                sums.addmm(0, dz.t(), h)  # [V, n] @ [n, Hd] into the fp32 sum
+            if need_b:
+                grad_b += dz.sum(0, dtype=torch.float32)
+    ctx.weight_dtype = weight.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(grad_h, None if sums is None else sums.grads(rounded=False)[0], grad_b)
+    return loss_sum / denominator
 
 
 def chunked_causal_lm_loss(
@@ -121,6 +164,7 @@ def chunked_causal_lm_loss(
     chunk_size: int,
     final_logit_softcapping: float | None = None,
     ignore_index: int = -100,
+    tail: Any = None,
 ) -> Tensor:
     """Causal-LM loss from final hidden states without materialising full logits.
 
@@ -135,7 +179,9 @@ def chunked_causal_lm_loss(
     position t is the target of position t; ``ignore_index`` is skipped). ``chunk_size`` counts
     tokens of the flattened ``B * S``; at most one chunk of ``[chunk_size, V]`` logits exists at
     any time, in forward and in backward. Gradients for hidden, weight and bias are exact up to
-    summation order. Not twice differentiable.
+    summation order. Not twice differentiable. ``tail``: the compiled ``ops/fused.
+    cross_entropy_tail`` (``patch(fused=True)``), which computes each chunk's loss and logits
+    gradient in one fused pass; None: autograd over the eager ops.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got chunk_size={chunk_size}")
@@ -164,4 +210,5 @@ def chunked_causal_lm_loss(
         chunk_size,
         final_logit_softcapping,
         ignore_index,
+        tail,
     )

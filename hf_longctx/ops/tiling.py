@@ -2,10 +2,10 @@
 
 Where it sits: inside ``model(**shard)`` every decoder layer's MLP is routed through
 :func:`chunked_mlp`, and its norms and the final norm through :func:`tokenwise_chunks`; the
-sizing rules here (:func:`default_mlp_chunks`, :func:`default_loss_chunk_size`) set the MLP's
-chunks and the loss's chunk size (the loss itself: ``ops/chunked_loss.py``), and ``capacity/``
-reads them too. FPDT's chunked FFN (§3.5): token-wise, so chunks recomputed in backward give
-the same math per token with one chunk of ``[B, S, I]`` alive at a time.
+sizing rules here (:func:`default_mlp_chunks`, :func:`mlp_chunks_at`) set the MLP's chunks
+(the loss's: ``ops/loss_rows.py``), and ``capacity/`` reads them too. FPDT's chunked FFN
+(§3.5): token-wise, so chunks recomputed in backward give the same math per token with one
+chunk of ``[B, S, I]`` alive at a time.
 Not supported: dropout inside the MLP (a recomputed chunk would need its first run's RNG
 stream); the integration that patches MLPs refuses it."""
 
@@ -24,16 +24,6 @@ from hf_longctx.ops.grad_sums import GradSums, SumsSlot
 # Attribute set on an input gradient its maker hands over whole (a row-chunked norm's or
 # layer's): the next chunked consumer may rewrite it in place instead of copying it.
 OWNED_GRAD = "_hf_longctx_owned_grad"
-
-# The floor only guards against degenerate chunks (a 64-wide toy model with a 32K vocabulary
-# would get ~4000 chunks of a few tokens). At 256 rows the per-chunk [256, Hd] x [Hd, V] GEMM
-# is already 2·256·Hd·V FLOPs (over 1 GFLOP for Hd = 64, V = 32K), far above the per-chunk
-# loop overhead of tens of microseconds, and one fp32 chunk of a 128K vocabulary is 128 MiB.
-# A higher floor would override the sizing rule (`default_loss_chunk_size`) for mid-sized
-# models and make the loss the memory peak again.
-# Read-only constant, not a flag.
-MIN_LOSS_CHUNK_TOKENS = 256
-
 
 # Rows per MLP chunk the "auto" setting never goes below: a [1024, Hd] x [Hd, I] GEMM keeps a GPU
 # busy, and below it the per-chunk launch overhead shows. Read-only constant, not a flag.
@@ -65,37 +55,6 @@ def mlp_chunks_at(chunks: int, rows: int, auto: bool) -> int:
     if not auto:
         return max(1, min(chunks, rows))
     return max(1, min(chunks, rows // MIN_MLP_CHUNK_TOKENS))
-
-
-def default_loss_chunk_size(config: Any, seq_len: int) -> int:
-    """Tokens per loss chunk for a call over ``seq_len`` tokens (``B * S`` of the local shard).
-
-    About ``8 * V / Hd`` chunks. Why that number: a chunk's loss holds three fp32 ``[chunk, V]``
-    tensors (log-softmax output, its gradient, the logits' gradient) and one in the compute
-    dtype; at ``8 V / Hd`` chunks one fp32 chunk holds ``seq_len * Hd / 2`` bytes, a quarter of
-    the bf16 hidden states of the sequence, so the loss's transient stays under one hidden-size
-    vector per token. FPDT splits into ``2 V / Hd`` chunks (one fp32 chunk = the bf16 hidden
-    states): about 3.5 vectors per token, which would make the loss the memory peak of a step
-    whose layers keep about three (memory="max"). The GEMMs stay large (Llama-3.1-8B at 1M
-    tokens: 251 chunks of 4,178 rows). A floor of :data:`MIN_LOSS_CHUNK_TOKENS` (256) tokens per
-    chunk keeps tiny models (V / Hd can be 500+ for a 64-wide toy) from degenerating into many
-    few-token GEMMs; a sequence shorter than the floor is one chunk.
-
-    ``config`` is a transformers ``PretrainedConfig`` (multimodal configs are reduced to their
-    text config); it must expose ``vocab_size`` and ``hidden_size``.
-    """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got seq_len={seq_len}")
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab_size = getattr(text_config, "vocab_size", None)
-    hidden_size = getattr(text_config, "hidden_size", None)
-    if not vocab_size or not hidden_size:
-        raise ValueError(
-            f"config needs vocab_size and hidden_size, got vocab_size={vocab_size}, hidden_size={hidden_size}"
-        )
-    num_chunks = max(1, math.ceil(8 * vocab_size / hidden_size))
-    chunk_size = max(math.ceil(seq_len / num_chunks), MIN_LOSS_CHUNK_TOKENS)
-    return min(chunk_size, seq_len)
 
 
 def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int, params: list | None = None,

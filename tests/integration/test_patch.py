@@ -305,3 +305,19 @@ def test_gradient_checkpointing_flag_keeps_an_unsafe_patch_unsafe(llama_path, me
     state = patch_state(model)
     assert state.options.checkpoint is True and state.probe is None
     unpatch(model)
+
+
+def test_gradient_checkpointing_flag_keeps_the_other_options(llama_path, mesh, tmp_path):
+    """The re-patch that adds checkpoint=True keeps the options that are not knobs of a preset:
+    the LM head's chunk rows, the fused regions and a named attention backend."""
+    from transformers import TrainingArguments
+
+    from hf_longctx.integrations.model_patch import patch_state
+    from hf_longctx.training.base.construction import map_activation_checkpointing
+
+    model = patch(load(llama_path).train(), mesh, loss_chunks="auto", loss_chunk_rows=512, attention_backend="math",
+                  unsafe_skip_exactness_check=True)
+    map_activation_checkpointing(model, TrainingArguments(str(tmp_path), gradient_checkpointing=True, report_to=[]))
+    options = patch_state(model).options
+    assert options.checkpoint is True and options.loss_chunk_rows == 512 and options.attention_backend == "math"
+    unpatch(model)

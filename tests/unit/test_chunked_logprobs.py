@@ -170,8 +170,12 @@ class _VocabWide(TorchDispatchMode):
         return out
 
 
-def _largest_vocab_rows(loss_chunks: int) -> tuple[int, int]:
+def _largest_vocab_rows(loss_chunks: int) -> tuple[int, int, int]:
+    """(largest vocabulary-wide op's rows, the shard's rows, the head's chunk rows); loss_chunks 0:
+    memory="balanced" ("auto" chunks) with 100-row chunks, as the planner lowers them (a
+    240-token shard is shorter than an "auto" chunk)."""
     from hf_longctx import patch
+    from hf_longctx.integrations.logprob_head import logprob_chunk_rows
     from hf_longctx.training.grpo.loss import GRPOObjective, add_ref_logps, grpo_loss, pack_completions, shard_completions
 
     g = torch.Generator().manual_seed(5)
@@ -180,7 +184,7 @@ def _largest_vocab_rows(loss_chunks: int) -> tuple[int, int]:
     objective = GRPOObjective(beta=0.04, temperature=0.7)
     packed = pack_completions(prompts, completions, [0.5, -0.5, 1.0, -1.0], objective, num_sequences=4, num_tokens=240)
     mesh = _mesh()
-    options = {"memory": "balanced"} if loss_chunks == 0 else {"loss_chunks": loss_chunks}
+    options = {"memory": "balanced", "loss_chunk_rows": 100} if loss_chunks == 0 else {"loss_chunks": loss_chunks}
     model = patch(_tiny(), mesh, unsafe_skip_exactness_check=True, **options)  # a Llama: the dry run is covered above
     ref = patch(_tiny(), mesh, unsafe_skip_exactness_check=True, **options).eval().requires_grad_(False)
     shard = shard_completions(packed, mesh)
@@ -189,18 +193,16 @@ def _largest_vocab_rows(loss_chunks: int) -> tuple[int, int]:
         add_ref_logps(ref, shard, objective)
         loss, _ = grpo_loss(model, shard, objective, mesh, num_sequences=4)
         loss.backward()
-    return watch.rows, shard["input_ids"].shape[1]
+    s_local = shard["input_ids"].shape[1]
+    return watch.rows, s_local, logprob_chunk_rows(model, s_local)
 
 
 def test_no_sequence_by_vocabulary_tensor():
-    from hf_longctx.integrations.logprob_head import logprob_chunk_rows
-
-    rows, s_local = _largest_vocab_rows(0)  # memory="balanced": loss_chunks="auto", the trainer's rule
-    chunk = logprob_chunk_rows(_tiny(), s_local)
-    assert chunk < s_local and max(chunk, 32) >= rows, (rows, chunk, s_local)  # 32: the [V, Hd] weight gradient
-    rows, _ = _largest_vocab_rows(4)
+    rows, s_local, chunk = _largest_vocab_rows(0)  # memory="balanced": loss_chunks="auto", the trainer's rule
+    assert chunk == 100 < s_local and max(chunk, 32) >= rows, (rows, chunk, s_local)  # 32: the [V, Hd] weight gradient
+    rows, _, _ = _largest_vocab_rows(4)
     assert rows <= -(-s_local // 4)
-    rows, _ = _largest_vocab_rows(1)  # the fault: one chunk holds every row
+    rows, _, _ = _largest_vocab_rows(1)  # the fault: one chunk holds every row
     assert rows >= s_local, "the check must see a [S_local, V] tensor when the head runs unchunked"
 
 

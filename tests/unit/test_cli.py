@@ -38,12 +38,14 @@ def _setting(row: dict[str, str]) -> Setting:
     """The memory-model Setting a table row stands for ("auto" MLP chunks: from the model's sizes)."""
     from hf_longctx.ops.tiling import default_mlp_chunks
 
-    chunked = row["chunked mlp/loss"] == "yes"
+    chunked = row["chunked mlp/loss"].startswith("yes")
+    rows = row["chunked mlp/loss"].removeprefix("yes (loss rows ").removesuffix(")") if chunked else ""
     return Setting(
         ulysses=int(row["ulysses"]), ring=int(row["ring"]), fpdt_chunks=int(row["fpdt"]),
         kv_offload=row["kv offload"] == "yes", checkpoint={"full": True, "keep attn": "attention"}.get(row["ckpt"], False),
         mlp_chunks=default_mlp_chunks(int(row["fpdt"]), CONFIG["intermediate_size"], CONFIG["hidden_size"]) if chunked else 1,
         loss_chunks=0 if chunked else 1, param_offload=row["param offload"] == "yes",
+        loss_chunk_rows=int(rows) if rows.isdigit() else 0,
     )
 
 

@@ -5,7 +5,8 @@ The recording runs the patched tiny Llama forward + backward through the autogra
 emulated flash-attn 2.8 kernel, offload on its CUDA branch with stub streams) as rank 0 of a
 one-rank fake process group. Equality is exact per kind of op: launches, FLOPs, HBM bytes,
 link and PCIe bytes. A hot-path change the inventory does not follow fails here (dropping
-the setitem copy of `dh[:, rows] += g` from the inventory's memory='max' fails the max case)."""
+the copy of a row chunk's input gradient into the layer's buffer, `dh[:, rows] = g`, from the
+inventory's memory='max' fails the max case)."""
 
 from __future__ import annotations
 

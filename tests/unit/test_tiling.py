@@ -38,13 +38,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 from hf_longctx.ops.chunked_loss import chunked_causal_lm_loss
-from hf_longctx.ops.tiling import (
-    MIN_LOSS_CHUNK_TOKENS,
-    chunked_mlp,
-    default_loss_chunk_size,
-    default_mlp_chunks,
-    mlp_chunks_at,
-)
+from hf_longctx.ops.tiling import chunked_mlp, default_mlp_chunks, mlp_chunks_at
 
 torch.set_num_threads(1)
 
@@ -355,13 +349,3 @@ def test_defaults() -> None:
     with pytest.raises(ValueError, match="fpdt_chunks=0"):
         default_mlp_chunks(0)
 
-    big = LlamaConfig(vocab_size=128256, hidden_size=4096)  # 8 V / Hd -> 251 chunks
-    assert default_loss_chunk_size(big, 1 << 20) == 4178  # ceil(1048576 / 251)
-    assert default_loss_chunk_size(big, 131072) == 523  # ceil(131072 / 251)
-    tiny = LlamaConfig(vocab_size=1000, hidden_size=32)  # 250 chunks would be ~20 tokens
-    assert default_loss_chunk_size(tiny, 5000) == MIN_LOSS_CHUNK_TOKENS
-    assert default_loss_chunk_size(tiny, 200) == 200  # shorter than the floor: one chunk
-    gpt2 = GPT2Config(vocab_size=50257, n_embd=768)  # hidden_size via attribute_map
-    assert default_loss_chunk_size(gpt2, 300000) == 573  # ceil(300000 / 524)
-    with pytest.raises(ValueError, match="seq_len=0"):
-        default_loss_chunk_size(big, 0)

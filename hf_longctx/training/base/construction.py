@@ -45,7 +45,9 @@ def map_activation_checkpointing(model: Any, args: Any) -> Any:
             )
     elif not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
         knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
-        patch(model, state.bank, **knobs, checkpoint=True, mixers=state.mixers_option,
+        patch(model, state.bank, **knobs, checkpoint=True, fused=state.options.fused,
+              loss_chunk_rows=state.options.loss_chunk_rows, attention_backend=state.options.attention_backend,
+              mixers=state.mixers_option,
               unsafe_skip_exactness_check=state.probe is None)  # a model patched without the dry run stays so
     mapped = copy.copy(args)  # the Trainer reads (and may write) its own copy
     for f in fields:

@@ -44,7 +44,8 @@ def unpatched_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Module
                     kv_offload=opts.kv_offload, mlp_chunks=opts.mlp_chunks, loss_chunks=opts.loss_chunks,
                     checkpoint=opts.checkpoint)
                 patch(model, state.bank, memory=opts.memory, **knobs,
-                      inputs_on_device=opts.inputs_on_device, keep_attention=opts.keep_attention,
+                      inputs_on_device=opts.inputs_on_device, keep_attention=opts.keep_attention, fused=opts.fused,
+                      loss_chunk_rows=opts.loss_chunk_rows, attention_backend=opts.attention_backend,
                       mixers=state.mixers_option, unsafe_skip_exactness_check=state.probe is None)
 
 

@@ -84,7 +84,9 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
     "torch_compile_backend": trainer_rule("the torch.compile backend (it turns torch_compile on)"),
     "torch_compile_mode": trainer_rule("the torch.compile mode (it turns torch_compile on)"),
     "use_liger_kernel": refused_rule(
-        falsy, "Liger replaces the model's forward and loss", "use patch(model, mesh, loss_chunks=N) for a chunked loss"),
+        falsy, "Liger replaces the model's forward and loss with Triton kernels (no CPU path to check them against "
+        "the sequence-parallel step)", "use patch(model, mesh, fused=True): compiled, fused norms, RoPE, SwiGLU and "
+        "loss tail under any memory preset"),
     "liger_kernel_config": refused_rule(lambda v: not v, "it configures use_liger_kernel, which is refused", "leave it None"),
     "neftune_noise_alpha": refused_rule(
         lambda v: v is None, "NEFTune scales its embedding noise by the sequence length, which each rank takes from its shard",

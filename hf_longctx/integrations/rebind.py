@@ -1,0 +1,71 @@
+"""One global name of a module class's forward, rebound for one instance: a copy of the function chain.
+
+Where it sits: `integrations/fusion.py` binds each attention module's `apply_rotary_pos_emb` to
+a compiled version, for the patched model only. A model family's attention forward looks its
+RoPE function up in its module's globals at call time; replacing that global would change
+every model of the family in the process. Here the class forward is copied through its
+decorators' closures (transformers' `deprecate_kwarg`, `kernels`' `use_kernelized_func`) down
+to the function that reads the name, whose globals are copied with the one name rebound; the
+copy becomes the instance's forward (`integrations/undo.py` restores it).
+Guarantees: the class, the module and every other instance stay as they are; the copy runs the
+same code objects (defaults, closures and line numbers alike); the module's other globals are
+read as they were at patch time (a later monkeypatch of the family's module is not seen).
+"""
+
+from __future__ import annotations
+
+from types import CellType, FunctionType
+from typing import Any
+
+MAX_DEPTH = 4  # decorators between a class forward and the body that reads the name
+
+
+def _copy(fn: FunctionType, globals_: dict, closure: tuple | None) -> FunctionType:
+    new = FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__ = fn.__qualname__
+    new.__dict__.update(fn.__dict__)  # functools.wraps' __wrapped__, deprecation marks
+    return new
+
+
+def _reader(fn: Any, name: str, depth: int = 0) -> tuple[list[int], FunctionType] | None:
+    """(the closure-cell path from `fn` down, the function of the chain that reads global `name`)."""
+    if not isinstance(fn, FunctionType):
+        return None
+    if name in fn.__code__.co_names and name in fn.__globals__:
+        return [], fn
+    if depth >= MAX_DEPTH:
+        return None
+    for i, cell in enumerate(fn.__closure__ or ()):
+        try:
+            found = _reader(cell.cell_contents, name, depth + 1)
+        except ValueError:  # an empty cell
+            continue
+        if found is not None:
+            return [i, *found[0]], found[1]
+    return None
+
+
+def global_read(fn: Any, name: str) -> Any:
+    """The value of the global `name` that `fn` (or a function its decorators wrap) reads, or
+    None when none of them reads it."""
+    found = _reader(fn, name)
+    return None if found is None else found[1].__globals__[name]
+
+
+def rebound(fn: FunctionType, name: str, value: Any) -> FunctionType:
+    """A copy of `fn` whose chain reads `value` for the global `name` (see the module docstring).
+    Raises ValueError when no function of the chain reads `name`."""
+    found = _reader(fn, name)
+    if found is None:
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} reads no global {name!r} within {MAX_DEPTH} decorators")
+    path, reader = found
+    chain = [fn]
+    for i in path:
+        chain.append(chain[-1].__closure__[i].cell_contents)
+    new = _copy(reader, {**reader.__globals__, name: value}, reader.__closure__)
+    for outer, i in zip(reversed(chain[:-1]), reversed(path)):
+        cells = list(outer.__closure__)
+        cells[i] = CellType(new)
+        new = _copy(outer, outer.__globals__, tuple(cells))
+    return new
