@@ -173,13 +173,7 @@ def rank_settings(
         s, mem = loss_rows_within(s, mem, memory, dims, tokens, usable_gpu)
         if s.checkpoint and not s.keep_attention and mem.host * per_node > usable_host and mem.peak <= usable_gpu:
             s, mem = inputs_on_device(s, mem, memory, dims.layers, usable_gpu, usable_host / per_node)
-        time = None
-        if timed:
-            time = step_time(dims, s, cluster, tokens, seq_len=seq_len, dtype=dtype, microbatches=mbs,
-                             optimizer=optimizer, grad_sync=grad_sync)
-            mixers = mixer_seconds(config, s, cluster, tokens, dtype)
-            if mixers:
-                time.other["linear mixers"] = mixers
+        time = _timed(config, dims, s, cluster, tokens, seq_len, dtype, mbs, optimizer, grad_sync) if timed else None
         if vision is not None:
             mem = _charge_vision(vision, config, s, cluster, mem, time, tokens / seq_len, dtype, optimizer)
         secs = time.seconds if time is not None else math.nan
@@ -202,6 +196,17 @@ def rank_settings(
                   key=lambda c: (not cluster.follows_usp_guidance(c.setting, dims.heads, dims.kv_heads),
                                  c.setting.inputs_on_device > 0))
     return band + out[n:]
+
+
+def _timed(config: Any, dims: ModelDims, s: Setting, cluster: Cluster, tokens: int, seq_len: int, dtype: str,
+           mbs: int, optimizer: str, grad_sync: str) -> Any:
+    """The step-time model's `StepTime` of one setting, the hybrid's linear mixers included."""
+    time = step_time(dims, s, cluster, tokens, seq_len=seq_len, dtype=dtype, microbatches=mbs, optimizer=optimizer,
+                     grad_sync=grad_sync)
+    mixers = mixer_seconds(config, s, cluster, tokens, dtype)
+    if mixers:
+        time.other["linear mixers"] = mixers
+    return time
 
 
 def placed(estimate: Any, places: list, gpu: float, host: float) -> Any:
