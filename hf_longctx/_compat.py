@@ -241,3 +241,17 @@ def generation_defaults() -> dict:
     if probe is not None:
         return dict(probe())
     return dict(temperature=1.0, top_k=50, top_p=1.0, repetition_penalty=1.0, num_beams=1, do_sample=False)
+
+
+def repetition_penalty_skips_padding() -> bool:
+    """transformers' `RepetitionPenaltyLogitsProcessor` takes a per-row `prompt_ignore_length`
+    tensor, and `generate` passes each row's left padding through it, so pad tokens are not
+    penalised (transformers 5.25); before (5.19, the floor) it takes an int only and `generate`
+    penalises the left padding with the rest of the history. Probed by constructing one."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    try:
+        RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.zeros(1, dtype=torch.long))
+    except ValueError:  # "`prompt_ignore_length` has to be a positive integer"
+        return False
+    return True

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_longctx._compat import generation_defaults
+from hf_longctx._compat import generation_defaults, repetition_penalty_skips_padding
 from hf_longctx.errors import NotSupported
 
 READ = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "eos_token_id",
@@ -140,8 +140,8 @@ def sampling_settings(generation_config: Any = None, model: Any = None, **option
 
 def logits_processors(settings: SamplingSettings, pad_lengths: torch.Tensor):
     """transformers' processors for `settings`, in `_get_logits_processor`'s order; `pad_lengths` [B]:
-    each row's left padding in the sampler's history (the repetition penalty ignores it, as
-    `generate` does with the prompt's attention mask)."""
+    each row's left padding in the sampler's history (the repetition penalty ignores it where
+    `generate` does, from the prompt's attention mask: `_compat.repetition_penalty_skips_padding`)."""
     from transformers.generation.logits_process import (
         LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
         TopKLogitsWarper, TopPLogitsWarper,
@@ -150,7 +150,8 @@ def logits_processors(settings: SamplingSettings, pad_lengths: torch.Tensor):
     s = settings
     procs = LogitsProcessorList()
     if s.repetition_penalty is not None and s.repetition_penalty != 1.0:
-        procs.append(RepetitionPenaltyLogitsProcessor(s.repetition_penalty, prompt_ignore_length=pad_lengths))
+        skip = pad_lengths if repetition_penalty_skips_padding() else None
+        procs.append(RepetitionPenaltyLogitsProcessor(s.repetition_penalty, prompt_ignore_length=skip))
     if s.do_sample:  # the warpers act only when sampling, as in generate
         if s.temperature is not None and s.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(s.temperature))
