@@ -3,8 +3,12 @@
 Each case patches a tiny model with fused=True (`integrations/fusion.py`: compiled norms, RoPE,
 gated-MLP product and loss tail) and compares the loss and every gradient, summed over the SP
 group, with the unpatched model run on the whole packed batch in one process:
-- fp32: loss and gradients within 1e-5 relative (max|a - b| / max|b|): the compiled regions
-  evaluate the same math per token, in another order;
+- fp32: loss and gradients within 1e-5 relative (max|a - b| / max|b|) of the SAME patched step
+  without fusion (what fused=True changes: the compiled regions evaluate the same math per token,
+  in another order), and no further from the single process than that unfused step plus 1e-5.
+  The unfused step's own distance to the single process is what the model tests hold
+  (tests/distributed/test_models.py); Gemma2 under the "max" knobs is 3.1e-5 from it on torch
+  2.11 / transformers 5.19, fused or not, and within 1e-5 on torch 2.13;
 - bf16 (bf16 weights; fp32 weights under CPU autocast): the 2x rule of tests/helpers/bf16_rule.py
   (at most twice bf16's own error against the float64 truth), autocast under the "balanced"
   knobs and bf16 weights under "max" on FPDT u=2.
@@ -41,9 +45,13 @@ def _fp32_cases(paths: dict, cases: list) -> dict:
         mesh = worker_mesh(*layout)
         batch = packed_batch()
         ref_loss, ref_grads = reference(load(paths[family]), batch)
+        plain_loss, _, plain_grads = sp_loss_and_grads(patch(load(paths[family]), mesh, **options), batch, mesh)
         model = patch(load(paths[family]), mesh, fused=True, **options)
         loss, _, grads = sp_loss_and_grads(model, batch, mesh)
-        out[(family, setting)] = compare(ref_loss, ref_grads, loss, grads) | {"fused": dict(patch_state(model).fusion.fused)}
+        out[(family, setting)] = {"vs unfused": compare(plain_loss, plain_grads, loss, grads),
+                                  "vs one process": compare(ref_loss, ref_grads, loss, grads),
+                                  "unfused vs one process": compare(ref_loss, ref_grads, plain_loss, plain_grads),
+                                  "fused": dict(patch_state(model).fusion.fused)}
     return out
 
 
@@ -58,9 +66,10 @@ def paths(tmp_path_factory):
 def test_fused_fp32_equals_the_single_process_step(pools, paths):
     for rank, results in enumerate(pools.get(2).run(_fp32_cases, paths, CASES, timeout=1200)):
         for case, errs in results.items():
-            fused = errs.pop("fused")
+            fused, own, ref, plain = (errs[k] for k in ("fused", "vs unfused", "vs one process", "unfused vs one process"))
             assert fused["norm"] and fused["rope"] and fused["mlp"] and fused["loss"], (rank, case, fused)
-            assert errs["loss"] <= LOSS_TOL and errs["grad"] <= GRAD_TOL and "missing_grads" not in errs, (rank, case, errs)
+            assert own["loss"] <= LOSS_TOL and own["grad"] <= GRAD_TOL and "missing_grads" not in own, (rank, case, errs)
+            assert ref["loss"] <= plain["loss"] + LOSS_TOL and ref["grad"] <= plain["grad"] + GRAD_TOL, (rank, case, errs)
 
 
 def _bf16_cases(path: str, refs: dict, cases: list) -> dict:
