@@ -71,7 +71,7 @@ def cache_layout(
     cu = [int(c) for c in padded_cu]
     if len(cu) < n + 1 or any(cu[i + 1] - cu[i] < p for i, p in enumerate(prompt_lengths)):
         raise ValueError(f"padded boundaries {cu[:8]}... do not hold the {n} prompts of lengths {list(prompt_lengths)[:8]}")
-    g = local_indices.tolist()
+    g = local_indices.tolist()  # a host tensor (SPMesh.local_indices): once per rollout, no device sync
     docs = [bisect.bisect_right(cu, x) - 1 for x in g]
     real = [d < n and x - cu[d] < prompt_lengths[d] for x, d in zip(g, docs)]
     keep = [i for i, r in enumerate(real) if r]
