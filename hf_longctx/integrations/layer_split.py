@@ -50,10 +50,14 @@ class LayerSplit:
         self.recorded: list | None = None  # (module id, output gradient edge) of post's projections, while learning
         self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
         self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows
-        self.keep_attention = False  # keep each attention's output and LSE for the backward (patch(keep_attention=))
         self.warned: set[str] = set()
         self.runs = {"chunked": 0, "whole": 0}  # layer calls per path (tests and benchmarks read them)
         self.no_grad_runs = 0  # row-chunked layer calls without gradients (call_no_grad)
+
+    @property
+    def keep_attention(self) -> bool:
+        """Keep each attention's output and LSE for the backward: the patch's `keep_attention`."""
+        return self.state.options.keep_attention
 
     # ---- the attention's side ------------------------------------------------------------------
     def capturing(self) -> bool:

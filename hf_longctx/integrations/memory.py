@@ -13,11 +13,12 @@ stay the same, and the undo restores the exact previous attributes."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
+from hf_longctx.config import PatchOptions
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
 from hf_longctx.integrations.checkpointing import keeps_input, patch_checkpointing
@@ -28,14 +29,6 @@ from hf_longctx.ops.chunked_loss import chunked_causal_lm_loss
 from hf_longctx.ops.grad_sums import SumsSlot, routed_linear
 from hf_longctx.ops.loss_rows import config_sizes, loss_chunk_rows
 from hf_longctx.ops.tiling import chunked_mlp, default_mlp_chunks, mlp_chunks_at, tokenwise_chunks
-
-def _resolve_chunks(name: str, value: Any) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be None (off), 'auto' or a positive int, got {value!r}")
-    return value
-
 
 # ---- chunked MLP --------------------------------------------------------------------------
 
@@ -241,52 +234,39 @@ def _patch_host_budget(model: nn.Module, mesh: SPMesh, setting_kw: dict, undo: l
 def apply_memory_options(
     model: nn.Module,
     mesh: SPMesh,
+    options: PatchOptions,
     *,
-    kv_offload: bool = False,
-    mlp_chunks: int | str | None = None,
-    loss_chunks: int | str | None = None,
-    checkpoint: bool | str = False,
     keeper: AttentionKeeper | None = None,
     split: LayerSplit | None = None,
-    inputs_on_device: int = 0,
-    keep_attention: bool = False,
     loss_tail: Callable | None = None,
-    loss_chunk_rows: int | None = None,
 ) -> Callable[[], None]:
-    """Turn on the memory options on `model` in place; return an undo that restores it exactly.
+    """Turn on `options`' memory options on `model` in place; return an undo that restores it exactly.
 
-    mlp_chunks / loss_chunks: None = off, "auto" = the defaults (MLP: 2 x mesh.fpdt_chunks; loss:
-    `ops/loss_rows.loss_chunk_rows`, per call, or `loss_chunk_rows` rows), or a number of chunks. checkpoint: False, True (recompute whole layers) or
-    "attention" (recompute all but the attention, whose calls `keeper` -- the patch's
+    `options` is the patch's `PatchOptions`, taken whole as validated when it was built; what
+    needs the model and the mesh is checked here. mlp_chunks / loss_chunks: None = off, "auto" =
+    the defaults (MLP: 2 x mesh.fpdt_chunks; loss: `ops/loss_rows.loss_chunk_rows`, per call, or
+    `loss_chunk_rows` rows), or a number of chunks. checkpoint: False, True (recompute whole
+    layers) or "attention" (recompute all but the attention, whose calls `keeper` -- the patch's
     `AttentionKeeper` -- keeps and replays). `split`: the patch's `LayerSplit` with
     checkpoint=True; with chunked MLPs too (memory="max") every layer runs in row chunks
-    (integrations/layer_split.py) and so does the final norm. `inputs_on_device`: the last N
-    decoder layers keep their checkpointed inputs on the device instead of the host (needs
-    checkpointing; at most the number of decoder layers). `keep_attention`: the row-chunked
-    layers keep their attention's output and LSE for the backward (needs `split` and chunked
-    MLPs). `loss_tail`: the chunked loss's fused tail (`integrations/fusion.Fusion.tail`), None:
-    the eager ops. Everything is validated before the model is touched.
+    (integrations/layer_split.py), keeping each attention's output and LSE with keep_attention,
+    and so does the final norm. inputs_on_device: the last N decoder layers keep their
+    checkpointed inputs on the device instead of the host (at most the model's decoder layers).
+    `loss_tail`: the chunked loss's fused tail (`integrations/fusion.Fusion.tail`), None: the
+    eager ops. Everything is checked before the model is touched.
     """
-    if not isinstance(kv_offload, bool) or not (isinstance(checkpoint, bool) or checkpoint == "attention"):
-        raise ValueError(f"kv_offload must be a bool and checkpoint True, False or 'attention', got "
-                         f"kv_offload={kv_offload!r}, checkpoint={checkpoint!r}")
+    checkpoint, mlp_chunks, loss_chunks = options.checkpoint, options.mlp_chunks, options.loss_chunks
     if (checkpoint == "attention") != (keeper is not None):
         raise ValueError("checkpoint='attention' needs the patch's AttentionKeeper (keeper=), and only it")
     if split is not None and checkpoint is not True:
         raise ValueError("a LayerSplit (split=) goes with checkpoint=True only")
-    if keep_attention and (split is None or mlp_chunks is None):
-        raise ValueError("keep_attention=True needs row-chunked layers: checkpoint=True, a LayerSplit and mlp_chunks")
-    if kv_offload and mesh.fpdt_chunks < 2:
-        raise ValueError(
-            f"kv_offload=True needs FPDT chunks (mesh.fpdt_chunks = {mesh.fpdt_chunks}); "
-            "build the mesh with init_sequence_parallel(..., fpdt_chunks=u) with u > 1"
-        )
+    if options.keep_attention and split is None:
+        raise ValueError("keep_attention=True needs row-chunked layers: checkpoint=True with the patch's LayerSplit")
+    options.check_mesh(mesh.fpdt_chunks)
+    inputs_on_device = options.inputs_on_device
     layers = len(decoder_layers(model))
-    if isinstance(inputs_on_device, bool) or not isinstance(inputs_on_device, int) or not 0 <= inputs_on_device <= layers:
-        raise ValueError(f"inputs_on_device must be an int from 0 to the model's {layers} decoder layers, got "
-                         f"{inputs_on_device!r}")
-    mlp_chunks = _resolve_chunks("mlp_chunks", mlp_chunks)
-    loss_chunks = _resolve_chunks("loss_chunks", loss_chunks)
+    if inputs_on_device > layers:
+        raise ValueError(f"inputs_on_device must be at most the model's {layers} decoder layers, got {inputs_on_device}")
     auto = mlp_chunks == "auto"
     if auto:
         mlp_chunks = default_mlp_chunks(mesh.fpdt_chunks, *_mlp_sizes(model))
@@ -298,16 +278,16 @@ def apply_memory_options(
             _patch_mlps(model, mlp_chunks, undo, split, auto, slot)
             _patch_norms(model, mlp_chunks, undo, auto, split, slot)
         if loss_chunks is not None:
-            _patch_loss(model, loss_chunks, undo, loss_tail, loss_chunk_rows)
+            _patch_loss(model, loss_chunks, undo, loss_tail, options.loss_chunk_rows)
         if checkpoint is True and split is not None and mlp_chunks is not None:
-            split.keep_attention = keep_attention
             _patch_split(model, split, mlp_chunks, undo, auto, inputs_on_device)
         elif checkpoint:
             patch_checkpointing(model, undo, keeper=keeper, split=split, inputs_on_device=inputs_on_device)
-        if checkpoint or kv_offload:
-            _patch_host_budget(model, mesh, dict(kv_offload=kv_offload, checkpoint=checkpoint,
+        if checkpoint or options.kv_offload:
+            _patch_host_budget(model, mesh, dict(kv_offload=options.kv_offload, checkpoint=checkpoint,
                                                  mlp_chunks=mlp_chunks or 1, loss_chunks=0 if loss_chunks else 1,
-                                                 inputs_on_device=inputs_on_device, keep_attention=keep_attention), undo)
+                                                 inputs_on_device=inputs_on_device,
+                                                 keep_attention=options.keep_attention), undo)
     except BaseException:
         for restore in reversed(undo):
             restore()

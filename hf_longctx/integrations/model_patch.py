@@ -14,7 +14,8 @@ through our function and that the SP group was fed the same batch (invariant 3).
 from __future__ import annotations
 
 import uuid
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from hf_longctx.config import CHECKPOINT_ATTENTION, PatchOptions
 from hf_longctx.flex.bank import GroupBank
@@ -132,10 +133,32 @@ def patch(
         TypeError: An unknown option.
     """
     check_mesh(mesh)
-    bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     knobs = dict(kv_offload=kv_offload, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks, checkpoint=checkpoint)
-    options, explicit = resolve_options(memory, knobs, mesh, inputs_on_device, keep_attention, fused=fused,
+    options, explicit = resolve_options(memory, knobs, mesh.patch_mesh, inputs_on_device, keep_attention, fused=fused,
                                         loss_chunk_rows=loss_chunk_rows, attention_backend=attention_backend)
+    return patch_with(model, mesh, options, explicit=explicit, mixers=mixers,
+                      unsafe_skip_exactness_check=unsafe_skip_exactness_check, before_install=before_install)
+
+
+def patch_with(
+    model: Any,
+    mesh: SPMesh | GroupBank,
+    options: PatchOptions,
+    *,
+    explicit: frozenset = frozenset(),
+    mixers: str | dict | None = None,
+    unsafe_skip_exactness_check: bool = False,
+    before_install: Callable[[], Any] | None = None,
+) -> Any:
+    """`patch()` with its options already resolved: `options` is taken whole, as validated when
+    it was built (`PatchOptions.resolve` in `patch()`, or `dataclasses.replace` of a patch's own
+    options by a trainer), never spread into keyword arguments or checked again; only what needs
+    the mesh and the model is checked here. `explicit`: the knobs the user named (not from a
+    preset). The other arguments as `patch()`'s."""
+    check_mesh(mesh)
+    if not isinstance(options, PatchOptions):
+        raise TypeError(f"options must be a PatchOptions (hf_longctx.config), got {type(options).__name__}")
+    bank, mesh = mesh, mesh.patch_mesh  # a mesh is a bank of its one size, and its own patch mesh
     hf = hf_model(model)
     old = patch_state(hf)
     if old is not None:
@@ -151,10 +174,11 @@ def patch(
     state = PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
         vision=vision.family, vision_spec=vision.spec, explicit=explicit, mixers_option=mixers,
+        install_plan=(vision, mixer_plan, mixer_modes),
     )
     _register(state, hf, attention_iface, mask_iface)
     try:
-        _install(state, hf, vision, mixer_plan, mixer_modes)
+        _install(state, hf)
     except BaseException:
         unpatch(model)
         raise
@@ -206,12 +230,14 @@ def _register(state: PatchState, hf, attention_iface, mask_iface) -> None:
     hf.__dict__[STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
 
 
-def _install(state: PatchState, hf, vision, mixer_plan, mixer_modes) -> None:
+def _install(state: PatchState, hf) -> None:
     """Switch every config (but a vision tower's) to the registered attention, add the forward
-    hooks, wrap the linear mixers and apply the memory options. The caller unpatches when this
-    raises (`NotSupported` when transformers left a config on its former attention)."""
+    hooks, wrap the linear mixers and apply the memory options, as `state.install_plan` (the
+    vision binding and the mixers' plan, from `patch()`'s checks) says. The caller unpatches
+    when this raises (`NotSupported` when transformers left a config on its former attention)."""
     from hf_longctx.integrations.mixers.registry import apply_mixers
 
+    vision, mixer_plan, mixer_modes = state.install_plan
     hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
     stale = [
         type(cfg).__name__ for cfg, _ in state.saved_impls
@@ -253,11 +279,26 @@ def _apply_memory_options(state: PatchState, hf) -> None:
 
         state.split = LayerSplit(state)
     state.memory_undo = apply_memory_options(
-        hf, state.mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks, loss_chunks=options.loss_chunks,
-        checkpoint=options.checkpoint, keeper=state.keeper, split=state.split,
-        inputs_on_device=options.inputs_on_device, keep_attention=options.keep_attention,
-        loss_tail=state.fusion.tail if state.fusion is not None else None, loss_chunk_rows=options.loss_chunk_rows,
+        hf, state.mesh, options, keeper=state.keeper, split=state.split,
+        loss_tail=state.fusion.tail if state.fusion is not None else None,
     )
+
+
+def _uninstall(state: PatchState) -> None:
+    """Undo `_install` exactly: memory options, fusion, mixers, hooks and every config's
+    attention implementation; the registrations and `state`'s options and plan stay."""
+    if state.memory_undo is not None:
+        state.memory_undo()
+    while state.fusion_undo:  # after the memory options, which wrapped the fused modules
+        state.fusion_undo.pop()()
+    if state.mixers is not None:
+        state.mixers.restore()
+    for handle in state.hooks:
+        handle.remove()
+    for cfg, original in state.saved_impls:
+        cfg._attn_implementation_internal = original
+    state.hooks, state.memory_undo, state.fusion, state.mixers = [], None, None, None
+    state.keeper, state.split = None, None
 
 
 def unpatch(model: Any) -> Any:
@@ -274,18 +315,32 @@ def unpatch(model: Any) -> Any:
     state = hf.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return model
-    if state.memory_undo is not None:
-        state.memory_undo()
-    while state.fusion_undo:  # after the memory options, which wrapped the fused modules
-        state.fusion_undo.pop()()
-    if state.mixers is not None:
-        state.mixers.restore()
-    for handle in state.hooks:
-        handle.remove()
-    for cfg, original in state.saved_impls:
-        cfg._attn_implementation_internal = original
+    _uninstall(state)
     attention_iface, mask_iface = _interfaces()
     attention_iface._global_mapping.pop(state.name, None)  # transformers has no public unregister
     mask_iface._global_mapping.pop(state.name, None)
     return model
 
+
+@contextmanager
+def suspended(model: Any) -> Iterator[Any]:
+    """Inside: `model` runs as the model it was before `patch()` (transformers' own attention,
+    no hooks, no memory options: `generate` with its KV cache works); on exit the same patch is
+    put back -- the same `PatchState`, options, dry-run report and registration, nothing
+    resolved, validated or probed again. A no-op on a model that is not patched. Local: no
+    collective."""
+    hf = hf_model(model)
+    state = hf.__dict__.pop(STATE_ATTR, None)
+    if state is None:
+        yield model
+        return
+    _uninstall(state)
+    try:
+        yield model
+    finally:
+        hf.__dict__[STATE_ATTR] = state
+        try:
+            _install(state, hf)
+        except BaseException:
+            unpatch(model)
+            raise

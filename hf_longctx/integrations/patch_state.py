@@ -63,6 +63,9 @@ class PatchState:
     # types its binding as PatchState, and an import back would be a circle)
     split: Any = None
     generation: Any = None  # integrations/generation_binding.GenerationBinding while a rollout generates, else None
+    # (vision binding, mixer plan, mixer modes) from patch()'s checks: what `_install` installs, again after
+    # `model_patch.suspended` without checking the model again
+    install_plan: tuple = ()
 
 
 def patch_state(model: Any) -> PatchState | None:

@@ -24,6 +24,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHead
 
 from hf_longctx import init_sequence_parallel
 from hf_longctx.data.sharding import shard_batch
+from hf_longctx.config import PatchOptions
 from hf_longctx.integrations.memory import apply_memory_options
 from hf_longctx.model_walk import decoder_layers
 from hf_longctx.integrations.model_patch import patch, unpatch
@@ -127,7 +128,7 @@ def test_chunked_loss_equals_hf_loss_and_undo_is_exact(family):
     ref = model(input_ids=ids, labels=ids, use_cache=False, num_items_in_batch=30).loss  # HF: sum / 30
     (ref_grad,) = torch.autograd.grad(ref, model.get_output_embeddings().weight)
 
-    undo = apply_memory_options(model, mesh, mlp_chunks=3, loss_chunks=4, checkpoint=True)
+    undo = apply_memory_options(model, mesh, PatchOptions(mlp_chunks=3, loss_chunks=4, checkpoint=True))
     model.train()
     with torch.no_grad():  # no labels: unchanged behaviour, full logits
         torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, logits, rtol=1e-5, atol=1e-6)
@@ -155,13 +156,15 @@ def test_chunked_loss_equals_hf_loss_and_undo_is_exact(family):
 def test_bad_options_raise_before_touching_the_model():
     model = _model("gpt2")
     mesh = init_sequence_parallel(1, 1, 1)
-    with pytest.raises(ValueError, match="kv_offload=True needs FPDT chunks"):
-        apply_memory_options(model, mesh, kv_offload=True)
+    with pytest.raises(ValueError, match="kv_offload=True offloads FPDT key/value chunks, but the mesh has fpdt_chunks=1"):
+        apply_memory_options(model, mesh, PatchOptions(kv_offload=True))
     with pytest.raises(ValueError, match="mlp_chunks must be None"):
-        apply_memory_options(model, mesh, mlp_chunks=0)
+        PatchOptions(mlp_chunks=0)  # an option out of range never reaches the model: PatchOptions refuses it
+    with pytest.raises(ValueError, match="inputs_on_device must be at most the model's 2 decoder layers, got 3"):
+        apply_memory_options(model, mesh, PatchOptions(checkpoint=True, inputs_on_device=3))
     dropout = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, resid_pdrop=0.1))
     with pytest.raises(ValueError, match="layer 0 mlp.dropout has p=0.1"):
-        apply_memory_options(dropout, mesh, mlp_chunks=2, loss_chunks=2)
+        apply_memory_options(dropout, mesh, PatchOptions(mlp_chunks=2, loss_chunks=2))
     assert "forward" not in dropout.__dict__  # nothing was left half-applied
     assert len(decoder_layers(model)) == 2
 

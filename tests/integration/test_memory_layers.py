@@ -16,6 +16,7 @@ import transformers as tf
 
 from benchmarks.zoo import tiny_config
 from hf_longctx.distributed.mesh import init_sequence_parallel
+from hf_longctx.config import PatchOptions
 from hf_longctx.integrations.memory import apply_memory_options
 from hf_longctx.model_walk import decoder_layers, layer_mlp
 
@@ -43,7 +44,7 @@ def test_feed_forward_families_take_mlp_chunks_and_checkpointing(model_type):
     calls = []
     linear = next(m for m in layer_mlp(layers[0]).modules() if isinstance(m, torch.nn.Linear))
     hook = linear.register_forward_hook(lambda *_: calls.append(1))  # a chunked MLP calls it once per chunk
-    undo = apply_memory_options(model, init_sequence_parallel(), mlp_chunks=3, checkpoint=True)
+    undo = apply_memory_options(model, init_sequence_parallel(), PatchOptions(mlp_chunks=3, checkpoint=True))
     try:
         loss, grads = _loss_and_grads(model, ids)
     finally:

@@ -118,6 +118,37 @@ def test_generate_refused_while_patched_and_identical_after_unpatch(llama_path, 
     assert torch.equal(model.generate(prompt, **kw), fresh.generate(prompt, **kw))
 
 
+@pytest.mark.parametrize("memory", [None, "max"])
+def test_suspended_generates_as_unpatched_and_puts_the_same_patch_back(llama_path, mesh, memory, monkeypatch):
+    """`suspended`: inside, generate() as a never-patched model; on exit the same PatchState
+    (options, dry-run report, registration) is back, no check of the model runs again, and the
+    patched step is the one before (memory="max": the row-chunked layers, bound afresh)."""
+    from hf_longctx.integrations import model_patch
+
+    model, fresh = patch(load(llama_path).train(), mesh, memory=memory), load(llama_path).eval()
+    state, name = model_patch.patch_state(model), model.config._attn_implementation
+    batch = packed_batch()
+    before = model(**shard_batch(batch, mesh)).loss.detach()
+    prompt, kw = torch.tensor([[5, 17, 42, 9]]), dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    def no_second_check(*_, **__):
+        raise AssertionError("suspended() checked the model again")
+
+    monkeypatch.setattr(model_patch, "_check_model", no_second_check)
+    with model_patch.suspended(model):
+        assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+        assert not model._forward_pre_hooks and not model._forward_hooks and "forward" not in model.__dict__
+        model.eval()
+        assert torch.equal(model.generate(prompt, **kw), fresh.generate(prompt, **kw))
+        model.train()
+    assert model_patch.patch_state(model) is state and model.config._attn_implementation == name
+    assert state.options is model_patch.patch_state(model).options and name in AttentionInterface._global_mapping
+    assert (state.split is not None) == (memory == "max")
+    torch.testing.assert_close(model(**shard_batch(batch, mesh)).loss, before, rtol=0, atol=0)
+    unpatch(model)
+    assert not model._forward_pre_hooks and "forward" not in model.__dict__
+
+
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_peft_before_or_after_get_peft_model(llama_path, mesh, order):
     from peft import LoraConfig, get_peft_model

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import replace
 from typing import Any
 
 from hf_longctx._compat import checkpointing_fields
@@ -32,7 +33,7 @@ def map_activation_checkpointing(model: Any, args: Any) -> Any:
     asked = [f for f in fields if getattr(args, f)]
     if not asked:
         return args
-    from hf_longctx.integrations.model_patch import patch
+    from hf_longctx.integrations.model_patch import patch_with
 
     state = patch_state(model)
     if not state.options.checkpoint and "checkpoint" in state.explicit:
@@ -44,11 +45,9 @@ def map_activation_checkpointing(model: Any, args: Any) -> Any:
                 stacklevel=3,
             )
     elif not state.options.checkpoint:  # the preset's knobs stay, checkpointing is added
-        knobs = {k: getattr(state.options, k) for k in ("kv_offload", "mlp_chunks", "loss_chunks")}
-        patch(model, state.bank, **knobs, checkpoint=True, fused=state.options.fused,
-              loss_chunk_rows=state.options.loss_chunk_rows, attention_backend=state.options.attention_backend,
-              mixers=state.mixers_option,
-              unsafe_skip_exactness_check=state.probe is None)  # a model patched without the dry run stays so
+        patch_with(model, state.bank, replace(state.options, checkpoint=True, memory=None),
+                   explicit=state.explicit | {"checkpoint"}, mixers=state.mixers_option,
+                   unsafe_skip_exactness_check=state.probe is None)  # a model patched without the dry run stays so
     mapped = copy.copy(args)  # the Trainer reads (and may write) its own copy
     for f in fields:
         setattr(mapped, f, False)

@@ -3,10 +3,10 @@ different lengths, and the same completions on every rank of an SP group.
 
 Where it sits: first half of a GRPO step (DeepSeekMath §4.1: G completions per prompt),
 before `grpo.loss.pack_completions`. `unpatched_for_generation` all-gathers every FSDP2 unit
-ONCE (same calls, same order on every rank) and keeps it unsharded, takes the SP patch off so
-transformers' own generation runs (KV cache, sampling, stopping), then re-patches with the
-same options and reshards: the forwards inside `generate` make no collective, so each rank
-decodes as long as it needs. `sp_rollouts` splits the SP group's prompts over its ranks and
+ONCE (same calls, same order on every rank) and keeps it unsharded, suspends the SP patch so
+transformers' own generation runs (KV cache, sampling, stopping), then puts the same patch
+back (`model_patch.suspended`: nothing re-validated or probed) and reshards: the forwards
+inside `generate` make no collective, so each rank decodes as long as it needs. `sp_rollouts` splits the SP group's prompts over its ranks and
 all-gathers the completions, so the group trains on the same completions. Memory: the whole
 unsharded model during generation. vLLM is never imported. Why: DESIGN "GRPO under SP"."""
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_longctx.generation.weights import gathered
-from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
+from hf_longctx.integrations.model_patch import suspended
 from hf_longctx.training.refusals.grpo import check_grpo_config
 
 
@@ -27,26 +27,15 @@ from hf_longctx.training.refusals.grpo import check_grpo_config
 def unpatched_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Inside: `model` is a plain HF model with full local weights (see the module docstring);
     `model.generate` may run any number of steps per rank. A collective on entry and on exit
-    (FSDP all-gathers / none), the same on every rank. Restores patch and sharding on exit."""
-    state = patch_state(model)
+    (FSDP all-gathers / none), the same on every rank. The patch is suspended, not re-made: on
+    exit the same patch (options, dry-run report, registration) is back and the units resharded."""
     was_training = model.training
-    with gathered(model):  # every FSDP2 unit all-gathered once, in module order; resharded on exit
-        if state is not None:
-            unpatch(model)
+    with gathered(model), suspended(model):  # every FSDP2 unit all-gathered once, in module order
         model.eval()
         try:
             yield model
         finally:
             model.train(was_training)
-            if state is not None:
-                opts = state.options
-                knobs = {} if opts.memory is not None else dict(
-                    kv_offload=opts.kv_offload, mlp_chunks=opts.mlp_chunks, loss_chunks=opts.loss_chunks,
-                    checkpoint=opts.checkpoint)
-                patch(model, state.bank, memory=opts.memory, **knobs,
-                      inputs_on_device=opts.inputs_on_device, keep_attention=opts.keep_attention, fused=opts.fused,
-                      loss_chunk_rows=opts.loss_chunk_rows, attention_backend=opts.attention_backend,
-                      mixers=state.mixers_option, unsafe_skip_exactness_check=state.probe is None)
 
 
 def _gather_lists(mine: Any, group) -> list[Any]:
