@@ -29,7 +29,6 @@ import argparse
 import inspect
 import json
 import os
-import sys
 import tempfile
 import time
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from hf_longctx.data.model_dims import ModelDims
-from hf_longctx.ops.ulysses import kv_replication
 from hf_longctx.capacity.budget import step_budget
 from hf_longctx.capacity.budget_terms import DTYPE_BYTES, KERNEL_TERM, Phase
 from hf_longctx.capacity.generation_budget import GENERATION, sp_generation_memory
@@ -120,8 +119,6 @@ def estimate_memory(
     if s.kv_offload and s.fpdt_chunks < 2:
         raise ValueError(f"kv_offload needs fpdt_chunks > 1, got fpdt_chunks {s.fpdt_chunks}")
     dt = DTYPE_BYTES[dtype]
-    f = kv_replication(dims.heads, dims.kv_heads, s.ulysses)
-    s_l = tokens / s.sp
     P = dims.params
 
     # ZeRO-3 shards plus FSDP's unsharded working set (none on one GPU: nothing to gather).

@@ -12,6 +12,7 @@ instead of running the attention's forward again. FPDT §3.3-3.5."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from hf_longctx.ops.offload import ChunkStore
 from hf_longctx.ops.tiling import OWNED_GRAD
 from hf_longctx.ops.ulysses import replicate_kv
 from hf_longctx.ops.usp import local_sinks
+
+if TYPE_CHECKING:  # the binding that drives a run; layer_split imports this module
+    from hf_longctx.integrations.layer_split import LayerSplit
 
 
 class LayerRun:

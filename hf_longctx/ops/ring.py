@@ -18,7 +18,7 @@ import torch
 
 from hf_longctx.layout import Run, ring_stream
 from hf_longctx.distributed.comm import RingExchanger
-from hf_longctx.ops import blocks, kernels, lse as lse_ops
+from hf_longctx.ops import blocks, kernels
 from hf_longctx.ops.sinks import check_sinks, merge_sink, sink_grad
 from hf_longctx.ops.math_kernel import acc_dtype  # float32, or float64 so float64 references stay exact
 

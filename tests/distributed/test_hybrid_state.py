@@ -33,7 +33,7 @@ import importlib
 import pytest
 import torch
 
-from tests.helpers.hybrid_models import build, hybrid_config, packed_batch, per_document_reference, sp_run
+from tests.helpers.hybrid_models import hybrid_config, packed_batch, per_document_reference, sp_run
 from tests.helpers.families import compare, rel
 from tests.helpers.pool import worker_bank, worker_mesh
 

@@ -17,7 +17,6 @@ import dataclasses
 import warnings
 
 import pytest
-import torch
 
 from tests.helpers.pool import worker_mesh
 

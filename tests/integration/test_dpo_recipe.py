@@ -11,11 +11,10 @@ trained model). Also: the DPO guide's building-block loop runs as written."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 
-from tests.helpers.recipe_launch import ROOT, assert_ranks_agree, launch, rank_logs
+from tests.helpers.recipe_launch import assert_ranks_agree, launch, rank_logs
 
 TIMING = {"tokens_per_s", "peak_mem_gib"}  # wall-clock and per-rank memory: may differ between ranks
 

@@ -35,7 +35,7 @@ def test_grpo_recipe_runs(tmp_path, extra):
     assert first["kl"] == 0.0 and first["reward_std"] > 0 and first["grad_norm"] > 0, first
     assert second["kl"] > 0, second
     assert first["tokens_per_s"] > 0 and second["tokens_per_s"] > 0, (first, second)
-    memory = (f"memory='high', checkpoint='attention', kv_offload=False, mlp_chunks='auto', loss_chunks='auto', "
+    memory = ("memory='high', checkpoint='attention', kv_offload=False, mlp_chunks='auto', loss_chunks='auto', "
               "inputs_on_device=1") if "--memory" in extra else "memory=None, checkpoint=False"
     assert f"patched: {memory}" in proc.stdout, out[-2000:]
     sp = "--generation" not in extra  # sequence-parallel generation by default: rank 0 names the weights' placement once

@@ -288,7 +288,7 @@ def test_padded_rows_are_their_real_tokens(side):
                          ([0, 0, 0, 0, 0], "has no 1 in its 5 entries")):
         with pytest.raises(NotSupported) as info:
             collate([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8], "attention_mask": mask}])
-        assert str(info.value).startswith(f"feature 1: 'attention_mask' ") and needle in str(info.value), str(info.value)
+        assert str(info.value).startswith("feature 1: 'attention_mask' ") and needle in str(info.value), str(info.value)
         assert "Do instead" in str(info.value)
 
 

@@ -15,11 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.memory_budget import MODES, config, estimate, measure_lengths
+from benchmarks.memory_budget import config, estimate, measure_lengths
 from hf_longctx.distributed.mesh import init_sequence_parallel
-from hf_longctx.capacity.budget import step_budget
 from hf_longctx.capacity.estimate import ModelDims
-from hf_longctx.capacity.search import preset_setting
 
 LENGTHS = (1024, 2048, 4096)
 

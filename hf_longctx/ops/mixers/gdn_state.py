@@ -113,7 +113,7 @@ def gdn_state_passing(
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [B, S_local, H_v] fp32, as the module computes it
     acc = torch.promote_types(mixed_qkv.dtype, torch.float32)  # states and corrections: fp32 (fp64 for fp64 inputs)
     plan = ChainPlan.of(lay)
-    bounds, starts, continues = run_bounds(lay, rank), plan.starts[rank], plan.continues[rank]
+    bounds, starts = run_bounds(lay, rank), plan.starts[rank]
     if varlen:
         runs = _cores_varlen(core, q, k, v, g, beta, bounds, starts, lay, rank, acc)
     else:
