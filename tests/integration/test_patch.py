@@ -12,6 +12,8 @@ the CPU flash kernel vs sdpa only).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers as tf
@@ -351,4 +353,11 @@ def test_gradient_checkpointing_flag_keeps_the_other_options(llama_path, mesh, t
     map_activation_checkpointing(model, TrainingArguments(str(tmp_path), gradient_checkpointing=True, report_to=[]))
     options = patch_state(model).options
     assert options.checkpoint is True and options.loss_chunk_rows == 512 and options.attention_backend == "math"
+    unpatch(model)
+    model = patch(load(llama_path).train(), mesh, memory="balanced", fused=True, unsafe_skip_exactness_check=True)
+    before = patch_state(model).options
+    map_activation_checkpointing(model, TrainingArguments(str(tmp_path), gradient_checkpointing=True, report_to=[]))
+    state = patch_state(model)  # the preset's knobs and every other option, whole, with checkpointing added
+    assert state.options == dataclasses.replace(before, checkpoint=True, memory=None)
+    assert "checkpoint" in state.explicit and state.split is not None
     unpatch(model)
