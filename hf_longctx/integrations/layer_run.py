@@ -12,7 +12,6 @@ instead of running the attention's forward again. FPDT §3.3-3.5."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,14 +26,13 @@ from hf_longctx.ops.tiling import OWNED_GRAD
 from hf_longctx.ops.ulysses import replicate_kv
 from hf_longctx.ops.usp import local_sinks
 
-if TYPE_CHECKING:  # the binding that drives a run; layer_split imports this module
-    from hf_longctx.integrations.layer_split import LayerSplit
-
 
 class LayerRun:
     """One call of one decoder layer: its forward, then its backward (see the module docstring)."""
 
-    def __init__(self, split: LayerSplit, layer, forward, kwargs, params, streams, keep: bool = False) -> None:
+    # `LayerSplit` is named, not imported: layer_split imports this module
+    def __init__(self, split: LayerSplit, layer, forward, kwargs, params, streams,  # noqa: F821
+                 keep: bool = False) -> None:
         self.split, self.layer, self.forward, self.kwargs, self.params = split, layer, forward, kwargs, params
         self.streams, self.keep = streams, keep  # keep: the input stays on the device (not parked on the host)
         self.call = None  # the attention's arguments, from the first pre-attention run
