@@ -2,7 +2,7 @@
 
 Modes: no checkpointing, `checkpoint=True` (the whole decoder layer recomputed in the
 backward, as ALST / HF gradient checkpointing do) and `checkpoint="attention"` (everything
-but the core attention and its collectives recomputed: `integrations/keep_attention.py`).
+but the core attention and its collectives recomputed: `integrations/checkpoint_attention.py`).
 
 Part 1, counts (default): per layout (Ulysses 4, ring 2, U2xR2, FPDT u=2 on 4 gloo ranks) and
 mode, on a tiny Llama (64 hidden, 8 heads / 4 KV heads, 2 and 4 layers, one packed row of 5
@@ -52,7 +52,7 @@ DOCS_TIME = [14336, 8192, 5120, 3072, 2048]
 
 
 class Collectives(TorchDispatchMode):
-    """Counts c10d collectives (tests/distributed/test_keep_attention.py uses it too)."""
+    """Counts c10d collectives (tests/distributed/test_checkpoint_attention.py uses it too)."""
 
     def __init__(self):
         super().__init__()

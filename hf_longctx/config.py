@@ -54,7 +54,7 @@ class PatchOptions:
     checkpoint: activation checkpointing of every decoder layer: True recomputes the whole
         layer in the backward; "attention" recomputes everything but the core attention and
         its collectives, whose saved tensors are kept (on the host where the device offloads;
-        `integrations/keep_attention.py`).
+        `integrations/checkpoint_attention.py`).
     memory: the preset these knobs came from (None: set one by one, or nothing).
     inputs_on_device: the last N decoder layers keep their checkpointed inputs on the device
         (not a knob of the presets: it goes with any preset or knobs that checkpoint).

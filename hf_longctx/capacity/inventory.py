@@ -188,7 +188,7 @@ def layer_backward(s: Shape, n: int, attn: list[Op]) -> list[Op]:
 
 
 def kept_attention(s: Shape, n: int) -> list[float]:
-    """Bytes checkpoint="attention" keeps per layer (`integrations/keep_attention.py`): the
+    """Bytes checkpoint="attention" keeps per layer (`integrations/checkpoint_attention.py`): the
     kernel's saved q, k, v, output and fp32 LSE, and the output the recompute replays."""
     return [m.BF * n * s.q, m.BF * n * s.kv, m.BF * n * s.kv, m.BF * n * s.q, m.F32 * n * s.heads, m.BF * n * s.q]
 

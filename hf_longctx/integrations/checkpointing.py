@@ -8,7 +8,7 @@ Guarantees: layer inputs go to pinned host memory on the OUT side stream during 
 each recompute starts the copies of the NEXT layer's inputs (`LayerChain`), so the copy
 overlaps a layer of compute; host buffers return to the pool once read. The last
 `inputs_on_device=N` layers keep their inputs on the device. With "attention" each call
-also opens a keep-attention region (`integrations/keep_attention.py`)."""
+also opens a keep-attention region (`integrations/checkpoint_attention.py`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from hf_longctx.integrations.keep_attention import AttentionKeeper
+from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.model_walk import decoder_layers
 from hf_longctx.ops.offload import Streams, copy_in, copy_out, default_streams
@@ -131,7 +131,7 @@ def offloaded_checkpoint(
     the stream operations (the process's `ops/offload.default_streams()` by default; tests
     pass a fake). `keeper`: checkpoint="attention" -- the layer's attention calls keep their
     saved tensors and output in the original forward and are replayed in the recompute
-    (`integrations/keep_attention.py`). `chain` / `first`: the model's `LayerChain` and
+    (`integrations/checkpoint_attention.py`). `chain` / `first`: the model's `LayerChain` and
     whether this is the forward's first checkpointed layer; the recompute of a layer then
     starts the host -> device copies of the inputs of the layer recomputed after it. `split`:
     the patch's `LayerSplit`, told while the original forward runs (`discarding`) when its saved

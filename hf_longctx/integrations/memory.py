@@ -5,7 +5,7 @@ the returned undo in `unpatch()`. The part of FPDT (§3.5, "OC.") outside attent
 decoder layer's MLP, norms and the final norm run in token chunks (`ops/tiling.py`); with
 labels the loss comes from `chunked_causal_lm_loss` on the last hidden state (softcap and
 `num_items_in_batch` honoured) and `logits` is None; `checkpoint=True | "attention"` turns
-on `checkpointing.py` / `keep_attention.py`, and with chunked MLPs `layer_split.py`;
+on `checkpointing.py` / `checkpoint_attention.py`, and with chunked MLPs `layer_split.py`;
 `kv_offload` goes to `fpdt_attention(offload=...)`; host offload installs `host_budget.py`.
 Guarantee: every change is an instance attribute, so no module is wrapped, state_dict keys
 stay the same, and the undo restores the exact previous attributes."""
@@ -23,7 +23,7 @@ from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
 from hf_longctx.integrations.checkpointing import keeps_input, patch_checkpointing
 from hf_longctx.integrations.undo import set_instance_attr
-from hf_longctx.integrations.keep_attention import AttentionKeeper
+from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
 from hf_longctx.integrations.layer_split import LayerSplit
 from hf_longctx.ops.chunked_loss import chunked_causal_lm_loss
 from hf_longctx.ops.grad_sums import SumsSlot, routed_linear

@@ -270,7 +270,7 @@ def _apply_memory_options(state: PatchState, hf) -> None:
 
     options = state.options
     if options.checkpoint == CHECKPOINT_ATTENTION:
-        from hf_longctx.integrations.keep_attention import AttentionKeeper
+        from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
         from hf_longctx.ops.offload import default_streams
 
         state.keeper = AttentionKeeper(default_streams())

@@ -19,7 +19,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.data.multimodal.spec import VisionSpec
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.flex.bank import GroupBank
-from hf_longctx.integrations.keep_attention import AttentionKeeper
+from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
 from hf_longctx.integrations.mixers.binding import MixerBinding
 from hf_longctx.integrations.probe.report import ProbeReport
 from hf_longctx.model_walk import PATCH_STATE_ATTR as STATE_ATTR  # instance attribute of the patched PreTrainedModel

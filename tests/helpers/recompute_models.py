@@ -4,7 +4,7 @@
 (GQA), Mistral with a sliding window smaller than the documents, GPT-OSS (attention sinks,
 alternating sliding / full layers, MoE), GPT-2 with residual and embedding dropout (the
 masks must repeat in the recompute) and LFM2 (short-convolution mixers recomputed with the
-rest of the layer). Used by tests/distributed/test_keep_attention.py and, with two more
+rest of the layer). Used by tests/distributed/test_checkpoint_attention.py and, with two more
 families, test_layer_split.py.
 """
 

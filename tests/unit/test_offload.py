@@ -248,7 +248,7 @@ def test_keep_attention_region_stream_protocol_and_gradients():
     starts by prefetching all of them on the side stream, replays the attention (it runs
     once), and the compute stream waits for a prefetch only where its tensor is read.
     Gradients equal a plain backward up to the order of one fp32 sum."""
-    from hf_longctx.integrations.keep_attention import AttentionKeeper
+    from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
     from hf_longctx.integrations.checkpointing import offloaded_checkpoint
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""checkpoint="attention" (integrations/keep_attention.py): exact, and the attention really is
+"""checkpoint="attention" (integrations/checkpoint_attention.py): exact, and the attention really is
 not recomputed.
 
 Exactness: on every layout (Ulysses, ring, U×R with zigzag, FPDT chunks with and without K/V
