@@ -213,6 +213,52 @@ def test_grpo_trainer_needs_patched_model(paths, tmp_path):
                         reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts())
 
 
+def _rollout_trainer(paths, tmp_path, name: str):
+    """A `Long<name>Trainer` on a world-1 mesh (beta 0.04: a frozen reference) over the tiny Llama."""
+    trl = pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_longctx
+
+    model_path, ref_path, tok_path = paths
+    cfg = getattr(trl, f"{name}Config")(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                                        report_to=[], use_cpu=True, bf16=False, gradient_checkpointing=False,
+                                        save_strategy="no", beta=0.04)
+    mesh = hf_longctx.init_sequence_parallel()
+    return getattr(hf_longctx, f"Long{name}Trainer")(
+        model=hf_longctx.patch(AutoModelForCausalLM.from_pretrained(model_path), mesh), mesh=mesh,
+        reward_funcs=[reward_length], args=cfg, train_dataset=make_prompts(),
+        processing_class=AutoTokenizer.from_pretrained(tok_path))
+
+
+@pytest.mark.parametrize("name", ["GRPO", "RLOO"])
+def test_evaluate_and_predict_are_refused_by_name(paths, tmp_path, name):
+    """Evaluation rollouts are not wired to the SP step: the constructor refuses eval_strategy /
+    eval_dataset, and a direct evaluate() / predict() raises NotSupported naming the trainer."""
+    import hf_longctx
+
+    trainer = _rollout_trainer(paths, tmp_path, name)
+    with pytest.raises(hf_longctx.NotSupported, match=rf"Long{name}Trainer.evaluate\(\): evaluation rollouts"):
+        trainer.evaluate(make_prompts())
+    with pytest.raises(hf_longctx.NotSupported, match=rf"Long{name}Trainer.predict\(\)"):
+        trainer.predict(make_prompts())
+
+
+@pytest.mark.parametrize("name", ["GRPO", "RLOO"])
+def test_resume_checks_the_reference_source_before_reading_the_shards(paths, tmp_path, name, monkeypatch):
+    """The rollout trainers' own checkpoint state goes through the base's load: a checkpoint
+    without the reference's source is refused before the step's shards are read."""
+    from hf_longctx.training.base import trainer as base
+
+    trainer = _rollout_trainer(paths, tmp_path, name)
+    read = []
+    monkeypatch.setattr(base, "load_step_state", lambda *a, **k: read.append(a))
+    (tmp_path / "checkpoint-1").mkdir()
+    with pytest.raises(ValueError, match="not written by a LongGRPOTrainer or LongRLOOTrainer"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-1"))
+    assert not read
+
+
 class GradSnapshot:
     """Keeps the summed gradient of the step (before clipping) as float64 full tensors."""
 

@@ -164,8 +164,8 @@ class SPTrainerBase:
 
     def _micro_inputs(self, micro_batch: Any) -> dict[str, Any]:
         """One micro-batch of the step as the model's inputs on the device. Here the Trainer's
-        `_prepare_inputs`, which the rollout trainers replace (their slot is packed and sharded
-        there); `LongContextTrainerMixin` copies its host shard itself."""
+        `_prepare_inputs`; the rollout trainers pack and shard their slot instead, and
+        `LongContextTrainerMixin` copies its host shard itself."""
         return self._prepare_inputs(micro_batch)
 
     # ---- the norm of the summed gradient ----------------------------------------------------------
@@ -204,9 +204,20 @@ class SPTrainerBase:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_step_state(output_dir, self.model, self.optimizer, self.lr_scheduler, self.step_sampler,
                         is_main=self.args.should_save, step=self.state.global_step, paused=self._watchdog_paused())
+        self._save_own_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:  # every rank alike, before the collective read
+            self._check_own_state(checkpoint)
         load_step_state(checkpoint, self.model, self.optimizer, self.lr_scheduler, self.step_sampler)
+
+    def _save_own_state(self, output_dir: str) -> None:
+        """What a trainer keeps beside the step's shards in a checkpoint (the rollout trainers: the
+        reference's source); nothing here."""
+
+    def _check_own_state(self, checkpoint: str) -> None:
+        """Before the step's shards are read back (a collective), on every rank alike: refuse a
+        checkpoint whose own state does not match this trainer; nothing here."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         return None  # the weights come back with the optimizer state in `_load_optimizer_and_scheduler`

@@ -6,10 +6,11 @@ Where it sits: in front of TRL's `GRPOTrainer` / `RLOOTrainer` in their bases, b
 class replaces the hooks both trainers replace alike: generation (`generation="sp"`, the default:
 the SP group decodes its ranks' rows together with the KV cache sharded over it,
 `generation/rows.py`; "per-rank": TRL's own generate on gathered, unpatched weights,
-`grpo/generate.py`), `_prepare_inputs` (the step's micro-batch slots), `compute_loss`
+`grpo/generate.py`), `_micro_inputs` (the step's micro-batch slots), `compute_loss`
 (the subclass's `_loss` on the shard, metrics kept per micro-batch) and `training_step` (the SP
 group's rows all-gathered, planned under `max_tokens`, run by the shared step loop,
-`base/step_loop.py`), plus logging and the checkpoint hooks (`grpo/resume.py`). A subclass adds
+`base/step_loop.py`), plus logging, the reference's source in checkpoints (`grpo/resume.py`) and
+refusals of `evaluate` / `predict`. A subclass adds
 its objective: `_checked_objective` (every refusal, before any collective), `_shard` (pack and
 shard one slot) and `_loss`. Design: DESIGN "GRPO under SP"."""
 from __future__ import annotations
@@ -104,10 +105,21 @@ class SPRolloutTrainer(SPTrainerBase):
         return (completions, None) if self._ROLLOUT_LOGPROBS else completions
 
     # ---- (2) the step's rows -> packed micro-batches of the SP group -> this rank's shards --------------
-    def _prepare_inputs(self, slot: Any) -> dict[str, Any]:
+    def _micro_inputs(self, slot: Any) -> dict[str, Any]:
         if not isinstance(slot, Slot):  # the step loop passes the step's micro-batches; nothing else reaches here
-            raise NotSupported(f"{self._NAME} evaluation is not wired to the SP step", "eval_strategy='no'")
+            raise TypeError(f"{self._NAME}: a micro-batch of the step is a Slot, got {type(slot).__name__}")
         return self._shard(slot)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: evaluation rollouts are not wired to the SP step (the constructor refuses
+        eval_strategy and eval_dataset; this refuses a direct call)."""
+        raise NotSupported(f"{type(self).__name__}.evaluate(): evaluation rollouts are not wired to the SP step",
+                           "evaluate the saved model in one process")
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused, as `evaluate`."""
+        raise NotSupported(f"{type(self).__name__}.predict(): prediction is not wired to the SP step",
+                           "predict with the saved model in one process")
 
     def _gather_rows(self, out: dict[str, Any]) -> tuple[list[Row], int, int]:
         """TRL's scored batch of this process (left-padded prompts [B, P], right-padded completions
@@ -191,14 +203,11 @@ class SPRolloutTrainer(SPTrainerBase):
         self._step = self.state.global_step  # TRL's count of training_step calls: one per optimizer step here
         return epochs_trained, steps_in_epoch
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
+    def _save_own_state(self, output_dir: str) -> None:
         save_reference_source(output_dir, self.ref_model, is_main=self.args.should_save)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is not None:  # every rank alike, before the collective read
-            check_reference_source(checkpoint, self.ref_model)
-        super()._load_optimizer_and_scheduler(checkpoint)
+    def _check_own_state(self, checkpoint: str) -> None:
+        check_reference_source(checkpoint, self.ref_model)
 
 
 @dataclass(frozen=True)

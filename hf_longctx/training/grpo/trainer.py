@@ -5,7 +5,7 @@ keeps its data path; `SPTrainerBase` places the policy and frozen reference and 
 gradient norm and checkpoints; `SPRolloutTrainer` (`grpo/rollout_trainer.py`, shared with
 `LongRLOOTrainer`) replaces generation (sequence-parallel by default: `generation/`; or per rank
 on gathered, unpatched weights: `grpo/generate.py`),
-`_prepare_inputs` and `training_step` (micro-batches under `max_tokens`, run by the shared step
+`_micro_inputs` and `training_step` (micro-batches under `max_tokens`, run by the shared step
 loop `base/step_loop.py`); this class adds GRPO's objective: the packed shard with the
 reference log-probabilities (`grpo/loss.py`) and `grpo_loss`. Guarantees: a step equals the
 single-process GRPOTrainer step on the union of every process's rows (loss, gradients,

@@ -4,7 +4,7 @@ Where it sits: a user's RLOOTrainer script plus `mesh=` (the model `patch`ed wit
 its data path (sampler, prompts, reward functions, the KL penalty in the reward, leave-one-out
 advantages, normalisation, metrics); `SPRolloutTrainer` (`grpo/rollout_trainer.py`, shared with
 `LongGRPOTrainer`) replaces generation (sequence-parallel by default, or per rank on gathered,
-unpatched weights: `generation=`), `_prepare_inputs` and
+unpatched weights: `generation=`), `_micro_inputs` and
 `training_step` (micro-batches under `max_tokens`); this class adds RLOO's pieces: TRL's
 scoring hook `_get_per_token_logps_and_entropies` computed under SP (`grpo/scoring.py`: the
 policy's and the reference's per-token log-probs whose sums form the KL penalty), the packed
