@@ -159,11 +159,9 @@ HOOKS: tuple[Hook, ...] = (
          why="TRL's count of training_step calls, advanced once per optimizer step"),
     _o("LongGRPOTrainer", "_get_per_token_logps_and_entropies", ("trl.GRPOTrainer",), (),
        "TRL's padded-batch pass switched off: the reference's log-probs come from the SP shard"),
-    Hook("LongGRPOTrainer", "_tokenizer", ("trl.GRPOTrainer",), "read", why="the pad id of the packed rows"),
     _o("LongRLOOTrainer", "_get_per_token_logps_and_entropies", ("trl.RLOOTrainer",),
        ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy", "compute_aux_loss"),
        "TRL's scoring hook computed on the SP shards and handed back as its [B, C]"),
-    Hook("LongRLOOTrainer", "_tokenizer", ("trl.RLOOTrainer",), "read", why="the pad id of the packed rows"),
     # ---- callbacks (base/log_lines.py, base/faults.py): public events ----------------------------
     _o("NumberProgressCallback", "on_log", ("transformers.ProgressCallback",), ("args", "state", "control", "logs"),
        "public: the log line with its numbers unquoted"),

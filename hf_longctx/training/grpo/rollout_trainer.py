@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import ProcessorMixin
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
@@ -72,6 +73,9 @@ class SPRolloutTrainer(SPTrainerBase):
         super().__init__(*args, **kwargs)
         use_number_logs(self)  # the progress bar / printer show numbers unquoted
         self._throughput = [0, 0.0]  # trained tokens (prompt + completion, whole world), seconds: since the last log
+        # The pad id of the packed rows: TRL's tokenizer (a processor's own), whose pad it set to EOS where it had none
+        processing = self.processing_class
+        self.pad_token_id = (processing.tokenizer if isinstance(processing, ProcessorMixin) else processing).pad_token_id
         check_process_group(self.args)
         self._place_model()
         # TRL logs the step's figures (no StepWindow); every micro-batch's backward reduce-scatters its gradients.

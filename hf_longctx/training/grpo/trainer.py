@@ -73,7 +73,7 @@ class LongGRPOTrainer(SPRolloutTrainer, GRPOTrainer):
         rows = slot.rows
         packed = pack_completions([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], self.objective,
                                   num_sequences=slot.n, num_tokens=slot.tokens)
-        shard = to_device(shard_completions(packed, self.mesh, pad_token_id=self._tokenizer.pad_token_id), self.args.device)
+        shard = to_device(shard_completions(packed, self.mesh, pad_token_id=self.pad_token_id), self.args.device)
         if self.objective.beta != 0.0:
             add_ref_logps(self.ref_model, shard, self.objective)  # one forward on every rank (FSDP2 all-gathers per unit)
             if hasattr(self.ref_model, "reshard"):  # FSDP2 keeps the root unsharded after forward (for a backward)

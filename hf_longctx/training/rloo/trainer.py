@@ -80,13 +80,13 @@ class LongRLOOTrainer(SPRolloutTrainer, RLOOTrainer):
             return torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device), None, None
         logps = padded_token_logps(model, input_ids, attention_mask, logits_to_keep, self.mesh,
                                    temperature=self.objective.temperature, max_tokens=self.max_tokens,
-                                   pad_token_id=self._tokenizer.pad_token_id, device=self.args.device)
+                                   pad_token_id=self.pad_token_id, device=self.args.device)
         return logps, None, None
 
     def _shard(self, slot: Slot) -> dict[str, Any]:
         """One micro-batch's rows -> one packed row (a document per completion) -> this rank's shard."""
         packed = pack_rows([r[0] for r in slot.rows], [r[1] for r in slot.rows])
-        shard = to_device(shard_completions(packed, self.mesh, pad_token_id=self._tokenizer.pad_token_id), self.args.device)
+        shard = to_device(shard_completions(packed, self.mesh, pad_token_id=self.pad_token_id), self.args.device)
         shard[_ADVANTAGES], shard[_NUM_SEQUENCES] = [r[2] for r in slot.rows], slot.n
         return shard
 
