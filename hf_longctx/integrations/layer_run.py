@@ -1,7 +1,7 @@
 """One call of a row-chunked decoder layer: its forward and its backward (memory="max").
 
 Where it sits: `integrations/layer_split.LayerSplit.call` builds a `LayerRun` per decoder-layer
-call and applies `ChunkedLayer` (one autograd node: inputs (hidden states, *parameters)); the
+call and applies its `ChunkedLayer` (one autograd node: inputs (hidden states, *parameters)); the
 run cuts the call's per-token arguments to row chunks (`rows`) and drives the pre-attention and
 post-attention runs of `LayerSplit` and FPDT's chunk loops (`ops/fpdt.fpdt_forward_chunks`,
 `fpdt_backward_chunks`) in the order the module docstring of `layer_split.py` describes. With
@@ -301,22 +301,3 @@ class LayerRun:
             acc.add(next(i for i, p in enumerate(self.params) if p is sinks), grads[3])
         for lo, hi in chunks:
             self._pre_backward(lo, hi, h, (dq[:, lo:hi], dk[:, lo:hi], dv[:, lo:hi]), dh, acc, replicate=False)
-
-
-class ChunkedLayer(torch.autograd.Function):
-    """The decoder layer as one autograd node: inputs (hidden states, *parameters)."""
-
-    @staticmethod
-    def forward(ctx, run: LayerRun, h: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.run = run
-        return run.run_forward(h, first=run.split.chain.last is None)
-
-    @staticmethod
-    def backward(ctx, dh_out: torch.Tensor):
-        run = ctx.run
-        if run is None:
-            raise RuntimeError("memory='max': a decoder layer's graph was run backward twice (retain_graph=True); "
-                               "patch without checkpointing for a second backward through the same graph")
-        ctx.run = None
-        dh, grads = run.run_backward(dh_out, ctx.needs_input_grad[2:])
-        return (None, dh, *grads)

@@ -21,7 +21,7 @@ from torch import nn
 
 from hf_longctx.integrations.checkpointing import LayerChain, offloaded_checkpoint
 from hf_longctx.integrations.layer_rows import cut_dim
-from hf_longctx.integrations.layer_run import ChunkedLayer, LayerRun
+from hf_longctx.integrations.layer_run import LayerRun
 from hf_longctx.integrations.patch_state import PatchState
 from hf_longctx.ops.grad_sums import SumsSlot
 from hf_longctx.ops.offload import default_streams
@@ -170,6 +170,25 @@ class LayerSplit:
         self.state.calls += 1
         self.no_grad_runs += 1
         return out
+
+
+class ChunkedLayer(torch.autograd.Function):
+    """The decoder layer as one autograd node: inputs (hidden states, *parameters)."""
+
+    @staticmethod
+    def forward(ctx, run: LayerRun, h: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run = run
+        return run.run_forward(h, first=run.split.chain.last is None)
+
+    @staticmethod
+    def backward(ctx, dh_out: torch.Tensor):
+        run = ctx.run
+        if run is None:
+            raise RuntimeError("memory='max': a decoder layer's graph was run backward twice (retain_graph=True); "
+                               "patch without checkpointing for a second backward through the same graph")
+        ctx.run = None
+        dh, grads = run.run_backward(dh_out, ctx.needs_input_grad[2:])
+        return (None, dh, *grads)
 
 
 def _uncut(layer: nn.Module, args: tuple, kwargs: dict) -> str:
