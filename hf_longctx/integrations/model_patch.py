@@ -3,8 +3,9 @@
 Where it sits: between the user's `from_pretrained` model and `ops/usp.py` (USP §3-4) or
 `ops/fpdt.py` (FPDT §3). `patch()` registers an attention function under a name unique to
 the call with transformers' `AttentionInterface` and switches every config to it; mesh and
-options live in its closure (`integrations/attention.py`), no module globals; `unpatch()`
-removes the registration and restores every config exactly.
+options live in its closure (`integrations/attention.py`), no module globals; what it changes
+on the model is installed and undone by `integrations/patch_install.py`; `unpatch()` removes
+the registration and restores every config exactly.
 Guarantees: HF's local-length mask is never built (the attention reads the global metadata
 `SP_METADATA_KEY`); `use_cache=True` is refused; nothing approximated runs (refusals at
 `patch()` name the setting to change); every forward checks that every attention layer went
@@ -17,18 +18,15 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from hf_longctx.config import CHECKPOINT_ATTENTION, PatchOptions
+from hf_longctx.config import PatchOptions
 from hf_longctx.flex.bank import GroupBank
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs tables are re-exported)
-    IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, batch_mesh, make_attention, make_mask_function,
-    mask_implied_window,
+    IGNORED_ATTENTION_KWARGS, USED_ATTENTION_KWARGS, make_attention, make_mask_function, mask_implied_window,
 )
-from hf_longctx.errors import NotSupported
-from hf_longctx.integrations.exactness import NO_SP, SUPPORTED
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
-from hf_longctx.integrations.forward_hooks import post_forward_hook, pre_forward_hook
 from hf_longctx.integrations.patch_args import UNSET, check_mesh, resolve_options
+from hf_longctx.integrations.patch_install import install, uninstall
 from hf_longctx.integrations.patch_state import STATE_ATTR, PatchState, is_patched, patch_state  # noqa: F401  (re-exported)
 from hf_longctx.model_walk import configs as _configs
 from hf_longctx.model_walk import hf_model
@@ -178,7 +176,7 @@ def patch_with(
     )
     _register(state, hf, attention_iface, mask_iface)
     try:
-        _install(state, hf)
+        install(state, hf)
     except BaseException:
         unpatch(model)
         raise
@@ -230,77 +228,6 @@ def _register(state: PatchState, hf, attention_iface, mask_iface) -> None:
     hf.__dict__[STATE_ATTR] = state  # plain attribute: not a submodule, not in state_dict
 
 
-def _install(state: PatchState, hf) -> None:
-    """Switch every config (but a vision tower's) to the registered attention, add the forward
-    hooks, wrap the linear mixers and apply the memory options, as `state.install_plan` (the
-    vision binding and the mixers' plan, from `patch()`'s checks) says. The caller unpatches
-    when this raises (`NotSupported` when transformers left a config on its former attention)."""
-    from hf_longctx.integrations.mixers.registry import apply_mixers
-
-    vision, mixer_plan, mixer_modes = state.install_plan
-    hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
-    stale = [
-        type(cfg).__name__ for cfg, _ in state.saved_impls
-        if id(cfg) not in vision.keep_ids and cfg._attn_implementation != state.name
-    ]
-    if stale:
-        raise NotSupported(
-            f"transformers did not switch {', '.join(stale)} to sequence-parallel attention; "
-            f"hf_longctx supports {SUPPORTED}",
-            NO_SP,
-        )
-    vision_hook = vision.make_hook(state, hf)
-    if vision_hook is not None:  # first: it consumes the shard's vision entry before any other check
-        state.hooks.append(hf.register_forward_pre_hook(vision_hook, with_kwargs=True))
-    state.hooks.append(hf.register_forward_pre_hook(pre_forward_hook(state, hf), with_kwargs=True))
-    state.hooks.append(hf.register_forward_hook(post_forward_hook(state), with_kwargs=True))
-    state.mixers = apply_mixers(mixer_plan, state.mesh, lambda info: batch_mesh(state, info), mixer_modes)
-    if state.options.fused:  # first: the memory options wrap the fused modules
-        from hf_longctx.integrations.fusion import apply_fusion
-
-        state.fusion = apply_fusion(hf, state.options.loss_chunks is not None, state.fusion_undo)
-    if state.options.uses_memory_options:
-        _apply_memory_options(state, hf)
-
-
-def _apply_memory_options(state: PatchState, hf) -> None:
-    """The memory options (`memory.py`), with what checkpointing binds per patch: an
-    `AttentionKeeper` for checkpoint="attention", a `LayerSplit` for checkpoint=True."""
-    from hf_longctx.integrations.memory import apply_memory_options
-
-    options = state.options
-    if options.checkpoint == CHECKPOINT_ATTENTION:
-        from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
-        from hf_longctx.ops.offload import default_streams
-
-        state.keeper = AttentionKeeper(default_streams())
-    elif options.checkpoint:
-        from hf_longctx.integrations.layer_split import LayerSplit
-
-        state.split = LayerSplit(state)
-    state.memory_undo = apply_memory_options(
-        hf, state.mesh, options, keeper=state.keeper, split=state.split,
-        loss_tail=state.fusion.tail if state.fusion is not None else None,
-    )
-
-
-def _uninstall(state: PatchState) -> None:
-    """Undo `_install` exactly: memory options, fusion, mixers, hooks and every config's
-    attention implementation; the registrations and `state`'s options and plan stay."""
-    if state.memory_undo is not None:
-        state.memory_undo()
-    while state.fusion_undo:  # after the memory options, which wrapped the fused modules
-        state.fusion_undo.pop()()
-    if state.mixers is not None:
-        state.mixers.restore()
-    for handle in state.hooks:
-        handle.remove()
-    for cfg, original in state.saved_impls:
-        cfg._attn_implementation_internal = original
-    state.hooks, state.memory_undo, state.fusion, state.mixers = [], None, None, None
-    state.keeper, state.split = None, None
-
-
 def unpatch(model: Any) -> Any:
     """Undo `patch()` exactly: memory options, hooks, every config's attention implementation,
     and both registrations. A no-op on a model that is not patched.
@@ -315,7 +242,7 @@ def unpatch(model: Any) -> Any:
     state = hf.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return model
-    _uninstall(state)
+    uninstall(state)
     attention_iface, mask_iface = _interfaces()
     attention_iface._global_mapping.pop(state.name, None)  # transformers has no public unregister
     mask_iface._global_mapping.pop(state.name, None)
@@ -334,13 +261,13 @@ def suspended(model: Any) -> Iterator[Any]:
     if state is None:
         yield model
         return
-    _uninstall(state)
+    uninstall(state)
     try:
         yield model
     finally:
         hf.__dict__[STATE_ATTR] = state
         try:
-            _install(state, hf)
+            install(state, hf)
         except BaseException:
             unpatch(model)
             raise
