@@ -83,8 +83,8 @@ def test_refused_where_it_cannot_be_honoured():
             PatchOptions.resolve("max", {}, 1, inputs_on_device=bad)
     assert PatchOptions.resolve("max", {}, 2, inputs_on_device=3).inputs_on_device == 3
     model = _model()
-    with pytest.raises(ValueError, match=rf"inputs_on_device must be an int from 0 to the model's {LAYERS} decoder "
-                                         rf"layers, got {LAYERS + 1}"):
+    with pytest.raises(ValueError, match=rf"inputs_on_device must be at most the model's {LAYERS} decoder layers, "
+                                         rf"got {LAYERS + 1}"):
         patch(model, init_sequence_parallel(1, 1), memory="max", inputs_on_device=LAYERS + 1)
     assert "_hf_longctx_patch" not in model.__dict__ and "forward" not in model.model.layers[0].__dict__
 
