@@ -218,6 +218,11 @@ def _pre(s: Shape, c: int) -> list[Op]:
     return [*_norm_f(s, c), *m.attention_proj_fwd(c, s.hidden, s.q, s.kv), *_rope_f(s, c)]
 
 
+def _pre_for_backward(s: Shape, c: int) -> list[Op]:
+    """pre on c rows in its own backward: no q, k, v GEMM (`integrations/unread_outputs.py`)."""
+    return [*_norm_f(s, c), *_rope_f(s, c)]
+
+
 def _post(s: Shape, c: int) -> list[Op]:
     """LayerSplit.post: the layer on c rows with the attention replayed; the q, k, v
     projections (no gradient path to the output there) are not run (`LayerSplit.projection`),
@@ -267,7 +272,7 @@ def split_layer(s: Shape, n: int, fwd: list[Op], bwd: list[Op]) -> list[Op]:
         *m.linear_bwd(c, q, h, fresh), *m.copy(c * h, what="copy_"), *_norm_sum(h, fresh), *m.copy(c * q, what="copy_")])
     ops += bwd + ([] if early else fetch)
     ops += summed(chunks, lambda c, fresh: [
-        *_pre(s, c), *_rope_tangents(s, c), *_rope_b(s, c), *m.attention_proj_bwd(c, h, q, kv, fresh),
+        *_pre_for_backward(s, c), *_rope_tangents(s, c), *_rope_b(s, c), *m.attention_proj_bwd(c, h, q, kv, fresh),
         *_norm_b(s, c), *m.add(c * h), *_norm_sum(h, fresh)])  # `dh[:, rows].add_(g)`: in place on the row view
     params = [h * q, h * kv, h * kv, q * h, h * i, h * i, h * i, h, h]  # the sums, rounded to bf16
     return ops + [op for e in params for op in m.copy(e, m.F32, m.BF)]

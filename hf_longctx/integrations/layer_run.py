@@ -18,6 +18,7 @@ import torch
 from hf_longctx.distributed.comm import head_to_seq, seq_to_head
 from hf_longctx.integrations.checkpointing import Inputs, park
 from hf_longctx.integrations.layer_rows import kwargs_rows as _rows, row_bounds as _bounds
+from hf_longctx.integrations.unread_outputs import learn_unread
 from hf_longctx.ops.fpdt import from_heads as _from_heads, to_heads as _to_heads, fpdt_backward_chunks, fpdt_forward_chunks, fpdt_replay_chunks
 from hf_longctx.ops.fpdt_schedule import plan_for
 from hf_longctx.ops.grad_sums import GradSums
@@ -230,13 +231,25 @@ class LayerRun:
         self._collect(grads, acc)
         da_rows.zero_() if da is None else da_rows.copy_(da)
 
-    def _pre_backward(self, lo: int, hi: int, h, dqkv: tuple, dh, acc, replicate: bool) -> None:
+    def _pre_grads(self, lo: int, hi: int, h, dqkv: tuple, replicate: bool) -> list:
+        """pre(rows) with gradients and its backward from (dq, dk, dv): `_grad`'s list."""
         with torch.enable_grad():
             h_rows = h[:, lo:hi].detach().requires_grad_(self.needs_h)
             q, k, v, _ = self.pre(lo, hi, h_rows)
             if replicate:
                 k, v = replicate_kv(q, k, v, self.call.mesh.ulysses)
-            grads = self._grad([q, k, v], dqkv, h_rows)
+            return self._grad([q, k, v], dqkv, h_rows)
+
+    def _pre_backward(self, lo: int, hi: int, h, dqkv: tuple, dh, acc, replicate: bool) -> None:
+        """pre(rows)'s backward into dh[rows] and the sums; the projections whose outputs no
+        backward of pre reads (`LayerSplit.unread`) run no forward GEMM."""
+        split = self.split
+        unread = split.unread.get(id(self.layer))
+        if unread is None:  # learnt on the layer's first rows (`integrations/unread_outputs.py`)
+            unread = split.unread[id(self.layer)] = learn_unread(
+                split.slot, self.params, self.needs_params, lambda: self._pre_grads(lo, hi, h, dqkv, replicate))
+        with split.slot.unread_outputs(unread):
+            grads = self._pre_grads(lo, hi, h, dqkv, replicate)
         if self.needs_h and grads[0] is not None:
             dh[:, lo:hi].add_(grads.pop(0))  # on the row view: `+=` would then copy the rows onto themselves
         elif self.needs_h:

@@ -5,7 +5,8 @@ through `LayerSplit.call`; the attention function asks the patch's `LayerSplit` 
 at each call. A layer is token-wise except for its attention call, so it runs on row
 chunks split there: pre(rows) stops at the attention with the chunk's q, k, v
 (`AtAttention`), post(rows, a) runs with the attention answering `a`. The backward is
-`integrations/layer_run.py`. Guarantees: on the device only the layer input, the gradient
+`integrations/layer_run.py` (its pass through pre skips the projection GEMMs whose outputs no
+backward reads: `integrations/unread_outputs.py`). Guarantees: on the device only the layer input, the gradient
 through the layer, the next layer's prefetched input and O(chunk); parameter gradients
 summed in fp32 and returned like any input's (FSDP2's hooks see them). A layer that cannot
 be cut (dropout, a linear mixer, unknown per-token arguments) runs the plain offloaded
@@ -47,6 +48,9 @@ class LayerSplit:
         self.slot = SumsSlot()  # the layer backward's gradient sums, where the projections write (ops/grad_sums.py)
         self.skippable: dict[int, frozenset] = {}  # id(layer) -> its projections `post` need not run
         self.skip: frozenset = frozenset()  # those of the layer in `post` now
+        # id(layer) -> the weights of `pre`'s projections whose outputs pre's backward never reads
+        # (learnt by `integrations/unread_outputs.learn_unread`): their forward GEMM is not run in that backward
+        self.unread: dict[int, frozenset] = {}
         self.recorded: list | None = None  # (module id, output gradient edge) of post's projections, while learning
         self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
         self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows

@@ -96,10 +96,14 @@ class GradSums:
 
 
 class SumsSlot:
-    """Per patch: the `GradSums` the patched projections write into (None outside a chunked backward)."""
+    """Per patch: the `GradSums` the patched projections write into (None outside a chunked
+    backward), and the projections whose outputs no backward reads while `unread` binds them."""
 
     def __init__(self) -> None:
         self.active: GradSums | None = None
+        self.unread: frozenset = frozenset()  # ids of weights: their sink linear skips its forward GEMM
+        self.poison = False  # fill those outputs with NaN instead of leaving them uninitialised (learning)
+        self.seen: set | None = None  # while recording: the ids of the weights a sink linear ran with
 
     @contextmanager
     def bound(self, sums: GradSums | None) -> Iterator[None]:
@@ -109,18 +113,45 @@ class SumsSlot:
         finally:
             self.active = previous
 
+    @contextmanager
+    def unread_outputs(self, ids: frozenset, poison: bool = False, seen: set | None = None) -> Iterator[None]:
+        """Inside: the sink linears of the weights `ids` return an uninitialised output (NaN with
+        `poison`) instead of running their forward GEMM; their backward is unchanged (it reads
+        the input and the weight only). `seen` collects the ids of every weight a sink linear
+        ran with."""
+        previous = self.unread, self.poison, self.seen
+        self.unread, self.poison, self.seen = ids, poison, seen
+        try:
+            yield
+        finally:
+            self.unread, self.poison, self.seen = previous
+
+    def output(self, weight: Tensor) -> str:
+        """How the sink linear of `weight` makes its output: "gemm", "empty" or "nan"."""
+        if self.seen is not None:
+            self.seen.add(id(weight))
+        if id(weight) not in self.unread:
+            return "gemm"
+        return "nan" if self.poison else "empty"
+
 
 class SinkLinear(torch.autograd.Function):
     """`F.linear(x, w, bias)` whose backward adds the weight gradient into `sums` (index `i`)
     instead of returning it; the input and bias gradients are returned as usual. `weight` is
     the parameter (its edge makes the engine run this backward; its gradient is None), `w` the
-    tensor the GEMM uses (the parameter detached, or its autocast copy)."""
+    tensor the GEMM uses (the parameter detached, or its autocast copy). `output`: "gemm" (the
+    linear), or "empty" / "nan" -- an output of the right shape whose values nothing reads
+    (`SumsSlot.unread_outputs`), no GEMM run; the backward is the same either way."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, sums: GradSums, i: int, w: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, sums: GradSums, i: int, w: Tensor,  # type: ignore[override]
+                output: str = "gemm") -> Tensor:
         ctx.save_for_backward(x)
         ctx.w, ctx.sums, ctx.i = w, sums, i
-        return F.linear(x, w, bias)
+        if output == "gemm":
+            return F.linear(x, w, bias)
+        shape = (*x.shape[:-1], w.shape[0])  # [..., out]
+        return x.new_empty(shape) if output == "empty" else x.new_full(shape, float("nan"))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -130,19 +161,20 @@ class SinkLinear(torch.autograd.Function):
         ctx.sums.addmm(ctx.i, g2.t(), x.reshape(-1, x.shape[-1]))  # [out, N] @ [N, in] into [out, in]
         dx = grad.matmul(ctx.w) if ctx.needs_input_grad[0] else None  # [..., in], as aten's linear backward
         db = g2.sum(0) if ctx.needs_input_grad[2] else None  # [out]
-        return dx, None, db, None, None, None
+        return dx, None, db, None, None, None, None
 
 
-def sink_linear(x: Tensor, weight: Tensor, bias: Tensor | None, sums: GradSums, i: int) -> Tensor:
+def sink_linear(x: Tensor, weight: Tensor, bias: Tensor | None, sums: GradSums, i: int, output: str = "gemm") -> Tensor:
     """`F.linear(x, weight, bias)` with the weight gradient summed into `sums`; under autocast
-    the operands are cast as autocast casts them (the weight once per backward)."""
+    the operands are cast as autocast casts them (the weight once per backward). `output`: as
+    `SinkLinear`'s."""
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.is_floating_point():
         dtype = torch.get_autocast_dtype(device)
         x = x.to(dtype)  # [..., in]: the cast's backward returns dx in x's own dtype
         bias = None if bias is None else bias.to(dtype)
-        return SinkLinear.apply(x, weight, bias, sums, i, sums.cast(i, weight, dtype))
-    return SinkLinear.apply(x, weight, bias, sums, i, weight.detach())
+        return SinkLinear.apply(x, weight, bias, sums, i, sums.cast(i, weight, dtype), output)
+    return SinkLinear.apply(x, weight, bias, sums, i, weight.detach(), output)
 
 
 def routed_linear(module: torch.nn.Module, slot: SumsSlot):
@@ -155,7 +187,7 @@ def routed_linear(module: torch.nn.Module, slot: SumsSlot):
         if sums is not None and torch.is_grad_enabled():
             i = sums.index.get(id(module.weight))
             if i is not None:
-                return sink_linear(x, module.weight, module.bias, sums, i)
+                return sink_linear(x, module.weight, module.bias, sums, i, slot.output(module.weight))
         return original(x)
 
     return forward

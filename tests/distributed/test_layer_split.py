@@ -195,3 +195,60 @@ def test_a_discarded_first_forward_keeps_nothing_for_the_backward(monkeypatch):
             assert {("q", 0), ("q", 1), ("lse", 0), ("kv", 1)} <= {k for _, k in puts}  # the recompute saves
     for a, b in zip(grads["ckpt"], grads["ref"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _unread_by_layer(model) -> list[set]:
+    """Per decoder layer: the names of the projections whose forward GEMM pre's backward skips."""
+    from hf_longctx.integrations.model_patch import patch_state
+    from hf_longctx.model_walk import decoder_layers
+
+    state = patch_state(model)
+    names = {id(m.weight): n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return [{names[i] for i in state.split.unread[id(layer)]} for layer in decoder_layers(model)]
+
+
+QKV = {"q_proj", "k_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("family,unread", [("llama", QKV), ("mistral", QKV), ("qwen3", {"v_proj"})])
+def test_pre_backward_runs_no_gemm_whose_output_no_backward_reads(family, unread):
+    """memory="max": the backward's pass through pre (for the input's and the projections'
+    gradients) skips the forward GEMMs of the projections whose outputs no backward reads --
+    q, k, v under RoPE alone; v only where a q/k norm reads q and k (Qwen3) -- learnt per layer
+    on its first rows, and the step stays exact (also on 2 ranks: the layouts above)."""
+    from hf_longctx import init_sequence_parallel
+
+    mesh = init_sequence_parallel()
+    base = _model(family)
+    batch = _batch(base.config.vocab_size)
+    ref, _ = _step(copy.deepcopy(base), mesh, batch)
+    model = copy.deepcopy(base)
+    patch(model, mesh, checkpoint=True, mlp_chunks=3, loss_chunks="auto")
+    model.train()
+    model(**shard_batch(batch, mesh)).loss.backward()
+    assert _unread_by_layer(model) == [unread] * base.config.num_hidden_layers
+    unpatch(model)
+    got, _ = _step(model, mesh, batch, checkpoint=True, mlp_chunks=3, loss_chunks="auto")
+    assert_exact(errors_by_name(base, got, ref), 0, family)
+
+
+def test_a_projection_whose_output_a_backward_reads_is_never_skipped(monkeypatch):
+    """The fault the learning guards against: Qwen3's q and k feed its q/k norms, whose backward
+    reads them; forcing their GEMMs off in pre's backward makes the gradients wrong."""
+    from hf_longctx import init_sequence_parallel
+    from hf_longctx.integrations import layer_run
+
+    mesh = init_sequence_parallel()
+    base = _model("qwen3")
+    batch = _batch(base.config.vocab_size)
+    ref, _ = _step(copy.deepcopy(base), mesh, batch)
+    model = copy.deepcopy(base)
+    qkv = frozenset(id(m.weight) for layer in model.model.layers for n, m in layer.self_attn.named_modules() if n in QKV)
+    assert len(qkv) == 6
+
+    def every_projection(slot, params, needs, grads_of):  # q, k and v "learnt" unread in every layer
+        return frozenset(id(p) for p in params) & qkv
+    monkeypatch.setattr(layer_run, "learn_unread", every_projection)
+    got, _ = _step(model, mesh, batch, checkpoint=True, mlp_chunks=3, loss_chunks="auto")
+    errs = errors_by_name(base, got, ref)
+    assert any(not e <= GRAD_TOL for n, e in errs.items() if "q_proj" in n or "k_proj" in n), errs
