@@ -145,9 +145,28 @@ class _Capture:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def _grpo_steps(path: str) -> dict:
+def _against_one_process(path: str, run) -> dict:
+    """`run(model, mesh)` -> (logs, grads) on one process, then on U2 with the model FSDP2-sharded
+    and replicated: per kind the largest gradient error and the (got, reference) logs."""
     from hf_longctx.distributed.mesh import SPMesh
     from hf_longctx.integrations.accelerate import fsdp_plan
+    from hf_longctx.integrations.model_patch import patch
+
+    one = SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
+    ref_logs, ref_grads = run(patch(load(path), one), one)
+    mesh = worker_mesh(2, 1)
+    out = {}
+    for kind in ("fsdp", "replicated"):
+        model = patch(load(path), mesh)
+        if kind == "fsdp":
+            fsdp_plan(model, mesh, mixed_precision="fp32").apply(model)
+        logs, grads = run(model, mesh)
+        out[kind] = {"grad": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+                     "logs": {k: (logs[k], v) for k, v in ref_logs.items()}}
+    return out
+
+
+def _grpo_steps(path: str) -> dict:
     from hf_longctx.integrations.model_patch import patch
     from hf_longctx.training.grpo.step import grpo_step
     from hf_longctx.training.grpo.loss import GRPOObjective
@@ -155,25 +174,14 @@ def _grpo_steps(path: str) -> dict:
     obj = GRPOObjective(loss_type="dr_grpo", beta=0.04, max_completion_length=12)
     reward = lambda ps, cs: _rewards(cs).tolist()  # noqa: E731
 
-    def run(model, mesh, prompts):
+    def run(model, mesh):
         opt = _Capture(model)
         ref = patch(load(path), mesh)
-        logs = grpo_step(model, opt, mesh, prompts, reward, obj, num_generations=2, generate=_generate, ref_model=ref,
+        logs = grpo_step(model, opt, mesh, PROMPTS, reward, obj, num_generations=2, generate=_generate, ref_model=ref,
                          max_grad_norm=None)
         return logs, opt.grads
 
-    one = SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
-    ref_logs, ref_grads = run(patch(load(path), one), one, PROMPTS)
-    mesh = worker_mesh(2, 1)
-    out = {}
-    for kind in ("fsdp", "replicated"):
-        model = patch(load(path), mesh)
-        if kind == "fsdp":
-            fsdp_plan(model, mesh, mixed_precision="fp32").apply(model)
-        logs, grads = run(model, mesh, PROMPTS)
-        out[kind] = {"grad": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
-                     "logs": {k: (logs[k], v) for k, v in ref_logs.items()}}
-    return out
+    return _against_one_process(path, run)
 
 
 def test_grpo_step_on_two_ranks_equals_one_process(pools, tmp_path):
@@ -190,10 +198,7 @@ def test_grpo_step_on_two_ranks_equals_one_process(pools, tmp_path):
 def _grpo_steps_sp_generation(path: str) -> dict:
     """grpo_step with SamplingSettings (sequence-parallel generation, SP rank 0 sampling every row) on
     U2 (FSDP2 and replicated) against the same call on one process, seeded alike."""
-    from hf_longctx.distributed.mesh import SPMesh
     from hf_longctx.generation.settings import sampling_settings
-    from hf_longctx.integrations.accelerate import fsdp_plan
-    from hf_longctx.integrations.model_patch import patch
     from hf_longctx.training.grpo.loss import GRPOObjective
     from hf_longctx.training.grpo.step import grpo_step
 
@@ -212,17 +217,7 @@ def _grpo_steps_sp_generation(path: str) -> dict:
         captured.setdefault("completions", []).append(seen[0])
         return logs, opt.grads
 
-    one = SPMesh(dp=1, ring=1, ulysses=1, fpdt_chunks=1, dp_rank=0, ring_rank=0, ulysses_rank=0)
-    ref_logs, ref_grads = run(patch(load(path), one), one)
-    mesh = worker_mesh(2, 1)
-    out = {}
-    for kind in ("fsdp", "replicated"):
-        model = patch(load(path), mesh)
-        if kind == "fsdp":
-            fsdp_plan(model, mesh, mixed_precision="fp32").apply(model)
-        logs, grads = run(model, mesh)
-        out[kind] = {"grad": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
-                     "logs": {k: (logs[k], v) for k, v in ref_logs.items()}}
+    out = _against_one_process(path, run)
     out["completions"] = captured["completions"]
     return out
 

@@ -21,7 +21,7 @@ from hf_longctx import init_sequence_parallel
 from tests.helpers import fpdt_cases, usp_cases
 from tests.helpers.pool import worker_mesh
 from tests.helpers.sink_cases import CASES, FP32_TOL
-from tests.helpers.sink_models import models_on_mesh
+from tests.helpers.sink_models import models_on_mesh, save_with_visible_sinks
 
 
 def _usp(ulysses: int, ring: int, dtype_name: str, cases: list[dict]):
@@ -113,14 +113,7 @@ def _save_sink_family(family: str, root) -> str:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(sink_family_config(family))
-    with torch.no_grad():  # sinks of order 1 (HF initialises them near 0): they must visibly matter
-        for name, p in model.named_parameters():
-            if name.endswith("sinks"):
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) + 1.0)
-    path = f"{root}/{family}"
-    model.save_pretrained(path)
-    return path
+    return save_with_visible_sinks(AutoModelForCausalLM.from_config(sink_family_config(family)), f"{root}/{family}")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import torch
 
 from tests.helpers.families import family_config, load
 from tests.helpers.pool import worker_mesh
+from tests.helpers.sink_models import save_with_visible_sinks
 
 PROMPTS = [[5, 17, 42, 9, 11, 3, 60], [8, 8, 31], [60, 2, 77, 14, 90, 21, 4, 4, 19, 33, 7], [12]]
 PROMPTS_DP1 = [[9, 9, 100, 44, 2], [71, 70, 69, 68, 67, 66, 65, 64, 63], [14, 15]]
@@ -36,14 +37,7 @@ def save_generation_family(family: str, root) -> str:
                               num_experts_per_tok=2, output_router_logits=False)
     else:
         cfg = family_config(family)
-    model = tf.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # sinks of order 1 (HF initialises them near 0): they must visibly matter
-        for name, p in model.named_parameters():
-            if name.endswith("sinks"):
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) + 1.0)
-    path = f"{root}/{family}"
-    model.save_pretrained(path)
-    return path
+    return save_with_visible_sinks(tf.AutoModelForCausalLM.from_config(cfg), f"{root}/{family}")
 
 
 def hf_rows(model, prompts, max_new: int, eos, **sampling) -> list[list[int]]:

@@ -18,6 +18,17 @@ from tests.helpers.pool import worker_mesh
 from tests.helpers.reference import rel_err
 
 
+def save_with_visible_sinks(model, path: str) -> str:
+    """Set `model`'s sink logits to order 1 (HF initialises them near 0: they must visibly matter,
+    a draw seeded by each parameter's name) and `save_pretrained` it to `path`; returns `path`."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) + 1.0)
+    model.save_pretrained(path)
+    return path
+
+
 def per_document_reference(model, docs: list[torch.Tensor]):
     """Loss and gradients of the unpatched model run on each document ALONE, normalised by
     the packed batch's target count: what a packed batch means. Not `model(**packed)`:
