@@ -22,6 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from hf_longctx.capacity.generation_budget import cache_bytes_per_token
+from hf_longctx.data.model_dims import ModelDims
 from hf_longctx.generation.checks import check_model, check_rows, same_rows_everywhere
 from hf_longctx.generation.prefill import prefill
 from hf_longctx.generation.sampler import OwnerSampler, share_tokens, token_order
@@ -31,17 +33,12 @@ from hf_longctx.ops.decode_attention import DEFAULT_CHUNK
 
 
 def cache_bytes_estimate(model, prompts: Sequence[Sequence[int]], settings: SamplingSettings, mesh) -> int:
-    """This rank's cache bytes, about: the rows' prompt + completion tokens over the SP group, at every
-    layer's K and V in the model's dtype (the `weights="auto"` choice; the planner's is exact)."""
-    cfg = getattr(model, "config", None)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = getattr(cfg, "num_attention_heads", 1)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    d = getattr(cfg, "head_dim", None) or getattr(cfg, "hidden_size", heads) // heads
-    layers = getattr(cfg, "num_hidden_layers", 1)
+    """This rank's cache bytes: the rows' prompt + completion tokens over the SP group, at the
+    planner's bytes per cached token (`capacity/generation_budget.cache_bytes_per_token`) in the
+    model's dtype (the `weights="auto"` choice)."""
     dt = next(model.parameters()).element_size()
     tokens = sum(len(p) for p in prompts) + len(prompts) * settings.max_new_tokens
-    return int(tokens / mesh.sp * layers * 2 * kv * d * dt)
+    return int(tokens / mesh.sp * cache_bytes_per_token(ModelDims.from_config(model.config), dt))
 
 
 def sp_generate(
@@ -121,7 +118,6 @@ def _decode(model, prompts, owners, mesh, state, settings: SamplingSettings, dev
     completions: list[list[int]] = [[] for _ in range(n)]
     alive = [True] * n
     eos = set(settings.eos_token_ids)
-    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
     order, width = token_order(owners, mesh.sp, device)
     step = 0
     while True:
@@ -130,7 +126,7 @@ def _decode(model, prompts, owners, mesh, state, settings: SamplingSettings, dev
             if alive[i]:
                 completions[i].append(t)
                 alive[i] = t not in eos
-        sampler.finish_step([tokens[i] for i in mine], [alive[i] for i in mine])
+        sampler.finish_step([alive[i] for i in mine])
         group_more = any(alive) and step + 1 < settings.max_new_tokens
         more = group_more
         while True:
@@ -141,9 +137,10 @@ def _decode(model, prompts, owners, mesh, state, settings: SamplingSettings, dev
             if not more or group_more:
                 break
             binding.begin_step(step, dummy=True)  # only FSDP2's collectives: this group is done
-            model(input_ids=torch.full((1, n), settings.pad_token_id, device=device), position_ids=lengths[None])
+            pads = torch.full((1, n), settings.pad_token_id, device=device)  # [1, N]
+            model(input_ids=pads, position_ids=binding.prompt_lengths[None])
         if not more:
             return completions
         binding.begin_step(step)
-        logits = model(input_ids=ids[None], position_ids=(lengths + step)[None]).logits[0].float()  # [N, V]
+        logits = model(input_ids=ids[None], position_ids=binding.query_pos[None]).logits[0].float()  # [N, V]
         step += 1

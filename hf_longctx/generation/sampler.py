@@ -58,7 +58,7 @@ class OwnerSampler:
         self.drawn += 1
         return tokens
 
-    def finish_step(self, own_tokens: list[int], own_unfinished: list[bool]) -> None:
+    def finish_step(self, own_unfinished: list[bool]) -> None:
         """The host's view after the step's all-gather: `generate` leaves its loop once no own row is
         unfinished or max_new_tokens tokens were drawn."""
         self.active = self.active and any(own_unfinished) and self.drawn < self.settings.max_new_tokens

@@ -35,7 +35,6 @@ class GenerationBinding:
         self.dummy = False
         self.step = -1
         self.query_pos: torch.Tensor | None = None  # [N]: P_n + step
-        self.filled = cache.layout.prompt_slots
 
     def capture(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Prefill: `layer`'s next local K/V rows [1, S_rows, H_kv, D] into the cache."""

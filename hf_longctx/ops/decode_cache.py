@@ -38,8 +38,6 @@ class CacheLayout:
     rows: int  # N
     sp: int
     sp_rank: int
-    prompt_lengths: tuple[int, ...]  # P_n
-    max_new_tokens: int
     keep: torch.Tensor  # [P_real] long: local indices (shard order) of the real prompt tokens
     real_before: torch.Tensor  # [S_local + 1] long: real prompt tokens among the first i local tokens
     slot_rows: torch.Tensor  # [T] long: the row of every slot
@@ -50,13 +48,6 @@ class CacheLayout:
     def capacity(self) -> int:
         return int(self.slot_rows.numel())
 
-    @property
-    def prompt_slots(self) -> int:
-        return int(self.keep.numel())
-
-    def filled_after(self, step: int) -> int:
-        """Valid slots once decode `step` has appended its tokens."""
-        return self.step_base[step + 1]
 
 
 def cache_layout(
@@ -87,9 +78,8 @@ def cache_layout(
         pos.extend(prompt_lengths[m] + t for m in mine)
         base.append(base[-1] + len(mine))
     long = dict(dtype=torch.long)
-    return CacheLayout(n, sp, sp_rank, tuple(int(p) for p in prompt_lengths), max_new_tokens,
-                       torch.tensor(keep, **long), torch.tensor(real_before, **long), torch.tensor(rows, **long),
-                       torch.tensor(pos, **long), tuple(base))
+    return CacheLayout(n, sp, sp_rank, torch.tensor(keep, **long), torch.tensor(real_before, **long),
+                       torch.tensor(rows, **long), torch.tensor(pos, **long), tuple(base))
 
 
 class DecodeCache:
@@ -105,6 +95,7 @@ class DecodeCache:
         self._memory: list = []  # the page-locked buffers the host slots are views of
         self.slot_rows = layout.slot_rows.to(self.device, non_blocking=True)  # [T]
         self.slot_pos = layout.slot_pos.to(self.device, non_blocking=True)  # [T]
+        self.keep = layout.keep.to(self.device, non_blocking=True)  # [P_real]: uploaded once, sliced per prefill write
         self.owned = [torch.tensor(owned_rows(r, layout.rows, layout.sp, layout.sp_rank), dtype=torch.long,
                                    device=self.device) for r in range(layout.sp)]  # the rule repeats with period SP
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [T, H_kv, D]
@@ -123,9 +114,6 @@ class DecodeCache:
         self._memory.append(memory)
         return memory.data[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)  # [T, H_kv, D]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
-
     def write_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The next local rows of `layer`'s prompt K/V ([S_rows, H_kv, D], in shard order: the whole
         shard, or a row chunk of it) into their slots; padding rows are skipped."""
@@ -140,7 +128,7 @@ class DecodeCache:
                                f"{self.layout.real_before.numel() - 1}")
         a, b = int(self.layout.real_before[lo]), int(self.layout.real_before[hi])  # slots of these rows
         if b > a:
-            idx = (self.layout.keep[a:b] - lo).to(self.device, non_blocking=True)  # [b - a] rows of this piece
+            idx = self.keep[a:b] - lo  # [b - a] rows of this piece
             self.keys[layer][a:b].copy_(k.index_select(0, idx), non_blocking=True)  # host slots: an async copy
             self.values[layer][a:b].copy_(v.index_select(0, idx), non_blocking=True)
         self.cursor[layer] = hi
