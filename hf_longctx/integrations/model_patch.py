@@ -257,14 +257,16 @@ def suspended(model: Any) -> Iterator[Any]:
     resolved, validated or probed again. A no-op on a model that is not patched. Local: no
     collective."""
     hf = hf_model(model)
-    state = hf.__dict__.pop(STATE_ATTR, None)
+    state = patch_state(hf)
     if state is None:
         yield model
         return
-    uninstall(state)
+    uninstall(state)  # first: if it raises, the state stays on the model for unpatch()
+    del hf.__dict__[STATE_ATTR]
     try:
         yield model
     finally:
+        unpatch(model)  # a patch made inside the block comes off exactly (a no-op otherwise)
         hf.__dict__[STATE_ATTR] = state
         try:
             install(state, hf)

@@ -55,16 +55,17 @@ def install(state: PatchState, hf) -> None:
 
 def _apply_memory_options(state: PatchState, hf) -> None:
     """The memory options (`memory.py`), with what checkpointing binds per patch: an
-    `AttentionKeeper` for checkpoint="attention", a `LayerSplit` for checkpoint=True."""
+    `AttentionKeeper` for checkpoint="attention", a `LayerSplit` for checkpoint=True -- made at
+    the first install, the same ones again after `suspended` (what the split learnt stays)."""
     from hf_longctx.integrations.memory import apply_memory_options
 
     options = state.options
-    if options.checkpoint == CHECKPOINT_ATTENTION:
+    if options.checkpoint == CHECKPOINT_ATTENTION and state.keeper is None:
         from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
         from hf_longctx.ops.offload import default_streams
 
         state.keeper = AttentionKeeper(default_streams())
-    elif options.checkpoint:
+    elif options.checkpoint is True and state.split is None:
         from hf_longctx.integrations.layer_split import LayerSplit
 
         state.split = LayerSplit(state)
@@ -76,7 +77,8 @@ def _apply_memory_options(state: PatchState, hf) -> None:
 
 def uninstall(state: PatchState) -> None:
     """Undo `install` exactly: memory options, fusion, mixers, hooks and every config's
-    attention implementation; the registrations and `state`'s options and plan stay."""
+    attention implementation; the registrations, `state`'s options and plan, and its checkpoint
+    bindings (keeper, split: used only through the memory options) stay."""
     if state.memory_undo is not None:
         state.memory_undo()
     while state.fusion_undo:  # after the memory options, which wrapped the fused modules
@@ -88,4 +90,3 @@ def uninstall(state: PatchState) -> None:
     for cfg, original in state.saved_impls:
         cfg._attn_implementation_internal = original
     state.hooks, state.memory_undo, state.fusion, state.mixers = [], None, None, None
-    state.keeper, state.split = None, None

@@ -22,8 +22,8 @@ from hf_longctx.flex.bank import GroupBank
 from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
 from hf_longctx.integrations.mixers.binding import MixerBinding
 from hf_longctx.integrations.probe.report import ProbeReport
-from hf_longctx.model_walk import PATCH_STATE_ATTR as STATE_ATTR  # instance attribute of the patched PreTrainedModel
-from hf_longctx.model_walk import hf_model, installed_patch
+from hf_longctx.model_walk import PATCH_STATE_ATTR as STATE_ATTR  # noqa: F401  (re-exported: the attribute on the patched model)
+from hf_longctx.model_walk import installed_patch
 
 
 @dataclass
@@ -83,4 +83,4 @@ def is_patched(model: Any) -> bool:
     Returns:
         Whether `patch()` is in effect on it.
     """
-    return STATE_ATTR in hf_model(model).__dict__
+    return installed_patch(model) is not None

@@ -129,6 +129,7 @@ def test_suspended_generates_as_unpatched_and_puts_the_same_patch_back(llama_pat
 
     model, fresh = patch(load(llama_path).train(), mesh, memory=memory), load(llama_path).eval()
     state, name = model_patch.patch_state(model), model.config._attn_implementation
+    split = state.split  # memory="max": its learnt projections must survive the suspension
     batch = packed_batch()
     before = model(**shard_batch(batch, mesh)).loss.detach()
     prompt, kw = torch.tensor([[5, 17, 42, 9]]), dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -145,8 +146,12 @@ def test_suspended_generates_as_unpatched_and_puts_the_same_patch_back(llama_pat
         model.train()
     assert model_patch.patch_state(model) is state and model.config._attn_implementation == name
     assert state.options is model_patch.patch_state(model).options and name in AttentionInterface._global_mapping
-    assert (state.split is not None) == (memory == "max")
+    assert (state.split is not None) == (memory == "max") and state.split is split
     torch.testing.assert_close(model(**shard_batch(batch, mesh)).loss, before, rtol=0, atol=0)
+    monkeypatch.undo()  # the patch below checks its model, as every new patch does
+    with model_patch.suspended(model):
+        patch(model, mesh)  # a patch made inside the block comes off at its end; the suspended one is back
+    assert model_patch.patch_state(model) is state and model.config._attn_implementation == name
     unpatch(model)
     assert not model._forward_pre_hooks and "forward" not in model.__dict__
 
@@ -361,3 +366,18 @@ def test_gradient_checkpointing_flag_keeps_the_other_options(llama_path, mesh, t
     assert state.options == dataclasses.replace(before, checkpoint=True, memory=None)
     assert "checkpoint" in state.explicit and state.split is not None
     unpatch(model)
+
+
+def test_the_reference_is_patched_with_the_policys_options_whole(llama_path, mesh):
+    """DPO's / GRPO's frozen reference runs as the policy does: every option of the policy's patch
+    (the preset's knobs, the LM head's chunk rows, the named attention kernel), none dropped."""
+    from hf_longctx.integrations.model_patch import patch_state
+    from hf_longctx.training.base.reference import reference_on_mesh
+
+    policy = patch(load(llama_path), mesh, memory="balanced", loss_chunk_rows=512, attention_backend="math",
+                   unsafe_skip_exactness_check=True)
+    ref = reference_on_mesh(load(llama_path), policy, mesh)
+    assert patch_state(ref).options == patch_state(policy).options
+    assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
+    unpatch(ref)
+    unpatch(policy)
