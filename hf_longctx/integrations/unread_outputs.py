@@ -9,9 +9,10 @@ projections' outputs are read by nothing there, and their GEMMs can be skipped
 (`ops/grad_sums.SumsSlot.unread_outputs`: an uninitialised output with the weight's gradient
 edge). A q/k norm (Qwen3, OLMo2) reads q and k in its backward: only v's GEMM goes. Which ones
 is learnt per layer, never assumed: the part's backward on the layer's first rows as it is,
-then with candidate outputs filled with NaN; a candidate holds when every gradient comes out
-the same and NaN-free (a read of a poisoned value, by any op or through any branch that
-changes a gradient, shows). Scratch sums: the learning adds nothing to the step.
+then with candidate outputs filled with NaN, and again with a large finite value; a candidate
+holds when every gradient comes out the same both times (a NaN read by arithmetic propagates; a
+read through a comparison or a branch, where NaN may compare like the true values, shows with the
+finite value). Scratch sums: the learning adds nothing to the step.
 """
 
 from __future__ import annotations
@@ -22,31 +23,33 @@ import torch
 
 from hf_longctx.ops.grad_sums import GradSums, SumsSlot
 
+POISONS = (float("nan"), 3.0e4)  # the candidate outputs' fills: NaN, and a large value bf16 and fp16 hold
+
 
 def same_gradient(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Both absent, or equal with no NaN in `b` (the run whose candidate outputs were NaN)."""
+    """Both absent, or equal (`torch.equal`: a NaN in either is never equal)."""
     if a is None or b is None:
         return a is None and b is None
-    return not bool(torch.isnan(b).any()) and torch.equal(a, b)
+    return torch.equal(a, b)
 
 
 def learn_unread(slot: SumsSlot, params: list, needs: tuple, grads_of: Callable[[], list]) -> frozenset:
     """The ids of the weights whose sink-linear outputs `grads_of` (one backward of the
     pre-attention part, returning its gradients) never reads: all candidates together, else
     one at a time and the survivors together again; empty when none holds. One reference run
-    and one to a few poisoned runs, each with its own scratch `GradSums` over `params`."""
+    and two poisoned runs per trial (`POISONS`), each with its own scratch `GradSums` over `params`."""
 
-    def run(ids: frozenset, poison: bool, seen: set | None = None) -> list:
+    def run(ids: frozenset, poison: float | None, seen: set | None = None) -> list:
         sums = GradSums(params, needs)
         with slot.bound(sums), slot.unread_outputs(ids, poison=poison, seen=seen):
             out = grads_of()
         return out + sums.grads(rounded=False)
 
     seen: set = set()
-    reference = run(frozenset(), False, seen)
+    reference = run(frozenset(), None, seen)
 
-    def holds(ids: frozenset) -> bool:
-        return all(same_gradient(a, b) for a, b in zip(reference, run(ids, True)))
+    def holds(ids: frozenset) -> bool:  # NaN shows an arithmetic read; a large finite value one through a comparison
+        return all(all(same_gradient(a, b) for a, b in zip(reference, run(ids, fill))) for fill in POISONS)
 
     every = frozenset(seen)
     chosen = every if every and holds(every) else frozenset(i for i in every if holds(frozenset({i})))

@@ -102,7 +102,7 @@ class SumsSlot:
     def __init__(self) -> None:
         self.active: GradSums | None = None
         self.unread: frozenset = frozenset()  # ids of weights: their sink linear skips its forward GEMM
-        self.poison = False  # fill those outputs with NaN instead of leaving them uninitialised (learning)
+        self.poison: float | None = None  # fill those outputs with this value instead of leaving them uninitialised
         self.seen: set | None = None  # while recording: the ids of the weights a sink linear ran with
 
     @contextmanager
@@ -114,11 +114,11 @@ class SumsSlot:
             self.active = previous
 
     @contextmanager
-    def unread_outputs(self, ids: frozenset, poison: bool = False, seen: set | None = None) -> Iterator[None]:
-        """Inside: the sink linears of the weights `ids` return an uninitialised output (NaN with
-        `poison`) instead of running their forward GEMM; their backward is unchanged (it reads
-        the input and the weight only). `seen` collects the ids of every weight a sink linear
-        ran with."""
+    def unread_outputs(self, ids: frozenset, poison: float | None = None, seen: set | None = None) -> Iterator[None]:
+        """Inside: the sink linears of the weights `ids` return an uninitialised output (filled
+        with `poison` when given) instead of running their forward GEMM; their backward is
+        unchanged (it reads the input and the weight only). `seen` collects the ids of every
+        weight a sink linear ran with."""
         previous = self.unread, self.poison, self.seen
         self.unread, self.poison, self.seen = ids, poison, seen
         try:
@@ -126,13 +126,13 @@ class SumsSlot:
         finally:
             self.unread, self.poison, self.seen = previous
 
-    def output(self, weight: Tensor) -> str:
-        """How the sink linear of `weight` makes its output: "gemm", "empty" or "nan"."""
+    def output(self, weight: Tensor) -> str | float:
+        """How the sink linear of `weight` makes its output: "gemm", "empty", or a fill value."""
         if self.seen is not None:
             self.seen.add(id(weight))
         if id(weight) not in self.unread:
             return "gemm"
-        return "nan" if self.poison else "empty"
+        return "empty" if self.poison is None else self.poison
 
 
 class SinkLinear(torch.autograd.Function):
@@ -140,18 +140,18 @@ class SinkLinear(torch.autograd.Function):
     instead of returning it; the input and bias gradients are returned as usual. `weight` is
     the parameter (its edge makes the engine run this backward; its gradient is None), `w` the
     tensor the GEMM uses (the parameter detached, or its autocast copy). `output`: "gemm" (the
-    linear), or "empty" / "nan" -- an output of the right shape whose values nothing reads
+    linear), or "empty" / a fill value -- an output of the right shape whose values nothing reads
     (`SumsSlot.unread_outputs`), no GEMM run; the backward is the same either way."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, sums: GradSums, i: int, w: Tensor,  # type: ignore[override]
-                output: str = "gemm") -> Tensor:
+                output: str | float = "gemm") -> Tensor:
         ctx.save_for_backward(x)
         ctx.w, ctx.sums, ctx.i = w, sums, i
         if output == "gemm":
             return F.linear(x, w, bias)
         shape = (*x.shape[:-1], w.shape[0])  # [..., out]
-        return x.new_empty(shape) if output == "empty" else x.new_full(shape, float("nan"))
+        return x.new_empty(shape) if output == "empty" else x.new_full(shape, output)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -164,7 +164,8 @@ class SinkLinear(torch.autograd.Function):
         return dx, None, db, None, None, None, None
 
 
-def sink_linear(x: Tensor, weight: Tensor, bias: Tensor | None, sums: GradSums, i: int, output: str = "gemm") -> Tensor:
+def sink_linear(x: Tensor, weight: Tensor, bias: Tensor | None, sums: GradSums, i: int,
+                output: str | float = "gemm") -> Tensor:
     """`F.linear(x, weight, bias)` with the weight gradient summed into `sums`; under autocast
     the operands are cast as autocast casts them (the weight once per backward). `output`: as
     `SinkLinear`'s."""
