@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_longctx.distributed.mesh import SPMesh
-from hf_longctx.integrations.model_patch import is_patched, patch, patch_state
+from hf_longctx.integrations.model_patch import is_patched, patch_state, patch_with
 
 
 def default_reference(model: Any, mesh: SPMesh, trust_remote_code: bool) -> Any:
@@ -60,7 +60,7 @@ def check_reference(ref_config: Any, model: Any, ref: Any = None) -> None:
 
 
 def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
-    """`ref` patched like the policy (same mesh, same kv_offload / mlp_chunks / checkpoint / mixers), frozen;
+    """`ref` patched like the policy (same mesh, the policy's `PatchOptions` whole, its mixers), frozen;
     refused first when its vocabulary differs from the policy's (`check_reference`)."""
     check_reference(ref.config, model, ref)
     if is_patched(ref):
@@ -73,8 +73,7 @@ def reference_on_mesh(ref: Any, model: Any, mesh: SPMesh) -> Any:
         # The policy's memory options: under memory="max" (checkpoint=True with chunked MLPs) its
         # no-grad forward runs the layers in row chunks too (`layer_split.call_no_grad`), so the
         # reference holds no more per token than the policy; its LM head is chunked by token_logprobs.
-        ref = patch(ref, mesh, kv_offload=options.kv_offload, mlp_chunks=options.mlp_chunks,
-                    checkpoint=options.checkpoint, mixers=policy.mixers_option)
+        ref = patch_with(ref, mesh, options, mixers=policy.mixers_option)  # every option, whole
     return ref.eval().requires_grad_(False)
 
 

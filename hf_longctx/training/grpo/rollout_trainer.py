@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import ProcessorMixin
 
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.errors import NotSupported
 from hf_longctx.generation.rows import own_rows_rollout
 from hf_longctx.generation.settings import sampling_settings
 from hf_longctx.model_walk import hf_model
+from hf_longctx.training.base.construction import pad_id
 from hf_longctx.training.base.log_lines import use_number_logs
 from hf_longctx.training.base.reference import check_reference_path, reference_on_mesh
 from hf_longctx.training.base.step_data import StepBatch
@@ -73,9 +73,8 @@ class SPRolloutTrainer(SPTrainerBase):
         super().__init__(*args, **kwargs)
         use_number_logs(self)  # the progress bar / printer show numbers unquoted
         self._throughput = [0, 0.0]  # trained tokens (prompt + completion, whole world), seconds: since the last log
-        # The pad id of the packed rows: TRL's tokenizer (a processor's own), whose pad it set to EOS where it had none
-        processing = self.processing_class
-        self.pad_token_id = (processing.tokenizer if isinstance(processing, ProcessorMixin) else processing).pad_token_id
+        # The pad id of the packed rows: TRL's tokenizer's, whose pad it set to EOS where it had none
+        self.pad_token_id = pad_id(self.processing_class, None)
         check_process_group(self.args)
         self._place_model()
         # TRL logs the step's figures (no StepWindow); every micro-batch's backward reduce-scatters its gradients.
