@@ -2,7 +2,7 @@
 
 Where it sits: beside the trainers of `training/` (`SPTrainerBase`, `LongContextTrainerMixin`,
 `LongDPOTrainer`, `SPRolloutTrainer`, `LongGRPOTrainer`, `LongRLOOTrainer`) and the callbacks of
-`base/log_lines.py` and `base/faults.py`; nothing imports it at run time. Each `Hook` names our
+`base/log_lines.py`, `base/faults.py` and `grpo/resume.py`; nothing imports it at run time. Each `Hook` names our
 class, the library classes whose member it is, what we do with it (override, call, read,
 write), the parameters the code relies on (leading, in order), and why no public extension
 point does it. `tests/unit/test_trainer_seam.py` checks every entry against the installed
@@ -150,8 +150,6 @@ HOOKS: tuple[Hook, ...] = (
     _o("SPRolloutTrainer", "log", ROLLOUT, ("logs", "start_time"), "public: tokens_per_s of the whole world"),
     _o("SPRolloutTrainer", "_get_train_sampler", ROLLOUT, ("dataset",),
        "TRL's RepeatSampler made resumable (it has no set_epoch)"),
-    _o("SPRolloutTrainer", "_init_training_state", TRAINER, (),
-       "TRL's training-step count and the sampler's trained epochs, on resume"),
     Hook("SPRolloutTrainer", "_generate_and_score_completions", ROLLOUT, "call", ("inputs",),
          "TRL's rollout pipeline (generation, rewards, advantages), kept whole"),
     Hook("SPRolloutTrainer", "_metrics", ROLLOUT, "read", why="TRL's metric store: the step's merged metrics"),
@@ -162,7 +160,7 @@ HOOKS: tuple[Hook, ...] = (
     _o("LongRLOOTrainer", "_get_per_token_logps_and_entropies", ("trl.RLOOTrainer",),
        ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy", "compute_aux_loss"),
        "TRL's scoring hook computed on the SP shards and handed back as its [B, C]"),
-    # ---- callbacks (base/log_lines.py, base/faults.py): public events ----------------------------
+    # ---- callbacks (base/log_lines.py, base/faults.py, grpo/resume.py): public events ---------------
     _o("NumberProgressCallback", "on_log", ("transformers.ProgressCallback",), ("args", "state", "control", "logs"),
        "public: the log line with its numbers unquoted"),
     _o("NumberPrinterCallback", "on_log", ("transformers.PrinterCallback",), ("args", "state", "control", "logs"),
@@ -171,6 +169,8 @@ HOOKS: tuple[Hook, ...] = (
        "public: the watchdog thread starts"),
     _o("WatchdogCallback", "on_step_end", ("transformers.TrainerCallback",), ("args", "state", "control"),
        "public: a beat per optimizer step"),
+    _o("RolloutResumeCallback", "on_train_begin", ("transformers.TrainerCallback",), ("args", "state", "control"),
+       "public: TRL's sampler epoch and training-step count set from the restored state, before the first step"),
     _o("WatchdogCallback", "on_train_end", ("transformers.TrainerCallback",), ("args", "state", "control"),
        "public: the watchdog thread stops"),
 )

@@ -28,6 +28,7 @@ from hf_longctx.training.base.faults import WatchdogCallback
 from hf_longctx.training.base.log_lines import NumberPrinterCallback, NumberProgressCallback
 from hf_longctx.training.base.trainer import SPTrainerBase
 from hf_longctx.training.dpo.trainer import LongDPOTrainer
+from hf_longctx.training.grpo.resume import RolloutResumeCallback
 from hf_longctx.training.grpo.rollout_trainer import SPRolloutTrainer
 from hf_longctx.training.grpo.trainer import LongGRPOTrainer
 from hf_longctx.training.rloo.trainer import LongRLOOTrainer
@@ -48,6 +49,7 @@ OURS = {
     NumberProgressCallback: (ProgressCallback,),
     NumberPrinterCallback: (PrinterCallback,),
     WatchdogCallback: (TrainerCallback,),
+    RolloutResumeCallback: (TrainerCallback,),
 }
 
 

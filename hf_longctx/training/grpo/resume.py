@@ -1,8 +1,9 @@
 """What makes `LongGRPOTrainer`'s and `LongRLOOTrainer`'s `checkpoint-N/` resume exactly: the sharded policy and optimizer
 through `base/saving.py` (no second format) and TRL's sampler continuing in the right epoch.
 
-Where it sits: called by `SPRolloutTrainer`'s checkpoint hooks (`_save_optimizer_and_scheduler`,
-`_load_optimizer_and_scheduler`, `_init_training_state`, `_get_train_sampler`). A checkpoint
+Where it sits: called by `SPRolloutTrainer`'s checkpoint hooks (`_save_own_state`,
+`_check_own_state`, `_get_train_sampler`) and its `RolloutResumeCallback` (the Trainer's
+`on_train_begin` event, after it restored its state). A checkpoint
 holds every rank's FSDP2 shards of policy and optimizer, the scheduler and the Trainer's own
 files (state, per-rank RNG restored before the resumed step's generation). Not in it: the
 frozen reference (rebuilt from the policy's path; `REFERENCE_FILE` records it and a resume
@@ -17,6 +18,7 @@ import os
 from typing import Any, Iterator
 
 import torch
+from transformers import TrainerCallback, TrainerState
 from trl.trainer.utils import RepeatSampler
 
 
@@ -48,6 +50,21 @@ def skip_trained_epochs(sampler: Any, epochs_trained: int) -> None:
     """After the Trainer restored its state: the train sampler starts at epoch `epochs_trained`."""
     if epochs_trained and isinstance(sampler, ResumableRepeatSampler):
         sampler.epochs_done = epochs_trained
+
+
+class RolloutResumeCallback(TrainerCallback):
+    """At `on_train_begin` (the Trainer restored its state from the checkpoint, no step has run):
+    TRL's sampler starts at the epoch the checkpoint reached and TRL's count of `training_step`
+    calls (`_step`, one per optimizer step here) at its global step. `int(state.epoch)` is the
+    epochs completed (TrainerState's convention), the Trainer's `global_step //
+    num_update_steps_per_epoch` without its arithmetic."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
+        skip_trained_epochs(getattr(self.trainer, "repeat_sampler", None), int(state.epoch or 0))
+        self.trainer.set_trained_steps(state.global_step)
 
 
 def save_reference_source(output_dir: str, ref_model: Any, *, is_main: bool) -> None:

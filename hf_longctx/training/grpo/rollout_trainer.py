@@ -36,7 +36,7 @@ from hf_longctx.training.base.trainer import SPTrainerBase
 from hf_longctx.training.grpo.generate import check_generation, unpatched_for_generation
 from hf_longctx.training.grpo.microbatches import merge_metrics, plan_rows, slot_tokens
 from hf_longctx.training.grpo.resume import (
-    check_reference_source, resumable_sampler, save_reference_source, skip_trained_epochs,
+    RolloutResumeCallback, check_reference_source, resumable_sampler, save_reference_source,
 )
 from hf_longctx.training.refusals.checks import check_process_group
 
@@ -72,6 +72,7 @@ class SPRolloutTrainer(SPTrainerBase):
         self._microbatch_metrics: list[dict[str, float]] = []
         super().__init__(*args, **kwargs)
         use_number_logs(self)  # the progress bar / printer show numbers unquoted
+        self.add_callback(RolloutResumeCallback(self))  # TRL's sampler epoch and step count, on resume
         self._throughput = [0, 0.0]  # trained tokens (prompt + completion, whole world), seconds: since the last log
         # The pad id of the packed rows: TRL's tokenizer's, whose pad it set to EOS where it had none
         self.pad_token_id = pad_id(self.processing_class, None)
@@ -197,14 +198,13 @@ class SPRolloutTrainer(SPTrainerBase):
 
     # ---- checkpoints and resume: the base's shards, the reference's source, TRL's sampler (grpo/resume.py) --
     def _get_train_sampler(self, dataset: Any = None) -> Any:
-        self._repeat_sampler = resumable_sampler(super()._get_train_sampler(dataset))
-        return self._repeat_sampler
+        self.repeat_sampler = resumable_sampler(super()._get_train_sampler(dataset))
+        return self.repeat_sampler
 
-    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
-        skip_trained_epochs(getattr(self, "_repeat_sampler", None), epochs_trained)
-        self._step = self.state.global_step  # TRL's count of training_step calls: one per optimizer step here
-        return epochs_trained, steps_in_epoch
+    def set_trained_steps(self, steps: int) -> None:
+        """TRL's count of `training_step` calls (one per optimizer step here), set to `steps`
+        before the first step of `train()` (`grpo/resume.RolloutResumeCallback`)."""
+        self._step = steps
 
     def _save_own_state(self, output_dir: str) -> None:
         save_reference_source(output_dir, self.ref_model, is_main=self.args.should_save)
