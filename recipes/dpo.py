@@ -22,7 +22,9 @@ rewards/accuracies, logps/*, ...) as global values; every rank writes them to
 OUTPUT_DIR/steps.rank<R>.jsonl. Every shared flag is honoured: --memory, --inputs-on-device,
 --kv-offload (with --fpdt-chunks) and --mixers go to `patch` (policy and reference: the
 log-probs come through the row-chunked LM head under every preset); --sync-each-microbatch,
---param-offload and --resume (with --save-every checkpoints) to the trainer.
+--param-offload, --resume (with --save-every checkpoints) and --verify-ref-logps (with
+--precompute-ref-log-probs: a --dataset's stored reference columns rescored on N pairs) to the
+trainer.
 """
 
 from __future__ import annotations
@@ -58,7 +60,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--precompute-ref-log-probs", action="store_true",
                    help="score every pair with the reference once before training (DPOConfig.precompute_ref_log_probs); "
                         "no reference is held or run during training")
-    return parse_post_training_args(p, argv, output_dir="runs/dpo", refused={})  # every shared flag honoured
+    p.add_argument("--verify-ref-logps", type=int, default=0, metavar="N",
+                   help="with --precompute-ref-log-probs and a --dataset that carries TRL's stored reference columns: "
+                        "rescore N sampled pairs with the reference and refuse columns that disagree (0: none)")
+    args = parse_post_training_args(p, argv, output_dir="runs/dpo", refused={})  # every shared flag honoured
+    if args.verify_ref_logps < 0:
+        p.error(f"--verify-ref-logps {args.verify_ref_logps}: pass how many pairs to rescore (0: none)")
+    if args.verify_ref_logps and not args.precompute_ref_log_probs:
+        p.error(f"--verify-ref-logps {args.verify_ref_logps} rescores stored reference columns, which are read only "
+                "with --precompute-ref-log-probs: add it, or drop --verify-ref-logps")
+    return args
+
+
+def dpo_trainer_kwargs(args: argparse.Namespace) -> dict:
+    """The `LongDPOTrainer` options of the recipe's flags: the shared trainer options and
+    `verify_ref_logps` (passed only when set, so the trainer's default stands otherwise)."""
+    return {**trainer_kwargs(args), **({"verify_ref_logps": args.verify_ref_logps} if args.verify_ref_logps else {})}
 
 
 def make_pairs(n: int, seed: int):
@@ -98,7 +115,7 @@ def main(argv=None) -> None:
         model=patch(model, mesh, **patch_kwargs(args)), args=config, train_dataset=pairs, processing_class=tokenizer,
         mesh=mesh, max_tokens=args.max_tokens, tokens_per_step=args.tokens_per_step,  # ref_model=None: TRL's default
         callbacks=[step_lines(args.output_dir, config.process_index, config.process_index == 0)],
-        **trainer_kwargs(args),
+        **dpo_trainer_kwargs(args),
     )
     print_patch(trainer.model, config.process_index == 0)
     train_and_export(trainer, args)

@@ -67,9 +67,26 @@ def test_dpo_recipe_flags(capsys):
     args = dpo.parse_args(["--param-offload", "--sync-each-microbatch", "--resume", "--save-every", "2"])
     assert args.param_offload and args.sync_each_microbatch and args.resume and args.save_every == 2
     assert common.trainer_kwargs(args) == {"sync_each_microbatch": True, "param_offload": True}
+    assert dpo.dpo_trainer_kwargs(args) == {"sync_each_microbatch": True, "param_offload": True}
     with pytest.raises(SystemExit):
         dpo.parse_args(["--resume"])
     assert "--resume needs checkpoints" in capsys.readouterr().err
+
+
+def test_dpo_recipe_verify_ref_logps(capsys):
+    """--verify-ref-logps N reaches LongDPOTrainer(verify_ref_logps=N); without
+    --precompute-ref-log-probs (no stored columns are read) or below 0 it is an error naming the
+    flag, never dropped."""
+    _, _, dpo = _recipes()
+    args = dpo.parse_args(["--precompute-ref-log-probs", "--verify-ref-logps", "8"])
+    assert dpo.dpo_trainer_kwargs(args) == {"sync_each_microbatch": False, "param_offload": False, "verify_ref_logps": 8}
+    assert "verify_ref_logps" not in dpo.dpo_trainer_kwargs(dpo.parse_args(["--precompute-ref-log-probs"]))
+    for flags, needle in ((["--verify-ref-logps", "8"], "read only with --precompute-ref-log-probs"),
+                          (["--precompute-ref-log-probs", "--verify-ref-logps", "-1"], "how many pairs")):
+        with pytest.raises(SystemExit):
+            dpo.parse_args(flags)
+        err = capsys.readouterr().err
+        assert "--verify-ref-logps" in err and needle in err, err
 
 
 def test_refuse_flags_only_refuses_set_flags(capsys):
