@@ -12,7 +12,6 @@ group bank, plan cache, call counter).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, Callable
 
 import torch
@@ -74,12 +73,11 @@ def make_attention(state: PatchState) -> Callable:
             out = _decode(state, generation, module, query, key, value, scaling, dropout, kwargs)  # [1, N, H, D_v]
             state.calls += 1
             return out, None
-        keeper = state.keeper  # checkpoint="attention": kept in the forward, replayed in the recompute
-        if keeper is not None and keeper.replaying():
-            return keeper.replay(query, key, value), None  # no kernel, no collective
-        split = state.split  # memory="max": a sequence-chunked layer runs its token-wise parts (layer_split.py)
-        if split is not None and split.replaying():
-            return split.replay(), None  # the attention output of the chunk the layer runs on
+        route = state.route  # the checkpoint mode's side of the call (attention_route.py), None without one
+        if route is not None:
+            replayed = route.answer(query, key, value)  # [B, S_local, H, D_v]: no kernel, no collective
+            if replayed is not None:
+                return replayed, None
         info = kwargs.get(SP_METADATA_KEY)
         if not isinstance(info, SPBatchInfo):
             raise ValueError(
@@ -100,12 +98,15 @@ def make_attention(state: PatchState) -> Callable:
                 "train this model without sequence parallelism (ulysses_degree=ring_degree=1)",
             )
         window = layer_window(state, module, kwargs)
-        if split is not None and split.capturing():  # the chunk's q, k, v: the layer stops here
-            split.capture(*prepare(state, mesh, module, query, key, value, scaling, window, kwargs))
-        with keeper.keeping() if keeper is not None else nullcontext():  # saved tensors escape the checkpoint
-            out = _attend(state, mesh, module, query, key, value, scaling, window, kwargs)  # [B, S_local, H, D_v]
-        if keeper is not None:
-            keeper.keep(out)
+
+        def prepared() -> tuple:  # (q, k, v, AttentionCall)
+            return prepare(state, mesh, module, query, key, value, scaling, window, kwargs)
+
+        def attend(save: bool) -> torch.Tensor:  # [B, S_local, H, D_v]
+            q, k, v, call = prepared()
+            return call.run(q, k, v, save=save)
+
+        out = attend(True) if route is None else route.run(attend, prepared)  # [B, S_local, H, D_v]
         state.calls += 1
         return out, None
 
@@ -214,14 +215,6 @@ class AttentionCall:
         with torch.autocast(q.device.type, enabled=False):
             out = usp_replay(q, k, v, self.mesh, ring_out, lse, plan_cache=self.plan_cache, **self.kw)
         return out if out.shape[-1] == self.d_v else out[..., : self.d_v].contiguous()
-
-
-def _attend(state: PatchState, mesh: SPMesh, module: Any, query, key, value, scaling, window, kwargs: dict) -> torch.Tensor:
-    """One sequence-parallel attention call: query [B, H, S_local, D], key/value [B, H_kv, S_local, D]
-    -> [B, S_local, H, D_v] (USP, or FPDT when the mesh has chunks). A checkpoint's first run,
-    whose saved tensors are discarded, keeps nothing for a backward (`LayerSplit.discarding`)."""
-    q, k, v, call = prepare(state, mesh, module, query, key, value, scaling, window, kwargs)
-    return call.run(q, k, v, save=not (state.split is not None and state.split.discarding))
 
 
 def compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:

@@ -13,7 +13,7 @@ ops replay is unchanged. Mechanism and bytes: docs/DESIGN.md "Decisions and why"
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -141,6 +141,18 @@ class AttentionKeeper:
             yield
         finally:
             self.region = previous
+
+    # ---- the attention's side (integrations/attention_route.AttentionRoute) ---------------------
+    def answer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+        """In a recompute, the kept output of this call (no kernel, no collective); else None."""
+        return self.replay(query, key, value) if self.replaying() else None
+
+    def run(self, attend: Callable[[bool], torch.Tensor], prepared: Callable[[], tuple]) -> torch.Tensor:
+        """The original forward's attention with its saved tensors and output kept."""
+        with self.keeping():  # saved tensors escape the checkpoint
+            out = attend(True)
+        self.keep(out)
+        return out
 
     def replaying(self) -> bool:
         return self.region is not None and self.region.recomputing

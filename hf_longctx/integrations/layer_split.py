@@ -63,7 +63,18 @@ class LayerSplit:
         """Keep each attention's output and LSE for the backward: the patch's `keep_attention`."""
         return self.state.options.keep_attention
 
-    # ---- the attention's side ------------------------------------------------------------------
+    # ---- the attention's side (integrations/attention_route.AttentionRoute) ---------------------
+    def answer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+        """In `post`, the attention output of the chunk the layer runs on; else None."""
+        return self.replay() if self.replaying() else None
+
+    def run(self, attend: Callable[[bool], torch.Tensor], prepared: Callable[[], tuple]) -> torch.Tensor:
+        """In `pre`, the chunk's q, k, v are captured and the layer stops here; else the attention
+        runs, keeping nothing for a backward in a checkpoint's first run (`discarding`)."""
+        if self.capturing():
+            self.capture(*prepared())
+        return attend(not self.discarding)
+
     def capturing(self) -> bool:
         return self.mode == "capture"
 

@@ -19,6 +19,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.data.multimodal.spec import VisionSpec
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.flex.bank import GroupBank
+from hf_longctx.integrations.attention_route import AttentionRoute
 from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
 from hf_longctx.integrations.mixers.binding import MixerBinding
 from hf_longctx.integrations.probe.report import ProbeReport
@@ -66,6 +67,12 @@ class PatchState:
     # (vision binding, mixer plan, mixer modes) from patch()'s checks: what `_install` installs, again after
     # `model_patch.suspended` without checking the model again
     install_plan: tuple = ()
+
+    @property
+    def route(self) -> AttentionRoute | None:
+        """What the checkpoint mode does with each attention call (`attention_route.py`): the
+        keeper under checkpoint="attention", the split under checkpoint=True, else None."""
+        return self.keeper if self.keeper is not None else self.split
 
 
 def patch_state(model: Any) -> PatchState | None:
