@@ -50,7 +50,7 @@ class LayerRun:
         """The layer's output on `h`, row chunk by row chunk; `save`: park the input for the
         backward (False: a forward without gradients, e.g. a frozen reference's: nothing kept)."""
         split = self.split
-        self.s, self.needs_h, self.keeping = h.shape[1], h.requires_grad, save and split.keep_attention
+        self.s, self.needs_h, self.keeping = h.shape[1], h.requires_grad, save and split.state.options.keep_attention
         self.device_type = h.device.type
         self.autocast = dict(enabled=torch.is_autocast_enabled(self.device_type),
                              dtype=torch.get_autocast_dtype(self.device_type))

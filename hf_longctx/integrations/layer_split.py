@@ -58,11 +58,6 @@ class LayerSplit:
         self.runs = {"chunked": 0, "whole": 0}  # layer calls per path (tests and benchmarks read them)
         self.no_grad_runs = 0  # row-chunked layer calls without gradients (call_no_grad)
 
-    @property
-    def keep_attention(self) -> bool:
-        """Keep each attention's output and LSE for the backward: the patch's `keep_attention`."""
-        return self.state.options.keep_attention
-
     # ---- the attention's side (integrations/attention_route.AttentionRoute) ---------------------
     def answer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
         """In `post`, the attention output of the chunk the layer runs on; else None."""
