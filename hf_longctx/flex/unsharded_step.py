@@ -35,10 +35,11 @@ def _param_groups(unit) -> list:
     return fsdp_param_groups(unit)
 
 
-def unsharded_bytes(model: torch.nn.Module) -> int:
-    """Device bytes the step adds: every parameter unsharded in its param dtype plus, for a
-    trainable one, its unsharded gradient in the reduce dtype (fp32 unless FSDP's policy
-    says otherwise)."""
+def unsharded_bytes(model: torch.nn.Module, gradients: bool = True) -> int:
+    """Device bytes the step adds: every parameter unsharded in its param dtype (the dtype FSDP2
+    gathers it in) plus, with `gradients` and for a trainable one, its unsharded gradient in the
+    reduce dtype (fp32 unless FSDP's policy says otherwise). `gradients=False`: the gathered
+    model alone (a rollout's weights, `generation/weights.py`)."""
     total = 0
     for unit in fsdp_units(model):
         groups = _param_groups(unit)
@@ -49,7 +50,7 @@ def unsharded_bytes(model: torch.nn.Module) -> int:
             numel = int(torch.Size(p.shape).numel())  # a DTensor parameter's shape is the global one
             pd = policy.param_dtype or p.dtype
             rd = policy.reduce_dtype or pd
-            total += numel * (pd.itemsize + (rd.itemsize if p.requires_grad else 0))  # frozen (LoRA): no gradient
+            total += numel * (pd.itemsize + (rd.itemsize if gradients and p.requires_grad else 0))  # frozen: none
     return total
 
 

@@ -25,23 +25,11 @@ import torch.distributed as dist
 
 from hf_longctx._compat import fsdp_param_groups
 from hf_longctx.errors import NotSupported
-from hf_longctx.flex.unsharded_step import fsdp_units
+from hf_longctx.flex.unsharded_step import fsdp_units, unsharded_bytes
 
 MODES = ("auto", "gathered", "sharded")
 CACHES = ("auto", "device", "host")
 HEADROOM = 1.1  # the allocator's fragmentation and the prefill's working set beside the cache
-
-
-def unsharded_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the whole model once gathered: every parameter's global size in the dtype FSDP2
-    gathers it in (its mixed-precision param_dtype, else its own)."""
-    total = 0
-    for unit in fsdp_units(model):
-        for group in fsdp_param_groups(unit):
-            dtype = getattr(group.mp_policy, "param_dtype", None)
-            for fp in group.fsdp_params:
-                total += fp.sharded_param.numel() * (dtype or fp.sharded_param.dtype).itemsize
-    return total
 
 
 def _size(n: float) -> str:
@@ -58,7 +46,7 @@ def choose(model: torch.nn.Module, mesh, mode: str, cache_bytes: int, cache: str
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     units = fsdp_units(model)
-    need = unsharded_bytes(model) if units else 0
+    need = unsharded_bytes(model, gradients=False) if units else 0
     device = next(model.parameters()).device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     # What fits, on every rank (1 = fits): [the whole model and the cache, the cache alone, the whole model alone].

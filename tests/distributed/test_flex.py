@@ -115,6 +115,7 @@ def _unsharded_refusals(path: str) -> dict:
     numel = sum(p.numel() for p in model.parameters())
     fsdp_plan(model, bank.world, mixed_precision="bf16").apply(model)
     out["bytes"], out["expected"] = unsharded_bytes(model), numel * (2 + 4)  # bf16 parameters, fp32 gradients
+    out["gathered"] = unsharded_bytes(model, gradients=False)  # a rollout's gathered weights: bf16 parameters
     try:
         check_unsharded_step(model, bank.world_mesh.get_group(), free_bytes=lambda: 0 if dist.get_rank() == 2 else None)
         out["memory"] = "no error"
@@ -127,6 +128,7 @@ def test_unequal_calls_refusals(pools, paths):
     for rank, res in enumerate(pools.get(4).run(_unsharded_refusals, paths["llama"], timeout=120)):
         assert "param_offload" in res["offload"], f"rank {rank}: {res['offload']}"
         assert res["bytes"] == res["expected"], f"rank {rank}: unsharded bytes {res['bytes']} != {res['expected']}"
+        assert res["gathered"] == res["expected"] // 3, f"rank {rank}: gathered weights {res['gathered']} bytes"
         assert "plan with equal counts" in res["memory"], f"rank {rank}: {res['memory']}"
         assert ("this rank has 0.00 GiB free" in res["memory"]) == (rank == 2), f"rank {rank}: {res['memory']}"
 
