@@ -23,12 +23,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from benchmarks.recompute import Collectives
 from hf_longctx.data.sharding import shard_batch
 from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
 from tests.helpers.pool import worker_mesh
+from tests.helpers.layer_split_cases import _step
 from tests.helpers.reference import rel_err
 from tests.helpers.recompute_models import _model
 
@@ -58,21 +58,10 @@ def _exact_case(family: str, ulysses: int, ring: int, chunks: int, kv_offload: b
         mesh_or_bank = sp_mesh = mesh
     flats = {}
     for mode in MODES:
-        model = copy.deepcopy(base)
-        patch(model, mesh_or_bank, checkpoint=mode, kv_offload=kv_offload)
-        model.train()
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(7)  # dropout masks: the same draws in every mode
-        loss = model(**shard_batch(batch, sp_mesh)).loss
-        loss.backward()
-        flat = torch.cat([loss.detach().reshape(1)] + [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()]).float()
-        if sp_mesh.sp > 1:
-            dist.all_reduce(flat, group=sp_mesh.sp_group)  # losses and gradients SUM over the SP group
-        flats[mode] = flat
+        flats[mode], runs = _step(copy.deepcopy(base), mesh_or_bank, batch, sp_mesh, checkpoint=mode,
+                                  kv_offload=kv_offload)
         if mode == "attention":
-            replayed = patch_state(model).keeper.replayed
-        unpatch(model)
+            replayed = runs["replayed"]
     sizes = [1] + [p.numel() for p in base.parameters()]
     names = ["loss"] + [n for n, _ in base.named_parameters()]
     errs = {}

@@ -41,19 +41,26 @@ def _batch(vocab: int):
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
 
 
-def _step(model, mesh, batch, **options):
+def _step(model, mesh, batch, shard_mesh=None, **options):
+    """One patched training step: (loss and every gradient flattened, summed over the SP group;
+    what the patch counted: the split's layer runs, or the keeper's replays as {"replayed": n}).
+    `mesh`: what patch() gets (an SPMesh or a GroupBank); `shard_mesh`: the batch's SP group
+    (default `mesh`)."""
+    shard_mesh = mesh if shard_mesh is None else shard_mesh
     patch(model, mesh, **options)
     model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(7)  # dropout masks: the same draws in every mode
-    loss = model(**shard_batch(batch, mesh)).loss
+    loss = model(**shard_batch(batch, shard_mesh)).loss
     loss.backward()
     flat = torch.cat([loss.detach().reshape(1)] + [
         (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()]).float()
-    if mesh.sp > 1:
-        dist.all_reduce(flat, group=mesh.sp_group)  # losses and gradients SUM over the SP group
+    if shard_mesh.sp > 1:
+        dist.all_reduce(flat, group=shard_mesh.sp_group)  # losses and gradients SUM over the SP group
     state = patch_state(model)
     runs = dict(state.split.runs) if state.split is not None else {}
+    if state.keeper is not None:
+        runs["replayed"] = state.keeper.replayed
     unpatch(model)
     return flat, runs
 
