@@ -10,16 +10,18 @@ compute dtype, the rows of a memory="max" row chunk included) go to this rank's 
 token (the same tokens on every rank, so the token-wise layers give the same hidden states
 everywhere); each attention call appends the new K/V of the rows this rank owns, computes its
 split-KV partial (`ops/decode_attention.py`) and merges the group's partials
-(`ops/decode_merge.py`: one all-gather per layer). A "dummy" step (this DP group finished while
-another still decodes and FSDP2 gathers per forward) returns zeros: no cache write, no
-collective, for every rank of the group alike. Design: docs/DESIGN.md "Generation is
-sequence-parallel too"."""
+(`ops/decode_merge.py`: one all-gather per layer). The key-visibility masks are the step's, not
+the layer's: built at the step's first call of each window (layers may differ in window: Gemma 2
+alternates sliding and global) and read by every later layer of that window in the step. A
+"dummy" step (this DP group finished while another still decodes and FSDP2 gathers per forward)
+returns zeros: no cache write, no collective, for every rank of the group alike. Design:
+docs/DESIGN.md "Generation is sequence-parallel too"."""
 
 from __future__ import annotations
 
 import torch
 
-from hf_longctx.ops.decode_attention import DEFAULT_CHUNK, decode_partial
+from hf_longctx.ops.decode_attention import DEFAULT_CHUNK, decode_partial, visibility_masks
 from hf_longctx.ops.decode_cache import DecodeCache
 from hf_longctx.ops.decode_merge import merge_partials
 
@@ -35,6 +37,9 @@ class GenerationBinding:
         self.dummy = False
         self.step = -1
         self.query_pos: torch.Tensor | None = None  # [N]: P_n + step
+        # window -> this step's `visibility_masks` (cleared per step). The valid count needs no key:
+        # `cache.append` returns step_base[step + 1], one layout for every layer.
+        self.masks: dict[int | None, list[torch.Tensor]] = {}
 
     def capture(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Prefill: `layer`'s next local K/V rows [1, S_rows, H_kv, D] into the cache."""
@@ -47,6 +52,7 @@ class GenerationBinding:
         kept only so that every DP group runs the same number of forwards."""
         self.decoding, self.step, self.dummy = True, step, dummy
         self.query_pos = self.prompt_lengths + step  # [N]: every row's new token sits right after its last one
+        self.masks = {}  # the last step's masks saw other query positions and fewer slots
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -58,8 +64,12 @@ class GenerationBinding:
             raise RuntimeError(f"decode attention call {layer} has no prefill cache ({len(self.cache.keys)} layers "
                                "captured): the model takes another path in decode than in its prefill")
         filled = self.cache.append(layer, self.step, k[0], v[0])
+        masks = self.masks.get(window)
+        if masks is None:  # the step's first layer of this window
+            masks = self.masks[window] = visibility_masks(self.cache.slot_rows, self.cache.slot_pos, self.query_pos,
+                                                          filled, window, self.chunk)  # [C] bool per chunk
         out, lse = decode_partial(q[0], self.cache.keys[layer], self.cache.values[layer], self.cache.slot_rows,
                                   self.cache.slot_pos, self.query_pos, filled, scale=scale, window=window,
-                                  softcap=softcap, chunk=self.chunk)  # [N, H, D], [N, H] fp32
+                                  softcap=softcap, chunk=self.chunk, masks=masks)  # [N, H, D], [N, H] fp32
         out = merge_partials(out, lse, group=self.mesh.sp_group, size=self.mesh.sp, sinks=sinks)  # [N, H, D]
-        return out.to(q.dtype).unsqueeze(0)  # [1, N, H, D]: rounded once
+        return out.to(q.dtype).contiguous().unsqueeze(0)  # [1, N, H, D]: rounded once, contiguous

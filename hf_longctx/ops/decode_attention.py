@@ -12,7 +12,10 @@ Guarantees: exact softmax attention with fp32 scores, out and lse; causal by glo
 (a key is seen iff its position <= the query's), sliding windows (i - j < window) and softcaps as
 the training path; GQA by HF's rule (query head h reads KV head h // (H / H_kv)); a row with no
 key gives out 0 and lse -inf (the merge identity); no host read: the chunk bounds are host ints,
-every index a device tensor."""
+every index a device tensor. The key-visibility masks depend on the step's query positions, the
+cache's slots, the valid count and the window, not on the layer: `visibility_masks` builds them,
+and a caller running many layers of one step (the binding: once per step and window) hands them to
+every layer's `decode_partial`; without them `decode_partial` builds its own, the same masks."""
 
 from __future__ import annotations
 
@@ -43,10 +46,30 @@ def check_decode_inputs(q, keys, values, key_rows, key_pos, query_pos, filled: i
         raise ValueError(f"filled = {filled} slots, but the cache has T = {t}")
 
 
-def _chunk_partial(qf, keys, values, rows, pos, query_pos, *, scale, window, softcap):
+def _chunks(filled: int, chunk: int) -> list[tuple[int, int]]:
+    """The key chunks [a, b) of the valid slots [0, filled), in order: host ints."""
+    step = max(1, chunk)
+    return [(a, min(filled, a + step)) for a in range(0, filled, step)]
+
+
+def visibility_masks(key_rows: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor, filled: int,
+                     window: int | None, chunk: int = DEFAULT_CHUNK) -> list[torch.Tensor]:
+    """The masked-out slots of every key chunk of `decode_partial` over [0, filled) in chunks of
+    `chunk`: [C] bool each, in chunk order, True where the slot's key is hidden from its row's query
+    (a later position, or `window` or more positions earlier). key_rows/key_pos [T] long, query_pos
+    [N] long, on one device; no host read."""
+    masks = []
+    for a, b in _chunks(filled, chunk):
+        gap = query_pos.index_select(0, key_rows[a:b]) - key_pos[a:b]  # [C]: query position minus key position
+        masks.append(gap < 0 if window is None else (gap < 0) | (gap >= window))  # [C]: not (0 <= gap < window)
+    return masks
+
+
+def _chunk_partial(qf, keys, values, rows, hidden, *, scale, softcap):
     """(out [N, H, D], lse [N, H]) fp32 of every row over one chunk of C key slots.
 
-    qf [N, H_kv, g, D] fp32; keys/values [C, H_kv, D]; rows/pos [C] long; query_pos [N] long."""
+    qf [N, H_kv, g, D] fp32; keys/values [C, H_kv, D]; rows [C] long; hidden [C] bool, the slots
+    masked out (`visibility_masks`)."""
     n, h_kv, g, d = qf.shape
     c = keys.shape[0]
     qg = qf.index_select(0, rows)  # [C, H_kv, g, D]: each key slot meets its own row's query
@@ -54,9 +77,7 @@ def _chunk_partial(qf, keys, values, rows, pos, query_pos, *, scale, window, sof
     s = s * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap  # Gemma 2's logit softcap, as the training kernels apply it
-    gap = query_pos.index_select(0, rows) - pos  # [C]: query position minus key position
-    seen = gap >= 0 if window is None else (gap >= 0) & (gap < window)
-    s = s.reshape(c, h_kv * g).masked_fill(~seen.unsqueeze(1), float("-inf"))  # [C, H]
+    s = s.reshape(c, h_kv * g).masked_fill(hidden.unsqueeze(1), float("-inf"))  # [C, H]
     index = rows.unsqueeze(1).expand(c, h_kv * g)  # [C, H]
     # The segment max per (row, head): every row's exponentials are taken against its OWN maximum,
     # so a row whose scores are all far below another row's keeps its mass (no underflow to 0).
@@ -71,30 +92,49 @@ def _chunk_partial(qf, keys, values, rows, pos, query_pos, *, scale, window, sof
     return out, lse
 
 
+def _check_masks(masks: list[torch.Tensor], bounds: list[tuple[int, int]], filled: int, chunk: int) -> None:
+    """ValueError naming the lengths unless `masks` has one [b - a] mask per chunk [a, b) of `bounds`
+    (shapes only: no device read)."""
+    if len(masks) != len(bounds):
+        raise ValueError(f"{len(masks)} chunk masks for filled = {filled} slots in chunks of {chunk}, which make "
+                         f"{len(bounds)} chunks: masks of another step or chunk size")
+    for i, (m, (a, b)) in enumerate(zip(masks, bounds)):
+        if tuple(m.shape) != (b - a,):
+            raise ValueError(f"chunk mask {i} has shape {tuple(m.shape)}, but chunk {i} holds slots [{a}, {b}) "
+                             f"= {b - a} of filled = {filled}: masks of another step or chunk size")
+
+
 def decode_partial(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_rows: torch.Tensor, key_pos: torch.Tensor,
     query_pos: torch.Tensor, filled: int, *, scale: float, window: int | None = None, softcap: float | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int = DEFAULT_CHUNK, masks: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's partial attention of one new token per row over its cache share.
 
     q [N, H, D] (the new tokens' queries, after RoPE); keys/values [T, H_kv, D] the cache slots,
-    of which [0, filled) are valid (on q's device, or on the host: read chunk by chunk); key_rows [T] the row each slot belongs to; key_pos [T] its global
-    position in that row; query_pos [N] each query's position. Returns out [N, H, D] and lse [N, H],
-    float32 (merged over the rank's key chunks with `ops/lse.merge_`), for `ops/decode_merge.py`
-    to fold over the SP group and round once."""
+    of which [0, filled) are valid (on q's device, or on the host: read chunk by chunk); key_rows
+    [T] the row each slot belongs to; key_pos [T] its global position in that row; query_pos [N]
+    each query's position. `masks`: None (built here from `window`), or `visibility_masks(key_rows,
+    key_pos, query_pos, filled, window, chunk)` of these very arguments, built once for the layers of
+    a step; `window` is then not read (the masks carry it), and a list whose count or shapes do not
+    match the chunks is a ValueError. Returns out [N, H, D] and lse [N, H], float32 (merged over
+    the rank's key chunks with `ops/lse.merge_`), for `ops/decode_merge.py` to fold over the SP
+    group and round once."""
     check_decode_inputs(q, keys, values, key_rows, key_pos, query_pos, filled)
+    bounds = _chunks(filled, chunk)
+    if masks is None:
+        masks = visibility_masks(key_rows, key_pos, query_pos, filled, window, chunk)
+    else:
+        _check_masks(masks, bounds, filled, chunk)
     n, h, d = q.shape
     h_kv = keys.shape[1]
     qf = q.float().view(n, h_kv, h // h_kv, d)  # [N, H_kv, g, D]: query head h -> KV head h // g
     out = lse = None
-    for a in range(0, filled, max(1, chunk)):
-        b = min(filled, a + max(1, chunk))
+    for (a, b), hidden in zip(bounds, masks):
         k, v = keys[a:b], values[a:b]
         if k.device != q.device:  # a host-resident cache: this chunk to the device (pinned: no host wait)
             k, v = k.to(q.device, non_blocking=True), v.to(q.device, non_blocking=True)
-        o, l = _chunk_partial(qf, k, v, key_rows[a:b], key_pos[a:b], query_pos, scale=scale, window=window,
-                              softcap=softcap)
+        o, l = _chunk_partial(qf, k, v, key_rows[a:b], hidden, scale=scale, softcap=softcap)
         if out is None:
             out, lse = o, l
         else:

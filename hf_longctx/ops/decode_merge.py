@@ -22,10 +22,12 @@ from hf_longctx.ops.sinks import check_sinks, merge_sink
 
 
 def fold_partials(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SP ranks' packed partials ([N, H, D + 1] each: out, then lse as the last column, in SP-rank
-    order) folded into (out [N, H, D], lse [N, H]) float32 with `ops/lse.merge_`, first to last."""
+    """The SP ranks' packed partials ([N, H, D + 1] float32 each: out, then lse as the last column, in
+    SP-rank order) folded into (out [N, H, D], lse [N, H]) with `ops/lse.merge_`, first to last, IN
+    PLACE into parts[0]: the results are views of parts[0] (strided: a row of D + 1), which the
+    caller gives up (its columns are overwritten); the other parts are only read."""
     d = parts[0].shape[-1] - 1
-    out, lse = parts[0][..., :d].clone(), parts[0][..., d].clone()  # [N, H, D], [N, H]: the fp32 accumulators
+    out, lse = parts[0][..., :d], parts[0][..., d]  # [N, H, D], [N, H]: the fp32 accumulators, views of parts[0]
     for part in parts[1:]:
         merge_(out, lse, part[..., :d], part[..., d])
     return out, lse
@@ -36,7 +38,8 @@ def merge_partials(
 ) -> torch.Tensor:
     """out [N, H, D] and lse [N, H] (float32, this rank's partial) -> the merged out [N, H, D] float32,
     the same on every rank of `group` (`size` ranks; 1: no collective). `sinks`: None or the per-head
-    sink logits [H], folded into the merged result once."""
+    sink logits [H], folded into the merged result once. The result may be strided (a view of the
+    gathered buffer, or of the sink merge's transpose): the caller rounds it into a contiguous copy."""
     if out.shape[:-1] != lse.shape or out.dtype != torch.float32 or lse.dtype != torch.float32:
         raise ValueError(f"merge_partials needs out [N, H, D] and lse [N, H] in float32, got {tuple(out.shape)} "
                          f"{out.dtype} and {tuple(lse.shape)} {lse.dtype}")
@@ -45,7 +48,7 @@ def merge_partials(
         packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [N, H, D + 1]: one message per rank
         parts = [torch.empty_like(packed) for _ in range(size)]
         dist.all_gather(parts, packed, group=group)  # [SP] x [N, H, D + 1], in SP-rank order
-        out, lse = fold_partials(parts)  # in SP-rank order on every rank: identical results
+        out, lse = fold_partials(parts)  # in SP-rank order on every rank: identical results; parts are ours
     if sinks is not None:
         o, _ = merge_sink(out.transpose(0, 1).unsqueeze(0), lse.t().unsqueeze(0), sinks)  # [1, H, N, D], [1, H, N]
         out = o[0].transpose(0, 1)  # [N, H, D]
