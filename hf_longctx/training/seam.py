@@ -61,6 +61,9 @@ HOOKS: tuple[Hook, ...] = (
        "public: resume_from_checkpoint=True takes the newest COMPLETE checkpoint"),
     _o("SPTrainerBase", "save_model", ALL_TRL, ("output_dir", "_internal_call"),
        "public: the consolidated model; inside a checkpoint the sharded states stand for it"),
+    _o("SPTrainerBase", "push_to_hub", TRAINER, (),
+       "public: the consolidated model saved to output_dir first (the Trainer's own save inside is the "
+       "checkpoint's, which gathers nothing)"),
     _o("SPTrainerBase", "_move_model_to_device", TRAINER, ("model", "device"),
        "a sharded model stays where fully_shard put it; the only public switches are "
        "TrainingArguments.place_model_on_device (a property without a setter) and a model sharded "
@@ -81,6 +84,9 @@ HOOKS: tuple[Hook, ...] = (
        "a no-op: the weights come with the shards; the Trainer's would refuse a folder without a weights file"),
     Hook("SPTrainerBase", "_get_learning_rate", TRAINER, "call", (),
          "LOMO / AdaLomo update inside the backward at the current rate, as Trainer.training_step does"),
+    Hook("SPTrainerBase", "_push_from_checkpoint", TRAINER, "call", ("checkpoint_folder",),
+         "push_to_hub's upload of a checkpoint, run after the folder is marked complete and the consolidated "
+         "model saved beside it (inside `_save_checkpoint` it would run before both)"),
     Hook("SPTrainerBase", "_get_output_dir", TRAINER, "call", ("trial",),
          "the checkpoint folder exactly as Trainer._save_checkpoint names it"),
     Hook("SPTrainerBase", "_prepare_inputs", TRAINER, "call", ("inputs",),

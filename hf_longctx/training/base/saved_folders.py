@@ -95,6 +95,19 @@ def trainer_rotation_off(args: Any) -> Iterator[None]:
         args.save_total_limit = limit
 
 
+@contextlib.contextmanager
+def trainer_push_off(args: Any) -> Iterator[bool]:
+    """The Trainer's `_save_checkpoint` pushes to the Hub before the folder is marked complete and
+    from a folder without a consolidated model: inside this block it sees `push_to_hub=False`;
+    yields whether the arguments asked for the push (the caller pushes after the marker)."""
+    push = bool(args.push_to_hub)
+    args.push_to_hub = False
+    try:
+        yield push
+    finally:
+        args.push_to_hub = push
+
+
 def rotate(run_dir: str, limit: int | None, protected: Iterable[str | None]) -> list[str]:
     """Under `save_total_limit=limit` (None or <= 0: nothing is removed, as in the Trainer): keep
     the `limit` newest complete checkpoints by step, never removing one of `protected` (the

@@ -195,9 +195,12 @@ class SPTrainerBase:
         mark = dict(is_main=self.args.should_save, step=self.state.global_step, world_size=self.args.world_size)
         with self._watchdog_paused():  # the barriers wait for the slowest rank's files: no step to beat on
             saved_folders.begin(folder, **mark)
-            with saved_folders.trainer_rotation_off(self.args):
+            with saved_folders.trainer_rotation_off(self.args), saved_folders.trainer_push_off(self.args) as push:
                 super()._save_checkpoint(model, trial)
             saved_folders.finish(folder, **mark)
+        if push:  # push_to_hub: the consolidated model (a collective) beside the run, then the Trainer's upload
+            self.save_model(self.args.output_dir)
+            self._push_from_checkpoint(folder)  # main process only; the complete folder under hub_strategy="checkpoint"
         if self.args.should_save:
             saved_folders.rotate(run_dir, self.args.save_total_limit, (folder, self.state.best_model_checkpoint))
 
@@ -221,6 +224,13 @@ class SPTrainerBase:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         return None  # the weights come back with the optimizer state in `_load_optimizer_and_scheduler`
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's `push_to_hub` of the consolidated model: `save_model(args.output_dir)` first
+        (a collective: call it on every rank, as the Trainer says), then its upload of output_dir
+        from the main process (the Trainer's own save inside stands for nothing: the model is saved)."""
+        self.save_model(self.args.output_dir)
+        return super().push_to_hub(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`save_pretrained` of the consolidated model (a collective: call it on every rank; loads

@@ -129,7 +129,10 @@ TRAINING_ARGUMENTS: dict[str, Rule] = {
         "leave it False; to start the data over, start a new run from the exported model"),
     "restore_callback_states_from_checkpoint": trainer_rule(),
     "resume_from_checkpoint": trainer_rule("read by your script (trainer.train(resume_from_checkpoint=...)), not by the Trainer"),
-    "push_to_hub": trainer_rule(), "hub_token": trainer_rule(), "hub_private_repo": trainer_rule(), "hub_model_id": trainer_rule(),
+    "push_to_hub": Rule("ours", "at every checkpoint, once the folder is complete: the consolidated model saved to "
+                               "output_dir (a gather of the whole model per save), then the Trainer's upload; "
+                               "trainer.push_to_hub() saves it first too"),
+    "hub_token": trainer_rule(), "hub_private_repo": trainer_rule(), "hub_model_id": trainer_rule(),
     "hub_strategy": trainer_rule(), "hub_always_push": trainer_rule(), "hub_revision": trainer_rule(),
     # -- reproducibility and devices ----------------------------------------------------------
     "full_determinism": trainer_rule(), "seed": Rule("ours", "the step sampler's order and the planner's tie-breaks"),
