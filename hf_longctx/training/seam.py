@@ -70,9 +70,8 @@ HOOKS: tuple[Hook, ...] = (
        "at load time (for which the Trainer refuses checkpoints)"),
     _o("SPTrainerBase", "_clip_grad_norm", TRAINER, ("model",),
        "the norm of the SUMMED DTensor gradient under comm_guard (a dead rank named with the step); "
-       "the Trainer's only other path is the accelerator's clip, without either"),
-    _o("SPTrainerBase", "_get_grad_norm", TRAINER, ("model", "grad_norm"),
-       "the same norm when max_grad_norm <= 0 (the Trainer then skips _clip_grad_norm)"),
+       "the Trainer's only other path is the accelerator's clip, without either (max_grad_norm <= 0 reaches "
+       "the Trainer as inf, so it runs every step)"),
     _o("SPTrainerBase", "_save_checkpoint", ALL_TRL, ("model", "trial"),
        "the folder is marked unfinished before any rank writes and complete after every rank's files, "
        "the Trainer's rotation off inside; " + _SAVE),

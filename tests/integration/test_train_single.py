@@ -143,6 +143,29 @@ def test_activation_checkpointing_maps_to_patch_checkpoint(llama_path, tmp_path)
     assert getattr(args, field) is True and trainer.args is not args  # the user's object is not rewritten
 
 
+def test_no_clipping_still_logs_the_summed_gradient_norm(llama_path, tmp_path, monkeypatch):
+    """max_grad_norm=0 (no clipping) reaches the Trainer as inf: every step's norm is the base's
+    (`summed_grad_norm` with inf, the one path under comm_guard), logged, and the steps equal a
+    run whose bound (1e9) never clips; the user's arguments keep 0."""
+    from hf_longctx.training.base import trainer as base
+
+    calls = []
+    norm = base.summed_grad_norm
+    monkeypatch.setattr(base, "summed_grad_norm", lambda model, max_norm, step: calls.append(max_norm) or norm(
+        model, max_norm, step))
+    logs = {}
+    for bound in (0.0, 1e9):
+        mesh = init_sequence_parallel()
+        args = training_args(str(tmp_path / str(bound)), max_steps=2, max_grad_norm=bound)
+        trainer = LongContextTrainer(model=_model(llama_path, mesh), args=args, train_dataset=make_dataset(), mesh=mesh,
+                                     max_tokens=48, tokens_per_step=120)
+        trainer.train()
+        assert args.max_grad_norm == bound and trainer.args.max_grad_norm == (bound or float("inf"))
+        logs[bound] = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    assert calls == [float("inf")] * 2 + [1e9] * 2  # one norm per step, ours, in both runs
+    assert len(logs[0.0]) == 2 and all(g > 0 for _, g in logs[0.0]) and logs[0.0] == logs[1e9]
+
+
 def test_trainer_steps_equal_with_keep_attention_full_and_no_checkpoint(llama_path, tmp_path):
     """Three optimizer steps of LongContextTrainer with the model patched checkpoint=False,
     True and "attention": the logged loss and grad_norm of every step are equal (fp32: the

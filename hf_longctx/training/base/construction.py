@@ -54,6 +54,19 @@ def map_activation_checkpointing(model: Any, args: Any) -> Any:
     return mapped
 
 
+def norm_without_clipping(mapped: Any, user: Any) -> Any:
+    """The arguments the Trainer gets: `mapped` (a copy already, or the user's own `user` object,
+    then copied here) with `max_grad_norm <= 0` ("no clipping") as `inf`, which clips nothing as
+    well: the Trainer then takes every step's norm through `_clip_grad_norm` (the base's: the
+    summed gradient's norm, a dead rank named with the step) instead of the accelerator's."""
+    norm = getattr(mapped, "max_grad_norm", None)
+    if norm is None or norm > 0:
+        return mapped
+    out = copy.copy(mapped) if mapped is user else mapped
+    out.max_grad_norm = float("inf")
+    return out
+
+
 def with_argument(args: tuple, kwargs: dict, names: tuple[str, ...], name: str, value: Any) -> tuple[tuple, dict]:
     """(args, kwargs) of a constructor call with parameter `name` (positional order `names`)
     replaced by `value`, wherever the caller passed it."""

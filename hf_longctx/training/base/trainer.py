@@ -72,8 +72,9 @@ class SPTrainerBase:
         meta device, no adapter dropout added since patch(), the process group's size, and a
         transformers that takes a model sharded before `prepare` (older ones wrap it in DDP).
         Returns the constructor's (args, kwargs) with the training arguments replaced by a copy
-        whose HF checkpointing flags became `patch(checkpoint=...)` and whose
-        `parallelism_config` became the mesh (the user's object unchanged)."""
+        whose HF checkpointing flags became `patch(checkpoint=...)`, whose
+        `parallelism_config` became the mesh and whose `max_grad_norm <= 0` became inf (the
+        user's object unchanged)."""
         params = {**dict(zip(names, args)), **kwargs}
         model, training_args = params.get("model"), params.get("args")
         check_patched(model, mesh)
@@ -97,6 +98,7 @@ class SPTrainerBase:
             return args, kwargs
         mapped = build.map_activation_checkpointing(model, training_args)
         mapped = without_parallelism_config(mapped, training_args)  # the mesh holds it (base/mesh_source.py)
+        mapped = build.norm_without_clipping(mapped, training_args)  # max_grad_norm <= 0: inf, the norm still ours
         return build.with_argument(args, kwargs, names, "args", mapped)
 
     @property
@@ -168,12 +170,10 @@ class SPTrainerBase:
         `LongContextTrainerMixin` copies its host shard itself."""
         return self._prepare_inputs(micro_batch)
 
-    # ---- the norm of the summed gradient ----------------------------------------------------------
+    # ---- the norm of the summed gradient (every step: max_grad_norm <= 0 reaches the Trainer as inf) --
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return summed_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)
 
-    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:  # the Trainer passes grad_norm=
-        return summed_grad_norm(model, float("inf"), self.state.global_step + 1) if grad_norm is None else grad_norm
 
     # ---- checkpoints: every rank's shards (base/saving.py) ------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
