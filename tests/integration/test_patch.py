@@ -156,6 +156,29 @@ def test_suspended_generates_as_unpatched_and_puts_the_same_patch_back(llama_pat
     assert not model._forward_pre_hooks and "forward" not in model.__dict__
 
 
+def test_a_fused_patch_compiles_nothing_again_after_suspended(llama_path, mesh):
+    """The per-rank rollout suspends the patch every step: back on, a fused patch runs the graphs
+    it compiled before (dynamo's graphs live with the compiled functions' code, not with the
+    wrappers `install` makes again) -- no graph is compiled after the first step."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from hf_longctx.integrations import model_patch
+
+    model = patch(load(llama_path).train(), mesh, fused=True)
+    shard = shard_batch(packed_batch(), mesh)
+    before = model(**shard).loss
+    before.backward()
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the first step compiled the fused regions
+    with model_patch.suspended(model):
+        pass
+    after = model(**shard).loss
+    after.backward()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    unpatch(model)
+
+
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_peft_before_or_after_get_peft_model(llama_path, mesh, order):
     from peft import LoraConfig, get_peft_model
