@@ -98,3 +98,24 @@ def test_checkpoint_pushes_carry_the_consolidated_model_after_the_folder_is_comp
     (final,) = hub.uploads
     for name in trained:
         torch.testing.assert_close(final["weights"][name], trained[name], rtol=0, atol=0)
+
+
+def test_hub_strategy_end_pushes_and_gathers_nothing_at_checkpoints(hub, tmp_path):
+    """hub_strategy="end": the Trainer pushes nothing at a checkpoint, so the model is not gathered
+    there either; `trainer.push_to_hub()` at the end saves and uploads it."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_family("llama", tmp_path / "model")
+    mesh = init_sequence_parallel()
+    model = patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mesh)
+    out = str(tmp_path / "run")
+    args = training_args(out, max_steps=1, save_strategy="steps", save_steps=1, push_to_hub=True,
+                         hub_model_id="local/run", hub_strategy="end")
+    trainer = LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                                 tokens_per_step=120)
+    trainer.train()
+    assert hub.uploads == [] and "config.json" not in os.listdir(out)  # a checkpoint folder only
+    trainer.push_to_hub()
+    (final,) = hub.uploads
+    for name, p in trainer.model.named_parameters():
+        torch.testing.assert_close(final["weights"][name], p.detach(), rtol=0, atol=0)

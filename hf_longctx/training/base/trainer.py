@@ -188,7 +188,7 @@ class SPTrainerBase:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's (and TRL's) checkpoint, which counts only once every rank's files are in it
         (`base/saved_folders.py`); `save_total_limit` then rotates complete checkpoints only."""
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -198,7 +198,7 @@ class SPTrainerBase:
             with saved_folders.trainer_rotation_off(self.args), saved_folders.trainer_push_off(self.args) as push:
                 super()._save_checkpoint(model, trial)
             saved_folders.finish(folder, **mark)
-        if push:  # push_to_hub: the consolidated model (a collective) beside the run, then the Trainer's upload
+        if push and self.args.hub_strategy != HubStrategy.END:  # the consolidated model (a collective), then the upload
             self.save_model(self.args.output_dir)
             self._push_from_checkpoint(folder)  # main process only; the complete folder under hub_strategy="checkpoint"
         if self.args.should_save:
