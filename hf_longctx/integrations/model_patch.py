@@ -27,7 +27,7 @@ from hf_longctx.integrations.attention import (  # noqa: F401  (the kwargs table
 from hf_longctx.integrations.exactness import refuse_inexact as _refuse
 from hf_longctx.integrations.patch_args import UNSET, check_mesh, resolve_options
 from hf_longctx.integrations.patch_install import install, uninstall
-from hf_longctx.integrations.patch_state import STATE_ATTR, PatchState, is_patched, patch_state  # noqa: F401  (re-exported)
+from hf_longctx.integrations.patch_state import STATE_ATTR, InstallPlan, PatchState, is_patched, patch_state  # noqa: F401  (re-exported)
 from hf_longctx.model_walk import configs as _configs
 from hf_longctx.model_walk import hf_model
 
@@ -171,8 +171,7 @@ def patch_with(
 
     state = PatchState(
         name=f"hf_longctx_sp_{uuid.uuid4().hex[:12]}", mesh=mesh, options=options, probe=report, bank=bank,
-        vision=vision.family, vision_spec=vision.spec, explicit=explicit, mixers_option=mixers,
-        install_plan=(vision, mixer_plan, mixer_modes),
+        explicit=explicit, mixers_option=mixers, install_plan=InstallPlan(vision, mixer_plan, mixer_modes),
     )
     _register(state, hf, attention_iface, mask_iface)
     try:

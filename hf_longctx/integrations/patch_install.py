@@ -27,7 +27,7 @@ def install(state: PatchState, hf) -> None:
     when this raises (`NotSupported` when transformers left a config on its former attention)."""
     from hf_longctx.integrations.mixers.registry import apply_mixers
 
-    vision, mixer_plan, mixer_modes = state.install_plan
+    vision, mixer_plan, mixer_modes = state.install_plan  # an InstallPlan
     hf.set_attn_implementation(vision.implementation(state.name))  # a plain name for a text-only model
     stale = [
         type(cfg).__name__ for cfg, _ in state.saved_impls

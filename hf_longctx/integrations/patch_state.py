@@ -13,7 +13,7 @@ exactly those; no module globals: all a patch binds lives here. `patch_state(mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from hf_longctx.config import PatchOptions
 from hf_longctx.data.multimodal.spec import VisionSpec
@@ -25,6 +25,17 @@ from hf_longctx.integrations.mixers.binding import MixerBinding
 from hf_longctx.integrations.probe.report import ProbeReport
 from hf_longctx.model_walk import PATCH_STATE_ATTR as STATE_ATTR  # noqa: F401  (re-exported: the attribute on the patched model)
 from hf_longctx.model_walk import installed_patch
+
+
+class InstallPlan(NamedTuple):
+    """What `patch()`'s checks decided and `patch_install.install` puts on the model -- again after
+    `model_patch.suspended`, without checking the model again."""
+
+    # integrations/vision/binding.VisionBinding (named, not imported: that module types its hook's
+    # binding as PatchState): the tower's configs kept, the family and its spec, or none of them
+    vision: Any
+    mixer_plan: list  # integrations/mixers/registry.plan_mixers: (name, module, adapter) per linear mixer
+    mixer_modes: dict  # and the modes it chose
 
 
 @dataclass
@@ -58,15 +69,22 @@ class PatchState:
     plan_cache: dict = field(default_factory=dict)
     checked: bool = False  # the first micro-batch's consistency check ran (later ones keep the host free)
     keeper: AttentionKeeper | None = None  # under checkpoint="attention", else None
-    vision: Any = None  # integrations/vision/families adapter of an image-text-to-text model, else None
-    vision_spec: VisionSpec | None = None  # that adapter's spec (the data stage reads it), else None
     # integrations/layer_split.LayerSplit under checkpoint=True, else None (named, not imported: that module
     # types its binding as PatchState, and an import back would be a circle)
     split: Any = None
     generation: Any = None  # integrations/generation_binding.GenerationBinding while a rollout generates, else None
-    # (vision binding, mixer plan, mixer modes) from patch()'s checks: what `_install` installs, again after
-    # `model_patch.suspended` without checking the model again
-    install_plan: tuple = ()
+    install_plan: InstallPlan | None = None  # what patch()'s checks decided: `patch_install.install` installs it
+
+    @property
+    def vision(self) -> Any:
+        """The vision family adapter (`integrations/vision/families`) of an image-text-to-text
+        model, else None."""
+        return self.install_plan.vision.family if self.install_plan is not None else None
+
+    @property
+    def vision_spec(self) -> VisionSpec | None:
+        """That adapter's spec (the data stage reads it), else None."""
+        return self.install_plan.vision.spec if self.install_plan is not None else None
 
     @property
     def route(self) -> AttentionRoute | None:
