@@ -1,5 +1,6 @@
-"""push_to_hub with the SP trainers (one process, the upload recorded instead of sent): what the
-Trainer uploads holds the consolidated model, and a checkpoint is pushed only once it is complete.
+"""push_to_hub with the SP trainers (one process, and 4 gloo ranks with FSDP2; the upload recorded
+instead of sent): what the Trainer uploads holds the consolidated model, from the main process
+alone, and a checkpoint is pushed only once it is complete.
 
 A checkpoint holds sharded states only (`training/base/saving.py`), so the Trainer's own push --
 which copies the model files out of the checkpoint folder, inside `_save_checkpoint`, before the
@@ -119,3 +120,50 @@ def test_hub_strategy_end_pushes_and_gathers_nothing_at_checkpoints(hub, tmp_pat
     (final,) = hub.uploads
     for name, p in trainer.model.named_parameters():
         torch.testing.assert_close(final["weights"][name], p.detach(), rtol=0, atol=0)
+
+
+def _push_on_ranks(path: str, out: str) -> dict:
+    """One pool rank (DP 2 x ring 2, FSDP2): train 2 steps with push_to_hub at every checkpoint,
+    then `trainer.push_to_hub()`; what this rank uploaded, and the trained weights gathered."""
+    import transformers
+    import transformers.trainer
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.pool import worker_mesh
+
+    hub, saved = _Hub(), (transformers.trainer.hf_api, transformers.Trainer.create_model_card)
+    transformers.trainer.hf_api = lambda: hub
+    transformers.Trainer.create_model_card = lambda self, *a, **k: None
+    try:
+        mesh = worker_mesh(1, 2)
+        model = patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), mesh)
+        args = training_args(out, max_steps=2, save_strategy="steps", save_steps=1, push_to_hub=True,
+                             hub_model_id="local/run", hub_strategy="checkpoint", warmup_steps=0)
+        trainer = LongContextTrainer(model=model, args=args, train_dataset=make_dataset(), mesh=mesh, max_tokens=48,
+                                     tokens_per_step=120)
+        trainer.train()
+        during = list(hub.uploads)
+        hub.uploads.clear()
+        trainer.push_to_hub()  # every rank calls it: the consolidated save is a collective
+        trained = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                   for n, p in trainer.model.named_parameters()}
+        return {"during": during, "final": list(hub.uploads), "trained": trained}
+    finally:
+        transformers.trainer.hf_api, transformers.Trainer.create_model_card = saved
+
+
+def test_push_on_four_ranks_uploads_from_the_main_process_the_gathered_model(pools, tmp_path):
+    """The same on 4 gloo ranks: only rank 0 uploads (2 checkpoints, each after its folder is
+    complete, and the run's folder each time), every upload holds the whole trained model."""
+    path = save_family("llama", tmp_path / "model")
+    results = pools.get(4).run(_push_on_ranks, path, str(tmp_path / "run"), timeout=600)
+    assert all(not r["during"] and not r["final"] for r in results[1:])  # the main process pushes alone
+    main = results[0]
+    checkpoints = [u for u in main["during"] if u["path_in_repo"] is not None]
+    runs = [u for u in main["during"] if u["path_in_repo"] is None] + main["final"]
+    assert len(checkpoints) == 2 and all(u["missing"] == [] for u in checkpoints), checkpoints
+    assert len(runs) == 3
+    for name, value in main["trained"].items():  # the last checkpoint's push and the end's: the trained weights
+        for upload in runs[1:]:
+            torch.testing.assert_close(upload["weights"][name], value, rtol=0, atol=0)
