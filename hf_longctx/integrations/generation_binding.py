@@ -72,4 +72,4 @@ class GenerationBinding:
                                   self.cache.slot_pos, self.query_pos, filled, scale=scale, window=window,
                                   softcap=softcap, chunk=self.chunk, masks=masks)  # [N, H, D], [N, H] fp32
         out = merge_partials(out, lse, group=self.mesh.sp_group, size=self.mesh.sp, sinks=sinks)  # [N, H, D]
-        return out.to(q.dtype).contiguous().unsqueeze(0)  # [1, N, H, D]: rounded once, contiguous
+        return out.to(q.dtype, memory_format=torch.contiguous_format).unsqueeze(0)  # [1, N, H, D]: rounded once

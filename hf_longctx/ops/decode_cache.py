@@ -49,7 +49,6 @@ class CacheLayout:
         return int(self.slot_rows.numel())
 
 
-
 def cache_layout(
     prompt_lengths: Sequence[int], padded_cu: Sequence[int], local_indices: torch.Tensor, *, sp: int, sp_rank: int,
     max_new_tokens: int,

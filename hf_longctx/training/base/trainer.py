@@ -174,7 +174,6 @@ class SPTrainerBase:
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return summed_grad_norm(model, self.args.max_grad_norm, self.state.global_step + 1)
 
-
     # ---- checkpoints: every rank's shards (base/saving.py) ------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         # True: the newest COMPLETE checkpoint; one that is not there or incomplete is named with a fix

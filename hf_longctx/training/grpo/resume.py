@@ -63,7 +63,7 @@ class RolloutResumeCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: TrainerState, control: Any, **kwargs: Any) -> None:
-        skip_trained_epochs(getattr(self.trainer, "repeat_sampler", None), int(state.epoch or 0))
+        skip_trained_epochs(self.trainer.repeat_sampler, int(state.epoch or 0))
         self.trainer.set_trained_steps(state.global_step)
 
 

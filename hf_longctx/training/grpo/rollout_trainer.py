@@ -57,6 +57,7 @@ class SPRolloutTrainer(SPTrainerBase):
     _TRAINER_PARAMETERS: tuple[str, ...] = ()
     _TRL_INPUTS: frozenset[str] = frozenset()
     _SEQUENCE_MEANS: tuple[str, ...] = ()
+    repeat_sampler: Any = None  # TRL's RepeatSampler, made resumable, once the train dataloader is built
 
     def __init__(self, *args: Any, mesh: SPMesh, max_tokens: int | None = None, generation: str = "sp",
                  **kwargs: Any) -> None:
