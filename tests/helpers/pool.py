@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -76,7 +77,18 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, backend: str 
             results.put((task_id, rank, True, fn(*args, **kwargs)))
         except BaseException:  # report every failure to the parent, keep serving
             results.put((task_id, rank, False, traceback.format_exc()))
+        finally:
+            _forget_accelerator_state()
     dist.destroy_process_group()
+
+
+def _forget_accelerator_state() -> None:
+    """After each task: Accelerate's process-wide state (a Trainer's or an Accelerator's
+    mixed precision, set once per process) cleared, so the pool's next task -- another test
+    -- builds its Accelerator with its own settings whatever ran before it."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 class GlooPool:
