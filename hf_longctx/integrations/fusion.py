@@ -25,18 +25,17 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from types import FunctionType, MethodType
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from hf_longctx.integrations.memory import final_norm, is_norm
-from hf_longctx.integrations.rebind import global_read, rebound
+from hf_longctx.integrations.rebind import ROPE, global_read, plain_function, rebound
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.model_walk import decoder_layers, layer_mlp
 from hf_longctx.ops.fused import cross_entropy_tail, gated_product
 
-ROPE = "apply_rotary_pos_emb"  # the module-level function HF's attention forwards call
 # Graphs dynamo may keep per compiled code object. One region compiles once per grad mode, input
 # rank (a norm's [B, S, H] hidden states, Qwen3's per-head [B, S, h, D]), row count 1 or more
 # (a row-chunked layer learns its skippable projections on one row) and storage offset 0 or
@@ -56,19 +55,6 @@ def llama_form_mlp(mlp: nn.Module | None) -> bool:
     return mlp is not None and code is not None and all(
         isinstance(getattr(mlp, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")) and (
         code.co_code, code.co_names, code.co_consts) == (ref.co_code, ref.co_names, ref.co_consts)
-
-
-def _plain(fn: Any) -> FunctionType | None:
-    """The Python function behind `fn`: itself, or the one a `kernels` hub wrapper (an nn.Module
-    holding it in its forward's closure) calls."""
-    if isinstance(fn, FunctionType):
-        return fn
-    forward = getattr(type(fn), "forward", None) if isinstance(fn, nn.Module) else None
-    for cell in getattr(forward, "__closure__", None) or ():
-        inner = cell.cell_contents
-        if isinstance(inner, FunctionType) and inner.__name__ == ROPE:
-            return inner
-    return None
 
 
 @dataclass
@@ -101,7 +87,7 @@ def _fuse_attention(attn: nn.Module, fusion: Fusion, undo: list) -> None:
         if is_norm(child):
             _compile_norm(child, fusion, undo)
     forward = type(attn).forward
-    rope = _plain(global_read(forward, ROPE))
+    rope = plain_function(global_read(forward, ROPE))
     if rope is None or "forward" in attn.__dict__:
         fusion.unfused.add(type(attn).__name__)
         return

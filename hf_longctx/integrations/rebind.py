@@ -17,7 +17,10 @@ from __future__ import annotations
 from types import CellType, FunctionType
 from typing import Any
 
+from torch import nn
+
 MAX_DEPTH = 4  # decorators between a class forward and the body that reads the name
+ROPE = "apply_rotary_pos_emb"  # the module-level function HF's attention forwards call
 
 
 def _copy(fn: FunctionType, globals_: dict, closure: tuple | None) -> FunctionType:
@@ -51,6 +54,19 @@ def global_read(fn: Any, name: str) -> Any:
     None when none of them reads it."""
     found = _reader(fn, name)
     return None if found is None else found[1].__globals__[name]
+
+
+def plain_function(fn: Any) -> FunctionType | None:
+    """The Python function behind `fn`: itself, or the one a `kernels` hub wrapper (an nn.Module
+    holding it in its forward's closure) calls."""
+    if isinstance(fn, FunctionType):
+        return fn
+    forward = getattr(type(fn), "forward", None) if isinstance(fn, nn.Module) else None
+    for cell in getattr(forward, "__closure__", None) or ():
+        inner = cell.cell_contents
+        if isinstance(inner, FunctionType) and inner.__name__ == ROPE:
+            return inner
+    return None
 
 
 def rebound(fn: FunctionType, name: str, value: Any) -> FunctionType:
