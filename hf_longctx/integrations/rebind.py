@@ -7,9 +7,10 @@ every model of the family in the process. Here the class forward is copied throu
 decorators' closures (transformers' `deprecate_kwarg`, `kernels`' `use_kernelized_func`) down
 to the function that reads the name, whose globals are copied with the one name rebound; the
 copy becomes the instance's forward (`integrations/undo.py` restores it).
-Guarantees: the class, the module and every other instance stay as they are; the copy runs the
-same code objects (defaults, closures and line numbers alike); the module's other globals are
-read as they were at patch time (a later monkeypatch of the family's module is not seen).
+Guarantees: the class, the module and every other instance stay as they are; the copy runs
+equal code objects of its own (defaults, closures and line numbers alike; torch.compile compiles
+it apart from the original); the module's other globals are read as they were at patch time (a
+later monkeypatch of the family's module is not seen).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ ROPE = "apply_rotary_pos_emb"  # the module-level function HF's attention forwar
 
 
 def _copy(fn: FunctionType, globals_: dict, closure: tuple | None) -> FunctionType:
-    new = FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
+    # An equal code object, not the same one: torch.compile keeps what it compiled per code
+    # object, with names it installs in the globals of the frame it compiled -- code shared with
+    # the original would run the original's compiled code under these globals, and miss them.
+    new = FunctionType(fn.__code__.replace(), globals_, fn.__name__, fn.__defaults__, closure)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
     new.__dict__.update(fn.__dict__)  # functools.wraps' __wrapped__, deprecation marks

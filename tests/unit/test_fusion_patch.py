@@ -1,9 +1,10 @@
 """What patch(fused=True) changes on a model, and that unpatch() puts it back exactly.
 
-No step runs here (nothing compiles: `torch.compile` wrappers are lazy); the steps are
+No step runs here (nothing of a model compiles: `torch.compile` wrappers are lazy); the steps are
 tests/distributed/test_fused.py (exactness) and tests/unit/test_fused_kernels.py (kernels).
 - `integrations/rebind.rebound`: a copy of a decorated function whose innermost body reads
-  another value for one global name; the original chain and its module keep theirs.
+  another value for one global name; the original chain and its module keep theirs; the copy
+  and the original compile apart under torch.compile (a graph break in each).
 - A patched Llama: every norm (the final one included) and every attention module of the
   layers has an instance forward, the MLPs the fused one, the model a compiled loss function;
   the classes, transformers' modeling module and a second, unpatched Llama are untouched;
@@ -33,6 +34,34 @@ def _wrap(fn):
 @_wrap
 def _reads_global() -> str:
     return READ
+
+
+@_wrap
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    print("a graph break")  # dynamo installs the resumed code's names in the frame's globals
+    return y + float(len(READ))
+
+
+def test_a_rebound_copy_compiles_apart_from_the_original():
+    """torch.compile keeps compiled code per code object, with names installed in the globals
+    of the frame it compiled: a copy sharing the original's code would run the original's
+    compiled code under its own globals (NameError of a `__resume_at` / `__compiled_fn`)."""
+    import contextlib
+    import io
+
+    import torch._dynamo
+
+    from hf_longctx.integrations.rebind import rebound
+
+    torch._dynamo.reset()
+    copy = rebound(_scaled, "READ", "rebound!")
+    x = torch.ones(2)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert torch.compile(_scaled, backend="eager")(x).tolist() == [10.0, 10.0]  # len("original") + 2
+        assert torch.compile(copy, backend="eager")(x).tolist() == [10.0, 10.0]  # len("rebound!") + 2
+        assert torch.compile(rebound(_scaled, "READ", "other"), backend="eager")(x).tolist() == [7.0, 7.0]
+    torch._dynamo.reset()
 
 
 def test_rebound_reads_the_new_value_and_leaves_the_original():
