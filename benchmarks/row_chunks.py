@@ -21,7 +21,7 @@ seen by a TorchDispatchMode) and the calls of the q_proj module (forward pre-hoo
 process, after a warm-up step; the backward's GEMMs (input and weight gradients) are other
 ops and not counted. Per row chunk the layer runs pre (forward), post (forward), and in the
 backward pre (recompute of q, k, v), post and pre with gradients: post's projections feed only
-the replayed attention, so they return placeholders (`LayerSplit.projection`).
+the replayed attention, so they return placeholders (`LayerSplit.before_attention`).
 
     PYTHONPATH=. python benchmarks/row_chunks.py
 """

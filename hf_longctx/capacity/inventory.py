@@ -224,11 +224,11 @@ def _pre_for_backward(s: Shape, c: int) -> list[Op]:
 
 
 def _post(s: Shape, c: int) -> list[Op]:
-    """LayerSplit.post: the layer on c rows with the attention replayed; the q, k, v
-    projections (no gradient path to the output there) are not run (`LayerSplit.projection`),
-    RoPE runs on their placeholders."""
+    """LayerSplit.post: the layer on c rows with the attention replayed; the input norm, the
+    q, k, v projections and RoPE (no gradient path to the output there) are not run
+    (`LayerSplit.before_attention`, `LayerSplit.rope`)."""
     h = s.hidden
-    return [*_norm_f(s, c), *_rope_f(s, c), *m.linear_fwd(c, s.q, h), *m.add(c * h), *_norm_f(s, c),
+    return [*m.linear_fwd(c, s.q, h), *m.add(c * h), *_norm_f(s, c),
             *m.mlp_fwd(c, h, s.intermediate, s.fused), *m.add(c * h)]
 
 

@@ -222,7 +222,7 @@ class LayerRun:
             h_rows = h[:, lo:hi].detach().requires_grad_(self.needs_h)
             a = a_rows.detach().requires_grad_()
             out = self.post(lo, hi, h_rows, a, recorded)
-            grads = self._grad([out], [dh[:, lo:hi]], h_rows, extra=[a] + [e for _, e in recorded or ()])
+            grads = self._grad([out], [dh[:, lo:hi]], h_rows, extra=[a] + [r[1] for r in recorded or ()])
         if self.needs_h:
             dh[:, lo:hi] = grads.pop(0)
         da = grads.pop(0)

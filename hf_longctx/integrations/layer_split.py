@@ -4,7 +4,9 @@ Where it sits: `integrations/memory.py` routes every decoder layer of the "max" 
 through `LayerSplit.call`; the attention function asks the patch's `LayerSplit` what to do
 at each call. A layer is token-wise except for its attention call, so it runs on row
 chunks split there: pre(rows) stops at the attention with the chunk's q, k, v
-(`AtAttention`), post(rows, a) runs with the attention answering `a`. The backward is
+(`AtAttention`), post(rows, a) runs with the attention answering `a`, without the parts that
+only feed the attention there (learnt per layer: the input norm, the q, k, v projections, q/k
+norms and RoPE under Llama's form; `before_attention`, `rope`). The backward is
 `integrations/layer_run.py` (its pass through pre skips the projection GEMMs whose outputs no
 backward reads: `integrations/unread_outputs.py`). Guarantees: on the device only the layer input, the gradient
 through the layer, the next layer's prefetched input and O(chunk); parameter gradients
@@ -15,6 +17,7 @@ checkpoint with a warning. Schedule: docs/DESIGN.md "The per-token memory budget
 from __future__ import annotations
 
 import warnings
+from types import FunctionType
 from typing import Any, Callable
 
 import torch
@@ -24,6 +27,7 @@ from hf_longctx.integrations.checkpointing import LayerChain, offloaded_checkpoi
 from hf_longctx.integrations.layer_rows import cut_dim
 from hf_longctx.integrations.layer_run import LayerRun
 from hf_longctx.integrations.patch_state import PatchState
+from hf_longctx.integrations.rebind import ROPE, global_read, plain_function, rebound
 from hf_longctx.ops.grad_sums import SumsSlot
 from hf_longctx.ops.offload import default_streams
 from hf_longctx.ops.tiling import mlp_chunks_at
@@ -46,12 +50,15 @@ class LayerSplit:
         self.discarding = False  # a checkpoint's first run (offloaded_checkpoint): saved tensors are dropped
         self.chain = LayerChain()  # this forward's layers in order: each backward prefetches the one before
         self.slot = SumsSlot()  # the layer backward's gradient sums, where the projections write (ops/grad_sums.py)
-        self.skippable: dict[int, frozenset] = {}  # id(layer) -> its projections `post` need not run
-        self.skip: frozenset = frozenset()  # those of the layer in `post` now
+        # id(layer) -> {id(part) (ROPE: its RoPE calls): (dtype, last size)}: the parts before its
+        # attention `post` need not run
+        self.skippable: dict[int, dict] = {}
+        self.rope_forwards: dict = {}  # an attention forward -> its copy calling `rope` (`rope_forward`)
+        self.skip: dict = {}  # those of the layer in `post` now
         # id(layer) -> the weights of `pre`'s projections whose outputs pre's backward never reads
         # (learnt by `integrations/unread_outputs.learn_unread`): their forward GEMM is not run in that backward
         self.unread: dict[int, frozenset] = {}
-        self.recorded: list | None = None  # (module id, output gradient edge) of post's projections, while learning
+        self.recorded: list | None = None  # (part id, output gradient edge, dtype, size) in post, while learning
         self.chunks = 1  # token chunks of the layer's token-wise parts (the MLP chunks)
         self.auto = False  # the "auto" MLP chunks: no chunk below MIN_MLP_CHUNK_TOKENS rows
         self.warned: set[str] = set()
@@ -104,43 +111,79 @@ class LayerSplit:
     def post(self, forward: Callable, h: torch.Tensor, kwargs: dict, a: torch.Tensor, layer: nn.Module | None = None,
              recorded: list | None = None) -> torch.Tensor:
         """The layer's output on the rows `h` with attention output `a` ([B, rows, H, D_v]). The
-        projections before the attention call that `skippable` names for `layer` are not run
-        (`projection`); `recorded`: a list that gets (id(module), the output's gradient edge) of
-        the others."""
+        parts before the attention call that `skippable` names for `layer` are not run
+        (`before_attention`, `rope`); `recorded`: a list that gets (id(part), the output's
+        gradient edge, dtype, last size) of the others."""
         self.mode, self.output, self.replays = "replay", a, 0
-        self.skip, self.recorded = self.skippable.get(id(layer), frozenset()), recorded
+        self.skip, self.recorded = self.skippable.get(id(layer), {}), recorded
         try:
             out = forward(h, **kwargs)
         finally:
-            self.mode, self.output, self.skip, self.recorded = None, None, frozenset(), None
+            self.mode, self.output, self.skip, self.recorded = None, None, {}, None
         if self.replays != 1:
             raise RuntimeError("memory='max': a decoder layer returned without calling its attention")
         return out[0] if isinstance(out, tuple) else out
 
-    def projection(self, module: nn.Linear, forward: Callable) -> Callable:
-        """A forward for the projection `module` of a decoder layer: in `post`, before the
-        attention call, a projection whose output `learn` found without a gradient path to
-        the layer's output (the replayed attention ignores q, k, v) returns an uninitialised
-        tensor of its output's shape instead of running its GEMM; its values reach nothing."""
-        def run(x: torch.Tensor) -> torch.Tensor:
+    def before_attention(self, module: nn.Module, forward: Callable) -> Callable:
+        """A forward for `module`, a token-wise part of a decoder layer (a projection, a norm): in
+        `post`, before the attention call, a module whose output `learn` found without a
+        gradient path to the layer's output (the replayed attention ignores q, k, v, so the
+        input norm, the q/k norms and the q, k, v projections feed nothing there) returns an
+        uninitialised tensor of its output's last size and dtype instead of running; its values
+        reach nothing."""
+        def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if self.mode != "replay" or self.replays:
-                return forward(x)
-            if id(module) in self.skip:
-                device = x.device.type
-                dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-                return x.new_empty((*x.shape[:-1], module.out_features), dtype=dtype)  # [..., out]
-            out = forward(x)
-            if self.recorded is not None and out.requires_grad:  # its edge, not the tensor: nothing kept alive
-                self.recorded.append((id(module), torch.autograd.graph.get_gradient_edge(out)))
+                return forward(x, *args, **kwargs)
+            skipped = self.skip.get(id(module))
+            if skipped is not None:
+                return x.new_empty((*x.shape[:-1], skipped[1]), dtype=skipped[0])  # [..., out]
+            out = forward(x, *args, **kwargs)
+            self._record(id(module), (out,))
             return out
 
         return run
 
+    def rope_forward(self, forward: FunctionType) -> FunctionType:
+        """`forward`, an attention module's forward that calls HF's RoPE function, rebound to call
+        it through `rope` (`integrations/rebind.py`): one copy per function and patch, shared by
+        every module that runs it."""
+        if forward not in self.rope_forwards:
+            self.rope_forwards[forward] = rebound(forward, ROPE, self.rope(global_read(forward, ROPE)))
+        return self.rope_forwards[forward]
+
+    def rope(self, apply: Callable) -> Callable:
+        """`apply`, a RoPE function of (q, k, ...): in `post`, before the attention call, once
+        `learn` found its outputs without a gradient path to the layer's output, q and k come
+        back as given (placeholders) instead. Under torch.compile the Python function behind a
+        `kernels` hub wrapper runs (dynamo cannot follow the wrapper from a closure)."""
+        plain = plain_function(apply) or apply
+
+        def run(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            fn = plain if torch.compiler.is_compiling() else apply
+            if self.mode != "replay" or self.replays:
+                return fn(q, k, *args, **kwargs)
+            if ROPE in self.skip:
+                return q, k
+            out = fn(q, k, *args, **kwargs)
+            self._record(ROPE, out if isinstance(out, tuple) else (out,))
+            return out
+
+        return run
+
+    def _record(self, key: int | str, outputs: tuple) -> None:
+        """While `post` learns: (key, output's gradient edge, dtype, last size) of each output
+        with a graph -- its edge, not the tensor: nothing kept alive."""
+        if self.recorded is None:
+            return
+        for out in outputs:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                self.recorded.append((key, torch.autograd.graph.get_gradient_edge(out), out.dtype, out.shape[-1]))
+
     def learn(self, layer: nn.Module, recorded: list, grads: list) -> None:
-        """From one `post` run with gradients: the projections (`recorded`) whose outputs got
-        no gradient (`grads` None) are skipped in the layer's later `post` runs."""
-        needed = {i for (i, _), g in zip(recorded, grads) if g is not None}
-        self.skippable[id(layer)] = frozenset(i for i, _ in recorded if i not in needed)
+        """From one `post` run with gradients: the parts (`recorded`) none of whose outputs got a
+        gradient (`grads` None) are skipped in the layer's later `post` runs."""
+        needed = {r[0] for r, g in zip(recorded, grads) if g is not None}
+        self.skippable[id(layer)] = {r[0]: (r[2], r[3]) for r in recorded if r[0] not in needed}
 
     # ---- entry point -----------------------------------------------------------------------------
     def call(self, layer: nn.Module, forward: Callable, first: bool, args: tuple, kwargs: dict, keep: bool = False) -> Any:

@@ -13,6 +13,7 @@ stay the same, and the undo restores the exact previous attributes."""
 from __future__ import annotations
 
 import functools
+from types import MethodType
 from typing import Callable
 
 import torch
@@ -22,6 +23,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
 from hf_longctx.integrations.checkpointing import keeps_input, patch_checkpointing
+from hf_longctx.integrations.rebind import ROPE, forward_reading
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
 from hf_longctx.integrations.layer_split import LayerSplit
@@ -63,13 +65,13 @@ def _patch_linears(model: nn.Module, slot: SumsSlot, undo: list, split: LayerSpl
     """Every plain `nn.Linear` of the decoder layers (its class forward, not one patched by
     someone else) through `ops/grad_sums.routed_linear`: inside a row-chunked backward its
     weight gradient goes into the bound fp32 sum with one GEMM per chunk; with `split` also
-    through `LayerSplit.projection` (row-chunked layers skip the projections their replayed
+    through `LayerSplit.before_attention` (row-chunked layers skip the projections their replayed
     attention ignores). Other projections (Conv1D, quantised, wrapped) are summed per chunk."""
     for layer in decoder_layers(model):
         for m in layer.modules():
             if type(m).forward is nn.Linear.forward and "forward" not in m.__dict__:
                 forward = routed_linear(m, slot)
-                set_instance_attr(m, "forward", forward if split is None else split.projection(m, forward), undo)
+                set_instance_attr(m, "forward", forward if split is None else split.before_attention(m, forward), undo)
 
 
 # ---- chunked LM head + loss ---------------------------------------------------------------
@@ -154,13 +156,19 @@ def final_norm(model: nn.Module) -> nn.Module | None:
 def _patch_split(model: nn.Module, split: LayerSplit, chunks: int, undo: list, auto: bool, inputs_on_device: int) -> None:
     """Every decoder layer through `split.call` (integrations/layer_split.py) while training
     with gradients, through `split.call_no_grad` without them (row chunks, nothing kept); the
-    last `inputs_on_device` keep their inputs on the device."""
+    last `inputs_on_device` keep their inputs on the device. Its norms and its attention's RoPE
+    function go through `split.before_attention` / `split.rope_forward` (skipped in `post`)."""
     split.chunks, split.auto = chunks, auto
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
         forward = layer.forward  # bound: class forward, or an earlier instance-level patch
         if hasattr(type(layer), "gradient_checkpointing"):  # HF's own checkpointing would run inside the chunks
             set_instance_attr(layer, "gradient_checkpointing", False, undo)
+        for part in list(layer.modules())[1:]:  # what only feeds the attention: skipped in post once learnt
+            if is_norm(part):
+                set_instance_attr(part, "forward", split.before_attention(part, part.forward), undo)
+            elif (fn := forward_reading(part, ROPE)) is not None:
+                set_instance_attr(part, "forward", MethodType(split.rope_forward(fn), part), undo)
 
         def split_forward(*args, _forward=forward, _layer=layer, _first=index == 0,
                           _keep=keeps_input(index, len(layers), inputs_on_device), **kwargs):

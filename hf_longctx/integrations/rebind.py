@@ -1,9 +1,10 @@
 """One global name of a module class's forward, rebound for one instance: a copy of the function chain.
 
 Where it sits: `integrations/fusion.py` binds each attention module's `apply_rotary_pos_emb` to
-a compiled version, for the patched model only. A model family's attention forward looks its
-RoPE function up in its module's globals at call time; replacing that global would change
-every model of the family in the process. Here the class forward is copied through its
+a compiled version, and `integrations/layer_split.py` (memory="max") to one that row chunks
+replaying the attention skip, for the patched model only. A model family's attention forward
+looks its RoPE function up in its module's globals at call time; replacing that global would
+change every model of the family in the process. Here the class forward is copied through its
 decorators' closures (transformers' `deprecate_kwarg`, `kernels`' `use_kernelized_func`) down
 to the function that reads the name, whose globals are copied with the one name rebound; the
 copy becomes the instance's forward (`integrations/undo.py` restores it).
@@ -15,7 +16,7 @@ later monkeypatch of the family's module is not seen).
 
 from __future__ import annotations
 
-from types import CellType, FunctionType
+from types import CellType, FunctionType, MethodType
 from typing import Any
 
 from torch import nn
@@ -58,6 +59,20 @@ def global_read(fn: Any, name: str) -> Any:
     None when none of them reads it."""
     found = _reader(fn, name)
     return None if found is None else found[1].__globals__[name]
+
+
+def forward_reading(module: Any, name: str) -> FunctionType | None:
+    """The function behind `module`'s forward -- its class forward, or the one an instance
+    forward bound to it runs (an earlier rebinding) -- when its chain reads global `name`;
+    None otherwise (also for an instance forward of another kind)."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        fn = getattr(type(module), "forward", None)
+    elif isinstance(forward, MethodType) and forward.__self__ is module:
+        fn = forward.__func__
+    else:
+        return None
+    return fn if _reader(fn, name) is not None else None
 
 
 def plain_function(fn: Any) -> FunctionType | None:

@@ -1,4 +1,5 @@
-"""memory="max": a projection runs once per row chunk in the forward and once in the recompute.
+"""memory="max": a projection runs once per row chunk in the forward and once in the recompute;
+`post` runs none of what feeds only its replayed attention (norms, projections, RoPE).
 
 `LayerSplit.post` reruns a decoder layer on a row chunk with the attention replayed; the
 projections before the attention call feed only the attention there, so after one backward
@@ -66,9 +67,34 @@ def test_a_gated_attention_keeps_its_query_projection_and_stays_exact():
     base = _qwen35()
     ref, _, _ = _two_steps(copy.deepcopy(base), memory="off")
     got, learnt, model = _two_steps(copy.deepcopy(base), checkpoint=True, mlp_chunks=4, loss_chunks="auto")
-    attn = model.model.layers[0].self_attn
-    skipped = learnt[id(model.model.layers[0])]
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    skipped = learnt[id(layer)].keys()
     assert id(attn.q_proj) not in skipped and {id(attn.k_proj), id(attn.v_proj)} <= skipped, skipped
+    # q_proj feeds the gate, so the input norm runs; q and k feed only the replayed attention
+    assert id(layer.input_layernorm) not in skipped and {id(attn.q_norm), id(attn.k_norm), "apply_rotary_pos_emb"} <= skipped
+    assert rel_err(got[0], ref[0]) <= 1e-6
+    bad = {i: rel_err(a, b) for i, (a, b) in enumerate(zip(got[1:], ref[1:])) if rel_err(a, b) > 1e-5}
+    assert not bad, bad
+
+
+def test_post_skips_the_input_norm_projections_and_rope_of_llamas_form_and_stays_exact():
+    """Llama's form: the input norm, q, k, v and RoPE feed only the replayed attention in `post`
+    (skipped from the second step); o_proj, the post-attention norm and the MLP run. Two steps
+    exact against memory="off" (fp32, as the gated case)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    base = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=56, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, pad_token_id=0))
+    ref, _, _ = _two_steps(copy.deepcopy(base), memory="off")
+    got, learnt, model = _two_steps(copy.deepcopy(base), checkpoint=True, mlp_chunks=4, loss_chunks="auto")
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        skipped = learnt[id(layer)].keys()
+        assert skipped == {id(layer.input_layernorm), id(attn.q_proj), id(attn.k_proj), id(attn.v_proj),
+                           "apply_rotary_pos_emb"}, skipped
     assert rel_err(got[0], ref[0]) <= 1e-6
     bad = {i: rel_err(a, b) for i, (a, b) in enumerate(zip(got[1:], ref[1:])) if rel_err(a, b) > 1e-5}
     assert not bad, bad
