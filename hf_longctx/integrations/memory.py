@@ -3,8 +3,8 @@
 Where it sits: `patch()` calls `apply_memory_options` when any memory option is set, and
 the returned undo in `unpatch()`. The part of FPDT (§3.5, "OC.") outside attention: every
 decoder layer's MLP, norms and the final norm run in token chunks (`ops/tiling.py`); with
-labels the loss comes from `chunked_causal_lm_loss` on the last hidden state (softcap and
-`num_items_in_batch` honoured) and `logits` is None; `checkpoint=True | "attention"` turns
+labels the loss comes from `chunked_causal_lm_loss` on the last hidden state (softcap, the
+model's logit scaling (`integrations/logit_maps.py`) and `num_items_in_batch` honoured) and `logits` is None; `checkpoint=True | "attention"` turns
 on `checkpointing.py` / `checkpoint_attention.py`, and with chunked MLPs `layer_split.py`;
 `kv_offload` goes to `fpdt_attention(offload=...)`; host offload installs `host_budget.py`.
 Guarantee: every change is an instance attribute, so no module is wrapped, state_dict keys
@@ -23,6 +23,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
 from hf_longctx.integrations.checkpointing import keeps_input, patch_checkpointing
+from hf_longctx.integrations.logit_maps import logit_maps, logit_softcap
 from hf_longctx.integrations.rebind import ROPE, forward_reading
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
@@ -77,13 +78,14 @@ def _patch_linears(model: nn.Module, slot: SumsSlot, undo: list, split: LayerSpl
 # ---- chunked LM head + loss ---------------------------------------------------------------
 
 
-def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list, tail: Callable | None, chunk_rows: int | None) -> None:
+def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list, tail: Callable | None, chunk_rows: int | None,
+                maps: tuple) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"loss_chunks needs a linear LM head; {type(model).__name__}.get_output_embeddings() is {head!r}")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    softcap = getattr(config, "final_logit_softcapping", None)
+    softcap = logit_softcap(model)  # Gemma 2's final_logit_softcapping, RecurrentGemma's logits_soft_cap
     vocab, hidden_size = config_sizes(config)
     forward = model.forward
 
@@ -107,6 +109,7 @@ def _patch_loss(model: nn.Module, loss_chunks: int | str, undo: list, tail: Call
             losses.append(chunked_causal_lm_loss(
                 hidden, head.weight, getattr(head, "bias", None), shift_labels=shift_labels,
                 num_items_in_batch=num_items, chunk_size=chunk_size, final_logit_softcapping=softcap, tail=tail,
+                logit_maps=maps,
             ))
             return hidden.new_empty((*hidden.shape[:-1], 0))  # [B, S, 0]: no logits; softcap ops on it are free
 
@@ -275,6 +278,7 @@ def apply_memory_options(
     layers = len(decoder_layers(model))
     if inputs_on_device > layers:
         raise ValueError(f"inputs_on_device must be at most the model's {layers} decoder layers, got {inputs_on_device}")
+    maps = logit_maps(model) if loss_chunks is not None else ()  # the scaling after its head (Cohere, Granite)
     auto = mlp_chunks == "auto"
     if auto:
         mlp_chunks = default_mlp_chunks(mesh.fpdt_chunks, *_mlp_sizes(model))
@@ -286,7 +290,7 @@ def apply_memory_options(
             _patch_mlps(model, mlp_chunks, undo, split, auto, slot)
             _patch_norms(model, mlp_chunks, undo, auto, split, slot)
         if loss_chunks is not None:
-            _patch_loss(model, loss_chunks, undo, loss_tail, options.loss_chunk_rows)
+            _patch_loss(model, loss_chunks, undo, loss_tail, options.loss_chunk_rows, maps)
         if checkpoint is True and split is not None and mlp_chunks is not None:
             _patch_split(model, split, mlp_chunks, undo, auto, inputs_on_device)
         elif checkpoint:

@@ -20,12 +20,22 @@ from torch import Tensor
 from hf_longctx.ops.grad_sums import GradSums, sink_linear
 
 
+def mapped(logits: Tensor, maps: tuple = ()) -> Tensor:
+    """`logits` through the model's maps after its head (("*" or "/", value), ...:
+    `integrations/logit_maps.py`), the same op in the same dtype as its forward runs them."""
+    for op, value in maps:
+        logits = logits * value if op == "*" else logits / value
+    return logits
+
+
 def chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None,
-                 sums: GradSums | None = None) -> Tensor:
+                 sums: GradSums | None = None, maps: tuple = ()) -> Tensor:
     """Logits of one chunk exactly as the HF model computes them: lm_head in the hidden dtype,
-    Gemma2's softcap in that dtype too, then the upcast ForCausalLMLoss applies. With `sums`
-    the weight gradient of the chunk goes into its fp32 sum (one GEMM, `ops/grad_sums.py`)."""
+    the model's scaling after it (`maps`) and Gemma2's softcap in that dtype too, then the upcast
+    ForCausalLMLoss applies. With `sums` the weight gradient of the chunk goes into its fp32 sum
+    (one GEMM, `ops/grad_sums.py`)."""
     logits = F.linear(h, weight, bias) if sums is None else sink_linear(h, weight, bias, sums, 0)  # [n, V]
+    logits = mapped(logits, maps)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits.float()
@@ -53,6 +63,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         softcap: float | None,
         ignore_index: int,
         tail: Any = None,
+        maps: tuple = (),
     ) -> Tensor:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_any = need_h or need_w or bool(need_b and bias is not None)
@@ -65,7 +76,8 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             denominator = denominator.to(hidden.device)
 
         if tail is not None:
-            return _fused_chunks(ctx, hidden, weight, bias, labels, denominator, chunk_size, softcap, ignore_index, tail)
+            return _fused_chunks(ctx, hidden, weight, bias, labels, denominator, chunk_size, softcap, ignore_index, tail,
+                                 maps)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # [B*S, Hd]
         # Accumulating per-chunk weight grads in a low-precision dtype would add one rounding per
@@ -79,7 +91,7 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             end = min(start + chunk_size, n_tokens)
             h_leaf = hidden[start:end].detach().requires_grad_(need_h)  # [n, Hd]
             with torch.enable_grad():
-                logits = chunk_logits(h_leaf, w_leaf, b_leaf, softcap, sums)  # [n, V] fp32
+                logits = chunk_logits(h_leaf, w_leaf, b_leaf, softcap, sums, maps)  # [n, V] fp32
                 ce_sum = F.cross_entropy(logits, labels[start:end], ignore_index=ignore_index, reduction="sum")
                 del logits  # the autograd graph keeps what it needs; drop our reference early
                 if not need_any:
@@ -111,17 +123,18 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
         out_h = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
         out_w = None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype)
         out_b = None if grad_b is None else (grad_b * grad_out).to(ctx.bias_dtype)
-        return out_h, out_w, out_b, None, None, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None, None, None
 
 
 def _fused_chunks(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, denominator: Tensor,
-                  chunk_size: int, softcap: float | None, ignore_index: int, tail: Any) -> Tensor:
+                  chunk_size: int, softcap: float | None, ignore_index: int, tail: Any, maps: tuple = ()) -> Tensor:
     """`_ChunkedLMHeadLoss.forward` with the loss's elementwise tail fused (`ops/fused.
     cross_entropy_tail`, compiled by `integrations/fusion.py`): per chunk the logits GEMM, one
     fused pass for the loss and the logits' gradient, then the two gradient GEMMs -- the input's
     into its rows, the weight's into its fp32 sum (`GradSums.addmm`). The operands are those of
     the autograd path: under autocast the hidden rows and the weight (cast once) in the compute
-    dtype."""
+    dtype. The model's scaling after its head (`maps`) maps the logits before the tail and its
+    gradient after it (the chain rule through each scalar)."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = bool(need_b and bias is not None)
     kind = hidden.device.type
@@ -140,7 +153,8 @@ def _fused_chunks(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None,
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end] if dtype is None else hidden[start:end].to(dtype)  # [n, Hd]
-            ce_sum, dz = tail(F.linear(h, w, b), labels[start:end], scale, softcap, ignore_index)  # [], [n, V]
+            ce_sum, dz = tail(mapped(F.linear(h, w, b), maps), labels[start:end], scale, softcap, ignore_index)  # [], [n, V]
+            dz = mapped(dz, maps)  # d/dz of z * c is c, of z / c is 1 / c: the same maps
             loss_sum += ce_sum
             if need_h:
                 grad_h[start:end] = dz @ w  # [n, V] @ [V, Hd]
@@ -165,6 +179,7 @@ def chunked_causal_lm_loss(
     final_logit_softcapping: float | None = None,
     ignore_index: int = -100,
     tail: Any = None,
+    logit_maps: tuple = (),
 ) -> Tensor:
     """Causal-LM loss from final hidden states without materialising full logits.
 
@@ -181,7 +196,9 @@ def chunked_causal_lm_loss(
     any time, in forward and in backward. Gradients for hidden, weight and bias are exact up to
     summation order. Not twice differentiable. ``tail``: the compiled ``ops/fused.
     cross_entropy_tail`` (``patch(fused=True)``), which computes each chunk's loss and logits
-    gradient in one fused pass; None: autograd over the eager ops.
+    gradient in one fused pass; None: autograd over the eager ops. ``logit_maps``: what the
+    model does to its head's logits before the loss (``integrations/logit_maps.py``), applied to
+    each chunk's logits before the softcap.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got chunk_size={chunk_size}")
@@ -211,4 +228,5 @@ def chunked_causal_lm_loss(
         final_logit_softcapping,
         ignore_index,
         tail,
+        tuple(logit_maps),
     )

@@ -1,0 +1,91 @@
+"""What a causal LM does to its logits between its LM head and its loss, read from its forward.
+
+Where it sits: `integrations/memory.py` asks `logit_maps(model)` when it patches the LM head for
+the chunked loss (`ops/chunked_loss.py`), which then applies the same maps to each chunk's
+logits. Some families scale the head's output before the loss: Cohere multiplies by
+`self.logit_scale`, Granite divides by `self.config.logits_scaling`, Falcon-H1 and HyperCLOVAX
+multiply by a multiplier; a chunked loss that left them out would train on other logits. The
+forward's source is read for statements `logits = <logits or self.lm_head(...)> <* or />
+<self.attribute chain>`, and each chain is read off the model (Gemma 2's softcap, the chain
+ending in `final_logit_softcapping`, is the loss's own argument). A map of value 1 is left out.
+Guarantees: the maps in the forward's order, each the op HF runs in the logits' dtype; a config
+field by which transformers' models rescale logits, set to a non-neutral value and named in the
+forward but in no statement of that form (or a forward without source), is refused naming it,
+before the model is touched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from numbers import Real
+from typing import Any
+
+from hf_longctx.model_walk import hf_model
+
+# Config fields by which transformers' causal LMs rescale their logits after the LM head.
+SCALE_FIELDS = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+_STATEMENT = re.compile(r"^\s*logits\s*=\s*(?:logits|self\.lm_head\(.*\))\s*([*/])\s*(self(?:\.[A-Za-z_]\w*)+)"
+                        r"\s*(?:#.*)?$")
+_ASSIGNS = re.compile(r"^\s*logits\s*[*/]?=")  # a statement writing the logits
+SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap")  # tanh softcaps: the chunked loss's own argument
+
+
+def _source(model: Any) -> str | None:
+    try:
+        return inspect.getsource(inspect.unwrap(type(model).forward))
+    except (OSError, TypeError):
+        return None
+
+
+def _read(model: Any, chain: str) -> Any:
+    value = model
+    for name in chain.split(".")[1:]:  # "self.config.logits_scaling" -> config, logits_scaling
+        value = getattr(value, name)
+    return value
+
+
+def logit_softcap(model: Any) -> float | None:
+    """The tanh softcap `model`'s forward applies to its logits (Gemma 2's
+    `final_logit_softcapping`, RecurrentGemma's `logits_soft_cap`), None when off."""
+    hf = hf_model(model)
+    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    source = _source(hf) or ""
+    for field in SOFTCAPS:
+        value = getattr(config, field, None)
+        if value and (field == SOFTCAPS[0] or field in source):
+            return float(value)
+    return None
+
+
+def logit_maps(model: Any) -> tuple[tuple[str, float], ...]:
+    """(("*" or "/", value), ...) that `model`'s forward applies to the LM head's logits before
+    its loss, in order (see the module docstring); raises ValueError naming a field it rescales
+    by in a form not recognised here."""
+    hf = hf_model(model)
+    source = _source(hf)
+    maps, read = [], set()
+    for line in (source or "").splitlines():
+        found = _STATEMENT.match(line)
+        if found is None or found.group(2).rsplit(".", 1)[1] in SOFTCAPS:
+            continue
+        op, chain = found.groups()
+        value = _read(hf, chain)
+        if not isinstance(value, Real) or isinstance(value, bool):
+            raise ValueError(f"{type(hf).__name__}.forward scales its logits by {chain} = {value!r}, not a number; "
+                             "patch without loss_chunks (HF's loss on the whole logits)")
+        read.add(chain.rsplit(".", 1)[1])
+        if value != 1:
+            maps.append((op, float(value)))
+    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    writes = [line for line in (source or "").splitlines() if _ASSIGNS.match(line)]
+    for field in SCALE_FIELDS:  # MiniCPM3 scales its hidden states before the head instead: not a logits map
+        value = getattr(config, field, None)
+        named = source is None or any(field in line for line in writes)
+        if value not in (None, 1, 1.0) and named and field not in read:
+            raise ValueError(
+                f"{type(hf).__name__} rescales its logits by {field}={value!r} in a form the chunked loss does not "
+                "read (a statement `logits = logits * / self.<...>` of its forward); patch without loss_chunks "
+                "(HF's loss on the whole logits)")
+    return tuple(maps)
+
