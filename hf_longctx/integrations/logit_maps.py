@@ -9,9 +9,9 @@ forward's source is read for statements `logits = <logits or self.lm_head(...)> 
 <self.attribute chain>`, and each chain is read off the model (Gemma 2's softcap, the chain
 ending in `final_logit_softcapping`, is the loss's own argument). A map of value 1 is left out.
 Guarantees: the maps in the forward's order, each the op HF runs in the logits' dtype; a config
-field by which transformers' models rescale logits, set to a non-neutral value and named in the
-forward but in no statement of that form (or a forward without source), is refused naming it,
-before the model is touched.
+field by which transformers' models rescale logits, set to a non-neutral value and named on a
+line of the forward about the logits or the head but in no statement of that form (or a forward
+without source), is refused naming it, before the model is touched.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from hf_longctx.model_walk import hf_model
 SCALE_FIELDS = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
 _STATEMENT = re.compile(r"^\s*logits\s*=\s*(?:logits|self\.lm_head\(.*\))\s*([*/])\s*(self(?:\.[A-Za-z_]\w*)+)"
                         r"\s*(?:#.*)?$")
-_ASSIGNS = re.compile(r"^\s*logits\s*[*/]?=")  # a statement writing the logits
 SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap")  # tanh softcaps: the chunked loss's own argument
 
 
@@ -78,8 +77,9 @@ def logit_maps(model: Any) -> tuple[tuple[str, float], ...]:
         if value != 1:
             maps.append((op, float(value)))
     config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    writes = [line for line in (source or "").splitlines() if _ASSIGNS.match(line)]
-    for field in SCALE_FIELDS:  # MiniCPM3 scales its hidden states before the head instead: not a logits map
+    # a line about the logits or the head (MiniCPM3 scales its hidden states before the head: not a map)
+    writes = [line for line in (source or "").splitlines() if re.search(r"\b(?:logits|lm_head)\b", line)]
+    for field in SCALE_FIELDS:
         value = getattr(config, field, None)
         named = source is None or any(field in line for line in writes)
         if value not in (None, 1, 1.0) and named and field not in read:

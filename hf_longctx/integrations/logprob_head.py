@@ -8,8 +8,9 @@ device, `memory.py`: the head's weight is unsharded only inside its call under F
 Guarantees: no `[S_local, V]` tensor beyond one chunk under any memory preset; the head's
 output is a `[B, S, 0]` tensor the log-probabilities are joined to, so FSDP2's pre-backward
 hook on it gathers the head's weight again before the chunks' backward recomputes logits;
-temperature and `final_logit_softcapping` honoured; a head whose logits the model scales
-otherwise is refused before any collective (`check_logprob_head`)."""
+temperature, the softcap and the model's scaling of its logits after the head honoured
+(`integrations/logit_maps.py`); a scaling in a form not read there, or a `final_logits_bias`,
+is refused before any collective (`check_logprob_head`)."""
 
 from __future__ import annotations
 
@@ -19,24 +20,18 @@ import torch
 from torch import nn
 
 from hf_longctx.errors import NotSupported
+from hf_longctx.integrations.logit_maps import logit_maps, logit_softcap
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.model_walk import hf_model
 from hf_longctx.ops.chunked_logprobs import chunked_token_logprobs
 from hf_longctx.ops.loss_rows import config_sizes, loss_chunk_rows
 
-# Config fields by which a transformers model rescales its logits after the LM head; neutral values.
-_LOGIT_SCALES = {"logit_scale": (None, 1.0), "logits_scaling": (None, 1.0), "output_multiplier": (None, 1.0),
-                 "lm_head_multiplier": (None, 1.0), "logits_soft_cap": (None,)}
 _NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_items_in_batch")
 
 
-def _text_config(hf: Any) -> Any:
-    return hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-
-
 def check_logprob_head(model: Any) -> float | None:
-    """The model's `final_logit_softcapping` (None: off), after checking that its LM head is a
-    linear layer and that the model applies no other transform to the logits. Raises
+    """The model's logit softcap (None: off), after checking that its LM head is a linear layer
+    and that what the model does to the logits after it is read (`logit_maps`). Raises
     `NotSupported` naming the field otherwise (same config on every rank: all raise alike)."""
     hf = hf_model(model)
     head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
@@ -44,16 +39,14 @@ def check_logprob_head(model: Any) -> float | None:
     if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise NotSupported(f"per-token log-probabilities need a linear LM head; {type(hf).__name__}."
                            f"get_output_embeddings() is {type(head).__name__}", "use a causal LM with a linear LM head")
-    config = _text_config(hf)
-    scaled = {k: getattr(config, k) for k, neutral in _LOGIT_SCALES.items() if getattr(config, k, None) not in neutral}
+    try:
+        logit_maps(hf)
+    except ValueError as e:
+        raise NotSupported(str(e).split("; patch without")[0], "use a model without this logit transform") from None
     if isinstance(getattr(hf, "final_logits_bias", None), torch.Tensor):
-        scaled["final_logits_bias"] = "a buffer"
-    if scaled:
-        raise NotSupported(f"{type(hf).__name__} rescales its logits after the LM head ({scaled}); the chunked "
-                           "log-probabilities honour final_logit_softcapping and the temperature only",
-                           "use a model without these logit transforms")
-    softcap = getattr(config, "final_logit_softcapping", None)
-    return float(softcap) if softcap else None
+        raise NotSupported(f"{type(hf).__name__} adds a final_logits_bias buffer to its logits after the LM head; "
+                           "the chunked log-probabilities do not", "use a model without it")
+    return logit_softcap(hf)
 
 
 def logprob_chunk_rows(model: Any, rows: int) -> int:
@@ -77,7 +70,7 @@ def token_logprobs(model: nn.Module, shard: Mapping[str, Any], *, temperature: f
     without gradient. The log-probabilities carry gradients when grad mode is on. A forward of
     `model`: under SP, every rank of the group calls it once per micro-batch."""
     hf = hf_model(model)
-    softcap = check_logprob_head(hf)
+    softcap, maps = check_logprob_head(hf), logit_maps(hf)
     head = hf.get_output_embeddings()
     targets = shard["shift_labels"]  # [B, S_local] pre-shifted, -100 where nothing is scored
     inputs = {k: v for k, v in shard.items() if k not in _NOT_MODEL_INPUTS}
@@ -89,7 +82,7 @@ def token_logprobs(model: nn.Module, shard: Mapping[str, Any], *, temperature: f
         found.append(chunked_token_logprobs(
             hidden, head.weight, getattr(head, "bias", None), targets=targets.to(hidden.device),
             chunk_size=logprob_chunk_rows(hf, rows), temperature=temperature, final_logit_softcapping=softcap,
-            stats=tuple(stats)))
+            stats=tuple(stats), logit_maps=maps))
         # [B, S, 0], joined to the log-probabilities: what the model does to its logits is free on it, and
         # FSDP2's pre-backward hook on the head's output fires before the chunks' backward (a clone: no view).
         return found[-1][0][..., None][..., :0].clone()

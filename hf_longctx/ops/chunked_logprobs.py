@@ -6,7 +6,8 @@ per-token ratios and KL, both models' (policy and frozen reference). FPDT's chun
 (§3.5) for a per-token output: each row chunk's logits are computed, reduced to what the
 objective reads, and dropped; the backward recomputes the chunk's logits.
 Guarantees: the numerics of the unchunked path the objectives used (`lm_head` in the hidden
-dtype, Gemma2's softcap in that dtype, then fp32, divided by the temperature, log-softmax),
+dtype, the model's scaling and Gemma2's softcap in that dtype, then fp32, divided by the
+temperature, log-softmax),
 per token; at most one chunk of `[chunk, V]` logits alive, forward and backward; the
 statistics ("entropy", "mean_logit", "is_top1") carry no gradient; the weight gradient is
 summed in fp32 over the chunks. Chunk sizes follow `ops/loss_rows.loss_chunk_rows`."""
@@ -20,15 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hf_longctx.ops.chunked_loss import chunk_logits
+from hf_longctx.ops.chunked_loss import chunk_logits, mapped
 from hf_longctx.ops.grad_sums import GradSums, sink_linear
 
 STATS = ("entropy", "mean_logit", "is_top1")
 
 
-def _scaled(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, temperature: float) -> Tensor:
+def _scaled(h: Tensor, weight: Tensor, bias: Tensor | None, softcap: float | None, temperature: float,
+            maps: tuple = ()) -> Tensor:
     """fp32 [n, V] logits of one chunk divided by the temperature (x / 1.0 is exact: DPO's path)."""
-    return chunk_logits(h, weight, bias, softcap) / temperature
+    return chunk_logits(h, weight, bias, softcap, maps=maps) / temperature
 
 
 def _logits_grad(logits: Tensor, targets: Tensor, grad: Tensor, temperature: float) -> Tensor:
@@ -66,14 +68,15 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, chunk_size: int,
-                temperature: float, softcap: float | None, stats: tuple) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+                temperature: float, softcap: float | None, stats: tuple,
+                maps: tuple = ()) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         n = hidden.shape[0]
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         extra = torch.zeros(n, len(stats), dtype=torch.float32, device=hidden.device)  # [N, k]
         with torch.no_grad():
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
-                z = _scaled(hidden[start:end], weight, bias, softcap, temperature)  # [c, V] fp32
+                z = _scaled(hidden[start:end], weight, bias, softcap, temperature, maps)  # [c, V] fp32
                 t = targets[start:end, None]  # [c, 1]
                 for i, name in enumerate(stats):  # before the log-softmax: z is freed after it
                     if name == "mean_logit":
@@ -87,7 +90,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     extra[start:end, stats.index("entropy")] = -(logp.exp().mul_(logp)).sum(-1)  # -Σ p log p
                 del logp
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.chunk_size, ctx.temperature, ctx.softcap = chunk_size, temperature, softcap
+        ctx.chunk_size, ctx.temperature, ctx.softcap, ctx.maps = chunk_size, temperature, softcap, maps
         ctx.autocast = _autocast_state(hidden.device)
         ctx.mark_non_differentiable(extra)
         return logps, extra
@@ -114,6 +117,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             with torch.enable_grad(), autocast:  # the head (and softcap) in the compute dtype, under autograd
                 logits = (F.linear(h_leaf, w_leaf, b_leaf) if sums is None  # [c, V]
                           else sink_linear(h_leaf, w_leaf, b_leaf, sums, 0))
+                logits = mapped(logits, ctx.maps)  # the model's scaling after its head
                 if ctx.softcap is not None:
                     logits = torch.tanh(logits / ctx.softcap) * ctx.softcap
             grad_logits = _logits_grad(logits.detach(), targets[start:end], grad_logps[start:end], ctx.temperature)
@@ -129,15 +133,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_b = _acc(g) if grad_b is None else grad_b.add_(g)
         out_w = None if sums is None else sums.grads()[0]  # rounded to the weight's dtype once
         out_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, out_w, out_b, None, None, None, None, None
+        return grad_h, out_w, out_b, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
     hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *, targets: Tensor, chunk_size: int,
     temperature: float = 1.0, final_logit_softcapping: float | None = None, stats: tuple = (),
-    ignore_index: int = -100,
+    ignore_index: int = -100, logit_maps: tuple = (),
 ) -> tuple[Tensor, Tensor]:
-    """Per-token log-probabilities of `targets` under `softcap(hidden @ weight.T + bias) / temperature`.
+    """Per-token log-probabilities of `targets` under `softcap(maps(hidden @ weight.T + bias)) / temperature`
+    (`logit_maps`: the model's scaling after its head, `integrations/logit_maps.py`).
 
     Shapes: `hidden` [B, S, Hd], `weight` [V, Hd] (may be tied to the input embedding), `bias`
     [V] or None, `targets` [B, S] (the pre-shifted labels; `ignore_index` positions are scored
@@ -166,5 +171,5 @@ def chunked_token_logprobs(
     flat = hidden.reshape(b * s, hidden.shape[-1])  # [B, S, Hd] -> [B·S, Hd]
     t = targets.reshape(-1).to(hidden.device).masked_fill(targets.reshape(-1) == ignore_index, 0)  # [B·S]
     logps, extra = _ChunkedTokenLogprobs.apply(flat, weight, bias, t.long(), chunk_size, float(temperature),
-                                               final_logit_softcapping, tuple(stats))
+                                               final_logit_softcapping, tuple(stats), tuple(logit_maps))
     return logps.view(b, s), extra.view(b, s, len(stats))  # [B·S] -> [B, S]; [B·S, k] -> [B, S, k]

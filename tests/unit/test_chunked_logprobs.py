@@ -8,8 +8,8 @@ equal the unchunked autograd's to bf16 GEMM blocking noise, and differ at bf16's
 the replay is removed). The integration: a patched tiny Llama on a one-process mesh under the
 memory presets, and a softcapped Gemma2, give the log-probs (with and without gradients: the
 frozen reference's forward) and parameter gradients of the unpatched model's full logits (fp32,
-1e-5 / 1e-4 relative); a model that rescales its logits
-otherwise (Cohere's logit_scale) is refused. The allocation check: a TorchDispatchMode records
+1e-5 / 1e-4 relative), Cohere's logit_scale included; a rescaling in a form
+`integrations/logit_maps.py` does not read is refused. The allocation check: a TorchDispatchMode records
 every op output with a vocabulary-wide dimension during GRPO's reference forward, policy
 forward and backward; none holds more rows than one chunk, and with one chunk (loss_chunks=1:
 the fault) the check sees [S_local, V] tensors.
@@ -110,7 +110,8 @@ def _shard(n: int = 320, seed: int = 0):
     return {"input_ids": ids, "labels": labels, "position_ids": pos}, shard_batch
 
 
-@pytest.mark.parametrize("family,memory", [("llama", "off"), ("llama", "max"), ("llama", "max+keep"), ("gemma2", "balanced")])
+@pytest.mark.parametrize("family,memory", [("llama", "off"), ("llama", "max"), ("llama", "max+keep"), ("gemma2", "balanced"),
+                                           ("cohere", "balanced")])
 def test_token_logprobs_match_the_full_logits(family, memory):
     from hf_longctx import patch, unpatch
     from hf_longctx.integrations.logprob_head import token_logprobs
@@ -146,13 +147,21 @@ def test_token_logprobs_match_the_full_logits(family, memory):
         assert err <= 1e-4, f"{n}: {err:.2e}"
 
 
-def test_logit_rescaling_is_refused():
+def test_a_logit_rescaling_in_an_unread_form_is_refused():
+    import transformers as tf
+
     from hf_longctx.errors import NotSupported
     from hf_longctx.integrations.logprob_head import check_logprob_head
 
     assert check_logprob_head(_tiny("gemma2")) == 2.0 and check_logprob_head(_tiny()) is None
-    with pytest.raises(NotSupported, match="logit_scale"):
-        check_logprob_head(_tiny("cohere"))
+    assert check_logprob_head(_tiny("cohere")) is None  # its logit_scale is read (and honoured: above)
+
+    class OddCohere(tf.CohereForCausalLM):
+        def forward(self, input_ids=None, **kwargs):  # the scaling in a form logit_maps does not read
+            return torch.mul(self.lm_head(self.model(input_ids=input_ids).last_hidden_state), self.logit_scale)
+
+    with pytest.raises(NotSupported, match="logit_scale=0.5"):
+        check_logprob_head(OddCohere(_tiny("cohere").config))
 
 
 class _VocabWide(TorchDispatchMode):

@@ -6,7 +6,8 @@ RecurrentGemma softcaps by `logits_soft_cap`; MiniCPM3 scales the hidden states 
 (nothing to map). A patched model with chunked loss (every memory preset but "off") equals the
 model patched with memory="off" (HF's loss on the whole logits) in its loss and gradients (fp32: loss 1e-6 relative, gradients 1e-5 of the largest,
 the chunked head's summation order), eager and fused; without the maps the losses are 1.7e-2
-(Cohere, logit_scale 3) and 2.8e-3 (Granite, logits_scaling 4) off. A scaling the forward writes in another form is refused naming the field.
+(Cohere, logit_scale 3) and 2.8e-3 (Granite, logits_scaling 4) off. A scaling the forward
+writes in another form is refused naming the field.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def check_dpo_trainer(model: Any, args: Any, mesh: Mesh, kwargs: dict[str, Any])
         if name in kwargs:
             refuse_dpo(f"{name} is not supported", "pairs are never split or truncated; use max_tokens with an SPMesh")
     check_patched(model, mesh)
-    check_logprob_head(model)  # the chunked LM head's log-probabilities honour softcap and temperature only
+    check_logprob_head(model)  # what the model does to its logits after the head is read (logit_maps)
     for name in ("peft_config", "quantization_config"):
         if kwargs.get(name) is not None:
             refuse_dpo(f"{name} is not supported ({name}={type(kwargs[name]).__name__})",
