@@ -152,38 +152,49 @@ class LayerSplit:
         return self.rope_forwards[forward]
 
     def rope(self, apply: Callable) -> Callable:
-        """`apply`, a RoPE function of (q, k, ...): in `post`, before the attention call, once
-        `learn` found its outputs without a gradient path to the layer's output, q and k come
-        back as given (placeholders) instead. Under torch.compile the Python function behind a
-        `kernels` hub wrapper runs (dynamo cannot follow the wrapper from a closure)."""
+        """`apply`, a RoPE function (HF's: (q, k, cos, sin) -> (q, k) rotated; CodeGen's: (x, sin,
+        cos) -> x): in `post`, before the attention call, once `learn` found its outputs without a
+        gradient path to the layer's output, its leading arguments come back as given
+        (placeholders), as many as it returns -- learnt only where each output has the shape of
+        the argument in its place. Under torch.compile the Python function behind a `kernels`
+        hub wrapper runs (dynamo cannot follow the wrapper from a closure)."""
         plain = plain_function(apply) or apply
 
-        def run(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             fn = plain if torch.compiler.is_compiling() else apply
             if self.mode != "replay" or self.replays:
-                return fn(q, k, *args, **kwargs)
-            if ROPE in self.skip:
-                return q, k
-            out = fn(q, k, *args, **kwargs)
-            self._record(ROPE, out if isinstance(out, tuple) else (out,))
+                return fn(*args, **kwargs)
+            skipped = self.skip.get(ROPE)
+            if skipped is not None:
+                return args[0] if skipped[1] == 0 else args[: skipped[1]]  # 0: one tensor, not a tuple
+            out = fn(*args, **kwargs)
+            outs = out if isinstance(out, tuple) else (out,)
+            if all(isinstance(o, torch.Tensor) and i < len(args) and isinstance(args[i], torch.Tensor)
+                   and o.shape == args[i].shape for i, o in enumerate(outs)):
+                self._record(ROPE, outs, arity=len(outs) if isinstance(out, tuple) else 0)
             return out
 
         return run
 
-    def _record(self, key: int | str, outputs: tuple) -> None:
-        """While `post` learns: (key, output's gradient edge, dtype, last size) of each output
-        with a graph -- its edge, not the tensor: nothing kept alive."""
+    def _record(self, key: int | str, outputs: tuple, arity: int | None = None) -> None:
+        """While `post` learns: (key, output's gradient edge, dtype, last size -- for RoPE its
+        arity) of each output with a graph -- its edge, not the tensor: nothing kept alive."""
         if self.recorded is None:
             return
         for out in outputs:
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                self.recorded.append((key, torch.autograd.graph.get_gradient_edge(out), out.dtype, out.shape[-1]))
+                size = out.shape[-1] if arity is None else arity
+                self.recorded.append((key, torch.autograd.graph.get_gradient_edge(out), out.dtype, size))
 
     def learn(self, layer: nn.Module, recorded: list, grads: list) -> None:
         """From one `post` run with gradients: the parts (`recorded`) none of whose outputs got a
-        gradient (`grads` None) are skipped in the layer's later `post` runs."""
+        gradient (`grads` None), and whose outputs agree in dtype and size, are skipped in the
+        layer's later `post` runs."""
         needed = {r[0] for r, g in zip(recorded, grads) if g is not None}
-        self.skippable[id(layer)] = {r[0]: (r[2], r[3]) for r in recorded if r[0] not in needed}
+        forms: dict = {}
+        for r in recorded:
+            forms.setdefault(r[0], set()).add((r[2], r[3]))
+        self.skippable[id(layer)] = {k: next(iter(f)) for k, f in forms.items() if k not in needed and len(f) == 1}
 
     # ---- entry point -----------------------------------------------------------------------------
     def call(self, layer: nn.Module, forward: Callable, first: bool, args: tuple, kwargs: dict, keep: bool = False) -> Any:

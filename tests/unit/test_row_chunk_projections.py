@@ -98,3 +98,19 @@ def test_post_skips_the_input_norm_projections_and_rope_of_llamas_form_and_stays
     assert rel_err(got[0], ref[0]) <= 1e-6
     bad = {i: rel_err(a, b) for i, (a, b) in enumerate(zip(got[1:], ref[1:])) if rel_err(a, b) > 1e-5}
     assert not bad, bad
+
+
+def test_a_rope_of_one_tensor_comes_back_as_one_tensor():
+    """CodeGen rotates q and k in two calls of `apply_rotary_pos_emb(x, sin, cos) -> x`: skipped in
+    `post`, each call returns its one argument (not a pair), and two steps stay exact."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    base = tf.CodeGenForCausalLM(tf.CodeGenConfig(vocab_size=56, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                                  n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ref, _, _ = _two_steps(copy.deepcopy(base), memory="off")
+    got, learnt, model = _two_steps(copy.deepcopy(base), checkpoint=True, mlp_chunks=4, loss_chunks="auto")
+    assert all("apply_rotary_pos_emb" in learnt[id(layer)] for layer in model.transformer.h), learnt
+    assert rel_err(got[0], ref[0]) <= 1e-6
+    bad = {i: rel_err(a, b) for i, (a, b) in enumerate(zip(got[1:], ref[1:])) if rel_err(a, b) > 1e-5}
+    assert not bad, bad
