@@ -71,7 +71,9 @@ def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int
     weight in place (``ops/grad_sums.py``). A ``forward`` with no module behind it runs under
     non-reentrant activation checkpointing per chunk. Uneven splits are fine (chunk lengths differ
     by at most one token); more chunks than tokens collapse to one token per chunk. Dropout is not
-    supported (see module docstring).
+    supported (see module docstring). A ``forward`` returning a tuple (a MoE MLP's hidden states
+    and router scores, GPT-OSS) is chunked on its first output and returns its other outputs
+    joined over the chunks, as the unchunked call does (`_joined`; no gradient flows into them).
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got chunks={chunks}")
@@ -81,7 +83,45 @@ def chunked_mlp(forward: Callable[[Tensor], Tensor], hidden: Tensor, chunks: int
     chunks = min(chunks, seq_len)
     if chunks <= 1:
         return forward(hidden)
-    owner = getattr(forward, "__self__", None)
+    parts: list = []  # the forward's chunks' further outputs (a MoE MLP's router scores: GPT-OSS)
+
+    def main(x: Tensor) -> Tensor:
+        out = forward(x)
+        if not isinstance(out, tuple):
+            return out
+        if len(parts) < chunks:  # the forward's calls come first; a backward's recomputes add nothing
+            parts.append(out[1:])
+        return out[0]
+
+    out = _chunked_main(main, getattr(forward, "__self__", None), hidden, chunks, params, slot)
+    if not parts:
+        return out
+    sizes = [p.shape[1] for p in torch.tensor_split(hidden, chunks, dim=1)]
+    return (out, *_joined(parts, hidden.shape[0], sizes))
+
+
+def _joined(parts: list, batch: int, sizes: list[int]) -> tuple:
+    """Each further output of an MLP's chunk calls, joined over the chunks as the unchunked call
+    returns it: [B, S_c, ...] along the tokens, [B·S_c, ...] (tokens flattened batch-major)
+    likewise; anything else (None) as the last chunk's. Raises naming an output not per token."""
+    joined = []
+    for k, group in enumerate(zip(*parts)):
+        if not all(isinstance(t, Tensor) for t in group):
+            joined.append(group[-1])
+        elif all(t.shape[:2] == (batch, n) for t, n in zip(group, sizes)):
+            joined.append(torch.cat(group, dim=1))  # chunks x [B, S_c, ...] -> [B, S, ...]
+        elif all(t.dim() >= 1 and t.shape[0] == batch * n for t, n in zip(group, sizes)):
+            rows = [t.reshape(batch, n, *t.shape[1:]) for t, n in zip(group, sizes)]  # [B·S_c, ...] -> [B, S_c, ...]
+            joined.append(torch.cat(rows, dim=1).reshape(batch * sum(sizes), *group[0].shape[1:]))  # -> [B·S, ...]
+        else:
+            raise ValueError(f"mlp_chunks: the MLP's output {k + 2} is {tuple(group[0].shape)} for a chunk of "
+                             f"{sizes[0]} tokens (batch {batch}), not per token; patch without mlp_chunks")
+    return tuple(joined)
+
+
+def _chunked_main(forward: Callable[[Tensor], Tensor], owner: Any, hidden: Tensor, chunks: int, params: list | None,
+                  slot: SumsSlot | None) -> Tensor:
+    """`chunked_mlp` of a `forward` that returns one tensor; `owner`: the module it is bound to."""
     if params is None and isinstance(owner, torch.nn.Module):
         params = [p for p in owner.parameters() if p.requires_grad]
     if params is not None:

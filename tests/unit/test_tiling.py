@@ -183,6 +183,71 @@ def test_chunked_mlp_rejects_bad_args() -> None:
         chunked_mlp(mlp.forward, torch.randn(4, HD), 2)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_chunked_mlp_of_a_moe_returning_router_scores(grad: bool) -> None:
+    """GPT-OSS's MLP returns (hidden [B, S, Hd], router scores [B·S, k]): the chunked MLP returns
+    both as the unchunked call does (the scores joined batch-major over uneven chunks), and the
+    hidden states' gradients equal the module's. An output not per token is refused."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    torch.manual_seed(0)
+    mlp = GptOssMLP(GptOssConfig(hidden_size=HD, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))
+    for p in mlp.parameters():  # the experts' weights are made uninitialised (the model's _init_weights fills them)
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 13, HD, requires_grad=True)
+    with torch.set_grad_enabled(grad):
+        want, want_scores = mlp(x)
+        got, scores = chunked_mlp(mlp.forward, x, 3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(scores, want_scores, rtol=0, atol=0)
+    assert scores.shape == (2 * 13, 2)  # top-2 of 4 experts per token
+    if grad:
+        g = torch.randn_like(want)
+        (dx_want,) = torch.autograd.grad(want, x, g)
+        (dx_got,) = torch.autograd.grad(got, x, g)
+        torch.testing.assert_close(dx_got, dx_want, rtol=1e-5, atol=1e-6)
+
+    def pooled(h):  # a second output of one row per batch: not per token
+        return h * 2, h.mean(1)
+
+    with pytest.raises(ValueError, match=r"output 2 is \(2, 32\)"):
+        chunked_mlp(pooled, torch.randn(2, 13, HD), 3, params=[])
+
+
+def test_gpt_oss_under_balanced_knobs_equals_memory_off() -> None:
+    """A GPT-OSS user's path with memory="balanced"'s knobs (chunked MLP returning router
+    scores, chunked loss; 3 MLP chunks, where "auto" takes one chunk at this length): loss and
+    every gradient equal memory="off" (fp32, one process)."""
+    import copy
+
+    import transformers as tf
+
+    from hf_longctx import init_sequence_parallel, patch, unpatch
+    from hf_longctx.data.sharding import shard_batch
+
+    torch.manual_seed(0)
+    base = tf.GptOssForCausalLM(tf.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8))
+    ids = torch.randint(1, 64, (1, 60), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.cat([torch.arange(35), torch.arange(25)])[None]}
+    out = []
+    for options in ({"memory": "off"}, {"mlp_chunks": 3, "loss_chunks": "auto"}):  # "balanced"'s knobs, 3 chunks
+        model = copy.deepcopy(base).train()
+        mesh = init_sequence_parallel(1, 1)
+        patch(model, mesh, **options)
+        loss = model(**shard_batch(batch, mesh)).loss
+        loss.backward()
+        unpatch(model)
+        out.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (ref, ref_grads), (loss, grads) = out
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+    top = max(float(g.abs().max()) for g in ref_grads if g is not None)
+    for a, b in zip(grads, ref_grads):
+        assert (a is None) == (b is None) and (a is None or float((a - b).abs().max()) <= 1e-5 * top)
+
+
 # --------------------------------------------------------------------------- chunked LM head loss
 
 
