@@ -51,6 +51,18 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelDims":
+        """The sizes of `config` (its text config); ValueError where one size does not hold for
+        every layer (transformers' per-layer attributes: Gemma 4's head_dim), as for any config
+        these sizes cannot be read from."""
+        try:
+            return cls._read(config)
+        except RuntimeError as e:  # transformers' AmbiguousGlobalPerLayerAttributeError (a RuntimeError)
+            if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+                raise
+            raise ValueError(f"{type(config).__name__}: {e}") from e
+
+    @classmethod
+    def _read(cls, config: Any) -> "ModelDims":
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         h = int(_attr(config, ("hidden_size", "n_embd", "d_model")))
         layers = int(_attr(config, ("num_hidden_layers", "n_layer", "num_layers")))
