@@ -64,6 +64,7 @@ class LayerSplit:
         self.warned: set[str] = set()
         self.runs = {"chunked": 0, "whole": 0}  # layer calls per path (tests and benchmarks read them)
         self.no_grad_runs = 0  # row-chunked layer calls without gradients (call_no_grad)
+        self.extra: tuple | None = None  # what `post`'s layer returned after its hidden states (Bamba: (h, None))
 
     # ---- the attention's side (integrations/attention_route.AttentionRoute) ---------------------
     def answer(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
@@ -122,7 +123,10 @@ class LayerSplit:
             self.mode, self.output, self.skip, self.recorded = None, None, {}, None
         if self.replays != 1:
             raise RuntimeError("memory='max': a decoder layer returned without calling its attention")
-        return out[0] if isinstance(out, tuple) else out
+        if isinstance(out, tuple):
+            self.extra = out[1:]
+            return out[0]
+        return out
 
     def before_attention(self, module: nn.Module, forward: Callable) -> Callable:
         """A forward for `module`, a token-wise part of a decoder layer (a projection, a norm): in
@@ -216,24 +220,39 @@ class LayerSplit:
         params = list(dict.fromkeys(p for p in layer.parameters() if p.requires_grad))
         run = LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, params, streams, keep)
         run.chunks = mlp_chunks_at(self.chunks, h.shape[1], self.auto)  # row chunks of the token-wise parts
+        self.extra = None
         out = ChunkedLayer.apply(run, h, *params)
         self.state.calls += 1  # one attention call per layer, as the probe counted
-        return out
+        return self._as_returned(layer, out)
 
     def call_no_grad(self, layer: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
         """A decoder layer's forward without gradients (a frozen reference, evaluation): the same
         row chunks and FPDT loop as `call`, nothing parked or saved; a layer that cannot be cut
-        runs whole. Its output as the layer returns it (a tensor)."""
+        runs whole. Its output as the layer returns it (`_as_returned`)."""
         generation = self.state.generation
         if (generation is not None and generation.decoding) or _uncut(layer, args, kwargs):
             return forward(*args, **kwargs)  # a decode step's few rows run whole
         h, rest = args[0], args[1:]
         run = LayerRun(self, layer, lambda rows, **kw: forward(rows, *rest, **kw), kwargs, [], default_streams())
         run.chunks = mlp_chunks_at(self.chunks, h.shape[1], self.auto)
+        self.extra = None
         out = run.run_forward(h, first=True, save=False)
         self.state.calls += 1
         self.no_grad_runs += 1
-        return out
+        return self._as_returned(layer, out)
+
+    def _as_returned(self, layer: nn.Module, out: torch.Tensor) -> Any:
+        """`out` in the form the layer returns: a tuple where it returns one (Bamba's (hidden
+        states, attention weights)), its further entries those of the last chunk's run; refused
+        where one is a tensor (it would be the last chunk's alone)."""
+        extra, self.extra = self.extra, None
+        if extra is None:
+            return out
+        if any(isinstance(e, torch.Tensor) for e in extra):
+            raise RuntimeError(f"memory='max': {type(layer).__name__} returns tensors after its hidden states "
+                               f"({[type(e).__name__ for e in extra]}), which row chunks cannot join; patch with "
+                               "checkpoint='attention'")
+        return (out, *extra)
 
 
 class ChunkedLayer(torch.autograd.Function):
