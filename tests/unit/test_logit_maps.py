@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers as tf
 
+from tests.helpers.patched_steps import patched_steps
 from tests.helpers.reference import rel_err
 
 torch.set_num_threads(1)
@@ -68,20 +69,8 @@ def test_a_scaling_in_another_form_is_refused_naming_it():
 
 
 def _loss_and_grads(model, **options):
-    from hf_longctx import init_sequence_parallel
-    from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.model_patch import patch, unpatch
-
-    mesh = init_sequence_parallel(1, 1)
-    patch(model, mesh, **options)
-    model.train()
-    ids = torch.randint(1, 64, (1, 90), generator=torch.Generator().manual_seed(1))
-    pos = torch.cat([torch.arange(50), torch.arange(40)])[None]  # two documents
-    loss = model(**shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": pos}, mesh)).loss
-    loss.backward()
-    unpatch(model)
-    return loss.detach(), [p.grad for p in model.parameters()]
-
+    loss, grads, _, _ = patched_steps(model, steps=1, **options)
+    return loss, grads
 
 @pytest.mark.parametrize("build,fused", [(_cohere, False), (_granite, False), (_cohere, True)],
                          ids=["cohere", "granite", "cohere-fused"])

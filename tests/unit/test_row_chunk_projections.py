@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from benchmarks.row_chunks import projection_gemms
+from tests.helpers.patched_steps import patched_steps
 from tests.helpers.reference import rel_err
 
 torch.set_num_threads(1)
@@ -43,25 +44,8 @@ def _qwen35():
 
 
 def _two_steps(model, **options):
-    from hf_longctx import init_sequence_parallel
-    from hf_longctx.data.sharding import shard_batch
-    from hf_longctx.integrations.model_patch import patch, patch_state, unpatch
-
-    mesh = init_sequence_parallel(1, 1)
-    patch(model, mesh, **options)
-    model.train()
-    ids = torch.randint(0, 56, (1, 90), generator=torch.Generator().manual_seed(1))
-    pos = torch.cat([torch.arange(50), torch.arange(40)])[None]  # two documents
-    shard = shard_batch({"input_ids": ids, "labels": ids.clone(), "position_ids": pos}, mesh)
-    for _ in range(2):  # the second step's post runs use what the first backward learnt
-        model.zero_grad(set_to_none=True)
-        loss = model(**shard).loss
-        loss.backward()
-    split = patch_state(model).split
-    learnt = dict(split.skippable) if split is not None else {}
-    unpatch(model)
-    return [loss.detach()] + [p.grad for p in model.parameters()], learnt, model
-
+    loss, grads, learnt, model = patched_steps(model, **options)
+    return [loss] + grads, learnt, model
 
 def test_a_gated_attention_keeps_its_query_projection_and_stays_exact():
     base = _qwen35()
