@@ -8,7 +8,8 @@ row-chunked layers) and with "high"'s (checkpoint="attention", the same chunks),
 the same model patched with memory="off" over two steps (`tests/helpers/patched_steps.py`: the
 second step runs with what the first backward learnt). Verdicts: ok (loss within 1e-6 relative,
 every gradient within 1e-5 of the largest), WRONG, REFUSED (patch or the step raised: its first
-line), TIMEOUT; SKIP when memory="off" itself cannot run (patch refused the model).
+line), TIMEOUT; SKIP when memory="off" itself cannot run (patch refused the model), RANDOM when two
+memory="off" runs differ (a model random in training mode: nothing to hold the options against).
 
     PYTHONPATH=. python benchmarks/memory_zoo.py                  (every type: ~10 min on 2 cores)
     PYTHONPATH=. python benchmarks/memory_zoo.py cohere gpt_oss   (a subset)
@@ -53,6 +54,9 @@ def verdicts(model_type: str) -> dict:
         ref = patched_steps(copy.deepcopy(base), memory="off")
     except (Exception, _Timeout) as e:  # noqa: BLE001
         return {"off": f"SKIP ({_first_line(e)})"}
+    again = worst_errors(patched_steps(copy.deepcopy(base), memory="off"), ref)
+    if again[0] > 1e-8 or again[1] > 1e-7:  # random in training mode (PhiMoE samples its experts' jitter)
+        return {"off": f"RANDOM (two memory='off' runs differ: loss {again[0]:.1e}, grad {again[1]:.1e})"}
     row = {"off": ""}
     for name, knobs in KNOBS.items():
         try:
