@@ -17,6 +17,7 @@ import torch
 import transformers as tf
 
 from benchmarks.zoo_configs import tiny_config
+from hf_longctx.errors import NotSupported
 from tests.helpers.patched_steps import patched_steps, worst_errors
 
 FAMILIES = ["llama", "gemma2", "gemma3_text", "qwen3", "phi3", "olmo2", "cohere2", "granite", "gpt2", "gptj"]
@@ -27,7 +28,11 @@ def test_max_knobs_equal_memory_off(family):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = tf.AutoModelForCausalLM.from_config(tiny_config(tf.CONFIG_MAPPING[family]), dtype=torch.float32)
+    try:
+        ref = patched_steps(copy.deepcopy(base), memory="off")
+    except NotSupported as e:  # an older transformers' family outside AttentionInterface (GPT-J before 5.2x)
+        pytest.skip(f"patch() refuses {family} with this transformers: {str(e).splitlines()[0][:120]}")
     got = patched_steps(copy.deepcopy(base), checkpoint=True, mlp_chunks=4, loss_chunks="auto")
-    loss_err, grad_err = worst_errors(got, patched_steps(copy.deepcopy(base), memory="off"))
+    loss_err, grad_err = worst_errors(got, ref)
     assert loss_err <= 1e-6 and grad_err <= 1e-5, (loss_err, grad_err)
     assert got[2], f"no layer of {family} took the row-chunked path"

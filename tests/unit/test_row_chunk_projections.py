@@ -92,7 +92,12 @@ def test_a_rope_of_one_tensor_comes_back_as_one_tensor():
     torch.manual_seed(0)
     base = tf.CodeGenForCausalLM(tf.CodeGenConfig(vocab_size=56, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                                   n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    ref, _, _ = _two_steps(copy.deepcopy(base), memory="off")
+    from hf_longctx.errors import NotSupported
+
+    try:
+        ref, _, _ = _two_steps(copy.deepcopy(base), memory="off")
+    except NotSupported as e:  # transformers before CodeGen called AttentionInterface
+        pytest.skip(f"patch() refuses CodeGen with this transformers: {str(e).splitlines()[0][:120]}")
     got, learnt, model = _two_steps(copy.deepcopy(base), checkpoint=True, mlp_chunks=4, loss_chunks="auto")
     assert all("apply_rotary_pos_emb" in learnt[id(layer)] for layer in model.transformer.h), learnt
     assert rel_err(got[0], ref[0]) <= 1e-6
