@@ -8,6 +8,9 @@ multiply by a multiplier; a chunked loss that left them out would train on other
 forward's source is read for statements `logits = <logits or self.lm_head(...)> <* or />
 <self.attribute chain>`, and each chain is read off the model (Gemma 2's softcap, the chain
 ending in `final_logit_softcapping`, is the loss's own argument). A map of value 1 is left out.
+`check_plain_head` refuses a head that computes more than `x @ weight.T + bias` (its own forward,
+or parameters beyond weight and bias: Dory's learnt per-token scale), which a chunked head would
+drop with its gradient.
 Guarantees: the maps in the forward's order, each the op HF runs in the logits' dtype; a config
 field by which transformers' models rescale logits, set to a non-neutral value and named on a
 line of the forward about the logits or the head but in no statement of that form (or a forward
@@ -20,6 +23,8 @@ import inspect
 import re
 from numbers import Real
 from typing import Any
+
+from torch import nn
 
 from hf_longctx.model_walk import hf_model
 
@@ -42,6 +47,22 @@ def _read(model: Any, chain: str) -> Any:
     for name in chain.split(".")[1:]:  # "self.config.logits_scaling" -> config, logits_scaling
         value = getattr(value, name)
     return value
+
+
+def check_plain_head(model: Any) -> None:
+    """Raise ValueError naming the head unless `model`'s LM head computes `x @ weight.T + bias`
+    alone (an `nn.Linear`'s own forward, no other parameter): a chunked head computes exactly
+    that (Dory's head, a Linear scaling its logits by a learnt per-token parameter, is not)."""
+    hf = hf_model(model)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        return  # no head module to chunk: the callers' own checks name it
+    forward = getattr(type(head), "forward", None)
+    others = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
+    if forward is not nn.Linear.forward or others:
+        raise ValueError(f"{type(hf).__name__}'s LM head {type(head).__name__} computes more than a linear layer "
+                         f"(its own forward{', parameters ' + str(others) if others else ''}); the chunked head "
+                         "computes x @ weight.T + bias alone; patch without loss_chunks (HF's loss on the whole logits)")
 
 
 def logit_softcap(model: Any) -> float | None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.integrations.logit_maps import logit_maps, logit_softcap
+from hf_longctx.integrations.logit_maps import check_plain_head, logit_maps, logit_softcap
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.model_walk import hf_model
 from hf_longctx.ops.chunked_logprobs import chunked_token_logprobs
@@ -40,6 +40,7 @@ def check_logprob_head(model: Any) -> float | None:
         raise NotSupported(f"per-token log-probabilities need a linear LM head; {type(hf).__name__}."
                            f"get_output_embeddings() is {type(head).__name__}", "use a causal LM with a linear LM head")
     try:
+        check_plain_head(hf)
         logit_maps(hf)
     except ValueError as e:
         raise NotSupported(str(e).split("; patch without")[0], "use a model without this logit transform") from None

@@ -23,7 +23,7 @@ from hf_longctx.config import PatchOptions
 from hf_longctx.distributed.mesh import SPMesh
 from hf_longctx.model_walk import MLP_NAMES, decoder_layers, layer_mlp, mlp_attr
 from hf_longctx.integrations.checkpointing import keeps_input, patch_checkpointing
-from hf_longctx.integrations.logit_maps import logit_maps, logit_softcap
+from hf_longctx.integrations.logit_maps import check_plain_head, logit_maps, logit_softcap
 from hf_longctx.integrations.rebind import ROPE, forward_reading
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.integrations.checkpoint_attention import AttentionKeeper
@@ -278,6 +278,8 @@ def apply_memory_options(
     layers = len(decoder_layers(model))
     if inputs_on_device > layers:
         raise ValueError(f"inputs_on_device must be at most the model's {layers} decoder layers, got {inputs_on_device}")
+    if loss_chunks is not None:
+        check_plain_head(model)  # the chunked head computes x @ W.T + b alone (Dory's learnt scale is refused)
     maps = logit_maps(model) if loss_chunks is not None else ()  # the scaling after its head (Cohere, Granite)
     auto = mlp_chunks == "auto"
     if auto:

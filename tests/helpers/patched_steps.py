@@ -32,9 +32,12 @@ def patched_steps(model, steps: int = 2, tokens: tuple = (50, 40), **options) ->
 
 
 def worst_errors(got: tuple, ref: tuple) -> tuple[float, float]:
-    """(relative loss error, largest gradient error over the largest reference gradient)."""
+    """(relative loss error, largest gradient error over the largest reference gradient; inf
+    where a parameter has a gradient in one run and none in the other)."""
     loss, grads = got[0], got[1]
     ref_loss, ref_grads = ref[0], ref[1]
+    if any((a is None) != (b is None) for a, b in zip(grads, ref_grads)):
+        return float((loss - ref_loss).abs() / ref_loss.abs().clamp_min(1e-30)), float("inf")
     top = max(float(g.abs().max()) for g in ref_grads if g is not None) or 1e-30
     grad = max((float((a - b).abs().max()) / top for a, b in zip(grads, ref_grads) if b is not None), default=0.0)
     return float((loss - ref_loss).abs() / ref_loss.abs().clamp_min(1e-30)), grad

@@ -84,3 +84,28 @@ def test_the_chunked_loss_equals_the_models_loss_with_its_scaling(build, fused):
     bad = {i: float((a - b).abs().max() / top) for i, (a, b) in enumerate(zip(grads, ref_grads))
            if a is not None and float((a - b).abs().max() / top) > 1e-5}
     assert not bad, bad
+
+
+class _ScaledHead(torch.nn.Linear):
+    """A head as Dory's: a Linear scaling its logits by a learnt per-token parameter."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__(hidden, vocab, bias=False)
+        self.logit_scale = torch.nn.Parameter(torch.ones(vocab))
+
+    def forward(self, x):
+        return super().forward(x) * self.logit_scale
+
+
+def test_a_head_computing_more_than_a_linear_layer_is_refused():
+    """The chunked loss and log-probabilities compute x @ W.T + b: a head of its own forward
+    and parameters (Dory's) would lose both, and the parameter its gradient."""
+    from hf_longctx.errors import NotSupported
+    from hf_longctx.integrations.logprob_head import check_logprob_head
+
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SIZES))
+    model.lm_head = _ScaledHead(32, 64)
+    with pytest.raises(ValueError, match=r"_ScaledHead computes more than a linear layer .*'logit_scale'"):
+        _loss_and_grads(model, loss_chunks=3)
+    with pytest.raises(NotSupported, match="_ScaledHead"):
+        check_logprob_head(model)
