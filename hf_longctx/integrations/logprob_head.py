@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hf_longctx.errors import NotSupported
-from hf_longctx.integrations.logit_maps import check_plain_head, logit_maps, logit_softcap
+from hf_longctx.integrations.logit_maps import LogitMapError, check_plain_head, logit_maps, logit_softcap
 from hf_longctx.integrations.undo import set_instance_attr
 from hf_longctx.model_walk import hf_model
 from hf_longctx.ops.chunked_logprobs import chunked_token_logprobs
@@ -42,8 +42,8 @@ def check_logprob_head(model: Any) -> float | None:
     try:
         check_plain_head(hf)
         logit_maps(hf)
-    except ValueError as e:
-        raise NotSupported(str(e).split("; patch without")[0], "use a model without this logit transform") from None
+    except LogitMapError as e:
+        raise NotSupported(e.what, "use a model without this logit transform") from None
     if isinstance(getattr(hf, "final_logits_bias", None), torch.Tensor):
         raise NotSupported(f"{type(hf).__name__} adds a final_logits_bias buffer to its logits after the LM head; "
                            "the chunked log-probabilities do not", "use a model without it")

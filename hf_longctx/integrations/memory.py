@@ -4,9 +4,10 @@ Where it sits: `patch()` calls `apply_memory_options` when any memory option is 
 the returned undo in `unpatch()`. The part of FPDT (§3.5, "OC.") outside attention: every
 decoder layer's MLP, norms and the final norm run in token chunks (`ops/tiling.py`); with
 labels the loss comes from `chunked_causal_lm_loss` on the last hidden state (softcap, the
-model's logit scaling (`integrations/logit_maps.py`) and `num_items_in_batch` honoured) and `logits` is None; `checkpoint=True | "attention"` turns
-on `checkpointing.py` / `checkpoint_attention.py`, and with chunked MLPs `layer_split.py`;
-`kv_offload` goes to `fpdt_attention(offload=...)`; host offload installs `host_budget.py`.
+model's logit scaling (`integrations/logit_maps.py`) and `num_items_in_batch` honoured) and
+`logits` is None; `checkpoint=True | "attention"` turns on `checkpointing.py` /
+`checkpoint_attention.py`, and with chunked MLPs `layer_split.py`; `kv_offload` goes to
+`fpdt_attention(offload=...)`; host offload installs `host_budget.py`.
 Guarantee: every change is an instance attribute, so no module is wrapped, state_dict keys
 stay the same, and the undo restores the exact previous attributes."""
 
@@ -278,9 +279,10 @@ def apply_memory_options(
     layers = len(decoder_layers(model))
     if inputs_on_device > layers:
         raise ValueError(f"inputs_on_device must be at most the model's {layers} decoder layers, got {inputs_on_device}")
-    if loss_chunks is not None:
-        check_plain_head(model)  # the chunked head computes x @ W.T + b alone (Dory's learnt scale is refused)
-    maps = logit_maps(model) if loss_chunks is not None else ()  # the scaling after its head (Cohere, Granite)
+    maps = ()
+    if loss_chunks is not None:  # the chunked head: x @ W.T + b (Dory's learnt scale refused), then the model's
+        check_plain_head(model)  # scaling after its head (Cohere, Granite)
+        maps = logit_maps(model)
     auto = mlp_chunks == "auto"
     if auto:
         mlp_chunks = default_mlp_chunks(mesh.fpdt_chunks, *_mlp_sizes(model))
