@@ -251,9 +251,12 @@ def test_gpt_oss_under_balanced_knobs_equals_memory_off() -> None:
 # --------------------------------------------------------------------------- chunked LM head loss
 
 
-def _reference_loss(hidden, weight, bias, labels, num_items, softcap):
-    """The HF path: full logits from lm_head, Gemma2 softcap in the model dtype, ForCausalLMLoss."""
+def _reference_loss(hidden, weight, bias, labels, num_items, softcap, maps=()):
+    """The HF path: full logits from lm_head, the model's scaling (Cohere's `logits * scale`,
+    Granite's `logits / scaling`) and Gemma2 softcap in the model dtype, ForCausalLMLoss."""
     logits = F.linear(hidden, weight, bias)  # [B, S, V]
+    for op, value in maps:
+        logits = logits * value if op == "*" else logits / value
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return ForCausalLMLoss(
@@ -302,8 +305,9 @@ def test_chunked_loss_matches_for_causal_lm_loss(dtype, num_items, softcap, with
         torch.testing.assert_close(g, rg)
 
 
+@pytest.mark.parametrize("maps", [(), (("*", 3.0),), (("/", 4.0),)], ids=["plain", "times-3", "over-4"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_chunked_loss_bf16_and_autocast(autocast: bool) -> None:
+def test_chunked_loss_bf16_and_autocast(autocast: bool, maps: tuple) -> None:
     torch.manual_seed(9)
     b, s, hd, vocab = 2, 33, 16, 64
     dtype = torch.float32 if autocast else torch.bfloat16  # autocast: fp32 master weights, bf16 GEMMs
@@ -312,9 +316,9 @@ def test_chunked_loss_bf16_and_autocast(autocast: bool) -> None:
     bias = torch.randn(vocab, dtype=dtype, requires_grad=True)
     labels = _labels(b, s, vocab, seed=10)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        ref = _reference_loss(hidden, weight, bias, labels, 20, 2.0)
+        ref = _reference_loss(hidden, weight, bias, labels, 20, 2.0, maps)
         loss = chunked_causal_lm_loss(hidden, weight, bias, shift_labels=labels, num_items_in_batch=20,
-                                      chunk_size=5, final_logit_softcapping=2.0)
+                                      chunk_size=5, final_logit_softcapping=2.0, logit_maps=maps)
     ref_grads = _grads(ref, [hidden, weight, bias])
     grads = _grads(loss, [hidden, weight, bias])
     assert loss.dtype == torch.float32 and all(g.dtype == dtype for g in grads)
